@@ -1,0 +1,246 @@
+"""The one record that flows decoder -> Redis -> trainer: ``VerifiedSample``.
+
+Defined once here, with explicit encode/decode and a schema version. The decoder builds a
+``VerifiedSample`` per decoded request (or per chunk of a long one); the trainer distils the
+target distributions it carries into the draft.
+
+Encoding: a Redis stream entry is a flat field map. We keep a few small routing fields in the
+clear (``v`` schema version, ``rid`` record id, ``w`` workload, ``fp`` model-pair fingerprint) so a
+reader can dead-letter an entry without decoding the body, and one ``body`` field holding a
+msgpack map whose array fields are raw little-endian numpy bytes with dtype and shape.
+
+Array dtypes (chosen for size; see ``bench/store_bench.py`` for bytes per record):
+
+- token ids: ``int32`` (Gemma 3's vocabulary is 262k, beyond int16/uint16);
+- top-k probabilities: ``float16`` (their rounding error, <= 2^-11 relative, is far below the
+  noise of one distillation step); the tail mass is computed in float32 before rounding and
+  stored as ``float32`` so the teacher distribution still sums to 1 within 1e-3;
+- per-step lengths and rejection positions: ``int16``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+# Field names of the stream entry (bytes, as redis-py returns them with decode_responses=False).
+F_VERSION = b"v"
+F_RECORD_ID = b"rid"
+F_WORKLOAD = b"w"
+F_FINGERPRINT = b"fp"
+F_BODY = b"body"
+
+
+class SchemaError(ValueError):
+    """A stream entry cannot be decoded into a ``VerifiedSample``; ``reason`` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class PairFingerprint:
+    """Identifies the (target, draft, tokenizer) pair that produced a record.
+
+    A trainer refuses records whose fingerprint differs from its own pair: distilling one
+    target's distributions into another pair's draft would be wrong, silently.
+    """
+
+    target: str
+    draft: str
+    tokenizer_hash: str
+
+    def key(self) -> str:
+        """Short stable string: sha256 of the three names, first 16 hex chars."""
+        h = hashlib.sha256(f"{self.target}\0{self.draft}\0{self.tokenizer_hash}".encode()).hexdigest()
+        return h[:16]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Sampling policy of the request. ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass
+class VerifiedSample:
+    """One target-verified request (or chunk), with the target's top-k distributions.
+
+    Shapes (N = emitted tokens, S = verification steps, k = top-k width, P = prompt tokens):
+
+    - ``prompt_ids``: (P,) int32
+    - ``output_ids``: (N,) int32, the emitted tokens (accepted draft tokens, corrections, bonus)
+    - ``proposal_lens``: (S,) int16, γ used at each step (0 = a plain decoding step)
+    - ``rejection_pos``: (S,) int16, index in 0..γ-1 of the first rejected proposal, -1 if all
+      proposals were accepted. Accepted prefix length = rejection_pos if >= 0 else proposal_len.
+    - ``topk_ids``: (N, k) int32, the target's k most probable tokens at each emitted position:
+      row j is the target's distribution for output position j, i.e. p(. | prompt, output[:j]),
+      which the draft's logits at sequence index P - 1 + j are distilled towards
+    - ``topk_probs``: (N, k) float16, their probabilities under the target at temperature 1
+      (the model's own distribution p, before the request's sampling transforms)
+    - ``tail_mass``: (N,) float32, 1 - sum of the top-k probabilities (the "other" bucket)
+
+    ``adapter_version`` is the draft adapter that proposed the tokens (0 = the base draft).
+    """
+
+    request_id: str
+    workload: str
+    adapter_version: int
+    pair: PairFingerprint
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    proposal_lens: np.ndarray
+    rejection_pos: np.ndarray
+    topk_ids: np.ndarray
+    topk_probs: np.ndarray
+    tail_mass: np.ndarray
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    started_at: float = field(default_factory=time.time)
+    finished_at: float = field(default_factory=time.time)
+    record_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.ascontiguousarray(self.prompt_ids, dtype=np.int32).reshape(-1)
+        self.output_ids = np.ascontiguousarray(self.output_ids, dtype=np.int32).reshape(-1)
+        self.proposal_lens = np.ascontiguousarray(self.proposal_lens, dtype=np.int16).reshape(-1)
+        self.rejection_pos = np.ascontiguousarray(self.rejection_pos, dtype=np.int16).reshape(-1)
+        n = self.output_ids.shape[0]
+        self.topk_ids = np.ascontiguousarray(self.topk_ids, dtype=np.int32).reshape(n, -1)
+        self.topk_probs = np.ascontiguousarray(self.topk_probs, dtype=np.float16).reshape(n, -1)
+        self.tail_mass = np.ascontiguousarray(self.tail_mass, dtype=np.float32).reshape(-1)
+        if self.topk_ids.shape != self.topk_probs.shape:
+            raise SchemaError(
+                f"topk_ids shape {self.topk_ids.shape} != topk_probs shape {self.topk_probs.shape}"
+            )
+        if self.tail_mass.shape[0] != n:
+            raise SchemaError(f"tail_mass has {self.tail_mass.shape[0]} rows, expected {n}")
+        if self.proposal_lens.shape != self.rejection_pos.shape:
+            raise SchemaError(
+                f"proposal_lens shape {self.proposal_lens.shape} != rejection_pos shape "
+                f"{self.rejection_pos.shape}"
+            )
+
+    @property
+    def accepted_lens(self) -> np.ndarray:
+        """(S,) int: accepted prefix length per step (derived from rejection_pos)."""
+        return np.where(self.rejection_pos >= 0, self.rejection_pos, self.proposal_lens).astype(np.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.output_ids.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, VerifiedSample):
+            return NotImplemented
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, np.ndarray):
+                if a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(a, b):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+
+_ARRAYS = ("prompt_ids", "output_ids", "proposal_lens", "rejection_pos", "topk_ids", "topk_probs", "tail_mass")
+
+
+def _pack_array(a: np.ndarray) -> list:
+    a = np.ascontiguousarray(a)
+    return [a.dtype.str, list(a.shape), a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()]
+
+
+def _unpack_array(v: list, name: str) -> np.ndarray:
+    try:
+        dtype, shape, raw = v
+        arr = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+    except Exception as e:  # noqa: BLE001 - any malformed field is one reason
+        raise SchemaError(f"field {name!r} is not a packed array: {e}") from e
+    return arr.astype(arr.dtype.newbyteorder("="), copy=True)
+
+
+def encode(sample: VerifiedSample) -> dict[bytes, bytes]:
+    """Encode a sample into a Redis stream field map (bytes -> bytes)."""
+    body = {
+        "request_id": sample.request_id,
+        "adapter_version": int(sample.adapter_version),
+        "pair": [sample.pair.target, sample.pair.draft, sample.pair.tokenizer_hash],
+        "sampling": [
+            float(sample.sampling.temperature),
+            float(sample.sampling.top_p),
+            int(sample.sampling.top_k),
+            sample.sampling.seed,
+        ],
+        "started_at": float(sample.started_at),
+        "finished_at": float(sample.finished_at),
+    }
+    for name in _ARRAYS:
+        body[name] = _pack_array(getattr(sample, name))
+    return {
+        F_VERSION: str(sample.schema_version).encode(),
+        F_RECORD_ID: sample.record_id.encode(),
+        F_WORKLOAD: sample.workload.encode("utf-8"),
+        F_FINGERPRINT: sample.pair.key().encode(),
+        F_BODY: msgpack.packb(body, use_bin_type=True),
+    }
+
+
+def decode(fields: dict[bytes, bytes]) -> VerifiedSample:
+    """Decode a stream field map produced by :func:`encode`.
+
+    Raises:
+        SchemaError: unknown schema version, missing field, or undecodable body; ``reason``
+            names the field and the problem (the caller dead-letters the entry).
+    """
+    fields = {(k.encode() if isinstance(k, str) else k): v for k, v in fields.items()}
+    for f in (F_VERSION, F_RECORD_ID, F_WORKLOAD, F_BODY):
+        if f not in fields:
+            raise SchemaError(f"missing field {f.decode()!r}")
+    try:
+        version = int(fields[F_VERSION])
+    except ValueError as e:
+        raise SchemaError(f"schema version {fields[F_VERSION]!r} is not an integer") from e
+    if version != SCHEMA_VERSION:
+        raise SchemaError(f"unknown schema version {version} (this build reads {SCHEMA_VERSION})")
+    try:
+        body = msgpack.unpackb(fields[F_BODY], raw=False)
+        workload = fields[F_WORKLOAD].decode("utf-8")
+        record_id = fields[F_RECORD_ID].decode("ascii")
+    except Exception as e:  # noqa: BLE001
+        raise SchemaError(f"body is not decodable: {e}") from e
+    if not isinstance(body, dict):
+        raise SchemaError(f"body is a {type(body).__name__}, expected a map")
+    try:
+        arrays = {name: _unpack_array(body[name], name) for name in _ARRAYS}
+        t, p, k, seed = body["sampling"]
+        sample = VerifiedSample(
+            request_id=body["request_id"],
+            workload=workload,
+            adapter_version=int(body["adapter_version"]),
+            pair=PairFingerprint(*body["pair"]),
+            sampling=SamplingSettings(temperature=t, top_p=p, top_k=k, seed=seed),
+            started_at=body["started_at"],
+            finished_at=body["finished_at"],
+            record_id=record_id,
+            schema_version=version,
+            **arrays,
+        )
+    except SchemaError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise SchemaError(f"body field missing or malformed: {type(e).__name__}: {e}") from e
+    return sample
