@@ -1,0 +1,153 @@
+"""Losses against hand-computed values on small distributions with the tail bucket."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer import losses as L
+
+# One position, V = 4. Draft q over the vocabulary = (0.5, 0.125, 0.125, 0.25).
+# Target top-2 = ids (2, 0) with p = (0.5, 0.25), tail 0.25.
+# Buckets: p_b = (0.5, 0.25, 0.25); q_b = (q[2], q[0], q[1] + q[3]) = (0.125, 0.5, 0.375).
+Q_VOCAB = torch.tensor([[0.5, 0.125, 0.125, 0.25]])
+IDS = torch.tensor([[2, 0]])
+P_TOP = torch.tensor([[0.5, 0.25]], dtype=torch.float16)
+P_TAIL = torch.tensor([0.25])
+PB = [0.5, 0.25, 0.25]
+QB = [0.125, 0.5, 0.375]
+
+
+def _buckets():
+    p = L.teacher_buckets(P_TOP, P_TAIL)
+    logq = L.student_bucket_logprobs(Q_VOCAB.log(), IDS)
+    return p, logq
+
+
+def test_buckets():
+    p, logq = _buckets()
+    assert p.tolist() == [PB]
+    assert torch.allclose(logq.exp(), torch.tensor([QB]))
+
+
+def test_teacher_buckets_renormalise_float16_rounding():
+    p = L.teacher_buckets(torch.tensor([[0.6001, 0.3]], dtype=torch.float16), torch.tensor([0.1005]))
+    assert abs(p.sum().item() - 1.0) < 1e-6
+
+
+def test_tail_bucket_is_stable_when_topk_hold_almost_all_mass():
+    # q = (1 - 3e-12, 1e-12, 1e-12, 1e-12): log(1 - sum exp(gathered)) would give log(0) in float32.
+    logits = torch.tensor([[0.0, -27.631, -27.631, -27.631]])  # exp(-27.631) ~ 1e-12
+    logq = torch.log_softmax(logits, -1)
+    b = L.student_bucket_logprobs(logq, torch.tensor([[0, 1]]))
+    assert math.isclose(b[0, 2].item(), math.log(2e-12), rel_tol=1e-3)
+
+
+def test_tail_bucket_when_k_equals_vocab_is_floored():
+    b = L.student_bucket_logprobs(Q_VOCAB.log(), torch.tensor([[0, 1, 2, 3]]))
+    assert b[0, 4].item() == L.LOGQ_FLOOR
+    p = torch.tensor([[0.5, 0.125, 0.125, 0.25, 0.0]])
+    for name in L.LOSSES:
+        assert L.per_position_loss(name, p, b).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_forward_kl():
+    p, logq = _buckets()
+    want = sum(pi * math.log(pi / qi) for pi, qi in zip(PB, QB))
+    # = 0.5 ln 4 + 0.25 ln 0.5 + 0.25 ln(2/3)
+    assert math.isclose(want, 0.5 * math.log(4) + 0.25 * math.log(0.5) + 0.25 * math.log(2 / 3))
+    assert L.forward_kl(p, logq).item() == pytest.approx(want, rel=1e-5)
+
+
+def test_reverse_kl():
+    p, logq = _buckets()
+    want = 0.125 * math.log(0.125 / 0.5) + 0.5 * math.log(0.5 / 0.25) + 0.375 * math.log(0.375 / 0.25)
+    assert L.reverse_kl(p, logq).item() == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("beta", [0.5, 0.1, 0.9])
+def test_jsd(beta):
+    p, logq = _buckets()
+    m = [beta * pi + (1 - beta) * qi for pi, qi in zip(PB, QB)]
+    kl_pm = sum(pi * math.log(pi / mi) for pi, mi in zip(PB, m))
+    kl_qm = sum(qi * math.log(qi / mi) for qi, mi in zip(QB, m))
+    want = beta * kl_pm + (1 - beta) * kl_qm
+    assert L.jsd(p, logq, beta).item() == pytest.approx(want, rel=1e-5)
+    if beta == 0.5:  # m = (0.3125, 0.375, 0.3125), written out
+        hand = 0.5 * (0.5 * math.log(0.5 / 0.3125) + 0.25 * math.log(0.25 / 0.375) + 0.25 * math.log(0.25 / 0.3125))
+        hand += 0.5 * (0.125 * math.log(0.125 / 0.3125) + 0.5 * math.log(0.5 / 0.375) + 0.375 * math.log(0.375 / 0.3125))
+        assert L.jsd(p, logq, 0.5).item() == pytest.approx(hand, rel=1e-5)
+        assert hand <= math.log(2)
+
+
+def test_jsd_rejects_degenerate_beta():
+    p, logq = _buckets()
+    with pytest.raises(ValueError, match="beta=1.0"):
+        L.jsd(p, logq, 1.0)
+
+
+def test_tv_and_alpha():
+    p, logq = _buckets()
+    # |p - q| = (0.375, 0.25, 0.125) -> TV = 0.375; alpha = 0.125 + 0.25 + 0.25 = 0.625 = 1 - TV
+    assert L.tv(p, logq).item() == pytest.approx(0.375, rel=1e-6)
+    assert L.alpha(p, logq).item() == pytest.approx(0.625, rel=1e-6)
+
+
+def test_zeros_in_teacher():
+    # p_b = (1, 0, 0): target certain of id 2, whose draft probability is 0.125.
+    p = L.teacher_buckets(torch.tensor([[1.0, 0.0]], dtype=torch.float16), torch.tensor([0.0]))
+    logq = L.student_bucket_logprobs(Q_VOCAB.log(), IDS)
+    assert L.forward_kl(p, logq).item() == pytest.approx(math.log(8), rel=1e-5)
+    fl = math.log(L.P_FLOOR)
+    want_r = 0.125 * math.log(0.125) + 0.5 * (math.log(0.5) - fl) + 0.375 * (math.log(0.375) - fl)
+    assert L.reverse_kl(p, logq).item() == pytest.approx(want_r, rel=1e-5)
+    m = [0.5 + 0.0625, 0.25, 0.1875]
+    want_j = 0.5 * math.log(1 / m[0]) + 0.5 * sum(qi * math.log(qi / mi) for qi, mi in zip(QB, m))
+    assert L.jsd(p, logq).item() == pytest.approx(want_j, rel=1e-5)
+    assert L.tv(p, logq).item() == pytest.approx(0.875, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", L.LOSSES)
+@pytest.mark.parametrize("zeros", [False, True])
+def test_gradients_finite_when_p_equals_q(name, zeros):
+    # Student logits such that q_b == p_b exactly on the buckets, with and without zero buckets.
+    torch.manual_seed(0)
+    V, k = 16, 4
+    logits = torch.randn(3, V, requires_grad=True)
+    if zeros:
+        # Put the draft's mass almost entirely on the top-k, teacher tail exactly 0.
+        with torch.no_grad():
+            logits[:, k:] = -200.0
+    logq_full = torch.log_softmax(logits, -1)
+    ids = torch.arange(k).expand(3, k)
+    with torch.no_grad():
+        qb = L.student_bucket_logprobs(logq_full, ids).exp()
+        if zeros:
+            qb[:, k] = 0.0
+            qb[0, 1] = 0.0  # and a zero inside the top-k
+            qb = qb / qb.sum(-1, keepdim=True)
+    p = qb.clone()
+    logq = L.student_bucket_logprobs(logq_full, ids)
+    loss = L.weighted_mean(L.per_position_loss(name, p, logq), torch.ones(3))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.isfinite(logits.grad).all()
+    if not zeros:
+        assert loss.item() == pytest.approx(0.0, abs=1e-5)
+
+
+def test_weighted_mean():
+    v = torch.tensor([1.0, 2.0, 4.0], requires_grad=True)
+    assert L.weighted_mean(v, torch.tensor([1.0, 0.0, 3.0])).item() == pytest.approx(13 / 4)
+    z = L.weighted_mean(v, torch.zeros(3))
+    assert z.item() == 0.0
+    z.backward()
+    assert v.grad.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_unknown_loss_names_choices():
+    p, logq = _buckets()
+    with pytest.raises(ValueError, match="forward_kl"):
+        L.per_position_loss("kl", p, logq)

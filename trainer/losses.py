@@ -1,0 +1,197 @@
+"""Distillation losses between the target's stored top-k distribution and the draft.
+
+Notation follows the speculative decoding papers: ``p`` is the target (teacher), ``q`` the draft
+(student). The teacher is known only on its top-k support plus one "other" bucket holding the
+tail mass, so every divergence here is computed over the same k + 1 buckets:
+
+    p_b = (p(x_1), ..., p(x_k), 1 - sum_i p(x_i))          # target, from the record
+    q_b = (q(x_1), ..., q(x_k), 1 - sum_i q(x_i))          # draft, from its full-vocab softmax
+
+Merging the tail into one bucket is a coarsening of both distributions, so each loss below is a
+proper divergence on the bucketed distributions and a lower bound of the full-vocabulary one
+(data-processing inequality).
+
+All functions are pure: they take tensors and return tensors, per position. ``N`` is the number
+of output positions, ``k`` the top-k width, ``V`` the draft's vocabulary size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Floor for teacher probabilities inside logarithms (reverse KL needs log p where p may be 0).
+P_FLOOR = 1e-8
+# Floor for the draft's bucket log-probabilities: exp(-80) ~ 1e-35, far below any real mass,
+# and keeps 0 * log q finite when a bucket is empty (k == V leaves no tail).
+LOGQ_FLOOR = -80.0
+
+LOSSES = ("forward_kl", "reverse_kl", "jsd", "tv")
+
+
+def teacher_buckets(topk_probs: torch.Tensor, tail_mass: torch.Tensor) -> torch.Tensor:
+    """The target's distribution over k + 1 buckets, renormalised to sum to 1.
+
+    The record stores top-k probabilities in float16 and the tail in float32, so the row sums
+    to 1 only within ~1e-3; we clamp negatives to 0 and renormalise in float32.
+
+    Args:
+        topk_probs: (N, k) target probabilities of its k most probable tokens.
+        tail_mass: (N,) 1 - sum of those probabilities.
+
+    Returns:
+        (N, k + 1) float32, rows summing to 1; the last column is the tail bucket.
+    """
+    p = torch.cat([topk_probs.float(), tail_mass.float().unsqueeze(-1)], dim=-1).clamp_min(0.0)  # (N, k+1)
+    return p / p.sum(dim=-1, keepdim=True).clamp_min(P_FLOOR)
+
+
+def student_bucket_logprobs(logq: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The draft's log-probabilities reduced to the teacher's k + 1 buckets.
+
+    Top-k buckets are gathered; the tail bucket is a logsumexp over the vocabulary with the
+    top-k ids masked to -inf, which is exact and stable (unlike log(1 - sum exp(gathered)),
+    which cancels catastrophically when the top-k hold almost all the mass).
+
+    Args:
+        logq: (N, V) draft log-probabilities (log_softmax of its logits).
+        topk_ids: (N, k) int64 token ids of the target's top-k.
+
+    Returns:
+        (N, k + 1) log q over the buckets, floored at ``LOGQ_FLOOR``.
+    """
+    logq = logq.float()
+    ids = topk_ids.long()
+    top = logq.gather(-1, ids)  # (N, k)
+    mask = torch.zeros_like(logq, dtype=torch.bool).scatter_(-1, ids, True)  # (N, V)
+    tail = torch.logsumexp(logq.masked_fill(mask, float("-inf")), dim=-1)  # (N,); -inf if k == V
+    return torch.cat([top, tail.unsqueeze(-1)], dim=-1).clamp_min(LOGQ_FLOOR)  # (N, k+1)
+
+
+def _kl(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """sum_b p_b (log p_b - log q_b) with 0 log 0 = 0. (N, B) -> (N,)."""
+    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(dim=-1)
+
+
+def forward_kl(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Forward KL(p || q) = sum_b p_b log(p_b / q_b), per position.
+
+    The distillation loss of Hinton et al. (2015) and the default of Online Speculative Decoding
+    (Liu et al., ICML 2024, Sec. 4): mass-covering, pushes q up wherever the target has mass.
+
+    Args:
+        p: (N, B) teacher bucket probabilities (rows sum to 1, may contain zeros).
+        logq: (N, B) student bucket log-probabilities.
+
+    Returns:
+        (N,) per-position KL, >= 0.
+    """
+    logp = p.clamp_min(P_FLOOR).log()
+    return _kl(p, logp, logq)
+
+
+def reverse_kl(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Reverse KL(q || p) = sum_b q_b log(q_b / p_b), per position.
+
+    Mode-seeking (MiniLLM, Gu et al. 2024; an OSD option). Where the teacher bucket is 0, log p
+    is floored at log(``P_FLOOR``) so the loss stays finite and strongly penalises q there.
+
+    Args:
+        p: (N, B) teacher bucket probabilities.
+        logq: (N, B) student bucket log-probabilities.
+
+    Returns:
+        (N,) per-position KL, >= 0 up to the floor.
+    """
+    q = logq.exp()
+    logp = p.clamp_min(P_FLOOR).log()
+    return (q * (logq - logp)).sum(dim=-1)
+
+
+def jsd(p: torch.Tensor, logq: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """Generalised Jensen-Shannon divergence, as in GKD (Agarwal et al., ICLR 2024, Eq. 2).
+
+        m = beta p + (1 - beta) q
+        JSD_beta(p || q) = beta KL(p || m) + (1 - beta) KL(q || m)
+
+    beta = 0.5 is the symmetric JSD (bounded by log 2); m > 0 wherever p or q is, so both
+    terms are finite without a floor. beta must lie in (0, 1); at the ends the loss is 0.
+
+    Args:
+        p: (N, B) teacher bucket probabilities.
+        logq: (N, B) student bucket log-probabilities.
+        beta: interpolation weight of the teacher in the mixture m.
+
+    Returns:
+        (N,) per-position divergence, >= 0.
+    """
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"jsd beta={beta} must lie strictly between 0 and 1")
+    q = logq.exp()
+    logp = p.log()  # -inf where p == 0; those terms are masked in _kl and vanish in logaddexp
+    # log m = logsumexp(log beta + log p, log(1-beta) + log q), stable for tiny p or q.
+    logm = torch.logaddexp(logp + math.log(beta), logq + math.log(1.0 - beta))  # (N, B)
+    return beta * _kl(p, logp, logm) + (1.0 - beta) * _kl(q, logq, logm)
+
+
+def tv(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Total variation distance TV(p, q) = 0.5 sum_b |p_b - q_b|, per position.
+
+    For speculative sampling the expected acceptance of one proposal is
+    alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q) (Leviathan et al., ICML 2023, Sec. 3.5), so
+    this loss optimises exactly what acceptance depends on (DistillSpec, Zhou et al. 2024,
+    studies it as a distillation objective).
+
+    Args:
+        p: (N, B) teacher bucket probabilities.
+        logq: (N, B) student bucket log-probabilities.
+
+    Returns:
+        (N,) per-position distance in [0, 1].
+    """
+    return 0.5 * (p - logq.exp()).abs().sum(dim=-1)
+
+
+def alpha(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Per-position acceptance probability alpha = sum_b min(p_b, q_b) over the buckets.
+
+    Over the stored support (top-k ids + tail bucket) this is 1 - TV of the bucketed
+    distributions, an upper bound of the full-vocabulary alpha (merging the tail can only
+    increase the overlap).
+
+    Args:
+        p: (N, B) teacher bucket probabilities.
+        logq: (N, B) student bucket log-probabilities.
+
+    Returns:
+        (N,) values in [0, 1].
+    """
+    return torch.minimum(p, logq.exp()).sum(dim=-1)
+
+
+def per_position_loss(name: str, p: torch.Tensor, logq: torch.Tensor, jsd_beta: float = 0.5) -> torch.Tensor:
+    """Dispatch by loss name (one of ``LOSSES``). (N, B), (N, B) -> (N,)."""
+    if name == "forward_kl":
+        return forward_kl(p, logq)
+    if name == "reverse_kl":
+        return reverse_kl(p, logq)
+    if name == "jsd":
+        return jsd(p, logq, jsd_beta)
+    if name == "tv":
+        return tv(p, logq)
+    raise ValueError(f"unknown loss {name!r}; choose one of {LOSSES}")
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i v_i / sum_i w_i; 0 (still attached to the graph) when all weights are 0.
+
+    Args:
+        values: (N,) per-position losses.
+        weights: (N,) non-negative position weights.
+    """
+    w = weights.to(values.dtype)
+    total = w.sum()
+    if total <= 0:
+        return (values * 0.0).sum()
+    return (values * w).sum() / total
