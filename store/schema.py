@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
+from store.errors import StoreError
+
 SCHEMA_VERSION = 1
 
 # Field names of the stream entry (bytes, as redis-py returns them with decode_responses=False).
@@ -39,7 +41,7 @@ F_FINGERPRINT = b"fp"
 F_BODY = b"body"
 
 
-class SchemaError(ValueError):
+class SchemaError(StoreError, ValueError):
     """A stream entry cannot be decoded into a ``VerifiedSample``; ``reason`` says why."""
 
     def __init__(self, reason: str):

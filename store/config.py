@@ -1,0 +1,120 @@
+"""Configuration of ``store`` and the Redis key names derived from it.
+
+Library code never reads the environment: the daemon builds a :class:`StoreConfig` (it is a plain
+pydantic model, so it nests under a ``pydantic-settings`` ``BaseSettings`` as the ``store`` group)
+and passes it to :class:`~store.buffer.SampleWriter`, :class:`~store.buffer.SampleReader`,
+:class:`~store.registry.AdapterRegistry` and :class:`~store.history.AcceptanceHistory`.
+
+Key names (``P`` = ``key_prefix``, default ``"draftd:"``)::
+
+    P samples                          stream of VerifiedSample entries (buffer.stream)
+    P samples:dead                     dead-letter stream (malformed entries, with reasons)
+    P samples:processed:{group}        zset record_id -> ack time, for idempotent consumers
+    P adapter:next_version             INCR counter of adapter versions
+    P adapter:versions                 zset version -> version
+    P adapter:v:{N}                    hash, metadata of adapter version N
+    P adapter:blob:{N}                 hash filename -> bytes (only with store_bytes=True)
+    P adapter:active                   int, the active adapter version (missing/0 = base draft)
+    P adapter:active_stack             list of versions made active by promote(), for rollback()
+    P adapter:promotions               stream, the promotion log (promote and rollback events)
+    P adapter:events                   pub/sub channel, JSON {event, version, previous, reason, ts}
+    P hist:index                       zset "{bucket}|{version}|{workload}" -> bucket start (s)
+    P hist:{version}:{bucket}:{workload}   hash of counts for one (workload, version, bucket)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, Field
+
+
+class BufferConfig(BaseModel):
+    """The verified-sample stream, the decoder-side writer queue and the reader."""
+
+    stream: str = "samples"  # stream key suffix; the dead-letter stream is f"{stream}:dead"
+    maxlen: int = Field(100_000, gt=0)  # approximate cap on entries (XADD MAXLEN ~)
+    max_age_s: float | None = Field(24 * 3600.0, gt=0)  # entries older than this are trimmed (XTRIM MINID ~); None = no age cap
+    dead_letter_maxlen: int | None = Field(100_000, gt=0)  # approximate cap of the dead-letter stream; None = unbounded
+    queue_size: int = Field(10_000, gt=0)  # writer's in-memory queue, samples; when full the oldest is dropped
+    batch_size: int = Field(256, gt=0)  # samples per XADD pipeline
+    flush_interval_s: float = Field(0.05, gt=0)  # writer thread wakes at least this often
+    backoff_initial_s: float = Field(0.05, gt=0)  # first retry delay while Redis is down
+    backoff_max_s: float = Field(2.0, gt=0)  # retry delay cap while Redis is down
+    trim_interval_s: float = Field(5.0, gt=0)  # how often the writer trims by age
+    processed_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)  # how long acked record ids are remembered for dedupe
+
+
+class HistoryConfig(BaseModel):
+    """Time-bucketed acceptance counts."""
+
+    bucket_s: int = Field(10, gt=0)  # bucket width, seconds; a bucket starts at floor(ts / bucket_s) * bucket_s
+    retention_s: int = Field(7 * 24 * 3600, gt=0)  # buckets expire this long after their last write
+
+
+class StoreConfig(BaseModel):
+    """Everything ``store`` needs besides a Redis client (and, for the registry, a directory)."""
+
+    key_prefix: str = "draftd:"  # prefix of every key and channel; tests use a unique one
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    history: HistoryConfig = Field(default_factory=HistoryConfig)
+
+    @property
+    def keys(self) -> "Keys":
+        return Keys(self.key_prefix, self.buffer.stream)
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Redis key names for one prefix (see the module docstring)."""
+
+    prefix: str
+    stream_name: str = "samples"
+
+    @property
+    def stream(self) -> str:
+        return f"{self.prefix}{self.stream_name}"
+
+    @property
+    def dead_letter(self) -> str:
+        return f"{self.prefix}{self.stream_name}:dead"
+
+    def processed(self, group: str) -> str:
+        return f"{self.prefix}{self.stream_name}:processed:{group}"
+
+    @property
+    def adapter_counter(self) -> str:
+        return f"{self.prefix}adapter:next_version"
+
+    @property
+    def adapter_versions(self) -> str:
+        return f"{self.prefix}adapter:versions"
+
+    def adapter(self, version: int) -> str:
+        return f"{self.prefix}adapter:v:{version}"
+
+    def adapter_blob(self, version: int) -> str:
+        return f"{self.prefix}adapter:blob:{version}"
+
+    @property
+    def active(self) -> str:
+        return f"{self.prefix}adapter:active"
+
+    @property
+    def active_stack(self) -> str:
+        return f"{self.prefix}adapter:active_stack"
+
+    @property
+    def promotions(self) -> str:
+        return f"{self.prefix}adapter:promotions"
+
+    @property
+    def events_channel(self) -> str:
+        return f"{self.prefix}adapter:events"
+
+    @property
+    def history_index(self) -> str:
+        return f"{self.prefix}hist:index"
+
+    def history_bucket(self, workload: str, version: int, bucket: int) -> bytes:
+        return f"{self.prefix}hist:{version}:{bucket}:{workload}".encode("utf-8")

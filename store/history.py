@@ -1,0 +1,212 @@
+"""Acceptance history: time-bucketed counts per (workload, adapter version).
+
+Counts are stored, rates are derived on read (each rate's definition is on the property that
+computes it; NaN when its denominator is 0). Counter names follow vLLM's spec-decode metrics:
+
+- ``num_drafts``: verification steps that had a draft proposal (γ > 0)
+- ``num_draft_tokens``: tokens the draft proposed (sum of γ over steps)
+- ``num_accepted_tokens``: proposed tokens the target accepted
+- ``num_emitted_tokens``: tokens emitted (accepted + corrections + bonus tokens)
+- ``num_steps``: verification steps (target forwards)
+- ``alpha_sum``, ``alpha_count``: sum and number of per-request α values (float), for mean α
+- ``wall_ms``: decode wall time, milliseconds (float)
+- ``requests``: requests (or chunks) recorded
+
+Storage: one hash per (workload, version, bucket) at ``P hist:{version}:{bucket}:{workload}``
+(``bucket`` = bucket start in integer seconds), updated with HINCRBY / HINCRBYFLOAT in one
+pipeline and given a TTL of ``retention_s``; a sorted set ``P hist:index`` holds
+``"{bucket}|{version}|{workload}"`` scored by bucket start, trimmed to the retention window on
+every write. Workload names are UTF-8 and may contain any character (the workload is the last
+``|``-separated part of an index member, so it is parsed unambiguously).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import redis
+
+from store.buffer import _unavailable
+from store.config import StoreConfig
+
+INT_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_steps", "alpha_count", "requests")
+FLOAT_COUNTS = ("alpha_sum", "wall_ms")
+COUNTS = INT_COUNTS + FLOAT_COUNTS
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else math.nan
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """Counts of one bucket (or an aggregate of several), with rates derived on read.
+
+    ``ts`` is the bucket start (seconds since the epoch); for :meth:`AcceptanceHistory.totals`
+    it is the first bucket's start and ``workload`` / ``version`` are None when mixed.
+    """
+
+    ts: float
+    workload: str | None
+    version: int | None
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_steps: int = 0
+    alpha_count: int = 0
+    requests: int = 0
+    alpha_sum: float = 0.0
+    wall_ms: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """num_accepted_tokens / num_draft_tokens: fraction of proposed tokens the target accepted."""
+        return _ratio(self.num_accepted_tokens, self.num_draft_tokens)
+
+    @property
+    def tau(self) -> float:
+        """τ = num_emitted_tokens / num_steps: mean tokens emitted per verification step,
+        i.e. mean accepted length *including* the correction or bonus token."""
+        return _ratio(self.num_emitted_tokens, self.num_steps)
+
+    @property
+    def alpha(self) -> float:
+        """α = alpha_sum / alpha_count: mean of the per-request α values recorded."""
+        return _ratio(self.alpha_sum, self.alpha_count)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """num_emitted_tokens / (wall_ms / 1000): decode throughput over the recorded wall time."""
+        return _ratio(self.num_emitted_tokens, self.wall_ms / 1000.0)
+
+    def counts(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in COUNTS}
+
+
+class AcceptanceHistory:
+    """Writes and reads time-bucketed acceptance counts.
+
+    Args:
+        client: a ``decode_responses=False`` client.
+        config: ``config.history.bucket_s`` (bucket width, s) and ``retention_s``.
+        clock: seconds since the epoch, the default ``ts`` of :meth:`record` and the retention cut.
+
+    Raises (any method): StoreUnavailableError when Redis is unreachable.
+    """
+
+    def __init__(self, client: redis.Redis, config: StoreConfig, *, clock: Callable[[], float] = time.time):
+        self._client = client
+        self._keys = config.keys
+        self.bucket_s = config.history.bucket_s
+        self.retention_s = config.history.retention_s
+        self._clock = clock
+
+    def bucket_of(self, ts: float) -> int:
+        """Start (integer seconds) of the bucket holding ``ts``."""
+        return int(math.floor(ts / self.bucket_s)) * self.bucket_s
+
+    def record(self, workload: str, version: int, counts: Mapping[str, float], ts: float | None = None) -> None:
+        """Add ``counts`` to the bucket of ``ts`` (default now) for (``workload``, ``version``).
+
+        One pipelined round trip; synchronous (callers on a latency-critical path should
+        aggregate locally and record from a background task).
+
+        Raises:
+            ValueError: an unknown counter name, a non-integer value for an integer counter,
+                or an empty workload name; the message names the offending key.
+        """
+        unknown = sorted(set(counts) - set(COUNTS))
+        if unknown:
+            raise ValueError(f"unknown history counters {unknown}; known: {list(COUNTS)}")
+        if not workload:
+            raise ValueError("workload name is empty; pass the request's workload tag")
+        ts = self._clock() if ts is None else ts
+        bucket = self.bucket_of(ts)
+        key = self._keys.history_bucket(workload, version, bucket)
+        member = f"{bucket}|{int(version)}|{workload}".encode("utf-8")
+        pipe = self._client.pipeline(transaction=True)
+        for name, value in counts.items():
+            if name in INT_COUNTS:
+                if isinstance(value, float) and not value.is_integer():
+                    raise ValueError(f"counter {name!r} must be an integer, got {value!r}")
+                if int(value):
+                    pipe.hincrby(key, name, int(value))
+            elif value:
+                pipe.hincrbyfloat(key, name, float(value))
+        pipe.expire(key, self.retention_s)
+        pipe.zadd(self._keys.history_index, {member: bucket})
+        pipe.zremrangebyscore(self._keys.history_index, "-inf", f"({self._clock() - self.retention_s}")
+        with _unavailable(f"recording history for {workload!r} v{version}"):
+            pipe.execute()
+
+    def read(
+        self,
+        workload: str | None = None,
+        version: int | None = None,
+        start: float | None = None,
+        end: float | None = None,
+    ) -> list[HistoryRow]:
+        """Buckets whose start lies in [``start``, ``end``] (seconds; None = unbounded), filtered
+        by ``workload`` and ``version`` when given, sorted by (ts, workload, version)."""
+        lo = "-inf" if start is None else self.bucket_of(start)
+        hi = "+inf" if end is None else end
+        with _unavailable("reading history index"):
+            members = self._client.zrangebyscore(self._keys.history_index, lo, hi)
+        wanted = []
+        for m in members:
+            b, v, w = m.decode("utf-8").split("|", 2)
+            if (workload is None or w == workload) and (version is None or int(v) == version):
+                wanted.append((int(b), int(v), w))
+        if not wanted:
+            return []
+        with _unavailable("reading history buckets"):
+            pipe = self._client.pipeline(transaction=False)
+            for b, v, w in wanted:
+                pipe.hgetall(self._keys.history_bucket(w, v, b))
+            hashes = pipe.execute()
+        rows = []
+        for (b, v, w), h in zip(wanted, hashes):
+            if not h:  # expired since the index was trimmed
+                continue
+            vals = {k.decode(): x for k, x in h.items()}
+            rows.append(
+                HistoryRow(
+                    ts=float(b),
+                    workload=w,
+                    version=v,
+                    **{n: int(vals.get(n, 0)) for n in INT_COUNTS},
+                    **{n: float(vals.get(n, 0.0)) for n in FLOAT_COUNTS},
+                )
+            )
+        rows.sort(key=lambda r: (r.ts, r.workload, r.version))
+        return rows
+
+    def totals(
+        self,
+        workload: str | None = None,
+        version: int | None = None,
+        start: float | None = None,
+        end: float | None = None,
+    ) -> HistoryRow:
+        """Sum of :meth:`read`'s rows over the window; rates derived from the summed counts.
+
+        An empty window gives a row of zeros (rates NaN) with ``ts = start`` (or NaN).
+        """
+        rows = self.read(workload, version, start, end)
+        sums: dict[str, float] = {n: 0 for n in INT_COUNTS} | {n: 0.0 for n in FLOAT_COUNTS}
+        for r in rows:
+            for n in COUNTS:
+                sums[n] += getattr(r, n)
+        ws = {r.workload for r in rows}
+        vs = {r.version for r in rows}
+        return HistoryRow(
+            ts=rows[0].ts if rows else (math.nan if start is None else float(start)),
+            workload=ws.pop() if len(ws) == 1 else workload,
+            version=vs.pop() if len(vs) == 1 else version,
+            **sums,
+        )
+

@@ -1,0 +1,474 @@
+"""Adapter registry: versioned LoRA adapters, their metrics, and which one is active.
+
+Versions come from ``INCR P adapter:next_version``: monotonic, never reused, possibly with gaps
+(a version whose copy failed is burned). Version 0 means the base draft with no adapter.
+
+States and transitions::
+
+    candidate --promote()--> promoted --rollback()--> rolled_back
+        |                       ^                          |
+        +--set_state(rejected)  +-------promote()----------+
+
+``promote`` is also allowed on a ``promoted`` version that is no longer active (re-promotion).
+A ``rejected`` version cannot be promoted. The active version cannot be rejected: roll it back.
+
+Artifacts: peft's ``save_pretrained`` layout (``adapter_config.json`` +
+``adapter_model.safetensors``; other top-level files such as README.md are copied too,
+subdirectories are not) under ``artifact_dir/v{N}``, written to a temp dir in ``artifact_dir``,
+fsynced, then ``os.rename``d into place. The sha256 of every file is recorded in Redis and
+checked by :meth:`AdapterRegistry.fetch`. With ``store_bytes=True`` the files are also kept in
+Redis (``P adapter:blob:{N}``) so a decoder on another host can materialise them.
+
+Promote and rollback run as one Lua script each (atomic on the server): check the state, set
+``P adapter:active``, update the version's state, append to the promotion log stream
+``P adapter:promotions`` and PUBLISH on ``P adapter:events`` a JSON message::
+
+    {"event": "promote" | "rollback", "version": <new active>, "previous": <old active>,
+     "reason": "...", "ts": <seconds since the epoch>}
+
+Decoders subscribe to the channel, or poll :meth:`AdapterRegistry.active_version`.
+Durability of "registered" is Redis's: run it with AOF (``appendonly yes``) if a registered
+adapter must survive a Redis crash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from store.buffer import _unavailable
+from store.config import StoreConfig
+from store.errors import ArtifactMissingError, IntegrityError, InvalidTransitionError, RegistryError, UnknownVersionError
+
+REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
+STATES = ("candidate", "promoted", "rejected", "rolled_back")
+
+_PROMOTE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return {'unknown'} end
+if state == 'rejected' then return {'state', state} end
+local prev = tonumber(redis.call('GET', KEYS[2]) or '0')
+local v = tonumber(ARGV[1])
+if prev == v then return {'active'} end
+redis.call('SET', KEYS[2], v)
+redis.call('RPUSH', KEYS[3], v)
+redis.call('HSET', KEYS[1], 'state', 'promoted', 'reason', ARGV[2], 'state_changed_at', ARGV[3])
+redis.call('XADD', KEYS[4], '*', 'event', 'promote', 'version', v, 'previous', prev, 'reason', ARGV[2], 'ts', ARGV[3])
+local msg = '{"event":"promote","version":' .. v .. ',"previous":' .. prev .. ',"reason":' .. cjson.encode(ARGV[2]) .. ',"ts":' .. ARGV[3] .. '}'
+redis.call('PUBLISH', ARGV[4], msg)
+return {'ok', prev}
+"""
+
+_ROLLBACK = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if cur == 0 then return {'none'} end
+local top = redis.call('LINDEX', KEYS[2], -1)
+if top and tonumber(top) == cur then redis.call('RPOP', KEYS[2]) end
+redis.call('HSET', ARGV[1] .. cur, 'state', 'rolled_back', 'reason', ARGV[2], 'state_changed_at', ARGV[3])
+local new = 0
+while true do
+  local v = redis.call('LINDEX', KEYS[2], -1)
+  if not v then break end
+  local st = redis.call('HGET', ARGV[1] .. v, 'state')
+  if st == 'promoted' and tonumber(v) ~= cur then new = tonumber(v) break end
+  redis.call('RPOP', KEYS[2])
+end
+redis.call('SET', KEYS[1], new)
+redis.call('XADD', KEYS[3], '*', 'event', 'rollback', 'version', new, 'previous', cur, 'reason', ARGV[2], 'ts', ARGV[3])
+local msg = '{"event":"rollback","version":' .. new .. ',"previous":' .. cur .. ',"reason":' .. cjson.encode(ARGV[2]) .. ',"ts":' .. ARGV[3] .. '}'
+redis.call('PUBLISH', ARGV[4], msg)
+return {'ok', new, cur}
+"""
+
+_SET_STATE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return {'unknown'} end
+if tonumber(redis.call('GET', KEYS[2]) or '0') == tonumber(ARGV[1]) then return {'active', state} end
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'reason', ARGV[3], 'state_changed_at', ARGV[4])
+redis.call('XADD', KEYS[3], '*', 'event', 'set_state', 'version', ARGV[1], 'state', ARGV[2], 'reason', ARGV[3], 'ts', ARGV[4])
+return {'ok', state}
+"""
+
+
+@dataclass
+class AdapterMeta:
+    """What the trainer knows about an adapter when it registers it.
+
+    α is the acceptance rate measured on held-out samples (fraction of drafted tokens the
+    target accepts), before (parent adapter) and after (this adapter) training.
+    """
+
+    parent: int | None = None  # version trained from; None = the active version at register time
+    samples_trained: int = 0  # VerifiedSample records in the training window
+    tokens_trained: int = 0  # emitted tokens distilled
+    loss: float = math.nan  # final training loss
+    alpha_before: float = math.nan
+    alpha_after: float = math.nan
+    alpha_before_by_workload: dict[str, float] = field(default_factory=dict)
+    alpha_after_by_workload: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """A registered adapter as stored in Redis (``P adapter:v:{N}``)."""
+
+    version: int
+    parent: int
+    created_at: float  # seconds since the epoch
+    samples_trained: int
+    tokens_trained: int
+    loss: float
+    alpha_before: float
+    alpha_after: float
+    alpha_before_by_workload: dict[str, float]
+    alpha_after_by_workload: dict[str, float]
+    state: str  # one of STATES
+    reason: str  # why it is in that state
+    state_changed_at: float
+    artifact_path: str  # the directory it was registered into (on the registering host)
+    sha256: dict[str, str]  # file name -> hex digest
+    has_bytes: bool  # the files are also stored in Redis
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_dir_atomically(dest: Path, files: dict[str, bytes | Path]) -> dict[str, str]:
+    """Write ``files`` (name -> bytes or source path) into ``dest`` via a sibling temp dir and
+    ``os.rename``; returns name -> sha256 of what was written."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".tmp-{dest.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    digests = {}
+    try:
+        for name, src in files.items():
+            h = hashlib.sha256()
+            with open(tmp / name, "wb") as out:
+                if isinstance(src, bytes):
+                    out.write(src)
+                    h.update(src)
+                else:
+                    with open(src, "rb") as f:
+                        for chunk in iter(lambda: f.read(1 << 20), b""):
+                            out.write(chunk)
+                            h.update(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            digests[name] = h.hexdigest()
+        _fsync_dir(tmp)
+        os.rename(tmp, dest)  # atomic; fails if dest exists and is not empty
+        _fsync_dir(dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return digests
+
+
+class AdapterRegistry:
+    """Versioned adapters in ``artifact_dir`` + metadata, state and the active version in Redis.
+
+    Args:
+        client: a ``decode_responses=False`` client.
+        artifact_dir: local directory holding ``v{N}/`` adapter directories (created if missing).
+        config: store configuration (key prefix).
+        clock: seconds since the epoch, injected for tests.
+
+    Raises (any method): StoreUnavailableError when Redis is unreachable.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        artifact_dir: str | os.PathLike,
+        config: StoreConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+    ):
+        self._client = client
+        self.artifact_dir = Path(artifact_dir)
+        self._keys = config.keys
+        self._clock = clock
+        self._promote = client.register_script(_PROMOTE)
+        self._rollback = client.register_script(_ROLLBACK)
+        self._set_state = client.register_script(_SET_STATE)
+
+    @property
+    def events_channel(self) -> str:
+        """The pub/sub channel promote/rollback announce on (``P adapter:events``)."""
+        return self._keys.events_channel
+
+    def subscribe(self) -> redis.client.PubSub:
+        """A PubSub already subscribed to :attr:`events_channel`; parse messages with :func:`parse_event`."""
+        ps = self._client.pubsub(ignore_subscribe_messages=True)
+        with _unavailable("SUBSCRIBE"):
+            ps.subscribe(self.events_channel)
+        return ps
+
+    # -- registration and artifacts ------------------------------------------------------------
+
+    def register(self, src_dir: str | os.PathLike, meta: AdapterMeta, *, store_bytes: bool = False) -> int:
+        """Copy a peft ``save_pretrained`` directory into ``artifact_dir/v{N}`` atomically and
+        record it as a ``candidate``. Returns the new version N (>= 1).
+
+        Raises:
+            RegistryError: ``src_dir`` lacks a required file, or ``artifact_dir/v{N}`` already
+                exists (Redis lost its counter while the artifact dir kept old versions).
+        """
+        src = Path(src_dir)
+        missing = [n for n in REQUIRED_FILES if not (src / n).is_file()]
+        if missing:
+            raise RegistryError(
+                f"{src} is not a peft adapter directory: missing {', '.join(missing)}; "
+                f"write it with model.save_pretrained({str(src)!r})"
+            )
+        files = {p.name: p for p in sorted(src.iterdir()) if p.is_file()}
+        with _unavailable("INCR adapter version"):
+            version = int(self._client.incr(self._keys.adapter_counter))
+        dest = self.artifact_dir / f"v{version}"
+        if dest.exists():
+            raise RegistryError(
+                f"{dest} already exists but Redis just issued version {version}: the Redis counter "
+                f"{self._keys.adapter_counter!r} was reset. Restore Redis or use a fresh artifact_dir."
+            )
+        digests = _write_dir_atomically(dest, files)
+        parent = meta.parent if meta.parent is not None else self.active_version()
+        now = self._clock()
+        mapping = {
+            "version": version,
+            "parent": int(parent),
+            "created_at": repr(float(now)),
+            "samples_trained": int(meta.samples_trained),
+            "tokens_trained": int(meta.tokens_trained),
+            "loss": repr(float(meta.loss)),
+            "alpha_before": repr(float(meta.alpha_before)),
+            "alpha_after": repr(float(meta.alpha_after)),
+            "alpha_before_by_workload": json.dumps(meta.alpha_before_by_workload, ensure_ascii=False),
+            "alpha_after_by_workload": json.dumps(meta.alpha_after_by_workload, ensure_ascii=False),
+            "state": "candidate",
+            "reason": "registered",
+            "state_changed_at": repr(float(now)),
+            "artifact_path": str(dest.resolve()),
+            "sha256": json.dumps(digests, sort_keys=True),
+            "has_bytes": int(store_bytes),
+        }
+        with _unavailable(f"recording adapter v{version}"):
+            pipe = self._client.pipeline(transaction=True)
+            if store_bytes:
+                pipe.hset(self._keys.adapter_blob(version), mapping={n: (dest / n).read_bytes() for n in digests})
+            pipe.hset(self._keys.adapter(version), mapping=mapping)
+            pipe.zadd(self._keys.adapter_versions, {str(version): version})
+            pipe.execute()
+        return version
+
+    def fetch(self, version: int, dest: str | os.PathLike | None = None) -> Path:
+        """A local directory holding adapter ``version``'s files, each checked against its sha256.
+
+        Looks in ``artifact_dir/v{N}``; if that is missing and the bytes are in Redis, writes
+        them (atomically) to ``dest`` or ``artifact_dir/v{N}``. With ``dest`` given and the local
+        copy present, copies it there (atomically) and returns ``dest``.
+
+        Raises:
+            UnknownVersionError: no such version.
+            IntegrityError: a file's sha256 differs from the recorded one.
+            ArtifactMissingError: the files are neither local nor in Redis.
+        """
+        rec = self.get(version)
+        local = self.artifact_dir / f"v{version}"
+        target = Path(dest) if dest is not None else local
+        if local.is_dir() and all((local / n).is_file() for n in rec.sha256):
+            for n, want in rec.sha256.items():
+                self._check(version, local / n, _sha256_file(local / n), want)
+            if target.resolve() == local.resolve():
+                return local
+            if target.exists():
+                return self._verify_existing(version, rec, target)
+            got = _write_dir_atomically(target, {n: local / n for n in rec.sha256})
+        else:
+            if target != local and target.exists():
+                return self._verify_existing(version, rec, target)
+            if not rec.has_bytes:
+                raise ArtifactMissingError(
+                    f"adapter v{version}: {local} is missing and its bytes are not in Redis; "
+                    f"copy the directory from the host that registered it ({rec.artifact_path}) "
+                    f"or register with store_bytes=True"
+                )
+            with _unavailable(f"HGETALL adapter v{version} bytes"):
+                blobs = self._client.hgetall(self._keys.adapter_blob(version))
+            blobs = {k.decode(): v for k, v in blobs.items()}
+            for n, want in rec.sha256.items():
+                if n not in blobs:
+                    raise ArtifactMissingError(f"adapter v{version}: file {n!r} is not among the bytes stored in Redis")
+                self._check(version, f"redis:{self._keys.adapter_blob(version)}[{n}]", hashlib.sha256(blobs[n]).hexdigest(), want)
+            got = _write_dir_atomically(target, {n: blobs[n] for n in rec.sha256})
+        for n, want in rec.sha256.items():
+            self._check(version, target / n, got[n], want)
+        return target
+
+    def _verify_existing(self, version: int, rec: AdapterRecord, target: Path) -> Path:
+        for n, want in rec.sha256.items():
+            if not (target / n).is_file():
+                raise RegistryError(f"{target} exists but lacks {n}; remove it or fetch into another dest")
+            self._check(version, target / n, _sha256_file(target / n), want)
+        return target
+
+    @staticmethod
+    def _check(version: int, where: object, found: str, want: str) -> None:
+        if found != want:
+            raise IntegrityError(
+                f"adapter v{version}: {where} has sha256 {found}, registered {want}; the file is corrupt "
+                f"or was replaced. Delete it and fetch again (or re-register the adapter)."
+            )
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def promote(self, version: int, reason: str) -> int:
+        """Make ``version`` the active adapter, atomically; returns the previously active version.
+
+        Raises:
+            UnknownVersionError: no such version.
+            InvalidTransitionError: it is rejected, or already active.
+        """
+        now = self._clock()
+        k = self._keys
+        with _unavailable(f"promoting v{version}"):
+            res = self._promote(
+                keys=[k.adapter(version), k.active, k.active_stack, k.promotions],
+                args=[int(version), reason, repr(float(now)), k.events_channel],
+            )
+        code = res[0].decode()
+        if code == "unknown":
+            raise UnknownVersionError(f"cannot promote v{version}: no such adapter version; see list()")
+        if code == "state":
+            raise InvalidTransitionError(
+                f"cannot promote v{version}: it is {res[1].decode()}; register a new adapter instead"
+            )
+        if code == "active":
+            raise InvalidTransitionError(f"cannot promote v{version}: it is already the active version")
+        return int(res[1])
+
+    def rollback(self, reason: str) -> int:
+        """Mark the active version ``rolled_back`` and reactivate the previous promoted version
+        that is still ``promoted`` (0 = base draft if none), atomically. Returns the new active.
+
+        Raises:
+            InvalidTransitionError: no adapter is active (the base draft is already serving).
+        """
+        now = self._clock()
+        k = self._keys
+        with _unavailable("rollback"):
+            res = self._rollback(
+                keys=[k.active, k.active_stack, k.promotions],
+                args=[f"{k.prefix}adapter:v:", reason, repr(float(now)), k.events_channel],
+            )
+        if res[0].decode() == "none":
+            raise InvalidTransitionError("cannot roll back: no adapter is active (version 0, the base draft)")
+        return int(res[1])
+
+    def set_state(self, version: int, state: str, reason: str) -> None:
+        """Set a non-active version's state to ``candidate`` or ``rejected`` (with ``reason``).
+
+        Raises:
+            ValueError: ``state`` is not ``candidate`` or ``rejected`` (use promote()/rollback()).
+            UnknownVersionError: no such version.
+            InvalidTransitionError: ``version`` is active; roll it back first.
+        """
+        if state not in ("candidate", "rejected"):
+            raise ValueError(
+                f"set_state cannot set {state!r}: use 'candidate' or 'rejected'; promote() and rollback() "
+                f"set 'promoted' and 'rolled_back'"
+            )
+        k = self._keys
+        with _unavailable(f"set_state v{version}"):
+            res = self._set_state(
+                keys=[k.adapter(version), k.active, k.promotions],
+                args=[int(version), state, reason, repr(float(self._clock()))],
+            )
+        code = res[0].decode()
+        if code == "unknown":
+            raise UnknownVersionError(f"cannot set state of v{version}: no such adapter version")
+        if code == "active":
+            raise InvalidTransitionError(f"cannot mark v{version} {state}: it is the active version; rollback() first")
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    def active_version(self) -> int:
+        """The active adapter version; 0 = the base draft (no adapter)."""
+        with _unavailable("GET active version"):
+            v = self._client.get(self._keys.active)
+        return int(v) if v is not None else 0
+
+    def get(self, version: int) -> AdapterRecord:
+        """The record of ``version``. Raises UnknownVersionError if there is none."""
+        with _unavailable(f"HGETALL adapter v{version}"):
+            h = self._client.hgetall(self._keys.adapter(version))
+        if not h:
+            raise UnknownVersionError(f"no adapter version {version}; registered versions: see list()")
+        return _record(h)
+
+    def list(self) -> list[AdapterRecord]:
+        """All registered versions, oldest first."""
+        with _unavailable("listing adapters"):
+            versions = self._client.zrange(self._keys.adapter_versions, 0, -1)
+            pipe = self._client.pipeline(transaction=False)
+            for v in versions:
+                pipe.hgetall(self._keys.adapter(int(v)))
+            hashes = pipe.execute()
+        return [_record(h) for h in hashes if h]
+
+    def promotion_log(self, count: int = 100) -> list[dict[str, str]]:
+        """The last ``count`` promote/rollback/set_state events, oldest first (str -> str)."""
+        with _unavailable("XREVRANGE promotions"):
+            raw = self._client.xrevrange(self._keys.promotions, count=count)
+        return [{k.decode(): v.decode() for k, v in f.items()} | {"id": eid.decode()} for eid, f in reversed(raw)]
+
+
+def parse_event(message: dict) -> dict:
+    """Decode a pub/sub message from :attr:`AdapterRegistry.events_channel` into
+    ``{"event", "version", "previous", "reason", "ts"}``."""
+    data = message["data"]
+    return json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+
+
+def _record(h: dict[bytes, bytes]) -> AdapterRecord:
+    g = {k.decode(): v.decode("utf-8") for k, v in h.items()}
+    return AdapterRecord(
+        version=int(g["version"]),
+        parent=int(g["parent"]),
+        created_at=float(g["created_at"]),
+        samples_trained=int(g["samples_trained"]),
+        tokens_trained=int(g["tokens_trained"]),
+        loss=float(g["loss"]),
+        alpha_before=float(g["alpha_before"]),
+        alpha_after=float(g["alpha_after"]),
+        alpha_before_by_workload=json.loads(g["alpha_before_by_workload"]),
+        alpha_after_by_workload=json.loads(g["alpha_after_by_workload"]),
+        state=g["state"],
+        reason=g["reason"],
+        state_changed_at=float(g["state_changed_at"]),
+        artifact_path=g["artifact_path"],
+        sha256=json.loads(g["sha256"]),
+        has_bytes=g.get("has_bytes") == "1",
+    )

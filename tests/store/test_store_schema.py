@@ -1,0 +1,99 @@
+"""VerifiedSample encode/decode: exact round trips, sizes, and the errors readers dead-letter on."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from store.schema import (
+    F_BODY,
+    F_FINGERPRINT,
+    F_RECORD_ID,
+    F_VERSION,
+    F_WORKLOAD,
+    SCHEMA_VERSION,
+    PairFingerprint,
+    SchemaError,
+    decode,
+    encode,
+)
+
+
+def test_round_trip_is_exact(sample_factory):
+    s = sample_factory(seed=3)
+    d = decode(encode(s))
+    assert d == s
+    assert d.topk_probs.dtype == np.float16 and d.topk_ids.dtype == np.int32
+    np.testing.assert_array_equal(d.topk_probs.view(np.uint16), s.topk_probs.view(np.uint16))  # bit-exact
+    assert d.sampling.seed == 3 and d.sampling.temperature == 0.7
+    # the teacher distribution still sums to 1 within 1e-3 after float16 rounding
+    total = d.topk_probs.astype(np.float32).sum(-1) + d.tail_mass
+    assert np.abs(total - 1.0).max() < 1e-3
+
+
+def test_round_trip_64k_tokens(sample_factory):
+    s = sample_factory(n_tokens=65_536, k=32, prompt_len=4096, seed=7)
+    fields = encode(s)
+    d = decode(fields)
+    assert d == s
+    assert d.num_tokens == 65_536 and d.topk_ids.shape == (65_536, 32)
+    # body carries at least the raw arrays: 65536 * 32 * (4 + 2) bytes of top-k alone
+    assert len(fields[F_BODY]) > 65_536 * 32 * 6
+
+
+def test_non_ascii_workload_round_trips(sample_factory):
+    name = "код/編碼 — ünïcødé 🚀"
+    s = sample_factory(workload=name, n_tokens=16)
+    fields = encode(s)
+    assert fields[F_WORKLOAD] == name.encode("utf-8")
+    assert decode(fields).workload == name
+
+
+def test_bytes_per_record_close_to_raw_array_size(sample_factory):
+    s = sample_factory()  # γ=4, 128 tokens, top-32, 200-token prompt
+    n = sum(len(k) + len(v) for k, v in encode(s).items())
+    raw = 200 * 4 + 128 * 4 + 128 * 32 * (4 + 2) + 128 * 4 + 2 * 2 * len(s.proposal_lens)
+    assert raw <= n <= raw + 600  # framing (msgpack, names, pair, ids) stays small
+
+
+def test_fields_in_the_clear(sample_factory):
+    s = sample_factory()
+    f = encode(s)
+    assert f[F_VERSION] == str(SCHEMA_VERSION).encode()
+    assert f[F_RECORD_ID] == s.record_id.encode()
+    assert f[F_FINGERPRINT] == s.pair.key().encode()
+
+
+def test_fingerprint_key_differs_per_pair():
+    a = PairFingerprint("t", "d", "h")
+    assert a.key() == PairFingerprint("t", "d", "h").key()
+    assert a.key() != PairFingerprint("t", "d2", "h").key()
+    assert len(a.key()) == 16
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda f: f.__setitem__(F_VERSION, b"99"), "unknown schema version 99"),
+        (lambda f: f.__setitem__(F_VERSION, b"one"), "is not an integer"),
+        (lambda f: f.__setitem__(F_BODY, b"\xc1\xc1garbage"), "body is not decodable"),
+        (lambda f: f.__setitem__(F_BODY, msgpack.packb([1, 2])), "expected a map"),
+        (lambda f: f.pop(F_BODY), "missing field 'body'"),
+    ],
+)
+def test_decode_errors_name_the_problem(sample_factory, mutate, reason):
+    f = encode(sample_factory(n_tokens=8))
+    mutate(f)
+    with pytest.raises(SchemaError) as ei:
+        decode(f)
+    assert reason in ei.value.reason
+
+
+def test_decode_error_on_truncated_array(sample_factory):
+    f = encode(sample_factory(n_tokens=8))
+    body = msgpack.unpackb(f[F_BODY], raw=False)
+    body["topk_ids"][2] = body["topk_ids"][2][:-3]
+    f[F_BODY] = msgpack.packb(body, use_bin_type=True)
+    with pytest.raises(SchemaError, match="topk_ids"):
+        decode(f)
