@@ -150,8 +150,9 @@ class AcceptanceHistory:
         start: float | None = None,
         end: float | None = None,
     ) -> list[HistoryRow]:
-        """Buckets whose start lies in [``start``, ``end``] (seconds; None = unbounded), filtered
-        by ``workload`` and ``version`` when given, sorted by (ts, workload, version)."""
+        """Buckets overlapping the window [``start``, ``end``] (seconds since the epoch; None =
+        unbounded), i.e. with bucket start in [bucket_of(start), end], filtered by ``workload``
+        and ``version`` when given, sorted by (ts, workload, version)."""
         lo = "-inf" if start is None else self.bucket_of(start)
         hi = "+inf" if end is None else end
         with _unavailable("reading history index"):
