@@ -1,0 +1,154 @@
+"""Benchmark of the verified-sample buffer on a real Redis; prints one JSON object.
+
+Records are realistic: γ = 4, 128 new tokens, top-32 target distributions, ~200-token prompt.
+
+Measured (one process):
+- ``encode_records_per_s``: ``store.schema.encode`` alone, one thread.
+- ``write_records_per_s``: N ``SampleWriter.submit`` calls, then ``flush``; N / wall time
+  from the first submit until Redis acknowledged the last XADD (encode + pipeline + server).
+- ``submit_us_mean`` / ``submit_us_p99``: cost of one ``submit()`` on the caller's thread,
+  which is all the decoder pays inline.
+- ``writer_us_per_record``: wall time per record of the whole write path (1e6 / write rate);
+  an upper bound on the CPU the writer thread can take from the decoder per record (GIL).
+- ``overhead_pct_submit`` and ``overhead_pct_upper_bound``: those two costs relative to one
+  decode of ``--decode-ms`` (default 8000 ms: 128 tokens at ~16 tok/s). Target <= 2 %.
+- ``read_decode_records_per_s``: ``SampleReader.read`` (XREADGROUP + decode + dedupe check)
+  plus ``ack``, until all N are consumed.
+- ``bytes_per_record``: encoded field bytes; ``redis_bytes_per_record``: MEMORY USAGE of the
+  stream / N.
+
+Usage: ``.venv/bin/python bench/store_bench.py [--url redis://127.0.0.1:6379/0] [--n 5000]``.
+Keys live under a unique ``bench:store:<hex>:`` prefix and are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import time
+import uuid
+
+import numpy as np
+
+from store.buffer import SampleReader, SampleWriter
+from store.client import connect
+from store.config import BufferConfig, StoreConfig
+from store.schema import PairFingerprint, SamplingSettings, VerifiedSample, encode
+
+PAIR = PairFingerprint("google/gemma-3-4b-it", "google/gemma-3-270m-it", "bench-tokenizer")
+
+
+def realistic_sample(rng: np.random.Generator, n_tokens: int = 128, k: int = 32, prompt_len: int = 200, gamma: int = 4) -> VerifiedSample:
+    vocab = 262_144
+    prop, rej, emitted = [], [], 0
+    while emitted < n_tokens:
+        r = int(rng.integers(-1, gamma))  # -1 = all γ accepted (+ bonus)
+        prop.append(gamma)
+        rej.append(r)
+        emitted += (gamma if r < 0 else r) + 1
+    logits = rng.standard_normal((n_tokens, k)).astype(np.float32)
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True) * 0.9
+    probs = np.sort(p, axis=-1)[:, ::-1].astype(np.float16)
+    now = time.time()
+    return VerifiedSample(
+        request_id=uuid.uuid4().hex,
+        workload="chat",
+        adapter_version=3,
+        pair=PAIR,
+        prompt_ids=rng.integers(0, vocab, prompt_len),
+        output_ids=rng.integers(0, vocab, n_tokens),
+        proposal_lens=np.array(prop),
+        rejection_pos=np.array(rej),
+        topk_ids=rng.integers(0, vocab, (n_tokens, k)),
+        topk_probs=probs,
+        tail_mass=1.0 - probs.astype(np.float32).sum(-1),
+        sampling=SamplingSettings(temperature=0.0),
+        started_at=now - 8.0,
+        finished_at=now,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--n", type=int, default=5000, help="records to write and read")
+    ap.add_argument("--decode-ms", type=float, default=8000.0, help="latency of one decode to compare against, ms")
+    args = ap.parse_args()
+
+    rng = np.random.default_rng(0)
+    base = [realistic_sample(rng) for _ in range(64)]
+    # distinct record ids (the reader dedupes on them); arrays shared, not copied
+    samples = [dataclasses.replace(base[i % 64], record_id=uuid.uuid4().hex) for i in range(args.n)]
+
+    t = time.perf_counter()
+    enc = [encode(s) for s in samples[:2000]]
+    encode_rate = len(enc) / (time.perf_counter() - t)
+    bytes_per_record = float(np.mean([sum(len(k) + len(v) for k, v in f.items()) for f in enc]))
+
+    client = connect(args.url)
+    prefix = f"bench:store:{uuid.uuid4().hex[:8]}:"
+    cfg = StoreConfig(key_prefix=prefix, buffer=BufferConfig(maxlen=max(args.n, 1000), queue_size=max(args.n, 10_000)))
+    try:
+        w = SampleWriter(client, cfg)
+        lat = np.empty(args.n, dtype=np.int64)
+        t0 = time.perf_counter()
+        for i, s in enumerate(samples):
+            a = time.perf_counter_ns()
+            w.submit(s)
+            lat[i] = time.perf_counter_ns() - a
+        submit_done = time.perf_counter()
+        flushed = w.flush(120)
+        write_s = time.perf_counter() - t0
+        st = w.close()
+        write_rate = st.written / write_s
+        redis_bytes = client.memory_usage(cfg.keys.stream, samples=0) or 0
+
+        r = SampleReader(client, cfg, "bench", "c1", expected_fingerprint=PAIR)
+        got = 0
+        t = time.perf_counter()
+        while got < st.written:
+            batch = r.read(count=500)
+            if not batch:
+                break
+            r.ack(batch)
+            got += len(batch)
+        read_rate = got / (time.perf_counter() - t)
+
+        submit_us_mean = float(lat.mean() / 1e3)
+        writer_us = 1e6 / write_rate
+        decode_us = args.decode_ms * 1e3
+        out = {
+            "records": args.n,
+            "record": {"gamma": 4, "new_tokens": 128, "top_k": 32, "prompt_tokens": 200},
+            "encode_records_per_s": round(encode_rate),
+            "write_records_per_s": round(write_rate),
+            "write_all_flushed": flushed,
+            "submit_loop_records_per_s": round(args.n / (submit_done - t0)),
+            "submit_us_mean": round(submit_us_mean, 2),
+            "submit_us_p99": round(float(np.percentile(lat, 99) / 1e3), 2),
+            "submit_us_max": round(float(lat.max() / 1e3), 1),  # includes waiting for the GIL
+            "writer_us_per_record": round(writer_us, 1),
+            "decode_ms": args.decode_ms,
+            "overhead_pct_submit": float(f"{submit_us_mean / decode_us * 100:.3g}"),
+            "overhead_pct_upper_bound": float(f"{(submit_us_mean + writer_us) / decode_us * 100:.3g}"),
+            "read_decode_records_per_s": round(read_rate),
+            "read_records": got,
+            "bytes_per_record": round(bytes_per_record),
+            "redis_bytes_per_record": round(redis_bytes / max(st.written, 1)),
+            "writer_stats": st.as_dict(),
+            "targets": {"write_records_per_s": ">= 5000", "overhead_pct": "<= 2"},
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "redis": client.info("server")["redis_version"]},
+        }
+    finally:
+        for k in client.scan_iter(match=f"{prefix}*".encode(), count=1000):
+            client.delete(k)
+        client.close()
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
