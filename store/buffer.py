@@ -44,28 +44,19 @@ import collections
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 
 import redis
 import structlog
 
 from store.config import StoreConfig
-from store.errors import StoreUnavailableError
+from store.client import REDIS_DOWN as _REDIS_DOWN
+from store.client import unavailable as _unavailable
 from store.schema import F_FINGERPRINT, F_RECORD_ID, PairFingerprint, SchemaError, VerifiedSample, decode, encode
 
 log = structlog.get_logger(__name__)
 
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
-
-
-@contextmanager
-def _unavailable(what: str) -> Iterator[None]:
-    try:
-        yield
-    except _REDIS_DOWN as e:
-        raise StoreUnavailableError(f"{what}: Redis unreachable ({e}); retry when it is back") from e
 
 
 # --------------------------------------------------------------------------------------------

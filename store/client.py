@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Mapping
 
 import redis
@@ -22,6 +24,17 @@ from store.errors import (  # re-exported: the package's exception hierarchy
 )
 
 MIN_REDIS_VERSION = (6, 2, 0)
+
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # errors that mean "Redis unreachable"
+
+
+@contextmanager
+def unavailable(what: str) -> Iterator[None]:
+    """Re-raise Redis connection/timeout errors inside the block as StoreUnavailableError."""
+    try:
+        yield
+    except REDIS_DOWN as e:
+        raise StoreUnavailableError(f"{what}: Redis unreachable ({e}); retry when it is back") from e
 
 __all__ = [
     "MIN_REDIS_VERSION",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import redis
 
-from store.buffer import _unavailable
+from store.client import unavailable as _unavailable
 from store.config import StoreConfig
 
 INT_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_steps", "alpha_count", "requests")

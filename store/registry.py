@@ -46,7 +46,7 @@ from pathlib import Path
 
 import redis
 
-from store.buffer import _unavailable
+from store.client import unavailable as _unavailable
 from store.config import StoreConfig
 from store.errors import ArtifactMissingError, IntegrityError, InvalidTransitionError, RegistryError, UnknownVersionError
 

@@ -9,8 +9,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
-import pytest
 
 from store.buffer import (
     SampleReader,
