@@ -1,0 +1,58 @@
+"""Fixtures of the trainer tests: a tiny real (target, draft) pair and target-generated samples."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tiny_pair import make_samples, tiny_draft, tiny_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="session")
+def train_samples(target):
+    """96 samples (48 prose, 48 code) with the untrained draft's greedy rejections at gamma 4."""
+    d = tiny_draft()
+    return make_samples(target, 48, "prose", seed=1, draft=d) + make_samples(target, 48, "code", seed=2, draft=d)
+
+
+@pytest.fixture(scope="session")
+def heldout_samples(target):
+    """32 samples from other prompts, never trained on."""
+    return make_samples(target, 16, "prose", seed=101) + make_samples(target, 16, "code", seed=102)
+
+
+@pytest.fixture
+def draft():
+    return tiny_draft()
+
+
+@pytest.fixture
+def redis_client():
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=6379, decode_responses=False)
+    try:
+        r.ping()
+    except redis.ConnectionError:
+        pytest.skip("no Redis on 127.0.0.1:6379")
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def key_prefix(redis_client):
+    prefix = f"test:trainer:{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    keys = list(redis_client.scan_iter(match=prefix + "*"))
+    if keys:
+        redis_client.delete(*keys)

@@ -1,0 +1,140 @@
+"""Distiller on a tiny real Llama draft, distilled from a different tiny Llama target's top-k."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from store.schema import VerifiedSample
+from tiny_pair import PAIR, make_samples, tiny_draft
+from trainer.distill import (
+    BASE,
+    AdapterMismatch,
+    DistillConfig,
+    Distiller,
+    position_weights,
+    rejected_positions,
+)
+
+FAST = dict(lr=3e-3, batch_size=8, max_steps=50, max_epochs=100, max_seconds=300)
+
+
+def _sample(props, rejs, n, k=2):
+    return VerifiedSample(
+        request_id="r", workload="w", adapter_version=0, pair=PAIR,
+        prompt_ids=np.array([1, 2]), output_ids=np.arange(n) % 8,
+        proposal_lens=np.array(props), rejection_pos=np.array(rejs),
+        topk_ids=np.tile(np.arange(k), (n, 1)), topk_probs=np.full((n, k), 0.5 / k), tail_mass=np.full(n, 0.5),
+    )
+
+
+def test_rejected_positions_by_hand():
+    # Steps (gamma, first rejection): (4, 1) emits 2 tokens, correction at 1; (4, -1) emits 5
+    # (bonus at 6); (4, 0) emits 1, correction at 7; (2, -1) truncated after 2 tokens -> N = 10.
+    s = _sample([4, 4, 4, 2], [1, -1, 0, -1], 10)
+    assert np.flatnonzero(rejected_positions(s)).tolist() == [1, 7]
+    assert position_weights(s, "all").tolist() == [1.0] * 10
+    assert np.flatnonzero(position_weights(s, "rejected")).tolist() == [1, 7]
+    w = position_weights(s, "upweight_rejected", 3.0)
+    assert w[1] == w[7] == 3.0 and w.sum() == 8 + 6
+    # Plain steps (gamma = 0) never mark a rejection.
+    assert not rejected_positions(_sample([0, 0, 0], [-1, -1, -1], 3)).any()
+
+
+def test_training_raises_heldout_alpha(draft, train_samples, heldout_samples):
+    dist = Distiller(draft, DistillConfig(**FAST))
+    base = dist.evaluate(heldout_samples, adapter=BASE)
+    r1 = dist.train_round(train_samples)
+    r2 = dist.train_round(train_samples)
+    after = dist.evaluate(heldout_samples)
+    assert r1.finite and r2.finite and r1.steps == r2.steps == 50
+    assert r1.samples == len(train_samples) and r1.tokens == sum(s.num_tokens for s in train_samples)
+    assert r2.loss_last < r1.loss_first
+    # The untrained draft barely overlaps the target; 100 LoRA steps lift held-out alpha a lot.
+    assert base.alpha < 0.15
+    assert after.alpha > base.alpha + 0.3, (base.alpha, after.alpha)
+    assert after.greedy > base.greedy + 0.3
+    for w in ("prose", "code"):
+        assert after.per_workload[w].alpha > base.per_workload[w].alpha + 0.2
+        assert after.per_workload[w].samples == 16
+    assert after.overall.positions == sum(s.num_tokens for s in heldout_samples)
+    # The base draft is still reachable with the adapter disabled, unchanged by training.
+    again = dist.evaluate(heldout_samples, adapter=BASE)
+    assert again.alpha == pytest.approx(base.alpha, abs=1e-6)
+    # Optimiser state is carried across rounds: AdamW's step counter kept counting.
+    state = dist.optimizer.state[dist._params[0]]
+    assert int(state["step"]) == 100
+
+
+def test_evaluate_with_a_snapshot_restores_current_weights(draft, train_samples, heldout_samples):
+    dist = Distiller(draft, DistillConfig(**{**FAST, "max_steps": 20}))
+    snap0 = dist.adapter_state()  # LoRA B = 0: same as the base draft
+    dist.train_round(train_samples)
+    cur = dist.evaluate(heldout_samples)
+    old = dist.evaluate(heldout_samples, adapter=snap0)
+    assert old.alpha == pytest.approx(dist.evaluate(heldout_samples, adapter=BASE).alpha, abs=1e-6)
+    assert dist.evaluate(heldout_samples).alpha == pytest.approx(cur.alpha, abs=1e-7)
+
+
+@pytest.mark.parametrize("how", ["lr_inf", "nan_teacher"])
+def test_non_finite_round_is_rolled_back(draft, train_samples, how):
+    cfg = DistillConfig(**{**FAST, "max_steps": 5, "lr": float("inf") if how == "lr_inf" else 1e-3})
+    dist = Distiller(draft, cfg)
+    samples = list(train_samples[:16])
+    if how == "nan_teacher":
+        bad = samples[3]
+        probs = bad.topk_probs.copy()
+        probs[2, 0] = np.nan
+        samples[3] = VerifiedSample(**{**bad.__dict__, "topk_probs": probs})
+        samples = samples[3:4] + samples  # first batch holds it
+    before = dist.adapter_state()
+    res = dist.train_round(samples)
+    assert not res.finite and "non-finite" in res.reason
+    after = dist.adapter_state()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert dist._weights_finite()
+
+
+def test_time_bound_uses_injected_clock(draft, train_samples):
+    t = [0.0]
+
+    def clock():
+        t[0] += 1.0
+        return t[0]
+
+    dist = Distiller(draft, DistillConfig(**{**FAST, "max_steps": 1000, "max_seconds": 5.0}), clock=clock)
+    res = dist.train_round(train_samples)
+    assert res.finite and 1 <= res.steps <= 5
+
+
+def test_rejected_weighting_skips_samples_without_rejections(draft, target):
+    plain = make_samples(target, 8, seed=5)  # gamma = 0: no draft was wrong anywhere
+    dist = Distiller(draft, DistillConfig(**{**FAST, "weighting": "rejected"}))
+    res = dist.train_round(plain)
+    assert res.finite and res.steps == 0 and res.tokens == 0
+
+
+def test_save_and_load_adapter(tmp_path, draft, train_samples, heldout_samples):
+    dist = Distiller(draft, DistillConfig(**{**FAST, "max_steps": 20}))
+    dist.train_round(train_samples)
+    out = dist.save(tmp_path / "a")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 16
+    fresh = Distiller(tiny_draft(), DistillConfig(**FAST))
+    fresh.load_adapter_weights(out)
+    assert fresh.evaluate(heldout_samples).alpha == pytest.approx(dist.evaluate(heldout_samples).alpha, abs=1e-6)
+    other = Distiller(tiny_draft(), DistillConfig(**{**FAST, "lora_r": 4}))
+    with pytest.raises(AdapterMismatch, match="r=16"):
+        other.load_adapter_weights(out)
+    with pytest.raises(Exception, match="not empty"):
+        dist.save(tmp_path / "a")
+
+
+def test_config_errors_name_the_value():
+    with pytest.raises(ValueError, match="'kl'"):
+        DistillConfig(loss="kl")
+    with pytest.raises(ValueError, match="'some'"):
+        DistillConfig(weighting="some")

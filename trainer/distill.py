@@ -1,0 +1,486 @@
+"""LoRA distillation of the target's stored distributions into the draft.
+
+Online Speculative Decoding (Liu et al., ICML 2024) re-runs draft and target on buffered requests
+and minimises a divergence at the positions where the draft was wrong. Here the target's side is
+already in each ``VerifiedSample`` (top-k + tail per emitted position), so only the draft runs,
+and only a LoRA adapter (peft) is trained, never the draft's own weights.
+
+For a sample with P prompt tokens and N emitted tokens the draft reads
+``prompt_ids ++ output_ids[:-1]`` (length P + N - 1) and its logits at sequence index P - 1 + j
+are distilled towards the target's row j, p(. | prompt, output[:j]), for j in 0..N-1.
+
+The ``Distiller`` owns the peft-wrapped draft and its AdamW state (carried across rounds);
+the caller (``trainer.service``) decides what to train on and whether to publish.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import PreTrainedModel
+
+from store.schema import VerifiedSample
+from trainer import losses as L
+
+ADAPTER_NAME = "draftd"
+WEIGHTINGS = ("all", "rejected", "upweight_rejected")
+
+
+class TrainerError(Exception):
+    """Base class of the trainer's errors."""
+
+
+class AdapterMismatch(TrainerError):
+    """A saved adapter does not fit the Distiller's LoRA config."""
+
+
+@dataclass
+class DistillConfig:
+    """How a round of distillation runs. Library code takes this object; only daemon/ reads env."""
+
+    # Divergence minimised per position, one of trainer.losses.LOSSES. Default forward KL:
+    # measured on the tiny pair (bench/train_bench.py --pair tiny, 2 cores, 120 steps) it raised
+    # held-out alpha the most per step and per second among forward_kl / reverse_kl / jsd / tv
+    # (numbers in the trainer's closing note and the bench output); TV optimises alpha directly but
+    # its gradient vanishes where q has no mass (d|p-q|/dlogit = q * sign), so it starts slowly
+    # from an untrained draft, and reverse KL / JSD are mode-seeking with the same problem.
+    loss: str = "forward_kl"
+    # beta of the generalised JSD (GKD): weight of the target in the mixture m = beta p + (1-beta) q.
+    jsd_beta: float = 0.5
+    # Which output positions count: "all"; "rejected" = only where the draft was wrong (OSD), i.e.
+    # the target's correction token of each step with a rejection; "upweight_rejected" = all, with
+    # rejected positions weighted ``rejected_weight``. Bootstrap samples (gamma = 0) have no
+    # rejections, so they need "all" or "upweight_rejected".
+    weighting: str = "all"
+    rejected_weight: float = 4.0
+    # LoRA (peft LoraConfig fields): rank, scaling alpha, dropout, modules ("all-linear" = every
+    # linear layer of the draft except the LM head).
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+    # AdamW learning rate and weight decay; state is kept across rounds.
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    # Gradient clipping by global L2 norm (0 disables).
+    grad_clip: float = 1.0
+    # Bounds of one round: optimiser steps, wall seconds (checked before each step, so a round may
+    # overrun by one step), and passes over the round's samples.
+    max_steps: int = 64
+    max_seconds: float = 120.0
+    max_epochs: int = 4
+    # Sequences per optimiser step, and the longest input fed to the draft (older prompt tokens are
+    # dropped first, then the output is cut).
+    batch_size: int = 4
+    max_seq_len: int = 512
+    # Seed of the per-round sample order.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss not in L.LOSSES:
+            raise ValueError(f"DistillConfig.loss={self.loss!r}; choose one of {L.LOSSES}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"DistillConfig.weighting={self.weighting!r}; choose one of {WEIGHTINGS}")
+        if self.loss == "jsd" and not 0.0 < self.jsd_beta < 1.0:
+            raise ValueError(f"DistillConfig.jsd_beta={self.jsd_beta} must lie strictly between 0 and 1")
+        if self.batch_size < 1 or self.max_seq_len < 2:
+            raise ValueError(
+                f"DistillConfig batch_size={self.batch_size} must be >= 1 and max_seq_len={self.max_seq_len} >= 2"
+            )
+
+
+@dataclass
+class RoundResult:
+    """What one ``train_round`` did. ``finite`` False means the round was rolled back."""
+
+    steps: int
+    samples: int  # distinct samples that went into at least one step
+    tokens: int  # their output positions with non-zero weight
+    loss_first: float  # weighted loss of the first step (nan when no step ran)
+    loss_last: float  # weighted loss of the last step
+    seconds: float
+    finite: bool
+    reason: str = ""
+
+
+@dataclass
+class EvalCounts:
+    """Counts over evaluated output positions; rates are derived when read."""
+
+    samples: int = 0
+    positions: int = 0
+    alpha_sum: float = 0.0  # sum over positions of sum_b min(p_b, q_b) (top-k + tail buckets)
+    greedy_matches: int = 0  # positions where the draft's argmax == the target's top-1 id
+
+    @property
+    def alpha(self) -> float:
+        """Mean per-position alpha = alpha_sum / positions (nan when no positions)."""
+        return self.alpha_sum / self.positions if self.positions else float("nan")
+
+    @property
+    def greedy(self) -> float:
+        """Greedy agreement = greedy_matches / positions (nan when no positions)."""
+        return self.greedy_matches / self.positions if self.positions else float("nan")
+
+    def add(self, other: EvalCounts) -> None:
+        self.samples += other.samples
+        self.positions += other.positions
+        self.alpha_sum += other.alpha_sum
+        self.greedy_matches += other.greedy_matches
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "alpha": self.alpha, "greedy": self.greedy}
+
+
+@dataclass
+class EvalResult:
+    """Held-out evaluation, overall and per workload tag."""
+
+    overall: EvalCounts = field(default_factory=EvalCounts)
+    per_workload: dict[str, EvalCounts] = field(default_factory=dict)
+
+    @property
+    def alpha(self) -> float:
+        return self.overall.alpha
+
+    @property
+    def greedy(self) -> float:
+        return self.overall.greedy
+
+    def pooled(self, workloads: Sequence[str]) -> EvalCounts:
+        """Counts pooled over the given workloads (positions-weighted, not a mean of means)."""
+        out = EvalCounts()
+        for w in workloads:
+            if w in self.per_workload:
+                out.add(self.per_workload[w])
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "overall": self.overall.to_dict(),
+            "per_workload": {w: c.to_dict() for w, c in sorted(self.per_workload.items())},
+        }
+
+
+# The adapter's trainable tensors, by parameter name (a snapshot, detached and cloned).
+AdapterState = dict[str, torch.Tensor]
+# Sentinel for ``evaluate(adapter=BASE)``: the draft with the adapter disabled.
+BASE = "base"
+
+
+def rejected_positions(sample: VerifiedSample) -> np.ndarray:
+    """(N,) bool: output positions where the draft was wrong (the target's correction tokens).
+
+    Step s emits accepted_len[s] + 1 tokens (accepted prefix, then a correction or the bonus),
+    except possibly the last step, truncated by a stop. When rejection_pos[s] >= 0 the token at
+    offset accepted_len[s] of that step is the target's correction. Plain steps (gamma = 0) have
+    rejection_pos -1 and mark nothing.
+    """
+    n = sample.num_tokens
+    mask = np.zeros(n, dtype=bool)
+    offset = 0
+    for acc, rej in zip(sample.accepted_lens, sample.rejection_pos):
+        if rej >= 0 and offset + acc < n:
+            mask[offset + acc] = True
+        offset += int(acc) + 1
+    return mask
+
+
+def position_weights(sample: VerifiedSample, weighting: str, rejected_weight: float = 4.0) -> np.ndarray:
+    """(N,) float32 weight per output position for the given weighting mode (see DistillConfig)."""
+    if weighting == "all":
+        return np.ones(sample.num_tokens, dtype=np.float32)
+    rej = rejected_positions(sample)
+    if weighting == "rejected":
+        return rej.astype(np.float32)
+    if weighting == "upweight_rejected":
+        return np.where(rej, rejected_weight, 1.0).astype(np.float32)
+    raise ValueError(f"weighting={weighting!r}; choose one of {WEIGHTINGS}")
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor  # (B, T) int64, right-padded with 0
+    attention_mask: torch.Tensor  # (B, T) int64
+    rows_b: torch.Tensor  # (M,) batch index of each distilled position
+    rows_t: torch.Tensor  # (M,) sequence index of each distilled position
+    topk_ids: torch.Tensor  # (M, k) int64
+    p: torch.Tensor  # (M, k+1) teacher buckets, float32
+    weights: torch.Tensor  # (M,) float32
+    row_sample: np.ndarray  # (M,) index into the batch's samples
+
+
+def _build_batch(
+    samples: Sequence[VerifiedSample], cfg: DistillConfig, device: torch.device, weighting: str = "all"
+) -> _Batch:
+    ks = {s.topk_ids.shape[1] for s in samples}
+    if len(ks) != 1:
+        raise TrainerError(f"samples in one batch have different top-k widths {sorted(ks)}; the decoder's k must be fixed")
+    seqs, rows_b, rows_t, ids, probs, tails, weights, row_sample = [], [], [], [], [], [], [], []
+    L_max = cfg.max_seq_len
+    for b, s in enumerate(samples):
+        n = min(s.num_tokens, L_max)  # kept output positions (>= 1 prompt token must remain)
+        p_keep = min(len(s.prompt_ids), L_max - n + 1)
+        if p_keep < 1:
+            raise TrainerError(f"sample {s.record_id} has an empty prompt; the draft needs one token of context")
+        prompt = s.prompt_ids[len(s.prompt_ids) - p_keep :]
+        seq = np.concatenate([prompt, s.output_ids[: n - 1]])  # (p_keep + n - 1,)
+        seqs.append(seq)
+        rows_b.append(np.full(n, b))
+        rows_t.append(p_keep - 1 + np.arange(n))
+        ids.append(s.topk_ids[:n])
+        probs.append(s.topk_probs[:n])
+        tails.append(s.tail_mass[:n])
+        weights.append(position_weights(s, weighting, cfg.rejected_weight)[:n])
+        row_sample.append(np.full(n, b))
+    T = max(len(x) for x in seqs)
+    input_ids = np.zeros((len(seqs), T), dtype=np.int64)
+    mask = np.zeros((len(seqs), T), dtype=np.int64)
+    for b, x in enumerate(seqs):
+        input_ids[b, : len(x)] = x
+        mask[b, : len(x)] = 1
+    p = L.teacher_buckets(torch.from_numpy(np.concatenate(probs)), torch.from_numpy(np.concatenate(tails)))
+    return _Batch(
+        input_ids=torch.from_numpy(input_ids).to(device),
+        attention_mask=torch.from_numpy(mask).to(device),
+        rows_b=torch.from_numpy(np.concatenate(rows_b)).to(device),
+        rows_t=torch.from_numpy(np.concatenate(rows_t)).to(device),
+        topk_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(device),
+        p=p.to(device),
+        weights=torch.from_numpy(np.concatenate(weights)).to(device),
+        row_sample=np.concatenate(row_sample),
+    )
+
+
+class Distiller:
+    """The draft wrapped with a peft LoRA adapter, trained round by round.
+
+    Args:
+        draft: the draft model (injected by the daemon). ``get_peft_model`` injects LoRA layers
+            into it in place; the caller should use ``distiller.model`` from then on.
+        config: DistillConfig.
+        clock: monotonic seconds, injected so tests can drive the round's time bound.
+    """
+
+    def __init__(self, draft: PreTrainedModel, config: DistillConfig, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.lora_config = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=config.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        self.model: PeftModel = get_peft_model(draft, self.lora_config, adapter_name=ADAPTER_NAME)
+        self.model.eval()
+        self.device = next(self.model.parameters()).device
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer = self._new_optimizer()
+        self._rounds = 0
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self._params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+
+    # ---- adapter state ---------------------------------------------------------------------
+
+    def adapter_state(self) -> AdapterState:
+        """A detached copy of the adapter's trainable tensors (small: LoRA A and B only)."""
+        return {n: p.detach().clone() for n, p in zip(self._names, self._params)}
+
+    def load_adapter_state(self, state: AdapterState) -> None:
+        """Copy a snapshot from ``adapter_state`` back into the adapter."""
+        with torch.no_grad():
+            for n, p in zip(self._names, self._params):
+                p.copy_(state[n])
+
+    def _weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self._params)
+
+    # ---- training --------------------------------------------------------------------------
+
+    def _batch_loss(self, batch: _Batch) -> torch.Tensor:
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, T, V)
+        logq = torch.log_softmax(logits[batch.rows_b, batch.rows_t].float(), dim=-1)  # (M, V)
+        logq_b = L.student_bucket_logprobs(logq, batch.topk_ids)  # (M, k+1)
+        per_pos = L.per_position_loss(self.config.loss, batch.p, logq_b, self.config.jsd_beta)  # (M,)
+        return L.weighted_mean(per_pos, batch.weights)
+
+    def train_round(self, samples: Sequence[VerifiedSample]) -> RoundResult:
+        """Train the adapter on ``samples`` within the config's step, time and epoch bounds.
+
+        The adapter weights and optimiser state are snapshotted first; if a loss, gradient step or
+        the resulting weights are non-finite, both are restored and the result has
+        ``finite=False`` (the caller must not publish). Batches whose positions all have weight 0
+        (e.g. "rejected" weighting with no rejections) are skipped without a step.
+        """
+        cfg = self.config
+        t0 = self.clock()
+        samples = [s for s in samples if s.num_tokens > 0]
+        snapshot = self.adapter_state()
+        opt_snapshot = copy.deepcopy(self.optimizer.state_dict())
+        gen = torch.Generator().manual_seed(cfg.seed + self._rounds)
+        self._rounds += 1
+        steps, used, tokens = 0, set(), 0
+        loss_first = loss_last = float("nan")
+
+        def result(finite: bool, reason: str = "") -> RoundResult:
+            return RoundResult(steps, len(used), tokens, loss_first, loss_last, self.clock() - t0, finite, reason)
+
+        def rollback(reason: str) -> RoundResult:
+            self.load_adapter_state(snapshot)
+            self.optimizer.load_state_dict(opt_snapshot)
+            self.model.eval()
+            return result(False, reason)
+
+        self.model.train()
+        try:
+            for _epoch in range(cfg.max_epochs):
+                order = torch.randperm(len(samples), generator=gen).tolist()
+                for i in range(0, len(order), cfg.batch_size):
+                    if steps >= cfg.max_steps or self.clock() - t0 >= cfg.max_seconds:
+                        return result(True)
+                    idx = order[i : i + cfg.batch_size]
+                    batch = _build_batch([samples[j] for j in idx], cfg, self.device, cfg.weighting)
+                    if float(batch.weights.sum()) <= 0:
+                        continue
+                    loss = self._batch_loss(batch)
+                    if not torch.isfinite(loss):
+                        return rollback(f"non-finite loss {loss.item()} at step {steps}")
+                    self.optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if cfg.grad_clip > 0:
+                        torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip)
+                    self.optimizer.step()
+                    if not self._weights_finite():
+                        return rollback(f"non-finite adapter weights after step {steps} (lr={cfg.lr})")
+                    loss_last = loss.item()
+                    if steps == 0:
+                        loss_first = loss_last
+                    steps += 1
+                    for j in idx:
+                        if j not in used:
+                            used.add(j)
+                            tokens += int((position_weights(samples[j], cfg.weighting, cfg.rejected_weight) > 0).sum())
+            return result(True)
+        finally:
+            self.model.eval()
+
+    # ---- evaluation ------------------------------------------------------------------------
+
+    @contextmanager
+    def _weights(self, adapter: AdapterState | str | None) -> Iterator[None]:
+        """Evaluate under: None = current adapter; BASE = adapter disabled; a state = that snapshot."""
+        if adapter is None:
+            yield
+        elif isinstance(adapter, str):
+            if adapter != BASE:
+                raise ValueError(f"adapter={adapter!r}; pass None, trainer.distill.BASE or an AdapterState")
+            with self.model.disable_adapter():
+                yield
+        else:
+            current = self.adapter_state()
+            self.load_adapter_state(adapter)
+            try:
+                yield
+            finally:
+                self.load_adapter_state(current)
+
+    @torch.no_grad()
+    def evaluate(
+        self, samples: Sequence[VerifiedSample], adapter: AdapterState | str | None = None, batch_size: int | None = None
+    ) -> EvalResult:
+        """Held-out alpha and greedy agreement, overall and per workload, over all output positions.
+
+        alpha per position = sum_b min(p_b, q_b) over the stored support (target's top-k ids and
+        the tail bucket); greedy agreement = draft argmax over its full vocabulary equals the
+        target's most probable id. Both are pooled over positions.
+
+        Args:
+            samples: samples never trained on.
+            adapter: None (current weights), ``BASE`` (the draft without adapter), or an
+                ``AdapterState`` snapshot (e.g. the promoted adapter's).
+        """
+        res = EvalResult()
+        samples = [s for s in samples if s.num_tokens > 0]
+        bs = batch_size or max(self.config.batch_size, 8)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._weights(adapter):
+                for i in range(0, len(samples), bs):
+                    chunk = samples[i : i + bs]
+                    batch = _build_batch(chunk, self.config, self.device)
+                    logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+                    logq = torch.log_softmax(logits[batch.rows_b, batch.rows_t].float(), dim=-1)  # (M, V)
+                    a = L.alpha(batch.p, L.student_bucket_logprobs(logq, batch.topk_ids)).cpu().numpy()  # (M,)
+                    top1 = batch.topk_ids.gather(-1, batch.p[:, :-1].argmax(-1, keepdim=True)).squeeze(-1)  # (M,)
+                    match = (logq.argmax(-1) == top1).cpu().numpy()  # (M,)
+                    for b, s in enumerate(chunk):
+                        rows = batch.row_sample == b
+                        c = EvalCounts(1, int(rows.sum()), float(a[rows].sum()), int(match[rows].sum()))
+                        res.overall.add(c)
+                        res.per_workload.setdefault(s.workload, EvalCounts()).add(c)
+        finally:
+            self.model.train(was_training)
+        return res
+
+    # ---- persistence -----------------------------------------------------------------------
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the adapter in peft's layout (adapter_config.json + adapter_model.safetensors).
+
+        ``directory`` must not exist or be empty; the files land directly in it (peft would nest
+        a non-default adapter name in a sub-folder; we flatten it so any loader reads the dir).
+        """
+        if not self._weights_finite():
+            raise TrainerError("refusing to save an adapter with non-finite weights")
+        out = Path(directory)
+        if out.exists() and any(out.iterdir()):
+            raise TrainerError(f"adapter directory {out} is not empty; pass a fresh directory")
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            self.model.save_pretrained(tmp, selected_adapters=[ADAPTER_NAME])
+            src = Path(tmp) / ADAPTER_NAME
+            if not src.is_dir():
+                src = Path(tmp)
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                shutil.move(str(src / name), str(out / name))
+        return out
+
+    def load_adapter_weights(self, directory: str | Path) -> None:
+        """Start from a saved adapter (e.g. the registry's promoted version).
+
+        The adapter's rank and target modules must match this Distiller's config. The optimiser
+        state is reset: its moments belonged to other weights.
+        """
+        d = Path(directory)
+        cfg_path, w_path = d / "adapter_config.json", d / "adapter_model.safetensors"
+        if not cfg_path.is_file() or not w_path.is_file():
+            raise AdapterMismatch(f"{d} has no adapter_config.json + adapter_model.safetensors (peft layout)")
+        saved = json.loads(cfg_path.read_text())
+        if saved.get("r") != self.config.lora_r:
+            raise AdapterMismatch(f"adapter in {d} has rank r={saved.get('r')}, this trainer uses lora_r={self.config.lora_r}")
+        result = set_peft_model_state_dict(self.model, load_file(str(w_path)), adapter_name=ADAPTER_NAME)
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise AdapterMismatch(f"adapter in {d} has tensors this draft lacks, e.g. {unexpected[:3]}")
+        missing = [k for k in (getattr(result, "missing_keys", []) or []) if "lora_" in k]
+        if missing:
+            raise AdapterMismatch(f"adapter in {d} lacks LoRA tensors of this config, e.g. {missing[:3]}")
+        if not self._weights_finite():
+            raise AdapterMismatch(f"adapter in {d} has non-finite weights")
+        self.optimizer = self._new_optimizer()
