@@ -291,6 +291,7 @@ class Distiller:
         self._names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = self._new_optimizer()
         self._rounds = 0
+        self._initial = self.adapter_state()  # peft's init: LoRA B = 0, so the adapter is a no-op
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self._params, lr=self.config.lr, weight_decay=self.config.weight_decay)
@@ -306,6 +307,11 @@ class Distiller:
         with torch.no_grad():
             for n, p in zip(self._names, self._params):
                 p.copy_(state[n])
+
+    def reset_adapter(self) -> None:
+        """Back to the freshly initialised adapter (a no-op on the draft) with a new optimiser."""
+        self.load_adapter_state(self._initial)
+        self.optimizer = self._new_optimizer()
 
     def _weights_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self._params)

@@ -1,0 +1,194 @@
+"""TrainerService on a real Redis stream and a real registry, with the tiny Llama pair."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from store.buffer import SampleReader, SampleWriter, group_info
+from store.config import StoreConfig
+from store.registry import AdapterRegistry
+from tiny_pair import PAIR, make_samples, tiny_draft
+from trainer.distill import DistillConfig, Distiller, EvalCounts, EvalResult
+from trainer.service import ServiceConfig, TrainerService, gate, group_lag, is_heldout
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+FAST = DistillConfig(lr=3e-3, batch_size=8, max_steps=40, max_epochs=100, max_seconds=120)
+
+
+def write(client, cfg, samples):
+    with SampleWriter(client, cfg) as w:
+        for s in samples:
+            assert w.submit(s)
+        assert w.flush(10)
+
+
+def pending(client, cfg) -> int:
+    return next(g.pending for g in group_info(client, cfg) if g.name == "trainer")
+
+
+@pytest.fixture
+def env(redis_client, key_prefix, tmp_path):
+    cfg = StoreConfig(key_prefix=key_prefix)
+    registry = AdapterRegistry(redis_client, tmp_path / "artifacts", cfg)
+    return redis_client, cfg, registry, tmp_path
+
+
+def make_service(env, consumer="c1", distill=FAST, **kw):
+    client, cfg, registry, tmp = env
+    reader = SampleReader(client, cfg, "trainer", consumer, expected_fingerprint=PAIR)
+    scfg = ServiceConfig(**{"min_eval_samples": 4, "work_dir": str(tmp / "work"), **kw})
+    return TrainerService(reader, registry, Distiller(tiny_draft(), distill), scfg, backlog=lambda: group_lag(client, cfg, "trainer"))
+
+
+def test_round_registers_promotes_and_acks(env, train_samples, heldout_samples):
+    client, cfg, registry, _ = env
+    samples = train_samples + heldout_samples
+    write(client, cfg, samples)
+    svc = make_service(env)
+    rep = svc.run_round_now()
+    n_held = sum(is_heldout(s.record_id, 0.2) for s in samples)
+    assert rep.read == len(samples) and rep.trained_on == len(samples) - n_held and rep.heldout_added == n_held
+    assert rep.decision == "promoted", rep.reason
+    assert rep.version == 1 and registry.active_version() == 1
+    rec = registry.get(1)
+    assert rec.state == "promoted" and rec.parent == 0 and rec.samples_trained == rep.trained_on
+    assert rec.alpha_after > rec.alpha_before + 0.2, (rec.alpha_before, rec.alpha_after)
+    assert set(rec.alpha_after_by_workload) == {"prose", "code"}
+    assert sorted(p.name for p in (Path(rec.artifact_path)).iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert rep.acked == len(samples) and pending(client, cfg) == 0
+    assert list((Path(env[3]) / "work" / "candidates").iterdir()) == []
+    # Nothing new: an idle round, nothing registered.
+    rep2 = svc.run_round_now()
+    assert rep2.decision == "idle" and len(registry.list()) == 1
+    st = svc.status()
+    assert st["rounds"] == 2 and st["promoted_version"] == 1 and sum(st["heldout"].values()) == rep.heldout_added
+
+
+def test_rejected_candidate_is_registered_with_reason(env, train_samples):
+    client, cfg, registry, _ = env
+    write(client, cfg, train_samples)
+    svc = make_service(env, promote_margin=2.0)  # alpha cannot rise by 2
+    rep = svc.run_round_now()
+    assert rep.decision == "rejected" and "below promote_margin 2.0" in rep.reason
+    rec = registry.get(rep.version)
+    assert rec.state == "rejected" and "promote_margin" in rec.reason
+    assert registry.active_version() == 0 and pending(client, cfg) == 0
+
+
+def test_non_finite_round_is_not_registered(env, train_samples):
+    client, cfg, registry, _ = env
+    write(client, cfg, train_samples[:20])
+    distill = DistillConfig(lr=float("inf"), max_steps=3)
+    rep = make_service(env, distill=distill).run_round_now()
+    assert rep.decision == "non_finite" and "non-finite" in rep.reason
+    assert registry.list() == [] and pending(client, cfg) == 0
+
+
+def test_scheduled_round_triggered_by_backlog(env, train_samples, heldout_samples):
+    client, cfg, registry, _ = env
+    svc = make_service(env, interval_s=3600, check_interval_s=0.2, min_new_samples=50)
+    svc.start()
+    try:
+        assert svc.status()["next_run_time"] is not None
+        write(client, cfg, train_samples + heldout_samples)
+        deadline = time.time() + 120
+        while svc.status()["rounds"] == 0 and time.time() < deadline:
+            time.sleep(0.2)
+        while svc.status()["running"] and time.time() < deadline:
+            time.sleep(0.2)
+        last = svc.status()["last_round"]
+        assert last is not None and last["trigger"] == "backlog", last
+        assert last["decision"] == "promoted", last["reason"]
+        assert registry.active_version() == last["version"]
+        svc.pause()
+        assert svc.status()["paused"]
+        svc.resume()
+    finally:
+        svc.stop()
+    assert pending(client, cfg) == 0
+
+
+def test_follows_operator_rollback(env, train_samples, target):
+    client, cfg, registry, _ = env
+    write(client, cfg, train_samples)
+    svc = make_service(env)
+    assert svc.run_round_now().decision == "promoted"
+    registry.rollback("operator says no")
+    svc._sync_active()  # what the next round does first
+    assert svc.status()["promoted_version"] == 0
+    init = Distiller(tiny_draft(), FAST).adapter_state()
+    now = svc.distiller.adapter_state()
+    assert all(torch.equal(init[n], now[n]) for n in init if "lora_B" in n)  # restarted from the base draft
+    write(client, cfg, make_samples(target, 8, "prose", seed=55))
+    assert svc.run_round_now().parent == 0
+
+
+def _eval(per: dict[str, tuple[int, float]]) -> EvalResult:
+    r = EvalResult()
+    for w, (n, a) in per.items():
+        c = EvalCounts(samples=n, positions=10 * n, alpha_sum=a * 10 * n, greedy_matches=0)
+        r.per_workload[w] = c
+        r.overall.add(c)
+    return r
+
+
+def test_gate():
+    cfg = ServiceConfig(min_eval_samples=8, promote_margin=0.01, regress_margin=0.02)
+    before = _eval({"prose": (10, 0.50), "code": (10, 0.60), "rare": (2, 0.9)})
+    ok, why = gate(before, _eval({"prose": (10, 0.55), "code": (10, 0.59), "rare": (2, 0.1)}), {"prose"}, cfg)
+    assert ok, why  # code dropped 0.01 <= 0.02; "rare" has too few samples to count
+    ok, why = gate(before, _eval({"prose": (10, 0.505), "code": (10, 0.6), "rare": (2, 0.9)}), {"prose"}, cfg)
+    assert not ok and "below promote_margin" in why
+    ok, why = gate(before, _eval({"prose": (10, 0.6), "code": (10, 0.5), "rare": (2, 0.9)}), {"prose"}, cfg)
+    assert not ok and "code 0.6000 -> 0.5000" in why
+    ok, why = gate(before, _eval({"prose": (10, 0.9), "code": (10, 0.6), "rare": (2, 0.9)}), {"rare"}, cfg)
+    assert not ok and "not enough held-out samples" in why
+    # Pooled over the trained workloads, positions-weighted.
+    ok, _ = gate(before, _eval({"prose": (10, 0.53), "code": (10, 0.60), "rare": (2, 0.9)}), {"prose", "code"}, cfg)
+    assert ok
+
+
+def test_crash_mid_round_leaves_nothing_and_samples_are_redelivered(env, train_samples, heldout_samples):
+    client, cfg, registry, tmp = env
+    samples = train_samples + heldout_samples
+    write(client, cfg, samples)
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "service_child.py"), cfg.key_prefix, str(tmp / "artifacts"), str(tmp / "work")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+    )
+    try:
+        deadline = time.time() + 180
+        line = ""
+        while time.time() < deadline:
+            line = child.stdout.readline()
+            if line.startswith("TRAINING") or not line:
+                break
+        assert line.startswith("TRAINING"), f"child did not start training: {line!r}"
+        time.sleep(1.0)  # mid-round
+        assert child.poll() is None
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(30)
+    # No adapter visible, nothing active, every entry still pending (held by the dead consumer).
+    assert registry.list() == [] and registry.active_version() == 0
+    assert not any(p.name.startswith("v") for p in (tmp / "artifacts").glob("*"))
+    assert pending(client, cfg) == len(samples)
+    # A new trainer reclaims them and its round succeeds (the stale candidate dir is cleared).
+    svc = make_service(env, consumer="survivor", reclaim_min_idle_ms=0)
+    rep = svc.run_round_now()
+    assert rep.reclaimed == len(samples) and rep.read == len(samples)
+    assert rep.decision == "promoted", rep.reason
+    assert [r.version for r in registry.list()] == [rep.version]
+    assert pending(client, cfg) == 0

@@ -1,0 +1,378 @@
+"""The trainer service: buffer -> rounds of distillation -> gated, registered adapters.
+
+A round (``TrainerService.run_round_now`` or the scheduler):
+
+1. Reclaim entries a dead consumer held (XAUTOCLAIM after ``reclaim_min_idle_ms``), then read
+   new ones, up to ``max_samples_per_round`` (any overflow is carried to the next round, never
+   dropped: the reader holds it pending).
+2. Split by record id: a fixed hash bucket of record ids (``holdout_fraction``) is held out, so
+   a redelivered sample always lands on the same side and a held-out sample is never trained
+   on. Held-out samples are kept in memory, the most recent ``holdout_per_workload`` per
+   workload.
+3. Evaluate the promoted adapter (or the base draft) on the held-out slice, train a candidate,
+   evaluate it on the same slice.
+4. Gate (``gate``): promote only if the candidate's alpha, pooled over the workloads it trained
+   on, beats the promoted adapter's by ``promote_margin``, and no workload with at least
+   ``min_eval_samples`` held-out samples drops by more than ``regress_margin``.
+5. Register every finite candidate (promoted or rejected, with the numbers and the reason), then
+   XACK the round's entries. A crash before the registration leaves the entries pending, so they
+   are redelivered (to this consumer on restart, or reclaimed by another one); a crash between
+   registration and ack retrains them once more (delivery is at least once; the reader drops
+   entries whose record id was already acked).
+
+A candidate that is not promoted is not thrown away: the next round keeps training it (the
+promoted snapshot is kept separately for evaluation), so small gains can accumulate past the
+margin. A non-finite round is rolled back inside the Distiller and never registered; its
+entries are acked (retrying the same data would fail the same way) and the round is reported.
+If the registry's active version changes behind our back (operator promote or rollback), the
+next round restarts training from the newly active adapter.
+
+Scheduling: an APScheduler ``BackgroundScheduler`` runs the round job every ``interval_s``
+(``max_instances=1``, ``coalesce=True``) and a cheap check job every ``check_interval_s`` that
+pulls the round forward when at least ``min_new_samples`` entries wait in the group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import structlog
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from store.registry import AdapterMeta
+from store.schema import VerifiedSample
+from trainer.distill import BASE, AdapterState, Distiller, EvalResult, RoundResult
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class ServiceConfig:
+    """Scheduling, round bounds, held-out split and the promotion gate."""
+
+    interval_s: float = 300.0  # a round at least this often (if there is anything to train on)
+    min_new_samples: int = 64  # ... or as soon as this many new entries wait in the group
+    check_interval_s: float = 5.0  # how often the cheap backlog check runs
+    max_samples_per_round: int = 256  # entries taken per round (reclaimed + new)
+    read_block_ms: int | None = None  # XREADGROUP BLOCK for the round's reads (None = no wait)
+    reclaim_min_idle_ms: int = 120_000  # entries idle this long in another consumer are taken over
+    holdout_fraction: float = 0.2  # share of record ids (by hash) held out for evaluation
+    holdout_per_workload: int = 64  # most recent held-out samples kept per workload
+    min_eval_samples: int = 8  # held-out samples a workload needs to count in the gate
+    promote_margin: float = 0.005  # candidate alpha must beat the promoted one by this much
+    regress_margin: float = 0.01  # and may drop by at most this much on any workload
+    work_dir: str | None = None  # where candidates are written before registration (temp if None)
+
+
+@dataclass
+class RoundReport:
+    """What one round did; ``decision`` is one of idle, promoted, rejected, non_finite, error."""
+
+    trigger: str
+    started_at: float
+    seconds: float = 0.0
+    read: int = 0  # entries taken this round (reclaimed + new + carried over)
+    reclaimed: int = 0
+    trained_on: int = 0  # samples given to the Distiller
+    heldout_added: int = 0
+    decision: str = "idle"
+    reason: str = ""
+    version: int | None = None  # registered candidate version
+    parent: int = 0  # promoted version it was compared with (0 = base draft)
+    result: RoundResult | None = None
+    before: dict | None = None  # EvalResult.to_dict() of the promoted adapter
+    after: dict | None = None  # EvalResult.to_dict() of the candidate
+    acked: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def is_heldout(record_id: str, fraction: float) -> bool:
+    """Deterministic split: the first 8 hex digits of sha256(record_id) as a fraction of 2^32."""
+    h = int(hashlib.sha256(record_id.encode("utf-8")).hexdigest()[:8], 16)
+    return h < fraction * 2**32
+
+
+def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceConfig) -> tuple[bool, str]:
+    """The promotion decision and its reason (pure).
+
+    Promote iff alpha pooled over the trained workloads that have >= ``min_eval_samples``
+    held-out samples rises by >= ``promote_margin``, and no workload with that many held-out
+    samples loses more than ``regress_margin``.
+    """
+    enough = {w for w, c in after.per_workload.items() if c.samples >= cfg.min_eval_samples}
+    judged = sorted(trained & enough)
+    if not judged:
+        have = {w: c.samples for w, c in sorted(after.per_workload.items())}
+        return False, (
+            f"not enough held-out samples on the trained workloads {sorted(trained)} "
+            f"(held out: {have}; need min_eval_samples={cfg.min_eval_samples})"
+        )
+    b, a = before.pooled(judged), after.pooled(judged)
+    gain = a.alpha - b.alpha
+    regressed = [
+        f"{w} {before.per_workload[w].alpha:.4f} -> {after.per_workload[w].alpha:.4f}"
+        for w in sorted(enough)
+        if before.per_workload[w].alpha - after.per_workload[w].alpha > cfg.regress_margin
+    ]
+    head = f"alpha on {judged}: {b.alpha:.4f} -> {a.alpha:.4f} ({gain:+.4f}; greedy {b.greedy:.3f} -> {a.greedy:.3f})"
+    if not gain >= cfg.promote_margin:
+        return False, f"{head} is below promote_margin {cfg.promote_margin}"
+    if regressed:
+        return False, f"{head}, but regressed more than regress_margin {cfg.regress_margin}: {'; '.join(regressed)}"
+    return True, f"{head} >= promote_margin {cfg.promote_margin}; no workload regressed > {cfg.regress_margin}"
+
+
+def group_lag(client: Any, store_config: Any, group: str) -> int:
+    """Entries not yet delivered to ``group`` (XINFO GROUPS lag; 0 if unknown) - the check job's input."""
+    from store.buffer import group_info
+
+    for g in group_info(client, store_config):
+        if g.name == group:
+            return int(g.lag or 0)
+    return 0
+
+
+class TrainerService:
+    """Rounds of distillation from the buffer into registered, gated adapters.
+
+    Args:
+        reader: ``store.buffer.SampleReader`` (read / reclaim / ack).
+        registry: ``store.registry.AdapterRegistry`` (register / promote / set_state /
+            active_version / fetch).
+        distiller: the ``Distiller`` wrapping the draft.
+        config: ServiceConfig.
+        clock: seconds since the epoch (timestamps and round durations), injected for tests.
+        backlog: callable returning how many new entries wait (e.g. ``group_lag``); without it
+            the check job is not scheduled and rounds run on the interval only.
+    """
+
+    def __init__(
+        self,
+        reader: Any,
+        registry: Any,
+        distiller: Distiller,
+        config: ServiceConfig,
+        clock: Callable[[], float] = time.time,
+        backlog: Callable[[], int] | None = None,
+    ):
+        self.reader = reader
+        self.registry = registry
+        self.distiller = distiller
+        self.config = config
+        self.clock = clock
+        self.backlog = backlog
+        self._lock = threading.Lock()
+        self._paused = False
+        self._rounds = 0
+        self._last: RoundReport | None = None
+        self._heldout: dict[str, deque[VerifiedSample]] = {}
+        self._carry: list[Any] = []  # entries read beyond max_samples_per_round, for the next round
+        self._promoted_version = -1  # unknown until the first sync
+        self._promoted_state: AdapterState | str = BASE
+        self._scheduler: BackgroundScheduler | None = None
+        self._next_trigger = "interval"
+        if config.work_dir is not None:
+            self._work = Path(config.work_dir) / "candidates"
+            shutil.rmtree(self._work, ignore_errors=True)  # leftovers of a killed process, never registered
+            self._work.mkdir(parents=True, exist_ok=True)
+        else:
+            self._work = Path(tempfile.mkdtemp(prefix="draftd-candidates-"))
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background scheduler (round job + backlog check job)."""
+        if self._scheduler is not None:
+            return
+        s = BackgroundScheduler(timezone=timezone.utc)
+        s.add_job(
+            self._scheduled, "interval", seconds=self.config.interval_s, id="round", max_instances=1, coalesce=True,
+        )
+        if self.backlog is not None:
+            s.add_job(
+                self._check, "interval", seconds=self.config.check_interval_s, id="check",
+                max_instances=1, coalesce=True,
+            )
+        s.start(paused=self._paused)
+        self._scheduler = s
+
+    def stop(self, wait: bool = True) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=wait)
+            self._scheduler = None
+
+    def pause(self) -> None:
+        """Stop scheduled rounds (a running round finishes). ``run_round_now`` still works."""
+        self._paused = True
+        if self._scheduler is not None:
+            self._scheduler.pause()
+
+    def resume(self) -> None:
+        self._paused = False
+        if self._scheduler is not None:
+            self._scheduler.resume()
+
+    def _check(self) -> None:
+        """Cheap job: pull the round forward when enough new entries wait."""
+        if self._paused or self._lock.locked() or self._scheduler is None:
+            return
+        try:
+            waiting = self.backlog() if self.backlog else 0
+        except Exception as e:  # noqa: BLE001 - a failed check must not kill the scheduler
+            log.warning("trainer_backlog_check_failed", error=str(e))
+            return
+        if waiting >= self.config.min_new_samples:
+            log.info("trainer_round_triggered", waiting=waiting, min_new_samples=self.config.min_new_samples)
+            self._next_trigger = "backlog"
+            self._scheduler.modify_job("round", next_run_time=datetime.now(timezone.utc))
+
+    def _scheduled(self) -> None:
+        trigger, self._next_trigger = self._next_trigger, "interval"
+        if self._paused:
+            return
+        try:
+            self.run_round_now(trigger)
+        except Exception as e:  # noqa: BLE001 - reported in status, entries stay pending
+            log.exception("trainer_round_failed", error=str(e))
+
+    def status(self) -> dict:
+        job = self._scheduler.get_job("round") if self._scheduler is not None else None
+        nxt = job.next_run_time if job is not None else None
+        return {
+            "paused": self._paused,
+            "running": self._lock.locked(),
+            "rounds": self._rounds,
+            "promoted_version": self._promoted_version,
+            "next_run_time": nxt.isoformat() if nxt else None,
+            "heldout": {w: len(d) for w, d in sorted(self._heldout.items())},
+            "carried_over": len(self._carry),
+            "last_round": self._last.to_dict() if self._last else None,
+        }
+
+    # ---- the round ---------------------------------------------------------------------------
+
+    def run_round_now(self, trigger: str = "manual") -> RoundReport:
+        """Run one round synchronously (waits for a running one to finish first)."""
+        with self._lock:
+            report = RoundReport(trigger=trigger, started_at=self.clock())
+            try:
+                self._round(report)
+            except Exception as e:
+                report.decision, report.reason = "error", f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                report.seconds = self.clock() - report.started_at
+                self._rounds += 1
+                self._last = report
+                log.info(
+                    "trainer_round", trigger=trigger, decision=report.decision, version=report.version,
+                    read=report.read, trained_on=report.trained_on, seconds=round(report.seconds, 2),
+                    reason=report.reason,
+                )
+            return report
+
+    def _sync_active(self) -> None:
+        """Follow the registry's active version (ours, or an operator's promote/rollback)."""
+        active = self.registry.active_version()
+        if active == self._promoted_version:
+            return
+        if active == 0:
+            if self._promoted_version > 0:  # rolled back to the base draft: restart from it
+                self.distiller.reset_adapter()
+            self._promoted_state = BASE
+        else:
+            self.distiller.load_adapter_weights(self.registry.fetch(active))
+            self._promoted_state = self.distiller.adapter_state()
+        if self._promoted_version != -1 or active != 0:
+            log.info("trainer_follows_active_adapter", previous=self._promoted_version, active=active)
+        self._promoted_version = active
+
+    def _take(self, report: RoundReport) -> list[Any]:
+        cfg = self.config
+        entries, self._carry = self._carry, []
+        reclaimed = self.reader.reclaim(cfg.reclaim_min_idle_ms)
+        report.reclaimed = len(reclaimed)
+        entries.extend(reclaimed)
+        while len(entries) < cfg.max_samples_per_round:
+            got = self.reader.read(count=cfg.max_samples_per_round - len(entries), block_ms=cfg.read_block_ms)
+            if not got:
+                break
+            entries.extend(got)
+        entries, self._carry = entries[: cfg.max_samples_per_round], entries[cfg.max_samples_per_round :]
+        report.read = len(entries)
+        return entries
+
+    def _round(self, report: RoundReport) -> None:
+        cfg = self.config
+        self._sync_active()
+        report.parent = self._promoted_version
+        entries = self._take(report)
+        train, heldout_entries = [], []
+        for e in entries:
+            s = e.sample
+            if is_heldout(s.record_id, cfg.holdout_fraction):
+                d = self._heldout.setdefault(s.workload, deque(maxlen=cfg.holdout_per_workload))
+                if all(x.record_id != s.record_id for x in d):
+                    d.append(s)
+                    report.heldout_added += 1
+                heldout_entries.append(e)
+            else:
+                train.append(e)
+        report.trained_on = len(train)
+        if not train:
+            report.decision, report.reason = "idle", "no new training samples"
+            report.acked = self.reader.ack(heldout_entries)  # kept in memory; nothing to register
+            return
+        heldout = [s for d in self._heldout.values() for s in d]
+        before = self.distiller.evaluate(heldout, adapter=self._promoted_state)
+        result = self.distiller.train_round([e.sample for e in train])
+        report.result = result
+        report.before = before.to_dict()
+        if not result.finite:
+            report.decision, report.reason = "non_finite", f"round rolled back, not registered: {result.reason}"
+            log.error("trainer_round_non_finite", reason=result.reason, samples=len(train))
+            report.acked = self.reader.ack(entries)
+            return
+        after = self.distiller.evaluate(heldout)
+        report.after = after.to_dict()
+        trained = {e.sample.workload for e in train}
+        promote, reason = gate(before, after, trained, cfg)
+        meta = AdapterMeta(
+            parent=self._promoted_version,
+            samples_trained=result.samples,
+            tokens_trained=result.tokens,
+            loss=result.loss_last,
+            alpha_before=before.alpha,
+            alpha_after=after.alpha,
+            alpha_before_by_workload={w: c.alpha for w, c in sorted(before.per_workload.items())},
+            alpha_after_by_workload={w: c.alpha for w, c in sorted(after.per_workload.items())},
+        )
+        out = Path(tempfile.mkdtemp(dir=self._work))
+        try:
+            self.distiller.save(out / "adapter")
+            version = self.registry.register(out / "adapter", meta)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        report.version = version
+        if promote:
+            self.registry.promote(version, reason)
+            self._promoted_version = version
+            self._promoted_state = self.distiller.adapter_state()
+            report.decision = "promoted"
+        else:
+            self.registry.set_state(version, "rejected", reason)
+            report.decision = "rejected"
+        report.reason = reason
+        report.acked = self.reader.ack(entries)
