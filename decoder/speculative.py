@@ -1,0 +1,474 @@
+"""Lossless speculative decoding with Hugging Face causal LMs, every request measured.
+
+One step (gpt-fast's shape, the papers' notation; see :mod:`decoder.sampling`):
+
+1. the draft proposes γ tokens autoregressively, x_i ~ q_i (greedy: argmax);
+2. the target scores the pending token plus the γ proposals in one forward, giving p_1..p_{γ+1};
+3. :func:`decoder.sampling.verify` keeps the accepted prefix and emits a recovered or bonus token;
+4. both KV caches are cropped back to the tokens that survived (never rebuilt).
+
+Cache invariant at the start of a step: the target's cache holds every token but the last one
+(the *pending* token); the draft's cache holds a prefix of that and catches up lazily, so a step
+with γ = 0 (plain decoding) never runs the draft. Plain decoding is this same loop with γ = 0,
+so "ours vs plain" compares like with like.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from decoder.metrics import AcceptanceCounts, StepStats
+from decoder.sampling import SamplingParams, alpha, process_logits, sample, verify
+
+
+class GammaPolicy(Protocol):
+    """Chooses γ for the next step and learns from each verification."""
+
+    def gamma(self) -> int: ...
+
+    def update(self, proposed: int, accepted: int) -> None: ...
+
+
+@dataclass
+class FixedGamma:
+    """Constant γ (vLLM's ``num_speculative_tokens``); γ = 0 is plain decoding."""
+
+    value: int
+
+    def gamma(self) -> int:
+        return self.value
+
+    def update(self, proposed: int, accepted: int) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"fixed γ={self.value}"
+
+
+@dataclass
+class HeuristicGamma:
+    """transformers' "heuristic" schedule (candidate_generator.py ``update_candidate_strategy``):
+    γ += 2 after a step whose proposals were all accepted, else γ = max(1, γ - 1)."""
+
+    value: int = 5
+    max_value: int = 64
+
+    def gamma(self) -> int:
+        return self.value
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        if accepted == proposed:
+            self.value = min(self.max_value, self.value + 2)
+        else:
+            self.value = max(1, self.value - 1)
+
+    def describe(self) -> str:
+        return f"heuristic γ (now {self.value})"
+
+
+@dataclass
+class DecodeRequest:
+    """One generation request (batch size 1 per request; the decoder may batch requests later).
+
+    prompt_ids: (P,) token ids, P >= 1.
+    gamma: fixed γ for this request; None uses the decoder's policy (or its factory).
+    stop: strings that end generation; the output is cut right after the token completing one.
+    """
+
+    prompt_ids: Sequence[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 128
+    gamma: int | None = None
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    workload: str = "default"
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+    def __post_init__(self):
+        if len(self.prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.gamma is not None and self.gamma < 0:
+            raise ValueError(f"gamma={self.gamma}: must be >= 0 (0 = plain decoding)")
+
+
+@dataclass
+class DecodeResult:
+    """Output and measurement record of one request.
+
+    output_ids: (N,) emitted token ids, N <= max_new_tokens.
+    steps: per verification step: proposed γ, accepted prefix, emitted, first rejection, α sum,
+        draft ms, verify ms.
+    counts: the same pooled (see :class:`decoder.metrics.AcceptanceCounts` for rate definitions).
+    latency_ms: wall time from the request's start to its last token (prefill included).
+    peak_memory_bytes: process peak RSS (CPU; ``ru_maxrss``) or peak CUDA allocation for the
+        request (GPU).
+    matches_plain / first_diff_index: filled by :meth:`SpeculativeDecoder.check_against_plain`
+        (greedy only): token-identical to plain greedy decoding of the target, and the first
+        index where they differ (None when identical).
+    """
+
+    request_id: str
+    workload: str
+    prompt_len: int
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    steps: list[StepStats]
+    counts: AcceptanceCounts
+    latency_ms: float
+    peak_memory_bytes: int
+    adapter_version: int
+    sampling_bucket: str
+    policy: str
+    matches_plain: bool | None = None
+    first_diff_index: int | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.output_ids) / (self.latency_ms / 1000.0) if self.latency_ms else float("nan")
+
+    @property
+    def rejection_positions(self) -> list[int]:
+        return [s.rejected_at for s in self.steps]
+
+    @property
+    def accepted_prefix_lengths(self) -> list[int]:
+        return [s.accepted for s in self.steps]
+
+    def record(self) -> dict[str, Any]:
+        """The request's measurement record, JSON-ready."""
+        c = self.counts
+        return {
+            "request_id": self.request_id,
+            "workload": self.workload,
+            "sampling": self.sampling_bucket,
+            "policy": self.policy,
+            "adapter_version": self.adapter_version,
+            "prompt_tokens": self.prompt_len,
+            "output_tokens": len(self.output_ids),
+            "finish_reason": self.finish_reason,
+            "proposed_tokens": c.num_draft_tokens,
+            "accepted_tokens": c.num_accepted_tokens,
+            "accepted_prefix_lengths": self.accepted_prefix_lengths,
+            "proposal_lengths": [s.proposed for s in self.steps],
+            "rejection_positions": self.rejection_positions,
+            "draft_ms": round(c.draft_ms, 3),
+            "verify_ms": round(c.verify_ms, 3),
+            "prefill_ms": round(c.prefill_ms, 3),
+            "latency_ms": round(self.latency_ms, 3),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "acceptance_rate": _round(c.acceptance_rate),
+            "mean_accepted_length": _round(c.mean_accepted_length),
+            "alpha": _round(c.alpha),
+            "goodput_tokens_per_ms": _round(c.goodput),
+            "matches_plain": self.matches_plain,
+            "first_diff_index": self.first_diff_index,
+        }
+
+
+def _round(x: float, nd: int = 4):
+    return None if x != x else round(x, nd)
+
+
+@dataclass
+class DecoderConfig:
+    """Decoder options.
+
+    topk_record: k of the target distribution streamed per emitted position (0 = none).
+    draft_vocab: optional (V',) sorted token ids to which the draft's LM head is restricted
+        (FR-Spec, Zhao et al. 2025): the draft scores only frequent tokens, q = 0 elsewhere;
+        lossless because the target still scores the full vocabulary.
+    """
+
+    topk_record: int = 32
+    draft_vocab: torch.Tensor | None = None
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of a target with a draft sharing its tokenizer.
+
+    Args:
+        target, draft: causal LMs (``draft`` may be ``target`` itself: every proposal accepted).
+        tokenizer: the pair's tokenizer (for stop strings and the output text).
+        config: :class:`DecoderConfig`.
+        sink: called with a :class:`store.schema.VerifiedSample` per finished request (e.g.
+            ``SampleWriter.submit``, which never blocks); None disables streaming.
+        pair_fingerprint: :class:`store.schema.PairFingerprint` put in each record.
+        clock: monotonic clock in seconds (injected for tests).
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: torch.nn.Module,
+        tokenizer,
+        config: DecoderConfig | None = None,
+        sink: Callable[[Any], Any] | None = None,
+        pair_fingerprint=None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.config = config or DecoderConfig()
+        self.sink = sink
+        self.pair_fingerprint = pair_fingerprint
+        self.clock = clock
+        self.adapter_version = 0
+        self.device = next(target.parameters()).device
+        self.vocab_p = target.get_output_embeddings().weight.shape[0]
+        self.vocab_q = draft.get_output_embeddings().weight.shape[0]
+        eos = set()
+        for src in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+            if isinstance(src, int):
+                eos.add(src)
+            elif src:
+                eos.update(int(x) for x in src)
+        self.eos_ids = frozenset(eos)
+        self._draft_head_w = None
+        if self.config.draft_vocab is not None:
+            ids = self.config.draft_vocab.to(self.device).long()
+            self._draft_vocab_ids = ids
+            self._draft_head_w = draft.get_output_embeddings().weight.detach()[ids].clone()  # (V', H)
+
+    # ---- model calls ------------------------------------------------------------------------
+    def _draft_logits(self, tokens: list[int], cache) -> torch.Tensor:
+        """Draft logits at the last fed position, aligned to the target's vocab: (V_p,)."""
+        x = torch.tensor([tokens], device=self.device)
+        if self._draft_head_w is not None:
+            h = self.draft.get_decoder()(input_ids=x, cache=cache, use_cache=True).last_hidden_state[0, -1]
+            out = torch.full((self.vocab_p,), float("-inf"), device=self.device)
+            out[self._draft_vocab_ids] = self._draft_head_w @ h
+            return out
+        logits = self.draft(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        if self.vocab_q < self.vocab_p:  # padded tail of the target: q = 0 there
+            logits = torch.cat([logits, logits.new_full((self.vocab_p - self.vocab_q,), float("-inf"))])
+        elif self.vocab_q > self.vocab_p:
+            logits = logits[: self.vocab_p]
+        return logits
+
+    def _target_logits(self, tokens: list[int], cache, keep: int) -> torch.Tensor:
+        x = torch.tensor([tokens], device=self.device)
+        return self.target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]  # (keep, V)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, req: DecodeRequest, policy: GammaPolicy | None = None) -> DecodeResult:
+        """Decode one request.
+
+        ``policy`` chooses γ per step; default: ``FixedGamma(req.gamma)`` (γ = 4 when neither is
+        given). γ is capped each step so that max_new_tokens is never exceeded.
+        """
+        if policy is None:
+            policy = FixedGamma(4 if req.gamma is None else req.gamma)
+        params = req.params
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        clock = self.clock
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        started_wall = time.time()
+        t_start = clock()
+
+        ids: list[int] = [int(t) for t in req.prompt_ids]
+        prompt_len = len(ids)
+        if max(ids) >= self.vocab_p or min(ids) < 0:
+            raise ValueError(f"prompt token id {max(ids)} outside the target's vocab 0..{self.vocab_p - 1}")
+        tcache = DynamicCache(config=self.target.config)
+        dcache = DynamicCache(config=self.draft.config)
+        counts = AcceptanceCounts(num_requests=1)
+        steps: list[StepStats] = []
+        topk_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        k_rec = self.config.topk_record if self.sink is not None else 0
+        # Prefill: everything but the pending last token, for the target (and the draft if it
+        # is going to be used; otherwise it catches up lazily on its first proposal).
+        t0 = clock()
+        if prompt_len > 1:
+            self._target_logits(ids[:-1], tcache, 1)
+        dlen = 0
+        if prompt_len > 1 and policy.gamma() > 0:
+            self._draft_logits(ids[:-1], dcache)
+            dlen = prompt_len - 1
+        counts.prefill_ms = (clock() - t0) * 1e3
+
+        out: list[int] = []
+        finish = "length"
+        decode_t0 = clock()
+        while len(out) < req.max_new_tokens:
+            remaining = req.max_new_tokens - len(out)
+            g = max(0, min(policy.gamma(), remaining - 1))
+            L = len(ids)
+            # 1. proposal
+            td = clock()
+            proposals: list[int] = []
+            qs: list[torch.Tensor] = []
+            if g:
+                feed = ids[dlen:]
+                for _ in range(g):
+                    q_i = process_logits(self._draft_logits(feed, dcache), params)  # (V,)
+                    x = int(q_i.argmax()) if params.greedy else int(sample(q_i, gen))
+                    proposals.append(x)
+                    qs.append(q_i)
+                    feed = [x]
+                dlen = L + g - 1
+            draft_ms = (clock() - td) * 1e3
+            # 2. verification: pending token + proposals in one target forward
+            tv = clock()
+            logits = self._target_logits([ids[-1]] + proposals, tcache, g + 1)  # (g+1, V)
+            p = process_logits(logits, params)
+            q = torch.stack(qs) if qs else p.new_zeros((0, p.shape[-1]))
+            v = verify(torch.tensor(proposals, dtype=torch.long), q, p, params.greedy, gen)
+            verify_ms = (clock() - tv) * 1e3
+            a_sum = float(alpha(p[:g], q).sum()) if g else 0.0
+            block = proposals[: v.num_accepted] + [v.next_token]
+            # 3. stop conditions inside the block: EOS, stop strings, length
+            cut, reason = self._truncate(out, block, req)
+            block = block[:cut]
+            if k_rec and block:
+                topk_rows.append(_topk_rows(logits[: len(block)], k_rec))
+            out.extend(block)
+            ids.extend(block)
+            policy.update(g, v.num_accepted)
+            st = StepStats(g, v.num_accepted, len(block), v.rejected_at, a_sum, draft_ms, verify_ms)
+            steps.append(st)
+            counts.add_step(st)
+            if reason:
+                finish = reason
+                break
+            # 4. roll the caches back to the surviving tokens (all but the new pending token)
+            _crop_to(tcache, len(ids) - 1)
+            if dlen > len(ids) - 1:
+                _crop_to(dcache, len(ids) - 1)
+                dlen = len(ids) - 1
+        counts.decode_ms = (clock() - decode_t0) * 1e3
+        latency_ms = (clock() - t_start) * 1e3
+        if cuda:
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+        else:
+            peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        if finish == "stop":
+            text = _cut_at_stop(text, req.stop)
+        result = DecodeResult(
+            request_id=req.request_id,
+            workload=req.workload,
+            prompt_len=prompt_len,
+            output_ids=out,
+            text=text,
+            finish_reason=finish,
+            steps=steps,
+            counts=counts,
+            latency_ms=latency_ms,
+            peak_memory_bytes=peak,
+            adapter_version=self.adapter_version,
+            sampling_bucket=params.bucket(),
+            policy=policy.describe() if hasattr(policy, "describe") else type(policy).__name__,
+        )
+        if self.sink is not None and out:
+            self._emit(req, result, topk_rows, started_wall)
+        return result
+
+    def _truncate(self, out: list[int], block: list[int], req: DecodeRequest) -> tuple[int, str | None]:
+        """How many tokens of ``block`` to keep, and the finish reason if generation ends."""
+        cut = len(block)
+        reason = None
+        if not req.ignore_eos:
+            for i, t in enumerate(block):
+                if t in self.eos_ids:
+                    cut, reason = i + 1, "eos"
+                    break
+        if req.stop:
+            for i in range(cut):
+                text = self.tokenizer.decode(out + block[: i + 1], skip_special_tokens=True)
+                if any(s in text for s in req.stop):
+                    cut, reason = i + 1, "stop"
+                    break
+        room = req.max_new_tokens - len(out)
+        if cut >= room:
+            cut = room
+            reason = reason or "length"
+        return cut, reason
+
+    def _emit(self, req: DecodeRequest, result: DecodeResult, topk_rows, started_wall: float) -> None:
+        from store.schema import SamplingSettings, VerifiedSample
+
+        if topk_rows:
+            ids_ = torch.cat([r[0] for r in topk_rows]).numpy()
+            probs = torch.cat([r[1] for r in topk_rows]).numpy()
+            tail = torch.cat([r[2] for r in topk_rows]).numpy()
+        else:
+            n = len(result.output_ids)
+            ids_, probs, tail = np.zeros((n, 0)), np.zeros((n, 0)), np.ones(n)
+        sample = VerifiedSample(
+            request_id=result.request_id,
+            workload=result.workload,
+            adapter_version=result.adapter_version,
+            pair=self.pair_fingerprint,
+            prompt_ids=np.asarray(req.prompt_ids),
+            output_ids=np.asarray(result.output_ids),
+            proposal_lens=np.asarray([s.proposed for s in result.steps]),
+            rejection_pos=np.asarray([s.rejected_at for s in result.steps]),
+            topk_ids=ids_,
+            topk_probs=probs,
+            tail_mass=tail,
+            sampling=SamplingSettings(req.params.temperature, req.params.top_p, req.params.top_k, req.params.seed),
+            started_at=started_wall,
+            finished_at=time.time(),
+        )
+        try:
+            self.sink(sample)
+        except Exception:  # noqa: BLE001 - the buffer must never fail a request
+            pass
+
+    def check_against_plain(self, req: DecodeRequest, result: DecodeResult) -> DecodeResult:
+        """Fill ``matches_plain`` / ``first_diff_index`` by decoding the same request plainly
+        (γ = 0, greedy only: sampled outputs are equal in distribution, not token by token)."""
+        if not req.params.greedy:
+            return result
+        plain = self.generate(_replace(req, gamma=0), FixedGamma(0))
+        a, b = result.output_ids, plain.output_ids
+        diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if diff is None and len(a) != len(b):
+            diff = min(len(a), len(b))
+        result.matches_plain = diff is None
+        result.first_diff_index = diff
+        return result
+
+
+def _replace(req: DecodeRequest, **kw) -> DecodeRequest:
+    from dataclasses import replace
+
+    return replace(req, **kw)
+
+
+def _crop_to(cache, length: int) -> None:
+    """Drop cached positions beyond ``length`` (transformers 5: ``crop(-n)`` removes n)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _topk_rows(logits: torch.Tensor, k: int):
+    """Target's temperature-1 top-k per row: ids (n, k) int32, probs (n, k), tail mass (n,)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    tail = (1.0 - top.values.sum(-1)).clamp_min(0.0)
+    return top.indices.to(torch.int32).cpu(), top.values.cpu(), tail.cpu()
+
+
+def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    ends = [text.find(s) + len(s) for s in stops if s in text]
+    return text[: min(ends)] if ends else text
