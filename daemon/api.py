@@ -1,0 +1,132 @@
+"""The control API (FastAPI) and the Prometheus endpoint.
+
+Read-only endpoints need no token; mutating ones need ``Authorization: Bearer <token>``
+(``api.token`` or the generated ``<state_dir>/api-token``) and answer 401 without it.
+OpenAPI schema at ``/openapi.json``, docs at ``/docs``.
+
+======  =================================  ===========================================
+GET     /healthz                           liveness
+GET     /v1/status                         what ``daemonctl status`` shows
+GET     /v1/history?since=<epoch s>        what ``daemonctl history`` shows
+GET     /v1/adapters                       registered adapter versions
+GET     /v1/adapters/{version}             one version, with its live acceptance
+POST    /v1/adapters/{version}/promote     make it active (body: reason)
+POST    /v1/rollback                       reactivate the previous version (body: reason)
+POST    /v1/train-now?wait=false           run a round now (wait=true returns its report)
+POST    /v1/pause, /v1/resume              scheduled rounds off / on
+GET     /metrics                           Prometheus text format
+======  =================================  ===========================================
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
+
+from store.errors import InvalidTransitionError, StoreUnavailableError, UnknownVersionError
+
+if TYPE_CHECKING:
+    from daemon.app import Daemon
+
+log = structlog.get_logger(__name__)
+
+
+class ReasonBody(BaseModel):
+    reason: str = Field("operator", description="Why; recorded in the registry and the promotion log.")
+
+
+def create_app(daemon: "Daemon") -> FastAPI:
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    from daemon.app import DaemonError, TrainerDisabledError
+    from daemon.metrics import DraftdCollector
+
+    app = FastAPI(title="draftd control API", version="1", description=__doc__)
+    bearer = HTTPBearer(auto_error=False)
+    metrics_registry = CollectorRegistry(auto_describe=False)
+    metrics_registry.register(DraftdCollector(daemon))
+
+    def require_token(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if creds is None or not secrets.compare_digest(creds.credentials.encode(), daemon.token.encode()):
+            log.warning("api_unauthorized", has_credentials=creds is not None)
+            raise HTTPException(
+                status_code=401,
+                detail="missing or wrong bearer token: send 'Authorization: Bearer <token>' (api.token, or the "
+                "daemon's <state_dir>/api-token)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    @app.exception_handler(UnknownVersionError)
+    async def _unknown(_r: Request, e: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(e)}, status_code=404)
+
+    @app.exception_handler(InvalidTransitionError)
+    async def _invalid(_r: Request, e: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(e)}, status_code=409)
+
+    @app.exception_handler(TrainerDisabledError)
+    async def _disabled(_r: Request, e: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(e)}, status_code=409)
+
+    @app.exception_handler(DaemonError)
+    async def _daemon(_r: Request, e: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(e)}, status_code=503)
+
+    @app.exception_handler(StoreUnavailableError)
+    async def _redis_down(_r: Request, e: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(e)}, status_code=503)
+
+    # FastAPI runs plain `def` endpoints in a worker thread: the Redis calls and a waited-for
+    # round never block the event loop.
+
+    @app.get("/healthz", tags=["read"])
+    def healthz() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.get("/v1/status", tags=["read"])
+    def status() -> dict[str, Any]:
+        return daemon.status()
+
+    @app.get("/v1/history", tags=["read"])
+    def history(since: float | None = None) -> dict[str, Any]:
+        return daemon.history_report(since)
+
+    @app.get("/v1/adapters", tags=["read"])
+    def adapters() -> list[dict[str, Any]]:
+        return daemon.adapters()
+
+    @app.get("/v1/adapters/{version}", tags=["read"])
+    def adapter(version: int) -> dict[str, Any]:
+        return daemon.adapter(version)
+
+    @app.post("/v1/adapters/{version}/promote", tags=["operate"], dependencies=[Depends(require_token)])
+    def promote(version: int, body: ReasonBody | None = None) -> dict[str, Any]:
+        return daemon.promote(version, (body or ReasonBody()).reason)
+
+    @app.post("/v1/rollback", tags=["operate"], dependencies=[Depends(require_token)])
+    def rollback(body: ReasonBody | None = None) -> dict[str, Any]:
+        return daemon.rollback((body or ReasonBody()).reason)
+
+    @app.post("/v1/train-now", tags=["operate"], dependencies=[Depends(require_token)])
+    def train_now(wait: bool = False) -> dict[str, Any]:
+        return daemon.train_now(wait)
+
+    @app.post("/v1/pause", tags=["operate"], dependencies=[Depends(require_token)])
+    def pause() -> dict[str, Any]:
+        return daemon.pause()
+
+    @app.post("/v1/resume", tags=["operate"], dependencies=[Depends(require_token)])
+    def resume() -> dict[str, Any]:
+        return daemon.resume()
+
+    @app.get("/metrics", tags=["read"])
+    def metrics() -> Response:
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

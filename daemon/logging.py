@@ -1,0 +1,55 @@
+"""structlog, configured once per process: JSON lines off a TTY, the console renderer on one.
+
+Event names are snake_case with keyword context, e.g.
+``log.info("adapter_promoted", version=3, previous=2, reason=...)``. Standard-library loggers
+(uvicorn, apscheduler) go through the same renderer.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+_configured = False
+
+
+def configure(fmt: Literal["auto", "json", "console"] = "auto", level: str = "info", stream=None) -> None:
+    """Configure structlog and the standard ``logging`` root once (later calls are no-ops)."""
+    global _configured
+    if _configured:
+        return
+    stream = stream or sys.stdout
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    use_json = fmt == "json" or (fmt == "auto" and not tty)
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=tty)
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info if use_json else (lambda _l, _m, e: e),
+            renderer,
+        ],
+    )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("apscheduler", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    _configured = True

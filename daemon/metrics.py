@@ -1,0 +1,138 @@
+"""Prometheus metrics, read from Redis and the trainer at scrape time (a custom collector).
+
+Names follow vLLM's speculative-decoding metrics with the ``draftd:`` prefix, labelled by
+workload. The ``spec_decode_*`` counters are sums of store's acceptance history
+(``AcceptanceHistory``) over its retention window, so written by every decoder that records
+history, not only this process; a bucket expiring after ``history_retention_s`` lowers them
+(Prometheus treats that like a counter reset).
+
+``draftd:spec_decode_num_accepted_tokens_per_pos`` is not exported: the history stores no
+per-position counts (a store change; see the daemon's closing note).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from store.buffer import dead_letter_count, group_info, stream_depth
+from store.client import StoreUnavailableError
+
+if TYPE_CHECKING:
+    from daemon.app import Daemon
+
+log = structlog.get_logger(__name__)
+
+P = "draftd:"
+
+
+class DraftdCollector:
+    """Collects on every scrape; a Redis outage gives ``draftd:redis_up 0`` and no store metrics."""
+
+    def __init__(self, daemon: "Daemon"):
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.daemon
+        up = GaugeMetricFamily(P + "redis_up", "1 when the daemon's Redis answers")
+        try:
+            metrics = list(self._store_metrics())
+            up.add_metric([], 1)
+        except StoreUnavailableError as e:
+            log.warning("metrics_redis_unavailable", error=str(e))
+            metrics = []
+            up.add_metric([], 0)
+        yield up
+        yield from metrics
+        yield from self._trainer_metrics(d)
+
+    def _store_metrics(self) -> Iterator[Metric]:
+        from daemon.app import RECENT_WINDOW_S, sum_rows
+
+        d = self.daemon
+        c, cfg = d.redis.client, d.store_config
+        now = d.clock()
+        rows = d.history.read()
+        workloads = sorted({r.workload for r in rows})
+        fams = {
+            "num_drafts": CounterMetricFamily(P + "spec_decode_num_drafts", "Verification steps with a draft proposal (gamma > 0)", labels=["workload"]),
+            "num_draft_tokens": CounterMetricFamily(P + "spec_decode_num_draft_tokens", "Tokens proposed by the draft", labels=["workload"]),
+            "num_accepted_tokens": CounterMetricFamily(P + "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", labels=["workload"]),
+            "num_emitted_tokens": CounterMetricFamily(P + "spec_decode_num_emitted_tokens", "Tokens emitted (accepted + corrections + bonus)", labels=["workload"]),
+            "requests": CounterMetricFamily(P + "requests", "Requests recorded in the acceptance history", labels=["workload"]),
+        }
+        rate = GaugeMetricFamily(P + "spec_decode_acceptance_rate", f"Accepted / drafted tokens over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        alpha = GaugeMetricFamily(P + "spec_decode_alpha", f"Mean per-request alpha over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        tau = GaugeMetricFamily(P + "spec_decode_mean_accepted_length", f"Emitted tokens per verification step (tau) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        for w in workloads:
+            wr = [r for r in rows if r.workload == w]
+            tot = sum_rows(wr, w)
+            for name, fam in fams.items():
+                fam.add_metric([w], getattr(tot, name))
+            recent = sum_rows([r for r in wr if r.ts >= now - RECENT_WINDOW_S], w)
+            for fam, value in ((rate, recent.acceptance_rate), (alpha, recent.alpha), (tau, recent.tau)):
+                if not math.isnan(value):
+                    fam.add_metric([w], value)
+        yield from fams.values()
+        yield from (rate, alpha, tau)
+
+        depth = GaugeMetricFamily(P + "buffer_depth", "Entries in the verified-sample stream (XLEN)")
+        depth.add_metric([], stream_depth(c, cfg))
+        yield depth
+        lag = GaugeMetricFamily(P + "buffer_consumer_lag", "Entries not yet delivered to the consumer group", labels=["group"])
+        pending = GaugeMetricFamily(P + "buffer_consumer_pending", "Entries delivered and not yet acked", labels=["group"])
+        for g in group_info(c, cfg):
+            if g.lag is not None:
+                lag.add_metric([g.name], g.lag)
+            pending.add_metric([g.name], g.pending)
+        yield lag
+        yield pending
+        dead = GaugeMetricFamily(P + "buffer_dead_letters", "Entries in the dead-letter stream")
+        dead.add_metric([], dead_letter_count(c, cfg))
+        yield dead
+
+        active = GaugeMetricFamily(P + "adapter_active_version", "Active adapter version (0 = base draft)")
+        active.add_metric([], d.registry.active_version())
+        yield active
+        swaps = CounterMetricFamily(P + "adapter_swaps", "Changes of the active adapter, by event", labels=["event"])
+        events = d.registry.promotion_log(100_000)
+        for ev in ("promote", "rollback"):
+            swaps.add_metric([ev], sum(1 for e in events if e.get("event") == ev))
+        yield swaps
+        states = GaugeMetricFamily(P + "adapters_registered", "Registered adapter versions, by state", labels=["state"])
+        counts: dict[str, int] = {}
+        for rec in d.registry.list():
+            counts[rec.state] = counts.get(rec.state, 0) + 1
+        for st in ("candidate", "promoted", "rejected", "rolled_back"):
+            states.add_metric([st], counts.get(st, 0))
+        yield states
+
+    def _trainer_metrics(self, d: "Daemon") -> Iterator[Metric]:
+        enabled = GaugeMetricFamily(P + "trainer_enabled", "1 when the trainer runs in this daemon")
+        enabled.add_metric([], 0 if d.trainer is None else 1)
+        yield enabled
+        if d.trainer is None:
+            return
+        st = d.trainer.status()
+        rounds = CounterMetricFamily(P + "training_rounds", "Training rounds run by this daemon process")
+        rounds.add_metric([], st["rounds"])
+        yield rounds
+        g = GaugeMetricFamily(P + "trainer_paused", "1 when scheduled rounds are paused")
+        g.add_metric([], int(st["paused"]))
+        yield g
+        g = GaugeMetricFamily(P + "trainer_round_running", "1 while a round runs")
+        g.add_metric([], int(st["running"]))
+        yield g
+        last = st.get("last_round")
+        if last:
+            g = GaugeMetricFamily(P + "trainer_last_round_timestamp_seconds", "Start of the last round", labels=["decision"])
+            g.add_metric([last["decision"]], last["started_at"])
+            yield g
+        up = GaugeMetricFamily(P + "daemon_start_time_seconds", "When the daemon started")
+        up.add_metric([], d.started_at or time.time())
+        yield up

