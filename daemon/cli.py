@@ -1,0 +1,494 @@
+"""``daemonctl``: run the daemon, inspect it, operate it.
+
+Everything but ``run``, ``config`` and ``bootstrap`` talks to the running daemon over its control
+API (address and token from the same settings the daemon reads: ``DRAFTD_*``, ``--config``).
+``status`` still reports Redis and the buffer when the daemon is down and its Redis is reachable.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="draftd: online-adapted speculative decoding sidecar. Operate the daemon.", no_args_is_help=True)
+adapters_app = typer.Typer(help="Registered draft adapters: list, show, promote, rollback.", no_args_is_help=True)
+app.add_typer(adapters_app, name="adapters")
+
+out = Console()
+err = Console(stderr=True)
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable JSON on stdout")]
+ReasonOpt = Annotated[str, typer.Option("--reason", "-r", help="why; recorded in the registry")]
+
+
+def _settings(config: Path | None, **overrides: Any):
+    from daemon.settings import ConfigError, load_settings
+
+    try:
+        return load_settings(config, **overrides)
+    except ConfigError as e:
+        err.print(f"[red]config error:[/] {e}")
+        raise typer.Exit(2) from e
+
+
+def _client(config: Path | None):
+    from daemon.app import read_token
+    from daemon.client import ApiClient
+
+    s = _settings(config)
+    return ApiClient(s.api_url, read_token(s)), s
+
+
+def _call(fn, *args: Any, **kw: Any) -> Any:
+    from daemon.client import ApiError, DaemonDown
+
+    try:
+        return fn(*args, **kw)
+    except DaemonDown as e:
+        err.print(f"[red]{e}[/]; start it with `daemonctl run`")
+        raise typer.Exit(3) from e
+    except ApiError as e:
+        err.print(f"[red]refused ({e.status}):[/] {e.detail}")
+        raise typer.Exit(1 if e.status != 401 else 4) from e
+
+
+def _when(ts: float | None) -> str:
+    if ts is None or (isinstance(ts, float) and math.isnan(ts)):
+        return "-"
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _f(x: float | None, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+# -- run / config ------------------------------------------------------------------------------------
+
+
+@app.command()
+def run(
+    config: ConfigOpt = None,
+    no_models: Annotated[bool, typer.Option("--no-models", help="no model pair, no trainer: bookkeeping, API and metrics only")] = False,
+    port: Annotated[Optional[int], typer.Option(help="control API port (overrides api.port)")] = None,
+) -> None:
+    """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    from daemon.logging import configure
+
+    overrides: dict[str, Any] = {}
+    s = _settings(config)
+    if no_models:
+        overrides["models"] = s.models.model_copy(update={"enabled": False})
+    if port is not None:
+        overrides["api"] = s.api.model_copy(update={"port": port})
+    if overrides:
+        s = s.model_copy(update=overrides)
+    configure(s.log_format, s.log_level)
+    import structlog
+
+    from daemon.app import Daemon
+
+    log = structlog.get_logger("daemon.cli")
+    d = Daemon(s)
+    try:
+        rc = d.run()
+    except Exception as e:  # noqa: BLE001 - one line for the operator, the traceback in the log
+        log.exception("daemon_failed", error=str(e))
+        raise typer.Exit(1) from e
+    if d.abandoned_round:
+        sys.stdout.flush()
+        os._exit(rc)  # the abandoned round's thread must not hold the process open
+    raise typer.Exit(rc)
+
+
+@app.command("config")
+def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
+    """Print the effective configuration (environment + file + defaults), secrets masked."""
+    from daemon.redis_embed import mask_url
+    from daemon.settings import effective
+
+    s = _settings(config)
+    data = effective(s)
+    if data["redis"]["url"]:
+        data["redis"]["url"] = mask_url(data["redis"]["url"])
+    if json_out:
+        print(json.dumps(data, indent=2))
+        return
+    t = Table(title="draftd effective configuration", show_lines=False)
+    t.add_column("setting")
+    t.add_column("value")
+    t.add_column("env")
+    for group, val in data.items():
+        if isinstance(val, dict):
+            for k, v in val.items():
+                t.add_row(f"{group}.{k}", str(v), f"DRAFTD_{group.upper()}__{k.upper()}")
+        else:
+            t.add_row(group, str(val), f"DRAFTD_{group.upper()}")
+    out.print(t)
+
+
+# -- status --------------------------------------------------------------------------------------------
+
+
+def _offline_status(s) -> dict:
+    """What can be known with the daemon down: Redis (URL or default address) and the store."""
+    from daemon.app import Daemon
+    from daemon.redis_embed import RedisHandle, answers, mask_url
+    from store.client import StoreError, connect
+    from store.history import AcceptanceHistory
+    from store.registry import AdapterRegistry
+
+    down = {"up": False, "api": s.api_url}
+    url = s.redis.url or (s.redis.default_url if s.redis.embedded != "always" and answers(s.redis.default_url) else None)
+    if url is None:
+        return {
+            "daemon": down,
+            "redis": {"mode": "embedded", "up": False, "data_dir": str(s.redis_dir),
+                      "note": "the embedded Redis runs only while the daemon runs"},
+            "healthy": False,
+            "problems": [f"daemon not running (no answer at {s.api_url})"],
+            "warnings": [],
+        }
+    try:
+        client = connect(url)
+    except StoreError as e:
+        return {"daemon": down, "redis": {"mode": "url", "url": mask_url(url), "up": False, "error": str(e)},
+                "healthy": False, "problems": [f"daemon not running (no answer at {s.api_url})", str(e)], "warnings": []}
+    try:
+        d = Daemon(s)
+        d.redis = RedisHandle(client, "url" if s.redis.url else "default", mask_url(url))
+        d.registry = AdapterRegistry(client, s.adapter_dir, d.store_config)
+        d.history = AcceptanceHistory(client, d.store_config)
+        st = d.status()
+    finally:
+        client.close()
+    st["daemon"] = down | {"key_prefix": s.store.key_prefix, "state_dir": str(s.state_dir)}
+    st["trainer"] = {"enabled": None, "reason": "daemon not running"}
+    st["problems"].insert(0, f"daemon not running (no answer at {s.api_url})")
+    st["healthy"] = False
+    return st
+
+
+def render_status(st: dict) -> None:
+    d, r = st["daemon"], st.get("redis", {})
+    t = Table(title="draftd status", show_header=False, title_justify="left")
+    t.add_column("", style="bold")
+    t.add_column("")
+    up = "[green]up[/]" if d.get("up") else "[red]down[/]"
+    t.add_row("daemon", f"{up}  {d.get('api', '')}" + (f"  pid {d['pid']}  uptime {d['uptime_s']:.0f} s" if d.get("up") else ""))
+    if r.get("up"):
+        t.add_row("redis", f"{r['mode']}  {r.get('url')}  Redis {r.get('version')}  {r.get('used_memory_human')} used"
+                  + ("  AOF on" if r.get("aof_enabled") else ""))
+    else:
+        t.add_row("redis", f"[red]down[/] {r.get('mode')} {r.get('note') or r.get('error') or ''}")
+    b = st.get("buffer")
+    if b:
+        t.add_row("buffer", f"{b['stream']}: {b['depth']} entries; trainer lag {b['consumer_lag']} pending "
+                  f"{b['consumer_pending']}; dead letters {b['dead_letters']}")
+    tr = st.get("trainer")
+    if tr:
+        if not tr.get("enabled"):
+            t.add_row("trainer", f"off: {tr.get('reason')}")
+        else:
+            state = "paused" if tr["paused"] else ("running a round" if tr["running"] else "idle")
+            t.add_row("trainer", f"{state}; {tr['rounds']} rounds; next run {tr['next_run_time'] or '-'}")
+            lr = tr.get("last_round")
+            if lr:
+                t.add_row("last round", f"{lr['decision']} v{lr['version']} at {_when(lr['started_at'])} "
+                          f"({lr['seconds']:.1f} s, {lr['trained_on']} samples): {lr['reason']}")
+    a = st.get("adapter")
+    if a:
+        t.add_row("adapter", f"v{a['active']} active since {_when(a['since'])}"
+                  + (f" (previous v{a['previous']}: {a['reason']})" if a["previous"] is not None else "")
+                  + f"; {a['registered']} registered")
+    for p in st.get("problems", []):
+        t.add_row("[red]problem[/]", p)
+    for w in st.get("warnings", []):
+        t.add_row("[yellow]warning[/]", w)
+    out.print(t)
+    acc = st.get("acceptance") or {}
+    if acc:
+        at = Table(title="acceptance per workload: active adapter vs the previous one (rate = accepted/drafted, "
+                   "tau = tokens/step, alpha = mean per request, goodput = tokens/s)", title_justify="left")
+        for col in ("workload", "adapter", "requests", "rate", "tau", "alpha", "goodput", "prev", "rate", "tau", "alpha",
+                    "goodput", "speculation"):
+            at.add_column(col)
+        for w, v in acc.items():
+            n, p = v["now"], v.get("previous") or {}
+            sp = (st.get("speculation") or {}).get(w, {})
+            on = {True: "[green]on[/]", False: "[yellow]off[/]", None: "?"}[sp.get("on")]
+            at.add_row(w, f"v{n['version']}", str(n["requests"]), _f(n["acceptance_rate"]), _f(n["tau"], 2), _f(n["alpha"]),
+                       _f(n["goodput_tokens_per_s"], 1), f"v{p['version']}" if p else "-", _f(p.get("acceptance_rate")),
+                       _f(p.get("tau"), 2), _f(p.get("alpha")), _f(p.get("goodput_tokens_per_s"), 1), f"{on} {sp.get('why', '')}")
+        out.print(at)
+
+
+@app.command()
+def status(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
+    """Daemon, Redis, buffer, trainer, active adapter, acceptance per workload. Exit 1 when unhealthy."""
+    from daemon.client import ApiError, DaemonDown
+
+    client, s = _client(config)
+    try:
+        st = client.get("/v1/status")
+    except DaemonDown:
+        st = _offline_status(s)
+    except ApiError as e:
+        st = {"daemon": {"up": True, "api": s.api_url}, "healthy": False, "problems": [f"status failed: {e}"], "warnings": []}
+    if json_out:
+        print(json.dumps(st, indent=2))
+    else:
+        render_status(st)
+    raise typer.Exit(0 if st.get("healthy") else 1)
+
+
+# -- history -------------------------------------------------------------------------------------------
+
+
+def plot_history(h: dict, path: Path) -> None:
+    """Acceptance rate per history bucket and workload over time, promotions and rollbacks marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 5))
+    by_w: dict[str, dict[float, list[int]]] = {}
+    for r in h["series"]:
+        acc = by_w.setdefault(r["workload"], {}).setdefault(r["ts"], [0, 0])
+        acc[0] += r["num_accepted_tokens"]
+        acc[1] += r["num_draft_tokens"]
+    for w, pts in sorted(by_w.items()):
+        xs = [dt.datetime.fromtimestamp(t) for t, (a, n) in sorted(pts.items()) if n]
+        ys = [a / n for t, (a, n) in sorted(pts.items()) if n]
+        ax.plot(xs, ys, marker=".", label=w)
+    for ev in h["events"]:
+        if ev.get("event") not in ("promote", "rollback"):
+            continue
+        x = dt.datetime.fromtimestamp(float(ev["ts"]))
+        color = "tab:green" if ev["event"] == "promote" else "tab:red"
+        ax.axvline(x, color=color, linestyle="--", alpha=0.7)
+        ax.text(x, 1.01, f"{'v' + ev['version'] if ev['event'] == 'promote' else 'rollback->v' + ev['version']}",
+                rotation=90, va="bottom", ha="center", fontsize=8, color=color, transform=ax.get_xaxis_transform())
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("acceptance rate (accepted / drafted tokens)")
+    ax.set_xlabel(f"time (buckets of {h['bucket_s']} s)")
+    ax.set_title("draftd: acceptance per workload; dashed: adapter promoted (green) / rolled back (red)", pad=40)
+    if by_w:
+        ax.legend(loc="lower right")
+    fig.autofmt_xdate()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _live(live: dict) -> str:
+    return "; ".join(f"{w} {_f(v['acceptance_rate'])} ({v['requests']} req)" for w, v in live.items()) or "-"
+
+
+@app.command()
+def history(
+    config: ConfigOpt = None,
+    json_out: JsonOpt = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="write a PNG of acceptance over time per workload, swaps marked")] = None,
+    since_h: Annotated[Optional[float], typer.Option("--since-hours", help="only history newer than this many hours")] = None,
+) -> None:
+    """Adapter history: per version parent, created, samples, held-out alpha before/after,
+    live acceptance per workload while active, state and reason."""
+    import time
+
+    client, _ = _client(config)
+    q = "" if since_h is None else f"?since={time.time() - since_h * 3600}"
+    h = _call(client.get, "/v1/history" + q)
+    if json_out:
+        print(json.dumps(h, indent=2))
+    else:
+        t = Table(title="adapter history (alpha = held-out, per position; live = acceptance rate while active)", title_justify="left")
+        for col in ("version", "parent", "created", "samples", "alpha before", "alpha after", "live acceptance", "state", "reason"):
+            t.add_column(col)
+        t.add_row("v0 (base)", "-", "-", "-", "-", "-", _live(h["base_live"]), "active" if h["active"] == 0 else "", "")
+        for a in h["adapters"]:
+            state = a["state"] + (" [green](active)[/]" if a["active"] else "")
+            t.add_row(f"v{a['version']}", f"v{a['parent']}", _when(a["created_at"]), str(a["samples_trained"]),
+                      _f(a["alpha_before"]), _f(a["alpha_after"]), _live(a["live"]), state, a["reason"])
+        out.print(t)
+    if plot is not None:
+        plot_history(h, plot)
+        err.print(f"wrote {plot}")
+
+
+# -- adapters and trainer control ----------------------------------------------------------------------
+
+
+@adapters_app.command("list")
+def adapters_list(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
+    """Registered adapter versions, oldest first."""
+    client, _ = _client(config)
+    rows = _call(client.get, "/v1/adapters")
+    if json_out:
+        print(json.dumps(rows, indent=2))
+        return
+    t = Table(title="adapters")
+    for col in ("version", "parent", "created", "state", "alpha before", "alpha after", "samples", "reason"):
+        t.add_column(col)
+    for a in rows:
+        t.add_row(f"v{a['version']}" + (" *" if a["active"] else ""), f"v{a['parent']}", _when(a["created_at"]), a["state"],
+                  _f(a["alpha_before"]), _f(a["alpha_after"]), str(a["samples_trained"]), a["reason"])
+    out.print(t)
+
+
+@adapters_app.command("show")
+def adapters_show(version: int, config: ConfigOpt = None) -> None:
+    """One adapter version as JSON, with its live acceptance per workload."""
+    client, _ = _client(config)
+    print(json.dumps(_call(client.get, f"/v1/adapters/{version}"), indent=2))
+
+
+@adapters_app.command("promote")
+def adapters_promote(version: int, config: ConfigOpt = None, reason: ReasonOpt = "operator promote") -> None:
+    """Make VERSION the active adapter."""
+    client, _ = _client(config)
+    r = _call(client.post, f"/v1/adapters/{version}/promote", {"reason": reason})
+    out.print(f"v{r['active']} active (was v{r['previous']})")
+
+
+@adapters_app.command("rollback")
+def adapters_rollback(config: ConfigOpt = None, reason: ReasonOpt = "operator rollback") -> None:
+    """Roll the active adapter back to the previous promoted one (v0 = base draft)."""
+    client, _ = _client(config)
+    r = _call(client.post, "/v1/rollback", {"reason": reason})
+    out.print(f"v{r['active']} active (rolled back v{r['previous']})")
+
+
+@app.command("train-now")
+def train_now(
+    config: ConfigOpt = None,
+    wait: Annotated[bool, typer.Option(help="wait for the round and print its report")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run a training round now (waits behind a running one)."""
+    client, _ = _client(config)
+    if wait:
+        with err.status("training round running in the daemon ..."):
+            r = _call(client.post, "/v1/train-now?wait=true", timeout=3600)
+    else:
+        r = _call(client.post, "/v1/train-now")
+    if json_out:
+        print(json.dumps(r, indent=2))
+    elif "report" in r:
+        rep = r["report"]
+        out.print(f"round: {rep['decision']} v{rep['version']} ({rep['seconds']:.1f} s, {rep['trained_on']} samples): {rep['reason']}")
+    else:
+        out.print("round submitted" + (" (queued behind the running round)" if r.get("queued_behind_running_round") else ""))
+
+
+@app.command()
+def pause(config: ConfigOpt = None) -> None:
+    """Pause scheduled training rounds (a running round finishes; train-now still works)."""
+    client, _ = _client(config)
+    _call(client.post, "/v1/pause")
+    out.print("trainer paused")
+
+
+@app.command()
+def resume(config: ConfigOpt = None) -> None:
+    """Resume scheduled training rounds."""
+    client, _ = _client(config)
+    _call(client.post, "/v1/resume")
+    out.print("trainer resumed")
+
+
+# -- bootstrap -----------------------------------------------------------------------------------------
+
+
+@app.command()
+def bootstrap(
+    config: ConfigOpt = None,
+    workloads: Annotated[str, typer.Option(help="built-in prompt workloads, comma-separated")] = "prose,code,math",
+    prompts: Annotated[int, typer.Option(help="prompts per workload")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens the target generates per prompt")] = 96,
+    max_steps: Annotated[int, typer.Option(help="optimiser steps in total")] = 200,
+    max_seconds: Annotated[float, typer.Option(help="training seconds in total")] = 600.0,
+    round_steps: Annotated[int, typer.Option(help="steps between held-out evaluations")] = 25,
+    no_promote: Annotated[bool, typer.Option("--no-promote", help="register v1 but do not promote it")] = False,
+) -> None:
+    """Adapter v1 from scratch: the target decodes built-in prompts at gamma = 0 into the buffer,
+    the trainer distils them into the draft, v1 is registered and promoted if held-out alpha rose."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from daemon.logging import configure
+
+    s = _settings(config)
+    configure(s.log_format, "warning", stream=sys.stderr)
+    import dataclasses
+
+    from daemon.redis_embed import open_redis
+    from daemon.settings import distill_config, store_config
+    from decoder.models import load_pair
+    from decoder.speculative import DecodeRequest, SpeculativeDecoder
+    from decoder.workloads import get_workload
+    from store.buffer import SampleWriter
+    from store.registry import AdapterRegistry
+    from store.schema import PairFingerprint
+    from trainer.bootstrap import BootstrapConfig
+    from trainer.bootstrap import bootstrap as run_bootstrap
+    from trainer.distill import Distiller, TrainerError
+
+    m = s.models
+    with err.status(f"loading {m.target} + draft {m.draft} ...") as sp:
+        pair = load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(msg))
+    fp = PairFingerprint(target=pair.target_name, draft=pair.draft_name, tokenizer_hash=pair.tokenizer_hash)
+    prompts_all = [p for w in workloads.split(",") if w for p in get_workload(w.strip(), prompts)]
+    scfg = store_config(s)
+    samples = []
+    with open_redis(s.redis, s.redis_dir) as h, SampleWriter(h.client, scfg) as writer:
+        registry = AdapterRegistry(h.client, s.adapter_dir, scfg)
+
+        def sink(sample: Any) -> None:
+            samples.append(sample)
+            writer.submit(sample)
+
+        dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, sink=sink, pair_fingerprint=fp)
+        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*cols, console=err) as prog:
+            task = prog.add_task("target decoding prompts (gamma = 0)", total=len(prompts_all))
+            for p in prompts_all:
+                dec.generate(DecodeRequest(p.token_ids(pair.tokenizer), max_new_tokens=max_new_tokens, gamma=0, workload=p.workload))
+                prog.advance(task)
+            writer.flush(30)
+            dcfg = dataclasses.replace(distill_config(s), weighting="all")
+            distiller = Distiller(pair.draft, dcfg)
+            task2 = prog.add_task("distilling into the draft (held-out alpha: -)", total=max_steps)
+
+            def on_round(pt: Any) -> None:
+                prog.update(task2, completed=pt.steps, description=f"distilling into the draft (held-out alpha {pt.alpha:.3f})")
+
+            bcfg = BootstrapConfig(max_steps=max_steps, max_seconds=max_seconds, round_steps=round_steps, promote=not no_promote)
+            try:
+                res = run_bootstrap(samples, distiller, registry, bcfg, on_round=on_round)
+            except TrainerError as e:
+                err.print(f"[red]bootstrap failed:[/] {e}")
+                raise typer.Exit(1) from e
+    out.print(f"{len(samples)} samples into {scfg.keys.stream}; v{res.version} "
+              f"{'promoted' if res.promoted else 'registered, not promoted'}: {res.reason}")
+
+
+try:  # generate / bench (the decoder's commands)
+    from daemon.cli_decode import register as register_decode
+
+    register_decode(app)
+except ImportError:  # pragma: no cover - until daemon/cli_decode.py lands
+    pass
+
+
+if __name__ == "__main__":
+    app()
