@@ -1,0 +1,160 @@
+"""`daemonctl generate` and `daemonctl bench`: the decoder from the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+err = Console(stderr=True)
+
+
+def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int):
+    from decoder.models import load_pair
+
+    with err.status(f"loading {target} (+ draft {draft}); the first run converts the GGUF (~30 s)"):
+        pair = load_pair(target, draft, device=device, int8_draft=int8, progress=lambda s: err.log(s))
+    dv = None
+    if draft_vocab:
+        from decoder.vocab import frequent_token_ids
+
+        dv = frequent_token_ids(pair.tokenizer, draft_vocab)
+    return pair, dv
+
+
+def _decoder(pair, dv):
+    from decoder.speculative import DecoderConfig, SpeculativeDecoder
+
+    return SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(draft_vocab=dv))
+
+
+TargetOpt = Annotated[str, typer.Option(help="target: built-in name (smollm2-135m, gemma3-270m), local path or cached hub id")]
+DraftOpt = Annotated[str, typer.Option(help="draft: 'layers:0-7' (derived from the target), 'self', or a model reference")]
+
+
+def generate(
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="prompt text")],
+    gamma: Annotated[int, typer.Option(help="γ, draft tokens proposed per step")] = 4,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: Annotated[int | None, typer.Option(help="per-request seed (sampling)")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
+    no_spec: Annotated[bool, typer.Option("--no-spec", help="plain decoding (γ = 0)")] = False,
+    chat: Annotated[bool, typer.Option(help="wrap the prompt in the chat template")] = False,
+    check: Annotated[bool, typer.Option(help="greedy: also decode plainly and report token equivalence")] = True,
+    target: TargetOpt = "smollm2-135m",
+    draft: DraftOpt = "layers:0-7",
+    device: str = "cpu",
+    int8_draft: Annotated[bool, typer.Option(help="dynamic int8 quantisation of the draft (CPU)")] = False,
+    draft_vocab: Annotated[int, typer.Option(help="FR-Spec: restrict the draft head to the N most frequent tokens (0 = off)")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="print only the JSON record")] = False,
+):
+    """Generate text for one prompt and print it with its measurement record."""
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest
+    from decoder.workloads import chat_format
+
+    try:
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        pair, dv = _load(target, draft, device, int8_draft, draft_vocab)
+    except (ValueError, RuntimeError) as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    dec = _decoder(pair, dv)
+    ids = chat_format(pair.tokenizer, prompt, raw=not chat)
+    req = DecodeRequest(ids, params, max_new_tokens, gamma=0 if no_spec else gamma, stop=tuple(stop or ()))
+    res = dec.generate(req)
+    if check and params.greedy and not no_spec:
+        dec.check_against_plain(req, res)
+    rec = res.record()
+    if json_out:
+        print(json.dumps({"text": res.text, **rec}))
+        return
+    print(res.text)
+    err.print_json(json.dumps(rec))
+
+
+def bench(
+    quick: Annotated[bool, typer.Option(help="a ~2-minute subset: 2 workloads, 1 prompt, γ ∈ {2, 4}, greedy, 32 tokens")] = False,
+    workloads: Annotated[str, typer.Option(help="comma list: prose, code, math, humaneval, or JSONL paths")] = "prose,code,math",
+    prompts: Annotated[int, typer.Option(help="prompts per workload")] = 2,
+    gammas: Annotated[str, typer.Option(help="comma list of γ")] = "1,2,3,4,6,8",
+    sampling: Annotated[str, typer.Option(help="comma list of greedy, t0.7-p0.9, t1.0")] = "greedy,t0.7-p0.9,t1.0",
+    max_new_tokens: int = 64,
+    hf: Annotated[bool, typer.Option(help="include transformers' plain and assisted generation")] = True,
+    target: TargetOpt = "smollm2-135m",
+    draft: DraftOpt = "layers:0-7",
+    device: str = "cpu",
+    int8_draft: bool = False,
+    draft_vocab: int = 0,
+    out: Annotated[Path | None, typer.Option(help="also write the JSON here")] = None,
+):
+    """Side-by-side sweep: ours (spec at each γ, plain) vs transformers (plain, assisted).
+
+    Prints a table to stderr and the JSON to stdout.
+    """
+    from decoder.bench import BenchConfig, run_bench
+    from decoder.workloads import get_workload
+
+    if quick:
+        workloads, prompts, gammas, sampling, max_new_tokens = "prose,code", 1, "2,4", "greedy", 32
+    try:
+        cfg = BenchConfig(tuple(int(g) for g in gammas.split(",")), tuple(sampling.split(",")), max_new_tokens, hf)
+        bad = [s for s in cfg.sampling if s not in ("greedy", "t0.7-p0.9", "t1.0")]
+        if bad:
+            raise ValueError(f"unknown sampling {bad}: use greedy, t0.7-p0.9, t1.0")
+        ps = [p for w in workloads.split(",") for p in get_workload(w.strip(), prompts)]
+        pair, dv = _load(target, draft, device, int8_draft, draft_vocab)
+    except (ValueError, RuntimeError) as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    dec = _decoder(pair, dv)
+    with err.status("benchmarking") as st:
+        result = run_bench(dec, ps, cfg, progress=lambda s: st.update(f"benchmarking: {s}"))
+    result["config"] = {"target": target, "draft": draft, "workloads": workloads, "prompts": prompts,
+                        "gammas": cfg.gammas, "sampling": cfg.sampling, "max_new_tokens": max_new_tokens,
+                        "int8_draft": int8_draft, "draft_vocab": draft_vocab}
+    print_table(result, err)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        out.write_text(text)
+
+
+def print_table(result: dict, console: Console) -> None:
+    t = Table(title="speculative decoding vs plain vs transformers (tokens/s end to end)")
+    for c in ("workload", "sampling", "method", "γ", "tok/s", "×plain", "α", "τ", "acc", "c", "pred×", "=plain"):
+        t.add_column(c)
+    f = lambda x: "" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))  # noqa: E731
+    for r in result["rows"]:
+        t.add_row(r["workload"], r["sampling"], r["method"], str(r["gamma"]), f(r["tokens_per_s"]),
+                  f(r["speedup_vs_plain"]), f(r.get("alpha")), f(r.get("tau")), f(r.get("acceptance_rate")),
+                  f(r.get("c")), f(r.get("predicted_speedup")), f(r.get("matches_plain")))
+    console.print(t)
+    s = Table(title="decision: speculate only where it beats plain decoding")
+    for c in ("workload", "sampling", "best γ", "×plain", "ours plain / hf plain", "ours spec / hf assisted", "speculate", "why"):
+        s.add_column(c)
+    for r in result["summary"]:
+        s.add_row(r["workload"], r["sampling"], f(r["best_gamma"]), f(r["best_speedup_vs_plain"]),
+                  f(r["ours_plain_vs_hf_plain"]), f(r["ours_spec_vs_hf_assisted_median"]),
+                  "on" if r["speculate"] else "off", r["why"])
+    console.print(s)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(generate)
+    app.command()(bench)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    a = typer.Typer()
+    register(a)
+    a()
+    sys.exit(0)

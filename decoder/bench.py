@@ -1,0 +1,200 @@
+"""Side-by-side benchmark: our speculative decoding vs our plain decoding vs transformers.
+
+For each workload and sampling policy, on the same pair and prompts, in one run:
+
+- ``plain``: our loop at γ = 0 (the same code path as speculation);
+- ``spec``: our loop at each γ;
+- ``hf_plain``: ``target.generate`` without an assistant;
+- ``hf_assisted``: transformers' assisted generation, ``generate(assistant_model=draft)`` with
+  ``num_assistant_tokens=γ`` and the constant schedule (equal γ and draft).
+
+Every method decodes exactly ``max_new_tokens`` tokens (EOS ignored, ``min_new_tokens`` for
+transformers), so tokens/s compare like with like. Speeds are end-to-end (prefill included) for
+all methods; ``goodput`` is our decode-only emitted tokens per ms.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from decoder.metrics import AcceptanceCounts
+from decoder.sampling import SamplingParams, predicted_speedup
+from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
+from decoder.workloads import Prompt
+
+SAMPLING = {
+    "greedy": SamplingParams(),
+    "t0.7-p0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    "t1.0": SamplingParams(temperature=1.0),
+}
+
+
+@dataclass
+class BenchConfig:
+    gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    sampling: tuple[str, ...] = ("greedy", "t0.7-p0.9", "t1.0")
+    max_new_tokens: int = 64
+    hf: bool = True  # include transformers' plain and assisted generation
+    seed: int = 0
+
+
+def _hf_generate(model, draft, ids: list[int], params: SamplingParams, n: int, gamma: int | None, seed: int):
+    x = torch.tensor([ids])
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=not params.greedy, pad_token_id=0)
+    if not params.greedy:
+        kw.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+    else:
+        kw.update(temperature=None, top_p=None, top_k=None)
+    if gamma is not None:
+        kw.update(assistant_model=draft, num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
+                  assistant_confidence_threshold=0.0)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(x, **kw)
+    ms = (time.perf_counter() - t0) * 1e3
+    return out[0, len(ids):].tolist(), ms
+
+
+def run_bench(
+    decoder: SpeculativeDecoder,
+    prompts: Iterable[Prompt],
+    cfg: BenchConfig,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Run the sweep and return ``{"rows": [...], "summary": [...], "machine": {...}}``.
+
+    One row per (workload, sampling, method, γ), pooled over the workload's prompts. Fields:
+    tokens, ms (end-to-end), tokens_per_s, speedup_vs_plain (ours plain), alpha, tau,
+    acceptance_rate, c (draft ms per draft token / plain ms per step), predicted_speedup
+    (Leviathan et al. Theorem 3.8 from the measured α, γ, c), and for greedy spec rows
+    ``matches_plain`` (every prompt token-identical to our plain greedy output).
+    """
+    prompts = list(prompts)
+    tok = decoder.tokenizer
+    by_wl: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_wl.setdefault(p.workload, []).append(p)
+    rows = []
+    say = progress or (lambda s: None)
+    # Warm-up: first calls pay one-off allocator and kernel selection costs.
+    warm = prompts[0].token_ids(tok)
+    decoder.generate(DecodeRequest(warm, max_new_tokens=4, gamma=2, ignore_eos=True))
+    for wl, ps in by_wl.items():
+        enc = [p.token_ids(tok) for p in ps]
+        for sname in cfg.sampling:
+            base = SAMPLING[sname]
+            plain_out, plain_counts, plain_ms = [], AcceptanceCounts(), 0.0
+            for i, ids in enumerate(enc):
+                params = SamplingParams(base.temperature, base.top_p, base.top_k, seed=cfg.seed + i)
+                say(f"{wl} {sname} plain prompt {i + 1}/{len(enc)}")
+                r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=0, ignore_eos=True,
+                                                   workload=wl), FixedGamma(0))
+                plain_out.append(r.output_ids)
+                plain_counts.merge(r.counts)
+                plain_ms += r.latency_ms
+            plain_tps = plain_counts.num_emitted_tokens / plain_ms * 1e3
+            plain_step_ms = plain_counts.decode_ms / max(plain_counts.num_steps, 1)
+            rows.append(_row(wl, sname, "plain", 0, plain_counts, plain_ms, plain_tps, None))
+            if cfg.hf:
+                n_tok, ms = 0, 0.0
+                for i, ids in enumerate(enc):
+                    say(f"{wl} {sname} hf_plain prompt {i + 1}/{len(enc)}")
+                    out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
+                    n_tok += len(out)
+                    ms += t
+                rows.append(_hf_row(wl, sname, "hf_plain", 0, n_tok, ms, plain_tps))
+            for g in cfg.gammas:
+                counts, ms, same = AcceptanceCounts(), 0.0, True
+                for i, ids in enumerate(enc):
+                    params = SamplingParams(base.temperature, base.top_p, base.top_k, seed=cfg.seed + i)
+                    say(f"{wl} {sname} spec γ={g} prompt {i + 1}/{len(enc)}")
+                    r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
+                                                       workload=wl), FixedGamma(g))
+                    counts.merge(r.counts)
+                    ms += r.latency_ms
+                    same &= r.output_ids == plain_out[i]
+                c = counts.draft_ms_per_draft_token / plain_step_ms
+                row = _row(wl, sname, "spec", g, counts, ms, plain_tps, c)
+                row["matches_plain"] = same if base.greedy else None
+                rows.append(row)
+                if cfg.hf:
+                    n_tok, hms = 0, 0.0
+                    for i, ids in enumerate(enc):
+                        say(f"{wl} {sname} hf_assisted γ={g} prompt {i + 1}/{len(enc)}")
+                        out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, g,
+                                              cfg.seed + i)
+                        n_tok += len(out)
+                        hms += t
+                    rows.append(_hf_row(wl, sname, "hf_assisted", g, n_tok, hms, plain_tps))
+    return {"rows": rows, "summary": summarize(rows), "machine": machine_info()}
+
+
+def _row(wl, sname, method, g, counts: AcceptanceCounts, ms, plain_tps, c):
+    tps = counts.num_emitted_tokens / ms * 1e3
+    a = counts.alpha
+    return {
+        "workload": wl, "sampling": sname, "method": method, "gamma": g,
+        "tokens": counts.num_emitted_tokens, "ms": round(ms, 1), "tokens_per_s": round(tps, 3),
+        "speedup_vs_plain": round(tps / plain_tps, 3),
+        "goodput_tokens_per_ms": _r(counts.goodput),
+        "alpha": _r(a), "tau": _r(counts.mean_accepted_length), "acceptance_rate": _r(counts.acceptance_rate),
+        "acceptance_per_position": [_r(x) for x in counts.acceptance_per_position],
+        "draft_ms": round(counts.draft_ms, 1), "verify_ms": round(counts.verify_ms, 1),
+        "c": _r(c),
+        "predicted_speedup": _r(predicted_speedup(a, g, c)) if c is not None and not math.isnan(a) else None,
+    }
+
+
+def _hf_row(wl, sname, method, g, n_tok, ms, plain_tps):
+    tps = n_tok / ms * 1e3
+    return {"workload": wl, "sampling": sname, "method": method, "gamma": g, "tokens": n_tok, "ms": round(ms, 1),
+            "tokens_per_s": round(tps, 3), "speedup_vs_plain": round(tps / plain_tps, 3)}
+
+
+def _r(x, nd=4):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (workload, sampling): best γ for us, and the ratios the issue's targets name:
+    our plain vs transformers' plain, our spec vs transformers' assisted at equal γ."""
+    out = []
+    keys = sorted({(r["workload"], r["sampling"]) for r in rows})
+    for wl, s in keys:
+        rs = [r for r in rows if r["workload"] == wl and r["sampling"] == s]
+        get = {(r["method"], r["gamma"]): r for r in rs}
+        spec = [r for r in rs if r["method"] == "spec"]
+        best = max(spec, key=lambda r: r["tokens_per_s"]) if spec else None
+        plain = get.get(("plain", 0))
+        hf_plain = get.get(("hf_plain", 0))
+        ratios = [r["tokens_per_s"] / get[("hf_assisted", r["gamma"])]["tokens_per_s"]
+                  for r in spec if ("hf_assisted", r["gamma"]) in get]
+        speculate = bool(best and plain and best["tokens_per_s"] > plain["tokens_per_s"])
+        out.append({
+            "workload": wl, "sampling": s,
+            "plain_tokens_per_s": plain and plain["tokens_per_s"],
+            "best_gamma": best and best["gamma"], "best_speedup_vs_plain": best and best["speedup_vs_plain"],
+            "alpha": best and best["alpha"],
+            "ours_plain_vs_hf_plain": round(plain["tokens_per_s"] / hf_plain["tokens_per_s"], 3)
+            if plain and hf_plain else None,
+            "ours_spec_vs_hf_assisted_median": round(statistics.median(ratios), 3) if ratios else None,
+            "speculate": speculate,
+            "why": (f"γ={best['gamma']} emits {best['tokens_per_s']:.2f} tok/s vs plain {plain['tokens_per_s']:.2f}"
+                    f" (α={best['alpha']}, c={best['c']})") if best and plain else "no spec rows",
+        })
+    return out
+
+
+def machine_info() -> dict:
+    import os
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(), "cuda": torch.cuda.is_available()}

@@ -1,0 +1,171 @@
+"""Prompt workloads that need no download.
+
+Built in (present on every Python install):
+
+- ``prose``: English technical prose, the opening of topics in ``pydoc_data.topics``;
+- ``code``: Python source, the opening of functions from standard-library modules;
+- ``math``: grade-school word problems written for this project (used when GSM8K is absent).
+
+From ``../shared/data`` when present (never copied into the repository): ``gsm8k``
+(``gsm8k_test.jsonl``) and ``humaneval`` (``humaneval.jsonl.gz``). Any JSONL file of
+``{"prompt": ..., "workload": ...}`` rows loads with :func:`load_jsonl`.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt; ``chat`` wraps it in the model's chat template (questions), else it is
+    continued as raw text (prose, code)."""
+
+    workload: str
+    text: str
+    chat: bool = False
+
+    def token_ids(self, tokenizer) -> list[int]:
+        return chat_format(tokenizer, self.text, raw=not self.chat)
+
+
+_CODE_MODULES = ("textwrap", "json.encoder", "shlex", "fractions", "heapq", "bisect", "statistics",
+                 "difflib", "csv", "string", "calendar", "ipaddress", "colorsys", "base64")
+
+_MATH = (
+    "Tom has 3 boxes with 12 apples each. He gives away 7 apples. How many apples does he have left?",
+    "A train travels 60 miles per hour for 2.5 hours. How far does it travel?",
+    "Sara buys 4 notebooks at $3 each and a pen for $2. How much does she spend in total?",
+    "A class has 28 students. If 3/4 of them passed the test, how many students passed?",
+    "A rectangle is 8 cm long and 5 cm wide. What is its area and its perimeter?",
+    "Mike reads 15 pages a day. How many days does he need to finish a 210-page book?",
+    "A shop sells pencils in packs of 6. How many packs are needed for 45 pencils?",
+    "Anna saved $120. She spent 25% on a game. How much money does she have now?",
+)
+
+
+def prose_prompts(n: int = 8, chars: int = 400) -> list[Prompt]:
+    """Openings of pydoc topics (English technical prose), deterministic order."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for key in sorted(topics):
+        body = " ".join(topics[key].split())
+        if len(body) >= chars:
+            out.append(Prompt("prose", body[:chars].rsplit(" ", 1)[0]))
+        if len(out) == n:
+            break
+    return out
+
+
+def code_prompts(n: int = 8, lines: int = 12) -> list[Prompt]:
+    """Function openings (signature, docstring, first lines) from standard-library modules."""
+    import importlib
+
+    out = []
+    for name in _CODE_MODULES:
+        try:
+            src = inspect.getsource(importlib.import_module(name))
+        except (OSError, TypeError, ImportError):
+            continue
+        tree = ast.parse(src)
+        src_lines = src.splitlines()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno >= lines:
+                out.append(Prompt("code", "\n".join(src_lines[node.lineno - 1 : node.lineno - 1 + lines])))
+                break
+        if len(out) == n:
+            break
+    return out
+
+
+def shared_data_dir() -> Path | None:
+    """``$DRAFTD_SHARED_DATA`` or ``../shared/data`` beside the checkout, if it exists."""
+    env = os.environ.get("DRAFTD_SHARED_DATA")
+    cands = [Path(env)] if env else []
+    here = Path(__file__).resolve().parent.parent
+    cands += [here.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
+    return next((p for p in cands if p.is_dir()), None)
+
+
+def math_prompts(n: int = 8) -> list[Prompt]:
+    """GSM8K questions from ../shared/data when present, else the built-in problems."""
+    d = shared_data_dir()
+    if d and (d / "gsm8k_test.jsonl").exists():
+        rows = []
+        with open(d / "gsm8k_test.jsonl", encoding="utf-8") as f:
+            for line in f:
+                rows.append(Prompt("math", json.loads(line)["question"], chat=True))
+                if len(rows) == n:
+                    break
+        return rows
+    return [Prompt("math", q, chat=True) for q in _MATH[:n]]
+
+
+def humaneval_prompts(n: int = 8) -> list[Prompt]:
+    d = shared_data_dir()
+    if not d or not (d / "humaneval.jsonl.gz").exists():
+        return []
+    out = []
+    with gzip.open(d / "humaneval.jsonl.gz", "rt", encoding="utf-8") as f:
+        for line in f:
+            out.append(Prompt("humaneval", json.loads(line)["prompt"]))
+            if len(out) == n:
+                break
+    return out
+
+
+def load_jsonl(path: str | Path) -> list[Prompt]:
+    """Rows ``{"prompt": str, "workload": str (optional, default "default")}``.
+
+    Raises:
+        ValueError: a row without a string ``prompt`` (names the file and line).
+    """
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e}); expected {{\"prompt\": ..., \"workload\": ...}}") from e
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{i}: row has no string 'prompt' field")
+            out.append(Prompt(str(row.get("workload", "default")), row["prompt"]))
+    return out
+
+
+BUILTIN = {"prose": prose_prompts, "code": code_prompts, "math": math_prompts, "humaneval": humaneval_prompts}
+
+
+def get_workload(name: str, n: int = 8) -> list[Prompt]:
+    """Prompts of a built-in workload, or of a JSONL file path.
+
+    Raises:
+        ValueError: unknown name (lists the known ones).
+    """
+    if name in BUILTIN:
+        return BUILTIN[name](n)
+    if name == "gsm8k":
+        return math_prompts(n)
+    if Path(name).exists():
+        return load_jsonl(name)[:n]
+    raise ValueError(f"unknown workload {name!r}: use one of {sorted(BUILTIN)} or a path to a JSONL file")
+
+
+def chat_format(tokenizer, text: str, raw: bool = False) -> list[int]:
+    """Token ids of a user turn in the model's chat template (plain text if it has none)."""
+    if raw or not getattr(tokenizer, "chat_template", None):
+        return tokenizer(text).input_ids
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)

@@ -1,0 +1,101 @@
+"""Speculative sampling math against hand-worked distributions."""
+
+import math
+
+import pytest
+import torch
+
+from decoder.metrics import AcceptanceCounts, StepStats
+from decoder.sampling import (SamplingParams, alpha, expected_tokens_per_step, predicted_speedup, process_logits,
+                              residual_distribution, verify)
+
+
+def test_residual_hand_worked():
+    p, q = torch.tensor([0.6, 0.4]), torch.tensor([0.8, 0.2])
+    # max(0, p - q) = [0, 0.2] -> normalised [0, 1]
+    assert torch.allclose(residual_distribution(p, q), torch.tensor([0.0, 1.0]))
+    assert alpha(p, q).item() == pytest.approx(0.8)  # min(.6,.8) + min(.4,.2)
+
+
+def test_residual_equal_distributions_is_p_not_nan():
+    p = torch.tensor([0.25, 0.25, 0.5])
+    r = residual_distribution(p, p.clone())
+    assert not torch.isnan(r).any()
+    assert torch.allclose(r, p)
+
+
+def test_verify_output_distribution_is_target():
+    """q = [0.8, 0.2], p = [0.6, 0.4]: the emitted token must be distributed as p.
+
+    Accept token 0 w.p. 0.8 * 0.75 = 0.6; token 1 is accepted always (0.2) or recovered after
+    rejecting token 0 (0.2) -> 0.4. 40k draws: sd of the frequency is 0.0024; allow 4.5 sd."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.tensor([[0.8, 0.2]])
+    p = torch.tensor([[0.6, 0.4], [0.5, 0.5]])
+    n, ones = 40_000, 0
+    for _ in range(n):
+        x = torch.multinomial(q[0], 1, generator=g)
+        v = verify(x, q, p, greedy=False, generator=g)
+        ones += v.next_token if v.num_accepted == 0 else int(x)
+    assert abs(ones / n - 0.4) < 4.5 * math.sqrt(0.24 / n)
+
+
+def test_verify_greedy_counts_only_the_prefix():
+    """Accept flags [1, 0, 1] count 1 accepted, not 2; the correction is p's argmax at 2."""
+    V = 5
+    p = torch.nn.functional.one_hot(torch.tensor([3, 1, 4, 2]), V).float()  # target argmax per position
+    proposals = torch.tensor([3, 0, 4])  # matches, mismatches, would match
+    q = torch.nn.functional.one_hot(proposals, V).float()
+    v = verify(proposals, q, p, greedy=True)
+    assert (v.num_accepted, v.next_token, v.rejected_at) == (1, 1, 1)
+    v = verify(torch.tensor([3, 1, 4]), q, p, greedy=True)
+    assert (v.num_accepted, v.next_token, v.rejected_at) == (3, 2, -1)  # bonus = argmax p_4
+
+
+def test_verify_zero_gamma_is_plain_sampling():
+    p = torch.tensor([[0.0, 1.0, 0.0]])
+    v = verify(torch.zeros(0, dtype=torch.long), torch.zeros(0, 3), p, greedy=False,
+               generator=torch.Generator().manual_seed(1))
+    assert (v.num_accepted, v.next_token, v.rejected_at) == (0, 1, -1)
+
+
+def test_process_logits_top_p_top_k_temperature():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()
+    # top-p 0.8: mass before token 3rd is 0.8 >= 0.8 -> dropped; keep [.5, .3] renormalised
+    assert torch.allclose(process_logits(logits, SamplingParams(1.0, top_p=0.8)), torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(process_logits(logits, SamplingParams(1.0, top_k=2)), torch.tensor([0.625, 0.375, 0, 0]))
+    # temperature 2: p^(1/2) renormalised
+    s = probs.sqrt()
+    assert torch.allclose(process_logits(logits, SamplingParams(2.0)), s / s.sum())
+    assert process_logits(logits, SamplingParams()).tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_sampling_params_reject_bad_values():
+    with pytest.raises(ValueError, match="temperature=-1"):
+        SamplingParams(-1.0)
+    with pytest.raises(ValueError, match="top_p=0"):
+        SamplingParams(1.0, top_p=0.0)
+    assert SamplingParams(0.7, top_p=0.9).bucket() == "t0.7-p0.9"
+    assert SamplingParams().bucket() == "greedy"
+
+
+def test_accounting_hand_worked():
+    c = AcceptanceCounts()
+    c.add_step(StepStats(proposed=3, accepted=1, emitted=2, rejected_at=1, alpha_sum=1.5, draft_ms=3, verify_ms=5))
+    c.add_step(StepStats(proposed=3, accepted=3, emitted=4, rejected_at=-1, alpha_sum=2.7, draft_ms=3, verify_ms=5))
+    c.add_step(StepStats(proposed=0, accepted=0, emitted=1, rejected_at=-1, alpha_sum=0.0, draft_ms=0, verify_ms=4))
+    assert c.acceptance_rate == pytest.approx(4 / 6)
+    assert c.mean_accepted_length == pytest.approx(7 / 3)  # bonus included, plain step counted
+    assert c.alpha == pytest.approx(4.2 / 6)
+    assert c.acceptance_per_position == [1.0, 0.5, 0.5]
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (2, 6, 4)
+    assert math.isnan(AcceptanceCounts().acceptance_rate)
+    assert AcceptanceCounts().summary()["alpha"] is None
+
+
+def test_leviathan_formulas():
+    # (1 - .8^5) / ((1 - .8)(4 * .1 + 1)) = 0.67232 / 0.28
+    assert predicted_speedup(0.8, 4, 0.1) == pytest.approx(0.67232 / 0.28)
+    assert predicted_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)
+    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)

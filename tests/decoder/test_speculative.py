@@ -1,0 +1,215 @@
+"""The speculative loop on tiny real models: losslessness, edge cases, records."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from decoder.models import derive_draft
+from decoder.sampling import SamplingParams, process_logits
+from decoder.speculative import DecodeRequest, DecoderConfig, FixedGamma, HeuristicGamma, SpeculativeDecoder
+from store.schema import PairFingerprint
+from tiny import reference_greedy, tiny_llama
+
+PROMPTS = ["def add(a, b):", "the quick brown fox", "x = [1, 2, 3]", "hello world. ", "for i in range(", "abc"]
+
+
+def enc(tok, s):
+    return tok(s).input_ids
+
+
+@pytest.fixture(scope="module")
+def derived(target):
+    return derive_draft(target, "0-1")
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("which", ["derived", "other", "self"])
+def test_greedy_matches_reference(target, derived, other_draft, tok, gamma, which):
+    draft = {"derived": derived, "other": other_draft, "self": target}[which]
+    dec = SpeculativeDecoder(target, draft, tok)
+    for s in PROMPTS:
+        ids = enc(tok, s)
+        ref = reference_greedy(target, ids, 24)
+        res = dec.generate(DecodeRequest(ids, max_new_tokens=24, gamma=gamma, ignore_eos=True))
+        assert res.output_ids == ref, (s, gamma, which)
+        if which == "self":
+            assert res.counts.acceptance_rate == 1.0
+            assert res.counts.alpha == pytest.approx(1.0)
+
+
+def test_self_draft_tau_is_gamma_plus_one(target, tok):
+    dec = SpeculativeDecoder(target, target, tok)
+    res = dec.generate(DecodeRequest(enc(tok, "abc"), max_new_tokens=20, gamma=3, ignore_eos=True))
+    # 20 tokens in blocks of 4 -> 5 steps, every proposal accepted
+    assert [s.proposed for s in res.steps] == [3, 3, 3, 3, 3]
+    assert res.counts.mean_accepted_length == pytest.approx(4.0)
+    assert res.rejection_positions == [-1] * 5
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_max_new_tokens_small_with_large_gamma(target, other_draft, tok, n):
+    dec = SpeculativeDecoder(target, other_draft, tok)
+    ids = enc(tok, "hello")
+    res = dec.generate(DecodeRequest(ids, max_new_tokens=n, gamma=5, ignore_eos=True))
+    assert res.output_ids == reference_greedy(target, ids, n)
+    assert res.finish_reason == "length"
+    assert all(s.proposed <= n - 1 for s in res.steps)
+
+
+def test_eos_inside_accepted_block_truncates(target, tok):
+    ids = enc(tok, "the quick brown fox")
+    ref = reference_greedy(target, ids, 30)
+    eos_tok, pos = ref[6], ref.index(ref[6])  # first occurrence of the 7th token
+    dec = SpeculativeDecoder(target, target, tok)  # self-draft: eos lands inside an accepted block
+    dec.eos_ids = frozenset({eos_tok})
+    res = dec.generate(DecodeRequest(ids, max_new_tokens=30, gamma=5))
+    assert res.output_ids == ref[: pos + 1]
+    assert res.finish_reason == "eos"
+
+
+def test_stop_string_truncates_after_completing_token(target, other_draft, tok):
+    ids = enc(tok, "def add(a, b):")
+    ref = reference_greedy(target, ids, 30)
+    text = tok.decode(ref)
+    stop = text[8:10]
+    end = text.find(stop) + len(stop)  # char tokenizer: token i is char i
+    dec = SpeculativeDecoder(target, other_draft, tok)
+    res = dec.generate(DecodeRequest(ids, max_new_tokens=30, gamma=4, stop=[stop], ignore_eos=True))
+    assert res.output_ids == ref[:end]
+    assert res.text.endswith(stop) and res.finish_reason == "stop"
+
+
+def test_same_seed_same_output_and_no_shared_state(target, other_draft, tok):
+    dec = SpeculativeDecoder(target, other_draft, tok)
+    ids = enc(tok, "hello world")
+    mk = lambda seed: DecodeRequest(ids, SamplingParams(1.0, seed=seed), max_new_tokens=30, gamma=3, ignore_eos=True)
+    a, b = dec.generate(mk(5)), dec.generate(mk(5))
+    dec.generate(mk(9))
+    c = dec.generate(mk(5))
+    assert a.output_ids == b.output_ids == c.output_ids
+    outs = {tuple(dec.generate(mk(s)).output_ids) for s in range(6)}
+    assert len(outs) > 1  # the seed matters
+
+
+def test_first_token_distribution_chi_square(target, other_draft, tok):
+    """First emitted token of a γ=1 speculative step vs the target's processed distribution."""
+    params = SamplingParams(1.0)
+    ids = enc(tok, "the ")
+    with torch.no_grad():
+        p = process_logits(target(input_ids=torch.tensor([ids])).logits[0, -1], params)
+    dec = SpeculativeDecoder(target, other_draft, tok)
+    n = 1500
+    counts = torch.zeros_like(p)
+    for s in range(n):
+        r = dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=s), max_new_tokens=2, gamma=5, ignore_eos=True))
+        assert r.steps[0].proposed == 1
+        counts[r.output_ids[0]] += 1
+    chi2, df = _chi_square(counts, p, n)
+    assert chi2 < _chi2_crit_001(df), (chi2, df)
+
+
+def _chi_square(counts, p, n, min_expected=5.0):
+    exp = p * n
+    big = exp >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    ex = torch.cat([exp[big], exp[~big].sum().view(1)])
+    keep = ex > 0
+    obs, ex = obs[keep], ex[keep]
+    return float(((obs - ex) ** 2 / ex).sum()), int(keep.sum()) - 1
+
+
+def _chi2_crit_001(df):
+    """Upper 0.1 % point of chi-square(df), Wilson-Hilferty approximation (z = 3.09)."""
+    z = 3.0902
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_padded_draft_vocab_is_lossless(target, tok):
+    from decoder.models import check_pair
+
+    padded = tiny_llama(11, layers=2, hidden=32, vocab=target.config.vocab_size + 16, head_scale=20.0)
+    check_pair(tok, tok, target.config.vocab_size, padded.config.vocab_size)  # allowed: padded tail
+    dec = SpeculativeDecoder(target, padded, tok)
+    ids = enc(tok, "padded vocab")
+    assert dec.generate(DecodeRequest(ids, max_new_tokens=16, gamma=3, ignore_eos=True)).output_ids == \
+        reference_greedy(target, ids, 16)
+
+
+def test_different_tokenizer_refused(tok):
+    from decoder.models import TokenizerMismatchError, check_pair
+    from tiny import char_tokenizer
+
+    with pytest.raises(TokenizerMismatchError, match="64.*64"):
+        check_pair(tok, char_tokenizer(swap=True), 64, 64)
+    with pytest.raises(TokenizerMismatchError, match="49152 and draft vocab size 64"):
+        check_pair(tok, tok, 49152, 64)
+
+
+def test_fr_spec_draft_vocab_is_lossless_and_restricts_q(target, derived, tok):
+    subset = torch.arange(0, 40)  # the draft can only propose ids < 40
+    dec = SpeculativeDecoder(target, derived, tok, DecoderConfig(draft_vocab=subset))
+    for s in PROMPTS[:3]:
+        ids = enc(tok, s)
+        res = dec.generate(DecodeRequest(ids, max_new_tokens=20, gamma=3, ignore_eos=True))
+        assert res.output_ids == reference_greedy(target, ids, 20)
+    from transformers import DynamicCache
+    q = dec._draft_logits(enc(tok, "abc"), DynamicCache(config=derived.config))
+    assert torch.isinf(q[40:]).all() and torch.isfinite(q[:40]).all()
+
+
+def test_heuristic_gamma_schedule():
+    h = HeuristicGamma(5)
+    h.update(5, 5)
+    assert h.gamma() == 7
+    h.update(7, 2)
+    assert h.gamma() == 6
+    for _ in range(10):
+        h.update(h.gamma(), 0)
+    assert h.gamma() == 1
+
+
+def test_sink_receives_exact_target_topk(target, other_draft, tok):
+    got = []
+    fp = PairFingerprint("tiny-t", "tiny-d", "chars")
+    dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=4), sink=got.append,
+                             pair_fingerprint=fp)
+    ids = enc(tok, "abc")
+    res = dec.generate(DecodeRequest(ids, max_new_tokens=12, gamma=3, ignore_eos=True, workload="w"))
+    (rec,) = got
+    assert rec.output_ids.tolist() == res.output_ids
+    assert rec.proposal_lens.tolist() == [s.proposed for s in res.steps]
+    assert rec.rejection_pos.tolist() == res.rejection_positions
+    with torch.no_grad():  # independent: full recompute of the target's distribution per position
+        full = torch.softmax(target(input_ids=torch.tensor([ids + res.output_ids])).logits[0], -1)
+    for j in range(len(res.output_ids)):
+        pj = full[len(ids) - 1 + j]
+        top = torch.topk(pj, 4)
+        assert rec.topk_ids[j].tolist() == top.indices.tolist()
+        assert np.allclose(rec.topk_probs[j].astype(np.float32), top.values.numpy(), atol=1e-3)
+        assert rec.tail_mass[j] == pytest.approx(1 - float(top.values.sum()), abs=1e-4)
+
+
+def test_bad_request_errors_name_the_value():
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        DecodeRequest([])
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        DecodeRequest([1], max_new_tokens=0)
+    with pytest.raises(ValueError, match="gamma=-1"):
+        DecodeRequest([1], gamma=-1)
+
+
+def test_prompt_id_outside_vocab(target, tok):
+    dec = SpeculativeDecoder(target, target, tok)
+    with pytest.raises(ValueError, match="token id 999"):
+        dec.generate(DecodeRequest([3, 999], max_new_tokens=2))
+
+
+def test_plain_policy_never_runs_draft(target, tok):
+    dec = SpeculativeDecoder(target, target, tok)
+    calls = []
+    orig = dec._draft_logits
+    dec._draft_logits = lambda *a: calls.append(1) or orig(*a)
+    dec.generate(DecodeRequest(enc(tok, "abc"), max_new_tokens=8, gamma=0), FixedGamma(0))
+    assert calls == []
