@@ -217,18 +217,18 @@ def render_status(st: dict) -> None:
     out.print(t)
     acc = st.get("acceptance") or {}
     if acc:
-        at = Table(title="acceptance per workload: active adapter vs the previous one (rate = accepted/drafted, "
+        at = Table(title="acceptance per workload, active adapter vs the previous one (rate = accepted/drafted, "
                    "tau = tokens/step, alpha = mean per request, goodput = tokens/s)", title_justify="left")
-        for col in ("workload", "adapter", "requests", "rate", "tau", "alpha", "goodput", "prev", "rate", "tau", "alpha",
-                    "goodput", "speculation"):
+        for col in ("workload", "adapter", "req", "rate", "tau", "alpha", "goodput", "previous: rate/tau/alpha/goodput", "speculation"):
             at.add_column(col)
         for w, v in acc.items():
-            n, p = v["now"], v.get("previous") or {}
+            n, p = v["now"], v.get("previous")
             sp = (st.get("speculation") or {}).get(w, {})
             on = {True: "[green]on[/]", False: "[yellow]off[/]", None: "?"}[sp.get("on")]
+            prev = "-" if not p else (f"v{p['version']}: {_f(p['acceptance_rate'])}/{_f(p['tau'], 2)}/{_f(p['alpha'])}/"
+                                      f"{_f(p['goodput_tokens_per_s'], 1)}")
             at.add_row(w, f"v{n['version']}", str(n["requests"]), _f(n["acceptance_rate"]), _f(n["tau"], 2), _f(n["alpha"]),
-                       _f(n["goodput_tokens_per_s"], 1), f"v{p['version']}" if p else "-", _f(p.get("acceptance_rate")),
-                       _f(p.get("tau"), 2), _f(p.get("alpha")), _f(p.get("goodput_tokens_per_s"), 1), f"{on} {sp.get('why', '')}")
+                       _f(n["goodput_tokens_per_s"], 1), prev, f"{on} {sp.get('why', '')}")
         out.print(at)
 
 
