@@ -355,6 +355,8 @@ class Distiller:
         self.model.train()
         try:
             for _epoch in range(cfg.max_epochs):
+                if _epoch > 0 and steps == 0:
+                    break  # a whole pass had no weighted position: more passes would not either
                 order = torch.randperm(len(samples), generator=gen).tolist()
                 for i in range(0, len(order), cfg.batch_size):
                     if steps >= cfg.max_steps or self.clock() - t0 >= cfg.max_seconds:

@@ -1,0 +1,151 @@
+"""Bootstrap: turn an untrained (e.g. layer-derived) draft into adapter v1.
+
+The samples are VerifiedSamples the target generated itself (the daemon decodes built-in prompts
+with the decoder at gamma = 0, so every position is a plain step and carries the target's top-k).
+This module never sees a model besides the Distiller's draft: it takes any iterable of samples,
+holds out a fixed record-id hash bucket (the same split as the service), runs Distiller rounds
+until a step or time budget, and registers the result; it promotes it only if held-out alpha
+rose over the base draft's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from store.registry import AdapterMeta
+from store.schema import VerifiedSample
+from trainer.distill import BASE, Distiller, EvalResult, TrainerError
+from trainer.service import is_heldout
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class BootstrapConfig:
+    """Budget and split of a bootstrap run."""
+
+    max_steps: int = 400  # optimiser steps in total, over all rounds
+    max_seconds: float = 15 * 60.0  # training seconds in total (evaluation not counted)
+    round_steps: int = 50  # steps per round; held-out alpha is measured after each round
+    holdout_fraction: float = 0.1  # record-id hash bucket held out (never trained on)
+    promote: bool = True  # promote v1 if held-out alpha beats the base draft's
+
+
+@dataclass
+class CurvePoint:
+    steps: int
+    train_seconds: float
+    alpha: float
+    greedy: float
+    loss: float
+
+
+@dataclass
+class BootstrapResult:
+    version: int | None  # registered version (None without a registry)
+    promoted: bool
+    reason: str
+    steps: int
+    train_seconds: float
+    samples_trained: int
+    heldout_samples: int
+    base: EvalResult
+    after: EvalResult
+    curve: list[CurvePoint] = field(default_factory=list)
+
+
+def bootstrap(
+    samples: Iterable[VerifiedSample],
+    distiller: Distiller,
+    registry: Any | None,
+    config: BootstrapConfig,
+    clock: Callable[[], float] = time.monotonic,
+    on_round: Callable[[CurvePoint], None] | None = None,
+) -> BootstrapResult:
+    """Distil ``samples`` into the distiller's adapter within the budget; register (and promote) it.
+
+    Args:
+        samples: target-generated samples (consumed once, kept in memory).
+        distiller: wraps the draft; its DistillConfig gives loss, weighting, lr, batch size. Use
+            weighting "all" or "upweight_rejected": gamma = 0 samples have no rejections.
+        registry: ``store.registry.AdapterRegistry`` or None (train and evaluate only).
+        clock: monotonic seconds for the time budget.
+        on_round: called after each round with the new curve point (progress reporting).
+
+    Raises:
+        TrainerError: no training or no held-out samples, or a round went non-finite.
+    """
+    train, held = [], []
+    for s in samples:
+        (held if is_heldout(s.record_id, config.holdout_fraction) else train).append(s)
+    if not train or not held:
+        raise TrainerError(
+            f"bootstrap needs training and held-out samples; got {len(train)} and {len(held)} "
+            f"(holdout_fraction={config.holdout_fraction}); generate more samples"
+        )
+    base = distiller.evaluate(held, adapter=BASE)
+    log.info("bootstrap_start", train=len(train), heldout=len(held), base_alpha=base.alpha, base_greedy=base.greedy)
+    orig = distiller.config
+    steps, seconds, curve = 0, 0.0, []
+    after = base
+    try:
+        while steps < config.max_steps and seconds < config.max_seconds:
+            distiller.config = dataclasses.replace(
+                orig,
+                max_steps=min(config.round_steps, config.max_steps - steps),
+                max_seconds=config.max_seconds - seconds,
+                max_epochs=max(orig.max_epochs, 10**6),  # the budget, not the epoch count, ends a round
+            )
+            t0 = clock()
+            res = distiller.train_round(train)
+            seconds += clock() - t0
+            if not res.finite:
+                raise TrainerError(f"bootstrap round went non-finite after {steps} steps: {res.reason}; lower lr={orig.lr}")
+            if res.steps == 0:
+                raise TrainerError(f"bootstrap round made no step (weighting={orig.weighting!r} with gamma=0 samples?)")
+            steps += res.steps
+            after = distiller.evaluate(held)
+            point = CurvePoint(steps, seconds, after.alpha, after.greedy, res.loss_last)
+            curve.append(point)
+            log.info("bootstrap_round", **dataclasses.asdict(point))
+            if on_round is not None:
+                on_round(point)
+    finally:
+        distiller.config = orig
+    gain = after.alpha - base.alpha
+    promoted = config.promote and gain > 0
+    reason = (
+        f"bootstrap: held-out alpha {base.alpha:.4f} -> {after.alpha:.4f} ({gain:+.4f}), greedy "
+        f"{base.greedy:.3f} -> {after.greedy:.3f}, {steps} steps, {seconds:.0f} s, {len(train)} samples"
+    )
+    version = None
+    if registry is not None:
+        meta = AdapterMeta(
+            parent=0,
+            samples_trained=len(train),
+            tokens_trained=sum(s.num_tokens for s in train),
+            loss=curve[-1].loss if curve else float("nan"),
+            alpha_before=base.alpha,
+            alpha_after=after.alpha,
+            alpha_before_by_workload={w: c.alpha for w, c in sorted(base.per_workload.items())},
+            alpha_after_by_workload={w: c.alpha for w, c in sorted(after.per_workload.items())},
+        )
+        tmp = Path(tempfile.mkdtemp(prefix="draftd-bootstrap-"))
+        try:
+            version = registry.register(distiller.save(tmp / "adapter"), meta)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if promoted:
+            registry.promote(version, reason)
+        else:
+            registry.set_state(version, "rejected", reason + ("" if config.promote else " (promote=False)"))
+    return BootstrapResult(version, bool(promoted and registry is not None), reason, steps, seconds, len(train), len(held), base, after, curve)
