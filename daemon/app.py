@@ -168,7 +168,12 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
     try:
         yield service
     finally:
-        service.stop(wait=False)
+        from apscheduler.schedulers import SchedulerNotRunningError
+
+        try:
+            service.stop(wait=False)
+        except SchedulerNotRunningError:  # already stopped by Daemon._stop_rounds' waiter thread
+            pass
 
 
 class ApiServer:

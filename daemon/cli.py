@@ -99,14 +99,16 @@ def run(
 
     log = structlog.get_logger("daemon.cli")
     d = Daemon(s)
+    rc = 1
     try:
         rc = d.run()
     except Exception as e:  # noqa: BLE001 - one line for the operator, the traceback in the log
         log.exception("daemon_failed", error=str(e))
-        raise typer.Exit(1) from e
-    if d.abandoned_round:
-        sys.stdout.flush()
-        os._exit(rc)  # the abandoned round's thread must not hold the process open
+    finally:
+        if d.abandoned_round:  # its thread must not keep the process alive (nor register anything)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
     raise typer.Exit(rc)
 
 
