@@ -49,6 +49,7 @@ from typing import Any
 import structlog
 from apscheduler.schedulers.background import BackgroundScheduler
 
+from store.buffer import group_info
 from store.registry import AdapterMeta
 from store.schema import VerifiedSample
 from trainer.distill import BASE, AdapterState, Distiller, EvalResult, RoundResult
@@ -136,8 +137,6 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
 
 def group_lag(client: Any, store_config: Any, group: str) -> int:
     """Entries not yet delivered to ``group`` (XINFO GROUPS lag; 0 if unknown) - the check job's input."""
-    from store.buffer import group_info
-
     for g in group_info(client, store_config):
         if g.name == group:
             return int(g.lag or 0)
@@ -315,10 +314,19 @@ class TrainerService:
         return entries
 
     def _round(self, report: RoundReport) -> None:
-        cfg = self.config
         self._sync_active()
         report.parent = self._promoted_version
         entries = self._take(report)
+        try:
+            self._process(report, entries)
+        except BaseException:
+            # Not acked, and the reader will not hand them out again (they are ours, pending):
+            # keep them for the next round of this process.
+            self._carry = entries + self._carry
+            raise
+
+    def _process(self, report: RoundReport, entries: list[Any]) -> None:
+        cfg = self.config
         train, heldout_entries = [], []
         for e in entries:
             s = e.sample

@@ -192,3 +192,18 @@ def test_crash_mid_round_leaves_nothing_and_samples_are_redelivered(env, train_s
     assert rep.decision == "promoted", rep.reason
     assert [r.version for r in registry.list()] == [rep.version]
     assert pending(client, cfg) == 0
+
+
+def test_failed_registration_keeps_entries_for_the_next_round(env, train_samples):
+    client, cfg, registry, tmp = env
+    write(client, cfg, train_samples[:40])
+    svc = make_service(env)
+    registry.artifact_dir.parent.mkdir(parents=True, exist_ok=True)
+    registry.artifact_dir.write_text("not a directory")  # register() cannot write its artifact
+    with pytest.raises(OSError):
+        svc.run_round_now()
+    assert svc.status()["last_round"]["decision"] == "error"
+    assert registry.list() == [] and pending(client, cfg) == 40 and svc.status()["carried_over"] == 40
+    registry.artifact_dir.unlink()
+    rep = svc.run_round_now()
+    assert rep.read == 40 and rep.version is not None and pending(client, cfg) == 0
