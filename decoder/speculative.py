@@ -16,6 +16,7 @@ so "ours vs plain" compares like with like.
 from __future__ import annotations
 
 import resource
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -35,7 +36,9 @@ class GammaPolicy(Protocol):
 
     def gamma(self) -> int: ...
 
-    def update(self, proposed: int, accepted: int) -> None: ...
+    def update(self, step: StepStats) -> None:
+        """Called after every verification step with its counts and timings."""
+        ...
 
 
 @dataclass
@@ -47,7 +50,7 @@ class FixedGamma:
     def gamma(self) -> int:
         return self.value
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def update(self, step: StepStats) -> None:
         pass
 
     def describe(self) -> str:
@@ -65,10 +68,10 @@ class HeuristicGamma:
     def gamma(self) -> int:
         return self.value
 
-    def update(self, proposed: int, accepted: int) -> None:
-        if proposed == 0:
+    def update(self, step: StepStats) -> None:
+        if step.proposed == 0:
             return
-        if accepted == proposed:
+        if step.accepted == step.proposed:
             self.value = min(self.max_value, self.value + 2)
         else:
             self.value = max(1, self.value - 1)
@@ -226,7 +229,11 @@ class SpeculativeDecoder:
         self.sink = sink
         self.pair_fingerprint = pair_fingerprint
         self.clock = clock
-        self.adapter_version = 0
+        self.adapter_version = 0  # the draft adapter in use (0 = the base draft); set by the adapter manager
+        # Requests run one at a time per decoder; between two requests (a step boundary) the
+        # hooks run under the same lock, so an adapter swap never lands inside a request.
+        self._lock = threading.Lock()
+        self.between_requests: list[Callable[["SpeculativeDecoder"], None]] = []
         self.device = next(target.parameters()).device
         self.vocab_p = target.get_output_embeddings().weight.shape[0]
         self.vocab_q = draft.get_output_embeddings().weight.shape[0]
@@ -264,13 +271,23 @@ class SpeculativeDecoder:
         return self.target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]  # (keep, V)
 
     # ---- the loop -----------------------------------------------------------------------------
-    @torch.inference_mode()
     def generate(self, req: DecodeRequest, policy: GammaPolicy | None = None) -> DecodeResult:
-        """Decode one request.
+        """Decode one request (thread-safe: concurrent callers are served one at a time).
 
         ``policy`` chooses γ per step; default: ``FixedGamma(req.gamma)`` (γ = 4 when neither is
-        given). γ is capped each step so that max_new_tokens is never exceeded.
+        given). γ is capped each step so that max_new_tokens is never exceeded. The hooks in
+        ``between_requests`` run first, under the decoder's lock (adapter swaps happen there).
+
+        Raises:
+            ValueError: a prompt token id outside the target's vocabulary.
         """
+        with self._lock:
+            for hook in self.between_requests:
+                hook(self)
+            return self._generate(req, policy)
+
+    @torch.inference_mode()
+    def _generate(self, req: DecodeRequest, policy: GammaPolicy | None) -> DecodeResult:
         if policy is None:
             policy = FixedGamma(4 if req.gamma is None else req.gamma)
         params = req.params
@@ -341,8 +358,8 @@ class SpeculativeDecoder:
                 topk_rows.append(_topk_rows(logits[: len(block)], k_rec))
             out.extend(block)
             ids.extend(block)
-            policy.update(g, v.num_accepted)
             st = StepStats(g, v.num_accepted, len(block), v.rejected_at, a_sum, draft_ms, verify_ms)
+            policy.update(st)
             steps.append(st)
             counts.add_step(st)
             if reason:

@@ -160,13 +160,16 @@ def test_fr_spec_draft_vocab_is_lossless_and_restricts_q(target, derived, tok):
 
 
 def test_heuristic_gamma_schedule():
+    from decoder.metrics import StepStats
+
+    st = lambda g, a: StepStats(g, a, a + 1, -1 if a == g else a, 0.0, 1.0, 1.0)  # noqa: E731
     h = HeuristicGamma(5)
-    h.update(5, 5)
+    h.update(st(5, 5))
     assert h.gamma() == 7
-    h.update(7, 2)
+    h.update(st(7, 2))
     assert h.gamma() == 6
     for _ in range(10):
-        h.update(h.gamma(), 0)
+        h.update(st(h.gamma(), 0))
     assert h.gamma() == 1
 
 
