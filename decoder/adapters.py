@@ -1,0 +1,506 @@
+"""Hot-swapping the draft's LoRA adapter at request boundaries.
+
+The registry (:class:`store.AdapterRegistry`) says which adapter version is active; the
+:class:`AdapterManager` makes the decoder's draft use it:
+
+1. *learn*: a background thread subscribed to ``P adapter:events`` (promote / rollback), with
+   :meth:`AdapterRegistry.active_version` polled every ``poll_interval_s`` as the fallback (a
+   missed message, a lost subscription, Redis restarting);
+2. *prepare*, in that thread, outside the decoder's lock: ``registry.fetch`` (sha256 of every
+   file checked), :func:`check_compatible` (peft type, rank, base class, target modules present
+   in the draft with matching shapes, finite weights), then peft ``load_adapter`` under a new
+   adapter name ``v{N}``. The new adapter is *inactive*: peft's LoRA forward only reads the
+   active adapter's tensors, so requests in flight are untouched while it loads;
+3. *switch*, in a ``between_requests`` hook of the decoder (which holds the decoder's lock, so
+   no request is running): ``set_adapter("v{N}")`` (or, for version 0 = the base draft,
+   ``disable_adapter_layers``) and ``decoder.adapter_version = N``. The time the hook holds the
+   lock is the *swap pause*, measured per swap;
+4. *evict*, back in the thread: ``delete_adapter`` of versions beyond the ``keep_loaded`` most
+   recent (the previous version stays loaded, so a rollback is a pure switch).
+
+The first adapter needs peft's LoRA layers in the draft. They are injected in the thread with
+``get_peft_model`` and a *no-op* adapter (LoRA B initialised to zeros, so base + B·A·x adds
+exact zeros and the draft's outputs are bit-identical); module replacement therefore never
+changes what an in-flight request computes. The decoder keeps calling its own ``draft``
+object, whose modules now hold the LoRA layers (peft injects in place).
+
+A failed preparation (sha256 mismatch, missing files, incompatible config, non-finite weights)
+never fails a request: the old adapter keeps serving, and the failure is logged and kept in
+:attr:`AdapterManager.failures` with its reason. A version that failed is not retried by the
+poll loop (it would fail again); a new promote/rollback event naming it retries it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+import structlog
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+
+from store import AdapterRegistry, StoreError, StoreUnavailableError, parse_event
+
+log = structlog.get_logger("decoder.adapters")
+
+NOOP = "_noop"  # name of the zero adapter that carries peft's layers before the first real one
+
+
+class AdapterError(Exception):
+    """An adapter cannot be used with this draft; the message says why and what to do."""
+
+
+class IncompatibleAdapterError(AdapterError):
+    """The adapter's config or tensors do not fit the draft."""
+
+
+def adapter_name(version: int) -> str:
+    return f"v{version}"
+
+
+@dataclass(frozen=True)
+class SwapRecord:
+    """One switch made by the hook at a request boundary."""
+
+    seq: int  # request boundary at which it happened (0-based count of hook calls)
+    ts: float  # wall clock, seconds since the epoch
+    from_version: int
+    to_version: int
+    pause_ms: float  # time the hook held the decoder's lock for this switch
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A version that could not be prepared (the old adapter kept serving)."""
+
+    version: int
+    ts: float
+    kind: str  # integrity | missing | incompatible | unknown_version | swap | error
+    reason: str
+
+
+@dataclass
+class _Prepared:
+    version: int
+    name: str | None  # peft adapter name; None for version 0 (base draft)
+    prepare_ms: float
+    source: str
+
+
+def check_compatible(draft: torch.nn.Module, adapter_dir: str | Path, *, max_rank: int = 256,
+                     expected_base: str | None = None) -> dict[str, Any]:
+    """Check that the peft adapter in ``adapter_dir`` fits ``draft``; returns its config dict.
+
+    Checks: ``peft_type`` is LORA; ``r`` in 1..``max_rank``; the base class in
+    ``auto_mapping.base_model_class`` (when recorded) is the draft's class; the recorded
+    ``base_model_name_or_path`` equals ``expected_base`` (when both are set); no init that
+    rewrites base weights (PiSSA, OLoRA, ...); and every LoRA tensor in
+    ``adapter_model.safetensors`` names a linear module of the draft with matching shapes
+    (lora_A: (r, in_features), lora_B: (out_features, r)) and is finite.
+
+    Raises:
+        IncompatibleAdapterError: naming the first offending field or tensor.
+        AdapterError: a file is missing or unreadable.
+    """
+    d = Path(adapter_dir)
+    cfg_path, w_path = d / "adapter_config.json", d / "adapter_model.safetensors"
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise AdapterError(f"{d} lacks {p.name}; an adapter directory is peft's save_pretrained layout")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{cfg_path} is not readable JSON: {e}") from e
+    if cfg.get("peft_type") != "LORA":
+        raise IncompatibleAdapterError(f"{cfg_path}: peft_type={cfg.get('peft_type')!r}, only LORA adapters are served")
+    r = cfg.get("r")
+    if not isinstance(r, int) or not 1 <= r <= max_rank:
+        raise IncompatibleAdapterError(f"{cfg_path}: r={r!r}, must be an integer in 1..{max_rank}")
+    base_cls = (cfg.get("auto_mapping") or {}).get("base_model_class")
+    if base_cls and base_cls != type(draft).__name__:
+        raise IncompatibleAdapterError(
+            f"{cfg_path}: trained on a {base_cls}, the draft is a {type(draft).__name__}"
+        )
+    base_name = cfg.get("base_model_name_or_path")
+    if expected_base and base_name and base_name != expected_base:
+        raise IncompatibleAdapterError(f"{cfg_path}: base_model_name_or_path={base_name!r}, the draft is {expected_base!r}")
+    init = cfg.get("init_lora_weights", True)
+    if not (isinstance(init, bool) or init == "gaussian"):
+        raise IncompatibleAdapterError(
+            f"{cfg_path}: init_lora_weights={init!r} rewrites the base weights when loaded; save with the default init"
+        )
+    if cfg.get("modules_to_save"):
+        raise IncompatibleAdapterError(
+            f"{cfg_path}: modules_to_save={cfg['modules_to_save']!r}: full-module copies are not hot-swapped; "
+            f"train LoRA layers only"
+        )
+    try:
+        tensors = load_file(str(w_path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise AdapterError(f"{w_path} is not a readable safetensors file: {e}") from e
+    modules = dict(draft.named_modules())
+    n_lora = 0
+    for key, t in tensors.items():
+        m = re.match(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight$", key)
+        if m is None:
+            raise IncompatibleAdapterError(f"{w_path}: tensor {key!r} is not a LoRA A/B weight")
+        path, part = m.group(1), m.group(2)
+        mod = modules.get(path)
+        if mod is None:
+            raise IncompatibleAdapterError(f"{w_path}: tensor {key!r} targets {path!r}, which the draft has no module named")
+        base = getattr(mod, "base_layer", mod)
+        fin, fout = getattr(base, "in_features", None), getattr(base, "out_features", None)
+        if fin is None or fout is None:
+            raise IncompatibleAdapterError(f"{w_path}: {path!r} is a {type(base).__name__}, not a linear layer")
+        want = (t.shape[0], fin) if part == "lora_A" else (fout, t.shape[1])
+        if t.dim() != 2 or tuple(t.shape) != want or not 1 <= min(t.shape) <= max(max_rank, 1):
+            raise IncompatibleAdapterError(
+                f"{w_path}: {key} has shape {tuple(t.shape)}, {path} needs {part} of shape {want} with rank <= {max_rank}"
+            )
+        if not bool(torch.isfinite(t).all()):
+            raise IncompatibleAdapterError(f"{w_path}: {key} has non-finite values")
+        n_lora += 1
+    if n_lora == 0:
+        raise IncompatibleAdapterError(f"{w_path}: no LoRA tensors")
+    return cfg
+
+
+def summarize_ms(values) -> dict[str, float | int | None]:
+    """count, mean, p50, p99, max of a list of milliseconds (None when empty)."""
+    v = np.asarray(list(values), dtype=float)
+    if v.size == 0:
+        return {"count": 0, "mean": None, "p50": None, "p99": None, "max": None}
+    return {
+        "count": int(v.size),
+        "mean": round(float(v.mean()), 3),
+        "p50": round(float(np.percentile(v, 50)), 3),
+        "p99": round(float(np.percentile(v, 99)), 3),
+        "max": round(float(v.max()), 3),
+    }
+
+
+class AdapterManager:
+    """Keeps the decoder's draft on the registry's active adapter (see the module docstring).
+
+    Args:
+        decoder: a :class:`decoder.speculative.SpeculativeDecoder`; a hook is appended to its
+            ``between_requests``. Create the manager before serving.
+        registry: the :class:`store.AdapterRegistry` adapters are fetched from.
+        poll_interval_s: how often ``active_version()`` is polled when no event arrives, and the
+            retry delay while Redis is unreachable.
+        clock: monotonic seconds, for pause and preparation times.
+        wall_clock: seconds since the epoch, for ``since`` and records.
+        keep_loaded: adapter versions kept in memory (active included), >= 1; 2 keeps the
+            previous version so that a rollback is a pure switch.
+        max_rank: largest LoRA rank accepted.
+        expected_base: the draft's model id, checked against ``base_model_name_or_path``.
+        history: swaps, failures and boundary versions kept (most recent).
+    """
+
+    def __init__(
+        self,
+        decoder,
+        registry: AdapterRegistry,
+        *,
+        poll_interval_s: float = 2.0,
+        clock: Callable[[], float] = time.perf_counter,
+        wall_clock: Callable[[], float] = time.time,
+        keep_loaded: int = 2,
+        max_rank: int = 256,
+        expected_base: str | None = None,
+        history: int = 10_000,
+    ):
+        if keep_loaded < 1:
+            raise ValueError(f"keep_loaded={keep_loaded}: must be >= 1 (the active adapter)")
+        self.decoder = decoder
+        self.draft: torch.nn.Module = decoder.draft
+        self.registry = registry
+        self.poll_interval_s = poll_interval_s
+        self.clock, self.wall_clock = clock, wall_clock
+        self.keep_loaded = keep_loaded
+        self.max_rank = max_rank
+        self.expected_base = expected_base
+        self.swaps: deque[SwapRecord] = deque(maxlen=history)
+        self.failures: deque[LoadFailure] = deque(maxlen=history)
+        self.boundary_log: deque[int] = deque(maxlen=history)  # adapter_version at each request start
+        self.prepare_ms: deque[float] = deque(maxlen=history)
+        self.active_since = wall_clock()
+        self.last_source: str | None = None  # "event" | "poll" | "manual": how the last target was learnt
+        self._peft: PeftModel | None = None
+        self._loaded: list[tuple[int, str]] = []  # (version, name), oldest first
+        self._disabled = False  # adapter layers disabled (version 0 after an adapter)
+        self._pending: _Prepared | None = None
+        self._target: int = decoder.adapter_version  # last version prepared (or installed)
+        self._failed: dict[int, str] = {}
+        self._boundaries = 0
+        self._swaps_total = 0
+        self._failures_total = 0
+        self._model_lock = threading.Lock()  # peft structure changes: load/delete vs switch
+        self._prep_lock = threading.Lock()  # one preparation at a time
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pubsub = None
+        decoder.between_requests.append(self._between_requests)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "AdapterManager":
+        """Start the watcher thread (subscribe, then poll once, then wait for events)."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._watch, name="adapter-manager", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop the thread and remove the hook from the decoder."""
+        self.stop()
+        try:
+            self.decoder.between_requests.remove(self._between_requests)
+        except ValueError:
+            pass
+
+    def __enter__(self) -> "AdapterManager":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _watch(self) -> None:
+        ps = None
+        next_poll = 0.0
+        while not self._stop.is_set():
+            try:
+                if ps is None:
+                    ps = self.registry.subscribe()
+                    next_poll = 0.0  # subscribed first, then polled: nothing falls in between
+                now = self.clock()
+                if now >= next_poll:
+                    self._prepare(self.registry.active_version(), "poll")
+                    next_poll = now + self.poll_interval_s
+                # short waits, so that stop() is prompt whatever the poll interval
+                msg = ps.get_message(timeout=min(0.2, self.poll_interval_s))
+                if msg is not None and msg.get("type") == "message":
+                    self._prepare(self._latest_event(ps, msg), "event")
+                self._evict()
+            except (StoreError, redis.RedisError, OSError, ValueError) as e:
+                if self._stop.is_set():
+                    break
+                log.warning("adapter_watch_error", error=str(e), retry_in_s=self.poll_interval_s)
+                if ps is not None:
+                    try:
+                        ps.close()
+                    except Exception:  # noqa: BLE001 - a broken connection may fail to close
+                        pass
+                    ps = None
+                self._stop.wait(self.poll_interval_s)
+        if ps is not None:
+            try:
+                ps.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    @staticmethod
+    def _latest_event(ps, msg) -> int:
+        """The newest event's version: drain what is queued, so a burst costs one load."""
+        version = int(parse_event(msg)["version"])
+        while (more := ps.get_message(timeout=0)) is not None:
+            if more.get("type") == "message":
+                version = int(parse_event(more)["version"])
+        return version
+
+    # ---- preparation (background, outside the decoder's lock) ------------------------------
+    def poll_once(self, version: int | None = None) -> int:
+        """Synchronously prepare ``version`` (default: the registry's active one) and evict
+        unused adapters; returns the version prepared or kept. The switch itself still happens
+        at the next request boundary. Raises StoreUnavailableError when Redis is unreachable."""
+        v = self.registry.active_version() if version is None else int(version)
+        self._prepare(v, "manual")
+        self._evict()
+        return v
+
+    def _prepare(self, version: int, source: str) -> None:
+        with self._prep_lock:
+            if version == self._target:
+                return
+            if version in self._failed and source == "poll":
+                return  # already failed; a new event (or poll_once) retries it
+            t0 = self.clock()
+            try:
+                name = None if version == 0 else self._load(version)
+            except StoreUnavailableError:
+                raise  # transient: the watcher retries
+            except Exception as e:  # noqa: BLE001 - a bad adapter must never reach a request
+                self._fail(version, _kind(e), str(e))
+                return
+            ms = (self.clock() - t0) * 1e3
+            self._failed.pop(version, None)
+            self._target = version
+            self.last_source = source
+            if version == self.decoder.adapter_version:
+                self._pending = None  # e.g. rolled back to what is still serving
+            else:
+                self._pending = _Prepared(version, name, ms, source)
+                self.prepare_ms.append(ms)
+            log.info("adapter_prepared", version=version, source=source, prepare_ms=round(ms, 3))
+            with self._changed:
+                self._changed.notify_all()
+
+    def _load(self, version: int) -> str:
+        name = adapter_name(version)
+        if any(n == name for _, n in self._loaded):
+            return name
+        path = self.registry.fetch(version)  # sha256 of every file checked
+        cfg = check_compatible(self.draft, path, max_rank=self.max_rank, expected_base=self.expected_base)
+        with self._model_lock:
+            if self._peft is None:
+                # peft's layers, carrying a zero adapter: bit-identical outputs (B = 0).
+                noop = LoraConfig(r=1, lora_alpha=1, lora_dropout=0.0, target_modules=cfg["target_modules"],
+                                  init_lora_weights=True, task_type=cfg.get("task_type"))
+                self._peft = get_peft_model(self.draft, noop, adapter_name=NOOP)
+                self._peft.eval()
+                self._loaded.append((0, NOOP))
+            self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
+            self._loaded.append((version, name))
+        return name
+
+    def _fail(self, version: int, kind: str, reason: str) -> None:
+        f = LoadFailure(version, self.wall_clock(), kind, reason)
+        self.failures.append(f)
+        self._failures_total += 1
+        self._failed[version] = reason
+        log.error("adapter_load_failed", version=version, kind=kind, reason=reason,
+                  serving=self.decoder.adapter_version)
+        with self._changed:
+            self._changed.notify_all()
+
+    def _evict(self) -> None:
+        """delete_adapter the versions beyond ``keep_loaded`` and the no-op adapter once a real
+        one serves; never the active or the pending one."""
+        if self._peft is None:
+            return
+        with self._model_lock:
+            protected = set(self._peft.active_adapters)
+            if self._pending is not None and self._pending.name:
+                protected.add(self._pending.name)
+            real = [n for v, n in self._loaded if n != NOOP]
+            drop = real[: max(0, len(real) - self.keep_loaded)]
+            if real:
+                drop.append(NOOP)
+            for n in drop:
+                if n in protected or all(m != n for _, m in self._loaded):
+                    continue
+                self._peft.delete_adapter(n)
+                self._loaded = [(v, m) for v, m in self._loaded if m != n]
+
+    # ---- the switch (under the decoder's lock) -------------------------------------------
+    def _between_requests(self, dec) -> None:
+        seq = self._boundaries
+        self._boundaries += 1
+        p = self._pending
+        if p is not None and p.version != dec.adapter_version and self._model_lock.acquire(blocking=False):
+            t0 = self.clock()
+            old = dec.adapter_version
+            try:
+                if p.name is None:
+                    if self._peft is not None:
+                        self._peft.base_model.disable_adapter_layers()
+                        self._disabled = True
+                else:
+                    self._peft.set_adapter(p.name, inference_mode=True)
+                    if self._disabled:
+                        self._peft.base_model.enable_adapter_layers()
+                        self._disabled = False
+                dec.adapter_version = p.version
+                ok = True
+            except Exception as e:  # noqa: BLE001 - keep serving the old adapter
+                ok = False
+                err = e
+            finally:
+                self._model_lock.release()
+            pause = (self.clock() - t0) * 1e3
+            if self._pending is p:
+                self._pending = None
+            if ok:
+                self.active_since = self.wall_clock()
+                self._swaps_total += 1
+                self.swaps.append(SwapRecord(seq, self.active_since, old, p.version, pause))
+                log.info("adapter_swapped", from_version=old, to_version=p.version, pause_ms=round(pause, 3),
+                         prepare_ms=round(p.prepare_ms, 3), source=p.source)
+            else:
+                self._target = dec.adapter_version
+                self._fail(p.version, "swap", f"switching to v{p.version} failed: {err!r}")
+            with self._changed:
+                self._changed.notify_all()
+        self.boundary_log.append(dec.adapter_version)
+
+    # ---- observation -----------------------------------------------------------------------
+    @property
+    def pause_ms(self) -> list[float]:
+        """Swap pauses (ms), oldest first."""
+        return [s.pause_ms for s in self.swaps]
+
+    def wait_prepared(self, version: int, timeout: float = 30.0) -> bool:
+        """Block until ``version`` is prepared or installed (True) or failed / timed out (False)."""
+        deadline = self.clock() + timeout
+        with self._changed:
+            while True:
+                if self._target == version and version not in self._failed:
+                    return True
+                if version in self._failed:
+                    return False
+                left = deadline - self.clock()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.1))
+
+    def status(self) -> dict[str, Any]:
+        """Active version and since when, pending switch, swaps, failures, pause stats; JSON-ready."""
+        last = self.failures[-1] if self.failures else None
+        return {
+            "active_version": self.decoder.adapter_version,
+            "active_since": self.active_since,
+            "pending_version": self._pending.version if self._pending else None,
+            "target_version": self._target,
+            "learnt_via": self.last_source,
+            "loaded": [v for v, n in self._loaded if n != NOOP],
+            "swaps": self._swaps_total,
+            "failures": self._failures_total,
+            "last_failure": asdict(last) if last else None,
+            "pause_ms": summarize_ms(self.pause_ms),
+            "prepare_ms": summarize_ms(self.prepare_ms),
+            "watching": self._thread is not None and self._thread.is_alive(),
+        }
+
+
+def _kind(e: Exception) -> str:
+    from store import ArtifactMissingError, IntegrityError, UnknownVersionError
+
+    if isinstance(e, IntegrityError):
+        return "integrity"
+    if isinstance(e, ArtifactMissingError):
+        return "missing"
+    if isinstance(e, UnknownVersionError):
+        return "unknown_version"
+    if isinstance(e, IncompatibleAdapterError):
+        return "incompatible"
+    if isinstance(e, AdapterError):
+        return "missing"
+    return "error"
+

@@ -1,0 +1,195 @@
+"""Adapter hot-swap on real tiny models, real peft adapters and a real registry on Redis."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from adapt_helpers import RedisRegistry, exact_draft, fixing_lora, perturb, random_lora, save_lora, shallow_target
+from decoder.adapters import AdapterManager, IncompatibleAdapterError, check_compatible
+from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
+from tiny import reference_greedy, tiny_llama
+
+PROMPTS = ["the cat sat on", "def f(x): return", "what is 3+4?"]
+N_NEW = 10
+
+
+@pytest.fixture
+def reg(tmp_path: Path):
+    r = RedisRegistry(tmp_path / "artifacts")
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def pair():
+    """A fresh target and a perturbed 1-layer draft (the LoRA layers injected into it stay local)."""
+    target = shallow_target()
+    draft = exact_draft(target)
+    noise = perturb(draft, scale=3.0)
+    return target, draft, noise
+
+
+def _req(tok, prompt: str) -> DecodeRequest:
+    return DecodeRequest(tok(prompt)["input_ids"], max_new_tokens=N_NEW, ignore_eos=True)
+
+
+def test_check_compatible_rejects_what_does_not_fit(tmp_path, pair):
+    _, draft, noise = pair
+    good = fixing_lora(draft, noise, tmp_path / "good")
+    assert check_compatible(draft, good)["r"] == 2
+    wider = tiny_llama(3, layers=1, hidden=64)  # same module names, other shapes
+    with pytest.raises(IncompatibleAdapterError, match="shape"):
+        check_compatible(wider, good)
+    deeper = random_lora(tiny_llama(4, layers=2, hidden=48), tmp_path / "deep", 1.0, 0,
+                         modules=("model.layers.1.mlp.down_proj",))
+    with pytest.raises(IncompatibleAdapterError, match="no module named"):
+        check_compatible(draft, deeper)
+    nan = save_lora(draft, tmp_path / "nan", {n: (u * float("nan"), v) for n, (u, v) in noise.items()}, r=2)
+    with pytest.raises(IncompatibleAdapterError, match="non-finite"):
+        check_compatible(draft, nan)
+    with pytest.raises(IncompatibleAdapterError, match="r=2"):
+        check_compatible(draft, good, max_rank=1)
+
+
+def test_hot_swap_under_concurrent_requests(tok, pair, reg, tmp_path):
+    """Several threads decode while versions are promoted over and over: no request fails, each
+    result names the version that drafted it (its accepted-prefix signature is that version's),
+    the versions match the hook's own boundary log, and greedy output equals plain decoding."""
+    target, draft, noise = pair
+    versions = [
+        reg.register(fixing_lora(draft, noise, tmp_path / "fix")),
+        reg.register(fixing_lora(draft, {n: x for n, x in noise.items() if "o_proj" in n}, tmp_path / "half")),
+        reg.register(random_lora(draft, tmp_path / "r1", scale=2.0, seed=1)),
+    ]
+    dec = SpeculativeDecoder(target, draft, tok)
+    mgr = AdapterManager(dec, reg.registry, poll_interval_s=0.05)
+    ref = {p: reference_greedy(target, tok(p)["input_ids"], N_NEW) for p in PROMPTS}
+
+    # Each version's signature (accepted prefix lengths per prompt, γ = 3), decoded alone.
+    sig = {}
+    for v in [0] + versions:
+        if v:
+            reg.registry.promote(v, "signature")
+            mgr.poll_once()
+        sig[v] = tuple(tuple(dec.generate(_req(tok, p), FixedGamma(3)).accepted_prefix_lengths) for p in PROMPTS)
+        assert dec.adapter_version == v
+    assert len(set(sig.values())) == len(sig), f"versions must draft differently to be told apart: {sig}"
+    swaps_before, boundaries_before = len(mgr.swaps), len(mgr.boundary_log)
+
+    results, errors = [], []
+    stop = threading.Event()
+
+    def worker(i: int):
+        try:
+            for j in range(6):
+                p = PROMPTS[(i + j) % len(PROMPTS)]
+                results.append((p, dec.generate(_req(tok, p), FixedGamma(3))))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    def promoter():
+        k = 0
+        while not stop.is_set():
+            v = versions[k % len(versions)]
+            if reg.registry.active_version() != v:
+                reg.registry.promote(v, f"churn {k}")
+            k += 1
+            stop.wait(0.03)
+
+    with mgr:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+        pt = threading.Thread(target=promoter)
+        pt.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stop.set()
+        pt.join(10)
+
+    assert errors == []
+    assert len(results) == 18
+    for p, r in results:
+        assert r.output_ids == ref[p]
+        assert tuple(r.accepted_prefix_lengths) == sig[r.adapter_version][PROMPTS.index(p)], (
+            f"request tagged v{r.adapter_version} drafted like another version"
+        )
+    boundary_versions = list(mgr.boundary_log)[boundaries_before:]
+    assert Counter(r.adapter_version for _, r in results) == Counter(boundary_versions)
+    st = mgr.status()
+    assert st["failures"] == 0 and st["swaps"] > swaps_before
+    assert len(set(boundary_versions)) >= 2, "no swap happened while requests were running"
+    assert st["pause_ms"]["count"] == st["swaps"] and st["pause_ms"]["max"] < 1000
+    assert st["learnt_via"] in ("event", "poll")
+
+
+def test_corrupt_or_incompatible_adapter_never_fails_a_request(tok, pair, reg, tmp_path):
+    target, draft, noise = pair
+    good = reg.register(fixing_lora(draft, noise, tmp_path / "fix"))
+    corrupt = reg.register(random_lora(draft, tmp_path / "r1", scale=2.0, seed=1))
+    wrong = reg.register(random_lora(tiny_llama(3, layers=1, hidden=64), tmp_path / "w", 1.0, 0))
+    dec = SpeculativeDecoder(target, draft, tok)
+    mgr = AdapterManager(dec, reg.registry)
+    reg.registry.promote(good, "ok")
+    mgr.poll_once()
+    assert dec.generate(_req(tok, PROMPTS[0]), FixedGamma(3)).adapter_version == good
+
+    w = reg.registry.artifact_dir / f"v{corrupt}" / "adapter_model.safetensors"
+    w.write_bytes(w.read_bytes()[:-8] + b"\0" * 8)  # a flipped tail: sha256 differs
+    with capture_logs() as logs:
+        for bad, kind in ((corrupt, "integrity"), (wrong, "incompatible")):
+            reg.registry.promote(bad, "bad")
+            mgr.poll_once()
+            r = dec.generate(_req(tok, PROMPTS[1]), FixedGamma(3))
+            assert r.adapter_version == good and r.counts.acceptance_rate == 1.0
+            assert mgr.failures[-1].version == bad and mgr.failures[-1].kind == kind
+    assert "sha256" in mgr.failures[0].reason and "shape" in mgr.failures[1].reason
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["adapter_load_failed"] * 2
+    st = mgr.status()
+    assert st["failures"] == 2 and st["active_version"] == good and st["last_failure"]["kind"] == "incompatible"
+    # the poll loop does not retry a failed version (it would fail again)
+    with mgr:
+        time.sleep(0.4)
+        assert mgr.status()["failures"] == 2 and mgr.status()["watching"]
+
+
+def test_swap_pause_is_measured_and_rollback_to_base_and_previous(tok, pair, reg, tmp_path):
+    target, draft, noise = pair
+    v1 = reg.register(fixing_lora(draft, noise, tmp_path / "fix"))
+    v2 = reg.register(random_lora(draft, tmp_path / "r1", scale=2.0, seed=1))
+    dec = SpeculativeDecoder(target, draft, tok)
+    base_logits = draft(torch.tensor([[5, 6, 7]])).logits
+    mgr = AdapterManager(dec, reg.registry, keep_loaded=2)
+    seen = []
+    for step in (v1, v2, "rollback", "rollback"):
+        if step == "rollback":
+            reg.registry.rollback("test")
+        else:
+            reg.registry.promote(step, "test")
+        mgr.poll_once()
+        seen.append(dec.generate(_req(tok, PROMPTS[0]), FixedGamma(3)).adapter_version)
+    assert seen == [v1, v2, v1, 0]
+    assert torch.equal(draft(torch.tensor([[5, 6, 7]])).logits, base_logits)  # version 0 = the base draft, exactly
+    pauses = mgr.pause_ms
+    assert len(pauses) == 4 and all(0 < p < 1000 for p in pauses)
+    assert [(s.from_version, s.to_version) for s in mgr.swaps] == [(0, v1), (v1, v2), (v2, v1), (v1, 0)]
+    assert mgr.status()["pause_ms"]["p99"] is not None
+
+
+def test_learns_a_promotion_from_the_event_channel(tok, pair, reg, tmp_path):
+    target, draft, noise = pair
+    v1 = reg.register(fixing_lora(draft, noise, tmp_path / "fix"))
+    dec = SpeculativeDecoder(target, draft, tok)
+    with AdapterManager(dec, reg.registry, poll_interval_s=30.0) as mgr:  # polling too slow to matter
+        time.sleep(0.3)  # the watcher is subscribed and blocked on get_message
+        reg.registry.promote(v1, "event")
+        assert mgr.wait_prepared(v1, timeout=10)
+        assert mgr.status()["learnt_via"] == "event"
+        assert dec.generate(_req(tok, PROMPTS[0]), FixedGamma(3)).adapter_version == v1
