@@ -1,0 +1,626 @@
+"""Closing the loop on the decoder side: acceptance windows, automatic rollback, goodput control.
+
+- :class:`AcceptanceTracker`: pooled counts per (workload, sampling bucket, adapter version),
+  kept locally and flushed to the store's :class:`store.AcceptanceHistory` in the background;
+  feeds the per-request α to a :class:`decoder.shift.ShiftDetector`.
+- :class:`RollbackMonitor`: after a promotion, compares the new version's live α with the
+  previous version's on the same keys and rolls back when it is worse by more than a margin.
+- :class:`GoodputController`: picks γ in {0 (plain decoding), 1, ..., γ_max} per
+  (workload, sampling bucket) from online estimates of α and of the measured step costs, so
+  speculation runs only when it pays.
+
+Keys are written ``"{workload}@{bucket}"`` wherever they are shown (e.g. ``prose@greedy``,
+``code@t0.7-p0.9``): acceptance depends on both the traffic and the sampling policy.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import structlog
+
+from decoder.metrics import AcceptanceCounts, StepStats
+from decoder.shift import ShiftAlarm, ShiftDetector
+from store import AcceptanceHistory, AdapterRegistry, InvalidTransitionError, StoreError
+
+log = structlog.get_logger("decoder.control")
+
+Key = tuple[str, str]  # (workload, sampling bucket)
+
+
+def key_str(workload: str, bucket: str) -> str:
+    """The key as shown everywhere: ``"{workload}@{bucket}"``."""
+    return f"{workload}@{bucket}"
+
+
+def key_of(req) -> Key:
+    """(workload, sampling bucket) of a :class:`decoder.speculative.DecodeRequest`."""
+    return (req.workload, req.params.bucket())
+
+
+def expected_tokens_per_step(alpha: float, gamma: int) -> float:
+    """E[tokens per step] = (1 - α^(γ+1)) / (1 - α), Leviathan et al. 2023, eq. (1): the accepted
+    prefix plus the correction or bonus token, with i.i.d. acceptance α per position. γ + 1 at
+    α = 1; 1 at γ = 0 (plain decoding)."""
+    if gamma <= 0:
+        return 1.0
+    a = min(max(alpha, 0.0), 1.0)
+    if a >= 1.0 - 1e-12:
+        return float(gamma + 1)
+    return (1.0 - a ** (gamma + 1)) / (1.0 - a)
+
+
+def _nan_none(x: float, nd: int = 4):
+    return None if x is None or x != x else round(x, nd)
+
+
+# ---- (a) acceptance windows --------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """Pooled counts of the requests of one (workload, bucket, version) key.
+
+    counts: steps pooled (see :class:`decoder.metrics.AcceptanceCounts` for the rates).
+    request_alpha_sum / request_alpha_count: Σ and number of per-request α values (requests
+        without proposals carry none); their ratio is the store's ``alpha`` (a mean of
+        per-request α), while ``counts.alpha`` pools positions.
+    """
+
+    counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
+    request_alpha_sum: float = 0.0
+    request_alpha_count: int = 0
+
+    def add(self, counts: AcceptanceCounts) -> None:
+        self.counts.merge(counts)
+        a = counts.alpha
+        if a == a:
+            self.request_alpha_sum += a
+            self.request_alpha_count += 1
+
+    def merge(self, other: "Window") -> None:
+        self.counts.merge(other.counts)
+        self.request_alpha_sum += other.request_alpha_sum
+        self.request_alpha_count += other.request_alpha_count
+
+    def history_counts(self) -> dict[str, float]:
+        """The counters of :mod:`store.history` (its definitions)."""
+        c = self.counts
+        return {
+            "num_drafts": c.num_drafts,
+            "num_draft_tokens": c.num_draft_tokens,
+            "num_accepted_tokens": c.num_accepted_tokens,
+            "num_emitted_tokens": c.num_emitted_tokens,
+            "num_steps": c.num_steps,
+            "requests": c.num_requests,
+            "alpha_sum": self.request_alpha_sum,
+            "alpha_count": self.request_alpha_count,
+            "wall_ms": c.decode_ms,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        c = self.counts
+        return {
+            "requests": c.num_requests,
+            "alpha": _nan_none(c.alpha),
+            "acceptance_rate": _nan_none(c.acceptance_rate),
+            "tau": _nan_none(c.mean_accepted_length),
+            "goodput_tokens_per_ms": _nan_none(c.goodput),
+        }
+
+
+class AcceptanceTracker:
+    """Per-(workload, bucket, version) acceptance windows, flushed to the store.
+
+    :meth:`observe` only touches memory (a lock and a few additions); :meth:`flush` writes the
+    counts accumulated since the last flush with one ``history.record`` per key. Redis errors
+    never reach the caller: unflushed counts are kept and retried at the next flush (the last
+    error is in :meth:`status`). :meth:`start` runs flushes every ``flush_interval_s`` in a thread.
+
+    Args:
+        history: where to flush (None: local only).
+        detector: fed each request's α keyed by (workload, bucket).
+        flush_interval_s: background flush period.
+        history_name: the workload name written to the store for a key; default
+            ``"{workload}@{bucket}"`` so the sampling bucket is visible in every reader.
+        recent: per-key requests kept for the rolling α.
+        clock: seconds since the epoch (history bucket times).
+    """
+
+    def __init__(
+        self,
+        history: AcceptanceHistory | None = None,
+        detector: ShiftDetector | None = None,
+        *,
+        flush_interval_s: float = 5.0,
+        history_name: Callable[[str, str], str] = key_str,
+        recent: int = 50,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.history = history
+        self.detector = detector
+        self.flush_interval_s = flush_interval_s
+        self.history_name = history_name
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._totals: dict[tuple[str, str, int], Window] = {}
+        self._unflushed: dict[tuple[str, str, int], Window] = {}
+        self._recent: dict[Key, deque[float]] = {}
+        self._recent_n = recent
+        self.alarms: list[ShiftAlarm] = []
+        self.flushes = 0
+        self.flush_errors = 0
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def observe(self, result, workload: str | None = None) -> ShiftAlarm | None:
+        """Add one :class:`decoder.speculative.DecodeResult`; returns a shift alarm if its α
+        flags a drop. ``workload`` overrides ``result.workload`` (e.g. an inferred key)."""
+        w = workload or result.workload
+        k = (w, result.sampling_bucket, int(result.adapter_version))
+        with self._lock:
+            self._totals.setdefault(k, Window()).add(result.counts)
+            self._unflushed.setdefault(k, Window()).add(result.counts)
+            a = result.counts.alpha
+            if a == a:
+                self._recent.setdefault(k[:2], deque(maxlen=self._recent_n)).append(a)
+            alarm = self.detector.update(k[:2], a) if self.detector is not None else None
+            if alarm is not None:
+                self.alarms.append(alarm)
+        if alarm is not None:
+            log.warning("acceptance_shift", key=key_str(*k[:2]), version=k[2], reference_alpha=round(alarm.reference_alpha, 4),
+                        recent_alpha=round(alarm.recent_alpha, 4))
+        return alarm
+
+    def flush(self) -> int:
+        """Write the unflushed counts; returns the keys written. Never raises on Redis errors."""
+        if self.history is None:
+            return 0
+        with self._lock:
+            batch, self._unflushed = self._unflushed, {}
+        ts = self.clock()
+        written = 0
+        failed: dict[tuple[str, str, int], Window] = {}
+        for k, win in batch.items():
+            if failed:  # Redis is down: keep the rest for the next flush without trying
+                failed[k] = win
+                continue
+            try:
+                self.history.record(self.history_name(k[0], k[1]), k[2], win.history_counts(), ts)
+                written += 1
+            except (StoreError, redis.RedisError, OSError) as e:
+                failed[k] = win
+                self.flush_errors += 1
+                self.last_error = str(e)
+                log.warning("history_flush_failed", error=str(e), pending_keys=len(batch) - written)
+        if failed:
+            with self._lock:
+                for k, win in failed.items():
+                    self._unflushed.setdefault(k, Window()).merge(win)
+        self.flushes += 1
+        return written
+
+    def start(self) -> "AcceptanceTracker":
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="acceptance-flush", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the flush thread after a last flush."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            self.flush()
+
+    def window(self, workload: str, bucket: str, version: int) -> Window:
+        """A copy of the cumulative window of one key (empty if never seen)."""
+        with self._lock:
+            out = Window()
+            if (workload, bucket, version) in self._totals:
+                out.merge(self._totals[(workload, bucket, version)])
+            return out
+
+    def keys(self) -> list[tuple[str, str, int]]:
+        with self._lock:
+            return sorted(self._totals)
+
+    def rolling_alpha(self, workload: str, bucket: str) -> float:
+        """Mean α of the last ``recent`` requests of (workload, bucket), any version (NaN if none)."""
+        with self._lock:
+            r = self._recent.get((workload, bucket))
+            return sum(r) / len(r) if r else math.nan
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            windows = {f"{key_str(w, b)}/v{v}": win.summary() for (w, b, v), win in sorted(self._totals.items())}
+            rolling = {key_str(*k): _nan_none(sum(r) / len(r)) for k, r in self._recent.items() if r}
+            unflushed = len(self._unflushed)
+        return {
+            "windows": windows,
+            "rolling_alpha": rolling,
+            "unflushed_keys": unflushed,
+            "flushes": self.flushes,
+            "flush_errors": self.flush_errors,
+            "last_error": self.last_error,
+            "shift_alarms": [
+                {"key": key_str(*a.key), "ts": a.ts, "reference_alpha": round(a.reference_alpha, 4),
+                 "recent_alpha": round(a.recent_alpha, 4)} for a in self.alarms[-20:]
+            ],
+        }
+
+
+# ---- (b) automatic rollback --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RollbackDecision:
+    """The verdict on a promoted version against the one it replaced."""
+
+    version: int
+    previous: int
+    key: str | None  # the worst (workload@bucket) compared; None when nothing was comparable
+    new_value: float
+    previous_value: float
+    new_requests: int
+    previous_requests: int
+    rolled_back: bool
+    reason: str
+    ts: float
+
+
+class RollbackMonitor:
+    """Rolls back a promoted adapter whose live acceptance is worse than its predecessor's.
+
+    Call :meth:`check` periodically (or after each request) with the decoder's adapter version.
+    The monitor notices each new version v serving after a version u; on every
+    (workload, bucket) key where both v and u have served >= ``min_requests`` requests (from
+    the tracker's windows), it compares the metric; if v's is below u's by more than ``margin``
+    on any key, it calls ``registry.rollback(reason)`` (only while v is still the registry's
+    active version) and records the decision. A version is judged once.
+
+    metric: ``"alpha"`` (pooled α = 1 - TV over proposed positions; informative even with few
+        acceptances) or ``"acceptance_rate"`` (accepted / proposed tokens).
+    """
+
+    def __init__(
+        self,
+        registry: AdapterRegistry,
+        tracker: AcceptanceTracker,
+        *,
+        min_requests: int = 20,
+        margin: float = 0.1,
+        metric: str = "alpha",
+        clock: Callable[[], float] = time.time,
+    ):
+        if metric not in ("alpha", "acceptance_rate"):
+            raise ValueError(f"metric={metric!r}: use 'alpha' or 'acceptance_rate'")
+        self.registry, self.tracker = registry, tracker
+        self.min_requests, self.margin, self.metric = min_requests, margin, metric
+        self.clock = clock
+        self.decisions: list[RollbackDecision] = []
+        self._current: int | None = None
+        self._previous: int | None = None
+        self._judged: set[int] = set()
+
+    def check(self, serving_version: int) -> RollbackDecision | None:
+        """Note the version serving now; judge it if there is enough data. Returns the decision
+        made now (None: nothing to judge yet). Redis errors are recorded, never raised."""
+        if serving_version != self._current:
+            if self._current is not None:
+                self._previous = self._current
+            self._current = serving_version
+        v, u = self._current, self._previous
+        if u is None or v == 0 or v in self._judged:
+            return None
+        worst = None
+        for w, b, ver in self.tracker.keys():
+            if ver != v:
+                continue
+            new, old = self.tracker.window(w, b, v), self.tracker.window(w, b, u)
+            n_new, n_old = new.counts.num_requests, old.counts.num_requests
+            if n_new < self.min_requests or n_old < self.min_requests:
+                continue
+            x_new, x_old = getattr(new.counts, self.metric), getattr(old.counts, self.metric)
+            if x_new != x_new or x_old != x_old:
+                continue
+            if worst is None or x_new - x_old < worst[1] - worst[2]:
+                worst = (key_str(w, b), x_new, x_old, n_new, n_old)
+        if worst is None:
+            return None
+        key, x_new, x_old, n_new, n_old = worst
+        self._judged.add(v)
+        bad = x_new < x_old - self.margin
+        if bad:
+            reason = (f"auto-rollback: v{v} {self.metric}={x_new:.3f} on {key} over {n_new} requests vs "
+                      f"v{u} {x_old:.3f} over {n_old} (margin {self.margin})")
+            rolled = self._rollback(v, reason)
+            if not rolled[0]:
+                reason += f"; not rolled back: {rolled[1]}"
+        else:
+            reason = (f"kept: v{v} {self.metric}={x_new:.3f} on {key} vs v{u} {x_old:.3f} "
+                      f"(worst key; margin {self.margin})")
+            rolled = (False, "")
+        d = RollbackDecision(v, u, key, x_new, x_old, n_new, n_old, rolled[0], reason, self.clock())
+        self.decisions.append(d)
+        log.warning("adapter_judged", version=v, previous=u, rolled_back=rolled[0], reason=reason) if bad else \
+            log.info("adapter_judged", version=v, previous=u, rolled_back=False, reason=reason)
+        return d
+
+    def _rollback(self, version: int, reason: str) -> tuple[bool, str]:
+        try:
+            active = self.registry.active_version()
+            if active != version:
+                return False, f"the registry's active version is now v{active}"
+            self.registry.rollback(reason)
+            return True, ""
+        except InvalidTransitionError as e:
+            return False, str(e)
+        except (StoreError, redis.RedisError, OSError) as e:
+            self._judged.discard(version)  # Redis down: judge again at the next check
+            return False, f"registry unreachable: {e}"
+
+
+# ---- (c) goodput control -----------------------------------------------------------------------
+
+
+@dataclass
+class ControllerConfig:
+    """Goodput controller options.
+
+    gamma_max: largest γ considered.
+    gamma_init: γ of the first speculative measurement of a key.
+    ewma: weight of a new step in every estimate (α, draft ms per token, verify ms per γ).
+    probe_every: every this many requests of a key, one request probes: plain decoding when
+        speculating, γ = the best speculative candidate when off, or a γ never measured.
+    useless_alpha: below this α the "off" reason says the draft is useless.
+    min_steps: steps of γ = 0 and of γ >= 1 measured before the choice is trusted (warm-up).
+    """
+
+    gamma_max: int = 8
+    gamma_init: int = 4
+    ewma: float = 0.1
+    probe_every: int = 10
+    useless_alpha: float = 0.1
+    min_steps: int = 8
+
+    def __post_init__(self):
+        if not 1 <= self.gamma_init <= self.gamma_max:
+            raise ValueError(f"gamma_init={self.gamma_init} must lie in 1..gamma_max={self.gamma_max}")
+        if not 0 < self.ewma <= 1:
+            raise ValueError(f"ewma={self.ewma} must lie in (0, 1]")
+
+
+class _Ewma:
+    __slots__ = ("value", "n")
+
+    def __init__(self):
+        self.value, self.n = math.nan, 0
+
+    def add(self, x: float, w: float) -> None:
+        self.value = x if self.n == 0 else (1 - w) * self.value + w * x
+        self.n += 1
+
+
+@dataclass
+class _KeyState:
+    alpha: _Ewma = field(default_factory=_Ewma)
+    draft_ms_per_token: _Ewma = field(default_factory=_Ewma)
+    verify_ms: dict[int, _Ewma] = field(default_factory=dict)  # γ -> verify ms of a γ-step (γ=0: plain step)
+    requests: int = 0
+    adapter_version: int | None = None
+    last: dict[str, Any] = field(default_factory=dict)
+
+
+class GoodputController:
+    """Chooses γ per (workload, sampling bucket) to maximise expected tokens per ms.
+
+    For each key it keeps EWMAs of α (per step: alpha_sum / proposed), of draft ms per draft
+    token, and of verify ms per γ (γ = 0: a plain step). The verify cost of an unmeasured γ comes
+    from a least-squares line through the measured ones against γ + 1 verified tokens (clamped
+    at >= 0 slope; a flat line through a single point). Then, for γ = 1..γ_max,
+
+        goodput(γ) = E(α, γ) / (γ · t_draft + t_verify(γ)),  E = (1 - α^(γ+1)) / (1 - α)
+
+    (Leviathan et al. 2023, eq. (1) over the measured step cost) and goodput(0) = 1 / t_plain.
+    The best γ serves the key; every ``probe_every`` requests one request probes plain
+    decoding (when speculating), a speculative γ (when off, so a better draft is noticed), or a
+    γ never measured. When the adapter version serving the key changes, α is reset and the next
+    request re-measures it.
+
+    Args:
+        config: :class:`ControllerConfig`.
+        adapter_version: returns the decoder's adapter version (read at a request's first
+            ``gamma()`` call, which happens under the decoder's lock after adapter swaps).
+    """
+
+    def __init__(self, config: ControllerConfig | None = None, *, adapter_version: Callable[[], int] | None = None):
+        self.config = config or ControllerConfig()
+        self._version = adapter_version
+        self._lock = threading.Lock()
+        self._keys: dict[Key, _KeyState] = {}
+
+    def policy_for(self, key: Key) -> "ControlledGamma":
+        """The γ policy of one request of ``key`` (γ is decided at its first gamma() call)."""
+        return ControlledGamma(self, key)
+
+    # ---- estimates -----------------------------------------------------------------------
+    def _state(self, key: Key) -> _KeyState:
+        return self._keys.setdefault(key, _KeyState())
+
+    def observe(self, key: Key, step: StepStats) -> None:
+        """Fold one verification step of ``key`` into the estimates."""
+        w = self.config.ewma
+        with self._lock:
+            s = self._state(key)
+            g = step.proposed
+            s.verify_ms.setdefault(g, _Ewma()).add(step.verify_ms, w)
+            if g:
+                s.alpha.add(step.alpha_sum / g, w)
+                s.draft_ms_per_token.add(step.draft_ms / g, w)
+
+    def _verify_cost(self, s: _KeyState, g: int) -> float:
+        """t_verify(γ): the per-γ EWMA, else a line through the measured points vs γ + 1."""
+        if g in s.verify_ms and s.verify_ms[g].n:
+            return s.verify_ms[g].value
+        pts = [(k + 1, e.value) for k, e in s.verify_ms.items() if e.n]
+        if not pts:
+            return math.nan
+        if len(pts) == 1:
+            return pts[0][1]
+        n = len(pts)
+        mx = sum(x for x, _ in pts) / n
+        my = sum(y for _, y in pts) / n
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sxx) if sxx else 0.0
+        return max(1e-6, my + slope * (g + 1 - mx))
+
+    def _evaluate(self, s: _KeyState) -> dict[str, Any]:
+        c = self.config
+        a = s.alpha.value
+        td = s.draft_ms_per_token.value
+        tplain = self._verify_cost(s, 0) if 0 in s.verify_ms else math.nan
+        tv = {g: self._verify_cost(s, g) for g in range(1, c.gamma_max + 1)}
+        rate: dict[int, float] = {}
+        if tplain == tplain:
+            rate[0] = 1.0 / tplain
+        if a == a and td == td:
+            for g in range(1, c.gamma_max + 1):
+                if tv[g] == tv[g]:
+                    rate[g] = expected_tokens_per_step(a, g) / (g * td + tv[g])
+        return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate}
+
+    # ---- the decision ----------------------------------------------------------------------
+    def _choose(self, key: Key) -> tuple[int, dict[str, Any]]:
+        """γ for the next request of ``key`` and the decision record (called once per request)."""
+        c = self.config
+        with self._lock:
+            s = self._state(key)
+            if self._version is not None:
+                v = self._version()
+                if s.adapter_version is not None and v != s.adapter_version:
+                    s.alpha = _Ewma()  # a new draft: its α is unknown
+                s.adapter_version = v
+            s.requests += 1
+            ev = self._evaluate(s)
+            rate = ev["rate"]
+            spec_steps = sum(e.n for g, e in s.verify_ms.items() if g > 0)
+            plain_steps = s.verify_ms[0].n if 0 in s.verify_ms else 0
+            best = max(rate, key=rate.get) if rate else None
+            best_spec = max((g for g in rate if g > 0), key=rate.get, default=None)
+            probe = False
+            if s.alpha.n == 0 or spec_steps < c.min_steps:
+                gamma, probe, why = c.gamma_init, True, f"warm-up: measuring α and draft cost at γ={c.gamma_init}"
+            elif plain_steps < c.min_steps:
+                gamma, probe, why = 0, True, "warm-up: measuring plain decoding"
+            else:
+                gamma = best
+                why = self._why(ev, best, best_spec)
+                if s.requests % c.probe_every == 0:
+                    probe = True
+                    unexplored = [g for g in range(1, c.gamma_max + 1) if g not in s.verify_ms]
+                    if best > 0:
+                        gamma, why = 0, f"probe: plain decoding (every {c.probe_every} requests); " + why
+                    else:
+                        g = best_spec if (s.requests // c.probe_every) % 2 == 0 or not unexplored else unexplored[0]
+                        gamma, why = g, f"probe: γ={g} (every {c.probe_every} requests); " + why
+                elif s.requests % c.probe_every == c.probe_every // 2 and best > 0:
+                    unexplored = [g for g in range(1, c.gamma_max + 1) if g not in s.verify_ms]
+                    if unexplored:
+                        g = min(unexplored, key=lambda x: abs(x - best))
+                        probe, gamma, why = True, g, f"probe: γ={g}, never measured; " + why
+            decision = {
+                "key": key_str(*key),
+                "workload": key[0],
+                "sampling": key[1],
+                "gamma": gamma,
+                "speculate": gamma > 0,
+                "probe": probe,
+                "best_gamma": best,
+                "adapter_version": s.adapter_version,
+                "requests": s.requests,
+                "alpha": _nan_none(ev["alpha"]),
+                "t_draft_ms": _nan_none(ev["t_draft"]),
+                "t_plain_ms": _nan_none(ev["t_plain"]),
+                "t_verify_ms": {g: _nan_none(t) for g, t in ev["t_verify"].items()},
+                "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(ev["rate"].items())},
+                "why": why,
+            }
+            s.last = decision
+            return gamma, decision
+
+    def _why(self, ev: dict[str, Any], best: int, best_spec: int | None) -> str:
+        rate, a = ev["rate"], ev["alpha"]
+        if best > 0:
+            return f"γ={best}: {rate[best]:.3f} tok/ms vs plain {rate[0]:.3f} (α={a:.2f})"
+        if best_spec is None:
+            return f"off: plain {rate[0]:.3f} tok/ms (no speculative estimate)"
+        label = f"draft useless (α={a:.2f})" if a < self.config.useless_alpha else f"α={a:.2f} too low for its cost"
+        return f"off: {label}: plain {rate[0]:.3f} tok/ms vs best γ={best_spec} {rate[best_spec]:.3f}"
+
+    def decision(self, key: Key) -> dict[str, Any]:
+        """The inputs and outcome for ``key`` as they stand now (what the next non-probe request
+        would get), plus the last request's decision under ``"last"``; JSON-ready."""
+        with self._lock:
+            s = self._keys.get(key)
+            if s is None:
+                return {"key": key_str(*key), "gamma": None, "why": "no requests yet"}
+            ev = self._evaluate(s)
+            rate = ev["rate"]
+            best = max(rate, key=rate.get) if rate else None
+            best_spec = max((g for g in rate if g > 0), key=rate.get, default=None)
+            why = self._why(ev, best, best_spec) if best is not None and 0 in rate else "warm-up"
+            return {
+                "key": key_str(*key),
+                "workload": key[0],
+                "sampling": key[1],
+                "gamma": best,
+                "speculate": bool(best),
+                "adapter_version": s.adapter_version,
+                "requests": s.requests,
+                "alpha": _nan_none(ev["alpha"]),
+                "t_draft_ms": _nan_none(ev["t_draft"]),
+                "t_plain_ms": _nan_none(ev["t_plain"]),
+                "t_verify_ms": {g: _nan_none(t) for g, t in ev["t_verify"].items()},
+                "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(rate.items())},
+                "why": why,
+                "last": dict(s.last),
+            }
+
+    def status(self) -> dict[str, Any]:
+        """decision() of every key seen, keyed ``"{workload}@{bucket}"``."""
+        return {key_str(*k): self.decision(k) for k in list(self._keys)}
+
+
+class ControlledGamma:
+    """The :class:`decoder.speculative.GammaPolicy` of one request under a GoodputController."""
+
+    def __init__(self, controller: GoodputController, key: Key):
+        self.controller, self.key = controller, key
+        self._gamma: int | None = None
+        self.decision: dict[str, Any] | None = None
+
+    def gamma(self) -> int:
+        if self._gamma is None:
+            self._gamma, self.decision = self.controller._choose(self.key)
+        return self._gamma
+
+    def update(self, step: StepStats) -> None:
+        self.controller.observe(self.key, step)
+
+    def describe(self) -> str:
+        return f"goodput γ={self.gamma()} ({self.decision['why']})" if self.decision else "goodput"

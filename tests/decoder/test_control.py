@@ -1,0 +1,188 @@
+"""Acceptance windows, automatic rollback and goodput control, driven by real tiny models,
+real peft adapters and the real store on Redis."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+
+from adapt_helpers import RedisRegistry, exact_draft, fixing_lora, perturb, random_lora, shallow_target
+from decoder.adapters import AdapterManager
+from decoder.control import (
+    AcceptanceTracker,
+    ControllerConfig,
+    GoodputController,
+    RollbackMonitor,
+    expected_tokens_per_step,
+    key_of,
+)
+from decoder.metrics import StepStats
+from decoder.shift import ShiftConfig, ShiftDetector
+from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
+from store import AcceptanceHistory
+
+PROMPTS = ["the cat sat on", "def f(x): return", "what is 3+4?", "hello there, how"]
+
+
+@pytest.fixture
+def reg(tmp_path: Path):
+    r = RedisRegistry(tmp_path / "artifacts")
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def pair():
+    target = shallow_target()
+    draft = exact_draft(target)
+    noise = perturb(draft, scale=3.0)  # the base draft is useless (α ≈ 0.02)
+    return target, draft, noise
+
+
+def _req(tok, i: int, n: int = 12, workload: str = "prose") -> DecodeRequest:
+    return DecodeRequest(tok(PROMPTS[i % len(PROMPTS)])["input_ids"], max_new_tokens=n, ignore_eos=True, workload=workload)
+
+
+def test_expected_tokens_per_step_hand_values():
+    assert expected_tokens_per_step(0.5, 0) == 1.0
+    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens_per_step(0.0, 4) == 1.0
+    assert expected_tokens_per_step(1.0, 3) == 4.0
+
+
+def test_tracker_flushes_windows_to_history_and_survives_redis_down(tok, pair, reg, tmp_path):
+    target, draft, noise = pair
+    dec = SpeculativeDecoder(target, draft, tok)
+    history = AcceptanceHistory(reg.client, reg.config)
+    tracker = AcceptanceTracker(history, ShiftDetector())
+    results = [dec.generate(_req(tok, i), FixedGamma(2)) for i in range(3)]
+    for r in results:
+        tracker.observe(r)
+    assert tracker.flush() == 1
+    row = history.totals(workload="prose@greedy", version=0)
+    assert row.requests == 3
+    assert row.num_draft_tokens == sum(r.counts.num_draft_tokens for r in results)
+    assert row.num_accepted_tokens == sum(r.counts.num_accepted_tokens for r in results)
+    assert row.alpha == pytest.approx(sum(r.counts.alpha for r in results) / 3)
+    assert tracker.status()["windows"]["prose@greedy/v0"]["requests"] == 3
+
+    dead = AcceptanceHistory(redis.Redis(port=1, socket_connect_timeout=0.2), reg.config)  # nothing listens there
+    down = AcceptanceTracker(dead)
+    down.observe(results[0])
+    assert down.flush() == 0  # no exception reaches the caller
+    assert down.status()["unflushed_keys"] == 1 and down.flush_errors == 1 and down.last_error
+    down.history = history  # Redis is back: the kept counts are written
+    assert down.flush() == 1
+    assert history.totals(workload="prose@greedy", version=0).requests == 4
+
+
+def test_bad_adapter_is_rolled_back_with_the_reason_recorded(tok, pair, reg, tmp_path):
+    target, draft, noise = pair
+    good = reg.register(fixing_lora(draft, noise, tmp_path / "fix"))
+    bad = reg.register(random_lora(draft, tmp_path / "bad", scale=50.0, seed=3))  # huge random LoRA
+    dec = SpeculativeDecoder(target, draft, tok)
+    mgr = AdapterManager(dec, reg.registry)
+    tracker = AcceptanceTracker(detector=ShiftDetector(ShiftConfig(min_samples=3, lam=0.5)))
+    monitor = RollbackMonitor(reg.registry, tracker, min_requests=4, margin=0.2)
+
+    def serve(n: int):
+        for i in range(n):
+            r = dec.generate(_req(tok, i), FixedGamma(3))
+            tracker.observe(r)
+            monitor.check(dec.adapter_version)
+
+    reg.registry.promote(good, "trained")
+    mgr.poll_once()
+    serve(4)
+    assert dec.adapter_version == good
+    reg.registry.promote(bad, "trained")
+    mgr.poll_once()
+    serve(4)
+    d = monitor.decisions[-1]
+    assert d.version == bad and d.previous == good and d.rolled_back
+    assert d.new_value < 0.2 and d.previous_value > 0.9
+    rec = reg.registry.get(bad)
+    assert rec.state == "rolled_back" and rec.reason.startswith(f"auto-rollback: v{bad} alpha=")
+    assert f"vs v{good}" in rec.reason and "prose@greedy" in rec.reason
+    assert reg.registry.promotion_log()[-1]["event"] == "rollback"
+    assert reg.registry.active_version() == good
+    mgr.poll_once()  # the previous version is still loaded: a pure switch
+    r = dec.generate(_req(tok, 0), FixedGamma(3))
+    assert r.adapter_version == good and r.counts.acceptance_rate == 1.0
+    assert tracker.alarms and tracker.alarms[0].key == ("prose", "greedy")  # the drop was flagged too
+
+
+def test_good_adapter_is_kept(tok, pair, reg, tmp_path):
+    target, draft, noise = pair
+    v1 = reg.register(fixing_lora(draft, noise, tmp_path / "fix"))
+    dec = SpeculativeDecoder(target, draft, tok)
+    mgr = AdapterManager(dec, reg.registry)
+    tracker = AcceptanceTracker()
+    monitor = RollbackMonitor(reg.registry, tracker, min_requests=3, margin=0.1)
+    for v in (0, v1):
+        if v:
+            reg.registry.promote(v, "trained")
+            mgr.poll_once()
+        for i in range(3):
+            tracker.observe(dec.generate(_req(tok, i), FixedGamma(3)))
+            monitor.check(dec.adapter_version)
+    d = monitor.decisions[-1]
+    assert not d.rolled_back and d.reason.startswith(f"kept: v{v1}") and reg.registry.active_version() == v1
+
+
+def test_controller_turns_speculation_off_for_a_useless_draft_and_on_after_adaptation(tok, pair, reg, tmp_path):
+    target, draft, noise = pair
+    dec = SpeculativeDecoder(target, draft, tok)
+    mgr = AdapterManager(dec, reg.registry)
+    ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=3, probe_every=4, min_steps=6),
+                            adapter_version=lambda: dec.adapter_version)
+    key = ("prose", "greedy")
+
+    def serve(n: int) -> list:
+        out = []
+        for i in range(n):
+            req = _req(tok, i, n=16)
+            pol = ctl.policy_for(key_of(req))
+            r = dec.generate(req, pol)
+            out.append((pol.decision, r))
+        return out
+
+    served = serve(10)
+    d = ctl.decision(key)
+    assert d["gamma"] == 0 and not d["speculate"], d
+    assert d["why"].startswith("off: draft useless (α="), d["why"]
+    assert d["alpha"] < 0.1 and d["tokens_per_ms"][0] > max(v for g, v in d["tokens_per_ms"].items() if g > 0)
+    assert d["key"] == "prose@greedy" and set(d) >= {"t_draft_ms", "t_plain_ms", "t_verify_ms", "tokens_per_ms"}
+    last_decisions = [dec_["gamma"] for dec_, _ in served[-4:]]
+    assert last_decisions.count(0) >= 3  # serving plainly (one request in probe_every may probe)
+
+    # adaptation: the trainer's adapter cancels the draft's error
+    reg.registry.promote(reg.register(fixing_lora(draft, noise, tmp_path / "fix")), "trained")
+    mgr.poll_once()
+    served = serve(6)
+    assert served[0][0]["why"].startswith("warm-up"), "a new adapter version is re-measured at once"
+    d = ctl.decision(key)
+    assert d["gamma"] >= 2 and d["speculate"], d
+    assert d["why"].startswith(f"γ={d['gamma']}: ") and "tok/ms vs plain" in d["why"]
+    assert d["alpha"] > 0.9 and d["adapter_version"] == dec.adapter_version != 0
+    spec = [r for dec_, r in served[-3:] if dec_["gamma"] > 0]
+    assert spec and all(r.counts.acceptance_rate == 1.0 for r in spec)
+
+
+def test_controller_verify_cost_fit_and_probes():
+    ctl = GoodputController(ControllerConfig(gamma_max=6, gamma_init=2, probe_every=5, min_steps=2))
+    key = ("code", "t0.7-p0.9")
+    for _ in range(4):  # hand-made steps: plain 10 ms; γ=2: draft 1 ms/token, verify 12 ms, α = 0.8
+        ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
+        ctl.observe(key, StepStats(2, 2, 3, -1, 1.6, 2.0, 12.0))
+    d = ctl.decision(key)
+    # line through (1, 10) and (3, 12): t_verify(γ) = 9 + (γ + 1)
+    assert d["t_verify_ms"][4] == pytest.approx(14.0)
+    assert d["tokens_per_ms"][4] == pytest.approx(expected_tokens_per_step(0.8, 4) / (4 * 1.0 + 14.0), rel=1e-3)
+    best = max(d["tokens_per_ms"], key=d["tokens_per_ms"].get)
+    assert d["gamma"] == best > 0 and d["why"].startswith(f"γ={best}:")
+    gammas = [ctl.policy_for(key).gamma() for _ in range(10)]
+    assert 0 in gammas  # plain decoding re-probed within probe_every requests
+    assert gammas.count(best) >= 7
