@@ -1,0 +1,419 @@
+"""`daemonctl demo`: the whole loop on a real model pair and a shifting workload.
+
+served traffic -> buffer -> training -> hot-swap -> acceptance per workload -> rollback
+
+1. Redis: the configured URL, else the one on the default address, else an embedded server.
+2. The default pair (SmolLM2-135M-Instruct target, draft derived from its first 8 layers),
+   converted and cached on first use.
+3. In this process, beside the decoder: the trainer (TrainerService on an APScheduler schedule,
+   training a second, private copy of the derived draft), the adapter manager (hot-swaps every
+   promoted adapter into the decoder's draft between requests), the acceptance tracker (windows
+   per workload x sampling bucket x adapter version, flushed to the store's history, with a
+   Page-Hinkley shift detector), the rollback monitor, and the goodput controller (γ per
+   workload, 0 = plain decoding when speculation does not pay).
+4. Traffic in phases: English prose (pydoc topics) -> Python code (standard-library source) ->
+   math word problems (GSM8K from ../shared/data, else built in).
+5. At the end, on prompts never served: frozen draft vs adapted draft vs plain decoding per
+   phase (α, τ, tokens/s, speedup), a JSON report and a PNG of acceptance over time with the
+   shifts and swaps marked.
+
+Torch runs one intra-op thread per Python thread here, so decoding and training share a
+2-core machine without oversubscribing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import typer
+
+
+@dataclass
+class DemoConfig:
+    """Sizes of the demo. ``quick`` fits ~5 minutes on 2 cores, the default ~20."""
+
+    phases: tuple[str, ...] = ("prose", "code", "math")
+    phase_seconds: float = 300.0  # serving time per phase
+    max_new_tokens: int = 32
+    eval_prompts: int = 2  # per phase, never served, for the frozen-vs-adapted table
+    eval_gamma: int = 3
+    train_interval_s: float = 30.0
+    train_min_new_samples: int = 8
+    round_steps: int = 40
+    round_seconds: float = 40.0
+    seed: int = 0
+    out_dir: Path = field(default_factory=lambda: Path("out/demo"))
+
+    @classmethod
+    def quick(cls, **kw) -> "DemoConfig":
+        base = dict(phase_seconds=75.0, eval_prompts=1, train_interval_s=15.0, train_min_new_samples=4,
+                    round_steps=20, round_seconds=20.0)
+        base.update(kw)
+        return cls(**base)
+
+
+def _prompts(workload: str, n: int, skip: int = 0):
+    from decoder.workloads import get_workload
+
+    return get_workload(workload, n + skip)[skip:]
+
+
+def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
+    """Run the demo; returns the report (also written to ``cfg.out_dir/report.json``)."""
+    from contextlib import ExitStack
+
+    from rich.live import Live
+
+    from daemon.redis_embed import open_redis
+    from daemon.settings import distill_config, store_config
+    from decoder.adapters import AdapterManager
+    from decoder.control import AcceptanceTracker, GoodputController, RollbackMonitor, key_of
+    from decoder.models import derive_draft, load_pair
+    from decoder.sampling import SamplingParams
+    from decoder.shift import ShiftDetector
+    from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
+    from store import AcceptanceHistory, AdapterRegistry, SampleReader, SampleWriter
+    from store.buffer import group_info
+    from store.schema import PairFingerprint
+    from trainer.distill import Distiller
+    from trainer.service import ServiceConfig, TrainerService, is_heldout
+
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    with ExitStack() as stack:
+        rh = stack.enter_context(open_redis(settings.redis, settings.redis_dir))
+        console.log(f"redis: {rh.mode} {rh.url}")
+        scfg = store_config(settings)
+        scfg = scfg.model_copy(update={"key_prefix": f"{scfg.key_prefix}demo:{run_id}:"})
+        client = rh.client
+        with console.status("loading the model pair (first run: GGUF conversion, ~30 s)"):
+            pair = load_pair(settings.models.target, settings.models.draft, progress=console.log)
+        layers = settings.models.draft.split(":", 1)[1] if settings.models.draft.startswith("layers:") else None
+        if layers is None:
+            raise ValueError(f"the demo trains a derived draft: set models.draft to 'layers:<spec>', not "
+                             f"{settings.models.draft!r}")
+        tok = pair.tokenizer
+        fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
+        console.log(f"pair: {pair.target_name} + {pair.draft_name} ({pair.load_seconds:.1f} s)")
+
+        writer = SampleWriter(client, scfg)
+        stack.callback(writer.close)
+        reader = SampleReader(client, scfg, "trainer", "demo", expected_fingerprint=fp)
+        registry = AdapterRegistry(client, out_dir / "adapters" / run_id, scfg)
+        history = AcceptanceHistory(client, scfg)
+
+        dcfg = distill_config(settings)
+        dcfg = dataclasses.replace(dcfg, max_steps=cfg.round_steps, max_seconds=cfg.round_seconds)
+        distiller = Distiller(derive_draft(pair.target, layers), dcfg)
+        svc = TrainerService(
+            reader, registry, distiller,
+            ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
+                          check_interval_s=2.0, max_samples_per_round=64, holdout_fraction=0.25,
+                          holdout_per_workload=24, min_eval_samples=3, promote_margin=0.005,
+                          regress_margin=0.05, work_dir=str(out_dir / "work" / run_id)),
+            backlog=lambda: sum(g.lag or 0 for g in group_info(client, scfg) if g.name == "trainer"),
+        )
+        svc.start()
+        stack.callback(svc.stop)
+
+        heldout: dict[str, list] = {}  # the trainer's own held-out split, kept for the final table
+
+        def sink(sample) -> bool:
+            if is_heldout(sample.record_id, svc.config.holdout_fraction):
+                heldout.setdefault(sample.workload, []).append(sample)
+            return writer.submit(sample)
+
+        decoder = SpeculativeDecoder(pair.target, pair.draft, tok, DecoderConfig(topk_record=32),
+                                     sink=sink, pair_fingerprint=fp)
+        manager = AdapterManager(decoder, registry, poll_interval_s=1.0)
+        manager.start()
+        stack.callback(manager.stop)
+        tracker = AcceptanceTracker(history, ShiftDetector())
+        tracker.start()
+        stack.callback(tracker.stop)
+        controller = GoodputController(adapter_version=lambda: decoder.adapter_version)
+        monitor = RollbackMonitor(registry, tracker, min_requests=6, margin=0.15)
+
+        phase_end_version: dict[str, int] = {}
+        params = SamplingParams()  # greedy: α per position = agreement with the target's argmax
+        timeline: list[dict] = []
+        shifts: list[dict] = []
+        n_eval = cfg.eval_prompts
+        t0 = time.time()
+        with Live(console=console, refresh_per_second=2, transient=False) as live:
+            for phase in cfg.phases:
+                shifts.append({"t": time.time() - t0, "request": len(timeline), "workload": phase})
+                prompts = _prompts(phase, 400, skip=n_eval)
+                end = time.time() + cfg.phase_seconds
+                i = 0
+                while time.time() < end:
+                    p = prompts[i % len(prompts)]
+                    i += 1
+                    req = DecodeRequest(p.token_ids(tok)[-256:], params, cfg.max_new_tokens, workload=phase)
+                    policy = controller.policy_for(key_of(req))
+                    res = decoder.generate(req, policy)
+                    alarm = tracker.observe(res)
+                    rb = monitor.check(decoder.adapter_version)
+                    c = res.counts
+                    timeline.append({
+                        "t": round(time.time() - t0, 2), "workload": phase, "adapter_version": res.adapter_version,
+                        "gamma": max((s.proposed for s in res.steps), default=0),
+                        "alpha": _nn(c.alpha), "tau": _nn(c.mean_accepted_length),
+                        "acceptance_rate": _nn(c.acceptance_rate), "tokens": len(res.output_ids),
+                        "latency_ms": round(res.latency_ms, 1), "tokens_per_s": round(res.tokens_per_s, 3),
+                        "shift_alarm": bool(alarm), "rollback": rb.reason if rb else None,
+                        "decision": controller.decision(key_of(req)).get("why"),
+                    })
+                    live.update(_progress_table(timeline, phase, svc, manager, controller, key_of(req)))
+                phase_end_version[phase] = decoder.adapter_version
+        svc.stop()  # a running round finishes first
+        console.log("serving done; evaluating frozen vs adapted drafts")
+        table = evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, frozen_draft=
+                                derive_draft(pair.target, layers), tok=tok, params=params, console=console)
+        tracker.flush()
+        report = {
+            "run_id": run_id, "redis": rh.describe(), "pair": {"target": pair.target_name, "draft": pair.draft_name},
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()},
+            "seconds": round(time.time() - t_start, 1), "requests": len(timeline),
+            "active_adapter": decoder.adapter_version,
+            "adapters": [_adapter_row(r) for r in registry.list()],
+            "trainer": _jsonable(svc.status()), "swaps": manager.status(),
+            "rollbacks": [d.__dict__ for d in monitor.decisions],
+            "shift_alarms": [a.__dict__ for a in tracker.alarms], "shifts": shifts,
+            "controller": _jsonable(controller.status()),
+            "phases": table, "timeline": timeline,
+        }
+    (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
+    plot_timeline(timeline, shifts, out_dir / "acceptance.png")
+    report["plot"] = str(out_dir / "acceptance.png")
+    return report
+
+
+def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, frozen_draft, tok,
+                    params, console) -> list[dict]:
+    """The per-phase table: frozen draft vs adapted draft.
+
+    - ``heldout_alpha``: α = Σ min(p, q) at temperature 1 over the stored top-k support, on the
+      phase's held-out samples (served requests the trainer never trained on; Distiller.evaluate),
+      for the base draft (frozen), the adapter active when the phase ended, and the final one.
+    - decoded: on ``eval_prompts`` prompts never served, greedy, ``max_new_tokens`` each: plain
+      decoding, the frozen draft and the adapted (final) draft at γ = ``eval_gamma``: greedy α
+      (share of proposals accepted), τ, tokens/s and speedup vs plain, all measured.
+    - live: the phase's served requests, first and last third: greedy α and tokens/s.
+    """
+    from decoder.metrics import AcceptanceCounts
+    from decoder.speculative import DecodeRequest, SpeculativeDecoder
+    from trainer.distill import BASE
+
+    def state_of(version: int):
+        if version == 0:
+            return BASE
+        distiller.load_adapter_weights(registry.fetch(version))
+        return distiller.adapter_state()
+
+    final_state = state_of(decoder.adapter_version)
+    frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok)
+    rows = []
+    for phase in cfg.phases:
+        row: dict[str, Any] = {"workload": phase, "adapter_at_phase_end": phase_end_version.get(phase, 0),
+                               "final_adapter": decoder.adapter_version}
+        held = heldout.get(phase, [])
+        row["heldout_samples"] = len(held)
+        if held:
+            row["heldout_alpha"] = {
+                "frozen": _nn(distiller.evaluate(held, adapter=BASE).alpha),
+                "phase_end": _nn(distiller.evaluate(held, adapter=state_of(row["adapter_at_phase_end"])).alpha),
+                "final": _nn(distiller.evaluate(held, adapter=final_state).alpha),
+            }
+        ps = _prompts(phase, cfg.eval_prompts)
+        for name, dec, g in (("plain", decoder, 0), ("frozen", frozen, cfg.eval_gamma),
+                             ("adapted", decoder, cfg.eval_gamma)):
+            console.log(f"evaluating {phase}: {name}")
+            tot, ms = AcceptanceCounts(), 0.0
+            for p in ps:
+                r = dec.generate(DecodeRequest(p.token_ids(tok)[-256:], params, cfg.max_new_tokens, gamma=g,
+                                               ignore_eos=True, workload=phase))
+                tot.merge(r.counts)
+                ms += r.latency_ms
+            row[name] = {"alpha": _nn(tot.alpha), "tau": _nn(tot.mean_accepted_length),
+                         "acceptance_rate": _nn(tot.acceptance_rate),
+                         "tokens_per_s": round(tot.num_emitted_tokens / ms * 1e3, 3)}
+        for name in ("frozen", "adapted"):
+            row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
+        row["alpha_gain"] = _nn((row["adapted"]["alpha"] or 0) - (row["frozen"]["alpha"] or 0))
+        served = [r for r in timeline if r["workload"] == phase]
+        third = max(1, len(served) // 3)
+        for label, part in (("live_first_third", served[:third]), ("live_last_third", served[-third:])):
+            al = [r["alpha"] for r in part if r["alpha"] is not None]
+            row[label] = {"requests": len(part), "alpha": _nn(sum(al) / len(al)) if al else None,
+                          "tokens_per_s": _nn(sum(r["tokens_per_s"] for r in part) / len(part)) if part else None}
+        rows.append(row)
+    return rows
+
+
+def _adapter_row(r) -> dict:
+    d = dict(r.__dict__)
+    return _jsonable(d)
+
+
+def _nn(x):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, 4)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    if hasattr(x, "__dict__"):
+        return _jsonable(x.__dict__)
+    return str(x)
+
+
+def _progress_table(timeline, phase, svc, manager, controller, key):
+    from rich.table import Table
+
+    recent = [r for r in timeline[-12:] if r["workload"] == phase]
+    alphas = [r["alpha"] for r in recent if r["alpha"] is not None]
+    taus = [r["tau"] for r in recent if r["tau"] is not None]
+    tps = [r["tokens_per_s"] for r in recent]
+    st = svc.status()
+    last = st.get("last_round") or {}
+    t = Table(title="draftd demo (live)", show_header=False)
+    t.add_row("requests done", str(len(timeline)))
+    t.add_row("current workload", phase)
+    t.add_row("rolling α (last 12)", f"{sum(alphas) / len(alphas):.3f}" if alphas else "-")
+    t.add_row("rolling τ", f"{sum(taus) / len(taus):.2f}" if taus else "-")
+    t.add_row("rolling tokens/s", f"{sum(tps) / len(tps):.2f}" if tps else "-")
+    t.add_row("active adapter", f"v{manager.status().get('active_version', 0)}")
+    t.add_row("speculation", controller.decision(key).get("why", "-"))
+    t.add_row("trainer", f"rounds {st.get('rounds', 0)}, last: {last.get('decision', '-')} {last.get('reason', '')[:60]}")
+    return t
+
+
+def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
+    """Per-request α (dots) and its rolling mean per workload over time, shifts (dashed) and
+    adapter swaps (dotted, labelled) marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    colors = {}
+    for w in dict.fromkeys(r["workload"] for r in timeline):
+        xs = [r["t"] for r in timeline if r["workload"] == w and r["alpha"] is not None]
+        ys = [r["alpha"] for r in timeline if r["workload"] == w and r["alpha"] is not None]
+        if not xs:
+            continue
+        sc = ax.scatter(xs, ys, s=8, alpha=0.35, label=f"{w} (per request)")
+        colors[w] = sc.get_facecolor()[0]
+        k = 8
+        roll = [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
+        ax.plot(xs, roll, color=colors[w], lw=2, label=f"{w} (rolling mean of {k})")
+    for s in shifts[1:]:
+        ax.axvline(s["t"], ls="--", color="k", lw=1)
+        ax.text(s["t"], 1.02, f"shift → {s['workload']}", fontsize=8, transform=ax.get_xaxis_transform())
+    prev = 0
+    for r in timeline:
+        if r["adapter_version"] != prev:
+            ax.axvline(r["t"], ls=":", color="tab:red", lw=1)
+            ax.text(r["t"], 0.93, f"v{r['adapter_version']}", color="tab:red", fontsize=8,
+                    transform=ax.get_xaxis_transform())
+            prev = r["adapter_version"]
+    ax.set_xlabel("seconds since serving started")
+    ax.set_ylabel("α (greedy: share of proposals the target accepts)")
+    ax.set_ylim(-0.02, 1.0)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title("draftd: acceptance over time per workload (dashed: workload shift, dotted: adapter swap)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_report(report: dict, console) -> None:
+    from rich.table import Table
+
+    f = lambda x: "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))  # noqa: E731
+    h = Table(title="held-out α (T=1, Σ min(p,q) on served requests never trained on)")
+    for c in ("phase", "samples", "frozen", "adapter at phase end", "final adapter"):
+        h.add_column(c)
+    for r in report["phases"]:
+        ha = r.get("heldout_alpha") or {}
+        h.add_row(r["workload"], str(r["heldout_samples"]), f(ha.get("frozen")),
+                  f"{f(ha.get('phase_end'))} (v{r['adapter_at_phase_end']})", f"{f(ha.get('final'))} (v{r['final_adapter']})")
+    console.print(h)
+    t = Table(title="decoded on prompts never served (greedy): frozen draft vs adapted draft vs plain")
+    for c in ("phase", "plain tok/s", "frozen α", "frozen τ", "frozen ×plain", "adapted α", "adapted τ",
+              "adapted ×plain", "α gain", "live α first→last third"):
+        t.add_column(c)
+    for r in report["phases"]:
+        t.add_row(r["workload"], f(r["plain"]["tokens_per_s"]), f(r["frozen"]["alpha"]), f(r["frozen"]["tau"]),
+                  f(r["frozen"]["speedup_vs_plain"]), f(r["adapted"]["alpha"]), f(r["adapted"]["tau"]),
+                  f(r["adapted"]["speedup_vs_plain"]), f(r["alpha_gain"]),
+                  f"{f(r['live_first_third']['alpha'])} → {f(r['live_last_third']['alpha'])}")
+    console.print(t)
+    a = Table(title="adapters")
+    for c in ("version", "state", "α before", "α after", "samples", "reason"):
+        a.add_column(c)
+    for r in report["adapters"]:
+        a.add_row(str(r.get("version")), str(r.get("state")), f(r.get("alpha_before")), f(r.get("alpha_after")),
+                  str(r.get("samples")), str(r.get("reason", ""))[:70])
+    console.print(a)
+    console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}, "
+                  f"seconds: {report['seconds']}, plot: {report.get('plot')}")
+
+
+
+def register(app) -> None:
+    """Add ``demo`` to the ``daemonctl`` Typer app."""
+    import sys
+
+    from rich.console import Console
+
+    @app.command("demo")
+    def demo(
+        quick: Annotated[bool, typer.Option(help="a ~5-minute run (75 s per phase)")] = False,
+        phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase (overrides the preset)")] = None,
+        out: Annotated[Path, typer.Option(help="directory for report.json and acceptance.png")] = Path("out/demo"),
+        config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")] = None,
+    ) -> None:
+        """The main job: serve a shifting workload (prose -> code -> math) while the trainer adapts
+        the draft in the background; live progress, then a frozen-vs-adapted table per phase and a
+        PNG of acceptance over time. --quick takes about 5 minutes on 2 cores, the default about 20."""
+        from daemon.logging import configure
+        from daemon.settings import ConfigError, load_settings
+
+        console = Console(stderr=True)
+        try:
+            settings = load_settings(config)
+        except ConfigError as e:
+            console.print(f"[red]config error:[/] {e}")
+            raise typer.Exit(2) from e
+        if phase_seconds is not None and not phase_seconds > 0:
+            console.print(f"[red]error:[/] --phase-seconds={phase_seconds}: must be > 0")
+            raise typer.Exit(2)
+        configure("console", "warning", stream=sys.stderr)  # the live table is the progress display
+        cfg = DemoConfig.quick(out_dir=out) if quick else DemoConfig(out_dir=out)
+        if phase_seconds is not None:
+            cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)
+        report = run_demo(settings, cfg, console)
+        print_report(report, console)
+        keep = ("run_id", "seconds", "requests", "active_adapter", "adapters", "phases", "plot")
+        print(json.dumps({k: report.get(k) for k in keep}, indent=1))
