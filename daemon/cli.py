@@ -281,6 +281,12 @@ def plot_history(h: dict, path: Path) -> None:
         ax.axvline(x, color=color, linestyle="--", alpha=0.7)
         ax.text(x, 1.01, f"{'v' + ev['version'] if ev['event'] == 'promote' else 'rollback->v' + ev['version']}",
                 rotation=90, va="bottom", ha="center", fontsize=8, color=color, transform=ax.get_xaxis_transform())
+    if not by_w:
+        ax.text(0.5, 0.5, "no acceptance history recorded yet (decoders write it per workload and adapter)",
+                ha="center", va="center", transform=ax.transAxes, color="gray")
+        times = [dt.datetime.fromtimestamp(float(e["ts"])) for e in h["events"]]
+        if times:
+            ax.set_xlim(min(times) - dt.timedelta(minutes=5), max(times) + dt.timedelta(minutes=5))
     ax.set_ylim(0, 1)
     ax.set_ylabel("acceptance rate (accepted / drafted tokens)")
     ax.set_xlabel(f"time (buckets of {h['bucket_s']} s)")
@@ -494,3 +500,7 @@ except ImportError:  # pragma: no cover - until daemon/cli_decode.py lands
 
 if __name__ == "__main__":
     app()
+
+from daemon.demo import register as register_demo  # noqa: E402
+
+register_demo(app)

@@ -49,12 +49,13 @@ def start_round_then_sigterm(d) -> dict:
     assert code == 200 and body["submitted"] is True, body
     deadline = time.monotonic() + 60
     while True:
-        st = json.loads(ctl(d, "status", "--json").stdout)
+        code, st = http("GET", d.url + "/v1/status")
+        assert code == 200, st
         if st["trainer"]["running"]:
             break
         assert st["trainer"]["rounds"] == 0, "the round ended before it was seen running"
         assert time.monotonic() < deadline
-        time.sleep(0.1)
+        time.sleep(0.02)
     d.stop(timeout=300)
     return st
 
