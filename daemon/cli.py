@@ -490,17 +490,14 @@ def bootstrap(
               f"{'promoted' if res.promoted else 'registered, not promoted'}: {res.reason}")
 
 
-try:  # generate / bench (the decoder's commands)
-    from daemon.cli_decode import register as register_decode
+from daemon.cli_decode import register as register_decode  # noqa: E402
 
-    register_decode(app)
-except ImportError:  # pragma: no cover - until daemon/cli_decode.py lands
-    pass
+register_decode(app)  # generate, bench
 
-
-if __name__ == "__main__":
-    app()
 
 from daemon.demo import register as register_demo  # noqa: E402
 
 register_demo(app)
+
+if __name__ == "__main__":
+    app()
