@@ -421,6 +421,7 @@ class _KeyState:
     alpha: _Ewma = field(default_factory=_Ewma)
     draft_ms_per_token: _Ewma = field(default_factory=_Ewma)
     verify_ms: dict[int, _Ewma] = field(default_factory=dict)  # γ -> verify ms of a γ-step (γ=0: plain step)
+    overhead_ms: _Ewma = field(default_factory=_Ewma)  # step wall time - draft ms - verify ms
     requests: int = 0
     adapter_version: int | None = None
     last: dict[str, Any] = field(default_factory=dict)
@@ -434,9 +435,12 @@ class GoodputController:
     from a least-squares line through the measured ones against γ + 1 verified tokens (clamped
     at >= 0 slope; a flat line through a single point). Then, for γ = 1..γ_max,
 
-        goodput(γ) = E(α, γ) / (γ · t_draft + t_verify(γ)),  E = (1 - α^(γ+1)) / (1 - α)
+        goodput(γ) = E(α, γ) / (γ · t_draft + t_verify(γ) + o),  E = (1 - α^(γ+1)) / (1 - α)
 
-    (Leviathan et al. 2023, eq. (1) over the measured step cost) and goodput(0) = 1 / t_plain.
+    (Leviathan et al. 2023, eq. (1) over the measured step cost) and goodput(0) = 1 / (t_plain + o),
+    where o is the per-step overhead outside the two model calls (sampling, the acceptance test,
+    cache crops), measured by the policy as the time from one step's gamma() call to the next
+    minus draft ms and verify ms. t_verify and t_plain are shown with o included.
     The best γ serves the key; every ``probe_every`` requests one request probes plain
     decoding (when speculating), a speculative γ (when off, so a better draft is noticed), or a
     γ never measured. When the adapter version serving the key changes, α is reset and the next
@@ -446,10 +450,13 @@ class GoodputController:
         config: :class:`ControllerConfig`.
         adapter_version: returns the decoder's adapter version (read at a request's first
             ``gamma()`` call, which happens under the decoder's lock after adapter swaps).
+        clock: monotonic seconds; a step's wall time runs from its gamma() call to the next one.
     """
 
-    def __init__(self, config: ControllerConfig | None = None, *, adapter_version: Callable[[], int] | None = None):
+    def __init__(self, config: ControllerConfig | None = None, *, adapter_version: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.config = config or ControllerConfig()
+        self.clock = clock
         self._version = adapter_version
         self._lock = threading.Lock()
         self._keys: dict[Key, _KeyState] = {}
@@ -462,8 +469,17 @@ class GoodputController:
     def _state(self, key: Key) -> _KeyState:
         return self._keys.setdefault(key, _KeyState())
 
-    def observe(self, key: Key, step: StepStats) -> None:
-        """Fold one verification step of ``key`` into the estimates."""
+    def observe_overhead(self, key: Key, ms: float) -> None:
+        """Fold one step's overhead (wall time - draft ms - verify ms: sampling, the acceptance
+        test, stop checks, cache crops), which every step pays, plain ones included."""
+        with self._lock:
+            self._state(key).overhead_ms.add(max(0.0, ms), self.config.ewma)
+
+    def observe(self, key: Key, step: StepStats, step_ms: float | None = None) -> None:
+        """Fold one verification step of ``key`` into the estimates; ``step_ms``, its wall time
+        when known, also feeds :meth:`observe_overhead`."""
+        if step_ms is not None:
+            self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms)
         w = self.config.ewma
         with self._lock:
             s = self._state(key)
@@ -493,8 +509,9 @@ class GoodputController:
         c = self.config
         a = s.alpha.value
         td = s.draft_ms_per_token.value
-        tplain = self._verify_cost(s, 0) if 0 in s.verify_ms else math.nan
-        tv = {g: self._verify_cost(s, g) for g in range(1, c.gamma_max + 1)}
+        o = s.overhead_ms.value if s.overhead_ms.n else 0.0
+        tplain = self._verify_cost(s, 0) + o if 0 in s.verify_ms else math.nan
+        tv = {g: self._verify_cost(s, g) + o for g in range(1, c.gamma_max + 1)}
         rate: dict[int, float] = {}
         if tplain == tplain:
             rate[0] = 1.0 / tplain
@@ -502,7 +519,7 @@ class GoodputController:
             for g in range(1, c.gamma_max + 1):
                 if tv[g] == tv[g]:
                     rate[g] = expected_tokens_per_step(a, g) / (g * td + tv[g])
-        return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate}
+        return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o}
 
     # ---- the decision ----------------------------------------------------------------------
     def _choose(self, key: Key) -> tuple[int, dict[str, Any]]:
@@ -535,8 +552,8 @@ class GoodputController:
                     unexplored = [g for g in range(1, c.gamma_max + 1) if g not in s.verify_ms]
                     if best > 0:
                         gamma, why = 0, f"probe: plain decoding (every {c.probe_every} requests); " + why
-                    else:
-                        g = best_spec if (s.requests // c.probe_every) % 2 == 0 or not unexplored else unexplored[0]
+                    else:  # off: re-measure α at the cheapest informative γ (a better draft shows up there)
+                        g = best_spec or 1
                         gamma, why = g, f"probe: γ={g} (every {c.probe_every} requests); " + why
                 elif s.requests % c.probe_every == c.probe_every // 2 and best > 0:
                     unexplored = [g for g in range(1, c.gamma_max + 1) if g not in s.verify_ms]
@@ -557,6 +574,7 @@ class GoodputController:
                 "t_draft_ms": _nan_none(ev["t_draft"]),
                 "t_plain_ms": _nan_none(ev["t_plain"]),
                 "t_verify_ms": {g: _nan_none(t) for g, t in ev["t_verify"].items()},
+                "overhead_ms": _nan_none(ev["overhead"]),
                 "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(ev["rate"].items())},
                 "why": why,
             }
@@ -596,6 +614,7 @@ class GoodputController:
                 "t_draft_ms": _nan_none(ev["t_draft"]),
                 "t_plain_ms": _nan_none(ev["t_plain"]),
                 "t_verify_ms": {g: _nan_none(t) for g, t in ev["t_verify"].items()},
+                "overhead_ms": _nan_none(ev["overhead"]),
                 "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(rate.items())},
                 "why": why,
                 "last": dict(s.last),
@@ -612,14 +631,22 @@ class ControlledGamma:
     def __init__(self, controller: GoodputController, key: Key):
         self.controller, self.key = controller, key
         self._gamma: int | None = None
+        self._asked: float | None = None  # clock at the last gamma() call (a step starts there)
+        self._modelled: float | None = None  # draft_ms + verify_ms of the step just updated
         self.decision: dict[str, Any] | None = None
 
     def gamma(self) -> int:
         if self._gamma is None:
             self._gamma, self.decision = self.controller._choose(self.key)
+        now = self.controller.clock()
+        if self._asked is not None and self._modelled is not None:
+            # gamma() to gamma(): the whole previous step, loop bookkeeping and cache crops included
+            self.controller.observe_overhead(self.key, (now - self._asked) * 1e3 - self._modelled)
+        self._asked, self._modelled = now, None
         return self._gamma
 
     def update(self, step: StepStats) -> None:
+        self._modelled = step.draft_ms + step.verify_ms
         self.controller.observe(self.key, step)
 
     def describe(self) -> str:
