@@ -286,6 +286,12 @@ class SpeculativeDecoder:
                 hook(self)
             return self._generate(req, policy)
 
+    def run_between_requests(self) -> None:
+        """Run the between-request hooks now (e.g. apply a prepared adapter swap while idle)."""
+        with self._lock:
+            for hook in self.between_requests:
+                hook(self)
+
     @torch.inference_mode()
     def _generate(self, req: DecodeRequest, policy: GammaPolicy | None) -> DecodeResult:
         if policy is None:
