@@ -96,7 +96,11 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         rh = stack.enter_context(open_redis(settings.redis, settings.redis_dir))
         console.log(f"redis: {rh.mode} {rh.url}")
         scfg = store_config(settings)
-        scfg = scfg.model_copy(update={"key_prefix": f"{scfg.key_prefix}demo:{run_id}:"})
+        # One fixed namespace, emptied at the start, so every demo starts from the untrained draft
+        # and `daemonctl status/history` can inspect the last run (see the hint printed at the end).
+        prefix = f"{scfg.key_prefix}demo:"
+        scfg = scfg.model_copy(update={"key_prefix": prefix})
+        _clear_prefix(rh.client, prefix)
         client = rh.client
         with console.status("loading the model pair (first run: GGUF conversion, ~30 s)"):
             pair = load_pair(settings.models.target, settings.models.draft, progress=console.log)
@@ -184,7 +188,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
                                 derive_draft(pair.target, layers), tok=tok, params=params, console=console)
         tracker.flush()
         report = {
-            "run_id": run_id, "redis": rh.describe(), "pair": {"target": pair.target_name, "draft": pair.draft_name},
+            "run_id": run_id, "key_prefix": prefix, "redis": rh.describe(), "pair": {"target": pair.target_name, "draft": pair.draft_name},
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()},
             "seconds": round(time.time() - t_start, 1), "requests": len(timeline),
             "active_adapter": decoder.adapter_version,
@@ -261,6 +265,20 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                           "tokens_per_s": _nn(sum(r["tokens_per_s"] for r in part) / len(part)) if part else None}
         rows.append(row)
     return rows
+
+
+def _clear_prefix(client, prefix: str) -> int:
+    """Delete every key under ``prefix`` (SCAN + UNLINK, never KEYS); returns how many."""
+    n = 0
+    batch = []
+    for k in client.scan_iter(match=prefix.replace("*", r"\*") + "*", count=1000):
+        batch.append(k)
+        if len(batch) >= 500:
+            n += client.unlink(*batch)
+            batch = []
+    if batch:
+        n += client.unlink(*batch)
+    return n
 
 
 def _adapter_row(r) -> dict:
@@ -378,6 +396,8 @@ def print_report(report: dict, console) -> None:
     console.print(a)
     console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}, "
                   f"seconds: {report['seconds']}, plot: {report.get('plot')}")
+    console.print(f"inspect this run: DRAFTD_STORE__KEY_PREFIX={report['key_prefix']} daemonctl status | history "
+                  f"--plot history.png")
 
 
 
@@ -415,5 +435,5 @@ def register(app) -> None:
             cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)
         report = run_demo(settings, cfg, console)
         print_report(report, console)
-        keep = ("run_id", "seconds", "requests", "active_adapter", "adapters", "phases", "plot")
+        keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "adapters", "phases", "plot")
         print(json.dumps({k: report.get(k) for k in keep}, indent=1))
