@@ -9,8 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,28 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture
-def redis_client():
-    import redis
-
-    r = redis.Redis.from_url(REDIS_URL, decode_responses=False)
-    try:
-        r.ping()
-    except redis.ConnectionError:
-        pytest.skip("no Redis on 127.0.0.1:6379")
-    yield r
-    r.close()
-
-
-@pytest.fixture
-def key_prefix(redis_client):
-    prefix = f"test:daemon:{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    keys = list(redis_client.scan_iter(match=prefix + "*"))
-    if keys:
-        redis_client.delete(*keys)
 
 
 def base_env(state_dir: Path, port: int, **extra: str) -> dict[str, str]:

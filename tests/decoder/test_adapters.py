@@ -5,35 +5,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 from structlog.testing import capture_logs
 
-from adapt_helpers import RedisRegistry, exact_draft, fixing_lora, perturb, random_lora, save_lora, shallow_target
+from adapt_helpers import fixing_lora, random_lora, save_lora
 from decoder.adapters import AdapterManager, IncompatibleAdapterError, check_compatible
 from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
 from tiny import reference_greedy, tiny_llama
 
 PROMPTS = ["the cat sat on", "def f(x): return", "what is 3+4?"]
 N_NEW = 10
-
-
-@pytest.fixture
-def reg(tmp_path: Path):
-    r = RedisRegistry(tmp_path / "artifacts")
-    yield r
-    r.close()
-
-
-@pytest.fixture
-def pair():
-    """A fresh target and a perturbed 1-layer draft (the LoRA layers injected into it stay local)."""
-    target = shallow_target()
-    draft = exact_draft(target)
-    noise = perturb(draft, scale=3.0)
-    return target, draft, noise
 
 
 def _req(tok, prompt: str) -> DecodeRequest:

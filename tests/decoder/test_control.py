@@ -3,12 +3,11 @@ real peft adapters and the real store on Redis."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import redis
 
-from adapt_helpers import RedisRegistry, exact_draft, fixing_lora, perturb, random_lora, shallow_target
+from adapt_helpers import fixing_lora, random_lora
 from decoder.adapters import AdapterManager
 from decoder.control import (
     AcceptanceTracker,
@@ -24,21 +23,6 @@ from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
 from store import AcceptanceHistory
 
 PROMPTS = ["the cat sat on", "def f(x): return", "what is 3+4?", "hello there, how"]
-
-
-@pytest.fixture
-def reg(tmp_path: Path):
-    r = RedisRegistry(tmp_path / "artifacts")
-    yield r
-    r.close()
-
-
-@pytest.fixture
-def pair():
-    target = shallow_target()
-    draft = exact_draft(target)
-    noise = perturb(draft, scale=3.0)  # the base draft is useless (α ≈ 0.02)
-    return target, draft, noise
 
 
 def _req(tok, i: int, n: int = 12, workload: str = "prose") -> DecodeRequest:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 
 import pytest
 import torch
@@ -47,23 +46,3 @@ def draft():
     return tiny_draft()
 
 
-@pytest.fixture
-def redis_client():
-    import redis
-
-    r = redis.Redis(host="127.0.0.1", port=6379, decode_responses=False)
-    try:
-        r.ping()
-    except redis.ConnectionError:
-        pytest.skip("no Redis on 127.0.0.1:6379")
-    yield r
-    r.close()
-
-
-@pytest.fixture
-def key_prefix(redis_client):
-    prefix = f"test:trainer:{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    keys = list(redis_client.scan_iter(match=prefix + "*"))
-    if keys:
-        redis_client.delete(*keys)
