@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -31,6 +32,45 @@ def _decoder(pair, dv):
     from decoder.speculative import DecoderConfig, SpeculativeDecoder
 
     return SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(draft_vocab=dv))
+
+
+def check_generate_args(prompt: str, gamma: int, max_new_tokens: int, temperature: float, stop, draft_vocab: int) -> None:
+    """Refuse bad `generate` options before the models load, naming the option and the fix.
+
+    Raises:
+        ValueError: the first bad option.
+    """
+    if not prompt:
+        raise ValueError("--prompt is empty: give at least one character of prompt text")
+    if gamma < 0:
+        raise ValueError(f"--gamma {gamma}: must be >= 0 (0 = plain decoding, like --no-spec)")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+    if not math.isfinite(temperature):
+        raise ValueError(f"--temperature {temperature}: must be a finite number >= 0 (0 = greedy)")
+    if any(s == "" for s in stop or ()):
+        raise ValueError("--stop '': an empty stop string matches at once and would end generation after one "
+                         "token; drop it or give a non-empty string")
+    if draft_vocab < 0:
+        raise ValueError(f"--draft-vocab {draft_vocab}: must be >= 0 (0 = off)")
+
+
+def parse_gammas(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``.
+
+    Raises:
+        ValueError: an item that is not an integer >= 1 (names it).
+    """
+    out = []
+    for item in text.split(","):
+        try:
+            g = int(item.strip())
+        except ValueError:
+            raise ValueError(f"--gammas {text!r}: {item.strip()!r} is not an integer; example: --gammas 1,2,4") from None
+        if g < 1:
+            raise ValueError(f"--gammas {text!r}: γ={g} must be >= 1 (plain decoding, γ = 0, is always included)")
+        out.append(g)
+    return tuple(out)
 
 
 TargetOpt = Annotated[str, typer.Option(help="target: built-in name (smollm2-135m, gemma3-270m), local path or cached hub id")]
@@ -62,6 +102,7 @@ def generate(
     from decoder.workloads import chat_format
 
     try:
+        check_generate_args(prompt, gamma, max_new_tokens, temperature, stop, draft_vocab)
         params = SamplingParams(temperature, top_p, top_k, seed)
         pair, dv = _load(target, draft, device, int8_draft, draft_vocab)
     except (ValueError, RuntimeError) as e:
@@ -69,8 +110,12 @@ def generate(
         raise typer.Exit(2) from e
     dec = _decoder(pair, dv)
     ids = chat_format(pair.tokenizer, prompt, raw=not chat)
-    req = DecodeRequest(ids, params, max_new_tokens, gamma=0 if no_spec else gamma, stop=tuple(stop or ()))
-    res = dec.generate(req)
+    try:
+        req = DecodeRequest(ids, params, max_new_tokens, gamma=0 if no_spec else gamma, stop=tuple(stop or ()))
+        res = dec.generate(req)
+    except ValueError as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
     if check and params.greedy and not no_spec:
         dec.check_against_plain(req, res)
     rec = res.record()
@@ -106,11 +151,21 @@ def bench(
     if quick:
         workloads, prompts, gammas, sampling, max_new_tokens = "prose,code", 1, "2,4", "greedy", 32
     try:
-        cfg = BenchConfig(tuple(int(g) for g in gammas.split(",")), tuple(sampling.split(",")), max_new_tokens, hf)
+        if prompts < 1:
+            raise ValueError(f"--prompts {prompts}: must be >= 1")
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+        cfg = BenchConfig(parse_gammas(gammas), tuple(s.strip() for s in sampling.split(",")), max_new_tokens, hf)
         bad = [s for s in cfg.sampling if s not in ("greedy", "t0.7-p0.9", "t1.0")]
         if bad:
             raise ValueError(f"unknown sampling {bad}: use greedy, t0.7-p0.9, t1.0")
-        ps = [p for w in workloads.split(",") for p in get_workload(w.strip(), prompts)]
+        ps = []
+        for w in workloads.split(","):
+            got = get_workload(w.strip(), prompts)
+            if not got:
+                raise ValueError(f"workload {w.strip()!r} has no prompts (humaneval needs ../shared/data/humaneval.jsonl.gz; "
+                                 f"a JSONL file needs at least one row)")
+            ps.extend(got)
         pair, dv = _load(target, draft, device, int8_draft, draft_vocab)
     except (ValueError, RuntimeError) as e:
         err.print(f"[red]error:[/] {e}")

@@ -1,0 +1,59 @@
+"""`daemonctl generate` / `bench` refuse bad options before loading any model (exit 2, message
+naming the option), instead of a traceback after the load or a silently wrong result."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from daemon.cli import app
+from daemon.cli_decode import check_generate_args, parse_gammas
+
+# A target that cannot load: if validation ran after the load, the error would be about it.
+NOLOAD = ["--target", "/nonexistent/draftd-qa-model"]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["-p", "hi", "--gamma", "-1"], "--gamma -1"),
+        (["-p", "hi", "--max-new-tokens", "0"], "--max-new-tokens 0"),
+        (["-p", ""], "--prompt is empty"),
+        (["-p", "hi", "--stop", ""], "--stop ''"),
+        (["-p", "hi", "--temperature", "inf"], "--temperature inf"),
+        (["-p", "hi", "--draft-vocab", "-5"], "--draft-vocab -5"),
+    ],
+)
+def test_generate_rejects_bad_options_before_loading(args, needle):
+    r = CliRunner().invoke(app, ["generate", *args, *NOLOAD])
+    assert r.exit_code == 2, r.output
+    assert needle in " ".join(r.output.split()), r.output
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--gammas", "x"], "'x' is not an integer"),
+        (["--gammas", "2,,4"], "'' is not an integer"),
+        (["--gammas", "-1"], "must be >= 1"),
+        (["--prompts", "0"], "--prompts 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0"),
+    ],
+)
+def test_bench_rejects_bad_options_before_loading(args, needle):
+    r = CliRunner().invoke(app, ["bench", "--workloads", "math", *args, *NOLOAD])
+    assert r.exit_code == 2, r.output
+    assert needle in " ".join(r.output.split()), r.output
+
+
+def test_bench_refuses_a_workload_without_prompts(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    r = CliRunner().invoke(app, ["bench", "--workloads", str(empty), *NOLOAD])
+    assert r.exit_code == 2, r.output
+    assert "has no prompts" in " ".join(r.output.split())
+
+
+def test_good_options_pass():
+    check_generate_args("hi", 0, 1, 0.7, ["\n\n"], 0)
+    assert parse_gammas("1, 2,4") == (1, 2, 4)
