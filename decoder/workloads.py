@@ -125,11 +125,20 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
     """Rows ``{"prompt": str, "workload": str (optional, default "default")}``.
 
     Raises:
-        ValueError: a row without a string ``prompt`` (names the file and line).
+        ValueError: an unreadable file, a line that is not UTF-8 JSON, or a row without a non-empty
+            string ``prompt`` (names the file and line).
     """
     out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the JSONL workload file ({e.strerror or e})") from e
+    with f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{i}: not UTF-8 ({e}); save the file as UTF-8") from e
             if not line.strip():
                 continue
             try:
@@ -138,6 +147,8 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
                 raise ValueError(f"{path}:{i}: not JSON ({e}); expected {{\"prompt\": ..., \"workload\": ...}}") from e
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise ValueError(f"{path}:{i}: row has no string 'prompt' field")
+            if not row["prompt"]:
+                raise ValueError(f"{path}:{i}: 'prompt' is empty; a prompt needs at least one character")
             out.append(Prompt(str(row.get("workload", "default")), row["prompt"]))
     return out
 
@@ -155,6 +166,8 @@ def get_workload(name: str, n: int = 8) -> list[Prompt]:
         return BUILTIN[name](n)
     if name == "gsm8k":
         return math_prompts(n)
+    if Path(name).is_dir():
+        raise ValueError(f"workload {name!r} is a directory; give a JSONL file or one of {sorted(BUILTIN)}")
     if Path(name).exists():
         return load_jsonl(name)[:n]
     raise ValueError(f"unknown workload {name!r}: use one of {sorted(BUILTIN)} or a path to a JSONL file")
