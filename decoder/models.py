@@ -123,6 +123,10 @@ def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
 
     Built-in names are converted once and cached; local directories are returned as they are;
     anything else is treated as a hub id and must already be in the local hub cache.
+
+    Raises:
+        ModelLoadError: an existing path that is not a model directory (no ``config.json``), or a
+            path-like reference (``/``, ``./``, ``../``, ``~``) that does not exist.
     """
     if name_or_path in PACKAGED:
         gguf = packaged_gguf(name_or_path)
@@ -139,7 +143,18 @@ def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
         return out
     p = Path(name_or_path).expanduser()
     if p.exists():
+        if not p.is_dir() or not (p / "config.json").is_file():
+            raise ModelLoadError(
+                f"model {name_or_path!r} is a local path but not a model directory (no config.json in it): "
+                f"pass a directory written by save_pretrained (config.json, weights, tokenizer files) or a "
+                f"built-in name ({', '.join(PACKAGED)})"
+            )
         return p
+    if name_or_path.startswith(("/", "./", "../", "~")):
+        raise ModelLoadError(
+            f"model path {name_or_path!r} does not exist: fix the path, or pass a built-in name "
+            f"({', '.join(PACKAGED)}) or a hub id already in the local Hugging Face cache"
+        )
     return name_or_path
 
 
