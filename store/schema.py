@@ -175,6 +175,57 @@ def _unpack_array(v: list, name: str) -> np.ndarray:
     return arr.astype(arr.dtype.newbyteorder("="), copy=True)
 
 
+_INT_ARRAYS = ("prompt_ids", "output_ids", "topk_ids", "proposal_lens", "rejection_pos")
+_INT32_MAX = 2**31 - 1
+
+
+def _check_arrays(a: dict[str, np.ndarray]) -> None:
+    """Refuse arrays that decode but would feed the trainer wrong data (a corrupt, hand-edited or
+    foreign entry): wrong dtype kind or rank, rows that do not line up with ``output_ids``,
+    negative or out-of-int32 ids, probabilities that are not finite or outside [0, 1]."""
+    for name in _INT_ARRAYS:
+        if a[name].dtype.kind not in "iu":
+            raise SchemaError(f"field {name!r} has dtype {a[name].dtype}, expected an integer array")
+    for name in ("topk_probs", "tail_mass"):
+        if a[name].dtype.kind != "f":
+            raise SchemaError(f"field {name!r} has dtype {a[name].dtype}, expected a float array")
+    for name in ("prompt_ids", "output_ids", "proposal_lens", "rejection_pos", "tail_mass"):
+        if a[name].ndim != 1:
+            raise SchemaError(f"field {name!r} has shape {a[name].shape}, expected 1-D")
+    n = a["output_ids"].shape[0]
+    for name in ("topk_ids", "topk_probs"):
+        if a[name].ndim != 2 or a[name].shape[0] != n:
+            raise SchemaError(f"field {name!r} has shape {a[name].shape}, expected ({n}, k): one row per output token")
+    for name in ("prompt_ids", "output_ids", "topk_ids"):
+        x = a[name]
+        if x.size and (int(x.min()) < 0 or int(x.max()) > _INT32_MAX):
+            raise SchemaError(f"field {name!r} has token ids outside 0..{_INT32_MAX} (min {x.min()}, max {x.max()})")
+    probs, tail = a["topk_probs"].astype(np.float64), a["tail_mass"].astype(np.float64)
+    if not (np.isfinite(probs).all() and np.isfinite(tail).all()):
+        raise SchemaError("field 'topk_probs' or 'tail_mass' holds NaN or infinity")
+    if probs.size and (probs.min() < 0.0 or probs.max() > 1.0):
+        raise SchemaError(f"field 'topk_probs' outside [0, 1] (min {probs.min()}, max {probs.max()})")
+    if tail.size and (tail.min() < -1e-3 or tail.max() > 1.0 + 1e-3):
+        raise SchemaError(f"field 'tail_mass' outside [0, 1] (min {tail.min()}, max {tail.max()})")
+    if a["proposal_lens"].size and int(a["proposal_lens"].min()) < 0:
+        raise SchemaError("field 'proposal_lens' has a negative γ")
+
+
+def _check_scalars(body: dict) -> None:
+    if not isinstance(body.get("request_id"), str):
+        raise SchemaError(f"body field 'request_id' is {type(body.get('request_id')).__name__}, expected a string")
+    pair = body.get("pair")
+    if not (isinstance(pair, list) and len(pair) == 3 and all(isinstance(x, str) for x in pair)):
+        raise SchemaError(f"body field 'pair' is {pair!r}, expected [target, draft, tokenizer_hash] strings")
+    for name in ("started_at", "finished_at"):
+        v = body.get(name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            raise SchemaError(f"body field {name!r} is {v!r}, expected seconds since the epoch")
+    av = body.get("adapter_version")
+    if isinstance(av, bool) or not isinstance(av, int) or av < 0:
+        raise SchemaError(f"body field 'adapter_version' is {av!r}, expected an integer >= 0")
+
+
 def encode(sample: VerifiedSample) -> dict[bytes, bytes]:
     """Encode a sample into a Redis stream field map (bytes -> bytes)."""
     body = {
@@ -219,15 +270,23 @@ def decode(fields: dict[bytes, bytes]) -> VerifiedSample:
     if version != SCHEMA_VERSION:
         raise SchemaError(f"unknown schema version {version} (this build reads {SCHEMA_VERSION})")
     try:
-        body = msgpack.unpackb(fields[F_BODY], raw=False)
-        workload = fields[F_WORKLOAD].decode("utf-8")
         record_id = fields[F_RECORD_ID].decode("ascii")
+    except UnicodeDecodeError as e:
+        raise SchemaError(f"field 'rid' (record id) {fields[F_RECORD_ID][:64]!r} is not ASCII") from e
+    try:
+        workload = fields[F_WORKLOAD].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SchemaError(f"field 'w' (workload) {fields[F_WORKLOAD][:64]!r} is not UTF-8") from e
+    try:
+        body = msgpack.unpackb(fields[F_BODY], raw=False)
     except Exception as e:  # noqa: BLE001
         raise SchemaError(f"body is not decodable: {e}") from e
     if not isinstance(body, dict):
         raise SchemaError(f"body is a {type(body).__name__}, expected a map")
     try:
         arrays = {name: _unpack_array(body[name], name) for name in _ARRAYS}
+        _check_arrays(arrays)
+        _check_scalars(body)
         t, p, k, seed = body["sampling"]
         sample = VerifiedSample(
             request_id=body["request_id"],
