@@ -58,6 +58,12 @@ from store.schema import F_FINGERPRINT, F_RECORD_ID, PairFingerprint, SchemaErro
 log = structlog.get_logger(__name__)
 
 
+def _describe(e: BaseException) -> str:
+    """``"ConnectionError: Error 111 connecting to ...: Connection refused."``: the type and the
+    message (redis-py 8's ``repr`` of its errors, e.g. ``network:ConnectionError``, drops the message)."""
+    return f"{type(e).__name__}: {e}"
+
+
 
 # --------------------------------------------------------------------------------------------
 # Writer
@@ -233,8 +239,8 @@ class SampleWriter:
                 with self._lock:
                     self._n["dropped_error"] += 1
                     self._in_flight -= 1
-                    self._last_error = f"encode failed for record {getattr(s, 'record_id', '?')}: {e!r}"
-                log.error("sample_encode_failed", error=repr(e))
+                    self._last_error = f"encode failed for record {getattr(s, 'record_id', '?')}: {_describe(e)}"
+                log.error("sample_encode_failed", error=_describe(e))
         return out
 
     def _write(self, entries: list[dict[bytes, bytes]]) -> None:
@@ -255,11 +261,11 @@ class SampleWriter:
             self._n["written"] += len(results) - len(refused)
             self._n["dropped_error"] += len(refused)
             if refused:
-                self._last_error = f"Redis refused XADD: {refused[0]!r}"
+                self._last_error = f"Redis refused XADD: {_describe(refused[0])}"
             self._in_flight = 0
             self._cond.notify_all()
         if refused:
-            log.error("sample_xadd_refused", n=len(refused), error=repr(refused[0]))
+            log.error("sample_xadd_refused", n=len(refused), error=_describe(refused[0]))
 
     def _set_up(self, up: bool, error: Exception | None = None) -> None:
         with self._lock:
@@ -267,11 +273,11 @@ class SampleWriter:
             self._redis_up = up
             if error is not None:
                 self._n["errors"] += 1
-                self._last_error = repr(error)
+                self._last_error = _describe(error)
         if changed and up:
             log.info("sample_writer_redis_back", key=self._key)
         elif changed:
-            log.warning("sample_writer_redis_down", key=self._key, error=repr(error))
+            log.warning("sample_writer_redis_down", key=self._key, error=_describe(error))
 
     def _run(self) -> None:
         backoff = self._cfg.backoff_initial_s
@@ -304,9 +310,9 @@ class SampleWriter:
                     self._n["errors"] += 1
                     self._n["dropped_error"] += len(held)
                     self._in_flight = 0
-                    self._last_error = repr(e)
+                    self._last_error = _describe(e)
                     self._cond.notify_all()
-                log.error("sample_write_failed", error=repr(e), dropped=len(held))
+                log.error("sample_write_failed", error=_describe(e), dropped=len(held))
                 held = None
                 continue
             held = None
