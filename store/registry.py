@@ -286,8 +286,9 @@ class AdapterRegistry:
     def fetch(self, version: int, dest: str | os.PathLike | None = None) -> Path:
         """A local directory holding adapter ``version``'s files, each checked against its sha256.
 
-        Looks in ``artifact_dir/v{N}``; if that is missing and the bytes are in Redis, writes
-        them (atomically) to ``dest`` or ``artifact_dir/v{N}``. With ``dest`` given and the local
+        Looks in ``artifact_dir/v{N}``; if that is missing or incomplete and the bytes are in
+        Redis, writes them (atomically) to ``dest`` or ``artifact_dir/v{N}`` (an incomplete local
+        copy is replaced). With ``dest`` given and the local
         copy present, copies it there (atomically) and returns ``dest``.
 
         Raises:
@@ -310,8 +311,10 @@ class AdapterRegistry:
             if target != local and target.exists():
                 return self._verify_existing(version, rec, target)
             if not rec.has_bytes:
+                what = (f"{local} lacks {', '.join(n for n in rec.sha256 if not (local / n).is_file())}"
+                        if local.is_dir() else f"{local} is missing")
                 raise ArtifactMissingError(
-                    f"adapter v{version}: {local} is missing and its bytes are not in Redis; "
+                    f"adapter v{version}: {what} and its bytes are not in Redis; "
                     f"copy the directory from the host that registered it ({rec.artifact_path}) "
                     f"or register with store_bytes=True"
                 )
@@ -322,7 +325,18 @@ class AdapterRegistry:
                 if n not in blobs:
                     raise ArtifactMissingError(f"adapter v{version}: file {n!r} is not among the bytes stored in Redis")
                 self._check(version, f"redis:{self._keys.adapter_blob(version)}[{n}]", hashlib.sha256(blobs[n]).hexdigest(), want)
-            got = _write_dir_atomically(target, {n: blobs[n] for n in rec.sha256})
+            stale = None
+            if target == local and local.exists():  # an incomplete local copy: restore it from Redis
+                stale = local.parent / f".stale-{local.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(local, stale)
+            try:
+                got = _write_dir_atomically(target, {n: blobs[n] for n in rec.sha256})
+            except BaseException:
+                if stale is not None and not local.exists():
+                    os.rename(stale, local)
+                raise
+            if stale is not None:
+                shutil.rmtree(stale, ignore_errors=True)
         for n, want in rec.sha256.items():
             self._check(version, target / n, got[n], want)
         return target
