@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from store.config import BufferConfig, HistoryConfig, StoreConfig
@@ -38,7 +38,19 @@ class ConfigError(ValueError):
     """The configuration cannot be loaded; the message names the file or value."""
 
 
-class RedisSettings(BaseModel):
+# Mirrors trainer.losses.LOSSES and trainer.distill.WEIGHTINGS (kept torch-free here; a test
+# checks they agree), so a bad name fails at configuration time, naming the setting.
+LossName = Literal["forward_kl", "reverse_kl", "jsd", "tv"]
+WeightingName = Literal["all", "rejected", "upweight_rejected"]
+
+
+class _Group(BaseModel):
+    """A settings group: unknown keys (a typo in the TOML or in DRAFTD_<GROUP>__<FIELD>) are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class RedisSettings(_Group):
     """Which Redis the daemon uses."""
 
     url: str | None = Field(
@@ -64,8 +76,15 @@ class RedisSettings(BaseModel):
         True, description="AOF persistence (appendonly yes) for the embedded server, besides its RDB snapshot on shutdown."
     )
 
+    @field_validator("url", "default_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{v!r} is not a Redis URL: use redis://host:port/db, rediss://... or unix:///path")
+        return v
 
-class StoreSettings(BaseModel):
+
+class StoreSettings(_Group):
     """Key names and caps of the buffer and the history (see store.config)."""
 
     key_prefix: str = Field("draftd:", description="Prefix of every Redis key and channel draftd uses.")
@@ -83,7 +102,7 @@ class StoreSettings(BaseModel):
     )
 
 
-class ModelSettings(BaseModel):
+class ModelSettings(_Group):
     """The target/draft pair the trainer distils into (decoder.models.load_pair)."""
 
     enabled: bool = Field(
@@ -95,7 +114,7 @@ class ModelSettings(BaseModel):
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads for the trainer; unset = torch's default.")
 
 
-class TrainerSettings(BaseModel):
+class TrainerSettings(_Group):
     """Scheduling, the promotion gate and the distillation hyper-parameters."""
 
     interval_s: float = Field(300.0, gt=0, description="A training round at least this often, seconds.")
@@ -108,8 +127,8 @@ class TrainerSettings(BaseModel):
     min_eval_samples: int = Field(8, ge=1, description="Held-out samples a workload needs to count in the promotion gate.")
     promote_margin: float = Field(0.005, description="Held-out alpha must rise by at least this much to promote.")
     regress_margin: float = Field(0.01, ge=0, description="... and may drop by at most this much on any workload.")
-    loss: str = Field("forward_kl", description="Divergence: forward_kl, reverse_kl, jsd or tv (trainer.losses).")
-    weighting: str = Field("all", description="Positions trained: all, rejected, upweight_rejected.")
+    loss: LossName = Field("forward_kl", description="Divergence: forward_kl, reverse_kl, jsd or tv (trainer.losses).")
+    weighting: WeightingName = Field("all", description="Positions trained: all, rejected, upweight_rejected.")
     lora_r: int = Field(16, ge=1, description="LoRA rank.")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling alpha.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
@@ -125,7 +144,7 @@ class TrainerSettings(BaseModel):
     )
 
 
-class ApiSettings(BaseModel):
+class ApiSettings(_Group):
     """The control API (HTTP) and the Prometheus endpoint."""
 
     enabled: bool = Field(True, description="Serve the control API and /metrics.")
@@ -204,8 +223,11 @@ def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any
     """Settings from ``overrides`` > environment > TOML (``config_file`` or ``$DRAFTD_CONFIG``) > defaults.
 
     Raises:
-        ConfigError: the TOML file is missing, or a value is invalid (pydantic's message included).
+        ConfigError: the TOML file is missing or not TOML, a key is unknown, or a value is invalid
+            (pydantic's message included).
     """
+    import tomllib
+
     from pydantic import ValidationError
 
     path = config_file if config_file is not None else os.environ.get(CONFIG_ENV)
@@ -217,6 +239,8 @@ def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any
         cls = type("Settings", (Settings,), {"model_config": SettingsConfigDict(**{**Settings.model_config, "toml_file": p})})
     try:
         return cls(**overrides)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} (from --config or {CONFIG_ENV}) is not valid TOML: {e}") from e
     except ValidationError as e:
         raise ConfigError(f"invalid draftd configuration ({'file ' + str(path) if path else 'environment/defaults'}):\n{e}") from e
 

@@ -1,0 +1,64 @@
+"""Configuration mistakes fail at load time as ConfigError naming the setting or file: bad TOML,
+unknown keys in a group (TOML or DRAFTD_<GROUP>__<FIELD>), unknown loss/weighting names, a Redis
+URL without a scheme."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from daemon.settings import ConfigError, LossName, WeightingName, load_settings
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("DRAFTD_"):
+            monkeypatch.delenv(k)
+
+
+def test_bad_toml_names_the_file(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[redis\nurl=")
+    with pytest.raises(ConfigError, match="bad.toml.*not valid TOML"):
+        load_settings(p)
+
+
+def test_unknown_key_in_toml_group(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[trainer]\nintervl_s = 60\n")
+    with pytest.raises(ConfigError, match="trainer.intervl_s"):
+        load_settings(p)
+
+
+@pytest.mark.parametrize(
+    "var, value, needle",
+    [
+        ("DRAFTD_TRAINER__INTERVL_S", "60", "trainer.intervl_s"),
+        ("DRAFTD_TRAINER__LOSS", "foo", "trainer.loss"),
+        ("DRAFTD_TRAINER__WEIGHTING", "bar", "trainer.weighting"),
+        ("DRAFTD_REDIS__URL", "127.0.0.1:6379", "not a Redis URL"),
+    ],
+)
+def test_bad_env_values(monkeypatch, var, value, needle):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=needle):
+        load_settings()
+
+
+def test_good_values_load(monkeypatch):
+    monkeypatch.setenv("DRAFTD_TRAINER__LOSS", "jsd")
+    monkeypatch.setenv("DRAFTD_REDIS__URL", "unix:///tmp/redis.sock")
+    s = load_settings()
+    assert s.trainer.loss == "jsd" and s.redis.url == "unix:///tmp/redis.sock"
+
+
+def test_literals_match_the_trainer():
+    from trainer.distill import WEIGHTINGS
+    from trainer.losses import LOSSES
+
+    assert typing.get_args(LossName) == tuple(LOSSES)
+    assert typing.get_args(WeightingName) == tuple(WEIGHTINGS)
