@@ -24,7 +24,7 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
@@ -94,7 +94,9 @@ def create_app(daemon: "Daemon") -> FastAPI:
         return daemon.status()
 
     @app.get("/v1/history", tags=["read"])
-    def history(since: float | None = None) -> dict[str, Any]:
+    def history(
+        since: float | None = Query(None, allow_inf_nan=False, description="Epoch seconds; finite."),
+    ) -> dict[str, Any]:
         return daemon.history_report(since)
 
     @app.get("/v1/adapters", tags=["read"])
