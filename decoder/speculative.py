@@ -279,7 +279,8 @@ class SpeculativeDecoder:
         ``between_requests`` run first, under the decoder's lock (adapter swaps happen there).
 
         Raises:
-            ValueError: a prompt token id outside the target's vocabulary.
+            ValueError: a prompt token id outside the target's vocabulary, or prompt +
+                max_new_tokens beyond the target's context window.
         """
         with self._lock:
             for hook in self.between_requests:
@@ -308,8 +309,15 @@ class SpeculativeDecoder:
 
         ids: list[int] = [int(t) for t in req.prompt_ids]
         prompt_len = len(ids)
-        if max(ids) >= self.vocab_p or min(ids) < 0:
-            raise ValueError(f"prompt token id {max(ids)} outside the target's vocab 0..{self.vocab_p - 1}")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_p), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} outside the target's vocab 0..{self.vocab_p - 1}")
+        ctx = getattr(self.target.config, "max_position_embeddings", None)
+        if ctx and prompt_len + req.max_new_tokens > ctx:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={req.max_new_tokens} exceeds the target's context "
+                f"window of {ctx} tokens: shorten the prompt or lower max_new_tokens"
+            )
         tcache = DynamicCache(config=self.target.config)
         dcache = DynamicCache(config=self.draft.config)
         counts = AcceptanceCounts(num_requests=1)

@@ -207,6 +207,11 @@ def test_prompt_id_outside_vocab(target, tok):
     dec = SpeculativeDecoder(target, target, tok)
     with pytest.raises(ValueError, match="token id 999"):
         dec.generate(DecodeRequest([3, 999], max_new_tokens=2))
+    with pytest.raises(ValueError, match="token id -4"):
+        dec.generate(DecodeRequest([3, -4, 5], max_new_tokens=2))
+    ctx = target.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"prompt of 10 tokens \\+ max_new_tokens={ctx} exceeds"):
+        dec.generate(DecodeRequest([3] * 10, max_new_tokens=ctx))
 
 
 def test_plain_policy_never_runs_draft(target, tok):
