@@ -171,8 +171,19 @@ def bench(
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e
     dec = _decoder(pair, dv)
+    partial = out.with_suffix(".rows.jsonl") if out else None
+    if partial:
+        partial.write_text("")
+
+    def on_row(row: dict) -> None:
+        err.log(f"{row['workload']} {row['sampling']} {row['method']} γ={row['gamma']}: "
+                f"{row['tokens_per_s']} tok/s (×{row['speedup_vs_plain']} plain)")
+        if partial:
+            with partial.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
     with err.status("benchmarking") as st:
-        result = run_bench(dec, ps, cfg, progress=lambda s: st.update(f"benchmarking: {s}"))
+        result = run_bench(dec, ps, cfg, progress=lambda s: st.update(f"benchmarking: {s}"), on_row=on_row)
     result["config"] = {"target": target, "draft": draft, "workloads": workloads, "prompts": prompts,
                         "gammas": cfg.gammas, "sampling": cfg.sampling, "max_new_tokens": max_new_tokens,
                         "int8_draft": int8_draft, "draft_vocab": draft_vocab}

@@ -68,6 +68,7 @@ def run_bench(
     prompts: Iterable[Prompt],
     cfg: BenchConfig,
     progress: Callable[[str], None] | None = None,
+    on_row: Callable[[dict], None] | None = None,
 ) -> dict:
     """Run the sweep and return ``{"rows": [...], "summary": [...], "machine": {...}}``.
 
@@ -76,13 +77,21 @@ def run_bench(
     acceptance_rate, c (draft ms per draft token / plain ms per step), predicted_speedup
     (Leviathan et al. Theorem 3.8 from the measured α, γ, c), and for greedy spec rows
     ``matches_plain`` (every prompt token-identical to our plain greedy output).
+    ``on_row`` is called with each row as soon as it is measured (so a long sweep that is cut
+    short still leaves its rows behind).
     """
     prompts = list(prompts)
     tok = decoder.tokenizer
     by_wl: dict[str, list[Prompt]] = {}
     for p in prompts:
         by_wl.setdefault(p.workload, []).append(p)
-    rows = []
+    rows: list[dict] = []
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        if on_row:
+            on_row(row)
+
     say = progress or (lambda s: None)
     # Warm-up: first calls pay one-off allocator and kernel selection costs.
     warm = prompts[0].token_ids(tok)
@@ -102,7 +111,7 @@ def run_bench(
                 plain_ms += r.latency_ms
             plain_tps = plain_counts.num_emitted_tokens / plain_ms * 1e3
             plain_step_ms = plain_counts.decode_ms / max(plain_counts.num_steps, 1)
-            rows.append(_row(wl, sname, "plain", 0, plain_counts, plain_ms, plain_tps, None))
+            add(_row(wl, sname, "plain", 0, plain_counts, plain_ms, plain_tps, None))
             if cfg.hf:
                 n_tok, ms = 0, 0.0
                 for i, ids in enumerate(enc):
@@ -110,7 +119,7 @@ def run_bench(
                     out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
                     n_tok += len(out)
                     ms += t
-                rows.append(_hf_row(wl, sname, "hf_plain", 0, n_tok, ms, plain_tps))
+                add(_hf_row(wl, sname, "hf_plain", 0, n_tok, ms, plain_tps))
             for g in cfg.gammas:
                 counts, ms, same = AcceptanceCounts(), 0.0, True
                 for i, ids in enumerate(enc):
@@ -124,7 +133,7 @@ def run_bench(
                 c = counts.draft_ms_per_draft_token / plain_step_ms
                 row = _row(wl, sname, "spec", g, counts, ms, plain_tps, c)
                 row["matches_plain"] = same if base.greedy else None
-                rows.append(row)
+                add(row)
                 if cfg.hf:
                     n_tok, hms = 0, 0.0
                     for i, ids in enumerate(enc):
@@ -133,7 +142,7 @@ def run_bench(
                                               cfg.seed + i)
                         n_tok += len(out)
                         hms += t
-                    rows.append(_hf_row(wl, sname, "hf_assisted", g, n_tok, hms, plain_tps))
+                    add(_hf_row(wl, sname, "hf_assisted", g, n_tok, hms, plain_tps))
     return {"rows": rows, "summary": summarize(rows), "machine": machine_info()}
 
 
