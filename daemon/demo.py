@@ -347,19 +347,19 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
         ax.plot(xs, roll, color=colors[w], lw=2, label=f"{w} (rolling mean of {k})")
     for s in shifts[1:]:
         ax.axvline(s["t"], ls="--", color="k", lw=1)
-        ax.text(s["t"], 1.02, f"shift → {s['workload']}", fontsize=8, transform=ax.get_xaxis_transform())
+        ax.text(s["t"], 0.97, f" shift → {s['workload']}", fontsize=8, va="top", transform=ax.get_xaxis_transform())
     prev = 0
     for r in timeline:
         if r["adapter_version"] != prev:
             ax.axvline(r["t"], ls=":", color="tab:red", lw=1)
-            ax.text(r["t"], 0.93, f"v{r['adapter_version']}", color="tab:red", fontsize=8,
+            ax.text(r["t"], 0.88, f" v{r['adapter_version']}", color="tab:red", fontsize=8,
                     transform=ax.get_xaxis_transform())
             prev = r["adapter_version"]
     ax.set_xlabel("seconds since serving started")
     ax.set_ylabel("α (greedy: share of proposals the target accepts)")
     ax.set_ylim(-0.02, 1.0)
     ax.legend(fontsize=7, loc="upper right")
-    ax.set_title("draftd: acceptance over time per workload (dashed: workload shift, dotted: adapter swap)")
+    ax.set_title("draftd: acceptance per workload (dashed: shift, dotted: adapter swap; α only on requests that speculated)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
