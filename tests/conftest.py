@@ -7,6 +7,7 @@ silently skipped its store tests would prove nothing.
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -36,3 +37,12 @@ def key_prefix(request, redis_client):
     keys = list(redis_client.scan_iter(match=prefix + "*"))
     if keys:
         redis_client.delete(*keys)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_from_user_config(monkeypatch):
+    """Tests configure draftd explicitly: a user's own DRAFTD_* settings (state dir, key prefix,
+    Redis URL, API port...) must not leak into them. DRAFTD_CACHE_DIR (converted models) stays."""
+    for k in list(os.environ):
+        if k.startswith("DRAFTD_") and k != "DRAFTD_CACHE_DIR":
+            monkeypatch.delenv(k)
