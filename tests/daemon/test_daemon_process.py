@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from conftest import REDIS_URL, ctl, http
+from conftest import REDIS_URL, base_env, ctl, free_port, http
 from helpers import make_adapter_dir, make_sample
 from store.buffer import SampleWriter
 from store.config import StoreConfig
@@ -155,7 +155,6 @@ def test_unauthenticated_mutation_is_refused(url_daemon, redis_client, key_prefi
 
 
 def test_status_when_daemon_is_down(tmp_path, key_prefix):
-    from conftest import base_env, free_port
 
     env = base_env(tmp_path / "state", free_port(), DRAFTD_REDIS__URL=REDIS_URL, DRAFTD_STORE__KEY_PREFIX=key_prefix)
     r = ctl(env, "status", "--json")
@@ -169,7 +168,6 @@ def test_status_when_daemon_is_down(tmp_path, key_prefix):
 
 
 def test_config_prints_effective_values_with_secrets_masked(tmp_path):
-    from conftest import base_env
 
     toml = tmp_path / "draftd.toml"
     toml.write_text('[trainer]\ninterval_s = 42\n[api]\nport = 9999\n')

@@ -40,7 +40,7 @@ def test_scheduled_round_on_real_pair_beats_untrained_draft(redis_client, key_pr
         assert writer.flush(30)
     reader = SampleReader(redis_client, cfg, "trainer", "t1", expected_fingerprint=fp)
     registry = AdapterRegistry(redis_client, tmp_path / "artifacts", cfg)
-    dist = Distiller(pair.draft, DistillConfig(lr=1e-3, batch_size=4, max_steps=30, max_seconds=240))
+    dist = Distiller(pair.draft, DistillConfig(lr=2e-3, batch_size=4, max_steps=60, max_epochs=16, max_seconds=400))
     svc = TrainerService(reader, registry, dist,
                          ServiceConfig(interval_s=3600, check_interval_s=0.5, min_new_samples=10, min_eval_samples=2,
                                        holdout_fraction=0.25, promote_margin=0.0, work_dir=str(tmp_path / "work")),
