@@ -396,8 +396,8 @@ def print_report(report: dict, console) -> None:
     console.print(a)
     console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}, "
                   f"seconds: {report['seconds']}, plot: {report.get('plot')}")
-    console.print(f"inspect this run: DRAFTD_STORE__KEY_PREFIX={report['key_prefix']} daemonctl status | history "
-                  f"--plot history.png")
+    console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; daemonctl status; "
+                  f"daemonctl run --no-models & daemonctl history --plot history.png  (history needs the daemon)")
 
 
 

@@ -186,7 +186,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         hf_plain = get.get(("hf_plain", 0))
         ratios = [r["tokens_per_s"] / get[("hf_assisted", r["gamma"])]["tokens_per_s"]
                   for r in spec if ("hf_assisted", r["gamma"]) in get]
-        speculate = bool(best and plain and best["tokens_per_s"] > plain["tokens_per_s"])
+        # Speculation can only pay when a step emits more than one token (τ > 1); a faster row with
+        # τ == 1 is timing noise, not a gain.
+        speculate = bool(best and plain and best["tokens_per_s"] > plain["tokens_per_s"]
+                         and (best["tau"] or 1.0) > 1.0)
         out.append({
             "workload": wl, "sampling": s,
             "plain_tokens_per_s": plain and plain["tokens_per_s"],
