@@ -427,6 +427,19 @@ class _KeyState:
     last: dict[str, Any] = field(default_factory=dict)
 
 
+def _estimates(s: "_KeyState", ev: dict[str, Any]) -> dict[str, Any]:
+    """The controller's current inputs for one key, JSON-ready (shared by decide and decision)."""
+    return {
+        "adapter_version": s.adapter_version,
+        "requests": s.requests,
+        "alpha": _nan_none(ev["alpha"]),
+        "t_draft_ms": _nan_none(ev["t_draft"]),
+        "t_plain_ms": _nan_none(ev["t_plain"]),
+        "t_verify_ms": {g: _nan_none(t) for g, t in ev["t_verify"].items()},
+        "overhead_ms": _nan_none(ev["overhead"]),
+    }
+
+
 class GoodputController:
     """Chooses γ per (workload, sampling bucket) to maximise expected tokens per ms.
 
@@ -568,13 +581,7 @@ class GoodputController:
                 "speculate": gamma > 0,
                 "probe": probe,
                 "best_gamma": best,
-                "adapter_version": s.adapter_version,
-                "requests": s.requests,
-                "alpha": _nan_none(ev["alpha"]),
-                "t_draft_ms": _nan_none(ev["t_draft"]),
-                "t_plain_ms": _nan_none(ev["t_plain"]),
-                "t_verify_ms": {g: _nan_none(t) for g, t in ev["t_verify"].items()},
-                "overhead_ms": _nan_none(ev["overhead"]),
+                **_estimates(s, ev),
                 "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(ev["rate"].items())},
                 "why": why,
             }
@@ -608,13 +615,7 @@ class GoodputController:
                 "sampling": key[1],
                 "gamma": best,
                 "speculate": bool(best),
-                "adapter_version": s.adapter_version,
-                "requests": s.requests,
-                "alpha": _nan_none(ev["alpha"]),
-                "t_draft_ms": _nan_none(ev["t_draft"]),
-                "t_plain_ms": _nan_none(ev["t_plain"]),
-                "t_verify_ms": {g: _nan_none(t) for g, t in ev["t_verify"].items()},
-                "overhead_ms": _nan_none(ev["overhead"]),
+                **_estimates(s, ev),
                 "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(rate.items())},
                 "why": why,
                 "last": dict(s.last),
