@@ -32,6 +32,9 @@ import numpy as np
 from store.errors import StoreError
 
 SCHEMA_VERSION = 1
+# Record sources (``VerifiedSample.source``); the body field is optional and "decode" when absent,
+# so records written before it existed still decode.
+SOURCES = ("decode", "prefill")
 
 # Field names of the stream entry (bytes, as redis-py returns them with decode_responses=False).
 F_VERSION = b"v"
@@ -96,6 +99,19 @@ class VerifiedSample:
     - ``tail_mass``: (N,) float32, 1 - sum of the top-k probabilities (the "other" bucket)
 
     ``adapter_version`` is the draft adapter that proposed the tokens (0 = the base draft).
+
+    ``source`` says where the rows come from:
+
+    - ``"decode"``: a decoded request; ``output_ids`` were emitted by speculative (or plain)
+      decoding and each row is the target's distribution from verification.
+    - ``"prefill"``: teacher-forced text (a request's prompt, or corpus text during bootstrap);
+      ``output_ids`` are that text after its first token (``prompt_ids`` holds the first token),
+      each row is the target's distribution from one forward pass over the text (its prefill),
+      and there are no steps (S = 0). Same shapes, so the trainer distils both alike; acceptance
+      accounting counts only ``"decode"`` records.
+
+    ``request_id`` groups the records of one request (its prefill and decode records); the
+    trainer's held-out split hashes it, so a request is never half trained on, half held out.
     """
 
     request_id: str
@@ -114,8 +130,11 @@ class VerifiedSample:
     finished_at: float = field(default_factory=time.time)
     record_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     schema_version: int = SCHEMA_VERSION
+    source: str = "decode"
 
     def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise SchemaError(f"source {self.source!r} is not one of {SOURCES}")
         self.prompt_ids = np.ascontiguousarray(self.prompt_ids, dtype=np.int32).reshape(-1)
         self.output_ids = np.ascontiguousarray(self.output_ids, dtype=np.int32).reshape(-1)
         self.proposal_lens = np.ascontiguousarray(self.proposal_lens, dtype=np.int16).reshape(-1)
@@ -130,6 +149,8 @@ class VerifiedSample:
             )
         if self.tail_mass.shape[0] != n:
             raise SchemaError(f"tail_mass has {self.tail_mass.shape[0]} rows, expected {n}")
+        if self.source == "prefill" and self.proposal_lens.shape[0]:
+            raise SchemaError(f"a prefill record has no steps, got {self.proposal_lens.shape[0]} proposal lengths")
         if self.proposal_lens.shape != self.rejection_pos.shape:
             raise SchemaError(
                 f"proposal_lens shape {self.proposal_lens.shape} != rejection_pos shape "
@@ -240,6 +261,7 @@ def encode(sample: VerifiedSample) -> dict[bytes, bytes]:
         ],
         "started_at": float(sample.started_at),
         "finished_at": float(sample.finished_at),
+        "source": sample.source,
     }
     for name in _ARRAYS:
         body[name] = _pack_array(getattr(sample, name))
@@ -288,6 +310,9 @@ def decode(fields: dict[bytes, bytes]) -> VerifiedSample:
         _check_arrays(arrays)
         _check_scalars(body)
         t, p, k, seed = body["sampling"]
+        source = body.get("source", "decode")
+        if source not in SOURCES:
+            raise SchemaError(f"body field 'source' is {source!r}, expected one of {SOURCES}")
         sample = VerifiedSample(
             request_id=body["request_id"],
             workload=workload,
@@ -298,6 +323,7 @@ def decode(fields: dict[bytes, bytes]) -> VerifiedSample:
             finished_at=body["finished_at"],
             record_id=record_id,
             schema_version=version,
+            source=source,
             **arrays,
         )
     except SchemaError:

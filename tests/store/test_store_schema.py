@@ -97,3 +97,34 @@ def test_decode_error_on_truncated_array(sample_factory):
     f[F_BODY] = msgpack.packb(body, use_bin_type=True)
     with pytest.raises(SchemaError, match="topk_ids"):
         decode(f)
+
+
+def _body_edit(f, **kw):
+    body = msgpack.unpackb(f[F_BODY], raw=False)
+    for k, v in kw.items():
+        if v is None:
+            body.pop(k)
+        else:
+            body[k] = v
+    f[F_BODY] = msgpack.packb(body, use_bin_type=True)
+    return f
+
+
+def test_source_round_trips_and_defaults_to_decode(sample_factory):
+    import dataclasses
+
+    s = sample_factory(n_tokens=8)
+    assert s.source == "decode"
+    pre = dataclasses.replace(s, proposal_lens=np.zeros(0), rejection_pos=np.zeros(0), source="prefill")
+    assert decode(encode(pre)).source == "prefill" and decode(encode(pre)) == pre
+    # a record written before the field existed (no "source" in the body) is a decode record
+    assert decode(_body_edit(encode(s), source=None)).source == "decode"
+
+
+def test_bad_source_is_a_schema_error(sample_factory):
+    import dataclasses
+
+    with pytest.raises(SchemaError, match="'sampled'"):
+        decode(_body_edit(encode(sample_factory(n_tokens=8)), source="sampled"))
+    with pytest.raises(SchemaError, match="a prefill record has no steps"):
+        dataclasses.replace(sample_factory(n_tokens=8), source="prefill")
