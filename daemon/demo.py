@@ -84,7 +84,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     from store.buffer import group_info
     from store.schema import PairFingerprint
     from trainer.distill import Distiller
-    from trainer.service import ServiceConfig, TrainerService, is_heldout
+    from trainer.service import ServiceConfig, TrainerService, is_heldout, split_key
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
@@ -135,7 +135,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         heldout: dict[str, list] = {}  # the trainer's own held-out split, kept for the final table
 
         def sink(sample) -> bool:
-            if is_heldout(sample.record_id, svc.config.holdout_fraction):
+            if is_heldout(split_key(sample), svc.config.holdout_fraction):
                 heldout.setdefault(sample.workload, []).append(sample)
             return writer.submit(sample)
 

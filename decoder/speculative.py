@@ -192,12 +192,19 @@ class DecoderConfig:
     """Decoder options.
 
     topk_record: k of the target distribution streamed per emitted position (0 = none).
+    record_prompt: also stream the target's top-k over the prompt, from the prefill it runs
+        anyway (one extra LM-head row per prompt token: (P - 1) x V logits, then top-k), as a
+        second record with ``source="prefill"`` and the same request id. Served prompts are
+        in-distribution text of the workload; this multiplies the trainer's data per request
+        by ~(P + N) / N at a few per cent of the request's time (measured in the bench's
+        prefill ms).
     draft_vocab: optional (V',) sorted token ids to which the draft's LM head is restricted
         (FR-Spec, Zhao et al. 2025): the draft scores only frequent tokens, q = 0 elsewhere;
         lossless because the target still scores the full vocabulary.
     """
 
     topk_record: int = 32
+    record_prompt: bool = False
     draft_vocab: torch.Tensor | None = None
 
 
@@ -327,8 +334,12 @@ class SpeculativeDecoder:
         # Prefill: everything but the pending last token, for the target (and the draft if it
         # is going to be used; otherwise it catches up lazily on its first proposal).
         t0 = clock()
+        prompt_rows = None
         if prompt_len > 1:
-            self._target_logits(ids[:-1], tcache, 1)
+            keep = prompt_len - 1 if (k_rec and self.config.record_prompt) else 1
+            plogits = self._target_logits(ids[:-1], tcache, keep)
+            if keep > 1:
+                prompt_rows = _topk_rows(plogits, k_rec)
         dlen = 0
         if prompt_len > 1 and policy.gamma() > 0:
             self._draft_logits(ids[:-1], dcache)
@@ -409,6 +420,8 @@ class SpeculativeDecoder:
             policy=policy.describe() if hasattr(policy, "describe") else type(policy).__name__,
         )
         if self.sink is not None and out:
+            if prompt_rows is not None:
+                self._emit_prefill(req, result, prompt_rows, started_wall)
             self._emit(req, result, topk_rows, started_wall)
         return result
 
@@ -458,6 +471,34 @@ class SpeculativeDecoder:
             sampling=SamplingSettings(req.params.temperature, req.params.top_p, req.params.top_k, req.params.seed),
             started_at=started_wall,
             finished_at=time.time(),
+        )
+        try:
+            self.sink(sample)
+        except Exception:  # noqa: BLE001 - the buffer must never fail a request
+            pass
+
+    def _emit_prefill(self, req: DecodeRequest, result: DecodeResult, rows, started_wall: float) -> None:
+        """The prompt's teacher-forced record: prompt_ids = the first prompt token, output_ids =
+        the rest of the prompt, row j = p(. | prompt[: j + 1]) from the prefill."""
+        from store.schema import SamplingSettings, VerifiedSample
+
+        ids = np.asarray(req.prompt_ids)
+        sample = VerifiedSample(
+            request_id=result.request_id,
+            workload=result.workload,
+            adapter_version=result.adapter_version,
+            pair=self.pair_fingerprint,
+            prompt_ids=ids[:1],
+            output_ids=ids[1:],
+            proposal_lens=np.zeros(0),
+            rejection_pos=np.zeros(0),
+            topk_ids=rows[0].numpy(),
+            topk_probs=rows[1].numpy(),
+            tail_mass=rows[2].numpy(),
+            sampling=SamplingSettings(req.params.temperature, req.params.top_p, req.params.top_k, req.params.seed),
+            started_at=started_wall,
+            finished_at=time.time(),
+            source="prefill",
         )
         try:
             self.sink(sample)

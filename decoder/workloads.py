@@ -182,3 +182,62 @@ def chat_format(tokenizer, text: str, raw: bool = False) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+# ---- corpora: whole documents of each workload, for teacher-forced distillation ----------------
+# The code corpus is standard-library source of modules that are *not* in _CODE_MODULES, so code
+# prompts (served and evaluated) never appear in it.
+_CODE_CORPUS_MODULES = (
+    "argparse", "ast", "configparser", "dataclasses", "datetime", "enum", "functools", "gettext",
+    "glob", "gzip", "inspect", "logging", "operator", "optparse", "os", "pathlib", "pickle",
+    "pprint", "queue", "random", "re._parser", "selectors", "shutil", "smtplib", "socket",
+    "subprocess", "tarfile", "tempfile", "threading", "tokenize", "traceback", "typing",
+    "urllib.parse", "uuid", "zipfile",
+)
+
+
+def documents(workload: str) -> list[tuple[str, str]]:
+    """Whole documents ``(key, text)`` of a built-in workload, in a fixed order.
+
+    - ``prose``: every pydoc topic, whitespace-normalised (the prose prompts are their openings);
+    - ``code``: full source of standard-library modules disjoint from the code prompts' modules;
+    - ``math``: GSM8K question + worked answer rows from ``../shared/data`` (last rows first, so
+      the first rows, which :func:`math_prompts` serves, come last), else nothing.
+
+    Raises:
+        ValueError: a workload without a built-in corpus.
+    """
+    if workload == "prose":
+        from pydoc_data.topics import topics
+
+        return [(k, " ".join(topics[k].split())) for k in sorted(topics)]
+    if workload == "code":
+        import importlib
+
+        out = []
+        for name in _CODE_CORPUS_MODULES:
+            try:
+                out.append((name, inspect.getsource(importlib.import_module(name))))
+            except (OSError, TypeError, ImportError):
+                continue
+        return out
+    if workload in ("math", "gsm8k"):
+        d = shared_data_dir()
+        if not d or not (d / "gsm8k_test.jsonl").exists():
+            return []
+        with open(d / "gsm8k_test.jsonl", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return [(f"gsm8k-{i}", f"{r['question']}\n{r['answer']}") for i, r in reversed(list(enumerate(rows)))]
+    raise ValueError(f"no built-in corpus for workload {workload!r}; choose prose, code or math")
+
+
+def split_documents(docs: list[tuple[str, str]], heldout_fraction: float) -> tuple[list, list]:
+    """Deterministic (train, held-out) split by sha256 of the document key, so text from one
+    document never lands on both sides."""
+    import hashlib
+
+    train, held = [], []
+    for key, text in docs:
+        h = int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:8], 16)
+        (held if h < heldout_fraction * 2**32 else train).append((key, text))
+    return train, held

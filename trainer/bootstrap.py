@@ -24,7 +24,7 @@ import structlog
 from store.registry import AdapterMeta
 from store.schema import VerifiedSample
 from trainer.distill import BASE, Distiller, EvalResult, TrainerError
-from trainer.service import is_heldout
+from trainer.service import is_heldout, split_key
 
 log = structlog.get_logger(__name__)
 
@@ -86,7 +86,7 @@ def bootstrap(
     """
     train, held = [], []
     for s in samples:
-        (held if is_heldout(s.record_id, config.holdout_fraction) else train).append(s)
+        (held if is_heldout(split_key(s), config.holdout_fraction) else train).append(s)
     if not train or not held:
         raise TrainerError(
             f"bootstrap needs training and held-out samples; got {len(train)} and {len(held)} "

@@ -99,10 +99,16 @@ class RoundReport:
         return asdict(self)
 
 
-def is_heldout(record_id: str, fraction: float) -> bool:
-    """Deterministic split: the first 8 hex digits of sha256(record_id) as a fraction of 2^32."""
-    h = int(hashlib.sha256(record_id.encode("utf-8")).hexdigest()[:8], 16)
+def is_heldout(key: str, fraction: float) -> bool:
+    """Deterministic split: the first 8 hex digits of sha256(key) as a fraction of 2^32."""
+    h = int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:8], 16)
     return h < fraction * 2**32
+
+
+def split_key(sample) -> str:
+    """What the held-out split hashes: the request id (a request's prefill and decode records
+    fall on the same side), else the record id."""
+    return sample.request_id or sample.record_id
 
 
 def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceConfig) -> tuple[bool, str]:
@@ -330,7 +336,7 @@ class TrainerService:
         train, heldout_entries = [], []
         for e in entries:
             s = e.sample
-            if is_heldout(s.record_id, cfg.holdout_fraction):
+            if is_heldout(split_key(s), cfg.holdout_fraction):
                 d = self._heldout.setdefault(s.workload, deque(maxlen=cfg.holdout_per_workload))
                 if all(x.record_id != s.record_id for x in d):
                     d.append(s)

@@ -17,7 +17,7 @@ from store.config import StoreConfig
 from store.registry import AdapterRegistry
 from tiny_pair import PAIR, make_samples, tiny_draft
 from trainer.distill import DistillConfig, Distiller, EvalCounts, EvalResult
-from trainer.service import ServiceConfig, TrainerService, gate, group_lag, is_heldout
+from trainer.service import ServiceConfig, TrainerService, gate, group_lag, is_heldout, split_key
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -55,7 +55,7 @@ def test_round_registers_promotes_and_acks(env, train_samples, heldout_samples):
     write(client, cfg, samples)
     svc = make_service(env)
     rep = svc.run_round_now()
-    n_held = sum(is_heldout(s.record_id, 0.2) for s in samples)
+    n_held = sum(is_heldout(split_key(s), 0.2) for s in samples)
     assert rep.read == len(samples) and rep.trained_on == len(samples) - n_held and rep.heldout_added == n_held
     assert rep.decision == "promoted", rep.reason
     assert rep.version == 1 and registry.active_version() == 1

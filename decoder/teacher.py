@@ -1,0 +1,116 @@
+"""Teacher-forced target distributions over text: the trainer's data without decoding.
+
+A decoded token costs one target step (~10 tokens/s for SmolLM2-135M on 2 CPU cores); one
+forward pass over a 128-token window gives the target's distribution at all 127 next-token
+positions at once (~500 positions/s on the same cores, measured by ``bench/train_bench.py``),
+which is what distillation needs. The records have ``source="prefill"`` (see
+``store.schema.VerifiedSample``): row j is p(. | text[: j + 1]) at temperature 1, top-k plus the
+tail mass.
+
+Used by the bootstrap (``daemonctl bootstrap --source corpus``) over the built-in corpora of
+``decoder.workloads``; served prompts get the same records from the decoder's own prefill
+(``DecoderConfig.record_prompt``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+
+def corpus_windows(tokenizer, docs: Iterable[tuple[str, str]], length: int = 128,
+                   max_tokens: int | None = None) -> list[tuple[str, list[int]]]:
+    """Tokenise documents ``(key, text)`` and cut them into ``(key, window)`` items, in order,
+    until ``max_tokens`` tokens (None: all)."""
+    out, total = [], 0
+    for key, text in docs:
+        for w in windows(tokenizer(text, add_special_tokens=False)["input_ids"], length):
+            if max_tokens is not None and total >= max_tokens:
+                return out
+            out.append((key, w))
+            total += len(w)
+    return out
+
+
+def windows(token_ids: Sequence[int], length: int, min_length: int = 16) -> list[list[int]]:
+    """Split one document's ids into consecutive windows of ``length`` tokens; a last window
+    shorter than ``min(min_length, length)`` is dropped (too little context to teach anything)."""
+    if length < 2:
+        raise ValueError(f"window length={length} must be >= 2 tokens")
+    ids = list(token_ids)
+    out = [ids[i : i + length] for i in range(0, len(ids), length)]
+    return [w for w in out if len(w) >= max(2, min(min_length, length))]
+
+
+@torch.inference_mode()
+def score_windows(
+    target: torch.nn.Module,
+    items: Iterable[tuple[str, Sequence[int]]],
+    workload: str,
+    pair_fingerprint,
+    k: int = 32,
+    batch_size: int = 8,
+    request_prefix: str = "corpus",
+    on_batch: Callable[[int], None] | None = None,
+) -> Iterator:
+    """Yield one ``VerifiedSample(source="prefill")`` per ``(document key, window)`` item.
+
+    The request id is ``"<request_prefix>:<workload>:<document key>"``: all windows of one
+    document share it, so the trainer's held-out split (which hashes the request id) keeps a
+    document wholly on one side.
+
+    Windows of equal length are batched (no padding, so no attention mask subtleties): shape
+    (B, L) in, logits (B, L - 1, V) kept, top-k (B, L - 1, k) out.
+
+    Args:
+        target: the target model (eval mode; its device is used).
+        items: (document key, token-id window of >= 2 tokens).
+        k: top-k width stored per position.
+        on_batch: called with the number of positions scored after each batch (progress).
+
+    Raises:
+        ValueError: a window shorter than 2 tokens or ``k < 1``.
+    """
+    from store.schema import VerifiedSample
+
+    if k < 1:
+        raise ValueError(f"k={k} must be >= 1")
+    device = next(target.parameters()).device
+    by_len: dict[int, list[tuple[str, Sequence[int]]]] = {}
+    for key, s in items:
+        if len(s) < 2:
+            raise ValueError(f"a window of {len(s)} tokens (document {key!r}) has no next-token position; need >= 2")
+        by_len.setdefault(len(s), []).append((key, s))
+    n = 0
+    for length, group in sorted(by_len.items()):
+        for i in range(0, len(group), batch_size):
+            t0 = time.time()
+            chunk = group[i : i + batch_size]
+            x = torch.tensor([w for _, w in chunk], device=device)
+            logits = target(input_ids=x).logits[:, :-1].float()  # (B, L - 1, V)
+            probs = torch.softmax(logits, dim=-1)
+            top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+            tail = (1.0 - top.values.sum(-1)).clamp_min(0.0)
+            for b in range(x.shape[0]):
+                n += 1
+                yield VerifiedSample(
+                    request_id=f"{request_prefix}:{workload}:{chunk[b][0]}",
+                    workload=workload,
+                    adapter_version=0,
+                    pair=pair_fingerprint,
+                    prompt_ids=x[b, :1].cpu().numpy(),
+                    output_ids=x[b, 1:].cpu().numpy(),
+                    proposal_lens=np.zeros(0),
+                    rejection_pos=np.zeros(0),
+                    topk_ids=top.indices[b].to(torch.int32).cpu().numpy(),
+                    topk_probs=top.values[b].cpu().numpy(),
+                    tail_mass=tail[b].cpu().numpy(),
+                    started_at=t0,
+                    finished_at=time.time(),
+                    source="prefill",
+                )
+            if on_batch is not None:
+                on_batch(x.shape[0] * (length - 1))

@@ -1,0 +1,118 @@
+"""Prefill records: the decoder's prompt distributions and the bootstrap's corpus scoring.
+
+Each row is checked against an independent full forward pass of the target over the same text
+(no cache, one sequence at a time), the same reference the decode records are checked against.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
+from decoder.teacher import corpus_windows, score_windows, windows
+from decoder.workloads import documents, split_documents
+from store.schema import PairFingerprint, decode, encode
+from trainer.service import is_heldout, split_key
+
+FP = PairFingerprint("tiny-t", "tiny-d", "chars")
+
+
+def enc(tok, s):
+    return tok(s)["input_ids"]
+
+
+def _reference_rows(target, ids, k):
+    with torch.no_grad():
+        p = torch.softmax(target(input_ids=torch.tensor([ids])).logits[0].float(), -1)  # (L, V)
+    return torch.topk(p, k, -1)
+
+
+def test_record_prompt_rows_are_the_targets_prompt_distributions(target, other_draft, tok):
+    got = []
+    dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=4, record_prompt=True),
+                             sink=got.append, pair_fingerprint=FP)
+    ids = enc(tok, "abcabd cab")
+    res = dec.generate(DecodeRequest(ids, max_new_tokens=8, gamma=3, ignore_eos=True, workload="w"))
+    pre, rec = got
+    assert (pre.source, rec.source) == ("prefill", "decode")
+    assert pre.request_id == rec.request_id == res.request_id
+    assert pre.record_id != rec.record_id
+    assert pre.prompt_ids.tolist() == ids[:1] and pre.output_ids.tolist() == ids[1:]
+    assert pre.proposal_lens.size == 0 and pre.rejection_pos.size == 0
+    top = _reference_rows(target, ids, 4)
+    for j in range(len(ids) - 1):  # row j: p(. | ids[: j + 1])
+        assert pre.topk_ids[j].tolist() == top.indices[j].tolist()
+        assert np.allclose(pre.topk_probs[j].astype(np.float32), top.values[j].numpy(), atol=1e-3)
+        assert pre.tail_mass[j] == pytest.approx(1 - float(top.values[j].sum()), abs=1e-4)
+    assert decode(encode(pre)) == pre
+
+
+def test_record_prompt_does_not_change_the_output(target, other_draft, tok):
+    ids = enc(tok, "hello world")
+    outs = []
+    for flag in (False, True):
+        dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=4, record_prompt=flag),
+                                 sink=lambda s: None, pair_fingerprint=FP)
+        outs.append(dec.generate(DecodeRequest(ids, max_new_tokens=10, gamma=2, ignore_eos=True)).output_ids)
+    assert outs[0] == outs[1]
+
+
+def test_no_prefill_record_when_off_or_one_token_prompt(target, other_draft, tok):
+    got = []
+    dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=4), sink=got.append, pair_fingerprint=FP)
+    dec.generate(DecodeRequest(enc(tok, "abcdef"), max_new_tokens=3, gamma=2, ignore_eos=True))
+    dec.config.record_prompt = True
+    dec.generate(DecodeRequest(enc(tok, "a"), max_new_tokens=3, gamma=2, ignore_eos=True))
+    assert [s.source for s in got] == ["decode", "decode"]
+
+
+def test_score_windows_batched_equals_one_sequence_forward(target, tok):
+    docs = [("d1", "the cat sat on the mat and the dog sat too"), ("d2", "abc abc abd abe")]
+    items = corpus_windows(tok, docs, length=8)
+    assert {k for k, _ in items} == {"d1", "d2"} and all(len(w) <= 8 for _, w in items)
+    recs = list(score_windows(target, items, "prose", FP, k=5, batch_size=3))
+    assert len(recs) == len(items)
+    by_ids = {tuple(r.prompt_ids.tolist() + r.output_ids.tolist()): r for r in recs}
+    for key, w in items:
+        r = by_ids[tuple(w)]
+        assert r.source == "prefill" and r.request_id == f"corpus:prose:{key}" and r.workload == "prose"
+        top = _reference_rows(target, w, 5)
+        assert r.topk_ids.tolist() == top.indices[:-1].tolist()
+        assert np.allclose(r.topk_probs.astype(np.float32), top.values[:-1].numpy(), atol=1e-3)
+
+
+def test_windows_split_and_errors():
+    assert windows(list(range(10)), 4, min_length=2) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert windows(list(range(10)), 4, min_length=3) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="length=1"):
+        windows([1, 2, 3], 1)
+    with pytest.raises(ValueError, match="no next-token position"):
+        list(score_windows(torch.nn.Linear(1, 1), [("x", [5])], "w", FP))
+
+
+def test_a_requests_records_fall_on_one_side_of_the_split(target, other_draft, tok):
+    got = []
+    dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=4, record_prompt=True),
+                             sink=got.append, pair_fingerprint=FP)
+    for i in range(30):
+        dec.generate(DecodeRequest(enc(tok, f"abc {i}"), max_new_tokens=2, gamma=1, ignore_eos=True))
+    sides = {}
+    for s in got:
+        sides.setdefault(s.request_id, set()).add(is_heldout(split_key(s), 0.3))
+    assert len(sides) == 30 and all(len(v) == 1 for v in sides.values())
+    assert 0 < sum(v == {True} for v in sides.values()) < 30  # both sides used
+
+
+def test_corpora_exist_and_split_by_document():
+    prose = documents("prose")
+    code = documents("code")
+    assert len(prose) > 50 and len(code) > 10
+    from decoder.workloads import _CODE_MODULES
+
+    assert not {k for k, _ in code} & set(_CODE_MODULES)  # code prompts never in the corpus
+    tr, he = split_documents(prose, 0.2)
+    assert not {k for k, _ in tr} & {k for k, _ in he}
+    assert 0.1 < len(he) / len(prose) < 0.3
+    assert split_documents(prose, 0.2) == (tr, he)  # deterministic
+    with pytest.raises(ValueError, match="no built-in corpus"):
+        documents("nope")
