@@ -421,16 +421,22 @@ def resume(config: ConfigOpt = None) -> None:
 @app.command()
 def bootstrap(
     config: ConfigOpt = None,
-    workloads: Annotated[str, typer.Option(help="built-in prompt workloads, comma-separated")] = "prose,code,math",
-    prompts: Annotated[int, typer.Option(help="prompts per workload")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(help="tokens the target generates per prompt")] = 96,
+    workloads: Annotated[str, typer.Option(help="built-in workloads, comma-separated")] = "prose,code,math",
+    source: Annotated[str, typer.Option(help="'corpus': the target scores built-in documents in one forward "
+                                        "pass per window (~50x the positions per CPU second); 'decode': "
+                                        "the target generates from built-in prompts")] = "corpus",
+    corpus_tokens: Annotated[int, typer.Option(help="corpus tokens per workload (--source corpus)")] = 30_000,
+    prompts: Annotated[int, typer.Option(help="prompts per workload (--source decode)")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens the target generates per prompt (--source decode)")] = 96,
     max_steps: Annotated[int, typer.Option(help="optimiser steps in total")] = 200,
     max_seconds: Annotated[float, typer.Option(help="training seconds in total")] = 600.0,
     round_steps: Annotated[int, typer.Option(help="steps between held-out evaluations")] = 25,
     no_promote: Annotated[bool, typer.Option("--no-promote", help="register v1 but do not promote it")] = False,
 ) -> None:
-    """Adapter v1 from scratch: the target decodes built-in prompts at gamma = 0 into the buffer,
-    the trainer distils them into the draft, v1 is registered and promoted if held-out alpha rose."""
+    """Adapter v1 from scratch: the target's distributions on built-in text go into the buffer
+    (teacher-forced corpus windows, or its own generations at gamma = 0), the trainer distils them
+    into the draft, v1 is registered and promoted if held-out alpha rose (held out: whole
+    documents or prompts, by a hash of the request id)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from daemon.logging import configure
@@ -443,7 +449,8 @@ def bootstrap(
     from daemon.settings import distill_config, store_config
     from decoder.models import load_pair
     from decoder.speculative import DecodeRequest, SpeculativeDecoder
-    from decoder.workloads import get_workload
+    from decoder.teacher import corpus_windows, score_windows
+    from decoder.workloads import documents, get_workload
     from store.buffer import SampleWriter
     from store.registry import AdapterRegistry
     from store.schema import PairFingerprint
@@ -455,7 +462,11 @@ def bootstrap(
     with err.status(f"loading {m.target} + draft {m.draft} ...") as sp:
         pair = load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(msg))
     fp = PairFingerprint(target=pair.target_name, draft=pair.draft_name, tokenizer_hash=pair.tokenizer_hash)
-    prompts_all = [p for w in workloads.split(",") if w for p in get_workload(w.strip(), prompts)]
+    if source not in ("corpus", "decode"):
+        err.print(f"[red]--source {source!r}[/]: use 'corpus' or 'decode'")
+        raise typer.Exit(2)
+    names = [w.strip() for w in workloads.split(",") if w.strip()]
+    prompts_all = [p for w in names for p in get_workload(w, prompts)] if source == "decode" else []
     scfg = store_config(s)
     samples = []
     with open_redis(s.redis, s.redis_dir) as h, SampleWriter(h.client, scfg) as writer:
@@ -468,10 +479,28 @@ def bootstrap(
         dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, sink=sink, pair_fingerprint=fp)
         cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*cols, console=err) as prog:
-            task = prog.add_task("target decoding prompts (gamma = 0)", total=len(prompts_all))
-            for p in prompts_all:
-                dec.generate(DecodeRequest(p.token_ids(pair.tokenizer), max_new_tokens=max_new_tokens, gamma=0, workload=p.workload))
-                prog.advance(task)
+            if source == "decode":
+                task = prog.add_task("target decoding prompts (gamma = 0)", total=len(prompts_all))
+                for p in prompts_all:
+                    dec.generate(DecodeRequest(p.token_ids(pair.tokenizer), max_new_tokens=max_new_tokens, gamma=0,
+                                               workload=p.workload))
+                    prog.advance(task)
+            else:
+                for w in names:
+                    try:
+                        docs = documents(w)
+                    except ValueError as e:
+                        err.print(f"[red]{e}[/]")
+                        raise typer.Exit(2) from e
+                    items = corpus_windows(pair.tokenizer, docs, 128, max_tokens=corpus_tokens)
+                    if not items:
+                        err.print(f"[yellow]no corpus text for {w!r} (GSM8K needs ../shared/data); skipped[/]")
+                        continue
+                    task = prog.add_task(f"target scoring the {w} corpus (positions)",
+                                         total=sum(len(x) - 1 for _, x in items))
+                    for sample in score_windows(pair.target, items, w, fp, k=32, request_prefix="bootstrap",
+                                                on_batch=lambda n, t=task: prog.advance(t, n)):
+                        sink(sample)
             writer.flush(30)
             dcfg = dataclasses.replace(distill_config(s), weighting="all")
             distiller = Distiller(pair.draft, dcfg)
