@@ -124,6 +124,9 @@ class TrainerSettings(_Group):
     reclaim_min_idle_ms: int = Field(120_000, ge=0, description="Entries idle this long in a dead consumer are taken over (XAUTOCLAIM).")
     holdout_fraction: float = Field(0.2, gt=0, lt=1, description="Share of record ids held out for evaluation.")
     holdout_per_workload: int = Field(64, ge=1, description="Most recent held-out samples kept per workload.")
+    replay_per_workload: int = Field(
+        64, ge=0, description="Trained samples kept per workload and replayed when a round trains on other workloads (0: off)."
+    )
     min_eval_samples: int = Field(8, ge=1, description="Held-out samples a workload needs to count in the promotion gate.")
     promote_margin: float = Field(0.005, description="Held-out alpha must rise by at least this much to promote.")
     regress_margin: float = Field(0.01, ge=0, description="... and may drop by at most this much on any workload.")
@@ -308,6 +311,7 @@ def service_config(s: Settings) -> "ServiceConfig":
         reclaim_min_idle_ms=t.reclaim_min_idle_ms,
         holdout_fraction=t.holdout_fraction,
         holdout_per_workload=t.holdout_per_workload,
+        replay_per_workload=t.replay_per_workload,
         min_eval_samples=t.min_eval_samples,
         promote_margin=t.promote_margin,
         regress_margin=t.regress_margin,

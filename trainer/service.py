@@ -72,6 +72,11 @@ class ServiceConfig:
     min_eval_samples: int = 8  # held-out samples a workload needs to count in the gate
     promote_margin: float = 0.005  # candidate alpha must beat the promoted one by this much
     regress_margin: float = 0.01  # and may drop by at most this much on any workload
+    # Replay against forgetting: the most recent trained samples of each workload are kept (in
+    # memory) and a round that trains on a shifted workload mixes in up to as many replayed
+    # samples of the *other* workloads as it has new ones, so the gate's "no workload drops by
+    # more than regress_margin" can hold while the draft learns the new one. 0 disables.
+    replay_per_workload: int = 0
     work_dir: str | None = None  # where candidates are written before registration (temp if None)
 
 
@@ -84,7 +89,8 @@ class RoundReport:
     seconds: float = 0.0
     read: int = 0  # entries taken this round (reclaimed + new + carried over)
     reclaimed: int = 0
-    trained_on: int = 0  # samples given to the Distiller
+    trained_on: int = 0  # new samples given to the Distiller
+    replayed: int = 0  # kept samples of other workloads mixed in (ServiceConfig.replay_per_workload)
     heldout_added: int = 0
     decision: str = "idle"
     reason: str = ""
@@ -109,6 +115,20 @@ def split_key(sample) -> str:
     """What the held-out split hashes: the request id (a request's prefill and decode records
     fall on the same side), else the record id."""
     return sample.request_id or sample.record_id
+
+
+def replay_mix(new: list[VerifiedSample], kept: dict[str, Any]) -> list[VerifiedSample]:
+    """Replayed samples for a round (pure): up to ``len(new)`` of the kept samples of workloads
+    absent from ``new``, newest first, taken round-robin across those workloads (oldest-first
+    sequences per workload in ``kept``)."""
+    present = {s.workload for s in new}
+    pools = [list(reversed(d)) for w, d in sorted(kept.items()) if w not in present and d]
+    out: list[VerifiedSample] = []
+    i = 0
+    while len(out) < len(new) and any(i < len(p) for p in pools):
+        out += [p[i] for p in pools if i < len(p)][: len(new) - len(out)]
+        i += 1
+    return out
 
 
 def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceConfig) -> tuple[bool, str]:
@@ -183,6 +203,7 @@ class TrainerService:
         self._rounds = 0
         self._last: RoundReport | None = None
         self._heldout: dict[str, deque[VerifiedSample]] = {}
+        self._replay: dict[str, deque[VerifiedSample]] = {}
         self._carry: list[Any] = []  # entries read beyond max_samples_per_round, for the next round
         self._promoted_version = -1  # unknown until the first sync
         self._promoted_state: AdapterState | str = BASE
@@ -351,7 +372,13 @@ class TrainerService:
             return
         heldout = [s for d in self._heldout.values() for s in d]
         before = self.distiller.evaluate(heldout, adapter=self._promoted_state)
-        result = self.distiller.train_round([e.sample for e in train])
+        new = [e.sample for e in train]
+        replay = replay_mix(new, self._replay) if cfg.replay_per_workload else []
+        report.replayed = len(replay)
+        result = self.distiller.train_round(new + replay)
+        if cfg.replay_per_workload:
+            for smp in new:
+                self._replay.setdefault(smp.workload, deque(maxlen=cfg.replay_per_workload)).append(smp)
         report.result = result
         report.before = before.to_dict()
         if not result.finite:

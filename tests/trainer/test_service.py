@@ -17,7 +17,7 @@ from store.config import StoreConfig
 from store.registry import AdapterRegistry
 from tiny_pair import PAIR, make_samples, tiny_draft
 from trainer.distill import DistillConfig, Distiller, EvalCounts, EvalResult
-from trainer.service import ServiceConfig, TrainerService, gate, group_lag, is_heldout, split_key
+from trainer.service import ServiceConfig, TrainerService, gate, group_lag, is_heldout, replay_mix, split_key
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -207,3 +207,31 @@ def test_failed_registration_keeps_entries_for_the_next_round(env, train_samples
     registry.artifact_dir.unlink()
     rep = svc.run_round_now()
     assert rep.read == 40 and rep.version is not None and pending(client, cfg) == 0
+
+
+def test_replay_mix_takes_other_workloads_newest_first_round_robin():
+    from collections import deque
+    from types import SimpleNamespace as S
+
+    p = [S(workload="prose", n=i) for i in range(3)]
+    c = [S(workload="code", n=i) for i in range(1)]
+    kept = {"prose": deque(p), "code": deque(c), "empty": deque()}
+    math = [S(workload="math", n=i) for i in range(4)]
+    assert replay_mix(math, kept) == [c[0], p[2], p[1], p[0]]
+    assert replay_mix(math[:2], kept) == [c[0], p[2]]  # at most as many as the new samples
+    assert replay_mix([S(workload="prose", n=9)] * 3, kept) == [c[0]]  # never the round's own workloads
+    assert replay_mix([], kept) == []
+
+
+def test_round_on_a_new_workload_replays_the_old_one(env, train_samples):
+    client, cfg, registry, _ = env
+    prose = [s for s in train_samples if s.workload == "prose"]
+    code = [s for s in train_samples if s.workload == "code"]
+    svc = make_service(env, replay_per_workload=10)
+    write(client, cfg, prose)
+    rep1 = svc.run_round_now()
+    assert rep1.replayed == 0 and rep1.trained_on > 10
+    write(client, cfg, code)
+    rep2 = svc.run_round_now()
+    assert rep2.replayed == 10  # the 10 most recent prose samples kept, fewer than the new code ones
+    assert rep2.trained_on > 10 and rep2.decision in ("promoted", "rejected")
