@@ -17,10 +17,11 @@
 The pair (tests/decoder/adapt_helpers.py): a 3-layer tiny target whose layers 1-2 add zeros, a
 1-layer draft copying its layer 0 and perturbed by a rank-2 noise that an adapter cancels.
 
-TODO(recovery): requests and seconds from a workload shift until α is back within 90 % of its
-pre-shift level need the trainer producing adapters from served traffic; that is measured by
-``daemonctl demo`` (issue 6). Hook: feed ``AcceptanceTracker.alarms`` (shift time) and
-``AdapterManager.swaps`` (recovery swaps) with ``AcceptanceTracker.rolling_alpha``.
+3. *Recovery* (``--demo-report out/demo/report.json``): requests and seconds from each workload
+   shift until greedy α is back within 90 % of its pre-shift level, and goodput vs plain per
+   phase, read from a ``daemonctl demo`` run (the trainer producing adapters from served traffic
+   on the real pair; ``daemon.demo.recovery_stats``). Without the option this part is skipped and
+   says so.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12, help="requests per phase of the γ comparison")
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--demo-report", default=None, help="a daemonctl demo report.json: recovery and goodput per phase")
     args = ap.parse_args()
     torch.set_num_threads(1)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))  # errors only
@@ -166,8 +168,21 @@ def main() -> None:
         "torch_threads": 1,
         "swap": swap,
         "gamma_control_tokens_per_ms": phases,
-        "recovery": "TODO: needs the trainer; measured by daemonctl demo",
+        "recovery": recovery_from_demo(args.demo_report),
     }, indent=2))
+
+
+def recovery_from_demo(path: str | None) -> dict | str:
+    if path is None:
+        return "skipped: pass --demo-report out/demo/report.json (written by daemonctl demo)"
+    from daemon.demo import recovery_stats
+
+    rep = json.loads(Path(path).read_text())
+    phases = [{"workload": r["workload"], "frozen_speedup_vs_plain": r["frozen"]["speedup_vs_plain"],
+               "adapted_speedup_vs_plain": r["adapted"]["speedup_vs_plain"], "frozen_alpha": r["frozen"]["alpha"],
+               "adapted_alpha": r["adapted"]["alpha"]} for r in rep["phases"]]
+    return {"report": path, "run_id": rep.get("run_id"), "shifts": recovery_stats(rep["timeline"], rep["shifts"]),
+            "phases": phases}
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
             ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
                           check_interval_s=2.0, max_samples_per_round=64, holdout_fraction=0.25,
                           holdout_per_workload=24, min_eval_samples=3, promote_margin=0.005,
-                          regress_margin=0.05, work_dir=str(out_dir / "work" / run_id)),
+                          regress_margin=0.05, replay_per_workload=32, work_dir=str(out_dir / "work" / run_id)),
             backlog=lambda: sum(g.lag or 0 for g in group_info(client, scfg) if g.name == "trainer"),
         )
         svc.start()
@@ -139,7 +139,9 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
                 heldout.setdefault(sample.workload, []).append(sample)
             return writer.submit(sample)
 
-        decoder = SpeculativeDecoder(pair.target, pair.draft, tok, DecoderConfig(topk_record=32),
+        # record_prompt: each request also streams the target's distributions over its prompt
+        # (from the prefill it runs anyway), ~3x the trainer's data per request.
+        decoder = SpeculativeDecoder(pair.target, pair.draft, tok, DecoderConfig(topk_record=32, record_prompt=True),
                                      sink=sink, pair_fingerprint=fp)
         manager = AdapterManager(decoder, registry, poll_interval_s=1.0)
         manager.start()
@@ -197,7 +199,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
             "rollbacks": [d.__dict__ for d in monitor.decisions],
             "shift_alarms": [a.__dict__ for a in tracker.alarms], "shifts": shifts,
             "controller": _jsonable(controller.status()),
-            "phases": table, "timeline": timeline,
+            "phases": table, "recovery": recovery_stats(timeline, shifts), "timeline": timeline,
         }
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
     plot_timeline(timeline, shifts, out_dir / "acceptance.png")
@@ -394,6 +396,13 @@ def print_report(report: dict, console) -> None:
         a.add_row(str(r.get("version")), str(r.get("state")), f(r.get("alpha_before")), f(r.get("alpha_after")),
                   str(r.get("samples")), str(r.get("reason", ""))[:70])
     console.print(a)
+    rc = Table(title="recovery after each shift (greedy α of the last 5 speculating requests back to 90 % of pre-shift)")
+    for c in ("shift", "pre-shift α", "requests", "seconds", "α then"):
+        rc.add_column(c)
+    for r in report.get("recovery", []):
+        rc.add_row(f"{r['from']} → {r['workload']}", f(r["pre_shift_alpha"]), f(r["requests"]), f(r["seconds"]),
+                   f(r["recovered_alpha"]))
+    console.print(rc)
     console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}, "
                   f"seconds: {report['seconds']}, plot: {report.get('plot')}")
     console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; daemonctl status; "
@@ -437,3 +446,37 @@ def register(app) -> None:
         print_report(report, console)
         keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "adapters", "phases", "plot")
         print(json.dumps({k: report.get(k) for k in keep}, indent=1))
+
+
+def recovery_stats(timeline: list[dict], shifts: list[dict], window: int = 5, level: float = 0.9) -> list[dict]:
+    """Requests and seconds from each workload shift until acceptance is back (pure).
+
+    For each shift after the first: the pre-shift level is the mean greedy α of the last
+    ``window`` speculating requests (α not None) before the shift; the shift has recovered at the
+    first request after it where the mean α of the last ``window`` speculating requests of the
+    new phase is >= ``level`` x that pre-shift level. ``requests`` counts every request served
+    since the shift (plain ones too), ``seconds`` the time since it. ``None`` when the phase
+    ended first, or when there was no pre-shift level to recover to.
+    """
+    out = []
+    for i, sh in enumerate(shifts[1:], 1):
+        start = sh["request"]
+        end = shifts[i + 1]["request"] if i + 1 < len(shifts) else len(timeline)
+        before = [r["alpha"] for r in timeline[:start] if r.get("alpha") is not None][-window:]
+        row: dict[str, Any] = {"workload": sh["workload"], "from": shifts[i - 1]["workload"],
+                               "pre_shift_alpha": _nn(sum(before) / len(before)) if before else None,
+                               "requests": None, "seconds": None, "recovered_alpha": None}
+        if before and row["pre_shift_alpha"] is not None:
+            target = level * row["pre_shift_alpha"]
+            seen: list[float] = []
+            for j in range(start, end):
+                a = timeline[j].get("alpha")
+                if a is None:
+                    continue
+                seen.append(a)
+                if len(seen) >= window and sum(seen[-window:]) / window >= target:
+                    row.update(requests=j - start + 1, seconds=round(timeline[j]["t"] - sh["t"], 1),
+                               recovered_alpha=_nn(sum(seen[-window:]) / window))
+                    break
+        out.append(row)
+    return out
