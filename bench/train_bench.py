@@ -2,6 +2,7 @@
 
     python bench/train_bench.py --pair tiny                     # tiny random Llama pair, seconds
     python bench/train_bench.py --pair smollm2 --minutes 15     # real derived draft (decoder.models)
+    python bench/train_bench.py --pair smollm2 --data decode    # ... on target-decoded samples only
 
 For each (loss, weighting) a fresh untrained draft is wrapped by ``trainer.distill.Distiller`` and
 trained by ``trainer.bootstrap.bootstrap`` on the same target-generated samples; held-out alpha
@@ -11,7 +12,16 @@ measured after every round on samples from prompts never trained on.
 Samples:
 - ``tiny``: ``tests/trainer/tiny_pair.py`` (a real randomly initialised target with peaked
   outputs, another random init as draft), rejections from greedy gamma = 4 with the untrained draft.
-- ``smollm2``: ``decoder.models.load_pair`` (target + layer-derived draft) and
+- ``smollm2 --data corpus`` (default): training samples are teacher-forced windows of the
+  workload's corpus (``decoder.workloads.documents``, split by document: 80 % train, 20 %
+  held out), scored by one target forward pass per batch (``decoder.teacher``); held out are
+  (a) target-*decoded* samples on prompts cut from the held-out documents (the decoder at
+  gamma = 4, greedy, with the untrained draft: the on-policy text the draft meets when serving)
+  and (b) teacher-forced windows of the held-out documents. Alpha is reported on both (``after``
+  pools them; ``after_decoded`` / ``after_teacher_forced`` separately). Then the decoder bench
+  (``decoder.bench.run_bench``) runs on held-out prompts with the untrained and the trained
+  (merged) draft: speculative goodput vs plain decoding.
+- ``smollm2 --data decode``: ``decoder.models.load_pair`` (target + layer-derived draft) and
   ``decoder.speculative.SpeculativeDecoder`` at gamma = 4, greedy, with the untrained draft, over
   ``decoder.workloads`` prompts; its sink yields the VerifiedSamples (greedy speculative output
   equals the target's greedy output, and the rejection positions feed the OSD weightings).
@@ -77,6 +87,121 @@ def smollm2_setup(args):
     return samples, fresh_draft, {"pair": args.target, "layers": args.layers, "load_s": load_s, "generate_s": gen_s}
 
 
+def corpus_setup(args):
+    """Teacher-forced training windows + decoded and teacher-forced held-out samples."""
+    from decoder.models import derive_draft, load_pair
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
+    from decoder.teacher import corpus_windows, score_windows
+    from decoder.workloads import Prompt, documents, split_documents
+    from store.schema import PairFingerprint
+
+    t0 = time.perf_counter()
+    pair = load_pair(args.target, draft=f"layers:{args.layers}")
+    load_s = time.perf_counter() - t0
+    fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
+    train, held, eval_prompts = [], [], []
+    t0 = time.perf_counter()
+    for w in args.workloads.split(","):
+        tr_docs, he_docs = split_documents(documents(w), 0.2)
+        items = corpus_windows(pair.tokenizer, tr_docs, args.window, max_tokens=args.corpus_tokens)
+        train += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="train"))
+        items = corpus_windows(pair.tokenizer, he_docs, args.window, max_tokens=args.heldout_tokens)
+        held += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="heldout"))
+        chars = 400
+        eval_prompts += [Prompt(w, t[:chars].rsplit(" ", 1)[0]) for _, t in he_docs if len(t) >= chars][: args.prompts]
+    teach_s = time.perf_counter() - t0
+    decoded = []
+    dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(topk_record=args.k),
+                             sink=decoded.append, pair_fingerprint=fp)
+    t0 = time.perf_counter()
+    for p in eval_prompts:
+        dec.generate(DecodeRequest(p.token_ids(pair.tokenizer), SamplingParams(temperature=0.0),
+                                   max_new_tokens=args.new_tokens, gamma=4, ignore_eos=True, workload=p.workload))
+    gen_s = time.perf_counter() - t0
+
+    def fresh_draft():
+        return derive_draft(pair.target, args.layers)
+
+    info = {"pair": args.target, "layers": args.layers, "data": "corpus", "load_s": load_s, "teacher_s": teach_s,
+            "teacher_positions": sum(s.num_tokens for s in train + held), "generate_s": gen_s,
+            "train_samples": len(train), "heldout_teacher_forced": len(held), "heldout_decoded": len(decoded)}
+    return train, held, decoded, eval_prompts, pair, fresh_draft, info
+
+
+def corpus_main(args) -> None:
+    import dataclasses
+
+    from peft import PeftModel
+
+    from decoder.bench import BenchConfig, run_bench
+    from decoder.speculative import SpeculativeDecoder
+    from trainer.distill import BASE
+
+    train, held_tf, held_dec, eval_prompts, pair, fresh_draft, info = corpus_setup(args)
+    print(f"{info}", flush=True)
+    rows = []
+    best = None
+    for loss in args.losses.split(","):
+        for weighting in args.weightings.split(","):
+            cfg = DistillConfig(loss=loss, weighting=weighting, lr=args.lr, batch_size=args.batch_size,
+                                lora_r=args.lora_r, lora_alpha=2 * args.lora_r, max_steps=args.round_steps,
+                                max_seconds=1e9, max_epochs=10**6)
+            dist = Distiller(fresh_draft(), cfg)
+            base = {"decoded": dist.evaluate(held_dec, adapter=BASE), "teacher_forced": dist.evaluate(held_tf, adapter=BASE)}
+            curve, steps, train_s = [], 0, 0.0
+            cpu0 = time.process_time()
+            while steps < args.steps and train_s < 60 * args.minutes:
+                dist.config = dataclasses.replace(cfg, max_steps=min(args.round_steps, args.steps - steps),
+                                                  max_seconds=60 * args.minutes - train_s)
+                t0 = time.perf_counter()
+                res = dist.train_round(train)
+                train_s += time.perf_counter() - t0
+                steps += res.steps
+                if not res.finite or res.steps == 0:
+                    print(f"{loss} {weighting}: round failed: {res.reason}", flush=True)
+                    break
+                ed, et = dist.evaluate(held_dec), dist.evaluate(held_tf)
+                curve.append({"steps": steps, "train_seconds": round(train_s, 1), "alpha_decoded": ed.alpha,
+                              "greedy_decoded": ed.greedy, "alpha_teacher_forced": et.alpha,
+                              "greedy_teacher_forced": et.greedy, "loss": res.loss_last})
+                print(f"{loss:>10} {weighting:>8} step {steps:4d} {train_s:6.0f} s: held-out decoded alpha "
+                      f"{base['decoded'].alpha:.3f} -> {ed.alpha:.3f} (greedy {base['decoded'].greedy:.3f} -> "
+                      f"{ed.greedy:.3f}); teacher-forced alpha {base['teacher_forced'].alpha:.3f} -> {et.alpha:.3f}",
+                      flush=True)
+            row = {"loss": loss, "weighting": weighting, "steps": steps, "train_seconds": train_s,
+                   "cpu_seconds": time.process_time() - cpu0,
+                   "base": {k: v.to_dict() for k, v in base.items()}, "curve": curve}
+            rows.append(row)
+            if curve and (best is None or curve[-1]["alpha_decoded"] > best[0]):
+                best = (curve[-1]["alpha_decoded"], loss, weighting, dist)
+    bench = None
+    if best is not None and args.decode_bench:
+        import tempfile
+
+        _, loss, weighting, dist = best
+        with tempfile.TemporaryDirectory() as d:
+            path = dist.save(Path(d) / "adapter")
+            trained = PeftModel.from_pretrained(fresh_draft(), str(path)).merge_and_unload().eval()
+        bcfg = BenchConfig(gammas=tuple(int(g) for g in args.bench_gammas.split(",")), sampling=("greedy", "t1.0"),
+                           max_new_tokens=args.new_tokens, hf=False)
+        bench = {}
+        for name, draft in (("untrained", pair.draft), (f"trained ({loss}, {weighting})", trained)):
+            print(f"decoder bench: {name} draft", flush=True)
+            res = run_bench(SpeculativeDecoder(pair.target, draft, pair.tokenizer), eval_prompts[: args.bench_prompts], bcfg)
+            bench[name] = res
+            for r in res["rows"]:
+                print(f"  {r['workload']:>6} {r['sampling']:>7} {r['method']:>6} γ={r['gamma']} "
+                      f"tok/s {r['tokens_per_s']:.2f} x{r.get('speedup_vs_plain') or 1:.2f} "
+                      f"α={r.get('alpha')} τ={r.get('tau')}", flush=True)
+            for srow in res["summary"]:
+                print(f"  summary: {srow}", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"info": info, "args": vars(args), "rows": rows, "decoder_bench": bench}, indent=1, default=str))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", choices=["tiny", "smollm2"], default="tiny")
@@ -96,10 +221,21 @@ def main() -> None:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--holdout", type=float, default=0.2)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave torch's default)")
+    ap.add_argument("--data", choices=["corpus", "decode"], default="corpus",
+                    help="smollm2 training data: teacher-forced corpus windows, or target-decoded samples")
+    ap.add_argument("--window", type=int, default=128, help="corpus window, tokens")
+    ap.add_argument("--corpus-tokens", type=int, default=40_000, help="training corpus tokens per workload")
+    ap.add_argument("--heldout-tokens", type=int, default=6_000, help="held-out teacher-forced tokens per workload")
+    ap.add_argument("--decode-bench", action=argparse.BooleanOptionalAction, default=True,
+                    help="after training, decoder bench with the untrained and the best trained draft")
+    ap.add_argument("--bench-gammas", default="1,2,3")
+    ap.add_argument("--bench-prompts", type=int, default=4)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "train_bench.json"))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.pair == "smollm2" and args.data == "corpus":
+        return corpus_main(args)
 
     samples, fresh_draft, info = (tiny_setup if args.pair == "tiny" else smollm2_setup)(args)
     print(f"{info}; {len(samples)} samples, {sum(s.num_tokens for s in samples)} tokens", flush=True)

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import structlog

@@ -3,13 +3,12 @@ the round finishes (or, with no grace, is abandoned) and the registry is left co
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REDIS_URL, ctl, http
+from conftest import REDIS_URL, http
 from helpers import make_sample
 from store.buffer import SampleWriter, group_info
 from store.config import StoreConfig

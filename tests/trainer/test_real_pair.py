@@ -22,7 +22,7 @@ def test_scheduled_round_on_real_pair_beats_untrained_draft(redis_client, key_pr
     from store.config import StoreConfig
     from store.registry import AdapterRegistry
     from store.schema import PairFingerprint
-    from trainer.distill import BASE, DistillConfig, Distiller
+    from trainer.distill import DistillConfig, Distiller
     from trainer.service import ServiceConfig, TrainerService, group_lag
 
     try:
