@@ -458,15 +458,20 @@ def bootstrap(
     from trainer.bootstrap import bootstrap as run_bootstrap
     from trainer.distill import Distiller, TrainerError
 
-    m = s.models
-    with err.status(f"loading {m.target} + draft {m.draft} ...") as sp:
-        pair = load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(msg))
-    fp = PairFingerprint(target=pair.target_name, draft=pair.draft_name, tokenizer_hash=pair.tokenizer_hash)
     if source not in ("corpus", "decode"):
         err.print(f"[red]--source {source!r}[/]: use 'corpus' or 'decode'")
         raise typer.Exit(2)
     names = [w.strip() for w in workloads.split(",") if w.strip()]
-    prompts_all = [p for w in names for p in get_workload(w, prompts)] if source == "decode" else []
+    try:  # bad workloads fail here, before the model load
+        prompts_all = [p for w in names for p in get_workload(w, prompts)] if source == "decode" else []
+        corpora = {w: documents(w) for w in names} if source == "corpus" else {}
+    except ValueError as e:
+        err.print(f"[red]--workloads {workloads!r}[/]: {e}")
+        raise typer.Exit(2) from e
+    m = s.models
+    with err.status(f"loading {m.target} + draft {m.draft} ...") as sp:
+        pair = load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(msg))
+    fp = PairFingerprint(target=pair.target_name, draft=pair.draft_name, tokenizer_hash=pair.tokenizer_hash)
     scfg = store_config(s)
     samples = []
     with open_redis(s.redis, s.redis_dir) as h, SampleWriter(h.client, scfg) as writer:
@@ -486,12 +491,7 @@ def bootstrap(
                                                workload=p.workload))
                     prog.advance(task)
             else:
-                for w in names:
-                    try:
-                        docs = documents(w)
-                    except ValueError as e:
-                        err.print(f"[red]{e}[/]")
-                        raise typer.Exit(2) from e
+                for w, docs in corpora.items():
                     items = corpus_windows(pair.tokenizer, docs, 128, max_tokens=corpus_tokens)
                     if not items:
                         err.print(f"[yellow]no corpus text for {w!r} (GSM8K needs ../shared/data); skipped[/]")

@@ -48,7 +48,7 @@ class DemoConfig:
     train_interval_s: float = 30.0
     train_min_new_samples: int = 8
     round_steps: int = 40
-    round_seconds: float = 40.0
+    round_seconds: float = 60.0
     seed: int = 0
     out_dir: Path = field(default_factory=lambda: Path("out/demo"))
 

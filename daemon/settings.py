@@ -134,10 +134,10 @@ class TrainerSettings(_Group):
     weighting: WeightingName = Field("all", description="Positions trained: all, rejected, upweight_rejected.")
     lora_r: int = Field(16, ge=1, description="LoRA rank.")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling alpha.")
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    lr: float = Field(5e-3, gt=0, description="AdamW learning rate (5e-3: fastest early gain on the real pair, bench/train_bench.py).")
     max_steps: int = Field(64, ge=1, description="Optimiser steps per round, at most.")
     max_seconds: float = Field(120.0, gt=0, description="Training seconds per round, at most (checked before each step).")
-    batch_size: int = Field(4, ge=1, description="Sequences per optimiser step.")
+    batch_size: int = Field(8, ge=1, description="Sequences per optimiser step.")
     max_seq_len: int = Field(512, ge=2, description="Longest input fed to the draft, tokens.")
     start_paused: bool = Field(False, description="Start with scheduled rounds paused (train-now still works).")
     shutdown_grace_s: float = Field(

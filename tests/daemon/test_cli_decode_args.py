@@ -57,3 +57,18 @@ def test_bench_refuses_a_workload_without_prompts(tmp_path):
 def test_good_options_pass():
     check_generate_args("hi", 0, 1, 0.7, ["\n\n"], 0)
     assert parse_gammas("1, 2,4") == (1, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--source", "web"], "--source 'web'"),
+        (["--workloads", "prose,nope"], "no built-in corpus for workload 'nope'"),
+        (["--source", "decode", "--workloads", "nope"], "unknown workload 'nope'"),
+    ],
+)
+def test_bootstrap_rejects_bad_options_before_loading(args, needle, monkeypatch):
+    monkeypatch.setenv("DRAFTD_MODELS__TARGET", "/nonexistent/draftd-qa-model")
+    r = CliRunner().invoke(app, ["bootstrap", *args])
+    assert r.exit_code == 2, r.output
+    assert needle in " ".join(r.output.split()), r.output
