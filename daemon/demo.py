@@ -444,7 +444,7 @@ def register(app) -> None:
             cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)
         report = run_demo(settings, cfg, console)
         print_report(report, console)
-        keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "adapters", "phases", "plot")
+        keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "adapters", "phases", "recovery", "plot")
         print(json.dumps({k: report.get(k) for k in keep}, indent=1))
 
 
