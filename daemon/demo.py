@@ -43,7 +43,7 @@ class DemoConfig:
     phases: tuple[str, ...] = ("prose", "code", "math")
     phase_seconds: float = 300.0  # serving time per phase
     max_new_tokens: int = 32
-    eval_prompts: int = 2  # per phase, never served, for the frozen-vs-adapted table
+    eval_prompts: int = 3  # per phase, never served, for the frozen-vs-adapted table
     eval_gamma: int = 3
     train_interval_s: float = 30.0
     train_min_new_samples: int = 8
@@ -126,7 +126,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
             ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
                           check_interval_s=2.0, max_samples_per_round=64, holdout_fraction=0.25,
                           holdout_per_workload=24, min_eval_samples=3, promote_margin=0.005,
-                          regress_margin=0.05, replay_per_workload=32, work_dir=str(out_dir / "work" / run_id)),
+                          regress_margin=0.05, replay_per_workload=64, replay_ratio=2.0, work_dir=str(out_dir / "work" / run_id)),
             backlog=lambda: sum(g.lag or 0 for g in group_info(client, scfg) if g.name == "trainer"),
         )
         svc.start()
@@ -371,6 +371,8 @@ def print_report(report: dict, console) -> None:
     from rich.table import Table
 
     f = lambda x: "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))  # noqa: E731
+    if not console.is_terminal:  # a log file or pipe: rich would wrap the tables at 80 columns
+        console.width = max(console.width, 170)
     h = Table(title="held-out α (T=1, Σ min(p,q) on served requests never trained on)")
     for c in ("phase", "samples", "frozen", "adapter at phase end", "final adapter"):
         h.add_column(c)
@@ -394,7 +396,7 @@ def print_report(report: dict, console) -> None:
         a.add_column(c)
     for r in report["adapters"]:
         a.add_row(str(r.get("version")), str(r.get("state")), f(r.get("alpha_before")), f(r.get("alpha_after")),
-                  str(r.get("samples")), str(r.get("reason", ""))[:70])
+                  str(r.get("samples_trained")), str(r.get("reason", ""))[:90])
     console.print(a)
     rc = Table(title="recovery after each shift (greedy α of the last 5 speculating requests back to 90 % of pre-shift)")
     for c in ("shift", "pre-shift α", "requests", "seconds", "α then"):
@@ -439,6 +441,11 @@ def register(app) -> None:
             console.print(f"[red]error:[/] --phase-seconds={phase_seconds}: must be > 0")
             raise typer.Exit(2)
         configure("console", "warning", stream=sys.stderr)  # the live table is the progress display
+        # A round that outlasts the interval makes APScheduler skip the next run (max_instances=1,
+        # by design); the live table shows the trainer's state, so these warnings are noise here.
+        import logging
+
+        logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
         cfg = DemoConfig.quick(out_dir=out) if quick else DemoConfig(out_dir=out)
         if phase_seconds is not None:
             cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)

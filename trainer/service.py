@@ -77,6 +77,7 @@ class ServiceConfig:
     # samples of the *other* workloads as it has new ones, so the gate's "no workload drops by
     # more than regress_margin" can hold while the draft learns the new one. 0 disables.
     replay_per_workload: int = 0
+    replay_ratio: float = 1.0  # replayed samples per new sample, at most
     work_dir: str | None = None  # where candidates are written before registration (temp if None)
 
 
@@ -117,16 +118,17 @@ def split_key(sample) -> str:
     return sample.request_id or sample.record_id
 
 
-def replay_mix(new: list[VerifiedSample], kept: dict[str, Any]) -> list[VerifiedSample]:
-    """Replayed samples for a round (pure): up to ``len(new)`` of the kept samples of workloads
+def replay_mix(new: list[VerifiedSample], kept: dict[str, Any], ratio: float = 1.0) -> list[VerifiedSample]:
+    """Replayed samples for a round (pure): up to ``ratio * len(new)`` of the kept samples of workloads
     absent from ``new``, newest first, taken round-robin across those workloads (oldest-first
     sequences per workload in ``kept``)."""
     present = {s.workload for s in new}
     pools = [list(reversed(d)) for w, d in sorted(kept.items()) if w not in present and d]
     out: list[VerifiedSample] = []
     i = 0
-    while len(out) < len(new) and any(i < len(p) for p in pools):
-        out += [p[i] for p in pools if i < len(p)][: len(new) - len(out)]
+    cap = int(ratio * len(new))
+    while len(out) < cap and any(i < len(p) for p in pools):
+        out += [p[i] for p in pools if i < len(p)][: cap - len(out)]
         i += 1
     return out
 
@@ -373,7 +375,7 @@ class TrainerService:
         heldout = [s for d in self._heldout.values() for s in d]
         before = self.distiller.evaluate(heldout, adapter=self._promoted_state)
         new = [e.sample for e in train]
-        replay = replay_mix(new, self._replay) if cfg.replay_per_workload else []
+        replay = replay_mix(new, self._replay, cfg.replay_ratio) if cfg.replay_per_workload else []
         report.replayed = len(replay)
         result = self.distiller.train_round(new + replay)
         if cfg.replay_per_workload:

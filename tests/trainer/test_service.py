@@ -221,6 +221,7 @@ def test_replay_mix_takes_other_workloads_newest_first_round_robin():
     assert replay_mix(math[:2], kept) == [c[0], p[2]]  # at most as many as the new samples
     assert replay_mix([S(workload="prose", n=9)] * 3, kept) == [c[0]]  # never the round's own workloads
     assert replay_mix([], kept) == []
+    assert replay_mix(math[:1], kept, ratio=3.0) == [c[0], p[2], p[1]]
 
 
 def test_round_on_a_new_workload_replays_the_old_one(env, train_samples):
