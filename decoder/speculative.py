@@ -251,6 +251,7 @@ class SpeculativeDecoder:
             elif src:
                 eos.update(int(x) for x in src)
         self.eos_ids = frozenset(eos)
+        self._target_head = _small_m_head(target) if self.device.type == "cpu" else None
         self._draft_head_w = None
         if self.config.draft_vocab is not None:
             ids = self.config.draft_vocab.to(self.device).long()
@@ -274,8 +275,12 @@ class SpeculativeDecoder:
         return logits
 
     def _target_logits(self, tokens: list[int], cache, keep: int) -> torch.Tensor:
+        """Target logits at the last ``keep`` fed positions: (keep, V_p)."""
         x = torch.tensor([tokens], device=self.device)
-        return self.target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]  # (keep, V)
+        if self._target_head is None or keep > _SMALL_M:
+            return self.target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
+        h = self.target.get_decoder()(input_ids=x, cache=cache, use_cache=True).last_hidden_state[0, -keep:]
+        return self._target_head(h)
 
     # ---- the loop -----------------------------------------------------------------------------
     def generate(self, req: DecodeRequest, policy: GammaPolicy | None = None) -> DecodeResult:
@@ -531,6 +536,36 @@ def _crop_to(cache, length: int) -> None:
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)
+
+
+# Verification feeds gamma + 1 <= _SMALL_M rows through the LM head. On CPU, F.linear (x W^T)
+# with 2..8 rows costs about twice a single row for SmolLM2's 49152 x 576 head (oneDNN GEMM
+# repacks W), while W @ x^T streams W once; bench/head_bench.py measures both.
+_SMALL_M = 16
+_PLAIN_HEAD_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
+
+
+def _small_m_head(model: torch.nn.Module):
+    """The model's LM head as ``h (M, H) -> (W @ h^T)^T (M, V)`` (plus bias, and Gemma's final
+    logit soft-capping), or None for a model type whose logits may be more than that."""
+    cfg = getattr(model, "config", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if cfg is None or head is None or getattr(cfg, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
+        return None
+    if not hasattr(model, "get_decoder") or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+        return None
+    w, b = head.weight, getattr(head, "bias", None)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+
+    def apply(h: torch.Tensor) -> torch.Tensor:
+        out = (w @ h.to(w.dtype).T).T
+        if b is not None:
+            out = out + b
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    return apply
 
 
 def _topk_rows(logits: torch.Tensor, k: int):

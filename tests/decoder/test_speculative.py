@@ -221,3 +221,21 @@ def test_plain_policy_never_runs_draft(target, tok):
     dec._draft_logits = lambda *a: calls.append(1) or orig(*a)
     dec.generate(DecodeRequest(enc(tok, "abc"), max_new_tokens=8, gamma=0), FixedGamma(0))
     assert calls == []
+
+
+def test_small_m_head_equals_the_models_own_logits(target):
+    from decoder.speculative import _small_m_head
+
+    head = _small_m_head(target)
+    assert head is not None  # a Llama: logits are exactly lm_head(h)
+    x = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        ref = target(input_ids=x).logits[0]
+        h = target.get_decoder()(input_ids=x).last_hidden_state[0]
+        assert torch.allclose(head(h[-3:]), ref[-3:], atol=1e-4)
+    # a model type whose logits may be more than lm_head(h) keeps transformers' own path
+    target.config.model_type, saved = "cohere", target.config.model_type
+    try:
+        assert _small_m_head(target) is None
+    finally:
+        target.config.model_type = saved

@@ -1,0 +1,86 @@
+"""LM-head and verification-step cost against rows M on CPU: F.linear vs W @ h^T.
+
+    python bench/head_bench.py                # SmolLM2-135M head (49152 x 576), 1 and 2 threads
+
+Verification runs gamma + 1 rows through the target; plain decoding runs 1. On CPU, F.linear
+(x W^T, what nn.Linear calls) with a few rows can cost about twice one row for a large head, and
+that ratio is the "c_verify" in every speedup estimate. For each thread count and M in 1..8
+this prints the head time both ways and the whole target step (decoder + head) as the decoder
+runs it with and without ``decoder.speculative._small_m_head``; JSON on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    xs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        xs.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(xs), 3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rows", default="1,2,3,4,5,8")
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    from transformers import DynamicCache
+
+    from decoder.models import load_model
+    from decoder.speculative import _small_m_head
+
+    model, _ = load_model(args.target)
+    w = model.get_output_embeddings().weight.detach()
+    head = _small_m_head(model)
+    ctx = torch.randint(0, w.shape[0], (1, 128))
+    out = {"target": args.target, "head_shape": list(w.shape), "rows": {}}
+    with torch.inference_mode():
+        for th in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(th)
+            for m in (int(r) for r in args.rows.split(",")):
+                h = torch.randn(m, w.shape[1])
+                x = torch.randint(0, w.shape[0], (1, m))
+
+                def step(fast: bool):
+                    cache = DynamicCache(config=model.config)
+                    model.get_decoder()(input_ids=ctx, cache=cache, use_cache=True)
+
+                    def run():
+                        if fast:
+                            hs = model.get_decoder()(input_ids=x, cache=cache, use_cache=True).last_hidden_state[0]
+                            head(hs)
+                        else:
+                            model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=m)
+                        cache.crop(-m)
+                    return run
+
+                out["rows"][f"threads={th} M={m}"] = {
+                    "head_F.linear_ms": timed(lambda: F.linear(h, w), args.reps),
+                    "head_W@hT_ms": timed(lambda: (w @ h.T).T, args.reps),
+                    "step_logits_to_keep_ms": timed(step(False), args.reps),
+                    "step_small_m_head_ms": timed(step(True), args.reps),
+                }
+                print(f"threads={th} M={m}: {out['rows'][f'threads={th} M={m}']}", file=sys.stderr, flush=True)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
