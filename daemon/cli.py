@@ -425,12 +425,12 @@ def bootstrap(
     source: Annotated[str, typer.Option(help="'corpus': the target scores built-in documents in one forward "
                                         "pass per window (~50x the positions per CPU second); 'decode': "
                                         "the target generates from built-in prompts")] = "corpus",
-    corpus_tokens: Annotated[int, typer.Option(help="corpus tokens per workload (--source corpus)")] = 30_000,
-    prompts: Annotated[int, typer.Option(help="prompts per workload (--source decode)")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(help="tokens the target generates per prompt (--source decode)")] = 96,
-    max_steps: Annotated[int, typer.Option(help="optimiser steps in total")] = 200,
-    max_seconds: Annotated[float, typer.Option(help="training seconds in total")] = 600.0,
-    round_steps: Annotated[int, typer.Option(help="steps between held-out evaluations")] = 25,
+    corpus_tokens: Annotated[int, typer.Option(min=128, help="corpus tokens per workload (--source corpus)")] = 30_000,
+    prompts: Annotated[int, typer.Option(min=1, help="prompts per workload (--source decode)")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens the target generates per prompt (--source decode)")] = 96,
+    max_steps: Annotated[int, typer.Option(min=1, help="optimiser steps in total")] = 200,
+    max_seconds: Annotated[float, typer.Option(min=1.0, max=7 * 24 * 3600.0, help="training seconds in total")] = 600.0,
+    round_steps: Annotated[int, typer.Option(min=1, help="steps between held-out evaluations")] = 25,
     no_promote: Annotated[bool, typer.Option("--no-promote", help="register v1 but do not promote it")] = False,
 ) -> None:
     """Adapter v1 from scratch: the target's distributions on built-in text go into the buffer
@@ -447,7 +447,7 @@ def bootstrap(
 
     from daemon.redis_embed import open_redis
     from daemon.settings import distill_config, store_config
-    from decoder.models import load_pair
+    from decoder.models import ModelLoadError, load_pair
     from decoder.speculative import DecodeRequest, SpeculativeDecoder
     from decoder.teacher import corpus_windows, score_windows
     from decoder.workloads import documents, get_workload
@@ -462,6 +462,9 @@ def bootstrap(
         err.print(f"[red]--source {source!r}[/]: use 'corpus' or 'decode'")
         raise typer.Exit(2)
     names = [w.strip() for w in workloads.split(",") if w.strip()]
+    if not names:
+        err.print(f"[red]--workloads {workloads!r}[/] names no workload; e.g. --workloads prose,code,math")
+        raise typer.Exit(2)
     try:  # bad workloads fail here, before the model load
         prompts_all = [p for w in names for p in get_workload(w, prompts)] if source == "decode" else []
         corpora = {w: documents(w) for w in names} if source == "corpus" else {}
@@ -469,8 +472,12 @@ def bootstrap(
         err.print(f"[red]--workloads {workloads!r}[/]: {e}")
         raise typer.Exit(2) from e
     m = s.models
-    with err.status(f"loading {m.target} + draft {m.draft} ...") as sp:
-        pair = load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(msg))
+    try:
+        with err.status(f"loading {m.target} + draft {m.draft} ...") as sp:
+            pair = load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(msg))
+    except (ModelLoadError, ValueError) as e:
+        err.print(f"[red]cannot load the model pair:[/] {e}")
+        raise typer.Exit(1) from e
     fp = PairFingerprint(target=pair.target_name, draft=pair.draft_name, tokenizer_hash=pair.tokenizer_hash)
     scfg = store_config(s)
     samples = []
@@ -494,11 +501,13 @@ def bootstrap(
                 for w, docs in corpora.items():
                     items = corpus_windows(pair.tokenizer, docs, 128, max_tokens=corpus_tokens)
                     if not items:
-                        err.print(f"[yellow]no corpus text for {w!r} (GSM8K needs ../shared/data); skipped[/]")
+                        why = " (GSM8K needs ../shared/data)" if w in ("math", "gsm8k") else ""
+                        err.print(f"[yellow]no corpus text for {w!r}{why}; skipped[/]")
                         continue
                     task = prog.add_task(f"target scoring the {w} corpus (positions)",
                                          total=sum(len(x) - 1 for _, x in items))
-                    for sample in score_windows(pair.target, items, w, fp, k=32, request_prefix="bootstrap",
+                    label = "math" if w == "gsm8k" else w  # the served math prompts' workload tag
+                    for sample in score_windows(pair.target, items, label, fp, k=32, request_prefix="bootstrap",
                                                 on_batch=lambda n, t=task: prog.advance(t, n)):
                         sink(sample)
             writer.flush(30)

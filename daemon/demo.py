@@ -437,8 +437,8 @@ def register(app) -> None:
         except ConfigError as e:
             console.print(f"[red]config error:[/] {e}")
             raise typer.Exit(2) from e
-        if phase_seconds is not None and not phase_seconds > 0:
-            console.print(f"[red]error:[/] --phase-seconds={phase_seconds}: must be > 0")
+        if phase_seconds is not None and not (phase_seconds > 0 and math.isfinite(phase_seconds)):
+            console.print(f"[red]error:[/] --phase-seconds={phase_seconds}: must be a finite number > 0")
             raise typer.Exit(2)
         configure("console", "warning", stream=sys.stderr)  # the live table is the progress display
         # A round that outlasts the interval makes APScheduler skip the next run (max_instances=1,

@@ -127,7 +127,7 @@ class TrainerSettings(_Group):
     replay_per_workload: int = Field(
         64, ge=0, description="Trained samples kept per workload and replayed when a round trains on other workloads (0: off)."
     )
-    replay_ratio: float = Field(1.0, ge=0, description="Replayed samples per new sample in a round, at most.")
+    replay_ratio: float = Field(1.0, ge=0, allow_inf_nan=False, description="Replayed samples per new sample in a round, at most.")
     min_eval_samples: int = Field(8, ge=1, description="Held-out samples a workload needs to count in the promotion gate.")
     promote_margin: float = Field(0.005, description="Held-out alpha must rise by at least this much to promote.")
     regress_margin: float = Field(0.01, ge=0, description="... and may drop by at most this much on any workload.")

@@ -251,7 +251,8 @@ class SpeculativeDecoder:
             elif src:
                 eos.update(int(x) for x in src)
         self.eos_ids = frozenset(eos)
-        self._target_head = _small_m_head(target) if self.device.type == "cpu" else None
+        self._target_head = _small_m_head(target)  # used for <= _SMALL_M rows on CPU and for prompt chunks
+        self._small_m_fast = self.device.type == "cpu" and self._target_head is not None
         self._draft_head_w = None
         if self.config.draft_vocab is not None:
             ids = self.config.draft_vocab.to(self.device).long()
@@ -277,10 +278,23 @@ class SpeculativeDecoder:
     def _target_logits(self, tokens: list[int], cache, keep: int) -> torch.Tensor:
         """Target logits at the last ``keep`` fed positions: (keep, V_p)."""
         x = torch.tensor([tokens], device=self.device)
-        if self._target_head is None or keep > _SMALL_M:
+        if not self._small_m_fast or keep > _SMALL_M:
             return self.target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
         h = self.target.get_decoder()(input_ids=x, cache=cache, use_cache=True).last_hidden_state[0, -keep:]
         return self._target_head(h)
+
+    def _prompt_topk(self, tokens: list[int], cache, k: int):
+        """Prefill ``tokens`` into ``cache`` and return the target's top-k rows at every position:
+        ids (P-1, k) int32, probs (P-1, k), tail (P-1,). The LM head runs over ``_PROMPT_CHUNK``
+        rows at a time, so memory stays O(chunk x V) however long the prompt (a 4k-token prompt
+        with a 49k vocabulary would otherwise hold 0.8 GB of logits); a model type without a known
+        plain head falls back to transformers' full logits."""
+        if self._target_head is None:
+            return _topk_rows(self._target_logits(tokens, cache, len(tokens)), k)
+        x = torch.tensor([tokens], device=self.device)
+        h = self.target.get_decoder()(input_ids=x, cache=cache, use_cache=True).last_hidden_state[0]  # (P-1, H)
+        parts = [_topk_rows(self._target_head(h[i : i + _PROMPT_CHUNK]), k) for i in range(0, h.shape[0], _PROMPT_CHUNK)]
+        return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
 
     # ---- the loop -----------------------------------------------------------------------------
     def generate(self, req: DecodeRequest, policy: GammaPolicy | None = None) -> DecodeResult:
@@ -341,10 +355,10 @@ class SpeculativeDecoder:
         t0 = clock()
         prompt_rows = None
         if prompt_len > 1:
-            keep = prompt_len - 1 if (k_rec and self.config.record_prompt) else 1
-            plogits = self._target_logits(ids[:-1], tcache, keep)
-            if keep > 1:
-                prompt_rows = _topk_rows(plogits, k_rec)
+            if k_rec and self.config.record_prompt:
+                prompt_rows = self._prompt_topk(ids[:-1], tcache, k_rec)
+            else:
+                self._target_logits(ids[:-1], tcache, 1)
         dlen = 0
         if prompt_len > 1 and policy.gamma() > 0:
             self._draft_logits(ids[:-1], dcache)
@@ -542,6 +556,7 @@ def _crop_to(cache, length: int) -> None:
 # with 2..8 rows costs about twice a single row for SmolLM2's 49152 x 576 head (oneDNN GEMM
 # repacks W), while W @ x^T streams W once; bench/head_bench.py measures both.
 _SMALL_M = 16
+_PROMPT_CHUNK = 256  # rows of prompt logits materialised at once when recording the prompt
 _PLAIN_HEAD_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
 
 

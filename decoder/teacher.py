@@ -58,9 +58,10 @@ def score_windows(
 ) -> Iterator:
     """Yield one ``VerifiedSample(source="prefill")`` per ``(document key, window)`` item.
 
-    The request id is ``"<request_prefix>:<workload>:<document key>"``: all windows of one
-    document share it, so the trainer's held-out split (which hashes the request id) keeps a
-    document wholly on one side.
+    The request id is ``"<request_prefix>:<workload>:<document key>"`` (all windows of one
+    document share it, for tracing). The trainer's held-out split hashes each window's text
+    (``trainer.service.split_key``); for a document-level split, split the documents first
+    (``decoder.workloads.split_documents``), as ``bench/train_bench.py`` does.
 
     Windows of equal length are batched (no padding, so no attention mask subtleties): shape
     (B, L) in, logits (B, L - 1, V) kept, top-k (B, L - 1, k) out.

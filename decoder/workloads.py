@@ -64,25 +64,24 @@ def prose_prompts(n: int = 8, chars: int = 400) -> list[Prompt]:
     return out
 
 
-def code_prompts(n: int = 8, lines: int = 12) -> list[Prompt]:
-    """Function openings (signature, docstring, first lines) from standard-library modules."""
+def code_prompts(n: int = 8, lines: int = 12, per_module: int = 6) -> list[Prompt]:
+    """Function openings (signature, docstring, first lines) from standard-library modules:
+    the first long-enough top-level function of each module, then the second of each, and so on
+    (up to ``per_module`` per module), so the first prompts are one per module."""
     import importlib
 
-    out = []
+    per: list[list[Prompt]] = []
     for name in _CODE_MODULES:
         try:
             src = inspect.getsource(importlib.import_module(name))
         except (OSError, TypeError, ImportError):
             continue
-        tree = ast.parse(src)
         src_lines = src.splitlines()
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno >= lines:
-                out.append(Prompt("code", "\n".join(src_lines[node.lineno - 1 : node.lineno - 1 + lines])))
-                break
-        if len(out) == n:
-            break
-    return out
+        fns = [node for node in ast.parse(src).body
+               if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno >= lines]
+        per.append([Prompt("code", "\n".join(src_lines[f.lineno - 1 : f.lineno - 1 + lines])) for f in fns[:per_module]])
+    out = [mod[i] for i in range(per_module) for mod in per if i < len(mod)]
+    return out[:n]
 
 
 def shared_data_dir() -> Path | None:

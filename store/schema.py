@@ -110,8 +110,9 @@ class VerifiedSample:
       and there are no steps (S = 0). Same shapes, so the trainer distils both alike; acceptance
       accounting counts only ``"decode"`` records.
 
-    ``request_id`` groups the records of one request (its prefill and decode records); the
-    trainer's held-out split hashes it, so a request is never half trained on, half held out.
+    ``request_id`` groups the records of one request (its prefill and decode records). The
+    trainer's held-out split hashes the whole prompt (see ``trainer.service.split_key``), which
+    both records of a request share.
     """
 
     request_id: str
@@ -134,7 +135,7 @@ class VerifiedSample:
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
-            raise SchemaError(f"source {self.source!r} is not one of {SOURCES}")
+            raise SchemaError(f"source {repr(self.source)[:64]} is not one of {SOURCES}")
         self.prompt_ids = np.ascontiguousarray(self.prompt_ids, dtype=np.int32).reshape(-1)
         self.output_ids = np.ascontiguousarray(self.output_ids, dtype=np.int32).reshape(-1)
         self.proposal_lens = np.ascontiguousarray(self.proposal_lens, dtype=np.int16).reshape(-1)
@@ -312,7 +313,7 @@ def decode(fields: dict[bytes, bytes]) -> VerifiedSample:
         t, p, k, seed = body["sampling"]
         source = body.get("source", "decode")
         if source not in SOURCES:
-            raise SchemaError(f"body field 'source' is {source!r}, expected one of {SOURCES}")
+            raise SchemaError(f"body field 'source' is {repr(source)[:64]}, expected one of {SOURCES}")
         sample = VerifiedSample(
             request_id=body["request_id"],
             workload=workload,

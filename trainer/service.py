@@ -113,9 +113,16 @@ def is_heldout(key: str, fraction: float) -> bool:
 
 
 def split_key(sample) -> str:
-    """What the held-out split hashes: the request id (a request's prefill and decode records
-    fall on the same side), else the record id."""
-    return sample.request_id or sample.record_id
+    """What the held-out split hashes: the record's whole prompt, i.e. ``prompt_ids`` for a
+    decode record and ``prompt_ids + output_ids`` (the teacher-forced text) for a prefill record.
+
+    So a request's prefill and decode records land on the same side, and a prompt served again
+    (traffic repeats) lands where it landed before: a held-out record never has a twin with the
+    same prompt among the training records, and held-out alpha measures unseen prompts."""
+    import numpy as np
+
+    ids = sample.prompt_ids if sample.source == "decode" else np.concatenate([sample.prompt_ids, sample.output_ids])
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i4").tobytes()).hexdigest()
 
 
 def replay_mix(new: list[VerifiedSample], kept: dict[str, Any], ratio: float = 1.0) -> list[VerifiedSample]:
@@ -126,7 +133,9 @@ def replay_mix(new: list[VerifiedSample], kept: dict[str, Any], ratio: float = 1
     pools = [list(reversed(d)) for w, d in sorted(kept.items()) if w not in present and d]
     out: list[VerifiedSample] = []
     i = 0
-    cap = int(ratio * len(new))
+    if not ratio > 0:  # also NaN
+        return []
+    cap = int(min(ratio * len(new), sum(len(p) for p in pools)))  # an infinite ratio replays all kept
     while len(out) < cap and any(i < len(p) for p in pools):
         out += [p[i] for p in pools if i < len(p)][: cap - len(out)]
         i += 1

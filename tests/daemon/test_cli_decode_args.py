@@ -65,6 +65,10 @@ def test_good_options_pass():
         (["--source", "web"], "--source 'web'"),
         (["--workloads", "prose,nope"], "no built-in corpus for workload 'nope'"),
         (["--source", "decode", "--workloads", "nope"], "unknown workload 'nope'"),
+        (["--workloads", ",,"], "names no workload"),
+        (["--source", "decode", "--prompts", "0"], "--prompts"),
+        (["--max-steps", "0"], "--max-steps"),
+        (["--max-seconds", "inf"], "--max-seconds"),
     ],
 )
 def test_bootstrap_rejects_bad_options_before_loading(args, needle, monkeypatch):

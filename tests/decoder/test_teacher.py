@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from decoder.sampling import SamplingParams
 from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
 from decoder.teacher import corpus_windows, score_windows, windows
 from decoder.workloads import documents, split_documents
@@ -101,6 +102,14 @@ def test_a_requests_records_fall_on_one_side_of_the_split(target, other_draft, t
         sides.setdefault(s.request_id, set()).add(is_heldout(split_key(s), 0.3))
     assert len(sides) == 30 and all(len(v) == 1 for v in sides.values())
     assert 0 < sum(v == {True} for v in sides.values()) < 30  # both sides used
+    # the same prompt served again (greedy or sampled) lands on the side it landed before
+    first = {s.request_id: is_heldout(split_key(s), 0.3) for s in got if s.source == "decode"}
+    got.clear()
+    for i in range(30):
+        dec.generate(DecodeRequest(enc(tok, f"abc {i}"), SamplingParams(temperature=1.0, seed=i),
+                                   max_new_tokens=2, gamma=1, ignore_eos=True))
+    again = [is_heldout(split_key(s), 0.3) for s in got if s.source == "decode"]
+    assert again == list(first.values())
 
 
 def test_corpora_exist_and_split_by_document():
@@ -116,3 +125,26 @@ def test_corpora_exist_and_split_by_document():
     assert split_documents(prose, 0.2) == (tr, he)  # deterministic
     with pytest.raises(ValueError, match="no built-in corpus"):
         documents("nope")
+
+
+def test_prompt_records_for_long_prompts_are_chunked_and_exact(target, other_draft, tok, monkeypatch):
+    import decoder.speculative as sp
+
+    monkeypatch.setattr(sp, "_PROMPT_CHUNK", 4)  # 3 chunks for this 11-token prompt
+    got = []
+    dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=3, record_prompt=True),
+                             sink=got.append, pair_fingerprint=FP)
+    ids = enc(tok, "hello world")
+    dec.generate(DecodeRequest(ids, max_new_tokens=2, gamma=1, ignore_eos=True))
+    pre = got[0]
+    top = _reference_rows(target, ids, 3)
+    assert pre.topk_ids.tolist() == top.indices[:-1].tolist()
+    assert np.allclose(pre.topk_probs.astype(np.float32), top.values[:-1].numpy(), atol=1e-3)
+
+
+def test_two_token_prompt_gets_its_one_prefill_row(target, other_draft, tok):
+    got = []
+    dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=3, record_prompt=True),
+                             sink=got.append, pair_fingerprint=FP)
+    dec.generate(DecodeRequest(enc(tok, "ab"), max_new_tokens=2, gamma=1, ignore_eos=True))
+    assert [s.source for s in got] == ["prefill", "decode"] and got[0].output_ids.tolist() == enc(tok, "ab")[1:]

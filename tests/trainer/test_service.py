@@ -222,6 +222,8 @@ def test_replay_mix_takes_other_workloads_newest_first_round_robin():
     assert replay_mix([S(workload="prose", n=9)] * 3, kept) == [c[0]]  # never the round's own workloads
     assert replay_mix([], kept) == []
     assert replay_mix(math[:1], kept, ratio=3.0) == [c[0], p[2], p[1]]
+    assert len(replay_mix(math[:1], kept, ratio=float("inf"))) == 4  # everything kept, no overflow
+    assert replay_mix(math, kept, ratio=0.0) == [] and replay_mix(math, kept, ratio=float("nan")) == []
 
 
 def test_round_on_a_new_workload_replays_the_old_one(env, train_samples):
