@@ -185,7 +185,14 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
                     live.update(_progress_table(timeline, phase, svc, manager, controller, key_of(req)))
                 phase_end_version[phase] = decoder.adapter_version
         svc.stop()  # a running round finishes first
-        console.log("serving done; evaluating frozen vs adapted drafts")
+        # A version promoted by that last round is swapped in now, and the watcher stopped, so the
+        # "final adapter" evaluated below is the one the decoder runs (no swap mid-evaluation).
+        latest = registry.active_version()
+        if latest != decoder.adapter_version:
+            manager.wait_prepared(latest, 60)
+            decoder.run_between_requests()
+        manager.close()  # no hook left to swap during the evaluation
+        console.log(f"serving done (final adapter v{decoder.adapter_version}); evaluating frozen vs adapted drafts")
         table = evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, frozen_draft=
                                 derive_draft(pair.target, layers), tok=tok, params=params, console=console)
         tracker.flush()
@@ -398,7 +405,8 @@ def print_report(report: dict, console) -> None:
         a.add_row(str(r.get("version")), str(r.get("state")), f(r.get("alpha_before")), f(r.get("alpha_after")),
                   str(r.get("samples_trained")), str(r.get("reason", ""))[:90])
     console.print(a)
-    rc = Table(title="recovery after each shift (greedy α of the last 5 speculating requests back to 90 % of pre-shift)")
+    rc = Table(title="recovery after each shift (greedy α of the last 5 speculating requests back to 90 % of pre-shift)",
+               caption="- : not recovered within the phase, or too few requests speculated to tell")
     for c in ("shift", "pre-shift α", "requests", "seconds", "α then"):
         rc.add_column(c)
     for r in report.get("recovery", []):
@@ -451,8 +459,11 @@ def register(app) -> None:
             cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)
         report = run_demo(settings, cfg, console)
         print_report(report, console)
-        keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "adapters", "phases", "recovery", "plot")
-        print(json.dumps({k: report.get(k) for k in keep}, indent=1))
+        keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "plot")
+        summary = {k: report.get(k) for k in keep}
+        summary["report"] = str(Path(cfg.out_dir) / "report.json")
+        summary["alpha_gain"] = {r["workload"]: r["alpha_gain"] for r in report["phases"]}
+        print(json.dumps(summary))
 
 
 def recovery_stats(timeline: list[dict], shifts: list[dict], window: int = 5, level: float = 0.9) -> list[dict]:
