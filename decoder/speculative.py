@@ -466,58 +466,39 @@ class SpeculativeDecoder:
         return cut, reason
 
     def _emit(self, req: DecodeRequest, result: DecodeResult, topk_rows, started_wall: float) -> None:
-        from store.schema import SamplingSettings, VerifiedSample
-
         if topk_rows:
-            ids_ = torch.cat([r[0] for r in topk_rows]).numpy()
-            probs = torch.cat([r[1] for r in topk_rows]).numpy()
-            tail = torch.cat([r[2] for r in topk_rows]).numpy()
+            ids_, probs, tail = (torch.cat([r[j] for r in topk_rows]).numpy() for j in range(3))
         else:
             n = len(result.output_ids)
             ids_, probs, tail = np.zeros((n, 0)), np.zeros((n, 0)), np.ones(n)
-        sample = VerifiedSample(
-            request_id=result.request_id,
-            workload=result.workload,
-            adapter_version=result.adapter_version,
-            pair=self.pair_fingerprint,
-            prompt_ids=np.asarray(req.prompt_ids),
-            output_ids=np.asarray(result.output_ids),
-            proposal_lens=np.asarray([s.proposed for s in result.steps]),
-            rejection_pos=np.asarray([s.rejected_at for s in result.steps]),
-            topk_ids=ids_,
-            topk_probs=probs,
-            tail_mass=tail,
-            sampling=SamplingSettings(req.params.temperature, req.params.top_p, req.params.top_k, req.params.seed),
-            started_at=started_wall,
-            finished_at=time.time(),
-        )
-        try:
-            self.sink(sample)
-        except Exception:  # noqa: BLE001 - the buffer must never fail a request
-            pass
+        self._send(req, result, started_wall, prompt_ids=np.asarray(req.prompt_ids),
+                   output_ids=np.asarray(result.output_ids),
+                   proposal_lens=np.asarray([s.proposed for s in result.steps]),
+                   rejection_pos=np.asarray([s.rejected_at for s in result.steps]),
+                   topk_ids=ids_, topk_probs=probs, tail_mass=tail)
 
     def _emit_prefill(self, req: DecodeRequest, result: DecodeResult, rows, started_wall: float) -> None:
         """The prompt's teacher-forced record: prompt_ids = the first prompt token, output_ids =
         the rest of the prompt, row j = p(. | prompt[: j + 1]) from the prefill."""
+        ids = np.asarray(req.prompt_ids)
+        self._send(req, result, started_wall, prompt_ids=ids[:1], output_ids=ids[1:], proposal_lens=np.zeros(0),
+                   rejection_pos=np.zeros(0), topk_ids=rows[0].numpy(), topk_probs=rows[1].numpy(),
+                   tail_mass=rows[2].numpy(), source="prefill")
+
+    def _send(self, req: DecodeRequest, result: DecodeResult, started_wall: float, **arrays) -> None:
+        """Build the request's VerifiedSample from ``arrays`` and hand it to the sink; a failing
+        sink never fails the request."""
         from store.schema import SamplingSettings, VerifiedSample
 
-        ids = np.asarray(req.prompt_ids)
         sample = VerifiedSample(
             request_id=result.request_id,
             workload=result.workload,
             adapter_version=result.adapter_version,
             pair=self.pair_fingerprint,
-            prompt_ids=ids[:1],
-            output_ids=ids[1:],
-            proposal_lens=np.zeros(0),
-            rejection_pos=np.zeros(0),
-            topk_ids=rows[0].numpy(),
-            topk_probs=rows[1].numpy(),
-            tail_mass=rows[2].numpy(),
             sampling=SamplingSettings(req.params.temperature, req.params.top_p, req.params.top_k, req.params.seed),
             started_at=started_wall,
             finished_at=time.time(),
-            source="prefill",
+            **arrays,
         )
         try:
             self.sink(sample)

@@ -75,6 +75,7 @@ def score_windows(
     Raises:
         ValueError: a window shorter than 2 tokens or ``k < 1``.
     """
+    from decoder.speculative import _topk_rows
     from store.schema import VerifiedSample
 
     if k < 1:
@@ -91,10 +92,7 @@ def score_windows(
             t0 = time.time()
             chunk = group[i : i + batch_size]
             x = torch.tensor([w for _, w in chunk], device=device)
-            logits = target(input_ids=x).logits[:, :-1].float()  # (B, L - 1, V)
-            probs = torch.softmax(logits, dim=-1)
-            top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-            tail = (1.0 - top.values.sum(-1)).clamp_min(0.0)
+            top_ids, top_p, tail = _topk_rows(target(input_ids=x).logits[:, :-1], k)  # (B, L - 1, k), (B, L - 1)
             for b in range(x.shape[0]):
                 n += 1
                 yield VerifiedSample(
@@ -106,9 +104,9 @@ def score_windows(
                     output_ids=x[b, 1:].cpu().numpy(),
                     proposal_lens=np.zeros(0),
                     rejection_pos=np.zeros(0),
-                    topk_ids=top.indices[b].to(torch.int32).cpu().numpy(),
-                    topk_probs=top.values[b].cpu().numpy(),
-                    tail_mass=tail[b].cpu().numpy(),
+                    topk_ids=top_ids[b].numpy(),
+                    topk_probs=top_p[b].numpy(),
+                    tail_mass=tail[b].numpy(),
                     started_at=t0,
                     finished_at=time.time(),
                     source="prefill",

@@ -46,6 +46,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import structlog
 from apscheduler.schedulers.background import BackgroundScheduler
 
@@ -119,8 +120,6 @@ def split_key(sample) -> str:
     So a request's prefill and decode records land on the same side, and a prompt served again
     (traffic repeats) lands where it landed before: a held-out record never has a twin with the
     same prompt among the training records, and held-out alpha measures unseen prompts."""
-    import numpy as np
-
     ids = sample.prompt_ids if sample.source == "decode" else np.concatenate([sample.prompt_ids, sample.output_ids])
     return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i4").tobytes()).hexdigest()
 
@@ -129,12 +128,12 @@ def replay_mix(new: list[VerifiedSample], kept: dict[str, Any], ratio: float = 1
     """Replayed samples for a round (pure): up to ``ratio * len(new)`` of the kept samples of workloads
     absent from ``new``, newest first, taken round-robin across those workloads (oldest-first
     sequences per workload in ``kept``)."""
+    if not ratio > 0:  # also NaN
+        return []
     present = {s.workload for s in new}
     pools = [list(reversed(d)) for w, d in sorted(kept.items()) if w not in present and d]
     out: list[VerifiedSample] = []
     i = 0
-    if not ratio > 0:  # also NaN
-        return []
     cap = int(min(ratio * len(new), sum(len(p) for p in pools)))  # an infinite ratio replays all kept
     while len(out) < cap and any(i < len(p) for p in pools):
         out += [p[i] for p in pools if i < len(p)][: cap - len(out)]
