@@ -6,12 +6,15 @@ Verification runs gamma + 1 rows through the target; plain decoding runs 1. On C
 (x W^T, what nn.Linear calls) with a few rows can cost about twice one row for a large head, and
 that ratio is the "c_verify" in every speedup estimate. For each thread count and M in 1..8
 this prints the head time both ways and the whole target step (decoder + head) as the decoder
-runs it with and without ``decoder.speculative._small_m_head``; JSON on stdout.
+runs it: transformers' path, with ``decoder.speculative._small_m_head``, and with that head plus
+every layer switched to ``decoder.fastpath.SmallMLinear`` (what ``SpeculativeDecoder`` does on
+CPU); JSON on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -44,10 +47,13 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import DynamicCache
 
+    from decoder.fastpath import small_m_linear
     from decoder.models import load_model
     from decoder.speculative import _small_m_head
 
     model, _ = load_model(args.target)
+    switched = copy.deepcopy(model)
+    small_m_linear(switched)
     w = model.get_output_embeddings().weight.detach()
     head = _small_m_head(model)
     ctx = torch.randint(0, w.shape[0], (1, 128))
@@ -59,7 +65,7 @@ def main() -> None:
                 h = torch.randn(m, w.shape[1])
                 x = torch.randint(0, w.shape[0], (1, m))
 
-                def step(fast: bool):
+                def step(fast: bool, model=model):
                     cache = DynamicCache(config=model.config)
                     model.get_decoder()(input_ids=ctx, cache=cache, use_cache=True)
 
@@ -77,6 +83,7 @@ def main() -> None:
                     "head_W@hT_ms": timed(lambda: (w @ h.T).T, args.reps),
                     "step_logits_to_keep_ms": timed(step(False), args.reps),
                     "step_small_m_head_ms": timed(step(True), args.reps),
+                    "step_small_m_linear_ms": timed(step(True, switched), args.reps),
                 }
                 print(f"threads={th} M={m}: {out['rows'][f'threads={th} M={m}']}", file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from decoder.fastpath import small_m_linear
 from decoder.metrics import AcceptanceCounts, StepStats
 from decoder.sampling import SamplingParams, alpha, process_logits, sample, verify
 
@@ -201,11 +202,15 @@ class DecoderConfig:
     draft_vocab: optional (V',) sorted token ids to which the draft's LM head is restricted
         (FR-Spec, Zhao et al. 2025): the draft scores only frequent tokens, q = 0 elsewhere;
         lossless because the target still scores the full vocabulary.
+    small_m_linear: on CPU, switch the target's and the draft's ``nn.Linear`` modules to
+        ``decoder.fastpath.SmallMLinear`` (in place; same weights) so that a verification step
+        over γ + 1 <= 16 rows costs about one plain step instead of 1.5-1.7 (see that module).
     """
 
     topk_record: int = 32
     record_prompt: bool = False
     draft_vocab: torch.Tensor | None = None
+    small_m_linear: bool = True
 
 
 class SpeculativeDecoder:
@@ -251,6 +256,9 @@ class SpeculativeDecoder:
             elif src:
                 eos.update(int(x) for x in src)
         self.eos_ids = frozenset(eos)
+        if self.config.small_m_linear and self.device.type == "cpu":
+            small_m_linear(target)
+            small_m_linear(draft)
         self._target_head = _small_m_head(target)  # used for <= _SMALL_M rows on CPU and for prompt chunks
         self._small_m_fast = self.device.type == "cpu" and self._target_head is not None
         self._draft_head_w = None

@@ -1,0 +1,95 @@
+"""decoder.fastpath: W @ x^T for a few CPU rows, F.linear otherwise; same module, same weights."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from tiny import reference_greedy, tiny_llama
+
+from decoder.fastpath import SmallMLinear, small_m_linear
+from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
+
+
+@pytest.mark.parametrize("rows", [2, 3, 5, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_rows_equal_f_linear(rows, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(40, 24, bias=bias)
+    ref_w, ref_b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
+    assert small_m_linear(lin) == 1 and type(lin) is SmallMLinear
+    x = torch.randn(1, rows, 40)
+    got = lin(x)
+    assert got.shape == (1, rows, 24) and got.is_contiguous()
+    assert torch.allclose(got, F.linear(x, ref_w, ref_b), rtol=1e-5, atol=1e-6)
+
+
+def test_more_rows_and_other_dtypes_take_f_linear_exactly():
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(8, 4)
+    small_m_linear(lin, max_rows=4)
+    x = torch.randn(5, 8)  # 5 rows > max_rows
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    x1 = torch.randn(1, 1, 8)  # one row: plain decoding stays bit-for-bit F.linear
+    assert torch.equal(lin(x1), F.linear(x1, lin.weight, lin.bias))
+    lin64 = torch.nn.Linear(8, 4).double()
+    small_m_linear(lin64)
+    x64 = torch.randn(2, 8, dtype=torch.float64)
+    assert torch.equal(lin64(x64), F.linear(x64, lin64.weight, lin64.bias))
+
+
+def test_gradients_flow_through_the_small_path():
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(6, 3)
+    ref = copy.deepcopy(lin)
+    small_m_linear(lin)
+    x = torch.randn(2, 6, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    lin(x).square().sum().backward()
+    ref(xr).square().sum().backward()
+    assert torch.allclose(x.grad, xr.grad, atol=1e-6)
+    assert torch.allclose(lin.weight.grad, ref.weight.grad, atol=1e-6)
+
+
+def test_idempotent_state_dict_unchanged_and_deepcopy_keeps_class():
+    m = tiny_llama(3, layers=2)
+    keys = list(m.state_dict())
+    n_linear = sum(type(x) is torch.nn.Linear for x in m.modules())
+    assert small_m_linear(m) == n_linear > 0
+    assert small_m_linear(m) == 0  # already switched
+    assert list(m.state_dict()) == keys
+    c = copy.deepcopy(m)
+    assert sum(isinstance(x, SmallMLinear) for x in c.modules()) == n_linear
+    with pytest.raises(ValueError, match="max_rows=0"):
+        small_m_linear(m, max_rows=0)
+
+
+def test_model_logits_match_and_peft_wraps_switched_layers():
+    m = tiny_llama(4, layers=2)
+    ref = copy.deepcopy(m)
+    small_m_linear(m)
+    x = torch.tensor([[3, 5, 7]])
+    with torch.no_grad():
+        assert torch.allclose(m(input_ids=x).logits, ref(input_ids=x).logits, atol=1e-5)
+    cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    pm, pr = get_peft_model(m, cfg), get_peft_model(ref, copy.deepcopy(cfg))
+    pr.load_state_dict(pm.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(pm(input_ids=x).logits, pr(input_ids=x).logits, atol=1e-5)
+
+
+def test_decoder_switches_both_models_and_stays_lossless(tok):
+    target = tiny_llama(1234, layers=4, hidden=48, head_scale=20.0)
+    plain_target = copy.deepcopy(target)
+    draft = tiny_llama(7, layers=2, hidden=32, head_scale=20.0)
+    dec = SpeculativeDecoder(target, draft, tok)
+    assert all(type(x) is not torch.nn.Linear for x in list(target.modules()) + list(draft.modules()))
+    ids = tok("the quick brown fox", add_special_tokens=False)["input_ids"]
+    ref = reference_greedy(plain_target, ids, 20)  # unswitched weights, full recomputation
+    for gamma in (1, 3):
+        res = dec.generate(DecodeRequest(ids, max_new_tokens=20, gamma=gamma, ignore_eos=True))
+        assert res.output_ids == ref
+    off = tiny_llama(9, layers=1)
+    SpeculativeDecoder(off, off, tok, DecoderConfig(small_m_linear=False))
+    assert any(type(x) is torch.nn.Linear for x in off.modules())
