@@ -20,7 +20,10 @@ Samples:
   and (b) teacher-forced windows of the held-out documents. Alpha is reported on both (``after``
   pools them; ``after_decoded`` / ``after_teacher_forced`` separately). Then the decoder bench
   (``decoder.bench.run_bench``) runs on held-out prompts with the untrained and the trained
-  (merged) draft: speculative goodput vs plain decoding.
+  (merged) draft: speculative goodput vs plain decoding, and the trained draft once more with
+  its LM head restricted to ``--bench-draft-vocab`` frequent tokens (FR-Spec). ``--gen-tokens N``
+  adds on-policy training data: the target's own continuations (greedy by default) of
+  training-document openings (``decoder.teacher.continue_windows``), teacher-scored with them.
 - ``smollm2 --data decode``: ``decoder.models.load_pair`` (target + layer-derived draft) and
   ``decoder.speculative.SpeculativeDecoder`` at gamma = 4, greedy, with the untrained draft, over
   ``decoder.workloads`` prompts; its sink yields the VerifiedSamples (greedy speculative output
@@ -92,7 +95,7 @@ def corpus_setup(args):
     from decoder.models import derive_draft, load_pair
     from decoder.sampling import SamplingParams
     from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
-    from decoder.teacher import corpus_windows, score_windows
+    from decoder.teacher import continue_windows, corpus_windows, score_windows
     from decoder.workloads import Prompt, documents, split_documents
     from store.schema import PairFingerprint
 
@@ -101,11 +104,21 @@ def corpus_setup(args):
     load_s = time.perf_counter() - t0
     fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
     train, held, eval_prompts = [], [], []
+    gen_train_s, n_generated = 0.0, 0
     t0 = time.perf_counter()
     for w in args.workloads.split(","):
         tr_docs, he_docs = split_documents(documents(w), 0.2)
         items = corpus_windows(pair.tokenizer, tr_docs, args.window, max_tokens=args.corpus_tokens)
         train += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="train"))
+        if args.gen_tokens:  # on-policy: the target's own continuations of training-document openings
+            t1 = time.perf_counter()
+            starts = corpus_windows(pair.tokenizer, tr_docs, args.gen_prompt)
+            want = max(1, args.gen_tokens // args.gen_new)
+            starts = [starts[i * len(starts) // want] for i in range(min(want, len(starts)))]
+            cont = continue_windows(pair.target, starts, args.gen_new, temperature=args.gen_temperature)
+            gen_train_s += time.perf_counter() - t1
+            train += list(score_windows(pair.target, cont, w, fp, k=args.k, request_prefix="generated"))
+            n_generated += len(cont) * args.gen_new
         items = corpus_windows(pair.tokenizer, he_docs, args.window, max_tokens=args.heldout_tokens)
         held += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="heldout"))
         chars = 400
@@ -125,6 +138,7 @@ def corpus_setup(args):
 
     info = {"pair": args.target, "layers": args.layers, "data": "corpus", "load_s": load_s, "teacher_s": teach_s,
             "teacher_positions": sum(s.num_tokens for s in train + held), "generate_s": gen_s,
+            "generated_train_tokens": n_generated, "generate_train_s": gen_train_s,
             "train_samples": len(train), "heldout_teacher_forced": len(held), "heldout_decoded": len(decoded)}
     return train, held, decoded, eval_prompts, pair, fresh_draft, info
 
@@ -135,7 +149,7 @@ def corpus_main(args) -> None:
     from peft import PeftModel
 
     from decoder.bench import BenchConfig, run_bench
-    from decoder.speculative import SpeculativeDecoder
+    from decoder.speculative import DecoderConfig, SpeculativeDecoder
     from trainer.distill import BASE
 
     train, held_tf, held_dec, eval_prompts, pair, fresh_draft, info = corpus_setup(args)
@@ -186,9 +200,16 @@ def corpus_main(args) -> None:
         bcfg = BenchConfig(gammas=tuple(int(g) for g in args.bench_gammas.split(",")), sampling=("greedy", "t1.0"),
                            max_new_tokens=args.new_tokens, hf=False)
         bench = {}
-        for name, draft in (("untrained", pair.draft), (f"trained ({loss}, {weighting})", trained)):
+        runs = [("untrained", pair.draft, None), (f"trained ({loss}, {weighting})", trained, None)]
+        if args.bench_draft_vocab:
+            from decoder.vocab import frequent_token_ids
+
+            dv = frequent_token_ids(pair.tokenizer, args.bench_draft_vocab)
+            runs.append((f"trained ({loss}, {weighting}) + FR-Spec {args.bench_draft_vocab}", trained, dv))
+        for name, draft, dv in runs:
             print(f"decoder bench: {name} draft", flush=True)
-            res = run_bench(SpeculativeDecoder(pair.target, draft, pair.tokenizer), eval_prompts[: args.bench_prompts], bcfg)
+            dec = SpeculativeDecoder(pair.target, draft, pair.tokenizer, DecoderConfig(draft_vocab=dv))
+            res = run_bench(dec, eval_prompts[: args.bench_prompts], bcfg)
             bench[name] = res
             for r in res["rows"]:
                 print(f"  {r['workload']:>6} {r['sampling']:>7} {r['method']:>6} γ={r['gamma']} "
@@ -226,6 +247,14 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=128, help="corpus window, tokens")
     ap.add_argument("--corpus-tokens", type=int, default=40_000, help="training corpus tokens per workload")
     ap.add_argument("--heldout-tokens", type=int, default=6_000, help="held-out teacher-forced tokens per workload")
+    ap.add_argument("--gen-tokens", type=int, default=0,
+                    help="on-policy training data: tokens the target generates per workload from training-document "
+                         "openings (decoder.teacher.continue_windows), then teacher-scored with their prompt")
+    ap.add_argument("--gen-prompt", type=int, default=32, help="opening tokens per generated window")
+    ap.add_argument("--gen-new", type=int, default=96, help="tokens generated per opening")
+    ap.add_argument("--gen-temperature", type=float, default=0.0, help="0 = greedy continuations")
+    ap.add_argument("--bench-draft-vocab", type=int, default=8192,
+                    help="also bench the trained draft with its LM head restricted to N frequent tokens (FR-Spec; 0 = off)")
     ap.add_argument("--decode-bench", action=argparse.BooleanOptionalAction, default=True,
                     help="after training, decoder bench with the untrained and the best trained draft")
     ap.add_argument("--bench-gammas", default="1,2,3")

@@ -148,3 +148,36 @@ def test_two_token_prompt_gets_its_one_prefill_row(target, other_draft, tok):
                              sink=got.append, pair_fingerprint=FP)
     dec.generate(DecodeRequest(enc(tok, "ab"), max_new_tokens=2, gamma=1, ignore_eos=True))
     assert [s.source for s in got] == ["prefill", "decode"] and got[0].output_ids.tolist() == enc(tok, "ab")[1:]
+
+
+def test_continue_windows_greedy_equals_reference_and_eos_is_suppressed(target, tok):
+    from decoder.teacher import continue_windows
+    from tiny import reference_greedy
+
+    prompts = [("a", enc(tok, "the cat")), ("b", enc(tok, "a dog!!")), ("c", enc(tok, "xyz"))]
+    got = continue_windows(target, prompts, new_tokens=9, batch_size=2)
+    assert [k for k, _ in got] == ["c", "a", "b"]  # grouped by prompt length, in order within a group
+    for key, ids in got:
+        prompt = dict(prompts)[key]
+        assert ids[: len(prompt)] == prompt and len(ids) == len(prompt) + 9
+        # greedy continuation = plain greedy decoding, unless EOS (id 1) would come first
+        ref = reference_greedy(target, prompt, 9)
+        if 1 not in ref:
+            assert ids[len(prompt):] == ref
+        assert 1 not in ids[len(prompt):]
+    sampled = continue_windows(target, prompts[:1], new_tokens=9, temperature=1.0, seed=3)
+    assert sampled == continue_windows(target, prompts[:1], new_tokens=9, temperature=1.0, seed=3)
+    scored = list(score_windows(target, got, "w", FP, k=4))
+    assert [len(s.output_ids) + 1 for s in scored] == [len(ids) for _, ids in got]
+
+
+@pytest.mark.parametrize("kw,msg", [({"new_tokens": 0}, "new_tokens=0"), ({"temperature": -1.0}, "temperature=-1.0"),
+                                    ({"temperature": float("nan")}, "temperature=nan")])
+def test_continue_windows_bad_values(target, kw, msg):
+    from decoder.teacher import continue_windows
+
+    args = {"new_tokens": 4} | kw
+    with pytest.raises(ValueError, match=msg):
+        continue_windows(target, [("a", [3, 4])], **args)
+    with pytest.raises(ValueError, match="empty prompt"):
+        continue_windows(target, [("a", [])], new_tokens=2)
