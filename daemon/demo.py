@@ -41,9 +41,9 @@ class DemoConfig:
     """Sizes of the demo. ``quick`` fits ~5 minutes on 2 cores, the default ~20."""
 
     phases: tuple[str, ...] = ("prose", "code", "math")
-    phase_seconds: float = 280.0  # serving time per phase (3 x 280 s + evaluation: ~19.5 min on 2 cores)
+    phase_seconds: float = 270.0  # serving time per phase (3 x 270 s + evaluation: ~19 min on 2 cores)
     max_new_tokens: int = 32
-    eval_prompts: int = 3  # per phase, never served, for the frozen-vs-adapted table
+    eval_prompts: int = 5  # per phase, never served, for the frozen-vs-adapted table
     eval_gamma: int = 3
     train_interval_s: float = 30.0
     train_min_new_samples: int = 8

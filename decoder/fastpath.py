@@ -78,3 +78,15 @@ def small_m_linear(model: nn.Module, max_rows: int = SMALL_M) -> int:
         if isinstance(m, SmallMLinear):
             m.max_rows = max_rows
     return n
+
+
+def plain_linear(model: nn.Module) -> int:
+    """Undo :func:`small_m_linear` (e.g. before ``torch.ao`` quantisation, which matches the exact
+    ``nn.Linear`` type); returns the number of modules switched back."""
+    n = 0
+    for m in model.modules():
+        if type(m) is SmallMLinear:
+            m.__class__ = nn.Linear
+            m.__dict__.pop("max_rows", None)
+            n += 1
+    return n

@@ -313,6 +313,9 @@ def quantize_draft_int8(draft: nn.Module) -> nn.Module:
     """
     from torch.ao.quantization import quantize_dynamic
 
+    from decoder.fastpath import plain_linear
+
+    plain_linear(draft.model.layers)  # quantize_dynamic matches the exact nn.Linear type
     draft.model.layers = quantize_dynamic(draft.model.layers, {nn.Linear}, dtype=torch.qint8)
     return draft
 

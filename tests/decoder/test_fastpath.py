@@ -93,3 +93,16 @@ def test_decoder_switches_both_models_and_stays_lossless(tok):
     off = tiny_llama(9, layers=1)
     SpeculativeDecoder(off, off, tok, DecoderConfig(small_m_linear=False))
     assert any(type(x) is torch.nn.Linear for x in off.modules())
+
+
+def test_int8_quantisation_still_applies_after_the_switch():
+    from decoder.fastpath import plain_linear
+    from decoder.models import quantize_draft_int8
+
+    m = tiny_llama(5, layers=2)
+    small_m_linear(m)
+    quantize_draft_int8(m)
+    kinds = {type(x).__name__ for x in m.model.layers.modules()}
+    assert "SmallMLinear" not in kinds and "Linear" in kinds  # torch.ao's dynamic quantized Linear
+    assert all(type(x).__module__.startswith("torch.ao") for x in m.model.layers.modules() if type(x).__name__ == "Linear")
+    assert plain_linear(m) == 1  # only the (unquantised) LM head was left switched
