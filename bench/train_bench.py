@@ -22,8 +22,8 @@ Samples:
   (``decoder.bench.run_bench``) runs on held-out prompts with the untrained and the trained
   (merged) draft: speculative goodput vs plain decoding, and the trained draft once more with
   its LM head restricted to ``--bench-draft-vocab`` frequent tokens (FR-Spec). ``--gen-tokens N``
-  adds on-policy training data: the target's own continuations (greedy by default) of
-  training-document openings (``decoder.teacher.continue_windows``), teacher-scored with them.
+  adds on-policy training data: the target's own continuations (greedy by default) of windows of
+  the training documents (``decoder.teacher.continue_windows``), teacher-scored with them.
 - ``smollm2 --data decode``: ``decoder.models.load_pair`` (target + layer-derived draft) and
   ``decoder.speculative.SpeculativeDecoder`` at gamma = 4, greedy, with the untrained draft, over
   ``decoder.workloads`` prompts; its sink yields the VerifiedSamples (greedy speculative output
@@ -110,7 +110,7 @@ def corpus_setup(args):
         tr_docs, he_docs = split_documents(documents(w), 0.2)
         items = corpus_windows(pair.tokenizer, tr_docs, args.window, max_tokens=args.corpus_tokens)
         train += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="train"))
-        if args.gen_tokens:  # on-policy: the target's own continuations of training-document openings
+        if args.gen_tokens:  # on-policy: the target's own continuations of training-document windows
             t1 = time.perf_counter()
             starts = corpus_windows(pair.tokenizer, tr_docs, args.gen_prompt)
             want = max(1, args.gen_tokens // args.gen_new)
@@ -248,9 +248,10 @@ def main() -> None:
     ap.add_argument("--corpus-tokens", type=int, default=40_000, help="training corpus tokens per workload")
     ap.add_argument("--heldout-tokens", type=int, default=6_000, help="held-out teacher-forced tokens per workload")
     ap.add_argument("--gen-tokens", type=int, default=0,
-                    help="on-policy training data: tokens the target generates per workload from training-document "
-                         "openings (decoder.teacher.continue_windows), then teacher-scored with their prompt")
-    ap.add_argument("--gen-prompt", type=int, default=32, help="opening tokens per generated window")
+                    help="on-policy training data: tokens the target generates per workload, continuing windows "
+                         "spread over the training documents (decoder.teacher.continue_windows), then "
+                         "teacher-scored with their prompt")
+    ap.add_argument("--gen-prompt", type=int, default=32, help="prompt tokens per generated window")
     ap.add_argument("--gen-new", type=int, default=96, help="tokens generated per opening")
     ap.add_argument("--gen-temperature", type=float, default=0.0, help="0 = greedy continuations")
     ap.add_argument("--bench-draft-vocab", type=int, default=8192,
@@ -261,6 +262,11 @@ def main() -> None:
     ap.add_argument("--bench-prompts", type=int, default=4)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "train_bench.json"))
     args = ap.parse_args()
+    for name in ("gen_prompt", "gen_new"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.gen_tokens < 0:
+        ap.error(f"--gen-tokens {args.gen_tokens}: must be >= 0 (0 = no generated training data)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.pair == "smollm2" and args.data == "corpus":

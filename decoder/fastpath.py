@@ -48,7 +48,8 @@ class SmallMLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() >= 1:
+        if (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() >= 1
+                and self.in_features > 0 and not torch.is_autocast_enabled("cpu")):
             n = x.numel() // self.in_features
             if 2 <= n <= self.max_rows:
                 out = (w @ x.reshape(n, self.in_features).T).T.contiguous()

@@ -205,6 +205,8 @@ class DecoderConfig:
     small_m_linear: on CPU, switch the target's and the draft's ``nn.Linear`` modules to
         ``decoder.fastpath.SmallMLinear`` (in place; same weights) so that a verification step
         over γ + 1 <= 16 rows costs about one plain step instead of 1.5-1.7 (see that module).
+        The switch is one-way: False leaves the models as they are, and a model an earlier
+        decoder switched stays switched (``decoder.fastpath.plain_linear`` undoes it).
     """
 
     topk_record: int = 32

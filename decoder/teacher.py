@@ -130,8 +130,9 @@ def continue_windows(
     Training on what the target itself writes puts the draft on the distribution it meets when
     serving (the on-policy data of DistillSpec, Zhou et al. 2024, Sec. 3 and Table 2); the
     returned windows go to :func:`score_windows` for their teacher distributions. Prompts of
-    equal length are batched without padding (shape (B, P) in, (B, P + new_tokens) out); the
-    end-of-sequence token is suppressed (``min_new_tokens``), so every window has the same length.
+    equal length are batched without padding (shape (B, P) in, (B, P + new_tokens) out) through a
+    KV-cached loop; end-of-sequence ids (the model's ``eos_token_id``) are never chosen, so every
+    window has the same length.
     Batched generation runs at ~140 tokens/s for SmolLM2-135M with B = 32 on 2 CPU cores, against
     ~10 tokens/s for one request.
 
@@ -140,7 +141,8 @@ def continue_windows(
         items: (key, prompt ids of >= 1 token).
         new_tokens: tokens generated per prompt (>= 1).
         temperature: 0 = greedy (the continuation greedy serving produces), else sampling at it.
-        seed: torch seed for sampling.
+        seed: seed of a private ``torch.Generator`` for sampling (the global RNG is untouched).
+            Sampled tokens depend on the batch a prompt lands in, as with any batched sampler.
         on_batch: called with the number of tokens generated after each batch.
 
     Raises:
@@ -148,6 +150,8 @@ def continue_windows(
             or an empty prompt.
     """
     import math
+
+    from transformers import DynamicCache
 
     if new_tokens < 1 or batch_size < 1:
         raise ValueError(f"new_tokens={new_tokens}, batch_size={batch_size}: both must be >= 1")
@@ -159,16 +163,35 @@ def continue_windows(
         if len(s) < 1:
             raise ValueError(f"an empty prompt (item {key!r}) cannot be continued")
         by_len.setdefault(len(s), []).append((key, s))
-    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=temperature > 0,
-               pad_token_id=0, top_p=None, top_k=None, temperature=temperature if temperature > 0 else None)
-    torch.manual_seed(seed)
+    # Our own loop rather than target.generate: the model's generation_config (repetition
+    # penalty, forced or banned tokens, ...) would make the text something other than p's own.
+    eos = set()
+    for src in (getattr(getattr(target, "generation_config", None), "eos_token_id", None),
+                getattr(target.config, "eos_token_id", None)):
+        eos.update([src] if isinstance(src, int) else list(src or []))
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # the global RNG is not touched
     out = []
     for length, group in sorted(by_len.items()):
         for i in range(0, len(group), batch_size):
             chunk = group[i : i + batch_size]
-            x = torch.tensor([list(s) for _, s in chunk], device=device)
-            y = target.generate(input_ids=x, attention_mask=torch.ones_like(x), **gen)
+            x = torch.tensor([list(s) for _, s in chunk], device=device)  # (B, P), no padding
+            cache = DynamicCache(config=target.config)
+            logits = target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
+            new = []
+            for t in range(new_tokens):
+                logits = logits.float()
+                logits[:, eos_ids] = float("-inf")
+                if temperature > 0:
+                    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+                    nxt = torch.multinomial(probs, 1, generator=gen).to(device)  # (B, 1)
+                else:
+                    nxt = logits.argmax(-1, keepdim=True)
+                new.append(nxt)
+                if t + 1 < new_tokens:
+                    logits = target(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            y = torch.cat([x, *new], dim=1)  # (B, P + new_tokens)
             out += [(key, y[b].tolist()) for b, (key, _) in enumerate(chunk)]
             if on_batch is not None:
-                on_batch(len(chunk) * (y.shape[1] - length))
+                on_batch(len(chunk) * new_tokens)
     return out

@@ -181,3 +181,44 @@ def test_continue_windows_bad_values(target, kw, msg):
         continue_windows(target, [("a", [3, 4])], **args)
     with pytest.raises(ValueError, match="empty prompt"):
         continue_windows(target, [("a", [])], new_tokens=2)
+
+
+def test_continue_windows_sampling_uses_temperature_and_seed_and_keeps_the_global_rng():
+    from decoder.teacher import continue_windows
+    from tiny import tiny_llama
+
+    flat = tiny_llama(11, layers=1)  # head_scale 1: near-uniform p, so samples differ from the argmax path
+    prompts = [("a", [5, 6, 7])]
+    greedy = continue_windows(flat, prompts, new_tokens=12)
+    s1 = continue_windows(flat, prompts, new_tokens=12, temperature=1.0, seed=1)
+    s2 = continue_windows(flat, prompts, new_tokens=12, temperature=1.0, seed=2)
+    assert s1 != greedy and s1 != s2
+    assert s1 == continue_windows(flat, prompts, new_tokens=12, temperature=1.0, seed=1)
+    cold = continue_windows(flat, prompts, new_tokens=12, temperature=1e-4, seed=1)  # T -> 0 is greedy
+    assert cold == greedy
+    torch.manual_seed(123)
+    expect = torch.rand(3)
+    torch.manual_seed(123)
+    continue_windows(flat, prompts, new_tokens=4, temperature=1.0, seed=9)
+    assert torch.equal(torch.rand(3), expect)
+
+
+def test_continue_windows_ignores_the_models_generation_settings_and_counts_tokens(target, tok):
+    from decoder.teacher import continue_windows
+    from tiny import reference_greedy
+
+    ids = enc(tok, "abc")
+    ref = reference_greedy(target, ids, 6)
+    assert 1 not in ref  # no EOS on this path, so the greedy continuation is the reference
+    seen = []
+    gc = target.generation_config
+    saved = gc.repetition_penalty, gc.forced_eos_token_id
+    gc.repetition_penalty, gc.forced_eos_token_id = 1.5, 1
+    try:
+        got = continue_windows(target, [("k", ids), ("j", ids)], new_tokens=6, batch_size=1, on_batch=seen.append)
+    finally:
+        gc.repetition_penalty, gc.forced_eos_token_id = saved
+    assert [w[len(ids):] for _, w in got] == [ref, ref]
+    assert seen == [6, 6]
+    with pytest.raises(ValueError, match="batch_size=0"):
+        continue_windows(target, [("k", ids)], new_tokens=2, batch_size=0)
