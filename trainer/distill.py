@@ -151,6 +151,14 @@ class EvalResult:
 
     overall: EvalCounts = field(default_factory=EvalCounts)
     per_workload: dict[str, EvalCounts] = field(default_factory=dict)
+    # per record id: (workload, counts); lets a caller reuse an adapter's evaluation of a sample
+    per_sample: dict[str, tuple[str, EvalCounts]] = field(default_factory=dict, repr=False)
+
+    def add_sample(self, record_id: str, workload: str, c: EvalCounts) -> None:
+        """Count one sample's evaluation in, overall and under its workload."""
+        self.overall.add(c)
+        self.per_workload.setdefault(workload, EvalCounts()).add(c)
+        self.per_sample[record_id] = (workload, c)
 
     @property
     def alpha(self) -> float:
@@ -441,8 +449,7 @@ class Distiller:
                     for b, s in enumerate(chunk):
                         rows = batch.row_sample == b
                         c = EvalCounts(1, int(rows.sum()), float(a[rows].sum()), int(match[rows].sum()))
-                        res.overall.add(c)
-                        res.per_workload.setdefault(s.workload, EvalCounts()).add(c)
+                        res.add_sample(s.record_id, s.workload, c)
         finally:
             self.model.train(was_training)
         return res

@@ -10,7 +10,9 @@ A round (``TrainerService.run_round_now`` or the scheduler):
    on. Held-out samples are kept in memory, the most recent ``holdout_per_workload`` per
    workload.
 3. Evaluate the promoted adapter (or the base draft) on the held-out slice, train a candidate,
-   evaluate it on the same slice.
+   evaluate it on the same slice. The promoted adapter's per-sample results are cached while it
+   stays promoted (its weights do not change), and a promoted candidate's own evaluation seeds
+   the cache, so each round evaluates the promoted adapter only on newly held-out samples.
 4. Gate (``gate``): promote only if the candidate's alpha, pooled over the workloads it trained
    on, beats the promoted adapter's by ``promote_margin``, and no workload with at least
    ``min_eval_samples`` held-out samples drops by more than ``regress_margin``.
@@ -217,6 +219,8 @@ class TrainerService:
         self._carry: list[Any] = []  # entries read beyond max_samples_per_round, for the next round
         self._promoted_version = -1  # unknown until the first sync
         self._promoted_state: AdapterState | str = BASE
+        # (promoted version, record id -> (workload, EvalCounts)) of the promoted adapter on held-out samples
+        self._promoted_eval: tuple[int, dict[str, tuple[str, Any]]] = (-1, {})
         self._scheduler: BackgroundScheduler | None = None
         self._next_trigger = "interval"
         if config.work_dir is not None:
@@ -335,6 +339,25 @@ class TrainerService:
             log.info("trainer_follows_active_adapter", previous=self._promoted_version, active=active)
         self._promoted_version = active
 
+    def _evaluate_promoted(self, heldout: list[VerifiedSample]) -> EvalResult:
+        """The promoted adapter on the held-out slice, evaluating only samples it has not been
+        evaluated on since it became the promoted one (the held-out slice changes by a few
+        samples per round, and the promoted weights not at all, so most of the round's "before"
+        is already known: from the previous rounds, or from the round that promoted it)."""
+        version, cache = self._promoted_eval
+        if version != self._promoted_version:
+            cache = {}
+        fresh = self.distiller.evaluate([s for s in heldout if s.record_id not in cache], adapter=self._promoted_state)
+        cache = {**cache, **fresh.per_sample}
+        res = EvalResult()
+        for s in heldout:
+            if s.record_id in cache:
+                w, c = cache[s.record_id]
+                res.add_sample(s.record_id, w, c)
+        keep = {s.record_id for s in heldout}
+        self._promoted_eval = (self._promoted_version, {k: v for k, v in cache.items() if k in keep})
+        return res
+
     def _take(self, report: RoundReport) -> list[Any]:
         cfg = self.config
         entries, self._carry = self._carry, []
@@ -381,7 +404,7 @@ class TrainerService:
             report.acked = self.reader.ack(heldout_entries)  # kept in memory; nothing to register
             return
         heldout = [s for d in self._heldout.values() for s in d]
-        before = self.distiller.evaluate(heldout, adapter=self._promoted_state)
+        before = self._evaluate_promoted(heldout)
         new = [e.sample for e in train]
         replay = replay_mix(new, self._replay, cfg.replay_ratio) if cfg.replay_per_workload else []
         report.replayed = len(replay)
@@ -421,6 +444,7 @@ class TrainerService:
             self.registry.promote(version, reason)
             self._promoted_version = version
             self._promoted_state = self.distiller.adapter_state()
+            self._promoted_eval = (version, dict(after.per_sample))  # the candidate's evaluation, reused
             report.decision = "promoted"
         else:
             self.registry.set_state(version, "rejected", reason)

@@ -238,3 +238,41 @@ def test_round_on_a_new_workload_replays_the_old_one(env, train_samples):
     rep2 = svc.run_round_now()
     assert rep2.replayed == 10  # the 10 most recent prose samples kept, fewer than the new code ones
     assert rep2.trained_on > 10 and rep2.decision in ("promoted", "rejected")
+
+
+def test_promoted_adapter_is_evaluated_only_on_new_heldout_samples(env, train_samples, heldout_samples, target):
+    client, cfg, registry, _ = env
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env, holdout_fraction=0.5)
+    assert svc.run_round_now().decision == "promoted"
+    promoted = svc.distiller.adapter_state()
+    held_before = {s.record_id for d in svc._heldout.values() for s in d}
+    calls = []
+    real = svc.distiller.evaluate
+
+    def spy(samples, adapter=None, **kw):
+        calls.append(([s.record_id for s in samples], adapter))
+        return real(samples, adapter=adapter, **kw)
+
+    svc.distiller.evaluate = spy
+    write(client, cfg, make_samples(target, 10, "prose", seed=77))
+    rep = svc.run_round_now()
+    held_now = [s for d in svc._heldout.values() for s in d]
+    new_ids = {s.record_id for s in held_now} - held_before
+    assert new_ids, "the new samples must put some records on the held-out side"
+    before_call = [ids for ids, a in calls if a is not None]
+    assert len(before_call) == 1 and set(before_call[0]) == new_ids  # only the new ones
+    svc.distiller.evaluate = real
+    full = real(held_now, adapter=promoted)  # independent: every held-out sample, from scratch
+    assert rep.before["overall"]["positions"] == full.overall.positions
+    assert rep.before["overall"]["alpha"] == pytest.approx(full.alpha, abs=1e-5)
+    for w, c in full.per_workload.items():
+        assert rep.before["per_workload"][w]["alpha"] == pytest.approx(c.alpha, abs=1e-5)
+    # an operator rollback changes the promoted adapter: nothing cached is reused
+    registry.rollback("operator")
+    svc.distiller.evaluate = spy
+    calls.clear()
+    write(client, cfg, make_samples(target, 8, "code", seed=78))
+    svc.run_round_now()
+    base_call = [ids for ids, a in calls if a is not None]
+    assert set(base_call[0]) == {s.record_id for d in svc._heldout.values() for s in d}
