@@ -45,6 +45,18 @@ def windows(token_ids: Sequence[int], length: int, min_length: int = 16) -> list
     return [w for w in out if len(w) >= max(2, min(min_length, length))]
 
 
+def _by_length(items: Iterable[tuple[str, Sequence[int]]], min_len: int,
+               error: Callable[[str, int], str]) -> dict[int, list[tuple[str, Sequence[int]]]]:
+    """Items grouped by token length (batches need no padding); ValueError(error(key, n)) for
+    an item shorter than ``min_len``."""
+    by_len: dict[int, list[tuple[str, Sequence[int]]]] = {}
+    for key, s in items:
+        if len(s) < min_len:
+            raise ValueError(error(key, len(s)))
+        by_len.setdefault(len(s), []).append((key, s))
+    return by_len
+
+
 @torch.inference_mode()
 def score_windows(
     target: torch.nn.Module,
@@ -81,11 +93,8 @@ def score_windows(
     if k < 1:
         raise ValueError(f"k={k} must be >= 1")
     device = next(target.parameters()).device
-    by_len: dict[int, list[tuple[str, Sequence[int]]]] = {}
-    for key, s in items:
-        if len(s) < 2:
-            raise ValueError(f"a window of {len(s)} tokens (document {key!r}) has no next-token position; need >= 2")
-        by_len.setdefault(len(s), []).append((key, s))
+    by_len = _by_length(items, 2, lambda key, n: f"a window of {n} tokens (document {key!r}) has no next-token "
+                                               f"position; need >= 2")
     n = 0
     for length, group in sorted(by_len.items()):
         for i in range(0, len(group), batch_size):
@@ -158,11 +167,7 @@ def continue_windows(
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature}: must be a finite number >= 0 (0 = greedy)")
     device = next(target.parameters()).device
-    by_len: dict[int, list[tuple[str, Sequence[int]]]] = {}
-    for key, s in items:
-        if len(s) < 1:
-            raise ValueError(f"an empty prompt (item {key!r}) cannot be continued")
-        by_len.setdefault(len(s), []).append((key, s))
+    by_len = _by_length(items, 1, lambda key, n: f"an empty prompt (item {key!r}) cannot be continued")
     # Our own loop rather than target.generate: the model's generation_config (repetition
     # penalty, forced or banned tokens, ...) would make the text something other than p's own.
     eos = set()
