@@ -348,7 +348,7 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 5.2))
     colors = {}
     for w in dict.fromkeys(r["workload"] for r in timeline):
         xs = [r["t"] for r in timeline if r["workload"] == w and r["alpha"] is not None]
@@ -373,7 +373,7 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
     ax.set_xlabel("seconds since serving started")
     ax.set_ylabel("α (greedy: share of proposals the target accepts)")
     ax.set_ylim(-0.02, 1.0)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=6)  # below the axes: no swap label hidden
     ax.set_title("draftd: acceptance per workload (dashed: shift, dotted: adapter swap; α only on requests that speculated)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
