@@ -16,15 +16,16 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from daemon.logging import console
 
 app = typer.Typer(help="draftd: online-adapted speculative decoding sidecar. Operate the daemon.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Registered draft adapters: list, show, promote, rollback.", no_args_is_help=True)
 app.add_typer(adapters_app, name="adapters")
 
-out = Console()
-err = Console(stderr=True)
+out = console()
+err = console(stderr=True)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable JSON on stdout")]
@@ -194,8 +195,11 @@ def render_status(st: dict) -> None:
         t.add_row("redis", f"[red]down[/] {r.get('mode')} {r.get('note') or r.get('error') or ''}")
     b = st.get("buffer")
     if b:
-        t.add_row("buffer", f"{b['stream']}: {b['depth']} entries; trainer lag {b['consumer_lag']} pending "
-                  f"{b['consumer_pending']}; dead letters {b['dead_letters']}")
+        def n(x):
+            return "-" if x is None else x
+
+        t.add_row("buffer", f"{b['stream']}: {b['depth']} entries; trainer lag {n(b['consumer_lag'])} pending "
+                  f"{n(b['consumer_pending'])}; dead letters {b['dead_letters']}")
     tr = st.get("trainer")
     if tr:
         if not tr.get("enabled"):

@@ -12,7 +12,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-err = Console(stderr=True)
+from daemon.logging import console
+
+err = console(stderr=True)
 
 
 def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int):

@@ -53,3 +53,16 @@ def configure(fmt: Literal["auto", "json", "console"] = "auto", level: str = "in
     for noisy in ("apscheduler", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     _configured = True
+
+
+def console(stderr: bool = False, width: int = 200):
+    """A rich Console; off a terminal (pipes, CI logs) ``width`` columns instead of rich's 80, so
+    tables keep their values whole. ``COLUMNS`` in the environment still wins."""
+    import os
+
+    from rich.console import Console
+
+    c = Console(stderr=stderr)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c.width = width
+    return c
