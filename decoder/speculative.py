@@ -205,8 +205,10 @@ class DecoderConfig:
     small_m_linear: on CPU, switch the target's and the draft's ``nn.Linear`` modules to
         ``decoder.fastpath.SmallMLinear`` (in place; same weights) so that a verification step
         over γ + 1 <= 16 rows costs about one plain step instead of 1.5-1.7 (see that module).
-        The switch is one-way: False leaves the models as they are, and a model an earlier
-        decoder switched stays switched (``decoder.fastpath.plain_linear`` undoes it).
+        The LM head is switched too, so verification's γ + 1 logit rows also stream the head
+        once. The switch is one-way: False leaves the models as they are (transformers' own
+        ``F.linear`` path), and a model an earlier decoder switched stays switched
+        (``decoder.fastpath.plain_linear`` undoes it).
     """
 
     topk_record: int = 32
@@ -261,8 +263,7 @@ class SpeculativeDecoder:
         if self.config.small_m_linear and self.device.type == "cpu":
             small_m_linear(target)
             small_m_linear(draft)
-        self._target_head = _small_m_head(target)  # used for <= _SMALL_M rows on CPU and for prompt chunks
-        self._small_m_fast = self.device.type == "cpu" and self._target_head is not None
+        self._target_head = _small_m_head(target)  # the prompt's LM head in chunks (record_prompt)
         self._draft_head_w = None
         if self.config.draft_vocab is not None:
             ids = self.config.draft_vocab.to(self.device).long()
@@ -286,12 +287,11 @@ class SpeculativeDecoder:
         return logits
 
     def _target_logits(self, tokens: list[int], cache, keep: int) -> torch.Tensor:
-        """Target logits at the last ``keep`` fed positions: (keep, V_p)."""
+        """Target logits at the last ``keep`` fed positions: (keep, V_p). On CPU the LM head, like
+        every layer, is a ``SmallMLinear`` (``DecoderConfig.small_m_linear``), so verification's
+        γ + 1 rows stream the head once."""
         x = torch.tensor([tokens], device=self.device)
-        if not self._small_m_fast or keep > _SMALL_M:
-            return self.target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
-        h = self.target.get_decoder()(input_ids=x, cache=cache, use_cache=True).last_hidden_state[0, -keep:]
-        return self._target_head(h)
+        return self.target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
 
     def _prompt_topk(self, tokens: list[int], cache, k: int):
         """Prefill ``tokens`` into ``cache`` and return the target's top-k rows at every position:
@@ -543,10 +543,6 @@ def _crop_to(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-# Verification feeds gamma + 1 <= _SMALL_M rows through the LM head. On CPU, F.linear (x W^T)
-# with 2..8 rows costs about twice a single row for SmolLM2's 49152 x 576 head (oneDNN GEMM
-# repacks W), while W @ x^T streams W once; bench/head_bench.py measures both.
-_SMALL_M = 16
 _PROMPT_CHUNK = 256  # rows of prompt logits materialised at once when recording the prompt
 _PLAIN_HEAD_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
 
