@@ -34,5 +34,5 @@ from store.errors import (
     UnknownVersionError,
 )
 from store.history import AcceptanceHistory, HistoryRow
-from store.registry import AdapterMeta, AdapterRecord, AdapterRegistry, parse_event
+from store.registry import AdapterMeta, AdapterRecord, AdapterRegistry, check_scope, parse_event
 from store.schema import PairFingerprint, SamplingSettings, SchemaError, VerifiedSample, decode, encode

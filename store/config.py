@@ -14,10 +14,13 @@ Key names (``P`` = ``key_prefix``, default ``"draftd:"``)::
     P adapter:versions                 zset version -> version
     P adapter:v:{N}                    hash, metadata of adapter version N
     P adapter:blob:{N}                 hash filename -> bytes (only with store_bytes=True)
-    P adapter:active                   int, the active adapter version (missing/0 = base draft)
+    P adapter:active                   int, the shared scope's active version (missing/0 = base draft)
     P adapter:active_stack             list of versions made active by promote(), for rollback()
+    P adapter:active:w:{workload}      int, a workload scope's active version (missing/0 = use the shared one)
+    P adapter:active_stack:w:{workload}  that scope's rollback stack
+    P adapter:scopes                   set of workload scopes that ever had an adapter registered
     P adapter:promotions               stream, the promotion log (promote and rollback events)
-    P adapter:events                   pub/sub channel, JSON {event, version, previous, reason, ts}
+    P adapter:events                   pub/sub channel, JSON {event, version, previous, reason, ts, scope}
     P hist:index                       zset "{bucket}|{version}|{workload}" -> bucket start (s)
     P hist:{version}:{bucket}:{workload}   hash of counts for one (workload, version, bucket)
 """
@@ -103,6 +106,18 @@ class Keys:
     @property
     def active_stack(self) -> str:
         return f"{self.prefix}adapter:active_stack"
+
+    def active_in(self, scope: str) -> str:
+        """The active-version key of ``scope`` ("" = shared: :attr:`active`)."""
+        return self.active if not scope else f"{self.prefix}adapter:active:w:{scope}"
+
+    def active_stack_in(self, scope: str) -> str:
+        """The rollback stack of ``scope`` ("" = shared: :attr:`active_stack`)."""
+        return self.active_stack if not scope else f"{self.prefix}adapter:active_stack:w:{scope}"
+
+    @property
+    def adapter_scopes(self) -> str:
+        return f"{self.prefix}adapter:scopes"
 
     @property
     def promotions(self) -> str:

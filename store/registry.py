@@ -19,12 +19,20 @@ fsynced, then ``os.rename``d into place. The sha256 of every file is recorded in
 checked by :meth:`AdapterRegistry.fetch`. With ``store_bytes=True`` the files are also kept in
 Redis (``P adapter:blob:{N}``) so a decoder on another host can materialise them.
 
+Scopes (per-workload adapters): every version belongs to one scope, ``""`` (shared, the default)
+or a workload tag. Each scope has its own active pointer and rollback stack; promoting a version
+moves only its own scope's pointer. A request of workload ``w`` is served by ``w``'s active
+version, or by the shared active version when ``w`` has none (:meth:`AdapterRegistry.resolve`).
+Version 0 means the base draft in the shared scope and "no adapter of its own" in a workload
+scope. With only shared versions, everything behaves as a single active pointer.
+
 Promote and rollback run as one Lua script each (atomic on the server): check the state, set
-``P adapter:active``, update the version's state, append to the promotion log stream
-``P adapter:promotions`` and PUBLISH on ``P adapter:events`` a JSON message::
+the scope's active pointer (``P adapter:active`` for the shared scope), update the version's state,
+append to the promotion log stream ``P adapter:promotions`` and PUBLISH on ``P adapter:events``
+a JSON message::
 
     {"event": "promote" | "rollback", "version": <new active>, "previous": <old active>,
-     "reason": "...", "ts": <seconds since the epoch>}
+     "reason": "...", "ts": <seconds since the epoch>, "scope": "" | "<workload>"}
 
 Decoders subscribe to the channel, or poll :meth:`AdapterRegistry.active_version`.
 Durability of "registered" is Redis's: run it with AOF (``appendonly yes``) if a registered
@@ -63,8 +71,8 @@ if prev == v then return {'active'} end
 redis.call('SET', KEYS[2], v)
 redis.call('RPUSH', KEYS[3], v)
 redis.call('HSET', KEYS[1], 'state', 'promoted', 'reason', ARGV[2], 'state_changed_at', ARGV[3])
-redis.call('XADD', KEYS[4], '*', 'event', 'promote', 'version', v, 'previous', prev, 'reason', ARGV[2], 'ts', ARGV[3])
-local msg = '{"event":"promote","version":' .. v .. ',"previous":' .. prev .. ',"reason":' .. cjson.encode(ARGV[2]) .. ',"ts":' .. ARGV[3] .. '}'
+redis.call('XADD', KEYS[4], '*', 'event', 'promote', 'version', v, 'previous', prev, 'reason', ARGV[2], 'ts', ARGV[3], 'scope', ARGV[5])
+local msg = '{"event":"promote","version":' .. v .. ',"previous":' .. prev .. ',"reason":' .. cjson.encode(ARGV[2]) .. ',"ts":' .. ARGV[3] .. ',"scope":' .. cjson.encode(ARGV[5]) .. '}'
 redis.call('PUBLISH', ARGV[4], msg)
 return {'ok', prev}
 """
@@ -84,8 +92,8 @@ while true do
   redis.call('RPOP', KEYS[2])
 end
 redis.call('SET', KEYS[1], new)
-redis.call('XADD', KEYS[3], '*', 'event', 'rollback', 'version', new, 'previous', cur, 'reason', ARGV[2], 'ts', ARGV[3])
-local msg = '{"event":"rollback","version":' .. new .. ',"previous":' .. cur .. ',"reason":' .. cjson.encode(ARGV[2]) .. ',"ts":' .. ARGV[3] .. '}'
+redis.call('XADD', KEYS[3], '*', 'event', 'rollback', 'version', new, 'previous', cur, 'reason', ARGV[2], 'ts', ARGV[3], 'scope', ARGV[5])
+local msg = '{"event":"rollback","version":' .. new .. ',"previous":' .. cur .. ',"reason":' .. cjson.encode(ARGV[2]) .. ',"ts":' .. ARGV[3] .. ',"scope":' .. cjson.encode(ARGV[5]) .. '}'
 redis.call('PUBLISH', ARGV[4], msg)
 return {'ok', new, cur}
 """
@@ -95,7 +103,7 @@ local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {'unknown'} end
 if tonumber(redis.call('GET', KEYS[2]) or '0') == tonumber(ARGV[1]) then return {'active', state} end
 redis.call('HSET', KEYS[1], 'state', ARGV[2], 'reason', ARGV[3], 'state_changed_at', ARGV[4])
-redis.call('XADD', KEYS[3], '*', 'event', 'set_state', 'version', ARGV[1], 'state', ARGV[2], 'reason', ARGV[3], 'ts', ARGV[4])
+redis.call('XADD', KEYS[3], '*', 'event', 'set_state', 'version', ARGV[1], 'state', ARGV[2], 'reason', ARGV[3], 'ts', ARGV[4], 'scope', ARGV[5])
 return {'ok', state}
 """
 
@@ -116,6 +124,7 @@ class AdapterMeta:
     alpha_after: float = math.nan
     alpha_before_by_workload: dict[str, float] = field(default_factory=dict)
     alpha_after_by_workload: dict[str, float] = field(default_factory=dict)
+    scope: str = ""  # "" = shared; a workload tag = an adapter serving only that workload
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,23 @@ class AdapterRecord:
     artifact_path: str  # the directory it was registered into (on the registering host)
     sha256: dict[str, str]  # file name -> hex digest
     has_bytes: bool  # the files are also stored in Redis
+    scope: str = ""  # "" = shared; else the workload it serves (records from before scopes: "")
+
+
+MAX_SCOPE_LEN = 128
+
+
+def check_scope(scope: str) -> str:
+    """``scope`` if it is a valid adapter scope: "" (shared) or a workload tag of 1..128
+    characters without whitespace or control characters. Raises ValueError naming it."""
+    if not isinstance(scope, str):
+        raise ValueError(f"adapter scope {scope!r} must be a str: '' (shared) or a workload tag")
+    if len(scope) > MAX_SCOPE_LEN or any(c.isspace() or not c.isprintable() for c in scope):
+        raise ValueError(
+            f"adapter scope {scope[:MAX_SCOPE_LEN + 8]!r} is not a usable workload tag: at most {MAX_SCOPE_LEN} "
+            f"characters, no whitespace or control characters; '' is the shared scope"
+        )
+    return scope
 
 
 def _sha256_file(path: Path) -> str:
@@ -237,6 +263,7 @@ class AdapterRegistry:
             RegistryError: ``src_dir`` lacks a required file, or ``artifact_dir/v{N}`` already
                 exists (Redis lost its counter while the artifact dir kept old versions).
         """
+        scope = check_scope(meta.scope)
         src = Path(src_dir)
         missing = [n for n in REQUIRED_FILES if not (src / n).is_file()]
         if missing:
@@ -254,7 +281,7 @@ class AdapterRegistry:
                 f"{self._keys.adapter_counter!r} was reset. Restore Redis or use a fresh artifact_dir."
             )
         digests = _write_dir_atomically(dest, files)
-        parent = meta.parent if meta.parent is not None else self.active_version()
+        parent = meta.parent if meta.parent is not None else self.resolve(scope)
         now = self._clock()
         mapping = {
             "version": version,
@@ -273,6 +300,7 @@ class AdapterRegistry:
             "artifact_path": str(dest.resolve()),
             "sha256": json.dumps(digests, sort_keys=True),
             "has_bytes": int(store_bytes),
+            "scope": scope,
         }
         with _unavailable(f"recording adapter v{version}"):
             pipe = self._client.pipeline(transaction=True)
@@ -280,6 +308,8 @@ class AdapterRegistry:
                 pipe.hset(self._keys.adapter_blob(version), mapping={n: (dest / n).read_bytes() for n in digests})
             pipe.hset(self._keys.adapter(version), mapping=mapping)
             pipe.zadd(self._keys.adapter_versions, {str(version): version})
+            if scope:
+                pipe.sadd(self._keys.adapter_scopes, scope)
             pipe.execute()
         return version
 
@@ -358,8 +388,16 @@ class AdapterRegistry:
 
     # -- state ------------------------------------------------------------------------------------
 
+    def _scope_of(self, version: int) -> str | None:
+        with _unavailable(f"HGET adapter v{version} scope"):
+            if not self._client.exists(self._keys.adapter(version)):
+                return None
+            raw = self._client.hget(self._keys.adapter(version), "scope")
+        return raw.decode("utf-8") if raw else ""
+
     def promote(self, version: int, reason: str) -> int:
-        """Make ``version`` the active adapter, atomically; returns the previously active version.
+        """Make ``version`` the active adapter of its scope, atomically; returns that scope's
+        previously active version (0 = none / the base draft).
 
         Raises:
             UnknownVersionError: no such version.
@@ -367,10 +405,13 @@ class AdapterRegistry:
         """
         now = self._clock()
         k = self._keys
+        scope = self._scope_of(version)
+        if scope is None:
+            raise UnknownVersionError(f"cannot promote v{version}: no such adapter version; see list()")
         with _unavailable(f"promoting v{version}"):
             res = self._promote(
-                keys=[k.adapter(version), k.active, k.active_stack, k.promotions],
-                args=[int(version), reason, repr(float(now)), k.events_channel],
+                keys=[k.adapter(version), k.active_in(scope), k.active_stack_in(scope), k.promotions],
+                args=[int(version), reason, repr(float(now)), k.events_channel, scope],
             )
         code = res[0].decode()
         if code == "unknown":
@@ -383,21 +424,30 @@ class AdapterRegistry:
             raise InvalidTransitionError(f"cannot promote v{version}: it is already the active version")
         return int(res[1])
 
-    def rollback(self, reason: str) -> int:
-        """Mark the active version ``rolled_back`` and reactivate the previous promoted version
-        that is still ``promoted`` (0 = base draft if none), atomically. Returns the new active.
+    def rollback(self, reason: str, scope: str = "") -> int:
+        """Mark ``scope``'s active version ``rolled_back`` and reactivate the scope's previous
+        promoted version that is still ``promoted``, atomically. Returns the scope's new active
+        version: 0 when none is left (the base draft for the shared scope; for a workload scope,
+        its requests fall back to the shared adapter).
 
         Raises:
-            InvalidTransitionError: no adapter is active (the base draft is already serving).
+            ValueError: ``scope`` is not a valid scope (see :func:`check_scope`).
+            InvalidTransitionError: the scope has no active adapter.
         """
+        check_scope(scope)
         now = self._clock()
         k = self._keys
         with _unavailable("rollback"):
             res = self._rollback(
-                keys=[k.active, k.active_stack, k.promotions],
-                args=[f"{k.prefix}adapter:v:", reason, repr(float(now)), k.events_channel],
+                keys=[k.active_in(scope), k.active_stack_in(scope), k.promotions],
+                args=[f"{k.prefix}adapter:v:", reason, repr(float(now)), k.events_channel, scope],
             )
         if res[0].decode() == "none":
+            if scope:
+                raise InvalidTransitionError(
+                    f"cannot roll back scope {scope!r}: it has no active adapter of its own (its requests use "
+                    f"the shared one); roll back the shared scope instead"
+                )
             raise InvalidTransitionError("cannot roll back: no adapter is active (version 0, the base draft)")
         return int(res[1])
 
@@ -415,10 +465,13 @@ class AdapterRegistry:
                 f"set 'promoted' and 'rolled_back'"
             )
         k = self._keys
+        scope = self._scope_of(version)
+        if scope is None:
+            raise UnknownVersionError(f"cannot set state of v{version}: no such adapter version")
         with _unavailable(f"set_state v{version}"):
             res = self._set_state(
-                keys=[k.adapter(version), k.active, k.promotions],
-                args=[int(version), state, reason, repr(float(self._clock()))],
+                keys=[k.adapter(version), k.active_in(scope), k.promotions],
+                args=[int(version), state, reason, repr(float(self._clock())), scope],
             )
         code = res[0].decode()
         if code == "unknown":
@@ -428,11 +481,35 @@ class AdapterRegistry:
 
     # -- queries ----------------------------------------------------------------------------------
 
-    def active_version(self) -> int:
-        """The active adapter version; 0 = the base draft (no adapter)."""
+    def active_version(self, scope: str = "") -> int:
+        """``scope``'s own active version: for the shared scope 0 = the base draft; for a
+        workload scope 0 = none (its requests use the shared one, see :meth:`resolve`)."""
+        check_scope(scope)
         with _unavailable("GET active version"):
-            v = self._client.get(self._keys.active)
+            v = self._client.get(self._keys.active_in(scope))
         return int(v) if v is not None else 0
+
+    def resolve(self, workload: str = "") -> int:
+        """The version serving requests of ``workload``: its own scope's active version, else
+        the shared one (0 = the base draft)."""
+        check_scope(workload)
+        keys = [self._keys.active] + ([self._keys.active_in(workload)] if workload else [])
+        with _unavailable("MGET active versions"):
+            vals = self._client.mget(keys)
+        own = int(vals[-1] or 0) if workload else 0
+        return own or int(vals[0] or 0)
+
+    def scopes(self) -> list[str]:
+        """The workload scopes that have had an adapter registered, sorted (the shared "" excluded)."""
+        with _unavailable("SMEMBERS adapter scopes"):
+            return sorted(m.decode("utf-8") for m in self._client.smembers(self._keys.adapter_scopes))
+
+    def active_versions(self) -> dict[str, int]:
+        """Every scope's own active version: ``{"": shared, workload: version or 0, ...}``."""
+        scopes = [""] + self.scopes()
+        with _unavailable("MGET active versions"):
+            vals = self._client.mget([self._keys.active_in(s) for s in scopes])
+        return {s: int(v or 0) for s, v in zip(scopes, vals)}
 
     def get(self, version: int) -> AdapterRecord:
         """The record of ``version``. Raises UnknownVersionError if there is none."""
@@ -461,9 +538,11 @@ class AdapterRegistry:
 
 def parse_event(message: dict) -> dict:
     """Decode a pub/sub message from :attr:`AdapterRegistry.events_channel` into
-    ``{"event", "version", "previous", "reason", "ts"}``."""
+    ``{"event", "version", "previous", "reason", "ts", "scope"}`` (``scope`` "" when absent)."""
     data = message["data"]
-    return json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+    ev = json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+    ev.setdefault("scope", "")
+    return ev
 
 
 def _record(h: dict[bytes, bytes]) -> AdapterRecord:
@@ -485,4 +564,5 @@ def _record(h: dict[bytes, bytes]) -> AdapterRecord:
         artifact_path=g["artifact_path"],
         sha256=json.loads(g["sha256"]),
         has_bytes=g.get("has_bytes") == "1",
+        scope=g.get("scope", ""),
     )

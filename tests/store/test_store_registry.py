@@ -93,7 +93,7 @@ def test_promote_rollback_are_announced_and_atomic(reg, tmp_path):
 
     assert reg.promote(v1, "alpha +0.07 on held-out") == 0
     assert next_event(ps) == {"event": "promote", "version": 1, "previous": 0,
-                              "reason": "alpha +0.07 on held-out", "ts": 1_732_870_000.5}
+                              "reason": "alpha +0.07 on held-out", "ts": 1_732_870_000.5, "scope": ""}
     assert reg.register(peft_dir(tmp_path / "c", 3), AdapterMeta()) == 3
     assert reg.get(3).parent == 1  # parent defaults to the active version
     assert reg.promote(v2, "better") == 1
@@ -102,7 +102,7 @@ def test_promote_rollback_are_announced_and_atomic(reg, tmp_path):
 
     assert reg.rollback("regression on код") == 1
     assert next_event(ps) == {"event": "rollback", "version": 1, "previous": 2,
-                              "reason": "regression on код", "ts": 1_732_870_000.5}
+                              "reason": "regression on код", "ts": 1_732_870_000.5, "scope": ""}
     assert reg.get(2).state == "rolled_back" and reg.get(2).reason == "regression on код"
     assert reg.active_version() == 1
     assert reg.rollback("again") == 0
@@ -113,6 +113,57 @@ def test_promote_rollback_are_announced_and_atomic(reg, tmp_path):
     assert [(e["event"], e["version"], e["previous"]) for e in log] == [
         ("promote", "1", "0"), ("promote", "2", "1"), ("rollback", "1", "2"), ("rollback", "0", "1")]
     ps.close()
+
+
+def test_workload_scopes_have_their_own_active_pointer_and_rollback_stack(reg, tmp_path):
+    shared1 = reg.register(peft_dir(tmp_path / "s1", 1), AdapterMeta())
+    reg.promote(shared1, "shared v1")
+    code1 = reg.register(peft_dir(tmp_path / "c1", 2), AdapterMeta(scope="code"))
+    assert reg.get(code1).scope == "code" and reg.get(shared1).scope == ""
+    assert reg.get(code1).parent == shared1  # code had no own adapter: it was served by the shared one
+    assert reg.resolve("code") == shared1 and reg.active_version("code") == 0
+    ps = reg.subscribe()
+    assert reg.promote(code1, "code +0.1") == 0  # code's own previous: none
+    assert next_event(ps) == {"event": "promote", "version": code1, "previous": 0, "reason": "code +0.1",
+                              "ts": 1_732_870_000.5, "scope": "code"}
+    # the shared pointer did not move; each workload resolves to its own scope, else the shared one
+    assert reg.active_version() == shared1 and reg.active_version("code") == code1
+    assert (reg.resolve("code"), reg.resolve("math"), reg.resolve("")) == (code1, shared1, shared1)
+    assert reg.active_versions() == {"": shared1, "code": code1}
+    assert reg.scopes() == ["code"]
+    # a new shared version neither replaces nor is replaced by code's
+    shared2 = reg.register(peft_dir(tmp_path / "s2", 3), AdapterMeta())
+    assert reg.promote(shared2, "shared v2") == shared1
+    code2 = reg.register(peft_dir(tmp_path / "c2", 4), AdapterMeta(scope="code"))
+    assert reg.get(code2).parent == code1
+    assert reg.promote(code2, "code v2") == code1
+    assert reg.active_versions() == {"": shared2, "code": code2}
+    # the active version of a scope cannot be rejected; one of another scope's can
+    with pytest.raises(InvalidTransitionError, match="active"):
+        reg.set_state(code2, "rejected", "no")
+    # rollback walks code's own stack, then falls back to the shared adapter (0 = none of its own)
+    assert reg.rollback("code v2 regressed", scope="code") == code1
+    assert reg.active_version() == shared2  # untouched
+    assert reg.rollback("code v1 regressed", scope="code") == 0
+    assert reg.resolve("code") == shared2
+    with pytest.raises(InvalidTransitionError, match="no active adapter of its own"):
+        reg.rollback("nothing", scope="code")
+    assert reg.rollback("shared v2 bad") == shared1  # the shared stack never held code's versions
+    events = [(e["event"], e["version"], e["scope"]) for e in reg.promotion_log() if e["event"] != "set_state"]
+    assert events == [("promote", str(shared1), ""), ("promote", str(code1), "code"), ("promote", str(shared2), ""),
+                      ("promote", str(code2), "code"), ("rollback", str(code1), "code"), ("rollback", "0", "code"),
+                      ("rollback", str(shared1), "")]
+    ps.close()
+
+
+@pytest.mark.parametrize("scope", ["two words", "tab\tx", "x" * 129, "nl\n"])
+def test_invalid_scope_is_refused_with_the_value(reg, tmp_path, scope):
+    with pytest.raises(ValueError, match="adapter scope"):
+        reg.register(peft_dir(tmp_path / "a"), AdapterMeta(scope=scope))
+    with pytest.raises(ValueError, match="adapter scope"):
+        reg.rollback("x", scope=scope)
+    assert reg.list() == []  # nothing registered, no version burned on the way
+    assert reg.register(peft_dir(tmp_path / "b"), AdapterMeta()) == 1
 
 
 def test_rollback_skips_versions_no_longer_promoted(reg, tmp_path):
