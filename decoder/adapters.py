@@ -1,22 +1,29 @@
 """Hot-swapping the draft's LoRA adapter at request boundaries.
 
-The registry (:class:`store.AdapterRegistry`) says which adapter version is active; the
-:class:`AdapterManager` makes the decoder's draft use it:
+The registry (:class:`store.AdapterRegistry`) says which adapter version is active in each
+scope (the shared one, and one per workload that has its own adapters); the
+:class:`AdapterManager` makes the decoder's draft use, for each request, the version that serves
+the request's workload (its scope's, else the shared one: :meth:`AdapterRegistry.resolve`):
 
-1. *learn*: a background thread subscribed to ``P adapter:events`` (promote / rollback), with
-   :meth:`AdapterRegistry.active_version` polled every ``poll_interval_s`` as the fallback (a
-   missed message, a lost subscription, Redis restarting);
+1. *learn*: a background thread subscribed to ``P adapter:events`` (promote / rollback, with
+   their scope), with :meth:`AdapterRegistry.active_versions` polled every ``poll_interval_s``
+   as the fallback (a missed message, a lost subscription, Redis restarting);
 2. *prepare*, in that thread, outside the decoder's lock: ``registry.fetch`` (sha256 of every
    file checked), :func:`check_compatible` (peft type, rank, base class, target modules present
    in the draft with matching shapes, finite weights), then peft ``load_adapter`` under a new
    adapter name ``v{N}``. The new adapter is *inactive*: peft's LoRA forward only reads the
    active adapter's tensors, so requests in flight are untouched while it loads;
+   Once loaded, the version becomes its scope's *route*.
 3. *switch*, in a ``between_requests`` hook of the decoder (which holds the decoder's lock, so
-   no request is running): ``set_adapter("v{N}")`` (or, for version 0 = the base draft,
+   no request is running): the route of the next request's workload (the shared route when the
+   workload has none, or when the decoder is idle) is compared with ``decoder.adapter_version``;
+   if they differ, ``set_adapter("v{N}")`` (or, for version 0 = the base draft,
    ``disable_adapter_layers``) and ``decoder.adapter_version = N``. The time the hook holds the
-   lock is the *swap pause*, measured per swap;
-4. *evict*, back in the thread: ``delete_adapter`` of versions beyond the ``keep_loaded`` most
-   recent (the previous version stays loaded, so a rollback is a pure switch).
+   lock is the *swap pause*, measured per swap. With per-workload adapters and interleaved
+   traffic a swap can happen at every request boundary; it costs one ``set_adapter``;
+4. *evict*, back in the thread: ``delete_adapter`` of versions no scope routes to, beyond the
+   ``keep_loaded - 1`` most recent such (with one scope: the previous version stays loaded, so a
+   rollback is a pure switch).
 
 The first adapter needs peft's LoRA layers in the draft. They are injected in the thread with
 ``get_peft_model`` and a *no-op* adapter (LoRA B initialised to zeros, so base + B·A·x adds
@@ -77,6 +84,7 @@ class SwapRecord:
     from_version: int
     to_version: int
     pause_ms: float  # time the hook held the decoder's lock for this switch
+    workload: str | None = None  # the workload of the request it was made for (None: idle boundary)
 
 
 @dataclass(frozen=True)
@@ -87,14 +95,6 @@ class LoadFailure:
     ts: float
     kind: str  # integrity | missing | incompatible | unknown_version | swap | error
     reason: str
-
-
-@dataclass
-class _Prepared:
-    version: int
-    name: str | None  # peft adapter name; None for version 0 (base draft)
-    prepare_ms: float
-    source: str
 
 
 def check_compatible(draft: torch.nn.Module, adapter_dir: str | Path, *, max_rank: int = 256,
@@ -194,14 +194,16 @@ class AdapterManager:
 
     Args:
         decoder: a :class:`decoder.speculative.SpeculativeDecoder`; a hook is appended to its
-            ``between_requests``. Create the manager before serving.
+            ``between_requests``. Create the manager before serving. Its ``adapter_version`` is
+            taken as the shared scope's starting route.
         registry: the :class:`store.AdapterRegistry` adapters are fetched from.
         poll_interval_s: how often ``active_version()`` is polled when no event arrives, and the
             retry delay while Redis is unreachable.
         clock: monotonic seconds, for pause and preparation times.
         wall_clock: seconds since the epoch, for ``since`` and records.
-        keep_loaded: adapter versions kept in memory (active included), >= 1; 2 keeps the
-            previous version so that a rollback is a pure switch.
+        keep_loaded: adapter versions kept in memory besides the ones other scopes route to
+            (so with only the shared scope: active included), >= 1; 2 keeps the previous version
+            so that a rollback is a pure switch.
         max_rank: largest LoRA rank accepted.
         expected_base: the draft's model id, checked against ``base_model_name_or_path``.
         history: swaps, failures and boundary versions kept (most recent).
@@ -239,8 +241,9 @@ class AdapterManager:
         self._peft: PeftModel | None = None
         self._loaded: list[tuple[int, str]] = []  # (version, name), oldest first
         self._disabled = False  # adapter layers disabled (version 0 after an adapter)
-        self._pending: _Prepared | None = None
-        self._target: int = decoder.adapter_version  # last version prepared (or installed)
+        # scope -> version prepared for it ("" = shared; a workload's 0 = use the shared route)
+        self._routes: dict[str, int] = {"": decoder.adapter_version}
+        self._previous: dict[str, int] = {}  # scope -> its route before the last change (swap-failure fallback)
         self._failed: dict[int, str] = {}
         self._boundaries = 0
         self._swaps_total = 0
@@ -292,12 +295,14 @@ class AdapterManager:
                     next_poll = 0.0  # subscribed first, then polled: nothing falls in between
                 now = self.clock()
                 if now >= next_poll:
-                    self._prepare(self.registry.active_version(), "poll")
+                    for scope, version in self.registry.active_versions().items():
+                        self._prepare(version, "poll", scope)
                     next_poll = now + self.poll_interval_s
                 # short waits, so that stop() is prompt whatever the poll interval
                 msg = ps.get_message(timeout=min(0.2, self.poll_interval_s))
                 if msg is not None and msg.get("type") == "message":
-                    self._prepare(self._latest_event(ps, msg), "event")
+                    for scope, version in self._latest_events(ps, msg).items():
+                        self._prepare(version, "event", scope)
                 self._evict()
             except (StoreError, redis.RedisError, OSError, ValueError) as e:
                 if self._stop.is_set():
@@ -317,48 +322,54 @@ class AdapterManager:
                 pass
 
     @staticmethod
-    def _latest_event(ps, msg) -> int:
-        """The newest event's version: drain what is queued, so a burst costs one load."""
-        version = int(parse_event(msg)["version"])
+    def _latest_events(ps, msg) -> dict[str, int]:
+        """The newest event's version per scope: drain what is queued, so a burst costs one
+        load per scope."""
+        ev = parse_event(msg)
+        latest = {ev["scope"]: int(ev["version"])}
         while (more := ps.get_message(timeout=0)) is not None:
             if more.get("type") == "message":
-                version = int(parse_event(more)["version"])
-        return version
+                ev = parse_event(more)
+                latest[ev["scope"]] = int(ev["version"])
+        return latest
 
     # ---- preparation (background, outside the decoder's lock) ------------------------------
-    def poll_once(self, version: int | None = None) -> int:
-        """Synchronously prepare ``version`` (default: the registry's active one) and evict
-        unused adapters; returns the version prepared or kept. The switch itself still happens
-        at the next request boundary. Raises StoreUnavailableError when Redis is unreachable."""
-        v = self.registry.active_version() if version is None else int(version)
-        self._prepare(v, "manual")
+    def poll_once(self, version: int | None = None, scope: str = "") -> int:
+        """Synchronously prepare ``version`` for ``scope`` (default: the registry's active
+        versions of every scope) and evict unused adapters; returns the version prepared or
+        kept for ``scope``. The switch itself still happens at the next request boundary.
+        Raises StoreUnavailableError when Redis is unreachable."""
+        if version is None:
+            for sc, v in self.registry.active_versions().items():
+                self._prepare(v, "manual", sc)
+        else:
+            self._prepare(int(version), "manual", scope)
         self._evict()
-        return v
+        return self._routes.get(scope, 0)
 
-    def _prepare(self, version: int, source: str) -> None:
+    def _prepare(self, version: int, source: str, scope: str = "") -> None:
         with self._prep_lock:
-            if version == self._target:
+            if version == self._routes.get(scope, 0):
                 return
             if version in self._failed and source == "poll":
                 return  # already failed; a new event (or poll_once) retries it
             t0 = self.clock()
             try:
-                name = None if version == 0 else self._load(version)
+                if version != 0:
+                    self._load(version)
             except StoreUnavailableError:
                 raise  # transient: the watcher retries
             except Exception as e:  # noqa: BLE001 - a bad adapter must never reach a request
-                self._fail(version, _kind(e), str(e))
+                self._fail(version, _kind(e), str(e), scope)
                 return
             ms = (self.clock() - t0) * 1e3
             self._failed.pop(version, None)
-            self._target = version
+            self._previous[scope] = self._routes.get(scope, 0)
+            self._routes = {**self._routes, scope: version}  # replaced whole: the hook reads it unlocked
             self.last_source = source
-            if version == self.decoder.adapter_version:
-                self._pending = None  # e.g. rolled back to what is still serving
-            else:
-                self._pending = _Prepared(version, name, ms, source)
+            if version != 0:
                 self.prepare_ms.append(ms)
-            log.info("adapter_prepared", version=version, source=source, prepare_ms=round(ms, 3))
+            log.info("adapter_prepared", version=version, scope=scope, source=source, prepare_ms=round(ms, 3))
             with self._changed:
                 self._changed.notify_all()
 
@@ -380,27 +391,27 @@ class AdapterManager:
             self._loaded.append((version, name))
         return name
 
-    def _fail(self, version: int, kind: str, reason: str) -> None:
+    def _fail(self, version: int, kind: str, reason: str, scope: str = "") -> None:
         f = LoadFailure(version, self.wall_clock(), kind, reason)
         self.failures.append(f)
         self._failures_total += 1
         self._failed[version] = reason
-        log.error("adapter_load_failed", version=version, kind=kind, reason=reason,
-                  serving=self.decoder.adapter_version)
+        log.error("adapter_load_failed", version=version, scope=scope, kind=kind, reason=reason,
+                  serving=self._routes.get(scope, 0))
         with self._changed:
             self._changed.notify_all()
 
     def _evict(self) -> None:
-        """delete_adapter the versions beyond ``keep_loaded`` and the no-op adapter once a real
-        one serves; never the active or the pending one."""
+        """delete_adapter the versions beyond ``keep_loaded`` plus the routed ones, oldest first,
+        and the no-op adapter once a real one is loaded; never the active or a routed one."""
         if self._peft is None:
             return
         with self._model_lock:
             protected = set(self._peft.active_adapters)
-            if self._pending is not None and self._pending.name:
-                protected.add(self._pending.name)
+            routed = {adapter_name(v) for v in self._routes.values() if v}
+            protected |= routed
             real = [n for v, n in self._loaded if n != NOOP]
-            drop = real[: max(0, len(real) - self.keep_loaded)]
+            drop = real[: max(0, len(real) - (self.keep_loaded + max(0, len(routed) - 1)))]
             if real:
                 drop.append(NOOP)
             for n in drop:
@@ -410,24 +421,31 @@ class AdapterManager:
                 self._loaded = [(v, m) for v, m in self._loaded if m != n]
 
     # ---- the switch (under the decoder's lock) -------------------------------------------
-    def _between_requests(self, dec) -> None:
+    def route(self, workload: str | None) -> int:
+        """The prepared version a request of ``workload`` runs with: its scope's route, else
+        the shared one (None = an idle boundary: the shared one)."""
+        routes = self._routes
+        return (routes.get(workload, 0) if workload else 0) or routes.get("", 0)
+
+    def _between_requests(self, dec, req=None) -> None:
         seq = self._boundaries
         self._boundaries += 1
-        p = self._pending
-        if p is not None and p.version != dec.adapter_version and self._model_lock.acquire(blocking=False):
+        workload = getattr(req, "workload", None)
+        want = self.route(workload)
+        if want != dec.adapter_version and self._model_lock.acquire(blocking=False):
             t0 = self.clock()
             old = dec.adapter_version
             try:
-                if p.name is None:
+                if want == 0:
                     if self._peft is not None:
                         self._peft.base_model.disable_adapter_layers()
                         self._disabled = True
                 else:
-                    self._peft.set_adapter(p.name, inference_mode=True)
+                    self._peft.set_adapter(adapter_name(want), inference_mode=True)
                     if self._disabled:
                         self._peft.base_model.enable_adapter_layers()
                         self._disabled = False
-                dec.adapter_version = p.version
+                dec.adapter_version = want
                 ok = True
             except Exception as e:  # noqa: BLE001 - keep serving the old adapter
                 ok = False
@@ -435,17 +453,16 @@ class AdapterManager:
             finally:
                 self._model_lock.release()
             pause = (self.clock() - t0) * 1e3
-            if self._pending is p:
-                self._pending = None
             if ok:
                 self.active_since = self.wall_clock()
                 self._swaps_total += 1
-                self.swaps.append(SwapRecord(seq, self.active_since, old, p.version, pause))
-                log.info("adapter_swapped", from_version=old, to_version=p.version, pause_ms=round(pause, 3),
-                         prepare_ms=round(p.prepare_ms, 3), source=p.source)
+                self.swaps.append(SwapRecord(seq, self.active_since, old, want, pause, workload))
+                log.info("adapter_swapped", from_version=old, to_version=want, workload=workload,
+                         pause_ms=round(pause, 3))
             else:
-                self._target = dec.adapter_version
-                self._fail(p.version, "swap", f"switching to v{p.version} failed: {err!r}")
+                # unroute it: its scopes go back to what they routed to before
+                self._routes = {sc: (self._previous.get(sc, 0) if v == want else v) for sc, v in self._routes.items()}
+                self._fail(want, "swap", f"switching to v{want} failed: {err!r}")
             with self._changed:
                 self._changed.notify_all()
         self.boundary_log.append(dec.adapter_version)
@@ -456,12 +473,12 @@ class AdapterManager:
         """Swap pauses (ms), oldest first."""
         return [s.pause_ms for s in self.swaps]
 
-    def wait_prepared(self, version: int, timeout: float = 30.0) -> bool:
-        """Block until ``version`` is prepared or installed (True) or failed / timed out (False)."""
+    def wait_prepared(self, version: int, timeout: float = 30.0, scope: str = "") -> bool:
+        """Block until ``version`` is prepared for ``scope`` (True) or failed / timed out (False)."""
         deadline = self.clock() + timeout
         with self._changed:
             while True:
-                if self._target == version and version not in self._failed:
+                if self._routes.get(scope, 0) == version and version not in self._failed:
                     return True
                 if version in self._failed:
                     return False
@@ -473,11 +490,13 @@ class AdapterManager:
     def status(self) -> dict[str, Any]:
         """Active version and since when, pending switch, swaps, failures, pause stats; JSON-ready."""
         last = self.failures[-1] if self.failures else None
+        shared = self._routes.get("", 0)
         return {
             "active_version": self.decoder.adapter_version,
             "active_since": self.active_since,
-            "pending_version": self._pending.version if self._pending else None,
-            "target_version": self._target,
+            "pending_version": shared if shared != self.decoder.adapter_version else None,
+            "target_version": shared,
+            "routes": dict(sorted(self._routes.items())),
             "learnt_via": self.last_source,
             "loaded": [v for v, n in self._loaded if n != NOOP],
             "swaps": self._swaps_total,

@@ -290,8 +290,13 @@ class RollbackMonitor:
     The monitor notices each new version v serving after a version u; on every
     (workload, bucket) key where both v and u have served >= ``min_requests`` requests (from
     the tracker's windows), it compares the metric; if v's is below u's by more than ``margin``
-    on any key, it calls ``registry.rollback(reason)`` (only while v is still the registry's
-    active version) and records the decision. A version is judged once.
+    on any key, it rolls v back in its own scope (``registry.rollback(reason, scope)``, only
+    while v is still that scope's active version) and records the decision.
+
+    With per-workload adapters the decoder's version changes with each request's workload, so
+    pass the request's ``workload`` too: the monitor then follows the versions serving each
+    workload separately and judges v on that workload's keys only (once per workload). Without
+    it, one sequence of versions is followed over all keys and a version is judged once.
 
     metric: ``"alpha"`` (pooled α = 1 - TV over proposed positions; informative even with few
         acceptances) or ``"acceptance_rate"`` (accepted / proposed tokens).
@@ -313,23 +318,25 @@ class RollbackMonitor:
         self.min_requests, self.margin, self.metric = min_requests, margin, metric
         self.clock = clock
         self.decisions: list[RollbackDecision] = []
-        self._current: int | None = None
-        self._previous: int | None = None
-        self._judged: set[int] = set()
+        # per workload (None = all keys): [current version, previous version]
+        self._seen: dict[str | None, list[int | None]] = {}
+        self._judged: set[tuple[int, str | None]] = set()
 
-    def check(self, serving_version: int) -> RollbackDecision | None:
-        """Note the version serving now; judge it if there is enough data. Returns the decision
-        made now (None: nothing to judge yet). Redis errors are recorded, never raised."""
-        if serving_version != self._current:
-            if self._current is not None:
-                self._previous = self._current
-            self._current = serving_version
-        v, u = self._current, self._previous
-        if u is None or v == 0 or v in self._judged:
+    def check(self, serving_version: int, workload: str | None = None) -> RollbackDecision | None:
+        """Note the version serving now (for ``workload``'s requests, or for all when None);
+        judge it if there is enough data. Returns the decision made now (None: nothing to judge
+        yet). Redis errors are recorded, never raised."""
+        seen = self._seen.setdefault(workload, [None, None])
+        if serving_version != seen[0]:
+            if seen[0] is not None:
+                seen[1] = seen[0]
+            seen[0] = serving_version
+        v, u = seen
+        if u is None or v == 0 or (v, workload) in self._judged:
             return None
         worst = None
         for w, b, ver in self.tracker.keys():
-            if ver != v:
+            if ver != v or (workload is not None and w != workload):
                 continue
             new, old = self.tracker.window(w, b, v), self.tracker.window(w, b, u)
             n_new, n_old = new.counts.num_requests, old.counts.num_requests
@@ -343,12 +350,12 @@ class RollbackMonitor:
         if worst is None:
             return None
         key, x_new, x_old, n_new, n_old = worst
-        self._judged.add(v)
+        self._judged.add((v, workload))
         bad = x_new < x_old - self.margin
         if bad:
             reason = (f"auto-rollback: v{v} {self.metric}={x_new:.3f} on {key} over {n_new} requests vs "
                       f"v{u} {x_old:.3f} over {n_old} (margin {self.margin})")
-            rolled = self._rollback(v, reason)
+            rolled = self._rollback(v, reason, workload)
             if not rolled[0]:
                 reason += f"; not rolled back: {rolled[1]}"
         else:
@@ -361,17 +368,19 @@ class RollbackMonitor:
             log.info("adapter_judged", version=v, previous=u, rolled_back=False, reason=reason)
         return d
 
-    def _rollback(self, version: int, reason: str) -> tuple[bool, str]:
+    def _rollback(self, version: int, reason: str, workload: str | None) -> tuple[bool, str]:
         try:
-            active = self.registry.active_version()
+            scope = self.registry.get(version).scope
+            active = self.registry.active_version(scope)
             if active != version:
-                return False, f"the registry's active version is now v{active}"
-            self.registry.rollback(reason)
+                where = f"scope {scope!r}" if scope else "the shared scope"
+                return False, f"the registry's active version in {where} is now v{active}"
+            self.registry.rollback(reason, scope=scope)
             return True, ""
         except InvalidTransitionError as e:
             return False, str(e)
         except (StoreError, redis.RedisError, OSError) as e:
-            self._judged.discard(version)  # Redis down: judge again at the next check
+            self._judged.discard((version, workload))  # Redis down: judge again at the next check
             return False, f"registry unreachable: {e}"
 
 

@@ -247,9 +247,10 @@ class SpeculativeDecoder:
         self.clock = clock
         self.adapter_version = 0  # the draft adapter in use (0 = the base draft); set by the adapter manager
         # Requests run one at a time per decoder; between two requests (a step boundary) the
-        # hooks run under the same lock, so an adapter swap never lands inside a request.
+        # hooks run under the same lock, so an adapter swap never lands inside a request. A hook
+        # is called as hook(decoder, request): the request about to run, or None when idle.
         self._lock = threading.Lock()
-        self.between_requests: list[Callable[["SpeculativeDecoder"], None]] = []
+        self.between_requests: list[Callable[["SpeculativeDecoder", DecodeRequest | None], None]] = []
         self.device = next(target.parameters()).device
         self.vocab_p = target.get_output_embeddings().weight.shape[0]
         self.vocab_q = draft.get_output_embeddings().weight.shape[0]
@@ -312,7 +313,8 @@ class SpeculativeDecoder:
 
         ``policy`` chooses γ per step; default: ``FixedGamma(req.gamma)`` (γ = 4 when neither is
         given). γ is capped each step so that max_new_tokens is never exceeded. The hooks in
-        ``between_requests`` run first, under the decoder's lock (adapter swaps happen there).
+        ``between_requests`` run first, under the decoder's lock, with ``req`` (adapter swaps
+        happen there, and choose the adapter of ``req.workload``).
 
         Raises:
             ValueError: a prompt token id outside the target's vocabulary, or prompt +
@@ -320,14 +322,15 @@ class SpeculativeDecoder:
         """
         with self._lock:
             for hook in self.between_requests:
-                hook(self)
+                hook(self, req)
             return self._generate(req, policy)
 
     def run_between_requests(self) -> None:
-        """Run the between-request hooks now (e.g. apply a prepared adapter swap while idle)."""
+        """Run the between-request hooks now, with no request (e.g. apply a prepared swap of the
+        shared adapter while idle)."""
         with self._lock:
             for hook in self.between_requests:
-                hook(self)
+                hook(self, None)
 
     @torch.inference_mode()
     def _generate(self, req: DecodeRequest, policy: GammaPolicy | None) -> DecodeResult:

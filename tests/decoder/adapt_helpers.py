@@ -110,8 +110,8 @@ class RedisRegistry:
         self.client = connect(url)
         self.registry = AdapterRegistry(self.client, artifact_dir, self.config)
 
-    def register(self, src: Path) -> int:
-        return self.registry.register(src, AdapterMeta(parent=0))
+    def register(self, src: Path, scope: str = "") -> int:
+        return self.registry.register(src, AdapterMeta(parent=0, scope=scope))
 
     def close(self) -> None:
         for k in self.client.scan_iter(match=f"{self.prefix}*".encode(), count=1000):

@@ -19,8 +19,8 @@ PROMPTS = ["the cat sat on", "def f(x): return", "what is 3+4?"]
 N_NEW = 10
 
 
-def _req(tok, prompt: str) -> DecodeRequest:
-    return DecodeRequest(tok(prompt)["input_ids"], max_new_tokens=N_NEW, ignore_eos=True)
+def _req(tok, prompt: str, workload: str = "default") -> DecodeRequest:
+    return DecodeRequest(tok(prompt)["input_ids"], max_new_tokens=N_NEW, ignore_eos=True, workload=workload)
 
 
 def test_check_compatible_rejects_what_does_not_fit(tmp_path, pair):
@@ -176,3 +176,59 @@ def test_learns_a_promotion_from_the_event_channel(tok, pair, reg, tmp_path):
         assert mgr.wait_prepared(v1, timeout=10)
         assert mgr.status()["learnt_via"] == "event"
         assert dec.generate(_req(tok, PROMPTS[0]), FixedGamma(3)).adapter_version == v1
+
+
+def test_each_workload_is_drafted_by_its_own_adapter_and_others_by_the_shared_one(tok, pair, reg, tmp_path):
+    """Per-workload adapters: a "code" scope version serves code requests, the shared version
+    serves every other workload (and idle boundaries), interleaved request by request; each
+    request drafts exactly like its version decoded alone; rolling the code scope back returns
+    code to the shared adapter; routed versions are never evicted."""
+    target, draft, noise = pair
+    fix_shared = reg.register(fixing_lora(draft, noise, tmp_path / "fix0"))  # same weights as code's, shared
+    rand_shared = reg.register(random_lora(draft, tmp_path / "r1", scale=2.0, seed=1))
+    dec = SpeculativeDecoder(target, draft, tok)
+    mgr = AdapterManager(dec, reg.registry, keep_loaded=1)
+    ref = {p: reference_greedy(target, tok(p)["input_ids"], N_NEW) for p in PROMPTS}
+    sig = {}
+    for v in (fix_shared, rand_shared):  # each version's signature, decoded alone as the shared adapter
+        reg.registry.promote(v, "signature")
+        mgr.poll_once()
+        sig[v] = [tuple(dec.generate(_req(tok, p), FixedGamma(3)).accepted_prefix_lengths) for p in PROMPTS]
+    assert sig[fix_shared] != sig[rand_shared]
+    code = reg.register(fixing_lora(draft, noise, tmp_path / "fix1"), scope="code")
+    reg.registry.promote(code, "code's own")
+    mgr.poll_once()
+    assert mgr.status()["routes"] == {"": rand_shared, "code": code}
+    assert set(mgr.status()["loaded"]) >= {rand_shared, code}  # keep_loaded=1 never evicts a routed version
+
+    swaps_before = len(mgr.swaps)
+    got = []
+    for i in range(9):
+        w = ("code", "prose", "math")[i % 3]
+        p = PROMPTS[i % len(PROMPTS)]
+        r = dec.generate(_req(tok, p, w), FixedGamma(3))
+        assert r.output_ids == ref[p]
+        got.append((w, r.adapter_version))
+        want_sig = sig[fix_shared] if w == "code" else sig[rand_shared]
+        assert tuple(r.accepted_prefix_lengths) == want_sig[PROMPTS.index(p)], f"{w} request drafted by the wrong weights"
+    assert got == [(("code", "prose", "math")[i % 3], code if i % 3 == 0 else rand_shared) for i in range(9)]
+    swaps = list(mgr.swaps)[swaps_before:]
+    assert [(s.to_version, s.workload) for s in swaps] == [(code, "code"), (rand_shared, "prose")] * 3
+
+    assert reg.registry.rollback("code regressed", scope="code") == 0
+    mgr.poll_once()
+    assert mgr.route("code") == rand_shared
+    r = dec.generate(_req(tok, PROMPTS[0], "code"), FixedGamma(3))
+    assert r.adapter_version == rand_shared and tuple(r.accepted_prefix_lengths) == sig[rand_shared][0]
+
+
+def test_learns_a_workload_promotion_from_the_event_channel(tok, pair, reg, tmp_path):
+    target, draft, noise = pair
+    v1 = reg.register(fixing_lora(draft, noise, tmp_path / "fix"), scope="код")
+    dec = SpeculativeDecoder(target, draft, tok)
+    with AdapterManager(dec, reg.registry, poll_interval_s=30.0) as mgr:
+        time.sleep(0.3)
+        reg.registry.promote(v1, "event")
+        assert mgr.wait_prepared(v1, timeout=10, scope="код")
+        assert dec.generate(_req(tok, PROMPTS[0], "prose"), FixedGamma(3)).adapter_version == 0
+        assert dec.generate(_req(tok, PROMPTS[0], "код"), FixedGamma(3)).adapter_version == v1

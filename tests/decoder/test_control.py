@@ -98,6 +98,43 @@ def test_bad_adapter_is_rolled_back_with_the_reason_recorded(tok, pair, reg, tmp
     assert tracker.alarms and tracker.alarms[0].key == ("prose", "greedy")  # the drop was flagged too
 
 
+def test_a_bad_workload_adapter_is_rolled_back_in_its_own_scope_only(tok, pair, reg, tmp_path):
+    """Interleaved prose and code requests; code gets its own adapter, which is bad: the monitor
+    (told each request's workload) compares it with what served code before (the shared good
+    adapter), rolls back the code scope only, and code falls back to the shared adapter."""
+    target, draft, noise = pair
+    good = reg.register(fixing_lora(draft, noise, tmp_path / "fix"))
+    bad = reg.register(random_lora(draft, tmp_path / "bad", scale=50.0, seed=3), scope="code")
+    dec = SpeculativeDecoder(target, draft, tok)
+    mgr = AdapterManager(dec, reg.registry)
+    tracker = AcceptanceTracker()
+    monitor = RollbackMonitor(reg.registry, tracker, min_requests=3, margin=0.2)
+
+    def serve(n: int):
+        for i in range(n):
+            for w in ("prose", "code"):
+                r = dec.generate(_req(tok, i, workload=w), FixedGamma(3))
+                tracker.observe(r)
+                monitor.check(r.adapter_version, r.workload)
+
+    reg.registry.promote(good, "shared")
+    mgr.poll_once()
+    serve(3)
+    reg.registry.promote(bad, "code's own")
+    mgr.poll_once()
+    serve(3)
+    d = monitor.decisions[-1]
+    assert (d.version, d.previous, d.rolled_back) == (bad, good, True)
+    assert d.key.startswith("code@") and d.new_value < 0.2 and d.previous_value > 0.9
+    assert reg.registry.active_versions() == {"": good, "code": 0}
+    last = reg.registry.promotion_log()[-1]
+    assert (last["event"], last["scope"], last["version"]) == ("rollback", "code", "0")
+    mgr.poll_once()
+    r = dec.generate(_req(tok, 0, workload="code"), FixedGamma(3))
+    assert r.adapter_version == good and r.counts.acceptance_rate == 1.0
+    assert len(monitor.decisions) == 1  # the shared version was never judged against code's
+
+
 def test_good_adapter_is_kept(tok, pair, reg, tmp_path):
     target, draft, noise = pair
     v1 = reg.register(fixing_lora(draft, noise, tmp_path / "fix"))
