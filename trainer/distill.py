@@ -322,6 +322,28 @@ class Distiller:
         self.load_adapter_state(self._initial)
         self.optimizer = self._new_optimizer()
 
+    def start_from(self, state: AdapterState | str) -> None:
+        """Train on from ``state`` (an ``adapter_state`` snapshot, or ``BASE`` = the freshly
+        initialised no-op adapter) with a new optimiser."""
+        if isinstance(state, str):
+            if state != BASE:
+                raise ValueError(f"state={state!r}; pass trainer.distill.BASE or an AdapterState")
+            state = self._initial
+        self.load_adapter_state(state)
+        self.optimizer = self._new_optimizer()
+
+    def training_context(self) -> tuple[AdapterState, dict]:
+        """The adapter weights and a copy of the optimiser state: what ``train_round`` continues
+        from. Lets one Distiller train several adapters in turn (per-workload adapters)."""
+        return self.adapter_state(), copy.deepcopy(self.optimizer.state_dict())
+
+    def load_training_context(self, context: tuple[AdapterState, dict]) -> None:
+        """Restore a ``training_context`` snapshot (weights and optimiser state)."""
+        state, opt = context
+        self.load_adapter_state(state)
+        self.optimizer = self._new_optimizer()
+        self.optimizer.load_state_dict(copy.deepcopy(opt))
+
     def _weights_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self._params)
 

@@ -22,6 +22,16 @@ A round (``TrainerService.run_round_now`` or the scheduler):
    registration and ack retrains them once more (delivery is at least once; the reader drops
    entries whose record id was already acked).
 
+Per-workload adapters (``per_workload``, beyond OSD, which keeps one full draft per class):
+after the shared adapter's turn, each workload with at least ``min_workload_samples`` new
+training samples in the round (and ``min_eval_samples`` held out) trains its own adapter on its
+own samples only. It starts from what serves that workload now (its own promoted adapter, else
+the shared one) and is judged only on that workload's held-out slice, against that same adapter.
+It is registered in the workload's scope (``AdapterMeta.scope``), so promoting it moves only
+that workload's pointer, and decoders route that workload's requests to it
+(``decoder.adapters``); workloads without an adapter of their own, and unseen ones, keep the
+shared adapter. Each scope keeps its own training candidate and optimiser state across rounds.
+
 A candidate that is not promoted is not thrown away: the next round keeps training it (the
 promoted snapshot is kept separately for evaluation), so small gains can accumulate past the
 margin. A non-finite round is rolled back inside the Distiller and never registered; its
@@ -43,7 +53,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -53,7 +63,7 @@ import structlog
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from store.buffer import group_info
-from store.registry import AdapterMeta
+from store.registry import AdapterMeta, check_scope
 from store.schema import VerifiedSample
 from trainer.distill import BASE, AdapterState, Distiller, EvalResult, RoundResult
 
@@ -81,6 +91,10 @@ class ServiceConfig:
     # more than regress_margin" can hold while the draft learns the new one. 0 disables.
     replay_per_workload: int = 0
     replay_ratio: float = 1.0  # replayed samples per new sample, at most
+    # Per-workload adapters (see the module docstring): also train one adapter per workload tag,
+    # in a round where that workload brought at least ``min_workload_samples`` new training samples.
+    per_workload: bool = False
+    min_workload_samples: int = 16
     work_dir: str | None = None  # where candidates are written before registration (temp if None)
 
 
@@ -104,9 +118,38 @@ class RoundReport:
     before: dict | None = None  # EvalResult.to_dict() of the promoted adapter
     after: dict | None = None  # EvalResult.to_dict() of the candidate
     acked: int = 0
+    # per_workload: workload -> ScopeReport.to_dict() of its own adapter's turn this round
+    scopes: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class ScopeReport:
+    """One workload adapter's turn in a round; ``decision``: promoted, rejected, non_finite, skipped."""
+
+    scope: str
+    trained_on: int = 0
+    decision: str = "skipped"
+    reason: str = ""
+    version: int | None = None  # registered candidate version
+    parent: int = 0  # the version serving the workload before (its own, else the shared one)
+    alpha_before: float = float("nan")  # held-out alpha of ``parent`` on this workload
+    alpha_after: float = float("nan")  # ... of the candidate
+    steps: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Scope:
+    """A workload scope as the trainer follows it."""
+
+    version: int = 0  # the scope's own promoted version (0 = none: the shared adapter serves it)
+    state: AdapterState | None = None  # that version's weights
+    context: tuple[AdapterState, dict] | None = None  # its training candidate + optimiser, between rounds
 
 
 def is_heldout(key: str, fraction: float) -> bool:
@@ -219,8 +262,9 @@ class TrainerService:
         self._carry: list[Any] = []  # entries read beyond max_samples_per_round, for the next round
         self._promoted_version = -1  # unknown until the first sync
         self._promoted_state: AdapterState | str = BASE
-        # (promoted version, record id -> (workload, EvalCounts)) of the promoted adapter on held-out samples
-        self._promoted_eval: tuple[int, dict[str, tuple[str, Any]]] = (-1, {})
+        # version -> record id -> (workload, EvalCounts): served adapters' held-out evaluations
+        self._eval_cache: dict[int, dict[str, tuple[str, Any]]] = {}
+        self._scopes: dict[str, _Scope] = {}  # per_workload: workload -> its scope
         self._scheduler: BackgroundScheduler | None = None
         self._next_trigger = "interval"
         if config.work_dir is not None:
@@ -295,6 +339,7 @@ class TrainerService:
             "running": self._lock.locked(),
             "rounds": self._rounds,
             "promoted_version": self._promoted_version,
+            "workload_versions": {w: sc.version for w, sc in sorted(self._scopes.items())},
             "next_run_time": nxt.isoformat() if nxt else None,
             "heldout": {w: len(d) for w, d in sorted(self._heldout.items())},
             "carried_over": len(self._carry),
@@ -339,24 +384,54 @@ class TrainerService:
             log.info("trainer_follows_active_adapter", previous=self._promoted_version, active=active)
         self._promoted_version = active
 
-    def _evaluate_promoted(self, heldout: list[VerifiedSample]) -> EvalResult:
-        """The promoted adapter on the held-out slice, evaluating only samples it has not been
-        evaluated on since it became the promoted one (the held-out slice changes by a few
-        samples per round, and the promoted weights not at all, so most of the round's "before"
-        is already known: from the previous rounds, or from the round that promoted it)."""
-        version, cache = self._promoted_eval
-        if version != self._promoted_version:
-            cache = {}
-        fresh = self.distiller.evaluate([s for s in heldout if s.record_id not in cache], adapter=self._promoted_state)
+    def _sync_scopes(self) -> None:
+        """Follow each workload scope's active version (ours, or an operator's promote/rollback):
+        a change restarts that scope's training from what now serves it."""
+        for w, active in self.registry.active_versions().items():
+            if not w:
+                continue
+            sc = self._scopes.setdefault(w, _Scope())
+            if active == sc.version:
+                continue
+            state = None
+            if active:
+                saved = self.distiller.training_context()
+                try:
+                    self.distiller.load_adapter_weights(self.registry.fetch(active))
+                    state = self.distiller.adapter_state()
+                finally:
+                    self.distiller.load_training_context(saved)
+            log.info("trainer_follows_workload_adapter", workload=w, previous=sc.version, active=active)
+            sc.version, sc.state, sc.context = active, state, None
+
+    def _served(self, workload: str | None) -> tuple[int, AdapterState | str]:
+        """(version, weights) serving ``workload``'s requests (None: the shared scope)."""
+        sc = self._scopes.get(workload) if workload else None
+        if sc is not None and sc.version:
+            return sc.version, sc.state
+        return self._promoted_version, self._promoted_state
+
+    def _evaluate_served(self, heldout: list[VerifiedSample], version: int, state: AdapterState | str) -> EvalResult:
+        """A served adapter on the held-out slice, evaluating only samples it has not been
+        evaluated on yet (a version's weights never change, and the held-out slice changes by a
+        few samples per round, so most of the round's "before" is already known: from the
+        previous rounds, or from the round that promoted it)."""
+        cache = self._eval_cache.get(version, {})
+        fresh = self.distiller.evaluate([s for s in heldout if s.record_id not in cache], adapter=state)
         cache = {**cache, **fresh.per_sample}
         res = EvalResult()
         for s in heldout:
             if s.record_id in cache:
                 w, c = cache[s.record_id]
                 res.add_sample(s.record_id, w, c)
-        keep = {s.record_id for s in heldout}
-        self._promoted_eval = (self._promoted_version, {k: v for k, v in cache.items() if k in keep})
+        self._eval_cache[version] = cache
         return res
+
+    def _prune_eval_cache(self) -> None:
+        """Keep the evaluations of the served versions only, on samples still held out."""
+        served = {self._promoted_version} | {sc.version for sc in self._scopes.values() if sc.version}
+        keep = {s.record_id for d in self._heldout.values() for s in d}
+        self._eval_cache = {v: {k: x for k, x in c.items() if k in keep} for v, c in self._eval_cache.items() if v in served}
 
     def _take(self, report: RoundReport) -> list[Any]:
         cfg = self.config
@@ -375,6 +450,8 @@ class TrainerService:
 
     def _round(self, report: RoundReport) -> None:
         self._sync_active()
+        if self.config.per_workload:
+            self._sync_scopes()
         report.parent = self._promoted_version
         entries = self._take(report)
         try:
@@ -404,7 +481,7 @@ class TrainerService:
             report.acked = self.reader.ack(heldout_entries)  # kept in memory; nothing to register
             return
         heldout = [s for d in self._heldout.values() for s in d]
-        before = self._evaluate_promoted(heldout)
+        before = self._evaluate_served(heldout, self._promoted_version, self._promoted_state)
         new = [e.sample for e in train]
         replay = replay_mix(new, self._replay, cfg.replay_ratio) if cfg.replay_per_workload else []
         report.replayed = len(replay)
@@ -417,12 +494,24 @@ class TrainerService:
         if not result.finite:
             report.decision, report.reason = "non_finite", f"round rolled back, not registered: {result.reason}"
             log.error("trainer_round_non_finite", reason=result.reason, samples=len(train))
-            report.acked = self.reader.ack(entries)
-            return
+        else:
+            self._judge_shared(report, train, heldout, before, result)
+        if cfg.per_workload:
+            by_w: dict[str, list[VerifiedSample]] = {}
+            for e in train:
+                by_w.setdefault(e.sample.workload, []).append(e.sample)
+            for w, smp in sorted(by_w.items()):
+                if len(smp) >= cfg.min_workload_samples:
+                    report.scopes[w] = self._workload_turn(w, smp).to_dict()
+        self._prune_eval_cache()
+        report.acked = self.reader.ack(entries)
+
+    def _judge_shared(self, report: RoundReport, train: list[Any], heldout: list[VerifiedSample],
+                      before: EvalResult, result: RoundResult) -> None:
         after = self.distiller.evaluate(heldout)
         report.after = after.to_dict()
         trained = {e.sample.workload for e in train}
-        promote, reason = gate(before, after, trained, cfg)
+        promote, reason = gate(before, after, trained, self.config)
         meta = AdapterMeta(
             parent=self._promoted_version,
             samples_trained=result.samples,
@@ -433,21 +522,81 @@ class TrainerService:
             alpha_before_by_workload={w: c.alpha for w, c in sorted(before.per_workload.items())},
             alpha_after_by_workload={w: c.alpha for w, c in sorted(after.per_workload.items())},
         )
-        out = Path(tempfile.mkdtemp(dir=self._work))
-        try:
-            self.distiller.save(out / "adapter")
-            version = self.registry.register(out / "adapter", meta)
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
+        version = self._register(meta)
         report.version = version
         if promote:
             self.registry.promote(version, reason)
             self._promoted_version = version
             self._promoted_state = self.distiller.adapter_state()
-            self._promoted_eval = (version, dict(after.per_sample))  # the candidate's evaluation, reused
+            self._eval_cache[version] = dict(after.per_sample)  # the candidate's evaluation, reused
             report.decision = "promoted"
         else:
             self.registry.set_state(version, "rejected", reason)
             report.decision = "rejected"
         report.reason = reason
-        report.acked = self.reader.ack(entries)
+
+    def _register(self, meta: AdapterMeta) -> int:
+        out = Path(tempfile.mkdtemp(dir=self._work))
+        try:
+            self.distiller.save(out / "adapter")
+            return self.registry.register(out / "adapter", meta)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    def _workload_turn(self, workload: str, samples: list[VerifiedSample]) -> ScopeReport:
+        """Train, judge and register ``workload``'s own adapter on its new ``samples`` (see the
+        module docstring); the shared adapter's training context is restored afterwards."""
+        cfg = self.config
+        rep = ScopeReport(scope=workload, trained_on=len(samples))
+        try:
+            check_scope(workload)
+        except ValueError as e:
+            rep.reason = f"no adapter of its own: {e}"
+            return rep
+        held = list(self._heldout.get(workload, ()))
+        if len(held) < cfg.min_eval_samples:
+            rep.reason = (f"{len(held)} held-out {workload} samples, fewer than min_eval_samples="
+                          f"{cfg.min_eval_samples}: nothing to judge its own adapter on")
+            return rep
+        sc = self._scopes.setdefault(workload, _Scope())
+        parent, served = self._served(workload)
+        rep.parent = parent
+        shared_ctx = self.distiller.training_context()
+        try:
+            if sc.context is not None:
+                self.distiller.load_training_context(sc.context)
+            else:
+                self.distiller.start_from(served)
+            before = self._evaluate_served(held, parent, served)
+            result = self.distiller.train_round(samples)
+            rep.steps = result.steps
+            rep.alpha_before = before.alpha
+            if not result.finite:
+                rep.decision, rep.reason = "non_finite", f"rolled back, not registered: {result.reason}"
+                return rep
+            after = self.distiller.evaluate(held)
+            rep.alpha_after = after.alpha
+            promote, reason = gate(before, after, {workload}, cfg)
+            meta = AdapterMeta(
+                parent=parent, samples_trained=result.samples, tokens_trained=result.tokens, loss=result.loss_last,
+                alpha_before=before.alpha, alpha_after=after.alpha,
+                alpha_before_by_workload={workload: before.alpha}, alpha_after_by_workload={workload: after.alpha},
+                scope=workload,
+            )
+            version = self._register(meta)
+            rep.version = version
+            if promote:
+                self.registry.promote(version, reason)
+                sc.version, sc.state = version, self.distiller.adapter_state()
+                self._eval_cache[version] = dict(after.per_sample)
+                rep.decision = "promoted"
+            else:
+                self.registry.set_state(version, "rejected", reason)
+                rep.decision = "rejected"
+            rep.reason = reason
+            sc.context = self.distiller.training_context()
+        finally:
+            self.distiller.load_training_context(shared_ctx)
+        log.info("trainer_workload_round", workload=workload, decision=rep.decision, version=rep.version,
+                 trained_on=rep.trained_on, reason=rep.reason)
+        return rep

@@ -276,3 +276,68 @@ def test_promoted_adapter_is_evaluated_only_on_new_heldout_samples(env, train_sa
     svc.run_round_now()
     base_call = [ids for ids, a in calls if a is not None]
     assert set(base_call[0]) == {s.record_id for d in svc._heldout.values() for s in d}
+
+
+def test_per_workload_round_trains_each_workload_its_own_adapter(env, train_samples, heldout_samples, target):
+    """per_workload: after the shared turn, each workload trains its own adapter from what
+    serves it (the shared adapter just promoted), judged on its own held-out slice only; it is
+    registered in its scope with numbers an independent evaluation reproduces, and the shared
+    adapter's training state is untouched by the workload turns."""
+    client, cfg, registry, tmp = env
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env, per_workload=True, min_workload_samples=8)
+    rep = svc.run_round_now()
+    assert rep.decision == "promoted" and rep.version == 1, rep.reason
+    shared_after_round = svc.distiller.adapter_state()
+    assert set(rep.scopes) == {"prose", "code"}
+    independent = Distiller(tiny_draft(), FAST)
+    shared_dir = registry.fetch(1)
+    for w, sr in rep.scopes.items():
+        rec = registry.get(sr["version"])
+        assert (rec.scope, rec.parent, sr["parent"]) == (w, 1, 1)  # started from the shared v1
+        held = list(svc._heldout[w])
+        independent.load_adapter_weights(shared_dir)
+        assert independent.evaluate(held).alpha == pytest.approx(sr["alpha_before"], abs=1e-5)
+        independent.load_adapter_weights(registry.fetch(sr["version"]))
+        assert independent.evaluate(held).alpha == pytest.approx(sr["alpha_after"], abs=1e-5)
+        assert rec.alpha_after_by_workload == {w: pytest.approx(sr["alpha_after"])}
+        if sr["decision"] == "promoted":
+            assert sr["alpha_after"] >= sr["alpha_before"] + svc.config.promote_margin
+            assert registry.active_version(w) == sr["version"] == registry.resolve(w)
+        else:
+            assert rec.state == "rejected" and registry.resolve(w) == 1
+    assert any(sr["decision"] == "promoted" for sr in rep.scopes.values()), rep.scopes
+    # the workload turns restored the shared adapter's own training state
+    independent.load_adapter_weights(shared_dir)
+    for name, t in shared_after_round.items():
+        assert torch.equal(t, independent.adapter_state()[name])
+    assert registry.active_version() == 1
+
+    # next round: code brings new samples; its adapter starts from code's own version (if promoted)
+    code_v = registry.active_version("code")
+    write(client, cfg, make_samples(target, 24, "code", seed=91))
+    rep2 = svc.run_round_now()
+    assert set(rep2.scopes) == {"code"}
+    assert rep2.scopes["code"]["parent"] == (code_v or registry.active_version())
+    # an operator rollback of code's scope is followed: code is served (and judged) by the shared one again
+    assert registry.active_version("code"), "seeded: code's own adapter is promoted by now"
+    back = registry.rollback("operator", scope="code")  # code's previous own version, else 0 (none)
+    write(client, cfg, make_samples(target, 24, "code", seed=92))
+    rep3 = svc.run_round_now()
+    assert rep3.scopes["code"]["parent"] == (back or registry.active_version())
+    want = rep3.scopes["code"]["version"] if rep3.scopes["code"]["decision"] == "promoted" else back
+    assert svc.status()["workload_versions"]["code"] == want == registry.active_version("code")
+
+
+def test_per_workload_skips_a_workload_without_enough_samples_or_a_usable_tag(env, train_samples, target):
+    client, cfg, registry, _ = env
+    odd = [s for s in make_samples(target, 40, "code", seed=93)]
+    for s in odd:
+        s.workload = "two words"
+    write(client, cfg, train_samples[:20] + odd)
+    svc = make_service(env, per_workload=True, min_workload_samples=30)
+    rep = svc.run_round_now()
+    assert rep.decision in ("promoted", "rejected")
+    assert set(rep.scopes) == {"two words"}  # prose brought < 30 new samples
+    assert rep.scopes["two words"]["decision"] == "skipped" and "adapter scope" in rep.scopes["two words"]["reason"]
+    assert all(r.scope == "" for r in registry.list()) and pending(client, cfg) == 0
