@@ -11,7 +11,7 @@ GET     /v1/history?since=<epoch s>        what ``daemonctl history`` shows
 GET     /v1/adapters                       registered adapter versions
 GET     /v1/adapters/{version}             one version, with its live acceptance
 POST    /v1/adapters/{version}/promote     make it active (body: reason)
-POST    /v1/rollback                       reactivate the previous version (body: reason)
+POST    /v1/rollback                       reactivate the previous version (body: reason, workload: "" = shared)
 POST    /v1/train-now?wait=false           run a round now (wait=true returns its report)
 POST    /v1/pause, /v1/resume              scheduled rounds off / on
 GET     /metrics                           Prometheus text format
@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
+from store.registry import check_scope
 from store.errors import InvalidTransitionError, StoreUnavailableError, UnknownVersionError
 
 if TYPE_CHECKING:
@@ -39,6 +40,10 @@ log = structlog.get_logger(__name__)
 
 class ReasonBody(BaseModel):
     reason: str = Field("operator", description="Why; recorded in the registry and the promotion log.")
+
+
+class RollbackBody(ReasonBody):
+    workload: str = Field("", description="Roll back this workload's own adapter; '' (default) = the shared adapter.")
 
 
 def create_app(daemon: "Daemon") -> FastAPI:
@@ -112,8 +117,13 @@ def create_app(daemon: "Daemon") -> FastAPI:
         return daemon.promote(version, (body or ReasonBody()).reason)
 
     @app.post("/v1/rollback", tags=["operate"], dependencies=[Depends(require_token)])
-    def rollback(body: ReasonBody | None = None) -> dict[str, Any]:
-        return daemon.rollback((body or ReasonBody()).reason)
+    def rollback(body: RollbackBody | None = None) -> dict[str, Any]:
+        body = body or RollbackBody()
+        try:
+            check_scope(body.workload)
+        except ValueError as e:
+            raise HTTPException(status_code=422, detail=str(e)) from e
+        return daemon.rollback(body.reason, body.workload)
 
     @app.post("/v1/train-now", tags=["operate"], dependencies=[Depends(require_token)])
     def train_now(wait: bool = False) -> dict[str, Any]:

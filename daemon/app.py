@@ -303,14 +303,17 @@ class Daemon:
 
     def promote(self, version: int, reason: str) -> dict:
         previous = self.registry.promote(version, reason)
-        log.info("adapter_promoted", version=version, previous=previous, reason=reason, source="api")
-        return {"active": version, "previous": previous, "reason": reason}
+        scope = self.registry.get(version).scope
+        log.info("adapter_promoted", version=version, previous=previous, reason=reason, scope=scope, source="api")
+        return {"active": version, "previous": previous, "reason": reason, "workload": scope}
 
-    def rollback(self, reason: str) -> dict:
-        previous = self.registry.active_version()
-        new = self.registry.rollback(reason)
-        log.info("adapter_rolled_back", version=new, previous=previous, reason=reason, source="api")
-        return {"active": new, "previous": previous, "reason": reason}
+    def rollback(self, reason: str, workload: str = "") -> dict:
+        """Roll back the shared adapter, or ``workload``'s own (its requests then use its previous
+        own version, else the shared one)."""
+        previous = self.registry.active_version(workload)
+        new = self.registry.rollback(reason, scope=workload)
+        log.info("adapter_rolled_back", version=new, previous=previous, reason=reason, scope=workload, source="api")
+        return {"active": new, "previous": previous, "reason": reason, "workload": workload}
 
     def train_now(self, wait: bool = False) -> dict:
         svc = self._need_trainer()
@@ -335,21 +338,23 @@ class Daemon:
         return {"paused": False}
 
     def adapters(self) -> list[dict]:
-        active = self.registry.active_version()
-        return [adapter_dict(r) | {"active": r.version == active} for r in self.registry.list()]
+        actives = self.registry.active_versions()
+        return [adapter_dict(r) | {"active": r.version == actives.get(r.scope, 0)} for r in self.registry.list()]
 
     def adapter(self, version: int) -> dict:
         rec = self.registry.get(version)
         rows = self.history.read(version=version)
         by_w = {w: row_summary(sum_rows([r for r in rows if r.workload == w], w, version)) for w in sorted({r.workload for r in rows})}
-        return adapter_dict(rec) | {"active": self.registry.active_version() == version, "live": by_w}
+        return adapter_dict(rec) | {"active": self.registry.active_version(rec.scope) == version, "live": by_w}
 
     # -- status and history ----------------------------------------------------------------------------
 
-    def _active_since(self, log_events: list[dict], active: int) -> tuple[float | None, int | None, str | None]:
-        """When ``active`` became active, the version before it and the reason, from the promotion log."""
+    def _active_since(self, log_events: list[dict], active: int, scope: str = "") -> tuple[float | None, int | None, str | None]:
+        """When ``active`` became ``scope``'s active version, the version before it and the reason,
+        from the promotion log."""
         for ev in reversed(log_events):
-            if ev.get("event") in ("promote", "rollback") and int(ev.get("version", -1)) == active:
+            if (ev.get("event") in ("promote", "rollback") and ev.get("scope", "") == scope
+                    and int(ev.get("version", -1)) == active):
                 return float(ev["ts"]), int(ev["previous"]), ev.get("reason")
         return None, None, None
 
@@ -403,29 +408,39 @@ class Daemon:
                 "next_run_time": None if st["paused"] else st["next_run_time"],
                 "heldout": st["heldout"],
                 "last_round": None if last is None else {
-                    k: last.get(k) for k in ("trigger", "started_at", "seconds", "decision", "reason", "version", "read", "trained_on", "acked")
+                    k: last.get(k) for k in ("trigger", "started_at", "seconds", "decision", "reason", "version", "read", "trained_on",
+                                             "acked", "scopes")
                 },
             }
             if last and last.get("decision") == "error":
                 problems.append(f"last training round failed: {last.get('reason')}")
         # adapter
-        active = self.registry.active_version()
+        actives = self.registry.active_versions()
+        active = actives[""]
         events = self.registry.promotion_log(1000)
         since, previous, reason = self._active_since(events, active)
+        own = {}
+        for w, v in actives.items():
+            if w and v:
+                w_since, w_prev, w_reason = self._active_since(events, v, w)
+                own[w] = {"active": v, "since": w_since, "previous": w_prev, "reason": w_reason}
         out["adapter"] = {"active": active, "since": since, "previous": previous, "reason": reason,
-                          "registered": len(self.registry.list())}
-        # acceptance per workload: the active adapter vs the one before it, and the recent window
+                          "registered": len(self.registry.list()), "workloads": own}
+        # acceptance per workload: the adapter serving it (its own, else the shared one) vs the
+        # one before it, and the recent window
         rows = self.history.read()
         workloads = sorted({r.workload for r in rows})
         acc, spec = {}, {}
         for w in workloads:
             wr = [r for r in rows if r.workload == w]
-            cur = [r for r in wr if r.version == active and (since is None or r.ts + self.history.bucket_s > since)]
-            prev = [r for r in wr if previous is not None and r.version == previous]
+            w_active, w_since, w_previous = (own[w]["active"], own[w]["since"], own[w]["previous"]) if w in own \
+                else (active, since, previous)
+            cur = [r for r in wr if r.version == w_active and (w_since is None or r.ts + self.history.bucket_s > w_since)]
+            prev = [r for r in wr if w_previous is not None and r.version == w_previous]
             recent = [r for r in wr if r.ts >= now - RECENT_WINDOW_S]
             acc[w] = {
-                "now": row_summary(sum_rows(cur, w, active)) | {"version": active},
-                "previous": None if previous is None else row_summary(sum_rows(prev, w, previous)) | {"version": previous},
+                "now": row_summary(sum_rows(cur, w, w_active)) | {"version": w_active},
+                "previous": None if w_previous is None else row_summary(sum_rows(prev, w, w_previous)) | {"version": w_previous},
                 "recent": row_summary(sum_rows(recent, w)),
             }
             rs = sum_rows(recent, w)
@@ -444,16 +459,17 @@ class Daemon:
         """Per adapter version: metadata, held-out alpha before/after, live acceptance per workload
         while it was active; the promotion log; and the bucketed acceptance series for plots."""
         rows = self.history.read(start=since)
-        active = self.registry.active_version()
+        actives = self.registry.active_versions()
+        active = actives[""]
         versions = []
         for rec in self.registry.list():
             vr = [r for r in rows if r.version == rec.version]
             live = {w: row_summary(sum_rows([r for r in vr if r.workload == w], w, rec.version)) for w in sorted({r.workload for r in vr})}
-            versions.append(adapter_dict(rec) | {"active": rec.version == active, "live": live})
+            versions.append(adapter_dict(rec) | {"active": rec.version == actives.get(rec.scope, 0), "live": live})
         base = [r for r in rows if r.version == 0]
         base_live = {w: row_summary(sum_rows([r for r in base if r.workload == w], w, 0)) for w in sorted({r.workload for r in base})}
         series = [{"ts": r.ts, "workload": r.workload, "version": r.version} | row_summary(r) for r in rows]
-        return {"active": active, "base_live": base_live, "adapters": versions,
+        return {"active": active, "actives": actives, "base_live": base_live, "adapters": versions,
                 "events": self.registry.promotion_log(1000), "series": series, "bucket_s": self.history.bucket_s}
 
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
+from rich.markup import escape
 
 from daemon.logging import console
 
@@ -211,11 +212,17 @@ def render_status(st: dict) -> None:
             if lr:
                 t.add_row("last round", f"{lr['decision']} v{lr['version']} at {_when(lr['started_at'])} "
                           f"({lr['seconds']:.1f} s, {lr['trained_on']} samples): {lr['reason']}")
+                for w, sr in (lr.get("scopes") or {}).items():
+                    t.add_row(escape(f"  ({w})"), escape(f"{sr['decision']}{' v' + str(sr['version']) if sr['version'] else ''} "
+                                                                   f"({sr['trained_on']} samples): {sr['reason']}"))
     a = st.get("adapter")
     if a:
         t.add_row("adapter", f"v{a['active']} active since {_when(a['since'])}"
                   + (f" (previous v{a['previous']}: {a['reason']})" if a["previous"] is not None else "")
                   + f"; {a['registered']} registered")
+        for w, wa in (a.get("workloads") or {}).items():
+            t.add_row(escape(f"adapter ({w})"), f"v{wa['active']} (its own) active since {_when(wa['since'])}"
+                      + escape(f" (previous v{wa['previous']}: {wa['reason']})" if wa["previous"] is not None else ""))
     for p in st.get("problems", []):
         t.add_row("[red]problem[/]", p)
     for w in st.get("warnings", []):
@@ -330,7 +337,8 @@ def history(
         t.add_row("v0 (base)", "-", "-", "-", "-", "-", _live(h["base_live"]), "active" if h["active"] == 0 else "", "")
         for a in h["adapters"]:
             state = a["state"] + (" [green](active)[/]" if a["active"] else "")
-            t.add_row(f"v{a['version']}", f"v{a['parent']}", _when(a["created_at"]), str(a["samples_trained"]),
+            t.add_row(f"v{a['version']}" + escape(f" ({a['scope']})" if a.get("scope") else ""), f"v{a['parent']}",
+                      _when(a["created_at"]), str(a["samples_trained"]),
                       _f(a["alpha_before"]), _f(a["alpha_after"]), _live(a["live"]), state, a["reason"])
         out.print(t)
     if plot is not None:
@@ -349,12 +357,13 @@ def adapters_list(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     if json_out:
         print(json.dumps(rows, indent=2))
         return
-    t = Table(title="adapters")
-    for col in ("version", "parent", "created", "state", "alpha before", "alpha after", "samples", "reason"):
+    t = Table(title="adapters (* = active in its scope; scope '-' = shared)")
+    for col in ("version", "scope", "parent", "created", "state", "alpha before", "alpha after", "samples", "reason"):
         t.add_column(col)
     for a in rows:
-        t.add_row(f"v{a['version']}" + (" *" if a["active"] else ""), f"v{a['parent']}", _when(a["created_at"]), a["state"],
-                  _f(a["alpha_before"]), _f(a["alpha_after"]), str(a["samples_trained"]), a["reason"])
+        t.add_row(f"v{a['version']}" + (" *" if a["active"] else ""), a.get("scope") or "-", f"v{a['parent']}",
+                  _when(a["created_at"]), a["state"], _f(a["alpha_before"]), _f(a["alpha_after"]), str(a["samples_trained"]),
+                  a["reason"])
     out.print(t)
 
 
@@ -370,15 +379,25 @@ def adapters_promote(version: int, config: ConfigOpt = None, reason: ReasonOpt =
     """Make VERSION the active adapter."""
     client, _ = _client(config)
     r = _call(client.post, f"/v1/adapters/{version}/promote", {"reason": reason})
-    out.print(f"v{r['active']} active (was v{r['previous']})")
+    where = f" for workload {r['workload']}" if r.get("workload") else ""
+    out.print(f"v{r['active']} active{where} (was v{r['previous']})")
 
 
 @adapters_app.command("rollback")
-def adapters_rollback(config: ConfigOpt = None, reason: ReasonOpt = "operator rollback") -> None:
-    """Roll the active adapter back to the previous promoted one (v0 = base draft)."""
+def adapters_rollback(
+    config: ConfigOpt = None,
+    reason: ReasonOpt = "operator rollback",
+    workload: Annotated[str, typer.Option("--workload", help="roll back this workload's own adapter (default: the shared one)")] = "",
+) -> None:
+    """Roll the active adapter back to the previous promoted one (v0 = base draft). With
+    --workload, that workload's own adapter (v0 = it uses the shared one again)."""
     client, _ = _client(config)
-    r = _call(client.post, "/v1/rollback", {"reason": reason})
-    out.print(f"v{r['active']} active (rolled back v{r['previous']})")
+    r = _call(client.post, "/v1/rollback", {"reason": reason, "workload": workload})
+    if workload:
+        now = f"v{r['active']}" if r["active"] else "the shared adapter"
+        out.print(f"{workload}: {now} (rolled back v{r['previous']})")
+    else:
+        out.print(f"v{r['active']} active (rolled back v{r['previous']})")
 
 
 @app.command("train-now")

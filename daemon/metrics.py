@@ -96,8 +96,11 @@ class DraftdCollector:
         dead.add_metric([], dead_letter_count(c, cfg))
         yield dead
 
-        active = GaugeMetricFamily(P + "adapter_active_version", "Active adapter version (0 = base draft)")
-        active.add_metric([], d.registry.active_version())
+        active = GaugeMetricFamily(P + "adapter_active_version",
+                                   "Active adapter version per scope (scope '' = shared, 0 = base draft; a workload's 0 = uses the shared one)",
+                                   labels=["scope"])
+        for scope, v in d.registry.active_versions().items():
+            active.add_metric([scope], v)
         yield active
         swaps = CounterMetricFamily(P + "adapter_swaps", "Changes of the active adapter, by event", labels=["event"])
         events = d.registry.promotion_log(100_000)

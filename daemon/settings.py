@@ -129,6 +129,10 @@ class TrainerSettings(_Group):
     )
     replay_ratio: float = Field(1.0, ge=0, allow_inf_nan=False, description="Replayed samples per new sample in a round, at most.")
     min_eval_samples: int = Field(8, ge=1, description="Held-out samples a workload needs to count in the promotion gate.")
+    per_workload: bool = Field(
+        False, description="Also train one adapter per workload tag, served to that workload only (the shared one serves the rest)."
+    )
+    min_workload_samples: int = Field(16, ge=1, description="New training samples of a workload in a round before its own adapter trains.")
     promote_margin: float = Field(0.005, description="Held-out alpha must rise by at least this much to promote.")
     regress_margin: float = Field(0.01, ge=0, description="... and may drop by at most this much on any workload.")
     loss: LossName = Field("forward_kl", description="Divergence: forward_kl, reverse_kl, jsd or tv (trainer.losses).")
@@ -315,6 +319,8 @@ def service_config(s: Settings) -> "ServiceConfig":
         replay_per_workload=t.replay_per_workload,
         replay_ratio=t.replay_ratio,
         min_eval_samples=t.min_eval_samples,
+        per_workload=t.per_workload,
+        min_workload_samples=t.min_workload_samples,
         promote_margin=t.promote_margin,
         regress_margin=t.regress_margin,
         work_dir=str(s.state_dir / "trainer"),

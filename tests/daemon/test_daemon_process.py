@@ -51,7 +51,7 @@ def test_status_json_and_metrics_report_real_values(url_daemon, redis_client, ke
     assert st["redis"]["version"].startswith("7.") and st["redis"]["used_memory"] > 0
     assert st["buffer"]["depth"] == 5 and st["buffer"]["dead_letters"] == 0 and st["buffer"]["stream"] == key_prefix + "samples"
     assert st["trainer"]["enabled"] is False
-    assert st["adapter"] == {"active": 0, "since": None, "previous": None, "reason": None, "registered": 0}
+    assert st["adapter"] == {"active": 0, "since": None, "previous": None, "reason": None, "registered": 0, "workloads": {}}
     now = st["acceptance"]["prose"]["now"]
     assert now["version"] == 0 and now["requests"] == 2
     assert now["acceptance_rate"] == pytest.approx(30 / 40) and now["tau"] == pytest.approx(40 / 10)
@@ -70,7 +70,7 @@ def test_status_json_and_metrics_report_real_values(url_daemon, redis_client, ke
     assert float(metrics['draftd:spec_decode_num_accepted_tokens_total{workload="prose"}']) == 30
     assert float(metrics['draftd:spec_decode_acceptance_rate{workload="prose"}']) == pytest.approx(0.75)
     assert float(metrics["draftd:buffer_depth"]) == 5
-    assert float(metrics["draftd:adapter_active_version"]) == 0
+    assert float(metrics['draftd:adapter_active_version{scope=""}']) == 0
     assert float(metrics["draftd:redis_up"]) == 1
 
     with urllib.request.urlopen(d.url + "/openapi.json") as resp:
@@ -126,6 +126,41 @@ def test_promote_rollback_round_trip(url_daemon, redis_client, key_prefix, tmp_p
 
     img = matplotlib.image.imread(png)
     assert img.shape[0] > 300 and img.shape[1] > 600
+
+
+def test_workload_adapter_promote_status_and_rollback(url_daemon, redis_client, key_prefix, tmp_path):
+    """A workload's own adapter, through the real daemon: promoted in its scope, shown in
+    status (code's acceptance is judged against code's own version), listed with its scope,
+    rolled back with --workload; a bad workload tag is refused with the value."""
+    d = url_daemon
+    reg = register(redis_client, key_prefix, d.state_dir, tmp_path, 1)
+    code = reg.register(make_adapter_dir(tmp_path / "code", seed=9), AdapterMeta(parent=1, scope="code"))
+    hist = AcceptanceHistory(redis_client, StoreConfig(key_prefix=key_prefix))
+    assert ctl(d, "adapters", "promote", "1").returncode == 0
+    r = ctl(d, "adapters", "promote", str(code), "--reason", "code's own")
+    assert r.returncode == 0 and f"v{code} active for workload code (was v0)" in r.stdout
+    assert reg.active_versions() == {"": 1, "code": code}
+    hist.record("code", code, V1)
+    hist.record("prose", 1, V0)
+    st = json.loads(ctl(d, "status", "--json").stdout)
+    assert st["adapter"]["active"] == 1 and st["adapter"]["workloads"]["code"]["active"] == code
+    assert st["adapter"]["workloads"]["code"]["reason"] == "code's own"
+    assert st["acceptance"]["code"]["now"]["version"] == code
+    assert st["acceptance"]["code"]["now"]["acceptance_rate"] == pytest.approx(18 / 20)
+    assert st["acceptance"]["prose"]["now"]["version"] == 1
+    r = ctl(d, "status")
+    assert r.returncode == 0 and "adapter (code)" in r.stdout and f"v{code} (its own)" in r.stdout
+    rows = json.loads(ctl(d, "adapters", "list", "--json").stdout)
+    assert [(a["version"], a["scope"], a["active"]) for a in rows] == [(1, "", True), (code, "code", True)]
+    with urllib.request.urlopen(d.url + "/metrics") as resp:
+        text = resp.read().decode()
+    assert f'draftd:adapter_active_version{{scope="code"}} {float(code)}' in text
+
+    r = ctl(d, "adapters", "rollback", "--workload", "code", "--reason", "code regressed")
+    assert r.returncode == 0 and f"code: the shared adapter (rolled back v{code})" in r.stdout, r.stdout + r.stderr
+    assert reg.active_versions() == {"": 1, "code": 0} and reg.get(code).reason == "code regressed"
+    r = ctl(d, "adapters", "rollback", "--workload", "two words")
+    assert r.returncode == 1 and "'two words'" in r.stderr and "422" in r.stderr
 
 
 def test_unauthenticated_mutation_is_refused(url_daemon, redis_client, key_prefix, tmp_path):
