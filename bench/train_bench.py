@@ -24,6 +24,10 @@ Samples:
   its LM head restricted to ``--bench-draft-vocab`` frequent tokens (FR-Spec). ``--gen-tokens N``
   adds on-policy training data: the target's own continuations (greedy by default) of windows of
   the training documents (``decoder.teacher.continue_windows``), teacher-scored with them.
+  ``--per-workload-steps N`` (with several ``--workloads``) then compares, from the trained
+  shared adapter and at equal training steps, the shared adapter trained on for N steps per
+  workload on the mixed data against one adapter per workload trained N steps on its own data
+  (``ServiceConfig.per_workload``), by held-out alpha per workload.
 - ``smollm2 --data decode``: ``decoder.models.load_pair`` (target + layer-derived draft) and
   ``decoder.speculative.SpeculativeDecoder`` at gamma = 4, greedy, with the untrained draft, over
   ``decoder.workloads`` prompts; its sink yields the VerifiedSamples (greedy speculative output
@@ -98,18 +102,21 @@ def corpus_setup(args):
     from decoder.teacher import continue_windows, corpus_windows, score_windows
     from decoder.workloads import Prompt, documents, split_documents
     from store.schema import PairFingerprint
+    from trainer.distill import autocast_dtype
 
     t0 = time.perf_counter()
     pair = load_pair(args.target, draft=f"layers:{args.layers}")
     load_s = time.perf_counter() - t0
     fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
+    # training data is scored at --precision (bf16 where native: ~2x faster); held-out data in fp32
+    ac = autocast_dtype(args.precision, "cpu")
     train, held, eval_prompts = [], [], []
     gen_train_s, n_generated = 0.0, 0
     t0 = time.perf_counter()
     for w in args.workloads.split(","):
         tr_docs, he_docs = split_documents(documents(w), 0.2)
         items = corpus_windows(pair.tokenizer, tr_docs, args.window, max_tokens=args.corpus_tokens)
-        train += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="train"))
+        train += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="train", autocast_dtype=ac))
         if args.gen_tokens:  # on-policy: the target's own continuations of training-document windows
             t1 = time.perf_counter()
             starts = corpus_windows(pair.tokenizer, tr_docs, args.gen_prompt)
@@ -117,7 +124,7 @@ def corpus_setup(args):
             starts = [starts[i * len(starts) // want] for i in range(min(want, len(starts)))]
             cont = continue_windows(pair.target, starts, args.gen_new, temperature=args.gen_temperature)
             gen_train_s += time.perf_counter() - t1
-            train += list(score_windows(pair.target, cont, w, fp, k=args.k, request_prefix="generated"))
+            train += list(score_windows(pair.target, cont, w, fp, k=args.k, request_prefix="generated", autocast_dtype=ac))
             n_generated += len(cont) * args.gen_new
         items = corpus_windows(pair.tokenizer, he_docs, args.window, max_tokens=args.heldout_tokens)
         held += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="heldout"))
@@ -137,10 +144,53 @@ def corpus_setup(args):
         return derive_draft(pair.target, args.layers)
 
     info = {"pair": args.target, "layers": args.layers, "data": "corpus", "load_s": load_s, "teacher_s": teach_s,
+            "autocast": str(ac),
             "teacher_positions": sum(s.num_tokens for s in train + held), "generate_s": gen_s,
             "generated_train_tokens": n_generated, "generate_train_s": gen_train_s,
             "train_samples": len(train), "heldout_teacher_forced": len(held), "heldout_decoded": len(decoded)}
     return train, held, decoded, eval_prompts, pair, fresh_draft, info
+
+
+def per_workload_compare(dist, cfg, train, held_dec, held_tf, n_steps: int) -> dict:
+    """From the distiller's current (shared) adapter, at equal steps: the shared adapter trained
+    on for ``n_steps`` x workloads on all of ``train``, vs one adapter per workload trained
+    ``n_steps`` on that workload's samples only. Held-out alpha (decoded, teacher-forced) per
+    workload for the start, both arms; the distiller is left at the start."""
+    import dataclasses
+
+    workloads = sorted({s.workload for s in train})
+
+    def per_w(samples, w):
+        return [s for s in samples if s.workload == w]
+
+    def evaluate(ws):
+        return {w: {"decoded": dist.evaluate(per_w(held_dec, w)).alpha, "teacher_forced": dist.evaluate(per_w(held_tf, w)).alpha}
+                for w in ws}
+
+    start = dist.training_context()
+    out = {"steps_per_workload": n_steps, "start": evaluate(workloads)}
+    t0 = time.perf_counter()
+    dist.config = dataclasses.replace(cfg, max_steps=n_steps * len(workloads), max_seconds=1e9)
+    res = dist.train_round(train)
+    out["shared"] = evaluate(workloads) | {"steps": res.steps, "train_seconds": round(time.perf_counter() - t0, 1)}
+    own = {"steps": 0, "train_seconds": 0.0}
+    for w in workloads:
+        dist.load_training_context(start)
+        dist.config = dataclasses.replace(cfg, max_steps=n_steps, max_seconds=1e9)
+        t0 = time.perf_counter()
+        res = dist.train_round(per_w(train, w))
+        own["train_seconds"] = round(own["train_seconds"] + time.perf_counter() - t0, 1)
+        own["steps"] += res.steps
+        own |= evaluate([w])
+    out["per_workload"] = own
+    dist.load_training_context(start)
+    dist.config = cfg
+    for w in workloads:
+        print(f"per-workload vs shared, {w}: held-out decoded alpha {out['start'][w]['decoded']:.3f} -> shared "
+              f"{out['shared'][w]['decoded']:.3f} / own {own[w]['decoded']:.3f}; teacher-forced "
+              f"{out['start'][w]['teacher_forced']:.3f} -> {out['shared'][w]['teacher_forced']:.3f} / "
+              f"{own[w]['teacher_forced']:.3f}", flush=True)
+    return out
 
 
 def corpus_main(args) -> None:
@@ -160,7 +210,7 @@ def corpus_main(args) -> None:
         for weighting in args.weightings.split(","):
             cfg = DistillConfig(loss=loss, weighting=weighting, lr=args.lr, batch_size=args.batch_size,
                                 lora_r=args.lora_r, lora_alpha=2 * args.lora_r, max_steps=args.round_steps,
-                                max_seconds=1e9, max_epochs=10**6)
+                                max_seconds=1e9, max_epochs=10**6, precision=args.precision)
             dist = Distiller(fresh_draft(), cfg)
             base = {"decoded": dist.evaluate(held_dec, adapter=BASE), "teacher_forced": dist.evaluate(held_tf, adapter=BASE)}
             curve, steps, train_s = [], 0, 0.0
@@ -186,6 +236,8 @@ def corpus_main(args) -> None:
             row = {"loss": loss, "weighting": weighting, "steps": steps, "train_seconds": train_s,
                    "cpu_seconds": time.process_time() - cpu0,
                    "base": {k: v.to_dict() for k, v in base.items()}, "curve": curve}
+            if args.per_workload_steps:
+                row["per_workload"] = per_workload_compare(dist, cfg, train, held_dec, held_tf, args.per_workload_steps)
             rows.append(row)
             if curve and (best is None or curve[-1]["alpha_decoded"] > best[0]):
                 best = (curve[-1]["alpha_decoded"], loss, weighting, dist)
@@ -242,6 +294,9 @@ def main() -> None:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--holdout", type=float, default=0.2)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave torch's default)")
+    ap.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                    help="training (and, with --data corpus, training-data scoring) under bf16 autocast: auto = where "
+                         "the CPU multiplies bf16 natively (trainer.distill.autocast_dtype)")
     ap.add_argument("--data", choices=["corpus", "decode"], default="corpus",
                     help="smollm2 training data: teacher-forced corpus windows, or target-decoded samples")
     ap.add_argument("--window", type=int, default=128, help="corpus window, tokens")
@@ -258,6 +313,9 @@ def main() -> None:
                     help="also bench the trained draft with its LM head restricted to N frequent tokens (FR-Spec; 0 = off)")
     ap.add_argument("--decode-bench", action=argparse.BooleanOptionalAction, default=True,
                     help="after training, decoder bench with the untrained and the best trained draft")
+    ap.add_argument("--per-workload-steps", type=int, default=0,
+                    help="after training, compare per-workload adapters with the shared one at N steps per workload "
+                         "(several --workloads; 0 = off)")
     ap.add_argument("--bench-gammas", default="1,2,3")
     ap.add_argument("--bench-prompts", type=int, default=4)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "train_bench.json"))
@@ -265,6 +323,8 @@ def main() -> None:
     for name in ("gen_prompt", "gen_new"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.per_workload_steps < 0:
+        ap.error(f"--per-workload-steps {args.per_workload_steps}: must be >= 0 (0 = off)")
     if args.gen_tokens < 0:
         ap.error(f"--gen-tokens {args.gen_tokens}: must be >= 0 (0 = no generated training data)")
     if args.threads:
@@ -278,7 +338,7 @@ def main() -> None:
     for loss in args.losses.split(","):
         for weighting in args.weightings.split(","):
             cfg = DistillConfig(loss=loss, weighting=weighting, lr=args.lr, batch_size=args.batch_size, lora_r=args.lora_r,
-                                lora_alpha=2 * args.lora_r)
+                                lora_alpha=2 * args.lora_r, precision=args.precision)
             dist = Distiller(fresh_draft(), cfg)
             cpu0 = time.process_time()
             try:

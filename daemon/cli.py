@@ -479,7 +479,7 @@ def bootstrap(
     from store.schema import PairFingerprint
     from trainer.bootstrap import BootstrapConfig
     from trainer.bootstrap import bootstrap as run_bootstrap
-    from trainer.distill import Distiller, TrainerError
+    from trainer.distill import Distiller, TrainerError, autocast_dtype
 
     if source not in ("corpus", "decode"):
         err.print(f"[red]--source {source!r}[/]: use 'corpus' or 'decode'")
@@ -530,8 +530,9 @@ def bootstrap(
                     task = prog.add_task(f"target scoring the {w} corpus (positions)",
                                          total=sum(len(x) - 1 for _, x in items))
                     label = "math" if w == "gsm8k" else w  # the served math prompts' workload tag
+                    ac = autocast_dtype(s.trainer.precision, next(pair.target.parameters()).device)
                     for sample in score_windows(pair.target, items, label, fp, k=32, request_prefix="bootstrap",
-                                                on_batch=lambda n, t=task: prog.advance(t, n)):
+                                                on_batch=lambda n, t=task: prog.advance(t, n), autocast_dtype=ac):
                         sink(sample)
             writer.flush(30)
             dcfg = dataclasses.replace(distill_config(s), weighting="all")

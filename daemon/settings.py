@@ -144,6 +144,10 @@ class TrainerSettings(_Group):
     max_seconds: float = Field(120.0, gt=0, description="Training seconds per round, at most (checked before each step).")
     batch_size: int = Field(8, ge=1, description="Sequences per optimiser step.")
     max_seq_len: int = Field(512, ge=2, description="Longest input fed to the draft, tokens.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Training under bf16 autocast: auto = where the hardware multiplies bf16 natively (AMX, "
+                            "AVX512-BF16, CUDA); evaluation stays fp32."
+    )
     start_paused: bool = Field(False, description="Start with scheduled rounds paused (train-now still works).")
     shutdown_grace_s: float = Field(
         300.0, ge=0,
@@ -301,6 +305,7 @@ def distill_config(s: Settings) -> "DistillConfig":
         max_seconds=t.max_seconds,
         batch_size=t.batch_size,
         max_seq_len=t.max_seq_len,
+        precision=t.precision,
     )
 
 

@@ -82,6 +82,28 @@ def test_score_windows_batched_equals_one_sequence_forward(target, tok):
         assert np.allclose(r.topk_probs.astype(np.float32), top.values[:-1].numpy(), atol=1e-3)
 
 
+def test_score_windows_under_bf16_autocast_is_close_to_fp32(target, tok):
+    """bf16 scoring (for speed) gives distributions within bf16 rounding of the fp32 ones:
+    the target's top-1 kept wherever fp32's top-1 leads clearly, probabilities within 0.02, and
+    still proper distributions (top-k + tail = 1 in fp32)."""
+    items = corpus_windows(tok, [("d1", "the cat sat on the mat and the dog sat too, then it ran off")], length=12)
+    exact = {tuple(r.output_ids.tolist()): r for r in score_windows(target, items, "prose", FP, k=5)}
+    fast = list(score_windows(target, items, "prose", FP, k=5, autocast_dtype=torch.bfloat16))
+    assert len(fast) == len(exact)
+    for r in fast:
+        e = exact[tuple(r.output_ids.tolist())]
+        assert r.topk_probs.dtype == e.topk_probs.dtype
+        assert np.allclose(r.topk_probs.sum(-1) + r.tail_mass, 1.0, atol=1e-3)
+        clear = (e.topk_probs[:, 0] - e.topk_probs[:, 1]) > 0.05
+        assert (r.topk_ids[clear, 0] == e.topk_ids[clear, 0]).all()
+        p_fast = {(i, t): p for i, (ts, ps) in enumerate(zip(r.topk_ids, r.topk_probs)) for t, p in zip(ts, ps)}
+        for i, (ts, ps) in enumerate(zip(e.topk_ids, e.topk_probs)):
+            for t, p in zip(ts, ps):
+                if (i, t) in p_fast:
+                    assert abs(float(p_fast[i, t]) - float(p)) < 0.02
+        assert not np.array_equal(r.topk_probs, e.topk_probs)  # autocast really ran
+
+
 def test_windows_split_and_errors():
     assert windows(list(range(10)), 4, min_length=2) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert windows(list(range(10)), 4, min_length=3) == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -15,6 +15,8 @@ from trainer.distill import (
     AdapterMismatch,
     DistillConfig,
     Distiller,
+    autocast_dtype,
+    cpu_has_native_bf16,
     position_weights,
     rejected_positions,
 )
@@ -44,8 +46,9 @@ def test_rejected_positions_by_hand():
     assert not rejected_positions(_sample([0, 0, 0], [-1, -1, -1], 3)).any()
 
 
-def test_training_raises_heldout_alpha(draft, train_samples, heldout_samples):
-    dist = Distiller(draft, DistillConfig(**FAST))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_training_raises_heldout_alpha(draft, train_samples, heldout_samples, precision):
+    dist = Distiller(draft, DistillConfig(**FAST, precision=precision))
     base = dist.evaluate(heldout_samples, adapter=BASE)
     r1 = dist.train_round(train_samples)
     r2 = dist.train_round(train_samples)
@@ -131,6 +134,35 @@ def test_save_and_load_adapter(tmp_path, draft, train_samples, heldout_samples):
         other.load_adapter_weights(out)
     with pytest.raises(Exception, match="not empty"):
         dist.save(tmp_path / "a")
+
+
+def test_bf16_training_keeps_fp32_weights_and_evaluates_in_fp32(train_samples, heldout_samples):
+    """Under bf16 autocast the adapter, its gradients and the optimiser stay fp32, the loss is
+    computed in fp32, and evaluation ignores the training precision: the same weights evaluate
+    bit-identically in an fp32 Distiller."""
+    bf = Distiller(tiny_draft(), DistillConfig(**{**FAST, "max_steps": 10}, precision="bf16"))
+    r = bf.train_round(train_samples)
+    assert r.finite and r.steps == 10
+    assert all(p.dtype == torch.float32 for p in bf._params)
+    assert all(v.dtype == torch.float32 for st in bf.optimizer.state.values() for v in st.values() if v.dim() > 0)
+    fp = Distiller(tiny_draft(), DistillConfig(**FAST, precision="fp32"))
+    fp.load_adapter_state(bf.adapter_state())
+    a, b = bf.evaluate(heldout_samples), fp.evaluate(heldout_samples)
+    assert a.alpha == b.alpha and a.overall.positions == b.overall.positions
+    # the two precisions train differently (autocast really ran), but both towards the target
+    fp.start_from(BASE)
+    r32 = fp.train_round(train_samples)
+    assert r32.loss_first == pytest.approx(r.loss_first, rel=0.05) and r32.loss_first != r.loss_first
+
+
+def test_autocast_dtype_by_setting():
+    assert autocast_dtype("fp32", "cpu") is None
+    assert autocast_dtype("bf16", "cpu") is torch.bfloat16
+    assert autocast_dtype("auto", "cpu") is (torch.bfloat16 if cpu_has_native_bf16() else None)
+    with pytest.raises(ValueError, match="'fp16'"):
+        autocast_dtype("fp16", "cpu")
+    with pytest.raises(ValueError, match="precision='half'"):
+        DistillConfig(precision="half")
 
 
 def test_config_errors_name_the_value():
