@@ -396,11 +396,22 @@ class Distiller:
     def _batch_loss(self, batch: _Batch) -> torch.Tensor:
         dtype = autocast_dtype(self.config.precision, self.device)
         with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, T, V)
-        logq = torch.log_softmax(logits[batch.rows_b, batch.rows_t].float(), dim=-1)  # (M, V)
+            logits = self._row_logits(batch)  # (M, V)
+        logq = torch.log_softmax(logits.float(), dim=-1)  # (M, V)
         logq_b = L.student_bucket_logprobs(logq, batch.topk_ids)  # (M, k+1)
         per_pos = L.per_position_loss(self.config.loss, batch.p, logq_b, self.config.jsd_beta)  # (M,)
         return L.weighted_mean(per_pos, batch.weights)
+
+    def _row_logits(self, batch: _Batch) -> torch.Tensor:
+        """The draft's logits at the distilled positions only: (M, V).
+
+        The LM head runs on the sequence indices some row distils (``logits_to_keep`` with
+        their union), not on every position: a served record's prompt (e.g. 256 tokens before
+        32 emitted ones) would otherwise cost the head, the largest matrix of a small draft,
+        9x over. The model's own head code runs, so soft-capping and scaling are kept."""
+        keep, col = torch.unique(batch.rows_t, return_inverse=True)  # (U,), (M,)
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
+        return logits[batch.rows_b, col]  # (B, U, V) -> (M, V)
 
     def train_round(self, samples: Sequence[VerifiedSample]) -> RoundResult:
         """Train the adapter on ``samples`` within the config's step, time and epoch bounds.
@@ -509,8 +520,7 @@ class Distiller:
                 for i in range(0, len(samples), bs):
                     chunk = samples[i : i + bs]
                     batch = _build_batch(chunk, self.config, self.device)
-                    logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-                    logq = torch.log_softmax(logits[batch.rows_b, batch.rows_t].float(), dim=-1)  # (M, V)
+                    logq = torch.log_softmax(self._row_logits(batch).float(), dim=-1)  # (M, V)
                     a = L.alpha(batch.p, L.student_bucket_logprobs(logq, batch.topk_ids)).cpu().numpy()  # (M,)
                     top1 = batch.topk_ids.gather(-1, batch.p[:, :-1].argmax(-1, keepdim=True)).squeeze(-1)  # (M,)
                     match = (logq.argmax(-1) == top1).cpu().numpy()  # (M,)

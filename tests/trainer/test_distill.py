@@ -155,6 +155,22 @@ def test_bf16_training_keeps_fp32_weights_and_evaluates_in_fp32(train_samples, h
     assert r32.loss_first == pytest.approx(r.loss_first, rel=0.05) and r32.loss_first != r.loss_first
 
 
+def test_row_logits_equal_the_full_logits_at_the_distilled_positions(target):
+    """The head runs on the union of distilled sequence indices only; the rows equal the full
+    forward's logits there, for samples whose prompts (and so output offsets) differ."""
+    from trainer.distill import _build_batch
+
+    samples = make_samples(target, 3, "prose", seed=5, prompt_len=20) + make_samples(target, 3, "code", seed=6, prompt_len=9)
+    assert len({len(s.prompt_ids) for s in samples}) > 1
+    dist = Distiller(tiny_draft(), DistillConfig(**FAST))
+    batch = _build_batch(samples, dist.config, dist.device)
+    with torch.no_grad():
+        full = dist.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        rows = dist._row_logits(batch)
+    assert rows.shape == (len(batch.rows_b), full.shape[-1])
+    assert torch.allclose(rows, full[batch.rows_b, batch.rows_t], atol=1e-5)
+
+
 def test_autocast_dtype_by_setting():
     assert autocast_dtype("fp32", "cpu") is None
     assert autocast_dtype("bf16", "cpu") is torch.bfloat16
