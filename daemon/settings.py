@@ -145,8 +145,8 @@ class TrainerSettings(_Group):
     batch_size: int = Field(8, ge=1, description="Sequences per optimiser step.")
     max_seq_len: int = Field(512, ge=2, description="Longest input fed to the draft, tokens.")
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="Training under bf16 autocast: auto = where the hardware multiplies bf16 natively (AMX, "
-                            "AVX512-BF16, CUDA); evaluation stays fp32."
+        "auto", description="Training, and the target's scoring of bootstrap text, under bf16 autocast: auto = where "
+                            "the hardware multiplies bf16 natively (AMX, AVX512-BF16, CUDA); evaluation stays fp32."
     )
     start_paused: bool = Field(False, description="Start with scheduled rounds paused (train-now still works).")
     shutdown_grace_s: float = Field(

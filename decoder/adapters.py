@@ -435,6 +435,12 @@ class AdapterManager:
         if want != dec.adapter_version and self._model_lock.acquire(blocking=False):
             t0 = self.clock()
             old = dec.adapter_version
+            if want and all(n != adapter_name(want) for _, n in self._loaded):
+                # evicted between reading the route and taking the lock (a newer route replaced
+                # it): keep serving what serves; the watcher brings the routes up to date
+                self._model_lock.release()
+                self.boundary_log.append(dec.adapter_version)
+                return
             try:
                 if want == 0:
                     if self._peft is not None:
@@ -460,9 +466,23 @@ class AdapterManager:
                 log.info("adapter_swapped", from_version=old, to_version=want, workload=workload,
                          pause_ms=round(pause, 3))
             else:
-                # unroute it: its scopes go back to what they routed to before
-                self._routes = {sc: (self._previous.get(sc, 0) if v == want else v) for sc, v in self._routes.items()}
+                # unroute it: its scopes go back to what they routed to before if that is still
+                # loaded; else the shared scope keeps what is serving (unless that is a workload's
+                # own adapter) and a workload scope the shared route; the base draft last. The
+                # next poll, seeing the registry still name it, prepares it again and the switch
+                # is retried then.
+                loaded = {v for v, _ in self._loaded}
+                own = {v for sc, v in self._routes.items() if sc}
+
+                def fallback(sc: str) -> int:
+                    prev = self._previous.get(sc, 0)
+                    if prev in loaded:
+                        return prev
+                    return old if sc == "" and old in loaded and old not in own else 0
+
+                self._routes = {sc: (fallback(sc) if v == want else v) for sc, v in self._routes.items()}
                 self._fail(want, "swap", f"switching to v{want} failed: {err!r}")
+                self._failed.pop(want, None)  # a failed switch is retried (a bad artifact is not)
             with self._changed:
                 self._changed.notify_all()
         self.boundary_log.append(dec.adapter_version)

@@ -28,7 +28,7 @@ import structlog
 
 from decoder.metrics import AcceptanceCounts, StepStats
 from decoder.shift import ShiftAlarm, ShiftDetector
-from store import AcceptanceHistory, AdapterRegistry, InvalidTransitionError, StoreError
+from store import AcceptanceHistory, AdapterRegistry, InvalidTransitionError, StoreError, UnknownVersionError
 
 log = structlog.get_logger("decoder.control")
 
@@ -298,6 +298,12 @@ class RollbackMonitor:
     workload separately and judges v on that workload's keys only (once per workload). Without
     it, one sequence of versions is followed over all keys and a version is judged once.
 
+    Only a promotion is judged: within one scope, v newer than u (versions only grow), or a
+    workload's own adapter replacing the shared one. A rollback, which brings back an older
+    version, is not judged against the version it replaced, and neither is the shared adapter
+    when a workload falls back to it from an adapter of its own (its own one was specialised to
+    beat it there; rolling the shared one back would hurt every workload).
+
     metric: ``"alpha"`` (pooled α = 1 - TV over proposed positions; informative even with few
         acceptances) or ``"acceptance_rate"`` (accepted / proposed tokens).
     """
@@ -321,6 +327,7 @@ class RollbackMonitor:
         # per workload (None = all keys): [current version, previous version]
         self._seen: dict[str | None, list[int | None]] = {}
         self._judged: set[tuple[int, str | None]] = set()
+        self._scopes: dict[int, str] = {0: ""}  # version -> its registry scope (never changes)
 
     def check(self, serving_version: int, workload: str | None = None) -> RollbackDecision | None:
         """Note the version serving now (for ``workload``'s requests, or for all when None);
@@ -334,6 +341,14 @@ class RollbackMonitor:
         v, u = seen
         if u is None or v == 0 or (v, workload) in self._judged:
             return None
+        scope_v, scope_u = self._scope(v), self._scope(u)
+        if scope_v is None or scope_u is None:
+            return None  # unknown for now (Redis down)
+        if scope_v == scope_u:
+            if v < u:
+                return None  # a rollback brought an older version back
+        elif not (scope_u == "" and scope_v != ""):
+            return None  # a fallback to the shared adapter (or two workloads' versions interleaved)
         worst = None
         for w, b, ver in self.tracker.keys():
             if ver != v or (workload is not None and w != workload):
@@ -368,9 +383,20 @@ class RollbackMonitor:
             log.info("adapter_judged", version=v, previous=u, rolled_back=False, reason=reason)
         return d
 
+    def _scope(self, version: int) -> str | None:
+        """``version``'s scope ("" = shared; None while the registry cannot say)."""
+        if version not in self._scopes:
+            try:
+                self._scopes[version] = self.registry.get(version).scope
+            except UnknownVersionError:
+                self._scopes[version] = ""  # not registered here (e.g. loaded by hand): treat as shared
+            except (StoreError, redis.RedisError, OSError):
+                return None
+        return self._scopes[version]
+
     def _rollback(self, version: int, reason: str, workload: str | None) -> tuple[bool, str]:
         try:
-            scope = self.registry.get(version).scope
+            scope = self._scopes.get(version, "")
             active = self.registry.active_version(scope)
             if active != version:
                 where = f"scope {scope!r}" if scope else "the shared scope"

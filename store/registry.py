@@ -34,7 +34,7 @@ a JSON message::
     {"event": "promote" | "rollback", "version": <new active>, "previous": <old active>,
      "reason": "...", "ts": <seconds since the epoch>, "scope": "" | "<workload>"}
 
-Decoders subscribe to the channel, or poll :meth:`AdapterRegistry.active_version`.
+Decoders subscribe to the channel, or poll :meth:`AdapterRegistry.active_versions` (every scope).
 Durability of "registered" is Redis's: run it with AOF (``appendonly yes``) if a registered
 adapter must survive a Redis crash.
 """
@@ -444,9 +444,11 @@ class AdapterRegistry:
             )
         if res[0].decode() == "none":
             if scope:
+                own = sorted(w for w, v in self.active_versions().items() if w and v)
                 raise InvalidTransitionError(
-                    f"cannot roll back scope {scope!r}: it has no active adapter of its own (its requests use "
-                    f"the shared one); roll back the shared scope instead"
+                    f"cannot roll back workload {scope!r}: it has no active adapter of its own (its requests use "
+                    f"the shared one). Workloads with their own active adapter: {own or 'none'}; "
+                    f"to roll back the shared adapter, leave the workload out"
                 )
             raise InvalidTransitionError("cannot roll back: no adapter is active (version 0, the base draft)")
         return int(res[1])

@@ -26,7 +26,11 @@ Per-workload adapters (``per_workload``, beyond OSD, which keeps one full draft 
 after the shared adapter's turn, each workload with at least ``min_workload_samples`` new
 training samples in the round (and ``min_eval_samples`` held out) trains its own adapter on its
 own samples only. It starts from what serves that workload now (its own promoted adapter, else
-the shared one) and is judged only on that workload's held-out slice, against that same adapter.
+the shared one; a rejected candidate trains on in the next round while that has not changed)
+and is judged only on that workload's held-out slice, against that same adapter. Each turn has
+the Distiller's bounds (``max_steps``, ``max_seconds``), so a round takes up to 1 + (number of
+such workloads) times them. A workload whose own active adapter cannot be loaded (corrupt or
+missing artifact) has its turns skipped, with the reason in ``status()``; the rest train on.
 It is registered in the workload's scope (``AdapterMeta.scope``), so promoting it moves only
 that workload's pointer, and decoders route that workload's requests to it
 (``decoder.adapters``); workloads without an adapter of their own, and unseen ones, keep the
@@ -63,9 +67,10 @@ import structlog
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from store.buffer import group_info
+from store.errors import RegistryError
 from store.registry import AdapterMeta, check_scope
 from store.schema import VerifiedSample
-from trainer.distill import BASE, AdapterState, Distiller, EvalResult, RoundResult
+from trainer.distill import BASE, AdapterState, Distiller, EvalResult, RoundResult, TrainerError
 
 log = structlog.get_logger(__name__)
 
@@ -150,6 +155,8 @@ class _Scope:
     version: int = 0  # the scope's own promoted version (0 = none: the shared adapter serves it)
     state: AdapterState | None = None  # that version's weights
     context: tuple[AdapterState, dict] | None = None  # its training candidate + optimiser, between rounds
+    context_from: int = -1  # the serving version that candidate was trained from
+    error: str | None = None  # why the scope's active version could not be loaded (its turn is skipped)
 
 
 def is_heldout(key: str, fraction: float) -> bool:
@@ -340,6 +347,7 @@ class TrainerService:
             "rounds": self._rounds,
             "promoted_version": self._promoted_version,
             "workload_versions": {w: sc.version for w, sc in sorted(self._scopes.items())},
+            "workload_errors": {w: sc.error for w, sc in sorted(self._scopes.items()) if sc.error},
             "next_run_time": nxt.isoformat() if nxt else None,
             "heldout": {w: len(d) for w, d in sorted(self._heldout.items())},
             "carried_over": len(self._carry),
@@ -391,7 +399,7 @@ class TrainerService:
             if not w:
                 continue
             sc = self._scopes.setdefault(w, _Scope())
-            if active == sc.version:
+            if active == sc.version and sc.error is None:
                 continue
             state = None
             if active:
@@ -399,10 +407,14 @@ class TrainerService:
                 try:
                     self.distiller.load_adapter_weights(self.registry.fetch(active))
                     state = self.distiller.adapter_state()
+                except (RegistryError, TrainerError) as e:  # a bad artifact of one workload stops only its turns
+                    sc.error = f"its active adapter v{active} cannot be loaded: {type(e).__name__}: {e}"
+                    log.error("trainer_workload_adapter_unloadable", workload=w, version=active, error=str(e))
+                    continue
                 finally:
                     self.distiller.load_training_context(saved)
             log.info("trainer_follows_workload_adapter", workload=w, previous=sc.version, active=active)
-            sc.version, sc.state, sc.context = active, state, None
+            sc.version, sc.state, sc.context, sc.error = active, state, None, None
 
     def _served(self, workload: str | None) -> tuple[int, AdapterState | str]:
         """(version, weights) serving ``workload``'s requests (None: the shared scope)."""
@@ -501,7 +513,7 @@ class TrainerService:
             for e in train:
                 by_w.setdefault(e.sample.workload, []).append(e.sample)
             for w, smp in sorted(by_w.items()):
-                if len(smp) >= cfg.min_workload_samples:
+                if w and len(smp) >= cfg.min_workload_samples:  # "" (untagged) is the shared scope's alone
                     report.scopes[w] = self._workload_turn(w, smp).to_dict()
         self._prune_eval_cache()
         report.acked = self.reader.ack(entries)
@@ -559,14 +571,17 @@ class TrainerService:
                           f"{cfg.min_eval_samples}: nothing to judge its own adapter on")
             return rep
         sc = self._scopes.setdefault(workload, _Scope())
+        if sc.error is not None:
+            rep.reason = sc.error
+            return rep
         parent, served = self._served(workload)
         rep.parent = parent
         shared_ctx = self.distiller.training_context()
         try:
-            if sc.context is not None:
-                self.distiller.load_training_context(sc.context)
+            if sc.context is not None and sc.context_from == parent:
+                self.distiller.load_training_context(sc.context)  # a rejected candidate trains on
             else:
-                self.distiller.start_from(served)
+                self.distiller.start_from(served)  # what serves the workload changed: start from it
             before = self._evaluate_served(held, parent, served)
             result = self.distiller.train_round(samples)
             rep.steps = result.steps
@@ -594,7 +609,7 @@ class TrainerService:
                 self.registry.set_state(version, "rejected", reason)
                 rep.decision = "rejected"
             rep.reason = reason
-            sc.context = self.distiller.training_context()
+            sc.context, sc.context_from = self.distiller.training_context(), (version if promote else parent)
         finally:
             self.distiller.load_training_context(shared_ctx)
         log.info("trainer_workload_round", workload=workload, decision=rep.decision, version=rep.version,

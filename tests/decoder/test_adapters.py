@@ -232,3 +232,37 @@ def test_learns_a_workload_promotion_from_the_event_channel(tok, pair, reg, tmp_
         assert mgr.wait_prepared(v1, timeout=10, scope="код")
         assert dec.generate(_req(tok, PROMPTS[0], "prose"), FixedGamma(3)).adapter_version == 0
         assert dec.generate(_req(tok, PROMPTS[0], "код"), FixedGamma(3)).adapter_version == v1
+
+
+def test_a_failed_switch_falls_back_to_a_loaded_version_and_is_retried(tok, pair, reg, tmp_path):
+    """A transient set_adapter failure: the request is served by what was serving, the route never
+    points at an evicted version, and the next poll retries the switch (QA: the old fallback
+    routed to an evicted version and every request failed from then on)."""
+    target, draft, noise = pair
+    v1 = reg.register(fixing_lora(draft, noise, tmp_path / "a"))
+    v2 = reg.register(random_lora(draft, tmp_path / "b", scale=2.0, seed=1))
+    v3 = reg.register(random_lora(draft, tmp_path / "c", scale=2.0, seed=2))
+    dec = SpeculativeDecoder(target, draft, tok)
+    mgr = AdapterManager(dec, reg.registry, keep_loaded=1)
+    reg.registry.promote(v1, "x")
+    mgr.poll_once()
+    assert dec.generate(_req(tok, PROMPTS[0]), FixedGamma(3)).adapter_version == v1
+    reg.registry.promote(v2, "x")
+    mgr.poll_once()  # prepared, no request in between
+    reg.registry.promote(v3, "x")
+    mgr.poll_once()  # v2 evicted: neither routed nor active
+    assert v2 not in mgr.status()["loaded"]
+    real, calls = mgr._peft.set_adapter, []
+
+    def flaky(name, **kw):
+        calls.append(name)
+        if len(calls) == 1:
+            raise RuntimeError("transient")
+        return real(name, **kw)
+
+    mgr._peft.set_adapter = flaky
+    served = [dec.generate(_req(tok, PROMPTS[0]), FixedGamma(3)).adapter_version for _ in range(3)]
+    assert served == [v1, v1, v1] and mgr.status()["failures"] == 1  # one failure, no flood
+    assert mgr.route(None) in {v for v in mgr.status()["loaded"]} | {0}
+    mgr._prepare(reg.registry.active_version(), "poll")  # the watcher's next poll
+    assert dec.generate(_req(tok, PROMPTS[0]), FixedGamma(3)).adapter_version == v3

@@ -132,7 +132,38 @@ def test_a_bad_workload_adapter_is_rolled_back_in_its_own_scope_only(tok, pair, 
     mgr.poll_once()
     r = dec.generate(_req(tok, 0, workload="code"), FixedGamma(3))
     assert r.adapter_version == good and r.counts.acceptance_rate == 1.0
-    assert len(monitor.decisions) == 1  # the shared version was never judged against code's
+    # code now falls back to the shared adapter: that is not judged against code's own (QA: it
+    # was, and a shared rollback followed whenever code's own adapter had been better)
+    serve(4)
+    assert len(monitor.decisions) == 1 and reg.registry.active_versions() == {"": good, "code": 0}
+
+
+def test_falling_back_to_the_shared_adapter_is_not_judged(tok, pair, reg, tmp_path):
+    """code's own adapter (v1, exact) replaces a poor, newer shared one (v2) on code: judged and
+    kept. An operator then rolls code's scope back, so code falls back to v2, which drafts code
+    far worse than v1 did: that is no regression of v2, and the shared adapter stays."""
+    target, draft, noise = pair
+    code = reg.register(fixing_lora(draft, noise, tmp_path / "fix"), scope="code")
+    shared = reg.register(random_lora(draft, tmp_path / "poor", scale=50.0, seed=3))
+    assert shared > code
+    dec = SpeculativeDecoder(target, draft, tok)
+    mgr = AdapterManager(dec, reg.registry)
+    tracker = AcceptanceTracker()
+    monitor = RollbackMonitor(reg.registry, tracker, min_requests=3, margin=0.2)
+
+    def serve(n: int):
+        for i in range(n):
+            r = dec.generate(_req(tok, i, workload="code"), FixedGamma(3))
+            tracker.observe(r)
+            monitor.check(r.adapter_version, r.workload)
+
+    for step in (lambda: reg.registry.promote(shared, "shared"), lambda: reg.registry.promote(code, "code's own"),
+                 lambda: reg.registry.rollback("operator", scope="code")):
+        step()
+        mgr.poll_once()
+        serve(3)
+    assert [(d.version, d.previous, d.rolled_back) for d in monitor.decisions] == [(code, shared, False)]
+    assert reg.registry.active_versions() == {"": shared, "code": 0}
 
 
 def test_good_adapter_is_kept(tok, pair, reg, tmp_path):

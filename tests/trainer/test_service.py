@@ -14,7 +14,7 @@ import torch
 
 from store.buffer import SampleReader, SampleWriter, group_info
 from store.config import StoreConfig
-from store.registry import AdapterRegistry
+from store.registry import AdapterMeta, AdapterRegistry
 from tiny_pair import PAIR, make_samples, tiny_draft
 from trainer.distill import DistillConfig, Distiller, EvalCounts, EvalResult
 from trainer.service import ServiceConfig, TrainerService, gate, group_lag, is_heldout, replay_mix, split_key
@@ -334,10 +334,38 @@ def test_per_workload_skips_a_workload_without_enough_samples_or_a_usable_tag(en
     odd = [s for s in make_samples(target, 40, "code", seed=93)]
     for s in odd:
         s.workload = "two words"
-    write(client, cfg, train_samples[:20] + odd)
+    untagged = make_samples(target, 40, "prose", seed=94)
+    for s in untagged:
+        s.workload = ""  # untagged traffic is the shared scope's: never an adapter "of its own"
+    write(client, cfg, train_samples[:20] + odd + untagged)
     svc = make_service(env, per_workload=True, min_workload_samples=30)
     rep = svc.run_round_now()
     assert rep.decision in ("promoted", "rejected")
-    assert set(rep.scopes) == {"two words"}  # prose brought < 30 new samples
+    assert set(rep.scopes) == {"two words"}  # prose brought < 30 new samples; "" is skipped
     assert rep.scopes["two words"]["decision"] == "skipped" and "adapter scope" in rep.scopes["two words"]["reason"]
     assert all(r.scope == "" for r in registry.list()) and pending(client, cfg) == 0
+
+
+def test_per_workload_a_corrupt_workload_adapter_skips_only_that_workload(env, train_samples, heldout_samples):
+    """A workload's active adapter whose artifact is corrupt: its turns are skipped with the
+    reason (in the report and status), the shared adapter and other workloads train on (QA: the
+    fetch error stopped every round before anything was read)."""
+    client, cfg, registry, tmp = env
+    code = registry.register(registry.fetch(_register_some_adapter(env, train_samples)), AdapterMeta(scope="code"))
+    registry.promote(code, "operator")
+    (Path(registry.get(code).artifact_path) / "adapter_model.safetensors").write_bytes(b"corrupt")
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env, per_workload=True, min_workload_samples=8)
+    rep = svc.run_round_now()
+    assert rep.decision == "promoted" and rep.acked == rep.read
+    assert rep.scopes["code"]["decision"] == "skipped" and f"v{code} cannot be loaded" in rep.scopes["code"]["reason"]
+    assert rep.scopes["prose"]["decision"] in ("promoted", "rejected")
+    assert "IntegrityError" in svc.status()["workload_errors"]["code"]
+
+
+def _register_some_adapter(env, samples) -> int:
+    """A real trained adapter of the tiny draft, registered as a shared candidate (not promoted)."""
+    _, _, registry, tmp = env
+    d = Distiller(tiny_draft(), DistillConfig(**{**FAST.__dict__, "max_steps": 2}))
+    d.train_round(samples[:16])
+    return registry.register(d.save(tmp / "some-adapter"), AdapterMeta())
