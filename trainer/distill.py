@@ -397,8 +397,7 @@ class Distiller:
         dtype = autocast_dtype(self.config.precision, self.device)
         with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             logits = self._row_logits(batch)  # (M, V)
-        logq = torch.log_softmax(logits.float(), dim=-1)  # (M, V)
-        logq_b = L.student_bucket_logprobs(logq, batch.topk_ids)  # (M, k+1)
+        logq_b = L.student_bucket_logprobs(logits, batch.topk_ids)  # (M, k+1), one pass over the vocabulary
         per_pos = L.per_position_loss(self.config.loss, batch.p, logq_b, self.config.jsd_beta)  # (M,)
         return L.weighted_mean(per_pos, batch.weights)
 
@@ -520,7 +519,7 @@ class Distiller:
                 for i in range(0, len(samples), bs):
                     chunk = samples[i : i + bs]
                     batch = _build_batch(chunk, self.config, self.device)
-                    logq = torch.log_softmax(self._row_logits(batch).float(), dim=-1)  # (M, V)
+                    logq = self._row_logits(batch)  # (M, V) logits: buckets and argmax need no log_softmax
                     a = L.alpha(batch.p, L.student_bucket_logprobs(logq, batch.topk_ids)).cpu().numpy()  # (M,)
                     top1 = batch.topk_ids.gather(-1, batch.p[:, :-1].argmax(-1, keepdim=True)).squeeze(-1)  # (M,)
                     match = (logq.argmax(-1) == top1).cpu().numpy()  # (M,)

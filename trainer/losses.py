@@ -47,26 +47,29 @@ def teacher_buckets(topk_probs: torch.Tensor, tail_mass: torch.Tensor) -> torch.
     return p / p.sum(dim=-1, keepdim=True).clamp_min(P_FLOOR)
 
 
-def student_bucket_logprobs(logq: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The draft's log-probabilities reduced to the teacher's k + 1 buckets.
+def student_bucket_logprobs(logits: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The draft's log-probabilities reduced to the teacher's k + 1 buckets, from its logits.
 
-    Top-k buckets are gathered; the tail bucket is a logsumexp over the vocabulary with the
-    top-k ids masked to -inf, which is exact and stable (unlike log(1 - sum exp(gathered)),
-    which cancels catastrophically when the top-k hold almost all the mass).
+    With x the logits: top-k buckets are x gathered at the ids; the tail bucket is a logsumexp
+    over the vocabulary with the top-k ids set to -inf, which is exact and stable (unlike
+    log(1 - sum exp(gathered)), which cancels catastrophically when the top-k hold almost all
+    the mass); both are normalised by log Z = logaddexp(tail, logsumexp(top)), so one pass over
+    the vocabulary does it all (no (N, V) log_softmax to hold and back-propagate through).
+    Shift-invariant: log-probabilities give the same result as the logits they came from.
 
     Args:
-        logq: (N, V) draft log-probabilities (log_softmax of its logits).
+        logits: (N, V) draft logits (or log-probabilities), any float dtype; computed in fp32.
         topk_ids: (N, k) int64 token ids of the target's top-k.
 
     Returns:
         (N, k + 1) log q over the buckets, floored at ``LOGQ_FLOOR``.
     """
-    logq = logq.float()
+    x = logits.float()
     ids = topk_ids.long()
-    top = logq.gather(-1, ids)  # (N, k)
-    mask = torch.zeros_like(logq, dtype=torch.bool).scatter_(-1, ids, True)  # (N, V)
-    tail = torch.logsumexp(logq.masked_fill(mask, float("-inf")), dim=-1)  # (N,); -inf if k == V
-    return torch.cat([top, tail.unsqueeze(-1)], dim=-1).clamp_min(LOGQ_FLOOR)  # (N, k+1)
+    top = x.gather(-1, ids)  # (N, k)
+    tail = torch.logsumexp(x.scatter(-1, ids, float("-inf")), dim=-1)  # (N,); -inf if k == V
+    log_z = torch.logaddexp(tail, torch.logsumexp(top, dim=-1))  # (N,)
+    return (torch.cat([top, tail.unsqueeze(-1)], dim=-1) - log_z.unsqueeze(-1)).clamp_min(LOGQ_FLOOR)  # (N, k+1)
 
 
 def _kl(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,34 @@ def test_tail_bucket_is_stable_when_topk_hold_almost_all_mass():
     assert math.isclose(b[0, 2].item(), math.log(2e-12), rel_tol=1e-3)
 
 
+def test_buckets_from_raw_logits_equal_the_hand_worked_ones_and_their_gradient():
+    """Logits (Q_VOCAB's log plus any constant) give the same buckets as log-probabilities, and the
+    gradient w.r.t. the logits equals that of the two-pass form (log_softmax, then a masked
+    logsumexp), computed independently here in float64."""
+    logits = (Q_VOCAB.log() + 7.25).double().requires_grad_(True)
+    b = L.student_bucket_logprobs(logits, IDS)
+    assert torch.allclose(b.exp().float(), torch.tensor([QB]), atol=1e-6)
+    p = torch.tensor([PB], dtype=torch.float64)
+    L.forward_kl(p, b).sum().backward()
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    logq = torch.log_softmax(ref_logits, -1)
+    mask = torch.zeros_like(logq, dtype=torch.bool).scatter_(-1, IDS, True)
+    ref = torch.cat([logq.gather(-1, IDS), torch.logsumexp(logq.masked_fill(mask, float("-inf")), -1, keepdim=True)], -1)
+    L.forward_kl(p, ref).sum().backward()
+    assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-6)
+    # by hand: d KL / d x_v = q_v - p_b for a top-k id v = b, and q_v - p_tail q_v / q_tail for a
+    # tail id: ids 2, 0 are the top-k (p .5, .25); ids 1, 3 share the tail (p .25, q .375)
+    hand = [0.5 - 0.25, 0.125 - 0.25 * 0.125 / 0.375, 0.125 - 0.5, 0.25 - 0.25 * 0.25 / 0.375]
+    assert torch.allclose(logits.grad, torch.tensor([hand], dtype=torch.float64), atol=1e-6)
+
+
+def test_tail_bucket_is_stable_from_raw_logits():
+    logits = torch.tensor([[50.0, 22.369, 22.369, 22.369]])  # q(tail ids) ~ 1e-12 each, shifted by 50
+    b = L.student_bucket_logprobs(logits, torch.tensor([[0, 1]]))
+    assert math.isclose(b[0, 2].item(), math.log(2e-12), rel_tol=1e-3)
+    assert math.isclose(b[0, 0].item(), 0.0, abs_tol=1e-6)
+
+
 def test_tail_bucket_when_k_equals_vocab_is_floored():
     b = L.student_bucket_logprobs(Q_VOCAB.log(), torch.tensor([[0, 1, 2, 3]]))
     assert b[0, 4].item() == L.LOGQ_FLOOR
