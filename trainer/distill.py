@@ -376,17 +376,19 @@ class Distiller:
         self.load_adapter_state(state)
         self.optimizer = self._new_optimizer()
 
-    def training_context(self) -> tuple[AdapterState, dict]:
-        """The adapter weights and a copy of the optimiser state: what ``train_round`` continues
-        from. Lets one Distiller train several adapters in turn (per-workload adapters)."""
-        return self.adapter_state(), copy.deepcopy(self.optimizer.state_dict())
+    def training_context(self) -> tuple[AdapterState, dict, int]:
+        """The adapter weights, a copy of the optimiser state and the round counter (which
+        seeds each round's sample order): what ``train_round`` continues from. Lets one
+        Distiller train several adapters in turn (per-workload adapters), each as if alone."""
+        return self.adapter_state(), copy.deepcopy(self.optimizer.state_dict()), self._rounds
 
-    def load_training_context(self, context: tuple[AdapterState, dict]) -> None:
-        """Restore a ``training_context`` snapshot (weights and optimiser state)."""
-        state, opt = context
+    def load_training_context(self, context: tuple[AdapterState, dict, int]) -> None:
+        """Restore a ``training_context`` snapshot."""
+        state, opt, rounds = context
         self.load_adapter_state(state)
         self.optimizer = self._new_optimizer()
         self.optimizer.load_state_dict(copy.deepcopy(opt))
+        self._rounds = rounds
 
     def _weights_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self._params)

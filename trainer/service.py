@@ -154,7 +154,7 @@ class _Scope:
 
     version: int = 0  # the scope's own promoted version (0 = none: the shared adapter serves it)
     state: AdapterState | None = None  # that version's weights
-    context: tuple[AdapterState, dict] | None = None  # its training candidate + optimiser, between rounds
+    context: tuple[AdapterState, dict, int] | None = None  # its candidate, optimiser, round counter
     context_from: int = -1  # the serving version that candidate was trained from
     error: str | None = None  # why the scope's active version could not be loaded (its turn is skipped)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from store.buffer import SampleReader, SampleWriter, group_info
 from store.config import StoreConfig
@@ -369,3 +370,25 @@ def _register_some_adapter(env, samples) -> int:
     d = Distiller(tiny_draft(), DistillConfig(**{**FAST.__dict__, "max_steps": 2}))
     d.train_round(samples[:16])
     return registry.register(d.save(tmp / "some-adapter"), AdapterMeta())
+
+
+def test_workload_turns_leave_the_shared_adapter_exactly_as_without_them(env, redis_client, train_samples, target):
+    """Two rounds with per_workload on and off over the same data: the shared versions have
+    bit-identical weights (the workload turns restore weights, optimiser and round counter)."""
+    client, cfg, registry, tmp = env
+    other_cfg = StoreConfig(key_prefix=cfg.key_prefix + "off:")
+    other = (client, other_cfg, AdapterRegistry(client, tmp / "artifacts-off", other_cfg), tmp / "off")
+    rounds = [train_samples, make_samples(target, 40, "code", seed=95) + make_samples(target, 40, "prose", seed=96)]
+    shared = {}
+    for name, e, per in (("on", env, True), ("off", other, False)):
+        svc = make_service(e, per_workload=per, min_workload_samples=8)
+        for data in rounds:
+            write(e[0], e[1], data)
+            svc.run_round_now()
+        shared[name] = [r for r in e[2].list() if r.scope == ""]
+        assert per == any(r.scope for r in e[2].list())
+    assert len(shared["on"]) == len(shared["off"]) == 2
+    for a, b in zip(shared["on"], shared["off"]):
+        ta = load_file(str(Path(a.artifact_path) / "adapter_model.safetensors"))
+        tb = load_file(str(Path(b.artifact_path) / "adapter_model.safetensors"))
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
