@@ -24,12 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import structlog
 import torch
 from transformers import DynamicCache
 
-from decoder.fastpath import small_m_linear
+from decoder.fastpath import calibrate_small_m, small_m_linear
 from decoder.metrics import AcceptanceCounts, StepStats
 from decoder.sampling import SamplingParams, alpha, process_logits, sample, verify
+
+log = structlog.get_logger("decoder.speculative")
 
 
 class GammaPolicy(Protocol):
@@ -204,17 +207,23 @@ class DecoderConfig:
         lossless because the target still scores the full vocabulary.
     small_m_linear: on CPU, switch the target's and the draft's ``nn.Linear`` modules to
         ``decoder.fastpath.SmallMLinear`` (in place; same weights) so that a verification step
-        over γ + 1 <= 16 rows costs about one plain step instead of 1.5-1.7 (see that module).
-        The LM head is switched too, so verification's γ + 1 logit rows also stream the head
-        once. The switch is one-way: False leaves the models as they are (transformers' own
-        ``F.linear`` path), and a model an earlier decoder switched stays switched
-        (``decoder.fastpath.plain_linear`` undoes it).
+        over γ + 1 <= 16 rows costs about one plain step instead of 1.5-1.7 on CPUs where
+        ``W @ x^T`` beats ``F.linear`` for a few rows (see that module). "auto" (default) times
+        both on the target's weights at construction (``calibrate_small_m``, ~0.5 s; the result
+        is in ``SpeculativeDecoder.small_m_calibration``) and switches only where it wins; True
+        always switches, False never does. The LM head is switched too. The switch is one-way:
+        False, or "auto" deciding against it, leaves the models as they are, and a model an
+        earlier decoder switched stays switched (``decoder.fastpath.plain_linear`` undoes it).
     """
 
     topk_record: int = 32
     record_prompt: bool = False
     draft_vocab: torch.Tensor | None = None
-    small_m_linear: bool = True
+    small_m_linear: bool | str = "auto"
+
+    def __post_init__(self):
+        if self.small_m_linear not in (True, False, "auto"):
+            raise ValueError(f"DecoderConfig.small_m_linear={self.small_m_linear!r}: use True, False or 'auto'")
 
 
 class SpeculativeDecoder:
@@ -261,7 +270,13 @@ class SpeculativeDecoder:
             elif src:
                 eos.update(int(x) for x in src)
         self.eos_ids = frozenset(eos)
-        if self.config.small_m_linear and self.device.type == "cpu":
+        self.small_m_calibration: dict | None = None  # calibrate_small_m's result under "auto"
+        use_small_m = self.config.small_m_linear is True
+        if self.config.small_m_linear == "auto" and self.device.type == "cpu":
+            self.small_m_calibration = calibrate_small_m(target)
+            use_small_m = self.small_m_calibration["use"]
+            log.info("small_m_linear_calibrated", **self.small_m_calibration)
+        if use_small_m and self.device.type == "cpu":
             small_m_linear(target)
             small_m_linear(draft)
         self._target_head = _small_m_head(target)  # the prompt's LM head in chunks (record_prompt)

@@ -83,7 +83,7 @@ def test_decoder_switches_both_models_and_stays_lossless(tok):
     target = tiny_llama(1234, layers=4, hidden=48, head_scale=20.0)
     plain_target = copy.deepcopy(target)
     draft = tiny_llama(7, layers=2, hidden=32, head_scale=20.0)
-    dec = SpeculativeDecoder(target, draft, tok)
+    dec = SpeculativeDecoder(target, draft, tok, DecoderConfig(small_m_linear=True))
     assert all(type(x) is not torch.nn.Linear for x in list(target.modules()) + list(draft.modules()))
     ids = tok("the quick brown fox", add_special_tokens=False)["input_ids"]
     ref = reference_greedy(plain_target, ids, 20)  # unswitched weights, full recomputation
@@ -93,6 +93,37 @@ def test_decoder_switches_both_models_and_stays_lossless(tok):
     off = tiny_llama(9, layers=1)
     SpeculativeDecoder(off, off, tok, DecoderConfig(small_m_linear=False))
     assert any(type(x) is torch.nn.Linear for x in off.modules())
+
+
+@pytest.mark.parametrize("wins", [True, False])
+def test_auto_switches_only_where_the_calibration_says_w_at_xt_wins(tok, monkeypatch, wins):
+    import decoder.speculative as S
+
+    seen = []
+
+    def fake(model, **kw):
+        seen.append(model)
+        return {"rows": 2, "f_linear_ms": 2.0, "w_at_xt_ms": 1.0 if wins else 3.0, "use": wins}
+
+    monkeypatch.setattr(S, "calibrate_small_m", fake)
+    target, draft = tiny_llama(21, layers=1), tiny_llama(22, layers=1)
+    dec = SpeculativeDecoder(target, draft, tok)  # default: "auto"
+    assert seen == [target] and dec.small_m_calibration["use"] is wins
+    switched = [type(x) is SmallMLinear for x in list(target.modules()) + list(draft.modules())
+                if isinstance(x, torch.nn.Linear)]
+    assert switched and all(s is wins for s in switched)
+
+
+def test_calibrate_small_m_times_every_distinct_weight_both_ways():
+    from decoder.fastpath import calibrate_small_m
+
+    m = tiny_llama(23, layers=2, hidden=64)
+    cal = calibrate_small_m(m, rows=2, reps=2)
+    assert cal["rows"] == 2 and cal["f_linear_ms"] > 0 and cal["w_at_xt_ms"] > 0
+    assert cal["use"] is (cal["w_at_xt_ms"] < 0.9 * cal["f_linear_ms"])
+    assert calibrate_small_m(torch.nn.Sequential(torch.nn.ReLU()))["use"] is False  # no linear weight
+    with pytest.raises(ValueError, match="'sometimes'"):
+        DecoderConfig(small_m_linear="sometimes")
 
 
 def test_int8_quantisation_still_applies_after_the_switch():
