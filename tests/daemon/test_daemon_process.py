@@ -183,7 +183,7 @@ def test_unauthenticated_mutation_is_refused(url_daemon, redis_client, key_prefi
     # reads need no token; with it, the mutation goes through
     assert http("GET", d.url + "/v1/adapters")[0] == 200
     code, body = http("POST", d.url + "/v1/adapters/1/promote", token=d.token, body={"reason": "authorised"})
-    assert code == 200 and body == {"active": 1, "previous": 0, "reason": "authorised"}
+    assert code == 200 and body == {"active": 1, "previous": 0, "reason": "authorised", "workload": ""}
     # trainer endpoints without a trainer: 409, named
     code, body = http("POST", d.url + "/v1/train-now", token=d.token)
     assert code == 409 and "models.enabled=false" in body["detail"]
