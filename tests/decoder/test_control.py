@@ -98,6 +98,24 @@ def test_bad_adapter_is_rolled_back_with_the_reason_recorded(tok, pair, reg, tmp
     assert tracker.alarms and tracker.alarms[0].key == ("prose", "greedy")  # the drop was flagged too
 
 
+def _monitored(tok, reg, target, draft):
+    """A decoder with an adapter manager, an acceptance tracker and a rollback monitor that is
+    told each request's workload: (decoder, manager, monitor, serve(n, workloads))."""
+    dec = SpeculativeDecoder(target, draft, tok)
+    mgr = AdapterManager(dec, reg.registry)
+    tracker = AcceptanceTracker()
+    monitor = RollbackMonitor(reg.registry, tracker, min_requests=3, margin=0.2)
+
+    def serve(n: int, workloads) -> None:
+        for i in range(n):
+            for w in workloads:
+                r = dec.generate(_req(tok, i, workload=w), FixedGamma(3))
+                tracker.observe(r)
+                monitor.check(r.adapter_version, r.workload)
+
+    return dec, mgr, monitor, serve
+
+
 def test_a_bad_workload_adapter_is_rolled_back_in_its_own_scope_only(tok, pair, reg, tmp_path):
     """Interleaved prose and code requests; code gets its own adapter, which is bad: the monitor
     (told each request's workload) compares it with what served code before (the shared good
@@ -105,17 +123,10 @@ def test_a_bad_workload_adapter_is_rolled_back_in_its_own_scope_only(tok, pair, 
     target, draft, noise = pair
     good = reg.register(fixing_lora(draft, noise, tmp_path / "fix"))
     bad = reg.register(random_lora(draft, tmp_path / "bad", scale=50.0, seed=3), scope="code")
-    dec = SpeculativeDecoder(target, draft, tok)
-    mgr = AdapterManager(dec, reg.registry)
-    tracker = AcceptanceTracker()
-    monitor = RollbackMonitor(reg.registry, tracker, min_requests=3, margin=0.2)
+    dec, mgr, monitor, serving = _monitored(tok, reg, target, draft)
 
     def serve(n: int):
-        for i in range(n):
-            for w in ("prose", "code"):
-                r = dec.generate(_req(tok, i, workload=w), FixedGamma(3))
-                tracker.observe(r)
-                monitor.check(r.adapter_version, r.workload)
+        serving(n, ("prose", "code"))
 
     reg.registry.promote(good, "shared")
     mgr.poll_once()
@@ -146,16 +157,10 @@ def test_falling_back_to_the_shared_adapter_is_not_judged(tok, pair, reg, tmp_pa
     code = reg.register(fixing_lora(draft, noise, tmp_path / "fix"), scope="code")
     shared = reg.register(random_lora(draft, tmp_path / "poor", scale=50.0, seed=3))
     assert shared > code
-    dec = SpeculativeDecoder(target, draft, tok)
-    mgr = AdapterManager(dec, reg.registry)
-    tracker = AcceptanceTracker()
-    monitor = RollbackMonitor(reg.registry, tracker, min_requests=3, margin=0.2)
+    _, mgr, monitor, serving = _monitored(tok, reg, target, draft)
 
     def serve(n: int):
-        for i in range(n):
-            r = dec.generate(_req(tok, i, workload="code"), FixedGamma(3))
-            tracker.observe(r)
-            monitor.check(r.adapter_version, r.workload)
+        serving(n, ("code",))
 
     for step in (lambda: reg.registry.promote(shared, "shared"), lambda: reg.registry.promote(code, "code's own"),
                  lambda: reg.registry.rollback("operator", scope="code")):
