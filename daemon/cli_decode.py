@@ -12,13 +12,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from daemon.logging import console
+from daemon.logging import configure, console
 
 err = console(stderr=True)
 
 
 def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int):
     from decoder.models import load_pair
+
+    configure("auto", "warning", stream=sys.stderr)  # stdout carries only the text / the JSON
 
     with err.status(f"loading {target} (+ draft {draft}); the first run converts the GGUF (~30 s)"):
         pair = load_pair(target, draft, device=device, int8_draft=int8, progress=lambda s: err.log(s))

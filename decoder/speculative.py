@@ -275,7 +275,7 @@ class SpeculativeDecoder:
         if self.config.small_m_linear == "auto" and self.device.type == "cpu":
             self.small_m_calibration = calibrate_small_m(target)
             use_small_m = self.small_m_calibration["use"]
-            log.info("small_m_linear_calibrated", **self.small_m_calibration)
+            log.debug("small_m_linear_calibrated", **self.small_m_calibration)
         if use_small_m and self.device.type == "cpu":
             small_m_linear(target)
             small_m_linear(draft)

@@ -407,7 +407,7 @@ class AdapterRegistry:
         k = self._keys
         scope = self._scope_of(version)
         if scope is None:
-            raise UnknownVersionError(f"cannot promote v{version}: no such adapter version; see list()")
+            raise UnknownVersionError(f"cannot promote v{version}: no such adapter version; list the registered ones with `daemonctl adapters list` (AdapterRegistry.list())")
         with _unavailable(f"promoting v{version}"):
             res = self._promote(
                 keys=[k.adapter(version), k.active_in(scope), k.active_stack_in(scope), k.promotions],
@@ -415,7 +415,7 @@ class AdapterRegistry:
             )
         code = res[0].decode()
         if code == "unknown":
-            raise UnknownVersionError(f"cannot promote v{version}: no such adapter version; see list()")
+            raise UnknownVersionError(f"cannot promote v{version}: no such adapter version; list the registered ones with `daemonctl adapters list` (AdapterRegistry.list())")
         if code == "state":
             raise InvalidTransitionError(
                 f"cannot promote v{version}: it is {res[1].decode()}; register a new adapter instead"
@@ -518,7 +518,7 @@ class AdapterRegistry:
         with _unavailable(f"HGETALL adapter v{version}"):
             h = self._client.hgetall(self._keys.adapter(version))
         if not h:
-            raise UnknownVersionError(f"no adapter version {version}; registered versions: see list()")
+            raise UnknownVersionError(f"no adapter version {version}; list the registered ones with `daemonctl adapters list` (AdapterRegistry.list())")
         return _record(h)
 
     def list(self) -> list[AdapterRecord]:
