@@ -303,9 +303,9 @@ class SpeculativeDecoder:
         return logits
 
     def _target_logits(self, tokens: list[int], cache, keep: int) -> torch.Tensor:
-        """Target logits at the last ``keep`` fed positions: (keep, V_p). On CPU the LM head, like
-        every layer, is a ``SmallMLinear`` (``DecoderConfig.small_m_linear``), so verification's
-        γ + 1 rows stream the head once."""
+        """Target logits at the last ``keep`` fed positions: (keep, V_p). Through the model's own
+        LM head, so it takes the small-M kernel ``DecoderConfig.small_m_linear`` chose, as every
+        layer does."""
         x = torch.tensor([tokens], device=self.device)
         return self.target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
 

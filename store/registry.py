@@ -389,10 +389,11 @@ class AdapterRegistry:
     # -- state ------------------------------------------------------------------------------------
 
     def _scope_of(self, version: int) -> str | None:
-        with _unavailable(f"HGET adapter v{version} scope"):
-            if not self._client.exists(self._keys.adapter(version)):
-                return None
-            raw = self._client.hget(self._keys.adapter(version), "scope")
+        """``version``'s scope ("" = shared, also for records from before scopes); None if unknown."""
+        with _unavailable(f"HMGET adapter v{version} scope"):
+            known, raw = self._client.hmget(self._keys.adapter(version), ["version", "scope"])
+        if known is None:
+            return None
         return raw.decode("utf-8") if raw else ""
 
     def promote(self, version: int, reason: str) -> int:

@@ -16,6 +16,7 @@ the caller (``trainer.service``) decides what to train on and whether to publish
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import shutil
 import tempfile
@@ -39,6 +40,7 @@ WEIGHTINGS = ("all", "rejected", "upweight_rejected")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """True when this CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16), where oneDNN's
     bf16 matmul runs 2-4x faster than fp32 (e.g. a Sapphire Rapids Xeon, 2 threads: a 1024 x 576
@@ -363,8 +365,7 @@ class Distiller:
 
     def reset_adapter(self) -> None:
         """Back to the freshly initialised adapter (a no-op on the draft) with a new optimiser."""
-        self.load_adapter_state(self._initial)
-        self.optimizer = self._new_optimizer()
+        self.start_from(BASE)
 
     def start_from(self, state: AdapterState | str) -> None:
         """Train on from ``state`` (an ``adapter_state`` snapshot, or ``BASE`` = the freshly
@@ -521,10 +522,10 @@ class Distiller:
                 for i in range(0, len(samples), bs):
                     chunk = samples[i : i + bs]
                     batch = _build_batch(chunk, self.config, self.device)
-                    logq = self._row_logits(batch)  # (M, V) logits: buckets and argmax need no log_softmax
-                    a = L.alpha(batch.p, L.student_bucket_logprobs(logq, batch.topk_ids)).cpu().numpy()  # (M,)
+                    logits = self._row_logits(batch)  # (M, V): buckets and argmax need no log_softmax
+                    a = L.alpha(batch.p, L.student_bucket_logprobs(logits, batch.topk_ids)).cpu().numpy()  # (M,)
                     top1 = batch.topk_ids.gather(-1, batch.p[:, :-1].argmax(-1, keepdim=True)).squeeze(-1)  # (M,)
-                    match = (logq.argmax(-1) == top1).cpu().numpy()  # (M,)
+                    match = (logits.argmax(-1) == top1).cpu().numpy()  # (M,)
                     for b, s in enumerate(chunk):
                         rows = batch.row_sample == b
                         c = EvalCounts(1, int(rows.sum()), float(a[rows].sum()), int(match[rows].sum()))

@@ -534,26 +534,27 @@ class TrainerService:
             alpha_before_by_workload={w: c.alpha for w, c in sorted(before.per_workload.items())},
             alpha_after_by_workload={w: c.alpha for w, c in sorted(after.per_workload.items())},
         )
-        version = self._register(meta)
-        report.version = version
-        if promote:
-            self.registry.promote(version, reason)
-            self._promoted_version = version
-            self._promoted_state = self.distiller.adapter_state()
-            self._eval_cache[version] = dict(after.per_sample)  # the candidate's evaluation, reused
-            report.decision = "promoted"
-        else:
-            self.registry.set_state(version, "rejected", reason)
-            report.decision = "rejected"
+        report.version, report.decision = self._publish(meta, promote, reason, after)
         report.reason = reason
+        if promote:
+            self._promoted_version, self._promoted_state = report.version, self.distiller.adapter_state()
 
-    def _register(self, meta: AdapterMeta) -> int:
+    def _publish(self, meta: AdapterMeta, promote: bool, reason: str, after: EvalResult) -> tuple[int, str]:
+        """Register the distiller's adapter with ``meta``, then promote it in its scope (its
+        evaluation ``after`` seeds the served-adapter cache) or mark it rejected, with ``reason``.
+        Returns (version, "promoted" | "rejected")."""
         out = Path(tempfile.mkdtemp(dir=self._work))
         try:
             self.distiller.save(out / "adapter")
-            return self.registry.register(out / "adapter", meta)
+            version = self.registry.register(out / "adapter", meta)
         finally:
             shutil.rmtree(out, ignore_errors=True)
+        if promote:
+            self.registry.promote(version, reason)
+            self._eval_cache[version] = dict(after.per_sample)  # the candidate's evaluation, reused
+            return version, "promoted"
+        self.registry.set_state(version, "rejected", reason)
+        return version, "rejected"
 
     def _workload_turn(self, workload: str, samples: list[VerifiedSample]) -> ScopeReport:
         """Train, judge and register ``workload``'s own adapter on its new ``samples`` (see the
@@ -598,18 +599,11 @@ class TrainerService:
                 alpha_before_by_workload={workload: before.alpha}, alpha_after_by_workload={workload: after.alpha},
                 scope=workload,
             )
-            version = self._register(meta)
-            rep.version = version
-            if promote:
-                self.registry.promote(version, reason)
-                sc.version, sc.state = version, self.distiller.adapter_state()
-                self._eval_cache[version] = dict(after.per_sample)
-                rep.decision = "promoted"
-            else:
-                self.registry.set_state(version, "rejected", reason)
-                rep.decision = "rejected"
+            rep.version, rep.decision = self._publish(meta, promote, reason, after)
             rep.reason = reason
-            sc.context, sc.context_from = self.distiller.training_context(), (version if promote else parent)
+            if promote:
+                sc.version, sc.state = rep.version, self.distiller.adapter_state()
+            sc.context, sc.context_from = self.distiller.training_context(), (rep.version if promote else parent)
         finally:
             self.distiller.load_training_context(shared_ctx)
         log.info("trainer_workload_round", workload=workload, decision=rep.decision, version=rep.version,
