@@ -17,14 +17,22 @@ rows (M)    ``F.linear`` (ms)   ``W @ x^T`` (ms)
 
 and the whole target step (30 layers and the head, 200 tokens of context) at M = 2 goes from
 84-86 ms to 53-65 ms, against 55-69 ms for one row (``bench/head_bench.py --threads 2``),
-so a verification step with γ = 1 costs about one plain step instead of 1.5-1.7. One row
-keeps ``F.linear`` (a GEMV either way). That ratio
+so a verification step with γ = 1 costs about one plain step instead of 1.5-1.7. That ratio
 is the c_verify of every speedup estimate (Leviathan et al. 2023, Eq. 1 assumes it is 1).
 
 That table is an AMD EPYC's. On an Intel Xeon with AMX (oneDNN's small-M GEMM is fast there) it
 reverses: the whole step at M = 2 took 59 ms with ``F.linear`` and 98 ms with ``W @ x^T``,
 against 53 ms for one row. So :func:`calibrate_small_m` times both on the model's own weights
 and the decoder switches only where ``W @ x^T`` wins (``DecoderConfig.small_m_linear="auto"``).
+
+One row is a GEMV, and MKL may run its GEMV on one thread while its GEMM uses all of them. On
+a later AMD EPYC (AVX512-BF16, 2 threads) one row over SmolLM2-135M's weights took 44 ms with
+``F.linear`` (1 thread or 2: the same) against 18 ms as ``W @ [x; x]^T``, a 2-column GEMM of
+the row twice, so a plain decoding step went from 55 ms to 38 ms. The calibration times that
+too, and where the padded row wins, :class:`SmallMLinear` pads single rows
+(``pad_one_row``): plain decoding, the draft's proposals and transformers' ``generate`` on the
+same model all get the faster kernel, so the speedups measured against plain decoding are
+against its fastest kernel, not a slow one.
 
 :func:`small_m_linear` switches a model's ``nn.Linear`` modules to :class:`SmallMLinear` (the
 same parameters and state dict; only ``forward`` differs, and only for at most ``max_rows``
@@ -48,17 +56,25 @@ class SmallMLinear(nn.Linear):
     """``nn.Linear`` whose forward computes ``(W @ x^T)^T`` for 2..``max_rows`` float32 CPU rows.
 
     Input (..., in_features), output (..., out_features), as ``nn.Linear``. One row (plain
-    decoding, the draft's proposals), more rows, another dtype or device run ``F.linear``
-    exactly, so plain decoding is bit-for-bit what it was.
+    decoding, the draft's proposals) runs ``F.linear`` exactly, or with ``pad_one_row`` the
+    row twice as a 2-column GEMM (column 0 kept); more rows than ``max_rows``, another dtype or
+    device run ``F.linear`` exactly.
     """
 
     max_rows: int = SMALL_M
+    pad_one_row: bool = False  # one row as a 2-column GEMM (where calibrate_small_m found GEMV slow)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() >= 1
                 and self.in_features > 0 and not torch.is_autocast_enabled("cpu")):
             n = x.numel() // self.in_features
+            if n == 1 and self.pad_one_row:
+                x1 = x.reshape(1, self.in_features)
+                out = (w @ torch.cat([x1, x1]).T)[:, 0].contiguous()
+                if self.bias is not None:
+                    out = out + self.bias
+                return out.reshape(*x.shape[:-1], self.out_features)
             if 2 <= n <= self.max_rows:
                 out = (w @ x.reshape(n, self.in_features).T).T.contiguous()
                 if self.bias is not None:
@@ -67,7 +83,8 @@ class SmallMLinear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
-def calibrate_small_m(model: nn.Module, rows: int = 2, reps: int = 3, margin: float = 0.9) -> dict:
+def calibrate_small_m(model: nn.Module, rows: int = 2, reps: int = 3, margin: float = 0.9,
+                      one_row: bool = True) -> dict:
     """Time ``F.linear`` against ``W @ x^T`` for ``rows`` rows over every distinct float32 CPU
     ``nn.Linear`` weight of ``model`` (the LM head included), as a verification step meets them
     (each weight once per pass, out of cache). Takes about 2 x ``reps`` + 2 passes over the
@@ -75,7 +92,11 @@ def calibrate_small_m(model: nn.Module, rows: int = 2, reps: int = 3, margin: fl
 
     Returns ``{"rows", "f_linear_ms", "w_at_xt_ms", "use"}``: the median pass time of each (ms)
     and whether ``W @ x^T`` is faster by the ``margin`` factor (``use``; False when the model
-    has no such weight).
+    has no such weight). With ``one_row`` (default) it also times one row (a plain decoding
+    step, a draft proposal): ``F.linear`` against ``W @ [x; x]^T`` (the row twice: a 2-column
+    GEMM), adding ``"f_linear_1_ms"``, ``"padded_1_ms"`` and ``"pad_one_row"``. Where MKL's
+    GEMV runs on one thread and its GEMM on all (seen on an AMD EPYC, 2 threads: 44 ms
+    against 18 ms over SmolLM2-135M's weights), the padded GEMM is the faster plain step.
     """
     seen, weights = set(), []
     for m in model.modules():
@@ -85,8 +106,10 @@ def calibrate_small_m(model: nn.Module, rows: int = 2, reps: int = 3, margin: fl
             seen.add(w.data_ptr())
             weights.append(w.detach())
     if not weights:
-        return {"rows": rows, "f_linear_ms": None, "w_at_xt_ms": None, "use": False}
+        out = {"rows": rows, "f_linear_ms": None, "w_at_xt_ms": None, "use": False}
+        return {**out, "f_linear_1_ms": None, "padded_1_ms": None, "pad_one_row": False} if one_row else out
     xs = {n: torch.randn(rows, n) for n in {w.shape[1] for w in weights}}
+    x1 = {n: torch.randn(1, n) for n in xs}
 
     def f_linear() -> None:
         for w in weights:
@@ -96,21 +119,40 @@ def calibrate_small_m(model: nn.Module, rows: int = 2, reps: int = 3, margin: fl
         for w in weights:
             (w @ xs[w.shape[1]].T).T.contiguous()
 
-    times: dict[str, list[float]] = {"f": [], "w": []}
+    def f_linear_1() -> None:
+        for w in weights:
+            F.linear(x1[w.shape[1]], w)
+
+    def padded_1() -> None:
+        for w in weights:
+            x = x1[w.shape[1]]
+            (w @ torch.cat([x, x]).T)[:, 0].contiguous()
+
+    fns = {"f": f_linear, "w": w_at_xt}
+    if one_row:
+        fns |= {"f1": f_linear_1, "p1": padded_1}
+    times: dict[str, list[float]] = {k: [] for k in fns}
     with torch.inference_mode():
-        f_linear()
-        w_at_xt()
+        for fn in fns.values():
+            fn()
         for _ in range(reps):
-            for key, fn in (("f", f_linear), ("w", w_at_xt)):
+            for key, fn in fns.items():
                 t0 = time.perf_counter()
                 fn()
                 times[key].append((time.perf_counter() - t0) * 1e3)
-    f_ms, w_ms = statistics.median(times["f"]), statistics.median(times["w"])
-    return {"rows": rows, "f_linear_ms": round(f_ms, 3), "w_at_xt_ms": round(w_ms, 3), "use": w_ms < margin * f_ms}
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    out = {"rows": rows, "f_linear_ms": round(ms["f"], 3), "w_at_xt_ms": round(ms["w"], 3),
+           "use": ms["w"] < margin * ms["f"]}
+    if one_row:
+        out |= {"f_linear_1_ms": round(ms["f1"], 3), "padded_1_ms": round(ms["p1"], 3),
+                "pad_one_row": ms["p1"] < margin * ms["f1"]}
+    return out
 
 
-def small_m_linear(model: nn.Module, max_rows: int = SMALL_M) -> int:
-    """Make every plain ``nn.Linear`` in ``model`` a :class:`SmallMLinear`, in place.
+def small_m_linear(model: nn.Module, max_rows: int = SMALL_M, pad_one_row: bool = False) -> int:
+    """Make every plain ``nn.Linear`` in ``model`` a :class:`SmallMLinear`, in place, taking
+    ``W @ x^T`` for 2..``max_rows`` rows (``max_rows`` = 1: none) and, with ``pad_one_row``,
+    one row as a 2-column GEMM.
 
     Idempotent; subclasses of ``nn.Linear`` (quantised or LoRA layers) are left alone, and a
     deep copy (``decoder.models.derive_draft``) keeps the class. Returns the number of modules
@@ -128,6 +170,7 @@ def small_m_linear(model: nn.Module, max_rows: int = SMALL_M) -> int:
             n += 1
         if isinstance(m, SmallMLinear):
             m.max_rows = max_rows
+            m.pad_one_row = pad_one_row
     return n
 
 

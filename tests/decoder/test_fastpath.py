@@ -103,7 +103,8 @@ def test_auto_switches_only_where_the_calibration_says_w_at_xt_wins(tok, monkeyp
 
     def fake(model, **kw):
         seen.append(model)
-        return {"rows": 2, "f_linear_ms": 2.0, "w_at_xt_ms": 1.0 if wins else 3.0, "use": wins}
+        return {"rows": 2, "f_linear_ms": 2.0, "w_at_xt_ms": 1.0 if wins else 3.0, "use": wins,
+                "f_linear_1_ms": 1.0, "padded_1_ms": 1.0, "pad_one_row": False}
 
     monkeypatch.setattr(S, "calibrate_small_m", fake)
     target, draft = tiny_llama(21, layers=1), tiny_llama(22, layers=1)
@@ -121,6 +122,9 @@ def test_calibrate_small_m_times_every_distinct_weight_both_ways():
     cal = calibrate_small_m(m, rows=2, reps=2)
     assert cal["rows"] == 2 and cal["f_linear_ms"] > 0 and cal["w_at_xt_ms"] > 0
     assert cal["use"] is (cal["w_at_xt_ms"] < 0.9 * cal["f_linear_ms"])
+    assert cal["f_linear_1_ms"] > 0 and cal["padded_1_ms"] > 0
+    assert cal["pad_one_row"] is (cal["padded_1_ms"] < 0.9 * cal["f_linear_1_ms"])
+    assert "pad_one_row" not in calibrate_small_m(m, reps=1, one_row=False)
     assert calibrate_small_m(torch.nn.Sequential(torch.nn.ReLU()))["use"] is False  # no linear weight
     with pytest.raises(ValueError, match="'sometimes'"):
         DecoderConfig(small_m_linear="sometimes")
@@ -137,3 +141,38 @@ def test_int8_quantisation_still_applies_after_the_switch():
     assert "SmallMLinear" not in kinds and "Linear" in kinds  # torch.ao's dynamic quantized Linear
     assert all(type(x).__module__.startswith("torch.ao") for x in m.model.layers.modules() if type(x).__name__ == "Linear")
     assert plain_linear(m) == 1  # only the (unquantised) LM head was left switched
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 40), (1, 40), (40,)])
+def test_one_padded_row_equals_f_linear(bias, shape):
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(40, 24, bias=bias)
+    ref_w, ref_b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
+    small_m_linear(lin, pad_one_row=True)
+    assert lin.pad_one_row is True
+    x = torch.randn(*shape)
+    got = lin(x)
+    assert got.shape == (*shape[:-1], 24) and got.is_contiguous()
+    assert torch.allclose(got, F.linear(x, ref_w, ref_b), rtol=1e-5, atol=1e-6)
+    small_m_linear(lin, max_rows=1, pad_one_row=True)  # one row only: 2 rows take F.linear exactly
+    x2 = torch.randn(2, 40)
+    assert torch.equal(lin(x2), F.linear(x2, lin.weight, lin.bias))
+
+
+def test_auto_pads_one_row_where_gemv_is_slow_and_stays_lossless(tok, monkeypatch):
+    import decoder.speculative as S
+
+    def fake(model, **kw):
+        return {"rows": 2, "f_linear_ms": 2.0, "w_at_xt_ms": 3.0, "use": False,
+                "f_linear_1_ms": 2.0, "padded_1_ms": 1.0, "pad_one_row": True}
+
+    monkeypatch.setattr(S, "calibrate_small_m", fake)
+    target, draft = tiny_llama(24, layers=2, hidden=48), tiny_llama(25, layers=1, hidden=48)
+    dec = SpeculativeDecoder(target, draft, tok)
+    lins = [x for x in list(target.modules()) + list(draft.modules()) if isinstance(x, torch.nn.Linear)]
+    assert lins and all(type(x) is SmallMLinear and x.pad_one_row and x.max_rows == 1 for x in lins)
+    ids = tok("the cat").input_ids
+    ref = reference_greedy(target, ids, 12)
+    for g in (0, 2):
+        assert dec.generate(DecodeRequest(ids, max_new_tokens=12, gamma=g, ignore_eos=True)).output_ids == ref
