@@ -25,6 +25,12 @@ the request's workload (its scope's, else the shared one: :meth:`AdapterRegistry
    ``keep_loaded - 1`` most recent such (with one scope: the previous version stays loaded, so a
    rollback is a pure switch).
 
+Where the decoder proposes with a bf16 serving copy (``DecoderConfig.draft_precision``;
+:class:`decoder.serving.ServingDraft`), *prepare* also merges the version's LoRA into bf16
+weights for that copy (peft's ``get_delta_weight``), *switch* reassigns them (before peft's
+``set_adapter``, so a version the copy lacks fails the switch with nothing changed), and *evict*
+drops them.
+
 The first adapter needs peft's LoRA layers in the draft. They are injected in the thread with
 ``get_peft_model`` and a *no-op* adapter (LoRA B initialised to zeros, so base + B·A·x adds
 exact zeros and the draft's outputs are bit-identical); module replacement therefore never
@@ -389,6 +395,9 @@ class AdapterManager:
                 self._loaded.append((0, NOOP))
             self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
             self._loaded.append((version, name))
+        serving = self.decoder.serving
+        if serving is not None:  # the bf16 serving copy: this version's merged weights
+            serving.add(version, self._peft, name)
         return name
 
     def _fail(self, version: int, kind: str, reason: str, scope: str = "") -> None:
@@ -418,6 +427,8 @@ class AdapterManager:
                 if n in protected or all(m != n for _, m in self._loaded):
                     continue
                 self._peft.delete_adapter(n)
+                if self.decoder.serving is not None:
+                    self.decoder.serving.drop(next(v for v, m in self._loaded if m == n))
                 self._loaded = [(v, m) for v, m in self._loaded if m != n]
 
     # ---- the switch (under the decoder's lock) -------------------------------------------
@@ -442,6 +453,8 @@ class AdapterManager:
                 self.boundary_log.append(dec.adapter_version)
                 return
             try:
+                if dec.serving is not None:  # first: a version it lacks fails before peft moves
+                    dec.serving.use(want)
                 if want == 0:
                     if self._peft is not None:
                         self._peft.base_model.disable_adapter_layers()
@@ -456,6 +469,11 @@ class AdapterManager:
             except Exception as e:  # noqa: BLE001 - keep serving the old adapter
                 ok = False
                 err = e
+                if dec.serving is not None and dec.serving.version != old:
+                    try:
+                        dec.serving.use(old)
+                    except KeyError:
+                        pass  # old's weights are gone: the fallback below routes to a loaded one
             finally:
                 self._model_lock.release()
             pause = (self.clock() - t0) * 1e3
@@ -524,6 +542,7 @@ class AdapterManager:
             "last_failure": asdict(last) if last else None,
             "pause_ms": summarize_ms(self.pause_ms),
             "prepare_ms": summarize_ms(self.prepare_ms),
+            "draft_precision": getattr(self.decoder, "draft_precision", "fp32"),
             "watching": self._thread is not None and self._thread.is_alive(),
         }
 
