@@ -32,10 +32,23 @@ def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int):
     return pair, dv
 
 
-def _decoder(pair, dv):
+def _decoder(pair, dv, draft_precision: str = "auto"):
     from decoder.speculative import DecoderConfig, SpeculativeDecoder
 
-    return SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(draft_vocab=dv))
+    return SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer,
+                              DecoderConfig(draft_vocab=dv, draft_precision=draft_precision))
+
+
+def _check_precision(value: str) -> str:
+    from decoder.serving import PRECISIONS
+
+    if value not in PRECISIONS:
+        raise ValueError(f"--draft-precision {value!r}: use one of {', '.join(PRECISIONS)}")
+    return value
+
+
+DraftPrecisionOpt = Annotated[str, typer.Option(
+    help="dtype of the draft's proposals: auto (bf16 where measured faster), fp32, bf16; lossless either way")]
 
 
 def check_generate_args(prompt: str, gamma: int, max_new_tokens: int, temperature: float, stop, draft_vocab: int) -> None:
@@ -98,6 +111,7 @@ def generate(
     device: str = "cpu",
     int8_draft: Annotated[bool, typer.Option(help="dynamic int8 quantisation of the draft (CPU)")] = False,
     draft_vocab: Annotated[int, typer.Option(help="FR-Spec: restrict the draft head to the N most frequent tokens (0 = off)")] = 0,
+    draft_precision: DraftPrecisionOpt = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="print only the JSON record")] = False,
 ):
     """Generate text for one prompt and print it with its measurement record."""
@@ -107,12 +121,13 @@ def generate(
 
     try:
         check_generate_args(prompt, gamma, max_new_tokens, temperature, stop, draft_vocab)
+        _check_precision(draft_precision)
         params = SamplingParams(temperature, top_p, top_k, seed)
         pair, dv = _load(target, draft, device, int8_draft, draft_vocab)
+        dec = _decoder(pair, dv, draft_precision)
     except (ValueError, RuntimeError) as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e
-    dec = _decoder(pair, dv)
     ids = chat_format(pair.tokenizer, prompt, raw=not chat)
     try:
         req = DecodeRequest(ids, params, max_new_tokens, gamma=0 if no_spec else gamma, stop=tuple(stop or ()))
@@ -122,7 +137,7 @@ def generate(
         raise typer.Exit(2) from e
     if check and params.greedy and not no_spec:
         dec.check_against_plain(req, res)
-    rec = res.record()
+    rec = {**res.record(), "draft_precision": dec.draft_precision}
     if json_out:
         print(json.dumps({"text": res.text, **rec}))
         return
@@ -143,6 +158,7 @@ def bench(
     device: str = "cpu",
     int8_draft: bool = False,
     draft_vocab: int = 0,
+    draft_precision: DraftPrecisionOpt = "auto",
     out: Annotated[Path | None, typer.Option(help="also write the JSON here")] = None,
 ):
     """Side-by-side sweep: ours (spec at each γ, plain) vs transformers (plain, assisted).
@@ -170,11 +186,12 @@ def bench(
                 raise ValueError(f"workload {w.strip()!r} has no prompts (humaneval needs ../shared/data/humaneval.jsonl.gz; "
                                  f"a JSONL file needs at least one row)")
             ps.extend(got)
+        _check_precision(draft_precision)
         pair, dv = _load(target, draft, device, int8_draft, draft_vocab)
+        dec = _decoder(pair, dv, draft_precision)
     except (ValueError, RuntimeError) as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e
-    dec = _decoder(pair, dv)
     partial = out.with_suffix(".rows.jsonl") if out else None
     if partial:
         partial.write_text("")
@@ -190,7 +207,7 @@ def bench(
         result = run_bench(dec, ps, cfg, progress=lambda s: st.update(f"benchmarking: {s}"), on_row=on_row)
     result["config"] = {"target": target, "draft": draft, "workloads": workloads, "prompts": prompts,
                         "gammas": cfg.gammas, "sampling": cfg.sampling, "max_new_tokens": max_new_tokens,
-                        "int8_draft": int8_draft, "draft_vocab": draft_vocab}
+                        "int8_draft": int8_draft, "draft_vocab": draft_vocab, "draft_precision": draft_precision}
     print_table(result, err)
     text = json.dumps(result, indent=1)
     print(text)

@@ -70,7 +70,8 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     on_row: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Run the sweep and return ``{"rows": [...], "summary": [...], "machine": {...}}``.
+    """Run the sweep and return ``{"rows": [...], "summary": [...], "machine": {...}, "kernels": {...}}``
+    (``kernels``: the decoder's measured kernel choices: small-M calibration, draft precision).
 
     One row per (workload, sampling, method, γ), pooled over the workload's prompts. Fields:
     tokens, ms (end-to-end), tokens_per_s, speedup_vs_plain (ours plain), alpha, tau,
@@ -143,7 +144,9 @@ def run_bench(
                         n_tok += len(out)
                         hms += t
                     add(_hf_row(wl, sname, "hf_assisted", g, n_tok, hms, plain_tps))
-    return {"rows": rows, "summary": summarize(rows), "machine": machine_info()}
+    kernels = {"small_m_calibration": decoder.small_m_calibration, "draft_precision": decoder.draft_precision,
+               "draft_precision_calibration": decoder.draft_precision_calibration}
+    return {"rows": rows, "summary": summarize(rows), "machine": machine_info(), "kernels": kernels}
 
 
 def _row(wl, sname, method, g, counts: AcceptanceCounts, ms, plain_tps, c):

@@ -22,6 +22,7 @@ NOLOAD = ["--target", "/nonexistent/draftd-qa-model"]
         (["-p", "hi", "--stop", ""], "--stop ''"),
         (["-p", "hi", "--temperature", "inf"], "--temperature inf"),
         (["-p", "hi", "--draft-vocab", "-5"], "--draft-vocab -5"),
+        (["-p", "hi", "--draft-precision", "fp16"], "--draft-precision 'fp16': use one of auto, fp32, bf16"),
     ],
 )
 def test_generate_rejects_bad_options_before_loading(args, needle):
@@ -38,6 +39,7 @@ def test_generate_rejects_bad_options_before_loading(args, needle):
         (["--gammas", "-1"], "must be >= 1"),
         (["--prompts", "0"], "--prompts 0"),
         (["--max-new-tokens", "0"], "--max-new-tokens 0"),
+        (["--draft-precision", "int4"], "--draft-precision 'int4'"),
     ],
 )
 def test_bench_rejects_bad_options_before_loading(args, needle):
