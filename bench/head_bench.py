@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rows", default="1,2,3,4,5,8")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--draft-layers", default="0-7", help="the derived draft timed per step ('' = skip)")
+    ap.add_argument("--draft-layers", default="0-3", help="the derived draft timed per step ('' = skip)")
     args = ap.parse_args()
     from transformers import DynamicCache
 

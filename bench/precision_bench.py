@@ -1,6 +1,6 @@
 """Training-side cost at fp32 and under bf16 autocast, side by side, on the real pair.
 
-    python bench/precision_bench.py                 # SmolLM2-135M target, layers 0-7 draft, 2 threads
+    python bench/precision_bench.py                 # SmolLM2-135M target, layers 0-3 draft, 2 threads
 
 For each precision (``trainer.distill.DistillConfig.precision``) this measures on the same
 teacher-forced prose windows (128 tokens, ``decoder.teacher``):
@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--layers", default="0-7")
+    ap.add_argument("--layers", default="0-3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--windows", type=int, default=64, help="training windows of 128 tokens scored and trained on")
     ap.add_argument("--heldout", type=int, default=24, help="held-out windows for alpha")

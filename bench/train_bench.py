@@ -279,7 +279,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", choices=["tiny", "smollm2"], default="tiny")
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--layers", default="0-7")
+    ap.add_argument("--layers", default="0-3")
     ap.add_argument("--workloads", default="prose")
     ap.add_argument("--prompts", type=int, default=64, help="prompts per workload")
     ap.add_argument("--new-tokens", type=int, default=24)

@@ -91,7 +91,7 @@ def parse_gammas(text: str) -> tuple[int, ...]:
 
 
 TargetOpt = Annotated[str, typer.Option(help="target: built-in name (smollm2-135m, gemma3-270m), local path or cached hub id")]
-DraftOpt = Annotated[str, typer.Option(help="draft: 'layers:0-7' (derived from the target), 'self', or a model reference")]
+DraftOpt = Annotated[str, typer.Option(help="draft: 'layers:0-3' (derived from the target), 'self', or a model reference")]
 
 
 def generate(
@@ -107,7 +107,7 @@ def generate(
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the chat template")] = False,
     check: Annotated[bool, typer.Option(help="greedy: also decode plainly and report token equivalence")] = True,
     target: TargetOpt = "smollm2-135m",
-    draft: DraftOpt = "layers:0-7",
+    draft: DraftOpt = "layers:0-3",
     device: str = "cpu",
     int8_draft: Annotated[bool, typer.Option(help="dynamic int8 quantisation of the draft (CPU)")] = False,
     draft_vocab: Annotated[int, typer.Option(help="FR-Spec: restrict the draft head to the N most frequent tokens (0 = off)")] = 0,
@@ -154,7 +154,7 @@ def bench(
     max_new_tokens: int = 64,
     hf: Annotated[bool, typer.Option(help="include transformers' plain and assisted generation")] = True,
     target: TargetOpt = "smollm2-135m",
-    draft: DraftOpt = "layers:0-7",
+    draft: DraftOpt = "layers:0-3",
     device: str = "cpu",
     int8_draft: bool = False,
     draft_vocab: int = 0,

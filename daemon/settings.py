@@ -109,7 +109,7 @@ class ModelSettings(_Group):
         True, description="Load the model pair and run the trainer. false = bookkeeping, API and metrics only."
     )
     target: str = Field("smollm2-135m", description="Target model: a built-in name, a local directory or a cached hub id.")
-    draft: str = Field("layers:0-7", description="Draft: 'layers:<spec>' (derived from the target), 'self', or a model reference.")
+    draft: str = Field("layers:0-3", description="Draft: 'layers:<spec>' (derived from the target), 'self', or a model reference.")
     device: str = Field("cpu", description="Torch device for the draft being trained, e.g. cpu or cuda:0.")
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads for the trainer; unset = torch's default.")
 

@@ -209,7 +209,7 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
     return sorted(out)
 
 
-def derive_draft(target: nn.Module, layers: str = "0-7") -> nn.Module:
+def derive_draft(target: nn.Module, layers: str = "0-3") -> nn.Module:
     """A draft made of a subset of the target's decoder layers, sharing its embeddings and LM head.
 
     The selected layers (and the final norm) are deep-copied, so LoRA adapters and training on
@@ -338,7 +338,7 @@ class ModelPair:
 
 def load_pair(
     target: str = DEFAULT_TARGET,
-    draft: str = "layers:0-7",
+    draft: str = "layers:0-3",
     device: str = "cpu",
     int8_draft: bool = False,
     progress=None,

@@ -25,7 +25,11 @@ def fingerprint() -> PairFingerprint:
     from decoder.models import resolve_model_dir, tokenizer_hash
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m")))
-    return PairFingerprint(target="smollm2-135m", draft="layers:0-7", tokenizer_hash=tokenizer_hash(tok))
+    from daemon.settings import ModelSettings
+
+    default = ModelSettings.model_fields  # the pair the daemon loads with no settings given
+    return PairFingerprint(target=default["target"].default, draft=default["draft"].default,
+                           tokenizer_hash=tokenizer_hash(tok))
 
 
 def env_for(key_prefix: str, grace: float) -> dict[str, str]:
