@@ -6,19 +6,23 @@ drawn from (Leviathan et al. 2023, Theorem 1; Chen et al. 2023, Alg. 2). So the 
 in bf16 against a float32 target: only α can change, never the output distribution (and greedy
 output stays token-identical to plain decoding).
 
-It pays because one draft step on CPU streams every weight once (a GEMV per linear layer):
-halving the bytes nearly halves c, the draft's cost per proposal relative to a target step.
-Measured on 2 cores of an AMD EPYC with AVX512-BF16 (SmolLM2-135M target at 200 tokens of
-context, the 8-layer derived draft with an r = 32 LoRA on every linear layer): 26.7 ms with
-peft's unmerged LoRA, 22.8 ms for the bare fp32 draft, 13.8 ms merged in bf16; the target
-step is 59 ms (so c goes 0.45 -> 0.23). ``bench/head_bench.py --draft-precision`` measures it.
+Two things make a proposal cheaper. First, merging: peft's unmerged LoRA adds two small matmuls
+and a Python layer per targeted module to every draft step. On 2 cores of an AMD EPYC, the
+8-layer SmolLM2 draft with an r = 32 LoRA on every linear layer took 26.7 ms per step unmerged
+against 22.8 ms bare (an ad-hoc timing, not in bench/). Second, bf16: one draft step streams
+every weight once (a GEMV per linear layer), and halving the bytes can nearly halve c, the
+draft's cost per proposal relative to a target step. Whether bf16 beats the float32 kernel
+depends on the CPU: ``calibrate_draft_precision`` decides, and ``bench/head_bench.py`` times the
+draft step each way. On that EPYC the padded float32 row (``decoder.fastpath``) won: 7.2 ms
+against 8.3 ms in bf16 for the 4-layer draft.
 
-:class:`ServingDraft` holds one bf16 copy of the draft's modules and, per adapter version, the
-merged weights ``W + ΔW`` (peft's own ``get_delta_weight``: scale · B · A) of the linear layers
-the adapter targets, in bf16, built in the adapter manager's background thread. Switching
-versions at a request boundary reassigns those parameters (no copy, no arithmetic): tens of
-microseconds. Memory: one copy of the draft in bf16, plus the targeted weights per loaded
-version (8 layers of SmolLM2: 2 x 27M parameters = 54 MB).
+:class:`ServingDraft` holds a copy of the draft's modules and, per adapter version, the merged
+weights ``W + ΔW`` (peft's own ``get_delta_weight``: (α / r) · B · A) of the linear layers the
+adapter targets. They are built in the adapter manager's background thread. Switching versions
+at a request boundary reassigns those parameters (no copy, no arithmetic): tens of
+microseconds. Memory: in float32 the copy shares the draft's tensors, in bf16 it is a bf16 copy
+of them; each loaded version adds its targeted weights (8 layers of SmolLM2, every linear
+layer: 27M parameters, 108 MB in float32, 54 MB in bf16).
 """
 
 from __future__ import annotations
