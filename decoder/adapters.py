@@ -25,11 +25,12 @@ the request's workload (its scope's, else the shared one: :meth:`AdapterRegistry
    ``keep_loaded - 1`` most recent such (with one scope: the previous version stays loaded, so a
    rollback is a pure switch).
 
-Where the decoder proposes with a bf16 serving copy (``DecoderConfig.draft_precision``;
-:class:`decoder.serving.ServingDraft`), *prepare* also merges the version's LoRA into bf16
-weights for that copy (peft's ``get_delta_weight``), *switch* reassigns them (before peft's
-``set_adapter``, so a version the copy lacks fails the switch with nothing changed), and *evict*
-drops them.
+A separate, unquantised draft proposes through a serving copy
+(:class:`decoder.serving.ServingDraft`, in the dtype ``DecoderConfig.draft_precision`` chose), so
+the LoRA forward above is what the manager keeps in step, not what proposals run: *prepare* also
+merges the version's LoRA into the copy's weights (peft's ``get_delta_weight``), *switch*
+reassigns them (before peft's ``set_adapter``, so a version the copy lacks fails the switch with
+nothing changed), and *evict* drops them.
 
 The first adapter needs peft's LoRA layers in the draft. They are injected in the thread with
 ``get_peft_model`` and a *no-op* adapter (LoRA B initialised to zeros, so base + B·A·x adds
@@ -396,7 +397,7 @@ class AdapterManager:
             self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
             self._loaded.append((version, name))
         serving = self.decoder.serving
-        if serving is not None:  # the bf16 serving copy: this version's merged weights
+        if serving is not None:  # the serving copy: this version's merged weights
             serving.add(version, self._peft, name)
         return name
 

@@ -1,4 +1,4 @@
-"""The draft the decoder proposes with: a frozen copy, adapters merged, in a cheaper dtype.
+"""The draft the decoder proposes with: a copy, each adapter version merged, in the dtype measured faster.
 
 Speculative decoding stays lossless whatever the draft computes, as long as the accept test
 ``min(1, p(x) / q(x))`` and the residual ``norm(max(0, p - q))`` use the same q the proposal was
@@ -39,13 +39,6 @@ from torch import nn
 PRECISIONS = ("auto", "fp32", "bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _PEFT_PREFIX = "base_model.model."
-
-
-def check_precision(value: str) -> str:
-    """``value`` if it is one of PRECISIONS. Raises ValueError naming it and the choices."""
-    if value not in PRECISIONS:
-        raise ValueError(f"draft_precision={value!r}: use one of {PRECISIONS}")
-    return value
 
 
 def calibrate_draft_precision(model: nn.Module, reps: int = 3, margin: float = 0.9, pad_one_row: bool = False,
