@@ -12,7 +12,7 @@ from decoder.models import load_pair
 from decoder.sampling import SamplingParams, process_logits, verify
 from decoder.speculative import DecodeRequest, SpeculativeDecoder
 from decoder.workloads import get_workload
-from test_speculative import _chi2_crit_001, _chi_square
+from test_speculative import _chi2_crit_001, _chi_square, first_token_chi_square
 
 N_NEW = 12
 
@@ -81,16 +81,9 @@ def test_verify_is_exact_on_real_distributions(pair):
 def test_first_token_end_to_end_chi_square(pair):
     """First emitted token of full speculative requests (γ = 1, T = 1) vs the target's p."""
     ids = pair.tokenizer("My favourite colour is").input_ids
-    with torch.inference_mode():
-        p = process_logits(pair.target(input_ids=torch.tensor([ids])).logits[0, -1], SamplingParams(1.0))
     dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer)
-    n = 160
-    counts = torch.zeros_like(p)
-    for s in range(n):
-        r = dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=s), max_new_tokens=2, gamma=1, ignore_eos=True))
-        counts[r.output_ids[0]] += 1
-    chi2, df = _chi_square(counts, p, n)
-    assert chi2 < _chi2_crit_001(max(df, 1)), (chi2, df)
+    chi2, crit = first_token_chi_square(dec, ids, 160)
+    assert chi2 < crit, (chi2, crit)
 
 
 def test_measurement_record_fields(pair, prompts):

@@ -7,11 +7,10 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from test_speculative import _chi2_crit_001, _chi_square
+from test_speculative import first_token_chi_square
 
 from adapt_helpers import fixing_lora, random_lora
 from decoder.adapters import AdapterManager
-from decoder.sampling import SamplingParams, process_logits
 from decoder.serving import ServingDraft, calibrate_draft_precision
 from decoder.speculative import DecodeRequest, DecoderConfig, FixedGamma, SpeculativeDecoder
 from tiny import reference_greedy, tiny_llama
@@ -145,18 +144,10 @@ def test_bf16_proposals_keep_greedy_output_identical_to_plain(target, other_draf
 def test_bf16_proposals_keep_the_target_distribution(target, other_draft, tok):
     """First emitted token of γ=1 steps whose proposals come from the bf16 copy vs the target's
     distribution (chi-square at 0.1 %): the accept test and residual use the bf16 q."""
-    params = SamplingParams(1.0)
-    ids = enc(tok, "the ")
-    with torch.no_grad():
-        p = process_logits(target(input_ids=torch.tensor([ids])).logits[0, -1], params)
     dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(draft_precision="bf16"))
-    n = 1200
-    counts = torch.zeros_like(p)
-    for s in range(n):
-        r = dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=s), max_new_tokens=2, gamma=5, ignore_eos=True))
-        counts[r.output_ids[0]] += 1
-    chi2, df = _chi_square(counts, p, n)
-    assert chi2 < _chi2_crit_001(df), (chi2, df)
+    assert dec.proposer.dtype == torch.bfloat16
+    chi2, crit = first_token_chi_square(dec, enc(tok, "the "), 1200)
+    assert chi2 < crit, (chi2, crit)
 
 
 @pytest.mark.parametrize("faster", [True, False])

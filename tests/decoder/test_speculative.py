@@ -95,19 +95,29 @@ def test_same_seed_same_output_and_no_shared_state(target, other_draft, tok):
 
 def test_first_token_distribution_chi_square(target, other_draft, tok):
     """First emitted token of a γ=1 speculative step vs the target's processed distribution."""
-    params = SamplingParams(1.0)
-    ids = enc(tok, "the ")
-    with torch.no_grad():
-        p = process_logits(target(input_ids=torch.tensor([ids])).logits[0, -1], params)
     dec = SpeculativeDecoder(target, other_draft, tok)
-    n = 1500
+
+    def one_proposal(r):  # max_new_tokens=2 caps γ=5 at 1
+        assert r.steps[0].proposed == 1
+
+    chi2, crit = first_token_chi_square(dec, enc(tok, "the "), 1500, gamma=5, check=one_proposal)
+    assert chi2 < crit, (chi2, crit)
+
+
+def first_token_chi_square(dec, ids, n, gamma=1, check=None):
+    """Chi-square of the first emitted token of ``n`` seeded T = 1 requests (2 new tokens) against
+    the target's own processed distribution p, and its 0.1 % critical value. ``check(result)``
+    runs on each request."""
+    with torch.inference_mode():
+        p = process_logits(dec.target(input_ids=torch.tensor([ids])).logits[0, -1], SamplingParams(1.0))
     counts = torch.zeros_like(p)
     for s in range(n):
-        r = dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=s), max_new_tokens=2, gamma=5, ignore_eos=True))
-        assert r.steps[0].proposed == 1
+        r = dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=s), max_new_tokens=2, gamma=gamma, ignore_eos=True))
+        if check is not None:
+            check(r)
         counts[r.output_ids[0]] += 1
     chi2, df = _chi_square(counts, p, n)
-    assert chi2 < _chi2_crit_001(df), (chi2, df)
+    return chi2, _chi2_crit_001(max(df, 1))
 
 
 def _chi_square(counts, p, n, min_expected=5.0):
