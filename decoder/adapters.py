@@ -383,6 +383,9 @@ class AdapterManager:
     def _load(self, version: int) -> str:
         name = adapter_name(version)
         if any(n == name for _, n in self._loaded):
+            serving = self.decoder.serving
+            if serving is not None and version not in serving.versions:
+                self._merge(version, name)
             return name
         path = self.registry.fetch(version)  # sha256 of every file checked
         cfg = check_compatible(self.draft, path, max_rank=self.max_rank, expected_base=self.expected_base)
@@ -396,10 +399,28 @@ class AdapterManager:
                 self._loaded.append((0, NOOP))
             self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
             self._loaded.append((version, name))
-        serving = self.decoder.serving
-        if serving is not None:  # the serving copy: this version's merged weights
-            serving.add(version, self._peft, name)
+        if self.decoder.serving is not None:  # the serving copy: this version's merged weights
+            self._merge(version, name)
         return name
+
+    def _merge(self, version: int, name: str) -> None:
+        """Add ``version``'s merged weights to the decoder's serving copy. On failure peft's copy
+        is unloaded too, so no route can point at a version the copy cannot serve, and a retry
+        starts from the artifact.
+
+        Raises:
+            IncompatibleAdapterError: the adapter does not fit the serving copy.
+        """
+        try:
+            self.decoder.serving.add(version, self._peft, name)
+        except Exception as e:
+            with self._model_lock:
+                if name not in self._peft.active_adapters:
+                    self._peft.delete_adapter(name)
+                    self._loaded = [(v, m) for v, m in self._loaded if m != name]
+            if isinstance(e, ValueError):
+                raise IncompatibleAdapterError(f"v{version} does not fit the serving copy: {e}") from e
+            raise
 
     def _fail(self, version: int, kind: str, reason: str, scope: str = "") -> None:
         f = LoadFailure(version, self.wall_clock(), kind, reason)

@@ -103,8 +103,12 @@ class ServingDraft:
     Args:
         draft: the draft model (plain, or with peft's LoRA layers injected: those are merged with
             the active adapter's weights, as peft's ``merge_and_unload`` would). Later changes
-            to ``draft`` (peft injecting layers, training) do not reach the copy's structure;
-            in the draft's own dtype the copy shares its parameter tensors.
+            to ``draft``'s modules (peft injecting layers) never reach the copy. In the draft's
+            own dtype the copy shares its parameter objects: an in-place edit of a base weight
+            reaches the proposals of version 0 and of layers the served adapter does not
+            target, as it reached them when the decoder ran the draft itself; a bf16 copy is a
+            snapshot. Adapters are trained against fixed base weights, so neither is a way to
+            update a served draft: register and promote an adapter instead.
         dtype: the serving dtype: the draft's own (float32: a merged view, no memory but the
             merged weights per version, no peft overhead per step) or ``torch.bfloat16``.
 
@@ -117,8 +121,8 @@ class ServingDraft:
     """
 
     def __init__(self, draft: nn.Module, dtype: torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype={dtype}: the serving draft needs a floating-point dtype")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype={dtype!r}: the serving draft needs a floating-point torch.dtype, e.g. torch.bfloat16")
         self.dtype = dtype
         src = _unwrap(draft)
         merged = _merged_linear_weights(draft, None)
@@ -178,8 +182,14 @@ class ServingDraft:
             KeyError: ``version`` was never added or has been dropped.
         """
         params = self._versions[version]
-        for name, mod in self._linears.items():
-            mod.weight = params.get(name, self._base[name])
+        before = {name: mod.weight for name, mod in self._linears.items()}
+        try:
+            for name, mod in self._linears.items():
+                mod.weight = params.get(name, self._base[name])
+        except BaseException:
+            for name, mod in self._linears.items():  # never serve a mix of two versions
+                mod.weight = before[name]
+            raise
         self.version = version
 
     def drop(self, version: int) -> None:

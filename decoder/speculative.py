@@ -222,8 +222,9 @@ class DecoderConfig:
         either way: acceptance uses the q the proposal was drawn from, so only α can move. "auto" (default) times one draft step's GEMVs in
         both (``decoder.serving.calibrate_draft_precision``, ~0.2 s on CPU; the result is in
         ``SpeculativeDecoder.draft_precision_calibration``) and takes bf16 where it is faster
-        by 10 %; "auto" stays fp32 off the CPU, for a draft that is the target itself, and for
-        an int8-quantised draft.
+        by 10 %; "auto" stays fp32 off the CPU, for a draft that is the target itself (which
+        then proposes as it is, every proposal accepted; "bf16" proposes with a bf16 copy of
+        it), and for an int8-quantised draft ("bf16" is refused there).
     """
 
     topk_record: int = 32
@@ -308,8 +309,9 @@ class SpeculativeDecoder:
                     want = "bf16"
         if want == "bf16" and _is_quantized(draft):
             raise ValueError("DecoderConfig.draft_precision='bf16' with an int8-quantised draft: use one or the other")
-        if draft is not target and not _is_quantized(draft):
-            # fp32: a merged view sharing the draft's tensors (an adapter costs no peft forward)
+        if want == "bf16" or (draft is not target and not _is_quantized(draft)):
+            # fp32: a merged view sharing the draft's tensors (an adapter costs no peft forward);
+            # bf16: a bf16 copy (of the target itself when it drafts for itself)
             self.serving = ServingDraft(draft, DTYPES[want])
         self.draft_precision = want
         self._draft_head_w = None

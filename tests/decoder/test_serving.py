@@ -223,3 +223,56 @@ def test_adapter_versions_are_merged_into_the_serving_copy_and_swapped(tok, pair
     mgr.poll_once()  # evicts v1 (keep_loaded=1, no longer active): its merged weights go too
     assert dec.serving.versions == [0, v2] and dec.serving.version == v2
     assert mgr.status()["draft_precision"] == precision
+
+
+def test_a_version_that_cannot_be_merged_is_unloaded_failed_and_retried_cleanly(tok, pair, reg, tmp_path, monkeypatch):
+    target, draft, noise = pair
+    v1 = reg.register(fixing_lora(draft, noise, tmp_path / "fix"))
+    dec = SpeculativeDecoder(target, draft, tok, DecoderConfig(draft_precision="fp32"))
+    mgr = AdapterManager(dec, reg.registry, keep_loaded=2)
+    real_add = ServingDraft.add
+
+    def no_room(self, version, peft_model, adapter):
+        raise ValueError("adapter targets 'model.layers.9.mlp.up_proj', which the serving draft has no linear layer for")
+
+    monkeypatch.setattr(ServingDraft, "add", no_room)
+    reg.registry.promote(v1, "test")
+    mgr.poll_once()
+    assert [(f.version, f.kind) for f in mgr.failures] == [(v1, "incompatible")]
+    assert "serving copy" in mgr.failures[-1].reason and mgr.status()["loaded"] == []
+    ids = enc(tok, PROMPTS[0])
+    for _ in range(3):  # nothing routes to it: no switch is attempted, no swap failure piles up
+        assert dec.generate(DecodeRequest(ids, max_new_tokens=6, ignore_eos=True), FixedGamma(2)).adapter_version == 0
+    assert len(mgr.failures) == 1 and dec.serving.version == 0
+    monkeypatch.setattr(ServingDraft, "add", real_add)
+    mgr.poll_once(v1)  # an explicit retry (as a new promote event would) loads it from the artifact
+    assert dec.generate(DecodeRequest(ids, max_new_tokens=6, ignore_eos=True), FixedGamma(2)).adapter_version == v1
+    assert dec.serving.version == v1 and dec.serving.versions == [0, v1]
+
+
+def test_a_failing_switch_never_leaves_a_mix_of_two_versions():
+    draft = tiny_llama(36, layers=2, hidden=32)
+    pm = _lora(draft, {Q: _ba(draft, Q, 6), DOWN: _ba(draft, DOWN, 7)}, "one")
+    sd = ServingDraft(draft, torch.bfloat16)
+    sd.add(1, pm, "one")
+    before = {n: m.weight for n, m in sd.module.named_modules() if isinstance(m, torch.nn.Linear)}
+    bad = dict(sd._versions[1])
+    bad[DOWN] = bad[DOWN].detach().clone()  # a plain tensor: nn.Module refuses it as a parameter
+    sd._versions = {**sd._versions, 1: bad}
+    with pytest.raises(TypeError):
+        sd.use(1)
+    after = {n: m.weight for n, m in sd.module.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert all(after[n] is before[n] for n in before) and sd.version == 0
+    with pytest.raises(ValueError, match="'bf16'.*torch.bfloat16"):
+        ServingDraft(draft, "bf16")
+
+
+def test_bf16_self_drafting_proposes_with_a_bf16_copy_of_the_target(target, tok):
+    dec = SpeculativeDecoder(target, target, tok, DecoderConfig(draft_precision="bf16"))
+    assert dec.draft_precision == "bf16" and dec.proposer.dtype == torch.bfloat16
+    assert next(target.parameters()).dtype == torch.float32
+    for s in PROMPTS:
+        ids = enc(tok, s)
+        res = dec.generate(DecodeRequest(ids, max_new_tokens=16, gamma=3, ignore_eos=True))
+        assert res.output_ids == reference_greedy(target, ids, 16)
+        assert res.counts.alpha > 0.8  # the target in bf16: nearly every proposal survives
