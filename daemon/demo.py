@@ -3,7 +3,7 @@
 served traffic -> buffer -> training -> hot-swap -> acceptance per workload -> rollback
 
 1. Redis: the configured URL, else the one on the default address, else an embedded server.
-2. The default pair (SmolLM2-135M-Instruct target, draft derived from its first 8 layers),
+2. The default pair (SmolLM2-135M-Instruct target, draft derived from its first 4 layers),
    converted and cached on first use.
 3. In this process, beside the decoder: the trainer (TrainerService on an APScheduler schedule,
    training a second, private copy of the derived draft), the adapter manager (hot-swaps every
@@ -38,7 +38,7 @@ import typer
 
 @dataclass
 class DemoConfig:
-    """Sizes of the demo. ``quick`` fits ~5 minutes on 2 cores, the default ~20."""
+    """Sizes of the demo. ``quick`` fits ~6 minutes on 2 cores, the default ~20."""
 
     phases: tuple[str, ...] = ("prose", "code", "math")
     phase_seconds: float = 255.0  # serving time per phase (3 x 255 s + evaluation: ~19 min on 2 cores)
@@ -434,14 +434,14 @@ def register(app) -> None:
 
     @app.command("demo")
     def demo(
-        quick: Annotated[bool, typer.Option(help="a ~5-minute run (75 s per phase)")] = False,
+        quick: Annotated[bool, typer.Option(help="a ~6-minute run (75 s per phase)")] = False,
         phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase (overrides the preset)")] = None,
         out: Annotated[Path, typer.Option(help="directory for report.json and acceptance.png")] = Path("out/demo"),
         config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")] = None,
     ) -> None:
         """The main job: serve a shifting workload (prose -> code -> math) while the trainer adapts
         the draft in the background; live progress, then a frozen-vs-adapted table per phase and a
-        PNG of acceptance over time. --quick takes about 5 minutes on 2 cores, the default about 20."""
+        PNG of acceptance over time. --quick takes about 6 minutes on 2 cores, the default about 20."""
         from daemon.logging import configure
         from daemon.settings import ConfigError, load_settings
 
