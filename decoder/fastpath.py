@@ -70,8 +70,7 @@ class SmallMLinear(nn.Linear):
                 and self.in_features > 0 and not torch.is_autocast_enabled("cpu")):
             n = x.numel() // self.in_features
             if n == 1 and self.pad_one_row:
-                x1 = x.reshape(1, self.in_features)
-                out = (w @ torch.cat([x1, x1]).T)[:, 0].contiguous()
+                out = padded_row(w, x.reshape(1, self.in_features))
                 if self.bias is not None:
                     out = out + self.bias
                 return out.reshape(*x.shape[:-1], self.out_features)
@@ -81,6 +80,24 @@ class SmallMLinear(nn.Linear):
                     out = out + self.bias
                 return out.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, w, self.bias)
+
+
+def padded_row(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``W @ x^T`` for one row ``x`` (1, in) as a 2-column GEMM of the row twice: (out,)."""
+    return (w @ torch.cat([x, x]).T)[:, 0].contiguous()
+
+
+def linear_weights(model: nn.Module) -> list[torch.Tensor]:
+    """Every distinct float32 CPU ``nn.Linear`` weight of ``model`` (the LM head included,
+    tied weights once), detached: what one decoding step streams."""
+    seen, weights = set(), []
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, nn.Linear) and isinstance(w, torch.Tensor) and w.device.type == "cpu" \
+                and w.dtype == torch.float32 and w.dim() == 2 and w.data_ptr() not in seen:
+            seen.add(w.data_ptr())
+            weights.append(w.detach())
+    return weights
 
 
 def calibrate_small_m(model: nn.Module, rows: int = 2, reps: int = 3, margin: float = 0.9,
@@ -98,13 +115,7 @@ def calibrate_small_m(model: nn.Module, rows: int = 2, reps: int = 3, margin: fl
     GEMV runs on one thread and its GEMM on all (seen on an AMD EPYC, 2 threads: 44 ms
     against 18 ms over SmolLM2-135M's weights), the padded GEMM is the faster plain step.
     """
-    seen, weights = set(), []
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(m, nn.Linear) and w is not None and w.device.type == "cpu" and w.dtype == torch.float32 \
-                and w.dim() == 2 and w.data_ptr() not in seen:
-            seen.add(w.data_ptr())
-            weights.append(w.detach())
+    weights = linear_weights(model)
     if not weights:
         out = {"rows": rows, "f_linear_ms": None, "w_at_xt_ms": None, "use": False}
         return {**out, "f_linear_1_ms": None, "padded_1_ms": None, "pad_one_row": False} if one_row else out
@@ -125,8 +136,7 @@ def calibrate_small_m(model: nn.Module, rows: int = 2, reps: int = 3, margin: fl
 
     def padded_1() -> None:
         for w in weights:
-            x = x1[w.shape[1]]
-            (w @ torch.cat([x, x]).T)[:, 0].contiguous()
+            padded_row(w, x1[w.shape[1]])
 
     fns = {"f": f_linear, "w": w_at_xt}
     if one_row:

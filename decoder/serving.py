@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoder.fastpath import linear_weights, padded_row
+
 PRECISIONS = ("auto", "fp32", "bf16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _PEFT_PREFIX = "base_model.model."
@@ -56,13 +58,7 @@ def calibrate_draft_precision(model: nn.Module, reps: int = 3, margin: float = 0
     that stay in cache (a toy model) gain nothing from half the bytes, and the choice would
     follow timing noise.
     """
-    seen, weights = set(), []
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(m, nn.Linear) and isinstance(w, torch.Tensor) and w.device.type == "cpu" \
-                and w.dtype == torch.float32 and w.dim() == 2 and w.data_ptr() not in seen:
-            seen.add(w.data_ptr())
-            weights.append(w.detach())
+    weights = linear_weights(model)
     if not weights:
         return {"fp32_ms": None, "bf16_ms": None, "use_bf16": False}
     half = [w.to(torch.bfloat16) for w in weights]
@@ -73,7 +69,7 @@ def calibrate_draft_precision(model: nn.Module, reps: int = 3, margin: float = 0
         for w in ws:
             x = xs[(w.shape[1], w.dtype)]
             if pad_one_row and w.dtype == torch.float32:
-                (w @ torch.cat([x, x]).T)[:, 0].contiguous()
+                padded_row(w, x)
             else:
                 F.linear(x, w)
 
@@ -133,7 +129,7 @@ class ServingDraft:
         if merged:  # peft layers inside: take the merged plain model instead
             module = _strip_lora(module)
             for name, w in merged.items():
-                _get(module, name).weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
+                module.get_submodule(name).weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
         if not share:
             for p in module.parameters():  # parameters only: buffers (RoPE's inv_freq) keep their precision
                 p.data = p.data.to(dtype)
@@ -153,7 +149,7 @@ class ServingDraft:
 
     def add(self, version: int, peft_model: nn.Module, adapter: str) -> float:
         """Merge ``adapter`` (a LoRA adapter loaded in ``peft_model``, peft's injected layers
-        over this draft's base weights) into bf16 weights held as ``version``. Returns the time
+        over this draft's base weights) into weights of the copy's dtype held as ``version``. Returns the time
         taken (ms).
 
         Raises:
@@ -198,10 +194,6 @@ class ServingDraft:
             return
         with self._lock:
             self._versions = {v: p for v, p in self._versions.items() if v != version}
-
-
-def _get(module: nn.Module, name: str) -> nn.Module:
-    return module.get_submodule(name)
 
 
 def _merged_linear_weights(model: nn.Module, adapter: str | None) -> dict[str, torch.Tensor]:

@@ -219,8 +219,8 @@ class DecoderConfig:
         proposes through ``decoder.serving.ServingDraft``, built at construction from the draft
         as it is then (its active LoRA adapter merged; an ``AdapterManager`` adds each adapter
         version to it): "fp32" shares the draft's tensors, "bf16" is a bf16 copy. Lossless
-        either way: acceptance uses the q the proposal was drawn from, so only α can move. "auto" (default) times one draft step's GEMVs in
-        both (``decoder.serving.calibrate_draft_precision``, ~0.2 s on CPU; the result is in
+        either way: acceptance uses the q the proposal was drawn from, so only α can move.
+        "auto" (default) times one draft step's GEMVs in both (``decoder.serving.calibrate_draft_precision``, ~0.2 s on CPU; the result is in
         ``SpeculativeDecoder.draft_precision_calibration``) and takes bf16 where it is faster
         by 10 %; "auto" stays fp32 off the CPU, for a draft that is the target itself (which
         then proposes as it is, every proposal accepted; "bf16" proposes with a bf16 copy of
@@ -296,20 +296,22 @@ class SpeculativeDecoder:
             small_m_linear(target, max_rows=rows, pad_one_row=pad_one_row)
             small_m_linear(draft, max_rows=rows, pad_one_row=pad_one_row)
         self._target_head = _small_m_head(target)  # the prompt's LM head in chunks (record_prompt)
-        # The proposals' model: the draft itself, or its bf16 serving copy (DecoderConfig.draft_precision)
+        # The proposals' model: the draft's serving copy (DecoderConfig.draft_precision), or the
+        # draft itself (self-drafting in fp32, an int8 draft)
         self.draft_precision_calibration: dict | None = None
         self.serving: ServingDraft | None = None
+        quantized = _is_quantized(draft)
         want = self.config.draft_precision
         if want == "auto":
             want = "fp32"
-            if self.device.type == "cpu" and draft is not target and not _is_quantized(draft):
+            if self.device.type == "cpu" and draft is not target and not quantized:
                 self.draft_precision_calibration = calibrate_draft_precision(draft, pad_one_row=pad_one_row)
                 log.debug("draft_precision_calibrated", **self.draft_precision_calibration)
                 if self.draft_precision_calibration["use_bf16"]:
                     want = "bf16"
-        if want == "bf16" and _is_quantized(draft):
+        if want == "bf16" and quantized:
             raise ValueError("DecoderConfig.draft_precision='bf16' with an int8-quantised draft: use one or the other")
-        if want == "bf16" or (draft is not target and not _is_quantized(draft)):
+        if want == "bf16" or (draft is not target and not quantized):
             # fp32: a merged view sharing the draft's tensors (an adapter costs no peft forward);
             # bf16: a bf16 copy (of the target itself when it drafts for itself)
             self.serving = ServingDraft(draft, DTYPES[want])
