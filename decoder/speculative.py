@@ -28,7 +28,7 @@ import structlog
 import torch
 from transformers import DynamicCache
 
-from decoder.fastpath import SMALL_M, calibrate_small_m, small_m_linear
+from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_linear
 from decoder.serving import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
 from decoder.metrics import AcceptanceCounts, StepStats
 from decoder.sampling import SamplingParams, alpha, process_logits, sample, verify
@@ -295,6 +295,7 @@ class SpeculativeDecoder:
             rows = SMALL_M if use_small_m else 1
             small_m_linear(target, max_rows=rows, pad_one_row=pad_one_row)
             small_m_linear(draft, max_rows=rows, pad_one_row=pad_one_row)
+        self._pad_one_row = pad_one_row and self.device.type == "cpu"  # also for the FR-Spec head
         self._target_head = _small_m_head(target)  # the prompt's LM head in chunks (record_prompt)
         # The proposals' model: the draft's serving copy (DecoderConfig.draft_precision), or the
         # draft itself (self-drafting in fp32, an int8 draft)
@@ -335,7 +336,8 @@ class SpeculativeDecoder:
         if self._draft_head_w is not None:
             h = draft.get_decoder()(input_ids=x, cache=cache, use_cache=True).last_hidden_state[0, -1]
             out = torch.full((self.vocab_p,), float("-inf"), device=self.device)
-            out[self._draft_vocab_ids] = (self._draft_head_w @ h).float()
+            w = self._draft_head_w
+            out[self._draft_vocab_ids] = (padded_row(w, h[None]) if self._pad_one_row else w @ h).float()
             return out
         logits = draft(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
         if self.vocab_q < self.vocab_p:  # padded tail of the target: q = 0 there

@@ -176,3 +176,34 @@ def test_auto_pads_one_row_where_gemv_is_slow_and_stays_lossless(tok, monkeypatc
     ref = reference_greedy(target, ids, 12)
     for g in (0, 2):
         assert dec.generate(DecodeRequest(ids, max_new_tokens=12, gamma=g, ignore_eos=True)).output_ids == ref
+
+
+def test_padded_fr_spec_head_scores_the_subset_as_the_full_head_does(tok, monkeypatch):
+    """With the padded row on, the FR-Spec head (V' rows of the draft's LM head) goes through
+    ``padded_row`` too: its logits on the subset equal the draft's full logits there, -inf
+    elsewhere, and greedy output stays the target's."""
+    import decoder.speculative as S
+    from transformers import DynamicCache
+
+    def fake(model, **kw):
+        return {"rows": 2, "f_linear_ms": 2.0, "w_at_xt_ms": 3.0, "use": False,
+                "f_linear_1_ms": 2.0, "padded_1_ms": 1.0, "pad_one_row": True}
+
+    monkeypatch.setattr(S, "calibrate_small_m", fake)
+    calls = []
+    real = S.padded_row
+    monkeypatch.setattr(S, "padded_row", lambda w, x: calls.append(w.shape) or real(w, x))
+    target, draft = tiny_llama(24, layers=2, hidden=48), tiny_llama(25, layers=1, hidden=48)
+    subset = torch.tensor([1, 3, 4, 9, 17, 30])
+    dec = SpeculativeDecoder(target, draft, tok, DecoderConfig(draft_vocab=subset, draft_precision="fp32"))
+    ids = tok("the cat").input_ids
+    q = dec._draft_logits(ids, DynamicCache(config=draft.config))
+    assert calls == [(6, 48)]
+    with torch.no_grad():
+        full = draft(input_ids=torch.tensor([ids])).logits[0, -1]
+    assert torch.allclose(q[subset], full[subset], rtol=1e-5, atol=1e-5)
+    rest = torch.ones_like(q, dtype=torch.bool)
+    rest[subset] = False
+    assert torch.isinf(q[rest]).all()
+    ref = reference_greedy(target, ids, 12)
+    assert dec.generate(DecodeRequest(ids, max_new_tokens=12, gamma=2, ignore_eos=True)).output_ids == ref
