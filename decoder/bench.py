@@ -73,8 +73,12 @@ def run_bench(
     """Run the sweep and return ``{"rows": [...], "summary": [...], "machine": {...}, "kernels": {...}}``
     (``kernels``: the decoder's measured kernel choices: small-M calibration, draft precision).
 
-    One row per (workload, sampling, method, γ), pooled over the workload's prompts. Fields:
-    tokens, ms (end-to-end), tokens_per_s, speedup_vs_plain (ours plain), alpha, tau,
+    One row per (workload, sampling, method, γ), pooled over the workload's prompts. Each prompt
+    runs every method back to back before the next prompt starts (paired measurement: drift in
+    the machine's speed hits all methods alike). Fields:
+    tokens, ms (end-to-end), tokens_per_s, speedup_vs_plain (ours plain, pooled tokens over pooled
+    ms), for spec rows also speedup_per_prompt (each prompt's spec tokens/s over its own plain
+    tokens/s) and its median, alpha, tau,
     acceptance_rate, c (draft ms per draft token / plain ms per step), predicted_speedup
     (Leviathan et al. Theorem 3.8 from the measured α, γ, c), and for greedy spec rows
     ``matches_plain`` (every prompt token-identical to our plain greedy output).
@@ -101,49 +105,56 @@ def run_bench(
         enc = [p.token_ids(tok) for p in ps]
         for sname in cfg.sampling:
             base = SAMPLING[sname]
-            plain_out, plain_counts, plain_ms = [], AcceptanceCounts(), 0.0
+            # Per prompt, every method back to back (plain, hf_plain, then each γ's spec and
+            # hf_assisted), so a machine that speeds up or slows down during the sweep shifts all
+            # methods alike instead of favouring whichever ran in the quiet minutes.
+            plain_counts, plain_ms, plain_tps_i = AcceptanceCounts(), 0.0, []
+            spec = {g: {"counts": AcceptanceCounts(), "ms": 0.0, "same": True, "ratios": []} for g in cfg.gammas}
+            hf = {g: [0, 0.0] for g in (0, *cfg.gammas)}
             for i, ids in enumerate(enc):
                 params = SamplingParams(base.temperature, base.top_p, base.top_k, seed=cfg.seed + i)
                 say(f"{wl} {sname} plain prompt {i + 1}/{len(enc)}")
                 r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=0, ignore_eos=True,
                                                    workload=wl), FixedGamma(0))
-                plain_out.append(r.output_ids)
+                plain_out = r.output_ids
                 plain_counts.merge(r.counts)
                 plain_ms += r.latency_ms
+                plain_tps_i.append(len(r.output_ids) / r.latency_ms)
+                if cfg.hf:
+                    say(f"{wl} {sname} hf_plain prompt {i + 1}/{len(enc)}")
+                    out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
+                    hf[0][0] += len(out)
+                    hf[0][1] += t
+                for g in cfg.gammas:
+                    say(f"{wl} {sname} spec γ={g} prompt {i + 1}/{len(enc)}")
+                    r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
+                                                       workload=wl), FixedGamma(g))
+                    sg = spec[g]
+                    sg["counts"].merge(r.counts)
+                    sg["ms"] += r.latency_ms
+                    sg["same"] &= r.output_ids == plain_out
+                    sg["ratios"].append(len(r.output_ids) / r.latency_ms / plain_tps_i[-1])
+                    if cfg.hf:
+                        say(f"{wl} {sname} hf_assisted γ={g} prompt {i + 1}/{len(enc)}")
+                        out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, g,
+                                              cfg.seed + i)
+                        hf[g][0] += len(out)
+                        hf[g][1] += t
             plain_tps = plain_counts.num_emitted_tokens / plain_ms * 1e3
             plain_step_ms = plain_counts.decode_ms / max(plain_counts.num_steps, 1)
             add(_row(wl, sname, "plain", 0, plain_counts, plain_ms, plain_tps, None))
             if cfg.hf:
-                n_tok, ms = 0, 0.0
-                for i, ids in enumerate(enc):
-                    say(f"{wl} {sname} hf_plain prompt {i + 1}/{len(enc)}")
-                    out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
-                    n_tok += len(out)
-                    ms += t
-                add(_hf_row(wl, sname, "hf_plain", 0, n_tok, ms, plain_tps))
+                add(_hf_row(wl, sname, "hf_plain", 0, *hf[0], plain_tps))
             for g in cfg.gammas:
-                counts, ms, same = AcceptanceCounts(), 0.0, True
-                for i, ids in enumerate(enc):
-                    params = SamplingParams(base.temperature, base.top_p, base.top_k, seed=cfg.seed + i)
-                    say(f"{wl} {sname} spec γ={g} prompt {i + 1}/{len(enc)}")
-                    r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
-                                                       workload=wl), FixedGamma(g))
-                    counts.merge(r.counts)
-                    ms += r.latency_ms
-                    same &= r.output_ids == plain_out[i]
-                c = counts.draft_ms_per_draft_token / plain_step_ms
-                row = _row(wl, sname, "spec", g, counts, ms, plain_tps, c)
-                row["matches_plain"] = same if base.greedy else None
+                sg = spec[g]
+                c = sg["counts"].draft_ms_per_draft_token / plain_step_ms
+                row = _row(wl, sname, "spec", g, sg["counts"], sg["ms"], plain_tps, c)
+                row["speedup_per_prompt"] = [_r(x, 3) for x in sg["ratios"]]
+                row["speedup_per_prompt_median"] = _r(statistics.median(sg["ratios"]), 3)
+                row["matches_plain"] = sg["same"] if base.greedy else None
                 add(row)
                 if cfg.hf:
-                    n_tok, hms = 0, 0.0
-                    for i, ids in enumerate(enc):
-                        say(f"{wl} {sname} hf_assisted γ={g} prompt {i + 1}/{len(enc)}")
-                        out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, g,
-                                              cfg.seed + i)
-                        n_tok += len(out)
-                        hms += t
-                    add(_hf_row(wl, sname, "hf_assisted", g, n_tok, hms, plain_tps))
+                    add(_hf_row(wl, sname, "hf_assisted", g, *hf[g], plain_tps))
     kernels = {"small_m_calibration": decoder.small_m_calibration, "draft_precision": decoder.draft_precision,
                "draft_precision_calibration": decoder.draft_precision_calibration}
     return {"rows": rows, "summary": summarize(rows), "machine": machine_info(), "kernels": kernels}

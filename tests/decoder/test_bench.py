@@ -25,3 +25,30 @@ def test_bench_rows_and_summary(target, tok):
     assert spec["speedup_vs_plain"] == pytest.approx(spec["tokens_per_s"] / rows[0]["tokens_per_s"], rel=1e-2)
     s = {x["workload"]: x for x in res["summary"]}
     assert s["a"]["best_gamma"] == 2 and s["a"]["speculate"] == (spec["tokens_per_s"] > rows[0]["tokens_per_s"])
+
+
+def test_bench_pairs_methods_per_prompt(target, other_draft, tok):
+    """Each prompt runs plain and every γ back to back; a spec row's per-prompt speedups are each
+    prompt's spec tokens/ms over that same prompt's plain tokens/ms."""
+    import statistics
+
+    dec = SpeculativeDecoder(target, other_draft, tok)
+    calls = []
+    real = dec.generate
+
+    def spy(req, policy=None):
+        res = real(req, policy)
+        calls.append((tuple(req.prompt_ids), policy.gamma() if policy else None, res))
+        return res
+
+    dec.generate = spy
+    ps = [Prompt("a", "hello world"), Prompt("a", "the cat sat")]
+    res = run_bench(dec, ps, BenchConfig(gammas=(1, 3), sampling=("greedy",), max_new_tokens=5, hf=False))
+    calls = calls[1:]  # the warm-up
+    order = [(ids == tuple(ps[0].token_ids(tok)), g) for ids, g, _ in calls]
+    assert order == [(True, 0), (True, 1), (True, 3), (False, 0), (False, 1), (False, 3)]
+    spec1 = next(r for r in res["rows"] if r["method"] == "spec" and r["gamma"] == 1)
+    want = [len(calls[i + 1][2].output_ids) / calls[i + 1][2].latency_ms
+            / (len(calls[i][2].output_ids) / calls[i][2].latency_ms) for i in (0, 3)]
+    assert spec1["speedup_per_prompt"] == [round(x, 3) for x in want]
+    assert spec1["speedup_per_prompt_median"] == round(statistics.median(want), 3)
