@@ -14,15 +14,18 @@ Samples:
   outputs, another random init as draft), rejections from greedy gamma = 4 with the untrained draft.
 - ``smollm2 --data corpus`` (default): training samples are teacher-forced windows of the
   workload's corpus (``decoder.workloads.documents``, split by document: 80 % train, 20 %
-  held out), scored by one target forward pass per batch (``decoder.teacher``); held out are
-  (a) target-*decoded* samples on prompts cut from the held-out documents (the decoder at
-  gamma = 4, greedy, with the untrained draft: the on-policy text the draft meets when serving)
-  and (b) teacher-forced windows of the held-out documents. Alpha is reported on both (``after``
-  pools them; ``after_decoded`` / ``after_teacher_forced`` separately). Then the decoder bench
-  (``decoder.bench.run_bench``) runs on held-out prompts with the untrained and the trained
-  (merged) draft: speculative goodput vs plain decoding, and the trained draft once more with
-  its LM head restricted to ``--bench-draft-vocab`` frequent tokens (FR-Spec). ``--gen-tokens N``
-  adds on-policy training data: the target's own continuations (greedy by default) of windows of
+  held out), scored by one target forward pass per batch (``decoder.teacher``). The held-out
+  documents are split again, alternately by length, into *selection* and *bench* documents.
+  Held out for selection are (a) target-*decoded* samples on ``--prompts`` prompts cut from the
+  selection documents (the decoder at gamma = 4, greedy, with the untrained draft: the on-policy
+  text the draft meets when serving) and (b) teacher-forced windows of the selection documents.
+  Alpha is reported on both after every round; the checkpoint with the best decoded alpha is
+  kept, as the promotion gate keeps the best candidate. Then the decoder bench
+  (``decoder.bench.run_bench``, every method back to back per prompt) runs on
+  ``--bench-prompts`` prompts cut from the bench documents, which picked nothing, with the
+  untrained and the picked (merged) draft: speculative goodput vs plain decoding, and the picked
+  draft once more with its LM head restricted to ``--bench-draft-vocab`` frequent tokens
+  (FR-Spec). ``--gen-tokens N`` adds on-policy training data: the target's own continuations (greedy by default) of windows of
   the training documents (``decoder.teacher.continue_windows``), teacher-scored with them.
   ``--per-workload-steps N`` (with several ``--workloads``) then compares, from the trained
   shared adapter and at equal training steps, the shared adapter trained on for N steps per
@@ -94,13 +97,31 @@ def smollm2_setup(args):
     return samples, fresh_draft, {"pair": args.target, "layers": args.layers, "load_s": load_s, "generate_s": gen_s}
 
 
+def doc_prompts(workload: str, docs: list[tuple[str, str]], n: int, chars: int = 400, stride: int = 1200) -> list:
+    """Up to ``n`` prompts of about ``chars`` characters cut from ``docs`` at word boundaries:
+    every document's opening first, then each long document's text at ``stride``, 2 x ``stride``, ...
+    characters in, document by document in turn (so a few long documents don't take every prompt)."""
+    from decoder.workloads import Prompt
+
+    out, offset = [], 0
+    while len(out) < n and any(len(t) >= offset + chars for _, t in docs):
+        for _, t in docs:
+            if len(out) < n and len(t) >= offset + chars:
+                text = t[offset : offset + chars]
+                if offset:
+                    text = text.split(" ", 1)[-1]  # start at a word
+                out.append(Prompt(workload, text.rsplit(" ", 1)[0]))
+        offset += stride
+    return out
+
+
 def corpus_setup(args):
     """Teacher-forced training windows + decoded and teacher-forced held-out samples."""
     from decoder.models import derive_draft, load_pair
     from decoder.sampling import SamplingParams
     from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
     from decoder.teacher import continue_windows, corpus_windows, score_windows
-    from decoder.workloads import Prompt, documents, split_documents
+    from decoder.workloads import documents, split_documents
     from store.schema import PairFingerprint
     from trainer.distill import autocast_dtype
 
@@ -110,11 +131,16 @@ def corpus_setup(args):
     fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
     # training data is scored at --precision (bf16 where native: ~2x faster); held-out data in fp32
     ac = autocast_dtype(args.precision, "cpu")
-    train, held, eval_prompts = [], [], []
+    train, held, eval_prompts, bench_prompts = [], [], [], []
     gen_train_s, n_generated = 0.0, 0
     t0 = time.perf_counter()
     for w in args.workloads.split(","):
         tr_docs, he_docs = split_documents(documents(w), 0.2)
+        # held-out documents, alternately by length: selection (the held-out alpha that picks the
+        # checkpoint, as the promotion gate would) and bench (the decoder bench's prompts, never
+        # used to pick anything)
+        by_len = sorted(he_docs, key=lambda d: -len(d[1]))
+        he_docs, bench_docs = by_len[0::2], by_len[1::2]
         items = corpus_windows(pair.tokenizer, tr_docs, args.window, max_tokens=args.corpus_tokens)
         train += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="train", autocast_dtype=ac))
         if args.gen_tokens:  # on-policy: the target's own continuations of training-document windows
@@ -128,8 +154,8 @@ def corpus_setup(args):
             n_generated += len(cont) * args.gen_new
         items = corpus_windows(pair.tokenizer, he_docs, args.window, max_tokens=args.heldout_tokens)
         held += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="heldout"))
-        chars = 400
-        eval_prompts += [Prompt(w, t[:chars].rsplit(" ", 1)[0]) for _, t in he_docs if len(t) >= chars][: args.prompts]
+        eval_prompts += doc_prompts(w, he_docs, args.prompts)
+        bench_prompts += doc_prompts(w, bench_docs, args.bench_prompts)
     teach_s = time.perf_counter() - t0
     decoded = []
     dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(topk_record=args.k),
@@ -147,8 +173,9 @@ def corpus_setup(args):
             "autocast": str(ac),
             "teacher_positions": sum(s.num_tokens for s in train + held), "generate_s": gen_s,
             "generated_train_tokens": n_generated, "generate_train_s": gen_train_s,
-            "train_samples": len(train), "heldout_teacher_forced": len(held), "heldout_decoded": len(decoded)}
-    return train, held, decoded, eval_prompts, pair, fresh_draft, info
+            "train_samples": len(train), "heldout_teacher_forced": len(held), "heldout_decoded": len(decoded),
+            "selection_prompts": len(eval_prompts), "bench_prompts": len(bench_prompts)}
+    return train, held, decoded, bench_prompts, pair, fresh_draft, info
 
 
 def per_workload_compare(dist, cfg, train, held_dec, held_tf, n_steps: int) -> dict:
@@ -202,7 +229,7 @@ def corpus_main(args) -> None:
     from decoder.speculative import DecoderConfig, SpeculativeDecoder
     from trainer.distill import BASE
 
-    train, held_tf, held_dec, eval_prompts, pair, fresh_draft, info = corpus_setup(args)
+    train, held_tf, held_dec, bench_prompts, pair, fresh_draft, info = corpus_setup(args)
     print(f"{info}", flush=True)
     rows = []
     best = None
@@ -214,6 +241,7 @@ def corpus_main(args) -> None:
             dist = Distiller(fresh_draft(), cfg)
             base = {"decoded": dist.evaluate(held_dec, adapter=BASE), "teacher_forced": dist.evaluate(held_tf, adapter=BASE)}
             curve, steps, train_s = [], 0, 0.0
+            pick = None  # (alpha_decoded, steps, adapter_state): the best held-out checkpoint so far
             cpu0 = time.process_time()
             while steps < args.steps and train_s < 60 * args.minutes:
                 dist.config = dataclasses.replace(cfg, max_steps=min(args.round_steps, args.steps - steps),
@@ -229,44 +257,55 @@ def corpus_main(args) -> None:
                 curve.append({"steps": steps, "train_seconds": round(train_s, 1), "alpha_decoded": ed.alpha,
                               "greedy_decoded": ed.greedy, "alpha_teacher_forced": et.alpha,
                               "greedy_teacher_forced": et.greedy, "loss": res.loss_last})
+                if pick is None or ed.alpha > pick[0]:
+                    pick = (ed.alpha, steps, dist.adapter_state())
                 print(f"{loss:>10} {weighting:>8} step {steps:4d} {train_s:6.0f} s: held-out decoded alpha "
                       f"{base['decoded'].alpha:.3f} -> {ed.alpha:.3f} (greedy {base['decoded'].greedy:.3f} -> "
                       f"{ed.greedy:.3f}); teacher-forced alpha {base['teacher_forced'].alpha:.3f} -> {et.alpha:.3f}",
                       flush=True)
             row = {"loss": loss, "weighting": weighting, "steps": steps, "train_seconds": train_s,
                    "cpu_seconds": time.process_time() - cpu0,
-                   "base": {k: v.to_dict() for k, v in base.items()}, "curve": curve}
+                   "base": {k: v.to_dict() for k, v in base.items()}, "curve": curve,
+                   "picked": None if pick is None else next(p for p in curve if p["steps"] == pick[1])}
             if args.per_workload_steps:
                 row["per_workload"] = per_workload_compare(dist, cfg, train, held_dec, held_tf, args.per_workload_steps)
             rows.append(row)
-            if curve and (best is None or curve[-1]["alpha_decoded"] > best[0]):
-                best = (curve[-1]["alpha_decoded"], loss, weighting, dist)
+            if pick is not None and (best is None or pick[0] > best[0]):
+                best = (pick[0], loss, weighting, dist, pick)
     bench = None
     if best is not None and args.decode_bench:
         import tempfile
 
-        _, loss, weighting, dist = best
+        _, loss, weighting, dist, pick = best
+        # the checkpoint with the best held-out (selection) decoded alpha, as the promotion gate
+        # keeps the best candidate, not whichever step training stopped at
+        dist.load_adapter_state(pick[2])
+        print(f"decoder bench: the ({loss}, {weighting}) adapter at step {pick[1]} (held-out decoded alpha "
+              f"{pick[0]:.3f}), on {len(bench_prompts)} prompts from other held-out documents", flush=True)
         with tempfile.TemporaryDirectory() as d:
             path = dist.save(Path(d) / "adapter")
             trained = PeftModel.from_pretrained(fresh_draft(), str(path)).merge_and_unload().eval()
         bcfg = BenchConfig(gammas=tuple(int(g) for g in args.bench_gammas.split(",")), sampling=("greedy", "t1.0"),
                            max_new_tokens=args.new_tokens, hf=False)
         bench = {}
-        runs = [("untrained", pair.draft, None), (f"trained ({loss}, {weighting})", trained, None)]
+        name = f"trained ({loss}, {weighting}, step {pick[1]})"
+        runs = [("untrained", pair.draft, None)] if args.bench_untrained else []
+        runs.append((name, trained, None))
         if args.bench_draft_vocab:
             from decoder.vocab import frequent_token_ids
 
             dv = frequent_token_ids(pair.tokenizer, args.bench_draft_vocab)
-            runs.append((f"trained ({loss}, {weighting}) + FR-Spec {args.bench_draft_vocab}", trained, dv))
+            runs.append((f"{name} + FR-Spec {args.bench_draft_vocab}", trained, dv))
         for name, draft, dv in runs:
             print(f"decoder bench: {name} draft", flush=True)
             dec = SpeculativeDecoder(pair.target, draft, pair.tokenizer, DecoderConfig(draft_vocab=dv))
-            res = run_bench(dec, eval_prompts[: args.bench_prompts], bcfg)
+            res = run_bench(dec, bench_prompts, bcfg)
             bench[name] = res
             for r in res["rows"]:
                 print(f"  {r['workload']:>6} {r['sampling']:>7} {r['method']:>6} γ={r['gamma']} "
                       f"tok/s {r['tokens_per_s']:.2f} x{r.get('speedup_vs_plain') or 1:.2f} "
-                      f"α={r.get('alpha')} τ={r.get('tau')}", flush=True)
+                      f"α={r.get('alpha')} τ={r.get('tau')} per-prompt median x{r.get('speedup_per_prompt_median')}",
+                      flush=True)
             for srow in res["summary"]:
                 print(f"  summary: {srow}", flush=True)
     out = Path(args.out)
@@ -317,7 +356,11 @@ def main() -> None:
                     help="after training, compare per-workload adapters with the shared one at N steps per workload "
                          "(several --workloads; 0 = off)")
     ap.add_argument("--bench-gammas", default="1,2,3")
-    ap.add_argument("--bench-prompts", type=int, default=4)
+    ap.add_argument("--bench-prompts", type=int, default=12,
+                    help="decoder-bench prompts, cut from held-out documents other than the selection prompts' "
+                         "(--prompts)")
+    ap.add_argument("--bench-untrained", action=argparse.BooleanOptionalAction, default=True,
+                    help="also bench the untrained draft")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "train_bench.json"))
     args = ap.parse_args()
     for name in ("gen_prompt", "gen_new"):
