@@ -101,9 +101,23 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row of (..., V) probabilities; returns (...,) int64."""
+    """Draw one token per row of (..., V) probabilities (unnormalised is fine); returns (...,) int64.
+
+    Inverse transform sampling: one uniform u ~ U[0, 1) per row, scaled by the row's total, and
+    the first id whose float64 cumulative sum exceeds it. A token of probability 0 adds nothing to
+    the sum, so it is never drawn. ``torch.multinomial`` draws the same distribution but cost
+    about 1.7 ms per 49k-token row on one CPU core, paid once per draft token and once per
+    verification; this costs about 0.1 ms. ``generator`` is a CPU generator (as the decoder's).
+    """
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    cdf = flat.double().cumsum(-1)  # (N, V)
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64).to(cdf.device)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(flat.shape[-1] - 1)  # (N, 1)
+    bad = flat.gather(-1, idx) <= 0  # only if u * total rounded up to the total: redraw exactly
+    if bool(bad.any()):
+        rows = bad[:, 0].nonzero()[:, 0]
+        idx[rows] = torch.multinomial(flat[rows].float(), 1, generator=generator)
+    return idx.reshape(probs.shape[:-1])
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from decoder.metrics import AcceptanceCounts, StepStats
 from decoder.sampling import (SamplingParams, alpha, expected_tokens_per_step, predicted_speedup, process_logits,
-                              residual_distribution, verify)
+                              residual_distribution, sample, verify)
 
 
 def test_residual_hand_worked():
@@ -38,6 +38,33 @@ def test_verify_output_distribution_is_target():
         v = verify(x, q, p, greedy=False, generator=g)
         ones += v.next_token if v.num_accepted == 0 else int(x)
     assert abs(ones / n - 0.4) < 4.5 * math.sqrt(0.24 / n)
+
+
+def test_sample_draws_the_given_distribution_and_never_a_zero():
+    """p = [0.1, 0, 0.6, 0.3, 0] (and the same unnormalised, x 7): 120k draws per row, each
+    frequency within 4.5 sd of p; the zero-probability ids are never drawn."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    n = 120_000
+    x = sample(torch.stack([p, 7 * p]).expand(n, 2, 5), g)
+    assert x.shape == (n, 2) and x.dtype == torch.int64
+    for row in (0, 1):
+        freq = torch.bincount(x[:, row], minlength=5).double() / n
+        assert freq[1] == 0 and freq[4] == 0
+        sd = torch.sqrt(p.double() * (1 - p.double()) / n)
+        assert (freq - p.double()).abs().max() <= 4.5 * sd.max()
+
+
+def test_sample_redraws_when_the_uniform_lands_on_the_total(monkeypatch):
+    """u = 1 (u * total == total) would index past the last positive id; that row is redrawn
+    exactly instead of returning a zero-probability id."""
+    import decoder.sampling as S
+
+    real = torch.rand
+    monkeypatch.setattr(S.torch, "rand", lambda *a, **k: real(*a, **k).fill_(1.0))
+    p = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.2, 0.3, 0.5]])
+    x = sample(p, torch.Generator().manual_seed(0))
+    assert x[0] in (0, 1) and x[1] == 3
 
 
 def test_verify_greedy_counts_only_the_prefix():
