@@ -14,8 +14,9 @@ Samples:
   outputs, another random init as draft), rejections from greedy gamma = 4 with the untrained draft.
 - ``smollm2 --data corpus`` (default): training samples are teacher-forced windows of the
   workload's corpus (``decoder.workloads.documents``, split by document: 80 % train, 20 %
-  held out), scored by one target forward pass per batch (``decoder.teacher``). The held-out
-  documents are split again, alternately by length, into *selection* and *bench* documents.
+  held out; documents sharing text stay on one side), scored by one target forward pass per batch
+  (``decoder.teacher``). The held-out documents are split again, the same way and about half and
+  half by characters, into *selection* and *bench* documents.
   Held out for selection are (a) target-*decoded* samples on ``--prompts`` prompts cut from the
   selection documents (the decoder at gamma = 4, greedy, with the untrained draft: the on-policy
   text the draft meets when serving) and (b) teacher-forced windows of the selection documents.
@@ -136,11 +137,10 @@ def corpus_setup(args):
     t0 = time.perf_counter()
     for w in args.workloads.split(","):
         tr_docs, he_docs = split_documents(documents(w), 0.2)
-        # held-out documents, alternately by length: selection (the held-out alpha that picks the
-        # checkpoint, as the promotion gate would) and bench (the decoder bench's prompts, never
-        # used to pick anything)
-        by_len = sorted(he_docs, key=lambda d: -len(d[1]))
-        he_docs, bench_docs = by_len[0::2], by_len[1::2]
+        # the held-out documents split again, sharing no text: selection (the held-out alpha that
+        # picks the checkpoint, as the promotion gate would) and bench (the decoder bench's
+        # prompts, never used to pick anything)
+        he_docs, bench_docs = split_documents(he_docs, 0.5)
         items = corpus_windows(pair.tokenizer, tr_docs, args.window, max_tokens=args.corpus_tokens)
         train += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="train", autocast_dtype=ac))
         if args.gen_tokens:  # on-policy: the target's own continuations of training-document windows

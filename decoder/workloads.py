@@ -230,13 +230,44 @@ def documents(workload: str) -> list[tuple[str, str]]:
     raise ValueError(f"no built-in corpus for workload {workload!r}; choose prose, code or math")
 
 
-def split_documents(docs: list[tuple[str, str]], heldout_fraction: float) -> tuple[list, list]:
-    """Deterministic (train, held-out) split by sha256 of the document key, so text from one
-    document never lands on both sides."""
+def split_documents(docs: list[tuple[str, str]], heldout_fraction: float, shingle: int = 12) -> tuple[list, list]:
+    """Deterministic (train, held-out) split that keeps shared text on one side.
+
+    Documents that share any run of ``shingle`` words (pydoc's "compound" topic contains "try",
+    "with" and "for"; "specialnames" contains "numeric-types") form one group, and a group goes
+    to one side whole. Groups are taken in the order of the sha256 of their first key; a group
+    joins the held-out side if that keeps it within ``heldout_fraction`` of all characters, else
+    it trains. So no held-out text is also training text (up to runs shorter than ``shingle``
+    words), and the held-out share stays near the fraction even when one group is large.
+    """
     import hashlib
 
-    train, held = [], []
-    for key, text in docs:
-        h = int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:8], 16)
-        (held if h < heldout_fraction * 2**32 else train).append((key, text))
+    parent = list(range(len(docs)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[tuple, int] = {}
+    for i, (_, text) in enumerate(docs):
+        words = text.split()
+        for j in range(len(words) - shingle + 1):
+            o = first.setdefault(tuple(words[j : j + shingle]), i)
+            a, b = find(o), find(i)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(docs)):
+        groups.setdefault(find(i), []).append(i)
+    order = sorted(groups.values(), key=lambda m: hashlib.sha256(min(docs[i][0] for i in m).encode("utf-8")).hexdigest())
+    budget, held_chars, held_ids = heldout_fraction * sum(len(t) for _, t in docs), 0, set()
+    for members in order:
+        size = sum(len(docs[i][1]) for i in members)
+        if held_chars + size <= budget:
+            held_chars += size
+            held_ids.update(members)
+    train = [d for i, d in enumerate(docs) if i not in held_ids]
+    held = [d for i, d in enumerate(docs) if i in held_ids]
     return train, held

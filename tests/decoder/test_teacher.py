@@ -143,8 +143,13 @@ def test_corpora_exist_and_split_by_document():
     assert not {k for k, _ in code} & set(_CODE_MODULES)  # code prompts never in the corpus
     tr, he = split_documents(prose, 0.2)
     assert not {k for k, _ in tr} & {k for k, _ in he}
-    assert 0.1 < len(he) / len(prose) < 0.3
+    chars = lambda ds: sum(len(t) for _, t in ds)  # noqa: E731
+    assert 0.15 < chars(he) / chars(prose) <= 0.2
     assert split_documents(prose, 0.2) == (tr, he)  # deterministic
+    # pydoc's topics contain one another ("compound" holds "try"): no 300-character piece of a
+    # held-out topic is in a training topic
+    pieces = [t[i : i + 300] for _, t in he for i in range(0, len(t) - 300, 300)]
+    assert len(pieces) > 100 and not [p for p in pieces if any(p in t for _, t in tr)]
     with pytest.raises(ValueError, match="no built-in corpus"):
         documents("nope")
 
@@ -244,3 +249,22 @@ def test_continue_windows_ignores_the_models_generation_settings_and_counts_toke
     assert seen == [6, 6]
     with pytest.raises(ValueError, match="batch_size=0"):
         continue_windows(target, [("k", ids)], new_tokens=2, batch_size=0)
+
+
+def test_split_keeps_documents_that_share_text_on_one_side():
+    """b quotes 12+ words of a, c quotes b: {a, b, c} is one group; d and e share nothing. With a
+    held-out budget of 40 % of 500 characters, the 300-character group never fits, so it trains,
+    and the held-out side is one of d / e (100 characters each) or both."""
+    words = [f"w{i}" for i in range(60)]
+    a = " ".join(words[:20])
+    b = "intro " + " ".join(words[5:19]) + " outro"
+    c = " ".join(["c"] * 3) + " " + " ".join(words[6:18])
+    docs = [("a", a.ljust(100)), ("b", b.ljust(100)), ("c", c.ljust(100)), ("d", "d " * 50), ("e", "e " * 50)]
+    tr, he = split_documents(docs, 0.4)
+    assert {"a", "b", "c"} <= {k for k, _ in tr}
+    assert {k for k, _ in he} <= {"d", "e"} and len(he) >= 1
+    assert sum(len(t) for _, t in he) <= 0.4 * 500
+    # 11 shared words is not enough to join: b2 shares only w5..w15 with a
+    b2 = "intro " + " ".join(words[5:16]) + " outro"
+    tr, he = split_documents([("a", a.ljust(100)), ("b2", b2.ljust(100))], 0.5)
+    assert len(tr) == 1 and len(he) == 1
