@@ -86,6 +86,7 @@ def run_bench(
     short still leaves its rows behind).
     """
     prompts = list(prompts)
+    gammas = list(dict.fromkeys(cfg.gammas))  # each γ once, in the order given
     tok = decoder.tokenizer
     by_wl: dict[str, list[Prompt]] = {}
     for p in prompts:
@@ -109,8 +110,8 @@ def run_bench(
             # hf_assisted), so a machine that speeds up or slows down during the sweep shifts all
             # methods alike instead of favouring whichever ran in the quiet minutes.
             plain_counts, plain_ms, plain_tps_i = AcceptanceCounts(), 0.0, []
-            spec = {g: {"counts": AcceptanceCounts(), "ms": 0.0, "same": True, "ratios": []} for g in cfg.gammas}
-            hf = {g: [0, 0.0] for g in (0, *cfg.gammas)}
+            spec = {g: {"counts": AcceptanceCounts(), "ms": 0.0, "same": True, "ratios": []} for g in gammas}
+            hf_plain, hf = [0, 0.0], {g: [0, 0.0] for g in gammas}
             for i, ids in enumerate(enc):
                 params = SamplingParams(base.temperature, base.top_p, base.top_k, seed=cfg.seed + i)
                 say(f"{wl} {sname} plain prompt {i + 1}/{len(enc)}")
@@ -123,9 +124,9 @@ def run_bench(
                 if cfg.hf:
                     say(f"{wl} {sname} hf_plain prompt {i + 1}/{len(enc)}")
                     out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
-                    hf[0][0] += len(out)
-                    hf[0][1] += t
-                for g in cfg.gammas:
+                    hf_plain[0] += len(out)
+                    hf_plain[1] += t
+                for g in gammas:
                     say(f"{wl} {sname} spec γ={g} prompt {i + 1}/{len(enc)}")
                     r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
                                                        workload=wl), FixedGamma(g))
@@ -144,8 +145,8 @@ def run_bench(
             plain_step_ms = plain_counts.decode_ms / max(plain_counts.num_steps, 1)
             add(_row(wl, sname, "plain", 0, plain_counts, plain_ms, plain_tps, None))
             if cfg.hf:
-                add(_hf_row(wl, sname, "hf_plain", 0, *hf[0], plain_tps))
-            for g in cfg.gammas:
+                add(_hf_row(wl, sname, "hf_plain", 0, *hf_plain, plain_tps))
+            for g in gammas:
                 sg = spec[g]
                 c = sg["counts"].draft_ms_per_draft_token / plain_step_ms
                 row = _row(wl, sname, "spec", g, sg["counts"], sg["ms"], plain_tps, c)

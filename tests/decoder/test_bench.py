@@ -53,3 +53,17 @@ def test_bench_pairs_methods_per_prompt(target, other_draft, tok):
             / (len(calls[i][2].output_ids) / calls[i][2].latency_ms) for i in (0, 3)]
     assert spec1["speedup_per_prompt"] == [round(x, 3) for x in want]
     assert spec1["speedup_per_prompt_median"] == round(statistics.median(want), 3)
+
+
+def test_bench_gamma_zero_and_repeated_gammas_keep_their_own_rows(target, tok):
+    """γ = 0 in the list next to hf: transformers' plain and its γ = 0 "assisted" rows each count
+    their own 2 prompts x 4 tokens (they shared one accumulator: 16 tokens each); a repeated γ
+    is measured once."""
+    dec = SpeculativeDecoder(target, target, tok)
+    res = run_bench(dec, [Prompt("a", "hello world"), Prompt("a", "x")],
+                    BenchConfig(gammas=(0, 2, 2), sampling=("greedy",), max_new_tokens=4, hf=True))
+    rows = [(r["method"], r["gamma"], r["tokens"]) for r in res["rows"]]
+    assert rows == [("plain", 0, 8), ("hf_plain", 0, 8), ("spec", 0, 8), ("hf_assisted", 0, 8),
+                    ("spec", 2, 8), ("hf_assisted", 2, 8)]
+    spec2 = res["rows"][4]
+    assert len(spec2["speedup_per_prompt"]) == 2

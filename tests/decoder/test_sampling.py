@@ -67,6 +67,14 @@ def test_sample_redraws_when_the_uniform_lands_on_the_total(monkeypatch):
     assert x[0] in (0, 1) and x[1] == 3
 
 
+@pytest.mark.parametrize("row", [[0.5, float("nan"), 0.5], [0.5, -0.3, 0.5], [0.1, float("-inf"), 0.2],
+                                 [0.1, float("inf"), 0.0], [0.0, 0.0, 0.0]])
+def test_sample_refuses_a_row_that_is_not_a_distribution(row):
+    """torch.multinomial raised on these; the inverse transform would quietly return an id."""
+    with pytest.raises(ValueError, match="cannot sample row 1: probabilities must be finite"):
+        sample(torch.tensor([[0.2, 0.8, 0.0], row]), torch.Generator().manual_seed(0))
+
+
 def test_verify_greedy_counts_only_the_prefix():
     """Accept flags [1, 0, 1] count 1 accepted, not 2; the correction is p's argmax at 2."""
     V = 5
