@@ -203,7 +203,8 @@ class DecoderConfig:
         in-distribution text of the workload; this multiplies the trainer's data per request
         by ~(P + N) / N at a few per cent of the request's time (measured in the bench's
         prefill ms).
-    draft_vocab: optional (V',) sorted token ids to which the draft's LM head is restricted
+    draft_vocab: optional (V',) integer token ids (1 <= V', each in 0..min(V_p, V_q) - 1, else
+        ValueError at construction) to which the draft's LM head is restricted
         (FR-Spec, Zhao et al. 2025): the draft scores only frequent tokens, q = 0 elsewhere;
         lossless because the target still scores the full vocabulary.
     small_m_linear: on CPU, switch the target's and the draft's ``nn.Linear`` modules to
@@ -319,7 +320,16 @@ class SpeculativeDecoder:
         self.draft_precision = want
         self._draft_head_w = None
         if self.config.draft_vocab is not None:
-            ids = self.config.draft_vocab.to(self.device).long()
+            dv = self.config.draft_vocab
+            hi = min(self.vocab_p, self.vocab_q)
+            if dv.dim() != 1 or dv.numel() == 0 or dv.dtype.is_floating_point or dv.dtype == torch.bool \
+                    or int(dv.min()) < 0 or int(dv.max()) >= hi:
+                raise ValueError(
+                    f"DecoderConfig.draft_vocab: need a non-empty 1-D tensor of integer token ids in 0..{hi - 1} "
+                    f"(got dtype {dv.dtype}, shape {tuple(dv.shape)}"
+                    + (f", ids {int(dv.min())}..{int(dv.max())}" if dv.numel() and not dv.dtype.is_floating_point else "")
+                    + "); build one with decoder.vocab.frequent_token_ids")
+            ids = dv.to(self.device).long()
             self._draft_vocab_ids = ids
             self._draft_head_w = self.proposer.get_output_embeddings().weight.detach()[ids].clone()  # (V', H)
 

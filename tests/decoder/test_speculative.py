@@ -169,6 +169,14 @@ def test_fr_spec_draft_vocab_is_lossless_and_restricts_q(target, derived, tok):
     assert torch.isinf(q[40:]).all() and torch.isfinite(q[:40]).all()
 
 
+@pytest.mark.parametrize("dv", [torch.tensor([], dtype=torch.long), torch.tensor([-1, 3]), torch.tensor([0, 10**6]),
+                                torch.tensor([1.0, 2.0]), torch.tensor([True, False]), torch.tensor([[1, 2]])])
+def test_bad_draft_vocab_is_refused_at_construction(target, derived, tok, dv):
+    """Empty (q all NaN), -1 (wrapped to the last row), out of range, float, bool mask, 2-D."""
+    with pytest.raises(ValueError, match="DecoderConfig.draft_vocab: need a non-empty 1-D tensor of integer"):
+        SpeculativeDecoder(target, derived, tok, DecoderConfig(draft_vocab=dv))
+
+
 def test_heuristic_gamma_schedule():
     from decoder.metrics import StepStats
 
