@@ -157,6 +157,11 @@ def corpus_setup(args):
         eval_prompts += doc_prompts(w, he_docs, args.prompts)
         bench_prompts += doc_prompts(w, bench_docs, args.bench_prompts)
     teach_s = time.perf_counter() - t0
+    if not eval_prompts or (args.decode_bench and not bench_prompts):
+        # fail before minutes of training, not after: each needs held-out documents of >= 400 characters
+        raise SystemExit(f"held-out documents of {args.workloads!r} gave {len(eval_prompts)} selection and "
+                         f"{len(bench_prompts)} bench prompts; a workload needs at least two held-out documents "
+                         f"of >= 400 characters (use a larger corpus, or --no-decode-bench to skip the bench)")
     decoded = []
     dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(topk_record=args.k),
                              sink=decoded.append, pair_fingerprint=fp)

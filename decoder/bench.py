@@ -84,8 +84,14 @@ def run_bench(
     ``matches_plain`` (every prompt token-identical to our plain greedy output).
     ``on_row`` is called with each row as soon as it is measured (so a long sweep that is cut
     short still leaves its rows behind).
+
+    Raises:
+        ValueError: ``prompts`` is empty.
     """
     prompts = list(prompts)
+    if not prompts:
+        raise ValueError("run_bench got no prompts: pass at least one Prompt (a workload name from "
+                         "decoder.workloads, or prompts of your own)")
     gammas = list(dict.fromkeys(cfg.gammas))  # each γ once, in the order given
     tok = decoder.tokenizer
     by_wl: dict[str, list[Prompt]] = {}
@@ -109,7 +115,7 @@ def run_bench(
             # Per prompt, every method back to back (plain, hf_plain, then each γ's spec and
             # hf_assisted), so a machine that speeds up or slows down during the sweep shifts all
             # methods alike instead of favouring whichever ran in the quiet minutes.
-            plain_counts, plain_ms, plain_tps_i = AcceptanceCounts(), 0.0, []
+            plain_counts, plain_ms = AcceptanceCounts(), 0.0
             spec = {g: {"counts": AcceptanceCounts(), "ms": 0.0, "same": True, "ratios": []} for g in gammas}
             hf_plain, hf = [0, 0.0], {g: [0, 0.0] for g in gammas}
             for i, ids in enumerate(enc):
@@ -120,7 +126,7 @@ def run_bench(
                 plain_out = r.output_ids
                 plain_counts.merge(r.counts)
                 plain_ms += r.latency_ms
-                plain_tps_i.append(len(r.output_ids) / r.latency_ms)
+                plain_tps_i = len(r.output_ids) / r.latency_ms  # this prompt's plain tokens/ms
                 if cfg.hf:
                     say(f"{wl} {sname} hf_plain prompt {i + 1}/{len(enc)}")
                     out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
@@ -134,7 +140,7 @@ def run_bench(
                     sg["counts"].merge(r.counts)
                     sg["ms"] += r.latency_ms
                     sg["same"] &= r.output_ids == plain_out
-                    sg["ratios"].append(len(r.output_ids) / r.latency_ms / plain_tps_i[-1])
+                    sg["ratios"].append(len(r.output_ids) / r.latency_ms / plain_tps_i)
                     if cfg.hf:
                         say(f"{wl} {sname} hf_assisted γ={g} prompt {i + 1}/{len(enc)}")
                         out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, g,

@@ -115,15 +115,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """
     flat = probs.reshape(-1, probs.shape[-1])
     cdf = flat.double().cumsum(-1)  # (N, V)
-    total = cdf[:, -1]
-    if not bool((torch.isfinite(total) & (total > 0)).all()) or bool(flat.min() < 0):
-        bad = int((~(torch.isfinite(total) & (total > 0)) | (flat < 0).any(-1)).nonzero()[0, 0])
+    total = cdf[:, -1:]  # (N, 1)
+    ok = torch.isfinite(total[:, 0]) & (total[:, 0] > 0)
+    if not bool(ok.all()) or bool(flat.min() < 0):
+        bad = int((~ok | (flat < 0).any(-1)).nonzero()[0, 0])
         raise ValueError(
             f"cannot sample row {bad}: probabilities must be finite and >= 0 with a positive sum (row sum "
-            f"{float(total[bad])}, min {float(flat[bad].min())}); check the temperature (a tiny one overflows "
+            f"{float(total[bad, 0])}, min {float(flat[bad].min())}); check the temperature (a tiny one overflows "
             f"the logits) and that the draft vocabulary is not empty")
     u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64).to(cdf.device)
-    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max(flat.shape[-1] - 1)  # (N, 1)
+    idx = torch.searchsorted(cdf, u * total, right=True).clamp_max(flat.shape[-1] - 1)  # (N, 1)
     bad = flat.gather(-1, idx) <= 0  # only if u * total rounded up to the total: redraw exactly
     if bool(bad.any()):
         rows = bad[:, 0].nonzero()[:, 0]

@@ -67,3 +67,10 @@ def test_bench_gamma_zero_and_repeated_gammas_keep_their_own_rows(target, tok):
                     ("spec", 2, 8), ("hf_assisted", 2, 8)]
     spec2 = res["rows"][4]
     assert len(spec2["speedup_per_prompt"]) == 2
+
+
+def test_bench_without_prompts_names_the_fix(target, tok):
+    """No prompts was an IndexError from the warm-up; it is a ValueError that says what to pass."""
+    dec = SpeculativeDecoder(target, target, tok)
+    with pytest.raises(ValueError, match="no prompts"):
+        run_bench(dec, [], BenchConfig(gammas=(1,), sampling=("greedy",), max_new_tokens=4, hf=False))
