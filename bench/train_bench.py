@@ -111,7 +111,9 @@ def doc_prompts(workload: str, docs: list[tuple[str, str]], n: int, chars: int =
                 text = t[offset : offset + chars]
                 if offset:
                     text = text.split(" ", 1)[-1]  # start at a word
-                out.append(Prompt(workload, text.rsplit(" ", 1)[0]))
+                text = text.rsplit(" ", 1)[0]
+                if text.strip():  # a cut with no word boundary inside can come out empty
+                    out.append(Prompt(workload, text))
         offset += stride
     return out
 
@@ -126,6 +128,26 @@ def corpus_setup(args):
     from store.schema import PairFingerprint
     from trainer.distill import autocast_dtype
 
+    # Split and cut prompts for every workload before loading the model or scoring anything, so a
+    # workload that would give no selection or bench prompts stops the run in seconds, by name.
+    if args.prompts < 1 or (args.decode_bench and args.bench_prompts < 1):
+        raise SystemExit(f"--prompts {args.prompts} / --bench-prompts {args.bench_prompts}: each must be >= 1 "
+                         f"(--no-decode-bench skips the bench and its prompts)")
+    plan = []
+    for w in args.workloads.split(","):
+        tr_docs, he_docs = split_documents(documents(w), 0.2)
+        # the held-out documents split again, sharing no text: selection (the held-out alpha that
+        # picks the checkpoint, as the promotion gate would) and bench (the decoder bench's
+        # prompts, never used to pick anything)
+        he_docs, bench_docs = split_documents(he_docs, 0.5)
+        sel_p = doc_prompts(w, he_docs, args.prompts)
+        bench_p = doc_prompts(w, bench_docs, args.bench_prompts) if args.decode_bench else []
+        if not sel_p or (args.decode_bench and not bench_p):
+            raise SystemExit(f"workload {w!r}: its held-out documents gave {len(sel_p)} selection and {len(bench_p)} "
+                             f"bench prompts; each side needs a document of >= 400 characters (use a workload with "
+                             f"more text, or --no-decode-bench to skip the bench)")
+        plan.append((w, tr_docs, he_docs, sel_p, bench_p))
+
     t0 = time.perf_counter()
     pair = load_pair(args.target, draft=f"layers:{args.layers}")
     load_s = time.perf_counter() - t0
@@ -135,12 +157,7 @@ def corpus_setup(args):
     train, held, eval_prompts, bench_prompts = [], [], [], []
     gen_train_s, n_generated = 0.0, 0
     t0 = time.perf_counter()
-    for w in args.workloads.split(","):
-        tr_docs, he_docs = split_documents(documents(w), 0.2)
-        # the held-out documents split again, sharing no text: selection (the held-out alpha that
-        # picks the checkpoint, as the promotion gate would) and bench (the decoder bench's
-        # prompts, never used to pick anything)
-        he_docs, bench_docs = split_documents(he_docs, 0.5)
+    for w, tr_docs, he_docs, sel_p, bench_p in plan:
         items = corpus_windows(pair.tokenizer, tr_docs, args.window, max_tokens=args.corpus_tokens)
         train += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="train", autocast_dtype=ac))
         if args.gen_tokens:  # on-policy: the target's own continuations of training-document windows
@@ -154,14 +171,9 @@ def corpus_setup(args):
             n_generated += len(cont) * args.gen_new
         items = corpus_windows(pair.tokenizer, he_docs, args.window, max_tokens=args.heldout_tokens)
         held += list(score_windows(pair.target, items, w, fp, k=args.k, request_prefix="heldout"))
-        eval_prompts += doc_prompts(w, he_docs, args.prompts)
-        bench_prompts += doc_prompts(w, bench_docs, args.bench_prompts)
+        eval_prompts += sel_p
+        bench_prompts += bench_p
     teach_s = time.perf_counter() - t0
-    if not eval_prompts or (args.decode_bench and not bench_prompts):
-        # fail before minutes of training, not after: each needs held-out documents of >= 400 characters
-        raise SystemExit(f"held-out documents of {args.workloads!r} gave {len(eval_prompts)} selection and "
-                         f"{len(bench_prompts)} bench prompts; a workload needs at least two held-out documents "
-                         f"of >= 400 characters (use a larger corpus, or --no-decode-bench to skip the bench)")
     decoded = []
     dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(topk_record=args.k),
                              sink=decoded.append, pair_fingerprint=fp)

@@ -86,17 +86,26 @@ def run_bench(
     short still leaves its rows behind).
 
     Raises:
-        ValueError: ``prompts`` is empty.
+        ValueError: ``prompts`` is empty, a prompt tokenises to nothing, or ``cfg.sampling``
+            names a policy not in ``SAMPLING``.
     """
     prompts = list(prompts)
     if not prompts:
         raise ValueError("run_bench got no prompts: pass at least one Prompt (a workload name from "
                          "decoder.workloads, or prompts of your own)")
+    unknown = [s for s in cfg.sampling if s not in SAMPLING]
+    if unknown:
+        raise ValueError(f"BenchConfig.sampling: unknown {unknown}; choose from {sorted(SAMPLING)}")
     gammas = list(dict.fromkeys(cfg.gammas))  # each γ once, in the order given
     tok = decoder.tokenizer
     by_wl: dict[str, list[Prompt]] = {}
     for p in prompts:
         by_wl.setdefault(p.workload, []).append(p)
+    # tokenise every prompt before the first row is measured, so an empty one fails here, not mid-sweep
+    enc_by_wl = {wl: [p.token_ids(tok) for p in ps] for wl, ps in by_wl.items()}
+    empty = [(wl, i) for wl, enc in enc_by_wl.items() for i, ids in enumerate(enc) if not ids]
+    if empty:
+        raise ValueError(f"prompts {empty} (workload, index) tokenise to nothing; give each some text")
     rows: list[dict] = []
 
     def add(row: dict) -> None:
@@ -106,10 +115,9 @@ def run_bench(
 
     say = progress or (lambda s: None)
     # Warm-up: first calls pay one-off allocator and kernel selection costs.
-    warm = prompts[0].token_ids(tok)
-    decoder.generate(DecodeRequest(warm, max_new_tokens=4, gamma=2, ignore_eos=True))
-    for wl, ps in by_wl.items():
-        enc = [p.token_ids(tok) for p in ps]
+    warm = next(iter(enc_by_wl.values()))[0]
+    decoder.generate(DecodeRequest(warm, max_new_tokens=min(4, cfg.max_new_tokens), gamma=2, ignore_eos=True))
+    for wl, enc in enc_by_wl.items():
         for sname in cfg.sampling:
             base = SAMPLING[sname]
             # Per prompt, every method back to back (plain, hf_plain, then each γ's spec and

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Residual masses at or below this are treated as zero (p == q up to float rounding): sample from p.
@@ -114,13 +115,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
         ValueError: a row with a negative, NaN or infinite entry, or summing to 0.
     """
     flat = probs.reshape(-1, probs.shape[-1])
+    if flat.shape[0] == 0:  # no rows: nothing to draw
+        return torch.empty(probs.shape[:-1], dtype=torch.long, device=probs.device)
     cdf = flat.double().cumsum(-1)  # (N, V)
     total = cdf[:, -1:]  # (N, 1)
     ok = torch.isfinite(total[:, 0]) & (total[:, 0] > 0)
     if not bool(ok.all()) or bool(flat.min() < 0):
         bad = int((~ok | (flat < 0).any(-1)).nonzero()[0, 0])
+        # the row's index in probs' leading dims (N,) or (B, T, ...), not in the flattened view
+        where = bad if probs.dim() <= 2 else tuple(int(i) for i in np.unravel_index(bad, tuple(probs.shape[:-1])))
         raise ValueError(
-            f"cannot sample row {bad}: probabilities must be finite and >= 0 with a positive sum (row sum "
+            f"cannot sample row {where}: probabilities must be finite and >= 0 with a positive sum (row sum "
             f"{float(total[bad, 0])}, min {float(flat[bad].min())}); check the temperature (a tiny one overflows "
             f"the logits) and that the draft vocabulary is not empty")
     u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64).to(cdf.device)

@@ -203,8 +203,9 @@ class DecoderConfig:
         in-distribution text of the workload; this multiplies the trainer's data per request
         by ~(P + N) / N at a few per cent of the request's time (measured in the bench's
         prefill ms).
-    draft_vocab: optional (V',) integer token ids (1 <= V', each in 0..min(V_p, V_q) - 1, else
-        ValueError at construction) to which the draft's LM head is restricted
+    draft_vocab: optional (V',) integer token ids (a torch tensor, 1 <= V', each in
+        0..min(V_p, V_q) - 1; else ValueError: shape, type and sign when the config is built, the
+        range when the decoder is) to which the draft's LM head is restricted
         (FR-Spec, Zhao et al. 2025): the draft scores only frequent tokens, q = 0 elsewhere;
         lossless because the target still scores the full vocabulary.
     small_m_linear: on CPU, switch the target's and the draft's ``nn.Linear`` modules to
@@ -235,6 +236,16 @@ class DecoderConfig:
     draft_precision: str = "auto"
 
     def __post_init__(self):
+        dv = self.draft_vocab
+        if dv is not None:
+            # shape and type here; the range (which needs the models' vocabularies) at decoder construction
+            if not isinstance(dv, torch.Tensor) or dv.dim() != 1 or dv.numel() == 0 or dv.dtype == torch.bool \
+                    or dv.dtype.is_floating_point or dv.dtype.is_complex or int(dv.min()) < 0:
+                got = (f"dtype {dv.dtype}, shape {tuple(dv.shape)}" if isinstance(dv, torch.Tensor)
+                       else f"a {type(dv).__name__}")
+                raise ValueError(f"DecoderConfig.draft_vocab: need a non-empty 1-D torch tensor of integer token "
+                                 f"ids >= 0 (got {got}); build one with decoder.vocab.frequent_token_ids, or "
+                                 f"torch.tensor(ids) from a list")
         if self.small_m_linear not in (True, False, "auto"):
             raise ValueError(f"DecoderConfig.small_m_linear={self.small_m_linear!r}: use True, False or 'auto'")
         if self.draft_precision not in PRECISIONS:
@@ -322,13 +333,10 @@ class SpeculativeDecoder:
         if self.config.draft_vocab is not None:
             dv = self.config.draft_vocab
             hi = min(self.vocab_p, self.vocab_q)
-            if dv.dim() != 1 or dv.numel() == 0 or dv.dtype.is_floating_point or dv.dtype == torch.bool \
-                    or int(dv.min()) < 0 or int(dv.max()) >= hi:
+            if int(dv.max()) >= hi:  # shape, type and sign were checked by DecoderConfig
                 raise ValueError(
-                    f"DecoderConfig.draft_vocab: need a non-empty 1-D tensor of integer token ids in 0..{hi - 1} "
-                    f"(got dtype {dv.dtype}, shape {tuple(dv.shape)}"
-                    + (f", ids {int(dv.min())}..{int(dv.max())}" if dv.numel() and not dv.dtype.is_floating_point else "")
-                    + "); build one with decoder.vocab.frequent_token_ids")
+                    f"DecoderConfig.draft_vocab: token ids must be in 0..{hi - 1} (min(V_p, V_q)); got ids "
+                    f"{int(dv.min())}..{int(dv.max())}; build one with decoder.vocab.frequent_token_ids")
             ids = dv.to(self.device).long()
             self._draft_vocab_ids = ids
             self._draft_head_w = self.proposer.get_output_embeddings().weight.detach()[ids].clone()  # (V', H)

@@ -239,8 +239,16 @@ def split_documents(docs: list[tuple[str, str]], heldout_fraction: float, shingl
     joins the held-out side if that keeps it within ``heldout_fraction`` of all characters, else
     it trains. So no held-out text is also training text (up to runs shorter than ``shingle``
     words), and the held-out share stays near the fraction even when one group is large.
+
+    Raises:
+        ValueError: ``heldout_fraction`` outside [0, 1] (or NaN), or ``shingle`` < 1.
     """
     import hashlib
+
+    if not 0.0 <= heldout_fraction <= 1.0:
+        raise ValueError(f"heldout_fraction={heldout_fraction!r}: must be in [0, 1] (0.2 holds out 20 % of the characters)")
+    if shingle < 1:
+        raise ValueError(f"shingle={shingle!r}: must be >= 1 words (12 by default)")
 
     parent = list(range(len(docs)))
 

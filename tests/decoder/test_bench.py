@@ -74,3 +74,20 @@ def test_bench_without_prompts_names_the_fix(target, tok):
     dec = SpeculativeDecoder(target, target, tok)
     with pytest.raises(ValueError, match="no prompts"):
         run_bench(dec, [], BenchConfig(gammas=(1,), sampling=("greedy",), max_new_tokens=4, hf=False))
+
+
+def test_bench_checks_sampling_names_and_warms_up_within_max_new_tokens(target, tok):
+    """An unknown sampling name fails before any row (it was a KeyError after rows went out). The
+    warm-up asked for 4 new tokens whatever max_new_tokens was, so a prompt 3 tokens short of
+    the 512-position context failed with a value the user never passed; now it runs."""
+    dec = SpeculativeDecoder(target, target, tok)
+    rows = []
+    with pytest.raises(ValueError, match=r"unknown \['t0.5'\]"):
+        run_bench(dec, [Prompt("a", "hi")], BenchConfig(gammas=(1,), sampling=("t0.5",), max_new_tokens=4, hf=False),
+                  on_row=rows.append)
+    assert rows == []
+    ids = tok("a" * 509).input_ids
+    assert len(ids) == 509
+    long = Prompt("a", "a" * 509)
+    res = run_bench(dec, [long], BenchConfig(gammas=(1,), sampling=("greedy",), max_new_tokens=3, hf=False))
+    assert [r["tokens"] for r in res["rows"]] == [3, 3]

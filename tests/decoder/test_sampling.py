@@ -134,3 +134,15 @@ def test_leviathan_formulas():
     assert predicted_speedup(0.8, 4, 0.1) == pytest.approx(0.67232 / 0.28)
     assert predicted_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)
     assert expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)
+
+
+def test_sample_names_a_bad_row_by_its_leading_index_and_takes_no_rows():
+    """A (2, 3, V) batch with a NaN at [1, 1] names (1, 1), not the flattened row 4; (0, V) and
+    (2, 0, V) give an empty result of the leading shape (min() over no rows raised before)."""
+    p = torch.full((2, 3, 4), 0.25)
+    p[1, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"cannot sample row \(1, 1\)"):
+        sample(p, torch.Generator().manual_seed(0))
+    for shape in [(0, 5), (2, 0, 5)]:
+        out = sample(torch.ones(shape), torch.Generator().manual_seed(0))
+        assert out.shape == shape[:-1] and out.dtype == torch.long

@@ -169,12 +169,22 @@ def test_fr_spec_draft_vocab_is_lossless_and_restricts_q(target, derived, tok):
     assert torch.isinf(q[40:]).all() and torch.isfinite(q[:40]).all()
 
 
-@pytest.mark.parametrize("dv", [torch.tensor([], dtype=torch.long), torch.tensor([-1, 3]), torch.tensor([0, 10**6]),
-                                torch.tensor([1.0, 2.0]), torch.tensor([True, False]), torch.tensor([[1, 2]])])
-def test_bad_draft_vocab_is_refused_at_construction(target, derived, tok, dv):
-    """Empty (q all NaN), -1 (wrapped to the last row), out of range, float, bool mask, 2-D."""
-    with pytest.raises(ValueError, match="DecoderConfig.draft_vocab: need a non-empty 1-D tensor of integer"):
-        SpeculativeDecoder(target, derived, tok, DecoderConfig(draft_vocab=dv))
+@pytest.mark.parametrize("dv", [torch.tensor([], dtype=torch.long), torch.tensor([-1, 3]), torch.tensor([1.0, 2.0]),
+                                torch.tensor([True, False]), torch.tensor([[1, 2]]), torch.tensor([1 + 0j]),
+                                [1, 2, 3], np.array([1, 2])])
+def test_bad_draft_vocab_is_refused_by_the_config(dv):
+    """Empty (q all NaN), -1 (wrapped to the last row), float, bool mask, 2-D, complex, and a list or
+    numpy array (an AttributeError or NotImplementedError deep in the decoder before): refused
+    when the config is built, before any model is touched."""
+    with pytest.raises(ValueError, match="DecoderConfig.draft_vocab: need a non-empty 1-D torch tensor of integer"):
+        DecoderConfig(draft_vocab=dv)
+
+
+def test_draft_vocab_out_of_the_models_range_is_refused_at_construction(target, derived, tok):
+    """The range needs the vocabularies, so the decoder checks it: 10**6 is past V = 64."""
+    cfg = DecoderConfig(draft_vocab=torch.tensor([0, 10**6]))
+    with pytest.raises(ValueError, match=r"token ids must be in 0\.\.63 .*got ids 0\.\.1000000"):
+        SpeculativeDecoder(target, derived, tok, cfg)
 
 
 def test_heuristic_gamma_schedule():

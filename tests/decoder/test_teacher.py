@@ -268,3 +268,12 @@ def test_split_keeps_documents_that_share_text_on_one_side():
     b2 = "intro " + " ".join(words[5:16]) + " outro"
     tr, he = split_documents([("a", a.ljust(100)), ("b2", b2.ljust(100))], 0.5)
     assert len(tr) == 1 and len(he) == 1
+
+
+@pytest.mark.parametrize("kw", [{"heldout_fraction": -0.5}, {"heldout_fraction": 1.5}, {"heldout_fraction": float("nan")},
+                                {"heldout_fraction": 0.2, "shingle": 0}])
+def test_split_documents_refuses_a_fraction_outside_0_1_and_a_zero_shingle(kw):
+    """-0.5 or NaN trained everything and 1.5 held everything out, silently; shingle 0 joined every
+    document into one group."""
+    with pytest.raises(ValueError, match="heldout_fraction|shingle"):
+        split_documents([("a", "one two three"), ("b", "four five six")], **kw)
