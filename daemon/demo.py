@@ -421,8 +421,9 @@ def print_report(report: dict, console) -> None:
     console.print(rc)
     console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}, "
                   f"seconds: {report['seconds']}, plot: {report.get('plot')}")
-    console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; daemonctl status; "
-                  f"daemonctl run --no-models & daemonctl history --plot history.png  (history needs the daemon)")
+    console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; .venv/bin/daemonctl status; "
+                  f".venv/bin/daemonctl run --no-models & .venv/bin/daemonctl history --plot history.png  "
+                  f"(history needs the daemon)")
 
 
 
