@@ -98,11 +98,11 @@ def run_bench(
         raise ValueError(f"BenchConfig.sampling: unknown {unknown}; choose from {sorted(SAMPLING)}")
     gammas = list(dict.fromkeys(cfg.gammas))  # each γ once, in the order given
     tok = decoder.tokenizer
-    by_wl: dict[str, list[Prompt]] = {}
+    # tokenise every prompt, grouped by workload, before the first row is measured, so an empty
+    # one fails here, not mid-sweep
+    enc_by_wl: dict[str, list[list[int]]] = {}
     for p in prompts:
-        by_wl.setdefault(p.workload, []).append(p)
-    # tokenise every prompt before the first row is measured, so an empty one fails here, not mid-sweep
-    enc_by_wl = {wl: [p.token_ids(tok) for p in ps] for wl, ps in by_wl.items()}
+        enc_by_wl.setdefault(p.workload, []).append(p.token_ids(tok))
     empty = [(wl, i) for wl, enc in enc_by_wl.items() for i, ids in enumerate(enc) if not ids]
     if empty:
         raise ValueError(f"prompts {empty} (workload, index) tokenise to nothing; give each some text")

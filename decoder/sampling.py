@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 # Residual masses at or below this are treated as zero (p == q up to float rounding): sample from p.
@@ -123,7 +122,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     if not bool(ok.all()) or bool(flat.min() < 0):
         bad = int((~ok | (flat < 0).any(-1)).nonzero()[0, 0])
         # the row's index in probs' leading dims (N,) or (B, T, ...), not in the flattened view
-        where = bad if probs.dim() <= 2 else tuple(int(i) for i in np.unravel_index(bad, tuple(probs.shape[:-1])))
+        where = bad if probs.dim() <= 2 else tuple(int(i) for i in torch.unravel_index(torch.tensor(bad), probs.shape[:-1]))
         raise ValueError(
             f"cannot sample row {where}: probabilities must be finite and >= 0 with a positive sum (row sum "
             f"{float(total[bad, 0])}, min {float(flat[bad].min())}); check the temperature (a tiny one overflows "
