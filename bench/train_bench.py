@@ -26,7 +26,9 @@ Samples:
   ``--bench-prompts`` prompts cut from the bench documents, which picked nothing, with the
   untrained and the picked (merged) draft: speculative goodput vs plain decoding, and the picked
   draft once more with its LM head restricted to ``--bench-draft-vocab`` frequent tokens
-  (FR-Spec). ``--gen-tokens N`` adds on-policy training data: the target's own continuations (greedy by default) of windows of
+  (FR-Spec). ``--train-draft-vocab N`` trains that restricted head instead (``Distiller(vocab=...)``:
+  the N most frequent tokens of the training documents; held-out alpha is then the FR-Spec draft's,
+  q = 0 outside them) and benches the trained draft served with those ids. ``--gen-tokens N`` adds on-policy training data: the target's own continuations (greedy by default) of windows of
   the training documents (``decoder.teacher.continue_windows``), teacher-scored with them.
   ``--per-workload-steps N`` (with several ``--workloads``) then compares, from the trained
   shared adapter and at equal training steps, the shared adapter trained on for N steps per
@@ -186,13 +188,18 @@ def corpus_setup(args):
     def fresh_draft():
         return derive_draft(pair.target, args.layers)
 
+    vocab = None
+    if args.train_draft_vocab:  # counted on training documents only: the held-out text picks nothing
+        from decoder.vocab import frequent_token_ids
+
+        vocab = frequent_token_ids(pair.tokenizer, args.train_draft_vocab, [t for _, docs, *_ in plan for _, t in docs])
     info = {"pair": args.target, "layers": args.layers, "data": "corpus", "load_s": load_s, "teacher_s": teach_s,
             "autocast": str(ac),
             "teacher_positions": sum(s.num_tokens for s in train + held), "generate_s": gen_s,
             "generated_train_tokens": n_generated, "generate_train_s": gen_train_s,
             "train_samples": len(train), "heldout_teacher_forced": len(held), "heldout_decoded": len(decoded),
             "selection_prompts": len(eval_prompts), "bench_prompts": len(bench_prompts)}
-    return train, held, decoded, bench_prompts, pair, fresh_draft, info
+    return train, held, decoded, bench_prompts, pair, fresh_draft, vocab, info
 
 
 def per_workload_compare(dist, cfg, train, held_dec, held_tf, n_steps: int) -> dict:
@@ -246,7 +253,7 @@ def corpus_main(args) -> None:
     from decoder.speculative import DecoderConfig, SpeculativeDecoder
     from trainer.distill import BASE
 
-    train, held_tf, held_dec, bench_prompts, pair, fresh_draft, info = corpus_setup(args)
+    train, held_tf, held_dec, bench_prompts, pair, fresh_draft, vocab, info = corpus_setup(args)
     print(f"{info}", flush=True)
     rows = []
     best = None
@@ -255,7 +262,7 @@ def corpus_main(args) -> None:
             cfg = DistillConfig(loss=loss, weighting=weighting, lr=args.lr, batch_size=args.batch_size,
                                 lora_r=args.lora_r, lora_alpha=2 * args.lora_r, max_steps=args.round_steps,
                                 max_seconds=1e9, max_epochs=10**6, precision=args.precision)
-            dist = Distiller(fresh_draft(), cfg)
+            dist = Distiller(fresh_draft(), cfg, vocab=vocab)
             base = {"decoded": dist.evaluate(held_dec, adapter=BASE), "teacher_forced": dist.evaluate(held_tf, adapter=BASE)}
             curve, steps, train_s = [], 0, 0.0
             pick = None  # (alpha_decoded, steps, adapter_state): the best held-out checkpoint so far
@@ -307,8 +314,11 @@ def corpus_main(args) -> None:
         bench = {}
         name = f"trained ({loss}, {weighting}, step {pick[1]})"
         runs = [("untrained", pair.draft, None)] if args.bench_untrained else []
-        runs.append((name, trained, None))
-        if args.bench_draft_vocab:
+        if vocab is not None:  # the adapter fits the restricted head only: serve it so
+            runs.append((f"{name} + FR-Spec {len(vocab)} (trained on it)", trained, vocab))
+        else:
+            runs.append((name, trained, None))
+        if args.bench_draft_vocab and vocab is None:
             from decoder.vocab import frequent_token_ids
 
             dv = frequent_token_ids(pair.tokenizer, args.bench_draft_vocab)
@@ -367,6 +377,9 @@ def main() -> None:
     ap.add_argument("--gen-temperature", type=float, default=0.0, help="0 = greedy continuations")
     ap.add_argument("--bench-draft-vocab", type=int, default=8192,
                     help="also bench the trained draft with its LM head restricted to N frequent tokens (FR-Spec; 0 = off)")
+    ap.add_argument("--train-draft-vocab", type=int, default=0,
+                    help="train (and evaluate, and bench) the draft with its LM head restricted to the N most frequent "
+                         "tokens of the training documents (FR-Spec; 0 = the full vocabulary)")
     ap.add_argument("--decode-bench", action=argparse.BooleanOptionalAction, default=True,
                     help="after training, decoder bench with the untrained and the best trained draft")
     ap.add_argument("--per-workload-steps", type=int, default=0,
@@ -385,6 +398,10 @@ def main() -> None:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.per_workload_steps < 0:
         ap.error(f"--per-workload-steps {args.per_workload_steps}: must be >= 0 (0 = off)")
+    if args.train_draft_vocab < 0:
+        ap.error(f"--train-draft-vocab {args.train_draft_vocab}: must be >= 0 (0 = the full vocabulary)")
+    if args.train_draft_vocab and not (args.pair == "smollm2" and args.data == "corpus"):
+        ap.error("--train-draft-vocab needs --pair smollm2 --data corpus")
     if args.gen_tokens < 0:
         ap.error(f"--gen-tokens {args.gen_tokens}: must be >= 0 (0 = no generated training data)")
     if args.threads:

@@ -47,7 +47,30 @@ def teacher_buckets(topk_probs: torch.Tensor, tail_mass: torch.Tensor) -> torch.
     return p / p.sum(dim=-1, keepdim=True).clamp_min(P_FLOOR)
 
 
-def student_bucket_logprobs(logits: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def teacher_on_vocab(p: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """The teacher's buckets conditioned on a restricted draft vocabulary S (FR-Spec).
+
+    A draft whose head covers only S has q(x) = 0 outside S, so its acceptance is
+    alpha_S = sum_{x in S} min(p(x), q(x)) <= p(S), with equality for any q >= p on S, which
+    p(. | S) = p / p(S) gives. So the training target is p with the top-k buckets outside S
+    zeroed and the rest renormalised; the tail bucket is kept whole (the record does not say
+    how much of it lies in S, so this assumes all of it does).
+
+    Args:
+        p: (N, k + 1) teacher buckets from ``teacher_buckets``; the last column is the tail.
+        present: (N, k) bool, True where the top-k id lies in S.
+
+    Returns:
+        (N, k + 1) float32 rows summing to 1 (a row with all its mass outside S stays 0).
+    """
+    keep = torch.cat([present, torch.ones_like(present[:, :1])], dim=-1)  # (N, k+1)
+    q = p * keep
+    return q / q.sum(dim=-1, keepdim=True).clamp_min(P_FLOOR)
+
+
+def student_bucket_logprobs(
+    logits: torch.Tensor, topk_ids: torch.Tensor, present: torch.Tensor | None = None
+) -> torch.Tensor:
     """The draft's log-probabilities reduced to the teacher's k + 1 buckets, from its logits.
 
     With x the logits: top-k buckets are x gathered at the ids; the tail bucket is a logsumexp
@@ -57,9 +80,16 @@ def student_bucket_logprobs(logits: torch.Tensor, topk_ids: torch.Tensor) -> tor
     the vocabulary does it all (no (N, V) log_softmax to hold and back-propagate through).
     Shift-invariant: log-probabilities give the same result as the logits they came from.
 
+    With a restricted draft vocabulary S (FR-Spec), ``logits`` has one column per id of S and
+    ``topk_ids`` holds column indices, with ``present`` False where the target's id is not in S:
+    those buckets get q = 0 (``LOGQ_FLOOR``), and the tail bucket is S minus the present top-k.
+
     Args:
         logits: (N, V) draft logits (or log-probabilities), any float dtype; computed in fp32.
-        topk_ids: (N, k) int64 token ids of the target's top-k.
+            V is the vocabulary, or |S| with ``present``.
+        topk_ids: (N, k) int64 column indices of the target's top-k (token ids without S).
+        present: optional (N, k) bool, False where a top-k id has no column (outside S); the
+            ``topk_ids`` entry there is ignored (any valid column, e.g. 0).
 
     Returns:
         (N, k + 1) log q over the buckets, floored at ``LOGQ_FLOOR``.
@@ -67,7 +97,14 @@ def student_bucket_logprobs(logits: torch.Tensor, topk_ids: torch.Tensor) -> tor
     x = logits.float()
     ids = topk_ids.long()
     top = x.gather(-1, ids)  # (N, k)
-    tail = torch.logsumexp(x.scatter(-1, ids, float("-inf")), dim=-1)  # (N,); -inf if k == V
+    if present is not None:
+        top = top.masked_fill(~present, float("-inf"))
+        # only present ids leave the tail; an absent one's placeholder column must stay in it
+        ids = torch.where(present, ids, ids.new_full((), x.shape[-1]))
+        x = torch.cat([x, x.new_zeros(x.shape[0], 1)], dim=-1)  # a scratch column for absent ids
+        tail = torch.logsumexp(x.scatter(-1, ids, float("-inf"))[:, :-1], dim=-1)  # (N,)
+    else:
+        tail = torch.logsumexp(x.scatter(-1, ids, float("-inf")), dim=-1)  # (N,); -inf if k == V
     log_z = torch.logaddexp(tail, torch.logsumexp(top, dim=-1))  # (N,)
     return (torch.cat([top, tail.unsqueeze(-1)], dim=-1) - log_z.unsqueeze(-1)).clamp_min(LOGQ_FLOOR)  # (N, k+1)
 

@@ -186,3 +186,64 @@ def test_config_errors_name_the_value():
         DistillConfig(loss="kl")
     with pytest.raises(ValueError, match="'some'"):
         DistillConfig(weighting="some")
+
+
+def test_restricted_vocab_evaluates_the_fr_spec_draft_by_hand(target, heldout_samples):
+    """With vocab S, alpha and greedy agreement are the served FR-Spec draft's: q = softmax of
+    the full logits' S columns, 0 elsewhere, computed here independently from the full forward."""
+    from trainer.distill import _build_batch
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = torch.randperm(64, generator=gen)[:24].sort().values
+    full_dist = Distiller(tiny_draft(), DistillConfig(**FAST))
+    dist = Distiller(tiny_draft(), DistillConfig(**FAST), vocab=vocab)
+    got = dist.evaluate(heldout_samples)
+    batch = _build_batch(heldout_samples, dist.config, dist.device)
+    with torch.no_grad():
+        logits = full_dist.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    rows = logits[batch.rows_b, batch.rows_t]  # (M, V)
+    q = torch.zeros_like(rows)
+    q[:, vocab] = torch.softmax(rows[:, vocab], -1)
+    ids, p = batch.topk_ids, batch.p
+    q_top = q.gather(-1, ids)  # (M, k)
+    q_tail = 1 - q_top.sum(-1)
+    alpha = torch.minimum(p[:, :-1], q_top).sum(-1) + torch.minimum(p[:, -1], q_tail)
+    top1 = ids.gather(-1, p[:, :-1].argmax(-1, keepdim=True)).squeeze(-1)
+    greedy = (vocab[rows[:, vocab].argmax(-1)] == top1).float()
+    assert got.alpha == pytest.approx(alpha.mean().item(), abs=1e-5)
+    assert got.greedy == pytest.approx(greedy.mean().item(), abs=1e-9)
+    # the restriction costs acceptance: ids outside S cannot be proposed
+    assert got.alpha < full_dist.evaluate(heldout_samples).alpha
+
+
+def test_restricted_vocab_of_every_id_trains_like_the_full_head(train_samples, heldout_samples):
+    kw = dict(FAST, max_steps=10)
+    full = Distiller(tiny_draft(), DistillConfig(**kw))
+    every = Distiller(tiny_draft(), DistillConfig(**kw), vocab=torch.arange(64))
+    a, b = full.train_round(train_samples), every.train_round(train_samples)
+    assert a.loss_first == pytest.approx(b.loss_first, rel=1e-5) and a.loss_last == pytest.approx(b.loss_last, rel=1e-3)
+    assert full.evaluate(heldout_samples).alpha == pytest.approx(every.evaluate(heldout_samples).alpha, abs=1e-4)
+
+
+def test_restricted_vocab_training_raises_its_alpha(draft, train_samples, heldout_samples):
+    vocab = torch.arange(0, 64, 2)  # half the ids
+    dist = Distiller(draft, DistillConfig(**FAST), vocab=vocab)
+    base = dist.evaluate(heldout_samples, adapter=BASE)
+    r = dist.train_round(train_samples)
+    after = dist.evaluate(heldout_samples)
+    assert r.finite and r.steps == 50
+    assert after.alpha > base.alpha + 0.1
+
+
+@pytest.mark.parametrize("vocab, match", [
+    (torch.tensor([0.0, 1.0]), "integer"),
+    (torch.tensor([], dtype=torch.long), "non-empty"),
+    (torch.tensor([[1, 2]]), "1-D"),
+    ([1, 2], "torch tensor"),
+    (torch.tensor([3, 64]), r"0\.\.63"),
+    (torch.tensor([-1, 3]), r"0\.\.63"),
+    (torch.tensor([3, 3, 5]), "1 duplicate"),
+])
+def test_restricted_vocab_errors_name_the_value(vocab, match):
+    with pytest.raises(ValueError, match=match):
+        Distiller(tiny_draft(), DistillConfig(**FAST), vocab=vocab)

@@ -179,3 +179,55 @@ def test_unknown_loss_names_choices():
     p, logq = _buckets()
     with pytest.raises(ValueError, match="forward_kl"):
         L.per_position_loss("kl", p, logq)
+
+
+# Restricted draft vocabulary (FR-Spec), one position, V = 5, S = ids (0, 2, 4) = columns 0..2.
+# Draft logits over S: log(1, 2, 1) -> q_S = (0.25, 0.5, 0.25) on ids (0, 2, 4), 0 on ids 1 and 3.
+# Target top-2 = ids (2, 3) with p = (0.5, 0.3), tail 0.2; id 3 is outside S.
+# Draft buckets: q(2) = 0.5, q(3) = 0, tail = q(0) + q(4) = 0.5 (id 3's placeholder column 0 is
+# id 0, which is not in the top-k and must stay in the tail).
+def _restricted():
+    logits = torch.tensor([[1.0, 2.0, 1.0]]).log()
+    cols = torch.tensor([[1, 0]])  # id 2 -> column 1; id 3 absent -> placeholder 0
+    present = torch.tensor([[True, False]])
+    p = L.teacher_buckets(torch.tensor([[0.5, 0.3]], dtype=torch.float16), torch.tensor([0.2]))
+    return logits, cols, present, p
+
+
+def test_restricted_vocab_buckets_by_hand():
+    logits, cols, present, p = _restricted()
+    logq = L.student_bucket_logprobs(logits, cols, present)
+    assert logq[0, 1].item() == L.LOGQ_FLOOR
+    assert torch.allclose(logq.exp(), torch.tensor([[0.5, 0.0, 0.5]]), atol=1e-7)
+    # acceptance of the served FR-Spec draft: min(.5, .5) + min(.3, 0) + min(.2, .5) = 0.7
+    assert L.alpha(p, logq).item() == pytest.approx(0.7, abs=1e-3)
+    # training target p(. | S): id 3's 0.3 dropped, (0.5, 0, 0.2) / 0.7
+    pc = L.teacher_on_vocab(p, present)
+    assert torch.allclose(pc, torch.tensor([[5 / 7, 0.0, 2 / 7]]), atol=1e-3)
+    want = 5 / 7 * math.log((5 / 7) / 0.5) + 2 / 7 * math.log((2 / 7) / 0.5)
+    assert L.forward_kl(pc, logq).item() == pytest.approx(want, abs=1e-3)
+
+
+def test_restricted_vocab_with_every_id_present_equals_the_full_buckets():
+    torch.manual_seed(1)
+    logits, ids = torch.randn(4, 10), torch.randint(0, 10, (4, 3))
+    ids[:, 1] = (ids[:, 0] + 1) % 10  # distinct within a row
+    ids[:, 2] = (ids[:, 0] + 2) % 10
+    full = L.student_bucket_logprobs(logits, ids)
+    assert torch.allclose(L.student_bucket_logprobs(logits, ids, torch.ones(4, 3, dtype=torch.bool)), full)
+    p = torch.softmax(torch.randn(4, 4), -1)
+    assert torch.equal(L.teacher_on_vocab(p, torch.ones(4, 3, dtype=torch.bool)), p / p.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("name", L.LOSSES)
+def test_restricted_vocab_gradients_finite_when_p_equals_q(name):
+    logits, cols, present, p = _restricted()
+    logits = logits.clone().requires_grad_(True)
+    logq = L.student_bucket_logprobs(logits, cols, present)
+    pc = L.teacher_on_vocab(p, present)
+    with torch.no_grad():  # a teacher equal to the draft on the restricted buckets (0 where absent)
+        pc = logq.exp() * torch.tensor([[1.0, 0.0, 1.0]])
+    loss = L.per_position_loss(name, pc, logq).sum()
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
+    assert loss.item() == pytest.approx(0.0, abs=1e-5)
