@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -270,6 +271,9 @@ def corpus_main(args) -> None:
             while steps < args.steps and train_s < 60 * args.minutes:
                 dist.config = dataclasses.replace(cfg, max_steps=min(args.round_steps, args.steps - steps),
                                                   max_seconds=60 * args.minutes - train_s)
+                if args.lr_decay == "cosine":  # per round, by the share of the budget (time or steps) spent
+                    done = max(train_s / (60 * args.minutes), steps / args.steps)
+                    dist.set_lr(args.lr_min + 0.5 * (args.lr - args.lr_min) * (1 + math.cos(math.pi * min(done, 1.0))))
                 t0 = time.perf_counter()
                 res = dist.train_round(train)
                 train_s += time.perf_counter() - t0
@@ -278,7 +282,7 @@ def corpus_main(args) -> None:
                     print(f"{loss} {weighting}: round failed: {res.reason}", flush=True)
                     break
                 ed, et = dist.evaluate(held_dec), dist.evaluate(held_tf)
-                curve.append({"steps": steps, "train_seconds": round(train_s, 1), "alpha_decoded": ed.alpha,
+                curve.append({"steps": steps, "train_seconds": round(train_s, 1), "lr": dist.config.lr, "alpha_decoded": ed.alpha,
                               "greedy_decoded": ed.greedy, "alpha_teacher_forced": et.alpha,
                               "greedy_teacher_forced": et.greedy, "loss": res.loss_last})
                 if pick is None or ed.alpha > pick[0]:
@@ -356,6 +360,10 @@ def main() -> None:
     ap.add_argument("--round-steps", type=int, default=50)
     ap.add_argument("--minutes", type=float, default=15.0, help="training budget per configuration")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr-decay", choices=["none", "cosine"], default="none",
+                    help="--data corpus: cosine decay from --lr to --lr-min over the budget (--minutes or --steps, "
+                         "whichever runs out first), set before each round")
+    ap.add_argument("--lr-min", type=float, default=0.0, help="the cosine decay's floor")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--holdout", type=float, default=0.2)
@@ -398,6 +406,8 @@ def main() -> None:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.per_workload_steps < 0:
         ap.error(f"--per-workload-steps {args.per_workload_steps}: must be >= 0 (0 = off)")
+    if not (0 <= args.lr_min <= args.lr):
+        ap.error(f"--lr-min {args.lr_min}: must be in 0..--lr ({args.lr})")
     if args.train_draft_vocab < 0:
         ap.error(f"--train-draft-vocab {args.train_draft_vocab}: must be >= 0 (0 = the full vocabulary)")
     if args.train_draft_vocab and not (args.pair == "smollm2" and args.data == "corpus"):

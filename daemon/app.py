@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from daemon.redis_embed import RedisHandle, open_redis
-from daemon.settings import Settings, distill_config, service_config, store_config
+from daemon.settings import Settings, distill_config, draft_vocab_ids, service_config, store_config
 from store.buffer import dead_letter_count, group_info, stream_depth
 from store.history import COUNTS, AcceptanceHistory, HistoryRow
 from store.registry import AdapterRecord, AdapterRegistry
@@ -155,7 +155,7 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
     service = TrainerService(
         reader,
         registry,
-        Distiller(pair.draft, distill_config(settings)),
+        Distiller(pair.draft, distill_config(settings), vocab=draft_vocab_ids(settings, pair.tokenizer)),
         service_config(settings),
         backlog=lambda: group_lag(handle.client, scfg, group),
     )

@@ -469,7 +469,7 @@ def bootstrap(
     import dataclasses
 
     from daemon.redis_embed import open_redis
-    from daemon.settings import distill_config, store_config
+    from daemon.settings import distill_config, draft_vocab_ids, store_config
     from decoder.models import ModelLoadError, load_pair
     from decoder.speculative import DecodeRequest, SpeculativeDecoder
     from decoder.teacher import corpus_windows, score_windows
@@ -501,6 +501,11 @@ def bootstrap(
     except (ModelLoadError, ValueError) as e:
         err.print(f"[red]cannot load the model pair:[/] {e}")
         raise typer.Exit(1) from e
+    try:  # before any scoring: a bad models.draft_vocab fails in seconds
+        vocab = draft_vocab_ids(s, pair.tokenizer)
+    except ValueError as e:
+        err.print(f"[red]{e}[/]")
+        raise typer.Exit(2) from e
     fp = PairFingerprint(target=pair.target_name, draft=pair.draft_name, tokenizer_hash=pair.tokenizer_hash)
     scfg = store_config(s)
     samples = []
@@ -536,7 +541,7 @@ def bootstrap(
                         sink(sample)
             writer.flush(30)
             dcfg = dataclasses.replace(distill_config(s), weighting="all")
-            distiller = Distiller(pair.draft, dcfg)
+            distiller = Distiller(pair.draft, dcfg, vocab=vocab)
             task2 = prog.add_task("distilling into the draft (held-out alpha: -)", total=max_steps)
 
             def on_round(pt: Any) -> None:

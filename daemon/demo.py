@@ -73,7 +73,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     from rich.live import Live
 
     from daemon.redis_embed import open_redis
-    from daemon.settings import distill_config, store_config
+    from daemon.settings import distill_config, draft_vocab_ids, store_config
     from decoder.adapters import AdapterManager
     from decoder.control import AcceptanceTracker, GoodputController, RollbackMonitor, key_of
     from decoder.models import derive_draft, load_pair
@@ -109,6 +109,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
             raise ValueError(f"the demo trains a derived draft: set models.draft to 'layers:<spec>', not "
                              f"{settings.models.draft!r}")
         tok = pair.tokenizer
+        vocab = draft_vocab_ids(settings, tok)  # FR-Spec: trained and served alike (None = full vocabulary)
         fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
         console.log(f"pair: {pair.target_name} + {pair.draft_name} ({pair.load_seconds:.1f} s)")
 
@@ -120,7 +121,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
 
         dcfg = distill_config(settings)
         dcfg = dataclasses.replace(dcfg, max_steps=cfg.round_steps, max_seconds=cfg.round_seconds)
-        distiller = Distiller(derive_draft(pair.target, layers), dcfg)
+        distiller = Distiller(derive_draft(pair.target, layers), dcfg, vocab=vocab)
         svc = TrainerService(
             reader, registry, distiller,
             ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
@@ -141,7 +142,8 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
 
         # record_prompt: each request also streams the target's distributions over its prompt
         # (from the prefill it runs anyway), ~3x the trainer's data per request.
-        decoder = SpeculativeDecoder(pair.target, pair.draft, tok, DecoderConfig(topk_record=32, record_prompt=True),
+        decoder = SpeculativeDecoder(pair.target, pair.draft, tok, DecoderConfig(topk_record=32, record_prompt=True,
+                                                                                  draft_vocab=vocab),
                                      sink=sink, pair_fingerprint=fp)
         manager = AdapterManager(decoder, registry, poll_interval_s=1.0)
         manager.start()

@@ -26,6 +26,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from store.config import BufferConfig, HistoryConfig, StoreConfig
 
 if TYPE_CHECKING:  # torch-free at import time: the CLI must start fast
+    import torch
+
     from trainer.distill import DistillConfig
     from trainer.service import ServiceConfig
 
@@ -112,6 +114,12 @@ class ModelSettings(_Group):
     draft: str = Field("layers:0-3", description="Draft: 'layers:<spec>' (derived from the target), 'self', or a model reference.")
     device: str = Field("cpu", description="Torch device for the draft being trained, e.g. cpu or cuda:0.")
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads for the trainer; unset = torch's default.")
+    draft_vocab: int = Field(
+        0, ge=0,
+        description="FR-Spec: the draft's LM head restricted to the N most frequent tokens (decoder.vocab; 0 = the full "
+                    "vocabulary). The trainer trains and judges that head (about 3x faster steps at 8192 for a 4-layer "
+                    "SmolLM2 draft); serve the adapters with the same N (daemonctl generate --draft-vocab N).",
+    )
 
 
 class TrainerSettings(_Group):
@@ -307,6 +315,24 @@ def distill_config(s: Settings) -> "DistillConfig":
         max_seq_len=t.max_seq_len,
         precision=t.precision,
     )
+
+
+def draft_vocab_ids(s: Settings, tokenizer: Any) -> "torch.Tensor | None":
+    """The restricted draft vocabulary of ``models.draft_vocab`` (``decoder.vocab.frequent_token_ids``
+    over its built-in corpus, so ``daemonctl generate --draft-vocab N`` serves the same ids), or None.
+
+    Raises:
+        ConfigError: ``models.draft_vocab`` exceeds the tokenizer's vocabulary.
+    """
+    n = s.models.draft_vocab
+    if not n:
+        return None
+    if n > len(tokenizer):
+        raise ConfigError(f"models.draft_vocab={n} (DRAFTD_MODELS__DRAFT_VOCAB) exceeds the tokenizer's {len(tokenizer)} "
+                          f"tokens; use 1..{len(tokenizer)}, or 0 for the full vocabulary")
+    from decoder.vocab import frequent_token_ids
+
+    return frequent_token_ids(tokenizer, n)
 
 
 def service_config(s: Settings) -> "ServiceConfig":

@@ -16,6 +16,7 @@ the caller (``trainer.service``) decides what to train on and whether to publish
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import shutil
@@ -388,6 +389,19 @@ class Distiller:
         pos = torch.full((n_rows,), -1, dtype=torch.long)
         pos[ids] = torch.arange(ids.numel())
         return ids.to(self.device), pos.to(self.device)
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate from the next step on, keeping AdamW's moments (for a schedule
+        over several rounds, e.g. a bootstrap's cosine decay).
+
+        Raises:
+            ValueError: ``lr`` is not a finite number > 0.
+        """
+        if not (isinstance(lr, (int, float)) and lr > 0 and lr < float("inf")):
+            raise ValueError(f"lr={lr!r}: need a finite learning rate > 0")
+        self.config = dataclasses.replace(self.config, lr=float(lr))
+        for group in self.optimizer.param_groups:
+            group["lr"] = float(lr)
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self._params, lr=self.config.lr, weight_decay=self.config.weight_decay)

@@ -42,6 +42,7 @@ def test_unknown_key_in_toml_group(tmp_path):
         ("DRAFTD_TRAINER__WEIGHTING", "bar", "trainer.weighting"),
         ("DRAFTD_REDIS__URL", "127.0.0.1:6379", "not a Redis URL"),
         ("DRAFTD_TRAINER__REPLAY_RATIO", "inf", "trainer.replay_ratio"),
+        ("DRAFTD_MODELS__DRAFT_VOCAB", "-1", "models.draft_vocab"),
     ],
 )
 def test_bad_env_values(monkeypatch, var, value, needle):

@@ -247,3 +247,20 @@ def test_restricted_vocab_training_raises_its_alpha(draft, train_samples, heldou
 def test_restricted_vocab_errors_name_the_value(vocab, match):
     with pytest.raises(ValueError, match=match):
         Distiller(tiny_draft(), DistillConfig(**FAST), vocab=vocab)
+
+
+def test_set_lr_changes_the_step_and_keeps_adam_moments(draft, train_samples):
+    dist = Distiller(draft, DistillConfig(**dict(FAST, max_steps=3)))
+    dist.train_round(train_samples)
+    moments = {id(p): dist.optimizer.state[p]["exp_avg"].clone() for p in dist._params}
+    dist.set_lr(1e-4)
+    assert dist.config.lr == 1e-4 and all(g["lr"] == 1e-4 for g in dist.optimizer.param_groups)
+    assert all(torch.equal(dist.optimizer.state[p]["exp_avg"], moments[id(p)]) for p in dist._params)
+    # a step at lr 1e-4 moves the weights about 1e-4 per entry (Adam's update is ~lr * sign)
+    before = dist.adapter_state()
+    dist.train_round(train_samples[:8])
+    delta = max((dist.adapter_state()[n] - before[n]).abs().max().item() for n in before)
+    assert 0 < delta < 5e-4
+    for bad in (0.0, -1e-3, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="lr="):
+            dist.set_lr(bad)
