@@ -154,6 +154,14 @@ def corpus_setup(args):
     t0 = time.perf_counter()
     pair = load_pair(args.target, draft=f"layers:{args.layers}")
     load_s = time.perf_counter() - t0
+    vocab = None
+    if args.train_draft_vocab:  # counted on training documents only: the held-out text picks nothing
+        from decoder.vocab import frequent_token_ids
+
+        if args.train_draft_vocab > len(pair.tokenizer):
+            raise SystemExit(f"--train-draft-vocab {args.train_draft_vocab}: the tokenizer has {len(pair.tokenizer)} "
+                             f"tokens; use 1..{len(pair.tokenizer)}")
+        vocab = frequent_token_ids(pair.tokenizer, args.train_draft_vocab, [t for _, docs, *_ in plan for _, t in docs])
     fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
     # training data is scored at --precision (bf16 where native: ~2x faster); held-out data in fp32
     ac = autocast_dtype(args.precision, "cpu")
@@ -189,11 +197,6 @@ def corpus_setup(args):
     def fresh_draft():
         return derive_draft(pair.target, args.layers)
 
-    vocab = None
-    if args.train_draft_vocab:  # counted on training documents only: the held-out text picks nothing
-        from decoder.vocab import frequent_token_ids
-
-        vocab = frequent_token_ids(pair.tokenizer, args.train_draft_vocab, [t for _, docs, *_ in plan for _, t in docs])
     info = {"pair": args.target, "layers": args.layers, "data": "corpus", "load_s": load_s, "teacher_s": teach_s,
             "autocast": str(ac),
             "teacher_positions": sum(s.num_tokens for s in train + held), "generate_s": gen_s,
@@ -384,7 +387,8 @@ def main() -> None:
     ap.add_argument("--gen-new", type=int, default=96, help="tokens generated per opening")
     ap.add_argument("--gen-temperature", type=float, default=0.0, help="0 = greedy continuations")
     ap.add_argument("--bench-draft-vocab", type=int, default=8192,
-                    help="also bench the trained draft with its LM head restricted to N frequent tokens (FR-Spec; 0 = off)")
+                    help="also bench the trained draft with its LM head restricted to N frequent tokens (FR-Spec; 0 = off; "
+                         "with --train-draft-vocab the bench serves that vocabulary instead)")
     ap.add_argument("--train-draft-vocab", type=int, default=0,
                     help="train (and evaluate, and bench) the draft with its LM head restricted to the N most frequent "
                          "tokens of the training documents (FR-Spec; 0 = the full vocabulary)")
@@ -406,6 +410,10 @@ def main() -> None:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.per_workload_steps < 0:
         ap.error(f"--per-workload-steps {args.per_workload_steps}: must be >= 0 (0 = off)")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        ap.error(f"--lr {args.lr}: must be a finite number > 0")
+    if args.lr_decay != "none" and not (args.pair == "smollm2" and args.data == "corpus"):
+        ap.error(f"--lr-decay {args.lr_decay} needs --pair smollm2 --data corpus (the other paths train at a constant --lr)")
     if not (0 <= args.lr_min <= args.lr):
         ap.error(f"--lr-min {args.lr_min}: must be in 0..--lr ({args.lr})")
     if args.train_draft_vocab < 0:

@@ -235,7 +235,7 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
     - live: the phase's served requests, first and last third: greedy α and tokens/s.
     """
     from decoder.metrics import AcceptanceCounts
-    from decoder.speculative import DecodeRequest, SpeculativeDecoder
+    from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
     from trainer.distill import BASE
 
     def state_of(version: int):
@@ -245,7 +245,8 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
         return distiller.adapter_state()
 
     final_state = state_of(decoder.adapter_version)
-    frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok)
+    # the same head as the adapted draft (FR-Spec or not), so the rows differ by training only
+    frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok, DecoderConfig(draft_vocab=decoder.config.draft_vocab))
     rows = []
     for phase in cfg.phases:
         row: dict[str, Any] = {"workload": phase, "adapter_at_phase_end": phase_end_version.get(phase, 0),

@@ -19,6 +19,8 @@ import copy
 import dataclasses
 import functools
 import json
+import math
+import numbers
 import shutil
 import tempfile
 import time
@@ -374,18 +376,23 @@ class Distiller:
         if vocab is None:
             return None, None
         n_rows = self.model.get_output_embeddings().weight.shape[0]
-        if (not isinstance(vocab, torch.Tensor) or vocab.dim() != 1 or vocab.numel() == 0
-                or vocab.dtype.is_floating_point or vocab.dtype.is_complex or vocab.dtype == torch.bool):
-            raise ValueError(f"Distiller vocab={vocab!r}: need a non-empty 1-D integer torch tensor of token ids "
-                             f"(e.g. decoder.vocab.frequent_token_ids(tokenizer, 8192)), or None for the full vocabulary")
-        ids = vocab.long()
+        if not isinstance(vocab, torch.Tensor):
+            raise ValueError(f"Distiller vocab: got a {type(vocab).__name__}; pass a 1-D integer torch tensor of token "
+                             f"ids, e.g. torch.tensor(ids) or decoder.vocab.frequent_token_ids(tokenizer, 8192), or None")
+        if (vocab.dim() != 1 or vocab.numel() == 0 or vocab.dtype.is_floating_point or vocab.dtype.is_complex
+                or vocab.dtype == torch.bool or vocab.is_meta):
+            raise ValueError(f"Distiller vocab: got a tensor of shape {tuple(vocab.shape)}, dtype {vocab.dtype}, device "
+                             f"{vocab.device}; need a non-empty 1-D integer tensor of token ids with values, or None "
+                             f"for the full vocabulary")
+        ids = vocab.detach().to("cpu", torch.long, copy=True)  # a copy: the caller may reuse its tensor
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= n_rows:
             raise ValueError(f"Distiller vocab: token ids must be in 0..{n_rows - 1} (the draft's LM head rows); "
                              f"got ids from {lo} to {hi}")
-        if torch.unique(ids).numel() != ids.numel():
-            raise ValueError(f"Distiller vocab: {ids.numel() - torch.unique(ids).numel()} duplicate token ids; pass "
-                             f"each id once")
+        uniq, counts = torch.unique(ids, return_counts=True)
+        if uniq.numel() != ids.numel():
+            raise ValueError(f"Distiller vocab: {ids.numel() - uniq.numel()} duplicate token ids, e.g. "
+                             f"{uniq[counts > 1][:5].tolist()}; pass each id once (e.g. torch.unique(vocab))")
         pos = torch.full((n_rows,), -1, dtype=torch.long)
         pos[ids] = torch.arange(ids.numel())
         return ids.to(self.device), pos.to(self.device)
@@ -397,9 +404,12 @@ class Distiller:
         Raises:
             ValueError: ``lr`` is not a finite number > 0.
         """
-        if not (isinstance(lr, (int, float)) and lr > 0 and lr < float("inf")):
-            raise ValueError(f"lr={lr!r}: need a finite learning rate > 0")
-        self.config = dataclasses.replace(self.config, lr=float(lr))
+        if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+            raise ValueError(f"lr={lr!r}: need a real number (a {type(lr).__name__} is not one), e.g. 1e-3")
+        lr = float(lr)
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr={lr!r}: need a finite learning rate > 0, e.g. 1e-3")
+        self.config = dataclasses.replace(self.config, lr=lr)
         for group in self.optimizer.param_groups:
             group["lr"] = float(lr)
 
@@ -456,9 +466,14 @@ class Distiller:
         with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             logits = self._row_logits(batch)  # (M, V) or (M, V')
         logq_b, present = self._bucket_logq(logits, batch)  # (M, k+1), one pass over the vocabulary
-        p = batch.p if present is None else L.teacher_on_vocab(batch.p, present)  # (M, k+1)
+        weights = batch.weights
+        if present is None:
+            p = batch.p
+        else:
+            p = L.teacher_on_vocab(batch.p, present)  # (M, k+1)
+            weights = weights * (p.sum(-1) > 0.5)  # a row with all its mass outside S has no target on S
         per_pos = L.per_position_loss(self.config.loss, p, logq_b, self.config.jsd_beta)  # (M,)
-        return L.weighted_mean(per_pos, batch.weights)
+        return L.weighted_mean(per_pos, weights)
 
     def _bucket_logq(self, logits: torch.Tensor, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(M, k+1) log q over the teacher's buckets, and the (M, k) in-vocabulary mask (None
@@ -508,6 +523,8 @@ class Distiller:
         samples = [s for s in samples if s.num_tokens > 0]
         snapshot = self.adapter_state()
         opt_snapshot = copy.deepcopy(self.optimizer.state_dict())
+        for group in self.optimizer.param_groups:  # config.lr rules (set_lr, or a replaced config)
+            group["lr"] = cfg.lr
         gen = torch.Generator().manual_seed(cfg.seed + self._rounds)
         self._rounds += 1
         steps, used, tokens = 0, set(), 0

@@ -242,7 +242,7 @@ def test_restricted_vocab_training_raises_its_alpha(draft, train_samples, heldou
     ([1, 2], "torch tensor"),
     (torch.tensor([3, 64]), r"0\.\.63"),
     (torch.tensor([-1, 3]), r"0\.\.63"),
-    (torch.tensor([3, 3, 5]), "1 duplicate"),
+    (torch.tensor([3, 3, 5]), r"1 duplicate token ids, e.g. \[3\]"),
 ])
 def test_restricted_vocab_errors_name_the_value(vocab, match):
     with pytest.raises(ValueError, match=match):
@@ -261,6 +261,50 @@ def test_set_lr_changes_the_step_and_keeps_adam_moments(draft, train_samples):
     dist.train_round(train_samples[:8])
     delta = max((dist.adapter_state()[n] - before[n]).abs().max().item() for n in before)
     assert 0 < delta < 5e-4
-    for bad in (0.0, -1e-3, float("nan"), float("inf")):
+    for bad in (0.0, -1e-3, float("nan"), float("inf"), True, "1e-3", torch.tensor(1e-3)):
         with pytest.raises(ValueError, match="lr="):
             dist.set_lr(bad)
+    dist.set_lr(np.float32(2e-4))
+    assert dist.config.lr == pytest.approx(2e-4)
+
+
+def test_the_config_lr_rules_each_round(draft, train_samples):
+    """A restored training context (whose optimiser state carries its own lr) or a replaced config
+    trains at config.lr, not at whatever lr the optimiser last had."""
+    import dataclasses
+
+    dist = Distiller(draft, DistillConfig(**dict(FAST, max_steps=1)))
+    dist.set_lr(1e-5)
+    ctx = dist.training_context()
+    dist.set_lr(1e-3)
+    dist.load_training_context(ctx)
+    dist.train_round(train_samples[:8])
+    assert all(g["lr"] == 1e-3 for g in dist.optimizer.param_groups)
+    dist.config = dataclasses.replace(dist.config, lr=3e-3)
+    dist.train_round(train_samples[:8])
+    assert all(g["lr"] == 3e-3 for g in dist.optimizer.param_groups)
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl", "jsd", "tv"])
+def test_restricted_vocab_skips_positions_with_all_mass_outside_it(loss):
+    """Top-k ids 40, 41 hold all the target's mass (tail 0) and S = 0..31: p(. | S) does not exist,
+    so those positions teach nothing and the adapter does not move."""
+    n = 6
+    s = VerifiedSample(
+        request_id="r", workload="w", adapter_version=0, pair=PAIR, prompt_ids=np.array([1, 2]),
+        output_ids=np.arange(n) % 8, proposal_lens=np.array([0] * n), rejection_pos=np.array([-1] * n),
+        topk_ids=np.tile([40, 41], (n, 1)), topk_probs=np.tile([0.6, 0.4], (n, 1)).astype(np.float16),
+        tail_mass=np.zeros(n, dtype=np.float32),
+    )
+    dist = Distiller(tiny_draft(), DistillConfig(**dict(FAST, loss=loss, lr=1e-2, max_steps=3)), vocab=torch.arange(32))
+    before = dist.adapter_state()
+    r = dist.train_round([s] * 8)
+    assert r.finite and r.loss_last == 0.0
+    assert all(torch.equal(before[k], v) for k, v in dist.adapter_state().items())
+
+
+def test_restricted_vocab_is_copied_from_the_caller():
+    v = torch.arange(0, 64, 2)
+    dist = Distiller(tiny_draft(), DistillConfig(**FAST), vocab=v)
+    v.copy_(torch.arange(1, 64, 2))
+    assert dist._vocab.tolist() == list(range(0, 64, 2))

@@ -50,3 +50,19 @@ def test_corpus_setup_stops_before_loading_the_model(monkeypatch, no_model, kw, 
                         lambda w: [(f"d{i}", f"tiny document {i}") for i in range(10)] if w == "short" else real(w))
     with pytest.raises(SystemExit, match=match):
         train_bench.corpus_setup(_args(**kw))
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--pair", "tiny", "--lr-decay", "cosine"], "--lr-decay cosine needs --pair smollm2 --data corpus"),
+    (["--pair", "smollm2", "--lr", "-1"], "--lr -1.0: must be a finite number > 0"),
+    (["--pair", "smollm2", "--lr", "nan"], "--lr nan: must be a finite number > 0"),
+    (["--pair", "smollm2", "--lr", "1e-3", "--lr-min", "2e-3"], "--lr-min 0.002: must be in 0..--lr"),
+    (["--pair", "tiny", "--train-draft-vocab", "8"], "--train-draft-vocab needs --pair smollm2 --data corpus"),
+    (["--pair", "smollm2", "--train-draft-vocab", "-1"], "--train-draft-vocab -1: must be >= 0"),
+])
+def test_argument_errors_name_the_flag(monkeypatch, capsys, argv, match):
+    monkeypatch.setattr("sys.argv", ["train_bench.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        train_bench.main()
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
