@@ -552,6 +552,10 @@ def bootstrap(
                 res = run_bootstrap(samples, distiller, registry, bcfg, on_round=on_round)
             except TrainerError as e:
                 err.print(f"[red]bootstrap failed:[/] {e}")
+                if "held-out samples" in str(e):
+                    more = "--corpus-tokens" if source == "corpus" else "--prompts"
+                    err.print(f"more data: raise {more} (now {corpus_tokens if source == 'corpus' else prompts} per "
+                              f"workload); the samples scored so far stay in {scfg.keys.stream}")
                 raise typer.Exit(1) from e
     out.print(f"{len(samples)} samples into {scfg.keys.stream}; v{res.version} "
               f"{'promoted' if res.promoted else 'registered, not promoted'}: {res.reason}")
