@@ -40,6 +40,9 @@ from store.schema import VerifiedSample
 from trainer import losses as L
 
 ADAPTER_NAME = "draftd"
+# Written beside peft's files by ``Distiller.save`` when the adapter was trained on a restricted
+# draft vocabulary: {"size": |S|, "sha256": of the int64 ids, "ids": [...]}.
+VOCAB_FILE = "draft_vocab.json"
 WEIGHTINGS = ("all", "rejected", "upweight_rejected")
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -80,6 +83,13 @@ def autocast_dtype(precision: str, device: torch.device | str) -> torch.dtype | 
     if dev.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
     return None
+
+
+def _ids_sha256(ids: torch.Tensor) -> str:
+    """sha256 of (V',) token ids as little-endian int64 bytes: the identity of a draft vocabulary."""
+    import hashlib
+
+    return hashlib.sha256(ids.to(torch.int64).numpy().astype("<i8").tobytes()).hexdigest()
 
 
 class TrainerError(Exception):
@@ -639,7 +649,8 @@ class Distiller:
     # ---- persistence -----------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> Path:
-        """Write the adapter in peft's layout (adapter_config.json + adapter_model.safetensors).
+        """Write the adapter in peft's layout (adapter_config.json + adapter_model.safetensors),
+        plus ``VOCAB_FILE`` with the restricted draft vocabulary's ids when it was trained on one.
 
         ``directory`` must not exist or be empty; the files land directly in it (peft would nest
         a non-default adapter name in a sub-folder; we flatten it so any loader reads the dir).
@@ -657,13 +668,23 @@ class Distiller:
                 src = Path(tmp)
             for name in ("adapter_config.json", "adapter_model.safetensors"):
                 shutil.move(str(src / name), str(out / name))
+        if self._vocab is not None:
+            ids = self._vocab.cpu()
+            (out / VOCAB_FILE).write_text(json.dumps({"size": ids.numel(), "sha256": _ids_sha256(ids), "ids": ids.tolist()}))
         return out
 
     def load_adapter_weights(self, directory: str | Path) -> None:
         """Start from a saved adapter (e.g. the registry's promoted version).
 
-        The adapter's rank and target modules must match this Distiller's config. The optimiser
-        state is reset: its moments belonged to other weights.
+        The adapter's rank and target modules must match this Distiller's config, and so must
+        its restricted draft vocabulary (``VOCAB_FILE``): an adapter trained on S fits S's head only,
+        so it is refused by a full-vocabulary Distiller or one on other ids (a full-vocabulary
+        adapter may start a restricted one). The optimiser state is reset: its moments belonged to
+        other weights.
+
+        Raises:
+            AdapterMismatch: missing files, another rank, unknown or missing LoRA tensors,
+                non-finite weights, or another draft vocabulary.
         """
         d = Path(directory)
         cfg_path, w_path = d / "adapter_config.json", d / "adapter_model.safetensors"
@@ -672,6 +693,19 @@ class Distiller:
         saved = json.loads(cfg_path.read_text())
         if saved.get("r") != self.config.lora_r:
             raise AdapterMismatch(f"adapter in {d} has rank r={saved.get('r')}, this trainer uses lora_r={self.config.lora_r}")
+        if (d / VOCAB_FILE).is_file():
+            try:
+                vocab = json.loads((d / VOCAB_FILE).read_text())
+                theirs = (int(vocab["size"]), str(vocab["sha256"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise AdapterMismatch(f"adapter in {d} has an unreadable {VOCAB_FILE}: {e}") from e
+            mine = None if self._vocab is None else (self._vocab.numel(), _ids_sha256(self._vocab.cpu()))
+            if mine != theirs:
+                have = "the full vocabulary" if mine is None else f"{mine[0]} other ids"
+                raise AdapterMismatch(
+                    f"adapter in {d} was trained on a draft vocabulary of {theirs[0]} ids (FR-Spec), this trainer uses "
+                    f"{have}; set the same restricted vocabulary (models.draft_vocab / Distiller(vocab=...)) or "
+                    f"start from the base draft")
         result = set_peft_model_state_dict(self.model, load_file(str(w_path)), adapter_name=ADAPTER_NAME)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         if unexpected:

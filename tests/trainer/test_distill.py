@@ -308,3 +308,29 @@ def test_restricted_vocab_is_copied_from_the_caller():
     dist = Distiller(tiny_draft(), DistillConfig(**FAST), vocab=v)
     v.copy_(torch.arange(1, 64, 2))
     assert dist._vocab.tolist() == list(range(0, 64, 2))
+
+
+def test_an_adapter_remembers_its_draft_vocabulary(tmp_path, train_samples, heldout_samples):
+    """Saved with S, an adapter loads back into a Distiller on S (same alpha) and is refused by a
+    full-vocabulary one or one on other ids; a full-vocabulary adapter may start a restricted one."""
+    import json as _json
+
+    from trainer.distill import VOCAB_FILE
+
+    s_even = torch.arange(0, 64, 2)
+    dist = Distiller(tiny_draft(), DistillConfig(**dict(FAST, max_steps=10)), vocab=s_even)
+    dist.train_round(train_samples)
+    path = dist.save(tmp_path / "even")
+    saved = _json.loads((path / VOCAB_FILE).read_text())
+    assert saved["size"] == 32 and saved["ids"] == list(range(0, 64, 2))
+    same = Distiller(tiny_draft(), DistillConfig(**FAST), vocab=s_even.clone())
+    same.load_adapter_weights(path)
+    assert same.evaluate(heldout_samples).alpha == pytest.approx(dist.evaluate(heldout_samples).alpha, abs=1e-6)
+    with pytest.raises(AdapterMismatch, match="32 ids .*the full vocabulary"):
+        Distiller(tiny_draft(), DistillConfig(**FAST)).load_adapter_weights(path)
+    with pytest.raises(AdapterMismatch, match="32 ids .*32 other ids"):
+        Distiller(tiny_draft(), DistillConfig(**FAST), vocab=torch.arange(1, 64, 2)).load_adapter_weights(path)
+    full = Distiller(tiny_draft(), DistillConfig(**FAST))
+    full_path = full.save(tmp_path / "full")
+    assert not (full_path / VOCAB_FILE).exists()
+    Distiller(tiny_draft(), DistillConfig(**FAST), vocab=s_even).load_adapter_weights(full_path)
