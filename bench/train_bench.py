@@ -158,10 +158,10 @@ def corpus_setup(args):
     if args.train_draft_vocab:  # counted on training documents only: the held-out text picks nothing
         from decoder.vocab import frequent_token_ids
 
-        if args.train_draft_vocab > len(pair.tokenizer):
-            raise SystemExit(f"--train-draft-vocab {args.train_draft_vocab}: the tokenizer has {len(pair.tokenizer)} "
-                             f"tokens; use 1..{len(pair.tokenizer)}")
-        vocab = frequent_token_ids(pair.tokenizer, args.train_draft_vocab, [t for _, docs, *_ in plan for _, t in docs])
+        try:  # the size is checked before any counting
+            vocab = frequent_token_ids(pair.tokenizer, args.train_draft_vocab, [t for _, docs, *_ in plan for _, t in docs])
+        except ValueError as e:
+            raise SystemExit(f"--train-draft-vocab: {e}") from e
     fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
     # training data is scored at --precision (bf16 where native: ~2x faster); held-out data in fp32
     ac = autocast_dtype(args.precision, "cpu")

@@ -477,7 +477,7 @@ def bootstrap(
     from store.buffer import SampleWriter
     from store.registry import AdapterRegistry
     from store.schema import PairFingerprint
-    from trainer.bootstrap import BootstrapConfig
+    from trainer.bootstrap import BootstrapConfig, NotEnoughSamples
     from trainer.bootstrap import bootstrap as run_bootstrap
     from trainer.distill import Distiller, TrainerError, autocast_dtype
 
@@ -552,7 +552,7 @@ def bootstrap(
                 res = run_bootstrap(samples, distiller, registry, bcfg, on_round=on_round)
             except TrainerError as e:
                 err.print(f"[red]bootstrap failed:[/] {e}")
-                if "held-out samples" in str(e):
+                if isinstance(e, NotEnoughSamples):
                     more = "--corpus-tokens" if source == "corpus" else "--prompts"
                     err.print(f"more data: raise {more} (now {corpus_tokens if source == 'corpus' else prompts} per "
                               f"workload); the samples scored so far stay in {scfg.keys.stream}")

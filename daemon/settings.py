@@ -118,7 +118,7 @@ class ModelSettings(_Group):
         0, ge=0,
         description="FR-Spec: the draft's LM head restricted to the N most frequent tokens (decoder.vocab; 0 = the full "
                     "vocabulary). The trainer trains and judges that head (about 3x faster steps at 8192 for a 4-layer "
-                    "SmolLM2 draft); serve the adapters with the same N (daemonctl generate --draft-vocab N).",
+                    "SmolLM2 draft). Serve its adapters with the same ids (the demo does; DecoderConfig.draft_vocab).",
     )
 
 
@@ -324,15 +324,14 @@ def draft_vocab_ids(s: Settings, tokenizer: Any) -> "torch.Tensor | None":
     Raises:
         ConfigError: ``models.draft_vocab`` exceeds the tokenizer's vocabulary.
     """
-    n = s.models.draft_vocab
-    if not n:
+    if not s.models.draft_vocab:
         return None
-    if n > len(tokenizer):
-        raise ConfigError(f"models.draft_vocab={n} (DRAFTD_MODELS__DRAFT_VOCAB) exceeds the tokenizer's {len(tokenizer)} "
-                          f"tokens; use 1..{len(tokenizer)}, or 0 for the full vocabulary")
     from decoder.vocab import frequent_token_ids
 
-    return frequent_token_ids(tokenizer, n)
+    try:
+        return frequent_token_ids(tokenizer, s.models.draft_vocab)
+    except ValueError as e:  # checked before any counting
+        raise ConfigError(f"models.draft_vocab (DRAFTD_MODELS__DRAFT_VOCAB): {e}; or 0 for the full vocabulary") from e
 
 
 def service_config(s: Settings) -> "ServiceConfig":

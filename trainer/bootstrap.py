@@ -29,6 +29,10 @@ from trainer.service import is_heldout, split_key
 log = structlog.get_logger(__name__)
 
 
+class NotEnoughSamples(TrainerError):
+    """The samples split into no training or no held-out ones: more data is needed."""
+
+
 @dataclass
 class BootstrapConfig:
     """Budget and split of a bootstrap run."""
@@ -82,13 +86,14 @@ def bootstrap(
         on_round: called after each round with the new curve point (progress reporting).
 
     Raises:
-        TrainerError: no training or no held-out samples, or a round went non-finite.
+        NotEnoughSamples: no training or no held-out samples.
+        TrainerError: a round went non-finite.
     """
     train, held = [], []
     for s in samples:
         (held if is_heldout(split_key(s), config.holdout_fraction) else train).append(s)
     if not train or not held:
-        raise TrainerError(
+        raise NotEnoughSamples(
             f"bootstrap needs training and held-out samples; got {len(train)} and {len(held)} "
             f"(holdout_fraction={config.holdout_fraction}); generate more samples"
         )
