@@ -5,9 +5,9 @@
   feeds the per-request α to a :class:`decoder.shift.ShiftDetector`.
 - :class:`RollbackMonitor`: after a promotion, compares the new version's live α with the
   previous version's on the same keys and rolls back when it is worse by more than a margin.
-- :class:`GoodputController`: picks γ in {0 (plain decoding), 1, ..., γ_max} per
-  (workload, sampling bucket) from online estimates of α and of the measured step costs, so
-  speculation runs only when it pays.
+- :class:`GoodputController`: picks the proposer and γ in {0 (plain decoding), 1, ..., γ_max}
+  per (workload, sampling bucket) from online estimates of acceptance and of the measured step
+  costs, so speculation runs only when it pays, with the proposer that pays most.
 
 Keys are written ``"{workload}@{bucket}"`` wherever they are shown (e.g. ``prose@greedy``,
 ``code@t0.7-p0.9``): acceptance depends on both the traffic and the sampling policy.
@@ -424,6 +424,9 @@ class ControllerConfig:
         speculating, γ = the best speculative candidate when off, or a γ never measured.
     useless_alpha: below this α the "off" reason says the draft is useless.
     min_steps: steps of γ = 0 and of γ >= 1 measured before the choice is trusted (warm-up).
+    proposers: the proposers the controller chooses among (:mod:`decoder.proposers`): "draft"
+        (the draft model, modelled by α) and/or "ngram" (modelled by its measured accepted-length
+        distribution, see :class:`GoodputController`). The first listed warms up first.
     """
 
     gamma_max: int = 8
@@ -432,8 +435,16 @@ class ControllerConfig:
     probe_every: int = 10
     useless_alpha: float = 0.1
     min_steps: int = 8
+    proposers: tuple[str, ...] = ("draft",)
 
     def __post_init__(self):
+        from decoder.proposers import PROPOSERS
+
+        self.proposers = tuple(self.proposers)
+        bad = [p for p in self.proposers if p not in PROPOSERS]
+        if not self.proposers or bad or len(set(self.proposers)) != len(self.proposers):
+            raise ValueError(f"ControllerConfig.proposers={self.proposers!r}: a non-empty list of distinct names "
+                             f"from {PROPOSERS}")
         if not 1 <= self.gamma_init <= self.gamma_max:
             raise ValueError(f"gamma_init={self.gamma_init} must lie in 1..gamma_max={self.gamma_max}")
         if not 0 < self.ewma <= 1:
@@ -460,6 +471,48 @@ class _KeyState:
     requests: int = 0
     adapter_version: int | None = None
     last: dict[str, Any] = field(default_factory=dict)
+    lengths: dict[str, "_LengthModel"] = field(default_factory=dict)  # proposer -> accepted-length model
+
+
+@dataclass
+class _LengthModel:
+    """A proposer modelled by its accepted-prefix lengths, not by α (the n-gram proposer: its
+    proposals are all right while a copied span lasts, so acceptance is far from i.i.d.).
+
+    ge[j-1]: EWMA of 1[accepted >= j] over steps that asked for γ >= j, so
+    E[tokens per step at γ] = 1 + Σ_{j<=γ} P(accepted >= j) (the bonus or correction token plus the
+    accepted prefix); a step with no proposal (no match) counts as accepted 0 at every j.
+    step_ms[γ]: EWMA of draft ms + verify ms of steps that asked for γ (what a step with partial
+    or no proposals really costs).
+    """
+
+    ge: list[_Ewma] = field(default_factory=list)
+    step_ms: dict[int, _Ewma] = field(default_factory=dict)
+    draft_ms: _Ewma = field(default_factory=_Ewma)
+    steps: int = 0
+
+    def observe(self, asked: int, accepted: int, model_ms: float, draft_ms: float, w: float) -> None:
+        while len(self.ge) < asked:
+            self.ge.append(_Ewma())
+        for j in range(1, asked + 1):
+            self.ge[j - 1].add(1.0 if accepted >= j else 0.0, w)
+        self.step_ms.setdefault(asked, _Ewma()).add(model_ms, w)
+        self.draft_ms.add(draft_ms, w)
+        self.steps += 1
+
+    def p_ge(self, j: int) -> float:
+        """P(accepted >= j); beyond the longest γ measured, the last measured ratio continues."""
+        known = [e.value for e in self.ge if e.n]
+        if not known:
+            return math.nan
+        if j <= len(known):
+            return known[j - 1]
+        last = known[-1]
+        ratio = last / known[-2] if len(known) >= 2 and known[-2] > 0 else last
+        return last * min(1.0, ratio) ** (j - len(known))
+
+    def tokens_per_step(self, g: int) -> float:
+        return 1.0 + sum(self.p_ge(j) for j in range(1, g + 1))
 
 
 def _estimates(s: "_KeyState", ev: dict[str, Any]) -> dict[str, Any]:
@@ -523,9 +576,12 @@ class GoodputController:
         with self._lock:
             self._state(key).overhead_ms.add(max(0.0, ms), self.config.ewma)
 
-    def observe(self, key: Key, step: StepStats, step_ms: float | None = None) -> None:
+    def observe(self, key: Key, step: StepStats, step_ms: float | None = None, *, proposer: str = "draft",
+                asked: int | None = None) -> None:
         """Fold one verification step of ``key`` into the estimates; ``step_ms``, its wall time
-        when known, also feeds :meth:`observe_overhead`."""
+        when known, also feeds :meth:`observe_overhead`. ``proposer`` served the step, asked for
+        ``asked`` proposals (default: ``step.proposed``); the target's verify cost per γ is shared
+        by all proposers."""
         if step_ms is not None:
             self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms)
         w = self.config.ewma
@@ -533,6 +589,12 @@ class GoodputController:
             s = self._state(key)
             g = step.proposed
             s.verify_ms.setdefault(g, _Ewma()).add(step.verify_ms, w)
+            if proposer != "draft":
+                asked = g if asked is None else asked
+                if asked:
+                    s.lengths.setdefault(proposer, _LengthModel()).observe(
+                        asked, step.accepted, step.draft_ms + step.verify_ms, step.draft_ms, w)
+                return
             if g:
                 s.alpha.add(step.alpha_sum / g, w)
                 s.draft_ms_per_token.add(step.draft_ms / g, w)
@@ -567,11 +629,24 @@ class GoodputController:
             for g in range(1, c.gamma_max + 1):
                 if tv[g] == tv[g]:
                     rate[g] = expected_tokens_per_step(a, g) / (g * td + tv[g])
-        return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o}
+        others: dict[str, dict[int, float]] = {}
+        for name, m in s.lengths.items():
+            if not m.steps:
+                continue
+            r: dict[int, float] = {}
+            for g in range(1, c.gamma_max + 1):
+                cost = m.step_ms[g].value + o if g in m.step_ms and m.step_ms[g].n else m.draft_ms.value + tv[g]
+                if cost == cost and cost > 0:
+                    r[g] = m.tokens_per_step(g) / cost
+            others[name] = r
+        return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o,
+                "others": others}
 
     # ---- the decision ----------------------------------------------------------------------
     def _choose(self, key: Key) -> tuple[int, dict[str, Any]]:
         """γ for the next request of ``key`` and the decision record (called once per request)."""
+        if self.config.proposers != ("draft",):
+            return self._choose_among(key)
         c = self.config
         with self._lock:
             s = self._state(key)
@@ -619,9 +694,100 @@ class GoodputController:
                 **_estimates(s, ev),
                 "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(ev["rate"].items())},
                 "why": why,
+                "proposer": "draft",
             }
             s.last = decision
             return gamma, decision
+
+    def _choose_among(self, key: Key) -> tuple[int, dict[str, Any]]:
+        """_choose over several proposers: candidates are plain decoding and (proposer, γ) for
+        each proposer and γ = 1..γ_max, rated in tokens per ms (the draft by α as in the class
+        docstring, a length-modelled proposer by its measured accepted lengths). Warm-up measures
+        each proposer in the configured order at ``gamma_init``, then plain decoding. Every
+        ``probe_every`` requests one probes, in turn, plain decoding and each proposer other
+        than the best at its best γ (so a draft that training improved is noticed)."""
+        c = self.config
+        with self._lock:
+            s = self._state(key)
+            if self._version is not None:
+                v = self._version()
+                if s.adapter_version is not None and v != s.adapter_version:
+                    s.alpha = _Ewma()  # a new draft: its α is unknown
+                s.adapter_version = v
+            s.requests += 1
+            ev = self._evaluate(s)
+            cands = self._candidates(ev)
+            plain_steps = s.verify_ms[0].n if 0 in s.verify_ms else 0
+            probe, choice, why = False, None, ""
+            for name in c.proposers:  # warm-up, in order
+                if name == "draft":
+                    steps = s.alpha.n and sum(e.n for g, e in s.verify_ms.items() if g > 0)
+                    cold = s.alpha.n == 0 or steps < c.min_steps
+                else:
+                    m = s.lengths.get(name)
+                    cold = m is None or m.steps < c.min_steps
+                if cold:
+                    choice, probe = (name, c.gamma_init), True
+                    why = f"warm-up: measuring {name} at γ={c.gamma_init}"
+                    break
+            if choice is None and plain_steps < c.min_steps:
+                choice, probe, why = ("plain", 0), True, "warm-up: measuring plain decoding"
+            best_of = {name: max(((n, g) for (n, g) in cands if n == name), key=cands.get, default=None)
+                       for name in c.proposers}
+            best = max(cands, key=cands.get) if cands else ("plain", 0)
+            if choice is None:
+                choice, why = best, self._why_among(cands, best, ev)
+                if s.requests % c.probe_every == 0:
+                    others = [("plain", 0)] + [best_of[n] for n in c.proposers if best_of[n] is not None]
+                    others = [o for o in others if o != best and o[0] != best[0]]
+                    if others:
+                        choice = others[(s.requests // c.probe_every) % len(others)]
+                        probe = True
+                        why = f"probe: {choice[0]} γ={choice[1]} (every {c.probe_every} requests); " + why
+            name, gamma = choice
+            decision = {
+                "key": key_str(*key),
+                "workload": key[0],
+                "sampling": key[1],
+                "gamma": gamma,
+                "proposer": name if gamma else None,
+                "speculate": gamma > 0,
+                "probe": probe,
+                "best_gamma": best[1],
+                "best_proposer": best[0] if best[1] else None,
+                **_estimates(s, ev),
+                "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(ev["rate"].items())},
+                "tokens_per_ms_by_proposer": {n: {g: _nan_none(r, 5) for g, r in sorted(rates.items())}
+                                              for n, rates in ev["others"].items()},
+                "why": why,
+            }
+            s.last = decision
+            return gamma, decision
+
+    def _candidates(self, ev: dict[str, Any]) -> dict[tuple[str, int], float]:
+        """(proposer, γ) -> expected tokens per ms; ("plain", 0) for plain decoding."""
+        cands: dict[tuple[str, int], float] = {}
+        if 0 in ev["rate"]:
+            cands[("plain", 0)] = ev["rate"][0]
+        if "draft" in self.config.proposers:
+            cands.update({("draft", g): r for g, r in ev["rate"].items() if g > 0})
+        for name, rates in ev["others"].items():
+            if name in self.config.proposers:
+                cands.update({(name, g): r for g, r in rates.items()})
+        return cands
+
+    @staticmethod
+    def _why_among(cands: dict[tuple[str, int], float], best: tuple[str, int], ev: dict[str, Any]) -> str:
+        plain = cands.get(("plain", 0), math.nan)
+        spec = [k for k in cands if k[1] > 0]
+        if best[1] > 0:
+            runner = max((k for k in spec if k[0] != best[0]), key=cands.get, default=None)
+            also = f"; best {runner[0]} γ={runner[1]} {cands[runner]:.3f}" if runner else ""
+            return f"{best[0]} γ={best[1]}: {cands[best]:.3f} tok/ms vs plain {plain:.3f}{also}"
+        if not spec:
+            return f"off: plain {plain:.3f} tok/ms (no speculative estimate)"
+        top = max(spec, key=cands.get)
+        return f"off: plain {plain:.3f} tok/ms beats every proposer (best {top[0]} γ={top[1]} {cands[top]:.3f})"
 
     def _why(self, ev: dict[str, Any], best: int, best_spec: int | None) -> str:
         rate, a = ev["rate"], ev["alpha"]
@@ -641,6 +807,20 @@ class GoodputController:
                 return {"key": key_str(*key), "gamma": None, "why": "no requests yet"}
             ev = self._evaluate(s)
             rate = ev["rate"]
+            if self.config.proposers != ("draft",):
+                cands = self._candidates(ev)
+                best = max(cands, key=cands.get) if cands else None
+                ready = best is not None and ("plain", 0) in cands and len(cands) > 1
+                return {
+                    "key": key_str(*key), "workload": key[0], "sampling": key[1],
+                    "gamma": best[1] if best else None, "proposer": best[0] if best and best[1] else None,
+                    "speculate": bool(best and best[1]), **_estimates(s, ev),
+                    "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(rate.items())},
+                    "tokens_per_ms_by_proposer": {n: {g: _nan_none(r, 5) for g, r in sorted(rs.items())}
+                                                  for n, rs in ev["others"].items()},
+                    "why": self._why_among(cands, best, ev) if ready else "warm-up",
+                    "last": dict(s.last),
+                }
             best = max(rate, key=rate.get) if rate else None
             best_spec = max((g for g in rate if g > 0), key=rate.get, default=None)
             why = self._why(ev, best, best_spec) if best is not None and 0 in rate else "warm-up"
@@ -681,9 +861,14 @@ class ControlledGamma:
         self._asked, self._modelled = now, None
         return self._gamma
 
+    def proposer_name(self) -> str | None:
+        """The proposer chosen for this request (after the first :meth:`gamma` call)."""
+        return (self.decision or {}).get("proposer") or None
+
     def update(self, step: StepStats) -> None:
         self._modelled = step.draft_ms + step.verify_ms
-        self.controller.observe(self.key, step)
+        self.controller.observe(self.key, step, proposer=self.proposer_name() or "draft",
+                                asked=step.asked if step.asked is not None else self._gamma)
 
     def describe(self) -> str:
         return f"goodput γ={self.gamma()} ({self.decision['why']})" if self.decision else "goodput"

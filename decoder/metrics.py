@@ -20,11 +20,14 @@ class StepStats:
     """One verification step (γ = 0 is a plain decoding step).
 
     proposed: γ, draft tokens proposed.
-    accepted: length of the accepted prefix (0..γ), before stop truncation.
+    accepted: length of the accepted prefix (0..γ) that the output kept: proposals accepted after
+        an EOS or stop-string cut were never used and are not counted.
     emitted: tokens this step added to the output after stop/length truncation (<= accepted + 1).
     rejected_at: index of the first rejected proposal, -1 if none.
     alpha_sum: Σ over the γ proposed positions of Σ_x min(p, q) (processed distributions).
     draft_ms / verify_ms: wall time of the draft's proposal and of the target's forward (ms).
+    asked: γ the step asked the proposer for (capped by the tokens left); ``proposed`` may be
+        fewer (the n-gram proposer proposes nothing without a match). None: equal to proposed.
     """
 
     proposed: int
@@ -34,6 +37,7 @@ class StepStats:
     alpha_sum: float
     draft_ms: float
     verify_ms: float
+    asked: int | None = None
 
 
 @dataclass

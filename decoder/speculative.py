@@ -31,7 +31,8 @@ from transformers import DynamicCache
 from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_linear
 from decoder.serving import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
 from decoder.metrics import AcceptanceCounts, StepStats
-from decoder.sampling import SamplingParams, alpha, process_logits, sample, verify
+from decoder.proposers import PROPOSERS, DraftModelProposer, NgramHistory, NgramProposer, Proposer
+from decoder.sampling import SamplingParams, alpha, process_logits, verify
 
 log = structlog.get_logger("decoder.speculative")
 
@@ -92,6 +93,8 @@ class DecodeRequest:
     prompt_ids: (P,) token ids, P >= 1.
     gamma: fixed γ for this request; None uses the decoder's policy (or its factory).
     stop: strings that end generation; the output is cut right after the token completing one.
+    proposer: ``"draft"`` or ``"ngram"`` (:mod:`decoder.proposers`) for this request; None takes
+        the policy's choice (``GoodputController``), else ``"draft"``.
     """
 
     prompt_ids: Sequence[int]
@@ -102,6 +105,7 @@ class DecodeRequest:
     ignore_eos: bool = False
     workload: str = "default"
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    proposer: str | None = None
 
     def __post_init__(self):
         if len(self.prompt_ids) == 0:
@@ -110,6 +114,8 @@ class DecodeRequest:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
         if self.gamma is not None and self.gamma < 0:
             raise ValueError(f"gamma={self.gamma}: must be >= 0 (0 = plain decoding)")
+        if self.proposer is not None and self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer={self.proposer!r}: use one of {PROPOSERS} (or None: the policy's choice)")
 
 
 @dataclass
@@ -141,6 +147,7 @@ class DecodeResult:
     adapter_version: int
     sampling_bucket: str
     policy: str
+    proposer: str = "draft"
     matches_plain: bool | None = None
     first_diff_index: int | None = None
 
@@ -164,6 +171,7 @@ class DecodeResult:
             "workload": self.workload,
             "sampling": self.sampling_bucket,
             "policy": self.policy,
+            "proposer": self.proposer,
             "adapter_version": self.adapter_version,
             "prompt_tokens": self.prompt_len,
             "output_tokens": len(self.output_ids),
@@ -217,6 +225,8 @@ class DecoderConfig:
         always switches, False never does. The LM head is switched too. The switch is one-way:
         False, or "auto" deciding against it, leaves the models as they are, and a model an
         earlier decoder switched stays switched (``decoder.fastpath.plain_linear`` undoes it).
+    ngram_max_n / ngram_min_n: longest and shortest context suffix the n-gram proposer matches.
+    ngram_history_tokens: tokens of past requests the n-gram proposer indexes per workload.
     draft_precision: the dtype proposals are computed in. A separate, unquantised draft
         proposes through ``decoder.serving.ServingDraft``, built at construction from the draft
         as it is then (its active LoRA adapter merged; an ``AdapterManager`` adds each adapter
@@ -234,6 +244,9 @@ class DecoderConfig:
     draft_vocab: torch.Tensor | None = None
     small_m_linear: bool | str = "auto"
     draft_precision: str = "auto"
+    ngram_max_n: int = 4
+    ngram_min_n: int = 1
+    ngram_history_tokens: int = 65536
 
     def __post_init__(self):
         dv = self.draft_vocab
@@ -248,6 +261,9 @@ class DecoderConfig:
                                  f"torch.tensor(ids) from a list")
         if self.small_m_linear not in (True, False, "auto"):
             raise ValueError(f"DecoderConfig.small_m_linear={self.small_m_linear!r}: use True, False or 'auto'")
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise ValueError(f"DecoderConfig: need 1 <= ngram_min_n <= ngram_max_n (got {self.ngram_min_n}, "
+                             f"{self.ngram_max_n})")
         if self.draft_precision not in PRECISIONS:
             raise ValueError(f"DecoderConfig.draft_precision={self.draft_precision!r}: use one of {PRECISIONS}")
 
@@ -340,6 +356,17 @@ class SpeculativeDecoder:
             ids = dv.to(self.device).long()
             self._draft_vocab_ids = ids
             self._draft_head_w = self.proposer.get_output_embeddings().weight.detach()[ids].clone()  # (V', H)
+        # every finished request's tokens, per workload, for the n-gram proposer (fed whatever served it)
+        self.ngram_history = NgramHistory(self.config.ngram_max_n, self.config.ngram_min_n,
+                                          self.config.ngram_history_tokens)
+
+    def make_proposer(self, name: str, req: DecodeRequest) -> Proposer:
+        """The proposer ``name`` (``"draft"`` or ``"ngram"``) for one request."""
+        if name == "draft":
+            return DraftModelProposer(self._draft_logits, lambda: DynamicCache(config=self.draft.config))
+        if name == "ngram":
+            return NgramProposer(self.ngram_history, req.workload, self.vocab_p, self.device)
+        raise ValueError(f"proposer {name!r}: use one of {PROPOSERS}")
 
     @property
     def proposer(self) -> torch.nn.Module:
@@ -385,13 +412,20 @@ class SpeculativeDecoder:
         return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
 
     # ---- the loop -----------------------------------------------------------------------------
-    def generate(self, req: DecodeRequest, policy: GammaPolicy | None = None) -> DecodeResult:
+    def generate(self, req: DecodeRequest, policy: GammaPolicy | None = None,
+                 on_step: Callable[[list[int]], bool | None] | None = None) -> DecodeResult:
         """Decode one request (thread-safe: concurrent callers are served one at a time).
 
         ``policy`` chooses γ per step; default: ``FixedGamma(req.gamma)`` (γ = 4 when neither is
-        given). γ is capped each step so that max_new_tokens is never exceeded. The hooks in
+        given). γ is capped each step so that max_new_tokens is never exceeded. The proposer is
+        ``req.proposer``, else the policy's ``proposer_name()`` (asked after its first
+        ``gamma()``), else ``"draft"``. The hooks in
         ``between_requests`` run first, under the decoder's lock, with ``req`` (adapter swaps
         happen there, and choose the adapter of ``req.workload``).
+
+        ``on_step(new_ids)`` is called after every verification step with the tokens it added to
+        the output (already cut at EOS, stop strings and length; never empty); returning False
+        cancels the request there (``finish_reason="cancelled"``; streaming, client disconnects).
 
         Raises:
             ValueError: a prompt token id outside the target's vocabulary, or prompt +
@@ -400,7 +434,7 @@ class SpeculativeDecoder:
         with self._lock:
             for hook in self.between_requests:
                 hook(self, req)
-            return self._generate(req, policy)
+            return self._generate(req, policy, on_step)
 
     def run_between_requests(self) -> None:
         """Run the between-request hooks now, with no request (e.g. apply a prepared swap of the
@@ -410,7 +444,7 @@ class SpeculativeDecoder:
                 hook(self, None)
 
     @torch.inference_mode()
-    def _generate(self, req: DecodeRequest, policy: GammaPolicy | None) -> DecodeResult:
+    def _generate(self, req: DecodeRequest, policy: GammaPolicy | None, on_step=None) -> DecodeResult:
         if policy is None:
             policy = FixedGamma(4 if req.gamma is None else req.gamma)
         params = req.params
@@ -435,7 +469,6 @@ class SpeculativeDecoder:
                 f"window of {ctx} tokens: shorten the prompt or lower max_new_tokens"
             )
         tcache = DynamicCache(config=self.target.config)
-        dcache = DynamicCache(config=self.draft.config)
         counts = AcceptanceCounts(num_requests=1)
         steps: list[StepStats] = []
         topk_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -449,10 +482,10 @@ class SpeculativeDecoder:
                 prompt_rows = self._prompt_topk(ids[:-1], tcache, k_rec)
             else:
                 self._target_logits(ids[:-1], tcache, 1)
-        dlen = 0
-        if prompt_len > 1 and policy.gamma() > 0:
-            self._draft_logits(ids[:-1], dcache)
-            dlen = prompt_len - 1
+        speculate = policy.gamma() > 0  # the policy's first call: a controller decides here
+        name = req.proposer or (policy.proposer_name() if hasattr(policy, "proposer_name") else None) or "draft"
+        proposer = self.make_proposer(name, req)
+        proposer.start(ids, speculate)
         counts.prefill_ms = (clock() - t0) * 1e3
 
         out: list[int] = []
@@ -464,23 +497,16 @@ class SpeculativeDecoder:
             L = len(ids)
             # 1. proposal
             td = clock()
-            proposals: list[int] = []
-            qs: list[torch.Tensor] = []
-            if g:
-                feed = ids[dlen:]
-                for _ in range(g):
-                    q_i = process_logits(self._draft_logits(feed, dcache), params)  # (V,)
-                    x = int(q_i.argmax()) if params.greedy else int(sample(q_i, gen))
-                    proposals.append(x)
-                    qs.append(q_i)
-                    feed = [x]
-                dlen = L + g - 1
+            asked = g
+            prop = proposer.propose(ids, g, params, gen) if g else None
+            proposals: list[int] = prop.tokens if prop is not None else []
+            g = len(proposals)  # a proposer may propose fewer (the n-gram one: none without a match)
             draft_ms = (clock() - td) * 1e3
             # 2. verification: pending token + proposals in one target forward
             tv = clock()
             logits = self._target_logits([ids[-1]] + proposals, tcache, g + 1)  # (g+1, V)
             p = process_logits(logits, params)
-            q = torch.stack(qs) if qs else p.new_zeros((0, p.shape[-1]))
+            q = prop.q.to(p.dtype) if g else p.new_zeros((0, p.shape[-1]))
             v = verify(torch.tensor(proposals, dtype=torch.long), q, p, params.greedy, gen)
             verify_ms = (clock() - tv) * 1e3
             a_sum = float(alpha(p[:g], q).sum()) if g else 0.0
@@ -492,19 +518,25 @@ class SpeculativeDecoder:
                 topk_rows.append(_topk_rows(logits[: len(block)], k_rec))
             out.extend(block)
             ids.extend(block)
-            st = StepStats(g, v.num_accepted, len(block), v.rejected_at, a_sum, draft_ms, verify_ms)
+            # a proposal after the cut was never used: the accepted prefix counts up to the cut only
+            st = StepStats(g, min(v.num_accepted, len(block)), len(block), v.rejected_at, a_sum, draft_ms, verify_ms,
+                           asked)
             policy.update(st)
             steps.append(st)
             counts.add_step(st)
             if reason:
                 finish = reason
                 break
+            if on_step is not None and block and on_step(list(block)) is False:
+                finish = "cancelled"
+                break
             # 4. roll the caches back to the surviving tokens (all but the new pending token)
             _crop_to(tcache, len(ids) - 1)
-            if dlen > len(ids) - 1:
-                _crop_to(dcache, len(ids) - 1)
-                dlen = len(ids) - 1
+            proposer.rollback(len(ids) - 1)
+        if finish != "cancelled" and on_step is not None and reason and block:
+            on_step(list(block))  # the last step's tokens (the request has ended either way)
         counts.decode_ms = (clock() - decode_t0) * 1e3
+        self.ngram_history.add(req.workload, ids)
         latency_ms = (clock() - t_start) * 1e3
         if cuda:
             peak = int(torch.cuda.max_memory_allocated(self.device))
@@ -527,6 +559,7 @@ class SpeculativeDecoder:
             adapter_version=self.adapter_version,
             sampling_bucket=params.bucket(),
             policy=policy.describe() if hasattr(policy, "describe") else type(policy).__name__,
+            proposer=name if any(s.proposed for s in steps) or speculate else "none",
         )
         if self.sink is not None and out:
             if prompt_rows is not None:
