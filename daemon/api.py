@@ -27,8 +27,11 @@ import structlog
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
 
+from daemon.errors import DaemonError, TrainerDisabledError
+from daemon.metrics import DraftdCollector
 from store.registry import check_scope
 from store.errors import InvalidTransitionError, StoreUnavailableError, UnknownVersionError
 
@@ -47,11 +50,6 @@ class RollbackBody(ReasonBody):
 
 
 def create_app(daemon: "Daemon") -> FastAPI:
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
-    from daemon.app import DaemonError, TrainerDisabledError
-    from daemon.metrics import DraftdCollector
-
     app = FastAPI(title="draftd control API", version="1", description=__doc__)
     bearer = HTTPBearer(auto_error=False)
     metrics_registry = CollectorRegistry(auto_describe=False)

@@ -19,6 +19,7 @@ import typer
 from rich.table import Table
 from rich.markup import escape
 
+from daemon.client import ApiClient, ApiError, DaemonDown, read_token
 from daemon.logging import console
 
 app = typer.Typer(help="draftd: online-adapted speculative decoding sidecar. Operate the daemon.", no_args_is_help=True)
@@ -44,16 +45,11 @@ def _settings(config: Path | None, **overrides: Any):
 
 
 def _client(config: Path | None):
-    from daemon.app import read_token
-    from daemon.client import ApiClient
-
     s = _settings(config)
     return ApiClient(s.api_url, read_token(s)), s
 
 
 def _call(fn, *args: Any, **kw: Any) -> Any:
-    from daemon.client import ApiError, DaemonDown
-
     try:
         return fn(*args, **kw)
     except DaemonDown as e:
@@ -145,8 +141,11 @@ def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
 
 def _offline_status(s) -> dict:
     """What can be known with the daemon down: Redis (URL or default address) and the store."""
-    from daemon.app import Daemon
+    import time
+
     from daemon.redis_embed import RedisHandle, answers, mask_url
+    from daemon.reports import status_report
+    from daemon.settings import store_config
     from store.client import StoreError, connect
     from store.history import AcceptanceHistory
     from store.registry import AdapterRegistry
@@ -168,14 +167,12 @@ def _offline_status(s) -> dict:
         return {"daemon": down, "redis": {"mode": "url", "url": mask_url(url), "up": False, "error": str(e)},
                 "healthy": False, "problems": [f"daemon not running (no answer at {s.api_url})", str(e)], "warnings": []}
     try:
-        d = Daemon(s)
-        d.redis = RedisHandle(client, "url" if s.redis.url else "default", mask_url(url))
-        d.registry = AdapterRegistry(client, s.adapter_dir, d.store_config)
-        d.history = AcceptanceHistory(client, d.store_config)
-        st = d.status()
+        cfg = store_config(s)
+        st = status_report(down | {"key_prefix": s.store.key_prefix, "state_dir": str(s.state_dir)}, s,
+                           RedisHandle(client, "url" if s.redis.url else "default", mask_url(url)), cfg,
+                           AdapterRegistry(client, s.adapter_dir, cfg), AcceptanceHistory(client, cfg), None, time.time())
     finally:
         client.close()
-    st["daemon"] = down | {"key_prefix": s.store.key_prefix, "state_dir": str(s.state_dir)}
     st["trainer"] = {"enabled": None, "reason": "daemon not running"}
     st["problems"].insert(0, f"daemon not running (no answer at {s.api_url})")
     st["healthy"] = False
@@ -248,8 +245,6 @@ def render_status(st: dict) -> None:
 @app.command()
 def status(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Daemon, Redis, buffer, trainer, active adapter, acceptance per workload. Exit 1 when unhealthy."""
-    from daemon.client import ApiError, DaemonDown
-
     client, s = _client(config)
     try:
         st = client.get("/v1/status")

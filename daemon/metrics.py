@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from daemon.reports import RECENT_WINDOW_S, sum_rows
 from store.buffer import dead_letter_count, group_info, stream_depth
 from store.client import StoreUnavailableError
 
@@ -52,8 +53,6 @@ class DraftdCollector:
         yield from self._trainer_metrics(d)
 
     def _store_metrics(self) -> Iterator[Metric]:
-        from daemon.app import RECENT_WINDOW_S, sum_rows
-
         d = self.daemon
         c, cfg = d.redis.client, d.store_config
         now = d.clock()
