@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-import torch
 import typer
 
 
@@ -70,6 +69,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     """Run the demo; returns the report (also written to ``cfg.out_dir/report.json``)."""
     from contextlib import ExitStack
 
+    import torch
     from rich.live import Live
 
     from daemon.redis_embed import open_redis
