@@ -455,52 +455,33 @@ def bootstrap(
     (teacher-forced corpus windows, or its own generations at gamma = 0), the trainer distils them
     into the draft, v1 is registered and promoted if held-out alpha rose (held out: whole
     documents or prompts, by a hash of the request id)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    s = _settings(config)
     from daemon.logging import configure
 
-    s = _settings(config)
     configure(s.log_format, "warning", stream=sys.stderr)
+    names, prompts_all, corpora = _bootstrap_inputs(workloads, source, prompts)
+    pair = _load_pair(s)
+    try:  # before any scoring: a bad models.draft_vocab fails in seconds
+        from daemon.settings import draft_vocab_ids
+
+        vocab = draft_vocab_ids(s, pair.tokenizer)
+    except ValueError as e:
+        err.print(f"[red]{e}[/]")
+        raise typer.Exit(2) from e
     import dataclasses
 
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from daemon.bootstrap_data import decode_prompts, score_corpora
     from daemon.redis_embed import open_redis
-    from daemon.settings import distill_config, draft_vocab_ids, store_config
-    from decoder.models import ModelLoadError, load_pair
-    from decoder.speculative import DecodeRequest, SpeculativeDecoder
-    from decoder.teacher import corpus_windows, score_windows
-    from decoder.workloads import documents, get_workload
+    from daemon.settings import distill_config, store_config
     from store.buffer import SampleWriter
     from store.registry import AdapterRegistry
     from store.schema import PairFingerprint
     from trainer.bootstrap import BootstrapConfig, NotEnoughSamples
     from trainer.bootstrap import bootstrap as run_bootstrap
-    from trainer.distill import Distiller, TrainerError, autocast_dtype
+    from trainer.distill import Distiller, TrainerError
 
-    if source not in ("corpus", "decode"):
-        err.print(f"[red]--source {source!r}[/]: use 'corpus' or 'decode'")
-        raise typer.Exit(2)
-    names = [w.strip() for w in workloads.split(",") if w.strip()]
-    if not names:
-        err.print(f"[red]--workloads {workloads!r}[/] names no workload; e.g. --workloads prose,code,math")
-        raise typer.Exit(2)
-    try:  # bad workloads fail here, before the model load
-        prompts_all = [p for w in names for p in get_workload(w, prompts)] if source == "decode" else []
-        corpora = {w: documents(w) for w in names} if source == "corpus" else {}
-    except ValueError as e:
-        err.print(f"[red]--workloads {workloads!r}[/]: {e}")
-        raise typer.Exit(2) from e
-    m = s.models
-    try:
-        with err.status(f"loading {m.target} + draft {m.draft} ...") as sp:
-            pair = load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(msg))
-    except (ModelLoadError, ValueError) as e:
-        err.print(f"[red]cannot load the model pair:[/] {e}")
-        raise typer.Exit(1) from e
-    try:  # before any scoring: a bad models.draft_vocab fails in seconds
-        vocab = draft_vocab_ids(s, pair.tokenizer)
-    except ValueError as e:
-        err.print(f"[red]{e}[/]")
-        raise typer.Exit(2) from e
     fp = PairFingerprint(target=pair.target_name, draft=pair.draft_name, tokenizer_hash=pair.tokenizer_hash)
     scfg = store_config(s)
     samples = []
@@ -511,29 +492,20 @@ def bootstrap(
             samples.append(sample)
             writer.submit(sample)
 
-        dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, sink=sink, pair_fingerprint=fp)
         cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*cols, console=err) as prog:
+            def progress(description: str, total: int):
+                task = prog.add_task(description, total=total)
+                return lambda n: prog.advance(task, n)
+
+            def on_empty(w: str) -> None:
+                why = " (GSM8K needs ../shared/data)" if w in ("math", "gsm8k") else ""
+                err.print(f"[yellow]no corpus text for {w!r}{why}; skipped[/]")
+
             if source == "decode":
-                task = prog.add_task("target decoding prompts (gamma = 0)", total=len(prompts_all))
-                for p in prompts_all:
-                    dec.generate(DecodeRequest(p.token_ids(pair.tokenizer), max_new_tokens=max_new_tokens, gamma=0,
-                                               workload=p.workload))
-                    prog.advance(task)
+                decode_prompts(pair, fp, prompts_all, max_new_tokens, sink, progress)
             else:
-                for w, docs in corpora.items():
-                    items = corpus_windows(pair.tokenizer, docs, 128, max_tokens=corpus_tokens)
-                    if not items:
-                        why = " (GSM8K needs ../shared/data)" if w in ("math", "gsm8k") else ""
-                        err.print(f"[yellow]no corpus text for {w!r}{why}; skipped[/]")
-                        continue
-                    task = prog.add_task(f"target scoring the {w} corpus (positions)",
-                                         total=sum(len(x) - 1 for _, x in items))
-                    label = "math" if w == "gsm8k" else w  # the served math prompts' workload tag
-                    ac = autocast_dtype(s.trainer.precision, next(pair.target.parameters()).device)
-                    for sample in score_windows(pair.target, items, label, fp, k=32, request_prefix="bootstrap",
-                                                on_batch=lambda n, t=task: prog.advance(t, n), autocast_dtype=ac):
-                        sink(sample)
+                score_corpora(pair, fp, corpora, corpus_tokens, s.trainer.precision, sink, progress, on_empty)
             writer.flush(30)
             dcfg = dataclasses.replace(distill_config(s), weighting="all")
             distiller = Distiller(pair.draft, dcfg, vocab=vocab)
@@ -554,6 +526,40 @@ def bootstrap(
                 raise typer.Exit(1) from e
     out.print(f"{len(samples)} samples into {scfg.keys.stream}; v{res.version} "
               f"{'promoted' if res.promoted else 'registered, not promoted'}: {res.reason}")
+
+
+def _bootstrap_inputs(workloads: str, source: str, prompts: int) -> tuple[list[str], list, dict]:
+    """Workload names, and their prompts (decode) or documents (corpus); exit 2 on a bad value,
+    before the model load."""
+    from decoder.workloads import documents, get_workload
+
+    if source not in ("corpus", "decode"):
+        err.print(f"[red]--source {source!r}[/]: use 'corpus' or 'decode'")
+        raise typer.Exit(2)
+    names = [w.strip() for w in workloads.split(",") if w.strip()]
+    if not names:
+        err.print(f"[red]--workloads {workloads!r}[/] names no workload; e.g. --workloads prose,code,math")
+        raise typer.Exit(2)
+    try:
+        prompts_all = [p for w in names for p in get_workload(w, prompts)] if source == "decode" else []
+        corpora = {w: documents(w) for w in names} if source == "corpus" else {}
+    except ValueError as e:
+        err.print(f"[red]--workloads {workloads!r}[/]: {e}")
+        raise typer.Exit(2) from e
+    return names, prompts_all, corpora
+
+
+def _load_pair(s) -> Any:
+    """The configured model pair, with a spinner; exit 1 when it cannot be loaded."""
+    from decoder.models import ModelLoadError, load_pair
+
+    m = s.models
+    try:
+        with err.status(f"loading {m.target} + draft {m.draft} ...") as sp:
+            return load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(msg))
+    except (ModelLoadError, ValueError) as e:
+        err.print(f"[red]cannot load the model pair:[/] {e}")
+        raise typer.Exit(1) from e
 
 
 from daemon.cli_decode import register as register_decode  # noqa: E402
