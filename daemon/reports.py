@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from store.buffer import dead_letter_count, group_info, stream_depth
 from store.history import COUNTS, AcceptanceHistory, HistoryRow
+from store.jsonsafe import jsonable, nan_none
 from store.registry import AdapterRecord, AdapterRegistry
 
 if TYPE_CHECKING:
@@ -19,22 +20,6 @@ if TYPE_CHECKING:
     from store.config import StoreConfig
 
 RECENT_WINDOW_S = 300.0  # "recent" for status: speculation on/off and the recent acceptance rate
-
-
-def _num(x: float) -> float | None:
-    """JSON-safe float: NaN -> None."""
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
-
-
-def jsonable(x: Any) -> Any:
-    """``x`` with every NaN float replaced by None, tuples as lists (for JSON)."""
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, dict):
-        return {k: jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    return x
 
 
 def sum_rows(rows: list[HistoryRow], workload: str | None = None, version: int | None = None) -> HistoryRow:
@@ -60,10 +45,10 @@ def row_summary(r: HistoryRow) -> dict[str, Any]:
         "num_accepted_tokens": r.num_accepted_tokens,
         "num_emitted_tokens": r.num_emitted_tokens,
         "num_steps": r.num_steps,
-        "acceptance_rate": _num(r.acceptance_rate),
-        "tau": _num(r.tau),
-        "alpha": _num(r.alpha),
-        "goodput_tokens_per_s": _num(r.tokens_per_s),
+        "acceptance_rate": nan_none(r.acceptance_rate),
+        "tau": nan_none(r.tau),
+        "alpha": nan_none(r.alpha),
+        "goodput_tokens_per_s": nan_none(r.tokens_per_s),
     }
 
 
@@ -75,7 +60,7 @@ def by_workload(rows: list[HistoryRow], version: int | None = None) -> dict[str,
 def adapter_dict(rec: AdapterRecord) -> dict[str, Any]:
     d = asdict(rec)
     for k in ("loss", "alpha_before", "alpha_after"):
-        d[k] = _num(d[k])
+        d[k] = nan_none(d[k])
     return d
 
 

@@ -28,6 +28,7 @@ from decoder.metrics import AcceptanceCounts
 from decoder.sampling import SamplingParams, predicted_speedup
 from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
 from decoder.workloads import Prompt
+from store.jsonsafe import nan_none
 
 SAMPLING = {
     "greedy": SamplingParams(),
@@ -164,8 +165,8 @@ def run_bench(
                 sg = spec[g]
                 c = sg["counts"].draft_ms_per_draft_token / plain_step_ms
                 row = _row(wl, sname, "spec", g, sg["counts"], sg["ms"], plain_tps, c)
-                row["speedup_per_prompt"] = [_r(x, 3) for x in sg["ratios"]]
-                row["speedup_per_prompt_median"] = _r(statistics.median(sg["ratios"]), 3)
+                row["speedup_per_prompt"] = [nan_none(x, 3) for x in sg["ratios"]]
+                row["speedup_per_prompt_median"] = nan_none(statistics.median(sg["ratios"]), 3)
                 row["matches_plain"] = sg["same"] if base.greedy else None
                 add(row)
                 if cfg.hf:
@@ -182,12 +183,12 @@ def _row(wl, sname, method, g, counts: AcceptanceCounts, ms, plain_tps, c):
         "workload": wl, "sampling": sname, "method": method, "gamma": g,
         "tokens": counts.num_emitted_tokens, "ms": round(ms, 1), "tokens_per_s": round(tps, 3),
         "speedup_vs_plain": round(tps / plain_tps, 3),
-        "goodput_tokens_per_ms": _r(counts.goodput),
-        "alpha": _r(a), "tau": _r(counts.mean_accepted_length), "acceptance_rate": _r(counts.acceptance_rate),
-        "acceptance_per_position": [_r(x) for x in counts.acceptance_per_position],
+        "goodput_tokens_per_ms": nan_none(counts.goodput, 4),
+        "alpha": nan_none(a, 4), "tau": nan_none(counts.mean_accepted_length, 4), "acceptance_rate": nan_none(counts.acceptance_rate, 4),
+        "acceptance_per_position": [nan_none(x, 4) for x in counts.acceptance_per_position],
         "draft_ms": round(counts.draft_ms, 1), "verify_ms": round(counts.verify_ms, 1),
-        "c": _r(c),
-        "predicted_speedup": _r(predicted_speedup(a, g, c)) if c is not None and not math.isnan(a) else None,
+        "c": nan_none(c, 4),
+        "predicted_speedup": nan_none(predicted_speedup(a, g, c), 4) if c is not None and not math.isnan(a) else None,
     }
 
 
@@ -195,10 +196,6 @@ def _hf_row(wl, sname, method, g, n_tok, ms, plain_tps):
     tps = n_tok / ms * 1e3
     return {"workload": wl, "sampling": sname, "method": method, "gamma": g, "tokens": n_tok, "ms": round(ms, 1),
             "tokens_per_s": round(tps, 3), "speedup_vs_plain": round(tps / plain_tps, 3)}
-
-
-def _r(x, nd=4):
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from store.jsonsafe import nan_none
+
 
 def _ratio(num: float, den: float) -> float:
     return num / den if den else math.nan
@@ -130,8 +132,8 @@ class AcceptanceCounts:
         d = asdict(self)
         for name in ("acceptance_rate", "mean_accepted_length", "alpha", "goodput",
                      "draft_ms_per_draft_token", "verify_ms_per_step"):
-            d[name] = _nan_none(getattr(self, name))
-        d["acceptance_per_position"] = [_nan_none(x) for x in self.acceptance_per_position]
+            d[name] = nan_none(getattr(self, name))
+        d["acceptance_per_position"] = [nan_none(x) for x in self.acceptance_per_position]
         return d
 
 
@@ -140,5 +142,3 @@ def _grow(lst: list[int], n: int) -> None:
         lst.extend([0] * (n - len(lst)))
 
 
-def _nan_none(x: float) -> float | None:
-    return None if isinstance(x, float) and math.isnan(x) else x
