@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from daemon.reports import RECENT_WINDOW_S, sum_rows
+from daemon.reports import RECENT_WINDOW_S
 from store.buffer import dead_letter_count, group_info, stream_depth
 from store.client import StoreUnavailableError
+from store.history import sum_rows
 
 if TYPE_CHECKING:
     from daemon.app import Daemon

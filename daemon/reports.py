@@ -5,12 +5,11 @@ one runs): plain functions of their inputs, shared by the running daemon (:class
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from store.buffer import dead_letter_count, group_info, stream_depth
-from store.history import COUNTS, AcceptanceHistory, HistoryRow
+from store.history import AcceptanceHistory, HistoryRow, sum_rows
 from store.jsonsafe import jsonable, nan_none
 from store.registry import AdapterRecord, AdapterRegistry
 
@@ -20,15 +19,6 @@ if TYPE_CHECKING:
     from store.config import StoreConfig
 
 RECENT_WINDOW_S = 300.0  # "recent" for status: speculation on/off and the recent acceptance rate
-
-
-def sum_rows(rows: list[HistoryRow], workload: str | None = None, version: int | None = None) -> HistoryRow:
-    """Counts of ``rows`` added up; rates derived from the sums (see store.history.HistoryRow)."""
-    sums = {n: 0 for n in COUNTS}
-    for r in rows:
-        for n in COUNTS:
-            sums[n] += getattr(r, n)
-    return HistoryRow(ts=rows[0].ts if rows else math.nan, workload=workload, version=version, **sums)
 
 
 def row_summary(r: HistoryRow) -> dict[str, Any]:
@@ -166,12 +156,13 @@ def acceptance_sections(history: AcceptanceHistory, adapter: dict, now: float) -
         cur = [r for r in wr if r.version == w_active and (w_since is None or r.ts + history.bucket_s > w_since)]
         prev = [r for r in wr if w_previous is not None and r.version == w_previous]
         recent = [r for r in wr if r.ts >= now - RECENT_WINDOW_S]
+        rs = sum_rows(recent, w)
         acc[w] = {
             "now": row_summary(sum_rows(cur, w, w_active)) | {"version": w_active},
             "previous": None if w_previous is None else row_summary(sum_rows(prev, w, w_previous)) | {"version": w_previous},
-            "recent": row_summary(sum_rows(recent, w)),
+            "recent": row_summary(rs),
         }
-        spec[w] = speculation_state(recent, sum_rows(recent, w))
+        spec[w] = speculation_state(recent, rs)
     return acc, spec
 
 
