@@ -27,18 +27,13 @@ import redis
 import structlog
 
 from decoder.metrics import AcceptanceCounts, StepStats
-from decoder.shift import ShiftAlarm, ShiftDetector
+from decoder.shift import ShiftAlarm, ShiftDetector, key_str  # key_str re-exported: "{workload}@{bucket}"
 from store import AcceptanceHistory, AdapterRegistry, InvalidTransitionError, StoreError, UnknownVersionError
 from store.jsonsafe import nan_none
 
 log = structlog.get_logger("decoder.control")
 
 Key = tuple[str, str]  # (workload, sampling bucket)
-
-
-def key_str(workload: str, bucket: str) -> str:
-    """The key as shown everywhere: ``"{workload}@{bucket}"``."""
-    return f"{workload}@{bucket}"
 
 
 def key_of(req) -> Key:
