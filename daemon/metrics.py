@@ -7,7 +7,7 @@ history, not only this process; a bucket expiring after ``history_retention_s`` 
 (Prometheus treats that like a counter reset).
 
 ``draftd:spec_decode_num_accepted_tokens_per_pos`` is not exported: the history stores no
-per-position counts (a store change; see the daemon's closing note).
+per-position counts (a store schema change).
 """
 
 from __future__ import annotations

@@ -7,22 +7,18 @@ in bf16 against a float32 target: only α can change, never the output distribut
 output stays token-identical to plain decoding).
 
 Two things make a proposal cheaper. First, merging: peft's unmerged LoRA adds two small matmuls
-and a Python layer per targeted module to every draft step. On 2 cores of an AMD EPYC, the
-8-layer SmolLM2 draft with an r = 32 LoRA on every linear layer took 26.7 ms per step unmerged
-against 22.8 ms bare (an ad-hoc timing, not in bench/). Second, bf16: one draft step streams
+and a Python layer per targeted module to every draft step. Second, bf16: one draft step streams
 every weight once (a GEMV per linear layer), and halving the bytes can nearly halve c, the
 draft's cost per proposal relative to a target step. Whether bf16 beats the float32 kernel
 depends on the CPU: ``calibrate_draft_precision`` decides, and ``bench/head_bench.py`` times the
-draft step each way. On that EPYC the padded float32 row (``decoder.fastpath``) won: 7.2 ms
-against 8.3 ms in bf16 for the 4-layer draft.
+draft step each way (bench/RESULTS.md has the measurements).
 
 :class:`ServingDraft` holds a copy of the draft's modules and, per adapter version, the merged
 weights ``W + ΔW`` (peft's own ``get_delta_weight``: (α / r) · B · A) of the linear layers the
 adapter targets. They are built in the adapter manager's background thread. Switching versions
 at a request boundary reassigns those parameters (no copy, no arithmetic): tens of
 microseconds. Memory: in float32 the copy shares the draft's tensors, in bf16 it is a bf16 copy
-of them; each loaded version adds its targeted weights (8 layers of SmolLM2, every linear
-layer: 27M parameters, 108 MB in float32, 54 MB in bf16).
+of them; each loaded version adds its targeted weights (sizes in bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -54,8 +50,7 @@ def calibrate_draft_precision(model: nn.Module, reps: int = 3, margin: float = 0
 
     Returns ``{"fp32_ms", "bf16_ms", "use_bf16"}``: the median pass time of each (ms) and
     whether bf16 is faster by the ``margin`` factor. A one-row pass is memory-bound, so bf16
-    (half the bytes) can win even where the CPU emulates bf16 arithmetic (seen on an AMD EPYC
-    without AVX-512: 6-12 ms against 12-22 ms for the 4-layer draft). False where it does not,
+    (half the bytes) can win even where the CPU emulates bf16 arithmetic. False where it does not,
     where the model has no such weight, and where the float32 pass takes under ``min_ms``: weights
     that stay in cache (a toy model) gain nothing from half the bytes, and the choice would
     follow timing noise.
