@@ -1,7 +1,8 @@
 """Bootstrap: turn an untrained (e.g. layer-derived) draft into adapter v1.
 
-The samples are VerifiedSamples the target generated itself (the daemon decodes built-in prompts
-with the decoder at gamma = 0, so every position is a plain step and carries the target's top-k).
+The samples are VerifiedSamples carrying the target's top-k at every position: by default
+teacher-forced windows of built-in corpora (``source="prefill"``, ``daemonctl bootstrap``), or
+with ``--source decode`` the target's own generations at gamma = 0 (daemon/bootstrap_data.py).
 This module never sees a model besides the Distiller's draft: it takes any iterable of samples,
 holds out a fixed record-id hash bucket (the same split as the service), runs Distiller rounds
 until a step or time budget, and registers the result; it promotes it only if held-out alpha
