@@ -54,8 +54,7 @@ class AcceptanceCounts:
     num_emitted_tokens: int = 0  # tokens added to outputs, bonus/corrections included, after truncation
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: steps accepting position i+1
     num_proposed_per_pos: list[int] = field(default_factory=list)  # [i]: steps proposing position i+1
-    alpha_sum: float = 0.0
-    alpha_count: int = 0  # proposed positions α was measured on (= num_draft_tokens)
+    alpha_sum: float = 0.0  # Σ over proposed positions of Σ_x min(p, q); its count is num_draft_tokens
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     decode_ms: float = 0.0  # wall time of decoding steps (excludes prefill)
@@ -71,7 +70,6 @@ class AcceptanceCounts:
             self.num_draft_tokens += s.proposed
             self.num_accepted_tokens += s.accepted
             self.alpha_sum += s.alpha_sum
-            self.alpha_count += s.proposed
             _grow(self.num_proposed_per_pos, s.proposed)
             _grow(self.num_accepted_tokens_per_pos, s.proposed)
             for i in range(s.proposed):
@@ -81,7 +79,7 @@ class AcceptanceCounts:
 
     def merge(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
         for name in ("num_requests", "num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "num_emitted_tokens", "alpha_sum", "alpha_count", "draft_ms", "verify_ms", "decode_ms",
+                     "num_emitted_tokens", "alpha_sum", "draft_ms", "verify_ms", "decode_ms",
                      "prefill_ms"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
@@ -105,8 +103,8 @@ class AcceptanceCounts:
 
     @property
     def alpha(self) -> float:
-        """α = mean over proposed positions of Σ_x min(p(x), q(x)) = 1 - TV(p, q)."""
-        return _ratio(self.alpha_sum, self.alpha_count)
+        """α = mean over proposed positions (num_draft_tokens) of Σ_x min(p(x), q(x)) = 1 - TV(p, q)."""
+        return _ratio(self.alpha_sum, self.num_draft_tokens)
 
     @property
     def acceptance_per_position(self) -> list[float]:
