@@ -7,20 +7,27 @@ API (address and token from the same settings the daemon reads: ``DRAFTD_*``, ``
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import structlog
 import typer
 from rich.table import Table
 from rich.markup import escape
 
 from daemon.client import ApiClient, ApiError, DaemonDown, read_token
-from daemon.logging import console
+from daemon.logging import configure, console
+from daemon.settings import ConfigError, distill_config, draft_vocab_ids, effective, load_settings, store_config
+
+# Model, Redis, FastAPI and plotting code is imported inside the commands that use it, so that
+# `daemonctl status` loads no torch (tests/daemon/test_cli_imports.py).
 
 app = typer.Typer(help="draftd: online-adapted speculative decoding sidecar. Operate the daemon.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Registered draft adapters: list, show, promote, rollback.", no_args_is_help=True)
@@ -35,8 +42,6 @@ ReasonOpt = Annotated[str, typer.Option("--reason", "-r", help="why; recorded in
 
 
 def _settings(config: Path | None, **overrides: Any):
-    from daemon.settings import ConfigError, load_settings
-
     try:
         return load_settings(config, **overrides)
     except ConfigError as e:
@@ -80,8 +85,6 @@ def run(
     port: Annotated[Optional[int], typer.Option(help="control API port (overrides api.port)")] = None,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
-    from daemon.logging import configure
-
     overrides: dict[str, Any] = {}
     s = _settings(config)
     if no_models:
@@ -91,8 +94,6 @@ def run(
     if overrides:
         s = s.model_copy(update=overrides)
     configure(s.log_format, s.log_level)
-    import structlog
-
     from daemon.app import Daemon
 
     log = structlog.get_logger("daemon.cli")
@@ -114,7 +115,6 @@ def run(
 def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Print the effective configuration (environment + file + defaults), secrets masked."""
     from daemon.redis_embed import mask_url
-    from daemon.settings import effective
 
     s = _settings(config)
     data = effective(s)
@@ -141,11 +141,8 @@ def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
 
 def _offline_status(s) -> dict:
     """What can be known with the daemon down: Redis (URL or default address) and the store."""
-    import time
-
     from daemon.redis_embed import RedisHandle, answers, mask_url
     from daemon.reports import status_report
-    from daemon.settings import store_config
     from store.client import StoreError, connect
     from store.history import AcceptanceHistory
     from store.registry import AdapterRegistry
@@ -318,8 +315,6 @@ def history(
 ) -> None:
     """Adapter history: per version parent, created, samples, held-out alpha before/after,
     live acceptance per workload while active, state and reason."""
-    import time
-
     client, _ = _client(config)
     q = "" if since_h is None else f"?since={time.time() - since_h * 3600}"
     h = _call(client.get, "/v1/history" + q)
@@ -456,25 +451,18 @@ def bootstrap(
     into the draft, v1 is registered and promoted if held-out alpha rose (held out: whole
     documents or prompts, by a hash of the request id)."""
     s = _settings(config)
-    from daemon.logging import configure
-
     configure(s.log_format, "warning", stream=sys.stderr)
     names, prompts_all, corpora = _bootstrap_inputs(workloads, source, prompts)
     pair = _load_pair(s)
     try:  # before any scoring: a bad models.draft_vocab fails in seconds
-        from daemon.settings import draft_vocab_ids
-
         vocab = draft_vocab_ids(s, pair.tokenizer)
     except ValueError as e:
         err.print(f"[red]{e}[/]")
         raise typer.Exit(2) from e
-    import dataclasses
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from daemon.bootstrap_data import decode_prompts, score_corpora
     from daemon.redis_embed import open_redis
-    from daemon.settings import distill_config, store_config
     from store.buffer import SampleWriter
     from store.registry import AdapterRegistry
     from store.schema import PairFingerprint
