@@ -11,7 +11,7 @@ every layer switched to ``decoder.fastpath.SmallMLinear`` (what ``SpeculativeDec
 CPU); at M = 1 also the step with one row padded to a 2-column GEMM (``pad_one_row``). Then,
 per thread count, one draft step (``--draft-layers`` of the target, 128 tokens of context) as
 the decoder can serve it: float32 with ``F.linear``, float32 with the padded row, and the bf16
-serving copy (``decoder.serving.ServingDraft``), with c = draft step / plain target step;
+serving copy (``decoder.draft_weights.ServingDraft``), with c = draft step / plain target step;
 JSON on stdout.
 """
 
@@ -108,7 +108,7 @@ def draft_steps(target, layers: str, ctx: torch.Tensor, reps: int) -> dict:
 
     from decoder.fastpath import small_m_linear
     from decoder.models import derive_draft
-    from decoder.serving import ServingDraft
+    from decoder.draft_weights import ServingDraft
 
     def one(model):
         cache = DynamicCache(config=model.config)

@@ -348,7 +348,8 @@ def corpus_main(args) -> None:
     print(f"wrote {out}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, checked before any model is loaded (argparse exits 2 on a bad value)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", choices=["tiny", "smollm2"], default="tiny")
     ap.add_argument("--target", default="smollm2-135m")
@@ -422,11 +423,20 @@ def main() -> None:
         ap.error("--train-draft-vocab needs --pair smollm2 --data corpus")
     if args.gen_tokens < 0:
         ap.error(f"--gen-tokens {args.gen_tokens}: must be >= 0 (0 = no generated training data)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.pair == "smollm2" and args.data == "corpus":
         return corpus_main(args)
+    samples_main(args)
 
+
+def samples_main(args) -> None:
+    """--pair tiny, or --data decode: every loss x weighting bootstrapped on one sample set."""
     samples, fresh_draft, info = (tiny_setup if args.pair == "tiny" else smollm2_setup)(args)
     print(f"{info}; {len(samples)} samples, {sum(s.num_tokens for s in samples)} tokens", flush=True)
     rows = []

@@ -27,8 +27,11 @@ import structlog
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
 
+from daemon.errors import DaemonError, TrainerDisabledError
+from daemon.metrics import DraftdCollector
 from store.registry import check_scope
 from store.errors import InvalidTransitionError, StoreUnavailableError, UnknownVersionError
 
@@ -46,12 +49,14 @@ class RollbackBody(ReasonBody):
     workload: str = Field("", description="Roll back this workload's own adapter; '' (default) = the shared adapter.")
 
 
+def _answer(status: int):
+    """An exception handler answering ``status`` with the exception's message as the detail."""
+    async def handler(_r: Request, e: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(e)}, status_code=status)
+    return handler
+
+
 def create_app(daemon: "Daemon") -> FastAPI:
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
-    from daemon.app import DaemonError, TrainerDisabledError
-    from daemon.metrics import DraftdCollector
-
     app = FastAPI(title="draftd control API", version="1", description=__doc__)
     bearer = HTTPBearer(auto_error=False)
     metrics_registry = CollectorRegistry(auto_describe=False)
@@ -67,25 +72,10 @@ def create_app(daemon: "Daemon") -> FastAPI:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    @app.exception_handler(UnknownVersionError)
-    async def _unknown(_r: Request, e: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(e)}, status_code=404)
-
-    @app.exception_handler(InvalidTransitionError)
-    async def _invalid(_r: Request, e: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(e)}, status_code=409)
-
-    @app.exception_handler(TrainerDisabledError)
-    async def _disabled(_r: Request, e: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(e)}, status_code=409)
-
-    @app.exception_handler(DaemonError)
-    async def _daemon(_r: Request, e: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(e)}, status_code=503)
-
-    @app.exception_handler(StoreUnavailableError)
-    async def _redis_down(_r: Request, e: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(e)}, status_code=503)
+    # the most specific class wins (Starlette looks handlers up along the exception's MRO)
+    for exc, code in ((UnknownVersionError, 404), (InvalidTransitionError, 409), (TrainerDisabledError, 409),
+                      (DaemonError, 503), (StoreUnavailableError, 503)):
+        app.add_exception_handler(exc, _answer(code))
 
     # FastAPI runs plain `def` endpoints in a worker thread: the Redis calls and a waited-for
     # round never block the event loop.

@@ -11,7 +11,6 @@ single Lua scripts, so the registry is never half-updated.
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import signal
@@ -21,29 +20,20 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict
 from typing import Any
 
 import structlog
 
+from daemon.api import create_app
+from daemon.client import read_token  # noqa: F401 - re-exported: it lived here
+from daemon.errors import DaemonError, TrainerDisabledError
 from daemon.redis_embed import RedisHandle, open_redis
+from daemon.reports import RECENT_WINDOW_S, adapter_dict, by_workload, history_report, jsonable, status_report  # noqa: F401
 from daemon.settings import Settings, distill_config, draft_vocab_ids, service_config, store_config
-from store.buffer import dead_letter_count, group_info, stream_depth
-from store.history import COUNTS, AcceptanceHistory, HistoryRow
-from store.registry import AdapterRecord, AdapterRegistry
+from store.history import AcceptanceHistory
+from store.registry import AdapterRegistry
 
 log = structlog.get_logger(__name__)
-
-RECENT_WINDOW_S = 300.0  # "recent" for status: speculation on/off and the recent acceptance rate
-
-
-class DaemonError(Exception):
-    """Base class of the daemon's errors."""
-
-
-class TrainerDisabledError(DaemonError):
-    """An operation needs the trainer, which is not running (models.enabled = false)."""
-
 
 # -- small helpers -----------------------------------------------------------------------------------
 
@@ -63,58 +53,6 @@ def ensure_token(settings: Settings) -> str:
         f.write(token + "\n")
     log.info("api_token_generated", path=str(path))
     return token
-
-
-def read_token(settings: Settings) -> str | None:
-    """The token a client should send: configured, or read from the daemon's token file (None if neither)."""
-    if settings.api.token is not None:
-        return settings.api.token.get_secret_value()
-    try:
-        return settings.token_file.read_text().strip()
-    except OSError:
-        return None
-
-
-def _num(x: float) -> float | None:
-    """JSON-safe float: NaN -> None."""
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
-
-
-def sum_rows(rows: list[HistoryRow], workload: str | None = None, version: int | None = None) -> HistoryRow:
-    """Counts of ``rows`` added up; rates derived from the sums (see store.history.HistoryRow)."""
-    sums = {n: 0 for n in COUNTS}
-    for r in rows:
-        for n in COUNTS:
-            sums[n] += getattr(r, n)
-    return HistoryRow(ts=rows[0].ts if rows else math.nan, workload=workload, version=version, **sums)
-
-
-def row_summary(r: HistoryRow) -> dict[str, Any]:
-    """Counts and derived rates of a history row, JSON-ready (NaN -> null).
-
-    acceptance_rate = accepted / drafted tokens; tau = emitted tokens / verification steps
-    (mean accepted length with the correction or bonus token); alpha = mean per-request alpha;
-    goodput = emitted tokens per second of decode wall time.
-    """
-    return {
-        "requests": r.requests,
-        "num_drafts": r.num_drafts,
-        "num_draft_tokens": r.num_draft_tokens,
-        "num_accepted_tokens": r.num_accepted_tokens,
-        "num_emitted_tokens": r.num_emitted_tokens,
-        "num_steps": r.num_steps,
-        "acceptance_rate": _num(r.acceptance_rate),
-        "tau": _num(r.tau),
-        "alpha": _num(r.alpha),
-        "goodput_tokens_per_s": _num(r.tokens_per_s),
-    }
-
-
-def adapter_dict(rec: AdapterRecord) -> dict[str, Any]:
-    d = asdict(rec)
-    for k in ("loss", "alpha_before", "alpha_after"):
-        d[k] = _num(d[k])
-    return d
 
 
 def free_port() -> int:
@@ -243,8 +181,6 @@ class Daemon:
             self.trainer = stack.enter_context(trainer_component(s, self.redis, self.registry))
             stack.callback(self._stop_rounds)  # runs before the trainer's own exit
             if s.api.enabled:
-                from daemon.api import create_app
-
                 self.api = stack.enter_context(ApiServer(create_app(self), s.api.host, s.api.port))
             self.started_at = self.clock()
             log.info("daemon_started", pid=os.getpid(), redis=self.redis.mode, state_dir=str(s.state_dir),
@@ -325,7 +261,7 @@ class Daemon:
         if not wait:
             return {"submitted": True, "queued_behind_running_round": busy}
         report = fut.result()
-        return {"submitted": True, "report": _jsonable(report.to_dict())}
+        return {"submitted": True, "report": jsonable(report.to_dict())}
 
     def pause(self) -> dict:
         self._need_trainer().pause()
@@ -343,141 +279,25 @@ class Daemon:
 
     def adapter(self, version: int) -> dict:
         rec = self.registry.get(version)
-        rows = self.history.read(version=version)
-        by_w = {w: row_summary(sum_rows([r for r in rows if r.workload == w], w, version)) for w in sorted({r.workload for r in rows})}
-        return adapter_dict(rec) | {"active": self.registry.active_version(rec.scope) == version, "live": by_w}
+        live = by_workload(self.history.read(version=version), version)
+        return adapter_dict(rec) | {"active": self.registry.active_version(rec.scope) == version, "live": live}
 
-    # -- status and history ----------------------------------------------------------------------------
-
-    def _active_since(self, log_events: list[dict], active: int, scope: str = "") -> tuple[float | None, int | None, str | None]:
-        """When ``active`` became ``scope``'s active version, the version before it and the reason,
-        from the promotion log."""
-        for ev in reversed(log_events):
-            if (ev.get("event") in ("promote", "rollback") and ev.get("scope", "") == scope
-                    and int(ev.get("version", -1)) == active):
-                return float(ev["ts"]), int(ev["previous"]), ev.get("reason")
-        return None, None, None
+    # -- status and history (built in daemon.reports) ----------------------------------------------
 
     def status(self) -> dict:
+        s = self.settings
         now = self.clock()
-        problems: list[str] = []
-        warnings: list[str] = []
-        redis_info = self.redis.describe()
-        out: dict[str, Any] = {
-            "daemon": {
-                "up": True,
-                "pid": os.getpid(),
-                "started_at": self.started_at,
-                "uptime_s": None if self.started_at is None else round(now - self.started_at, 1),
-                "state_dir": str(self.settings.state_dir),
-                "key_prefix": self.settings.store.key_prefix,
-                "api": f"http://{self.settings.api.host}:{self.api.port}" if self.api else None,
-            },
-            "redis": redis_info,
+        daemon = {
+            "up": True,
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "uptime_s": None if self.started_at is None else round(now - self.started_at, 1),
+            "state_dir": str(s.state_dir),
+            "key_prefix": s.store.key_prefix,
+            "api": f"http://{s.api.host}:{self.api.port}" if self.api else None,
         }
-        if not redis_info.get("up"):
-            problems.append(f"Redis unreachable at {redis_info['url']}: {redis_info.get('error')}")
-            out.update(healthy=False, problems=problems, warnings=warnings)
-            return out
-        c, cfg = self.redis.client, self.store_config
-        groups = [asdict(g) | {"last_delivered_id": g.last_delivered_id.decode()} for g in group_info(c, cfg)]
-        trainer_group = next((g for g in groups if g["name"] == self.settings.store.consumer_group), None)
-        dead = dead_letter_count(c, cfg)
-        out["buffer"] = {
-            "stream": cfg.keys.stream,
-            "depth": stream_depth(c, cfg),
-            "dead_letters": dead,
-            "consumer_lag": None if trainer_group is None else trainer_group["lag"],
-            "consumer_pending": None if trainer_group is None else trainer_group["pending"],
-            "groups": groups,
-        }
-        if dead:
-            warnings.append(f"{dead} dead-lettered entries in {cfg.keys.dead_letter} (daemonctl status --json shows the count; inspect with XRANGE)")
-        # trainer
-        if self.trainer is None:
-            out["trainer"] = {"enabled": False, "reason": "models.enabled=false: no model pair loaded, no rounds"}
-        else:
-            st = self.trainer.status()
-            last = st.get("last_round")
-            out["trainer"] = {
-                "enabled": True,
-                "fingerprint": getattr(self.trainer, "fingerprint", None),
-                "paused": st["paused"],
-                "running": st["running"],
-                "rounds": st["rounds"],
-                "next_run_time": None if st["paused"] else st["next_run_time"],
-                "heldout": st["heldout"],
-                "last_round": None if last is None else {
-                    k: last.get(k) for k in ("trigger", "started_at", "seconds", "decision", "reason", "version", "read", "trained_on",
-                                             "acked", "scopes")
-                },
-            }
-            if last and last.get("decision") == "error":
-                problems.append(f"last training round failed: {last.get('reason')}")
-        # adapter
-        actives = self.registry.active_versions()
-        active = actives[""]
-        events = self.registry.promotion_log(1000)
-        since, previous, reason = self._active_since(events, active)
-        own = {}
-        for w, v in actives.items():
-            if w and v:
-                w_since, w_prev, w_reason = self._active_since(events, v, w)
-                own[w] = {"active": v, "since": w_since, "previous": w_prev, "reason": w_reason}
-        out["adapter"] = {"active": active, "since": since, "previous": previous, "reason": reason,
-                          "registered": len(self.registry.list()), "workloads": own}
-        # acceptance per workload: the adapter serving it (its own, else the shared one) vs the
-        # one before it, and the recent window
-        rows = self.history.read()
-        workloads = sorted({r.workload for r in rows})
-        acc, spec = {}, {}
-        for w in workloads:
-            wr = [r for r in rows if r.workload == w]
-            w_active, w_since, w_previous = (own[w]["active"], own[w]["since"], own[w]["previous"]) if w in own \
-                else (active, since, previous)
-            cur = [r for r in wr if r.version == w_active and (w_since is None or r.ts + self.history.bucket_s > w_since)]
-            prev = [r for r in wr if w_previous is not None and r.version == w_previous]
-            recent = [r for r in wr if r.ts >= now - RECENT_WINDOW_S]
-            acc[w] = {
-                "now": row_summary(sum_rows(cur, w, w_active)) | {"version": w_active},
-                "previous": None if w_previous is None else row_summary(sum_rows(prev, w, w_previous)) | {"version": w_previous},
-                "recent": row_summary(sum_rows(recent, w)),
-            }
-            rs = sum_rows(recent, w)
-            if not recent or rs.num_steps == 0:
-                spec[w] = {"on": None, "why": f"no requests recorded in the last {RECENT_WINDOW_S:.0f} s"}
-            elif rs.num_drafts > 0:
-                spec[w] = {"on": True, "why": f"{rs.num_drafts} of {rs.num_steps} verification steps drafted in the last {RECENT_WINDOW_S:.0f} s"}
-            else:
-                spec[w] = {"on": False, "why": f"all {rs.num_steps} steps in the last {RECENT_WINDOW_S:.0f} s were plain (gamma = 0)"}
-        out["acceptance"] = acc
-        out["speculation"] = spec
-        out.update(healthy=not problems, problems=problems, warnings=warnings)
-        return out
+        return status_report(daemon, s, self.redis, self.store_config, self.registry, self.history, self.trainer, now)
 
     def history_report(self, since: float | None = None) -> dict:
-        """Per adapter version: metadata, held-out alpha before/after, live acceptance per workload
-        while it was active; the promotion log; and the bucketed acceptance series for plots."""
-        rows = self.history.read(start=since)
-        actives = self.registry.active_versions()
-        active = actives[""]
-        versions = []
-        for rec in self.registry.list():
-            vr = [r for r in rows if r.version == rec.version]
-            live = {w: row_summary(sum_rows([r for r in vr if r.workload == w], w, rec.version)) for w in sorted({r.workload for r in vr})}
-            versions.append(adapter_dict(rec) | {"active": rec.version == actives.get(rec.scope, 0), "live": live})
-        base = [r for r in rows if r.version == 0]
-        base_live = {w: row_summary(sum_rows([r for r in base if r.workload == w], w, 0)) for w in sorted({r.workload for r in base})}
-        series = [{"ts": r.ts, "workload": r.workload, "version": r.version} | row_summary(r) for r in rows]
-        return {"active": active, "actives": actives, "base_live": base_live, "adapters": versions,
-                "events": self.registry.promotion_log(1000), "series": series, "bucket_s": self.history.bucket_s}
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
+        """See :func:`daemon.reports.history_report`."""
+        return history_report(self.registry, self.history, since)

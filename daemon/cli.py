@@ -7,19 +7,27 @@ API (address and token from the same settings the daemon reads: ``DRAFTD_*``, ``
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import structlog
 import typer
 from rich.table import Table
 from rich.markup import escape
 
-from daemon.logging import console
+from daemon.client import ApiClient, ApiError, DaemonDown, read_token
+from daemon.logging import configure, console
+from daemon.settings import ConfigError, distill_config, draft_vocab_ids, effective, load_settings, store_config
+
+# Model, Redis, FastAPI and plotting code is imported inside the commands that use it, so that
+# `daemonctl status` loads no torch (tests/daemon/test_cli_imports.py).
 
 app = typer.Typer(help="draftd: online-adapted speculative decoding sidecar. Operate the daemon.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Registered draft adapters: list, show, promote, rollback.", no_args_is_help=True)
@@ -34,8 +42,6 @@ ReasonOpt = Annotated[str, typer.Option("--reason", "-r", help="why; recorded in
 
 
 def _settings(config: Path | None, **overrides: Any):
-    from daemon.settings import ConfigError, load_settings
-
     try:
         return load_settings(config, **overrides)
     except ConfigError as e:
@@ -44,16 +50,11 @@ def _settings(config: Path | None, **overrides: Any):
 
 
 def _client(config: Path | None):
-    from daemon.app import read_token
-    from daemon.client import ApiClient
-
     s = _settings(config)
     return ApiClient(s.api_url, read_token(s)), s
 
 
 def _call(fn, *args: Any, **kw: Any) -> Any:
-    from daemon.client import ApiError, DaemonDown
-
     try:
         return fn(*args, **kw)
     except DaemonDown as e:
@@ -84,8 +85,6 @@ def run(
     port: Annotated[Optional[int], typer.Option(help="control API port (overrides api.port)")] = None,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
-    from daemon.logging import configure
-
     overrides: dict[str, Any] = {}
     s = _settings(config)
     if no_models:
@@ -95,8 +94,6 @@ def run(
     if overrides:
         s = s.model_copy(update=overrides)
     configure(s.log_format, s.log_level)
-    import structlog
-
     from daemon.app import Daemon
 
     log = structlog.get_logger("daemon.cli")
@@ -118,7 +115,6 @@ def run(
 def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Print the effective configuration (environment + file + defaults), secrets masked."""
     from daemon.redis_embed import mask_url
-    from daemon.settings import effective
 
     s = _settings(config)
     data = effective(s)
@@ -145,8 +141,8 @@ def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
 
 def _offline_status(s) -> dict:
     """What can be known with the daemon down: Redis (URL or default address) and the store."""
-    from daemon.app import Daemon
     from daemon.redis_embed import RedisHandle, answers, mask_url
+    from daemon.reports import status_report
     from store.client import StoreError, connect
     from store.history import AcceptanceHistory
     from store.registry import AdapterRegistry
@@ -168,14 +164,12 @@ def _offline_status(s) -> dict:
         return {"daemon": down, "redis": {"mode": "url", "url": mask_url(url), "up": False, "error": str(e)},
                 "healthy": False, "problems": [f"daemon not running (no answer at {s.api_url})", str(e)], "warnings": []}
     try:
-        d = Daemon(s)
-        d.redis = RedisHandle(client, "url" if s.redis.url else "default", mask_url(url))
-        d.registry = AdapterRegistry(client, s.adapter_dir, d.store_config)
-        d.history = AcceptanceHistory(client, d.store_config)
-        st = d.status()
+        cfg = store_config(s)
+        st = status_report(down | {"key_prefix": s.store.key_prefix, "state_dir": str(s.state_dir)}, s,
+                           RedisHandle(client, "url" if s.redis.url else "default", mask_url(url)), cfg,
+                           AdapterRegistry(client, s.adapter_dir, cfg), AcceptanceHistory(client, cfg), None, time.time())
     finally:
         client.close()
-    st["daemon"] = down | {"key_prefix": s.store.key_prefix, "state_dir": str(s.state_dir)}
     st["trainer"] = {"enabled": None, "reason": "daemon not running"}
     st["problems"].insert(0, f"daemon not running (no answer at {s.api_url})")
     st["healthy"] = False
@@ -248,8 +242,6 @@ def render_status(st: dict) -> None:
 @app.command()
 def status(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Daemon, Redis, buffer, trainer, active adapter, acceptance per workload. Exit 1 when unhealthy."""
-    from daemon.client import ApiError, DaemonDown
-
     client, s = _client(config)
     try:
         st = client.get("/v1/status")
@@ -323,8 +315,6 @@ def history(
 ) -> None:
     """Adapter history: per version parent, created, samples, held-out alpha before/after,
     live acceptance per workload while active, state and reason."""
-    import time
-
     client, _ = _client(config)
     q = "" if since_h is None else f"?since={time.time() - since_h * 3600}"
     h = _call(client.get, "/v1/history" + q)
@@ -460,52 +450,26 @@ def bootstrap(
     (teacher-forced corpus windows, or its own generations at gamma = 0), the trainer distils them
     into the draft, v1 is registered and promoted if held-out alpha rose (held out: whole
     documents or prompts, by a hash of the request id)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from daemon.logging import configure
-
     s = _settings(config)
     configure(s.log_format, "warning", stream=sys.stderr)
-    import dataclasses
-
-    from daemon.redis_embed import open_redis
-    from daemon.settings import distill_config, draft_vocab_ids, store_config
-    from decoder.models import ModelLoadError, load_pair
-    from decoder.speculative import DecodeRequest, SpeculativeDecoder
-    from decoder.teacher import corpus_windows, score_windows
-    from decoder.workloads import documents, get_workload
-    from store.buffer import SampleWriter
-    from store.registry import AdapterRegistry
-    from store.schema import PairFingerprint
-    from trainer.bootstrap import BootstrapConfig, NotEnoughSamples
-    from trainer.bootstrap import bootstrap as run_bootstrap
-    from trainer.distill import Distiller, TrainerError, autocast_dtype
-
-    if source not in ("corpus", "decode"):
-        err.print(f"[red]--source {source!r}[/]: use 'corpus' or 'decode'")
-        raise typer.Exit(2)
-    names = [w.strip() for w in workloads.split(",") if w.strip()]
-    if not names:
-        err.print(f"[red]--workloads {workloads!r}[/] names no workload; e.g. --workloads prose,code,math")
-        raise typer.Exit(2)
-    try:  # bad workloads fail here, before the model load
-        prompts_all = [p for w in names for p in get_workload(w, prompts)] if source == "decode" else []
-        corpora = {w: documents(w) for w in names} if source == "corpus" else {}
-    except ValueError as e:
-        err.print(f"[red]--workloads {workloads!r}[/]: {e}")
-        raise typer.Exit(2) from e
-    m = s.models
-    try:
-        with err.status(f"loading {m.target} + draft {m.draft} ...") as sp:
-            pair = load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(msg))
-    except (ModelLoadError, ValueError) as e:
-        err.print(f"[red]cannot load the model pair:[/] {e}")
-        raise typer.Exit(1) from e
+    names, prompts_all, corpora = _bootstrap_inputs(workloads, source, prompts)
+    pair = _load_pair(s)
     try:  # before any scoring: a bad models.draft_vocab fails in seconds
         vocab = draft_vocab_ids(s, pair.tokenizer)
     except ValueError as e:
         err.print(f"[red]{e}[/]")
         raise typer.Exit(2) from e
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from daemon.bootstrap_data import decode_prompts, score_corpora
+    from daemon.redis_embed import open_redis
+    from store.buffer import SampleWriter
+    from store.registry import AdapterRegistry
+    from store.schema import PairFingerprint
+    from trainer.bootstrap import BootstrapConfig, NotEnoughSamples
+    from trainer.bootstrap import bootstrap as run_bootstrap
+    from trainer.distill import Distiller, TrainerError
+
     fp = PairFingerprint(target=pair.target_name, draft=pair.draft_name, tokenizer_hash=pair.tokenizer_hash)
     scfg = store_config(s)
     samples = []
@@ -516,29 +480,20 @@ def bootstrap(
             samples.append(sample)
             writer.submit(sample)
 
-        dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, sink=sink, pair_fingerprint=fp)
         cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*cols, console=err) as prog:
+            def progress(description: str, total: int):
+                task = prog.add_task(description, total=total)
+                return lambda n: prog.advance(task, n)
+
+            def on_empty(w: str) -> None:
+                why = " (GSM8K needs ../shared/data)" if w in ("math", "gsm8k") else ""
+                err.print(f"[yellow]no corpus text for {w!r}{why}; skipped[/]")
+
             if source == "decode":
-                task = prog.add_task("target decoding prompts (gamma = 0)", total=len(prompts_all))
-                for p in prompts_all:
-                    dec.generate(DecodeRequest(p.token_ids(pair.tokenizer), max_new_tokens=max_new_tokens, gamma=0,
-                                               workload=p.workload))
-                    prog.advance(task)
+                decode_prompts(pair, fp, prompts_all, max_new_tokens, sink, progress)
             else:
-                for w, docs in corpora.items():
-                    items = corpus_windows(pair.tokenizer, docs, 128, max_tokens=corpus_tokens)
-                    if not items:
-                        why = " (GSM8K needs ../shared/data)" if w in ("math", "gsm8k") else ""
-                        err.print(f"[yellow]no corpus text for {w!r}{why}; skipped[/]")
-                        continue
-                    task = prog.add_task(f"target scoring the {w} corpus (positions)",
-                                         total=sum(len(x) - 1 for _, x in items))
-                    label = "math" if w == "gsm8k" else w  # the served math prompts' workload tag
-                    ac = autocast_dtype(s.trainer.precision, next(pair.target.parameters()).device)
-                    for sample in score_windows(pair.target, items, label, fp, k=32, request_prefix="bootstrap",
-                                                on_batch=lambda n, t=task: prog.advance(t, n), autocast_dtype=ac):
-                        sink(sample)
+                score_corpora(pair, fp, corpora, corpus_tokens, s.trainer.precision, sink, progress, on_empty)
             writer.flush(30)
             dcfg = dataclasses.replace(distill_config(s), weighting="all")
             distiller = Distiller(pair.draft, dcfg, vocab=vocab)
@@ -559,6 +514,40 @@ def bootstrap(
                 raise typer.Exit(1) from e
     out.print(f"{len(samples)} samples into {scfg.keys.stream}; v{res.version} "
               f"{'promoted' if res.promoted else 'registered, not promoted'}: {res.reason}")
+
+
+def _bootstrap_inputs(workloads: str, source: str, prompts: int) -> tuple[list[str], list, dict]:
+    """Workload names, and their prompts (decode) or documents (corpus); exit 2 on a bad value,
+    before the model load."""
+    from decoder.workloads import documents, get_workload
+
+    if source not in ("corpus", "decode"):
+        err.print(f"[red]--source {source!r}[/]: use 'corpus' or 'decode'")
+        raise typer.Exit(2)
+    names = [w.strip() for w in workloads.split(",") if w.strip()]
+    if not names:
+        err.print(f"[red]--workloads {workloads!r}[/] names no workload; e.g. --workloads prose,code,math")
+        raise typer.Exit(2)
+    try:
+        prompts_all = [p for w in names for p in get_workload(w, prompts)] if source == "decode" else []
+        corpora = {w: documents(w) for w in names} if source == "corpus" else {}
+    except ValueError as e:
+        err.print(f"[red]--workloads {workloads!r}[/]: {e}")
+        raise typer.Exit(2) from e
+    return names, prompts_all, corpora
+
+
+def _load_pair(s) -> Any:
+    """The configured model pair, with a spinner; exit 1 when it cannot be loaded."""
+    from decoder.models import ModelLoadError, load_pair
+
+    m = s.models
+    try:
+        with err.status(f"loading {m.target} + draft {m.draft} ...") as sp:
+            return load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(msg))
+    except (ModelLoadError, ValueError) as e:
+        err.print(f"[red]cannot load the model pair:[/] {e}")
+        raise typer.Exit(1) from e
 
 
 from daemon.cli_decode import register as register_decode  # noqa: E402

@@ -40,7 +40,7 @@ def _decoder(pair, dv, draft_precision: str = "auto"):
 
 
 def _check_precision(value: str) -> str:
-    from decoder.serving import PRECISIONS
+    from decoder.draft_weights import PRECISIONS
 
     if value not in PRECISIONS:
         raise ValueError(f"--draft-precision {value!r}: use one of {', '.join(PRECISIONS)}")

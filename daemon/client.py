@@ -5,7 +5,20 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from daemon.settings import Settings
+
+
+def read_token(settings: "Settings") -> str | None:
+    """The token a client should send: configured, or read from the daemon's token file (None if neither)."""
+    if settings.api.token is not None:
+        return settings.api.token.get_secret_value()
+    try:
+        return settings.token_file.read_text().strip()
+    except OSError:
+        return None
 
 
 class ApiError(Exception):

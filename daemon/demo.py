@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-import torch
 import typer
+
+from store.jsonsafe import jsonable as _jsonable, nan_none
 
 
 @dataclass
@@ -70,6 +71,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     """Run the demo; returns the report (also written to ``cfg.out_dir/report.json``)."""
     from contextlib import ExitStack
 
+    import torch
     from rich.live import Live
 
     from daemon.redis_embed import open_redis
@@ -305,21 +307,7 @@ def _adapter_row(r) -> dict:
 
 
 def _nn(x):
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, 4)
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    if hasattr(x, "__dict__"):
-        return _jsonable(x.__dict__)
-    return str(x)
+    return nan_none(x, 4)
 
 
 def _progress_table(timeline, phase, svc, manager, controller, key):

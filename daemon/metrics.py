@@ -7,7 +7,7 @@ history, not only this process; a bucket expiring after ``history_retention_s`` 
 (Prometheus treats that like a counter reset).
 
 ``draftd:spec_decode_num_accepted_tokens_per_pos`` is not exported: the history stores no
-per-position counts (a store change; see the daemon's closing note).
+per-position counts (a store schema change).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from daemon.reports import RECENT_WINDOW_S
 from store.buffer import dead_letter_count, group_info, stream_depth
 from store.client import StoreUnavailableError
+from store.history import sum_rows
 
 if TYPE_CHECKING:
     from daemon.app import Daemon
@@ -52,8 +54,6 @@ class DraftdCollector:
         yield from self._trainer_metrics(d)
 
     def _store_metrics(self) -> Iterator[Metric]:
-        from daemon.app import RECENT_WINDOW_S, sum_rows
-
         d = self.daemon
         c, cfg = d.redis.client, d.store_config
         now = d.clock()

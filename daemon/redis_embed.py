@@ -126,19 +126,15 @@ def open_redis(cfg: RedisSettings, data_dir: Path) -> Iterator[RedisHandle]:
             ``embedded == "never"``.
         EmbeddedRedisError: the embedded server failed to start.
     """
-    if cfg.url and cfg.embedded != "always":
-        client = connect(cfg.url)
-        log.info("redis_selected", mode="url", url=mask_url(cfg.url))
+    mode = "url" if cfg.url and cfg.embedded != "always" else None
+    if mode is None and cfg.embedded != "always" and answers(cfg.default_url):
+        mode = "default"
+    if mode is not None:
+        url = cfg.url if mode == "url" else cfg.default_url
+        client = connect(url)
+        log.info("redis_selected", mode=mode, url=mask_url(url))
         try:
-            yield RedisHandle(client, "url", mask_url(cfg.url))
-        finally:
-            client.close()
-        return
-    if cfg.embedded != "always" and answers(cfg.default_url):
-        client = connect(cfg.default_url)
-        log.info("redis_selected", mode="default", url=mask_url(cfg.default_url))
-        try:
-            yield RedisHandle(client, "default", mask_url(cfg.default_url))
+            yield RedisHandle(client, mode, mask_url(url))
         finally:
             client.close()
         return

@@ -26,7 +26,7 @@ the request's workload (its scope's, else the shared one: :meth:`AdapterRegistry
    rollback is a pure switch).
 
 A separate, unquantised draft proposes through a serving copy
-(:class:`decoder.serving.ServingDraft`, in the dtype ``DecoderConfig.draft_precision`` chose), so
+(:class:`decoder.draft_weights.ServingDraft`, in the dtype ``DecoderConfig.draft_precision`` chose), so
 the LoRA forward above is what the manager keeps in step, not what proposals run: *prepare* also
 merges the version's LoRA into the copy's weights (peft's ``get_delta_weight``), *switch*
 reassigns them (before peft's ``set_adapter``, so a version the copy lacks fails the switch with

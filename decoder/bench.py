@@ -28,6 +28,7 @@ from decoder.metrics import AcceptanceCounts
 from decoder.sampling import SamplingParams, predicted_speedup
 from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
 from decoder.workloads import Prompt
+from store.jsonsafe import nan_none
 
 SAMPLING = {
     "greedy": SamplingParams(),
@@ -89,23 +90,8 @@ def run_bench(
         ValueError: ``prompts`` is empty, a prompt tokenises to nothing, or ``cfg.sampling``
             names a policy not in ``SAMPLING``.
     """
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("run_bench got no prompts: pass at least one Prompt (a workload name from "
-                         "decoder.workloads, or prompts of your own)")
-    unknown = [s for s in cfg.sampling if s not in SAMPLING]
-    if unknown:
-        raise ValueError(f"BenchConfig.sampling: unknown {unknown}; choose from {sorted(SAMPLING)}")
+    enc_by_wl = _encode(decoder.tokenizer, prompts, cfg)
     gammas = list(dict.fromkeys(cfg.gammas))  # each γ once, in the order given
-    tok = decoder.tokenizer
-    # tokenise every prompt, grouped by workload, before the first row is measured, so an empty
-    # one fails here, not mid-sweep
-    enc_by_wl: dict[str, list[list[int]]] = {}
-    for p in prompts:
-        enc_by_wl.setdefault(p.workload, []).append(p.token_ids(tok))
-    empty = [(wl, i) for wl, enc in enc_by_wl.items() for i, ids in enumerate(enc) if not ids]
-    if empty:
-        raise ValueError(f"prompts {empty} (workload, index) tokenise to nothing; give each some text")
     rows: list[dict] = []
 
     def add(row: dict) -> None:
@@ -119,60 +105,95 @@ def run_bench(
     decoder.generate(DecodeRequest(warm, max_new_tokens=min(4, cfg.max_new_tokens), gamma=2, ignore_eos=True))
     for wl, enc in enc_by_wl.items():
         for sname in cfg.sampling:
-            base = SAMPLING[sname]
-            # Per prompt, every method back to back (plain, hf_plain, then each γ's spec and
-            # hf_assisted), so a machine that speeds up or slows down during the sweep shifts all
-            # methods alike instead of favouring whichever ran in the quiet minutes.
-            plain_counts, plain_ms = AcceptanceCounts(), 0.0
-            spec = {g: {"counts": AcceptanceCounts(), "ms": 0.0, "same": True, "ratios": []} for g in gammas}
-            hf_plain, hf = [0, 0.0], {g: [0, 0.0] for g in gammas}
-            for i, ids in enumerate(enc):
-                params = SamplingParams(base.temperature, base.top_p, base.top_k, seed=cfg.seed + i)
-                say(f"{wl} {sname} plain prompt {i + 1}/{len(enc)}")
-                r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=0, ignore_eos=True,
-                                                   workload=wl), FixedGamma(0))
-                plain_out = r.output_ids
-                plain_counts.merge(r.counts)
-                plain_ms += r.latency_ms
-                plain_tps_i = len(r.output_ids) / r.latency_ms  # this prompt's plain tokens/ms
-                if cfg.hf:
-                    say(f"{wl} {sname} hf_plain prompt {i + 1}/{len(enc)}")
-                    out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
-                    hf_plain[0] += len(out)
-                    hf_plain[1] += t
-                for g in gammas:
-                    say(f"{wl} {sname} spec γ={g} prompt {i + 1}/{len(enc)}")
-                    r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
-                                                       workload=wl), FixedGamma(g))
-                    sg = spec[g]
-                    sg["counts"].merge(r.counts)
-                    sg["ms"] += r.latency_ms
-                    sg["same"] &= r.output_ids == plain_out
-                    sg["ratios"].append(len(r.output_ids) / r.latency_ms / plain_tps_i)
-                    if cfg.hf:
-                        say(f"{wl} {sname} hf_assisted γ={g} prompt {i + 1}/{len(enc)}")
-                        out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, g,
-                                              cfg.seed + i)
-                        hf[g][0] += len(out)
-                        hf[g][1] += t
-            plain_tps = plain_counts.num_emitted_tokens / plain_ms * 1e3
-            plain_step_ms = plain_counts.decode_ms / max(plain_counts.num_steps, 1)
-            add(_row(wl, sname, "plain", 0, plain_counts, plain_ms, plain_tps, None))
-            if cfg.hf:
-                add(_hf_row(wl, sname, "hf_plain", 0, *hf_plain, plain_tps))
-            for g in gammas:
-                sg = spec[g]
-                c = sg["counts"].draft_ms_per_draft_token / plain_step_ms
-                row = _row(wl, sname, "spec", g, sg["counts"], sg["ms"], plain_tps, c)
-                row["speedup_per_prompt"] = [_r(x, 3) for x in sg["ratios"]]
-                row["speedup_per_prompt_median"] = _r(statistics.median(sg["ratios"]), 3)
-                row["matches_plain"] = sg["same"] if base.greedy else None
+            m = _measure(decoder, wl, sname, enc, gammas, cfg, say)
+            for row in _rows(wl, sname, m, gammas, cfg):
                 add(row)
-                if cfg.hf:
-                    add(_hf_row(wl, sname, "hf_assisted", g, *hf[g], plain_tps))
     kernels = {"small_m_calibration": decoder.small_m_calibration, "draft_precision": decoder.draft_precision,
                "draft_precision_calibration": decoder.draft_precision_calibration}
     return {"rows": rows, "summary": summarize(rows), "machine": machine_info(), "kernels": kernels}
+
+
+def _encode(tok, prompts: Iterable[Prompt], cfg: BenchConfig) -> dict[str, list[list[int]]]:
+    """Every prompt's token ids, grouped by workload, checked before the first row is measured
+    (so an empty one fails here, not mid-sweep)."""
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("run_bench got no prompts: pass at least one Prompt (a workload name from "
+                         "decoder.workloads, or prompts of your own)")
+    unknown = [s for s in cfg.sampling if s not in SAMPLING]
+    if unknown:
+        raise ValueError(f"BenchConfig.sampling: unknown {unknown}; choose from {sorted(SAMPLING)}")
+    enc_by_wl: dict[str, list[list[int]]] = {}
+    for p in prompts:
+        enc_by_wl.setdefault(p.workload, []).append(p.token_ids(tok))
+    empty = [(wl, i) for wl, enc in enc_by_wl.items() for i, ids in enumerate(enc) if not ids]
+    if empty:
+        raise ValueError(f"prompts {empty} (workload, index) tokenise to nothing; give each some text")
+    return enc_by_wl
+
+
+def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[int]], gammas: list[int],
+             cfg: BenchConfig, say: Callable[[str], None]) -> dict:
+    """One (workload, sampling) cell: per prompt, every method back to back (plain, hf_plain, then
+    each γ's spec and hf_assisted), so a machine that speeds up or slows down during the sweep
+    shifts all methods alike instead of favouring whichever ran in the quiet minutes. Returns the
+    pooled counts and times per method."""
+    base = SAMPLING[sname]
+    plain_counts, plain_ms = AcceptanceCounts(), 0.0
+    spec = {g: {"counts": AcceptanceCounts(), "ms": 0.0, "same": True, "ratios": []} for g in gammas}
+    hf_plain, hf = [0, 0.0], {g: [0, 0.0] for g in gammas}
+    for i, ids in enumerate(enc):
+        params = SamplingParams(base.temperature, base.top_p, base.top_k, seed=cfg.seed + i)
+        say(f"{wl} {sname} plain prompt {i + 1}/{len(enc)}")
+        r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=0, ignore_eos=True,
+                                           workload=wl), FixedGamma(0))
+        plain_out = r.output_ids
+        plain_counts.merge(r.counts)
+        plain_ms += r.latency_ms
+        plain_tps_i = len(r.output_ids) / r.latency_ms  # this prompt's plain tokens/ms
+        if cfg.hf:
+            say(f"{wl} {sname} hf_plain prompt {i + 1}/{len(enc)}")
+            out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
+            hf_plain[0] += len(out)
+            hf_plain[1] += t
+        for g in gammas:
+            say(f"{wl} {sname} spec γ={g} prompt {i + 1}/{len(enc)}")
+            r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
+                                               workload=wl), FixedGamma(g))
+            sg = spec[g]
+            sg["counts"].merge(r.counts)
+            sg["ms"] += r.latency_ms
+            sg["same"] &= r.output_ids == plain_out
+            sg["ratios"].append(len(r.output_ids) / r.latency_ms / plain_tps_i)
+            if cfg.hf:
+                say(f"{wl} {sname} hf_assisted γ={g} prompt {i + 1}/{len(enc)}")
+                out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, g,
+                                      cfg.seed + i)
+                hf[g][0] += len(out)
+                hf[g][1] += t
+    return {"greedy": base.greedy, "plain_counts": plain_counts, "plain_ms": plain_ms, "spec": spec,
+            "hf_plain": hf_plain, "hf": hf}
+
+
+def _rows(wl: str, sname: str, m: dict, gammas: list[int], cfg: BenchConfig) -> list[dict]:
+    """The cell's rows: plain, hf_plain, then per γ spec and hf_assisted, rates against our plain."""
+    plain_counts = m["plain_counts"]
+    plain_tps = plain_counts.num_emitted_tokens / m["plain_ms"] * 1e3
+    plain_step_ms = plain_counts.decode_ms / max(plain_counts.num_steps, 1)
+    rows = [_row(wl, sname, "plain", 0, plain_counts, m["plain_ms"], plain_tps, None)]
+    if cfg.hf:
+        rows.append(_hf_row(wl, sname, "hf_plain", 0, *m["hf_plain"], plain_tps))
+    for g in gammas:
+        sg = m["spec"][g]
+        c = sg["counts"].draft_ms_per_draft_token / plain_step_ms
+        row = _row(wl, sname, "spec", g, sg["counts"], sg["ms"], plain_tps, c)
+        row["speedup_per_prompt"] = [nan_none(x, 3) for x in sg["ratios"]]
+        row["speedup_per_prompt_median"] = nan_none(statistics.median(sg["ratios"]), 3)
+        row["matches_plain"] = sg["same"] if m["greedy"] else None
+        rows.append(row)
+        if cfg.hf:
+            rows.append(_hf_row(wl, sname, "hf_assisted", g, *m["hf"][g], plain_tps))
+    return rows
 
 
 def _row(wl, sname, method, g, counts: AcceptanceCounts, ms, plain_tps, c):
@@ -182,12 +203,12 @@ def _row(wl, sname, method, g, counts: AcceptanceCounts, ms, plain_tps, c):
         "workload": wl, "sampling": sname, "method": method, "gamma": g,
         "tokens": counts.num_emitted_tokens, "ms": round(ms, 1), "tokens_per_s": round(tps, 3),
         "speedup_vs_plain": round(tps / plain_tps, 3),
-        "goodput_tokens_per_ms": _r(counts.goodput),
-        "alpha": _r(a), "tau": _r(counts.mean_accepted_length), "acceptance_rate": _r(counts.acceptance_rate),
-        "acceptance_per_position": [_r(x) for x in counts.acceptance_per_position],
+        "goodput_tokens_per_ms": nan_none(counts.goodput, 4),
+        "alpha": nan_none(a, 4), "tau": nan_none(counts.mean_accepted_length, 4), "acceptance_rate": nan_none(counts.acceptance_rate, 4),
+        "acceptance_per_position": [nan_none(x, 4) for x in counts.acceptance_per_position],
         "draft_ms": round(counts.draft_ms, 1), "verify_ms": round(counts.verify_ms, 1),
-        "c": _r(c),
-        "predicted_speedup": _r(predicted_speedup(a, g, c)) if c is not None and not math.isnan(a) else None,
+        "c": nan_none(c, 4),
+        "predicted_speedup": nan_none(predicted_speedup(a, g, c), 4) if c is not None and not math.isnan(a) else None,
     }
 
 
@@ -195,10 +216,6 @@ def _hf_row(wl, sname, method, g, n_tok, ms, plain_tps):
     tps = n_tok / ms * 1e3
     return {"workload": wl, "sampling": sname, "method": method, "gamma": g, "tokens": n_tok, "ms": round(ms, 1),
             "tokens_per_s": round(tps, 3), "speedup_vs_plain": round(tps / plain_tps, 3)}
-
-
-def _r(x, nd=4):
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -27,17 +27,13 @@ import redis
 import structlog
 
 from decoder.metrics import AcceptanceCounts, StepStats
-from decoder.shift import ShiftAlarm, ShiftDetector
+from decoder.shift import ShiftAlarm, ShiftDetector, key_str  # key_str re-exported: "{workload}@{bucket}"
 from store import AcceptanceHistory, AdapterRegistry, InvalidTransitionError, StoreError, UnknownVersionError
+from store.jsonsafe import nan_none
 
 log = structlog.get_logger("decoder.control")
 
 Key = tuple[str, str]  # (workload, sampling bucket)
-
-
-def key_str(workload: str, bucket: str) -> str:
-    """The key as shown everywhere: ``"{workload}@{bucket}"``."""
-    return f"{workload}@{bucket}"
 
 
 def key_of(req) -> Key:
@@ -55,10 +51,6 @@ def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     if a >= 1.0 - 1e-12:
         return float(gamma + 1)
     return (1.0 - a ** (gamma + 1)) / (1.0 - a)
-
-
-def _nan_none(x: float, nd: int = 4):
-    return None if x is None or x != x else round(x, nd)
 
 
 # ---- (a) acceptance windows --------------------------------------------------------------------
@@ -109,10 +101,10 @@ class Window:
         c = self.counts
         return {
             "requests": c.num_requests,
-            "alpha": _nan_none(c.alpha),
-            "acceptance_rate": _nan_none(c.acceptance_rate),
-            "tau": _nan_none(c.mean_accepted_length),
-            "goodput_tokens_per_ms": _nan_none(c.goodput),
+            "alpha": nan_none(c.alpha, 4),
+            "acceptance_rate": nan_none(c.acceptance_rate, 4),
+            "tau": nan_none(c.mean_accepted_length, 4),
+            "goodput_tokens_per_ms": nan_none(c.goodput, 4),
         }
 
 
@@ -248,7 +240,7 @@ class AcceptanceTracker:
     def status(self) -> dict[str, Any]:
         with self._lock:
             windows = {f"{key_str(w, b)}/v{v}": win.summary() for (w, b, v), win in sorted(self._totals.items())}
-            rolling = {key_str(*k): _nan_none(sum(r) / len(r)) for k, r in self._recent.items() if r}
+            rolling = {key_str(*k): nan_none(sum(r) / len(r), 4) for k, r in self._recent.items() if r}
             unflushed = len(self._unflushed)
         return {
             "windows": windows,
@@ -520,11 +512,11 @@ def _estimates(s: "_KeyState", ev: dict[str, Any]) -> dict[str, Any]:
     return {
         "adapter_version": s.adapter_version,
         "requests": s.requests,
-        "alpha": _nan_none(ev["alpha"]),
-        "t_draft_ms": _nan_none(ev["t_draft"]),
-        "t_plain_ms": _nan_none(ev["t_plain"]),
-        "t_verify_ms": {g: _nan_none(t) for g, t in ev["t_verify"].items()},
-        "overhead_ms": _nan_none(ev["overhead"]),
+        "alpha": nan_none(ev["alpha"], 4),
+        "t_draft_ms": nan_none(ev["t_draft"], 4),
+        "t_plain_ms": nan_none(ev["t_plain"], 4),
+        "t_verify_ms": {g: nan_none(t, 4) for g, t in ev["t_verify"].items()},
+        "overhead_ms": nan_none(ev["overhead"], 4),
     }
 
 
@@ -692,7 +684,7 @@ class GoodputController:
                 "probe": probe,
                 "best_gamma": best,
                 **_estimates(s, ev),
-                "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(ev["rate"].items())},
+                "tokens_per_ms": {g: nan_none(r, 5) for g, r in sorted(ev["rate"].items())},
                 "why": why,
                 "proposer": "draft",
             }
@@ -831,7 +823,7 @@ class GoodputController:
                 "gamma": best,
                 "speculate": bool(best),
                 **_estimates(s, ev),
-                "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(rate.items())},
+                "tokens_per_ms": {g: nan_none(r, 5) for g, r in sorted(rate.items())},
                 "why": why,
                 "last": dict(s.last),
             }

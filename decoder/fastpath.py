@@ -1,38 +1,18 @@
 """Small-M linear layers on CPU: ``W @ x^T`` instead of ``x @ W^T`` for a few rows.
 
 Verification feeds γ + 1 rows through every linear layer of the target; plain decoding feeds
-one. On CPU, ``F.linear`` (what ``nn.Linear`` calls: ``x @ W^T``) with 2-8 rows costs about
-twice one row for SmolLM2's layer shapes, because the GEMM repacks ``W`` for each call, while
-``W @ x^T`` streams ``W`` once in its stored layout. Measured on 2 cores over the 210 distinct
-weights of SmolLM2-135M's 30 layers (out of cache, as in a real step; ``bench/head_bench.py``
-measures the whole step):
+one. On CPU, ``F.linear`` (what ``nn.Linear`` calls: ``x @ W^T``) with 2-8 rows can cost about
+twice one row, because the GEMM repacks ``W`` for each call, while ``W @ x^T`` streams ``W`` once
+in its stored layout. That ratio is the c_verify of every speedup estimate (Leviathan et al.
+2023, Eq. 1 assumes it is 1). Which kernel wins depends on the CPU (bench/RESULTS.md has the
+measurements), so :func:`calibrate_small_m` times both on the model's own weights and the
+decoder switches only where ``W @ x^T`` wins (``DecoderConfig.small_m_linear="auto"``).
 
-==========  ==================  ===============
-rows (M)    ``F.linear`` (ms)   ``W @ x^T`` (ms)
-==========  ==================  ===============
-1           31.0                32.2
-2           61.3                32.7
-4           56.2                22.2
-==========  ==================  ===============
-
-and the whole target step (30 layers and the head, 200 tokens of context) at M = 2 goes from
-84-86 ms to 53-65 ms, against 55-69 ms for one row (``bench/head_bench.py --threads 2``),
-so a verification step with γ = 1 costs about one plain step instead of 1.5-1.7. That ratio
-is the c_verify of every speedup estimate (Leviathan et al. 2023, Eq. 1 assumes it is 1).
-
-That table is an AMD EPYC's. On an Intel Xeon with AMX (oneDNN's small-M GEMM is fast there) it
-reverses: the whole step at M = 2 took 59 ms with ``F.linear`` and 98 ms with ``W @ x^T``,
-against 53 ms for one row. So :func:`calibrate_small_m` times both on the model's own weights
-and the decoder switches only where ``W @ x^T`` wins (``DecoderConfig.small_m_linear="auto"``).
-
-One row is a GEMV, and MKL may run its GEMV on one thread while its GEMM uses all of them. On
-a later AMD EPYC (AVX512-BF16, 2 threads) one row over SmolLM2-135M's weights took 44 ms with
-``F.linear`` (1 thread or 2: the same) against 18 ms as ``W @ [x; x]^T``, a 2-column GEMM of
-the row twice, so a plain decoding step went from 55 ms to 38 ms. The calibration times that
-too, and where the padded row wins, :class:`SmallMLinear` pads single rows
-(``pad_one_row``): plain decoding, the draft's proposals and transformers' ``generate`` on the
-same model all get the faster kernel, so the speedups measured against plain decoding are
-against its fastest kernel, not a slow one.
+One row is a GEMV, and MKL may run its GEMV on one thread while its GEMM uses all of them. The
+calibration times that too, and where the padded row ``W @ [x; x]^T`` wins,
+:class:`SmallMLinear` pads single rows (``pad_one_row``): plain decoding, the draft's proposals
+and transformers' ``generate`` on the same model all get the faster kernel, so the speedups
+measured against plain decoding are against its fastest kernel, not a slow one.
 
 :func:`small_m_linear` switches a model's ``nn.Linear`` modules to :class:`SmallMLinear` (the
 same parameters and state dict; only ``forward`` differs, and only for at most ``max_rows``
@@ -112,8 +92,7 @@ def calibrate_small_m(model: nn.Module, rows: int = 2, reps: int = 3, margin: fl
     has no such weight). With ``one_row`` (default) it also times one row (a plain decoding
     step, a draft proposal): ``F.linear`` against ``W @ [x; x]^T`` (the row twice: a 2-column
     GEMM), adding ``"f_linear_1_ms"``, ``"padded_1_ms"`` and ``"pad_one_row"``. Where MKL's
-    GEMV runs on one thread and its GEMM on all (seen on an AMD EPYC, 2 threads: 44 ms
-    against 18 ms over SmolLM2-135M's weights), the padded GEMM is the faster plain step.
+    GEMV runs on one thread and its GEMM on all, the padded GEMM is the faster plain step.
     """
     weights = linear_weights(model)
     if not weights:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from store.jsonsafe import nan_none
+
 
 def _ratio(num: float, den: float) -> float:
     return num / den if den else math.nan
@@ -56,8 +58,7 @@ class AcceptanceCounts:
     num_emitted_tokens: int = 0  # tokens added to outputs, bonus/corrections included, after truncation
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: steps accepting position i+1
     num_proposed_per_pos: list[int] = field(default_factory=list)  # [i]: steps proposing position i+1
-    alpha_sum: float = 0.0
-    alpha_count: int = 0  # proposed positions α was measured on (= num_draft_tokens)
+    alpha_sum: float = 0.0  # Σ over proposed positions of Σ_x min(p, q); its count is num_draft_tokens
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     decode_ms: float = 0.0  # wall time of decoding steps (excludes prefill)
@@ -73,7 +74,6 @@ class AcceptanceCounts:
             self.num_draft_tokens += s.proposed
             self.num_accepted_tokens += s.accepted
             self.alpha_sum += s.alpha_sum
-            self.alpha_count += s.proposed
             _grow(self.num_proposed_per_pos, s.proposed)
             _grow(self.num_accepted_tokens_per_pos, s.proposed)
             for i in range(s.proposed):
@@ -83,7 +83,7 @@ class AcceptanceCounts:
 
     def merge(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
         for name in ("num_requests", "num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "num_emitted_tokens", "alpha_sum", "alpha_count", "draft_ms", "verify_ms", "decode_ms",
+                     "num_emitted_tokens", "alpha_sum", "draft_ms", "verify_ms", "decode_ms",
                      "prefill_ms"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
@@ -107,8 +107,8 @@ class AcceptanceCounts:
 
     @property
     def alpha(self) -> float:
-        """α = mean over proposed positions of Σ_x min(p(x), q(x)) = 1 - TV(p, q)."""
-        return _ratio(self.alpha_sum, self.alpha_count)
+        """α = mean over proposed positions (num_draft_tokens) of Σ_x min(p(x), q(x)) = 1 - TV(p, q)."""
+        return _ratio(self.alpha_sum, self.num_draft_tokens)
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -134,8 +134,8 @@ class AcceptanceCounts:
         d = asdict(self)
         for name in ("acceptance_rate", "mean_accepted_length", "alpha", "goodput",
                      "draft_ms_per_draft_token", "verify_ms_per_step"):
-            d[name] = _nan_none(getattr(self, name))
-        d["acceptance_per_position"] = [_nan_none(x) for x in self.acceptance_per_position]
+            d[name] = nan_none(getattr(self, name))
+        d["acceptance_per_position"] = [nan_none(x) for x in self.acceptance_per_position]
         return d
 
 
@@ -144,5 +144,3 @@ def _grow(lst: list[int], n: int) -> None:
         lst.extend([0] * (n - len(lst)))
 
 
-def _nan_none(x: float) -> float | None:
-    return None if isinstance(x, float) and math.isnan(x) else x

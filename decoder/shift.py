@@ -125,13 +125,14 @@ class ShiftDetector:
     def state(self) -> dict:
         """Per key: observations since restart, running mean and the statistic, JSON-ready."""
         return {
-            _key_str(k): {"samples": t.n, "mean_alpha": round(t.mean, 4), "statistic": round(t.statistic, 4)}
+            (key_str(*k) if isinstance(k, tuple) else key_str(k)): {"samples": t.n, "mean_alpha": round(t.mean, 4), "statistic": round(t.statistic, 4)}
             for k, t in self._tests.items()
         }
 
 
-def _key_str(key: Hashable) -> str:
-    return "@".join(map(str, key)) if isinstance(key, tuple) else str(key)
+def key_str(*parts: Hashable) -> str:
+    """A key as shown everywhere: its parts joined by ``@``, e.g. ``"{workload}@{bucket}"``."""
+    return "@".join(map(str, parts))
 
 
 # ---- workload keys for untagged requests ---------------------------------------------------------

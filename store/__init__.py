@@ -9,30 +9,34 @@
 - :mod:`store.history`: ``AcceptanceHistory`` (time-bucketed acceptance counts, rates on read).
 """
 
-from store.buffer import (
-    DeadLetter,
-    Entry,
-    GroupInfo,
-    SampleReader,
-    SampleWriter,
-    WriterStats,
-    dead_letter_count,
-    group_info,
-    list_dead_letters,
-    stream_depth,
-)
-from store.client import connect
-from store.config import BufferConfig, HistoryConfig, StoreConfig
-from store.errors import (
-    ArtifactMissingError,
-    IntegrityError,
-    InvalidTransitionError,
-    RedisVersionError,
-    RegistryError,
-    StoreError,
-    StoreUnavailableError,
-    UnknownVersionError,
-)
-from store.history import AcceptanceHistory, HistoryRow
-from store.registry import AdapterMeta, AdapterRecord, AdapterRegistry, check_scope, parse_event
-from store.schema import PairFingerprint, SamplingSettings, SchemaError, VerifiedSample, decode, encode
+import importlib
+from typing import Any
+
+# Names re-exported here, by the module that defines them. They are imported on first use
+# (PEP 562), so `import store.config` (the settings need it) does not load redis and numpy.
+_EXPORTS = {
+    "store.buffer": ("DeadLetter", "Entry", "GroupInfo", "SampleReader", "SampleWriter", "WriterStats",
+                     "dead_letter_count", "group_info", "list_dead_letters", "stream_depth"),
+    "store.client": ("connect",),
+    "store.config": ("BufferConfig", "HistoryConfig", "StoreConfig"),
+    "store.errors": ("ArtifactMissingError", "IntegrityError", "InvalidTransitionError", "RedisVersionError",
+                     "RegistryError", "StoreError", "StoreUnavailableError", "UnknownVersionError"),
+    "store.history": ("AcceptanceHistory", "HistoryRow"),
+    "store.registry": ("AdapterMeta", "AdapterRecord", "AdapterRegistry", "check_scope", "parse_event"),
+    "store.schema": ("PairFingerprint", "SamplingSettings", "SchemaError", "VerifiedSample", "decode", "encode"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'store' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -198,16 +198,19 @@ class AcceptanceHistory:
         An empty window gives a row of zeros (rates NaN) with ``ts = start`` (or NaN).
         """
         rows = self.read(workload, version, start, end)
-        sums: dict[str, float] = {n: 0 for n in INT_COUNTS} | {n: 0.0 for n in FLOAT_COUNTS}
-        for r in rows:
-            for n in COUNTS:
-                sums[n] += getattr(r, n)
         ws = {r.workload for r in rows}
         vs = {r.version for r in rows}
-        return HistoryRow(
-            ts=rows[0].ts if rows else (math.nan if start is None else float(start)),
-            workload=ws.pop() if len(ws) == 1 else workload,
-            version=vs.pop() if len(vs) == 1 else version,
-            **sums,
-        )
+        return sum_rows(rows, ws.pop() if len(ws) == 1 else workload, vs.pop() if len(vs) == 1 else version,
+                        empty_ts=math.nan if start is None else float(start))
+
+
+def sum_rows(rows: list[HistoryRow], workload: str | None = None, version: int | None = None,
+             empty_ts: float = math.nan) -> HistoryRow:
+    """The counts of ``rows`` added up, labelled ``workload`` and ``version``; rates derived from
+    the sums. ``ts`` is the first row's, ``empty_ts`` when there are none."""
+    sums: dict[str, float] = {n: 0 for n in INT_COUNTS} | {n: 0.0 for n in FLOAT_COUNTS}
+    for r in rows:
+        for n in COUNTS:
+            sums[n] += getattr(r, n)
+    return HistoryRow(ts=rows[0].ts if rows else empty_ts, workload=workload, version=version, **sums)
 

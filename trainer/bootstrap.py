@@ -1,7 +1,8 @@
 """Bootstrap: turn an untrained (e.g. layer-derived) draft into adapter v1.
 
-The samples are VerifiedSamples the target generated itself (the daemon decodes built-in prompts
-with the decoder at gamma = 0, so every position is a plain step and carries the target's top-k).
+The samples are VerifiedSamples carrying the target's top-k at every position: by default
+teacher-forced windows of built-in corpora (``source="prefill"``, ``daemonctl bootstrap``), or
+with ``--source decode`` the target's own generations at gamma = 0 (daemon/bootstrap_data.py).
 This module never sees a model besides the Distiller's draft: it takes any iterable of samples,
 holds out a fixed record-id hash bucket (the same split as the service), runs Distiller rounds
 until a step or time budget, and registers the result; it promotes it only if held-out alpha
@@ -11,19 +12,16 @@ rose over the base draft's.
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import structlog
 
-from store.registry import AdapterMeta
 from store.schema import VerifiedSample
 from trainer.distill import BASE, Distiller, EvalResult, TrainerError
+from trainer.publish import adapter_meta, publish
 from trainer.service import is_heldout, split_key
 
 log = structlog.get_logger(__name__)
@@ -134,23 +132,7 @@ def bootstrap(
     )
     version = None
     if registry is not None:
-        meta = AdapterMeta(
-            parent=0,
-            samples_trained=len(train),
-            tokens_trained=sum(s.num_tokens for s in train),
-            loss=curve[-1].loss if curve else float("nan"),
-            alpha_before=base.alpha,
-            alpha_after=after.alpha,
-            alpha_before_by_workload={w: c.alpha for w, c in sorted(base.per_workload.items())},
-            alpha_after_by_workload={w: c.alpha for w, c in sorted(after.per_workload.items())},
-        )
-        tmp = Path(tempfile.mkdtemp(prefix="draftd-bootstrap-"))
-        try:
-            version = registry.register(distiller.save(tmp / "adapter"), meta)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if promoted:
-            registry.promote(version, reason)
-        else:
-            registry.set_state(version, "rejected", reason + ("" if config.promote else " (promote=False)"))
+        meta = adapter_meta(0, base, after, len(train), sum(s.num_tokens for s in train),
+                            curve[-1].loss if curve else float("nan"))
+        version = publish(registry, distiller, meta, promoted, reason + ("" if config.promote else " (promote=False)"))
     return BootstrapResult(version, bool(promoted and registry is not None), reason, steps, seconds, len(train), len(held), base, after, curve)

@@ -50,8 +50,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """True when this CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16), where oneDNN's
-    bf16 matmul runs 2-4x faster than fp32 (e.g. a Sapphire Rapids Xeon, 2 threads: a 1024 x 576
-    by 576 x 49152 product 640 ms fp32 vs 156 ms bf16). False when torch cannot tell."""
+    bf16 matmul runs 2-4x faster than fp32 (bench/RESULTS.md). False when torch cannot tell."""
     for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
         probe = getattr(torch.cpu, name, None)
         try:

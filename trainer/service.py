@@ -71,6 +71,7 @@ from store.errors import RegistryError
 from store.registry import AdapterMeta, check_scope
 from store.schema import VerifiedSample
 from trainer.distill import BASE, AdapterState, Distiller, EvalResult, RoundResult, TrainerError
+from trainer.publish import adapter_meta, publish
 
 log = structlog.get_logger(__name__)
 
@@ -524,16 +525,7 @@ class TrainerService:
         report.after = after.to_dict()
         trained = {e.sample.workload for e in train}
         promote, reason = gate(before, after, trained, self.config)
-        meta = AdapterMeta(
-            parent=self._promoted_version,
-            samples_trained=result.samples,
-            tokens_trained=result.tokens,
-            loss=result.loss_last,
-            alpha_before=before.alpha,
-            alpha_after=after.alpha,
-            alpha_before_by_workload={w: c.alpha for w, c in sorted(before.per_workload.items())},
-            alpha_after_by_workload={w: c.alpha for w, c in sorted(after.per_workload.items())},
-        )
+        meta = adapter_meta(self._promoted_version, before, after, result.samples, result.tokens, result.loss_last)
         report.version, report.decision = self._publish(meta, promote, reason, after)
         report.reason = reason
         if promote:
@@ -543,17 +535,10 @@ class TrainerService:
         """Register the distiller's adapter with ``meta``, then promote it in its scope (its
         evaluation ``after`` seeds the served-adapter cache) or mark it rejected, with ``reason``.
         Returns (version, "promoted" | "rejected")."""
-        out = Path(tempfile.mkdtemp(dir=self._work))
-        try:
-            self.distiller.save(out / "adapter")
-            version = self.registry.register(out / "adapter", meta)
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
+        version = publish(self.registry, self.distiller, meta, promote, reason, self._work)
         if promote:
-            self.registry.promote(version, reason)
             self._eval_cache[version] = dict(after.per_sample)  # the candidate's evaluation, reused
             return version, "promoted"
-        self.registry.set_state(version, "rejected", reason)
         return version, "rejected"
 
     def _workload_turn(self, workload: str, samples: list[VerifiedSample]) -> ScopeReport:
@@ -593,12 +578,7 @@ class TrainerService:
             after = self.distiller.evaluate(held)
             rep.alpha_after = after.alpha
             promote, reason = gate(before, after, {workload}, cfg)
-            meta = AdapterMeta(
-                parent=parent, samples_trained=result.samples, tokens_trained=result.tokens, loss=result.loss_last,
-                alpha_before=before.alpha, alpha_after=after.alpha,
-                alpha_before_by_workload={workload: before.alpha}, alpha_after_by_workload={workload: after.alpha},
-                scope=workload,
-            )
+            meta = adapter_meta(parent, before, after, result.samples, result.tokens, result.loss_last, scope=workload)
             rep.version, rep.decision = self._publish(meta, promote, reason, after)
             rep.reason = reason
             if promote:

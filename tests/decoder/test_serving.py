@@ -1,4 +1,4 @@
-"""decoder.serving: the bf16 serving copy of the draft, adapters merged per version."""
+"""decoder.draft_weights: the bf16 serving copy of the draft, adapters merged per version."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from test_speculative import first_token_chi_square
 
 from adapt_helpers import fixing_lora, random_lora
 from decoder.adapters import AdapterManager
-from decoder.serving import ServingDraft, calibrate_draft_precision
+from decoder.draft_weights import ServingDraft, calibrate_draft_precision
 from decoder.speculative import DecodeRequest, DecoderConfig, FixedGamma, SpeculativeDecoder
 from tiny import reference_greedy, tiny_llama
 

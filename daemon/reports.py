@@ -1,0 +1,193 @@
+"""What ``status`` and ``history`` report, built from the store (and the trainer's status when
+one runs): plain functions of their inputs, shared by the running daemon (:class:`daemon.app.Daemon`),
+``daemonctl status`` with the daemon down, and the Prometheus collector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from store.buffer import dead_letter_count, group_info, stream_depth
+from store.history import AcceptanceHistory, HistoryRow, sum_rows
+from store.jsonsafe import jsonable, nan_none
+from store.registry import AdapterRecord, AdapterRegistry
+
+if TYPE_CHECKING:
+    from daemon.redis_embed import RedisHandle
+    from daemon.settings import Settings
+    from store.config import StoreConfig
+
+RECENT_WINDOW_S = 300.0  # "recent" for status: speculation on/off and the recent acceptance rate
+
+
+def row_summary(r: HistoryRow) -> dict[str, Any]:
+    """Counts and derived rates of a history row, JSON-ready (NaN -> null).
+
+    acceptance_rate = accepted / drafted tokens; tau = emitted tokens / verification steps
+    (mean accepted length with the correction or bonus token); alpha = mean per-request alpha;
+    goodput = emitted tokens per second of decode wall time.
+    """
+    return {
+        "requests": r.requests,
+        "num_drafts": r.num_drafts,
+        "num_draft_tokens": r.num_draft_tokens,
+        "num_accepted_tokens": r.num_accepted_tokens,
+        "num_emitted_tokens": r.num_emitted_tokens,
+        "num_steps": r.num_steps,
+        "acceptance_rate": nan_none(r.acceptance_rate),
+        "tau": nan_none(r.tau),
+        "alpha": nan_none(r.alpha),
+        "goodput_tokens_per_s": nan_none(r.tokens_per_s),
+    }
+
+
+def by_workload(rows: list[HistoryRow], version: int | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`row_summary` of ``rows`` summed per workload, workloads sorted."""
+    return {w: row_summary(sum_rows([r for r in rows if r.workload == w], w, version)) for w in sorted({r.workload for r in rows})}
+
+
+def adapter_dict(rec: AdapterRecord) -> dict[str, Any]:
+    d = asdict(rec)
+    for k in ("loss", "alpha_before", "alpha_after"):
+        d[k] = nan_none(d[k])
+    return d
+
+
+def active_since(log_events: list[dict], active: int, scope: str = "") -> tuple[float | None, int | None, str | None]:
+    """When ``active`` became ``scope``'s active version, the version before it and the reason,
+    from the promotion log."""
+    for ev in reversed(log_events):
+        if (ev.get("event") in ("promote", "rollback") and ev.get("scope", "") == scope
+                and int(ev.get("version", -1)) == active):
+            return float(ev["ts"]), int(ev["previous"]), ev.get("reason")
+    return None, None, None
+
+
+# -- status ----------------------------------------------------------------------------------------
+
+
+def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", store_config: "StoreConfig",
+                  registry: AdapterRegistry, history: AcceptanceHistory, trainer: Any, now: float) -> dict:
+    """What ``daemonctl status`` shows: ``daemon`` (the caller's section), Redis, the buffer, the
+    trainer (``trainer``: a TrainerService, or None when none runs here), the active adapters and
+    acceptance per workload. ``healthy`` is False when ``problems`` is not empty."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    redis_info = redis.describe()
+    out: dict[str, Any] = {"daemon": daemon, "redis": redis_info}
+    if not redis_info.get("up"):
+        problems.append(f"Redis unreachable at {redis_info['url']}: {redis_info.get('error')}")
+        out.update(healthy=False, problems=problems, warnings=warnings)
+        return out
+    out["buffer"] = buffer_section(redis.client, store_config, settings.store.consumer_group, warnings)
+    out["trainer"] = trainer_section(trainer, problems)
+    out["adapter"] = adapter_section(registry)
+    out["acceptance"], out["speculation"] = acceptance_sections(history, out["adapter"], now)
+    out.update(healthy=not problems, problems=problems, warnings=warnings)
+    return out
+
+
+def buffer_section(client: Any, cfg: "StoreConfig", consumer_group: str, warnings: list[str]) -> dict:
+    """Stream depth, dead letters and the consumer groups (the trainer's lag and pending first)."""
+    groups = [asdict(g) | {"last_delivered_id": g.last_delivered_id.decode()} for g in group_info(client, cfg)]
+    trainer_group = next((g for g in groups if g["name"] == consumer_group), None)
+    dead = dead_letter_count(client, cfg)
+    if dead:
+        warnings.append(f"{dead} dead-lettered entries in {cfg.keys.dead_letter} (daemonctl status --json shows the count; inspect with XRANGE)")
+    return {
+        "stream": cfg.keys.stream,
+        "depth": stream_depth(client, cfg),
+        "dead_letters": dead,
+        "consumer_lag": None if trainer_group is None else trainer_group["lag"],
+        "consumer_pending": None if trainer_group is None else trainer_group["pending"],
+        "groups": groups,
+    }
+
+
+def trainer_section(trainer: Any, problems: list[str]) -> dict:
+    """The trainer's state and last round; a failed last round is a problem."""
+    if trainer is None:
+        return {"enabled": False, "reason": "models.enabled=false: no model pair loaded, no rounds"}
+    st = trainer.status()
+    last = st.get("last_round")
+    if last and last.get("decision") == "error":
+        problems.append(f"last training round failed: {last.get('reason')}")
+    return {
+        "enabled": True,
+        "fingerprint": getattr(trainer, "fingerprint", None),
+        "paused": st["paused"],
+        "running": st["running"],
+        "rounds": st["rounds"],
+        "next_run_time": None if st["paused"] else st["next_run_time"],
+        "heldout": st["heldout"],
+        "last_round": None if last is None else {
+            k: last.get(k) for k in ("trigger", "started_at", "seconds", "decision", "reason", "version", "read", "trained_on",
+                                     "acked", "scopes")
+        },
+    }
+
+
+def adapter_section(registry: AdapterRegistry) -> dict:
+    """The shared active adapter and each workload's own, with when and why each became active."""
+    actives = registry.active_versions()
+    active = actives[""]
+    events = registry.promotion_log(1000)
+    since, previous, reason = active_since(events, active)
+    own = {}
+    for w, v in actives.items():
+        if w and v:
+            w_since, w_prev, w_reason = active_since(events, v, w)
+            own[w] = {"active": v, "since": w_since, "previous": w_prev, "reason": w_reason}
+    return {"active": active, "since": since, "previous": previous, "reason": reason,
+            "registered": len(registry.list()), "workloads": own}
+
+
+def acceptance_sections(history: AcceptanceHistory, adapter: dict, now: float) -> tuple[dict, dict]:
+    """Per workload: the adapter serving it (its own, else the shared one) vs the one before it,
+    and the recent window; and whether speculation is on there, with why."""
+    own = adapter["workloads"]
+    rows = history.read()
+    acc, spec = {}, {}
+    for w in sorted({r.workload for r in rows}):
+        wr = [r for r in rows if r.workload == w]
+        src = own.get(w, adapter)
+        w_active, w_since, w_previous = src["active"], src["since"], src["previous"]
+        cur = [r for r in wr if r.version == w_active and (w_since is None or r.ts + history.bucket_s > w_since)]
+        prev = [r for r in wr if w_previous is not None and r.version == w_previous]
+        recent = [r for r in wr if r.ts >= now - RECENT_WINDOW_S]
+        rs = sum_rows(recent, w)
+        acc[w] = {
+            "now": row_summary(sum_rows(cur, w, w_active)) | {"version": w_active},
+            "previous": None if w_previous is None else row_summary(sum_rows(prev, w, w_previous)) | {"version": w_previous},
+            "recent": row_summary(rs),
+        }
+        spec[w] = speculation_state(recent, rs)
+    return acc, spec
+
+
+def speculation_state(recent: list[HistoryRow], rs: HistoryRow) -> dict:
+    """On when recent verification steps drafted (γ > 0), off when all were plain, None without traffic."""
+    if not recent or rs.num_steps == 0:
+        return {"on": None, "why": f"no requests recorded in the last {RECENT_WINDOW_S:.0f} s"}
+    if rs.num_drafts > 0:
+        return {"on": True, "why": f"{rs.num_drafts} of {rs.num_steps} verification steps drafted in the last {RECENT_WINDOW_S:.0f} s"}
+    return {"on": False, "why": f"all {rs.num_steps} steps in the last {RECENT_WINDOW_S:.0f} s were plain (gamma = 0)"}
+
+
+# -- history ---------------------------------------------------------------------------------------
+
+
+def history_report(registry: AdapterRegistry, history: AcceptanceHistory, since: float | None = None) -> dict:
+    """Per adapter version: metadata, held-out alpha before/after, live acceptance per workload
+    while it was active; the promotion log; and the bucketed acceptance series for plots."""
+    rows = history.read(start=since)
+    actives = registry.active_versions()
+    versions = []
+    for rec in registry.list():
+        live = by_workload([r for r in rows if r.version == rec.version], rec.version)
+        versions.append(adapter_dict(rec) | {"active": rec.version == actives.get(rec.scope, 0), "live": live})
+    base_live = by_workload([r for r in rows if r.version == 0], 0)
+    series = [{"ts": r.ts, "workload": r.workload, "version": r.version} | row_summary(r) for r in rows]
+    return {"active": actives[""], "actives": actives, "base_live": base_live, "adapters": versions,
+            "events": registry.promotion_log(1000), "series": series, "bucket_s": history.bucket_s}
