@@ -239,6 +239,8 @@ class Daemon:
             self.token = ensure_token(s)
             self.redis = stack.enter_context(open_redis(s.redis, s.redis_dir))
             self.registry = AdapterRegistry(self.redis.client, s.adapter_dir, self.store_config)
+            if removed := self.registry.clean_orphans():
+                log.info("adapter_orphans_removed", removed=removed)
             self.history = AcceptanceHistory(self.redis.client, self.store_config, clock=self.clock)
             self.trainer = stack.enter_context(trainer_component(s, self.redis, self.registry))
             stack.callback(self._stop_rounds)  # runs before the trainer's own exit
@@ -311,9 +313,12 @@ class Daemon:
         """Roll back the shared adapter, or ``workload``'s own (its requests then use its previous
         own version, else the shared one)."""
         previous = self.registry.active_version(workload)
-        new = self.registry.rollback(reason, scope=workload)
+        new, skipped = self.registry.rollback_checked(reason, scope=workload)
+        if skipped:
+            log.warning("rollback_skipped_bad_adapters", skipped=skipped, scope=workload)
         log.info("adapter_rolled_back", version=new, previous=previous, reason=reason, scope=workload, source="api")
-        return {"active": new, "previous": previous, "reason": reason, "workload": workload}
+        return {"active": new, "previous": previous, "reason": reason, "workload": workload,
+                "skipped": {str(v): why for v, why in skipped.items()}}
 
     def train_now(self, wait: bool = False) -> dict:
         svc = self._need_trainer()

@@ -398,6 +398,8 @@ def adapters_rollback(
         out.print(f"{workload}: {now} (rolled back v{r['previous']})")
     else:
         out.print(f"v{r['active']} active (rolled back v{r['previous']})")
+    for v, why in (r.get("skipped") or {}).items():
+        out.print(f"skipped v{v}: its artifact fails the check: {why}")
 
 
 @app.command("train-now")
