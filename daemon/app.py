@@ -248,6 +248,9 @@ class Daemon:
                 from daemon.api import create_app
 
                 self.api = stack.enter_context(ApiServer(create_app(self), s.api.host, s.api.port))
+            if s.api.enabled and s.api.remote:
+                log.warning("api_exposed", host=s.api.host, port=self.api.port,
+                            why="api.allow_remote=true: the read endpoints (pid, state dir, key prefix, /docs) are open to the network")
             self.started_at = self.clock()
             log.info("daemon_started", pid=os.getpid(), redis=self.redis.mode, state_dir=str(s.state_dir),
                      api=f"{s.api.host}:{self.api.port}" if self.api else None, trainer=self.trainer is not None)
@@ -367,6 +370,9 @@ class Daemon:
         now = self.clock()
         problems: list[str] = []
         warnings: list[str] = []
+        if self.settings.api.enabled and self.settings.api.remote:
+            warnings.append(f"control API bound to {self.settings.api.host} (api.allow_remote=true): its read endpoints "
+                            f"(pid, state dir, key prefix, /docs) are open to the network; bind 127.0.0.1 behind a TLS proxy")
         redis_info = self.redis.describe()
         out: dict[str, Any] = {
             "daemon": {

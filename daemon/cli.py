@@ -117,13 +117,10 @@ def run(
 @app.command("config")
 def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Print the effective configuration (environment + file + defaults), secrets masked."""
-    from daemon.redis_embed import mask_url
     from daemon.settings import effective
 
     s = _settings(config)
-    data = effective(s)
-    if data["redis"]["url"]:
-        data["redis"]["url"] = mask_url(data["redis"]["url"])
+    data = effective(s)  # every Redis URL's password masked
     if json_out:
         print(json.dumps(data, indent=2))
         return
