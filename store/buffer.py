@@ -69,6 +69,12 @@ def _describe(e: BaseException) -> str:
 
 
 
+def _before_sending(e: BaseException) -> bool:
+    """The failure happened while connecting, so no command of the pipeline reached Redis
+    (redis-py's connect errors read "Error 111 connecting to ..." / "Timeout connecting to server")."""
+    return "connecting to" in str(e)
+
+
 # --------------------------------------------------------------------------------------------
 # Writer
 # --------------------------------------------------------------------------------------------
@@ -78,9 +84,12 @@ def _describe(e: BaseException) -> str:
 class WriterStats:
     """Counters of a :class:`SampleWriter` (samples, since it was created).
 
-    Invariant once the writer is closed: ``submitted == written + dropped + rejected``, where
-    ``dropped = dropped_queue_full + dropped_redis_down + dropped_error + dropped_on_close``.
-    While running, ``queued`` + ``in_flight`` samples make up the difference.
+    Invariant once the writer is closed: ``submitted == written + dropped + rejected +
+    unconfirmed_on_close``, where ``dropped = dropped_queue_full + dropped_redis_down +
+    dropped_error + dropped_on_close``. While running, ``queued`` + ``in_flight`` samples make up
+    the difference. ``dropped`` counts only samples that never reached Redis; a batch whose
+    pipeline was sent but got no reply (the connection broke after connecting) may have been
+    written in part, so at close it counts as ``unconfirmed_on_close``, not as dropped.
     """
 
     submitted: int  # calls to submit()
@@ -89,7 +98,8 @@ class WriterStats:
     dropped_queue_full: int  # oldest queued sample evicted by a new one while Redis was up
     dropped_redis_down: int  # ditto while Redis was down
     dropped_error: int  # encode failed or Redis refused the XADD (e.g. OOM); see last_error
-    dropped_on_close: int  # still queued or in flight when close() gave up
+    dropped_on_close: int  # still queued, or in flight and never sent, when close() gave up
+    unconfirmed_on_close: int  # in flight when close() gave up, sent at least once without a reply: maybe written
     errors: int  # failed write attempts (each retried batch counts once per attempt)
     queued: int  # in the in-memory queue now
     in_flight: int  # taken by the writer thread, not yet acknowledged by Redis
@@ -131,6 +141,7 @@ class SampleWriter:
         self._stop = threading.Event()
         self._closed = False
         self._in_flight = 0
+        self._maybe_sent = False  # the batch in flight was sent at least once without a reply
         self._redis_up = True
         self._last_error: str | None = None
         self._last_trim = 0.0
@@ -176,6 +187,7 @@ class SampleWriter:
                 dropped_redis_down=n["dropped_redis_down"],
                 dropped_error=n["dropped_error"],
                 dropped_on_close=n["dropped_on_close"],
+                unconfirmed_on_close=n["unconfirmed_on_close"],
                 errors=n["errors"],
                 queued=len(self._q),
                 in_flight=self._in_flight,
@@ -210,13 +222,16 @@ class SampleWriter:
             if self._thread.is_alive():
                 log.warning("sample_writer_thread_still_running", key=self._key)
             with self._lock:
-                lost = len(self._q) + self._in_flight
+                unsure = self._in_flight if self._maybe_sent else 0
+                lost = len(self._q) + self._in_flight - unsure
                 self._q.clear()
                 self._in_flight = 0
                 self._n["dropped_on_close"] += lost
+                self._n["unconfirmed_on_close"] += unsure
                 self._cond.notify_all()
-            if lost:
-                log.warning("sample_writer_closed_with_loss", dropped_on_close=lost, key=self._key)
+            if lost or unsure:
+                log.warning("sample_writer_closed_with_loss", dropped_on_close=lost, unconfirmed_on_close=unsure,
+                            key=self._key)
         return self.stats()
 
     def __enter__(self) -> "SampleWriter":
@@ -232,6 +247,7 @@ class SampleWriter:
             k = min(len(self._q), self._cfg.batch_size)
             batch = [self._q.popleft() for _ in range(k)]
             self._in_flight = k
+            self._maybe_sent = False
             return batch
 
     def _encode(self, batch: list[VerifiedSample]) -> list[dict[bytes, bytes]]:
@@ -305,6 +321,9 @@ class SampleWriter:
             try:
                 self._write(held)
             except _REDIS_DOWN as e:
+                if not _before_sending(e):
+                    with self._lock:
+                        self._maybe_sent = True
                 self._set_up(False, e)
                 self._stop.wait(backoff)  # the batch is kept and retried; the queue keeps accepting
                 backoff = min(backoff * 2, self._cfg.backoff_max_s)
