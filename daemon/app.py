@@ -332,8 +332,12 @@ class Daemon:
         log.info("train_now_requested", queued_behind_running_round=busy, wait=wait)
         if not wait:
             return {"submitted": True, "queued_behind_running_round": busy}
-        report = fut.result()
-        return {"submitted": True, "report": _jsonable(report.to_dict())}
+        try:
+            report = fut.result().to_dict()
+        except Exception as e:  # noqa: BLE001 - a failed round is a report (decision "error"), not a 500
+            log.warning("train_now_round_failed", error=f"{type(e).__name__}: {e}")
+            report = svc.status()["last_round"]
+        return {"submitted": True, "report": _jsonable(report)}
 
     def pause(self) -> dict:
         self._need_trainer().pause()
