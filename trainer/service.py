@@ -397,7 +397,7 @@ class TrainerService:
         if active == self._promoted_version and self.distiller.weights_finite:
             return
         if active == 0:
-            if self._promoted_version != 0:  # rolled back to the base draft (or unknown): restart from it
+            if self._promoted_version > 0 or self.sync_error is not None:  # rolled back to the base draft: restart from it
                 self.distiller.reset_adapter()
             self._promoted_state = BASE
         else:
