@@ -397,7 +397,8 @@ class TrainerService:
         if active == self._promoted_version and self.distiller.weights_finite:
             return
         if active == 0:
-            if self._promoted_version > 0 or self.sync_error is not None:  # rolled back to the base draft: restart from it
+            if self._promoted_version > 0 or self.sync_error is not None or not self.distiller.weights_finite:
+                # rolled back to the base draft (or the weights are broken): restart from it
                 self.distiller.reset_adapter()
             self._promoted_state = BASE
         else:
@@ -521,14 +522,19 @@ class TrainerService:
         for e, why in bad:
             log.warning("trainer_record_dead_lettered", record_id=e.sample.record_id, reason=why)
 
-    def _isolate(self, entries: list[Any]) -> list[tuple[Any, str]]:
-        """After a failed round: the entries (and held-out samples) that fail on their own, by
-        running each through the loss. Held-out samples of earlier rounds that fail are dropped
-        from the held-out set."""
+    def _isolate(self, entries: list[Any]) -> tuple[list[tuple[Any, str]], int]:
+        """After a failed round: the entries that fail on their own, by running each through the
+        loss, and how many held-out samples of earlier rounds failed so (dropped from the held-out
+        set; they were acked then)."""
         bad = [(e, why) for e in entries if (why := self.distiller.probe(e.sample))]
+        dropped = 0
         for w, d in self._heldout.items():
-            self._heldout[w] = deque((x for x in d if self.distiller.probe(x) is None), maxlen=d.maxlen)
-        return bad
+            kept = deque((x for x in d if self.distiller.probe(x) is None), maxlen=d.maxlen)
+            dropped += len(d) - len(kept)
+            self._heldout[w] = kept
+        if dropped:
+            log.warning("trainer_heldout_samples_dropped", n=dropped, why="they fail the loss on their own")
+        return bad, dropped
 
     def _process(self, report: RoundReport, entries: list[Any]) -> None:
         """Screen the entries, then train on them; when the round raises, find the records that
@@ -540,8 +546,8 @@ class TrainerService:
         except Exception as e:
             if not isinstance(e, (TrainerError, IndexError, ValueError, RuntimeError)):
                 raise
-            bad = self._isolate(entries)
-            if not bad:
+            bad, heldout_dropped = self._isolate(entries)
+            if not bad and not heldout_dropped:
                 raise
             log.warning("trainer_round_retried_without", records=[x.sample.record_id for x, _ in bad], error=str(e))
             self._drop(report, entries, [(x, f"{why} (the round failed with {type(e).__name__}: {e})") for x, why in bad])
