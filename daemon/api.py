@@ -62,6 +62,21 @@ def create_app(daemon: "Daemon") -> FastAPI:
     metrics_registry = CollectorRegistry(auto_describe=False)
     metrics_registry.register(DraftdCollector(daemon))
 
+    @app.middleware("http")
+    async def token_before_body(request: Request, call_next):  # noqa: ANN001, ANN202
+        """Mutating requests are authenticated before their body is read or validated: without the
+        token a malformed body gets 401, not 422 (the Depends below documents it in OpenAPI)."""
+        if request.method not in ("GET", "HEAD", "OPTIONS"):
+            scheme, _, cred = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(cred.strip().encode(), daemon.token.encode()):
+                log.warning("api_unauthorized", has_credentials=bool(cred), path=request.url.path)
+                return JSONResponse(
+                    {"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>' (api.token, or the "
+                               "daemon's <state_dir>/api-token)"},
+                    status_code=401, headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await call_next(request)
+
     def require_token(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if creds is None or not secrets.compare_digest(creds.credentials.encode(), daemon.token.encode()):
             log.warning("api_unauthorized", has_credentials=creds is not None)

@@ -177,11 +177,16 @@ class Daemon:
             self.token = ensure_token(s)
             self.redis = stack.enter_context(open_redis(s.redis, s.redis_dir))
             self.registry = AdapterRegistry(self.redis.client, s.adapter_dir, self.store_config)
+            if removed := self.registry.clean_orphans():
+                log.info("adapter_orphans_removed", removed=removed)
             self.history = AcceptanceHistory(self.redis.client, self.store_config, clock=self.clock)
             self.trainer = stack.enter_context(trainer_component(s, self.redis, self.registry))
             stack.callback(self._stop_rounds)  # runs before the trainer's own exit
             if s.api.enabled:
                 self.api = stack.enter_context(ApiServer(create_app(self), s.api.host, s.api.port))
+            if s.api.enabled and s.api.remote:
+                log.warning("api_exposed", host=s.api.host, port=self.api.port,
+                            why="api.allow_remote=true: the read endpoints (pid, state dir, key prefix, /docs) are open to the network")
             self.started_at = self.clock()
             log.info("daemon_started", pid=os.getpid(), redis=self.redis.mode, state_dir=str(s.state_dir),
                      api=f"{s.api.host}:{self.api.port}" if self.api else None, trainer=self.trainer is not None)
@@ -247,9 +252,12 @@ class Daemon:
         """Roll back the shared adapter, or ``workload``'s own (its requests then use its previous
         own version, else the shared one)."""
         previous = self.registry.active_version(workload)
-        new = self.registry.rollback(reason, scope=workload)
+        new, skipped = self.registry.rollback_checked(reason, scope=workload)
+        if skipped:
+            log.warning("rollback_skipped_bad_adapters", skipped=skipped, scope=workload)
         log.info("adapter_rolled_back", version=new, previous=previous, reason=reason, scope=workload, source="api")
-        return {"active": new, "previous": previous, "reason": reason, "workload": workload}
+        return {"active": new, "previous": previous, "reason": reason, "workload": workload,
+                "skipped": {str(v): why for v, why in skipped.items()}}
 
     def train_now(self, wait: bool = False) -> dict:
         svc = self._need_trainer()
@@ -260,8 +268,12 @@ class Daemon:
         log.info("train_now_requested", queued_behind_running_round=busy, wait=wait)
         if not wait:
             return {"submitted": True, "queued_behind_running_round": busy}
-        report = fut.result()
-        return {"submitted": True, "report": jsonable(report.to_dict())}
+        try:
+            report = fut.result().to_dict()
+        except Exception as e:  # noqa: BLE001 - a failed round is a report (decision "error"), not a 500
+            log.warning("train_now_round_failed", error=f"{type(e).__name__}: {e}")
+            report = svc.status()["last_round"]
+        return {"submitted": True, "report": jsonable(report)}
 
     def pause(self) -> dict:
         self._need_trainer().pause()

@@ -114,12 +114,8 @@ def run(
 @app.command("config")
 def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Print the effective configuration (environment + file + defaults), secrets masked."""
-    from daemon.redis_embed import mask_url
-
     s = _settings(config)
-    data = effective(s)
-    if data["redis"]["url"]:
-        data["redis"]["url"] = mask_url(data["redis"]["url"])
+    data = effective(s)  # every Redis URL's password masked
     if json_out:
         print(json.dumps(data, indent=2))
         return
@@ -388,6 +384,8 @@ def adapters_rollback(
         out.print(f"{workload}: {now} (rolled back v{r['previous']})")
     else:
         out.print(f"v{r['active']} active (rolled back v{r['previous']})")
+    for v, why in (r.get("skipped") or {}).items():
+        out.print(f"skipped v{v}: its artifact fails the check: {why}")
 
 
 @app.command("train-now")

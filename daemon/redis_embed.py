@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import structlog
@@ -68,13 +68,17 @@ def _s(v: object) -> str | None:
 
 
 def mask_url(url: str) -> str:
-    """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``."""
+    """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``; a ``password=``
+    query parameter is masked too (``unix:///run/redis.sock?password=secret``)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+    if parts.password is not None:
+        netloc = parts.netloc.rsplit("@", 1)
+        url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{netloc[1]}"))
+    if parts.query:
+        head, _, query = url.partition("?")  # not urlunsplit: it drops the empty netloc of unix:///path
+        q = [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(query, keep_blank_values=True)]
+        url = f"{head}?{urlencode(q, safe='*')}"
+    return url
 
 
 def answers(url: str, timeout: float = 0.5) -> bool:

@@ -74,6 +74,9 @@ def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", stor
     acceptance per workload. ``healthy`` is False when ``problems`` is not empty."""
     problems: list[str] = []
     warnings: list[str] = []
+    if daemon.get("up") and settings.api.enabled and settings.api.remote:
+        warnings.append(f"control API bound to {settings.api.host} (api.allow_remote=true): its read endpoints "
+                        f"(pid, state dir, key prefix, /docs) are open to the network; bind 127.0.0.1 behind a TLS proxy")
     redis_info = redis.describe()
     out: dict[str, Any] = {"daemon": daemon, "redis": redis_info}
     if not redis_info.get("up"):

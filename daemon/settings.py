@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from store.config import BufferConfig, HistoryConfig, StoreConfig
@@ -169,11 +169,44 @@ class ApiSettings(_Group):
 
     enabled: bool = Field(True, description="Serve the control API and /metrics.")
     host: str = Field("127.0.0.1", description="Bind address. Keep 127.0.0.1 unless a proxy adds TLS.")
+    allow_remote: bool = Field(
+        False,
+        description="Allow a non-loopback `host` (e.g. 0.0.0.0): the read endpoints (pid, state dir, key prefix, /docs) "
+        "are then open to the network. Refused unless set; warned in the log and in `daemonctl status` when set.",
+    )
     port: int = Field(8787, ge=0, lt=65536, description="TCP port of the control API.")
     token: SecretStr | None = Field(
         None,
         description="Bearer token for mutating endpoints; unset = generated once into <state_dir>/api-token (mode 0600).",
     )
+
+
+    @property
+    def remote(self) -> bool:
+        """The bind address is not loopback-only (``localhost``, 127.0.0.0/8, ``::1``)."""
+        return not is_loopback(self.host)
+
+    @model_validator(mode="after")
+    def _loopback_unless_allowed(self) -> "ApiSettings":
+        if self.enabled and self.remote and not self.allow_remote:
+            raise ValueError(
+                f"api.host={self.host!r} is not a loopback address: the control API's read endpoints (pid, state dir, "
+                f"key prefix, /docs) would be open to the network. Bind 127.0.0.1 (behind a TLS proxy), or set "
+                f"api.allow_remote = true (DRAFTD_API__ALLOW_REMOTE=true) to expose it on purpose"
+            )
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` binds loopback only: ``localhost``, an address in 127.0.0.0/8 or ``::1``."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
 
 
 def _default_state_dir() -> Path:
@@ -278,8 +311,15 @@ def env_keys(model: type[BaseModel] = Settings, prefix: str = ENV_PREFIX) -> set
 
 
 def effective(settings: Settings) -> dict[str, Any]:
-    """The effective configuration as JSON-ready data, secrets masked (``**********``)."""
-    return settings.model_dump(mode="json")  # SecretStr dumps as '**********'
+    """The effective configuration as JSON-ready data, secrets masked: SecretStr as ``**********``,
+    the password of every Redis URL as ``***``."""
+    from daemon.redis_embed import mask_url
+
+    data = settings.model_dump(mode="json")  # SecretStr dumps as '**********'
+    for k in ("url", "default_url"):
+        if data["redis"][k]:
+            data["redis"][k] = mask_url(data["redis"][k])
+    return data
 
 
 # -- library config objects ------------------------------------------------------------------------

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from store.schema import check_workload
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -148,7 +150,11 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
                 raise ValueError(f"{path}:{i}: row has no string 'prompt' field")
             if not row["prompt"]:
                 raise ValueError(f"{path}:{i}: 'prompt' is empty; a prompt needs at least one character")
-            out.append(Prompt(str(row.get("workload", "default")), row["prompt"]))
+            try:
+                workload = check_workload(str(row.get("workload", "default")))
+            except ValueError as e:
+                raise ValueError(f"{path}:{i}: {e}") from e
+            out.append(Prompt(workload, row["prompt"]))
     return out
 
 

@@ -31,8 +31,12 @@ acked and skipped (counted as ``duplicates``).
 
 Malformed entries (unknown schema version, undecodable field, model-pair fingerprint mismatch)
 are copied to the dead-letter stream ``P samples:dead`` with ``reason``, ``source_id``,
-``source_stream``, ``group``, ``consumer``, ``ts`` and the original fields (prefixed ``orig:``),
-and acked on the main stream in the same MULTI/EXEC. They never raise out of :meth:`read`.
+``source_stream``, ``group``, ``consumer``, ``ts``, ``orig_bytes`` (the original entry's size) and
+a bounded excerpt of the original fields (prefixed ``orig:``, at most
+``dead_letter_excerpt_bytes`` in all, ``truncated`` 1 when cut), and acked on the main stream in
+the same MULTI/EXEC. They never raise out of :meth:`read`. So the dead-letter stream holds at most
+about ``dead_letter_maxlen`` x (excerpt + 300) bytes, whatever the entries weighed. The trainer
+dead-letters records that decode but cannot train (:meth:`SampleReader.dead_letter`) the same way.
 
 Entries trimmed by the caps while still pending come back with no fields; they are acked and
 counted as ``trimmed`` (this is the designed loss of a full buffer, and it is counted).
@@ -65,6 +69,12 @@ def _describe(e: BaseException) -> str:
 
 
 
+def _before_sending(e: BaseException) -> bool:
+    """The failure happened while connecting, so no command of the pipeline reached Redis
+    (redis-py's connect errors read "Error 111 connecting to ..." / "Timeout connecting to server")."""
+    return "connecting to" in str(e)
+
+
 # --------------------------------------------------------------------------------------------
 # Writer
 # --------------------------------------------------------------------------------------------
@@ -74,9 +84,12 @@ def _describe(e: BaseException) -> str:
 class WriterStats:
     """Counters of a :class:`SampleWriter` (samples, since it was created).
 
-    Invariant once the writer is closed: ``submitted == written + dropped + rejected``, where
-    ``dropped = dropped_queue_full + dropped_redis_down + dropped_error + dropped_on_close``.
-    While running, ``queued`` + ``in_flight`` samples make up the difference.
+    Invariant once the writer is closed: ``submitted == written + dropped + rejected +
+    unconfirmed_on_close``, where ``dropped = dropped_queue_full + dropped_redis_down +
+    dropped_error + dropped_on_close``. While running, ``queued`` + ``in_flight`` samples make up
+    the difference. ``dropped`` counts only samples that never reached Redis; a batch whose
+    pipeline was sent but got no reply (the connection broke after connecting) may have been
+    written in part, so at close it counts as ``unconfirmed_on_close``, not as dropped.
     """
 
     submitted: int  # calls to submit()
@@ -85,7 +98,8 @@ class WriterStats:
     dropped_queue_full: int  # oldest queued sample evicted by a new one while Redis was up
     dropped_redis_down: int  # ditto while Redis was down
     dropped_error: int  # encode failed or Redis refused the XADD (e.g. OOM); see last_error
-    dropped_on_close: int  # still queued or in flight when close() gave up
+    dropped_on_close: int  # still queued, or in flight and never sent, when close() gave up
+    unconfirmed_on_close: int  # in flight when close() gave up, sent at least once without a reply: maybe written
     errors: int  # failed write attempts (each retried batch counts once per attempt)
     queued: int  # in the in-memory queue now
     in_flight: int  # taken by the writer thread, not yet acknowledged by Redis
@@ -127,6 +141,7 @@ class SampleWriter:
         self._stop = threading.Event()
         self._closed = False
         self._in_flight = 0
+        self._maybe_sent = False  # the batch in flight was sent at least once without a reply
         self._redis_up = True
         self._last_error: str | None = None
         self._last_trim = 0.0
@@ -172,6 +187,7 @@ class SampleWriter:
                 dropped_redis_down=n["dropped_redis_down"],
                 dropped_error=n["dropped_error"],
                 dropped_on_close=n["dropped_on_close"],
+                unconfirmed_on_close=n["unconfirmed_on_close"],
                 errors=n["errors"],
                 queued=len(self._q),
                 in_flight=self._in_flight,
@@ -206,13 +222,16 @@ class SampleWriter:
             if self._thread.is_alive():
                 log.warning("sample_writer_thread_still_running", key=self._key)
             with self._lock:
-                lost = len(self._q) + self._in_flight
+                unsure = self._in_flight if self._maybe_sent else 0
+                lost = len(self._q) + self._in_flight - unsure
                 self._q.clear()
                 self._in_flight = 0
                 self._n["dropped_on_close"] += lost
+                self._n["unconfirmed_on_close"] += unsure
                 self._cond.notify_all()
-            if lost:
-                log.warning("sample_writer_closed_with_loss", dropped_on_close=lost, key=self._key)
+            if lost or unsure:
+                log.warning("sample_writer_closed_with_loss", dropped_on_close=lost, unconfirmed_on_close=unsure,
+                            key=self._key)
         return self.stats()
 
     def __enter__(self) -> "SampleWriter":
@@ -228,6 +247,7 @@ class SampleWriter:
             k = min(len(self._q), self._cfg.batch_size)
             batch = [self._q.popleft() for _ in range(k)]
             self._in_flight = k
+            self._maybe_sent = False
             return batch
 
     def _encode(self, batch: list[VerifiedSample]) -> list[dict[bytes, bytes]]:
@@ -301,6 +321,9 @@ class SampleWriter:
             try:
                 self._write(held)
             except _REDIS_DOWN as e:
+                if not _before_sending(e):
+                    with self._lock:
+                        self._maybe_sent = True
                 self._set_up(False, e)
                 self._stop.wait(backoff)  # the batch is kept and retried; the queue keeps accepting
                 backoff = min(backoff * 2, self._cfg.backoff_max_s)
@@ -344,7 +367,9 @@ class DeadLetter:
     group: str
     consumer: str
     ts: float  # when it was dead-lettered, seconds since the epoch
-    fields: dict[bytes, bytes]
+    fields: dict[bytes, bytes]  # a bounded excerpt of the original fields (see ``truncated``)
+    orig_bytes: int = -1  # size of the original entry's fields (-1: dead-lettered before it was recorded)
+    truncated: bool = False  # ``fields`` was cut to ``dead_letter_excerpt_bytes``
 
 
 @dataclass(frozen=True)
@@ -562,21 +587,58 @@ class SampleReader:
         self.stats.delivered += len(good)
         return good
 
+    def dead_letter(self, entries: Iterable[tuple[Entry, str]]) -> int:
+        """Move delivered entries that cannot be used (e.g. a token id beyond the trainer's
+        vocabulary) to the dead-letter stream with their reasons, and XACK them, in one MULTI/EXEC.
+        Returns how many."""
+        dead = []
+        for e, reason in entries:
+            try:
+                fields = encode(e.sample)
+            except Exception:  # noqa: BLE001 - the reason is what matters; keep the id
+                fields = {F_RECORD_ID: e.sample.record_id.encode(errors="replace")}
+            dead.append((e.entry_id, fields, reason))
+        if not dead:
+            return 0
+        with _unavailable(f"dead-lettering {len(dead)} entries on {self._key!r}"):
+            self._dead_letter(dead, [])
+        for eid, _, _ in dead:
+            rid = self._held.pop(eid, None)
+            if rid is not None and self._held_rids.get(rid) == eid:
+                del self._held_rids[rid]
+        return len(dead)
+
+    def _excerpt(self, fields: dict[bytes, bytes]) -> tuple[dict[bytes, bytes], int, bool]:
+        """A bounded copy of ``fields`` (``orig:`` prefixed): small routing fields first, each value
+        cut to what is left of ``dead_letter_excerpt_bytes``. Returns (fields, original bytes, cut)."""
+        budget = self._cfg.buffer.dead_letter_excerpt_bytes
+        total = sum(len(k) + len(v) for k, v in fields.items())
+        out, cut = {}, False
+        for k, v in sorted(fields.items(), key=lambda kv: len(kv[1])):
+            k = k.encode() if isinstance(k, str) else k
+            part = v[: max(0, budget)]
+            cut |= len(part) < len(v)
+            budget -= len(part)
+            out[b"orig:" + k[:64]] = part
+        return out, total, cut
+
     def _dead_letter(self, dead: list[tuple[bytes, dict[bytes, bytes], str]], ack_only: list[bytes]) -> None:
         now = self._clock()
         maxlen = self._cfg.buffer.dead_letter_maxlen
         pipe = self._client.pipeline(transaction=True)
         for eid, fields, reason in dead:
+            excerpt, total, cut = self._excerpt(fields)
             entry = {
-                b"reason": reason.encode("utf-8"),
+                b"reason": reason.encode("utf-8")[:2048],
                 b"source_id": eid,
                 b"source_stream": self._key.encode(),
                 b"group": self.group.encode(),
                 b"consumer": self.consumer.encode(),
                 b"ts": repr(now).encode(),
+                b"orig_bytes": str(total).encode(),
+                b"truncated": b"1" if cut else b"0",
+                **excerpt,
             }
-            for k, v in fields.items():
-                entry[b"orig:" + (k.encode() if isinstance(k, str) else k)] = v
             pipe.xadd(self._keys.dead_letter, entry, maxlen=maxlen, approximate=True)
         ids = [eid for eid, _, _ in dead] + ack_only
         pipe.xack(self._key, self.group, *ids)
@@ -586,7 +648,7 @@ class SampleReader:
                 "sample_dead_lettered",
                 entry_id=eid.decode(),
                 reason=reason,
-                record_id=fields.get(F_RECORD_ID, b"?").decode(errors="replace"),
+                record_id=fields.get(F_RECORD_ID, b"?")[:64].decode(errors="replace"),
             )
         self.stats.dead_lettered += len(dead)
 
@@ -654,6 +716,8 @@ def list_dead_letters(client: redis.Redis, config: StoreConfig, count: int = 100
                 consumer=f.get(b"consumer", b"").decode(),
                 ts=float(f.get(b"ts", b"nan")),
                 fields={k[len(b"orig:"):]: v for k, v in f.items() if k.startswith(b"orig:")},
+                orig_bytes=int(f.get(b"orig_bytes", b"-1")),
+                truncated=f.get(b"truncated") == b"1",
             )
         )
     return out

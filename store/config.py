@@ -39,6 +39,7 @@ class BufferConfig(BaseModel):
     maxlen: int = Field(100_000, gt=0)  # approximate cap on entries (XADD MAXLEN ~)
     max_age_s: float | None = Field(24 * 3600.0, gt=0)  # entries older than this are trimmed (XTRIM MINID ~); None = no age cap
     dead_letter_maxlen: int | None = Field(100_000, gt=0)  # approximate cap of the dead-letter stream; None = unbounded
+    dead_letter_excerpt_bytes: int = Field(4096, ge=0)  # bytes of the original entry a dead letter keeps (with its reason and id)
     queue_size: int = Field(10_000, gt=0)  # writer's in-memory queue, samples; when full the oldest is dropped
     batch_size: int = Field(256, gt=0)  # samples per XADD pipeline
     flush_interval_s: float = Field(0.05, gt=0)  # writer thread wakes at least this often

@@ -9,6 +9,7 @@ Hierarchy::
     └── RegistryError
         ├── UnknownVersionError  no adapter with that version
         ├── InvalidTransitionError  e.g. promoting a rejected adapter
+        │   └── ArtifactInvalidError   promoting an adapter whose files fail the check
         ├── ArtifactMissingError    neither the local directory nor the Redis bytes exist
         └── IntegrityError          sha256 of an artifact file differs from the recorded one
 """
@@ -38,6 +39,10 @@ class UnknownVersionError(RegistryError):
 
 class InvalidTransitionError(RegistryError):
     """The requested state change is not allowed from the adapter's current state."""
+
+
+class ArtifactInvalidError(InvalidTransitionError):
+    """Promotion (or a rollback's target) refused: the artifact is missing, corrupt, not loadable or not finite."""
 
 
 class ArtifactMissingError(RegistryError):

@@ -26,6 +26,15 @@ version, or by the shared active version when ``w`` has none (:meth:`AdapterRegi
 Version 0 means the base draft in the shared scope and "no adapter of its own" in a workload
 scope. With only shared versions, everything behaves as a single active pointer.
 
+Promote and rollback check the artifact first (:meth:`AdapterRegistry.artifact_problem`: every
+file present with its registered sha256, the safetensors file parses, every float tensor finite):
+promote refuses a bad version (``ArtifactInvalidError``, a 409 from the API) and rollback skips
+bad versions on the stack (marking them ``rolled_back`` with the reason), so the active pointer
+only ever lands on a version a decoder can load.
+
+:meth:`AdapterRegistry.clean_orphans` removes what a crash leaves in ``artifact_dir``: temp
+directories (``.tmp-*``, ``.stale-*``) and ``vN`` directories Redis issued but never recorded.
+
 Promote and rollback run as one Lua script each (atomic on the server): check the state, set
 the scope's active pointer (``P adapter:active`` for the shared scope), update the version's state,
 append to the promotion log stream ``P adapter:promotions`` and PUBLISH on ``P adapter:events``
@@ -52,11 +61,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import redis
 
 from store.client import unavailable as _unavailable
 from store.config import StoreConfig
-from store.errors import ArtifactMissingError, IntegrityError, InvalidTransitionError, RegistryError, UnknownVersionError
+from store.errors import ArtifactInvalidError, ArtifactMissingError, IntegrityError, InvalidTransitionError, RegistryError, UnknownVersionError
 
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
 STATES = ("candidate", "promoted", "rejected", "rolled_back")
@@ -84,18 +94,27 @@ local top = redis.call('LINDEX', KEYS[2], -1)
 if top and tonumber(top) == cur then redis.call('RPOP', KEYS[2]) end
 redis.call('HSET', ARGV[1] .. cur, 'state', 'rolled_back', 'reason', ARGV[2], 'state_changed_at', ARGV[3])
 local new = 0
+local skip = cjson.decode(ARGV[6])
+local skipped = {}
 while true do
   local v = redis.call('LINDEX', KEYS[2], -1)
   if not v then break end
   local st = redis.call('HGET', ARGV[1] .. v, 'state')
-  if st == 'promoted' and tonumber(v) ~= cur then new = tonumber(v) break end
+  if st == 'promoted' and tonumber(v) ~= cur then
+    if skip[v] then
+      redis.call('HSET', ARGV[1] .. v, 'state', 'rolled_back', 'reason', 'skipped by rollback: ' .. skip[v], 'state_changed_at', ARGV[3])
+      table.insert(skipped, v)
+    else
+      new = tonumber(v) break
+    end
+  end
   redis.call('RPOP', KEYS[2])
 end
 redis.call('SET', KEYS[1], new)
 redis.call('XADD', KEYS[3], '*', 'event', 'rollback', 'version', new, 'previous', cur, 'reason', ARGV[2], 'ts', ARGV[3], 'scope', ARGV[5])
 local msg = '{"event":"rollback","version":' .. new .. ',"previous":' .. cur .. ',"reason":' .. cjson.encode(ARGV[2]) .. ',"ts":' .. ARGV[3] .. ',"scope":' .. cjson.encode(ARGV[5]) .. '}'
 redis.call('PUBLISH', ARGV[4], msg)
-return {'ok', new, cur}
+return {'ok', new, cur, unpack(skipped)}
 """
 
 _SET_STATE = """
@@ -164,6 +183,48 @@ def check_scope(scope: str) -> str:
             f"characters, no whitespace or control characters; '' is the shared scope"
         )
     return scope
+
+
+_FLOAT_DTYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8"}
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a loadable safetensors file of finite tensors (None if it is).
+
+    Parsed by hand (8-byte header length, JSON header, data) because store is torch-free and
+    numpy has no bfloat16: a BF16 value is non-finite when its exponent bits are all ones."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        return f"{path.name} cannot be read: {e}"
+    if len(raw) < 8:
+        return f"{path.name} is truncated ({len(raw)} bytes)"
+    n = int.from_bytes(raw[:8], "little")
+    if n > len(raw) - 8:
+        return f"{path.name} is truncated: its header claims {n} bytes, the file has {len(raw) - 8} after the length"
+    try:
+        header = json.loads(raw[8 : 8 + n])
+    except ValueError as e:
+        return f"{path.name} has an unreadable safetensors header: {e}"
+    data = memoryview(raw)[8 + n :]
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, (a, b) = info["dtype"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            return f"{path.name}: tensor {name!r} has a malformed header entry {info!r}"
+        if not 0 <= a <= b <= len(data):
+            return f"{path.name} is truncated: tensor {name!r} needs bytes {a}..{b}, the data has {len(data)}"
+        if dtype in _FLOAT_DTYPES:
+            ok = np.isfinite(np.frombuffer(data[a:b], dtype=_FLOAT_DTYPES[dtype])).all()
+        elif dtype == "BF16":
+            ok = not ((np.frombuffer(data[a:b], dtype="<u2") & 0x7F80) == 0x7F80).any()
+        else:
+            continue
+        if not ok:
+            return f"{path.name}: tensor {name!r} holds NaN or infinity"
+    return None
 
 
 def _sha256_file(path: Path) -> str:
@@ -386,6 +447,49 @@ class AdapterRegistry:
                 f"or was replaced. Delete it and fetch again (or re-register the adapter)."
             )
 
+    def artifact_problem(self, version: int) -> str | None:
+        """Why ``version``'s artifact must not serve (None if it may): a file missing or not
+        matching its registered sha256 (see :meth:`fetch`), or weights that are not a loadable
+        safetensors file of finite tensors. Version 0 (the base draft) is always fine."""
+        if version == 0:
+            return None
+        try:
+            path = self.fetch(version)
+        except UnknownVersionError:
+            raise
+        except RegistryError as e:
+            return str(e)
+        return safetensors_problem(path / "adapter_model.safetensors")
+
+    def clean_orphans(self, min_age_s: float = 600.0) -> list[str]:
+        """Remove from ``artifact_dir`` what crashed registrations left: temp directories
+        (``.tmp-*``, ``.stale-*``) and ``vN`` directories with N at most Redis's version counter
+        that no record names (the files were renamed into place, the Redis record never
+        written). Only entries older than ``min_age_s`` (a registration may be in progress); a
+        ``vN`` beyond the counter is left alone (Redis lost its counter: those may be another
+        Redis's adapters). Returns the names removed."""
+        if not self.artifact_dir.is_dir():
+            return []
+        now = time.time()
+        with _unavailable("reading adapter versions"):
+            counter = int(self._client.get(self._keys.adapter_counter) or 0)
+            known = {int(v) for v in self._client.zrange(self._keys.adapter_versions, 0, -1)}
+        removed = []
+        for p in sorted(self.artifact_dir.iterdir()):
+            try:
+                if now - p.stat().st_mtime < min_age_s:
+                    continue
+            except OSError:
+                continue
+            name = p.name
+            tmp = name.startswith((".tmp-", ".stale-"))
+            num = name[1:] if name.startswith("v") else ""
+            orphan = num.isdigit() and int(num) <= counter and int(num) not in known
+            if p.is_dir() and (tmp or orphan):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(name)
+        return removed
+
     # -- state ------------------------------------------------------------------------------------
 
     def _scope_of(self, version: int) -> str | None:
@@ -409,6 +513,12 @@ class AdapterRegistry:
         scope = self._scope_of(version)
         if scope is None:
             raise UnknownVersionError(f"cannot promote v{version}: no such adapter version; list the registered ones with `daemonctl adapters list` (AdapterRegistry.list())")
+        problem = self.artifact_problem(version)
+        if problem is not None:
+            raise ArtifactInvalidError(
+                f"cannot promote v{version}: its artifact fails the check: {problem}. Decoders would refuse it; "
+                f"promote another version or register a good adapter"
+            )
         with _unavailable(f"promoting v{version}"):
             res = self._promote(
                 keys=[k.adapter(version), k.active_in(scope), k.active_stack_in(scope), k.promotions],
@@ -426,22 +536,52 @@ class AdapterRegistry:
         return int(res[1])
 
     def rollback(self, reason: str, scope: str = "") -> int:
+        """:meth:`rollback_checked` without the skipped versions."""
+        return self.rollback_checked(reason, scope)[0]
+
+    def _bad_on_stack(self, scope: str) -> dict[str, str]:
+        """Versions on ``scope``'s rollback stack, from the top down to the first good promoted one
+        below the active version, whose artifact fails the check: version (str) -> why."""
+        k = self._keys
+        with _unavailable("reading the rollback stack"):
+            cur = int(self._client.get(k.active_in(scope)) or 0)
+            stack = [int(v) for v in self._client.lrange(k.active_stack_in(scope), 0, -1)]
+        bad: dict[str, str] = {}
+        for v in reversed(stack):
+            if v == cur or str(v) in bad:
+                continue
+            try:
+                if self.get(v).state != "promoted":
+                    continue
+            except UnknownVersionError:
+                continue
+            problem = self.artifact_problem(v)
+            if problem is None:
+                break
+            bad[str(v)] = problem
+        return bad
+
+    def rollback_checked(self, reason: str, scope: str = "") -> tuple[int, dict[int, str]]:
         """Mark ``scope``'s active version ``rolled_back`` and reactivate the scope's previous
-        promoted version that is still ``promoted``, atomically. Returns the scope's new active
-        version: 0 when none is left (the base draft for the shared scope; for a workload scope,
-        its requests fall back to the shared adapter).
+        promoted version that is still ``promoted`` and whose artifact passes the check,
+        atomically. Returns the scope's new active version (0 when none is left: the base draft
+        for the shared scope; for a workload scope, its requests fall back to the shared adapter)
+        and the versions skipped because their artifact failed the check (version -> why; they
+        are marked ``rolled_back`` with that reason).
 
         Raises:
             ValueError: ``scope`` is not a valid scope (see :func:`check_scope`).
             InvalidTransitionError: the scope has no active adapter.
         """
         check_scope(scope)
+        bad = self._bad_on_stack(scope)
         now = self._clock()
         k = self._keys
         with _unavailable("rollback"):
             res = self._rollback(
                 keys=[k.active_in(scope), k.active_stack_in(scope), k.promotions],
-                args=[f"{k.prefix}adapter:v:", reason, repr(float(now)), k.events_channel, scope],
+                args=[f"{k.prefix}adapter:v:", reason, repr(float(now)), k.events_channel, scope,
+                      json.dumps(bad)],
             )
         if res[0].decode() == "none":
             if scope:
@@ -452,7 +592,8 @@ class AdapterRegistry:
                     f"to roll back the shared adapter, leave the workload out"
                 )
             raise InvalidTransitionError("cannot roll back: no adapter is active (version 0, the base draft)")
-        return int(res[1])
+        skipped = {int(v): bad.get(v.decode(), "") for v in res[3:]}
+        return int(res[1]), skipped
 
     def set_state(self, version: int, state: str, reason: str) -> None:
         """Set a non-active version's state to ``candidate`` or ``rejected`` (with ``reason``).

@@ -52,6 +52,25 @@ class SchemaError(StoreError, ValueError):
         self.reason = reason
 
 
+MAX_WORKLOAD_LEN = 128  # characters of a workload tag (the same bound as an adapter scope's)
+
+
+def check_workload(tag: object) -> str:
+    """``tag`` if it is a usable workload tag: a str of at most ``MAX_WORKLOAD_LEN`` characters
+    without control characters ("" = untagged). Raises SchemaError (a ValueError) naming it.
+
+    Checked where tags enter: :func:`encode` (the writer drops such a record, counted in
+    ``dropped_error``), :func:`decode` (the reader dead-letters it) and the decoder's JSONL loader."""
+    if not isinstance(tag, str):
+        raise SchemaError(f"workload tag {tag!r:.80} must be a str, e.g. 'prose'")
+    if len(tag) > MAX_WORKLOAD_LEN or not tag.isprintable():
+        raise SchemaError(
+            f"workload tag {tag[:MAX_WORKLOAD_LEN]!r}{'...' if len(tag) > MAX_WORKLOAD_LEN else ''} ({len(tag)} characters) "
+            f"is not usable: at most {MAX_WORKLOAD_LEN} characters, no control characters or newlines; e.g. 'code'"
+        )
+    return tag
+
+
 @dataclass(frozen=True)
 class PairFingerprint:
     """Identifies the (target, draft, tokenizer) pair that produced a record.
@@ -249,7 +268,12 @@ def _check_scalars(body: dict) -> None:
 
 
 def encode(sample: VerifiedSample) -> dict[bytes, bytes]:
-    """Encode a sample into a Redis stream field map (bytes -> bytes)."""
+    """Encode a sample into a Redis stream field map (bytes -> bytes).
+
+    Raises:
+        SchemaError: the workload tag is not usable (:func:`check_workload`).
+    """
+    check_workload(sample.workload)
     body = {
         "request_id": sample.request_id,
         "adapter_version": int(sample.adapter_version),
@@ -297,7 +321,7 @@ def decode(fields: dict[bytes, bytes]) -> VerifiedSample:
     except UnicodeDecodeError as e:
         raise SchemaError(f"field 'rid' (record id) {fields[F_RECORD_ID][:64]!r} is not ASCII") from e
     try:
-        workload = fields[F_WORKLOAD].decode("utf-8")
+        workload = check_workload(fields[F_WORKLOAD].decode("utf-8"))
     except UnicodeDecodeError as e:
         raise SchemaError(f"field 'w' (workload) {fields[F_WORKLOAD][:64]!r} is not UTF-8") from e
     try:

@@ -468,6 +468,48 @@ class Distiller:
     def _weights_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self._params)
 
+    @property
+    def weights_finite(self) -> bool:
+        """Every adapter tensor is finite (a round must not start from broken weights)."""
+        return self._weights_finite()
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a record may carry: 0..vocab_size-1 (rows of both the input embeddings and the LM head)."""
+        base = self.model.get_base_model()
+        return min(base.get_input_embeddings().weight.shape[0], base.get_output_embeddings().weight.shape[0])
+
+    def sample_problem(self, sample: VerifiedSample, width: int | None = None) -> str | None:
+        """Why ``sample`` cannot be trained on or evaluated by this draft (None if it can): an empty
+        prompt, a token id outside the vocabulary, or a top-k width other than ``width`` (the
+        round's). The schema already refused non-finite values and mismatched shapes."""
+        if sample.prompt_ids.shape[0] < 1:
+            return f"record {sample.record_id} has an empty prompt; the draft needs at least one token of context"
+        v = self.vocab_size
+        for name in ("prompt_ids", "output_ids", "topk_ids"):
+            x = getattr(sample, name)
+            if x.size and int(x.max()) >= v:
+                return (f"record {sample.record_id}: {name} holds token id {int(x.max())}, outside this draft's "
+                        f"vocabulary of {v} (ids 0..{v - 1}); written by another model pair or corrupt")
+        k = sample.topk_ids.shape[1]
+        if width is not None and k != width and sample.num_tokens:
+            return f"record {sample.record_id} has top-k width {k}, the round's records have {width}; the decoder's k must be fixed"
+        return None
+
+    @torch.no_grad()
+    def probe(self, sample: VerifiedSample) -> str | None:
+        """Run one sample through the training loss alone (no step): None if it works, else why
+        not. Used to find the record that makes a round fail."""
+        if sample.num_tokens == 0:
+            return None
+        try:
+            loss = self._batch_loss(_build_batch([sample], self.config, self.device, self.config.weighting))
+        except Exception as e:  # noqa: BLE001 - any failure is the answer
+            return f"record {sample.record_id} cannot be trained on: {type(e).__name__}: {e}"
+        if not bool(torch.isfinite(loss)):
+            return f"record {sample.record_id} gives a non-finite loss {loss.item()}"
+        return None
+
     # ---- training --------------------------------------------------------------------------
 
     def _batch_loss(self, batch: _Batch) -> torch.Tensor:
@@ -580,6 +622,9 @@ class Distiller:
                             used.add(j)
                             tokens += int((position_weights(samples[j], cfg.weighting, cfg.rejected_weight) > 0).sum())
             return result(True)
+        except BaseException:
+            rollback("error")  # a failed round leaves the weights and the optimiser as they were
+            raise
         finally:
             self.model.eval()
 
@@ -705,13 +750,25 @@ class Distiller:
                     f"adapter in {d} was trained on a draft vocabulary of {theirs[0]} ids (FR-Spec), this trainer uses "
                     f"{have}; set the same restricted vocabulary (models.draft_vocab / Distiller(vocab=...)) or "
                     f"start from the base draft")
-        result = set_peft_model_state_dict(self.model, load_file(str(w_path)), adapter_name=ADAPTER_NAME)
-        unexpected = list(getattr(result, "unexpected_keys", []) or [])
-        if unexpected:
-            raise AdapterMismatch(f"adapter in {d} has tensors this draft lacks, e.g. {unexpected[:3]}")
-        missing = [k for k in (getattr(result, "missing_keys", []) or []) if "lora_" in k]
-        if missing:
-            raise AdapterMismatch(f"adapter in {d} lacks LoRA tensors of this config, e.g. {missing[:3]}")
-        if not self._weights_finite():
-            raise AdapterMismatch(f"adapter in {d} has non-finite weights")
+        try:
+            tensors = load_file(str(w_path))
+        except Exception as e:  # noqa: BLE001 - truncated or not safetensors
+            raise AdapterMismatch(f"adapter in {d}: {w_path.name} is not a loadable safetensors file ({e})") from e
+        bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:  # checked before anything is loaded, so the current weights stay as they are
+            raise AdapterMismatch(f"adapter in {d} has non-finite weights (NaN or inf) in {len(bad)} tensors, e.g. {bad[:3]}")
+        before = self.adapter_state()
+        try:
+            result = set_peft_model_state_dict(self.model, tensors, adapter_name=ADAPTER_NAME)
+            unexpected = list(getattr(result, "unexpected_keys", []) or [])
+            if unexpected:
+                raise AdapterMismatch(f"adapter in {d} has tensors this draft lacks, e.g. {unexpected[:3]}")
+            missing = [k for k in (getattr(result, "missing_keys", []) or []) if "lora_" in k]
+            if missing:
+                raise AdapterMismatch(f"adapter in {d} lacks LoRA tensors of this config, e.g. {missing[:3]}")
+            if not self._weights_finite():
+                raise AdapterMismatch(f"adapter in {d} has non-finite weights")
+        except BaseException:
+            self.load_adapter_state(before)  # a refused adapter leaves no trace in the weights
+            raise
         self.optimizer = self._new_optimizer()

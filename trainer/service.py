@@ -41,7 +41,15 @@ promoted snapshot is kept separately for evaluation), so small gains can accumul
 margin. A non-finite round is rolled back inside the Distiller and never registered; its
 entries are acked (retrying the same data would fail the same way) and the round is reported.
 If the registry's active version changes behind our back (operator promote or rollback), the
-next round restarts training from the newly active adapter.
+next round restarts training from the newly active adapter. An active adapter that cannot be
+loaded (corrupt, non-finite) fails the round before anything is read, weights untouched, and the
+next round syncs again (e.g. after a rollback); a round never starts from non-finite weights.
+
+Poison records (issue 16): records that decode but cannot train on this draft (a token id beyond
+its vocabulary, an empty prompt, another top-k width) are dead-lettered with the reason before
+the round (``Distiller.sample_problem``). If the round still raises, each record is run through the
+loss alone (``Distiller.probe``); those that fail are dead-lettered and the round runs once more
+on the rest, so one bad record never strands the good ones.
 
 Scheduling: an APScheduler ``BackgroundScheduler`` runs the round job every ``interval_s``
 (``max_instances=1``, ``coalesce=True``) and a cheap check job every ``check_interval_s`` that
@@ -124,6 +132,7 @@ class RoundReport:
     before: dict | None = None  # EvalResult.to_dict() of the promoted adapter
     after: dict | None = None  # EvalResult.to_dict() of the candidate
     acked: int = 0
+    dead_lettered: int = 0  # records of this round that could not train, moved to the dead-letter stream with their reasons
     # per_workload: workload -> ScopeReport.to_dict() of its own adapter's turn this round
     scopes: dict[str, dict] = field(default_factory=dict)
 
@@ -268,7 +277,8 @@ class TrainerService:
         self._heldout: dict[str, deque[VerifiedSample]] = {}
         self._replay: dict[str, deque[VerifiedSample]] = {}
         self._carry: list[Any] = []  # entries read beyond max_samples_per_round, for the next round
-        self._promoted_version = -1  # unknown until the first sync
+        self._promoted_version = -1  # unknown until the first sync (and again after a failed one)
+        self.sync_error: str | None = None  # why the registry's active adapter could not be loaded
         self._promoted_state: AdapterState | str = BASE
         # version -> record id -> (workload, EvalCounts): served adapters' held-out evaluations
         self._eval_cache: dict[int, dict[str, tuple[str, Any]]] = {}
@@ -352,6 +362,7 @@ class TrainerService:
             "next_run_time": nxt.isoformat() if nxt else None,
             "heldout": {w: len(d) for w, d in sorted(self._heldout.items())},
             "carried_over": len(self._carry),
+            "sync_error": self.sync_error,
             "last_round": self._last.to_dict() if self._last else None,
         }
 
@@ -378,17 +389,29 @@ class TrainerService:
             return report
 
     def _sync_active(self) -> None:
-        """Follow the registry's active version (ours, or an operator's promote/rollback)."""
+        """Follow the registry's active version (ours, or an operator's promote/rollback).
+
+        An active version that cannot be loaded (corrupt, missing, non-finite) leaves the weights
+        as they were and the followed version unknown, so the round fails without reading
+        anything (entries stay pending) and the next round syncs again, e.g. after a rollback."""
         active = self.registry.active_version()
-        if active == self._promoted_version:
+        if active == self._promoted_version and self.distiller.weights_finite:
             return
         if active == 0:
-            if self._promoted_version > 0:  # rolled back to the base draft: restart from it
+            if self._promoted_version > 0 or self.sync_error is not None or not self.distiller.weights_finite:
+                # rolled back to the base draft (or the weights are broken): restart from it
                 self.distiller.reset_adapter()
             self._promoted_state = BASE
         else:
-            self.distiller.load_adapter_weights(self.registry.fetch(active))
+            try:
+                self.distiller.load_adapter_weights(self.registry.fetch(active))
+            except (RegistryError, TrainerError) as e:
+                self._promoted_version = -1
+                self.sync_error = f"active adapter v{active} cannot be loaded: {type(e).__name__}: {e}"
+                log.error("trainer_active_adapter_unloadable", version=active, error=str(e))
+                raise TrainerError(f"{self.sync_error}; roll it back (daemonctl adapters rollback) or promote another") from e
             self._promoted_state = self.distiller.adapter_state()
+        self.sync_error = None
         if self._promoted_version != -1 or active != 0:
             log.info("trainer_follows_active_adapter", previous=self._promoted_version, active=active)
         self._promoted_version = active
@@ -475,8 +498,66 @@ class TrainerService:
             self._carry = entries + self._carry
             raise
 
+    def _screen(self, report: RoundReport, entries: list[Any]) -> None:
+        """Dead-letter (with the reason) the entries this draft cannot use, checked against the
+        pair: an empty prompt, a token id beyond the vocabulary, a top-k width other than the
+        buffer's (that of the held-out samples, else the round's most common). ``entries`` is
+        edited in place."""
+        widths = [s.topk_ids.shape[1] for d in self._heldout.values() for s in d if s.num_tokens]
+        if not widths:
+            widths = [e.sample.topk_ids.shape[1] for e in entries if e.sample.num_tokens]
+        width = max(set(widths), key=widths.count) if widths else None
+        bad = [(e, why) for e in entries if (why := self.distiller.sample_problem(e.sample, width))]
+        self._drop(report, entries, bad)
+
+    def _drop(self, report: RoundReport, entries: list[Any], bad: list[tuple[Any, str]]) -> None:
+        if not bad:
+            return
+        n = self.reader.dead_letter(bad)
+        report.dead_lettered += n
+        ids = {e.entry_id for e, _ in bad}
+        rids = {e.sample.record_id for e, _ in bad}
+        entries[:] = [e for e in entries if e.entry_id not in ids]
+        for w, d in self._heldout.items():
+            self._heldout[w] = deque((x for x in d if x.record_id not in rids), maxlen=d.maxlen)
+        for e, why in bad:
+            log.warning("trainer_record_dead_lettered", record_id=e.sample.record_id, reason=why)
+
+    def _isolate(self, entries: list[Any]) -> tuple[list[tuple[Any, str]], int]:
+        """After a failed round: the entries that fail on their own, by running each through the
+        loss, and how many held-out samples of earlier rounds failed so (dropped from the held-out
+        set; they were acked then)."""
+        bad = [(e, why) for e in entries if (why := self.distiller.probe(e.sample))]
+        dropped = 0
+        for w, d in self._heldout.items():
+            kept = deque((x for x in d if self.distiller.probe(x) is None), maxlen=d.maxlen)
+            dropped += len(d) - len(kept)
+            self._heldout[w] = kept
+        if dropped:
+            log.warning("trainer_heldout_samples_dropped", n=dropped, why="they fail the loss on their own")
+        return bad, dropped
+
     def _process(self, report: RoundReport, entries: list[Any]) -> None:
+        """Screen the entries, then train on them; when the round raises, find the records that
+        fail on their own, dead-letter them and train once more on the rest (a poison record
+        never strands the good ones). ``entries`` is edited in place."""
+        self._screen(report, entries)
+        try:
+            self._process_once(report, entries)
+        except Exception as e:
+            if not isinstance(e, (TrainerError, IndexError, ValueError, RuntimeError)):
+                raise
+            bad, heldout_dropped = self._isolate(entries)
+            if not bad and not heldout_dropped:
+                raise
+            log.warning("trainer_round_retried_without", records=[x.sample.record_id for x, _ in bad], error=str(e))
+            self._drop(report, entries, [(x, f"{why} (the round failed with {type(e).__name__}: {e})") for x, why in bad])
+            self._process_once(report, entries)
+
+    def _process_once(self, report: RoundReport, entries: list[Any]) -> None:
         cfg = self.config
+        if not self.distiller.weights_finite:
+            raise TrainerError("the adapter's weights are not finite before the round; not training (entries kept pending)")
         train, heldout_entries = [], []
         for e in entries:
             s = e.sample

@@ -21,7 +21,7 @@ def test_promote_and_rollback_log_snake_case_events_with_context(tmp_path, key_p
     with capture_logs() as logs, d.started():
         v = d.registry.register(make_adapter_dir(tmp_path / "a"), AdapterMeta(parent=0))
         assert d.promote(v, "why not") == {"active": v, "previous": 0, "reason": "why not", "workload": ""}
-        assert d.rollback("undo") == {"active": 0, "previous": v, "reason": "undo", "workload": ""}
+        assert d.rollback("undo") == {"active": 0, "previous": v, "reason": "undo", "workload": "", "skipped": {}}
         with pytest.raises(TrainerDisabledError, match="models.enabled=false"):
             d.train_now()
         st = d.status()

@@ -1,0 +1,123 @@
+"""Issue 16: poison records and broken adapters never stall the trainer or strand good records
+(real Redis, real registry, the tiny Llama pair)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from store.buffer import SampleReader, SampleWriter, group_info, list_dead_letters
+from store.config import StoreConfig
+from store.registry import AdapterMeta, AdapterRegistry
+from tiny_pair import PAIR, VOCAB, tiny_draft
+from trainer.distill import AdapterMismatch, DistillConfig, Distiller, TrainerError
+from trainer.service import ServiceConfig, TrainerService
+
+FAST = DistillConfig(lr=3e-3, batch_size=8, max_steps=10, max_epochs=100, max_seconds=60)
+
+
+def write(client, cfg, samples):
+    with SampleWriter(client, cfg) as w:
+        for s in samples:
+            assert w.submit(s)
+        assert w.flush(10)
+
+
+def pending(client, cfg) -> int:
+    return next(g.pending for g in group_info(client, cfg) if g.name == "trainer")
+
+
+@pytest.fixture
+def env(redis_client, key_prefix, tmp_path):
+    cfg = StoreConfig(key_prefix=key_prefix)
+    return redis_client, cfg, AdapterRegistry(redis_client, tmp_path / "artifacts", cfg), tmp_path
+
+
+def service(env, **kw):
+    client, cfg, registry, tmp = env
+    reader = SampleReader(client, cfg, "trainer", "c1", expected_fingerprint=PAIR)
+    scfg = ServiceConfig(**{"min_eval_samples": 4, "work_dir": str(tmp / "work"), **kw})
+    return TrainerService(reader, registry, Distiller(tiny_draft(), FAST), scfg)
+
+
+def poisons(good):
+    """Three records that pass the schema check but cannot train on a 64-token draft."""
+    big = dataclasses.replace(good[0], record_id="poison-big-id", request_id="poison-big-id")
+    big.output_ids = big.output_ids.copy()
+    big.output_ids[3] = 1_000_000
+    empty = dataclasses.replace(good[1], record_id="poison-empty", request_id="poison-empty",
+                                prompt_ids=np.zeros(0, np.int32))
+    narrow = dataclasses.replace(good[2], record_id="poison-narrow", request_id="poison-narrow",
+                                 topk_ids=good[2].topk_ids[:, :4], topk_probs=good[2].topk_probs[:, :4])
+    return [big, empty, narrow]
+
+
+def test_poison_records_are_dead_lettered_and_the_rest_trains(env, train_samples):
+    client, cfg, registry, _ = env
+    good = train_samples[:24]
+    write(client, cfg, good[:12] + poisons(good) + good[12:])
+    svc = service(env)
+    rep = svc.run_round_now()
+    assert rep.decision in ("promoted", "rejected"), rep.reason
+    assert rep.read == 27 and rep.dead_lettered == 3
+    assert rep.trained_on + rep.heldout_added == 24 and rep.acked == 24
+    assert pending(client, cfg) == 0
+    dl = {d.fields[b"rid"]: d.reason for d in list_dead_letters(client, cfg)}
+    assert set(dl) == {b"poison-big-id", b"poison-empty", b"poison-narrow"}
+    assert "1000000" in dl[b"poison-big-id"] and f"vocabulary of {VOCAB}" in dl[b"poison-big-id"]
+    assert "empty prompt" in dl[b"poison-empty"]
+    assert "top-k width 4" in dl[b"poison-narrow"] and "8" in dl[b"poison-narrow"]
+
+
+def test_a_round_that_fails_finds_the_record_and_trains_on_the_rest(env, train_samples, monkeypatch):
+    """When the read-time screen misses a record, the failing round is retried without it."""
+    client, cfg, registry, _ = env
+    good = train_samples[24:48]
+    write(client, cfg, good[:5] + poisons(good)[:1] + good[5:])
+    svc = service(env)
+    monkeypatch.setattr(svc.distiller, "sample_problem", lambda s, width=None: None)  # the screen sees nothing
+    rep = svc.run_round_now()
+    assert rep.decision in ("promoted", "rejected"), rep.reason
+    assert rep.dead_lettered == 1 and rep.acked == 24 and pending(client, cfg) == 0
+    (d,) = list_dead_letters(client, cfg)
+    assert d.fields[b"rid"] == b"poison-big-id" and "IndexError" in d.reason
+    assert len(registry.list()) == 1  # one candidate, trained on the 24 good records
+
+
+def nan_adapter(tmp, registry) -> int:
+    d = Distiller(tiny_draft(), FAST)
+    out = d.save(tmp / "good-adapter")
+    t = load_file(str(out / "adapter_model.safetensors"))
+    save_file({k: torch.full_like(v, float("nan")) for k, v in t.items()}, str(out / "adapter_model.safetensors"))
+    return registry.register(out, AdapterMeta(samples_trained=1))
+
+
+def test_loading_a_nan_adapter_leaves_the_weights_as_they_were(env):
+    _, _, registry, tmp = env
+    v = nan_adapter(tmp, registry)
+    d = Distiller(tiny_draft(), FAST)
+    before = d.adapter_state()
+    with pytest.raises(AdapterMismatch, match="non-finite"):
+        d.load_adapter_weights(registry.fetch(v))
+    after = d.adapter_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_nan_active_adapter_then_rollback_trains_again(env, train_samples):
+    client, cfg, registry, tmp = env
+    v = nan_adapter(tmp, registry)
+    client.set(cfg.keys.active, v)  # active behind the gate's back (before issue 16, `adapters promote` let it through)
+    write(client, cfg, train_samples[:24])
+    svc = service(env)
+    with pytest.raises(TrainerError, match=f"active adapter v{v} cannot be loaded"):
+        svc.run_round_now()
+    assert svc.distiller.weights_finite and svc.status()["sync_error"]
+    assert registry.rollback("bad adapter") == 0
+    rep = svc.run_round_now()
+    assert rep.decision in ("promoted", "rejected"), rep.reason  # never non_finite: the weights were restored
+    assert rep.result.finite and rep.acked == 24 and pending(client, cfg) == 0
+    assert svc.status()["sync_error"] is None
