@@ -570,5 +570,9 @@ from daemon.demo import register as register_demo  # noqa: E402
 
 register_demo(app)
 
+from daemon.serve import register as register_serve  # noqa: E402
+
+register_serve(app)
+
 if __name__ == "__main__":
     app()
