@@ -452,6 +452,10 @@ class Daemon:
                 spec[w] = {"on": False, "why": f"all {rs.num_steps} steps in the last {RECENT_WINDOW_S:.0f} s were plain (gamma = 0)"}
         out["acceptance"] = acc
         out["speculation"] = spec
+        from store.heartbeat import read_heartbeats
+
+        out["serving"] = [hb | {"last_seen_s": round(now - float(hb.get("ts") or now), 1)}
+                          for hb in read_heartbeats(c, cfg)]  # `daemonctl serve` instances (expiring heartbeats)
         out.update(healthy=not problems, problems=problems, warnings=warnings)
         return out
 

@@ -143,6 +143,58 @@ def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
 # -- status --------------------------------------------------------------------------------------------
 
 
+def _offline_call(s, what: str, fn):
+    """``fn(daemon)`` on a Daemon built over Redis directly (the daemon is down): the store holds
+    the registry and the history, so read commands work right after the demo or a `serve` run."""
+    from daemon.app import Daemon
+    from daemon.redis_embed import answers
+    from store.client import StoreError, connect
+    from store.history import AcceptanceHistory
+    from store.registry import AdapterRegistry
+
+    url = s.redis.url or (s.redis.default_url if s.redis.embedded != "always" and answers(s.redis.default_url) else None)
+    if url is None:
+        err.print(f"[red]no draftd daemon answers at {s.api_url} and no Redis answers[/]: {what} reads the daemon or "
+                  f"its Redis; start one (`daemonctl run`) or set DRAFTD_REDIS__URL")
+        raise typer.Exit(3)
+    try:
+        client = connect(url)
+    except StoreError as e:
+        err.print(f"[red]no draftd daemon answers at {s.api_url}, and Redis: {e}[/]")
+        raise typer.Exit(3) from e
+    try:
+        d = Daemon(s)
+        d.registry = AdapterRegistry(client, s.adapter_dir, d.store_config)
+        d.history = AcceptanceHistory(client, d.store_config)
+        err.print(f"[yellow]no daemon answers at {s.api_url}: read from Redis directly (prefix {s.store.key_prefix})[/]")
+        return fn(d)
+    finally:
+        client.close()
+
+
+def _read(config, path: str, what: str, fn):
+    """GET ``path`` from the daemon; when it is down, ``fn(daemon)`` over Redis directly."""
+    from daemon.client import DaemonDown
+
+    client, s = _client(config)
+    try:
+        return _call_down_ok(client.get, path)
+    except DaemonDown:
+        return _offline_call(s, what, fn)
+
+
+def _call_down_ok(fn, *args: Any) -> Any:
+    from daemon.client import ApiError, DaemonDown
+
+    try:
+        return fn(*args)
+    except DaemonDown:
+        raise
+    except ApiError as e:
+        err.print(f"[red]refused ({e.status}):[/] {e.detail}")
+        raise typer.Exit(1 if e.status != 401 else 4) from e
+
+
 def _offline_status(s) -> dict:
     """What can be known with the daemon down: Redis (URL or default address) and the store."""
     from daemon.app import Daemon
@@ -223,6 +275,12 @@ def render_status(st: dict) -> None:
         for w, wa in (a.get("workloads") or {}).items():
             t.add_row(escape(f"adapter ({w})"), f"v{wa['active']} (its own) active since {_when(wa['since'])}"
                       + escape(f" (previous v{wa['previous']}: {wa['reason']})" if wa["previous"] is not None else ""))
+    for hb in st.get("serving") or []:
+        spec = ", ".join(f"{w} {'on' if on else 'off'}" for w, on in (hb.get("speculation_by_workload") or {}).items()) or "-"
+        t.add_row("serving", escape(f"{hb.get('server_id')}: adapter v{hb.get('adapter_version')}, {hb.get('requests_served')} "
+                                    f"served, queue {hb.get('queue_depth')}/{hb.get('queue_size')}"
+                                    f"{', draining' if hb.get('draining') else ''}; speculation {spec}; "
+                                    f"last seen {hb.get('last_seen_s')} s ago"))
     for p in st.get("problems", []):
         t.add_row("[red]problem[/]", p)
     for w in st.get("warnings", []):
@@ -310,6 +368,13 @@ def plot_history(h: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _jsonable_cli(x: Any) -> Any:
+    """What the API's JSON encoding would give (NaN -> None), for the offline readers."""
+    from daemon.app import _jsonable
+
+    return json.loads(json.dumps(_jsonable(x), default=str))
+
+
 def _live(live: dict) -> str:
     return "; ".join(f"{w} {_f(v['acceptance_rate'])} ({v['requests']} req)" for w, v in live.items()) or "-"
 
@@ -325,9 +390,9 @@ def history(
     live acceptance per workload while active, state and reason."""
     import time
 
-    client, _ = _client(config)
-    q = "" if since_h is None else f"?since={time.time() - since_h * 3600}"
-    h = _call(client.get, "/v1/history" + q)
+    since = None if since_h is None else time.time() - since_h * 3600
+    q = "" if since is None else f"?since={since}"
+    h = _read(config, "/v1/history" + q, "history", lambda d: _jsonable_cli(d.history_report(since)))
     if json_out:
         print(json.dumps(h, indent=2))
     else:
@@ -352,8 +417,7 @@ def history(
 @adapters_app.command("list")
 def adapters_list(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Registered adapter versions, oldest first."""
-    client, _ = _client(config)
-    rows = _call(client.get, "/v1/adapters")
+    rows = _read(config, "/v1/adapters", "adapters list", lambda d: _jsonable_cli(d.adapters()))
     if json_out:
         print(json.dumps(rows, indent=2))
         return
