@@ -275,7 +275,7 @@ class ServingLoop:
         with self._cv:
             if self._draining or self._thread is None:
                 self._n["refused_draining"] += 1
-                raise Draining("the server is shutting down and takes no new requests; retry on another instance")
+                raise Draining("the server is not taking requests (shutting down, or not started); retry on another instance")
             try:
                 self._q.put_nowait(t)
             except queue.Full:
