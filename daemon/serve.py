@@ -563,7 +563,11 @@ class InferenceService:
         aloop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         on_tokens = (lambda ids: aloop.call_soon_threadsafe(events.put_nowait, ids)) if p.stream else None
-        req = self.request_of(p)
+        try:
+            req = self.request_of(p)
+        except ValueError as e:  # e.g. a prompt that tokenises to nothing
+            where = "prompt" if p.kind == "completion" else "messages"
+            raise ApiError(400, f"{where}: {e}", param=where, code="invalid_value") from e
         try:
             ticket = self.loop.submit(req, on_tokens=on_tokens)
         except QueueFull as e:
