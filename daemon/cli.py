@@ -19,6 +19,7 @@ import typer
 from rich.table import Table
 from rich.markup import escape
 
+from daemon.cli_offline import read_or_offline
 from daemon.logging import console
 
 app = typer.Typer(help="draftd: online-adapted speculative decoding sidecar. Operate the daemon.", no_args_is_help=True)
@@ -141,58 +142,6 @@ def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
 
 
 # -- status --------------------------------------------------------------------------------------------
-
-
-def _offline_call(s, what: str, fn):
-    """``fn(daemon)`` on a Daemon built over Redis directly (the daemon is down): the store holds
-    the registry and the history, so read commands work right after the demo or a `serve` run."""
-    from daemon.app import Daemon
-    from daemon.redis_embed import answers
-    from store.client import StoreError, connect
-    from store.history import AcceptanceHistory
-    from store.registry import AdapterRegistry
-
-    url = s.redis.url or (s.redis.default_url if s.redis.embedded != "always" and answers(s.redis.default_url) else None)
-    if url is None:
-        err.print(f"[red]no draftd daemon answers at {s.api_url} and no Redis answers[/]: {what} reads the daemon or "
-                  f"its Redis; start one (`daemonctl run`) or set DRAFTD_REDIS__URL")
-        raise typer.Exit(3)
-    try:
-        client = connect(url)
-    except StoreError as e:
-        err.print(f"[red]no draftd daemon answers at {s.api_url}, and Redis: {e}[/]")
-        raise typer.Exit(3) from e
-    try:
-        d = Daemon(s)
-        d.registry = AdapterRegistry(client, s.adapter_dir, d.store_config)
-        d.history = AcceptanceHistory(client, d.store_config)
-        err.print(f"[yellow]no daemon answers at {s.api_url}: read from Redis directly (prefix {s.store.key_prefix})[/]")
-        return fn(d)
-    finally:
-        client.close()
-
-
-def _read(config, path: str, what: str, fn):
-    """GET ``path`` from the daemon; when it is down, ``fn(daemon)`` over Redis directly."""
-    from daemon.client import DaemonDown
-
-    client, s = _client(config)
-    try:
-        return _call_down_ok(client.get, path)
-    except DaemonDown:
-        return _offline_call(s, what, fn)
-
-
-def _call_down_ok(fn, *args: Any) -> Any:
-    from daemon.client import ApiError, DaemonDown
-
-    try:
-        return fn(*args)
-    except DaemonDown:
-        raise
-    except ApiError as e:
-        err.print(f"[red]refused ({e.status}):[/] {e.detail}")
-        raise typer.Exit(1 if e.status != 401 else 4) from e
 
 
 def _offline_status(s) -> dict:
@@ -368,13 +317,6 @@ def plot_history(h: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _jsonable_cli(x: Any) -> Any:
-    """What the API's JSON encoding would give (NaN -> None), for the offline readers."""
-    from daemon.app import _jsonable
-
-    return json.loads(json.dumps(_jsonable(x), default=str))
-
-
 def _live(live: dict) -> str:
     return "; ".join(f"{w} {_f(v['acceptance_rate'])} ({v['requests']} req)" for w, v in live.items()) or "-"
 
@@ -392,7 +334,7 @@ def history(
 
     since = None if since_h is None else time.time() - since_h * 3600
     q = "" if since is None else f"?since={since}"
-    h = _read(config, "/v1/history" + q, "history", lambda d: _jsonable_cli(d.history_report(since)))
+    h = read_or_offline(config, "/v1/history" + q, "history", lambda d: d.history_report(since))
     if json_out:
         print(json.dumps(h, indent=2))
     else:
@@ -417,7 +359,7 @@ def history(
 @adapters_app.command("list")
 def adapters_list(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Registered adapter versions, oldest first."""
-    rows = _read(config, "/v1/adapters", "adapters list", lambda d: _jsonable_cli(d.adapters()))
+    rows = read_or_offline(config, "/v1/adapters", "adapters list", lambda d: d.adapters())
     if json_out:
         print(json.dumps(rows, indent=2))
         return
