@@ -20,7 +20,7 @@ The pair (tests/decoder/adapt_helpers.py): a 3-layer tiny target whose layers 1-
 3. *Recovery* (``--demo-report out/demo/report.json``): requests and seconds from each workload
    shift until greedy α is back within 90 % of its pre-shift level, and goodput vs plain per
    phase, read from a ``daemonctl demo`` run (the trainer producing adapters from served traffic
-   on the real pair; ``daemon.demo.recovery_stats``). Without the option this part is skipped and
+   on the real pair; ``decoder.shift.recovery_stats``). Without the option this part is skipped and
    says so.
 """
 
@@ -175,7 +175,7 @@ def main() -> None:
 def recovery_from_demo(path: str | None) -> dict | str:
     if path is None:
         return "skipped: pass --demo-report out/demo/report.json (written by daemonctl demo)"
-    from daemon.demo import recovery_stats
+    from decoder.shift import recovery_stats
 
     rep = json.loads(Path(path).read_text())
     phases = [{"workload": r["workload"], "frozen_speedup_vs_plain": r["frozen"]["speedup_vs_plain"],

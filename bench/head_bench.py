@@ -6,7 +6,7 @@ Verification runs gamma + 1 rows through the target; plain decoding runs 1. On C
 (x W^T, what nn.Linear calls) with a few rows can cost about twice one row for a large head, and
 that ratio is the "c_verify" in every speedup estimate. For each thread count and M in 1..8
 this prints the head time both ways and the whole target step (decoder + head) as the decoder
-runs it: transformers' path, with ``decoder.speculative._small_m_head``, and with that head plus
+runs it: transformers' path, with ``decoder.speculative.small_m_head``, and with that head plus
 every layer switched to ``decoder.fastpath.SmallMLinear`` (what ``SpeculativeDecoder`` does on
 CPU); at M = 1 also the step with one row padded to a 2-column GEMM (``pad_one_row``). Then,
 per thread count, one draft step (``--draft-layers`` of the target, 128 tokens of context) as
@@ -54,7 +54,7 @@ def main() -> None:
 
     from decoder.fastpath import small_m_linear
     from decoder.models import load_model
-    from decoder.speculative import _small_m_head
+    from decoder.speculative import small_m_head
 
     model, _ = load_model(args.target)
     switched = copy.deepcopy(model)
@@ -62,7 +62,7 @@ def main() -> None:
     padded = copy.deepcopy(model)
     small_m_linear(padded, pad_one_row=True)
     w = model.get_output_embeddings().weight.detach()
-    head = _small_m_head(model)
+    head = small_m_head(model)
     ctx = torch.randint(0, w.shape[0], (1, 128))
     out = {"target": args.target, "head_shape": list(w.shape), "rows": {}}
     with torch.inference_mode():

@@ -28,7 +28,7 @@ from daemon.api import create_app
 from daemon.client import read_token  # noqa: F401 - re-exported: it lived here
 from daemon.errors import DaemonError, TrainerDisabledError
 from daemon.redis_embed import RedisHandle, open_redis
-from daemon.reports import RECENT_WINDOW_S, adapter_dict, by_workload, history_report, jsonable, status_report  # noqa: F401
+from daemon.reports import RECENT_WINDOW_S, adapter_dict, adapters_list, by_workload, history_report, jsonable, status_report  # noqa: F401
 from daemon.settings import Settings, distill_config, draft_vocab_ids, service_config, store_config
 from store.history import AcceptanceHistory
 from store.registry import AdapterRegistry
@@ -286,8 +286,7 @@ class Daemon:
         return {"paused": False}
 
     def adapters(self) -> list[dict]:
-        actives = self.registry.active_versions()
-        return [adapter_dict(r) | {"active": r.version == actives.get(r.scope, 0)} for r in self.registry.list()]
+        return adapters_list(self.registry)
 
     def adapter(self, version: int) -> dict:
         rec = self.registry.get(version)

@@ -28,6 +28,8 @@ from daemon.settings import ConfigError, distill_config, draft_vocab_ids, effect
 
 # Model, Redis, FastAPI and plotting code is imported inside the commands that use it, so that
 # `daemonctl status` loads no torch (tests/daemon/test_cli_imports.py).
+from daemon.cli_offline import read_or_offline
+from daemon.reports import adapters_list as adapters_report, history_report
 
 app = typer.Typer(help="draftd: online-adapted speculative decoding sidecar. Operate the daemon.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Registered draft adapters: list, show, promote, rollback.", no_args_is_help=True)
@@ -213,6 +215,12 @@ def render_status(st: dict) -> None:
         for w, wa in (a.get("workloads") or {}).items():
             t.add_row(escape(f"adapter ({w})"), f"v{wa['active']} (its own) active since {_when(wa['since'])}"
                       + escape(f" (previous v{wa['previous']}: {wa['reason']})" if wa["previous"] is not None else ""))
+    for hb in st.get("serving") or []:
+        spec = ", ".join(f"{w} {'on' if on else 'off'}" for w, on in (hb.get("speculation_by_workload") or {}).items()) or "-"
+        t.add_row("serving", escape(f"{hb.get('server_id')}: adapter v{hb.get('adapter_version')}, {hb.get('requests_served')} "
+                                    f"served, queue {hb.get('queue_depth')}/{hb.get('queue_size')}"
+                                    f"{', draining' if hb.get('draining') else ''}; speculation {spec}; "
+                                    f"last seen {hb.get('last_seen_s')} s ago"))
     for p in st.get("problems", []):
         t.add_row("[red]problem[/]", p)
     for w in st.get("warnings", []):
@@ -311,9 +319,9 @@ def history(
 ) -> None:
     """Adapter history: per version parent, created, samples, held-out alpha before/after,
     live acceptance per workload while active, state and reason."""
-    client, _ = _client(config)
-    q = "" if since_h is None else f"?since={time.time() - since_h * 3600}"
-    h = _call(client.get, "/v1/history" + q)
+    since = None if since_h is None else time.time() - since_h * 3600
+    q = "" if since is None else f"?since={since}"
+    h = read_or_offline(config, "/v1/history" + q, "history", lambda reg, hist: history_report(reg, hist, since))
     if json_out:
         print(json.dumps(h, indent=2))
     else:
@@ -338,8 +346,7 @@ def history(
 @adapters_app.command("list")
 def adapters_list(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Registered adapter versions, oldest first."""
-    client, _ = _client(config)
-    rows = _call(client.get, "/v1/adapters")
+    rows = read_or_offline(config, "/v1/adapters", "adapters list", lambda reg, hist: adapters_report(reg))
     if json_out:
         print(json.dumps(rows, indent=2))
         return
@@ -556,6 +563,10 @@ register_decode(app)  # generate, bench
 from daemon.demo import register as register_demo  # noqa: E402
 
 register_demo(app)
+
+from daemon.serve import register as register_serve  # noqa: E402
+
+register_serve(app)
 
 if __name__ == "__main__":
     app()

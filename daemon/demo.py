@@ -80,7 +80,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     from decoder.control import AcceptanceTracker, GoodputController, RollbackMonitor, key_of
     from decoder.models import derive_draft, load_pair
     from decoder.sampling import SamplingParams
-    from decoder.shift import ShiftDetector
+    from decoder.shift import ShiftDetector, recovery_stats
     from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
     from store import AcceptanceHistory, AdapterRegistry, SampleReader, SampleWriter
     from store.buffer import group_info
@@ -462,37 +462,3 @@ def register(app) -> None:
         summary["report"] = str(Path(cfg.out_dir) / "report.json")
         summary["alpha_gain"] = {r["workload"]: r["alpha_gain"] for r in report["phases"]}
         print(json.dumps(summary))
-
-
-def recovery_stats(timeline: list[dict], shifts: list[dict], window: int = 5, level: float = 0.9) -> list[dict]:
-    """Requests and seconds from each workload shift until acceptance is back (pure).
-
-    For each shift after the first: the pre-shift level is the mean greedy α of the last
-    ``window`` speculating requests (α not None) before the shift; the shift has recovered at the
-    first request after it where the mean α of the last ``window`` speculating requests of the
-    new phase is >= ``level`` x that pre-shift level. ``requests`` counts every request served
-    since the shift (plain ones too), ``seconds`` the time since it. ``None`` when the phase
-    ended first, or when there was no pre-shift level to recover to.
-    """
-    out = []
-    for i, sh in enumerate(shifts[1:], 1):
-        start = sh["request"]
-        end = shifts[i + 1]["request"] if i + 1 < len(shifts) else len(timeline)
-        before = [r["alpha"] for r in timeline[:start] if r.get("alpha") is not None][-window:]
-        row: dict[str, Any] = {"workload": sh["workload"], "from": shifts[i - 1]["workload"],
-                               "pre_shift_alpha": _nn(sum(before) / len(before)) if before else None,
-                               "requests": None, "seconds": None, "recovered_alpha": None}
-        if before and row["pre_shift_alpha"] is not None:
-            target = level * row["pre_shift_alpha"]
-            seen: list[float] = []
-            for j in range(start, end):
-                a = timeline[j].get("alpha")
-                if a is None:
-                    continue
-                seen.append(a)
-                if len(seen) >= window and sum(seen[-window:]) / window >= target:
-                    row.update(requests=j - start + 1, seconds=round(timeline[j]["t"] - sh["t"], 1),
-                               recovered_alpha=_nn(sum(seen[-window:]) / window))
-                    break
-        out.append(row)
-    return out

@@ -54,6 +54,12 @@ def adapter_dict(rec: AdapterRecord) -> dict[str, Any]:
     return d
 
 
+def adapters_list(registry: AdapterRegistry) -> list[dict[str, Any]]:
+    """Every registered version (``daemonctl adapters list``), with whether it is its scope's active one."""
+    actives = registry.active_versions()
+    return [adapter_dict(r) | {"active": r.version == actives.get(r.scope, 0)} for r in registry.list()]
+
+
 def active_since(log_events: list[dict], active: int, scope: str = "") -> tuple[float | None, int | None, str | None]:
     """When ``active`` became ``scope``'s active version, the version before it and the reason,
     from the promotion log."""
@@ -87,6 +93,10 @@ def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", stor
     out["trainer"] = trainer_section(trainer, problems)
     out["adapter"] = adapter_section(registry)
     out["acceptance"], out["speculation"] = acceptance_sections(history, out["adapter"], now)
+    from store.heartbeat import read_heartbeats
+
+    out["serving"] = [hb | {"last_seen_s": round(now - float(hb.get("ts") or now), 1)}
+                      for hb in read_heartbeats(redis.client, store_config)]  # `daemonctl serve` instances
     out.update(healthy=not problems, problems=problems, warnings=warnings)
     return out
 

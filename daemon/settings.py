@@ -209,6 +209,23 @@ def is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve anywhere
 
 
+class ServeSettings(_Group):
+    """`daemonctl serve`: the OpenAI-compatible inference service with the adaptive loop inside."""
+
+    host: str = Field("127.0.0.1", description="Bind address of the inference API (loopback by default).")
+    port: int = Field(8000, ge=0, lt=65536, description="TCP port of the inference API.")
+    model_name: str | None = Field(None, description="Model id clients send and /v1/models lists; unset = models.target.")
+    queue_size: int = Field(64, ge=1, description="Requests that may wait besides the one decoding; beyond it 429 with Retry-After.")
+    max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none (capped at the context left).")
+    drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM in-flight and queued requests get this long to finish; new ones get 503.")
+    heartbeat_s: float = Field(5.0, gt=0, description="How often the server writes its heartbeat to Redis (daemonctl status lists it).")
+    speculation: bool = Field(True, description="false = plain decoding for every request (the baseline serve_bench compares with).")
+    check_plain_every: int = Field(0, ge=0, description="Also decode every N-th greedy request plainly to report matches_plain (0 = never).")
+    record_prompt: bool = Field(True, description="Stream the target's distributions over each prompt too (DecoderConfig.record_prompt).")
+    follow_adapters: bool = Field(True, description="Follow promoted and rolled-back adapters from the registry (per workload).")
+    server_id: str | None = Field(None, description="Id in the heartbeat; unset = <hostname>-<pid>.")
+
+
 def _default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "draftd"
@@ -229,6 +246,7 @@ class Settings(BaseSettings):
     models: ModelSettings = Field(default_factory=ModelSettings, description="Model pair for the trainer.")
     trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Training rounds and the gate.")
     api: ApiSettings = Field(default_factory=ApiSettings, description="Control API and metrics.")
+    serve: ServeSettings = Field(default_factory=ServeSettings, description="The inference service (daemonctl serve).")
     state_dir: Path = Field(
         default_factory=_default_state_dir,
         description="Daemon state: adapters/, trainer work dir, embedded Redis data, api-token. Default $XDG_STATE_HOME/draftd or ~/.local/state/draftd.",

@@ -27,6 +27,7 @@ import redis
 import structlog
 
 from decoder.metrics import AcceptanceCounts, StepStats
+from decoder.sampling import expected_tokens_per_step  # noqa: F401 - re-exported
 from decoder.shift import ShiftAlarm, ShiftDetector, key_str  # key_str re-exported: "{workload}@{bucket}"
 from store import AcceptanceHistory, AdapterRegistry, InvalidTransitionError, StoreError, UnknownVersionError
 from store.jsonsafe import nan_none
@@ -39,18 +40,6 @@ Key = tuple[str, str]  # (workload, sampling bucket)
 def key_of(req) -> Key:
     """(workload, sampling bucket) of a :class:`decoder.speculative.DecodeRequest`."""
     return (req.workload, req.params.bucket())
-
-
-def expected_tokens_per_step(alpha: float, gamma: int) -> float:
-    """E[tokens per step] = (1 - α^(γ+1)) / (1 - α), Leviathan et al. 2023, eq. (1): the accepted
-    prefix plus the correction or bonus token, with i.i.d. acceptance α per position. γ + 1 at
-    α = 1; 1 at γ = 0 (plain decoding)."""
-    if gamma <= 0:
-        return 1.0
-    a = min(max(alpha, 0.0), 1.0)
-    if a >= 1.0 - 1e-12:
-        return float(gamma + 1)
-    return (1.0 - a ** (gamma + 1)) / (1.0 - a)
 
 
 # ---- (a) acceptance windows --------------------------------------------------------------------
@@ -748,8 +737,8 @@ class GoodputController:
                 "best_gamma": best[1],
                 "best_proposer": best[0] if best[1] else None,
                 **_estimates(s, ev),
-                "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(ev["rate"].items())},
-                "tokens_per_ms_by_proposer": {n: {g: _nan_none(r, 5) for g, r in sorted(rates.items())}
+                "tokens_per_ms": {g: nan_none(r, 5) for g, r in sorted(ev["rate"].items())},
+                "tokens_per_ms_by_proposer": {n: {g: nan_none(r, 5) for g, r in sorted(rates.items())}
                                               for n, rates in ev["others"].items()},
                 "why": why,
             }
@@ -807,8 +796,8 @@ class GoodputController:
                     "key": key_str(*key), "workload": key[0], "sampling": key[1],
                     "gamma": best[1] if best else None, "proposer": best[0] if best and best[1] else None,
                     "speculate": bool(best and best[1]), **_estimates(s, ev),
-                    "tokens_per_ms": {g: _nan_none(r, 5) for g, r in sorted(rate.items())},
-                    "tokens_per_ms_by_proposer": {n: {g: _nan_none(r, 5) for g, r in sorted(rs.items())}
+                    "tokens_per_ms": {g: nan_none(r, 5) for g, r in sorted(rate.items())},
+                    "tokens_per_ms_by_proposer": {n: {g: nan_none(r, 5) for g, r in sorted(rs.items())}
                                                   for n, rs in ev["others"].items()},
                     "why": self._why_among(cands, best, ev) if ready else "warm-up",
                     "last": dict(s.last),

@@ -231,9 +231,12 @@ def predicted_speedup(a: float, gamma: int, c: float) -> float:
 
 
 def expected_tokens_per_step(a: float, gamma: int) -> float:
-    """E[emitted tokens per step] = (1 - α^(γ+1)) / (1 - α) (Leviathan et al. 2023, eq. 1)."""
-    if gamma == 0:
+    """E[emitted tokens per step] = (1 - α^(γ+1)) / (1 - α) (Leviathan et al. 2023, eq. 1): the
+    accepted prefix plus the correction or bonus token, with i.i.d. acceptance α per position
+    (clamped to [0, 1]). γ + 1 at α = 1; 1 at γ <= 0 (plain decoding)."""
+    if gamma <= 0:
         return 1.0
-    if a >= 1.0:
+    a = min(max(a, 0.0), 1.0)
+    if a >= 1.0 - 1e-12:
         return float(gamma + 1)
     return (1 - a ** (gamma + 1)) / (1 - a)

@@ -26,6 +26,9 @@ import re
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
+
+from store.jsonsafe import nan_none
 
 
 @dataclass(frozen=True)
@@ -172,3 +175,37 @@ def expected_drop_requests(drop: float, config: ShiftConfig) -> float:
     """About how many requests a sustained drop of ``drop`` in α takes to be flagged: λ / (d - δ)
     (inf when d <= δ). Ignores the running mean's lag, so it slightly underestimates."""
     return config.lam / (drop - config.delta) if drop > config.delta else math.inf
+
+
+def recovery_stats(timeline: list[dict], shifts: list[dict], window: int = 5, level: float = 0.9) -> list[dict]:
+    """Requests and seconds from each workload shift until acceptance is back (pure).
+
+    For each shift after the first: the pre-shift level is the mean greedy α of the last
+    ``window`` speculating requests (α not None) before the shift; the shift has recovered at the
+    first request after it where the mean α of the last ``window`` speculating requests of the
+    new phase is >= ``level`` x that pre-shift level. ``requests`` counts every request served
+    since the shift (plain ones too), ``seconds`` the time since it. ``None`` when the phase
+    ended first, or when there was no pre-shift level to recover to.
+    """
+    out = []
+    for i, sh in enumerate(shifts[1:], 1):
+        start = sh["request"]
+        end = shifts[i + 1]["request"] if i + 1 < len(shifts) else len(timeline)
+        before = [r["alpha"] for r in timeline[:start] if r.get("alpha") is not None][-window:]
+        row: dict[str, Any] = {"workload": sh["workload"], "from": shifts[i - 1]["workload"],
+                               "pre_shift_alpha": nan_none(sum(before) / len(before), 4) if before else None,
+                               "requests": None, "seconds": None, "recovered_alpha": None}
+        if before and row["pre_shift_alpha"] is not None:
+            target = level * row["pre_shift_alpha"]
+            seen: list[float] = []
+            for j in range(start, end):
+                a = timeline[j].get("alpha")
+                if a is None:
+                    continue
+                seen.append(a)
+                if len(seen) >= window and sum(seen[-window:]) / window >= target:
+                    row.update(requests=j - start + 1, seconds=round(timeline[j]["t"] - sh["t"], 1),
+                               recovered_alpha=nan_none(sum(seen[-window:]) / window, 4))
+                    break
+        out.append(row)
+    return out

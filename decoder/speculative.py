@@ -29,8 +29,9 @@ import torch
 from transformers import DynamicCache
 
 from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_linear
-from decoder.serving import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
+from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
 from decoder.metrics import AcceptanceCounts, StepStats
+from store.jsonsafe import nan_none
 from decoder.proposers import PROPOSERS, DraftModelProposer, NgramHistory, NgramProposer, Proposer
 from decoder.sampling import SamplingParams, alpha, process_logits, verify
 
@@ -187,17 +188,13 @@ class DecodeResult:
             "latency_ms": round(self.latency_ms, 3),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "peak_memory_bytes": self.peak_memory_bytes,
-            "acceptance_rate": _round(c.acceptance_rate),
-            "mean_accepted_length": _round(c.mean_accepted_length),
-            "alpha": _round(c.alpha),
-            "goodput_tokens_per_ms": _round(c.goodput),
+            "acceptance_rate": nan_none(c.acceptance_rate, 4),
+            "mean_accepted_length": nan_none(c.mean_accepted_length, 4),
+            "alpha": nan_none(c.alpha, 4),
+            "goodput_tokens_per_ms": nan_none(c.goodput, 4),
             "matches_plain": self.matches_plain,
             "first_diff_index": self.first_diff_index,
         }
-
-
-def _round(x: float, nd: int = 4):
-    return None if x != x else round(x, nd)
 
 
 @dataclass
@@ -228,11 +225,11 @@ class DecoderConfig:
     ngram_max_n / ngram_min_n: longest and shortest context suffix the n-gram proposer matches.
     ngram_history_tokens: tokens of past requests the n-gram proposer indexes per workload.
     draft_precision: the dtype proposals are computed in. A separate, unquantised draft
-        proposes through ``decoder.serving.ServingDraft``, built at construction from the draft
+        proposes through ``decoder.draft_weights.ServingDraft``, built at construction from the draft
         as it is then (its active LoRA adapter merged; an ``AdapterManager`` adds each adapter
         version to it): "fp32" shares the draft's tensors, "bf16" is a bf16 copy. Lossless
         either way: acceptance uses the q the proposal was drawn from, so only α can move.
-        "auto" (default) times one draft step's GEMVs in both (``decoder.serving.calibrate_draft_precision``, ~0.2 s on CPU; the result is in
+        "auto" (default) times one draft step's GEMVs in both (``decoder.draft_weights.calibrate_draft_precision``, ~0.2 s on CPU; the result is in
         ``SpeculativeDecoder.draft_precision_calibration``) and takes bf16 where it is faster
         by 10 %; "auto" stays fp32 off the CPU, for a draft that is the target itself (which
         then proposes as it is, every proposal accepted; "bf16" proposes with a bf16 copy of
@@ -259,6 +256,9 @@ class DecoderConfig:
                 raise ValueError(f"DecoderConfig.draft_vocab: need a non-empty 1-D torch tensor of integer token "
                                  f"ids >= 0 (got {got}); build one with decoder.vocab.frequent_token_ids, or "
                                  f"torch.tensor(ids) from a list")
+            if torch.unique(dv).numel() != dv.numel():
+                raise ValueError(f"DecoderConfig.draft_vocab: {dv.numel() - torch.unique(dv).numel()} duplicate token "
+                                 f"ids; each id must appear once (build one with decoder.vocab.frequent_token_ids)")
         if self.small_m_linear not in (True, False, "auto"):
             raise ValueError(f"DecoderConfig.small_m_linear={self.small_m_linear!r}: use True, False or 'auto'")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
@@ -324,7 +324,7 @@ class SpeculativeDecoder:
             small_m_linear(target, max_rows=rows, pad_one_row=pad_one_row)
             small_m_linear(draft, max_rows=rows, pad_one_row=pad_one_row)
         self._pad_one_row = pad_one_row and self.device.type == "cpu"  # also for the FR-Spec head
-        self._target_head = _small_m_head(target)  # the prompt's LM head in chunks (record_prompt)
+        self._target_head = small_m_head(target)  # the prompt's LM head in chunks (record_prompt)
         # The proposals' model: the draft's serving copy (DecoderConfig.draft_precision), or the
         # draft itself (self-drafting in fp32, an int8 draft)
         self.draft_precision_calibration: dict | None = None
@@ -494,7 +494,6 @@ class SpeculativeDecoder:
         while len(out) < req.max_new_tokens:
             remaining = req.max_new_tokens - len(out)
             g = max(0, min(policy.gamma(), remaining - 1))
-            L = len(ids)
             # 1. proposal
             td = clock()
             asked = g
@@ -660,7 +659,7 @@ _PROMPT_CHUNK = 256  # rows of prompt logits materialised at once when recording
 _PLAIN_HEAD_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
 
 
-def _small_m_head(model: torch.nn.Module):
+def small_m_head(model: torch.nn.Module):
     """The model's LM head as ``h (M, H) -> (W @ h^T)^T (M, V)`` (plus bias, and Gemma's final
     logit soft-capping), or None for a model type whose logits may be more than that."""
     cfg = getattr(model, "config", None)

@@ -41,6 +41,11 @@ def test_compose_services_env_keys_and_healthchecks(monkeypatch):
         s = load_settings()
         assert s.redis.url == "redis://redis:6379/0" and s.redis.embedded == "never"
     assert services["daemon"]["ports"] == ["127.0.0.1:8787:8787"]
+    dec = services["decoder"]
+    assert dec["command"] == ["daemonctl", "serve"]  # the inference service beside the daemon and Redis
+    port = dec["environment"]["DRAFTD_SERVE__PORT"]
+    assert dec["ports"] == [f"127.0.0.1:{port}:{port}"] and dec["environment"]["DRAFTD_SERVE__HOST"] == "0.0.0.0"
+    assert f"127.0.0.1:{port}/health" in " ".join(dec["healthcheck"]["test"])
 
 
 def test_env_keys_cover_every_field():

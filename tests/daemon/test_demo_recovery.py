@@ -1,6 +1,6 @@
 """recovery_stats: requests and seconds from a shift until α is back to 90 % of its pre-shift level."""
 
-from daemon.demo import recovery_stats
+from decoder.shift import recovery_stats
 
 
 def row(t, alpha, w):

@@ -252,9 +252,9 @@ def test_plain_policy_never_runs_draft(target, tok):
 
 
 def test_small_m_head_equals_the_models_own_logits(target):
-    from decoder.speculative import _small_m_head
+    from decoder.speculative import small_m_head
 
-    head = _small_m_head(target)
+    head = small_m_head(target)
     assert head is not None  # a Llama: logits are exactly lm_head(h)
     x = torch.tensor([[3, 5, 7, 9]])
     with torch.no_grad():
@@ -264,6 +264,6 @@ def test_small_m_head_equals_the_models_own_logits(target):
     # a model type whose logits may be more than lm_head(h) keeps transformers' own path
     target.config.model_type, saved = "cohere", target.config.model_type
     try:
-        assert _small_m_head(target) is None
+        assert small_m_head(target) is None
     finally:
         target.config.model_type = saved

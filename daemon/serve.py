@@ -1,0 +1,847 @@
+"""`daemonctl serve`: an OpenAI-compatible inference service around :class:`decoder.loop.ServingLoop`.
+
+Endpoints (OpenAI's request and response shapes, as vLLM's and SGLang's servers give them)::
+
+    POST /v1/completions          prompt (text or token ids) -> text; stream: server-sent events
+    POST /v1/chat/completions     messages, through the tokenizer's chat template
+    GET  /v1/models               the served model
+    GET  /health                  200 while serving, 503 while draining
+    GET  /metrics                 Prometheus text: vLLM-style spec-decode counters, latency histograms
+    GET  /draftd/status           the serving loop's status (what the heartbeat carries)
+
+Extra request fields (``extra_body`` in the openai client): ``top_k``, ``ignore_eos``, ``gamma``
+(a fixed γ; default: the goodput controller's), ``workload`` (also the ``X-Draftd-Workload``
+header; default ``default``). Every response carries the request's measurement under
+``"draftd"`` (the last chunk when streaming), which OpenAI clients ignore.
+
+Errors are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``: 400 for a
+bad or unsupported parameter (named, with the fix), 404 for an unknown model or route, 429 with
+``Retry-After`` when the request queue is full, 503 while draining. Unknown fields are refused
+too, so nothing a client asks for is silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import structlog
+import typer
+from starlette.requests import Request  # a module global: FastAPI resolves the handlers' string annotations here
+
+log = structlog.get_logger("daemon.serve")
+
+WORKLOAD_HEADER = "X-Draftd-Workload"
+MAX_STOP = 16
+MAX_GAMMA = 64
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
+
+# fields accepted (and acted on) besides the prompt; everything else is refused by name
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
+           "top_k", "ignore_eos", "gamma", "workload", "presence_penalty", "frequency_penalty", "logit_bias",
+           "repetition_penalty", "min_tokens", "metadata"}
+_COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                   "functions", "function_call", "parallel_tool_calls", "response_format", "store"}
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code=code)
+
+
+# ---- request parsing (pure) ------------------------------------------------------------------------
+
+
+@dataclass
+class Parsed:
+    """A validated request, ready for the loop."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    gamma: int | None
+    workload: str
+    stream: bool
+    include_usage: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _number(body: dict, name: str, default: float, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _bad(name, f"{v!r} is not a finite number", "invalid_type")
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise _bad(name, f"{v!r} must be {'>' if lo_open else '>='} {lo:g}")
+    if hi is not None and v > hi:
+        raise _bad(name, f"{v!r} must be <= {hi:g}")
+    return float(v)
+
+
+def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise _bad(name, f"{v!r} is not an integer", "invalid_type")
+    if lo is not None and v < lo:
+        raise _bad(name, f"{v} must be >= {lo}")
+    if hi is not None and v > hi:
+        raise _bad(name, f"{v} must be <= {hi}")
+    return v
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, f"{v!r} is not a boolean (true or false)", "invalid_type")
+    return v
+
+
+def _unsupported(body: dict, kind: str) -> None:
+    """400 for values this server does not implement (never silently ignored)."""
+    allowed = _COMPLETION if kind == "completion" else _CHAT
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise _bad(unknown[0], f"unknown or unsupported field; supported fields: {', '.join(sorted(allowed))}",
+                   "unsupported_parameter")
+    checks = [
+        ("n", lambda v: v in (None, 1), "only n=1 is served; send several requests for several completions"),
+        ("best_of", lambda v: v in (None, 1), "only best_of=1 is served"),
+        ("echo", lambda v: v in (None, False), "echo is not supported; prepend the prompt yourself"),
+        ("suffix", lambda v: v in (None, ""), "suffix (insertion) is not supported"),
+        ("presence_penalty", lambda v: v in (None, 0, 0.0), "penalties are not supported (they would change the "
+                                                            "target's distribution); leave it 0"),
+        ("frequency_penalty", lambda v: v in (None, 0, 0.0), "penalties are not supported; leave it 0"),
+        ("repetition_penalty", lambda v: v in (None, 1, 1.0), "penalties are not supported; leave it 1"),
+        ("min_tokens", lambda v: v in (None, 0), "min_tokens is not supported; use ignore_eos"),
+        ("logit_bias", lambda v: v in (None, {}), "logit_bias is not supported"),
+        ("tools", lambda v: v in (None, []), "tool calling is not supported"),
+        ("functions", lambda v: v in (None, []), "function calling is not supported"),
+        ("function_call", lambda v: v in (None, "none"), "function calling is not supported"),
+        ("tool_choice", lambda v: v in (None, "none"), "tool calling is not supported"),
+        ("parallel_tool_calls", lambda v: v in (None, False, True) and not body.get("tools"), "tool calling is not supported"),
+        ("response_format", lambda v: v is None or v == {"type": "text"}, "only response_format {\"type\": \"text\"} is served"),
+        ("top_logprobs", lambda v: v in (None, 0), "logprobs are not supported"),
+        ("store", lambda v: v in (None, False), "stored completions are not supported"),
+    ]
+    if kind == "completion":
+        checks.append(("logprobs", lambda v: v is None, "logprobs are not supported"))
+    else:
+        checks.append(("logprobs", lambda v: v in (None, False), "logprobs are not supported"))
+    for name, ok, why in checks:
+        if name in body and not ok(body[name]):
+            raise _bad(name, f"{body[name]!r}: {why}", "unsupported_parameter")
+
+
+def _workload(body: dict, header: str | None) -> str:
+    w = body.get("workload")
+    param = "workload"
+    if w is None and header is not None:
+        w, param = header, WORKLOAD_HEADER
+    if w is None:
+        return "default"
+    if not isinstance(w, str) or not w or len(w) > 64 or "@" in w or not w.isprintable() or w.strip() != w:
+        raise _bad(param, f"{w!r}: a workload is a name of 1-64 printable characters, no '@' and no surrounding "
+                          f"spaces, e.g. 'code'")
+    return w
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    s = body.get("stop")
+    if s is None:
+        return ()
+    items = [s] if isinstance(s, str) else s
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise _bad("stop", f"{s!r}: give a string or a list of strings", "invalid_type")
+    if len(items) > MAX_STOP:
+        raise _bad("stop", f"{len(items)} stop strings; at most {MAX_STOP}")
+    if any(x == "" for x in items):
+        raise _bad("stop", "an empty stop string would end generation at once; drop it")
+    return tuple(items)
+
+
+def _messages_ids(body: dict, tokenizer) -> list[int]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "give a non-empty list of {\"role\", \"content\"} objects", "invalid_type" if msgs is not None else "missing")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m:
+            raise _bad(f"messages[{i}]", "each message is an object with a role and a content", "invalid_type")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user", "assistant", "developer"):
+            raise _bad(f"messages[{i}].role", f"{role!r}: use system, user or assistant (tool messages are not supported)")
+        if isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise _bad(f"messages[{i}].content[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are "
+                                                           "supported", "unsupported_parameter")
+                parts.append(p["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content", f"{content!r}: give a string or a list of text parts", "invalid_type")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise _bad(f"messages[{i}].{extra[0]}", "unsupported message field (tool calls are not supported)",
+                       "unsupported_parameter")
+        clean.append({"role": "system" if role == "developer" else role, "content": content})
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions with a prompt",
+                       param="messages", code="no_chat_template")
+    ids = tokenizer.apply_chat_template(clean, add_generation_prompt=clean[-1]["role"] != "assistant", tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(x) for x in ids]
+
+
+def _prompt_ids(body: dict, tokenizer, vocab: int) -> list[int]:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        if not p:
+            raise _bad("prompt", "empty prompt; give at least one character")
+        return list(tokenizer(p).input_ids)
+    if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        bad = next((x for x in p if not 0 <= x < vocab), None)
+        if bad is not None:
+            raise _bad("prompt", f"token id {bad} outside the vocabulary 0..{vocab - 1}")
+        return list(p)
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise _bad("prompt", f"a batch of {len(p)} prompts; this server takes one prompt per request "
+                             "(send them concurrently)", "unsupported_parameter")
+    if p is None:
+        raise _bad("prompt", "missing; give the prompt text (or a list of token ids)", "missing")
+    raise _bad("prompt", f"{p!r}: give a string or a list of token ids", "invalid_type")
+
+
+def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_len: int | None, vocab: int,
+                  max_tokens_default: int, header_workload: str | None = None) -> Parsed:
+    """Validate an OpenAI completions (``kind="completion"``) or chat request.
+
+    Raises:
+        ApiError: 400 naming the first bad parameter and the fix; 404 for an unknown model.
+    """
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    _unsupported(body, kind)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", f"missing; this server serves {sorted(models)}", "missing" if model is None else "invalid_type")
+    if model not in models:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {sorted(models)} (GET /v1/models)",
+                       param="model", code="model_not_found")
+    ids = _prompt_ids(body, tokenizer, vocab) if kind == "completion" else _messages_ids(body, tokenizer)
+    where = "prompt" if kind == "completion" else "messages"
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, name, None, lo=1)
+    if context_len:
+        if len(ids) >= context_len:
+            raise ApiError(400, f"{where}: {len(ids)} tokens; this model's maximum context length is {context_len} "
+                                f"tokens, and a completion needs at least one: shorten the {where}",
+                           param=where, code="context_length_exceeded")
+        room = context_len - len(ids)
+        if max_tokens is not None and max_tokens > room:
+            raise ApiError(400, f"{name}: this model's maximum context length is {context_len} tokens; you requested "
+                                f"{len(ids) + max_tokens} ({len(ids)} in the {where}, {max_tokens} in the completion): "
+                                f"lower {name} to <= {room} or shorten the {where}",
+                           param=name, code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(max_tokens_default, room)
+    max_tokens = max_tokens or max_tokens_default
+    stream = _bool(body, "stream", False)
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not stream:
+            raise _bad("stream_options", "only allowed with stream: true")
+        if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
+            raise _bad("stream_options", f"{so!r}: only {{\"include_usage\": true|false}} is supported")
+        include_usage = _bool(so, "include_usage", False)
+    top_k = _int(body, "top_k", 0, lo=-1)
+    gamma = _int(body, "gamma", None, lo=0, hi=MAX_GAMMA)
+    seed = _int(body, "seed", None, lo=-(2**63), hi=2**63 - 1)
+    return Parsed(
+        kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, lo=0.0),
+        top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        top_k=0 if top_k == -1 else top_k, seed=seed, stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
+        gamma=gamma, workload=_workload(body, header_workload), stream=stream, include_usage=include_usage,
+    )
+
+
+# ---- text out --------------------------------------------------------------------------------------
+
+
+class TextStream:
+    """Incremental detokenisation with OpenAI's stop semantics: the stop string itself is never
+    sent; text that might begin one, or an incomplete UTF-8 sequence, is held back until the next
+    tokens (or the end) decide. The concatenated deltas equal :meth:`text` at the end."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.sent = 0
+        self._hold = max((len(s) for s in stop), default=1) - 1
+
+    def _full(self) -> tuple[str, bool]:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        ends = [text.find(s) for s in self.stop if s in text]
+        return (text[: min(ends)], True) if ends else (text, False)
+
+    def feed(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text, stopped = self._full()
+        safe = len(text) if stopped else len(text) - self._hold
+        while safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.sent:
+            return ""
+        out, self.sent = text[self.sent: safe], safe
+        return out
+
+    def finish(self) -> str:
+        text = self.text()
+        out, self.sent = text[self.sent:], len(text)
+        return out
+
+    def text(self) -> str:
+        return self._full()[0]
+
+
+# ---- metrics ---------------------------------------------------------------------------------------
+
+
+class ServeMetrics:
+    """The server's Prometheus metrics (one registry per server, so several can share a process).
+
+    vLLM-compatible spec-decode counters labelled by workload and adapter version (vLLM's
+    definitions: a *draft* is a verification step with γ > 0; accepted tokens per position count,
+    at position i, the steps whose i-th proposal was accepted), request latency histograms
+    (time to first token, inter-token gap between successive emissions, end to end, from
+    submission), and queue gauges.
+    """
+
+    def __init__(self, loop):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        lab = ["workload", "adapter_version"]
+        P = "draftd:"
+        self.drafts = Counter(P + "spec_decode_num_drafts", "Verification steps with a draft proposal (gamma > 0)", lab, registry=r)
+        self.draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Tokens proposed by the draft", lab, registry=r)
+        self.accepted = Counter(P + "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", lab, registry=r)
+        self.emitted = Counter(P + "spec_decode_num_emitted_tokens", "Tokens emitted (accepted + recovered + bonus)", lab, registry=r)
+        self.per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos", "Steps whose proposal at this position was accepted",
+                               lab + ["position"], registry=r)
+        self.requests = Counter(P + "request_success", "Finished requests by finish reason", ["workload", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests", ["workload"], registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", ["workload"], registry=r)
+        buckets = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Submission to first token", ["workload"], buckets=buckets, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Gap between successive token emissions of a request",
+                             ["workload"], buckets=buckets, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Submission to last token", ["workload"], buckets=buckets, registry=r)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Submission to start of decoding", ["workload"],
+                                    buckets=buckets, registry=r)
+        Gauge(P + "num_requests_waiting", "Requests in the queue", registry=r).set_function(lambda: loop.queue_depth)
+        Gauge(P + "num_requests_running", "Requests decoding (0 or 1)", registry=r).set_function(lambda: int(loop.busy))
+        Gauge(P + "queue_size", "Capacity of the request queue", registry=r).set(loop.config.queue_size)
+        Gauge(P + "buffer_samples_dropped", "Verified samples the buffer writer dropped (Redis down, queue full)",
+              registry=r).set_function(lambda: (loop.status().get("buffer") or {}).get("dropped", 0))
+        loop.observers.append(self.observe)
+
+    def observe(self, t, res) -> None:
+        w, v = res.workload, str(res.adapter_version)
+        for s in res.steps:
+            if s.proposed:
+                self.drafts.labels(w, v).inc()
+                self.draft_tokens.labels(w, v).inc(s.proposed)
+                self.accepted.labels(w, v).inc(s.accepted)
+                for i in range(s.accepted):
+                    self.per_pos.labels(w, v, str(i)).inc()
+            self.emitted.labels(w, v).inc(s.emitted)
+        self.requests.labels(w, FINISH.get(res.finish_reason, res.finish_reason)).inc()
+        self.prompt_tokens.labels(w).inc(res.prompt_len)
+        self.generation_tokens.labels(w).inc(len(res.output_ids))
+        if t.started_at is not None:
+            self.queue_time.labels(w).observe(max(0.0, t.started_at - t.submitted_at))
+        if t.first_token_at is not None:
+            self.ttft.labels(w).observe(max(0.0, t.first_token_at - t.submitted_at))
+        for a, b in zip(t.emitted_at, t.emitted_at[1:]):
+            self.itl.labels(w).observe(max(0.0, b - a))
+        if t.finished_at is not None:
+            self.e2e.labels(w).observe(max(0.0, t.finished_at - t.submitted_at))
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+# ---- the service -----------------------------------------------------------------------------------
+
+
+def measurement(res, ticket, *, speculation: bool) -> dict[str, Any]:
+    """The request's measurement record (the ``draftd`` extension field)."""
+    rec = res.record()
+    c = res.counts
+    d = ticket.decision or {}
+    ms = lambda a, b: None if a is None or b is None else round((b - a) * 1e3, 3)  # noqa: E731
+    return {
+        "request_id": res.request_id, "workload": res.workload, "sampling": res.sampling_bucket,
+        "adapter_version": res.adapter_version, "output_tokens": len(res.output_ids), "proposed_tokens": c.num_draft_tokens,
+        "accepted_tokens": c.num_accepted_tokens, "steps": c.num_steps, "tau": rec["mean_accepted_length"],
+        "alpha": rec["alpha"], "acceptance_rate": rec["acceptance_rate"],
+        "gamma_policy": res.policy if speculation else "off (serve.speculation=false)",
+        "gamma": d.get("gamma", max((s.proposed for s in res.steps), default=0)), "why": d.get("why"),
+        "draft_ms": rec["draft_ms"], "verify_ms": rec["verify_ms"], "prefill_ms": rec["prefill_ms"],
+        "queue_ms": ms(ticket.submitted_at, ticket.started_at), "ttft_ms": ms(ticket.submitted_at, ticket.first_token_at),
+        "latency_ms": rec["latency_ms"], "matches_plain": res.matches_plain, "finish_reason": res.finish_reason,
+    }
+
+
+class InferenceService:
+    """The HTTP face of a :class:`decoder.loop.ServingLoop` (started and closed by its owner).
+
+    Args:
+        loop: the serving loop.
+        tokenizer: the pair's tokenizer (prompts, chat template, output text).
+        model: the model id clients send (``/v1/models`` lists it).
+        context_len: the target's context window (None: unchecked).
+        max_tokens_default: max_tokens of a request that gives none (capped at the context left).
+        speculation: False serves every request with γ = 0 (a plain-decoding baseline).
+    """
+
+    def __init__(self, loop, tokenizer, model: str, *, context_len: int | None, max_tokens_default: int = 256,
+                 speculation: bool = True, server_id: str | None = None):
+        self.loop, self.tokenizer, self.model = loop, tokenizer, model
+        self.context_len = context_len
+        self.max_tokens_default = max_tokens_default
+        self.speculation = speculation
+        self.server_id = server_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.created = int(time.time())
+        self.vocab = loop.decoder.vocab_p
+        self.metrics = ServeMetrics(loop)
+
+    def status(self) -> dict[str, Any]:
+        from decoder.loop import speculation_by_workload
+
+        st = self.loop.status()
+        return {"server_id": self.server_id, "model": self.model, "speculation_enabled": self.speculation,
+                "speculation_by_workload": speculation_by_workload(st["speculation"]), **st, "ts": time.time()}
+
+    def parse(self, body: Any, kind: str, header_workload: str | None = None) -> Parsed:
+        return parse_request(body, kind, self.tokenizer, models={self.model}, context_len=self.context_len,
+                             vocab=self.vocab, max_tokens_default=self.max_tokens_default, header_workload=header_workload)
+
+    def request_of(self, p: Parsed):
+        from decoder.sampling import SamplingParams
+        from decoder.speculative import DecodeRequest
+
+        gamma = 0 if not self.speculation else p.gamma
+        return DecodeRequest(p.prompt_ids, SamplingParams(p.temperature, p.top_p, p.top_k, p.seed), p.max_tokens,
+                             gamma=gamma, stop=p.stop, ignore_eos=p.ignore_eos, workload=p.workload)
+
+    # ---- the app ---------------------------------------------------------------------------
+    def app(self):
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
+        from starlette.exceptions import HTTPException as StarletteHTTPException
+
+        app = FastAPI(title="draftd serve", description="OpenAI-compatible completions with adaptive speculative decoding")
+
+        def error(e: ApiError) -> JSONResponse:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+        @app.exception_handler(ApiError)
+        async def _api_error(_req, e: ApiError):
+            return error(e)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(_req, e):
+            kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+            return error(ApiError(e.status_code, str(e.detail), code=kind))
+
+        @app.exception_handler(Exception)
+        async def _server_error(_req, e):
+            log.exception("serve_internal_error", error=str(e))
+            return error(ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error", code="internal_error"))
+
+        @app.get("/health")
+        def health():
+            if self.loop.draining:
+                return JSONResponse({"status": "draining"}, status_code=503)
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        def models():
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{model_id:path}")
+        def model(model_id: str):
+            if model_id != self.model:
+                raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {self.model!r}",
+                               param="model", code="model_not_found")
+            return self._model_card()
+
+        @app.get("/metrics")
+        def metrics():
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/draftd/status")
+        def status():
+            return self.status()
+
+        async def handle(request: Request, kind: str):
+            raw = await request.body()
+            try:
+                body = json.loads(raw or b"null")
+            except ValueError as e:
+                raise ApiError(400, f"the request body is not JSON: {e}", code="invalid_json") from e
+            p = self.parse(body, kind, request.headers.get(WORKLOAD_HEADER))
+            return await self._serve(request, p, StreamingResponse)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await handle(request, "completion")
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            return await handle(request, "chat")
+
+        return app
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "draftd",
+                "root": self.model, "parent": None, "max_model_len": self.context_len}
+
+    async def _serve(self, request, p: Parsed, StreamingResponse):
+        from decoder.loop import Cancelled, Draining, QueueFull
+
+        aloop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        on_tokens = (lambda ids: aloop.call_soon_threadsafe(events.put_nowait, ids)) if p.stream else None
+        try:
+            req = self.request_of(p)
+        except ValueError as e:  # e.g. a prompt that tokenises to nothing
+            where = "prompt" if p.kind == "completion" else "messages"
+            raise ApiError(400, f"{where}: {e}", param=where, code="invalid_value") from e
+        try:
+            ticket = self.loop.submit(req, on_tokens=on_tokens)
+        except QueueFull as e:
+            raise ApiError(429, str(e), code="queue_full", type_="rate_limit_error", headers={"Retry-After": "1"}) from e
+        except Draining as e:
+            raise ApiError(503, str(e), code="draining", type_="service_unavailable") from e
+        fut = asyncio.wrap_future(ticket.future)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" noise
+        rid = ("cmpl-" if p.kind == "completion" else "chatcmpl-") + req.request_id
+        created = int(time.time())
+        if not p.stream:
+            while not fut.done():
+                done, _ = await asyncio.wait({fut}, timeout=0.25)
+                if not done and await request.is_disconnected():
+                    ticket.cancel()
+                    try:
+                        await fut
+                    except Exception:  # noqa: BLE001 - nobody is listening
+                        pass
+                    raise ApiError(499, "client disconnected", code="cancelled")
+            try:
+                res = fut.result()
+            except Cancelled as e:
+                raise ApiError(503, str(e), code="cancelled", type_="service_unavailable") from e
+            except ValueError as e:
+                raise ApiError(400, str(e), code="invalid_request") from e
+            ts = TextStream(self.tokenizer, p.stop)
+            ts.feed(res.output_ids)
+            return self._full_response(p, rid, created, ts.text(), res, ticket)
+        return StreamingResponse(self._stream(p, rid, created, ticket, fut, events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _usage(self, res) -> dict[str, int]:
+        n = len(res.output_ids)
+        return {"prompt_tokens": res.prompt_len, "completion_tokens": n, "total_tokens": res.prompt_len + n}
+
+    def _full_response(self, p: Parsed, rid: str, created: int, text: str, res, ticket) -> dict[str, Any]:
+        fr = FINISH.get(res.finish_reason, res.finish_reason)
+        if p.kind == "completion":
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr, "stop_reason": None}
+            obj = "text_completion"
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": fr, "stop_reason": None}
+            obj = "chat.completion"
+        return {"id": rid, "object": obj, "created": created, "model": self.model, "choices": [choice],
+                "usage": self._usage(res), "draftd": measurement(res, ticket, speculation=self.speculation)}
+
+    def _chunk(self, p: Parsed, rid: str, created: int, delta: str | None, finish: str | None = None,
+               role: bool = False) -> dict[str, Any]:
+        if p.kind == "completion":
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        else:
+            d: dict[str, Any] = {}
+            if role:
+                d["role"] = "assistant"
+            if delta is not None:
+                d["content"] = delta
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        return {"id": rid, "object": obj, "created": created, "model": self.model, "choices": [choice]}
+
+    async def _stream(self, p: Parsed, rid: str, created: int, ticket, fut, events: asyncio.Queue):
+        from decoder.loop import Cancelled
+
+        def sse(obj) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        ts = TextStream(self.tokenizer, p.stop)
+        try:
+            if p.kind == "chat":
+                yield sse(self._chunk(p, rid, created, "", role=True))
+            while True:
+                getter = asyncio.ensure_future(events.get())
+                done, _ = await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    delta = ts.feed(getter.result())
+                    if delta:
+                        yield sse(self._chunk(p, rid, created, delta))
+                    continue
+                getter.cancel()
+                break
+            while not events.empty():  # tokens queued before the result (FIFO callbacks)
+                delta = ts.feed(events.get_nowait())
+                if delta:
+                    yield sse(self._chunk(p, rid, created, delta))
+            try:
+                res = fut.result()
+            except (Cancelled, ValueError) as e:
+                err = ApiError(400 if isinstance(e, ValueError) else 503, str(e))
+                yield sse(err.body())
+                yield "data: [DONE]\n\n"
+                return
+            rest = ts.finish()
+            final = self._chunk(p, rid, created, rest if rest or p.kind == "completion" else None,
+                                finish=FINISH.get(res.finish_reason, res.finish_reason))
+            final["draftd"] = measurement(res, ticket, speculation=self.speculation)
+            yield sse(final)
+            if p.include_usage:
+                yield sse({"id": rid, "object": final["object"], "created": created, "model": self.model, "choices": [],
+                           "usage": self._usage(res)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not fut.done():
+                ticket.cancel()  # the client went away: stop at the next step
+
+
+# ---- running it --------------------------------------------------------------------------------------
+
+
+class ServeServer:
+    """uvicorn serving an :class:`InferenceService` in a background thread (no signal handlers
+    there: the owner drains on SIGTERM). ``port`` 0 picks a free one (see ``.port`` after entry)."""
+
+    def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 8000):
+        import uvicorn
+
+        self.service = service
+        self.server = uvicorn.Server(uvicorn.Config(service.app(), host=host, port=port, log_config=None,
+                                                    lifespan="off", access_log=False, timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, name="draftd-serve", daemon=True)
+        self.host, self.port = host, port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "ServeServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the inference API could not listen on {self.host}:{self.port} (in use?); "
+                                   f"set --port or DRAFTD_SERVE__PORT")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the inference API did not start on {self.host}:{self.port} within 30 s")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        log.info("serve_listening", host=self.host, port=self.port)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+class Heartbeat:
+    """Writes the service's status to Redis every ``interval_s`` (TTL 3 intervals); Redis errors
+    are counted, never raised. Removed on close."""
+
+    def __init__(self, service: InferenceService, client, store_config, interval_s: float = 5.0):
+        self.service, self.client, self.store_config, self.interval_s = service, client, store_config, interval_s
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="draftd-heartbeat", daemon=True)
+
+    def beat(self) -> bool:
+        from store.heartbeat import write_heartbeat
+
+        st = self.service.status()
+        keep = ("server_id", "model", "adapter_version", "adapter_by_workload", "requests_served", "requests_failed",
+                "queue_depth", "queue_size", "draining", "speculation_enabled", "speculation_by_workload", "ts")
+        try:
+            write_heartbeat(self.client, self.store_config, self.service.server_id, {k: st.get(k) for k in keep},
+                            ttl_s=3 * self.interval_s)
+            return True
+        except Exception as e:  # noqa: BLE001 - Redis down: serving goes on
+            self.errors += 1
+            log.warning("heartbeat_failed", error=str(e))
+            return False
+
+    def _run(self) -> None:
+        while True:
+            self.beat()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from store.heartbeat import clear_heartbeat
+
+        self._stop.set()
+        self._thread.join(5)
+        try:
+            clear_heartbeat(self.client, self.store_config, self.service.server_id)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_serve(settings, console=None) -> int:
+    """``daemonctl serve``: load the pair, wire the loop, serve until SIGTERM/SIGINT, drain."""
+    from contextlib import ExitStack
+
+    from daemon.redis_embed import open_redis
+    from daemon.settings import draft_vocab_ids, store_config
+    from decoder.loop import LoopConfig, build_serving_loop
+    from decoder.models import load_pair
+    from decoder.speculative import DecoderConfig
+    from store import AdapterRegistry
+    from store.schema import PairFingerprint
+
+    sv, m = settings.serve, settings.models
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with ExitStack() as stack:
+        rh = stack.enter_context(open_redis(settings.redis, settings.redis_dir))
+        scfg = store_config(settings)
+        if m.torch_threads:
+            import torch
+
+            torch.set_num_threads(m.torch_threads)
+        pair = load_pair(m.target, m.draft, device=m.device)
+        fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
+        registry = AdapterRegistry(rh.client, settings.adapter_dir, scfg) if sv.follow_adapters else None
+        loop = build_serving_loop(
+            pair.target, pair.draft, pair.tokenizer, client=rh.client, store_config=scfg, registry=registry,
+            decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer)),
+            pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every))
+        loop.start()
+        stack.callback(loop.close)
+        ctx = getattr(pair.target.config, "max_position_embeddings", None)
+        service = InferenceService(loop, pair.tokenizer, sv.model_name or m.target, context_len=ctx,
+                                   max_tokens_default=sv.max_tokens_default, speculation=sv.speculation,
+                                   server_id=sv.server_id)
+        stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
+        server = stack.enter_context(ServeServer(service, sv.host, sv.port))
+        log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,
+                 streams_steps=loop.streams_steps)
+        if console is not None:
+            console.print(f"serving {service.model} at {server.url}/v1 (redis {rh.mode}); SIGTERM drains")
+        while not stop.wait(0.5):
+            pass
+        log.info("serve_draining", grace_s=sv.drain_grace_s, queued=loop.queue_depth)
+        drained = loop.drain(sv.drain_grace_s)
+        log.info("serve_drained", complete=drained)
+    return 0
+
+
+def register(app) -> None:
+    """Add ``serve`` to the ``daemonctl`` Typer app."""
+    @app.command("serve")
+    def serve(
+        host: Annotated[str | None, typer.Option(help="bind address (overrides serve.host; default 127.0.0.1)")] = None,
+        port: Annotated[int | None, typer.Option(help="TCP port (overrides serve.port; default 8000)")] = None,
+        no_spec: Annotated[bool, typer.Option("--no-spec", help="plain decoding for every request (baseline)")] = False,
+        config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")] = None,
+    ) -> None:
+        """Serve the configured pair over an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
+        /v1/models, /health, /metrics) with the adaptive loop on: verified samples to Redis, adapter
+        hot-swaps per workload, goodput control, rollback. SIGTERM drains."""
+        from rich.console import Console
+
+        from daemon.logging import configure
+        from daemon.settings import ConfigError, load_settings
+
+        console = Console(stderr=True)
+        try:
+            s = load_settings(config)
+            upd = {}
+            if host is not None:
+                upd["host"] = host
+            if port is not None:
+                upd["port"] = port
+            if no_spec:
+                upd["speculation"] = False
+            if upd:
+                s = s.model_copy(update={"serve": s.serve.model_copy(update=upd)})
+        except ConfigError as e:
+            console.print(f"[red]config error:[/] {e}")
+            raise typer.Exit(2) from e
+        configure(s.log_format, s.log_level)
+        raise typer.Exit(run_serve(s, console))

@@ -1,0 +1,493 @@
+"""The serving loop: one decoding engine fed by a bounded queue, with the adaptive loop wired once.
+
+    submit(req) -> bounded queue -> worker thread -> decoder.generate(req, policy, on_step=...)
+                                                      |  between requests: adapter swaps (AdapterManager)
+                                                      |  per step: tokens to the submitter, cancellation
+                                                      v
+                 VerifiedSample -> SampleWriter (Redis buffer; the decoder's sink)
+                 DecodeResult   -> AcceptanceTracker (history) -> RollbackMonitor
+                 steps          -> GoodputController (γ per workload x sampling bucket)
+
+:class:`ServingLoop` is what ``daemonctl serve`` (``daemon/serve.py``) puts behind HTTP, and what
+an in-process driver (the demo) calls directly: ``loop.generate(req)`` blocks for one request,
+``loop.submit(req, on_tokens=...)`` returns a :class:`Ticket` at once. Requests are decoded one at
+a time (batch 1: the decoder holds a lock per request); the queue is where a batched engine would
+take several at once.
+
+Per-step streaming and cancellation need the decoder's step hook:
+``SpeculativeDecoder.generate(req, policy, on_step=fn)``, ``fn(new_ids) -> bool | None`` called
+after every verification step with the tokens it emitted (already cut at EOS, stop strings and
+length); returning False ends the request with ``finish_reason == "cancelled"``. Without that
+hook (an older decoder) the loop still serves: each request's tokens reach ``on_tokens`` in one
+chunk when it finishes, and a request can be cancelled only while it waits in the queue.
+
+Redis down: the sample writer counts its drops and resumes by itself, the tracker keeps its
+counts until a flush succeeds, the adapter manager keeps the adapter it has, and the rollback
+monitor records the error; serving goes on. Nothing here talks to the sidecar.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from decoder.control import AcceptanceTracker, GoodputController, RollbackMonitor, key_of, key_str
+from decoder.speculative import DecodeRequest, DecodeResult, FixedGamma, GammaPolicy
+
+log = structlog.get_logger("decoder.loop")
+
+
+class LoopError(Exception):
+    """Base class of the serving loop's refusals."""
+
+
+class QueueFull(LoopError):
+    """The bounded request queue is full; retry later (HTTP 429)."""
+
+
+class Draining(LoopError):
+    """The loop is shutting down and takes no new requests (HTTP 503)."""
+
+
+class Cancelled(LoopError):
+    """The request was cancelled before it started decoding."""
+
+
+@dataclass
+class LoopConfig:
+    """Serving loop options.
+
+    queue_size: requests that may wait besides the one decoding; ``submit`` raises
+        :class:`QueueFull` beyond it.
+    check_plain_every: every N-th greedy request is also decoded plainly (γ = 0) to fill
+        ``matches_plain`` (0 = never). That second decode costs a plain request and streams
+        its own VerifiedSample to the buffer.
+    rollback_per_workload: judge promotions per workload (``RollbackMonitor.check(v, workload)``),
+        as adapters are routed per workload; False judges all keys together, as the demo does.
+    seeded_gamma: γ of a sampled request that gives a seed but no γ. Speculative sampling is
+        lossless in distribution, but which random draws a seed feeds depends on the γ of each
+        step, so a seed reproduces a completion only under the same γ schedule; the goodput
+        controller's γ changes as it learns, so such requests get this fixed γ instead (their
+        steps still feed the controller's estimates).
+    """
+
+    queue_size: int = 64
+    check_plain_every: int = 0
+    rollback_per_workload: bool = True
+    seeded_gamma: int = 4
+
+    def __post_init__(self):
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size={self.queue_size}: must be >= 1")
+        if self.seeded_gamma < 0:
+            raise ValueError(f"seeded_gamma={self.seeded_gamma}: must be >= 0 (0 = plain decoding)")
+        if self.check_plain_every < 0:
+            raise ValueError(f"check_plain_every={self.check_plain_every}: must be >= 0 (0 = never)")
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One submitted request, its progress and its outcome.
+
+    future: resolves to the :class:`DecodeResult` (``finish_reason`` ``"cancelled"`` when
+        cancelled mid-request), or raises :class:`Cancelled` (cancelled while queued) or the
+        decoder's error (e.g. ValueError for a prompt beyond the context).
+    tokens: ids emitted so far (appended on the worker thread before ``on_tokens`` is called).
+    times: loop clock (seconds) at submission, start, first token, each emission, finish.
+    decision: the goodput controller's decision for this request (None with a fixed γ).
+    """
+
+    request: DecodeRequest
+    policy: GammaPolicy | None = None
+    on_tokens: Callable[[list[int]], Any] | None = None
+    future: Future = field(default_factory=Future)
+    tokens: list[int] = field(default_factory=list)
+    submitted_at: float = 0.0
+    started_at: float | None = None
+    first_token_at: float | None = None
+    emitted_at: list[float] = field(default_factory=list)
+    finished_at: float | None = None
+    decision: dict[str, Any] | None = None
+    _cancel: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Cancel: dropped if still queued, else stopped at its next verification step (needs
+        the decoder's ``on_step`` hook; without it the request runs to its end)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def result(self, timeout: float | None = None) -> DecodeResult:
+        return self.future.result(timeout)
+
+
+class _ObservedGamma(FixedGamma):
+    """A fixed γ whose steps still feed the goodput controller's estimates (seeded requests)."""
+
+    def __init__(self, controller: GoodputController, key, value: int):
+        super().__init__(value)
+        self.controller, self.key = controller, key
+
+    def update(self, step) -> None:
+        self.controller.observe(self.key, step)
+
+    def describe(self) -> str:
+        return f"fixed γ={self.value} (seeded: a seed reproduces only under the same γ)"
+
+
+def supports_step_hook(decoder) -> bool:
+    """True when ``decoder.generate`` takes ``on_step`` (per-step streaming and cancellation)."""
+    try:
+        return "on_step" in inspect.signature(decoder.generate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class ServingLoop:
+    """The decoder and the adaptive loop behind one bounded queue and one worker thread.
+
+    Args:
+        decoder: a :class:`decoder.speculative.SpeculativeDecoder`. Its ``sink`` (e.g.
+            ``SampleWriter.submit``) receives each request's VerifiedSample; set it when the
+            decoder is built.
+        manager: an :class:`decoder.adapters.AdapterManager` on ``decoder`` (its hook already
+            installed; the loop starts and closes it), or None to serve the draft as it is.
+        controller: γ per (workload, sampling bucket); default a GoodputController following
+            ``decoder.adapter_version``.
+        tracker: an :class:`AcceptanceTracker` (the loop starts and stops it), or None.
+        monitor: a :class:`RollbackMonitor` checked after every request, or None.
+        writer: the ``SampleWriter`` behind the decoder's sink, for its counts in
+            :meth:`status` and closed by :meth:`close` (the loop does not wire it: the sink does).
+        config: :class:`LoopConfig`.
+        clock: monotonic seconds (timings of tickets).
+
+    Use ``with ServingLoop(...) as loop:`` or :meth:`start` / :meth:`close`. ``observers`` are
+    called as ``fn(ticket, result)`` on the worker thread after each finished request
+    (metrics); an observer's exception is logged, never raised.
+    """
+
+    def __init__(self, decoder, *, manager=None, controller: GoodputController | None = None,
+                 tracker: AcceptanceTracker | None = None, monitor: RollbackMonitor | None = None,
+                 writer=None, config: LoopConfig | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.decoder = decoder
+        self.manager = manager
+        self.controller = controller or GoodputController(adapter_version=lambda: decoder.adapter_version)
+        self.tracker = tracker
+        self.monitor = monitor
+        self.writer = writer
+        self.config = config or LoopConfig()
+        self.clock = clock
+        self.streams_steps = supports_step_hook(decoder)
+        self.observers: list[Callable[[Ticket, DecodeResult], Any]] = []
+        self._q: queue.Queue[Ticket | None] = queue.Queue(maxsize=self.config.queue_size)
+        self._cv = threading.Condition()
+        self._active: Ticket | None = None
+        self._draining = False
+        self._thread: threading.Thread | None = None
+        self._greedy_seen = itertools.count(1)
+        self._n: Counter = Counter()
+        self._by_workload: Counter = Counter()
+        self._workload_versions: dict[str, int] = {}
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "ServingLoop":
+        if self._thread is None:
+            if self.manager is not None:
+                self.manager.start()
+            if self.tracker is not None:
+                self.tracker.start()
+            self._thread = threading.Thread(target=self._run, name="draftd-serving", daemon=True)
+            self._thread.start()
+        return self
+
+    def __enter__(self) -> "ServingLoop":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self, grace_s: float) -> bool:
+        """Stop taking requests (``submit`` raises :class:`Draining`), let the queued and the
+        running ones finish for up to ``grace_s`` seconds, then cancel what is left (at its next
+        step). Returns True when everything finished within the grace period."""
+        with self._cv:
+            self._draining = True
+            done = self._cv.wait_for(lambda: self._q.empty() and self._active is None, timeout=max(0.0, grace_s))
+        if not done:
+            log.warning("drain_grace_exceeded", grace_s=grace_s, queued=self._q.qsize())
+            self._cancel_all()
+        return done
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """Drain (``grace_s``), stop the worker, then the adapter manager, the tracker (a last
+        flush) and the writer (a last flush)."""
+        if self._thread is not None:
+            self.drain(grace_s)
+            self._q.put(None)  # the worker exits after what is queued (cancelled: dropped at once)
+            self._thread.join(30)
+            self._thread = None
+        if self.manager is not None:
+            self.manager.close()
+        if self.tracker is not None:
+            self.tracker.stop()
+        if self.writer is not None:
+            self.writer.close()
+
+    def _cancel_all(self) -> None:
+        with self._cv:
+            if self._active is not None:
+                self._active.cancel()
+            for t in list(self._q.queue):
+                if t is not None:
+                    t.cancel()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def submit(self, req: DecodeRequest, *, policy: GammaPolicy | None = None,
+               on_tokens: Callable[[list[int]], Any] | None = None) -> Ticket:
+        """Queue ``req``; returns its :class:`Ticket` at once.
+
+        ``policy`` overrides the γ choice (default: ``FixedGamma(req.gamma)`` when the request
+        fixes γ, else the goodput controller's policy for ``key_of(req)``). ``on_tokens(ids)``
+        is called on the worker thread with the ids of each verification step (see the module
+        docstring); it must not block, and its exceptions are ignored.
+
+        Raises:
+            Draining: the loop is draining or closed.
+            QueueFull: ``config.queue_size`` requests already wait.
+        """
+        t = Ticket(req, policy, on_tokens, submitted_at=self.clock())
+        with self._cv:
+            if self._draining or self._thread is None:
+                self._n["refused_draining"] += 1
+                raise Draining("the server is not taking requests (shutting down, or not started); retry on another instance")
+            try:
+                self._q.put_nowait(t)
+            except queue.Full:
+                self._n["refused_queue_full"] += 1
+                raise QueueFull(f"the request queue is full ({self.config.queue_size} waiting); retry later") from None
+            self._n["submitted"] += 1
+        return t
+
+    def generate(self, req: DecodeRequest, policy: GammaPolicy | None = None, timeout: float | None = None) -> DecodeResult:
+        """Submit ``req`` and wait for its result (what an in-process driver calls)."""
+        return self.submit(req, policy=policy).result(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting, not counting the one decoding."""
+        return self._q.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._active is not None
+
+    # ---- the worker --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            t = self._q.get()
+            if t is None:
+                return
+            with self._cv:
+                self._active = t
+            try:
+                self._serve(t)
+            except BaseException as e:  # noqa: BLE001 - the worker must survive any request
+                log.exception("serving_failed", request_id=t.request.request_id)
+                if not t.future.done():
+                    t.future.set_exception(e)
+            finally:
+                with self._cv:
+                    self._active = None
+                    self._cv.notify_all()
+
+    def _policy(self, t: Ticket) -> GammaPolicy:
+        if t.policy is not None:
+            return t.policy
+        req = t.request
+        if req.gamma is not None:
+            return FixedGamma(req.gamma)
+        if req.params.seed is not None and not req.params.greedy:
+            return _ObservedGamma(self.controller, key_of(req), self.config.seeded_gamma)
+        return self.controller.policy_for(key_of(req))
+
+    def _on_step(self, t: Ticket, ids: list[int]) -> bool:
+        if ids:
+            now = self.clock()
+            if t.first_token_at is None:
+                t.first_token_at = now
+            t.emitted_at.append(now)
+            t.tokens.extend(ids)
+            if t.on_tokens is not None:
+                try:
+                    t.on_tokens(list(ids))
+                except Exception:  # noqa: BLE001 - a consumer's failure never stops decoding
+                    log.exception("on_tokens_failed", request_id=t.request.request_id)
+        return not t.cancelled
+
+    def _serve(self, t: Ticket) -> None:
+        req = t.request
+        if t.cancelled:
+            with self._cv:
+                self._n["cancelled"] += 1
+            t.future.set_exception(Cancelled(f"request {req.request_id} was cancelled while queued"))
+            return
+        t.started_at = self.clock()
+        policy = self._policy(t)
+        kw = {"on_step": lambda ids: self._on_step(t, ids)} if self.streams_steps else {}
+        try:
+            res = self.decoder.generate(req, policy, **kw)
+        except Exception as e:  # noqa: BLE001 - the submitter gets it (ValueError: context, vocab)
+            with self._cv:
+                self._n["failed"] += 1
+            t.finished_at = self.clock()
+            t.future.set_exception(e)
+            return
+        if not self.streams_steps and res.output_ids:
+            self._on_step(t, res.output_ids)  # one chunk: the decoder has no step hook
+        every = self.config.check_plain_every
+        if every and req.params.greedy and res.finish_reason != "cancelled" and next(self._greedy_seen) % every == 0:
+            try:
+                self.decoder.check_against_plain(req, res)
+            except Exception:  # noqa: BLE001 - a failed check leaves matches_plain None
+                log.exception("check_against_plain_failed", request_id=req.request_id)
+        t.finished_at = self.clock()
+        t.decision = getattr(policy, "decision", None)
+        self._after(res)
+        with self._cv:
+            self._n["served" if res.finish_reason != "cancelled" else "cancelled"] += 1
+            self._n["output_tokens"] += len(res.output_ids)
+            self._by_workload[res.workload] += 1
+            self._workload_versions[res.workload] = res.adapter_version
+        for obs in list(self.observers):
+            try:
+                obs(t, res)
+            except Exception:  # noqa: BLE001
+                log.exception("observer_failed", request_id=req.request_id)
+        t.future.set_result(res)
+
+    def _after(self, res: DecodeResult) -> None:
+        """Acceptance history and the rollback monitor (neither raises on Redis errors)."""
+        if self.tracker is not None:
+            try:
+                self.tracker.observe(res)
+            except Exception:  # noqa: BLE001
+                log.exception("tracker_observe_failed", request_id=res.request_id)
+        if self.monitor is not None:
+            try:
+                self.monitor.check(res.adapter_version, res.workload if self.config.rollback_per_workload else None)
+            except Exception:  # noqa: BLE001
+                log.exception("rollback_check_failed", request_id=res.request_id)
+
+    # ---- observation -------------------------------------------------------------------------
+    def speculation(self) -> dict[str, dict[str, Any]]:
+        """Per (workload, sampling bucket) key: whether the controller speculates now, γ and why."""
+        out = {}
+        for k, d in self.controller.status().items():
+            out[k] = {"on": bool(d.get("speculate")), "gamma": d.get("gamma"), "why": d.get("why")}
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """Counts, queue, adapter, speculation and store health; JSON-ready."""
+        with self._cv:
+            n = dict(self._n)
+            by_w = dict(self._by_workload)
+            versions = dict(self._workload_versions)
+            active = self._active is not None
+        st: dict[str, Any] = {
+            "requests_served": n.get("served", 0),
+            "requests_failed": n.get("failed", 0),
+            "requests_cancelled": n.get("cancelled", 0),
+            "refused_queue_full": n.get("refused_queue_full", 0),
+            "refused_draining": n.get("refused_draining", 0),
+            "output_tokens": n.get("output_tokens", 0),
+            "requests_by_workload": by_w,
+            "adapter_version": self.decoder.adapter_version,
+            "adapter_by_workload": versions,
+            "queue_depth": self.queue_depth,
+            "queue_size": self.config.queue_size,
+            "decoding": active,
+            "draining": self._draining,
+            "streams_steps": self.streams_steps,
+            "speculation": self.speculation(),
+        }
+        if self.writer is not None:
+            ws = self.writer.stats()
+            st["buffer"] = {"written": ws.written, "queued": ws.queued, "redis_up": ws.redis_up,
+                            "dropped": ws.dropped_queue_full + ws.dropped_redis_down + ws.dropped_error + ws.dropped_on_close,
+                            "last_error": ws.last_error}
+        if self.manager is not None:
+            ms = self.manager.status()
+            st["adapters"] = {"routes": ms["routes"], "swaps": ms["swaps"], "failures": ms["failures"]}
+        return st
+
+
+def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=None, registry=None,
+                       decoder_config=None, pair_fingerprint=None, tap: Callable[[Any], Any] | None = None,
+                       config: LoopConfig | None = None, controller=None, poll_interval_s: float = 1.0,
+                       rollback_min_requests: int = 20, rollback_margin: float = 0.1,
+                       history_flush_s: float = 5.0) -> ServingLoop:
+    """Wire the decoder and the adaptive loop once (what ``serve`` and an in-process driver share).
+
+    - ``client`` + ``store_config``: a SampleWriter as the decoder's sink (``tap(sample)`` is
+      called first, e.g. to keep a held-out split) and the acceptance history; None: neither.
+    - ``registry``: an AdapterManager following its promotions and rollbacks (per-workload
+      routing) and a RollbackMonitor; None: the draft is served as it is.
+    - ``controller``: a GoodputController (default: one following the decoder's adapter version).
+
+    Returns the loop, not started (``with build_serving_loop(...) as loop:``).
+    """
+    from decoder.adapters import AdapterManager
+    from decoder.shift import ShiftDetector
+    from decoder.speculative import SpeculativeDecoder
+
+    writer = history = None
+    sink = None
+    if client is not None:
+        from store import AcceptanceHistory, SampleWriter
+
+        writer = SampleWriter(client, store_config)
+        history = AcceptanceHistory(client, store_config)
+
+        def sink(sample):
+            if tap is not None:
+                try:
+                    tap(sample)
+                except Exception:  # noqa: BLE001 - a tap never fails the buffer
+                    log.exception("sample_tap_failed")
+            return writer.submit(sample)
+    decoder = SpeculativeDecoder(target, draft, tokenizer, decoder_config, sink=sink, pair_fingerprint=pair_fingerprint)
+    manager = AdapterManager(decoder, registry, poll_interval_s=poll_interval_s) if registry is not None else None
+    tracker = AcceptanceTracker(history, ShiftDetector(), flush_interval_s=history_flush_s)
+    monitor = (RollbackMonitor(registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin)
+               if registry is not None else None)
+    return ServingLoop(decoder, manager=manager, controller=controller, tracker=tracker, monitor=monitor,
+                       writer=writer, config=config)
+
+
+def speculation_by_workload(speculation: dict[str, dict[str, Any]]) -> dict[str, bool]:
+    """``{workload: on}`` from :meth:`ServingLoop.speculation` (on if any sampling bucket speculates)."""
+    out: dict[str, bool] = {}
+    for k, v in speculation.items():
+        w = k.rsplit("@", 1)[0]
+        out[w] = out.get(w, False) or bool(v.get("on"))
+    return out
+
+
+__all__ = ["build_serving_loop", "Cancelled", "Draining", "LoopConfig", "LoopError", "QueueFull", "ServingLoop", "Ticket", "key_str",
+           "speculation_by_workload", "supports_step_hook"]

@@ -1,0 +1,247 @@
+"""`daemonctl serve` on tiny models: the real openai client against uvicorn on a free loopback
+port, the serving loop inside, a real Redis."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from serve_helpers import MODEL, Blocker, plain_text, serving, tiny_pair  # noqa: E402
+
+PROMPTS = ["def add(a, b):", "the cat sat on", "x = 3 + 4 * (", "once upon a time"]
+
+
+@pytest.fixture
+def srv(redis_client, key_prefix):
+    with serving(redis_client, key_prefix) as s:
+        yield s
+
+
+def test_completions_greedy_equal_plain_decoding_streamed_or_not(srv):
+    target, draft = tiny_pair()
+    oc = srv.openai()
+    for prompt in PROMPTS:
+        want, plain = plain_text(srv.tokenizer, target, draft, srv.tokenizer(prompt).input_ids, 12)
+        r = oc.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want
+        assert r.usage.completion_tokens == len(plain.output_ids)
+        assert r.usage.prompt_tokens == len(prompt)
+        assert r.choices[0].finish_reason == ("length" if plain.finish_reason == "length" else "stop")
+        m = r.model_extra["draftd"]
+        assert m["adapter_version"] == 0 and m["proposed_tokens"] >= m["accepted_tokens"] >= 0
+        assert {"tau", "alpha", "gamma_policy", "why", "draft_ms", "verify_ms", "matches_plain"} <= set(m)
+        chunks = list(oc.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == want
+        assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+        assert chunks[-1].model_extra["draftd"]["request_id"]
+
+
+def test_chat_greedy_equals_plain_decoding_of_the_chat_template(srv):
+    target, draft = tiny_pair()
+    oc = srv.openai()
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+2?"}]
+    ids = srv.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    want, _ = plain_text(srv.tokenizer, target, draft, list(ids), 10)
+    r = oc.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    stream = oc.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_stop_strings_are_cut_like_openai_and_workload_from_header(srv):
+    oc = srv.openai()
+    full = oc.completions.create(model=MODEL, prompt="abc", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    assert len(text) >= 4
+    stop = text[2:4]
+    cut = text[: text.find(stop)]
+    r = oc.completions.create(model=MODEL, prompt="abc", max_tokens=16, temperature=0, stop=[stop],
+                              extra_body={"ignore_eos": True}, extra_headers={"X-Draftd-Workload": "code"})
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    assert r.model_extra["draftd"]["workload"] == "code"
+    s = oc.completions.create(model=MODEL, prompt="abc", max_tokens=16, temperature=0, stop=stop, stream=True,
+                              extra_body={"ignore_eos": True, "workload": "prose"})
+    assert "".join(c.choices[0].text for c in s) == cut
+
+
+def test_a_seed_reproduces_a_sampled_completion(srv):
+    oc = srv.openai()
+    kw = dict(model=MODEL, prompt="hello", max_tokens=16, temperature=1.0, top_p=0.9, extra_body={"top_k": 20, "ignore_eos": True})
+    a = oc.completions.create(seed=1234, **kw).choices[0].text
+    b = oc.completions.create(seed=1234, **kw).choices[0].text
+    c = "".join(x.choices[0].text for x in oc.completions.create(seed=1234, stream=True, **kw))
+    assert a == b == c and len(a) > 0
+
+
+BAD = [
+    ("completion", dict(n=2), "n"),
+    ("completion", dict(logprobs=2), "logprobs"),
+    ("completion", dict(echo=True), "echo"),
+    ("completion", dict(best_of=3), "best_of"),
+    ("completion", dict(max_tokens=0), "max_tokens"),
+    ("completion", dict(max_tokens=600), "max_tokens"),
+    ("completion", dict(temperature=-1), "temperature"),
+    ("completion", dict(top_p=0), "top_p"),
+    ("completion", dict(top_p=1.5), "top_p"),
+    ("completion", dict(seed="x"), "seed"),
+    ("completion", dict(stop=""), "stop"),
+    ("completion", dict(stop=[1, 2]), "stop"),
+    ("completion", dict(frequency_penalty=0.5), "frequency_penalty"),
+    ("completion", dict(presence_penalty=1), "presence_penalty"),
+    ("completion", dict(logit_bias={"5": 1}), "logit_bias"),
+    ("completion", dict(suffix="x"), "suffix"),
+    ("completion", dict(extra_body={"top_k": -5}), "top_k"),
+    ("completion", dict(extra_body={"gamma": -1}), "gamma"),
+    ("completion", dict(extra_body={"gamma": 1000}), "gamma"),
+    ("completion", dict(extra_body={"ignore_eos": "yes"}), "ignore_eos"),
+    ("completion", dict(extra_body={"workload": "a@b"}), "workload"),
+    ("completion", dict(extra_body={"beam_width": 4}), "beam_width"),
+    ("completion", dict(extra_headers={"X-Draftd-Workload": "a@b"}), "X-Draftd-Workload"),
+    ("completion", dict(stream_options={"include_usage": True}), "stream_options"),
+    ("completion", dict(prompt=["one", "two"]), "prompt"),
+    ("completion", dict(prompt=[1, 2, 999]), "prompt"),
+    ("completion", dict(prompt="x" * 600), "prompt"),
+    ("chat", dict(n=3), "n"),
+    ("chat", dict(logprobs=True), "logprobs"),
+    ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    ("chat", dict(response_format={"type": "json_object"}), "response_format"),
+    ("chat", dict(max_completion_tokens=0), "max_completion_tokens"),
+    ("chat", dict(messages=[]), "messages"),
+    ("chat", dict(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+    ("chat", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0]"),
+]
+
+
+@pytest.mark.parametrize("kind,kw,param", BAD, ids=[f"{k}-{p}-{i}" for i, (k, _, p) in enumerate(BAD)])
+def test_every_bad_parameter_gets_a_400_naming_it(srv, kind, kw, param):
+    oc = srv.openai()
+    with pytest.raises(openai.BadRequestError) as ei:
+        if kind == "completion":
+            args = dict(model=MODEL, prompt="hi", max_tokens=4)
+            args.update(kw)
+            oc.completions.create(**args)
+        else:
+            args = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            args.update(kw)
+            oc.chat.completions.create(**args)
+    e = ei.value
+    assert e.status_code == 400
+    err = e.body if "message" in (e.body or {}) else e.body["error"]
+    assert err["param"] == param, err
+    assert param.split("[")[0].split(".")[0] in err["message"] or param in err["message"]
+
+
+def test_unknown_model_404_bad_json_400_and_no_500(srv):
+    oc = srv.openai()
+    with pytest.raises(openai.NotFoundError) as ei:
+        oc.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert ei.value.body["code"] == "model_not_found" and ei.value.body["param"] == "model"
+    for body in (b"{not json", b"[1, 2]", b'{"model": "tiny"}', b'{"prompt": "x"}'):
+        req = urllib.request.Request(srv.base_url + "/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as he:
+            urllib.request.urlopen(req, timeout=30)
+        assert he.value.code == 400
+        assert set(json.loads(he.value.read())["error"]) == {"message", "type", "param", "code"}
+    models = oc.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_a_full_queue_gets_429_with_retry_after(redis_client, key_prefix):
+    with serving(redis_client, key_prefix, queue_size=1) as s:
+        block = Blocker()
+        s.loop.decoder.between_requests.append(block)
+        oc = s.openai()
+        results = []
+        first = threading.Thread(target=lambda: results.append(oc.completions.create(model=MODEL, prompt="a", max_tokens=2)))
+        first.start()
+        assert block.entered.wait(60)  # decoding (held); the queue is empty
+        second = threading.Thread(target=lambda: results.append(oc.completions.create(model=MODEL, prompt="b", max_tokens=2)))
+        second.start()
+        while s.loop.queue_depth < 1:
+            threading.Event().wait(0.01)
+        with pytest.raises(openai.RateLimitError) as ei:
+            oc.completions.create(model=MODEL, prompt="c", max_tokens=2)
+        assert ei.value.response.headers["retry-after"] == "1"
+        assert ei.value.body["code"] == "queue_full"
+        block.release.set()
+        first.join(60)
+        second.join(60)
+        assert len(results) == 2
+
+
+def test_sigterm_style_drain_finishes_in_flight_and_refuses_new_with_503(redis_client, key_prefix):
+    with serving(redis_client, key_prefix) as s:
+        block = Blocker()
+        s.loop.decoder.between_requests.append(block)
+        oc = s.openai()
+        results = []
+        t = threading.Thread(target=lambda: results.append(oc.completions.create(model=MODEL, prompt="a", max_tokens=4)))
+        t.start()
+        assert block.entered.wait(60)
+        drained = []
+        d = threading.Thread(target=lambda: drained.append(s.loop.drain(60)))
+        d.start()
+        while not s.loop.draining:
+            threading.Event().wait(0.01)
+        with pytest.raises(openai.InternalServerError) as ei:
+            oc.completions.create(model=MODEL, prompt="b", max_tokens=2)
+        assert ei.value.status_code == 503 and ei.value.body["code"] == "draining"
+        with pytest.raises(urllib.error.HTTPError) as he:
+            urllib.request.urlopen(f"http://127.0.0.1:{s.server.port}/health", timeout=10)
+        assert he.value.code == 503
+        block.release.set()
+        t.join(60)
+        d.join(60)
+        assert drained == [True] and len(results) == 1 and results[0].choices[0].text is not None
+
+
+def test_streaming_sends_each_verification_step_and_a_disconnect_cancels(srv):
+    if not srv.loop.streams_steps:
+        pytest.skip("SpeculativeDecoder.generate has no on_step hook yet: tokens arrive in one chunk at the end")
+    oc = srv.openai()
+    chunks = list(oc.completions.create(model=MODEL, prompt="abc", max_tokens=24, temperature=0, stream=True,
+                                        extra_body={"gamma": 1, "ignore_eos": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices[0].text]
+    steps = chunks[-1].model_extra["draftd"]["steps"]
+    assert len(texts) == steps > 1
+    # a client that goes away after the first chunk: its request ends "cancelled" at the next step
+    done = []
+    srv.loop.observers.append(lambda t, res: done.append(res))
+    stream = oc.completions.create(model=MODEL, prompt="abc", max_tokens=400, temperature=0, stream=True,
+                                   extra_body={"gamma": 1, "ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    while not done:
+        threading.Event().wait(0.02)
+    assert done[-1].finish_reason == "cancelled" and len(done[-1].output_ids) < 400
+
+
+def test_metrics_spec_decode_counters_latencies_and_queue(srv):
+    oc = srv.openai()
+    for w in ("prose", "code"):
+        oc.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0,
+                              extra_body={"gamma": 2, "workload": w, "ignore_eos": True})
+    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.port}/metrics", timeout=10).read().decode()
+    for name in ("draftd:spec_decode_num_drafts_total", "draftd:spec_decode_num_draft_tokens_total",
+                 "draftd:spec_decode_num_accepted_tokens_total", "draftd:time_to_first_token_seconds_bucket",
+                 "# TYPE draftd:inter_token_latency_seconds histogram", "draftd:e2e_request_latency_seconds_bucket",
+                 "draftd:num_requests_waiting"):
+        assert name in text, name
+    assert 'draftd:spec_decode_num_drafts_total{adapter_version="0",workload="code"}' in text
+    drafts = [line for line in text.splitlines() if line.startswith('draftd:spec_decode_num_draft_tokens_total{adapter_version="0",workload="prose"}')]
+    assert drafts and float(drafts[0].split()[-1]) > 0
+    per_pos = [line for line in text.splitlines() if line.startswith("draftd:spec_decode_num_accepted_tokens_per_pos_total")]
+    assert all('position="' in line for line in per_pos)

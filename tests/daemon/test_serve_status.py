@@ -1,0 +1,50 @@
+"""`daemonctl status` lists the serving decoders (their heartbeats in Redis); `history` and
+`adapters list` read Redis directly when no daemon answers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("openai")
+
+from conftest import REDIS_URL, base_env, ctl, free_port  # noqa: E402
+from helpers import make_adapter_dir  # noqa: E402
+from serve_helpers import MODEL, serving  # noqa: E402
+
+
+def test_status_lists_serving_decoders_and_history_adapters_read_redis_without_a_daemon(redis_client, key_prefix, tmp_path):
+    from store.config import StoreConfig
+    from store.registry import AdapterMeta, AdapterRegistry
+
+    env = base_env(tmp_path / "state", free_port(), DRAFTD_REDIS__URL=REDIS_URL, DRAFTD_STORE__KEY_PREFIX=key_prefix)
+    registry = AdapterRegistry(redis_client, tmp_path / "state" / "adapters", StoreConfig(key_prefix=key_prefix))
+    v1 = registry.register(make_adapter_dir(tmp_path / "a1"), AdapterMeta(parent=0))
+    with serving(redis_client, key_prefix, heartbeat_s=0.2) as s:
+        oc = s.openai()
+        for w in ("prose", "code"):
+            oc.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0, extra_body={"workload": w})
+        s.loop.tracker.flush()
+        hb = None
+        for _ in range(200):  # the next heartbeat carries the 2 requests
+            r = ctl(env, "status", "--json")
+            st = json.loads(r.stdout)
+            hb = next((h for h in st.get("serving", []) if h["server_id"] == s.service.server_id), None)
+            if hb and hb["requests_served"] == 2:
+                break
+        assert hb is not None and hb["requests_served"] == 2
+        assert hb["adapter_version"] == 0 and hb["queue_depth"] == 0 and hb["model"] == MODEL
+        assert set(hb["speculation_by_workload"]) == {"prose", "code"} and hb["last_seen_s"] >= 0
+        text = ctl(env, "status").stdout
+        assert "serving" in text and s.service.server_id in text
+        h = ctl(env, "history", "--json")
+        assert h.returncode == 0, h.stderr
+        hist = json.loads(h.stdout)
+        assert {r["workload"].split("@")[0] for r in hist["series"]} == {"prose", "code"}
+        a = ctl(env, "adapters", "list", "--json")
+        assert a.returncode == 0, a.stderr
+        assert [row["version"] for row in json.loads(a.stdout)] == [v1]
+        assert "read from Redis directly" in a.stderr
+    st = json.loads(ctl(env, "status", "--json").stdout)
+    assert all(h["server_id"] != s.service.server_id for h in st.get("serving", []))  # removed on close
