@@ -45,7 +45,8 @@ class DemoConfig:
     phase_seconds: float = 255.0  # serving time per phase (3 x 255 s + evaluation: ~19 min on 2 cores)
     max_new_tokens: int = 32
     eval_prompts: int = 5  # per phase, never served, for the frozen-vs-adapted table
-    eval_gamma: int = 3
+    eval_gamma: int = 3  # γ of the frozen-vs-adapted draft rows; the "adapted" row takes the controller's pick
+    proposers: tuple[str, ...] = ("ngram", "draft")  # what the goodput controller chooses among
     train_interval_s: float = 30.0
     train_min_new_samples: int = 8
     round_steps: int = 40
@@ -55,7 +56,7 @@ class DemoConfig:
 
     @classmethod
     def quick(cls, **kw) -> "DemoConfig":
-        base = dict(phase_seconds=75.0, eval_prompts=1, train_interval_s=15.0, train_min_new_samples=4,
+        base = dict(phase_seconds=75.0, eval_prompts=3, train_interval_s=15.0, train_min_new_samples=4,
                     round_steps=20, round_seconds=20.0)
         base.update(kw)
         return cls(**base)
@@ -76,13 +77,15 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
 
     from daemon.redis_embed import open_redis
     from daemon.settings import distill_config, draft_vocab_ids, store_config
-    from decoder.adapters import AdapterManager
-    from decoder.control import AcceptanceTracker, GoodputController, RollbackMonitor, key_of
+    from openai import OpenAI
+
+    from daemon.serve import InferenceService, ServeServer
+    from decoder.loop import LoopConfig, build_serving_loop
     from decoder.models import derive_draft, load_pair
     from decoder.sampling import SamplingParams
-    from decoder.shift import ShiftDetector, recovery_stats
-    from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
-    from store import AcceptanceHistory, AdapterRegistry, SampleReader, SampleWriter
+    from decoder.shift import recovery_stats
+    from decoder.speculative import DecoderConfig
+    from store import AdapterRegistry, SampleReader
     from store.buffer import group_info
     from store.schema import PairFingerprint
     from trainer.distill import Distiller
@@ -115,11 +118,8 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
         console.log(f"pair: {pair.target_name} + {pair.draft_name} ({pair.load_seconds:.1f} s)")
 
-        writer = SampleWriter(client, scfg)
-        stack.callback(writer.close)
         reader = SampleReader(client, scfg, "trainer", "demo", expected_fingerprint=fp)
         registry = AdapterRegistry(client, out_dir / "adapters" / run_id, scfg)
-        history = AcceptanceHistory(client, scfg)
 
         dcfg = distill_config(settings)
         dcfg = dataclasses.replace(dcfg, max_steps=cfg.round_steps, max_seconds=cfg.round_seconds)
@@ -137,24 +137,28 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
 
         heldout: dict[str, list] = {}  # the trainer's own held-out split, kept for the final table
 
-        def sink(sample) -> bool:
+        def keep_heldout(sample) -> None:
             if is_heldout(split_key(sample), svc.config.holdout_fraction):
                 heldout.setdefault(sample.workload, []).append(sample)
-            return writer.submit(sample)
 
+        # The serving loop `daemonctl serve` runs (decoder, adapter manager, goodput controller over
+        # the n-gram and draft proposers, acceptance tracker, rollback monitor, sample writer), behind
+        # its OpenAI-compatible API on a free loopback port: the demo's traffic is a client's.
         # record_prompt: each request also streams the target's distributions over its prompt
         # (from the prefill it runs anyway), ~3x the trainer's data per request.
-        decoder = SpeculativeDecoder(pair.target, pair.draft, tok, DecoderConfig(topk_record=32, record_prompt=True,
-                                                                                  draft_vocab=vocab),
-                                     sink=sink, pair_fingerprint=fp)
-        manager = AdapterManager(decoder, registry, poll_interval_s=1.0)
-        manager.start()
-        stack.callback(manager.stop)
-        tracker = AcceptanceTracker(history, ShiftDetector())
-        tracker.start()
-        stack.callback(tracker.stop)
-        controller = GoodputController(adapter_version=lambda: decoder.adapter_version)
-        monitor = RollbackMonitor(registry, tracker, min_requests=6, margin=0.15)
+        loop = build_serving_loop(
+            pair.target, pair.draft, tok, client=client, store_config=scfg, registry=registry,
+            decoder_config=DecoderConfig(topk_record=32, record_prompt=True, draft_vocab=vocab), pair_fingerprint=fp,
+            tap=keep_heldout, config=LoopConfig(rollback_per_workload=False), poll_interval_s=1.0,
+            rollback_min_requests=6, rollback_margin=0.15, proposers=tuple(cfg.proposers))
+        loop.start()
+        stack.callback(loop.close)
+        decoder, manager, controller = loop.decoder, loop.manager, loop.controller
+        model_name = settings.models.target
+        service = InferenceService(loop, tok, model_name, context_len=getattr(pair.target.config, "max_position_embeddings", None))
+        server = stack.enter_context(ServeServer(service, "127.0.0.1", 0))
+        oai = OpenAI(base_url=f"{server.url}/v1", api_key="demo", max_retries=0, timeout=600)
+        console.log(f"serving on {server.url}/v1 (OpenAI API); proposers {', '.join(cfg.proposers)}")
 
         phase_end_version: dict[str, int] = {}
         params = SamplingParams()  # greedy: α per position = agreement with the target's argmax
@@ -171,22 +175,23 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
                 while time.time() < end:
                     p = prompts[i % len(prompts)]
                     i += 1
-                    req = DecodeRequest(p.token_ids(tok)[-256:], params, cfg.max_new_tokens, workload=phase)
-                    policy = controller.policy_for(key_of(req))
-                    res = decoder.generate(req, policy)
-                    alarm = tracker.observe(res)
-                    rb = monitor.check(decoder.adapter_version)
-                    c = res.counts
+                    alarms, rollbacks = len(loop.tracker.alarms), len(loop.monitor.decisions)
+                    t_req = time.perf_counter()
+                    resp = oai.completions.create(model=model_name, prompt=p.token_ids(tok)[-256:], temperature=0,
+                                                  max_tokens=cfg.max_new_tokens, extra_body={"workload": phase})
+                    wall_ms = (time.perf_counter() - t_req) * 1e3
+                    m = (resp.model_extra or {})["draftd"]
+                    rb = next((d for d in loop.monitor.decisions[rollbacks:] if d.rolled_back), None)
                     timeline.append({
-                        "t": round(time.time() - t0, 2), "workload": phase, "adapter_version": res.adapter_version,
-                        "gamma": max((s.proposed for s in res.steps), default=0),
-                        "alpha": _nn(c.alpha), "tau": _nn(c.mean_accepted_length),
-                        "acceptance_rate": _nn(c.acceptance_rate), "tokens": len(res.output_ids),
-                        "latency_ms": round(res.latency_ms, 1), "tokens_per_s": round(res.tokens_per_s, 3),
-                        "shift_alarm": bool(alarm), "rollback": rb.reason if rb else None,
-                        "decision": controller.decision(key_of(req)).get("why"),
+                        "t": round(time.time() - t0, 2), "workload": phase, "adapter_version": m["adapter_version"],
+                        "gamma": m["gamma"], "proposer": m.get("proposer"),
+                        "alpha": m["alpha"], "tau": m["tau"], "acceptance_rate": m["acceptance_rate"],
+                        "tokens": m["output_tokens"], "latency_ms": m["latency_ms"], "http_ms": round(wall_ms, 1),
+                        "tokens_per_s": round(m["output_tokens"] / m["latency_ms"] * 1e3, 3) if m["latency_ms"] else None,
+                        "shift_alarm": len(loop.tracker.alarms) > alarms, "rollback": rb.reason if rb else None,
+                        "decision": m.get("why"),
                     })
-                    live.update(_progress_table(timeline, phase, svc, manager, controller, key_of(req)))
+                    live.update(_progress_table(timeline, phase, svc, manager, controller, (phase, params.bucket())))
                 phase_end_version[phase] = decoder.adapter_version
         svc.stop()  # a running round finishes first
         # A version promoted by that last round is swapped in now, and the watcher stopped, so the
@@ -204,8 +209,9 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         manager.close()  # no hook left to swap during the evaluation
         console.log(f"serving done (final adapter v{decoder.adapter_version}); evaluating frozen vs adapted drafts")
         table = evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, frozen_draft=
-                                derive_draft(pair.target, layers), tok=tok, params=params, console=console)
-        tracker.flush()
+                                derive_draft(pair.target, layers), tok=tok, params=params, console=console,
+                                controller=controller)
+        loop.tracker.flush()
         report = {
             "run_id": run_id, "key_prefix": prefix, "redis": rh.describe(), "pair": {"target": pair.target_name, "draft": pair.draft_name},
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()},
@@ -213,8 +219,9 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
             "active_adapter": decoder.adapter_version,
             "adapters": [_adapter_row(r) for r in registry.list()],
             "trainer": _jsonable(svc.status()), "swaps": manager.status(),
-            "rollbacks": [d.__dict__ for d in monitor.decisions],
-            "shift_alarms": [a.__dict__ for a in tracker.alarms], "shifts": shifts,
+            "rollbacks": [d.__dict__ for d in loop.monitor.decisions],
+            "shift_alarms": [a.__dict__ for a in loop.tracker.alarms], "shifts": shifts,
+            "serving": loop.status(), "ngram_history_tokens": decoder.ngram_history.status(),
             "controller": _jsonable(controller.status()),
             "phases": table, "recovery": recovery_stats(timeline, shifts), "timeline": timeline,
         }
@@ -225,15 +232,19 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
 
 
 def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, frozen_draft, tok,
-                    params, console) -> list[dict]:
-    """The per-phase table: frozen draft vs adapted draft.
+                    params, console, controller=None) -> list[dict]:
+    """The per-phase table: frozen v0 vs what adaptation built, on prompts never served.
 
     - ``heldout_alpha``: α = Σ min(p, q) at temperature 1 over the stored top-k support, on the
       phase's held-out samples (served requests the trainer never trained on; Distiller.evaluate),
       for the base draft (frozen), the adapter active when the phase ended, and the final one.
-    - decoded: on ``eval_prompts`` prompts never served, greedy, ``max_new_tokens`` each: plain
-      decoding, the frozen draft and the adapted (final) draft at γ = ``eval_gamma``: greedy α
-      (share of proposals accepted), τ, tokens/s and speedup vs plain, all measured.
+    - decoded, on ``eval_prompts`` prompts never served, greedy, ``max_new_tokens`` each:
+      ``plain`` (γ = 0); ``frozen`` (the base draft, v0) and ``adapted_draft`` (the final adapter)
+      at γ = ``eval_gamma``; ``adapted``: what the goodput controller picks for the phase's
+      workload at the end (proposer and γ; plain decoding when it keeps speculation off), the
+      n-gram proposer indexing only what was served (each evaluation request decodes against a
+      copy of the served history, so evaluation requests never see each other). Greedy α (share
+      of proposals accepted), τ, tokens/s and speedup vs plain, all measured.
     - live: the phase's served requests, first and last third: greedy α and tokens/s.
     """
     from decoder.metrics import AcceptanceCounts
@@ -247,43 +258,54 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
         return distiller.adapter_state()
 
     final_state = state_of(decoder.adapter_version)
+    served_history = decoder.ngram_history
     # the same head as the adapted draft (FR-Spec or not), so the rows differ by training only
     frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok, DecoderConfig(draft_vocab=decoder.config.draft_vocab))
     rows = []
-    for phase in cfg.phases:
-        row: dict[str, Any] = {"workload": phase, "adapter_at_phase_end": phase_end_version.get(phase, 0),
-                               "final_adapter": decoder.adapter_version}
-        held = heldout.get(phase, [])
-        row["heldout_samples"] = len(held)
-        if held:
-            row["heldout_alpha"] = {
-                "frozen": _nn(distiller.evaluate(held, adapter=BASE).alpha),
-                "phase_end": _nn(distiller.evaluate(held, adapter=state_of(row["adapter_at_phase_end"])).alpha),
-                "final": _nn(distiller.evaluate(held, adapter=final_state).alpha),
-            }
-        ps = _prompts(phase, cfg.eval_prompts)
-        for name, dec, g in (("plain", decoder, 0), ("frozen", frozen, cfg.eval_gamma),
-                             ("adapted", decoder, cfg.eval_gamma)):
-            console.log(f"evaluating {phase}: {name}")
-            tot, ms = AcceptanceCounts(), 0.0
-            for p in ps:
-                r = dec.generate(DecodeRequest(p.token_ids(tok)[-256:], params, cfg.max_new_tokens, gamma=g,
-                                               ignore_eos=True, workload=phase))
-                tot.merge(r.counts)
-                ms += r.latency_ms
-            row[name] = {"alpha": _nn(tot.alpha), "tau": _nn(tot.mean_accepted_length),
-                         "acceptance_rate": _nn(tot.acceptance_rate),
-                         "tokens_per_s": round(tot.num_emitted_tokens / ms * 1e3, 3)}
-        for name in ("frozen", "adapted"):
-            row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
-        row["alpha_gain"] = _nn((row["adapted"]["alpha"] or 0) - (row["frozen"]["alpha"] or 0))
-        served = [r for r in timeline if r["workload"] == phase]
-        third = max(1, len(served) // 3)
-        for label, part in (("live_first_third", served[:third]), ("live_last_third", served[-third:])):
-            al = [r["alpha"] for r in part if r["alpha"] is not None]
-            row[label] = {"requests": len(part), "alpha": _nn(sum(al) / len(al)) if al else None,
-                          "tokens_per_s": _nn(sum(r["tokens_per_s"] for r in part) / len(part)) if part else None}
-        rows.append(row)
+    try:
+        for phase in cfg.phases:
+            row: dict[str, Any] = {"workload": phase, "adapter_at_phase_end": phase_end_version.get(phase, 0),
+                                   "final_adapter": decoder.adapter_version}
+            held = heldout.get(phase, [])
+            row["heldout_samples"] = len(held)
+            if held:
+                row["heldout_alpha"] = {
+                    "frozen": _nn(distiller.evaluate(held, adapter=BASE).alpha),
+                    "phase_end": _nn(distiller.evaluate(held, adapter=state_of(row["adapter_at_phase_end"])).alpha),
+                    "final": _nn(distiller.evaluate(held, adapter=final_state).alpha),
+                }
+            pick = controller.decision((phase, params.bucket())) if controller is not None else {}
+            pick_g = int(pick.get("gamma") or 0)
+            pick_p = pick.get("proposer") if pick_g else None
+            row["controller_pick"] = {"proposer": pick_p, "gamma": pick_g, "why": pick.get("why")}
+            ps = _prompts(phase, cfg.eval_prompts)
+            runs = (("plain", decoder, 0, None), ("frozen", frozen, cfg.eval_gamma, "draft"),
+                    ("adapted_draft", decoder, cfg.eval_gamma, "draft"), ("adapted", decoder, pick_g, pick_p))
+            for name, dec, g, prop in runs:
+                console.log(f"evaluating {phase}: {name}" + (f" ({prop} γ={g})" if g else " (plain)"))
+                tot, ms = AcceptanceCounts(), 0.0
+                for p in ps:
+                    decoder.ngram_history = served_history.copy()
+                    r = dec.generate(DecodeRequest(p.token_ids(tok)[-256:], params, cfg.max_new_tokens, gamma=g,
+                                                   ignore_eos=True, workload=phase, proposer=prop))
+                    tot.merge(r.counts)
+                    ms += r.latency_ms
+                row[name] = {"proposer": prop, "gamma": g, "alpha": _nn(tot.alpha),
+                             "tau": _nn(tot.mean_accepted_length), "acceptance_rate": _nn(tot.acceptance_rate),
+                             "tokens_per_s": round(tot.num_emitted_tokens / ms * 1e3, 3)}
+            for name in ("frozen", "adapted_draft", "adapted"):
+                row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
+            row["alpha_gain"] = _nn((row["adapted"]["alpha"] or 0) - (row["frozen"]["alpha"] or 0))
+            served = [r for r in timeline if r["workload"] == phase]
+            third = max(1, len(served) // 3)
+            for label, part in (("live_first_third", served[:third]), ("live_last_third", served[-third:])):
+                al = [r["alpha"] for r in part if r["alpha"] is not None]
+                tps = [r["tokens_per_s"] for r in part if r.get("tokens_per_s") is not None]
+                row[label] = {"requests": len(part), "alpha": _nn(sum(al) / len(al)) if al else None,
+                              "tokens_per_s": _nn(sum(tps) / len(tps)) if tps else None}
+            rows.append(row)
+    finally:
+        decoder.ngram_history = served_history
     return rows
 
 
@@ -316,7 +338,7 @@ def _progress_table(timeline, phase, svc, manager, controller, key):
     recent = [r for r in timeline[-12:] if r["workload"] == phase]
     alphas = [r["alpha"] for r in recent if r["alpha"] is not None]
     taus = [r["tau"] for r in recent if r["tau"] is not None]
-    tps = [r["tokens_per_s"] for r in recent]
+    tps = [r["tokens_per_s"] for r in recent if r.get("tokens_per_s") is not None]
     st = svc.status()
     last = st.get("last_round") or {}
     t = Table(title="draftd demo (live)", show_header=False)
@@ -339,7 +361,7 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 5.2))
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 8), sharex=True, height_ratios=(3, 2))
     colors = {}
     for w in dict.fromkeys(r["workload"] for r in timeline):
         xs = [r["t"] for r in timeline if r["workload"] == w and r["alpha"] is not None]
@@ -347,7 +369,7 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
         if not xs:
             continue
         sc = ax.scatter(xs, ys, s=8, alpha=0.35, label=f"{w} (per request)")
-        colors[w] = sc.get_facecolor()[0]
+        colors[w] = tuple(sc.get_facecolor()[0][:3])  # opaque, for the lines
         k = 8
         roll = [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
         ax.plot(xs, roll, color=colors[w], lw=2, label=f"{w} (rolling mean of {k})")
@@ -361,10 +383,21 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
             ax.text(r["t"], 0.88, f" v{r['adapter_version']}", color="tab:red", fontsize=8,
                     transform=ax.get_xaxis_transform())
             prev = r["adapter_version"]
-    ax.set_xlabel("seconds since serving started")
+    for w in dict.fromkeys(r["workload"] for r in timeline):  # goodput: does speculation pay?
+        part = [r for r in timeline if r["workload"] == w and r.get("tokens_per_s") is not None]
+        if part:
+            ys = [r["tokens_per_s"] for r in part]
+            roll = [sum(ys[max(0, i - 7): i + 1]) / len(ys[max(0, i - 7): i + 1]) for i in range(len(ys))]
+            ax2.plot([r["t"] for r in part], roll, color=colors.get(w), lw=2, label=w)
+            spec = [r for r in part if r.get("gamma")]
+            ax2.scatter([r["t"] for r in spec], [r["tokens_per_s"] for r in spec], s=6, color=colors.get(w), alpha=0.4)
+    for s in shifts[1:]:
+        ax2.axvline(s["t"], ls="--", color="k", lw=1)
+    ax2.set_ylabel("tokens/s (rolling mean of 8;\ndots: requests that speculated)")
+    ax2.set_xlabel("seconds since serving started")
     ax.set_ylabel("α (greedy: share of proposals the target accepts)")
     ax.set_ylim(-0.02, 1.0)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=6)  # below the axes: no swap label hidden
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.03), ncol=6)  # below the axes: no swap label hidden
     ax.set_title("draftd: acceptance per workload (dashed: shift, dotted: adapter swap; α only on requests that speculated)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -385,16 +418,20 @@ def print_report(report: dict, console) -> None:
         h.add_row(r["workload"], str(r["heldout_samples"]), f(ha.get("frozen")),
                   f"{f(ha.get('phase_end'))} (v{r['adapter_at_phase_end']})", f"{f(ha.get('final'))} (v{r['final_adapter']})")
     console.print(h)
-    t = Table(title="decoded on prompts never served (greedy): frozen draft vs adapted draft vs plain")
-    for c in ("phase", "plain tok/s", "frozen α", "frozen τ", "frozen ×plain", "adapted α", "adapted τ",
-              "adapted ×plain", "α gain", "live α first→last third"):
+    t = Table(title="decoded on prompts never served (greedy): frozen v0 draft vs adapted draft vs the controller's pick")
+    for c in ("phase", "plain tok/s", "frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain",
+              "pick", "pick α", "pick τ", "pick ×plain", "live α first→last third"):
         t.add_column(c)
     for r in report["phases"]:
-        t.add_row(r["workload"], f(r["plain"]["tokens_per_s"]), f(r["frozen"]["alpha"]), f(r["frozen"]["tau"]),
-                  f(r["frozen"]["speedup_vs_plain"]), f(r["adapted"]["alpha"]), f(r["adapted"]["tau"]),
-                  f(r["adapted"]["speedup_vs_plain"]), f(r["alpha_gain"]),
+        pk = r["adapted"]
+        t.add_row(r["workload"], f(r["plain"]["tokens_per_s"]), f(r["frozen"]["alpha"]), f(r["frozen"]["speedup_vs_plain"]),
+                  f(r["adapted_draft"]["alpha"]), f(r["adapted_draft"]["speedup_vs_plain"]),
+                  f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
+                  f(pk["alpha"]), f(pk["tau"]), f(pk["speedup_vs_plain"]),
                   f"{f(r['live_first_third']['alpha'])} → {f(r['live_last_third']['alpha'])}")
     console.print(t)
+    for r in report["phases"]:
+        console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}")
     a = Table(title="adapters")
     for c in ("version", "state", "α before", "α after", "samples", "reason"):
         a.add_column(c)
@@ -413,8 +450,7 @@ def print_report(report: dict, console) -> None:
     console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}, "
                   f"seconds: {report['seconds']}, plot: {report.get('plot')}")
     console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; .venv/bin/daemonctl status; "
-                  f".venv/bin/daemonctl run --no-models & .venv/bin/daemonctl history --plot history.png  "
-                  f"(history needs the daemon)")
+                  f".venv/bin/daemonctl history --plot history.png")
 
 
 

@@ -429,7 +429,7 @@ def measurement(res, ticket, *, speculation: bool) -> dict[str, Any]:
     ms = lambda a, b: None if a is None or b is None else round((b - a) * 1e3, 3)  # noqa: E731
     return {
         "request_id": res.request_id, "workload": res.workload, "sampling": res.sampling_bucket,
-        "adapter_version": res.adapter_version, "output_tokens": len(res.output_ids), "proposed_tokens": c.num_draft_tokens,
+        "adapter_version": res.adapter_version, "proposer": res.proposer, "output_tokens": len(res.output_ids), "proposed_tokens": c.num_draft_tokens,
         "accepted_tokens": c.num_accepted_tokens, "steps": c.num_steps, "tau": rec["mean_accepted_length"],
         "alpha": rec["alpha"], "acceptance_rate": rec["acceptance_rate"],
         "gamma_policy": res.policy if speculation else "off (serve.speculation=false)",
@@ -790,7 +790,8 @@ def run_serve(settings, console=None) -> int:
         loop = build_serving_loop(
             pair.target, pair.draft, pair.tokenizer, client=rh.client, store_config=scfg, registry=registry,
             decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer)),
-            pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every))
+            pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every),
+            proposers=tuple(sv.proposers))
         loop.start()
         stack.callback(loop.close)
         ctx = getattr(pair.target.config, "max_position_embeddings", None)

@@ -224,6 +224,16 @@ class ServeSettings(_Group):
     record_prompt: bool = Field(True, description="Stream the target's distributions over each prompt too (DecoderConfig.record_prompt).")
     follow_adapters: bool = Field(True, description="Follow promoted and rolled-back adapters from the registry (per workload).")
     server_id: str | None = Field(None, description="Id in the heartbeat; unset = <hostname>-<pid>.")
+    proposers: list[Literal["ngram", "draft"]] = Field(["ngram", "draft"], description="Proposers the goodput controller chooses among per "
+                                 "workload x sampling bucket: ngram (prompt lookup over the request and the workload's past "
+                                 "requests, no model), draft (the draft model with its adapters).")
+
+    @field_validator("proposers")
+    @classmethod
+    def _known_proposers(cls, v: list[str]) -> list[str]:
+        if not v or len(set(v)) != len(v):
+            raise ValueError(f"serve.proposers={v!r}: a non-empty list of distinct names from ['ngram', 'draft']")
+        return v
 
 
 def _default_state_dir() -> Path:

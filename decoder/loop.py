@@ -41,7 +41,7 @@ from typing import Any
 
 import structlog
 
-from decoder.control import AcceptanceTracker, GoodputController, RollbackMonitor, key_of, key_str
+from decoder.control import AcceptanceTracker, ControllerConfig, GoodputController, RollbackMonitor, key_of, key_str
 from decoder.speculative import DecodeRequest, DecodeResult, FixedGamma, GammaPolicy
 
 log = structlog.get_logger("decoder.loop")
@@ -441,14 +441,15 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                        decoder_config=None, pair_fingerprint=None, tap: Callable[[Any], Any] | None = None,
                        config: LoopConfig | None = None, controller=None, poll_interval_s: float = 1.0,
                        rollback_min_requests: int = 20, rollback_margin: float = 0.1,
-                       history_flush_s: float = 5.0) -> ServingLoop:
+                       history_flush_s: float = 5.0, proposers: tuple[str, ...] = ("draft",)) -> ServingLoop:
     """Wire the decoder and the adaptive loop once (what ``serve`` and an in-process driver share).
 
     - ``client`` + ``store_config``: a SampleWriter as the decoder's sink (``tap(sample)`` is
       called first, e.g. to keep a held-out split) and the acceptance history; None: neither.
     - ``registry``: an AdapterManager following its promotions and rollbacks (per-workload
       routing) and a RollbackMonitor; None: the draft is served as it is.
-    - ``controller``: a GoodputController (default: one following the decoder's adapter version).
+    - ``controller``: a GoodputController (default: one following the decoder's adapter version,
+      choosing among ``proposers``, see :class:`decoder.control.ControllerConfig`).
 
     Returns the loop, not started (``with build_serving_loop(...) as loop:``).
     """
@@ -476,6 +477,9 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
     tracker = AcceptanceTracker(history, ShiftDetector(), flush_interval_s=history_flush_s)
     monitor = (RollbackMonitor(registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin)
                if registry is not None else None)
+    if controller is None:
+        controller = GoodputController(ControllerConfig(proposers=tuple(proposers)),
+                                       adapter_version=lambda: decoder.adapter_version)
     return ServingLoop(decoder, manager=manager, controller=controller, tracker=tracker, monitor=monitor,
                        writer=writer, config=config)
 

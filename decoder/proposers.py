@@ -145,6 +145,17 @@ class NgramHistory:
             w = self._w.get(workload)
             return w.lookup(key, gamma) if w is not None else []
 
+    def copy(self) -> "NgramHistory":
+        """An independent copy (what an evaluation decodes against, so it leaves no trace)."""
+        new = NgramHistory(self.max_n, self.min_n, self.max_tokens, self.max_workloads)
+        with self._lock:
+            for name, w in self._w.items():
+                c = _WorkloadIndex()
+                c.seqs, c.by_seq, c.index = deque(w.seqs), dict(w.by_seq), dict(w.index)
+                c.next_seq, c.total = w.next_seq, w.total
+                new._w[name] = c
+        return new
+
     def tokens(self, workload: str) -> int:
         with self._lock:
             w = self._w.get(workload)

@@ -116,8 +116,15 @@ def _redis_server(port: int, dir_) -> subprocess.Popen:
     pytest.fail(f"redis-server on port {port} did not answer")
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_redis_killed_and_restarted_during_a_load_run_fails_no_request(tmp_path):
-    from conftest import free_port
     from store.buffer import stream_depth
     from store.client import connect
     from store.config import StoreConfig
