@@ -229,7 +229,7 @@ def render_status(st: dict) -> None:
     acc = st.get("acceptance") or {}
     if acc:
         at = Table(title="acceptance per workload, active adapter vs the previous one (rate = accepted/drafted, "
-                   "tau = tokens/step, alpha = mean per request, goodput = tokens/s)", title_justify="left")
+                   "tau = tokens/step, alpha = mean per request, goodput = tokens/ms)", title_justify="left")
         for col in ("workload", "adapter", "req", "rate", "tau", "alpha", "goodput", "previous: rate/tau/alpha/goodput", "speculation"):
             at.add_column(col)
         for w, v in acc.items():
@@ -237,9 +237,9 @@ def render_status(st: dict) -> None:
             sp = (st.get("speculation") or {}).get(w, {})
             on = {True: "[green]on[/]", False: "[yellow]off[/]", None: "?"}[sp.get("on")]
             prev = "-" if not p else (f"v{p['version']}: {_f(p['acceptance_rate'])}/{_f(p['tau'], 2)}/{_f(p['alpha'])}/"
-                                      f"{_f(p['goodput_tokens_per_s'], 1)}")
+                                      f"{_f(p['goodput_tokens_per_ms'], 4)}")
             at.add_row(w, f"v{n['version']}", str(n["requests"]), _f(n["acceptance_rate"]), _f(n["tau"], 2), _f(n["alpha"]),
-                       _f(n["goodput_tokens_per_s"], 1), prev, f"{on} {sp.get('why', '')}")
+                       _f(n["goodput_tokens_per_ms"], 4), prev, f"{on} {sp.get('why', '')}")
         out.print(at)
 
 

@@ -26,7 +26,7 @@ def row_summary(r: HistoryRow) -> dict[str, Any]:
 
     acceptance_rate = accepted / drafted tokens; tau = emitted tokens / verification steps
     (mean accepted length with the correction or bonus token); alpha = mean per-request alpha;
-    goodput = emitted tokens per second of decode wall time.
+    goodput = emitted tokens per ms of decode wall time (one unit with the decoder and the controller).
     """
     return {
         "requests": r.requests,
@@ -38,7 +38,7 @@ def row_summary(r: HistoryRow) -> dict[str, Any]:
         "acceptance_rate": nan_none(r.acceptance_rate),
         "tau": nan_none(r.tau),
         "alpha": nan_none(r.alpha),
-        "goodput_tokens_per_s": nan_none(r.tokens_per_s),
+        "goodput_tokens_per_ms": nan_none(r.goodput, 5),
     }
 
 

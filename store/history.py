@@ -79,9 +79,10 @@ class HistoryRow:
         return _ratio(self.alpha_sum, self.alpha_count)
 
     @property
-    def tokens_per_s(self) -> float:
-        """num_emitted_tokens / (wall_ms / 1000): decode throughput over the recorded wall time."""
-        return _ratio(self.num_emitted_tokens, self.wall_ms / 1000.0)
+    def goodput(self) -> float:
+        """Goodput: num_emitted_tokens / wall_ms, emitted tokens per ms of decoding (the decoder's and
+        the goodput controller's unit, ``AcceptanceCounts.goodput``)."""
+        return _ratio(self.num_emitted_tokens, self.wall_ms)
 
     def counts(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in COUNTS}

@@ -55,7 +55,7 @@ def test_status_json_and_metrics_report_real_values(url_daemon, redis_client, ke
     now = st["acceptance"]["prose"]["now"]
     assert now["version"] == 0 and now["requests"] == 2
     assert now["acceptance_rate"] == pytest.approx(30 / 40) and now["tau"] == pytest.approx(40 / 10)
-    assert now["alpha"] == pytest.approx(0.75) and now["goodput_tokens_per_s"] == pytest.approx(40 / 2.0)
+    assert now["alpha"] == pytest.approx(0.75) and now["goodput_tokens_per_ms"] == pytest.approx(40 / 2000.0)
     assert st["speculation"]["prose"]["on"] is True and "10 of 10" in st["speculation"]["prose"]["why"]
 
     # the rich table renders the same numbers

@@ -35,10 +35,10 @@ def test_buckets_and_derived_rates(hist):
     assert a.acceptance_rate == pytest.approx(35 / 60)
     assert a.tau == pytest.approx(50 / 15)
     assert a.alpha == pytest.approx((0.75 + 0.25) / 2)
-    assert a.tokens_per_s == pytest.approx(50 / 0.75)
+    assert a.goodput == pytest.approx(50 / 750)
     assert a.requests == 2
     assert b.acceptance_rate == 1.0 and b.tau == 5.0
-    assert math.isnan(b.alpha) and math.isnan(b.tokens_per_s)  # zero denominators -> NaN
+    assert math.isnan(b.alpha) and math.isnan(b.goodput)  # zero denominators -> NaN
     t = hist.totals("chat", 1)
     assert (t.num_draft_tokens, t.num_accepted_tokens, t.num_steps) == (68, 43, 17)
     assert t.acceptance_rate == pytest.approx(43 / 68) and t.tau == pytest.approx(60 / 17)
