@@ -624,19 +624,25 @@ class GoodputController:
                 "others": others}
 
     # ---- the decision ----------------------------------------------------------------------
+    def _begin_request(self, key: Key) -> _KeyState:
+        """Count a request of ``key``; a new adapter version serving it resets the draft's α
+        (caller holds the lock)."""
+        s = self._state(key)
+        if self._version is not None:
+            v = self._version()
+            if s.adapter_version is not None and v != s.adapter_version:
+                s.alpha = _Ewma()  # a new draft: its α is unknown
+            s.adapter_version = v
+        s.requests += 1
+        return s
+
     def _choose(self, key: Key) -> tuple[int, dict[str, Any]]:
         """γ for the next request of ``key`` and the decision record (called once per request)."""
         if self.config.proposers != ("draft",):
             return self._choose_among(key)
         c = self.config
         with self._lock:
-            s = self._state(key)
-            if self._version is not None:
-                v = self._version()
-                if s.adapter_version is not None and v != s.adapter_version:
-                    s.alpha = _Ewma()  # a new draft: its α is unknown
-                s.adapter_version = v
-            s.requests += 1
+            s = self._begin_request(key)
             ev = self._evaluate(s)
             rate = ev["rate"]
             spec_steps = sum(e.n for g, e in s.verify_ms.items() if g > 0)
@@ -689,13 +695,7 @@ class GoodputController:
         than the best at its best γ (so a draft that training improved is noticed)."""
         c = self.config
         with self._lock:
-            s = self._state(key)
-            if self._version is not None:
-                v = self._version()
-                if s.adapter_version is not None and v != s.adapter_version:
-                    s.alpha = _Ewma()  # a new draft: its α is unknown
-                s.adapter_version = v
-            s.requests += 1
+            s = self._begin_request(key)
             ev = self._evaluate(s)
             cands = self._candidates(ev)
             plain_steps = s.verify_ms[0].n if 0 in s.verify_ms else 0

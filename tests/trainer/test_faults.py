@@ -10,25 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from store.buffer import SampleReader, SampleWriter, group_info, list_dead_letters
+from store.buffer import SampleReader, list_dead_letters
 from store.config import StoreConfig
 from store.registry import AdapterMeta, AdapterRegistry
 from tiny_pair import PAIR, VOCAB, tiny_draft
 from trainer.distill import AdapterMismatch, DistillConfig, Distiller, TrainerError
 from trainer.service import ServiceConfig, TrainerService
+from service_helpers import pending, write  # noqa: E402
 
 FAST = DistillConfig(lr=3e-3, batch_size=8, max_steps=10, max_epochs=100, max_seconds=60)
-
-
-def write(client, cfg, samples):
-    with SampleWriter(client, cfg) as w:
-        for s in samples:
-            assert w.submit(s)
-        assert w.flush(10)
-
-
-def pending(client, cfg) -> int:
-    return next(g.pending for g in group_info(client, cfg) if g.name == "trainer")
 
 
 @pytest.fixture

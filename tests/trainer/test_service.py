@@ -13,27 +13,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from store.buffer import SampleReader, SampleWriter, group_info
+from store.buffer import SampleReader
 from store.config import StoreConfig
 from store.registry import AdapterMeta, AdapterRegistry
 from tiny_pair import PAIR, make_samples, tiny_draft
 from trainer.distill import DistillConfig, Distiller, EvalCounts, EvalResult
 from trainer.service import ServiceConfig, TrainerService, gate, group_lag, is_heldout, replay_mix, split_key
+from service_helpers import pending, write  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 FAST = DistillConfig(lr=3e-3, batch_size=8, max_steps=40, max_epochs=100, max_seconds=120)
-
-
-def write(client, cfg, samples):
-    with SampleWriter(client, cfg) as w:
-        for s in samples:
-            assert w.submit(s)
-        assert w.flush(10)
-
-
-def pending(client, cfg) -> int:
-    return next(g.pending for g in group_info(client, cfg) if g.name == "trainer")
 
 
 @pytest.fixture
