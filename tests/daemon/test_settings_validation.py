@@ -64,3 +64,13 @@ def test_literals_match_the_trainer():
 
     assert typing.get_args(LossName) == tuple(LOSSES)
     assert typing.get_args(WeightingName) == tuple(WEIGHTINGS)
+
+
+def test_serve_proposers_default_and_bad_names(monkeypatch):
+    assert load_settings(None).serve.proposers == ["ngram", "draft"]
+    monkeypatch.setenv("DRAFTD_SERVE__PROPOSERS", '["draft"]')
+    assert load_settings(None).serve.proposers == ["draft"]
+    for bad in ('["medusa"]', '[]', '["ngram", "ngram"]'):
+        monkeypatch.setenv("DRAFTD_SERVE__PROPOSERS", bad)
+        with pytest.raises(ConfigError, match="proposers"):
+            load_settings(None)
