@@ -286,7 +286,8 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
             tot = {name: [AcceptanceCounts(), 0.0] for name, *_ in runs}
             for i, p in enumerate(ps):
                 ids = p.token_ids(tok)[-256:]
-                if i == 0:  # warm-up (caches, allocator), not counted
+                if i == 0:  # warm-up (caches, allocator), not counted, against a throwaway history copy
+                    decoder.ngram_history = served_history.copy()
                     decoder.generate(DecodeRequest(ids, params, 4, gamma=0, ignore_eos=True, workload=phase))
                 for name, dec, g, prop in runs:  # back to back per prompt (paired): a slower host slows all alike
                     decoder.ngram_history = served_history.copy()

@@ -310,6 +310,7 @@ def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any
     import tomllib
 
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     path = config_file if config_file is not None else os.environ.get(CONFIG_ENV)
     cls: type[Settings] = Settings
@@ -324,6 +325,9 @@ def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any
         raise ConfigError(f"config file {str(path)!r} (from --config or {CONFIG_ENV}) is not valid TOML: {e}") from e
     except ValidationError as e:
         raise ConfigError(f"invalid draftd configuration ({'file ' + str(path) if path else 'environment/defaults'}):\n{e}") from e
+    except SettingsError as e:  # e.g. a list setting given as `a,b` instead of JSON `["a", "b"]`
+        raise ConfigError(f"invalid draftd configuration: {e} (list settings take JSON, e.g. "
+                          f"DRAFTD_SERVE__PROPOSERS='[\"ngram\", \"draft\"]')") from e
 
 
 def env_keys(model: type[BaseModel] = Settings, prefix: str = ENV_PREFIX) -> set[str]:

@@ -421,7 +421,7 @@ class ControllerConfig:
     def __post_init__(self):
         from decoder.proposers import PROPOSERS
 
-        self.proposers = tuple(self.proposers)
+        self.proposers = (self.proposers,) if isinstance(self.proposers, str) else tuple(self.proposers)
         bad = [p for p in self.proposers if p not in PROPOSERS]
         if not self.proposers or bad or len(set(self.proposers)) != len(self.proposers):
             raise ValueError(f"ControllerConfig.proposers={self.proposers!r}: a non-empty list of distinct names "
@@ -430,6 +430,8 @@ class ControllerConfig:
             raise ValueError(f"gamma_init={self.gamma_init} must lie in 1..gamma_max={self.gamma_max}")
         if not 0 < self.ewma <= 1:
             raise ValueError(f"ewma={self.ewma} must lie in (0, 1]")
+        if self.probe_every < 1 or self.min_steps < 0:
+            raise ValueError(f"probe_every={self.probe_every} must be >= 1 and min_steps={self.min_steps} >= 0")
 
 
 class _Ewma:
@@ -439,6 +441,8 @@ class _Ewma:
         self.value, self.n = math.nan, 0
 
     def add(self, x: float, w: float) -> None:
+        if not math.isfinite(x):  # a broken clock reading must not poison the estimate for good
+            return
         self.value = x if self.n == 0 else (1 - w) * self.value + w * x
         self.n += 1
 
@@ -605,11 +609,11 @@ class GoodputController:
         tv = {g: self._verify_cost(s, g) + o for g in range(1, c.gamma_max + 1)}
         rate: dict[int, float] = {}
         if tplain == tplain:
-            rate[0] = 1.0 / tplain
+            rate[0] = 1.0 / max(tplain, 1e-6)  # a zero reading (a coarse clock) must not divide by zero
         if a == a and td == td:
             for g in range(1, c.gamma_max + 1):
                 if tv[g] == tv[g]:
-                    rate[g] = expected_tokens_per_step(a, g) / (g * td + tv[g])
+                    rate[g] = expected_tokens_per_step(a, g) / max(g * max(td, 0.0) + tv[g], 1e-6)
         others: dict[str, dict[int, float]] = {}
         for name, m in s.lengths.items():
             if not m.steps:
@@ -617,8 +621,8 @@ class GoodputController:
             r: dict[int, float] = {}
             for g in range(1, c.gamma_max + 1):
                 cost = m.step_ms[g].value + o if g in m.step_ms and m.step_ms[g].n else m.draft_ms.value + tv[g]
-                if cost == cost and cost > 0:
-                    r[g] = m.tokens_per_step(g) / cost
+                if cost == cost:
+                    r[g] = m.tokens_per_step(g) / max(cost, 1e-6)
             others[name] = r
         return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o,
                 "others": others}
@@ -698,21 +702,11 @@ class GoodputController:
             s = self._begin_request(key)
             ev = self._evaluate(s)
             cands = self._candidates(ev)
-            plain_steps = s.verify_ms[0].n if 0 in s.verify_ms else 0
-            probe, choice, why = False, None, ""
-            for name in c.proposers:  # warm-up, in order
-                if name == "draft":
-                    steps = s.alpha.n and sum(e.n for g, e in s.verify_ms.items() if g > 0)
-                    cold = s.alpha.n == 0 or steps < c.min_steps
-                else:
-                    m = s.lengths.get(name)
-                    cold = m is None or m.steps < c.min_steps
-                if cold:
-                    choice, probe = (name, c.gamma_init), True
-                    why = f"warm-up: measuring {name} at γ={c.gamma_init}"
-                    break
-            if choice is None and plain_steps < c.min_steps:
-                choice, probe, why = ("plain", 0), True, "warm-up: measuring plain decoding"
+            probe, why = False, ""
+            choice = self._warm_up(s)
+            if choice is not None:
+                choice, why = choice
+                probe = True
             best_of = {name: max(((n, g) for (n, g) in cands if n == name), key=cands.get, default=None)
                        for name in c.proposers}
             best = max(cands, key=cands.get) if cands else ("plain", 0)
@@ -744,6 +738,24 @@ class GoodputController:
             }
             s.last = decision
             return gamma, decision
+
+    def _warm_up(self, s: _KeyState) -> tuple[tuple[str, int], str] | None:
+        """The (proposer, γ) still to measure, and why, while a key warms up: each proposer in the
+        configured order at ``gamma_init`` for ``min_steps`` steps, then plain decoding; None when
+        every candidate is measured."""
+        c = self.config
+        for name in c.proposers:
+            if name == "draft":
+                steps = s.alpha.n and sum(e.n for g, e in s.verify_ms.items() if g > 0)
+                cold = s.alpha.n == 0 or steps < c.min_steps
+            else:
+                m = s.lengths.get(name)
+                cold = m is None or m.steps < c.min_steps
+            if cold:
+                return (name, c.gamma_init), f"warm-up: measuring {name} at γ={c.gamma_init}"
+        if (s.verify_ms[0].n if 0 in s.verify_ms else 0) < c.min_steps:
+            return ("plain", 0), "warm-up: measuring plain decoding"
+        return None
 
     def _candidates(self, ev: dict[str, Any]) -> dict[tuple[str, int], float]:
         """(proposer, γ) -> expected tokens per ms; ("plain", 0) for plain decoding."""
@@ -790,8 +802,8 @@ class GoodputController:
             rate = ev["rate"]
             if self.config.proposers != ("draft",):
                 cands = self._candidates(ev)
-                best = max(cands, key=cands.get) if cands else None
-                ready = best is not None and ("plain", 0) in cands and len(cands) > 1
+                warm = self._warm_up(s)
+                best = max(cands, key=cands.get) if cands and warm is None else None
                 return {
                     "key": key_str(*key), "workload": key[0], "sampling": key[1],
                     "gamma": best[1] if best else None, "proposer": best[0] if best and best[1] else None,
@@ -799,7 +811,7 @@ class GoodputController:
                     "tokens_per_ms": {g: nan_none(r, 5) for g, r in sorted(rate.items())},
                     "tokens_per_ms_by_proposer": {n: {g: nan_none(r, 5) for g, r in sorted(rs.items())}
                                                   for n, rs in ev["others"].items()},
-                    "why": self._why_among(cands, best, ev) if ready else "warm-up",
+                    "why": self._why_among(cands, best, ev) if best is not None else (warm[1] if warm else "warm-up: no estimate yet"),
                     "last": dict(s.last),
                 }
             best = max(rate, key=rate.get) if rate else None

@@ -134,17 +134,24 @@ class Ticket:
 
 
 class _ObservedGamma(FixedGamma):
-    """A fixed γ whose steps still feed the goodput controller's estimates (seeded requests)."""
+    """A fixed γ (a request's own, or a seeded request's) whose steps still feed the goodput
+    controller's estimates, proposed by ``proposer``."""
 
-    def __init__(self, controller: GoodputController, key, value: int):
+    def __init__(self, controller: GoodputController, key, value: int, proposer: str = "draft", why: str = "seeded"):
         super().__init__(value)
-        self.controller, self.key = controller, key
+        self.controller, self.key, self.proposer, self.why = controller, key, proposer, why
+
+    def proposer_name(self) -> str:
+        return self.proposer
 
     def update(self, step) -> None:
-        self.controller.observe(self.key, step)
+        self.controller.observe(self.key, step, proposer=self.proposer,
+                                asked=step.asked if step.asked is not None else self.value)
 
     def describe(self) -> str:
-        return f"fixed γ={self.value} (seeded: a seed reproduces only under the same γ)"
+        if self.why == "seeded":
+            return f"fixed γ={self.value} (seeded: a seed reproduces only under the same γ; {self.proposer})"
+        return f"fixed γ={self.value} ({self.why}; {self.proposer})"
 
 
 def supports_step_hook(decoder) -> bool:
@@ -320,10 +327,12 @@ class ServingLoop:
         if t.policy is not None:
             return t.policy
         req = t.request
+        # a client's fixed γ (or a seeded request's) runs the first configured proposer (serve.proposers)
+        first = self.controller.config.proposers[0]
         if req.gamma is not None:
-            return FixedGamma(req.gamma)
+            return _ObservedGamma(self.controller, key_of(req), req.gamma, first, "the request's gamma")
         if req.params.seed is not None and not req.params.greedy:
-            return _ObservedGamma(self.controller, key_of(req), self.config.seeded_gamma)
+            return _ObservedGamma(self.controller, key_of(req), self.config.seeded_gamma, first)
         return self.controller.policy_for(key_of(req))
 
     def _on_step(self, t: Ticket, ids: list[int]) -> bool:

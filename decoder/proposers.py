@@ -121,8 +121,8 @@ class NgramHistory:
     def __init__(self, max_n: int = 4, min_n: int = 1, max_tokens: int = 65536, max_workloads: int = 64):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"NgramHistory: need 1 <= min_n <= max_n (got min_n={min_n}, max_n={max_n})")
-        if max_tokens < 1:
-            raise ValueError(f"NgramHistory: max_tokens={max_tokens} must be >= 1")
+        if max_tokens < 1 or max_workloads < 1:
+            raise ValueError(f"NgramHistory: max_tokens={max_tokens} and max_workloads={max_workloads} must be >= 1")
         self.max_n, self.min_n, self.max_tokens, self.max_workloads = max_n, min_n, max_tokens, max_workloads
         self._lock = threading.Lock()
         self._w: OrderedDict[str, _WorkloadIndex] = OrderedDict()
@@ -195,7 +195,12 @@ class _WorkloadIndex:
             old, toks = self.seqs.popleft()
             del self.by_seq[old]
             self.total -= len(toks)
-        # entries of dropped sequences are ignored at lookup and overwritten over time
+            # drop the entries that still point into it, so the index stays O(tokens kept)
+            for end in range(1, len(toks)):
+                for n in range(min_n, min(max_n, end) + 1):
+                    key = tuple(toks[end - n:end])
+                    if self.index.get(key, (None,))[0] == old:
+                        del self.index[key]
 
     def lookup(self, key: tuple[int, ...], gamma: int) -> list[int]:
         hit = self.index.get(key)
@@ -249,6 +254,10 @@ class NgramProposer:
                 tokens = self.history.lookup(self.workload, key, gamma)
                 if tokens:
                     break
+        # a history filled elsewhere (another tokenizer) must not propose ids the target lacks
+        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            tokens = tokens[:bad]
         q = torch.zeros((len(tokens), self.vocab), device=self.device)
         if tokens:
             q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0

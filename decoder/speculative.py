@@ -312,6 +312,21 @@ class SpeculativeDecoder:
             elif src:
                 eos.update(int(x) for x in src)
         self.eos_ids = frozenset(eos)
+        self._pad_one_row = self._choose_kernels()  # also for the FR-Spec head
+        self._target_head = small_m_head(target)  # the prompt's LM head in chunks (record_prompt)
+        self._build_proposal_model()
+        self._draft_head_w = None
+        if self.config.draft_vocab is not None:
+            self._restrict_draft_head(self.config.draft_vocab)
+        # every finished request's tokens, per workload, for the n-gram proposer (fed whatever served it)
+        self.ngram_history = NgramHistory(self.config.ngram_max_n, self.config.ngram_min_n,
+                                          self.config.ngram_history_tokens)
+
+    # ---- construction phases --------------------------------------------------------------------
+    def _choose_kernels(self) -> bool:
+        """DecoderConfig.small_m_linear: time (under "auto") and switch both models' linear layers
+        to the small-M kernel where it wins; returns whether one row is padded to two."""
+        target, draft = self.target, self.draft
         self.small_m_calibration: dict | None = None  # calibrate_small_m's result under "auto"
         use_small_m, pad_one_row = self.config.small_m_linear is True, False
         if self.config.small_m_linear == "auto" and self.device.type == "cpu":
@@ -323,10 +338,12 @@ class SpeculativeDecoder:
             rows = SMALL_M if use_small_m else 1
             small_m_linear(target, max_rows=rows, pad_one_row=pad_one_row)
             small_m_linear(draft, max_rows=rows, pad_one_row=pad_one_row)
-        self._pad_one_row = pad_one_row and self.device.type == "cpu"  # also for the FR-Spec head
-        self._target_head = small_m_head(target)  # the prompt's LM head in chunks (record_prompt)
-        # The proposals' model: the draft's serving copy (DecoderConfig.draft_precision), or the
-        # draft itself (self-drafting in fp32, an int8 draft)
+        return pad_one_row and self.device.type == "cpu"
+
+    def _build_proposal_model(self) -> None:
+        """The proposals' model: the draft's serving copy (DecoderConfig.draft_precision, timed
+        under "auto"), or the draft itself (self-drafting in fp32, an int8 draft)."""
+        target, draft, pad_one_row = self.target, self.draft, self._pad_one_row
         self.draft_precision_calibration: dict | None = None
         self.serving: ServingDraft | None = None
         quantized = _is_quantized(draft)
@@ -345,20 +362,18 @@ class SpeculativeDecoder:
             # bf16: a bf16 copy (of the target itself when it drafts for itself)
             self.serving = ServingDraft(draft, DTYPES[want])
         self.draft_precision = want
-        self._draft_head_w = None
-        if self.config.draft_vocab is not None:
-            dv = self.config.draft_vocab
-            hi = min(self.vocab_p, self.vocab_q)
-            if int(dv.max()) >= hi:  # shape, type and sign were checked by DecoderConfig
-                raise ValueError(
-                    f"DecoderConfig.draft_vocab: token ids must be in 0..{hi - 1} (min(V_p, V_q)); got ids "
-                    f"{int(dv.min())}..{int(dv.max())}; build one with decoder.vocab.frequent_token_ids")
-            ids = dv.to(self.device).long()
-            self._draft_vocab_ids = ids
-            self._draft_head_w = self.proposer.get_output_embeddings().weight.detach()[ids].clone()  # (V', H)
-        # every finished request's tokens, per workload, for the n-gram proposer (fed whatever served it)
-        self.ngram_history = NgramHistory(self.config.ngram_max_n, self.config.ngram_min_n,
-                                          self.config.ngram_history_tokens)
+
+    def _restrict_draft_head(self, dv: torch.Tensor) -> None:
+        """FR-Spec: the draft's LM head rows for the token ids ``dv`` (V',), checked against both
+        vocabularies (shape, type, sign and duplicates were checked by DecoderConfig)."""
+        hi = min(self.vocab_p, self.vocab_q)
+        if int(dv.max()) >= hi:  # shape, type and sign were checked by DecoderConfig
+            raise ValueError(
+                f"DecoderConfig.draft_vocab: token ids must be in 0..{hi - 1} (min(V_p, V_q)); got ids "
+                f"{int(dv.min())}..{int(dv.max())}; build one with decoder.vocab.frequent_token_ids")
+        ids = dv.to(self.device).long()
+        self._draft_vocab_ids = ids
+        self._draft_head_w = self.proposer.get_output_embeddings().weight.detach()[ids].clone()  # (V', H)
 
     def make_proposer(self, name: str, req: DecodeRequest) -> Proposer:
         """The proposer ``name`` (``"draft"`` or ``"ngram"``) for one request."""
@@ -457,17 +472,8 @@ class SpeculativeDecoder:
         started_wall = time.time()
         t_start = clock()
 
-        ids: list[int] = [int(t) for t in req.prompt_ids]
+        ids = self._checked_prompt(req)
         prompt_len = len(ids)
-        bad = next((t for t in ids if not 0 <= t < self.vocab_p), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} outside the target's vocab 0..{self.vocab_p - 1}")
-        ctx = getattr(self.target.config, "max_position_embeddings", None)
-        if ctx and prompt_len + req.max_new_tokens > ctx:
-            raise ValueError(
-                f"prompt of {prompt_len} tokens + max_new_tokens={req.max_new_tokens} exceeds the target's context "
-                f"window of {ctx} tokens: shorten the prompt or lower max_new_tokens"
-            )
         tcache = DynamicCache(config=self.target.config)
         counts = AcceptanceCounts(num_requests=1)
         steps: list[StepStats] = []
@@ -536,18 +542,46 @@ class SpeculativeDecoder:
             on_step(list(block))  # the last step's tokens (the request has ended either way)
         counts.decode_ms = (clock() - decode_t0) * 1e3
         self.ngram_history.add(req.workload, ids)
-        latency_ms = (clock() - t_start) * 1e3
-        if cuda:
+        result = self._result(req, policy, out, finish, steps, counts, (clock() - t_start) * 1e3,
+                              name if any(s.proposed for s in steps) or speculate else "none")
+        if self.sink is not None and out:
+            if prompt_rows is not None:
+                self._emit_prefill(req, result, prompt_rows, started_wall)
+            self._emit(req, result, topk_rows, started_wall)
+        return result
+
+    def _checked_prompt(self, req: DecodeRequest) -> list[int]:
+        """The prompt's ids, checked against the target's vocabulary and context window.
+
+        Raises:
+            ValueError: a token id outside the vocabulary, or prompt + max_new_tokens too long.
+        """
+        ids = [int(t) for t in req.prompt_ids]
+        bad = next((t for t in ids if not 0 <= t < self.vocab_p), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} outside the target's vocab 0..{self.vocab_p - 1}")
+        ctx = getattr(self.target.config, "max_position_embeddings", None)
+        if ctx and len(ids) + req.max_new_tokens > ctx:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens + max_new_tokens={req.max_new_tokens} exceeds the target's context "
+                f"window of {ctx} tokens: shorten the prompt or lower max_new_tokens"
+            )
+        return ids
+
+    def _result(self, req: DecodeRequest, policy, out: list[int], finish: str, steps: list[StepStats],
+                counts: AcceptanceCounts, latency_ms: float, proposer: str) -> DecodeResult:
+        """The request's DecodeResult: output text (cut at a stop string), peak memory, policy."""
+        if self.device.type == "cuda":
             peak = int(torch.cuda.max_memory_allocated(self.device))
         else:
             peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         if finish == "stop":
             text = _cut_at_stop(text, req.stop)
-        result = DecodeResult(
+        return DecodeResult(
             request_id=req.request_id,
             workload=req.workload,
-            prompt_len=prompt_len,
+            prompt_len=len(req.prompt_ids),
             output_ids=out,
             text=text,
             finish_reason=finish,
@@ -556,15 +590,10 @@ class SpeculativeDecoder:
             latency_ms=latency_ms,
             peak_memory_bytes=peak,
             adapter_version=self.adapter_version,
-            sampling_bucket=params.bucket(),
+            sampling_bucket=req.params.bucket(),
             policy=policy.describe() if hasattr(policy, "describe") else type(policy).__name__,
-            proposer=name if any(s.proposed for s in steps) or speculate else "none",
+            proposer=proposer,
         )
-        if self.sink is not None and out:
-            if prompt_rows is not None:
-                self._emit_prefill(req, result, prompt_rows, started_wall)
-            self._emit(req, result, topk_rows, started_wall)
-        return result
 
     def _truncate(self, out: list[int], block: list[int], req: DecodeRequest) -> tuple[int, str | None]:
         """How many tokens of ``block`` to keep, and the finish reason if generation ends."""

@@ -7,8 +7,8 @@ from typing import Any
 
 
 def nan_none(x: Any, nd: int | None = None) -> Any:
-    """None for None or NaN, else ``x`` (rounded to ``nd`` digits when given)."""
-    if x is None or x != x:
+    """None for None, NaN or ±inf (JSON has neither), else ``x`` (rounded to ``nd`` digits when given)."""
+    if x is None or x != x or (isinstance(x, float) and x in (float("inf"), float("-inf"))):
         return None
     return x if nd is None else round(x, nd)
 
@@ -20,7 +20,7 @@ def jsonable(x: Any) -> Any:
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [jsonable(v) for v in x]
-    if isinstance(x, float) and x != x:
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
         return None
     if isinstance(x, (str, int, float, bool)) or x is None:
         return x

@@ -197,3 +197,70 @@ def test_decoder_follows_the_controllers_proposer(target, other_draft, tok):
         r = dec.generate(req, pol)
         assert r.output_ids == reference_greedy(target, ids, 8)
         assert r.proposer == (pol.proposer_name() or "none") == (pol.decision["proposer"] or "none")
+
+
+def test_ngram_index_stays_bounded_when_old_requests_drop_out():
+    """Dropped requests take their index entries with them (QA: the index grew ~0.5 GB per
+    million tokens served while the history kept 64k)."""
+    g = torch.Generator().manual_seed(0)
+    h = NgramHistory(max_n=3, min_n=1, max_tokens=300)
+    for _ in range(200):
+        h.add("w", torch.randint(0, 50_000, (100,), generator=g).tolist())
+    w = h._w["w"]
+    assert w.total <= 300
+    assert len(w.index) <= 3 * w.total  # at most max_n - min_n + 1 entries per kept token
+    assert all(seq in w.by_seq for seq, _ in w.index.values())
+    # the newest request is still found
+    last = w.seqs[-1][1]
+    p = NgramProposer(h, "w", vocab_size=50_000)
+    p.start([7, last[10], last[11]], True)
+    assert p.propose([7, last[10], last[11]], 2, GREEDY, torch.Generator()).tokens == last[12:14]
+
+
+def test_ngram_never_proposes_ids_outside_the_targets_vocabulary():
+    h = NgramHistory(max_n=2)
+    h.add("w", [1, 2, 3, 99, 4])  # 99 >= vocab 10: a history filled by another tokenizer
+    p = NgramProposer(h, "w", vocab_size=10)
+    p.start([5, 2], True)
+    assert p.propose([5, 2], 3, GREEDY, torch.Generator()).tokens == [3]
+
+
+def test_controller_decision_says_warm_up_until_every_candidate_is_measured():
+    ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=3, min_steps=2, proposers=("ngram", "draft")))
+    key = ("w", "greedy")
+    for _ in range(2):
+        ctl.observe(key, StepStats(3, 3, 4, -1, 3.0, 0.1, 11.0, 3), proposer="ngram")
+    d = ctl.decision(key)
+    assert d["gamma"] is None and not d["speculate"] and d["why"] == "warm-up: measuring draft at γ=3"
+    _, chosen = ctl._choose(key)
+    assert (chosen["proposer"], chosen["gamma"]) == ("draft", 3)
+
+
+def test_controller_survives_zero_and_non_finite_timings():
+    for props in (("draft",), ("ngram", "draft")):
+        ctl = GoodputController(ControllerConfig(gamma_max=3, gamma_init=2, min_steps=1, proposers=props))
+        key = ("w", "greedy")
+        ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 0.0))
+        ctl.observe(key, StepStats(2, 1, 2, 1, 1.0, 0.0, 0.0, 2), proposer=props[0])
+        ctl.observe(key, StepStats(2, 1, 2, 1, 1.0, float("nan"), float("inf"), 2), proposer=props[-1])
+        for _ in range(4):
+            ctl._choose(key)
+        import json
+
+        json.dumps(ctl.status(), allow_nan=False)
+    with pytest.raises(ValueError, match="probe_every"):
+        ControllerConfig(probe_every=0)
+    assert ControllerConfig(proposers="ngram").proposers == ("ngram",)
+
+
+def test_a_requests_own_gamma_runs_the_first_configured_proposer(target, other_draft, tok):
+    from decoder.loop import ServingLoop
+
+    dec = SpeculativeDecoder(target, other_draft, tok)
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",)))
+    ids = enc(tok, "abcabcabcabc")
+    with ServingLoop(dec, controller=ctl) as loop:
+        r = loop.generate(DecodeRequest(ids, GREEDY, 8, gamma=3, ignore_eos=True, workload="w"))
+    assert r.proposer == "ngram" and r.output_ids == reference_greedy(target, ids, 8)
+    assert "the request's gamma" in r.policy
+    assert ctl._keys[("w", "greedy")].lengths["ngram"].steps >= 1  # its steps fed the controller
