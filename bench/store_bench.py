@@ -34,6 +34,7 @@ import uuid
 import numpy as np
 
 from store.buffer import SampleReader, SampleWriter
+from store.synthetic import synthetic_sample
 from store.client import connect
 from store.config import BufferConfig, StoreConfig
 from store.schema import PairFingerprint, SamplingSettings, VerifiedSample, encode
@@ -42,33 +43,10 @@ PAIR = PairFingerprint("google/gemma-3-4b-it", "google/gemma-3-270m-it", "bench-
 
 
 def realistic_sample(rng: np.random.Generator, n_tokens: int = 128, k: int = 32, prompt_len: int = 200, gamma: int = 4) -> VerifiedSample:
-    vocab = 262_144
-    prop, rej, emitted = [], [], 0
-    while emitted < n_tokens:
-        r = int(rng.integers(-1, gamma))  # -1 = all γ accepted (+ bonus)
-        prop.append(gamma)
-        rej.append(r)
-        emitted += (gamma if r < 0 else r) + 1
-    logits = rng.standard_normal((n_tokens, k)).astype(np.float32)
-    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True) * 0.9
-    probs = np.sort(p, axis=-1)[:, ::-1].astype(np.float16)
     now = time.time()
-    return VerifiedSample(
-        request_id=uuid.uuid4().hex,
-        workload="chat",
-        adapter_version=3,
-        pair=PAIR,
-        prompt_ids=rng.integers(0, vocab, prompt_len),
-        output_ids=rng.integers(0, vocab, n_tokens),
-        proposal_lens=np.array(prop),
-        rejection_pos=np.array(rej),
-        topk_ids=rng.integers(0, vocab, (n_tokens, k)),
-        topk_probs=probs,
-        tail_mass=1.0 - probs.astype(np.float32).sum(-1),
-        sampling=SamplingSettings(temperature=0.0),
-        started_at=now - 8.0,
-        finished_at=now,
-    )
+    return synthetic_sample(rng, n_tokens, k, prompt_len, gamma, request_id=uuid.uuid4().hex, workload="chat",
+                            adapter_version=3, pair=PAIR, sampling=SamplingSettings(temperature=0.0),
+                            started_at=now - 8.0, finished_at=now)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from store.client import connect
+from store.synthetic import synthetic_sample
 from store.schema import PairFingerprint, SamplingSettings, VerifiedSample
 
 SHARED_URL = "redis://127.0.0.1:6379/0"
@@ -76,33 +77,11 @@ def make_sample(
     vocab: int = 262_144,
 ) -> VerifiedSample:
     """A realistic record: steps of γ proposals, random top-k distributions that sum with the
-    tail mass to 1."""
-    rng = np.random.default_rng(seed)
-    steps, emitted, prop, rej = 0, 0, [], []
-    while emitted < n_tokens:
-        r = int(rng.integers(-1, gamma))  # -1 = all accepted
-        acc = gamma if r < 0 else r
-        prop.append(gamma)
-        rej.append(r)
-        emitted += acc + 1
-        steps += 1
-    logits = rng.standard_normal((n_tokens, k)).astype(np.float32)
-    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True) * 0.9
-    probs = np.sort(p, axis=-1)[:, ::-1].astype(np.float16)
-    return VerifiedSample(
-        request_id=f"req-{seed}",
-        workload=workload,
-        adapter_version=adapter_version,
-        pair=pair,
-        prompt_ids=rng.integers(0, vocab, prompt_len),
-        output_ids=rng.integers(0, vocab, n_tokens),
-        proposal_lens=np.array(prop),
-        rejection_pos=np.array(rej),
-        topk_ids=rng.integers(0, vocab, (n_tokens, k)),
-        topk_probs=probs,
-        tail_mass=1.0 - probs.astype(np.float32).sum(-1),
+    tail mass to 1 (store.synthetic)."""
+    return synthetic_sample(
+        np.random.default_rng(seed), n_tokens, k, prompt_len, gamma, vocab,
+        request_id=f"req-{seed}", workload=workload, adapter_version=adapter_version, pair=pair,
         sampling=SamplingSettings(temperature=0.7, top_p=0.95, top_k=64, seed=seed),
-        started_at=1_732_870_000.0 + seed,
-        finished_at=1_732_870_008.25 + seed,
+        started_at=1_732_870_000.0 + seed, finished_at=1_732_870_008.25 + seed,
     )
 
