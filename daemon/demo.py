@@ -39,7 +39,7 @@ from store.jsonsafe import jsonable as _jsonable, nan_none
 
 @dataclass
 class DemoConfig:
-    """Sizes of the demo. ``quick`` fits ~6 minutes on 2 cores, the default ~20."""
+    """Sizes of the demo. ``quick`` fits ~7.5 minutes on 2 cores (phases are time-bounded, so a slower host serves fewer requests), the default ~20."""
 
     phases: tuple[str, ...] = ("prose", "code", "math")
     phase_seconds: float = 255.0  # serving time per phase (3 x 255 s + evaluation: ~19 min on 2 cores)
@@ -476,7 +476,7 @@ def register(app) -> None:
     ) -> None:
         """The main job: serve a shifting workload (prose -> code -> math) while the trainer adapts
         the draft in the background; live progress, then a frozen-vs-adapted table per phase and a
-        PNG of acceptance over time. --quick takes about 6 minutes on 2 cores, the default about 20."""
+        PNG of acceptance over time. --quick takes about 7.5 minutes on 2 cores, the default about 20."""
         from daemon.logging import configure
         from daemon.settings import ConfigError, load_settings
 
