@@ -14,8 +14,9 @@ for any q, so a proposer only moves acceptance and cost, never the output distri
   deterministic, so q is one-hot and a proposal x is accepted with probability p(x)
   (min(1, p/q) with q(x) = 1), the residual being p with x removed; α = E[p(x)].
 
-Adding a proposer is one class with ``name``, ``start``, ``propose``, ``rollback`` and
-``finish`` (see :class:`Proposer`); the decoder builds one per request from a factory.
+Adding a proposer is one class with ``name``, ``start``, ``propose`` and ``rollback`` (see
+:class:`Proposer`); the decoder builds one per request (``SpeculativeDecoder.make_proposer``)
+and indexes every finished request into its :class:`NgramHistory` itself.
 """
 
 from __future__ import annotations
@@ -60,9 +61,6 @@ class Proposer(Protocol):
     def rollback(self, length: int) -> None:
         """Only ``ids[:length]`` survived verification: forget any state beyond it."""
 
-    def finish(self, ids: list[int], prompt_len: int) -> None:
-        """The request ended with ``ids`` (prompt + output)."""
-
 
 class DraftModelProposer:
     """Proposals from the draft model through the decoder's draft call.
@@ -101,11 +99,8 @@ class DraftModelProposer:
 
     def rollback(self, length: int) -> None:
         if self.length > length:
-            _crop_to(self.cache, length)
+            crop_to(self.cache, length)
             self.length = length
-
-    def finish(self, ids: list[int], prompt_len: int) -> None:
-        pass
 
 
 class NgramHistory:
@@ -226,7 +221,6 @@ class NgramProposer:
         self.max_n, self.min_n = history.max_n, history.min_n
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence in ids
         self._indexed = 0  # ids[:e] n-grams with end e <= _indexed are in _index
-        self._ids: list[int] = []
 
     def start(self, ids: list[int], prefill: bool) -> None:
         self._index.clear()
@@ -264,15 +258,10 @@ class NgramProposer:
         return Proposal(list(tokens), q)
 
     def rollback(self, length: int) -> None:
-        if self._indexed > length - 1:  # n-grams of rejected tokens (never: we index accepted only)
-            self._index = {k: e for k, e in self._index.items() if e <= length - 1}
-            self._indexed = length - 1
-
-    def finish(self, ids: list[int], prompt_len: int) -> None:
-        self.history.add(self.workload, ids)
+        pass  # the index holds n-grams of verified tokens only (ids[: L - 1] at each proposal)
 
 
-def _crop_to(cache, length: int) -> None:
+def crop_to(cache, length: int) -> None:
     """Drop cached positions beyond ``length`` (transformers 5: ``crop(-n)`` removes n)."""
     extra = cache.get_seq_length() - length
     if extra > 0:

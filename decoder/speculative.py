@@ -32,7 +32,7 @@ from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_lin
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
 from decoder.metrics import AcceptanceCounts, StepStats
 from store.jsonsafe import nan_none
-from decoder.proposers import PROPOSERS, DraftModelProposer, NgramHistory, NgramProposer, Proposer
+from decoder.proposers import PROPOSERS, DraftModelProposer, NgramHistory, NgramProposer, Proposer, crop_to
 from decoder.sampling import SamplingParams, alpha, process_logits, verify
 
 log = structlog.get_logger("decoder.speculative")
@@ -536,7 +536,7 @@ class SpeculativeDecoder:
                 finish = "cancelled"
                 break
             # 4. roll the caches back to the surviving tokens (all but the new pending token)
-            _crop_to(tcache, len(ids) - 1)
+            crop_to(tcache, len(ids) - 1)
             proposer.rollback(len(ids) - 1)
         if finish != "cancelled" and on_step is not None and reason and block:
             on_step(list(block))  # the last step's tokens (the request has ended either way)
@@ -675,13 +675,6 @@ def _replace(req: DecodeRequest, **kw) -> DecodeRequest:
     from dataclasses import replace
 
     return replace(req, **kw)
-
-
-def _crop_to(cache, length: int) -> None:
-    """Drop cached positions beyond ``length`` (transformers 5: ``crop(-n)`` removes n)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
 
 
 _PROMPT_CHUNK = 256  # rows of prompt logits materialised at once when recording the prompt
