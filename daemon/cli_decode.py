@@ -17,26 +17,31 @@ from daemon.logging import configure, console
 err = console(stderr=True)
 
 
-def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int):
+def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int, engine: str = "auto",
+          threads: int | None = None):
+    from decoder.engine import choose_engine
     from decoder.models import load_pair
 
     configure("auto", "warning", stream=sys.stderr)  # stdout carries only the text / the JSON
 
     with err.status(f"loading {target} (+ draft {draft}); the first run converts the GGUF (~30 s)"):
         pair = load_pair(target, draft, device=device, int8_draft=int8, progress=lambda s: err.log(s))
+        choice = choose_engine(engine, target, device, draft, threads)
+    err.log(f"engine: {choice.name} ({choice.reason})")
     dv = None
     if draft_vocab:
         from decoder.vocab import frequent_token_ids
 
         dv = frequent_token_ids(pair.tokenizer, draft_vocab)
-    return pair, dv
+    return pair, dv, choice
 
 
-def _decoder(pair, dv, draft_precision: str = "auto"):
+def _decoder(pair, dv, draft_precision: str = "auto", choice=None):
     from decoder.speculative import DecoderConfig, SpeculativeDecoder
 
     return SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer,
-                              DecoderConfig(draft_vocab=dv, draft_precision=draft_precision))
+                              DecoderConfig(draft_vocab=dv, draft_precision=draft_precision),
+                              engine=choice.target if choice else None, draft_engine=choice.draft if choice else None)
 
 
 def _check_precision(value: str) -> str:
@@ -49,6 +54,21 @@ def _check_precision(value: str) -> str:
 
 DraftPrecisionOpt = Annotated[str, typer.Option(
     help="dtype of the draft's proposals: auto (bf16 where measured 10 % faster), fp32, bf16; lossless either way")]
+
+
+def _check_proposers(text: str) -> tuple[str, ...]:
+    """``"ngram,draft"`` -> ``("ngram", "draft")``.
+
+    Raises:
+        ValueError: an unknown, empty or repeated name (names it).
+    """
+    from decoder.proposers import PROPOSERS
+
+    names = tuple(x.strip() for x in text.split(","))
+    bad = [x for x in names if x not in PROPOSERS]
+    if bad or len(set(names)) != len(names):
+        raise ValueError(f"--proposers/--proposer {text!r}: use one or more of {', '.join(PROPOSERS)}, each once")
+    return names
 
 
 def check_generate_args(prompt: str, gamma: int, max_new_tokens: int, temperature: float, stop, draft_vocab: int) -> None:
@@ -90,6 +110,10 @@ def parse_gammas(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+EngineOpt = Annotated[str, typer.Option(
+    help="auto (llama.cpp for a GGUF target on CPU when installed), torch (transformers), llamacpp")]
+ProposerOpt = Annotated[str, typer.Option(help="draft (the draft model) or ngram (prompt lookup over the request and "
+                                               "the workload's past requests)")]
 TargetOpt = Annotated[str, typer.Option(help="target: built-in name (smollm2-135m, gemma3-270m), local path or cached hub id")]
 DraftOpt = Annotated[str, typer.Option(help="draft: 'layers:0-3' (derived from the target), 'self', or a model reference")]
 
@@ -112,6 +136,8 @@ def generate(
     int8_draft: Annotated[bool, typer.Option(help="dynamic int8 quantisation of the draft (CPU)")] = False,
     draft_vocab: Annotated[int, typer.Option(help="FR-Spec: restrict the draft head to the N most frequent tokens (0 = off)")] = 0,
     draft_precision: DraftPrecisionOpt = "auto",
+    engine: EngineOpt = "auto",
+    proposer: ProposerOpt = "draft",
     json_out: Annotated[bool, typer.Option("--json", help="print only the JSON record")] = False,
 ):
     """Generate text for one prompt and print it with its measurement record."""
@@ -123,21 +149,23 @@ def generate(
         check_generate_args(prompt, gamma, max_new_tokens, temperature, stop, draft_vocab)
         _check_precision(draft_precision)
         params = SamplingParams(temperature, top_p, top_k, seed)
-        pair, dv = _load(target, draft, device, int8_draft, draft_vocab)
-        dec = _decoder(pair, dv, draft_precision)
+        _check_proposers(proposer)
+        pair, dv, choice = _load(target, draft, device, int8_draft, draft_vocab, engine)
+        dec = _decoder(pair, dv, draft_precision, choice)
     except (ValueError, RuntimeError) as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e
     ids = chat_format(pair.tokenizer, prompt, raw=not chat)
     try:
-        req = DecodeRequest(ids, params, max_new_tokens, gamma=0 if no_spec else gamma, stop=tuple(stop or ()))
+        req = DecodeRequest(ids, params, max_new_tokens, gamma=0 if no_spec else gamma, stop=tuple(stop or ()),
+                            proposer=proposer)
         res = dec.generate(req)
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e
     if check and params.greedy and not no_spec:
         dec.check_against_plain(req, res)
-    rec = {**res.record(), "draft_precision": dec.draft_precision}
+    rec = {**res.record(), "draft_precision": dec.draft_precision, "engine_reason": choice.reason}
     if json_out:
         print(json.dumps({"text": res.text, **rec}))
         return
@@ -153,6 +181,11 @@ def bench(
     sampling: Annotated[str, typer.Option(help="comma list of greedy, t0.7-p0.9, t1.0")] = "greedy,t0.7-p0.9,t1.0",
     max_new_tokens: int = 64,
     hf: Annotated[bool, typer.Option(help="include transformers' plain and assisted generation")] = True,
+    engine: EngineOpt = "auto",
+    proposers: Annotated[str, typer.Option(help="comma list of proposers for the spec rows: draft, ngram")] = "draft",
+    llamacpp_peer: Annotated[bool | None, typer.Option(
+        help="add llama-cpp-python's own plain generation (same GGUF, same threads) as method llamacpp_plain; "
+             "default: on when the engine is llamacpp")] = None,
     target: TargetOpt = "smollm2-135m",
     draft: DraftOpt = "layers:0-3",
     device: str = "cpu",
@@ -175,7 +208,9 @@ def bench(
             raise ValueError(f"--prompts {prompts}: must be >= 1")
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
-        cfg = BenchConfig(parse_gammas(gammas), tuple(s.strip() for s in sampling.split(",")), max_new_tokens, hf)
+        props = _check_proposers(proposers)
+        cfg = BenchConfig(parse_gammas(gammas), tuple(s.strip() for s in sampling.split(",")), max_new_tokens, hf,
+                          proposers=props)
         bad = [s for s in cfg.sampling if s not in ("greedy", "t0.7-p0.9", "t1.0")]
         if bad:
             raise ValueError(f"unknown sampling {bad}: use greedy, t0.7-p0.9, t1.0")
@@ -187,8 +222,15 @@ def bench(
                                  f"a JSONL file needs at least one row)")
             ps.extend(got)
         _check_precision(draft_precision)
-        pair, dv = _load(target, draft, device, int8_draft, draft_vocab)
-        dec = _decoder(pair, dv, draft_precision)
+        pair, dv, choice = _load(target, draft, device, int8_draft, draft_vocab, engine)
+        dec = _decoder(pair, dv, draft_precision, choice)
+        if llamacpp_peer or (llamacpp_peer is None and choice.name == "llamacpp"):
+            from decoder.engine import target_gguf
+
+            gguf = target_gguf(target)
+            if gguf is None:
+                raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), not {target!r}")
+            cfg.llamacpp = str(gguf)
     except (ValueError, RuntimeError) as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e
@@ -207,7 +249,9 @@ def bench(
         result = run_bench(dec, ps, cfg, progress=lambda s: st.update(f"benchmarking: {s}"), on_row=on_row)
     result["config"] = {"target": target, "draft": draft, "workloads": workloads, "prompts": prompts,
                         "gammas": cfg.gammas, "sampling": cfg.sampling, "max_new_tokens": max_new_tokens,
-                        "int8_draft": int8_draft, "draft_vocab": draft_vocab, "draft_precision": draft_precision}
+                        "int8_draft": int8_draft, "draft_vocab": draft_vocab, "draft_precision": draft_precision,
+                        "engine": choice.name, "engine_reason": choice.reason, "proposers": cfg.proposers,
+                        "llamacpp_peer": cfg.llamacpp}
     print_table(result, err)
     text = json.dumps(result, indent=1)
     print(text)
@@ -221,7 +265,8 @@ def print_table(result: dict, console: Console) -> None:
         t.add_column(c)
     f = lambda x: "" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))  # noqa: E731
     for r in result["rows"]:
-        t.add_row(r["workload"], r["sampling"], r["method"], str(r["gamma"]), f(r["tokens_per_s"]),
+        t.add_row(r["workload"], r["sampling"], r["method"] + (f" {r['proposer']}" if r.get("proposer") else ""),
+                  str(r["gamma"]), f(r["tokens_per_s"]),
                   f(r["speedup_vs_plain"]), f(r.get("alpha")), f(r.get("tau")), f(r.get("acceptance_rate")),
                   f(r.get("c")), f(r.get("predicted_speedup")), f(r.get("matches_plain")))
     console.print(t)

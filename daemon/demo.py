@@ -23,6 +23,7 @@ Torch runs one intra-op thread per Python thread here, so decoding and training 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -109,6 +110,11 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         client = rh.client
         with console.status("loading the model pair (first run: GGUF conversion, ~30 s)"):
             pair = load_pair(settings.models.target, settings.models.draft, progress=console.log)
+            from decoder.engine import choose_engine
+
+            m = settings.models  # the decoder's engine gets one core, the trainer the other (unless told)
+            engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1)
+        console.log(f"engine: {engines.name} ({engines.reason})")
         layers = settings.models.draft.split(":", 1)[1] if settings.models.draft.startswith("layers:") else None
         if layers is None:
             raise ValueError(f"the demo trains a derived draft: set models.draft to 'layers:<spec>', not "
@@ -150,7 +156,8 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
             pair.target, pair.draft, tok, client=client, store_config=scfg, registry=registry,
             decoder_config=DecoderConfig(topk_record=32, record_prompt=True, draft_vocab=vocab), pair_fingerprint=fp,
             tap=keep_heldout, config=LoopConfig(rollback_per_workload=False), poll_interval_s=1.0,
-            rollback_min_requests=6, rollback_margin=0.15, proposers=tuple(cfg.proposers))
+            rollback_min_requests=6, rollback_margin=0.15, proposers=tuple(cfg.proposers),
+            engine=engines.target, draft_engine=engines.draft)
         loop.start()
         stack.callback(loop.close)
         decoder, manager, controller = loop.decoder, loop.manager, loop.controller
@@ -260,7 +267,9 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
     final_state = state_of(decoder.adapter_version)
     served_history = decoder.ngram_history
     # the same head as the adapted draft (FR-Spec or not), so the rows differ by training only
-    frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok, DecoderConfig(draft_vocab=decoder.config.draft_vocab))
+    # on llama.cpp the frozen draft is the draft's own context with no LoRA set (see _frozen_lora)
+    frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok, DecoderConfig(draft_vocab=decoder.config.draft_vocab),
+                                engine=decoder.engine, draft_engine=decoder.draft_engine)
     rows = []
     try:
         for phase in cfg.phases:
@@ -291,8 +300,9 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                     decoder.generate(DecodeRequest(ids, params, 4, gamma=0, ignore_eos=True, workload=phase))
                 for name, dec, g, prop in runs:  # back to back per prompt (paired): a slower host slows all alike
                     decoder.ngram_history = served_history.copy()
-                    r = dec.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
-                                                   workload=phase, proposer=prop))
+                    with _frozen_lora(decoder if dec is frozen else None):
+                        r = dec.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
+                                                       workload=phase, proposer=prop))
                     tot[name][0].merge(r.counts)
                     tot[name][1] += r.latency_ms
             for name, _, g, prop in runs:
@@ -314,6 +324,23 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
     finally:
         decoder.ngram_history = served_history
     return rows
+
+
+@contextlib.contextmanager
+def _frozen_lora(decoder):
+    """With ``decoder`` (whose draft runs on llama.cpp): its draft's context without a LoRA for
+    the block (the base draft, v0), the adapter put back after; a no-op otherwise."""
+    eng = getattr(decoder, "draft_engine", None) if decoder is not None else None
+    if eng is None or not hasattr(eng, "set_lora") or eng.lora is None:
+        yield
+        return
+    with decoder._lock:  # no request runs meanwhile
+        was = eng.lora
+        eng.set_lora(None)
+        try:
+            yield
+        finally:
+            eng.set_lora(was)
 
 
 def _clear_prefix(client, prefix: str) -> int:

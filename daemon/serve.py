@@ -429,7 +429,7 @@ def measurement(res, ticket, *, speculation: bool) -> dict[str, Any]:
     ms = lambda a, b: None if a is None or b is None else round((b - a) * 1e3, 3)  # noqa: E731
     return {
         "request_id": res.request_id, "workload": res.workload, "sampling": res.sampling_bucket,
-        "adapter_version": res.adapter_version, "proposer": res.proposer, "output_tokens": len(res.output_ids), "proposed_tokens": c.num_draft_tokens,
+        "adapter_version": res.adapter_version, "proposer": res.proposer, "engine": res.engine, "output_tokens": len(res.output_ids), "proposed_tokens": c.num_draft_tokens,
         "accepted_tokens": c.num_accepted_tokens, "steps": c.num_steps, "tau": rec["mean_accepted_length"],
         "alpha": rec["alpha"], "acceptance_rate": rec["acceptance_rate"],
         "gamma_policy": res.policy if speculation else "off (serve.speculation=false)",
@@ -785,16 +785,20 @@ def run_serve(settings, console=None) -> int:
 
             torch.set_num_threads(m.torch_threads)
         pair = load_pair(m.target, m.draft, device=m.device)
+        from decoder.engine import choose_engine
+
+        engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads)
+        log.info("engine", engine=engines.name, reason=engines.reason)
         fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
         registry = AdapterRegistry(rh.client, settings.adapter_dir, scfg) if sv.follow_adapters else None
         loop = build_serving_loop(
             pair.target, pair.draft, pair.tokenizer, client=rh.client, store_config=scfg, registry=registry,
             decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer)),
             pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every),
-            proposers=tuple(sv.proposers))
+            proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft)
         loop.start()
         stack.callback(loop.close)
-        ctx = getattr(pair.target.config, "max_position_embeddings", None)
+        ctx = loop.decoder.engine.context_length
         service = InferenceService(loop, pair.tokenizer, sv.model_name or m.target, context_len=ctx,
                                    max_tokens_default=sv.max_tokens_default, speculation=sv.speculation,
                                    server_id=sv.server_id)

@@ -114,6 +114,11 @@ class ModelSettings(_Group):
     draft: str = Field("layers:0-3", description="Draft: 'layers:<spec>' (derived from the target), 'self', or a model reference.")
     device: str = Field("cpu", description="Torch device for the draft being trained, e.g. cpu or cuda:0.")
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads for the trainer; unset = torch's default.")
+    engine: Literal["auto", "torch", "llamacpp"] = Field(
+        "auto", description="What runs the target's (and a derived draft's) forward passes when serving: llamacpp "
+                            "(a GGUF target on CPU, llama-cpp-python), torch (transformers: GPU, any hub id or local "
+                            "path), or auto (llamacpp for a GGUF target on CPU when installed, else torch).")
+    engine_threads: int | None = Field(None, ge=1, description="llama.cpp threads for decoding; unset = all cores.")
     draft_vocab: int = Field(
         0, ge=0,
         description="FR-Spec: the draft's LM head restricted to the N most frequent tokens (decoder.vocab; 0 = the full "

@@ -401,7 +401,36 @@ class AdapterManager:
             self._loaded.append((version, name))
         if self.decoder.serving is not None:  # the serving copy: this version's merged weights
             self._merge(version, name)
+        self._load_on_engine(version, name, path)
         return name
+
+    def _load_on_engine(self, version: int, name: str, path) -> None:
+        """A draft on llama.cpp (``decoder.draft_engine``): the version as a GGUF LoRA
+        (:func:`decoder.gguf_export.lora_gguf_cached`, converted once per artifact), loaded on
+        the draft's context, not yet applied. On failure peft's copy is unloaded too.
+
+        Raises:
+            IncompatibleAdapterError: the conversion or llama.cpp refused the adapter.
+        """
+        eng = getattr(self.decoder, "draft_engine", None)
+        if eng is None or not hasattr(eng, "load_lora") or name in eng.loras:
+            return
+        try:
+            from decoder.gguf_export import lora_gguf_cached
+            from decoder.models import cache_root
+
+            t0 = self.clock()
+            gguf = lora_gguf_cached(Path(path), cache_root() / "gguf" / "lora", eng.path)
+            eng.load_lora(name, gguf)
+            log.info("adapter_gguf_loaded", version=version, gguf=str(gguf), ms=round((self.clock() - t0) * 1e3, 1))
+        except Exception as e:
+            with self._model_lock:
+                if name not in self._peft.active_adapters:
+                    self._peft.delete_adapter(name)
+                    self._loaded = [(v, m) for v, m in self._loaded if m != name]
+                if self.decoder.serving is not None and version in self.decoder.serving.versions:
+                    self.decoder.serving.drop(version)
+            raise IncompatibleAdapterError(f"v{version} cannot run on the llama.cpp draft: {e}") from e
 
     def _merge(self, version: int, name: str) -> None:
         """Add ``version``'s merged weights to the decoder's serving copy. On failure peft's copy
@@ -451,6 +480,9 @@ class AdapterManager:
                 self._peft.delete_adapter(n)
                 if self.decoder.serving is not None:
                     self.decoder.serving.drop(next(v for v, m in self._loaded if m == n))
+                eng = getattr(self.decoder, "draft_engine", None)
+                if eng is not None and n in getattr(eng, "loras", ()) and eng.lora != n:
+                    eng.drop_lora(n)
                 self._loaded = [(v, m) for v, m in self._loaded if m != n]
 
     # ---- the switch (under the decoder's lock) -------------------------------------------
@@ -475,6 +507,9 @@ class AdapterManager:
                 self.boundary_log.append(dec.adapter_version)
                 return
             try:
+                eng = getattr(dec, "draft_engine", None)
+                if eng is not None and hasattr(eng, "set_lora"):  # the draft on llama.cpp
+                    eng.set_lora(adapter_name(want) if want else None)
                 if dec.serving is not None:  # first: a version it lacks fails before peft moves
                     dec.serving.use(want)
                 if want == 0:
@@ -496,6 +531,12 @@ class AdapterManager:
                         dec.serving.use(old)
                     except KeyError:
                         pass  # old's weights are gone: the fallback below routes to a loaded one
+                eng = getattr(dec, "draft_engine", None)
+                if eng is not None and hasattr(eng, "set_lora"):
+                    try:
+                        eng.set_lora(adapter_name(old) if old and adapter_name(old) in eng.loras else None)
+                    except Exception:  # noqa: BLE001
+                        pass
             finally:
                 self._model_lock.release()
             pause = (self.clock() - t0) * 1e3

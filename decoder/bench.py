@@ -6,7 +6,16 @@ For each workload and sampling policy, on the same pair and prompts, in one run:
 - ``spec``: our loop at each γ;
 - ``hf_plain``: ``target.generate`` without an assistant;
 - ``hf_assisted``: transformers' assisted generation, ``generate(assistant_model=draft)`` with
-  ``num_assistant_tokens=γ`` and the constant schedule (equal γ and draft).
+  ``num_assistant_tokens=γ`` and the constant schedule (equal γ and draft);
+- ``llamacpp_plain`` (``BenchConfig.llamacpp``): llama-cpp-python's own plain generation,
+  ``Llama.create_completion`` on the same GGUF, the same prompt ids, the same thread count and
+  flash-attention setting, EOS banned by logit bias (as ``ignore_eos``), its prompt cache reset
+  before every call.
+
+Spec rows run each proposer of ``BenchConfig.proposers`` (``draft``, ``ngram``) at each γ. The
+n-gram proposer's history is frozen at its state when the bench starts (empty in
+``daemonctl bench``), so it looks up the request's own context only (prompt lookup decoding):
+a prompt's plain output, decoded just before, must not be proposed back to it.
 
 Every method decodes exactly ``max_new_tokens`` tokens (EOS ignored, ``min_new_tokens`` for
 transformers), so tokens/s compare like with like. Speeds are end-to-end (prefill included) for
@@ -26,6 +35,7 @@ import torch
 
 from decoder.metrics import AcceptanceCounts
 from decoder.sampling import SamplingParams, predicted_speedup
+from decoder.proposers import PROPOSERS
 from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
 from decoder.workloads import Prompt
 from store.jsonsafe import nan_none
@@ -44,6 +54,46 @@ class BenchConfig:
     max_new_tokens: int = 64
     hf: bool = True  # include transformers' plain and assisted generation
     seed: int = 0
+    proposers: tuple[str, ...] = ("draft",)
+    llamacpp: str | None = None  # a GGUF path: add llama-cpp-python's plain generation as a peer
+    threads: int | None = None  # the peer's threads (default: the target engine's, else os.cpu_count())
+    near_tie_positions: int = 8  # greedy: batched-vs-one-token logit differences over this many positions per prompt
+
+
+class LlamaCppPeer:
+    """llama-cpp-python's high-level generation (``Llama.create_completion``) on a GGUF file.
+
+    Raises:
+        decoder.engine.EngineError: llama-cpp-python is missing.
+    """
+
+    def __init__(self, gguf: str, threads: int | None = None, n_ctx: int = 4096):
+        import os
+
+        from decoder.engine import _llama
+
+        _llama()  # logging off, backend initialised
+        from llama_cpp import Llama
+
+        self.threads = int(threads or os.cpu_count() or 1)
+        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
+                         flash_attn=True, verbose=False)  # the setting decoder.engine.LlamaCppEngine runs
+        self.eos = [t for t in {self.llm.token_eos(), getattr(self.llm, "token_eot", lambda: -1)()} if t >= 0]
+
+    def generate(self, ids: list[int], params: SamplingParams, n: int, seed: int) -> tuple[list[int], float, int]:
+        """``n`` new tokens after ``ids``: (the first n - 1 token ids, end-to-end ms, tokens
+        generated). The last token is sampled but never fed back, so llama.cpp's context holds
+        only the first n - 1; they are what the equality check compares."""
+        greedy = params.greedy
+        self.llm.reset()  # no prompt-prefix reuse from the previous call
+        t0 = time.perf_counter()
+        out = self.llm.create_completion(
+            prompt=list(ids), max_tokens=n, temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p, top_k=0 if greedy else (params.top_k or 0), min_p=0.0,
+            typical_p=1.0, repeat_penalty=1.0, seed=seed, logit_bias={t: float("-inf") for t in self.eos})
+        ms = (time.perf_counter() - t0) * 1e3
+        n_out = out["usage"]["completion_tokens"]
+        return self.llm._input_ids[len(ids):].tolist()[:n_out], ms, n_out
 
 
 def _hf_generate(model, draft, ids: list[int], params: SamplingParams, n: int, gamma: int | None, seed: int):
@@ -100,16 +150,23 @@ def run_bench(
             on_row(row)
 
     say = progress or (lambda s: None)
+    bad = [p for p in cfg.proposers if p not in PROPOSERS]
+    if bad or not cfg.proposers:
+        raise ValueError(f"BenchConfig.proposers={cfg.proposers!r}: use one or more of {PROPOSERS}")
+    peer = LlamaCppPeer(cfg.llamacpp, cfg.threads or getattr(decoder.engine, "threads", None)) if cfg.llamacpp else None
+    frozen_history = decoder.ngram_history.copy()
     # Warm-up: first calls pay one-off allocator and kernel selection costs.
     warm = next(iter(enc_by_wl.values()))[0]
     decoder.generate(DecodeRequest(warm, max_new_tokens=min(4, cfg.max_new_tokens), gamma=2, ignore_eos=True))
     for wl, enc in enc_by_wl.items():
         for sname in cfg.sampling:
-            m = _measure(decoder, wl, sname, enc, gammas, cfg, say)
+            m = _measure(decoder, wl, sname, enc, gammas, cfg, say, peer, frozen_history)
             for row in _rows(wl, sname, m, gammas, cfg):
                 add(row)
     kernels = {"small_m_calibration": decoder.small_m_calibration, "draft_precision": decoder.draft_precision,
-               "draft_precision_calibration": decoder.draft_precision_calibration}
+               "draft_precision_calibration": decoder.draft_precision_calibration,
+               "engine": decoder.engine.describe(),
+               "draft_engine": decoder.draft_engine.describe() if decoder.draft_engine is not None else None}
     return {"rows": rows, "summary": summarize(rows), "machine": machine_info(), "kernels": kernels}
 
 
@@ -133,20 +190,29 @@ def _encode(tok, prompts: Iterable[Prompt], cfg: BenchConfig) -> dict[str, list[
 
 
 def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[int]], gammas: list[int],
-             cfg: BenchConfig, say: Callable[[str], None]) -> dict:
-    """One (workload, sampling) cell: per prompt, every method back to back (plain, hf_plain, then
-    each γ's spec and hf_assisted), so a machine that speeds up or slows down during the sweep
-    shifts all methods alike instead of favouring whichever ran in the quiet minutes. Returns the
-    pooled counts and times per method."""
+             cfg: BenchConfig, say: Callable[[str], None], peer: "LlamaCppPeer | None" = None,
+             history=None) -> dict:
+    """One (workload, sampling) cell: per prompt, every method back to back (plain, hf_plain,
+    llamacpp_plain, then each proposer x γ's spec and hf_assisted), so a machine that speeds up or
+    slows down during the sweep shifts all methods alike instead of favouring whichever ran in the
+    quiet minutes. Returns the pooled counts and times per method."""
     base = SAMPLING[sname]
     plain_counts, plain_ms = AcceptanceCounts(), 0.0
-    spec = {g: {"counts": AcceptanceCounts(), "ms": 0.0, "same": True, "ratios": []} for g in gammas}
+    keys = [(p, g) for p in cfg.proposers for g in gammas]
+    spec = {k: {"counts": AcceptanceCounts(), "ms": 0.0, "same": True, "ratios": [], "diffs": []} for k in keys}
     hf_plain, hf = [0, 0.0], {g: [0, 0.0] for g in gammas}
+    peer_m = {"tokens": 0, "ms": 0.0, "ratios": [], "same": [], "diffs": []}
+    batched_diff: list[float] = []
+
+    def run(req, policy):
+        if history is not None:  # every request sees the same frozen n-gram history
+            decoder.ngram_history = history.copy()
+        return decoder.generate(req, policy)
+
     for i, ids in enumerate(enc):
         params = SamplingParams(base.temperature, base.top_p, base.top_k, seed=cfg.seed + i)
         say(f"{wl} {sname} plain prompt {i + 1}/{len(enc)}")
-        r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=0, ignore_eos=True,
-                                           workload=wl), FixedGamma(0))
+        r = run(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=0, ignore_eos=True, workload=wl), FixedGamma(0))
         plain_out = r.output_ids
         plain_counts.merge(r.counts)
         plain_ms += r.latency_ms
@@ -156,23 +222,81 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
             out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
             hf_plain[0] += len(out)
             hf_plain[1] += t
-        for g in gammas:
-            say(f"{wl} {sname} spec γ={g} prompt {i + 1}/{len(enc)}")
-            r = decoder.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
-                                               workload=wl), FixedGamma(g))
-            sg = spec[g]
+        if peer is not None:
+            say(f"{wl} {sname} llamacpp_plain prompt {i + 1}/{len(enc)}")
+            out, t, n_out = peer.generate(ids, base, cfg.max_new_tokens, cfg.seed + i)
+            peer_m["tokens"] += n_out
+            peer_m["ms"] += t
+            peer_m["ratios"].append(plain_tps_i / (n_out / t))
+            if base.greedy:
+                d = _first_diff(out, plain_out[: len(out)])
+                peer_m["same"].append(d is None)
+                if d is not None:
+                    peer_m["diffs"].append({"prompt": i, "first_diff_index": d,
+                                            "top2_margin": _top2_margin(decoder, ids, plain_out, d)})
+        if base.greedy and cfg.near_tie_positions:
+            batched_diff.append(batched_vs_one_token(decoder, ids, plain_out[: cfg.near_tie_positions]))
+        for prop, g in keys:
+            say(f"{wl} {sname} spec {prop} γ={g} prompt {i + 1}/{len(enc)}")
+            r = run(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True, workload=wl,
+                                  proposer=prop), FixedGamma(g))
+            sg = spec[(prop, g)]
             sg["counts"].merge(r.counts)
             sg["ms"] += r.latency_ms
             sg["same"] &= r.output_ids == plain_out
             sg["ratios"].append(len(r.output_ids) / r.latency_ms / plain_tps_i)
-            if cfg.hf:
+            if base.greedy and r.output_ids != plain_out:
+                d = _first_diff(r.output_ids, plain_out)
+                sg["diffs"].append({"prompt": i, "first_diff_index": d,
+                                    "top2_margin": _top2_margin(decoder, ids, plain_out, d)})
+            if cfg.hf and prop == cfg.proposers[0]:
                 say(f"{wl} {sname} hf_assisted γ={g} prompt {i + 1}/{len(enc)}")
                 out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, g,
                                       cfg.seed + i)
                 hf[g][0] += len(out)
                 hf[g][1] += t
+    if history is not None:
+        decoder.ngram_history = history.copy()
     return {"greedy": base.greedy, "plain_counts": plain_counts, "plain_ms": plain_ms, "spec": spec,
-            "hf_plain": hf_plain, "hf": hf}
+            "hf_plain": hf_plain, "hf": hf, "peer": peer_m if peer is not None else None,
+            "batched_diff": max(batched_diff) if batched_diff else None}
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    d = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return min(len(a), len(b)) if d is None and len(a) != len(b) else d
+
+
+@torch.inference_mode()
+def _top2_margin(decoder: SpeculativeDecoder, ids: list[int], plain_out: list[int], d: int) -> float | None:
+    """The target's top-2 logit margin (one-token logits, as plain decoding saw them) at output
+    index ``d`` of the plain greedy output: a near-tie there explains a greedy mismatch."""
+    if d is None or d >= len(plain_out):
+        return None
+    seq = decoder.engine.start()
+    ctx = list(ids) + plain_out[:d]
+    if len(ctx) > 1:
+        seq.forward(ctx[:-1], 1)
+    top = torch.topk(seq.forward(ctx[-1:], 1)[0].float(), 2).values
+    return round(float(top[0] - top[1]), 5)
+
+
+@torch.inference_mode()
+def batched_vs_one_token(decoder: SpeculativeDecoder, ids: list[int], cont: list[int]) -> float:
+    """Largest |logit| difference between the target's logits for ``cont`` fed in one batch
+    (as verification does) and fed one token at a time (as plain decoding does), after the
+    prompt ``ids``: the float noise a greedy mismatch's top-2 margin is compared with."""
+    if not cont:
+        return 0.0
+    ctx = list(ids) + list(cont)
+    n = len(cont)
+    a = decoder.engine.start()
+    a.forward(ctx[: len(ids) - 1], 1) if len(ids) > 1 else None
+    batched = a.forward(ctx[len(ids) - 1 : len(ids) - 1 + n], n).float()
+    b = decoder.engine.start()
+    b.forward(ctx[: len(ids) - 1], 1) if len(ids) > 1 else None
+    one = torch.stack([b.forward([t], 1)[0].float() for t in ctx[len(ids) - 1 : len(ids) - 1 + n]])
+    return round(float((batched - one).abs().max()), 5)
 
 
 def _rows(wl: str, sname: str, m: dict, gammas: list[int], cfg: BenchConfig) -> list[dict]:
@@ -181,18 +305,38 @@ def _rows(wl: str, sname: str, m: dict, gammas: list[int], cfg: BenchConfig) -> 
     plain_tps = plain_counts.num_emitted_tokens / m["plain_ms"] * 1e3
     plain_step_ms = plain_counts.decode_ms / max(plain_counts.num_steps, 1)
     rows = [_row(wl, sname, "plain", 0, plain_counts, m["plain_ms"], plain_tps, None)]
+    rows[0]["batched_vs_one_token_max_logit_diff"] = m.get("batched_diff")
     if cfg.hf:
         rows.append(_hf_row(wl, sname, "hf_plain", 0, *m["hf_plain"], plain_tps))
-    for g in gammas:
-        sg = m["spec"][g]
-        c = sg["counts"].draft_ms_per_draft_token / plain_step_ms
-        row = _row(wl, sname, "spec", g, sg["counts"], sg["ms"], plain_tps, c)
-        row["speedup_per_prompt"] = [nan_none(x, 3) for x in sg["ratios"]]
-        row["speedup_per_prompt_median"] = nan_none(statistics.median(sg["ratios"]), 3)
-        row["matches_plain"] = sg["same"] if m["greedy"] else None
+    peer = m.get("peer")
+    peer_tps = None
+    if peer is not None:
+        row = _hf_row(wl, sname, "llamacpp_plain", 0, peer["tokens"], peer["ms"], plain_tps)
+        peer_tps = row["tokens_per_s"]
+        row["ours_plain_vs_peer_per_prompt"] = [nan_none(x, 3) for x in peer["ratios"]]
+        row["ours_plain_vs_peer_median"] = nan_none(statistics.median(peer["ratios"]), 3) if peer["ratios"] else None
+        if m["greedy"]:
+            row["matches_ours_plain_share"] = round(sum(peer["same"]) / len(peer["same"]), 3) if peer["same"] else None
+            row["mismatches"] = peer["diffs"]
         rows.append(row)
-        if cfg.hf:
-            rows.append(_hf_row(wl, sname, "hf_assisted", g, *m["hf"][g], plain_tps))
+    for prop in cfg.proposers:
+        for g in gammas:
+            sg = m["spec"][(prop, g)]
+            c = sg["counts"].draft_ms_per_draft_token / plain_step_ms
+            row = _row(wl, sname, "spec", g, sg["counts"], sg["ms"], plain_tps, c)
+            row["proposer"] = prop
+            row["speedup_per_prompt"] = [nan_none(x, 3) for x in sg["ratios"]]
+            row["speedup_per_prompt_median"] = nan_none(statistics.median(sg["ratios"]), 3)
+            if peer_tps:
+                row["speedup_vs_llamacpp_plain"] = round(row["tokens_per_s"] / peer_tps, 3)
+            row["matches_plain"] = sg["same"] if m["greedy"] else None
+            if m["greedy"]:
+                n = len(sg["ratios"])
+                row["matches_plain_share"] = round((n - len(sg["diffs"])) / n, 3) if n else None
+                row["mismatches"] = sg["diffs"]
+            rows.append(row)
+            if cfg.hf and prop == cfg.proposers[0]:
+                rows.append(_hf_row(wl, sname, "hf_assisted", g, *m["hf"][g], plain_tps))
     return rows
 
 

@@ -450,13 +450,16 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                        decoder_config=None, pair_fingerprint=None, tap: Callable[[Any], Any] | None = None,
                        config: LoopConfig | None = None, controller=None, poll_interval_s: float = 1.0,
                        rollback_min_requests: int = 20, rollback_margin: float = 0.1,
-                       history_flush_s: float = 5.0, proposers: tuple[str, ...] = ("draft",)) -> ServingLoop:
+                       history_flush_s: float = 5.0, proposers: tuple[str, ...] = ("draft",),
+                       engine=None, draft_engine=None) -> ServingLoop:
     """Wire the decoder and the adaptive loop once (what ``serve`` and an in-process driver share).
 
     - ``client`` + ``store_config``: a SampleWriter as the decoder's sink (``tap(sample)`` is
       called first, e.g. to keep a held-out split) and the acceptance history; None: neither.
     - ``registry``: an AdapterManager following its promotions and rollbacks (per-workload
       routing) and a RollbackMonitor; None: the draft is served as it is.
+    - ``engine`` / ``draft_engine``: the target's (and the draft's) :mod:`decoder.engine` engines
+      (``decoder.engine.choose_engine``); None: transformers on ``target`` / ``draft``.
     - ``controller``: a GoodputController (default: one following the decoder's adapter version,
       choosing among ``proposers``, see :class:`decoder.control.ControllerConfig`).
 
@@ -481,7 +484,8 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                 except Exception:  # noqa: BLE001 - a tap never fails the buffer
                     log.exception("sample_tap_failed")
             return writer.submit(sample)
-    decoder = SpeculativeDecoder(target, draft, tokenizer, decoder_config, sink=sink, pair_fingerprint=pair_fingerprint)
+    decoder = SpeculativeDecoder(target, draft, tokenizer, decoder_config, sink=sink, pair_fingerprint=pair_fingerprint,
+                                 engine=engine, draft_engine=draft_engine)
     manager = AdapterManager(decoder, registry, poll_interval_s=poll_interval_s) if registry is not None else None
     tracker = AcceptanceTracker(history, ShiftDetector(), flush_interval_s=history_flush_s)
     monitor = (RollbackMonitor(registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin)

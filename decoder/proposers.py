@@ -262,7 +262,11 @@ class NgramProposer:
 
 
 def crop_to(cache, length: int) -> None:
-    """Drop cached positions beyond ``length`` (transformers 5: ``crop(-n)`` removes n)."""
+    """Drop cached positions beyond ``length``: an engine sequence's ``truncate`` (see
+    :mod:`decoder.engine`), or a transformers cache (transformers 5: ``crop(-n)`` removes n)."""
+    if hasattr(cache, "truncate"):
+        cache.truncate(length)
+        return
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)

@@ -28,6 +28,7 @@ import structlog
 import torch
 from transformers import DynamicCache
 
+from decoder.engine import Engine, TorchEngine
 from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_linear
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
 from decoder.metrics import AcceptanceCounts, StepStats
@@ -149,6 +150,7 @@ class DecodeResult:
     sampling_bucket: str
     policy: str
     proposer: str = "draft"
+    engine: str = "torch"
     matches_plain: bool | None = None
     first_diff_index: int | None = None
 
@@ -173,6 +175,7 @@ class DecodeResult:
             "sampling": self.sampling_bucket,
             "policy": self.policy,
             "proposer": self.proposer,
+            "engine": self.engine,
             "adapter_version": self.adapter_version,
             "prompt_tokens": self.prompt_len,
             "output_tokens": len(self.output_ids),
@@ -279,6 +282,12 @@ class SpeculativeDecoder:
             ``SampleWriter.submit``, which never blocks); None disables streaming.
         pair_fingerprint: :class:`store.schema.PairFingerprint` put in each record.
         clock: monotonic clock in seconds (injected for tests).
+        engine: the target's :class:`decoder.engine.Engine` (default: a
+            :class:`decoder.engine.TorchEngine` over ``target``); e.g. a
+            :class:`decoder.engine.LlamaCppEngine` on the target's GGUF. ``target`` stays the
+            torch module of the same weights (its config and tokenizer; the trainer's teacher).
+        draft_engine: the draft on an engine of its own (the derived draft's GGUF on llama.cpp);
+            None: the draft proposes in torch (``draft``, through its serving copy).
     """
 
     def __init__(
@@ -290,6 +299,8 @@ class SpeculativeDecoder:
         sink: Callable[[Any], Any] | None = None,
         pair_fingerprint=None,
         clock: Callable[[], float] = time.perf_counter,
+        engine: Engine | None = None,
+        draft_engine: Engine | None = None,
     ):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.config = config or DecoderConfig()
@@ -303,8 +314,6 @@ class SpeculativeDecoder:
         self._lock = threading.Lock()
         self.between_requests: list[Callable[["SpeculativeDecoder", DecodeRequest | None], None]] = []
         self.device = next(target.parameters()).device
-        self.vocab_p = target.get_output_embeddings().weight.shape[0]
-        self.vocab_q = draft.get_output_embeddings().weight.shape[0]
         eos = set()
         for src in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
             if isinstance(src, int):
@@ -312,8 +321,18 @@ class SpeculativeDecoder:
             elif src:
                 eos.update(int(x) for x in src)
         self.eos_ids = frozenset(eos)
-        self._pad_one_row = self._choose_kernels()  # also for the FR-Spec head
-        self._target_head = small_m_head(target)  # the prompt's LM head in chunks (record_prompt)
+        self.engine = engine if engine is not None else TorchEngine(target, self.eos_ids)
+        self.draft_engine = draft_engine
+        self.vocab_p = self.engine.vocab_size
+        self.vocab_q = (draft_engine.vocab_size if draft_engine is not None
+                        else draft.get_output_embeddings().weight.shape[0])
+        torch_target = isinstance(self.engine, TorchEngine)
+        if not torch_target and self.engine.vocab_size != target.get_output_embeddings().weight.shape[0]:
+            raise ValueError(f"engine {self.engine.name} has a vocabulary of {self.engine.vocab_size} ids, the torch "
+                             f"target {target.get_output_embeddings().weight.shape[0]}: they must be the same model")
+        self._pad_one_row = self._choose_kernels(torch_target)  # also for the FR-Spec head
+        # the prompt's LM head in chunks (record_prompt); other engines return prompt logits in chunks
+        self._target_head = small_m_head(target) if torch_target else None
         self._build_proposal_model()
         self._draft_head_w = None
         if self.config.draft_vocab is not None:
@@ -323,10 +342,11 @@ class SpeculativeDecoder:
                                           self.config.ngram_history_tokens)
 
     # ---- construction phases --------------------------------------------------------------------
-    def _choose_kernels(self) -> bool:
+    def _choose_kernels(self, torch_target: bool = True) -> bool:
         """DecoderConfig.small_m_linear: time (under "auto") and switch both models' linear layers
-        to the small-M kernel where it wins; returns whether one row is padded to two."""
-        target, draft = self.target, self.draft
+        to the small-M kernel where it wins; returns whether one row is padded to two. A target on
+        another engine is left alone (the draft is timed and switched instead)."""
+        target, draft = (self.target, self.draft) if torch_target else (self.draft, self.draft)
         self.small_m_calibration: dict | None = None  # calibrate_small_m's result under "auto"
         use_small_m, pad_one_row = self.config.small_m_linear is True, False
         if self.config.small_m_linear == "auto" and self.device.type == "cpu":
@@ -337,7 +357,8 @@ class SpeculativeDecoder:
         if (use_small_m or pad_one_row) and self.device.type == "cpu":
             rows = SMALL_M if use_small_m else 1
             small_m_linear(target, max_rows=rows, pad_one_row=pad_one_row)
-            small_m_linear(draft, max_rows=rows, pad_one_row=pad_one_row)
+            if draft is not target:
+                small_m_linear(draft, max_rows=rows, pad_one_row=pad_one_row)
         return pad_one_row and self.device.type == "cpu"
 
     def _build_proposal_model(self) -> None:
@@ -378,6 +399,8 @@ class SpeculativeDecoder:
     def make_proposer(self, name: str, req: DecodeRequest) -> Proposer:
         """The proposer ``name`` (``"draft"`` or ``"ngram"``) for one request."""
         if name == "draft":
+            if self.draft_engine is not None:
+                return DraftModelProposer(self._engine_draft_logits, self.draft_engine.start)
             return DraftModelProposer(self._draft_logits, lambda: DynamicCache(config=self.draft.config))
         if name == "ngram":
             return NgramProposer(self.ngram_history, req.workload, self.vocab_p, self.device)
@@ -406,12 +429,19 @@ class SpeculativeDecoder:
             logits = logits[: self.vocab_p]
         return logits
 
-    def _target_logits(self, tokens: list[int], cache, keep: int) -> torch.Tensor:
-        """Target logits at the last ``keep`` fed positions: (keep, V_p). Through the model's own
-        LM head, so it takes the small-M kernel ``DecoderConfig.small_m_linear`` chose, as every
-        layer does."""
-        x = torch.tensor([tokens], device=self.device)
-        return self.target(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
+    def _engine_draft_logits(self, tokens: list[int], seq) -> torch.Tensor:
+        """Draft logits at the last fed position from the draft's engine, aligned to the target's
+        vocab: (V_p,)."""
+        logits = seq.forward(tokens, 1)[0]
+        if self.vocab_q < self.vocab_p:
+            logits = torch.cat([logits, logits.new_full((self.vocab_p - self.vocab_q,), float("-inf"))])
+        return logits[: self.vocab_p]
+
+    def _target_logits(self, tokens: list[int], seq, keep: int) -> torch.Tensor:
+        """Target logits at the last ``keep`` fed positions: (keep, V_p), from the target's engine
+        (on torch through the model's own LM head, so it takes the small-M kernel
+        ``DecoderConfig.small_m_linear`` chose, as every layer does)."""
+        return seq.forward(tokens, keep)
 
     def _prompt_topk(self, tokens: list[int], cache, k: int):
         """Prefill ``tokens`` into ``cache`` and return the target's top-k rows at every position:
@@ -419,10 +449,13 @@ class SpeculativeDecoder:
         rows at a time, so memory stays O(chunk x V) however long the prompt (a 4k-token prompt
         with a 49k vocabulary would otherwise hold 0.8 GB of logits); a model type without a known
         plain head falls back to transformers' full logits."""
-        if self._target_head is None:
-            return _topk_rows(self._target_logits(tokens, cache, len(tokens)), k)
+        if self._target_head is None:  # another engine, or an unknown head: logits chunk by chunk
+            parts = [_topk_rows(self._target_logits(tokens[i : i + _PROMPT_CHUNK], cache,
+                                                    len(tokens[i : i + _PROMPT_CHUNK])), k)
+                     for i in range(0, len(tokens), _PROMPT_CHUNK)]
+            return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
         x = torch.tensor([tokens], device=self.device)
-        h = self.target.get_decoder()(input_ids=x, cache=cache, use_cache=True).last_hidden_state[0]  # (P-1, H)
+        h = self.target.get_decoder()(input_ids=x, cache=cache.cache, use_cache=True).last_hidden_state[0]  # (P-1, H)
         parts = [_topk_rows(self._target_head(h[i : i + _PROMPT_CHUNK]), k) for i in range(0, h.shape[0], _PROMPT_CHUNK)]
         return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
 
@@ -474,7 +507,7 @@ class SpeculativeDecoder:
 
         ids = self._checked_prompt(req)
         prompt_len = len(ids)
-        tcache = DynamicCache(config=self.target.config)
+        tcache = self.engine.start()
         counts = AcceptanceCounts(num_requests=1)
         steps: list[StepStats] = []
         topk_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -560,7 +593,7 @@ class SpeculativeDecoder:
         bad = next((t for t in ids if not 0 <= t < self.vocab_p), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} outside the target's vocab 0..{self.vocab_p - 1}")
-        ctx = getattr(self.target.config, "max_position_embeddings", None)
+        ctx = self.engine.context_length
         if ctx and len(ids) + req.max_new_tokens > ctx:
             raise ValueError(
                 f"prompt of {len(ids)} tokens + max_new_tokens={req.max_new_tokens} exceeds the target's context "
@@ -593,6 +626,7 @@ class SpeculativeDecoder:
             sampling_bucket=req.params.bucket(),
             policy=policy.describe() if hasattr(policy, "describe") else type(policy).__name__,
             proposer=proposer,
+            engine=self.engine.name,
         )
 
     def _truncate(self, out: list[int], block: list[int], req: DecodeRequest) -> tuple[int, str | None]:

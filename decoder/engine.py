@@ -1,0 +1,405 @@
+"""Engines: what runs a model's forward passes for the decoder.
+
+An engine owns a model and its KV cache; the decoder asks it for one thing, over and over:
+*feed these new tokens after the cached ones and give me the logits (and, if asked, the final
+hidden states) at the last ``keep`` of them*, and, after verification, *forget every cached
+position beyond n*. Speculative sampling, acceptance accounting and the records stay in the
+decoder (:mod:`decoder.speculative`); only the forward passes move.
+
+- :class:`TorchEngine` (``"torch"``): a transformers causal LM (GPU, any hub id or local path;
+  on CPU, fp32 with the small-M kernels of :mod:`decoder.fastpath`).
+- :class:`LlamaCppEngine` (``"llamacpp"``): a GGUF file in llama.cpp through llama-cpp-python's
+  low-level bindings (``llama_decode`` with per-token output flags, ``llama_get_logits``,
+  ``llama_get_embeddings_ith``, ``llama_memory_seq_rm``), the engine CPU users already run.
+  LoRA adapters (GGUF, :func:`decoder.gguf_export.lora_to_gguf`) are set per context with
+  ``llama_set_adapters_lora`` (:meth:`LlamaCppEngine.set_lora`).
+
+``models.engine = auto | torch | llamacpp`` picks one (:func:`choose_engine`): ``auto`` takes
+llama.cpp for a GGUF target on CPU when llama-cpp-python is installed, and says why in
+:attr:`EngineChoice.reason` (the decoder puts the engine's name in every record).
+
+One sequence per engine at a time: the decoder serves requests one at a time under its lock,
+and :meth:`Engine.start` begins a request with an empty cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+ENGINES = ("auto", "torch", "llamacpp")
+
+
+class EngineError(RuntimeError):
+    """An engine cannot be built or run as asked; the message says what to change."""
+
+
+class Sequence(Protocol):
+    """One request's KV state inside an engine."""
+
+    length: int  # tokens in the cache
+
+    def forward(self, tokens: list[int], keep: int, hidden: bool = False):
+        """Append ``tokens`` (n >= 1) to the cache; return logits (keep, V) float32 at the last
+        ``keep`` <= n of them, and with ``hidden`` also their final hidden states (keep, H)
+        as a tuple (logits, hidden)."""
+
+    def truncate(self, length: int) -> None:
+        """Drop cached positions >= ``length`` (the verification's rejected tail)."""
+
+
+class Engine(Protocol):
+    name: str  # "torch" | "llamacpp"
+    vocab_size: int  # V: rows of the LM head
+    hidden_size: int  # H
+    context_length: int | None  # tokens the model attends over, None = unknown
+    eos_ids: frozenset[int]
+
+    def start(self) -> Sequence:
+        """A new request's sequence (empty cache)."""
+
+    def describe(self) -> dict:
+        """What runs, for records and status: engine, model, threads, dtype."""
+
+
+# ---- transformers --------------------------------------------------------------------------------
+class TorchSequence:
+    """A request's ``DynamicCache`` on a :class:`TorchEngine`."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        from transformers import DynamicCache
+
+        self.model, self.device = model, device
+        self.cache = DynamicCache(config=model.config)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def forward(self, tokens: list[int], keep: int, hidden: bool = False):
+        x = torch.tensor([tokens], device=self.device)
+        if not hidden:
+            return self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep).logits[0]
+        out = self.model(input_ids=x, cache=self.cache, use_cache=True, logits_to_keep=keep,
+                         output_hidden_states=True)
+        return out.logits[0], out.hidden_states[-1][0, -keep:]
+
+    def truncate(self, length: int) -> None:
+        extra = self.cache.get_seq_length() - length
+        if extra > 0:
+            self.cache.crop(-extra)  # transformers 5: crop(-n) removes n positions
+
+
+class TorchEngine:
+    """A transformers causal LM as an engine (the decoder's default, and every non-GGUF model).
+
+    model: a ``PreTrainedModel`` with ``logits_to_keep`` (Llama/Gemma/Qwen families)."""
+
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, eos_ids=()):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.hidden_size = int(getattr(model.config, "hidden_size", 0))
+        self.context_length = getattr(model.config, "max_position_embeddings", None)
+        self.eos_ids = frozenset(eos_ids)
+
+    def start(self) -> TorchSequence:
+        return TorchSequence(self.model, self.device)
+
+    def describe(self) -> dict:
+        p = next(self.model.parameters())
+        return {"engine": self.name, "model": getattr(self.model.config, "_name_or_path", "") or
+                type(self.model).__name__, "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
+                "threads": torch.get_num_threads()}
+
+
+# ---- llama.cpp -----------------------------------------------------------------------------------
+def llamacpp_available() -> bool:
+    """True when llama-cpp-python can be imported (it is a dependency; a broken build may lack it)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+_init_lock = threading.Lock()
+_initialised = False
+_log_cb = None  # the ctypes log callback must outlive every call into llama.cpp
+
+
+def _llama():
+    """llama-cpp-python's low-level bindings, initialised once, with llama.cpp's logging off
+    (``DRAFTD_LLAMA_LOG=1`` keeps it)."""
+    global _initialised, _log_cb
+    try:
+        import llama_cpp.llama_cpp as L
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise EngineError(f"the llama.cpp engine needs llama-cpp-python ({e}); run scripts/install, "
+                          f"or use --engine torch") from e
+    with _init_lock:
+        if not _initialised:
+            if os.environ.get("DRAFTD_LLAMA_LOG") != "1":
+                _log_cb = L.llama_log_callback(lambda level, text, data: None)
+                L.llama_log_set(_log_cb, None)
+            L.llama_backend_init()
+            _initialised = True
+    return L
+
+
+class LlamaCppSequence:
+    """A request's slot (sequence 0) in a :class:`LlamaCppEngine`'s context."""
+
+    def __init__(self, engine: "LlamaCppEngine"):
+        self.engine = engine
+        self.length = 0
+
+    def forward(self, tokens: list[int], keep: int, hidden: bool = False):
+        return self.engine._decode(self, tokens, keep, hidden)
+
+    def truncate(self, length: int) -> None:
+        if self.length > length:
+            e = self.engine
+            if not e.L.llama_memory_seq_rm(e.mem, 0, length, -1):
+                raise EngineError(f"llama.cpp could not drop positions >= {length} of the sequence")
+            self.length = length
+
+
+class LlamaCppEngine:
+    """A GGUF model in llama.cpp.
+
+    Args:
+        path: the GGUF file (the packaged target, or the derived draft of
+            :func:`decoder.gguf_export.derived_draft_gguf`).
+        n_ctx: KV-cache size in tokens (default: the model's training context, at most 8192).
+        threads: CPU threads for decode and batch (default: ``os.cpu_count()``).
+        n_batch: most tokens fed per ``llama_decode`` (longer inputs go in chunks).
+        embeddings: also extract final hidden states (llama.h: "extract embeddings (together with
+            logits)"); needed for ``forward(..., hidden=True)``.
+        flash_attn: llama.cpp's flash attention (on by default). Measured on the packaged GGUF:
+            with it on, a token's logits are bit-identical whether it is fed alone (plain decoding)
+            or inside a batch (verification), so greedy speculation equals plain greedy decoding
+            token for token; with it off, batched and one-token logits differ by up to 0.99 and
+            near-ties flip. It is also ~5-10 % faster per step here. The bench's peer
+            (``Llama(flash_attn=True)``) runs the same setting.
+
+    Raises:
+        EngineError: llama-cpp-python missing, or the file does not load.
+    """
+
+    name = "llamacpp"
+
+    def __init__(self, path: str | Path, n_ctx: int | None = None, threads: int | None = None,
+                 n_batch: int = 512, embeddings: bool = False, flash_attn: bool = True):
+        L = self.L = _llama()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise EngineError(f"GGUF file {str(path)!r} does not exist")
+        mp = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self.model:
+            raise EngineError(f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?)")
+        train_ctx = int(L.llama_model_n_ctx_train(self.model))
+        self.context_length = int(n_ctx or min(train_ctx, 8192))
+        self.threads = int(threads or os.cpu_count() or 1)
+        self.n_batch = int(n_batch)
+        self.embeddings = bool(embeddings)
+        cp = L.llama_context_default_params()
+        cp.n_ctx = self.context_length
+        cp.n_batch = cp.n_ubatch = self.n_batch
+        cp.n_seq_max = 1
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.embeddings = self.embeddings
+        cp.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token hidden states
+        cp.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise EngineError(f"llama.cpp could not create a context of {self.context_length} tokens for {path}")
+        self.mem = L.llama_get_memory(self.ctx)
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.vocab_size = int(L.llama_vocab_n_tokens(self.vocab))
+        self.hidden_size = int(L.llama_model_n_embd(self.model))
+        eos = {int(L.llama_vocab_eos(self.vocab)), int(L.llama_vocab_eot(self.vocab))}
+        self.eos_ids = frozenset(t for t in eos if t >= 0)
+        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self._loras: dict[str, object] = {}
+        self.lora: str | None = None  # the adapter key now set on the context
+        self._closed = False
+
+    def start(self) -> LlamaCppSequence:
+        self.L.llama_memory_clear(self.mem, True)
+        return LlamaCppSequence(self)
+
+    def _decode(self, seq: LlamaCppSequence, tokens: list[int], keep: int, hidden: bool):
+        L, n = self.L, len(tokens)
+        if n < 1 or not 1 <= keep <= n:
+            raise ValueError(f"forward: need 1 <= keep={keep} <= len(tokens)={n}")
+        if seq.length + n > self.context_length:
+            raise EngineError(f"{seq.length + n} tokens exceed the llama.cpp context of {self.context_length}: "
+                              f"shorten the request or raise models.n_ctx")
+        if hidden and not self.embeddings:
+            raise EngineError("hidden states need LlamaCppEngine(embeddings=True)")
+        rows, hs = [], []
+        for c0 in range(0, n, self.n_batch):  # chunks of n_batch; outputs only in the last `keep`
+            chunk = tokens[c0 : c0 + self.n_batch]
+            b = self._batch
+            b.n_tokens = len(chunk)
+            first_out = n - keep
+            outs = 0
+            for i, t in enumerate(chunk):
+                b.token[i] = int(t)
+                b.pos[i] = seq.length + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                out = c0 + i >= first_out
+                b.logits[i] = 1 if out else 0
+                outs += out
+            rc = L.llama_decode(self.ctx, b)
+            if rc != 0:
+                raise EngineError(f"llama_decode returned {rc} (1: no KV slot; <0: error) at position {seq.length}")
+            seq.length += len(chunk)
+            if outs:
+                rows.append(np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(outs, self.vocab_size)).copy())
+                if hidden:
+                    hs.append(np.stack([np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, j),
+                                                              shape=(self.hidden_size,)).copy() for j in range(outs)]))
+        logits = torch.from_numpy(rows[0] if len(rows) == 1 else np.concatenate(rows))
+        if hidden:
+            return logits, torch.from_numpy(np.concatenate(hs))
+        return logits
+
+    # ---- LoRA adapters (GGUF) ----------------------------------------------------------------
+    def load_lora(self, key: str, path: str | Path) -> None:
+        """Load a GGUF LoRA adapter under ``key`` (not yet applied). Raises EngineError."""
+        if key in self._loras:
+            return
+        ad = self.L.llama_adapter_lora_init(self.model, str(path).encode())
+        if not ad:
+            raise EngineError(f"llama.cpp refused the LoRA adapter {str(path)!r} for {self.path.name}")
+        self._loras[key] = ad
+
+    def set_lora(self, key: str | None, scale: float = 1.0) -> None:
+        """Apply the adapter ``key`` (None: none) to every following forward. Call between
+        requests only (the decoder's between-request hook)."""
+        L = self.L
+        if key is None:
+            rc = L.llama_set_adapters_lora(self.ctx, None, 0, None)
+        else:
+            arr = (L.llama_adapter_lora_p_ctypes * 1)(self._loras[key])
+            rc = L.llama_set_adapters_lora(self.ctx, arr, 1, (ctypes.c_float * 1)(scale))
+        if rc != 0:
+            raise EngineError(f"llama_set_adapters_lora({key!r}) returned {rc}")
+        self.lora = key
+
+    def drop_lora(self, key: str) -> None:
+        """Free an adapter that is not applied."""
+        if key == self.lora:
+            raise EngineError(f"adapter {key!r} is in use; set another first")
+        ad = self._loras.pop(key, None)
+        if ad:
+            self.L.llama_adapter_lora_free(ad)
+
+    @property
+    def loras(self) -> list[str]:
+        return list(self._loras)
+
+    def describe(self) -> dict:
+        return {"engine": self.name, "model": self.path.name, "device": "cpu", "threads": self.threads,
+                "n_ctx": self.context_length, "lora": self.lora}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        L = self.L
+        L.llama_batch_free(self._batch)
+        L.llama_free(self.ctx)
+        for ad in self._loras.values():
+            L.llama_adapter_lora_free(ad)
+        self._loras.clear()
+        L.llama_model_free(self.model)
+
+    def __del__(self):  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---- choosing one --------------------------------------------------------------------------------
+@dataclass
+class EngineChoice:
+    """The engine a decoder runs its target (and draft) on, and why."""
+
+    name: str  # "torch" | "llamacpp"
+    reason: str
+    target: Engine | None = None  # None: the decoder wraps its torch target itself
+    draft: Engine | None = None  # the draft on llama.cpp (the derived draft's GGUF), else None
+    extra: dict = field(default_factory=dict)
+
+
+def target_gguf(target: str) -> Path | None:
+    """The GGUF behind a target reference: a built-in name's packaged file, or a ``.gguf`` path;
+    None for anything else (a transformers directory or hub id)."""
+    from decoder.models import PACKAGED, packaged_gguf
+
+    if target in PACKAGED:
+        return packaged_gguf(target)
+    p = Path(target).expanduser()
+    return p if p.suffix == ".gguf" and p.is_file() else None
+
+
+def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "layers:0-3",
+                  threads: int | None = None, embeddings: bool = False) -> EngineChoice:
+    """Resolve ``models.engine`` for a target.
+
+    ``auto``: llama.cpp when the target is a GGUF (a built-in name or a ``.gguf`` path), the
+    device is the CPU and llama-cpp-python imports; torch otherwise. ``llamacpp`` insists (and
+    raises where it cannot); ``torch`` never builds a llama.cpp context. On llama.cpp a derived
+    draft (``layers:<spec>``) runs there too, from a GGUF of those blocks
+    (:func:`decoder.gguf_export.derived_draft_gguf`, written once and cached).
+
+    Raises:
+        EngineError: ``llamacpp`` asked for a non-GGUF target, a GPU device, or without
+            llama-cpp-python; an unknown choice.
+    """
+    if choice not in ENGINES:
+        raise EngineError(f"engine {choice!r}: use one of {ENGINES}")
+    if choice == "torch":
+        return EngineChoice("torch", "asked for (models.engine=torch)")
+    gguf = target_gguf(target)
+    why_not = None
+    if gguf is None:
+        why_not = f"target {target!r} is not a GGUF file"
+    elif device != "cpu":
+        why_not = f"device {device!r} (llama.cpp is used here for CPU serving only)"
+    elif not llamacpp_available():
+        why_not = "llama-cpp-python is not installed (scripts/install builds it)"
+    if why_not:
+        if choice == "llamacpp":
+            raise EngineError(f"--engine llamacpp: {why_not}; use --engine torch or auto")
+        return EngineChoice("torch", f"auto: {why_not}")
+    tgt = LlamaCppEngine(gguf, threads=threads, embeddings=embeddings)
+    dr = None
+    if draft.startswith("layers:"):
+        from decoder.gguf_export import derived_draft_gguf
+        from decoder.models import parse_layers
+
+        layers = parse_layers(draft.split(":", 1)[1], _block_count(tgt))
+        dr = LlamaCppEngine(derived_draft_gguf(gguf, layers), n_ctx=tgt.context_length, threads=threads)
+    elif draft == "self":  # its own context: one sequence per context
+        dr = LlamaCppEngine(gguf, n_ctx=tgt.context_length, threads=threads)
+    reason = ("asked for (models.engine=llamacpp)" if choice == "llamacpp"
+              else f"auto: GGUF target {gguf.name} on CPU, llama-cpp-python installed")
+    return EngineChoice("llamacpp", reason, tgt, dr, {"gguf": str(gguf)})
+
+
+def _block_count(engine: LlamaCppEngine) -> int:
+    return int(engine.L.llama_model_n_layer(engine.model))

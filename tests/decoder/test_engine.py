@@ -1,0 +1,147 @@
+"""The engine seam (decoder/engine.py): choosing one, the llama.cpp engine against llama-cpp-python's
+own high-level API on the packaged GGUF, and the decoder on it (greedy equals plain; T = 1 and
+T = 0.7 / top-p 0.9 first-token chi-square with a planted proposal, accepted and rejected)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from decoder.engine import EngineError, LlamaCppEngine, TorchEngine, choose_engine, llamacpp_available
+from decoder.sampling import SamplingParams, process_logits
+from decoder.speculative import DecodeRequest, SpeculativeDecoder
+from test_speculative import _chi2_crit_001, _chi_square
+
+needs_llamacpp = pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")
+
+
+def test_choose_engine_explains_auto_and_refuses_what_cannot_run(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    auto = choose_engine("auto", str(d))
+    assert auto.name == "torch" and "not a GGUF" in auto.reason and auto.target is None
+    assert choose_engine("torch", "smollm2-135m").reason.startswith("asked for")
+    with pytest.raises(EngineError, match="not a GGUF"):
+        choose_engine("llamacpp", "HuggingFaceTB/SmolLM2-135M")
+    with pytest.raises(EngineError, match="device 'cuda:0'"):
+        choose_engine("llamacpp", "smollm2-135m", device="cuda:0")
+    with pytest.raises(EngineError, match="use one of"):
+        choose_engine("vllm", "smollm2-135m")
+
+
+def test_torch_engine_truncate_replays_like_a_fresh_sequence(target):
+    eng = TorchEngine(target)
+    a = eng.start()
+    a.forward([1, 2, 3, 4], 1)
+    a.truncate(2)
+    assert a.length == 2
+    got = a.forward([7, 8], 2)
+    b = eng.start()
+    want = b.forward([1, 2, 7, 8], 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- the packaged GGUF on llama.cpp --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gguf():
+    from decoder.models import packaged_gguf
+
+    return packaged_gguf("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def engine(gguf):
+    if not llamacpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    e = LlamaCppEngine(gguf, n_ctx=512, threads=2)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def real(gguf):
+    from decoder.models import load_pair
+
+    return load_pair("smollm2-135m", "layers:0-3")
+
+
+PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_llamacpp_engine_logits_equal_llama_cpp_pythons_own(engine, gguf, real):
+    """Prefill + batched + one-token logits from our low-level calls against ``Llama.eval``'s
+    scores (llama-cpp-python's high-level path, logits_all) on the same file."""
+    from llama_cpp import Llama
+
+    ids = real.tokenizer(PROMPT)["input_ids"]
+    ref = Llama(model_path=str(gguf), n_ctx=512, n_threads=2, logits_all=True, flash_attn=True, verbose=False)
+    ref.eval(ids)
+    want = np.array(ref.scores[: len(ids)])  # (P, V): row j = logits after ids[: j + 1]
+    seq = engine.start()
+    first = seq.forward(ids[:-3], 1)  # prefill, last row only
+    block = seq.forward(ids[-3:], 3)  # a verification-shaped call: 3 rows
+    assert seq.length == len(ids)
+    assert first.shape == (1, engine.vocab_size) and block.shape == (3, engine.vocab_size)
+    # same argmax everywhere, logits within llama.cpp's batch-split noise
+    for got, row in ((first[0], len(ids) - 4), *((block[j], len(ids) - 3 + j) for j in range(3))):
+        assert int(got.argmax()) == int(np.argmax(want[row]))
+        assert float(np.abs(got.numpy() - want[row]).max()) < 1e-3  # the same kernels, the same settings
+    # truncate, then the same tokens again: the same logits as before
+    seq.truncate(len(ids) - 3)
+    again = seq.forward(ids[-3:], 3)
+    torch.testing.assert_close(again, block, rtol=0, atol=1e-4)
+    assert engine.eos_ids and all(0 <= t < engine.vocab_size for t in engine.eos_ids)
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_decoder_on_llamacpp_greedy_equals_plain_and_llama_cpps_own_greedy(engine, gguf, real):
+    from llama_cpp import Llama
+
+    dec = SpeculativeDecoder(real.target, real.draft, real.tokenizer, engine=engine)
+    ids = real.tokenizer(PROMPT)["input_ids"]
+    plain = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=0, ignore_eos=True))
+    spec = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=3, ignore_eos=True, proposer="ngram"))
+    assert plain.record()["engine"] == "llamacpp" and spec.proposer == "ngram"
+    assert spec.counts.num_draft_tokens > 0  # the prompt repeats itself: the n-gram proposer has matches
+    assert spec.output_ids == plain.output_ids
+    # plain greedy on our engine = argmax of llama-cpp-python's own logits at every step
+    ref = Llama(model_path=str(gguf), n_ctx=512, n_threads=2, logits_all=True, flash_attn=True, verbose=False)
+    ref.eval(ids + plain.output_ids[:-1])
+    scores = np.array(ref.scores[len(ids) - 1 : len(ids) - 1 + len(plain.output_ids)])
+    for j, t in enumerate(plain.output_ids):
+        top2 = np.sort(scores[j])[-2:]
+        if top2[1] - top2[0] > 0.05:  # above float noise: must be the argmax
+            assert t == int(np.argmax(scores[j])), j
+
+
+@needs_llamacpp
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["t1", "t0.7-p0.9"])
+def test_decoder_on_llamacpp_sampling_is_lossless_first_token_chi_square(engine, real, params):
+    """The first emitted token ~ p (from a fresh llama.cpp forward, processed like plain sampling),
+    with a one-hot proposal planted in the n-gram history: accepted with probability p(x),
+    else the residual; both paths exercised."""
+    dec = SpeculativeDecoder(real.target, real.draft, real.tokenizer, engine=engine)
+    ids = real.tokenizer("I went to the")["input_ids"]  # p(top) 0.15 at T = 1, 0.48 at T = 0.7 / top-p 0.9
+    seq = engine.start()
+    p = process_logits(seq.forward(ids, 1)[0], params)
+    top = int(p.argmax())
+    n, accepted = 600, 0
+    counts = torch.zeros_like(p)
+    for s in range(n):
+        dec.ngram_history.clear()
+        dec.ngram_history.add("w", ids[-4:] + [top, top])
+        r = dec.generate(DecodeRequest(ids, SamplingParams(params.temperature, params.top_p, seed=s), 2, gamma=1,
+                                       ignore_eos=True, workload="w", proposer="ngram"))
+        assert r.steps[0].proposed == 1
+        accepted += r.steps[0].accepted
+        counts[r.output_ids[0]] += 1
+    chi2, df = _chi_square(counts, p, n)
+    assert chi2 < _chi2_crit_001(max(df, 1)), (chi2, df)
+    pt = float(p[top])
+    assert abs(accepted / n - pt) < 4 * math.sqrt(pt * (1 - pt) / n) + 1e-9
+    assert 0 < accepted < n
