@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from decoder.metrics import AcceptanceCounts
-from decoder.sampling import SamplingParams, predicted_speedup
+from decoder.sampling import SamplingParams, expected_tokens_per_step, predicted_speedup
 from decoder.proposers import PROPOSERS
 from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
 from decoder.workloads import Prompt
@@ -283,9 +283,11 @@ def _top2_margin(decoder: SpeculativeDecoder, ids: list[int], plain_out: list[in
 
 @torch.inference_mode()
 def batched_vs_one_token(decoder: SpeculativeDecoder, ids: list[int], cont: list[int]) -> float:
-    """Largest |logit| difference between the target's logits for ``cont`` fed in one batch
-    (as verification does) and fed one token at a time (as plain decoding does), after the
-    prompt ``ids``: the float noise a greedy mismatch's top-2 margin is compared with."""
+    """Largest |logit| difference between the same positions' logits computed in batches of
+    other shapes: ``cont`` fed in one batch (as verification does) vs one token at a time (as
+    plain decoding does), after the prompt ``ids``; and the prompt's last position inside the
+    whole prompt's batch (as llama-cpp-python's generation computes it) vs fed alone after the
+    rest (as our decoder does). The float noise a greedy mismatch's top-2 margin is compared with."""
     if not cont:
         return 0.0
     ctx = list(ids) + list(cont)
@@ -296,7 +298,11 @@ def batched_vs_one_token(decoder: SpeculativeDecoder, ids: list[int], cont: list
     b = decoder.engine.start()
     b.forward(ctx[: len(ids) - 1], 1) if len(ids) > 1 else None
     one = torch.stack([b.forward([t], 1)[0].float() for t in ctx[len(ids) - 1 : len(ids) - 1 + n]])
-    return round(float((batched - one).abs().max()), 5)
+    diff = float((batched - one).abs().max())
+    if len(ids) > 1:
+        whole = decoder.engine.start().forward(list(ids), 1)[0].float()  # the prompt in one batch
+        diff = max(diff, float((whole - one[0]).abs().max()))
+    return round(diff, 5)
 
 
 def _rows(wl: str, sname: str, m: dict, gammas: list[int], cfg: BenchConfig) -> list[dict]:
@@ -322,9 +328,19 @@ def _rows(wl: str, sname: str, m: dict, gammas: list[int], cfg: BenchConfig) -> 
     for prop in cfg.proposers:
         for g in gammas:
             sg = m["spec"][(prop, g)]
-            c = sg["counts"].draft_ms_per_draft_token / plain_step_ms
-            row = _row(wl, sname, "spec", g, sg["counts"], sg["ms"], plain_tps, c)
+            sc = sg["counts"]
+            c = sc.draft_ms_per_draft_token / plain_step_ms
+            row = _row(wl, sname, "spec", g, sc, sg["ms"], plain_tps, c)
             row["proposer"] = prop
+            # what a verification step costs in plain steps (1 + per-token cost x proposals): the
+            # Leviathan prediction assumes 1; on a compute-bound CPU engine it grows with γ
+            v = (sc.verify_ms / sc.num_steps) / plain_step_ms if sc.num_steps and plain_step_ms else float("nan")
+            row["verify_cost_vs_plain_step"] = nan_none(v, 4)
+            row["mean_proposal_length"] = nan_none(sc.num_draft_tokens / sc.num_steps if sc.num_steps else float("nan"), 3)
+            a = sc.alpha
+            row["predicted_speedup_with_verify_cost"] = (
+                nan_none(expected_tokens_per_step(a, g) / (g * c + v), 4)
+                if not (math.isnan(a) or math.isnan(v) or math.isnan(c)) else None)
             row["speedup_per_prompt"] = [nan_none(x, 3) for x in sg["ratios"]]
             row["speedup_per_prompt_median"] = nan_none(statistics.median(sg["ratios"]), 3)
             if peer_tps:

@@ -145,3 +145,73 @@ def test_decoder_on_llamacpp_sampling_is_lossless_first_token_chi_square(engine,
     pt = float(p[top])
     assert abs(accepted / n - pt) < 4 * math.sqrt(pt * (1 - pt) / n) + 1e-9
     assert 0 < accepted < n
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_adapter_versions_hot_swap_on_the_llamacpp_draft(reg, tmp_path):
+    """A promoted peft LoRA is converted to GGUF, loaded on the draft's llama.cpp context and set
+    at the next request boundary: the record names the version, the draft's logits move by the
+    adapter's delta (as the torch draft's do), greedy output stays plain's; a rollback to v0
+    restores the base draft's logits exactly."""
+    from adapt_helpers import random_lora
+
+    from decoder.adapters import AdapterManager
+    from decoder.models import load_pair
+
+    pair = load_pair("smollm2-135m", "layers:0-3")  # its own copy: the manager injects peft layers in place
+    choice = choose_engine("llamacpp", "smollm2-135m", "cpu", "layers:0-3", threads=2)
+    assert choice.draft is not None and choice.draft.path.name.endswith("layers-0-3.gguf")
+    dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, engine=choice.target, draft_engine=choice.draft)
+    mods = ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.2.mlp.down_proj")
+    x = pair.tokenizer("The capital of France is")["input_ids"]
+
+    def draft_logits():  # (P, V): every position
+        return choice.draft.start().forward(x, len(x))
+
+    with torch.inference_mode():
+        torch_base = pair.draft(torch.tensor([x])).logits[0]
+    base = draft_logits()
+    v1 = reg.register(random_lora(pair.draft, tmp_path / "r1", scale=1.5, seed=3, r=4, modules=mods))
+    mgr = AdapterManager(dec, reg.registry)
+    ids = pair.tokenizer(PROMPT)["input_ids"]
+    plain = dec.generate(DecodeRequest(ids, SamplingParams(), 16, gamma=0, ignore_eos=True)).output_ids
+    reg.registry.promote(v1, "test")
+    mgr.poll_once()
+    r = dec.generate(DecodeRequest(ids, SamplingParams(), 16, gamma=2, ignore_eos=True, proposer="draft"))
+    assert r.adapter_version == v1 and choice.draft.lora == f"v{v1}"
+    assert r.output_ids == plain and r.counts.num_draft_tokens > 0
+    adapted = draft_logits()
+    with torch.inference_mode():
+        torch_adapted = pair.draft(torch.tensor([x])).logits[0]  # peft's v1 is active on the torch draft
+    d_llama, d_torch = (adapted - base).double().ravel(), (torch_adapted - torch_base).double().ravel()
+    assert float(d_torch.std()) > 1.0  # the adapter moves the logits well above llama.cpp's 8-bit noise (~0.05)
+    corr = float(torch.corrcoef(torch.stack([d_llama, d_torch]))[0, 1])
+    assert corr > 0.98, (corr, float(d_torch.std()))
+    reg.registry.rollback("test")
+    mgr.poll_once()
+    r0 = dec.generate(DecodeRequest(ids, SamplingParams(), 16, gamma=2, ignore_eos=True, proposer="draft"))
+    assert r0.adapter_version == 0 and choice.draft.lora is None and r0.output_ids == plain
+    torch.testing.assert_close(draft_logits(), base, rtol=0, atol=0)
+    assert len(mgr.pause_ms) == 2 and mgr.status()["pause_ms"]["p99"] is not None
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_bench_on_llamacpp_puts_llama_cpps_own_generation_beside_ours(engine, gguf, real):
+    from decoder.bench import BenchConfig, run_bench
+    from decoder.workloads import Prompt
+
+    dec = SpeculativeDecoder(real.target, real.draft, real.tokenizer, engine=engine)
+    res = run_bench(dec, [Prompt("prose", PROMPT)], BenchConfig(gammas=(2,), sampling=("greedy",), max_new_tokens=12,
+                                                                hf=False, proposers=("ngram",), llamacpp=str(gguf)))
+    rows = {(r["method"], r.get("proposer")): r for r in res["rows"]}
+    assert set(rows) == {("plain", None), ("llamacpp_plain", None), ("spec", "ngram")}
+    peer, plain, spec = rows[("llamacpp_plain", None)], rows[("plain", None)], rows[("spec", "ngram")]
+    assert peer["tokens"] == 12 and peer["tokens_per_s"] > 0 and peer["ours_plain_vs_peer_median"] > 0
+    assert peer["matches_ours_plain_share"] in (0.0, 1.0)
+    for m in peer["mismatches"]:  # our plain vs llama.cpp's: only ever at a near-tie
+        assert m["top2_margin"] is not None and m["top2_margin"] < 1.0
+    assert spec["matches_plain"] is True and spec["matches_plain_share"] == 1.0 and spec["mismatches"] == []
+    assert spec["verify_cost_vs_plain_step"] > 0 and plain["batched_vs_one_token_max_logit_diff"] is not None
+    assert res["kernels"]["engine"]["engine"] == "llamacpp"
