@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
     served_history = dec.ngram_history
     from decoder.proposers import NgramHistory
 
-    empty = NgramHistory(dec.config.ngram_max_n, dec.config.ngram_min_n, dec.config.ngram_history_tokens)
+    empty = NgramHistory(dec.config.ngram_max_n, dec.ngram_min_n, dec.config.ngram_history_tokens)
     rows, t_all = [], time.time()
     for wl in a.workloads.split(","):
         prompts = get_workload(wl, a.prompts + a.serve)

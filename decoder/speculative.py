@@ -226,6 +226,13 @@ class DecoderConfig:
         False, or "auto" deciding against it, leaves the models as they are, and a model an
         earlier decoder switched stays switched (``decoder.fastpath.plain_linear`` undoes it).
     ngram_max_n / ngram_min_n: longest and shortest context suffix the n-gram proposer matches.
+        ``ngram_min_n=None`` (default) takes it from the engine's verification cost: 1 on torch
+        (a verification of a few rows costs about one plain step there, so every match is worth
+        proposing), 2 on llama.cpp, whose CPU kernels make each extra verified row cost 0.4-0.8
+        of a plain step (measured on the packaged GGUF, 2 threads: 2 rows 1.74x, 5 rows 3.3x), so
+        only the likelier proposals pay: greedy acceptance per proposed token rose from
+        0.38-0.67 (1-token matches allowed) to 0.67-0.88 (n >= 2), and speculation from
+        0.81-0.92x to 0.95-1.05x of plain (bench/RESULTS.md).
     ngram_history_tokens: tokens of past requests the n-gram proposer indexes per workload.
     draft_precision: the dtype proposals are computed in. A separate, unquantised draft
         proposes through ``decoder.draft_weights.ServingDraft``, built at construction from the draft
@@ -245,7 +252,7 @@ class DecoderConfig:
     small_m_linear: bool | str = "auto"
     draft_precision: str = "auto"
     ngram_max_n: int = 4
-    ngram_min_n: int = 1
+    ngram_min_n: int | None = None
     ngram_history_tokens: int = 65536
 
     def __post_init__(self):
@@ -264,7 +271,7 @@ class DecoderConfig:
                                  f"ids; each id must appear once (build one with decoder.vocab.frequent_token_ids)")
         if self.small_m_linear not in (True, False, "auto"):
             raise ValueError(f"DecoderConfig.small_m_linear={self.small_m_linear!r}: use True, False or 'auto'")
-        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+        if self.ngram_min_n is not None and not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ValueError(f"DecoderConfig: need 1 <= ngram_min_n <= ngram_max_n (got {self.ngram_min_n}, "
                              f"{self.ngram_max_n})")
         if self.draft_precision not in PRECISIONS:
@@ -338,7 +345,8 @@ class SpeculativeDecoder:
         if self.config.draft_vocab is not None:
             self._restrict_draft_head(self.config.draft_vocab)
         # every finished request's tokens, per workload, for the n-gram proposer (fed whatever served it)
-        self.ngram_history = NgramHistory(self.config.ngram_max_n, self.config.ngram_min_n,
+        self.ngram_min_n = self.config.ngram_min_n or (1 if torch_target else min(2, self.config.ngram_max_n))
+        self.ngram_history = NgramHistory(self.config.ngram_max_n, self.ngram_min_n,
                                           self.config.ngram_history_tokens)
 
     # ---- construction phases --------------------------------------------------------------------

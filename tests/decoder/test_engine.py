@@ -30,6 +30,15 @@ def test_choose_engine_explains_auto_and_refuses_what_cannot_run(tmp_path):
         choose_engine("vllm", "smollm2-135m")
 
 
+def test_ngram_min_n_follows_the_engine_unless_set(target, other_draft, tok):
+    from decoder.speculative import DecoderConfig
+
+    assert SpeculativeDecoder(target, other_draft, tok).ngram_min_n == 1  # torch: every match is worth proposing
+    assert SpeculativeDecoder(target, other_draft, tok, DecoderConfig(ngram_min_n=3)).ngram_history.min_n == 3
+    with pytest.raises(ValueError, match="ngram_min_n"):
+        DecoderConfig(ngram_min_n=5, ngram_max_n=4)
+
+
 def test_torch_engine_truncate_replays_like_a_fresh_sequence(target):
     eng = TorchEngine(target)
     a = eng.start()
@@ -106,6 +115,7 @@ def test_decoder_on_llamacpp_greedy_equals_plain_and_llama_cpps_own_greedy(engin
     plain = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=0, ignore_eos=True))
     spec = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=3, ignore_eos=True, proposer="ngram"))
     assert plain.record()["engine"] == "llamacpp" and spec.proposer == "ngram"
+    assert dec.ngram_min_n == 2 and dec.ngram_history.min_n == 2  # llama.cpp: verified rows cost, match n >= 2
     assert spec.counts.num_draft_tokens > 0  # the prompt repeats itself: the n-gram proposer has matches
     assert spec.output_ids == plain.output_ids
     # plain greedy on our engine = argmax of llama-cpp-python's own logits at every step
