@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from decoder.metrics import AcceptanceCounts
-from decoder.sampling import SamplingParams, expected_tokens_per_step, predicted_speedup
+from decoder.sampling import SamplingParams, predicted_speedup
 from decoder.proposers import PROPOSERS
 from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
 from decoder.workloads import Prompt
@@ -337,10 +337,13 @@ def _rows(wl: str, sname: str, m: dict, gammas: list[int], cfg: BenchConfig) -> 
             v = (sc.verify_ms / sc.num_steps) / plain_step_ms if sc.num_steps and plain_step_ms else float("nan")
             row["verify_cost_vs_plain_step"] = nan_none(v, 4)
             row["mean_proposal_length"] = nan_none(sc.num_draft_tokens / sc.num_steps if sc.num_steps else float("nan"), 3)
-            a = sc.alpha
-            row["predicted_speedup_with_verify_cost"] = (
-                nan_none(expected_tokens_per_step(a, g) / (g * c + v), 4)
-                if not (math.isnan(a) or math.isnan(v) or math.isnan(c)) else None)
+            # the measured decomposition: tokens per step over (draft + verification) cost per
+            # step, in plain steps; Leviathan's prediction above assumes v = 1 and a proposal
+            # at every step
+            mpl = sc.num_draft_tokens / sc.num_steps if sc.num_steps else float("nan")
+            tau = sc.mean_accepted_length
+            row["speedup_from_measured_costs"] = (
+                nan_none(tau / (mpl * c + v), 4) if not any(math.isnan(x) for x in (tau, mpl, c, v)) else None)
             row["speedup_per_prompt"] = [nan_none(x, 3) for x in sg["ratios"]]
             row["speedup_per_prompt_median"] = nan_none(statistics.median(sg["ratios"]), 3)
             if peer_tps:
