@@ -56,6 +56,42 @@ DraftPrecisionOpt = Annotated[str, typer.Option(
     help="dtype of the draft's proposals: auto (bf16 where measured 10 % faster), fp32, bf16; lossless either way")]
 
 
+def apply_adapter(pair, choice, path: Path) -> str:
+    """Put a trained peft LoRA adapter (a registry artifact: adapter_config.json +
+    adapter_model.safetensors) on the draft that proposes: merged into the torch draft's weights,
+    or converted to a GGUF LoRA and set on the llama.cpp draft's context. Returns what it did.
+
+    Raises:
+        ValueError: the adapter does not fit the draft (names the field or tensor).
+    """
+    from decoder.adapters import AdapterError, check_compatible
+
+    try:
+        check_compatible(pair.draft, path)
+    except AdapterError as e:
+        raise ValueError(f"--adapter {str(path)!r}: {e}") from e
+    if choice is not None and choice.draft is not None and hasattr(choice.draft, "set_lora"):
+        from decoder.gguf_export import lora_gguf_cached
+        from decoder.models import cache_root
+
+        gguf = lora_gguf_cached(path, cache_root() / "gguf" / "lora", choice.draft.path)
+        choice.draft.load_lora("bench", gguf)
+        choice.draft.set_lora("bench")
+        return f"GGUF LoRA {gguf.name} set on the llama.cpp draft"
+    from peft import PeftModel
+
+    pair.draft = PeftModel.from_pretrained(pair.draft, str(path)).merge_and_unload()
+    return "merged into the torch draft"
+
+
+def _check_engine(engine: str) -> str:
+    from decoder.engine import ENGINES
+
+    if engine not in ENGINES:
+        raise ValueError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    return engine
+
+
 def _check_proposers(text: str) -> tuple[str, ...]:
     """``"ngram,draft"`` -> ``("ngram", "draft")``.
 
@@ -150,6 +186,7 @@ def generate(
         _check_precision(draft_precision)
         params = SamplingParams(temperature, top_p, top_k, seed)
         _check_proposers(proposer)
+        _check_engine(engine)
         pair, dv, choice = _load(target, draft, device, int8_draft, draft_vocab, engine)
         dec = _decoder(pair, dv, draft_precision, choice)
     except (ValueError, RuntimeError) as e:
@@ -193,6 +230,9 @@ def bench(
     draft_vocab: int = 0,
     draft_precision: DraftPrecisionOpt = "auto",
     out: Annotated[Path | None, typer.Option(help="also write the JSON here")] = None,
+    adapter: Annotated[Path | None, typer.Option(
+        help="a trained LoRA adapter directory (e.g. a registry artifact under the adapter dir) for the draft's "
+             "spec rows; with --draft-vocab N if it was trained on a restricted head (torch engine)")] = None,
 ):
     """Side-by-side sweep: ours (spec at each γ, plain) vs transformers (plain, assisted).
 
@@ -222,7 +262,14 @@ def bench(
                                  f"a JSONL file needs at least one row)")
             ps.extend(got)
         _check_precision(draft_precision)
+        _check_engine(engine)
+        if adapter is not None and not (adapter / "adapter_config.json").is_file():
+            raise ValueError(f"--adapter {str(adapter)!r}: no adapter_config.json there; pass a LoRA adapter "
+                             f"directory (a registry artifact, e.g. out/demo/adapters/<run>/v3)")
         pair, dv, choice = _load(target, draft, device, int8_draft, draft_vocab, engine)
+        adapter_note = apply_adapter(pair, choice, adapter) if adapter else None
+        if adapter_note:
+            err.log(f"adapter {adapter}: {adapter_note}")
         dec = _decoder(pair, dv, draft_precision, choice)
         if llamacpp_peer or (llamacpp_peer is None and choice.name == "llamacpp"):
             from decoder.engine import target_gguf
@@ -251,7 +298,8 @@ def bench(
                         "gammas": cfg.gammas, "sampling": cfg.sampling, "max_new_tokens": max_new_tokens,
                         "int8_draft": int8_draft, "draft_vocab": draft_vocab, "draft_precision": draft_precision,
                         "engine": choice.name, "engine_reason": choice.reason, "proposers": cfg.proposers,
-                        "llamacpp_peer": cfg.llamacpp}
+                        "llamacpp_peer": cfg.llamacpp, "adapter": str(adapter) if adapter else None,
+                        "adapter_applied": adapter_note}
     print_table(result, err)
     text = json.dumps(result, indent=1)
     print(text)

@@ -23,6 +23,8 @@ NOLOAD = ["--target", "/nonexistent/draftd-qa-model"]
         (["-p", "hi", "--temperature", "inf"], "--temperature inf"),
         (["-p", "hi", "--draft-vocab", "-5"], "--draft-vocab -5"),
         (["-p", "hi", "--draft-precision", "fp16"], "--draft-precision 'fp16': use one of auto, fp32, bf16"),
+        (["-p", "hi", "--engine", "gpu"], "--engine 'gpu'"),
+        (["-p", "hi", "--proposer", "eagle"], "use one or more of draft, ngram"),
     ],
 )
 def test_generate_rejects_bad_options_before_loading(args, needle):
@@ -40,6 +42,10 @@ def test_generate_rejects_bad_options_before_loading(args, needle):
         (["--prompts", "0"], "--prompts 0"),
         (["--max-new-tokens", "0"], "--max-new-tokens 0"),
         (["--draft-precision", "int4"], "--draft-precision 'int4'"),
+        (["--engine", "vllm"], "--engine 'vllm': use one of auto, torch, llamacpp"),
+        (["--proposers", "ngram,medusa"], "use one or more of draft, ngram"),
+        (["--proposers", "ngram,ngram"], "each once"),
+        (["--adapter", "/nonexistent/adapter"], "no adapter_config.json"),
     ],
 )
 def test_bench_rejects_bad_options_before_loading(args, needle):
