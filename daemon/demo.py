@@ -70,27 +70,18 @@ def _prompts(workload: str, n: int, skip: int = 0):
 
 
 def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
-    """Run the demo; returns the report (also written to ``cfg.out_dir/report.json``)."""
+    """Run the demo; returns the report (also written to ``cfg.out_dir/report.json``).
+
+    The phases, in order: the store, the model pair, the trainer, the serving loop behind its API,
+    the phases' traffic, the final adapter settled, the evaluation, the report. On the way out the
+    ExitStack closes them in reverse: the API server, the serving loop, the trainer, Redis.
+    """
     from contextlib import ExitStack
 
     import torch
-    from rich.live import Live
 
-    from daemon.redis_embed import open_redis
-    from daemon.settings import distill_config, draft_vocab_ids, store_config
-    from openai import OpenAI
-
-    from daemon.serve import InferenceService, ServeServer
-    from decoder.loop import LoopConfig, build_serving_loop
-    from decoder.models import derive_draft, load_pair
+    from decoder.models import derive_draft
     from decoder.sampling import SamplingParams
-    from decoder.shift import recovery_stats
-    from decoder.speculative import DecoderConfig
-    from store import AdapterRegistry, SampleReader
-    from store.buffer import group_info
-    from store.schema import PairFingerprint
-    from trainer.distill import Distiller
-    from trainer.service import ServiceConfig, TrainerService, is_heldout, split_key
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
@@ -99,143 +90,265 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     t_start = time.time()
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     with ExitStack() as stack:
-        rh = stack.enter_context(open_redis(settings.redis, settings.redis_dir))
-        console.log(f"redis: {rh.mode} {rh.url}")
-        scfg = store_config(settings)
-        # One fixed namespace, emptied at the start, so every demo starts from the untrained draft
-        # and `daemonctl status/history` can inspect the last run (see the hint printed at the end).
-        prefix = f"{scfg.key_prefix}demo:"
-        scfg = scfg.model_copy(update={"key_prefix": prefix})
-        _clear_prefix(rh.client, prefix)
-        client = rh.client
-        with console.status("loading the model pair (first run: GGUF conversion, ~30 s)"):
-            pair = load_pair(settings.models.target, settings.models.draft, progress=console.log)
-            from decoder.engine import choose_engine
-
-            m = settings.models  # the decoder's engine gets one core, the trainer the other (unless told)
-            engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1)
-        console.log(f"engine: {engines.name} ({engines.reason})")
-        layers = settings.models.draft.split(":", 1)[1] if settings.models.draft.startswith("layers:") else None
-        if layers is None:
-            raise ValueError(f"the demo trains a derived draft: set models.draft to 'layers:<spec>', not "
-                             f"{settings.models.draft!r}")
-        tok = pair.tokenizer
-        vocab = draft_vocab_ids(settings, tok)  # FR-Spec: trained and served alike (None = full vocabulary)
-        fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
-        console.log(f"pair: {pair.target_name} + {pair.draft_name} ({pair.load_seconds:.1f} s)")
-
-        reader = SampleReader(client, scfg, "trainer", "demo", expected_fingerprint=fp)
-        registry = AdapterRegistry(client, out_dir / "adapters" / run_id, scfg)
-
-        dcfg = distill_config(settings)
-        dcfg = dataclasses.replace(dcfg, max_steps=cfg.round_steps, max_seconds=cfg.round_seconds)
-        distiller = Distiller(derive_draft(pair.target, layers), dcfg, vocab=vocab)
-        svc = TrainerService(
-            reader, registry, distiller,
-            ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
-                          check_interval_s=2.0, max_samples_per_round=64, holdout_fraction=0.25,
-                          holdout_per_workload=24, min_eval_samples=3, promote_margin=0.005,
-                          regress_margin=0.05, replay_per_workload=64, replay_ratio=2.0, work_dir=str(out_dir / "work" / run_id)),
-            backlog=lambda: sum(g.lag or 0 for g in group_info(client, scfg) if g.name == "trainer"),
-        )
-        svc.start()
-        stack.callback(svc.stop)
-
-        heldout: dict[str, list] = {}  # the trainer's own held-out split, kept for the final table
-
-        def keep_heldout(sample) -> None:
-            if is_heldout(split_key(sample), svc.config.holdout_fraction):
-                heldout.setdefault(sample.workload, []).append(sample)
-
-        # The serving loop `daemonctl serve` runs (decoder, adapter manager, goodput controller over
-        # the n-gram and draft proposers, acceptance tracker, rollback monitor, sample writer), behind
-        # its OpenAI-compatible API on a free loopback port: the demo's traffic is a client's.
-        # record_prompt: each request also streams the target's distributions over its prompt
-        # (from the prefill it runs anyway), ~3x the trainer's data per request.
-        loop = build_serving_loop(
-            pair.target, pair.draft, tok, client=client, store_config=scfg, registry=registry,
-            decoder_config=DecoderConfig(topk_record=32, record_prompt=True, draft_vocab=vocab), pair_fingerprint=fp,
-            tap=keep_heldout, config=LoopConfig(rollback_per_workload=False), poll_interval_s=1.0,
-            rollback_min_requests=6, rollback_margin=0.15, proposers=tuple(cfg.proposers),
-            engine=engines.target, draft_engine=engines.draft)
-        loop.start()
-        stack.callback(loop.close)
-        decoder, manager, controller = loop.decoder, loop.manager, loop.controller
-        model_name = settings.models.target
-        service = InferenceService(loop, tok, model_name, context_len=getattr(pair.target.config, "max_position_embeddings", None))
-        server = stack.enter_context(ServeServer(service, "127.0.0.1", 0))
-        oai = OpenAI(base_url=f"{server.url}/v1", api_key="demo", max_retries=0, timeout=600)
-        console.log(f"serving on {server.url}/v1 (OpenAI API); proposers {', '.join(cfg.proposers)}")
-
-        phase_end_version: dict[str, int] = {}
+        store = _open_store(stack, settings, console)
+        models = _load_models(settings, console)
+        trainer = _start_trainer(stack, settings, cfg, store, models, out_dir, run_id)
+        loop, oai = _start_serving(stack, settings, cfg, store, models, trainer, console)
         params = SamplingParams()  # greedy: α per position = agreement with the target's argmax
-        timeline: list[dict] = []
-        shifts: list[dict] = []
-        n_eval = cfg.eval_prompts
-        t0 = time.time()
-        with Live(console=console, refresh_per_second=2, transient=False) as live:
-            for phase in cfg.phases:
-                shifts.append({"t": time.time() - t0, "request": len(timeline), "workload": phase})
-                prompts = _prompts(phase, 400, skip=n_eval)
-                end = time.time() + cfg.phase_seconds
-                i = 0
-                while time.time() < end:
-                    p = prompts[i % len(prompts)]
-                    i += 1
-                    alarms, rollbacks = len(loop.tracker.alarms), len(loop.monitor.decisions)
-                    t_req = time.perf_counter()
-                    resp = oai.completions.create(model=model_name, prompt=p.token_ids(tok)[-256:], temperature=0,
-                                                  max_tokens=cfg.max_new_tokens, extra_body={"workload": phase})
-                    wall_ms = (time.perf_counter() - t_req) * 1e3
-                    m = (resp.model_extra or {})["draftd"]
-                    rb = next((d for d in loop.monitor.decisions[rollbacks:] if d.rolled_back), None)
-                    timeline.append({
-                        "t": round(time.time() - t0, 2), "workload": phase, "adapter_version": m["adapter_version"],
-                        "gamma": m["gamma"], "proposer": m.get("proposer"),
-                        "alpha": m["alpha"], "tau": m["tau"], "acceptance_rate": m["acceptance_rate"],
-                        "tokens": m["output_tokens"], "latency_ms": m["latency_ms"], "http_ms": round(wall_ms, 1),
-                        "tokens_per_s": round(m["output_tokens"] / m["latency_ms"] * 1e3, 3) if m["latency_ms"] else None,
-                        "shift_alarm": len(loop.tracker.alarms) > alarms, "rollback": rb.reason if rb else None,
-                        "decision": m.get("why"),
-                    })
-                    live.update(_progress_table(timeline, phase, svc, manager, controller, (phase, params.bucket())))
-                phase_end_version[phase] = decoder.adapter_version
-        svc.stop()  # a running round finishes first
-        # A version promoted by that last round is swapped in now, and the watcher stopped, so the
-        # "final adapter" evaluated below is the one the decoder runs (no swap mid-evaluation).
-        latest = registry.active_version()
-        if latest != decoder.adapter_version:
-            manager.wait_prepared(latest, 60)
-        # The watcher thread briefly holds the model lock (eviction) and the switch never waits for
-        # it (a request must not block), so stop the watcher before the last switch.
-        manager.stop()
-        decoder.run_between_requests()
-        if decoder.adapter_version != latest:
-            console.log(f"[yellow]the last promoted adapter v{latest} could not be installed; evaluating "
-                        f"v{decoder.adapter_version}[/]")
-        manager.close()  # no hook left to swap during the evaluation
-        console.log(f"serving done (final adapter v{decoder.adapter_version}); evaluating frozen vs adapted drafts")
-        table = evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, frozen_draft=
-                                derive_draft(pair.target, layers), tok=tok, params=params, console=console,
-                                controller=controller)
+        traffic = _serve_phases(cfg, oai, loop, models.tok, settings.models.target, trainer.svc, params, console)
+        _finish_serving(trainer, loop, console)
+        table = evaluate_phases(cfg, trainer.heldout, traffic.phase_end_version, traffic.timeline, trainer.distiller,
+                                trainer.registry, loop.decoder, frozen_draft=derive_draft(models.pair.target, models.layers),
+                                tok=models.tok, params=params, console=console, controller=loop.controller)
         loop.tracker.flush()
-        report = {
-            "run_id": run_id, "key_prefix": prefix, "redis": rh.describe(), "pair": {"target": pair.target_name, "draft": pair.draft_name},
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()},
-            "seconds": round(time.time() - t_start, 1), "requests": len(timeline),
-            "active_adapter": decoder.adapter_version,
-            "adapters": [_adapter_row(r) for r in registry.list()],
-            "trainer": _jsonable(svc.status()), "swaps": manager.status(),
-            "rollbacks": [d.__dict__ for d in loop.monitor.decisions],
-            "shift_alarms": [a.__dict__ for a in loop.tracker.alarms], "shifts": shifts,
-            "serving": loop.status(), "ngram_history_tokens": decoder.ngram_history.status(),
-            "controller": _jsonable(controller.status()),
-            "phases": table, "recovery": recovery_stats(timeline, shifts), "timeline": timeline,
-        }
+        report = _report(cfg, run_id, t_start, store, models, trainer, loop, traffic, table)
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
-    plot_timeline(timeline, shifts, out_dir / "acceptance.png")
+    plot_timeline(traffic.timeline, traffic.shifts, out_dir / "acceptance.png")
     report["plot"] = str(out_dir / "acceptance.png")
     return report
+
+
+@dataclass
+class _Store:
+    """The demo's Redis (open for the run) and the store config under the demo's own key prefix."""
+
+    rh: Any  # daemon.redis_embed.RedisHandle
+    config: Any  # store.StoreConfig, key_prefix = prefix
+    prefix: str
+
+    @property
+    def client(self):
+        return self.rh.client
+
+
+@dataclass
+class _Models:
+    """The loaded pair, the engines it runs on, and what the trainer and the serving loop share."""
+
+    pair: Any  # decoder.models.ModelPair
+    engines: Any  # decoder.engine.EngineChoice
+    layers: str  # the derived draft's blocks (models.draft = 'layers:<spec>')
+    vocab: Any  # FR-Spec draft vocabulary ids (None = full vocabulary)
+    fp: Any  # store.schema.PairFingerprint
+
+    @property
+    def tok(self):
+        return self.pair.tokenizer
+
+
+@dataclass
+class _Trainer:
+    """The in-process trainer and the held-out split it leaves for the final table."""
+
+    registry: Any  # store.AdapterRegistry
+    distiller: Any  # trainer.distill.Distiller
+    svc: Any  # trainer.service.TrainerService
+    heldout: dict[str, list]  # workload -> served samples the trainer's split holds out
+    keep_heldout: Any  # the serving loop's tap that fills ``heldout``
+
+
+@dataclass
+class _Traffic:
+    """What serving the phases recorded."""
+
+    timeline: list[dict] = field(default_factory=list)  # a row per request
+    shifts: list[dict] = field(default_factory=list)  # where each phase began
+    phase_end_version: dict[str, int] = field(default_factory=dict)  # the adapter each phase ended on
+
+
+def _open_store(stack, settings, console) -> _Store:
+    """Redis (kept open on ``stack``), with the demo's key prefix emptied."""
+    from daemon.redis_embed import open_redis
+    from daemon.settings import store_config
+
+    rh = stack.enter_context(open_redis(settings.redis, settings.redis_dir))
+    console.log(f"redis: {rh.mode} {rh.url}")
+    scfg = store_config(settings)
+    # One fixed namespace, emptied at the start, so every demo starts from the untrained draft
+    # and `daemonctl status/history` can inspect the last run (see the hint printed at the end).
+    prefix = f"{scfg.key_prefix}demo:"
+    scfg = scfg.model_copy(update={"key_prefix": prefix})
+    _clear_prefix(rh.client, prefix)
+    return _Store(rh, scfg, prefix)
+
+
+def _load_models(settings, console) -> _Models:
+    """The configured pair (converted and cached on first use) and the engines it runs on."""
+    from daemon.settings import draft_vocab_ids
+    from decoder.models import load_pair
+    from store.schema import PairFingerprint
+
+    with console.status("loading the model pair (first run: GGUF conversion, ~30 s)"):
+        pair = load_pair(settings.models.target, settings.models.draft, progress=console.log)
+        from decoder.engine import choose_engine
+
+        m = settings.models  # the decoder's engine gets one core, the trainer the other (unless told)
+        engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1)
+    console.log(f"engine: {engines.name} ({engines.reason})")
+    layers = settings.models.draft.split(":", 1)[1] if settings.models.draft.startswith("layers:") else None
+    if layers is None:
+        raise ValueError(f"the demo trains a derived draft: set models.draft to 'layers:<spec>', not "
+                         f"{settings.models.draft!r}")
+    tok = pair.tokenizer
+    vocab = draft_vocab_ids(settings, tok)  # FR-Spec: trained and served alike (None = full vocabulary)
+    fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
+    console.log(f"pair: {pair.target_name} + {pair.draft_name} ({pair.load_seconds:.1f} s)")
+    return _Models(pair, engines, layers, vocab, fp)
+
+
+def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Models, out_dir: Path,
+                   run_id: str) -> _Trainer:
+    """The TrainerService on a second, private copy of the derived draft, started (stopped by ``stack``)."""
+    from daemon.settings import distill_config
+    from decoder.models import derive_draft
+    from store import AdapterRegistry, SampleReader
+    from store.buffer import group_info
+    from trainer.distill import Distiller
+    from trainer.service import ServiceConfig, TrainerService, is_heldout, split_key
+
+    client, scfg = store.client, store.config
+    reader = SampleReader(client, scfg, "trainer", "demo", expected_fingerprint=models.fp)
+    registry = AdapterRegistry(client, out_dir / "adapters" / run_id, scfg)
+
+    dcfg = distill_config(settings)
+    dcfg = dataclasses.replace(dcfg, max_steps=cfg.round_steps, max_seconds=cfg.round_seconds)
+    distiller = Distiller(derive_draft(models.pair.target, models.layers), dcfg, vocab=models.vocab)
+    svc = TrainerService(
+        reader, registry, distiller,
+        ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
+                      check_interval_s=2.0, max_samples_per_round=64, holdout_fraction=0.25,
+                      holdout_per_workload=24, min_eval_samples=3, promote_margin=0.005,
+                      regress_margin=0.05, replay_per_workload=64, replay_ratio=2.0, work_dir=str(out_dir / "work" / run_id)),
+        backlog=lambda: sum(g.lag or 0 for g in group_info(client, scfg) if g.name == "trainer"),
+    )
+    svc.start()
+    stack.callback(svc.stop)
+
+    heldout: dict[str, list] = {}  # the trainer's own held-out split, kept for the final table
+
+    def keep_heldout(sample) -> None:
+        if is_heldout(split_key(sample), svc.config.holdout_fraction):
+            heldout.setdefault(sample.workload, []).append(sample)
+
+    return _Trainer(registry, distiller, svc, heldout, keep_heldout)
+
+
+def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Models, trainer: _Trainer, console):
+    """The serving loop, started, behind its API server; returns the loop and an OpenAI client of it
+    (``stack`` closes the server, then the loop)."""
+    from openai import OpenAI
+
+    from daemon.serve import InferenceService, ServeServer
+    from decoder.loop import LoopConfig, build_serving_loop
+    from decoder.speculative import DecoderConfig
+
+    pair, tok, vocab = models.pair, models.tok, models.vocab
+    # The serving loop `daemonctl serve` runs (decoder, adapter manager, goodput controller over
+    # the n-gram and draft proposers, acceptance tracker, rollback monitor, sample writer), behind
+    # its OpenAI-compatible API on a free loopback port: the demo's traffic is a client's.
+    # record_prompt: each request also streams the target's distributions over its prompt
+    # (from the prefill it runs anyway), ~3x the trainer's data per request.
+    loop = build_serving_loop(
+        pair.target, pair.draft, tok, client=store.client, store_config=store.config, registry=trainer.registry,
+        decoder_config=DecoderConfig(topk_record=32, record_prompt=True, draft_vocab=vocab), pair_fingerprint=models.fp,
+        tap=trainer.keep_heldout, config=LoopConfig(rollback_per_workload=False), poll_interval_s=1.0,
+        rollback_min_requests=6, rollback_margin=0.15, proposers=tuple(cfg.proposers),
+        engine=models.engines.target, draft_engine=models.engines.draft)
+    loop.start()
+    stack.callback(loop.close)
+    model_name = settings.models.target
+    service = InferenceService(loop, tok, model_name, context_len=getattr(pair.target.config, "max_position_embeddings", None))
+    server = stack.enter_context(ServeServer(service, "127.0.0.1", 0))
+    oai = OpenAI(base_url=f"{server.url}/v1", api_key="demo", max_retries=0, timeout=600)
+    console.log(f"serving on {server.url}/v1 (OpenAI API); proposers {', '.join(cfg.proposers)}")
+    return loop, oai
+
+
+def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params, console) -> _Traffic:
+    """Each phase's workload for ``cfg.phase_seconds``, a request at a time through the API (its
+    first ``eval_prompts`` prompts kept back for the evaluation), the live table after each."""
+    from rich.live import Live
+
+    traffic = _Traffic()
+    timeline, shifts = traffic.timeline, traffic.shifts
+    t0 = time.time()
+    with Live(console=console, refresh_per_second=2, transient=False) as live:
+        for phase in cfg.phases:
+            shifts.append({"t": time.time() - t0, "request": len(timeline), "workload": phase})
+            prompts = _prompts(phase, 400, skip=cfg.eval_prompts)
+            end = time.time() + cfg.phase_seconds
+            i = 0
+            while time.time() < end:
+                p = prompts[i % len(prompts)]
+                i += 1
+                timeline.append(_serve_one(oai, loop, tok, model_name, phase, p, cfg.max_new_tokens, t0))
+                live.update(_progress_table(timeline, phase, svc, loop.manager, loop.controller, (phase, params.bucket())))
+            traffic.phase_end_version[phase] = loop.decoder.adapter_version
+    return traffic
+
+
+def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: int, t0: float) -> dict:
+    """One greedy completion of prompt ``p`` through the API; its timeline row (draftd's metrics
+    for the request, and whether a shift alarm or a rollback came with it)."""
+    alarms, rollbacks = len(loop.tracker.alarms), len(loop.monitor.decisions)
+    t_req = time.perf_counter()
+    resp = oai.completions.create(model=model_name, prompt=p.token_ids(tok)[-256:], temperature=0,
+                                  max_tokens=max_new_tokens, extra_body={"workload": phase})
+    wall_ms = (time.perf_counter() - t_req) * 1e3
+    m = (resp.model_extra or {})["draftd"]
+    rb = next((d for d in loop.monitor.decisions[rollbacks:] if d.rolled_back), None)
+    return {
+        "t": round(time.time() - t0, 2), "workload": phase, "adapter_version": m["adapter_version"],
+        "gamma": m["gamma"], "proposer": m.get("proposer"),
+        "alpha": m["alpha"], "tau": m["tau"], "acceptance_rate": m["acceptance_rate"],
+        "tokens": m["output_tokens"], "latency_ms": m["latency_ms"], "http_ms": round(wall_ms, 1),
+        "tokens_per_s": round(m["output_tokens"] / m["latency_ms"] * 1e3, 3) if m["latency_ms"] else None,
+        "shift_alarm": len(loop.tracker.alarms) > alarms, "rollback": rb.reason if rb else None,
+        "decision": m.get("why"),
+    }
+
+
+def _finish_serving(trainer: _Trainer, loop, console) -> None:
+    """Stop the trainer and the adapter manager with the last promoted adapter installed, so the
+    decoder runs one fixed adapter through the evaluation."""
+    decoder, manager = loop.decoder, loop.manager
+    trainer.svc.stop()  # a running round finishes first
+    # A version promoted by that last round is swapped in now, and the watcher stopped, so the
+    # "final adapter" evaluated below is the one the decoder runs (no swap mid-evaluation).
+    latest = trainer.registry.active_version()
+    if latest != decoder.adapter_version:
+        manager.wait_prepared(latest, 60)
+    # The watcher thread briefly holds the model lock (eviction) and the switch never waits for
+    # it (a request must not block), so stop the watcher before the last switch.
+    manager.stop()
+    decoder.run_between_requests()
+    if decoder.adapter_version != latest:
+        console.log(f"[yellow]the last promoted adapter v{latest} could not be installed; evaluating "
+                    f"v{decoder.adapter_version}[/]")
+    manager.close()  # no hook left to swap during the evaluation
+    console.log(f"serving done (final adapter v{decoder.adapter_version}); evaluating frozen vs adapted drafts")
+
+
+def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models: _Models, trainer: _Trainer, loop,
+            traffic: _Traffic, table: list[dict]) -> dict[str, Any]:
+    """The run's report (before the plot's path is added)."""
+    from decoder.shift import recovery_stats
+
+    pair, decoder, controller = models.pair, loop.decoder, loop.controller
+    timeline, shifts = traffic.timeline, traffic.shifts
+    return {
+        "run_id": run_id, "key_prefix": store.prefix, "redis": store.rh.describe(), "pair": {"target": pair.target_name, "draft": pair.draft_name},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()},
+        "seconds": round(time.time() - t_start, 1), "requests": len(timeline),
+        "active_adapter": decoder.adapter_version,
+        "adapters": [_adapter_row(r) for r in trainer.registry.list()],
+        "trainer": _jsonable(trainer.svc.status()), "swaps": loop.manager.status(),
+        "rollbacks": [d.__dict__ for d in loop.monitor.decisions],
+        "shift_alarms": [a.__dict__ for a in loop.tracker.alarms], "shifts": shifts,
+        "serving": loop.status(), "ngram_history_tokens": decoder.ngram_history.status(),
+        "controller": _jsonable(controller.status()),
+        "phases": table, "recovery": recovery_stats(timeline, shifts), "timeline": timeline,
+    }
 
 
 def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, frozen_draft, tok,
