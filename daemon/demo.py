@@ -40,7 +40,7 @@ from store.jsonsafe import jsonable as _jsonable, nan_none
 
 @dataclass
 class DemoConfig:
-    """Sizes of the demo. ``quick`` fits ~7.5 minutes on 2 cores (phases are time-bounded, so a slower host serves fewer requests), the default ~20."""
+    """Sizes of the demo. ``quick`` fits ~6.5 minutes on 2 cores (phases are time-bounded, so a slower host serves fewer requests), the default ~20."""
 
     phases: tuple[str, ...] = ("prose", "code", "math")
     phase_seconds: float = 255.0  # serving time per phase (3 x 255 s + evaluation: ~19 min on 2 cores)
@@ -609,14 +609,14 @@ def register(app) -> None:
 
     @app.command("demo")
     def demo(
-        quick: Annotated[bool, typer.Option(help="a ~6-minute run (75 s per phase)")] = False,
+        quick: Annotated[bool, typer.Option(help="a ~6.5-minute run (75 s per phase)")] = False,
         phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase (overrides the preset)")] = None,
         out: Annotated[Path, typer.Option(help="directory for report.json and acceptance.png")] = Path("out/demo"),
         config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")] = None,
     ) -> None:
         """The main job: serve a shifting workload (prose -> code -> math) while the trainer adapts
         the draft in the background; live progress, then a frozen-vs-adapted table per phase and a
-        PNG of acceptance over time. --quick takes about 7.5 minutes on 2 cores, the default about 20."""
+        PNG of acceptance over time. --quick takes about 6.5 minutes on 2 cores, the default about 20."""
         from daemon.logging import configure
         from daemon.settings import ConfigError, load_settings
 
