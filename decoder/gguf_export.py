@@ -23,6 +23,7 @@ hashes the adapter: 8 ms for a rank-16 all-linear adapter of the 4-layer draft (
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -152,6 +153,26 @@ def _tmp_path(out: Path) -> Path:
     return Path(tmp)
 
 
+@contextlib.contextmanager
+def _atomic_writer(out: Path, arch: str, **kw):
+    """A ``gguf.GGUFWriter`` on a temp file beside ``out``, renamed onto ``out`` when the block
+    ends (closed and deleted instead if it raises): concurrent callers never see a partial file."""
+    import gguf
+
+    tmp = _tmp_path(out)
+    writer = None
+    try:
+        writer = gguf.GGUFWriter(tmp, arch, **kw)
+        yield writer
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 # ---- derived draft ---------------------------------------------------------------------------
 
 
@@ -220,10 +241,7 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
             blocks[new].append((f"blk.{new}.{m.group(2)}", t))
     tensors = plain + [x for blk in blocks for x in blk]
 
-    tmp = _tmp_path(out)
-    writer = None
-    try:
-        writer = gguf.GGUFWriter(tmp, arch, endianess=reader.endianess)
+    with _atomic_writer(out, arch, endianess=reader.endianess) as writer:
         writer.data_alignment = reader.alignment
         for field in reader.fields.values():
             if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
@@ -242,13 +260,6 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
         writer.write_ti_data_to_file()
         for _, t in tensors:
             writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        if writer is not None:
-            writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return out
 
 
@@ -453,10 +464,7 @@ def lora_to_gguf(adapter_dir: Path, out: Path, base_gguf: Path) -> Path:
         written.append((base + ".lora_b", np.ascontiguousarray(B, dtype=np.float32)))
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(out)
-    writer = None
-    try:
-        writer = gguf.GGUFWriter(tmp, arch)
+    with _atomic_writer(out, arch) as writer:
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
@@ -468,13 +476,6 @@ def lora_to_gguf(adapter_dir: Path, out: Path, base_gguf: Path) -> Path:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        if writer is not None:
-            writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     return out
 
 

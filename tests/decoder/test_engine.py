@@ -2,7 +2,6 @@
 own high-level API on the packaged GGUF, and the decoder on it (greedy equals plain; T = 1 and
 T = 0.7 / top-p 0.9 first-token chi-square with a planted proposal, accepted and rejected)."""
 
-import math
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import torch
 from decoder.engine import EngineError, LlamaCppEngine, TorchEngine, choose_engine, llamacpp_available
 from decoder.sampling import SamplingParams, process_logits
 from decoder.speculative import DecodeRequest, SpeculativeDecoder
-from test_speculative import _chi2_crit_001, _chi_square
+from test_proposers import assert_planted_first_token_is_lossless
 
 needs_llamacpp = pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")
 
@@ -139,22 +138,7 @@ def test_decoder_on_llamacpp_sampling_is_lossless_first_token_chi_square(engine,
     ids = real.tokenizer("I went to the")["input_ids"]  # p(top) 0.15 at T = 1, 0.48 at T = 0.7 / top-p 0.9
     seq = engine.start()
     p = process_logits(seq.forward(ids, 1)[0], params)
-    top = int(p.argmax())
-    n, accepted = 600, 0
-    counts = torch.zeros_like(p)
-    for s in range(n):
-        dec.ngram_history.clear()
-        dec.ngram_history.add("w", ids[-4:] + [top, top])
-        r = dec.generate(DecodeRequest(ids, SamplingParams(params.temperature, params.top_p, seed=s), 2, gamma=1,
-                                       ignore_eos=True, workload="w", proposer="ngram"))
-        assert r.steps[0].proposed == 1
-        accepted += r.steps[0].accepted
-        counts[r.output_ids[0]] += 1
-    chi2, df = _chi_square(counts, p, n)
-    assert chi2 < _chi2_crit_001(max(df, 1)), (chi2, df)
-    pt = float(p[top])
-    assert abs(accepted / n - pt) < 4 * math.sqrt(pt * (1 - pt) / n) + 1e-9
-    assert 0 < accepted < n
+    assert_planted_first_token_is_lossless(dec, ids, p, params)
 
 
 @needs_llamacpp

@@ -89,21 +89,29 @@ def test_ngram_sampling_is_lossless_first_token_chi_square(target, other_draft, 
     params = SamplingParams(1.0)
     with torch.inference_mode():
         p = process_logits(target(input_ids=torch.tensor([ids])).logits[0, -1], params)
+    assert_planted_first_token_is_lossless(dec, ids, p, params)
+
+
+def assert_planted_first_token_is_lossless(dec, ids, p, params, n: int = 600):
+    """Plant the target's argmax x as the n-gram proposal (history clear, then ids[-4:] + [x, x])
+    and decode the first token ``n`` times at ``params`` (seeds 0..n-1): its counts must fit p
+    (chi-square, 0.1 %), x must be accepted with probability p(x) (4 sigma), and both the accepted
+    and the rejected path must occur."""
     top = int(p.argmax())
-    n, accepted = 600, 0
+    accepted = 0
     counts = torch.zeros_like(p)
     for s in range(n):
         dec.ngram_history.clear()
         dec.ngram_history.add("w", ids[-4:] + [top, top])
-        r = dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=s), max_new_tokens=2, gamma=1, ignore_eos=True,
-                                       workload="w", proposer="ngram"))
+        r = dec.generate(DecodeRequest(ids, SamplingParams(params.temperature, params.top_p, params.top_k, seed=s),
+                                       max_new_tokens=2, gamma=1, ignore_eos=True, workload="w", proposer="ngram"))
         assert r.steps[0].proposed == 1
         accepted += r.steps[0].accepted
         counts[r.output_ids[0]] += 1
     chi2, df = _chi_square(counts, p, n)
     assert chi2 < _chi2_crit_001(max(df, 1)), (chi2, df)
-    # acceptance of a one-hot proposal x has probability p(x)
-    assert abs(accepted / n - float(p[top])) < 4 * math.sqrt(float(p[top]) * (1 - float(p[top])) / n) + 1e-9
+    pt = float(p[top])  # acceptance of a one-hot proposal x has probability p(x)
+    assert abs(accepted / n - pt) < 4 * math.sqrt(pt * (1 - pt) / n) + 1e-9
     assert 0 < accepted < n  # both paths exercised
 
 
