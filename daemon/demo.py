@@ -425,7 +425,9 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                              "tokens_per_s": round(c.num_emitted_tokens / ms * 1e3, 3)}
             for name in ("frozen", "adapted_draft", "adapted"):
                 row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
-            row["alpha_gain"] = _nn((row["adapted"]["alpha"] or 0) - (row["frozen"]["alpha"] or 0))
+            # what training bought the draft: the adapted draft's α over the frozen v0's (the pick may be
+            # plain decoding, whose α is None, or the n-gram proposer, which is not trained)
+            row["alpha_gain"] = _nn((row["adapted_draft"]["alpha"] or 0) - (row["frozen"]["alpha"] or 0))
             served = [r for r in timeline if r["workload"] == phase]
             third = max(1, len(served) // 3)
             for label, part in (("live_first_third", served[:third]), ("live_last_third", served[-third:])):

@@ -395,10 +395,23 @@ def summarize(rows: list[dict]) -> list[dict]:
         hf_plain = get.get(("hf_plain", 0))
         ratios = [r["tokens_per_s"] / get[("hf_assisted", r["gamma"])]["tokens_per_s"]
                   for r in spec if ("hf_assisted", r["gamma"]) in get]
-        # Speculation can only pay when a step emits more than one token (τ > 1); a faster row with
-        # τ == 1 is timing noise, not a gain.
-        speculate = bool(best and plain and best["tokens_per_s"] > plain["tokens_per_s"]
-                         and (best["tau"] or 1.0) > 1.0)
+        # Speculation can only pay when a step emits more than one token (τ > 1), and only up to
+        # Leviathan's prediction (it prices a verification at one plain step, the least it costs):
+        # a faster row beyond either bound is timing noise (a plain row slowed by the host), not a gain.
+        faster = bool(best and plain and best["tokens_per_s"] > plain["tokens_per_s"])
+        tau_ok = bool(best and (best["tau"] or 1.0) > 1.0)
+        pred = best.get("predicted_speedup") if best else None
+        pred_ok = pred is None or pred > 1.0
+        speculate = faster and tau_ok and pred_ok
+        if not (best and plain):
+            why = "no spec rows"
+        else:
+            why = (f"γ={best['gamma']} emits {best['tokens_per_s']:.2f} tok/s vs plain {plain['tokens_per_s']:.2f}"
+                   f" (α={best['alpha']}, c={best['c']})")
+            if faster and not tau_ok:
+                why += "; but τ = 1 (no proposal accepted): timing noise, off"
+            elif faster and not pred_ok:
+                why += f"; but Leviathan's bound is {pred:.2f}x < 1: timing noise, off"
         out.append({
             "workload": wl, "sampling": s,
             "plain_tokens_per_s": plain and plain["tokens_per_s"],
@@ -408,8 +421,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             if plain and hf_plain else None,
             "ours_spec_vs_hf_assisted_median": round(statistics.median(ratios), 3) if ratios else None,
             "speculate": speculate,
-            "why": (f"γ={best['gamma']} emits {best['tokens_per_s']:.2f} tok/s vs plain {plain['tokens_per_s']:.2f}"
-                    f" (α={best['alpha']}, c={best['c']})") if best and plain else "no spec rows",
+            "why": why,
         })
     return out
 

@@ -24,7 +24,27 @@ def test_bench_rows_and_summary(target, tok):
     assert all(r["tokens"] == 6 for r in rows)  # every method decodes exactly max_new_tokens
     assert spec["speedup_vs_plain"] == pytest.approx(spec["tokens_per_s"] / rows[0]["tokens_per_s"], rel=1e-2)
     s = {x["workload"]: x for x in res["summary"]}
-    assert s["a"]["best_gamma"] == 2 and s["a"]["speculate"] == (spec["tokens_per_s"] > rows[0]["tokens_per_s"])
+    assert s["a"]["best_gamma"] == 2
+    assert s["a"]["speculate"] == (spec["tokens_per_s"] > rows[0]["tokens_per_s"] and spec["predicted_speedup"] > 1)
+
+
+def _rows(plain_tps, spec_tps, tau, pred):
+    return [{"workload": "w", "sampling": "greedy", "method": "plain", "gamma": 0, "tokens_per_s": plain_tps, "tau": 1.0},
+            {"workload": "w", "sampling": "greedy", "method": "spec", "gamma": 2, "tokens_per_s": spec_tps, "tau": tau,
+             "speedup_vs_plain": spec_tps / plain_tps, "alpha": 0.5, "c": 0.1, "predicted_speedup": pred}]
+
+
+@pytest.mark.parametrize("plain, spec, tau, pred, on, says", [
+    (10.0, 15.0, 1.6, 1.5, True, "γ=2 emits 15.00 tok/s vs plain 10.00"),
+    (10.0, 8.0, 1.6, 1.5, False, "vs plain 10.00"),
+    (5.6, 22.2, 1.0, 0.9, False, "τ = 1 (no proposal accepted): timing noise"),  # a plain row slowed by the host
+    (7.3, 21.4, 1.03, 0.88, False, "Leviathan's bound is 0.88x < 1: timing noise"),
+])
+def test_summary_speculates_only_within_tau_and_leviathans_bound(plain, spec, tau, pred, on, says):
+    from decoder.bench import summarize
+
+    (row,) = summarize(_rows(plain, spec, tau, pred))
+    assert row["speculate"] is on and says in row["why"]
 
 
 def test_bench_pairs_methods_per_prompt(target, other_draft, tok):
