@@ -51,6 +51,32 @@ def test_torch_engine_truncate_replays_like_a_fresh_sequence(target):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+# ---- a tiny F32 GGUF on llama.cpp (fast) -----------------------------------------------------------
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    if not llamacpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    from test_gguf_export import tiny_model, write_tiny_gguf
+
+    return write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf")
+
+
+def test_llamacpp_engine_refuses_calls_after_close_instead_of_crashing(tiny_gguf, tmp_path):
+    """After close() the context, memory and batch are freed: a call would read freed memory
+    (it segfaulted); every entry point raises EngineError, and close() twice is a no-op."""
+    e = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1)
+    seq = e.start()
+    seq.forward([5, 6, 7], 1)
+    e.close()
+    e.close()
+    calls = {"start": e.start, "forward": lambda: seq.forward([8], 1), "truncate": lambda: seq.truncate(1),
+             "set_lora": lambda: e.set_lora(None), "load_lora": lambda: e.load_lora("x", tmp_path / "x.gguf")}
+    for name, call in calls.items():
+        with pytest.raises(EngineError, match="closed"):
+            call()
+    assert e.describe()["engine"] == "llamacpp"  # no call into llama.cpp
+
+
 # ---- the packaged GGUF on llama.cpp --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gguf():
