@@ -275,14 +275,29 @@ class LlamaCppEngine:
                 raise EngineError(f"llama_decode returned {rc} (1: no KV slot; <0: error) at position {seq.length}")
             seq.length += len(chunk)
             if outs:
-                rows.append(np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(outs, self.vocab_size)).copy())
-                if hidden:
-                    hs.append(np.stack([np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, j),
-                                                              shape=(self.hidden_size,)).copy() for j in range(outs)]))
+                if self.embeddings:
+                    # llama.cpp then outputs every token of the batch, whatever b.logits says
+                    # (llama-batch.cpp: "embeddings required but some input tokens were not marked
+                    # as outputs -> overriding"), so llama_get_logits holds len(chunk) rows: pick
+                    # the wanted ones by their batch position, as llama_get_embeddings_ith does.
+                    want = range(len(chunk) - outs, len(chunk))
+                    rows.append(np.stack([self._row(L.llama_get_logits_ith(self.ctx, i), self.vocab_size, i)
+                                          for i in want]))
+                    if hidden:
+                        hs.append(np.stack([self._row(L.llama_get_embeddings_ith(self.ctx, i), self.hidden_size, i)
+                                            for i in want]))
+                else:
+                    rows.append(np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(outs, self.vocab_size)).copy())
         logits = torch.from_numpy(rows[0] if len(rows) == 1 else np.concatenate(rows))
         if hidden:
             return logits, torch.from_numpy(np.concatenate(hs))
         return logits
+
+    @staticmethod
+    def _row(ptr, width: int, i: int) -> np.ndarray:
+        if not ptr:
+            raise EngineError(f"llama.cpp returned no output for batch position {i}")
+        return np.ctypeslib.as_array(ptr, shape=(width,)).copy()
 
     # ---- LoRA adapters (GGUF) ----------------------------------------------------------------
     def load_lora(self, key: str, path: str | Path) -> None:

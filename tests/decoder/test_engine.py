@@ -77,6 +77,26 @@ def test_llamacpp_engine_refuses_calls_after_close_instead_of_crashing(tiny_gguf
     assert e.describe()["engine"] == "llamacpp"  # no call into llama.cpp
 
 
+@pytest.mark.parametrize("n_batch", [512, 4], ids=["one-batch", "chunked"])
+def test_llamacpp_engine_with_embeddings_returns_the_last_keep_rows(tiny_gguf, n_batch):
+    """embeddings=True makes llama.cpp output every token of a batch whatever the output flags
+    say; logits and hidden states are still those of the last ``keep`` positions (they were the
+    first ``keep``), equal to the rows of a keep = n call and to the logits without embeddings."""
+    ids = [5, 80, 12, 200, 33, 256, 7, 140, 99, 64]
+    emb = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1, n_batch=n_batch, embeddings=True)
+    plain = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1, n_batch=n_batch)
+    try:
+        all_logits, all_hidden = emb.start().forward(ids, len(ids), hidden=True)
+        logits, hidden = emb.start().forward(ids, 3, hidden=True)
+        assert logits.shape == (3, emb.vocab_size) and hidden.shape == (3, emb.hidden_size)
+        torch.testing.assert_close(logits, all_logits[-3:], rtol=0, atol=1e-5)
+        torch.testing.assert_close(hidden, all_hidden[-3:], rtol=0, atol=1e-5)
+        torch.testing.assert_close(emb.start().forward(ids, 3), plain.start().forward(ids, 3), rtol=0, atol=1e-4)
+    finally:
+        emb.close()
+        plain.close()
+
+
 # ---- the packaged GGUF on llama.cpp --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gguf():
