@@ -426,12 +426,21 @@ class AdapterManager:
         if eng is None or not hasattr(eng, "load_lora") or name in eng.loras:
             return
         try:
+            from decoder.engine import EngineError
             from decoder.gguf_export import lora_gguf_cached
             from decoder.models import cache_root
 
             t0 = self.clock()
-            gguf = lora_gguf_cached(Path(path), cache_root() / "gguf" / "lora", eng.path)
-            eng.load_lora(name, gguf)
+            cache = cache_root() / "gguf" / "lora"
+            gguf = lora_gguf_cached(Path(path), cache, eng.path)
+            try:
+                eng.load_lora(name, gguf)
+            except EngineError:
+                # a cached file llama.cpp cannot read (damaged on disk) would refuse this version
+                # forever, whatever retries: convert it again once
+                gguf.unlink(missing_ok=True)
+                gguf = lora_gguf_cached(Path(path), cache, eng.path)
+                eng.load_lora(name, gguf)
             log.info("adapter_gguf_loaded", version=version, gguf=str(gguf), ms=round((self.clock() - t0) * 1e3, 1))
         except Exception as e:
             with self._model_lock:

@@ -97,6 +97,32 @@ def test_llamacpp_engine_with_embeddings_returns_the_last_keep_rows(tiny_gguf, n
         plain.close()
 
 
+def test_a_damaged_cached_lora_gguf_is_converted_again(tiny_gguf, tmp_path, monkeypatch):
+    """A LoRA GGUF in the cache that llama.cpp refuses (damaged on disk) is reconverted once, so
+    the version loads on the llama.cpp draft instead of failing on every retry for good."""
+    from types import SimpleNamespace
+
+    from test_gguf_export import random_lora, tiny_model
+
+    from decoder import gguf_export as ge
+    from decoder.adapters import AdapterManager
+
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "cache"))
+    adapter, _ = random_lora(tiny_model(), tmp_path / "a", target_modules=["q_proj", "v_proj"], sigma=0.1, seed=0)
+    eng = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1)
+    cached = (tmp_path / "cache" / "gguf" / "lora" /
+              f"lora-{ge.adapter_sha256(adapter)[:16]}-{ge.file_digest16(tiny_gguf)}-v{ge.LORA_FORMAT_VERSION}.gguf")
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"GGUF" + bytes(60))  # what a damaged cache entry looks like to llama.cpp
+    dec = SimpleNamespace(draft=tiny_model(), draft_engine=eng, serving=None, adapter_version=0, between_requests=[])
+    try:
+        AdapterManager(dec, registry=None)._load_on_engine(1, "v1", adapter)
+        assert eng.loras == ["v1"] and cached.stat().st_size > 64
+        eng.set_lora("v1")
+    finally:
+        eng.close()
+
+
 # ---- the packaged GGUF on llama.cpp --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gguf():
