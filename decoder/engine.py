@@ -252,7 +252,7 @@ class LlamaCppEngine:
             raise ValueError(f"forward: need 1 <= keep={keep} <= len(tokens)={n}")
         if seq.length + n > self.context_length:
             raise EngineError(f"{seq.length + n} tokens exceed the llama.cpp context of {self.context_length}: "
-                              f"shorten the request or raise models.n_ctx")
+                              f"shorten the request (LlamaCppEngine(n_ctx=...) sets the context; serve uses the model's, up to 8192)")
         if hidden and not self.embeddings:
             raise EngineError("hidden states need LlamaCppEngine(embeddings=True)")
         rows, hs = [], []
