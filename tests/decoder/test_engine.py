@@ -123,6 +123,20 @@ def test_a_damaged_cached_lora_gguf_is_converted_again(tiny_gguf, tmp_path, monk
         eng.close()
 
 
+def test_the_draft_cannot_share_the_targets_engine(tiny_gguf, tok):
+    """One sequence per engine: a draft on the target's own engine would clear and overwrite the
+    target's KV cache at every proposal."""
+    from test_gguf_export import tiny_model
+
+    eng = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1)
+    try:
+        m = tiny_model()
+        with pytest.raises(ValueError, match="draft_engine is the target's engine"):
+            SpeculativeDecoder(m, m, tok, engine=eng, draft_engine=eng)
+    finally:
+        eng.close()
+
+
 # ---- the packaged GGUF on llama.cpp --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gguf():
