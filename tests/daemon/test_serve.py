@@ -252,10 +252,9 @@ def test_serve_with_a_pair_it_cannot_load_exits_2_with_the_reason(tmp_path, monk
     traceback."""
     from typer.testing import CliRunner
 
-    from conftest import REDIS_URL
     from daemon.cli import app
 
-    for k, v in {"DRAFTD_STATE_DIR": str(tmp_path), "DRAFTD_REDIS__URL": REDIS_URL, "DRAFTD_STORE__KEY_PREFIX": key_prefix,
+    for k, v in {"DRAFTD_STATE_DIR": str(tmp_path), "DRAFTD_REDIS__URL": "redis://127.0.0.1:6379/0",  # conftest's "DRAFTD_STORE__KEY_PREFIX": key_prefix,
                  "DRAFTD_MODELS__TARGET": "/nonexistent/draftd-qa-model"}.items():
         monkeypatch.setenv(k, v)
     import signal
