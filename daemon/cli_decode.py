@@ -269,7 +269,8 @@ def bench(
             from decoder.engine import target_gguf
 
             if target_gguf(target) is None:
-                raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), not {target!r}")
+                raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), "
+                                 f"not {target!r}")
         if adapter is not None and not (adapter / "adapter_config.json").is_file():
             raise ValueError(f"--adapter {str(adapter)!r}: no adapter_config.json there; pass a LoRA adapter "
                              f"directory (a registry artifact, e.g. out/demo/adapters/<run>/v3)")
@@ -283,7 +284,8 @@ def bench(
 
             gguf = target_gguf(target)
             if gguf is None:
-                raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), not {target!r}")
+                raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), "
+                                 f"not {target!r}")
             cfg.llamacpp = str(gguf)
     except (ValueError, RuntimeError) as e:
         err.print(f"[red]error:[/] {e}")

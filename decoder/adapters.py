@@ -155,7 +155,8 @@ def check_compatible(draft: torch.nn.Module, adapter_dir: str | Path, *, max_ran
             raise IncompatibleAdapterError(f"{cfg_path}: {key}={alpha!r}, must be a finite number")
     for k, rk in (cfg.get("rank_pattern") or {}).items():
         if isinstance(rk, bool) or not isinstance(rk, int) or not 1 <= rk <= max_rank:
-            raise IncompatibleAdapterError(f"{cfg_path}: rank_pattern[{k!r}]={rk!r}, must be an integer in 1..{max_rank}")
+            raise IncompatibleAdapterError(
+                f"{cfg_path}: rank_pattern[{k!r}]={rk!r}, must be an integer in 1..{max_rank}")
     if cfg.get("modules_to_save"):
         raise IncompatibleAdapterError(
             f"{cfg_path}: modules_to_save={cfg['modules_to_save']!r}: full-module copies are not hot-swapped; "

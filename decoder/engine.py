@@ -252,7 +252,8 @@ class LlamaCppEngine:
             raise ValueError(f"forward: need 1 <= keep={keep} <= len(tokens)={n}")
         if seq.length + n > self.context_length:
             raise EngineError(f"{seq.length + n} tokens exceed the llama.cpp context of {self.context_length}: "
-                              f"shorten the request (LlamaCppEngine(n_ctx=...) sets the context; serve uses the model's, up to 8192)")
+                              f"shorten the request (LlamaCppEngine(n_ctx=...) sets the context; serve runs the "
+                              f"model's own, at most 8192)")
         if hidden and not self.embeddings:
             raise EngineError("hidden states need LlamaCppEngine(embeddings=True)")
         rows, hs = [], []
@@ -287,7 +288,8 @@ class LlamaCppEngine:
                         hs.append(np.stack([self._row(L.llama_get_embeddings_ith(self.ctx, i), self.hidden_size, i)
                                             for i in want]))
                 else:
-                    rows.append(np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(outs, self.vocab_size)).copy())
+                    rows.append(np.ctypeslib.as_array(L.llama_get_logits(self.ctx),
+                                                      shape=(outs, self.vocab_size)).copy())
         logits = torch.from_numpy(rows[0] if len(rows) == 1 else np.concatenate(rows))
         if hidden:
             return logits, torch.from_numpy(np.concatenate(hs))

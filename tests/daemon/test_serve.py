@@ -254,7 +254,8 @@ def test_serve_with_a_pair_it_cannot_load_exits_2_with_the_reason(tmp_path, monk
 
     from daemon.cli import app
 
-    for k, v in {"DRAFTD_STATE_DIR": str(tmp_path), "DRAFTD_REDIS__URL": "redis://127.0.0.1:6379/0",  # conftest's "DRAFTD_STORE__KEY_PREFIX": key_prefix,
+    redis_url = "redis://127.0.0.1:6379/0"  # tests/daemon/conftest.py's REDIS_URL
+    for k, v in {"DRAFTD_STATE_DIR": str(tmp_path), "DRAFTD_REDIS__URL": redis_url, "DRAFTD_STORE__KEY_PREFIX": key_prefix,
                  "DRAFTD_MODELS__TARGET": "/nonexistent/draftd-qa-model"}.items():
         monkeypatch.setenv(k, v)
     import signal
