@@ -185,7 +185,9 @@ def generate(
         check_generate_args(prompt, gamma, max_new_tokens, temperature, stop, draft_vocab)
         _check_precision(draft_precision)
         params = SamplingParams(temperature, top_p, top_k, seed)
-        _check_proposers(proposer)
+        if len(_check_proposers(proposer)) != 1:
+            raise ValueError(f"--proposer {proposer!r}: one request runs one proposer; give one of draft, ngram "
+                             f"(bench --proposers takes a list)")
         _check_engine(engine)
         pair, dv, choice = _load(target, draft, device, int8_draft, draft_vocab, engine)
         dec = _decoder(pair, dv, draft_precision, choice)
@@ -263,6 +265,12 @@ def bench(
             ps.extend(got)
         _check_precision(draft_precision)
         _check_engine(engine)
+        if llamacpp_peer:
+            from decoder.engine import target_gguf
+
+            if target_gguf(target) is None:
+                raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), "
+                                 f"not {target!r}")
         if adapter is not None and not (adapter / "adapter_config.json").is_file():
             raise ValueError(f"--adapter {str(adapter)!r}: no adapter_config.json there; pass a LoRA adapter "
                              f"directory (a registry artifact, e.g. out/demo/adapters/<run>/v3)")
@@ -276,7 +284,8 @@ def bench(
 
             gguf = target_gguf(target)
             if gguf is None:
-                raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), not {target!r}")
+                raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), "
+                                 f"not {target!r}")
             cfg.llamacpp = str(gguf)
     except (ValueError, RuntimeError) as e:
         err.print(f"[red]error:[/] {e}")

@@ -849,4 +849,12 @@ def register(app) -> None:
             console.print(f"[red]config error:[/] {e}")
             raise typer.Exit(2) from e
         configure(s.log_format, s.log_level)
-        raise typer.Exit(run_serve(s, console))
+        from decoder.engine import EngineError
+        from decoder.models import ModelLoadError
+
+        try:
+            rc = run_serve(s, console)
+        except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from e
+        raise typer.Exit(rc)

@@ -47,6 +47,7 @@ poll loop (it would fail again); a new promote/rollback event naming it retries 
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -146,6 +147,16 @@ def check_compatible(draft: torch.nn.Module, adapter_dir: str | Path, *, max_ran
         raise IncompatibleAdapterError(
             f"{cfg_path}: init_lora_weights={init!r} rewrites the base weights when loaded; save with the default init"
         )
+    # peft divides these by r inside load_adapter; a bad one fails there half-way, leaving the
+    # adapter's layers in the draft's modules where delete_adapter cannot reach them
+    for key, alpha in [("lora_alpha", cfg.get("lora_alpha", 8)),
+                       *((f"alpha_pattern[{k!r}]", v) for k, v in (cfg.get("alpha_pattern") or {}).items())]:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise IncompatibleAdapterError(f"{cfg_path}: {key}={alpha!r}, must be a finite number")
+    for k, rk in (cfg.get("rank_pattern") or {}).items():
+        if isinstance(rk, bool) or not isinstance(rk, int) or not 1 <= rk <= max_rank:
+            raise IncompatibleAdapterError(
+                f"{cfg_path}: rank_pattern[{k!r}]={rk!r}, must be an integer in 1..{max_rank}")
     if cfg.get("modules_to_save"):
         raise IncompatibleAdapterError(
             f"{cfg_path}: modules_to_save={cfg['modules_to_save']!r}: full-module copies are not hot-swapped; "
@@ -416,12 +427,21 @@ class AdapterManager:
         if eng is None or not hasattr(eng, "load_lora") or name in eng.loras:
             return
         try:
+            from decoder.engine import EngineError
             from decoder.gguf_export import lora_gguf_cached
             from decoder.models import cache_root
 
             t0 = self.clock()
-            gguf = lora_gguf_cached(Path(path), cache_root() / "gguf" / "lora", eng.path)
-            eng.load_lora(name, gguf)
+            cache = cache_root() / "gguf" / "lora"
+            gguf = lora_gguf_cached(Path(path), cache, eng.path)
+            try:
+                eng.load_lora(name, gguf)
+            except EngineError:
+                # a cached file llama.cpp cannot read (damaged on disk) would refuse this version
+                # forever, whatever retries: convert it again once
+                gguf.unlink(missing_ok=True)
+                gguf = lora_gguf_cached(Path(path), cache, eng.path)
+                eng.load_lora(name, gguf)
             log.info("adapter_gguf_loaded", version=version, gguf=str(gguf), ms=round((self.clock() - t0) * 1e3, 1))
         except Exception as e:
             with self._model_lock:

@@ -153,7 +153,10 @@ def run_bench(
     bad = [p for p in cfg.proposers if p not in PROPOSERS]
     if bad or not cfg.proposers:
         raise ValueError(f"BenchConfig.proposers={cfg.proposers!r}: use one or more of {PROPOSERS}")
-    peer = LlamaCppPeer(cfg.llamacpp, cfg.threads or getattr(decoder.engine, "threads", None)) if cfg.llamacpp else None
+    # the peer's context is the target engine's: llama-cpp-python refuses a prompt of n_ctx tokens
+    # and silently shortens max_tokens near it, so a smaller one failed or under-generated mid-sweep
+    peer = LlamaCppPeer(cfg.llamacpp, cfg.threads or getattr(decoder.engine, "threads", None),
+                        n_ctx=getattr(decoder.engine, "context_length", None) or 4096) if cfg.llamacpp else None
     frozen_history = decoder.ngram_history.copy()
     # Warm-up: first calls pay one-off allocator and kernel selection costs.
     warm = next(iter(enc_by_wl.values()))[0]

@@ -166,6 +166,7 @@ class LlamaCppSequence:
     def truncate(self, length: int) -> None:
         if self.length > length:
             e = self.engine
+            e._check_open()
             if not e.L.llama_memory_seq_rm(e.mem, 0, length, -1):
                 raise EngineError(f"llama.cpp could not drop positions >= {length} of the sequence")
             self.length = length
@@ -233,17 +234,26 @@ class LlamaCppEngine:
         self.lora: str | None = None  # the adapter key now set on the context
         self._closed = False
 
+    def _check_open(self) -> None:
+        """Every call into the context goes through here: after :meth:`close` its pointers are
+        freed, and llama.cpp would read freed memory (a segfault), so refuse instead."""
+        if self._closed:
+            raise EngineError(f"the llama.cpp engine for {self.path.name} is closed")
+
     def start(self) -> LlamaCppSequence:
+        self._check_open()
         self.L.llama_memory_clear(self.mem, True)
         return LlamaCppSequence(self)
 
     def _decode(self, seq: LlamaCppSequence, tokens: list[int], keep: int, hidden: bool):
+        self._check_open()
         L, n = self.L, len(tokens)
         if n < 1 or not 1 <= keep <= n:
             raise ValueError(f"forward: need 1 <= keep={keep} <= len(tokens)={n}")
         if seq.length + n > self.context_length:
             raise EngineError(f"{seq.length + n} tokens exceed the llama.cpp context of {self.context_length}: "
-                              f"shorten the request or raise models.n_ctx")
+                              f"shorten the request (LlamaCppEngine(n_ctx=...) sets the context; serve runs the "
+                              f"model's own, at most 8192)")
         if hidden and not self.embeddings:
             raise EngineError("hidden states need LlamaCppEngine(embeddings=True)")
         rows, hs = [], []
@@ -266,18 +276,35 @@ class LlamaCppEngine:
                 raise EngineError(f"llama_decode returned {rc} (1: no KV slot; <0: error) at position {seq.length}")
             seq.length += len(chunk)
             if outs:
-                rows.append(np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(outs, self.vocab_size)).copy())
-                if hidden:
-                    hs.append(np.stack([np.ctypeslib.as_array(L.llama_get_embeddings_ith(self.ctx, j),
-                                                              shape=(self.hidden_size,)).copy() for j in range(outs)]))
+                if self.embeddings:
+                    # llama.cpp then outputs every token of the batch, whatever b.logits says
+                    # (llama-batch.cpp: "embeddings required but some input tokens were not marked
+                    # as outputs -> overriding"), so llama_get_logits holds len(chunk) rows: pick
+                    # the wanted ones by their batch position, as llama_get_embeddings_ith does.
+                    want = range(len(chunk) - outs, len(chunk))
+                    rows.append(np.stack([self._row(L.llama_get_logits_ith(self.ctx, i), self.vocab_size, i)
+                                          for i in want]))
+                    if hidden:
+                        hs.append(np.stack([self._row(L.llama_get_embeddings_ith(self.ctx, i), self.hidden_size, i)
+                                            for i in want]))
+                else:
+                    rows.append(np.ctypeslib.as_array(L.llama_get_logits(self.ctx),
+                                                      shape=(outs, self.vocab_size)).copy())
         logits = torch.from_numpy(rows[0] if len(rows) == 1 else np.concatenate(rows))
         if hidden:
             return logits, torch.from_numpy(np.concatenate(hs))
         return logits
 
+    @staticmethod
+    def _row(ptr, width: int, i: int) -> np.ndarray:
+        if not ptr:
+            raise EngineError(f"llama.cpp returned no output for batch position {i}")
+        return np.ctypeslib.as_array(ptr, shape=(width,)).copy()
+
     # ---- LoRA adapters (GGUF) ----------------------------------------------------------------
     def load_lora(self, key: str, path: str | Path) -> None:
         """Load a GGUF LoRA adapter under ``key`` (not yet applied). Raises EngineError."""
+        self._check_open()
         if key in self._loras:
             return
         ad = self.L.llama_adapter_lora_init(self.model, str(path).encode())
@@ -288,10 +315,13 @@ class LlamaCppEngine:
     def set_lora(self, key: str | None, scale: float = 1.0) -> None:
         """Apply the adapter ``key`` (None: none) to every following forward. Call between
         requests only (the decoder's between-request hook)."""
+        self._check_open()
         L = self.L
         if key is None:
             rc = L.llama_set_adapters_lora(self.ctx, None, 0, None)
         else:
+            if key not in self._loras:
+                raise EngineError(f"LoRA adapter {key!r} is not loaded (loaded: {self.loras}); load_lora it first")
             arr = (L.llama_adapter_lora_p_ctypes * 1)(self._loras[key])
             rc = L.llama_set_adapters_lora(self.ctx, arr, 1, (ctypes.c_float * 1)(scale))
         if rc != 0:
@@ -302,6 +332,7 @@ class LlamaCppEngine:
         """Free an adapter that is not applied."""
         if key == self.lora:
             raise EngineError(f"adapter {key!r} is in use; set another first")
+        self._check_open()
         ad = self._loras.pop(key, None)
         if ad:
             self.L.llama_adapter_lora_free(ad)

@@ -31,7 +31,7 @@ import math
 import operator
 import os
 import re
-import tempfile
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -148,9 +148,18 @@ def _copy_value(field) -> tuple[Any, Any, Any]:
 
 
 def _tmp_path(out: Path) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    return Path(tmp)
+    """A new empty file beside ``out``, created with mode 0o666 less the umask (the mode the
+    cached file keeps after ``os.replace``; ``mkstemp``'s 0o600 made the shared cache unreadable
+    to any other user)."""
+    for _ in range(100):
+        tmp = out.parent / f".{out.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+    raise FileExistsError(f"no free temporary name beside {out}")
 
 
 @contextlib.contextmanager

@@ -98,6 +98,21 @@ def packaged_gguf(name: str) -> Path:
     raise ModelLoadError(f"package {pm.package!r} at {pkg_dir} holds no .gguf file")
 
 
+def _converted(gguf: Path, name: str, progress=None) -> Path:
+    """The transformers directory of ``gguf``, converted once into ``cache_root() / f"{name}-{digest}"``."""
+    # Key the cache by the file's identity; hashing 100-250 MB on every start would cost
+    # ~0.3 s, so a stamp of (size, mtime) guards a cheap digest of the first 16 MiB.
+    st = gguf.stat()
+    h = hashlib.sha256(f"{st.st_size}".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(1 << 24))
+    out = cache_root() / f"{name}-{h.hexdigest()[:16]}"
+    if not (out / "config.json").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _convert_gguf(gguf, out, progress)
+    return out
+
+
 def _convert_gguf(gguf: Path, out_dir: Path, progress=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,7 +136,7 @@ def _convert_gguf(gguf: Path, out_dir: Path, progress=None) -> None:
 def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
     """Map a model reference to something ``from_pretrained`` loads without a network.
 
-    Built-in names are converted once and cached; local directories are returned as they are;
+    Built-in names and local ``.gguf`` files are converted once and cached; local directories are returned as they are;
     anything else is treated as a hub id and must already be in the local hub cache.
 
     Raises:
@@ -129,19 +144,15 @@ def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
             path-like reference (``/``, ``./``, ``../``, ``~``) that does not exist.
     """
     if name_or_path in PACKAGED:
-        gguf = packaged_gguf(name_or_path)
-        # Key the cache by the file's identity; hashing 100-250 MB on every start would cost
-        # ~0.3 s, so a stamp of (size, mtime) guards a cheap digest of the first 16 MiB.
-        st = gguf.stat()
-        h = hashlib.sha256(f"{st.st_size}".encode())
-        with open(gguf, "rb") as f:
-            h.update(f.read(1 << 24))
-        out = cache_root() / f"{name_or_path}-{h.hexdigest()[:16]}"
-        if not (out / "config.json").exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(gguf, out, progress)
-        return out
+        return _converted(packaged_gguf(name_or_path), name_or_path, progress)
     p = Path(name_or_path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":  # a GGUF of one's own: converted and cached like a built-in
+        try:
+            return _converted(p, p.stem, progress)
+        except Exception as e:  # noqa: BLE001 - transformers' GGUF loader raises many types
+            raise ModelLoadError(f"model {name_or_path!r}: transformers cannot load this GGUF file ({e}); pass a "
+                                 f"GGUF of a supported architecture, a model directory or a built-in name "
+                                 f"({', '.join(PACKAGED)})") from e
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
             raise ModelLoadError(

@@ -329,6 +329,10 @@ class SpeculativeDecoder:
                 eos.update(int(x) for x in src)
         self.eos_ids = frozenset(eos)
         self.engine = engine if engine is not None else TorchEngine(target, self.eos_ids)
+        if draft_engine is not None and draft_engine is self.engine:
+            raise ValueError("draft_engine is the target's engine: an engine holds one sequence, so the draft's "
+                             "would overwrite the target's cache; give the draft its own (choose_engine(..., "
+                             "draft='self') does)")
         self.draft_engine = draft_engine
         self.vocab_p = self.engine.vocab_size
         self.vocab_q = (draft_engine.vocab_size if draft_engine is not None

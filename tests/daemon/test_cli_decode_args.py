@@ -25,6 +25,7 @@ NOLOAD = ["--target", "/nonexistent/draftd-qa-model"]
         (["-p", "hi", "--draft-precision", "fp16"], "--draft-precision 'fp16': use one of auto, fp32, bf16"),
         (["-p", "hi", "--engine", "gpu"], "--engine 'gpu'"),
         (["-p", "hi", "--proposer", "eagle"], "use one or more of draft, ngram"),
+        (["-p", "hi", "--proposer", "ngram,draft"], "one request runs one proposer"),
     ],
 )
 def test_generate_rejects_bad_options_before_loading(args, needle):
@@ -46,6 +47,7 @@ def test_generate_rejects_bad_options_before_loading(args, needle):
         (["--proposers", "ngram,medusa"], "use one or more of draft, ngram"),
         (["--proposers", "ngram,ngram"], "each once"),
         (["--adapter", "/nonexistent/adapter"], "no adapter_config.json"),
+        (["--llamacpp-peer", "--engine", "torch"], "--llamacpp-peer needs a GGUF target"),
     ],
 )
 def test_bench_rejects_bad_options_before_loading(args, needle):

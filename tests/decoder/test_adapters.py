@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter
@@ -39,6 +40,24 @@ def test_check_compatible_rejects_what_does_not_fit(tmp_path, pair):
         check_compatible(draft, nan)
     with pytest.raises(IncompatibleAdapterError, match="r=2"):
         check_compatible(draft, good, max_rank=1)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ({"lora_alpha": "8"}, "lora_alpha='8'"), ({"lora_alpha": float("nan")}, "lora_alpha=nan"),
+    ({"lora_alpha": True}, "lora_alpha=True"), ({"alpha_pattern": {"o_proj": "2"}}, "alpha_pattern['o_proj']"),
+    ({"rank_pattern": {"o_proj": 2.5}}, "rank_pattern['o_proj']=2.5"),
+])
+def test_check_compatible_refuses_a_config_peft_would_half_load(tmp_path, pair, edit, needle):
+    """peft's load_adapter computes alpha / r per layer: a string alpha raised a TypeError
+    half-way, leaving the version's layers in the draft for good (delete_adapter: "does not exist")."""
+    import json
+
+    _, draft, noise = pair
+    d = fixing_lora(draft, noise, tmp_path / "a")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(IncompatibleAdapterError, match=re.escape(needle)):
+        check_compatible(draft, d)
 
 
 def test_hot_swap_under_concurrent_requests(tok, pair, reg, tmp_path):

@@ -111,3 +111,26 @@ def test_bench_checks_sampling_names_and_warms_up_within_max_new_tokens(target, 
     long = Prompt("a", "a" * 509)
     res = run_bench(dec, [long], BenchConfig(gammas=(1,), sampling=("greedy",), max_new_tokens=3, hf=False))
     assert [r["tokens"] for r in res["rows"]] == [3, 3]
+
+
+def test_the_llamacpp_peer_gets_the_target_engines_context(tok, monkeypatch):
+    """The peer's n_ctx was fixed at 4096: on a target engine of 8192, a prompt of >= 4096 tokens
+    raised in llama-cpp-python mid-sweep and a long one had its max_tokens cut silently."""
+    from types import SimpleNamespace
+
+    import decoder.bench as bench
+
+    got = {}
+
+    class Stop(Exception):
+        pass
+
+    def peer(gguf, threads=None, n_ctx=4096):
+        got.update(gguf=gguf, threads=threads, n_ctx=n_ctx)
+        raise Stop
+
+    monkeypatch.setattr(bench, "LlamaCppPeer", peer)
+    dec = SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(threads=3, context_length=8192))
+    with pytest.raises(Stop):
+        run_bench(dec, [Prompt("prose", "hello")], BenchConfig(gammas=(1,), sampling=("greedy",), llamacpp="x.gguf"))
+    assert got == {"gguf": "x.gguf", "threads": 3, "n_ctx": 8192}

@@ -50,6 +50,92 @@ def test_torch_engine_truncate_replays_like_a_fresh_sequence(target):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+# ---- a tiny F32 GGUF on llama.cpp (fast) -----------------------------------------------------------
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    if not llamacpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    from test_gguf_export import tiny_model, write_tiny_gguf
+
+    return write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf")
+
+
+def test_llamacpp_engine_refuses_calls_after_close_instead_of_crashing(tiny_gguf, tmp_path):
+    """After close() the context, memory and batch are freed: a call would read freed memory
+    (it segfaulted); every entry point raises EngineError, and close() twice is a no-op."""
+    e = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1)
+    seq = e.start()
+    seq.forward([5, 6, 7], 1)
+    e.close()
+    e.close()
+    calls = {"start": e.start, "forward": lambda: seq.forward([8], 1), "truncate": lambda: seq.truncate(1),
+             "set_lora": lambda: e.set_lora(None), "load_lora": lambda: e.load_lora("x", tmp_path / "x.gguf")}
+    for name, call in calls.items():
+        with pytest.raises(EngineError, match="closed"):
+            call()
+    assert e.describe()["engine"] == "llamacpp"  # no call into llama.cpp
+
+
+@pytest.mark.parametrize("n_batch", [512, 4], ids=["one-batch", "chunked"])
+def test_llamacpp_engine_with_embeddings_returns_the_last_keep_rows(tiny_gguf, n_batch):
+    """embeddings=True makes llama.cpp output every token of a batch whatever the output flags
+    say; logits and hidden states are still those of the last ``keep`` positions (they were the
+    first ``keep``), equal to the rows of a keep = n call and to the logits without embeddings."""
+    ids = [5, 80, 12, 200, 33, 256, 7, 140, 99, 64]
+    emb = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1, n_batch=n_batch, embeddings=True)
+    plain = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1, n_batch=n_batch)
+    try:
+        all_logits, all_hidden = emb.start().forward(ids, len(ids), hidden=True)
+        logits, hidden = emb.start().forward(ids, 3, hidden=True)
+        assert logits.shape == (3, emb.vocab_size) and hidden.shape == (3, emb.hidden_size)
+        torch.testing.assert_close(logits, all_logits[-3:], rtol=0, atol=1e-5)
+        torch.testing.assert_close(hidden, all_hidden[-3:], rtol=0, atol=1e-5)
+        torch.testing.assert_close(emb.start().forward(ids, 3), plain.start().forward(ids, 3), rtol=0, atol=1e-4)
+    finally:
+        emb.close()
+        plain.close()
+
+
+def test_a_damaged_cached_lora_gguf_is_converted_again(tiny_gguf, tmp_path, monkeypatch):
+    """A LoRA GGUF in the cache that llama.cpp refuses (damaged on disk) is reconverted once, so
+    the version loads on the llama.cpp draft instead of failing on every retry for good."""
+    from types import SimpleNamespace
+
+    from test_gguf_export import random_lora, tiny_model
+
+    from decoder import gguf_export as ge
+    from decoder.adapters import AdapterManager
+
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "cache"))
+    adapter, _ = random_lora(tiny_model(), tmp_path / "a", target_modules=["q_proj", "v_proj"], sigma=0.1, seed=0)
+    eng = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1)
+    cached = (tmp_path / "cache" / "gguf" / "lora" /
+              f"lora-{ge.adapter_sha256(adapter)[:16]}-{ge.file_digest16(tiny_gguf)}-v{ge.LORA_FORMAT_VERSION}.gguf")
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"GGUF" + bytes(60))  # what a damaged cache entry looks like to llama.cpp
+    dec = SimpleNamespace(draft=tiny_model(), draft_engine=eng, serving=None, adapter_version=0, between_requests=[])
+    try:
+        AdapterManager(dec, registry=None)._load_on_engine(1, "v1", adapter)
+        assert eng.loras == ["v1"] and cached.stat().st_size > 64
+        eng.set_lora("v1")
+    finally:
+        eng.close()
+
+
+def test_the_draft_cannot_share_the_targets_engine(tiny_gguf, tok):
+    """One sequence per engine: a draft on the target's own engine would clear and overwrite the
+    target's KV cache at every proposal."""
+    from test_gguf_export import tiny_model
+
+    eng = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1)
+    try:
+        m = tiny_model()
+        with pytest.raises(ValueError, match="draft_engine is the target's engine"):
+            SpeculativeDecoder(m, m, tok, engine=eng, draft_engine=eng)
+    finally:
+        eng.close()
+
+
 # ---- the packaged GGUF on llama.cpp --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gguf():

@@ -239,6 +239,20 @@ def test_derived_gguf_has_the_selected_blocks_byte_for_byte(tiny, tmp_path):
         assert np.asarray(t.data).tobytes() == np.asarray(o.data).tobytes(), t.name
 
 
+def test_cached_ggufs_follow_the_umask(tiny, tiny_draft_gguf, tmp_path):
+    """The derived GGUF and a LoRA GGUF get 0o666 less the umask, like every other cached model
+    file (they were 0o600, mkstemp's mode, so a cache shared between users was unreadable)."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        derived = derived_draft_gguf(tiny[1], [0], tmp_path / "cache")
+        lora = lora_to_gguf(_hand_adapter(tmp_path / "a"), tmp_path / "lora" / "x.gguf", tiny_draft_gguf)
+    finally:
+        os.umask(old)
+    assert {derived.stat().st_mode & 0o777, lora.stat().st_mode & 0o777} == {0o644}
+
+
 def test_derived_gguf_is_cached(tiny, tmp_path):
     _, src = tiny
     out = derived_draft_gguf(src, [0, 1], tmp_path)

@@ -32,3 +32,21 @@ def test_model_dir_and_hub_id_pass_through(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_dir(str(tmp_path)) == tmp_path
     assert resolve_model_dir("org/some-model") == "org/some-model"
+
+
+def test_a_gguf_file_is_converted_and_cached_like_a_built_in(tmp_path, monkeypatch):
+    """A ``.gguf`` path (what choose_engine and the README call a GGUF target) loads: converted to
+    a transformers directory once, then the cached one; a broken one is a ModelLoadError."""
+    pytest.importorskip("gguf")
+    from test_gguf_export import tiny_model, write_tiny_gguf
+
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "cache"))
+    g = write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf", extra=False)
+    out = resolve_model_dir(str(g))
+    assert (out / "config.json").is_file() and out.parent == tmp_path / "cache" and out.name.startswith("tiny-")
+    assert resolve_model_dir(str(g)) == out
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(g.read_bytes()[: g.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="cannot load this GGUF file") as ei:
+        resolve_model_dir(str(broken))
+    assert str(broken) in str(ei.value)
