@@ -28,6 +28,7 @@ monitor records the error; serving goes on. Nothing here talks to the sidecar.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import queue
@@ -359,6 +360,10 @@ class ServingLoop:
         t.started_at = self.clock()
         policy = self._policy(t)
         kw = {"on_step": lambda ids: self._on_step(t, ids)} if self.streams_steps else {}
+        if req.params.seed is not None and not req.params.greedy and req.ngram_history:
+            # a seed reproduces a completion only if the proposals do not depend on what was served
+            # before: the n-gram proposer looks up this request's own tokens only
+            req = dataclasses.replace(req, ngram_history=False)
         try:
             res = self.decoder.generate(req, policy, **kw)
         except Exception as e:  # noqa: BLE001 - the submitter gets it (ValueError: context, vocab)

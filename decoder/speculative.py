@@ -97,6 +97,9 @@ class DecodeRequest:
     stop: strings that end generation; the output is cut right after the token completing one.
     proposer: ``"draft"`` or ``"ngram"`` (:mod:`decoder.proposers`) for this request; None takes
         the policy's choice (``GoodputController``), else ``"draft"``.
+    ngram_history: the n-gram proposer also looks up the workload's past requests (default);
+        False: the request's own tokens only, so its proposals, and the random draws a seed feeds,
+        do not change with what was served before (the serving loop sets it for seeded requests).
     """
 
     prompt_ids: Sequence[int]
@@ -108,6 +111,7 @@ class DecodeRequest:
     workload: str = "default"
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     proposer: str | None = None
+    ngram_history: bool = True
 
     def __post_init__(self):
         if len(self.prompt_ids) == 0:
@@ -349,6 +353,11 @@ class SpeculativeDecoder:
         if self.config.draft_vocab is not None:
             self._restrict_draft_head(self.config.draft_vocab)
         # every finished request's tokens, per workload, for the n-gram proposer (fed whatever served it)
+        if draft_engine is not None and self.config.draft_vocab is not None:
+            log.warning("draft_vocab_not_applied", engine=draft_engine.name,
+                        reason="a GGUF draft proposes over its full head: DecoderConfig.draft_vocab (FR-Spec) applies "
+                               "to a torch draft only (lossless either way; an adapter trained on the restricted head "
+                               "is served with the full one)")
         self.ngram_min_n = self.config.ngram_min_n or (1 if torch_target else min(2, self.config.ngram_max_n))
         self.ngram_history = NgramHistory(self.config.ngram_max_n, self.ngram_min_n,
                                           self.config.ngram_history_tokens)
@@ -415,7 +424,9 @@ class SpeculativeDecoder:
                 return DraftModelProposer(self._engine_draft_logits, self.draft_engine.start)
             return DraftModelProposer(self._draft_logits, lambda: DynamicCache(config=self.draft.config))
         if name == "ngram":
-            return NgramProposer(self.ngram_history, req.workload, self.vocab_p, self.device)
+            history = self.ngram_history if req.ngram_history else NgramHistory(
+                self.config.ngram_max_n, self.ngram_min_n, 1)  # empty: the request's own tokens only
+            return NgramProposer(history, req.workload, self.vocab_p, self.device)
         raise ValueError(f"proposer {name!r}: use one of {PROPOSERS}")
 
     @property

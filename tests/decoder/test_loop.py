@@ -71,3 +71,19 @@ def test_bounded_queue_cancel_while_queued_and_drain(tok, target, other_draft):
     finally:
         hold.release.set()
         loop.close()
+
+
+def test_a_seed_reproduces_a_sampled_completion_whatever_was_served_before(tok, target, other_draft):
+    """Seeded sampled requests run on the n-gram proposer (the first configured) over their own
+    tokens only: the same prompt and seed give the same text before and after the workload's
+    history has grown; an unseeded request still looks the history up."""
+    loop = build_serving_loop(target, other_draft, tok, decoder_config=DecoderConfig(**CFG), proposers=("ngram",))
+    ids = tok("hello world, hello world, hello").input_ids
+    seeded = lambda: DecodeRequest(ids, SamplingParams(1.0, seed=7), 16, workload="w")  # noqa: E731
+    with loop:
+        first = loop.generate(seeded()).output_ids
+        for s in range(4):  # the workload's history grows with other completions of the same prompt
+            loop.generate(DecodeRequest(ids, SamplingParams(1.0, seed=100 + s), 16, workload="w", gamma=0))
+        assert loop.decoder.ngram_history.status()["w"] > 0
+        assert loop.generate(seeded()).output_ids == first
+        assert loop.generate(seeded()).output_ids == first
