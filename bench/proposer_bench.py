@@ -78,6 +78,11 @@ def _run(dec, ids, params, n, gamma, proposer, workload, history):
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    import sys
+
+    from daemon.logging import configure
+
+    configure("auto", "warning", stream=sys.stderr)  # stdout carries only the JSON
     if a.threads:
         torch.set_num_threads(a.threads)
     pair = load_pair(a.target, a.draft)

@@ -295,12 +295,15 @@ def batched_vs_one_token(decoder: SpeculativeDecoder, ids: list[int], cont: list
         return 0.0
     ctx = list(ids) + list(cont)
     n = len(cont)
-    a = decoder.engine.start()
-    a.forward(ctx[: len(ids) - 1], 1) if len(ids) > 1 else None
-    batched = a.forward(ctx[len(ids) - 1 : len(ids) - 1 + n], n).float()
+    fed = ctx[len(ids) - 1 : len(ids) - 1 + n]  # the pending prompt token, then cont[:-1]
+    a = decoder.engine.start()  # one sequence at a time: a llama.cpp engine's start() clears the last
+    if len(ids) > 1:
+        a.forward(ctx[: len(ids) - 1], 1)
+    batched = a.forward(fed, n).float()
     b = decoder.engine.start()
-    b.forward(ctx[: len(ids) - 1], 1) if len(ids) > 1 else None
-    one = torch.stack([b.forward([t], 1)[0].float() for t in ctx[len(ids) - 1 : len(ids) - 1 + n]])
+    if len(ids) > 1:
+        b.forward(ctx[: len(ids) - 1], 1)
+    one = torch.stack([b.forward([t], 1)[0].float() for t in fed])
     diff = float((batched - one).abs().max())
     if len(ids) > 1:
         whole = decoder.engine.start().forward(list(ids), 1)[0].float()  # the prompt in one batch

@@ -28,7 +28,7 @@ import ctypes
 import importlib.util
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -373,7 +373,6 @@ class EngineChoice:
     reason: str
     target: Engine | None = None  # None: the decoder wraps its torch target itself
     draft: Engine | None = None  # the draft on llama.cpp (the derived draft's GGUF), else None
-    extra: dict = field(default_factory=dict)
 
 
 def target_gguf(target: str) -> Path | None:
@@ -429,7 +428,7 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
         dr = LlamaCppEngine(gguf, n_ctx=tgt.context_length, threads=threads)
     reason = ("asked for (models.engine=llamacpp)" if choice == "llamacpp"
               else f"auto: GGUF target {gguf.name} on CPU, llama-cpp-python installed")
-    return EngineChoice("llamacpp", reason, tgt, dr, {"gguf": str(gguf)})
+    return EngineChoice("llamacpp", reason, tgt, dr)
 
 
 def _block_count(engine: LlamaCppEngine) -> int:

@@ -232,11 +232,9 @@ class DecoderConfig:
     ngram_max_n / ngram_min_n: longest and shortest context suffix the n-gram proposer matches.
         ``ngram_min_n=None`` (default) takes it from the engine's verification cost: 1 on torch
         (a verification of a few rows costs about one plain step there, so every match is worth
-        proposing), 2 on llama.cpp, whose CPU kernels make each extra verified row cost 0.4-0.8
-        of a plain step (measured on the packaged GGUF, 2 threads: 2 rows 1.74x, 5 rows 3.3x), so
-        only the likelier proposals pay: greedy acceptance per proposed token rose from
-        0.38-0.67 (1-token matches allowed) to 0.67-0.88 (n >= 2), and speculation from
-        0.81-0.92x to 0.95-1.05x of plain (bench/RESULTS.md).
+        proposing), 2 on llama.cpp, whose CPU kernels make each extra verified row cost about
+        0.4-0.8 of a plain step, so only the likelier proposals pay (measured in bench/RESULTS.md,
+        ``bench/verify_cost_bench.py``).
     ngram_history_tokens: tokens of past requests the n-gram proposer indexes per workload.
     draft_precision: the dtype proposals are computed in. A separate, unquantised draft
         proposes through ``decoder.draft_weights.ServingDraft``, built at construction from the draft

@@ -1,0 +1,103 @@
+"""What a verification costs on the llama.cpp engine, and what that does to the n-gram proposer. JSON out.
+
+1. ``verify_cost``: one ``llama_decode`` of n = 1..5 tokens with logits at all n (a verification of
+   γ = n - 1) after 100 cached tokens, median ms over ``--reps``, and its ratio to n = 1, per thread
+   count. On a weight-bandwidth-bound engine the ratio stays near 1; on a compute-bound one it grows
+   with n.
+2. ``ngram_min_n``: greedy speculation with the n-gram proposer (history empty: the request's own
+   context only) at ``ngram_min_n`` 1, 2, 3 and γ 1..3, against our plain decoding on the same engine,
+   paired per prompt, on never-served prompts of prose, code and math; every output checked equal to
+   plain.
+
+Usage: ``.venv/bin/python bench/verify_cost_bench.py [--prompts 3] [--max-new-tokens 64]``
+(run it alone on the cores). Results: bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def verify_cost(gguf, threads: int, reps: int) -> dict:
+    from decoder.engine import LlamaCppEngine
+
+    eng = LlamaCppEngine(gguf, n_ctx=1024, threads=threads)
+    seq = eng.start()
+    seq.forward(list(range(100, 200)), 1)
+    ms = {n: [] for n in range(1, 6)}
+    for _ in range(reps):
+        for n in ms:
+            t0 = time.perf_counter()
+            seq.forward([5 + j for j in range(n)], n)
+            ms[n].append((time.perf_counter() - t0) * 1e3)
+            seq.truncate(100)
+    eng.close()
+    base = statistics.median(ms[1])
+    return {"threads": threads, "ms": {n: round(statistics.median(v), 3) for n, v in ms.items()},
+            "ratio": {n: round(statistics.median(v) / base, 3) for n, v in ms.items()}}
+
+
+def ngram_min_n(pair, engine, prompts: int, max_new: int) -> list[dict]:
+    from decoder.metrics import AcceptanceCounts
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest, DecoderConfig, FixedGamma, SpeculativeDecoder
+    from decoder.workloads import get_workload
+
+    decs = {k: SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(topk_record=0, ngram_min_n=k),
+                                  engine=engine) for k in (1, 2, 3)}
+    rows = []
+    for wl in ("prose", "code", "math"):
+        tot: dict = {}
+        for p in get_workload(wl, prompts):
+            ids = p.token_ids(pair.tokenizer)
+            plain = decs[1].generate(DecodeRequest(ids, SamplingParams(), max_new, gamma=0, ignore_eos=True), FixedGamma(0))
+            tot.setdefault("plain", [AcceptanceCounts(), 0.0, True])
+            tot["plain"][0].merge(plain.counts)
+            tot["plain"][1] += plain.latency_ms
+            for k, dec in decs.items():
+                for g in (1, 2, 3):
+                    dec.ngram_history.clear()
+                    r = dec.generate(DecodeRequest(ids, SamplingParams(), max_new, gamma=g, ignore_eos=True,
+                                                   proposer="ngram"), FixedGamma(g))
+                    t = tot.setdefault((k, g), [AcceptanceCounts(), 0.0, True])
+                    t[0].merge(r.counts)
+                    t[1] += r.latency_ms
+                    t[2] &= r.output_ids == plain.output_ids
+        pc, pms, _ = tot["plain"]
+        plain_tps = pc.num_emitted_tokens / pms
+        for (k, g), (c, ms, same) in ((key, v) for key, v in tot.items() if key != "plain"):
+            rows.append({"workload": wl, "ngram_min_n": k, "gamma": g,
+                         "speedup_vs_plain": round(c.num_emitted_tokens / ms / plain_tps, 3),
+                         "accepted_per_proposed": round(c.acceptance_rate, 3), "tau": round(c.mean_accepted_length, 3),
+                         "proposed_per_step": round(c.num_draft_tokens / c.num_steps, 3), "matches_plain": same})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    import sys
+
+    from daemon.logging import configure
+
+    configure("auto", "warning", stream=sys.stderr)  # stdout carries only the JSON
+
+    from decoder.engine import LlamaCppEngine
+    from decoder.models import load_pair, packaged_gguf
+
+    gguf = packaged_gguf("smollm2-135m")
+    out = {"gguf": gguf.name, "verify_cost": [verify_cost(gguf, t, a.reps) for t in (1, 2)]}
+    pair = load_pair("smollm2-135m", "layers:0-3")
+    engine = LlamaCppEngine(gguf, threads=2)
+    out["ngram_min_n"] = ngram_min_n(pair, engine, a.prompts, a.max_new_tokens)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
