@@ -33,9 +33,11 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import structlog
 import torch
 
 ENGINES = ("auto", "torch", "llamacpp")
+log = structlog.get_logger("decoder.engine")
 
 
 class EngineError(RuntimeError):
@@ -136,7 +138,8 @@ _log_cb = None  # the ctypes log callback must outlive every call into llama.cpp
 
 def _llama():
     """llama-cpp-python's low-level bindings, initialised once, with llama.cpp's logging off
-    (``DRAFTD_LLAMA_LOG=1`` keeps it)."""
+    (``DRAFTD_LLAMA_LOG=1`` keeps it) and its extra weight buffers set by :func:`extra_buffer_types`
+    for every model loaded in this process (ours and ``llama_cpp.Llama``'s)."""
     global _initialised, _log_cb
     try:
         import llama_cpp.llama_cpp as L
@@ -149,8 +152,40 @@ def _llama():
                 _log_cb = L.llama_log_callback(lambda level, text, data: None)
                 L.llama_log_set(_log_cb, None)
             L.llama_backend_init()
+            use, why = extra_buffer_types(L.llama_print_system_info().decode(errors="replace"))
+            if not use:
+                defaults = L.llama_model_default_params
+
+                def model_params():
+                    p = defaults()
+                    p.use_extra_bufts = False
+                    return p
+
+                model_params.__doc__ = f"llama_model_default_params with use_extra_bufts=False: {why}"
+                L.llama_model_default_params = model_params  # what llama_cpp.Llama calls too
+                log.info("llama.cpp extra buffer types off", reason=why)
             _initialised = True
     return L
+
+
+def extra_buffer_types(system_info: str) -> tuple[bool, str]:
+    """Whether llama.cpp may put weights in its extra CPU buffer types (AMX tiles, repacked
+    layouts), and why.
+
+    Off where this llama.cpp build has the AMX path (``AMX_INT8 = 1`` in its system info): in
+    llama-cpp-python 0.3.36's llama.cpp, ``ggml_backend_amx_mul_mat`` loads an uninitialised tile
+    configuration and the process dies with a general-protection fault on the first batched
+    matmul (measured on an Intel Xeon with AMX; upstream ggml-org/llama.cpp#20824). Without the
+    extra buffers the same weights run the AVX-512 kernels, losslessly. ``DRAFTD_LLAMA_EXTRA_BUFTS``
+    = ``1`` / ``0`` overrides (for a build where the bug is fixed).
+    """
+    env = os.environ.get("DRAFTD_LLAMA_EXTRA_BUFTS")
+    if env in ("0", "1"):
+        return env == "1", f"DRAFTD_LLAMA_EXTRA_BUFTS={env}"
+    if "AMX_INT8 = 1" in system_info:
+        return False, ("this llama.cpp build has the AMX path, whose matmul faults "
+                       "(ggml-org/llama.cpp#20824); DRAFTD_LLAMA_EXTRA_BUFTS=1 turns it back on")
+    return True, "no AMX path in this llama.cpp build"
 
 
 class LlamaCppSequence:
@@ -203,6 +238,7 @@ class LlamaCppEngine:
         if not self.path.is_file():
             raise EngineError(f"GGUF file {str(path)!r} does not exist")
         mp = L.llama_model_default_params()
+        self.extra_bufts = bool(mp.use_extra_bufts)
         self.model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self.model:
             raise EngineError(f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?)")
@@ -343,7 +379,7 @@ class LlamaCppEngine:
 
     def describe(self) -> dict:
         return {"engine": self.name, "model": self.path.name, "device": "cpu", "threads": self.threads,
-                "n_ctx": self.context_length, "lora": self.lora}
+                "n_ctx": self.context_length, "lora": self.lora, "extra_buffer_types": self.extra_bufts}
 
     def close(self) -> None:
         if self._closed:

@@ -139,6 +139,9 @@ def llama_logits(model_path: Path, ids: list[int], lora: Path | None = None, n_c
     or llama.cpp's default F16 with ``f32_kv=False``)."""
     if llama_cpp is None:
         pytest.skip("llama-cpp-python is not importable (pip install llama-cpp-python)")
+    from decoder.engine import _llama
+
+    _llama()  # the extra-buffer-types policy (AMX builds fault without it)
     kw = {"lora_path": str(lora)} if lora else {}
     if f32_kv:
         kw.update(type_k=0, type_v=0)  # GGML_TYPE_F32
