@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decoder.engine import llama_call
 from decoder.metrics import AcceptanceCounts
 from decoder.sampling import SamplingParams, predicted_speedup
 from decoder.proposers import PROPOSERS
@@ -70,9 +71,9 @@ class LlamaCppPeer:
     def __init__(self, gguf: str, threads: int | None = None, n_ctx: int = 4096):
         import os
 
-        from decoder.engine import _llama
+        from decoder.engine import llama_extra_buffers
 
-        _llama()  # logging off, backend initialised
+        llama_extra_buffers(gguf)  # logging off, backend initialised, the same weight buffers as ours
         from llama_cpp import Llama
 
         self.threads = int(threads or os.cpu_count() or 1)
@@ -87,10 +88,10 @@ class LlamaCppPeer:
         greedy = params.greedy
         self.llm.reset()  # no prompt-prefix reuse from the previous call
         t0 = time.perf_counter()
-        out = self.llm.create_completion(
+        out = llama_call(lambda: self.llm.create_completion(
             prompt=list(ids), max_tokens=n, temperature=0.0 if greedy else params.temperature,
             top_p=1.0 if greedy else params.top_p, top_k=0 if greedy else (params.top_k or 0), min_p=0.0,
-            typical_p=1.0, repeat_penalty=1.0, seed=seed, logit_bias={t: float("-inf") for t in self.eos})
+            typical_p=1.0, repeat_penalty=1.0, seed=seed, logit_bias={t: float("-inf") for t in self.eos}))
         ms = (time.perf_counter() - t0) * 1e3
         n_out = out["usage"]["completion_tokens"]
         return self.llm._input_ids[len(ids):].tolist()[:n_out], ms, n_out

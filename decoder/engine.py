@@ -138,8 +138,7 @@ _log_cb = None  # the ctypes log callback must outlive every call into llama.cpp
 
 def _llama():
     """llama-cpp-python's low-level bindings, initialised once, with llama.cpp's logging off
-    (``DRAFTD_LLAMA_LOG=1`` keeps it) and its extra weight buffers set by :func:`extra_buffer_types`
-    for every model loaded in this process (ours and ``llama_cpp.Llama``'s)."""
+    (``DRAFTD_LLAMA_LOG=1`` keeps it). Load models after :func:`llama_extra_buffers`."""
     global _initialised, _log_cb
     try:
         import llama_cpp.llama_cpp as L
@@ -152,40 +151,176 @@ def _llama():
                 _log_cb = L.llama_log_callback(lambda level, text, data: None)
                 L.llama_log_set(_log_cb, None)
             L.llama_backend_init()
-            use, why = extra_buffer_types(L.llama_print_system_info().decode(errors="replace"))
-            if not use:
-                defaults = L.llama_model_default_params
-
-                def model_params():
-                    p = defaults()
-                    p.use_extra_bufts = False
-                    return p
-
-                model_params.__doc__ = f"llama_model_default_params with use_extra_bufts=False: {why}"
-                L.llama_model_default_params = model_params  # what llama_cpp.Llama calls too
-                log.info("llama.cpp extra buffer types off", reason=why)
             _initialised = True
     return L
 
 
-def extra_buffer_types(system_info: str) -> tuple[bool, str]:
-    """Whether llama.cpp may put weights in its extra CPU buffer types (AMX tiles, repacked
-    layouts), and why.
+_extra: tuple[bool, str] | None = None  # this process's decision (llama_extra_buffers)
+_route = False  # llama_call runs llama.cpp's compute on its own thread (AMX tiles in use)
+_llama_thread: "concurrent.futures.ThreadPoolExecutor | None" = None
+_llama_ident: int | None = None
 
-    Off where this llama.cpp build has the AMX path (``AMX_INT8 = 1`` in its system info): in
-    llama-cpp-python 0.3.36's llama.cpp, ``ggml_backend_amx_mul_mat`` loads an uninitialised tile
-    configuration and the process dies with a general-protection fault on the first batched
-    matmul (measured on an Intel Xeon with AMX; upstream ggml-org/llama.cpp#20824). Without the
-    extra buffers the same weights run the AVX-512 kernels, losslessly. ``DRAFTD_LLAMA_EXTRA_BUFTS``
-    = ``1`` / ``0`` overrides (for a build where the bug is fixed).
+
+def llama_call(fn, *args):
+    """``fn(*args)`` for a llama.cpp call that computes (``llama_decode``, ``Llama.eval``,
+    ``Llama.create_completion``): on the process's one llama.cpp thread while AMX tiles are in use
+    (:func:`llama_extra_buffers`), directly otherwise.
+
+    Why: ggml configures a thread's AMX tiles once (a thread-local flag), and oneDNN, which torch's
+    bf16 matmuls run on, releases the tiles after each of its AMX kernels. On a thread that ran
+    both, ggml's next tile instruction found no configuration and the process died of SIGILL
+    (measured: a torch bf16 matmul between two batched decodes on one thread). llama.cpp's
+    compute, and its OpenMP team, therefore live on a thread that runs nothing else; about 0.05 ms
+    a call.
+    """
+    global _llama_thread
+    if not _route or threading.get_ident() == _llama_ident:
+        return fn(*args)
+    if _llama_thread is None:
+        import concurrent.futures
+
+        def mark():
+            global _llama_ident
+            _llama_ident = threading.get_ident()
+
+        with _init_lock:
+            if _llama_thread is None:
+                _llama_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llama.cpp",
+                                                                      initializer=mark)
+    return _llama_thread.submit(fn, *args).result()
+
+# Loads a GGUF with llama.cpp's extra buffer types and decodes one 8-token batch: the call whose
+# AMX matmul faults in a miscompiled build. Run in a child process (a fault must not kill ours).
+_PROBE = """
+import sys
+import llama_cpp.llama_cpp as L
+L.llama_backend_init()
+mp = L.llama_model_default_params()
+mp.use_extra_bufts = True
+m = L.llama_model_load_from_file(sys.argv[1].encode(), mp)
+if not m:
+    sys.exit(3)
+cp = L.llama_context_default_params()
+cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 64, 16, 16, 1, 1
+ctx = L.llama_init_from_model(m, cp)
+toks = (L.llama_token * 8)(*range(1, 9))
+sys.exit(0 if ctx and L.llama_decode(ctx, L.llama_batch_get_one(toks, 8)) == 0 else 3)
+"""
+
+
+def extra_buffer_policy(system_info: str, probe) -> tuple[bool, str]:
+    """Whether llama.cpp may put weights in its extra CPU buffer types (AMX tiles, repacked
+    layouts), and why: the rule of :func:`llama_extra_buffers`, with the probe passed in.
+
+    probe: () -> (ok, detail), run only for a build with the AMX path (``AMX_INT8 = 1``); ok is
+        None when the probe could not tell (its model did not load).
     """
     env = os.environ.get("DRAFTD_LLAMA_EXTRA_BUFTS")
     if env in ("0", "1"):
         return env == "1", f"DRAFTD_LLAMA_EXTRA_BUFTS={env}"
-    if "AMX_INT8 = 1" in system_info:
-        return False, ("this llama.cpp build has the AMX path, whose matmul faults "
-                       "(ggml-org/llama.cpp#20824); DRAFTD_LLAMA_EXTRA_BUFTS=1 turns it back on")
-    return True, "no AMX path in this llama.cpp build"
+    if "AMX_INT8 = 1" not in system_info:
+        return True, "no AMX path in this llama.cpp build"
+    ok, detail = probe()
+    if ok:
+        return True, f"the AMX path works in this build ({detail})"
+    if ok is None:
+        return False, f"the AMX path of this llama.cpp build is unprobed ({detail}): the AVX-512 kernels run"
+    return False, (f"the AMX matmul of this llama.cpp build faults ({detail}): the AVX-512 kernels run instead; "
+                   f"scripts/install builds llama-cpp-python with the fix (-fno-dse -fno-tree-dse)")
+
+
+def llama_extra_buffers(gguf: str | Path) -> tuple[bool, str]:
+    """Decide, once per process, whether llama.cpp loads weights into its extra buffer types, and
+    make every later load follow it (ours and ``llama_cpp.Llama``'s, whose defaults are patched).
+
+    On a CPU with AMX, llama.cpp keeps Q4_0/Q4_1/Q8_0/K-quant weights in AMX tiles: measured on
+    a Xeon with AMX (2 threads, SmolLM2-135M Q4_1), a one-token step takes 6.7 ms against 12.3 ms
+    on the AVX-512 kernels. But GCC 12 at -O3 drops the stores that fill the tile configuration
+    in ``ggml_tile_config_init`` (it does not see ``_tile_loadconfig`` read them), so the first
+    batched matmul dies with a general-protection fault (ggml-org/llama.cpp#20824 reads like it).
+    Whether this build has that bug is probed once in a child process on ``gguf`` (about a second)
+    and cached per library file under :func:`decoder.models.cache_root`; a build without the AMX
+    path is not probed. ``DRAFTD_LLAMA_EXTRA_BUFTS`` = ``1`` / ``0`` overrides.
+
+    Returns:
+        (use_extra_bufts, reason), logged once.
+    """
+    global _extra, _route
+    L = _llama()
+    with _init_lock:
+        if _extra is None:
+            info = L.llama_print_system_info().decode(errors="replace")
+            decided = extra_buffer_policy(info, lambda: _probe_extra_buffers(Path(gguf)))
+            if "unprobed" in decided[1]:
+                return decided  # this load runs without them; the next one probes again
+            _extra = decided
+            use = _extra[0]
+            _route = use and "AMX_INT8 = 1" in info
+            defaults = getattr(L.llama_model_default_params, "_draftd_defaults", L.llama_model_default_params)
+
+            def model_params():
+                p = defaults()
+                p.use_extra_bufts = use
+                return p
+
+            model_params._draftd_defaults = defaults
+            L.llama_model_default_params = model_params  # what llama_cpp.Llama calls too
+            log.info("llama.cpp extra buffer types", use=use, reason=_extra[1])
+        return _extra
+
+
+def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
+    """(ok, detail) of :data:`_PROBE`, cached per llama.cpp CPU library file; ok None: unknown.
+
+    The probe loads the packaged SmolLM2 GGUF when it is installed (Q4_1 weights, which the AMX
+    path takes), else ``gguf``; a model of other weight types (F32) would not reach the AMX
+    matmul, so its "ok" is not cached."""
+    import json
+    import subprocess
+    import sys
+
+    from decoder.models import cache_root
+
+    import llama_cpp
+
+    libdir = Path(llama_cpp.__file__).parent / "lib"
+    libs = sorted({p.resolve() for p in libdir.glob("libggml-cpu*")} or {p.resolve() for p in libdir.glob("*")})
+    key = ";".join(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in libs if p.is_file())
+    cache = cache_root() / "llama-extra-buffers.json"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), list) and len(known[key]) == 2:
+        ok, detail = known[key]
+        return bool(ok), f"{detail}, cached"
+    packaged = None
+    try:
+        from decoder.models import packaged_gguf
+
+        packaged = packaged_gguf("smollm2-135m")
+    except Exception:  # noqa: BLE001 - not installed: probe on the model at hand
+        pass
+    model = packaged if packaged is not None and Path(packaged).is_file() else gguf
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, str(model)], capture_output=True, timeout=120)
+        ok = True if r.returncode == 0 else False if r.returncode < 0 else None
+        detail = (f"probe on {Path(model).name} decoded a batch" if r.returncode == 0 else
+                  f"probe on {Path(model).name} killed by signal {-r.returncode}" if r.returncode < 0 else
+                  f"probe on {Path(model).name} exited {r.returncode}")
+    except subprocess.TimeoutExpired:
+        ok, detail = None, "probe timed out"
+    if ok is False or (ok and model == packaged):  # a clear answer about the build, kept
+        known = known if isinstance(known, dict) else {}
+        known[key] = [ok, detail]
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(known))
+            os.replace(tmp, cache)
+        except OSError:
+            pass
+    return ok, detail
 
 
 class LlamaCppSequence:
@@ -237,8 +372,9 @@ class LlamaCppEngine:
         self.path = Path(path)
         if not self.path.is_file():
             raise EngineError(f"GGUF file {str(path)!r} does not exist")
+        self.extra_bufts, _ = llama_extra_buffers(self.path)
         mp = L.llama_model_default_params()
-        self.extra_bufts = bool(mp.use_extra_bufts)
+        mp.use_extra_bufts = self.extra_bufts
         self.model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self.model:
             raise EngineError(f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?)")
@@ -307,7 +443,7 @@ class LlamaCppEngine:
                 out = c0 + i >= first_out
                 b.logits[i] = 1 if out else 0
                 outs += out
-            rc = L.llama_decode(self.ctx, b)
+            rc = llama_call(L.llama_decode, self.ctx, b)
             if rc != 0:
                 raise EngineError(f"llama_decode returned {rc} (1: no KV slot; <0: error) at position {seq.length}")
             seq.length += len(chunk)

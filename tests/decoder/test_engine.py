@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from decoder.engine import EngineError, LlamaCppEngine, TorchEngine, choose_engine, llamacpp_available
+from decoder.engine import EngineError, LlamaCppEngine, TorchEngine, choose_engine, llama_call, llamacpp_available
 from decoder.sampling import SamplingParams, process_logits
 from decoder.speculative import DecodeRequest, SpeculativeDecoder
 from test_proposers import assert_planted_first_token_is_lossless
@@ -58,6 +58,78 @@ def tiny_gguf(tmp_path):
     from test_gguf_export import tiny_model, write_tiny_gguf
 
     return write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf")
+
+
+def test_extra_buffers_follow_the_amx_probe_and_the_override(monkeypatch):
+    """A build with the AMX path is probed (a miscompiled one faults on its first batched matmul);
+    one without it is not; DRAFTD_LLAMA_EXTRA_BUFTS overrides both."""
+    from decoder.engine import extra_buffer_policy
+
+    monkeypatch.delenv("DRAFTD_LLAMA_EXTRA_BUFTS", raising=False)
+    amx = "CPU : SSE3 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 1 | REPACK = 1 | "
+    calls = []
+
+    def probe(result):
+        return lambda: calls.append(1) or result
+
+    use, why = extra_buffer_policy(amx, probe((False, "probe killed by signal 11")))
+    assert use is False and "signal 11" in why and "-fno-dse" in why
+    assert extra_buffer_policy(amx, probe((True, "probe decoded a batch")))[0] is True
+    use, why = extra_buffer_policy(amx, probe((None, "probe exited 3")))
+    assert use is False and "unprobed" in why
+    assert len(calls) == 3
+    assert extra_buffer_policy("CPU : SSE3 = 1 | AVX2 = 1 | REPACK = 1 | ", probe((False, "x")))[0] is True
+    assert len(calls) == 3  # no AMX path: nothing to probe
+    monkeypatch.setenv("DRAFTD_LLAMA_EXTRA_BUFTS", "1")
+    assert extra_buffer_policy(amx, probe((False, "x"))) == (True, "DRAFTD_LLAMA_EXTRA_BUFTS=1")
+    monkeypatch.setenv("DRAFTD_LLAMA_EXTRA_BUFTS", "0")
+    assert extra_buffer_policy("CPU : AVX2 = 1 | ", probe((True, "x")))[0] is False
+    assert len(calls) == 3
+
+
+@needs_llamacpp
+def test_every_llama_cpp_model_in_the_process_follows_the_extra_buffer_decision(tiny_gguf):
+    """Ours and llama_cpp.Llama's (the bench peer) load with the one use_extra_bufts decided for
+    the process, and a batched forward runs (on a miscompiled AMX build it faulted)."""
+    import llama_cpp.llama_cpp as L
+
+    from decoder.engine import llama_extra_buffers
+
+    use, why = llama_extra_buffers(tiny_gguf)
+    assert why and bool(L.llama_model_default_params().use_extra_bufts) is use
+    eng = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=2)
+    assert eng.describe()["extra_buffer_types"] is use
+    assert eng.start().forward(list(range(3, 11)), 8).shape == (8, eng.vocab_size)
+    eng.close()
+
+
+_TORCH_BF16_BETWEEN_DECODES = """
+import sys, torch
+from decoder.engine import LlamaCppEngine
+engine = LlamaCppEngine(sys.argv[1], n_ctx=256, threads=2)
+seq = engine.start()
+first = seq.forward(list(range(10, 40)), 4)
+a, b = torch.randn(256, 576, dtype=torch.bfloat16), torch.randn(576, 1536, dtype=torch.bfloat16)
+float((a @ b).sum())  # oneDNN: AMX kernels on an AMX CPU, which release the thread's tiles
+seq.truncate(0)
+again = seq.forward(list(range(10, 40)), 4)
+assert torch.equal(first, again), float((first - again).abs().max())
+print("ok")
+"""
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_a_torch_bf16_matmul_between_decodes_does_not_kill_the_process(gguf):
+    """On a CPU with AMX, a torch bf16 matmul between two batched decodes on one thread killed the
+    process with SIGILL (ggml's tiles released by oneDNN); in a child, so a regression fails here
+    instead of ending the suite. The packaged Q4_1 model: its weights take the AMX path."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _TORCH_BF16_BETWEEN_DECODES, str(gguf)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
 
 
 def test_llamacpp_engine_refuses_calls_after_close_instead_of_crashing(tiny_gguf, tmp_path):
@@ -172,7 +244,7 @@ def test_llamacpp_engine_logits_equal_llama_cpp_pythons_own(engine, gguf, real):
 
     ids = real.tokenizer(PROMPT)["input_ids"]
     ref = Llama(model_path=str(gguf), n_ctx=512, n_threads=2, logits_all=True, flash_attn=True, verbose=False)
-    ref.eval(ids)
+    llama_call(ref.eval, ids)  # llama.cpp's own thread (AMX tiles, see llama_call)
     want = np.array(ref.scores[: len(ids)])  # (P, V): row j = logits after ids[: j + 1]
     seq = engine.start()
     first = seq.forward(ids[:-3], 1)  # prefill, last row only
@@ -205,7 +277,7 @@ def test_decoder_on_llamacpp_greedy_equals_plain_and_llama_cpps_own_greedy(engin
     assert spec.output_ids == plain.output_ids
     # plain greedy on our engine = argmax of llama-cpp-python's own logits at every step
     ref = Llama(model_path=str(gguf), n_ctx=512, n_threads=2, logits_all=True, flash_attn=True, verbose=False)
-    ref.eval(ids + plain.output_ids[:-1])
+    llama_call(ref.eval, ids + plain.output_ids[:-1])
     scores = np.array(ref.scores[len(ids) - 1 : len(ids) - 1 + len(plain.output_ids)])
     for j, t in enumerate(plain.output_ids):
         top2 = np.sort(scores[j])[-2:]

@@ -139,16 +139,16 @@ def llama_logits(model_path: Path, ids: list[int], lora: Path | None = None, n_c
     or llama.cpp's default F16 with ``f32_kv=False``)."""
     if llama_cpp is None:
         pytest.skip("llama-cpp-python is not importable (pip install llama-cpp-python)")
-    from decoder.engine import _llama
+    from decoder.engine import llama_call, llama_extra_buffers
 
-    _llama()  # the extra-buffer-types policy (AMX builds fault without it)
+    llama_extra_buffers(model_path)  # the engine's weight-buffer policy (a miscompiled AMX path faults)
     kw = {"lora_path": str(lora)} if lora else {}
     if f32_kv:
         kw.update(type_k=0, type_v=0)  # GGML_TYPE_F32
     llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=2, n_threads_batch=2,
                           logits_all=True, verbose=False, **kw)
     try:
-        llm.eval(ids)
+        llama_call(llm.eval, ids)  # llama.cpp's own thread (AMX tiles, see llama_call)
         return np.array(llm.scores[: len(ids)], dtype=np.float32)
     finally:
         llm.close()
