@@ -1,9 +1,11 @@
 """What a verification costs on the llama.cpp engine, and what that does to the n-gram proposer. JSON out.
 
-1. ``verify_cost``: one ``llama_decode`` of n = 1..5 tokens with logits at all n (a verification of
+1. ``verify_cost``: one ``llama_decode`` of n = 1..9 tokens with logits at all n (a verification of
    γ = n - 1) after 100 cached tokens, median ms over ``--reps``, and its ratio to n = 1, per thread
    count. On a weight-bandwidth-bound engine the ratio stays near 1; on a compute-bound one it grows
-   with n.
+   with n. Where the llama.cpp build has the AMX path (a CPU with AMX), measured twice, each in a
+   process of its own: with llama.cpp's extra (AMX) weight buffers and without
+   (``DRAFTD_LLAMA_EXTRA_BUFTS``; ``decoder.engine.llama_extra_buffers``).
 2. ``ngram_min_n``: greedy speculation with the n-gram proposer (history empty: the request's own
    context only) at ``ngram_min_n`` 1, 2, 3 and γ 1..3, against our plain decoding on the same engine,
    paired per prompt, on never-served prompts of prose, code and math; every output checked equal to
@@ -17,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 
@@ -27,16 +32,17 @@ def verify_cost(gguf, threads: int, reps: int) -> dict:
     eng = LlamaCppEngine(gguf, n_ctx=1024, threads=threads)
     seq = eng.start()
     seq.forward(list(range(100, 200)), 1)
-    ms = {n: [] for n in range(1, 6)}
+    ms = {n: [] for n in range(1, 10)}
     for _ in range(reps):
         for n in ms:
             t0 = time.perf_counter()
             seq.forward([5 + j for j in range(n)], n)
             ms[n].append((time.perf_counter() - t0) * 1e3)
             seq.truncate(100)
+    extra = eng.extra_bufts
     eng.close()
     base = statistics.median(ms[1])
-    return {"threads": threads, "ms": {n: round(statistics.median(v), 3) for n, v in ms.items()},
+    return {"threads": threads, "extra_buffer_types": extra, "ms": {n: round(statistics.median(v), 3) for n, v in ms.items()},
             "ratio": {n: round(statistics.median(v) / base, 3) for n, v in ms.items()}}
 
 
@@ -81,9 +87,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--verify-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    import sys
-
     from daemon.logging import configure
 
     configure("auto", "warning", stream=sys.stderr)  # stdout carries only the JSON
@@ -92,7 +97,23 @@ def main() -> None:
     from decoder.models import load_pair, packaged_gguf
 
     gguf = packaged_gguf("smollm2-135m")
-    out = {"gguf": gguf.name, "verify_cost": [verify_cost(gguf, t, a.reps) for t in (1, 2)]}
+    if a.verify_only:  # the child of a run that measures both buffer settings
+        print(json.dumps([verify_cost(gguf, t, a.reps) for t in (1, 2)]))
+        return
+    from decoder.engine import _llama
+
+    info = _llama().llama_print_system_info().decode(errors="replace")
+    settings = ("1", "0") if "AMX_INT8 = 1" in info else (None,)
+    out = {"gguf": gguf.name, "llama_system_info": info.strip(), "verify_cost": []}
+    for env in settings:
+        child_env = dict(os.environ, **({"DRAFTD_LLAMA_EXTRA_BUFTS": env} if env else {}))
+        r = subprocess.run([sys.executable, __file__, "--verify-only", "--reps", str(a.reps)], env=child_env,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            out["verify_cost"].append({"extra_buffer_types": env == "1", "error": f"exit {r.returncode}",
+                                       "stderr": r.stderr[-500:]})
+            continue
+        out["verify_cost"] += json.loads(r.stdout)
     pair = load_pair("smollm2-135m", "layers:0-3")
     engine = LlamaCppEngine(gguf, threads=2)
     out["ngram_min_n"] = ngram_min_n(pair, engine, a.prompts, a.max_new_tokens)
