@@ -5,7 +5,8 @@
    count. On a weight-bandwidth-bound engine the ratio stays near 1; on a compute-bound one it grows
    with n. Where the llama.cpp build has the AMX path (a CPU with AMX), measured twice, each in a
    process of its own: with llama.cpp's extra (AMX) weight buffers and without
-   (``DRAFTD_LLAMA_EXTRA_BUFTS``; ``decoder.engine.llama_extra_buffers``).
+   (``DRAFTD_LLAMA_EXTRA_BUFTS``; ``decoder.engine.llama_extra_buffers``); each on the main thread
+   and on a thread of its own (where the serving loop decodes).
 2. ``ngram_min_n``: greedy speculation with the n-gram proposer (history empty: the request's own
    context only) at ``ngram_min_n`` 1, 2, 3 and γ 1..3, against our plain decoding on the same engine,
    paired per prompt, on never-served prompts of prose, code and math; every output checked equal to
@@ -26,7 +27,17 @@ import sys
 import time
 
 
-def verify_cost(gguf, threads: int, reps: int) -> dict:
+def verify_cost(gguf, threads: int, reps: int, worker: bool = False) -> dict:
+    """Median ms per n on the main thread, or (``worker``) on a thread of its own, as the serving
+    loop decodes."""
+    if worker:
+        import threading
+
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.update(r=verify_cost(gguf, threads, reps)))
+        t.start()
+        t.join()
+        return dict(box["r"], thread="worker")
     from decoder.engine import LlamaCppEngine
 
     eng = LlamaCppEngine(gguf, n_ctx=1024, threads=threads)
@@ -42,7 +53,7 @@ def verify_cost(gguf, threads: int, reps: int) -> dict:
     extra = eng.extra_bufts
     eng.close()
     base = statistics.median(ms[1])
-    return {"threads": threads, "extra_buffer_types": extra, "ms": {n: round(statistics.median(v), 3) for n, v in ms.items()},
+    return {"threads": threads, "thread": "main", "extra_buffer_types": extra, "ms": {n: round(statistics.median(v), 3) for n, v in ms.items()},
             "ratio": {n: round(statistics.median(v) / base, 3) for n, v in ms.items()}}
 
 
@@ -98,7 +109,7 @@ def main() -> None:
 
     gguf = packaged_gguf("smollm2-135m")
     if a.verify_only:  # the child of a run that measures both buffer settings
-        print(json.dumps([verify_cost(gguf, t, a.reps) for t in (1, 2)]))
+        print(json.dumps([verify_cost(gguf, t, a.reps, w) for t in (1, 2) for w in (False, True)]))
         return
     from decoder.engine import _llama
 

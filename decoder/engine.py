@@ -169,9 +169,11 @@ def llama_call(fn, *args):
     Why: ggml configures a thread's AMX tiles once (a thread-local flag), and oneDNN, which torch's
     bf16 matmuls run on, releases the tiles after each of its AMX kernels. On a thread that ran
     both, ggml's next tile instruction found no configuration and the process died of SIGILL
-    (measured: a torch bf16 matmul between two batched decodes on one thread). llama.cpp's
-    compute, and its OpenMP team, therefore live on a thread that runs nothing else; about 0.05 ms
-    a call.
+    (measured: a torch bf16 matmul between two batched decodes on one thread). The calling thread
+    is thread 0 of ggml's compute (its other threads are ggml's own), so llama.cpp's compute
+    calls run on a thread that runs nothing else; measured no slower (7.07 vs 7.10 ms a step at
+    2 threads) in the build scripts/install makes (GGML_OPENMP=OFF: with OpenMP, any thread but
+    the main one decoded 2.5-5x slower).
     """
     global _llama_thread
     if not _route or threading.get_ident() == _llama_ident:
