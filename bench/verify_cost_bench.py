@@ -53,18 +53,27 @@ def verify_cost(gguf, threads: int, reps: int, worker: bool = False) -> dict:
     extra = eng.extra_bufts
     eng.close()
     base = statistics.median(ms[1])
-    return {"threads": threads, "thread": "main", "extra_buffer_types": extra, "ms": {n: round(statistics.median(v), 3) for n, v in ms.items()},
+    return {"threads": threads, "thread": "main", "extra_buffer_types": extra,
+            "ms": {n: round(statistics.median(v), 3) for n, v in ms.items()},
             "ratio": {n: round(statistics.median(v) / base, 3) for n, v in ms.items()}}
 
 
 def ngram_min_n(pair, engine, prompts: int, max_new: int) -> list[dict]:
-    from decoder.metrics import AcceptanceCounts
-    from decoder.sampling import SamplingParams
-    from decoder.speculative import DecodeRequest, DecoderConfig, FixedGamma, SpeculativeDecoder
-    from decoder.workloads import get_workload
+    from decoder.engine import torch_threads_for
+    from decoder.speculative import DecoderConfig, SpeculativeDecoder
 
     decs = {k: SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(topk_record=0, ngram_min_n=k),
                                   engine=engine) for k in (1, 2, 3)}
+    with torch_threads_for(engine):  # as serve and generate decode on llama.cpp
+        return _ngram_rows(decs, pair, prompts, max_new)
+
+
+def _ngram_rows(decs, pair, prompts: int, max_new: int) -> list[dict]:
+    from decoder.metrics import AcceptanceCounts
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest, FixedGamma
+    from decoder.workloads import get_workload
+
     rows = []
     for wl in ("prose", "code", "math"):
         tot: dict = {}

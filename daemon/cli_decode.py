@@ -198,7 +198,10 @@ def generate(
     try:
         req = DecodeRequest(ids, params, max_new_tokens, gamma=0 if no_spec else gamma, stop=tuple(stop or ()),
                             proposer=proposer)
-        res = dec.generate(req)
+        from decoder.engine import torch_threads_for
+
+        with torch_threads_for(dec.engine):
+            res = dec.generate(req)
     except ValueError as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoder.engine import llama_call
+from decoder.engine import llama_call, torch_threads_for
 from decoder.metrics import AcceptanceCounts
 from decoder.sampling import SamplingParams, predicted_speedup
 from decoder.proposers import PROPOSERS
@@ -211,7 +211,8 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
     def run(req, policy):
         if history is not None:  # every request sees the same frozen n-gram history
             decoder.ngram_history = history.copy()
-        return decoder.generate(req, policy)
+        with torch_threads_for(decoder.engine):  # as serve and generate run it (hf rows keep torch's own)
+            return decoder.generate(req, policy)
 
     for i, ids in enumerate(enc):
         params = SamplingParams(base.temperature, base.top_p, base.top_k, seed=cfg.seed + i)

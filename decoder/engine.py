@@ -24,6 +24,7 @@ and :meth:`Engine.start` begins a request with an empty cache.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -547,6 +548,28 @@ class EngineChoice:
     reason: str
     target: Engine | None = None  # None: the decoder wraps its torch target itself
     draft: Engine | None = None  # the draft on llama.cpp (the derived draft's GGUF), else None
+
+
+@contextlib.contextmanager
+def torch_threads_for(engine):
+    """While decoding on a llama.cpp ``engine``: torch's intra-op threads at 1, restored after.
+
+    On llama.cpp the decoder's own torch work per step is vector math over a vocabulary row or
+    a few (processing, sampling, the acceptance test); with torch's default threads, its OpenMP
+    workers kept spinning after each of those small ops and took the cores from llama.cpp's
+    thread pool: measured (2 cores, Xeon), our plain decoding 58-77 tokens/s against 148-157 with
+    one torch thread, llama.cpp's own generation 146 in the same build. torch's thread count is
+    process-wide: a process that also trains in torch (the demo) chooses its own.
+    """
+    if not isinstance(engine, LlamaCppEngine) or torch.get_num_threads() == 1:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def target_gguf(target: str) -> Path | None:

@@ -114,6 +114,31 @@ def test_the_llama_cpp_build_is_the_one_scripts_install_makes():
     assert "OPENMP = 1" not in info, info
 
 
+@needs_llamacpp
+def test_decoding_on_llama_cpp_runs_torch_single_threaded_and_restores_it(tiny_gguf, target):
+    """torch's OpenMP workers spinning after the decoder's small ops took the cores from
+    llama.cpp's pool (our plain decoding at half llama.cpp's speed); torch_threads_for sets one
+    thread while decoding on llama.cpp, restores the count after (an error included), and leaves
+    the transformers engine alone."""
+    from decoder.engine import torch_threads_for
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eng = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1)
+        with torch_threads_for(eng):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(KeyError), torch_threads_for(eng):
+            raise KeyError("a failed request")
+        assert torch.get_num_threads() == 2
+        with torch_threads_for(TorchEngine(target)):
+            assert torch.get_num_threads() == 2
+        eng.close()
+    finally:
+        torch.set_num_threads(before)
+
+
 _TORCH_BF16_BETWEEN_DECODES = """
 import sys, torch
 from decoder.engine import LlamaCppEngine
