@@ -162,11 +162,15 @@ def run_bench(
     # Warm-up: first calls pay one-off allocator and kernel selection costs.
     warm = next(iter(enc_by_wl.values()))[0]
     decoder.generate(DecodeRequest(warm, max_new_tokens=min(4, cfg.max_new_tokens), gamma=2, ignore_eos=True))
-    for wl, enc in enc_by_wl.items():
-        for sname in cfg.sampling:
-            m = _measure(decoder, wl, sname, enc, gammas, cfg, say, peer, frozen_history)
-            for row in _rows(wl, sname, m, gammas, cfg):
-                add(row)
+    torch_threads = torch.get_num_threads()  # what the hf rows run with
+    # On llama.cpp the decoder's torch work runs single-threaded, for the whole sweep (between our
+    # requests too: torch workers still spinning from a 2-thread op slowed the next decode)
+    with torch_threads_for(decoder.engine):
+        for wl, enc in enc_by_wl.items():
+            for sname in cfg.sampling:
+                m = _measure(decoder, wl, sname, enc, gammas, cfg, say, peer, frozen_history, torch_threads)
+                for row in _rows(wl, sname, m, gammas, cfg):
+                    add(row)
     kernels = {"small_m_calibration": decoder.small_m_calibration, "draft_precision": decoder.draft_precision,
                "draft_precision_calibration": decoder.draft_precision_calibration,
                "engine": decoder.engine.describe(),
@@ -195,7 +199,7 @@ def _encode(tok, prompts: Iterable[Prompt], cfg: BenchConfig) -> dict[str, list[
 
 def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[int]], gammas: list[int],
              cfg: BenchConfig, say: Callable[[str], None], peer: "LlamaCppPeer | None" = None,
-             history=None) -> dict:
+             history=None, hf_threads: int | None = None) -> dict:
     """One (workload, sampling) cell: per prompt, every method back to back (plain, hf_plain,
     llamacpp_plain, then each proposer x γ's spec and hf_assisted), so a machine that speeds up or
     slows down during the sweep shifts all methods alike instead of favouring whichever ran in the
@@ -211,8 +215,15 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
     def run(req, policy):
         if history is not None:  # every request sees the same frozen n-gram history
             decoder.ngram_history = history.copy()
-        with torch_threads_for(decoder.engine):  # as serve and generate run it (hf rows keep torch's own)
-            return decoder.generate(req, policy)
+        return decoder.generate(req, policy)
+
+    def hf(*args):  # transformers at torch's own thread count, as its users run it
+        before = torch.get_num_threads()
+        torch.set_num_threads(hf_threads or before)
+        try:
+            return _hf_generate(*args)
+        finally:
+            torch.set_num_threads(before)
 
     for i, ids in enumerate(enc):
         params = SamplingParams(base.temperature, base.top_p, base.top_k, seed=cfg.seed + i)
@@ -224,7 +235,7 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
         plain_tps_i = len(r.output_ids) / r.latency_ms  # this prompt's plain tokens/ms
         if cfg.hf:
             say(f"{wl} {sname} hf_plain prompt {i + 1}/{len(enc)}")
-            out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
+            out, t = hf(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
             hf_plain[0] += len(out)
             hf_plain[1] += t
         if peer is not None:
@@ -256,8 +267,7 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
                                     "top2_margin": _top2_margin(decoder, ids, plain_out, d)})
             if cfg.hf and prop == cfg.proposers[0]:
                 say(f"{wl} {sname} hf_assisted γ={g} prompt {i + 1}/{len(enc)}")
-                out, t = _hf_generate(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, g,
-                                      cfg.seed + i)
+                out, t = hf(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, g, cfg.seed + i)
                 hf[g][0] += len(out)
                 hf[g][1] += t
     if history is not None:

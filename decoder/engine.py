@@ -417,7 +417,7 @@ class LlamaCppEngine:
 
     def start(self) -> LlamaCppSequence:
         self._check_open()
-        self.L.llama_memory_clear(self.mem, True)
+        self.L.llama_memory_clear(self.mem, False)  # metadata only: zeroing the buffers (data=True) cost 19 ms at 8192 tokens
         return LlamaCppSequence(self)
 
     def _decode(self, seq: LlamaCppSequence, tokens: list[int], keep: int, hidden: bool):
