@@ -280,8 +280,10 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
             i = 0
             while time.time() < end:
                 p = prompts[i % len(prompts)]
+                row = _serve_one(oai, loop, tok, model_name, phase, p, cfg.max_new_tokens, t0)
+                row["repeat"] = i >= len(prompts)  # served before in this phase: its output is in the n-gram history
                 i += 1
-                timeline.append(_serve_one(oai, loop, tok, model_name, phase, p, cfg.max_new_tokens, t0))
+                timeline.append(row)
                 live.update(_progress_table(timeline, phase, svc, loop.manager, loop.controller, (phase, params.bucket())))
             traffic.phase_end_version[phase] = loop.decoder.adapter_version
     return traffic
@@ -429,6 +431,7 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
             # plain decoding, whose α is None, or the n-gram proposer, which is not trained)
             row["alpha_gain"] = _nn((row["adapted_draft"]["alpha"] or 0) - (row["frozen"]["alpha"] or 0))
             served = [r for r in timeline if r["workload"] == phase]
+            row["served"] = {"requests": len(served), "repeats": sum(bool(r.get("repeat")) for r in served)}
             third = max(1, len(served) // 3)
             for label, part in (("live_first_third", served[:third]), ("live_last_third", served[-third:])):
                 al = [r["alpha"] for r in part if r["alpha"] is not None]
@@ -581,6 +584,12 @@ def print_report(report: dict, console) -> None:
     console.print(t)
     for r in report["phases"]:
         console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}")
+        sv = r.get("served") or {}
+        if sv.get("repeats"):
+            console.print(f"  {r['workload']}: {sv['repeats']} of {sv['requests']} served requests repeated a prompt "
+                          f"served earlier in the phase (the workload has {sv['requests'] - sv['repeats']} prompts); "
+                          f"the n-gram proposer copies a repeat's earlier output, so live α and the controller's "
+                          f"pick reflect repeated traffic; the table's rows are on prompts never served")
     a = Table(title="adapters")
     for c in ("version", "state", "α before", "α after", "samples", "reason"):
         a.add_column(c)
