@@ -158,7 +158,7 @@ def _llama():
 
 _extra: tuple[bool, str] | None = None  # this process's decision (llama_extra_buffers)
 _route = False  # llama_call runs llama.cpp's compute on its own thread (AMX tiles in use)
-_llama_thread: "concurrent.futures.ThreadPoolExecutor | None" = None
+_llama_thread = None  # the llama.cpp thread's queue (_llama_queue)
 _llama_ident: int | None = None
 
 
@@ -176,21 +176,51 @@ def llama_call(fn, *args):
     2 threads) in the build scripts/install makes (GGML_OPENMP=OFF: with OpenMP, any thread but
     the main one decoded 2.5-5x slower).
     """
-    global _llama_thread
     if not _route or threading.get_ident() == _llama_ident:
         return fn(*args)
-    if _llama_thread is None:
-        import concurrent.futures
+    import concurrent.futures
 
-        def mark():
-            global _llama_ident
-            _llama_ident = threading.get_ident()
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    _llama_queue().put((fut, fn, args))
+    try:
+        return fut.result()
+    except BaseException:
+        # interrupted (Ctrl-C) while llama.cpp still computes on our context: wait it out, or a
+        # close() in the caller's cleanup would free the context under the running decode
+        while not fut.done():
+            try:
+                concurrent.futures.wait([fut])
+            except BaseException:  # noqa: BLE001 - a second interrupt: keep waiting all the same
+                pass
+        raise
 
-        with _init_lock:
-            if _llama_thread is None:
-                _llama_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llama.cpp",
-                                                                      initializer=mark)
-    return _llama_thread.submit(fn, *args).result()
+
+def _llama_queue():
+    """The llama.cpp thread's work queue, its daemon thread started on first use (a daemon:
+    concurrent.futures' executors stop taking work once the main thread returns, and a serving
+    thread may still be decoding then)."""
+    global _llama_thread
+    with _init_lock:
+        if _llama_thread is None:
+            import queue
+
+            q: queue.SimpleQueue = queue.SimpleQueue()
+
+            def run():
+                global _llama_ident
+                _llama_ident = threading.get_ident()
+                while True:
+                    fut, fn, args = q.get()
+                    if not fut.set_running_or_notify_cancel():
+                        continue
+                    try:
+                        fut.set_result(fn(*args))
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+
+            threading.Thread(target=run, name="llama.cpp", daemon=True).start()
+            _llama_thread = q
+    return _llama_thread
 
 # Loads a GGUF with llama.cpp's extra buffer types and decodes one 8-token batch: the call whose
 # AMX matmul faults in a miscompiled build. Run in a child process (a fault must not kill ours).
@@ -218,9 +248,12 @@ def extra_buffer_policy(system_info: str, probe) -> tuple[bool, str]:
     probe: () -> (ok, detail), run only for a build with the AMX path (``AMX_INT8 = 1``); ok is
         None when the probe could not tell (its model did not load).
     """
-    env = os.environ.get("DRAFTD_LLAMA_EXTRA_BUFTS")
+    env = os.environ.get("DRAFTD_LLAMA_EXTRA_BUFTS", "").strip()
     if env in ("0", "1"):
         return env == "1", f"DRAFTD_LLAMA_EXTRA_BUFTS={env}"
+    if env:
+        raise EngineError(f"DRAFTD_LLAMA_EXTRA_BUFTS={env!r}: use 1 (llama.cpp's extra/AMX weight buffers on), "
+                          f"0 (off), or leave it unset (probed)")
     if "AMX_INT8 = 1" not in system_info:
         return True, "no AMX path in this llama.cpp build"
     ok, detail = probe()
@@ -254,7 +287,7 @@ def llama_extra_buffers(gguf: str | Path) -> tuple[bool, str]:
         if _extra is None:
             info = L.llama_print_system_info().decode(errors="replace")
             decided = extra_buffer_policy(info, lambda: _probe_extra_buffers(Path(gguf)))
-            if "unprobed" in decided[1]:
+            if "unprobed" in decided[1] and "not installed" not in decided[1]:
                 return decided  # this load runs without them; the next one probes again
             _extra = decided
             use = _extra[0]
@@ -279,6 +312,7 @@ def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
     path takes), else ``gguf``; a model of other weight types (F32) would not reach the AMX
     matmul, so its "ok" is not cached."""
     import json
+    import signal
     import subprocess
     import sys
 
@@ -294,9 +328,9 @@ def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
-    if isinstance(known, dict) and isinstance(known.get(key), list) and len(known[key]) == 2:
-        ok, detail = known[key]
-        return bool(ok), f"{detail}, cached"
+    entry = known.get(key) if isinstance(known, dict) else None
+    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], bool):
+        return entry[0], f"{entry[1]}, cached"
     packaged = None
     try:
         from decoder.models import packaged_gguf
@@ -307,13 +341,17 @@ def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
     model = packaged if packaged is not None and Path(packaged).is_file() else gguf
     try:
         r = subprocess.run([sys.executable, "-c", _PROBE, str(model)], capture_output=True, timeout=120)
-        ok = True if r.returncode == 0 else False if r.returncode < 0 else None
+        faults = {-int(signal.SIGSEGV), -int(signal.SIGILL), -int(signal.SIGBUS)}
+        ok = True if r.returncode == 0 else False if r.returncode in faults else None
         detail = (f"probe on {Path(model).name} decoded a batch" if r.returncode == 0 else
                   f"probe on {Path(model).name} killed by signal {-r.returncode}" if r.returncode < 0 else
                   f"probe on {Path(model).name} exited {r.returncode}")
     except subprocess.TimeoutExpired:
         ok, detail = None, "probe timed out"
-    if ok is False or (ok and model == packaged):  # a clear answer about the build, kept
+    if ok and model != packaged:  # its weights may never reach the AMX matmul: proves nothing
+        return None, f"{detail}, but the packaged model is not installed to probe the AMX matmul with"
+    if ok is not None:  # a clear answer about the build (a fault, or the packaged model decoding), kept
+        # (an interrupt, a kill or an abort says nothing about the build: retried next start)
         known = known if isinstance(known, dict) else {}
         known[key] = [ok, detail]
         try:
@@ -322,7 +360,7 @@ def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
             tmp.write_text(json.dumps(known))
             os.replace(tmp, cache)
         except OSError:
-            pass
+            Path(f"{cache.with_suffix('')}.tmp{os.getpid()}").unlink(missing_ok=True)
     return ok, detail
 
 
@@ -394,6 +432,7 @@ class LlamaCppEngine:
         cp.embeddings = self.embeddings
         cp.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token hidden states
         cp.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
+        self.flash_attn = bool(flash_attn)
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             L.llama_model_free(self.model)
@@ -408,6 +447,7 @@ class LlamaCppEngine:
         self._loras: dict[str, object] = {}
         self.lora: str | None = None  # the adapter key now set on the context
         self._closed = False
+        self._busy = threading.Lock()  # held by a decode; close() waits for it
 
     def _check_open(self) -> None:
         """Every call into the context goes through here: after :meth:`close` its pointers are
@@ -417,10 +457,17 @@ class LlamaCppEngine:
 
     def start(self) -> LlamaCppSequence:
         self._check_open()
-        self.L.llama_memory_clear(self.mem, False)  # metadata only: zeroing the buffers (data=True) cost 19 ms at 8192 tokens
+        # Metadata only with flash attention (zeroing the buffers cost 19 ms a request at 8192 tokens;
+        # masked cells never reach its softmax); without it a stale cell holding inf/NaN (an f16
+        # overflow) turned a later request's logits to NaN (QA), so the buffers are zeroed there.
+        self.L.llama_memory_clear(self.mem, not self.flash_attn)
         return LlamaCppSequence(self)
 
     def _decode(self, seq: LlamaCppSequence, tokens: list[int], keep: int, hidden: bool):
+        with self._busy:  # a close() from another thread waits for this decode instead of freeing under it
+            return self._decode_locked(seq, tokens, keep, hidden)
+
+    def _decode_locked(self, seq: LlamaCppSequence, tokens: list[int], keep: int, hidden: bool):
         self._check_open()
         L, n = self.L, len(tokens)
         if n < 1 or not 1 <= keep <= n:
@@ -521,6 +568,10 @@ class LlamaCppEngine:
                 "n_ctx": self.context_length, "lora": self.lora, "extra_buffer_types": self.extra_bufts}
 
     def close(self) -> None:
+        with self._busy:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
         if self._closed:
             return
         self._closed = True

@@ -87,6 +87,103 @@ def test_extra_buffers_follow_the_amx_probe_and_the_override(monkeypatch):
     assert len(calls) == 3
 
 
+def test_extra_buffers_refuse_an_unknown_override(monkeypatch):
+    from decoder.engine import extra_buffer_policy
+
+    for bad in ("yes", "2", "off", "true"):
+        monkeypatch.setenv("DRAFTD_LLAMA_EXTRA_BUFTS", bad)
+        with pytest.raises(EngineError, match=f"DRAFTD_LLAMA_EXTRA_BUFTS={bad!r}: use 1"):
+            extra_buffer_policy("CPU : AMX_INT8 = 1 | ", lambda: (True, "x"))
+    monkeypatch.setenv("DRAFTD_LLAMA_EXTRA_BUFTS", " 1 ")
+    assert extra_buffer_policy("CPU : AMX_INT8 = 1 | ", lambda: (False, "x"))[0] is True
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("rc, ok, cached", [(-11, False, True), (-4, False, True), (-2, None, False),
+                                            (-9, None, False), (-6, None, False), (3, None, False), (0, True, True)],
+                         ids=["segv", "sigill", "sigint", "sigkill", "abort", "no-load", "decoded"])
+def test_only_a_fault_or_a_decoded_batch_is_kept_as_the_builds_answer(tmp_path, monkeypatch, rc, ok, cached):
+    """A Ctrl-C or an OOM kill of the probe child said nothing about the build but was cached
+    forever as "the AMX matmul faults" (QA); only SIGSEGV/SIGILL/SIGBUS or a decoded batch are kept."""
+    import json
+    import subprocess
+
+    import decoder.engine as E
+
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, rc, b"", b""))
+    from decoder.models import packaged_gguf
+
+    got, detail = E._probe_extra_buffers(packaged_gguf("smollm2-135m"))
+    assert got is ok, detail
+    cache = tmp_path / "llama-extra-buffers.json"
+    assert cache.exists() is cached
+    if cached:
+        assert list(json.loads(cache.read_text()).values()) == [[ok, detail]]
+        assert E._probe_extra_buffers(packaged_gguf("smollm2-135m")) == (ok, f"{detail}, cached")
+
+
+@needs_llamacpp
+def test_a_probe_on_a_model_other_than_the_packaged_one_proves_nothing(tmp_path, monkeypatch, tiny_gguf):
+    """Without the packaged Q4_1 model the probe would run on whatever loads first (an F32 model
+    never reaches the AMX matmul): its success is not taken for the build's."""
+    import subprocess
+
+    import decoder.engine as E
+    import decoder.models as M
+
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, b"", b""))
+    monkeypatch.setattr(M, "packaged_gguf", lambda name: (_ for _ in ()).throw(M.ModelLoadError("not installed")))
+    ok, detail = E._probe_extra_buffers(tiny_gguf)
+    assert ok is None and "not installed" in detail and not (tmp_path / "llama-extra-buffers.json").exists()
+
+
+_CLOSE_DURING_DECODE = """
+import sys, threading
+from decoder.engine import EngineError, LlamaCppEngine
+eng = LlamaCppEngine(sys.argv[1], n_ctx=256, threads=1)
+seq = eng.start()
+errors = []
+def decode():
+    try:
+        for _ in range(200):
+            seq.truncate(0)
+            seq.forward(list(range(3, 60)), 8)
+    except EngineError as e:
+        errors.append(e)
+t = threading.Thread(target=decode)
+t.start()
+eng.close()  # from another thread, mid-decode
+t.join()
+assert errors and "closed" in str(errors[0]), errors
+print("ok")
+"""
+
+
+@needs_llamacpp
+def test_close_from_another_thread_waits_for_the_running_decode(tiny_gguf):
+    """close() during a decode freed the context under it (SIGSEGV, QA); it now waits for the decode,
+    and the decoding thread's next call raises EngineError. In a child: a regression kills only it."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _CLOSE_DURING_DECODE, str(tiny_gguf)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
+
+
+@needs_llamacpp
+def test_llama_call_hands_back_errors_and_keeps_serving(monkeypatch):
+    import decoder.engine as E
+
+    monkeypatch.setattr(E, "_route", True)
+    with pytest.raises(ZeroDivisionError):
+        E.llama_call(lambda: 1 / 0)
+    assert E.llama_call(lambda a, b: a + b, 2, 3) == 5
+    assert E.llama_call(lambda: E.llama_call(lambda: 7)) == 7  # re-entrant: runs in place
+
+
 @needs_llamacpp
 def test_every_llama_cpp_model_in_the_process_follows_the_extra_buffer_decision(tiny_gguf):
     """Ours and llama_cpp.Llama's (the bench peer) load with the one use_extra_bufts decided for
