@@ -587,7 +587,7 @@ def print_report(report: dict, console) -> None:
         sv = r.get("served") or {}
         if sv.get("repeats"):
             console.print(f"  {r['workload']}: {sv['repeats']} of {sv['requests']} served requests repeated a prompt "
-                          f"served earlier in the phase (the workload has {sv['requests'] - sv['repeats']} prompts); "
+                          f"served earlier in the phase ({sv['requests'] - sv['repeats']} distinct prompts served); "
                           f"the n-gram proposer copies a repeat's earlier output, so live α and the controller's "
                           f"pick reflect repeated traffic; the table's rows are on prompts never served")
     a = Table(title="adapters")

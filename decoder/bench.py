@@ -217,7 +217,7 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
             decoder.ngram_history = history.copy()
         return decoder.generate(req, policy)
 
-    def hf(*args):  # transformers at torch's own thread count, as its users run it
+    def hf_run(*args):  # transformers at torch's own thread count, as its users run it
         before = torch.get_num_threads()
         torch.set_num_threads(hf_threads or before)
         try:
@@ -235,7 +235,7 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
         plain_tps_i = len(r.output_ids) / r.latency_ms  # this prompt's plain tokens/ms
         if cfg.hf:
             say(f"{wl} {sname} hf_plain prompt {i + 1}/{len(enc)}")
-            out, t = hf(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
+            out, t = hf_run(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, None, cfg.seed + i)
             hf_plain[0] += len(out)
             hf_plain[1] += t
         if peer is not None:
@@ -267,7 +267,7 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
                                     "top2_margin": _top2_margin(decoder, ids, plain_out, d)})
             if cfg.hf and prop == cfg.proposers[0]:
                 say(f"{wl} {sname} hf_assisted γ={g} prompt {i + 1}/{len(enc)}")
-                out, t = hf(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, g, cfg.seed + i)
+                out, t = hf_run(decoder.target, decoder.draft, ids, base, cfg.max_new_tokens, g, cfg.seed + i)
                 hf[g][0] += len(out)
                 hf[g][1] += t
     if history is not None:

@@ -22,5 +22,5 @@ def test_repeated_prompts_are_reported_per_phase():
     out = io.StringIO()
     print_report(report, Console(file=out, width=200))
     text = out.getvalue()
-    assert "prose: 73 of 142 served requests repeated a prompt" in text and "has 69 prompts" in text
+    assert "prose: 73 of 142 served requests repeated a prompt" in text and "(69 distinct prompts served)" in text
     assert "math: 0 of" not in text and "math:" in text  # no repeats: no line about them
