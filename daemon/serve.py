@@ -785,14 +785,12 @@ def run_serve(settings, console=None) -> int:
 
             torch.set_num_threads(m.torch_threads)
         pair = load_pair(m.target, m.draft, device=m.device)
-        from decoder.engine import choose_engine
+        from decoder.engine import choose_engine, torch_threads_for
 
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads)
         log.info("engine", engine=engines.name, reason=engines.reason)
-        if engines.name == "llamacpp" and not m.torch_threads:
-            import torch
-
-            torch.set_num_threads(1)  # the decoder's torch work is per-row vector math (decoder.engine.torch_threads_for)
+        if not m.torch_threads:  # on llama.cpp the decoder's torch work is per-row vector math: one thread
+            stack.enter_context(torch_threads_for(engines.target))
         fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
         registry = AdapterRegistry(rh.client, settings.adapter_dir, scfg) if sv.follow_adapters else None
         loop = build_serving_loop(

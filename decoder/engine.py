@@ -158,7 +158,7 @@ def _llama():
 
 _extra: tuple[bool, str] | None = None  # this process's decision (llama_extra_buffers)
 _route = False  # llama_call runs llama.cpp's compute on its own thread (AMX tiles in use)
-_llama_thread = None  # the llama.cpp thread's queue (_llama_queue)
+_llama_q = None  # the llama.cpp thread's work queue (_llama_queue)
 _llama_ident: int | None = None
 
 
@@ -199,9 +199,9 @@ def _llama_queue():
     """The llama.cpp thread's work queue, its daemon thread started on first use (a daemon:
     concurrent.futures' executors stop taking work once the main thread returns, and a serving
     thread may still be decoding then)."""
-    global _llama_thread
+    global _llama_q
     with _init_lock:
-        if _llama_thread is None:
+        if _llama_q is None:
             import queue
 
             q: queue.SimpleQueue = queue.SimpleQueue()
@@ -219,8 +219,8 @@ def _llama_queue():
                         fut.set_exception(e)
 
             threading.Thread(target=run, name="llama.cpp", daemon=True).start()
-            _llama_thread = q
-    return _llama_thread
+            _llama_q = q
+    return _llama_q
 
 # Loads a GGUF with llama.cpp's extra buffer types and decodes one 8-token batch: the call whose
 # AMX matmul faults in a miscompiled build. Run in a child process (a fault must not kill ours).
@@ -286,9 +286,10 @@ def llama_extra_buffers(gguf: str | Path) -> tuple[bool, str]:
     with _init_lock:
         if _extra is None:
             info = L.llama_print_system_info().decode(errors="replace")
-            decided = extra_buffer_policy(info, lambda: _probe_extra_buffers(Path(gguf)))
-            if "unprobed" in decided[1] and "not installed" not in decided[1]:
-                return decided  # this load runs without them; the next one probes again
+            probed: list[tuple[bool | None, str]] = []
+            decided = extra_buffer_policy(info, lambda: probed.append(_probe_extra_buffers(Path(gguf))) or probed[0])
+            if probed and probed[0][0] is None:
+                return decided  # the probe could not tell: this load runs without them, the next probes again
             _extra = decided
             use = _extra[0]
             _route = use and "AMX_INT8 = 1" in info
@@ -316,9 +317,9 @@ def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
     import subprocess
     import sys
 
-    from decoder.models import cache_root
-
     import llama_cpp
+
+    from decoder.models import cache_root, packaged_gguf
 
     libdir = Path(llama_cpp.__file__).parent / "lib"
     libs = sorted({p.resolve() for p in libdir.glob("libggml-cpu*")} or {p.resolve() for p in libdir.glob("*")})
@@ -333,8 +334,6 @@ def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
         return entry[0], f"{entry[1]}, cached"
     packaged = None
     try:
-        from decoder.models import packaged_gguf
-
         packaged = packaged_gguf("smollm2-135m")
     except Exception:  # noqa: BLE001 - not installed: probe on the model at hand
         pass
@@ -354,13 +353,13 @@ def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
         # (an interrupt, a kill or an abort says nothing about the build: retried next start)
         known = known if isinstance(known, dict) else {}
         known[key] = [ok, detail]
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(known))
             os.replace(tmp, cache)
         except OSError:
-            Path(f"{cache.with_suffix('')}.tmp{os.getpid()}").unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
     return ok, detail
 
 

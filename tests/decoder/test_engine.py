@@ -139,6 +139,16 @@ def test_a_probe_on_a_model_other_than_the_packaged_one_proves_nothing(tmp_path,
     assert ok is None and "not installed" in detail and not (tmp_path / "llama-extra-buffers.json").exists()
 
 
+def run_child_ok(script: str, *args) -> None:
+    """Run ``script`` in a child Python process (a fault kills only the child) and assert it
+    exited 0 after printing "ok"."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
+
+
 _CLOSE_DURING_DECODE = """
 import sys, threading
 from decoder.engine import EngineError, LlamaCppEngine
@@ -165,12 +175,7 @@ print("ok")
 def test_close_from_another_thread_waits_for_the_running_decode(tiny_gguf):
     """close() during a decode freed the context under it (SIGSEGV, QA); it now waits for the decode,
     and the decoding thread's next call raises EngineError. In a child: a regression kills only it."""
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-c", _CLOSE_DURING_DECODE, str(tiny_gguf)], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
+    run_child_ok(_CLOSE_DURING_DECODE, tiny_gguf)
 
 
 @needs_llamacpp
@@ -257,12 +262,7 @@ def test_a_torch_bf16_matmul_between_decodes_does_not_kill_the_process(gguf):
     """On a CPU with AMX, a torch bf16 matmul between two batched decodes on one thread killed the
     process with SIGILL (ggml's tiles released by oneDNN); in a child, so a regression fails here
     instead of ending the suite. The packaged Q4_1 model: its weights take the AMX path."""
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-c", _TORCH_BF16_BETWEEN_DECODES, str(gguf)], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
+    run_child_ok(_TORCH_BF16_BETWEEN_DECODES, gguf)
 
 
 def test_llamacpp_engine_refuses_calls_after_close_instead_of_crashing(tiny_gguf, tmp_path):
