@@ -13,6 +13,10 @@ for any q, so a proposer only moves acceptance and cost, never the output distri
   fast as traffic arrives: every finished request is indexed at once. Its proposals are
   deterministic, so q is one-hot and a proposal x is accepted with probability p(x)
   (min(1, p/q) with q(x) = 1), the residual being p with x removed; α = E[p(x)].
+  With an :class:`NgramGate` it proposes, at each step, only as many of the matched tokens as
+  pay: the length that maximises expected tokens per ms, from online acceptance estimates per
+  kind of match and the engine's measured step cost per verified row count (:class:`StepCost`),
+  and none where a plain step is expected to be faster.
 
 Adding a proposer is one class with ``name``, ``start``, ``propose`` and ``rollback`` (see
 :class:`Proposer`); the decoder builds one per request (``SpeculativeDecoder.make_proposer``)
@@ -21,6 +25,7 @@ and indexes every finished request into its :class:`NgramHistory` itself.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -60,6 +65,9 @@ class Proposer(Protocol):
 
     def rollback(self, length: int) -> None:
         """Only ``ids[:length]`` survived verification: forget any state beyond it."""
+
+    # optional: ``verified(accepted: int)``, called after each verification of a proposal with its
+    # accepted prefix (before any cut at a stop), for a proposer that learns from it
 
 
 class DraftModelProposer:
@@ -136,9 +144,23 @@ class NgramHistory:
 
     def lookup(self, workload: str, key: tuple[int, ...], gamma: int) -> list[int]:
         """The up-to-γ tokens that followed ``key``'s most recent occurrence, or []."""
+        return self.lookup_match(workload, key, gamma)[0]
+
+    def lookup_match(self, workload: str, ctx, gamma: int, n: int | None = None,
+                     max_len: int = 32) -> tuple[list[int], int]:
+        """The up-to-γ tokens that followed the most recent occurrence of ``ctx``'s last ``n``
+        tokens (default: all of ``ctx``), and how many tokens of ``ctx`` that occurrence matches
+        backwards (>= n, at most ``max_len``): ([], 0) when there is none."""
+        n = len(ctx) if n is None else n
+        key = tuple(ctx[len(ctx) - n:])
         with self._lock:
             w = self._w.get(workload)
-            return w.lookup(key, gamma) if w is not None else []
+            hit = w.index.get(key) if w is not None else None
+            if hit is None or hit[0] not in w.by_seq:
+                return [], 0
+            seq = w.by_seq[hit[0]]
+            end = hit[1]
+            return seq[end:end + gamma], _match_len(ctx, len(ctx), seq, end, n, max_len)
 
     def copy(self) -> "NgramHistory":
         """An independent copy (what an evaluation decodes against, so it leaves no trace)."""
@@ -197,12 +219,195 @@ class _WorkloadIndex:
                     if self.index.get(key, (None,))[0] == old:
                         del self.index[key]
 
-    def lookup(self, key: tuple[int, ...], gamma: int) -> list[int]:
-        hit = self.index.get(key)
-        if hit is None or hit[0] not in self.by_seq:
-            return []
-        seq, end = hit
-        return self.by_seq[seq][end:end + gamma]
+def _match_len(a, a_end: int, b, b_end: int, n: int, max_len: int) -> int:
+    """How many tokens ``a[:a_end]`` and ``b[:b_end]`` share at their ends, given that the last
+    ``n`` are known equal (counted up to ``max_len``)."""
+    m = n
+    while m < max_len and m < a_end and m < b_end and a[a_end - 1 - m] == b[b_end - 1 - m]:
+        m += 1
+    return m
+
+
+# ---- the n-gram proposal's length: expected goodput per step -----------------------------------
+MATCH_BUCKETS = (1, 2, 3, 4, 6, 9, 17)  # a match of m tokens falls in the last bucket whose bound <= m
+POSITION_BUCKETS = 4  # conditional acceptance of proposal j: j = 1, 2, 3-4, >= 5
+
+
+def match_class(source: str, match_len: int) -> tuple[str, int]:
+    """The kind of an n-gram match that acceptance is estimated for: (``"own"`` (the request's
+    own tokens) or ``"hist"`` (the workload's past requests), the lower bound of its length
+    bucket in :data:`MATCH_BUCKETS`)."""
+    return source, max(b for b in MATCH_BUCKETS if b <= max(1, match_len))
+
+
+def _pos_bucket(j: int) -> int:
+    return 0 if j == 1 else 1 if j == 2 else 2 if j <= 4 else 3
+
+
+class StepCost:
+    """Measured wall ms of one decoding step (proposal, verification, acceptance test, cache
+    crop) by the rows it verified, n = proposals + 1 (n = 1: a plain step): the median of the
+    last ``window`` steps per n (a median, not a mean: one step stalled by another process, a
+    page fault or a graph rebuild must not make proposals look expensive for the next dozens).
+    An unmeasured n is read off a least-squares line through the measured ones (slope clamped
+    at >= 0; flat through a single point, so before any proposal is measured a proposal looks as
+    cheap as a plain step, and the first ones measure what it really costs). Fed by the decoder
+    from the steps that ran no draft model (the n-gram proposer's and plain ones)."""
+
+    def __init__(self, window: int = 33):
+        if window < 1:
+            raise ValueError(f"StepCost: window={window} must be >= 1")
+        self.window = window
+        self._recent: dict[int, deque[float]] = {}
+        self._median: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, rows: int, ms: float) -> None:
+        ms = float(ms)
+        if not math.isfinite(ms):  # a broken clock reading must not poison the estimate
+            return
+        with self._lock:
+            r = self._recent.setdefault(int(rows), deque(maxlen=self.window))
+            r.append(max(0.0, ms))
+            v = sorted(r)
+            self._median[int(rows)] = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+    def ms(self, rows: int) -> float:
+        """Estimated ms of a step verifying ``rows`` tokens (NaN before any step is measured)."""
+        with self._lock:
+            if rows in self._median:
+                return self._median[rows]
+            pts = list(self._median.items())
+        if not pts:
+            return math.nan
+        if len(pts) == 1:
+            return pts[0][1]
+        mx = sum(x for x, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sxx) if sxx else 0.0
+        return max(1e-6, my + slope * (rows - mx))
+
+    def status(self) -> dict[int, float]:
+        """Median ms per verified row count measured so far."""
+        with self._lock:
+            return {k: round(v, 4) for k, v in sorted(self._median.items())}
+
+
+class NgramGate:
+    """How many of a match's tokens the n-gram proposer proposes at a step (0: a plain step).
+
+    Per workload and kind of match (:func:`match_class`: own request or workload history x match
+    length), it keeps the conditional acceptance a_j = P(proposal j accepted | proposals 1..j-1
+    accepted) per position bucket (j = 1, 2, 3-4, >= 5) as forgetting counts: each observation
+    first scales every count by ``decay`` (so an estimate rests on about 1 / (1 - decay) recent
+    proposals and follows a shift within a few dozen), then adds the positions that were tried;
+    a_j = (accepted + 1) / (tried + 2) (a uniform prior), and a bucket never tried takes the
+    previous one's estimate. With a step cost t(n) for n verified rows (:class:`StepCost`), a
+    proposal of g tokens is expected to emit E(g) = 1 + Σ_{k<=g} Π_{j<=k} a_j tokens (the accepted
+    prefix plus the correction or bonus token; Leviathan et al. 2023, eq. (1), with
+    position-dependent acceptance) at t(g + 1) ms; the gate picks the g in 0..available with the
+    most E(g) / t(g + 1), where E(0) / t(1) is a plain step. A kind tried fewer than
+    ``explore_tries`` times is proposed at least one token, and every ``explore_every``-th match
+    the gate turns down proposes one, so an estimate that turned pessimistic can recover.
+    Thread-safe; bounded to ``max_workloads`` workloads (least recently used dropped).
+    """
+
+    def __init__(self, decay: float = 0.97, explore_tries: int = 3, explore_every: int = 16,
+                 max_workloads: int = 64):
+        if not 0 < decay <= 1 or explore_tries < 0 or explore_every < 1 or max_workloads < 1:
+            raise ValueError(f"NgramGate: need 0 < decay={decay} <= 1, explore_tries={explore_tries} >= 0, "
+                             f"explore_every={explore_every} >= 1, max_workloads={max_workloads} >= 1")
+        self.decay, self.explore_tries, self.explore_every = decay, explore_tries, explore_every
+        self.max_workloads = max_workloads
+        self._lock = threading.Lock()
+        # workload -> class -> [hits per bucket, tried per bucket, observations, turned down]
+        self._w: OrderedDict[str, dict[tuple, list]] = OrderedDict()
+
+    def _stats(self, workload: str, cls: tuple) -> list:
+        w = self._w.pop(workload, None) or {}
+        self._w[workload] = w
+        while len(self._w) > self.max_workloads:
+            self._w.popitem(last=False)
+        return w.setdefault(cls, [[0.0] * POSITION_BUCKETS, [0.0] * POSITION_BUCKETS, 0, 0])
+
+    @staticmethod
+    def _acceptance(st: list) -> list[float]:
+        hits, tried = st[0], st[1]
+        out, prev = [], 0.5
+        for b in range(POSITION_BUCKETS):
+            prev = (hits[b] + 1.0) / (tried[b] + 2.0) if tried[b] > 0 else prev
+            out.append(prev)
+        return out
+
+    def acceptance(self, workload: str, cls: tuple) -> list[float]:
+        """[a_1, a_2, a_3-4, a_5+] for one kind of match (the prior 0.5 where never tried)."""
+        with self._lock:
+            return self._acceptance(self._stats(workload, cls))
+
+    def length(self, workload: str, cls: tuple, available: int, cost: StepCost) -> int:
+        """Proposals to make out of ``available`` matched tokens (see the class docstring)."""
+        if available <= 0:
+            return 0
+        with self._lock:
+            st = self._stats(workload, cls)
+            a = self._acceptance(st)
+            explore = st[2] < self.explore_tries
+        t1 = cost.ms(1)
+        if not t1 == t1:  # nothing measured yet: one proposal measures what a proposal costs
+            return 1
+        best_g, best = 0, 1.0 / max(t1, 1e-6)
+        e, run = 1.0, 1.0
+        for g in range(1, available + 1):
+            run *= a[_pos_bucket(g)]
+            e += run
+            r = e / max(cost.ms(g + 1), 1e-6)
+            if r > best:
+                best_g, best = g, r
+        if best_g == 0:
+            with self._lock:
+                st[3] += 1
+                if explore or st[3] % self.explore_every == 0:
+                    return 1
+        return best_g
+
+    def observe(self, workload: str, cls: tuple, proposed: int, accepted: int) -> None:
+        """``accepted`` (<= ``proposed``) of ``proposed`` tokens of a ``cls`` match were accepted."""
+        if proposed <= 0:
+            return
+        accepted = max(0, min(int(accepted), int(proposed)))
+        with self._lock:
+            st = self._stats(workload, cls)
+            hits, tried = st[0], st[1]
+            for b in range(POSITION_BUCKETS):
+                hits[b] *= self.decay
+                tried[b] *= self.decay
+            for j in range(1, min(accepted + 1, proposed) + 1):
+                tried[_pos_bucket(j)] += 1.0
+                hits[_pos_bucket(j)] += 1.0 if j <= accepted else 0.0
+            st[2] += 1
+
+    def copy(self) -> "NgramGate":
+        """An independent copy (what an evaluation decodes against, so it leaves no trace)."""
+        new = NgramGate(self.decay, self.explore_tries, self.explore_every, self.max_workloads)
+        with self._lock:
+            for w, classes in self._w.items():
+                new._w[w] = {c: [list(st[0]), list(st[1]), st[2], st[3]] for c, st in classes.items()}
+        return new
+
+    def clear(self, workload: str | None = None) -> None:
+        with self._lock:
+            if workload is None:
+                self._w.clear()
+            else:
+                self._w.pop(workload, None)
+
+    def status(self) -> dict[str, dict[str, dict]]:
+        """Per workload and kind of match ("own/4" = the request's own tokens, a 4-5 token match):
+        observations and the acceptance estimates [a_1, a_2, a_3-4, a_5+]."""
+        with self._lock:
+            return {w: {f"{c[0]}/{c[1]}": {"proposals": st[2], "acceptance": [round(x, 3) for x in self._acceptance(st)]}
+                        for c, st in sorted(classes.items())} for w, classes in self._w.items()}
 
 
 class NgramProposer:
@@ -212,19 +417,30 @@ class NgramProposer:
     occurrence of the context's last n tokens in this request's own tokens, else in the
     workload's history; the first n that matches wins (longest match first). No match: no
     proposal (the step is a plain step). q is one-hot on each proposed token, (γ', V).
+
+    With ``gate`` (and the decoder's ``cost``) the match's length backwards (up to 32 tokens)
+    and its source pick an :class:`NgramGate` estimate, which cuts the proposal to the length
+    that pays (possibly none); the accepted prefix, reported by :meth:`verified`, updates it.
     """
 
     name = "ngram"
 
-    def __init__(self, history: NgramHistory, workload: str, vocab_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, history: NgramHistory, workload: str, vocab_size: int, device: torch.device | str = "cpu",
+                 gate: NgramGate | None = None, cost: StepCost | None = None):
+        if (gate is None) != (cost is None):
+            raise ValueError("NgramProposer: a gate needs the step cost it weighs proposals against (pass both)")
         self.history, self.workload, self.vocab, self.device = history, workload, vocab_size, device
+        self.gate, self.cost = gate, cost
         self.max_n, self.min_n = history.max_n, history.min_n
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence in ids
         self._indexed = 0  # ids[:e] n-grams with end e <= _indexed are in _index
+        self._pending: tuple[tuple, int] | None = None  # (class, proposed) awaiting verification
+        self.last_class: tuple | None = None  # the kind of match of the last proposal (None: no match)
 
     def start(self, ids: list[int], prefill: bool) -> None:
         self._index.clear()
         self._indexed = 0
+        self._pending = None
 
     def _extend_index(self, ids: list[int], upto: int) -> None:
         """Index n-grams of ``ids`` ending at e for _indexed < e <= upto (each has ids[e])."""
@@ -233,29 +449,47 @@ class NgramProposer:
                 self._index[tuple(ids[end - n:end])] = end
         self._indexed = max(self._indexed, upto)
 
+    def _match(self, ids: list[int], gamma: int) -> tuple[list[int], tuple | None]:
+        """The longest-n match's continuation (up to γ tokens) and its :func:`match_class`."""
+        L = len(ids)
+        # earlier occurrences end at e <= L - 1, so ids[e] exists and e != L (not the tail itself)
+        self._extend_index(ids, L - 1)
+        for n in range(min(self.max_n, L), self.min_n - 1, -1):
+            e = self._index.get(tuple(ids[L - n:]))
+            if e is not None and e < L:
+                return ids[e:e + gamma], match_class("own", _match_len(ids, L, ids, e, n, 32))
+            tokens, m = self.history.lookup_match(self.workload, ids, gamma, n)
+            if tokens:
+                return tokens, match_class("hist", m)
+        return [], None
+
     def propose(self, ids: list[int], gamma: int, params: SamplingParams, gen: torch.Generator) -> Proposal:
         tokens: list[int] = []
-        L = len(ids)
+        cls = None
         if gamma > 0:
-            # earlier occurrences end at e <= L - 1, so ids[e] exists and e != L (not the tail itself)
-            self._extend_index(ids, L - 1)
-            for n in range(min(self.max_n, L), self.min_n - 1, -1):
-                key = tuple(ids[L - n:])
-                e = self._index.get(key)
-                if e is not None and e < L:
-                    tokens = ids[e:e + gamma]
-                    break
-                tokens = self.history.lookup(self.workload, key, gamma)
-                if tokens:
-                    break
+            tokens, cls = self._match(ids, gamma)
         # a history filled elsewhere (another tokenizer) must not propose ids the target lacks
         bad = next((i for i, t in enumerate(tokens) if not 0 <= t < self.vocab), None)
         if bad is not None:
             tokens = tokens[:bad]
+        self.last_class = cls
+        self._pending = None
+        if self.gate is not None and tokens:
+            tokens = tokens[: self.gate.length(self.workload, cls, len(tokens), self.cost)]
+            if tokens:
+                self._pending = (cls, len(tokens))
         q = torch.zeros((len(tokens), self.vocab), device=self.device)
         if tokens:
             q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         return Proposal(list(tokens), q)
+
+    def verified(self, accepted: int) -> None:
+        """The last proposal's accepted prefix (the decoder calls this after each verification):
+        what the gate learns from."""
+        if self._pending is not None:
+            cls, proposed = self._pending
+            self._pending = None
+            self.gate.observe(self.workload, cls, proposed, accepted)
 
     def rollback(self, length: int) -> None:
         pass  # the index holds n-grams of verified tokens only (ids[: L - 1] at each proposal)

@@ -33,7 +33,8 @@ from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_lin
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
 from decoder.metrics import AcceptanceCounts, StepStats
 from store.jsonsafe import nan_none
-from decoder.proposers import PROPOSERS, DraftModelProposer, NgramHistory, NgramProposer, Proposer, crop_to
+from decoder.proposers import (PROPOSERS, DraftModelProposer, NgramGate, NgramHistory, NgramProposer, Proposer, StepCost,
+                               crop_to)
 from decoder.sampling import SamplingParams, alpha, process_logits, verify
 
 log = structlog.get_logger("decoder.speculative")
@@ -236,6 +237,13 @@ class DecoderConfig:
         0.4-0.8 of a plain step, so only the likelier proposals pay (measured in bench/RESULTS.md,
         ``bench/verify_cost_bench.py``).
     ngram_history_tokens: tokens of past requests the n-gram proposer indexes per workload.
+    ngram_gate: the n-gram proposer proposes, at each step, only as many matched tokens as are
+        expected to pay (:class:`decoder.proposers.NgramGate`: acceptance estimates per kind of
+        match, learnt from every verification, against the engine's measured step cost per
+        verified row count, ``SpeculativeDecoder.step_cost``), so γ is the most it proposes and
+        a match unlikely to pay costs a plain step, not a verification (default). False proposes
+        every matched token up to γ. A seeded sampled request never uses it (its γ would depend
+        on timings, so the seed would not reproduce the completion).
     draft_precision: the dtype proposals are computed in. A separate, unquantised draft
         proposes through ``decoder.draft_weights.ServingDraft``, built at construction from the draft
         as it is then (its active LoRA adapter merged; an ``AdapterManager`` adds each adapter
@@ -256,6 +264,7 @@ class DecoderConfig:
     ngram_max_n: int = 4
     ngram_min_n: int | None = None
     ngram_history_tokens: int = 65536
+    ngram_gate: bool = True
 
     def __post_init__(self):
         dv = self.draft_vocab
@@ -359,6 +368,10 @@ class SpeculativeDecoder:
         self.ngram_min_n = self.config.ngram_min_n or (1 if torch_target else min(2, self.config.ngram_max_n))
         self.ngram_history = NgramHistory(self.config.ngram_max_n, self.ngram_min_n,
                                           self.config.ngram_history_tokens)
+        # what a step costs by verified rows (steps that ran no draft model), and the n-gram
+        # proposer's per-step length estimates (DecoderConfig.ngram_gate)
+        self.step_cost = StepCost()
+        self.ngram_gate: NgramGate | None = NgramGate() if self.config.ngram_gate else None
 
     # ---- construction phases --------------------------------------------------------------------
     def _choose_kernels(self, torch_target: bool = True) -> bool:
@@ -424,7 +437,13 @@ class SpeculativeDecoder:
         if name == "ngram":
             history = self.ngram_history if req.ngram_history else NgramHistory(
                 self.config.ngram_max_n, self.ngram_min_n, 1)  # empty: the request's own tokens only
-            return NgramProposer(history, req.workload, self.vocab_p, self.device)
+            gate = self.ngram_gate
+            if gate is not None and not req.params.greedy and req.params.seed is not None:
+                gate = None  # γ per step would follow step timings, and the seed would not reproduce the completion
+            elif gate is not None and not req.ngram_history:
+                gate = NgramGate()  # no past traffic: no past acceptance either
+            return NgramProposer(history, req.workload, self.vocab_p, self.device, gate=gate,
+                                 cost=self.step_cost if gate is not None else None)
         raise ValueError(f"proposer {name!r}: use one of {PROPOSERS}")
 
     @property
@@ -568,6 +587,8 @@ class SpeculativeDecoder:
             q = prop.q.to(p.dtype) if g else p.new_zeros((0, p.shape[-1]))
             v = verify(torch.tensor(proposals, dtype=torch.long), q, p, params.greedy, gen)
             verify_ms = (clock() - tv) * 1e3
+            if g and hasattr(proposer, "verified"):
+                proposer.verified(v.num_accepted)
             a_sum = float(alpha(p[:g], q).sum()) if g else 0.0
             block = proposals[: v.num_accepted] + [v.next_token]
             # 3. stop conditions inside the block: EOS, stop strings, length
@@ -580,6 +601,8 @@ class SpeculativeDecoder:
             # a proposal after the cut was never used: the accepted prefix counts up to the cut only
             st = StepStats(g, min(v.num_accepted, len(block)), len(block), v.rejected_at, a_sum, draft_ms, verify_ms,
                            asked)
+            if g == 0 or name == "ngram":  # what a step of g + 1 rows costs with no draft model in it
+                self.step_cost.add(g + 1, (clock() - td) * 1e3)
             policy.update(st)
             steps.append(st)
             counts.add_step(st)

@@ -1,0 +1,221 @@
+"""The n-gram proposer's per-step length (decoder/proposers.py: StepCost, NgramGate): the step
+cost's median and line by hand, the gate's acceptance estimates and choices on hand-computed
+goodputs, forgetting, exploration, the proposer feeding it from rollback, and the decoder with it:
+greedy still equals plain, a gate that learnt that matches fail stops proposing them, seeded
+sampling runs without one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decoder.proposers import NgramGate, NgramHistory, NgramProposer, StepCost, match_class
+from decoder.sampling import SamplingParams
+from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
+from tiny import reference_greedy
+
+GREEDY = SamplingParams()
+
+
+class FixedCost(StepCost):
+    """ms(n) = base + per_row * (n - 1), whatever was measured (steps on a tiny torch model cost
+    about the same at any n, so a test of the choice fixes what rows cost)."""
+
+    def __init__(self, base: float, per_row: float):
+        super().__init__()
+        self.base, self.per_row = base, per_row
+
+    def add(self, rows, ms):
+        pass
+
+    def ms(self, rows):
+        return self.base + self.per_row * (rows - 1)
+
+
+def test_step_cost_is_the_median_per_row_count_and_a_line_elsewhere():
+    c = StepCost(window=3)
+    assert math.isnan(c.ms(1))
+    c.add(1, 8.0)
+    assert c.ms(1) == 8.0 and c.ms(5) == 8.0  # one point: flat
+    c.add(1, 60.0)  # a stalled step
+    c.add(1, 10.0)
+    assert c.ms(1) == 10.0  # median of 8, 60, 10
+    c.add(1, 12.0)  # window 3: 60, 10, 12
+    assert c.ms(1) == 12.0
+    c.add(3, 22.0)
+    # line through (1, 12) and (3, 22): slope 5
+    assert c.ms(2) == pytest.approx(17.0) and c.ms(6) == pytest.approx(37.0)
+    c.add(2, float("nan"))  # ignored
+    assert c.status() == {1: 12.0, 3: 22.0}
+    # a cheaper longer step never gives a negative slope
+    d = StepCost()
+    d.add(1, 10.0)
+    d.add(2, 6.0)
+    assert d.ms(4) == pytest.approx(8.0)  # flat through the mean
+    with pytest.raises(ValueError, match="window"):
+        StepCost(window=0)
+
+
+def test_match_class_buckets_the_match_length():
+    assert match_class("own", 1) == ("own", 1)
+    assert match_class("hist", 5) == ("hist", 4)
+    assert match_class("hist", 8) == ("hist", 6)
+    assert match_class("own", 16) == ("own", 9)
+    assert match_class("own", 40) == ("own", 17)
+
+
+def _observe(gate, cls, times, proposed, accepted):
+    for _ in range(times):
+        gate.observe("w", cls, proposed, accepted)
+
+
+def test_gate_picks_the_length_with_the_best_hand_computed_goodput():
+    cost = FixedCost(10.0, 5.0)  # 10, 15, 20, 25 ms for 1..4 rows
+    gate = NgramGate(decay=1.0, explore_tries=0, explore_every=1000)
+    fair = ("own", 4)
+    _observe(gate, fair, 6, 1, 1)
+    _observe(gate, fair, 2, 1, 0)
+    # a_1 = (6 + 1) / (8 + 2) = 0.7; positions never tried take a_1
+    assert gate.acceptance("w", fair) == pytest.approx([0.7, 0.7, 0.7, 0.7])
+    # plain 1/10 = 0.1; g=1: 1.7/15 = 0.1133; g=2: 2.19/20 = 0.1095; g=3: 2.533/25 = 0.1013
+    assert gate.length("w", fair, 3, cost) == 1
+    poor = ("hist", 2)
+    _observe(gate, poor, 1, 1, 1)
+    _observe(gate, poor, 7, 1, 0)
+    # a_1 = 2 / 10 = 0.2: g=1 gives 1.2/15 = 0.08 < 0.1, so a plain step
+    assert gate.length("w", poor, 3, cost) == 0
+    copy = ("hist", 17)
+    _observe(gate, copy, 20, 4, 4)
+    # j=1: 20 of 20, j=2: 20 of 20, j=3-4: 40 of 40; j >= 5 never tried: a_3-4
+    a1, a34 = 21 / 22, 41 / 42
+    assert gate.acceptance("w", copy) == pytest.approx([a1, a1, a34, a34])
+    run, e, rates = 1.0, 1.0, {0: 1 / 10}
+    for g, a in enumerate([a1, a1, a34, a34, a34, a34, a34, a34], start=1):
+        run *= a
+        e += run
+        rates[g] = e / (10 + 5 * g)
+    assert gate.length("w", copy, 8, cost) == max(rates, key=rates.get) == 7  # 8 buys 0.94 tokens for 5 ms
+    # dearer rows: 10 + 12 (n - 1) ms
+    dear = FixedCost(10.0, 12.0)
+    rates2 = {0: 0.1, **{g: (rates[g] * (10 + 5 * g)) / (10 + 12 * g) for g in range(1, 9)}}
+    assert gate.length("w", copy, 8, dear) == max(rates2, key=rates2.get)
+    assert gate.length("w", copy, 0, cost) == 0
+
+
+def test_gate_forgets_at_its_decay_and_explores_turned_down_kinds():
+    gate = NgramGate(decay=0.5, explore_tries=0, explore_every=4)
+    cls = ("own", 2)
+    _observe(gate, cls, 10, 1, 0)
+    _observe(gate, cls, 3, 1, 1)
+    # tried: 10 failures sum to 2 (1 - 0.5^10) = 1.998, then three times x 0.5 + 1 -> 1.99976;
+    # hits 0 -> 1 -> 1.5 -> 1.75; a_1 = 2.75 / 3.99976 (without forgetting it would be 4 / 15)
+    tried = 2 * (1 - 0.5 ** 10)
+    hits = 0.0
+    for _ in range(3):
+        tried, hits = tried * 0.5 + 1, hits * 0.5 + 1
+    assert gate.acceptance("w", cls)[0] == pytest.approx((hits + 1) / (tried + 2))
+    assert gate.acceptance("w", cls)[0] == pytest.approx(0.6875, abs=1e-4)
+    # a kind the costs turn down proposes one token every 4th time it is turned down
+    bad = ("hist", 1)
+    _observe(gate, bad, 5, 1, 0)
+    cost = FixedCost(10.0, 10.0)  # a row costs a whole step: a_1 = 1 / (1.94 + 2) never pays
+    assert [gate.length("w", bad, 4, cost) for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]
+    # a kind seen fewer than explore_tries times proposes one token whatever its estimate
+    fresh = NgramGate(explore_tries=2)
+    assert fresh.length("w", bad, 4, cost) == 1  # the prior 0.5 would not pay at 10 ms a row
+    fresh.observe("w", bad, 1, 0)
+    assert fresh.length("w", bad, 4, cost) == 1
+    fresh.observe("w", bad, 1, 0)
+    assert fresh.length("w", bad, 4, cost) == 0
+    # nothing measured yet: one proposal measures what a proposal costs
+    assert NgramGate().length("w", bad, 4, StepCost()) == 1
+
+
+def test_gate_copy_is_independent_and_status_reads_its_estimates():
+    gate = NgramGate(decay=1.0)
+    gate.observe("w", ("own", 4), 2, 1)  # j=1 accepted, j=2 rejected
+    c = gate.copy()
+    c.observe("w", ("own", 4), 1, 1)
+    assert gate.status() == {"w": {"own/4": {"proposals": 1, "acceptance": [round(2 / 3, 3), 0.333, 0.333, 0.333]}}}
+    assert c.status()["w"]["own/4"]["proposals"] == 2
+    gate.clear("w")
+    assert gate.status() == {}
+    with pytest.raises(ValueError, match="decay"):
+        NgramGate(decay=0.0)
+
+
+def test_proposer_cuts_to_the_gate_and_feeds_it_each_accepted_prefix():
+    gate = NgramGate(decay=1.0, explore_tries=0)
+    cost = FixedCost(10.0, 6.0)
+    h = NgramHistory(max_n=3, min_n=1)
+    p = NgramProposer(h, "w", vocab_size=10, gate=gate, cost=cost)
+    ids = [5, 6, 7, 8, 9, 6, 7]
+    p.start(ids, True)
+    # (6, 7) ended at index 3 and ids[0] != ids[4]: a 2-token match of the request's own tokens;
+    # no estimate yet: prior a = 0.5 everywhere: g=1 1.5/16, g=2 1.75/22, g=3 1.875/28, all below
+    # plain 1/10 -> 0 (explore_tries=0; only every 16th turned-down match explores)
+    assert p.propose(ids, 3, GREEDY, torch.Generator()).tokens == []
+    assert p.last_class == ("own", 2)
+    _observe(gate, ("own", 2), 8, 3, 3)  # this kind is always right: a = 9/10 at j = 1, 2, 3
+    # at 6 ms a row: g=1 1.9/16 = 0.119, g=2 2.71/22 = 0.1232, g=3 3.439/28 = 0.1228
+    assert p.propose(ids, 3, GREEDY, torch.Generator()).tokens == [8, 9]
+    p.verified(1)
+    cost.per_row = 5.0  # g=1 1.99/15, g=2 2.80/20 = 0.140, g=3 3.55/25 = 0.142 (a = 10/11, 9/11, 9/10 now)
+    prop = p.propose(ids, 3, GREEDY, torch.Generator())
+    assert prop.tokens == [8, 9, 6] and prop.q.shape == (3, 10)
+    p.verified(3)
+    p.verified(3)  # nothing pending: no second observation
+    # j=1: 10 of 10 tried, j=2: 9 of 10, j=3-4: 9 of 9 (j >= 5 never tried: a_3-4)
+    assert gate.acceptance("w", ("own", 2)) == pytest.approx([11 / 12, 10 / 12, 10 / 11, 10 / 11])
+    with pytest.raises(ValueError, match="gate"):
+        NgramProposer(h, "w", vocab_size=10, gate=gate)
+
+
+def _garbage_history(dec, ids, workload="w", junk=3):
+    """Every suffix of ``ids`` continues with ``junk`` in the workload's history."""
+    dec.ngram_history.clear()
+    for i in range(1, len(ids)):
+        dec.ngram_history.add(workload, ids[max(0, i - 4):i] + [junk] * 4)
+
+
+def test_decoder_with_a_gate_equals_plain_greedy_and_stops_proposing_what_fails(target, other_draft, tok):
+    ids = tok("the cat sat on the mat. the cat", add_special_tokens=False)["input_ids"]
+    ref = reference_greedy(target, ids, 24)
+    junk = next(t for t in range(5, 50) if t not in ref)
+
+    def run(gate: bool):
+        dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(ngram_gate=gate))
+        dec.step_cost = FixedCost(10.0, 10.0)  # a second row costs a whole step (a compute-bound engine)
+        proposed, proposals = [], 0
+        for _ in range(4):
+            _garbage_history(dec, ids + ref, junk=junk)
+            r = dec.generate(DecodeRequest(ids, GREEDY, 24, gamma=4, ignore_eos=True, workload="w", proposer="ngram"))
+            assert r.output_ids == ref
+            proposed.append(r.counts.num_draft_tokens)
+            proposals += sum(1 for st in r.steps if st.proposed)
+        return dec, proposed, proposals
+
+    dec, gated, n_gated = run(True)
+    _, ungated, _ = run(False)
+    assert ungated[-1] >= 24  # every step had a (wrong) match of up to 4 tokens
+    assert gated[-1] < ungated[-1] / 4  # learnt: a plain step now, but for the exploring ones
+    # every proposal's outcome reached the gate
+    assert sum(st["proposals"] for st in dec.ngram_gate.status()["w"].values()) == n_gated
+
+
+def test_seeded_sampling_runs_without_a_gate_and_records_step_costs(target, other_draft, tok):
+    dec = SpeculativeDecoder(target, other_draft, tok)
+    ids = tok("hello world, hi", add_special_tokens=False)["input_ids"]
+    seeded = DecodeRequest(ids, SamplingParams(1.0, seed=3), 4, gamma=2, workload="w", proposer="ngram")
+    assert dec.make_proposer("ngram", seeded).gate is None
+    greedy = DecodeRequest(ids, GREEDY, 4, gamma=2, workload="w", proposer="ngram")
+    assert dec.make_proposer("ngram", greedy).gate is dec.ngram_gate
+    alone = DecodeRequest(ids, GREEDY, 4, gamma=2, workload="w", proposer="ngram", ngram_history=False)
+    g = dec.make_proposer("ngram", alone).gate
+    assert g is not None and g is not dec.ngram_gate
+    assert SpeculativeDecoder(target, other_draft, tok, DecoderConfig(ngram_gate=False)).make_proposer(
+        "ngram", greedy).gate is None
+    dec.generate(DecodeRequest(ids, GREEDY, 6, gamma=0, ignore_eos=True))
+    assert 1 in dec.step_cost.status() and dec.step_cost.ms(1) > 0
