@@ -348,6 +348,8 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "rollbacks": [d.__dict__ for d in loop.monitor.decisions],
         "shift_alarms": [a.__dict__ for a in loop.tracker.alarms], "shifts": shifts,
         "serving": loop.status(), "ngram_history_tokens": decoder.ngram_history.status(),
+        "ngram_gate": decoder.ngram_gate.status() if decoder.ngram_gate is not None else None,
+        "step_cost_ms": decoder.step_cost.status(),
         "controller": _jsonable(controller.status()),
         "phases": table, "recovery": recovery_stats(timeline, shifts), "timeline": timeline,
     }
@@ -380,7 +382,7 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
         return distiller.adapter_state()
 
     final_state = state_of(decoder.adapter_version)
-    served_history = decoder.ngram_history
+    served_history, served_gate = decoder.ngram_history, decoder.ngram_gate
     # the same head as the adapted draft (FR-Spec or not), so the rows differ by training only
     # on llama.cpp the frozen draft is the draft's own context with no LoRA set (see _frozen_lora)
     frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok, DecoderConfig(draft_vocab=decoder.config.draft_vocab),
@@ -412,9 +414,12 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                 ids = p.token_ids(tok)[-256:]
                 if i == 0:  # warm-up (caches, allocator), not counted, against a throwaway history copy
                     decoder.ngram_history = served_history.copy()
+                    decoder.ngram_gate = served_gate.copy() if served_gate is not None else None
                     decoder.generate(DecodeRequest(ids, params, 4, gamma=0, ignore_eos=True, workload=phase))
                 for name, dec, g, prop in runs:  # back to back per prompt (paired): a slower host slows all alike
+                    # what serving left behind, the same for every row (so evaluation leaves no trace)
                     decoder.ngram_history = served_history.copy()
+                    decoder.ngram_gate = served_gate.copy() if served_gate is not None else None
                     with _frozen_lora(decoder if dec is frozen else None):
                         r = dec.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
                                                        workload=phase, proposer=prop))
@@ -440,7 +445,7 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                               "tokens_per_s": _nn(sum(tps) / len(tps)) if tps else None}
             rows.append(row)
     finally:
-        decoder.ngram_history = served_history
+        decoder.ngram_history, decoder.ngram_gate = served_history, served_gate
     return rows
 
 

@@ -439,6 +439,9 @@ class ServingLoop:
             "draining": self._draining,
             "streams_steps": self.streams_steps,
             "speculation": self.speculation(),
+            # what a step costs by verified rows, and the n-gram proposer's acceptance per kind of match
+            "step_cost_ms": self.decoder.step_cost.status(),
+            "ngram_gate": self.decoder.ngram_gate.status() if self.decoder.ngram_gate is not None else None,
         }
         if self.writer is not None:
             ws = self.writer.stats()
