@@ -1,23 +1,35 @@
-"""Proposers side by side on prompts never served: plain vs n-gram (cold and adapted) vs the draft.
+"""Proposers side by side on prompts never served: plain vs n-gram (gated, ungated, cold) vs the
+draft, beside llama.cpp's own plain generation.
 
-For each workload: the decoder first serves ``--serve`` of the workload's prompts (plain
-decoding, as a server would before speculation pays), which is all the n-gram proposer's
-adaptation is: every served request is indexed. Then, on ``--prompts`` other prompts of the
-workload that were never served, back to back per prompt (paired):
+For each workload: the decoder first serves ``--serve`` of the workload's prompts with the gated
+n-gram proposer at γ = ``--serve-gamma`` (0: plain decoding), as a server does once speculation
+is on: every served request is indexed into the history, and every verification of a proposal
+teaches the gate (``decoder.proposers.NgramGate``) which kinds of match pay on this engine. Then,
+on ``--prompts`` other prompts of the workload that were never served, back to back per prompt
+(paired):
 
 - ``plain``: our loop at γ = 0;
-- ``ngram`` at each γ: prompt lookup over the request and the served history (each evaluation
-  request decodes against a copy of it, so evaluation requests never see each other);
-- ``ngram_cold`` at each γ: the same with an empty history (the request's own tokens only);
+- ``llamacpp_plain`` (``--engine llamacpp``): llama-cpp-python's own generation on the same GGUF;
+- ``ngram`` at each γ: prompt lookup over the request and the served history, gated: γ is the
+  most it proposes per step (each evaluation request decodes against copies of the served
+  history and gate, so evaluation requests never see each other);
+- ``ngram_ungated`` at each γ: the same, every matched token up to γ proposed
+  (``DecoderConfig(ngram_gate=False)``);
+- ``ngram_cold`` at each γ: gated, with an empty history and a fresh gate (the request's own
+  tokens only);
 - ``draft`` at each of ``--draft-gammas``: the derived draft (no adapter) for reference.
 
 Per row: tokens/s end to end, speedup vs plain (pooled and the median of per-prompt speedups),
 α = E[Σ min(p, q)] (for the n-gram's one-hot q: E[p(x)]), τ, acceptance rate, coverage (share of
 steps that had a proposal), c = draft ms per draft token / plain ms per step, Leviathan et al.'s
 predicted speedup (1 - α^(γ+1)) / ((1 - α)(γc + 1)) beside the measured one, and for greedy the
-share of requests token-identical to plain decoding.
+share of requests token-identical to plain decoding. Sampled requests are unseeded, as most of a
+server's are (``--seeded`` seeds them; the gate is then off, see ``DecoderConfig.ngram_gate``).
+``step_cost_ms``: what a step of n verified
+rows cost (median), the gate's cost model.
 
-    .venv/bin/python bench/proposer_bench.py --out proposer_bench.json
+    .venv/bin/python bench/proposer_bench.py --out proposer_bench.json            # llama.cpp (the main job's engine)
+    .venv/bin/python bench/proposer_bench.py --engine torch --out proposer_bench.json
 """
 
 from __future__ import annotations
@@ -47,12 +59,15 @@ def parse_args(argv=None):
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", default="layers:0-3")
     ap.add_argument("--workloads", default="prose,code,math")
-    ap.add_argument("--serve", type=int, default=16, help="prompts served (plain) before the evaluation, per workload")
+    ap.add_argument("--engine", default="llamacpp", choices=("llamacpp", "torch"), help="the target's engine")
+    ap.add_argument("--serve", type=int, default=16, help="prompts served before the evaluation, per workload")
+    ap.add_argument("--serve-gamma", type=int, default=8, help="γ the gated n-gram serves them at (0: plain)")
     ap.add_argument("--prompts", type=int, default=6, help="never-served evaluation prompts per workload")
-    ap.add_argument("--gammas", default="2,4,6")
+    ap.add_argument("--gammas", default="1,3,8")
     ap.add_argument("--draft-gammas", default="1")
     ap.add_argument("--sampling", default="greedy,t1.0")
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--seeded", action="store_true", help="seed the sampled requests (the n-gram gate is then off)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -65,13 +80,14 @@ def parse_args(argv=None):
     bad = [s for s in a.sampling if s not in SAMPLING]
     if bad:
         ap.error(f"--sampling {bad}: use some of {sorted(SAMPLING)}")
-    if a.prompts < 1 or a.serve < 0:
-        ap.error("--prompts must be >= 1 and --serve >= 0")
+    if a.prompts < 1 or a.serve < 0 or a.serve_gamma < 0:
+        ap.error("--prompts must be >= 1, --serve and --serve-gamma >= 0")
     return a
 
 
-def _run(dec, ids, params, n, gamma, proposer, workload, history):
+def _run(dec, ids, params, n, gamma, proposer, workload, history, gate):
     dec.ngram_history = history.copy()
+    dec.ngram_gate = gate.copy() if gate is not None else None
     return dec.generate(DecodeRequest(ids, params, n, gamma=gamma, ignore_eos=True, workload=workload,
                                       proposer=proposer if gamma else None))
 
@@ -85,81 +101,116 @@ def main(argv=None) -> dict:
     configure("auto", "warning", stream=sys.stderr)  # stdout carries only the JSON
     if a.threads:
         torch.set_num_threads(a.threads)
+    from decoder.bench import LlamaCppPeer
+    from decoder.engine import choose_engine, torch_threads_for
+    from decoder.proposers import NgramGate, NgramHistory
+
     pair = load_pair(a.target, a.draft)
     tok = pair.tokenizer
-    dec = SpeculativeDecoder(pair.target, pair.draft, tok, DecoderConfig(topk_record=0))
-    served_history = dec.ngram_history
-    from decoder.proposers import NgramHistory
-
+    choice = choose_engine(a.engine, a.target, "cpu", a.draft)  # llama.cpp on every core, as serve runs it
+    dec = SpeculativeDecoder(pair.target, pair.draft, tok, DecoderConfig(topk_record=0), engine=choice.target,
+                             draft_engine=choice.draft)
+    peer = (LlamaCppPeer(choice.target.path, choice.target.threads, n_ctx=choice.target.context_length)
+            if choice.name == "llamacpp" else None)
+    served_history, served_gate = dec.ngram_history, dec.ngram_gate
     empty = NgramHistory(dec.config.ngram_max_n, dec.ngram_min_n, dec.config.ngram_history_tokens)
     rows, t_all = [], time.time()
-    for wl in a.workloads.split(","):
-        prompts = get_workload(wl, a.prompts + a.serve)
-        evals, serve = prompts[: a.prompts], prompts[a.prompts:]
-        dec.ngram_history = served_history
-        t0 = time.time()
-        for p in serve:  # what a server saw before: indexed by the n-gram proposer
-            dec.generate(DecodeRequest(p.token_ids(tok)[-256:], SAMPLING["greedy"], a.max_new_tokens, gamma=0,
-                                       workload=wl))
-        served_s = time.time() - t0
-        methods = ([("plain", 0, None, served_history)]
-                   + [("ngram", g, "ngram", served_history) for g in a.gammas]
-                   + [("ngram_cold", g, "ngram", empty) for g in a.gammas]
-                   + [("draft", g, "draft", served_history) for g in a.draft_gammas])
-        for sname in a.sampling:
-            params = SAMPLING[sname]
-            res: dict[tuple[str, int], list] = {(m, g): [] for m, g, _, _ in methods}
-            for i, p in enumerate(evals):
-                ids = p.token_ids(tok)[-256:]
-                for m, g, prop, hist in methods:  # back to back per prompt: a slower host slows all alike
-                    pr = params if params.greedy else type(params)(params.temperature, params.top_p, params.top_k,
-                                                                  seed=1000 + i)
-                    res[(m, g)].append(_run(dec, ids, pr, a.max_new_tokens, g, prop, wl, hist))
-            plain = res[("plain", 0)]
-            plain_ms_step = sum(r.counts.decode_ms for r in plain) / max(1, sum(r.counts.num_steps for r in plain))
-            plain_tps = sum(len(r.output_ids) for r in plain) / sum(r.latency_ms for r in plain) * 1e3
-            for (m, g), rs in res.items():
-                c = AcceptanceCounts()
-                for r in rs:
-                    c.merge(r.counts)
-                tps = sum(len(r.output_ids) for r in rs) / sum(r.latency_ms for r in rs) * 1e3
-                per = [r.tokens_per_s / q.tokens_per_s for r, q in zip(rs, plain)]
-                cost = (c.draft_ms / c.num_draft_tokens / plain_ms_step) if c.num_draft_tokens else None
-                alpha = c.alpha
-                row = {
-                    "workload": wl, "sampling": sname, "method": m, "gamma": g, "prompts": len(rs),
-                    "tokens_per_s": round(tps, 3), "speedup_vs_plain": round(tps / plain_tps, 3),
-                    "speedup_median": round(statistics.median(per), 3),
-                    "speedup_per_prompt": [round(x, 3) for x in per],
-                    "alpha": nan_none(alpha, 4), "tau": nan_none(c.mean_accepted_length, 3),
-                    "acceptance_rate": nan_none(c.acceptance_rate, 4),
-                    "proposed_tokens": c.num_draft_tokens, "accepted_tokens": c.num_accepted_tokens,
-                    "coverage": nan_none(c.num_drafts / c.num_steps if c.num_steps else float("nan"), 3),
-                    "draft_ms": round(c.draft_ms, 1), "verify_ms": round(c.verify_ms, 1),
-                    "plain_ms_per_step": round(plain_ms_step, 2),
-                    "c": None if cost is None else round(cost, 4),
-                    "predicted_speedup": (round(predicted_speedup(alpha, g, cost), 3)
-                                          if g and cost is not None and alpha == alpha else None),
-                }
-                if params.greedy and m != "plain":
-                    same = [r.output_ids == q.output_ids for r, q in zip(rs, plain)]
-                    row["matches_plain_share"] = round(sum(same) / len(same), 3)
-                    row["first_diff_index"] = [next((j for j, (x, y) in enumerate(zip(r.output_ids, q.output_ids))
-                                                     if x != y), None) for r, q in zip(rs, plain) if r.output_ids != q.output_ids]
-                rows.append(row)
-                print(json.dumps({k: row[k] for k in ("workload", "sampling", "method", "gamma", "tokens_per_s",
-                                                      "speedup_vs_plain", "speedup_median", "alpha", "tau", "coverage", "c",
-                                                      "predicted_speedup")}), file=sys.stderr)
-        rows.append({"workload": wl, "served_prompts": len(serve), "served_seconds": round(served_s, 1),
-                     "history_tokens": served_history.tokens(wl)})
+    with torch_threads_for(dec.engine):  # as serve decodes on llama.cpp: torch at one thread
+        for wl in a.workloads.split(","):
+            rows += _workload(a, dec, tok, wl, served_history, served_gate, empty, NgramGate, peer)
     out = {"machine": machine_info(), "args": {k: v for k, v in vars(a).items()}, "seconds": round(time.time() - t_all, 1),
            "pair": {"target": pair.target_name, "draft": pair.draft_name}, "torch_threads": torch.get_num_threads(),
-           "small_m_calibration": dec.small_m_calibration, "rows": rows}
+           "engine": dec.engine.describe(), "small_m_calibration": dec.small_m_calibration,
+           "step_cost_ms": dec.step_cost.status(), "ngram_gate": served_gate.status(), "rows": rows}
     text = json.dumps(out, indent=1)
     if a.out:
         Path(a.out).write_text(text)
     print(text)
     return out
+
+
+def _workload(a, dec, tok, wl, served_history, served_gate, empty, NgramGate, peer) -> list[dict]:
+    """One workload: serve, then every method back to back per never-served prompt; its rows."""
+    rows = []
+    prompts = get_workload(wl, a.prompts + a.serve)
+    evals, serve = prompts[: a.prompts], prompts[a.prompts:]
+    dec.ngram_history, dec.ngram_gate = served_history, served_gate
+    t0 = time.time()
+    for p in serve:  # what a server saw before: indexed by the n-gram proposer, and taught its gate
+        dec.generate(DecodeRequest(p.token_ids(tok)[-256:], SAMPLING["greedy"], a.max_new_tokens, gamma=a.serve_gamma,
+                                   workload=wl, proposer="ngram" if a.serve_gamma else None))
+    served_s = time.time() - t0
+    methods = ([("plain", 0, None, served_history, served_gate)]
+               + [("ngram", g, "ngram", served_history, served_gate) for g in a.gammas]
+               + [("ngram_ungated", g, "ngram", served_history, None) for g in a.gammas]
+               + [("ngram_cold", g, "ngram", empty, NgramGate()) for g in a.gammas]
+               + [("draft", g, "draft", served_history, served_gate) for g in a.draft_gammas])
+    for sname in a.sampling:
+        params = SAMPLING[sname]
+        res: dict[tuple[str, int], list] = {(m, g): [] for m, g, *_ in methods}
+        peer_runs: list[tuple[float, float, bool]] = []  # (tokens/s, our plain tokens/s, same tokens)
+        for i, p in enumerate(evals):
+            ids = p.token_ids(tok)[-256:]
+            # sampled requests unseeded, as most of a server's are: a seeded one runs without the gate (its γ
+            # would follow step timings, so the seed would not reproduce the completion)
+            pr = params if params.greedy or not a.seeded else type(params)(params.temperature, params.top_p,
+                                                                           params.top_k, seed=1000 + i)
+            for m, g, prop, hist, gate in methods:  # back to back per prompt: a slower host slows all alike
+                res[(m, g)].append(_run(dec, ids, pr, a.max_new_tokens, g, prop, wl, hist, gate))
+            if peer is not None:
+                out, ms, n_out = peer.generate(ids, params, a.max_new_tokens, 1000 + i)
+                mine = res[("plain", 0)][-1]
+                peer_runs.append((n_out / ms * 1e3, mine.tokens_per_s, out == mine.output_ids[: len(out)]))
+        plain = res[("plain", 0)]
+        plain_ms_step = sum(r.counts.decode_ms for r in plain) / max(1, sum(r.counts.num_steps for r in plain))
+        plain_tps = sum(len(r.output_ids) for r in plain) / sum(r.latency_ms for r in plain) * 1e3
+        if peer_runs:
+            per = [mine / theirs for theirs, mine, _ in peer_runs]
+            rows.append({"workload": wl, "sampling": sname, "method": "llamacpp_plain", "gamma": 0,
+                         "prompts": len(peer_runs), "tokens_per_s": round(statistics.mean(t for t, _, _ in peer_runs), 3),
+                         "ours_plain_vs_llamacpp_per_prompt": [round(x, 3) for x in per],
+                         "ours_plain_vs_llamacpp_median": round(statistics.median(per), 3),
+                         **({"same_tokens_share": round(sum(s for *_, s in peer_runs) / len(peer_runs), 3)}
+                            if params.greedy else {})})
+        for (m, g), rs in res.items():
+            rows.append(_row(wl, sname, m, g, rs, plain, plain_tps, plain_ms_step, params.greedy))
+            print(json.dumps({k: rows[-1][k] for k in ("workload", "sampling", "method", "gamma", "tokens_per_s",
+                                                       "speedup_vs_plain", "speedup_median", "alpha", "tau", "coverage",
+                                                       "c", "predicted_speedup")}), file=sys.stderr)
+    rows.append({"workload": wl, "served_prompts": len(serve), "served_gamma": a.serve_gamma,
+                 "served_seconds": round(served_s, 1), "history_tokens": served_history.tokens(wl)})
+    return rows
+
+
+def _row(wl, sname, m, g, rs, plain, plain_tps, plain_ms_step, greedy) -> dict:
+    c = AcceptanceCounts()
+    for r in rs:
+        c.merge(r.counts)
+    tps = sum(len(r.output_ids) for r in rs) / sum(r.latency_ms for r in rs) * 1e3
+    per = [r.tokens_per_s / q.tokens_per_s for r, q in zip(rs, plain)]
+    cost = (c.draft_ms / c.num_draft_tokens / plain_ms_step) if c.num_draft_tokens else None
+    alpha = c.alpha
+    row = {
+        "workload": wl, "sampling": sname, "method": m, "gamma": g, "prompts": len(rs),
+        "tokens_per_s": round(tps, 3), "speedup_vs_plain": round(tps / plain_tps, 3),
+        "speedup_median": round(statistics.median(per), 3),
+        "speedup_per_prompt": [round(x, 3) for x in per],
+        "alpha": nan_none(alpha, 4), "tau": nan_none(c.mean_accepted_length, 3),
+        "acceptance_rate": nan_none(c.acceptance_rate, 4),
+        "proposed_tokens": c.num_draft_tokens, "accepted_tokens": c.num_accepted_tokens,
+        "coverage": nan_none(c.num_drafts / c.num_steps if c.num_steps else float("nan"), 3),
+        "draft_ms": round(c.draft_ms, 1), "verify_ms": round(c.verify_ms, 1),
+        "plain_ms_per_step": round(plain_ms_step, 2),
+        "c": None if cost is None else round(cost, 4),
+        "predicted_speedup": (round(predicted_speedup(alpha, g, cost), 3)
+                              if g and cost is not None and alpha == alpha else None),
+    }
+    if greedy and m != "plain":
+        same = [r.output_ids == q.output_ids for r, q in zip(rs, plain)]
+        row["matches_plain_share"] = round(sum(same) / len(same), 3)
+        row["first_diff_index"] = [next((j for j, (x, y) in enumerate(zip(r.output_ids, q.output_ids)) if x != y), None)
+                                   for r, q in zip(rs, plain) if r.output_ids != q.output_ids]
+    return row
 
 
 if __name__ == "__main__":
