@@ -495,6 +495,57 @@ class NgramProposer:
         pass  # the index holds n-grams of verified tokens only (ids[: L - 1] at each proposal)
 
 
+class NgramShadow:
+    """Teaches an :class:`NgramGate` from the steps that proposed nothing (plain decoding, the
+    draft's requests' plain steps, a match the gate turned down), at no verification cost.
+
+    At such a step, the n-gram match the proposer would have made (up to ``tokens``) is kept; as
+    the following steps emit tokens, its accepted prefix is read off them: the number of leading
+    matched tokens equal to the emitted ones. For a one-hot proposal that is what verification
+    would have accepted, in distribution: greedy, verification accepts x exactly when the target's
+    argmax is x, which is the token plain decoding emits; sampled, it accepts x with probability
+    p(x) (q(x) = 1), the probability that plain sampling emits x, and so on along the proposal
+    (Leviathan et al. 2023, Algorithm 1). So every step of every request can teach the gate, and a
+    kind of match it has turned down keeps being measured. One shadow at a time (a new one opens
+    only after the last is settled), so overlapping windows are not counted twice.
+    """
+
+    def __init__(self, history: NgramHistory, workload: str, gate: NgramGate, tokens: int = 8):
+        self.matcher = NgramProposer(history, workload, vocab_size=1 << 62)
+        self.gate, self.workload, self.tokens = gate, workload, tokens
+        self._open: tuple[tuple, list[int], int] | None = None  # (class, matched tokens, where they start)
+
+    def start(self, ids: list[int]) -> None:
+        self.matcher.start(ids, False)
+        self._open = None
+
+    def idle_step(self, ids: list[int]) -> None:
+        """The step about to run proposes nothing: remember what the n-gram proposer would have
+        proposed (``ids``: all tokens so far, the pending one last)."""
+        if self._open is None:
+            toks, cls = self.matcher._match(ids, self.tokens)
+            if toks:
+                self._open = (cls, toks, len(ids))
+
+    def settle(self, ids: list[int], final: bool = False) -> None:
+        """``ids`` has grown by a step's tokens: settle the open shadow once its fate is known
+        (a mismatch, every matched token emitted, or ``final``: the request ended)."""
+        if self._open is None:
+            return
+        cls, toks, at = self._open
+        emitted = ids[at:at + len(toks)]
+        k = 0
+        while k < len(emitted) and emitted[k] == toks[k]:
+            k += 1
+        if k < len(emitted) or k == len(toks):  # a mismatch at k, or all matched
+            self.gate.observe(self.workload, cls, len(toks), k)
+            self._open = None
+        elif final:
+            if k:
+                self.gate.observe(self.workload, cls, k, k)  # what was seen: k of k right
+            self._open = None
+
+
 def crop_to(cache, length: int) -> None:
     """Drop cached positions beyond ``length``: an engine sequence's ``truncate`` (see
     :mod:`decoder.engine`), or a transformers cache (transformers 5: ``crop(-n)`` removes n)."""

@@ -33,8 +33,8 @@ from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_lin
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
 from decoder.metrics import AcceptanceCounts, StepStats
 from store.jsonsafe import nan_none
-from decoder.proposers import (PROPOSERS, DraftModelProposer, NgramGate, NgramHistory, NgramProposer, Proposer, StepCost,
-                               crop_to)
+from decoder.proposers import (PROPOSERS, DraftModelProposer, NgramGate, NgramHistory, NgramProposer, NgramShadow,
+                               Proposer, StepCost, crop_to)
 from decoder.sampling import SamplingParams, alpha, process_logits, verify
 
 log = structlog.get_logger("decoder.speculative")
@@ -446,6 +446,14 @@ class SpeculativeDecoder:
                                  cost=self.step_cost if gate is not None else None)
         raise ValueError(f"proposer {name!r}: use one of {PROPOSERS}")
 
+    def _shadow(self, req: DecodeRequest) -> NgramShadow | None:
+        """What teaches the shared n-gram gate from this request's steps that propose nothing
+        (:class:`decoder.proposers.NgramShadow`); None without a gate, for a request decoded
+        without the served history, and for a seeded sampled one (which runs without the gate)."""
+        if self.ngram_gate is None or not req.ngram_history or (not req.params.greedy and req.params.seed is not None):
+            return None
+        return NgramShadow(self.ngram_history, req.workload, self.ngram_gate)
+
     @property
     def proposer(self) -> torch.nn.Module:
         """The module proposals run on: ``serving.module`` (bf16 copy) or ``draft``."""
@@ -565,6 +573,9 @@ class SpeculativeDecoder:
         name = req.proposer or (policy.proposer_name() if hasattr(policy, "proposer_name") else None) or "draft"
         proposer = self.make_proposer(name, req)
         proposer.start(ids, speculate)
+        shadow = self._shadow(req)
+        if shadow is not None:
+            shadow.start(ids)
         counts.prefill_ms = (clock() - t0) * 1e3
 
         out: list[int] = []
@@ -579,6 +590,8 @@ class SpeculativeDecoder:
             prop = proposer.propose(ids, g, params, gen) if g else None
             proposals: list[int] = prop.tokens if prop is not None else []
             g = len(proposals)  # a proposer may propose fewer (the n-gram one: none without a match)
+            if shadow is not None and not g:
+                shadow.idle_step(ids)
             draft_ms = (clock() - td) * 1e3
             # 2. verification: pending token + proposals in one target forward
             tv = clock()
@@ -598,6 +611,8 @@ class SpeculativeDecoder:
                 topk_rows.append(_topk_rows(logits[: len(block)], k_rec))
             out.extend(block)
             ids.extend(block)
+            if shadow is not None:
+                shadow.settle(ids)
             # a proposal after the cut was never used: the accepted prefix counts up to the cut only
             st = StepStats(g, min(v.num_accepted, len(block)), len(block), v.rejected_at, a_sum, draft_ms, verify_ms,
                            asked)
@@ -618,6 +633,8 @@ class SpeculativeDecoder:
         if finish != "cancelled" and on_step is not None and reason and block:
             on_step(list(block))  # the last step's tokens (the request has ended either way)
         counts.decode_ms = (clock() - decode_t0) * 1e3
+        if shadow is not None:
+            shadow.settle(ids, final=True)
         self.ngram_history.add(req.workload, ids)
         result = self._result(req, policy, out, finish, steps, counts, (clock() - t_start) * 1e3,
                               name if any(s.proposed for s in steps) or speculate else "none")

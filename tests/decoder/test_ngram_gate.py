@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from decoder.proposers import NgramGate, NgramHistory, NgramProposer, StepCost, match_class
+from decoder.proposers import NgramGate, NgramHistory, NgramProposer, NgramShadow, StepCost, match_class
 from decoder.sampling import SamplingParams
 from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
 from tiny import reference_greedy
@@ -201,8 +201,8 @@ def test_decoder_with_a_gate_equals_plain_greedy_and_stops_proposing_what_fails(
     _, ungated, _ = run(False)
     assert ungated[-1] >= 24  # every step had a (wrong) match of up to 4 tokens
     assert gated[-1] < ungated[-1] / 4  # learnt: a plain step now, but for the exploring ones
-    # every proposal's outcome reached the gate
-    assert sum(st["proposals"] for st in dec.ngram_gate.status()["w"].values()) == n_gated
+    # every proposal's outcome reached the gate, and so did the shadows of the steps without one
+    assert sum(st["proposals"] for st in dec.ngram_gate.status()["w"].values()) > n_gated
 
 
 def test_seeded_sampling_runs_without_a_gate_and_records_step_costs(target, other_draft, tok):
@@ -219,3 +219,51 @@ def test_seeded_sampling_runs_without_a_gate_and_records_step_costs(target, othe
         "ngram", greedy).gate is None
     dec.generate(DecodeRequest(ids, GREEDY, 6, gamma=0, ignore_eos=True))
     assert 1 in dec.step_cost.status() and dec.step_cost.ms(1) > 0
+
+
+def test_shadow_reads_the_accepted_prefix_off_the_emitted_tokens():
+    gate = NgramGate(decay=1.0)
+    h = NgramHistory(max_n=3, min_n=1)
+    h.add("w", [1, 2, 3, 4, 5])
+    sh = NgramShadow(h, "w", gate, tokens=8)
+    ids = [9, 1, 2]
+    sh.start(ids)
+    sh.idle_step(ids)  # (1, 2) matches the history, 2 tokens back: would propose 3, 4, 5
+    sh.idle_step(ids)  # one shadow at a time
+    cls = ("hist", 2)
+    sh.settle(ids + [3])  # 3 emitted as matched: not settled yet
+    assert gate.status() == {}
+    sh.settle(ids + [3, 4, 7])  # 4 right, 7 where 5 was matched: accepted prefix 2 of 3
+    # j=1: 1 of 1, j=2: 1 of 1, j=3: 0 of 1
+    assert gate.acceptance("w", cls) == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
+    # a request that ends before the shadow settles counts what it saw: 1 of 1 right
+    ids2 = [8, 1, 2]
+    sh.start(ids2)
+    sh.idle_step(ids2)
+    sh.settle(ids2 + [3], final=True)
+    assert gate.status()["w"]["hist/2"]["proposals"] == 2
+    assert gate.acceptance("w", cls) == pytest.approx([3 / 4, 2 / 3, 1 / 3, 1 / 3])
+    # no match, no shadow
+    sh.start([7, 7, 6])
+    sh.idle_step([7, 7, 6])
+    sh.settle([7, 7, 6, 1], final=True)
+    assert gate.status() == {"w": {"hist/2": {"proposals": 2, "acceptance": [0.75, 0.667, 0.333, 0.333]}}}
+
+
+def test_plain_requests_teach_the_gate_and_stay_plain(target, other_draft, tok):
+    ids = tok("the cat sat on the mat. the cat", add_special_tokens=False)["input_ids"]
+    ref = reference_greedy(target, ids, 16)
+    dec = SpeculativeDecoder(target, other_draft, tok)
+    dec.ngram_history.add("w", ids + ref)  # the same request served before: its continuation is a perfect copy
+    r = dec.generate(DecodeRequest(ids, GREEDY, 16, gamma=0, ignore_eos=True, workload="w"))
+    assert r.output_ids == ref and r.counts.num_draft_tokens == 0
+    st = dec.ngram_gate.status()["w"]
+    # the copy was read off the plain steps: shadows of up to 8 tokens, every one right
+    copies = {k: v for k, v in st.items() if k.startswith("hist/")}
+    assert copies and all(v["acceptance"][0] > 0.5 for v in copies.values())
+    assert sum(v["proposals"] for v in st.values()) >= 2  # 16 tokens: at least two settled windows
+    # without the served history (or seeded sampling), no shadow
+    before = sum(v["proposals"] for v in st.values())
+    dec.generate(DecodeRequest(ids, GREEDY, 16, gamma=0, ignore_eos=True, workload="w", ngram_history=False))
+    dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=1), 16, gamma=0, ignore_eos=True, workload="w"))
+    assert sum(v["proposals"] for v in dec.ngram_gate.status()["w"].values()) == before
