@@ -287,6 +287,8 @@ class DecoderConfig:
                              f"{self.ngram_max_n})")
         if self.draft_precision not in PRECISIONS:
             raise ValueError(f"DecoderConfig.draft_precision={self.draft_precision!r}: use one of {PRECISIONS}")
+        if not isinstance(self.ngram_gate, bool):
+            raise ValueError(f"DecoderConfig.ngram_gate={self.ngram_gate!r}: use True (default) or False")
 
 
 class SpeculativeDecoder:

@@ -217,6 +217,8 @@ def test_seeded_sampling_runs_without_a_gate_and_records_step_costs(target, othe
     assert g is not None and g is not dec.ngram_gate
     assert SpeculativeDecoder(target, other_draft, tok, DecoderConfig(ngram_gate=False)).make_proposer(
         "ngram", greedy).gate is None
+    with pytest.raises(ValueError, match="ngram_gate='no'"):
+        DecoderConfig(ngram_gate="no")
     dec.generate(DecodeRequest(ids, GREEDY, 6, gamma=0, ignore_eos=True))
     assert 1 in dec.step_cost.status() and dec.step_cost.ms(1) > 0
 
