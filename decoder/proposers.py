@@ -111,7 +111,32 @@ class DraftModelProposer:
             self.length = length
 
 
-class NgramHistory:
+class _PerWorkload:
+    """Per-workload state under one lock; beyond ``max_workloads`` workloads the least recently
+    used one is dropped (subclasses set ``_lock``, ``_w`` (an OrderedDict) and ``max_workloads``)."""
+
+    _lock: threading.Lock
+    _w: OrderedDict
+    max_workloads: int
+
+    def _touch(self, workload: str, make):
+        """``workload``'s state, made by ``make()`` if new, now the most recently used (caller holds the lock)."""
+        w = self._w.pop(workload, None) or make()
+        self._w[workload] = w
+        while len(self._w) > self.max_workloads:
+            self._w.popitem(last=False)
+        return w
+
+    def clear(self, workload: str | None = None) -> None:
+        """Forget one workload's state, or every workload's (None)."""
+        with self._lock:
+            if workload is None:
+                self._w.clear()
+            else:
+                self._w.pop(workload, None)
+
+
+class NgramHistory(_PerWorkload):
     """Each workload's recent requests, indexed by n-gram for :class:`NgramProposer`.
 
     Bounded: at most ``max_tokens`` tokens per workload (oldest requests dropped first) and
@@ -136,11 +161,7 @@ class NgramHistory:
             return
         tokens = list(tokens[-self.max_tokens:])
         with self._lock:
-            w = self._w.pop(workload, None) or _WorkloadIndex()
-            self._w[workload] = w
-            while len(self._w) > self.max_workloads:
-                self._w.popitem(last=False)
-            w.add(tokens, self.min_n, self.max_n, self.max_tokens)
+            self._touch(workload, _WorkloadIndex).add(tokens, self.min_n, self.max_n, self.max_tokens)
 
     def lookup(self, workload: str, key: tuple[int, ...], gamma: int) -> list[int]:
         """The up-to-γ tokens that followed ``key``'s most recent occurrence, or []."""
@@ -177,13 +198,6 @@ class NgramHistory:
         with self._lock:
             w = self._w.get(workload)
             return w.total if w is not None else 0
-
-    def clear(self, workload: str | None = None) -> None:
-        with self._lock:
-            if workload is None:
-                self._w.clear()
-            else:
-                self._w.pop(workload, None)
 
     def status(self) -> dict[str, int]:
         """Indexed tokens per workload."""
@@ -294,7 +308,7 @@ class StepCost:
             return {k: round(v, 4) for k, v in sorted(self._median.items())}
 
 
-class NgramGate:
+class NgramGate(_PerWorkload):
     """How many of a match's tokens the n-gram proposer proposes at a step (0: a plain step).
 
     Per workload and kind of match (:func:`match_class`: own request or workload history x match
@@ -325,11 +339,7 @@ class NgramGate:
         self._w: OrderedDict[str, dict[tuple, list]] = OrderedDict()
 
     def _stats(self, workload: str, cls: tuple) -> list:
-        w = self._w.pop(workload, None) or {}
-        self._w[workload] = w
-        while len(self._w) > self.max_workloads:
-            self._w.popitem(last=False)
-        return w.setdefault(cls, [[0.0] * POSITION_BUCKETS, [0.0] * POSITION_BUCKETS, 0, 0])
+        return self._touch(workload, dict).setdefault(cls, [[0.0] * POSITION_BUCKETS, [0.0] * POSITION_BUCKETS, 0, 0])
 
     @staticmethod
     def _acceptance(st: list) -> list[float]:
@@ -394,13 +404,6 @@ class NgramGate:
             for w, classes in self._w.items():
                 new._w[w] = {c: [list(st[0]), list(st[1]), st[2], st[3]] for c, st in classes.items()}
         return new
-
-    def clear(self, workload: str | None = None) -> None:
-        with self._lock:
-            if workload is None:
-                self._w.clear()
-            else:
-                self._w.pop(workload, None)
 
     def status(self) -> dict[str, dict[str, dict]]:
         """Per workload and kind of match ("own/4" = the request's own tokens, a 4-5 token match):
