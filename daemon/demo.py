@@ -417,7 +417,7 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                     decoder.ngram_gate = served_gate.copy() if served_gate is not None else None
                     decoder.generate(DecodeRequest(ids, params, 4, gamma=0, ignore_eos=True, workload=phase))
                 for name, dec, g, prop in runs:  # back to back per prompt (paired): a slower host slows all alike
-                    # what serving left behind, the same for every row (so evaluation leaves no trace)
+                    # the history and gate as serving left them, the same for every row (evaluation teaches neither)
                     decoder.ngram_history = served_history.copy()
                     decoder.ngram_gate = served_gate.copy() if served_gate is not None else None
                     with _frozen_lora(decoder if dec is frozen else None):

@@ -159,6 +159,7 @@ def run_bench(
     peer = LlamaCppPeer(cfg.llamacpp, cfg.threads or getattr(decoder.engine, "threads", None),
                         n_ctx=getattr(decoder.engine, "context_length", None) or 4096) if cfg.llamacpp else None
     frozen_history = decoder.ngram_history.copy()
+    frozen_gate = decoder.ngram_gate.copy() if decoder.ngram_gate is not None else None
     # Warm-up: first calls pay one-off allocator and kernel selection costs.
     warm = next(iter(enc_by_wl.values()))[0]
     decoder.generate(DecodeRequest(warm, max_new_tokens=min(4, cfg.max_new_tokens), gamma=2, ignore_eos=True))
@@ -168,7 +169,8 @@ def run_bench(
     with torch_threads_for(decoder.engine):
         for wl, enc in enc_by_wl.items():
             for sname in cfg.sampling:
-                m = _measure(decoder, wl, sname, enc, gammas, cfg, say, peer, frozen_history, torch_threads)
+                m = _measure(decoder, wl, sname, enc, gammas, cfg, say, peer, frozen_history, torch_threads,
+                             gate=frozen_gate)
                 for row in _rows(wl, sname, m, gammas, cfg):
                     add(row)
     kernels = {"small_m_calibration": decoder.small_m_calibration, "draft_precision": decoder.draft_precision,
@@ -199,7 +201,7 @@ def _encode(tok, prompts: Iterable[Prompt], cfg: BenchConfig) -> dict[str, list[
 
 def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[int]], gammas: list[int],
              cfg: BenchConfig, say: Callable[[str], None], peer: "LlamaCppPeer | None" = None,
-             history=None, hf_threads: int | None = None) -> dict:
+             history=None, hf_threads: int | None = None, gate=None) -> dict:
     """One (workload, sampling) cell: per prompt, every method back to back (plain, hf_plain,
     llamacpp_plain, then each proposer x γ's spec and hf_assisted), so a machine that speeds up or
     slows down during the sweep shifts all methods alike instead of favouring whichever ran in the
@@ -213,8 +215,9 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
     batched_diff: list[float] = []
 
     def run(req, policy):
-        if history is not None:  # every request sees the same frozen n-gram history
-            decoder.ngram_history = history.copy()
+        if history is not None:  # every request sees the same frozen n-gram history and gate (row order is not
+            decoder.ngram_history = history.copy()  # an input: a gate learning across rows would make it one)
+            decoder.ngram_gate = gate.copy() if gate is not None else None
         return decoder.generate(req, policy)
 
     def hf_run(*args):  # transformers at torch's own thread count, as its users run it
@@ -272,6 +275,7 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
                 hf[g][1] += t
     if history is not None:
         decoder.ngram_history = history.copy()
+        decoder.ngram_gate = gate.copy() if gate is not None else None
     return {"greedy": base.greedy, "plain_counts": plain_counts, "plain_ms": plain_ms, "spec": spec,
             "hf_plain": hf_plain, "hf": hf, "peer": peer_m if peer is not None else None,
             "batched_diff": max(batched_diff) if batched_diff else None}

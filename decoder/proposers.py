@@ -173,6 +173,10 @@ class NgramHistory(_PerWorkload):
         tokens (default: all of ``ctx``), and how many tokens of ``ctx`` that occurrence matches
         backwards (>= n, at most ``max_len``): ([], 0) when there is none."""
         n = len(ctx) if n is None else n
+        if not 1 <= n <= len(ctx) or max_len < n:
+            raise ValueError(f"lookup_match: need 1 <= n={n} <= len(ctx)={len(ctx)} and max_len={max_len} >= n")
+        if gamma <= 0:
+            return [], 0
         key = tuple(ctx[len(ctx) - n:])
         with self._lock:
             w = self._w.get(workload)
@@ -243,6 +247,10 @@ def _match_len(a, a_end: int, b, b_end: int, n: int, max_len: int) -> int:
 
 
 # ---- the n-gram proposal's length: expected goodput per step -----------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 9, 17)  # a match of m tokens falls in the last bucket whose bound <= m
 POSITION_BUCKETS = 4  # conditional acceptance of proposal j: j = 1, 2, 3-4, >= 5
 
@@ -259,8 +267,8 @@ def _pos_bucket(j: int) -> int:
 
 
 class StepCost:
-    """Measured wall ms of one decoding step (proposal, verification, acceptance test, cache
-    crop) by the rows it verified, n = proposals + 1 (n = 1: a plain step): the median of the
+    """Measured wall ms of one decoding step (proposal, verification, acceptance test; not the
+    cache crop after it, which costs microseconds) by the rows it verified, n = proposals + 1 (n = 1: a plain step): the median of the
     last ``window`` steps per n (a median, not a mean: one step stalled by another process, a
     page fault or a graph rebuild must not make proposals look expensive for the next dozens).
     An unmeasured n is read off a least-squares line through the measured ones (slope clamped
@@ -269,14 +277,22 @@ class StepCost:
     from the steps that ran no draft model (the n-gram proposer's and plain ones)."""
 
     def __init__(self, window: int = 33):
-        if window < 1:
-            raise ValueError(f"StepCost: window={window} must be >= 1")
+        if not _is_int(window) or window < 1:
+            raise ValueError(f"StepCost: window={window!r} must be an int >= 1")
         self.window = window
         self._recent: dict[int, deque[float]] = {}
         self._median: dict[int, float] = {}
         self._lock = threading.Lock()
 
     def add(self, rows: int, ms: float) -> None:
+        """One step of ``rows`` (an int >= 1) verified rows took ``ms``; a non-finite reading is
+        ignored, a negative one counts as 0.
+
+        Raises:
+            ValueError: ``rows`` is not an int >= 1.
+        """
+        if not _is_int(rows) or rows < 1:
+            raise ValueError(f"StepCost.add: rows={rows!r} must be an int >= 1 (proposals + 1)")
         ms = float(ms)
         if not math.isfinite(ms):  # a broken clock reading must not poison the estimate
             return
@@ -329,9 +345,11 @@ class NgramGate(_PerWorkload):
 
     def __init__(self, decay: float = 0.97, explore_tries: int = 3, explore_every: int = 16,
                  max_workloads: int = 64):
-        if not 0 < decay <= 1 or explore_tries < 0 or explore_every < 1 or max_workloads < 1:
-            raise ValueError(f"NgramGate: need 0 < decay={decay} <= 1, explore_tries={explore_tries} >= 0, "
-                             f"explore_every={explore_every} >= 1, max_workloads={max_workloads} >= 1")
+        ints = (explore_tries, explore_every, max_workloads)
+        if (not isinstance(decay, (int, float)) or not 0 < decay <= 1 or not all(_is_int(v) for v in ints)
+                or explore_tries < 0 or explore_every < 1 or max_workloads < 1):
+            raise ValueError(f"NgramGate: need 0 < decay={decay!r} <= 1 and the ints explore_tries={explore_tries!r} "
+                             f">= 0, explore_every={explore_every!r} >= 1, max_workloads={max_workloads!r} >= 1")
         self.decay, self.explore_tries, self.explore_every = decay, explore_tries, explore_every
         self.max_workloads = max_workloads
         self._lock = threading.Lock()
@@ -351,9 +369,11 @@ class NgramGate(_PerWorkload):
         return out
 
     def acceptance(self, workload: str, cls: tuple) -> list[float]:
-        """[a_1, a_2, a_3-4, a_5+] for one kind of match (the prior 0.5 where never tried)."""
+        """[a_1, a_2, a_3-4, a_5+] for one kind of match (the prior 0.5 where never tried); reads
+        only (no entry is made, no workload becomes more recently used)."""
         with self._lock:
-            return self._acceptance(self._stats(workload, cls))
+            st = self._w.get(workload, {}).get(cls)
+            return self._acceptance(st) if st is not None else [0.5] * POSITION_BUCKETS
 
     def length(self, workload: str, cls: tuple, available: int, cost: StepCost) -> int:
         """Proposals to make out of ``available`` matched tokens (see the class docstring)."""
@@ -510,12 +530,15 @@ class NgramShadow:
     p(x) (q(x) = 1), the probability that plain sampling emits x, and so on along the proposal
     (Leviathan et al. 2023, Algorithm 1). So every step of every request can teach the gate, and a
     kind of match it has turned down keeps being measured. One shadow at a time (a new one opens
-    only after the last is settled), so overlapping windows are not counted twice.
+    only after the last is settled), and a real proposal settles the open one first, so no token
+    is counted twice.
     """
 
-    def __init__(self, history: NgramHistory, workload: str, gate: NgramGate, tokens: int = 8):
-        self.matcher = NgramProposer(history, workload, vocab_size=1 << 62)
-        self.gate, self.workload, self.tokens = gate, workload, tokens
+    def __init__(self, history: NgramHistory, workload: str, gate: NgramGate, vocab_size: int, tokens: int = 8):
+        if not _is_int(tokens) or tokens < 1:
+            raise ValueError(f"NgramShadow: tokens={tokens!r} must be an int >= 1")
+        self.matcher = NgramProposer(history, workload, vocab_size)
+        self.gate, self.workload, self.tokens, self.vocab = gate, workload, tokens, vocab_size
         self._open: tuple[tuple, list[int], int] | None = None  # (class, matched tokens, where they start)
 
     def start(self, ids: list[int]) -> None:
@@ -527,8 +550,17 @@ class NgramShadow:
         proposed (``ids``: all tokens so far, the pending one last)."""
         if self._open is None:
             toks, cls = self.matcher._match(ids, self.tokens)
+            # what the proposer itself would propose: cut at an id outside the target's vocabulary
+            bad = next((i for i, t in enumerate(toks) if not 0 <= t < self.vocab), None)
+            toks = toks[:bad] if bad is not None else toks
             if toks:
                 self._open = (cls, toks, len(ids))
+
+    def proposing(self, ids: list[int]) -> None:
+        """A real proposal is about to be verified: settle the open shadow on what ``ids`` has
+        emitted so far (k of k right, or its mismatch), so the tokens the proposal covers are not
+        counted twice."""
+        self.settle(ids, final=True)
 
     def settle(self, ids: list[int], final: bool = False) -> None:
         """``ids`` has grown by a step's tokens: settle the open shadow once its fate is known

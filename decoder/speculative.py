@@ -454,7 +454,7 @@ class SpeculativeDecoder:
         without the served history, and for a seeded sampled one (which runs without the gate)."""
         if self.ngram_gate is None or not req.ngram_history or (not req.params.greedy and req.params.seed is not None):
             return None
-        return NgramShadow(self.ngram_history, req.workload, self.ngram_gate)
+        return NgramShadow(self.ngram_history, req.workload, self.ngram_gate, self.vocab_p)
 
     @property
     def proposer(self) -> torch.nn.Module:
@@ -592,8 +592,8 @@ class SpeculativeDecoder:
             prop = proposer.propose(ids, g, params, gen) if g else None
             proposals: list[int] = prop.tokens if prop is not None else []
             g = len(proposals)  # a proposer may propose fewer (the n-gram one: none without a match)
-            if shadow is not None and not g:
-                shadow.idle_step(ids)
+            if shadow is not None:
+                shadow.proposing(ids) if g else shadow.idle_step(ids)
             draft_ms = (clock() - td) * 1e3
             # 2. verification: pending token + proposals in one target forward
             tv = clock()

@@ -1,8 +1,8 @@
 """The n-gram proposer's per-step length (decoder/proposers.py: StepCost, NgramGate): the step
 cost's median and line by hand, the gate's acceptance estimates and choices on hand-computed
-goodputs, forgetting, exploration, the proposer feeding it from rollback, and the decoder with it:
-greedy still equals plain, a gate that learnt that matches fail stops proposing them, seeded
-sampling runs without one."""
+goodputs, forgetting, exploration, the proposer feeding it each verification, the shadow, bad
+arguments refused, and the decoder with it: greedy still equals plain, a gate that learnt that
+matches fail stops proposing them, plain requests teach it, seeded sampling runs without one."""
 
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ def test_shadow_reads_the_accepted_prefix_off_the_emitted_tokens():
     gate = NgramGate(decay=1.0)
     h = NgramHistory(max_n=3, min_n=1)
     h.add("w", [1, 2, 3, 4, 5])
-    sh = NgramShadow(h, "w", gate, tokens=8)
+    sh = NgramShadow(h, "w", gate, vocab_size=10, tokens=8)
     ids = [9, 1, 2]
     sh.start(ids)
     sh.idle_step(ids)  # (1, 2) matches the history, 2 tokens back: would propose 3, 4, 5
@@ -269,3 +269,50 @@ def test_plain_requests_teach_the_gate_and_stay_plain(target, other_draft, tok):
     dec.generate(DecodeRequest(ids, GREEDY, 16, gamma=0, ignore_eos=True, workload="w", ngram_history=False))
     dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=1), 16, gamma=0, ignore_eos=True, workload="w"))
     assert sum(v["proposals"] for v in dec.ngram_gate.status()["w"].values()) == before
+
+
+def test_bad_arguments_are_refused_and_reads_leave_no_trace():
+    for kw in ({"max_workloads": float("nan")}, {"explore_every": 2.5}, {"explore_tries": -1}, {"decay": float("nan")},
+               {"decay": 1.5}, {"max_workloads": True}):
+        with pytest.raises(ValueError, match="NgramGate"):
+            NgramGate(**kw)
+    with pytest.raises(ValueError, match="window=1.5"):
+        StepCost(window=1.5)
+    c = StepCost()
+    for rows in (0, -4, 2.7):
+        with pytest.raises(ValueError, match="rows="):
+            c.add(rows, 10.0)
+    gate = NgramGate(max_workloads=2)
+    gate.observe("a", ("own", 4), 1, 1)
+    gate.observe("b", ("own", 4), 1, 1)
+    assert gate.acceptance("c", ("own", 4)) == [0.5] * 4  # the prior, and "a" is not evicted by the read
+    assert set(gate.status()) == {"a", "b"}
+    h = NgramHistory(max_n=3)
+    h.add("w", [1, 2, 3, 4])
+    assert h.lookup_match("w", [9, 1, 2], 0, 2) == ([], 0)
+    assert h.lookup_match("w", [9, 1, 2], 4, 2) == ([3, 4], 2)
+    with pytest.raises(ValueError, match="n=5"):
+        h.lookup_match("w", [1, 2], 4, 5)
+    with pytest.raises(ValueError, match="tokens=0"):
+        NgramShadow(h, "w", gate, vocab_size=10, tokens=0)
+
+
+def test_shadow_proposes_what_the_proposer_would_and_yields_to_a_real_proposal():
+    gate = NgramGate(decay=1.0)
+    h = NgramHistory(max_n=3, min_n=1)
+    h.add("w", [1, 2, 3, 99, 5])  # 99: an id outside a 10-token vocabulary
+    sh = NgramShadow(h, "w", gate, vocab_size=10)
+    ids = [9, 1, 2]
+    sh.start(ids)
+    sh.idle_step(ids)  # would propose 3 only (the proposer cuts at 99)
+    sh.settle(ids + [3], final=False)  # all of it right: settled at once
+    # 1 of 1 at j=1 (not 1 of 3 with a rejection at 99): a_1 = 2/3, untried positions take it
+    assert gate.acceptance("w", ("hist", 2)) == pytest.approx([2 / 3] * 4)
+    h.add("w", [1, 2, 3, 4, 5, 6])
+    sh.start(ids)
+    sh.idle_step(ids)  # now 3, 4, 5, 6
+    sh.settle(ids + [3])  # one right so far, not settled
+    sh.proposing(ids + [3])  # a real proposal covers what follows: the shadow counts 1 of 1
+    st = gate.status()["w"]["hist/2"]
+    assert st["proposals"] == 2
+    assert gate.acceptance("w", ("hist", 2)) == pytest.approx([3 / 4] * 4)  # j=1: 2 of 2, nothing else tried
