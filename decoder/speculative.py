@@ -592,9 +592,9 @@ class SpeculativeDecoder:
             prop = proposer.propose(ids, g, params, gen) if g else None
             proposals: list[int] = prop.tokens if prop is not None else []
             g = len(proposals)  # a proposer may propose fewer (the n-gram one: none without a match)
-            if shadow is not None:
-                shadow.proposing(ids) if g else shadow.idle_step(ids)
             draft_ms = (clock() - td) * 1e3
+            if shadow is not None:  # outside draft ms: the controller's plain step must not carry it
+                shadow.proposing(ids) if g else shadow.idle_step(ids)
             # 2. verification: pending token + proposals in one target forward
             tv = clock()
             logits = self._target_logits([ids[-1]] + proposals, tcache, g + 1)  # (g+1, V)
