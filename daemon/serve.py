@@ -795,7 +795,8 @@ def run_serve(settings, console=None) -> int:
         registry = AdapterRegistry(rh.client, settings.adapter_dir, scfg) if sv.follow_adapters else None
         loop = build_serving_loop(
             pair.target, pair.draft, pair.tokenizer, client=rh.client, store_config=scfg, registry=registry,
-            decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer)),
+            decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
+                                         ngram_gate=sv.ngram_gate),
             pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every),
             proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft)
         loop.start()

@@ -227,6 +227,9 @@ class ServeSettings(_Group):
     speculation: bool = Field(True, description="false = plain decoding for every request (the baseline serve_bench compares with).")
     check_plain_every: int = Field(0, ge=0, description="Also decode every N-th greedy request plainly to report matches_plain (0 = never).")
     record_prompt: bool = Field(True, description="Stream the target's distributions over each prompt too (DecoderConfig.record_prompt).")
+    ngram_gate: bool = Field(True, description="The n-gram proposer proposes per step only the matched tokens expected to pay, "
+                             "from acceptance learnt on every step against the measured step cost (DecoderConfig.ngram_gate); "
+                             "false proposes every matched token up to γ.")
     follow_adapters: bool = Field(True, description="Follow promoted and rolled-back adapters from the registry (per workload).")
     server_id: str | None = Field(None, description="Id in the heartbeat; unset = <hostname>-<pid>.")
     proposers: list[Literal["ngram", "draft"]] = Field(["ngram", "draft"], description="Proposers the goodput controller chooses among per "

@@ -74,3 +74,12 @@ def test_serve_proposers_default_and_bad_names(monkeypatch):
         monkeypatch.setenv("DRAFTD_SERVE__PROPOSERS", bad)
         with pytest.raises(ConfigError, match="proposers"):
             load_settings(None)
+
+
+def test_serve_ngram_gate_defaults_on_turns_off_and_refuses_a_bad_value(monkeypatch):
+    assert load_settings(None).serve.ngram_gate is True
+    monkeypatch.setenv("DRAFTD_SERVE__NGRAM_GATE", "false")
+    assert load_settings(None).serve.ngram_gate is False
+    monkeypatch.setenv("DRAFTD_SERVE__NGRAM_GATE", "maybe")
+    with pytest.raises(ConfigError, match="ngram_gate"):
+        load_settings(None)
