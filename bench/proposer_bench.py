@@ -48,6 +48,7 @@ import torch  # noqa: E402
 from decoder.bench import SAMPLING, machine_info  # noqa: E402
 from decoder.metrics import AcceptanceCounts  # noqa: E402
 from decoder.models import load_pair  # noqa: E402
+from decoder.proposers import NgramGate  # noqa: E402
 from decoder.sampling import predicted_speedup  # noqa: E402
 from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder  # noqa: E402
 from decoder.workloads import get_workload  # noqa: E402
@@ -103,7 +104,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(a.threads)
     from decoder.bench import LlamaCppPeer
     from decoder.engine import choose_engine, torch_threads_for
-    from decoder.proposers import NgramGate, NgramHistory
+    from decoder.proposers import NgramHistory
 
     pair = load_pair(a.target, a.draft)
     tok = pair.tokenizer
@@ -117,7 +118,7 @@ def main(argv=None) -> dict:
     rows, t_all = [], time.time()
     with torch_threads_for(dec.engine):  # as serve decodes on llama.cpp: torch at one thread
         for wl in a.workloads.split(","):
-            rows += _workload(a, dec, tok, wl, served_history, served_gate, empty, NgramGate, peer)
+            rows += _workload(a, dec, tok, wl, served_history, served_gate, empty, peer)
     out = {"machine": machine_info(), "args": {k: v for k, v in vars(a).items()}, "seconds": round(time.time() - t_all, 1),
            "pair": {"target": pair.target_name, "draft": pair.draft_name}, "torch_threads": torch.get_num_threads(),
            "engine": dec.engine.describe(), "small_m_calibration": dec.small_m_calibration,
@@ -129,7 +130,7 @@ def main(argv=None) -> dict:
     return out
 
 
-def _workload(a, dec, tok, wl, served_history, served_gate, empty, NgramGate, peer) -> list[dict]:
+def _workload(a, dec, tok, wl, served_history, served_gate, empty, peer) -> list[dict]:
     """One workload: serve, then every method back to back per never-served prompt; its rows."""
     rows = []
     prompts = get_workload(wl, a.prompts + a.serve)

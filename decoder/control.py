@@ -26,7 +26,7 @@ from typing import Any
 import redis
 import structlog
 
-from decoder.metrics import AcceptanceCounts, StepStats
+from decoder.metrics import AcceptanceCounts, StepStats, line_at
 from decoder.sampling import expected_tokens_per_step  # noqa: F401 - re-exported
 from decoder.shift import ShiftAlarm, ShiftDetector, key_str  # key_str re-exported: "{workload}@{bucket}"
 from store import AcceptanceHistory, AdapterRegistry, InvalidTransitionError, StoreError, UnknownVersionError
@@ -588,17 +588,7 @@ class GoodputController:
         """t_verify(γ): the per-γ EWMA, else a line through the measured points vs γ + 1."""
         if g in s.verify_ms and s.verify_ms[g].n:
             return s.verify_ms[g].value
-        pts = [(k + 1, e.value) for k, e in s.verify_ms.items() if e.n]
-        if not pts:
-            return math.nan
-        if len(pts) == 1:
-            return pts[0][1]
-        n = len(pts)
-        mx = sum(x for x, _ in pts) / n
-        my = sum(y for _, y in pts) / n
-        sxx = sum((x - mx) ** 2 for x, _ in pts)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sxx) if sxx else 0.0
-        return max(1e-6, my + slope * (g + 1 - mx))
+        return line_at([(k + 1, e.value) for k, e in s.verify_ms.items() if e.n], g + 1)
 
     def _evaluate(self, s: _KeyState) -> dict[str, Any]:
         c = self.config

@@ -17,6 +17,23 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den else math.nan
 
 
+def line_at(points: list[tuple[float, float]], x: float) -> float:
+    """A cost read off measured (x, y) points at ``x``: NaN without points, flat through a single
+    one, else the least-squares line with its slope clamped at >= 0 (a step that verifies more rows
+    never costs less), at least 1e-6. What the goodput controller and the n-gram gate's step cost
+    use for a γ they have not measured yet."""
+    if not points:
+        return math.nan
+    if len(points) == 1:
+        return points[0][1]
+    n = len(points)
+    mx = sum(p for p, _ in points) / n
+    my = sum(q for _, q in points) / n
+    sxx = sum((p - mx) ** 2 for p, _ in points)
+    slope = max(0.0, sum((p - mx) * (q - my) for p, q in points) / sxx) if sxx else 0.0
+    return max(1e-6, my + slope * (x - mx))
+
+
 @dataclass
 class StepStats:
     """One verification step (γ = 0 is a plain decoding step).

@@ -26,6 +26,7 @@ and indexes every finished request into its :class:`NgramHistory` itself.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from decoder.metrics import line_at
 from decoder.sampling import SamplingParams, process_logits, sample
 
 PROPOSERS = ("draft", "ngram")
@@ -299,8 +301,7 @@ class StepCost:
         with self._lock:
             r = self._recent.setdefault(int(rows), deque(maxlen=self.window))
             r.append(max(0.0, ms))
-            v = sorted(r)
-            self._median[int(rows)] = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+            self._median[int(rows)] = statistics.median(r)
 
     def ms(self, rows: int) -> float:
         """Estimated ms of a step verifying ``rows`` tokens (NaN before any step is measured)."""
@@ -308,15 +309,7 @@ class StepCost:
             if rows in self._median:
                 return self._median[rows]
             pts = list(self._median.items())
-        if not pts:
-            return math.nan
-        if len(pts) == 1:
-            return pts[0][1]
-        mx = sum(x for x, _ in pts) / len(pts)
-        my = sum(y for _, y in pts) / len(pts)
-        sxx = sum((x - mx) ** 2 for x, _ in pts)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sxx) if sxx else 0.0
-        return max(1e-6, my + slope * (rows - mx))
+        return line_at(pts, rows)
 
     def status(self) -> dict[int, float]:
         """Median ms per verified row count measured so far."""
@@ -472,8 +465,15 @@ class NgramProposer:
                 self._index[tuple(ids[end - n:end])] = end
         self._indexed = max(self._indexed, upto)
 
-    def _match(self, ids: list[int], gamma: int) -> tuple[list[int], tuple | None]:
-        """The longest-n match's continuation (up to γ tokens) and its :func:`match_class`."""
+    def match(self, ids: list[int], gamma: int) -> tuple[list[int], tuple | None]:
+        """The longest-n match's continuation (up to γ tokens, cut before any id outside the
+        target's vocabulary) and its :func:`match_class`; ([], None) without a match."""
+        tokens, cls = self._longest(ids, gamma)
+        # a history filled elsewhere (another tokenizer) must not propose ids the target lacks
+        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < self.vocab), None)
+        return (tokens[:bad] if bad is not None else tokens), cls
+
+    def _longest(self, ids: list[int], gamma: int) -> tuple[list[int], tuple | None]:
         L = len(ids)
         # earlier occurrences end at e <= L - 1, so ids[e] exists and e != L (not the tail itself)
         self._extend_index(ids, L - 1)
@@ -490,11 +490,7 @@ class NgramProposer:
         tokens: list[int] = []
         cls = None
         if gamma > 0:
-            tokens, cls = self._match(ids, gamma)
-        # a history filled elsewhere (another tokenizer) must not propose ids the target lacks
-        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < self.vocab), None)
-        if bad is not None:
-            tokens = tokens[:bad]
+            tokens, cls = self.match(ids, gamma)
         self.last_class = cls
         self._pending = None
         if self.gate is not None and tokens:
@@ -538,7 +534,7 @@ class NgramShadow:
         if not _is_int(tokens) or tokens < 1:
             raise ValueError(f"NgramShadow: tokens={tokens!r} must be an int >= 1")
         self.matcher = NgramProposer(history, workload, vocab_size)
-        self.gate, self.workload, self.tokens, self.vocab = gate, workload, tokens, vocab_size
+        self.gate, self.workload, self.tokens = gate, workload, tokens
         self._open: tuple[tuple, list[int], int] | None = None  # (class, matched tokens, where they start)
 
     def start(self, ids: list[int]) -> None:
@@ -549,10 +545,7 @@ class NgramShadow:
         """The step about to run proposes nothing: remember what the n-gram proposer would have
         proposed (``ids``: all tokens so far, the pending one last)."""
         if self._open is None:
-            toks, cls = self.matcher._match(ids, self.tokens)
-            # what the proposer itself would propose: cut at an id outside the target's vocabulary
-            bad = next((i for i, t in enumerate(toks) if not 0 <= t < self.vocab), None)
-            toks = toks[:bad] if bad is not None else toks
+            toks, cls = self.matcher.match(ids, self.tokens)  # what the proposer itself would propose
             if toks:
                 self._open = (cls, toks, len(ids))
 

@@ -291,6 +291,12 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig.ngram_gate={self.ngram_gate!r}: use True (default) or False")
 
 
+def _seeded_sampling(params: SamplingParams) -> bool:
+    """A sampled request with a seed: its completion must follow from the seed alone, so nothing
+    timing- or traffic-dependent (the n-gram gate) may choose its γ."""
+    return not params.greedy and params.seed is not None
+
+
 class SpeculativeDecoder:
     """Speculative decoding of a target with a draft sharing its tokenizer.
 
@@ -440,7 +446,7 @@ class SpeculativeDecoder:
             history = self.ngram_history if req.ngram_history else NgramHistory(
                 self.config.ngram_max_n, self.ngram_min_n, 1)  # empty: the request's own tokens only
             gate = self.ngram_gate
-            if gate is not None and not req.params.greedy and req.params.seed is not None:
+            if gate is not None and _seeded_sampling(req.params):
                 gate = None  # γ per step would follow step timings, and the seed would not reproduce the completion
             elif gate is not None and not req.ngram_history:
                 gate = NgramGate()  # no past traffic: no past acceptance either
@@ -452,7 +458,7 @@ class SpeculativeDecoder:
         """What teaches the shared n-gram gate from this request's steps that propose nothing
         (:class:`decoder.proposers.NgramShadow`); None without a gate, for a request decoded
         without the served history, and for a seeded sampled one (which runs without the gate)."""
-        if self.ngram_gate is None or not req.ngram_history or (not req.params.greedy and req.params.seed is not None):
+        if self.ngram_gate is None or not req.ngram_history or _seeded_sampling(req.params):
             return None
         return NgramShadow(self.ngram_history, req.workload, self.ngram_gate, self.vocab_p)
 
