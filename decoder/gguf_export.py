@@ -1,4 +1,6 @@
-"""GGUF files for a llama.cpp draft: the derived draft's blocks, and its LoRA adapters.
+"""GGUF files for a llama.cpp draft: the derived draft's blocks, and its LoRA adapters; and a
+target's weights requantised (:func:`requantised_gguf`, for measuring what a weight format does to
+the cost of a verification).
 
 The torch derived draft (:func:`decoder.models.derive_draft`) is the target's first k decoder
 layers with the target's embeddings, final norm and LM head. :func:`derived_draft_gguf` writes
@@ -269,6 +271,60 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
         writer.write_ti_data_to_file()
         for _, t in tensors:
             writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    return out
+
+
+# ---- requantised weights ---------------------------------------------------------------------
+
+
+def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path:
+    """``src`` with its weights requantised to ``fmt`` by llama.cpp's own quantiser
+    (``llama_model_quantize``, ``allow_requantize``), written once.
+
+    ``fmt`` is a llama.cpp file type (``LLAMA_FTYPE_MOSTLY_<fmt>``: Q4_0, IQ4_NL, Q8_0, BF16, F16,
+    ...); llama.cpp chooses per-tensor types as its ``llama-quantize`` does (norms stay F32). The
+    result is a different model from ``src`` unless the format holds ``src``'s values exactly
+    (requantising Q4_1 to Q4_0 loses more; BF16 rounds a Q4_1 weight d * q + m to 8 significant
+    bits): ``bench/verify_cost_bench.py --formats`` uses it to measure how the weight format
+    moves the cost of a verification of n rows (bench/RESULTS.md), not to serve.
+
+    Cached as ``cache_dir`` (default ``decoder.models.cache_root() / "requant"``) /
+    ``{src.stem}-{digest16}-{FMT}.gguf`` (:func:`file_digest16`), written to a temporary file and
+    renamed into place.
+
+    Raises:
+        ValueError: ``fmt`` is not a llama.cpp file type (the message lists the known ones).
+        EngineError: llama-cpp-python is not installed.
+        RuntimeError: llama_model_quantize failed (its return code is in the message).
+    """
+    import ctypes
+
+    from decoder.engine import _llama
+    from decoder.models import cache_root
+
+    src = Path(src)
+    ll = _llama()
+    name = str(fmt).strip().upper()
+    ftype = getattr(ll, f"LLAMA_FTYPE_MOSTLY_{name}", None)
+    if ftype is None or not name:
+        known = sorted(k.removeprefix("LLAMA_FTYPE_MOSTLY_") for k in dir(ll) if k.startswith("LLAMA_FTYPE_MOSTLY_"))
+        raise ValueError(f"{fmt!r} is not a llama.cpp weight format; use one of {', '.join(known)}")
+    out = Path(cache_dir or cache_root() / "requant") / f"{src.stem}-{file_digest16(src)}-{name}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_path(out)
+    try:
+        params = ll.llama_model_quantize_default_params()
+        params.ftype = ftype
+        params.allow_requantize = True
+        params.nthread = os.cpu_count() or 1
+        rc = ll.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize({src.name} -> {name}) returned {rc}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 

@@ -539,3 +539,40 @@ def test_real_lora_delta_in_llama_cpp_matches_torch(real, tmp_path, case):
     corr, rel = delta_stats(want, got)
     print(f"{case}: corr {corr:.5f} rel {rel:.4f} delta std {want.std():.2f} convert {seconds:.2f} s")
     assert corr > 0.99 and rel < 0.15, (corr, rel)
+
+
+def test_requantised_gguf_rounds_each_weight_as_bf16_and_is_cached(tmp_path):
+    """BF16 of an F32 GGUF: every 2-D weight is the source rounded to bfloat16 (torch's
+    round-to-nearest-even, computed here independently), norms stay F32; a second call returns
+    the cached file untouched; an unknown format is refused by name."""
+    if llama_cpp is None:
+        pytest.skip("llama-cpp-python is not importable (pip install llama-cpp-python)")
+    from decoder.gguf_export import requantised_gguf
+
+    src = write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf")
+    out = requantised_gguf(src, "bf16", cache_dir=tmp_path / "requant")
+    assert out.parent == tmp_path / "requant" and out.name.endswith("-BF16.gguf")
+    before = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(src).tensors}
+    after = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert set(after) == set(before)
+    checked = 0
+    for name, t in after.items():
+        ref = torch.from_numpy(before[name].astype(np.float32))
+        if name.endswith("norm.weight"):
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32
+            np.testing.assert_array_equal(np.asarray(t.data), before[name])
+            continue
+        assert t.tensor_type == gguf.GGMLQuantizationType.BF16, name
+        bits = np.asarray(t.data).view(np.uint16).reshape(ref.shape)
+        got = torch.from_numpy(bits.astype(np.int32) << 16).view(torch.float32)
+        want = ref.to(torch.bfloat16).to(torch.float32)
+        assert torch.equal(got, want), name
+        assert not torch.equal(got, ref), name  # the rounding is real: BF16 is not the source
+        checked += 1
+    assert checked == 1 + 7 * N_LAYERS  # token_embd and the seven matrices of each block
+    stamp = out.stat().st_mtime_ns
+    assert requantised_gguf(src, "BF16", cache_dir=tmp_path / "requant") == out
+    assert out.stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "requant").iterdir()] == [out.name]  # no temporary left
+    with pytest.raises(ValueError, match=r"'Q9_9' is not a llama.cpp weight format; use one of .*Q4_0"):
+        requantised_gguf(src, "Q9_9", cache_dir=tmp_path / "requant")
