@@ -2,17 +2,24 @@
 
 1. ``verify_cost``: one ``llama_decode`` of n = 1..9 tokens with logits at all n (a verification of
    γ = n - 1) after 100 cached tokens, median ms over ``--reps``, and its ratio to n = 1, per thread
-   count. On a weight-bandwidth-bound engine the ratio stays near 1; on a compute-bound one it grows
+   count; ``prefill_ms``: the 100 tokens as one prompt (median of 3). On a weight-bandwidth-bound engine the ratio stays near 1; on a compute-bound one it grows
    with n. Where the llama.cpp build has the AMX path (a CPU with AMX), measured twice, each in a
    process of its own: with llama.cpp's extra (AMX) weight buffers and without
    (``DRAFTD_LLAMA_EXTRA_BUFTS``; ``decoder.engine.llama_extra_buffers``); each on the main thread
    and on a thread of its own (where the serving loop decodes).
-2. ``ngram_min_n``: greedy speculation with the n-gram proposer (history empty: the request's own
+2. ``formats`` (``--formats Q4_0,BF16,...``): the same measurement (2 threads, main thread) on the
+   packaged GGUF requantised by llama.cpp itself (``decoder.gguf_export.requantised_gguf``, written once under
+   ``$DRAFTD_CACHE_DIR/requant``): which weight formats make a verification cheap on this CPU. A
+   requantised file is a different model (Q4_0 of the Q4_1 weights loses more; BF16 rounds them), so
+   this says where speculation can pay, not what to serve; ``break_even_a1`` is the first-token
+   acceptance above which γ = 1 beats plain decoding of the same file (t(2) / t(1) - 1), and
+   ``ms_vs_packaged`` a step of n rows against a plain step of the packaged file.
+3. ``ngram_min_n``: greedy speculation with the n-gram proposer (history empty: the request's own
    context only) at ``ngram_min_n`` 1, 2, 3 and γ 1..3, against our plain decoding on the same engine,
    paired per prompt, on never-served prompts of prose, code and math; every output checked equal to
    plain.
 
-Usage: ``.venv/bin/python bench/verify_cost_bench.py [--prompts 3] [--max-new-tokens 64]``
+Usage: ``.venv/bin/python bench/verify_cost_bench.py [--prompts 3] [--max-new-tokens 64] [--formats Q4_0,BF16]``
 (run it alone on the cores). Results: bench/RESULTS.md.
 """
 
@@ -25,37 +32,73 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
-def verify_cost(gguf, threads: int, reps: int, worker: bool = False) -> dict:
+def verify_cost(gguf, threads: int, reps: int, worker: bool = False, cached: int = 100, n_ctx: int = 1024) -> dict:
     """Median ms per n on the main thread, or (``worker``) on a thread of its own, as the serving
-    loop decodes."""
+    loop decodes, after ``cached`` tokens in a context of ``n_ctx``."""
     if worker:
         import threading
 
         box: dict = {}
-        t = threading.Thread(target=lambda: box.update(r=verify_cost(gguf, threads, reps)))
+        t = threading.Thread(target=lambda: box.update(r=verify_cost(gguf, threads, reps, cached=cached, n_ctx=n_ctx)))
         t.start()
         t.join()
         return dict(box["r"], thread="worker")
     from decoder.engine import LlamaCppEngine
 
-    eng = LlamaCppEngine(gguf, n_ctx=1024, threads=threads)
+    eng = LlamaCppEngine(gguf, n_ctx=n_ctx, threads=threads)
     seq = eng.start()
-    seq.forward(list(range(100, 200)), 1)
-    ms = {n: [] for n in range(1, 10)}
+    seq.forward([100 + i % 1000 for i in range(cached)], 1)
+    ms = {n: [] for n in (*range(1, 10), 12, 16)}
     for _ in range(reps):
         for n in ms:
             t0 = time.perf_counter()
             seq.forward([5 + j for j in range(n)], n)
             ms[n].append((time.perf_counter() - t0) * 1e3)
-            seq.truncate(100)
+            seq.truncate(cached)
+    prompt = [100 + i % 1000 for i in range(cached)]
+    prefill = []
+    for _ in range(3):  # the cached tokens as one prompt (what a request's first step costs before any decode)
+        seq.truncate(0)
+        t0 = time.perf_counter()
+        seq.forward(prompt, 1)
+        prefill.append((time.perf_counter() - t0) * 1e3)
     extra = eng.extra_bufts
     eng.close()
     base = statistics.median(ms[1])
-    return {"threads": threads, "thread": "main", "extra_buffer_types": extra,
+    return {"threads": threads, "thread": "main", "extra_buffer_types": extra, "cached": cached, "n_ctx": n_ctx,
+            "prefill_ms": round(statistics.median(prefill), 2),
             "ms": {n: round(statistics.median(v), 3) for n, v in ms.items()},
             "ratio": {n: round(statistics.median(v) / base, 3) for n, v in ms.items()}}
+
+
+FORMATS = ("Q4_0", "IQ4_NL", "Q8_0", "BF16", "F16")
+
+
+def formats_cost(gguf, formats: list[str], reps: int, cached: int = 100, n_ctx: int = 1024) -> list[dict]:
+    """verify_cost at 2 threads for the packaged file and each requantised one, each in a process of
+    its own, with the first-token acceptance a γ = 1 proposal needs to pay on each."""
+    from decoder.gguf_export import requantised_gguf
+
+    rows = []
+    for fmt in ["packaged", *formats]:
+        path = gguf if fmt == "packaged" else requantised_gguf(gguf, fmt)
+        r = subprocess.run([sys.executable, __file__, "--verify-only", "--reps", str(reps), "--gguf", str(path),
+                            "--cached", str(cached), "--n-ctx", str(n_ctx)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            rows.append({"format": fmt, "error": f"exit {r.returncode}", "stderr": r.stderr[-500:]})
+            continue
+        row = dict(json.loads(r.stdout)[0], format=fmt, gguf=path.name, bytes=path.stat().st_size)
+        row["break_even_a1"] = round(row["ratio"]["2"] - 1, 3)
+        rows.append(row)
+    base = rows[0]["ms"]["1"] if "ms" in rows[0] else None
+    for row in rows:
+        if base and "ms" in row:
+            row["ms_vs_packaged"] = {n: round(v / base, 3) for n, v in row["ms"].items()}
+    return rows
 
 
 def ngram_min_n(pair, engine, prompts: int, max_new: int) -> list[dict]:
@@ -107,7 +150,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--formats", default="", help=f"comma-separated llama.cpp weight formats to requantise to "
+                                                     f"and measure, e.g. {','.join(FORMATS)} (then only that)")
+    ap.add_argument("--cached", type=int, default=100, help="--formats: tokens in the cache before each measured decode")
+    ap.add_argument("--n-ctx", type=int, default=1024, help="--formats: the context size (serve's is the model's, 8192)")
     ap.add_argument("--verify-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     from daemon.logging import configure
 
@@ -117,8 +165,25 @@ def main() -> None:
     from decoder.models import load_pair, packaged_gguf
 
     gguf = packaged_gguf("smollm2-135m")
+    if a.verify_only and a.gguf:  # the child of a --formats run: one file, 2 threads, main thread
+        print(json.dumps([verify_cost(Path(a.gguf), 2, a.reps, cached=a.cached, n_ctx=a.n_ctx)]))
+        return
     if a.verify_only:  # the child of a run that measures both buffer settings
         print(json.dumps([verify_cost(gguf, t, a.reps, w) for t in (1, 2) for w in (False, True)]))
+        return
+    if a.formats:
+        fmts = [f.strip() for f in a.formats.split(",") if f.strip()]
+        from decoder.engine import _llama
+
+        ll = _llama()
+        for f in fmts:  # refuse a bad name before any quantising
+            if not hasattr(ll, f"LLAMA_FTYPE_MOSTLY_{f.upper()}"):
+                known = sorted(k.removeprefix("LLAMA_FTYPE_MOSTLY_") for k in dir(ll) if k.startswith("LLAMA_FTYPE_MOSTLY_"))
+                ap.error(f"--formats: {f!r} is not a llama.cpp weight format; use some of {', '.join(known)}")
+        if not 1 <= a.cached < a.n_ctx - 16:
+            ap.error(f"--cached {a.cached} must lie in 1..n_ctx - 17 (--n-ctx {a.n_ctx})")
+        print(json.dumps({"gguf": gguf.name, "cached": a.cached, "n_ctx": a.n_ctx,
+                          "formats": formats_cost(gguf, fmts, a.reps, a.cached, a.n_ctx)}, indent=1))
         return
     from decoder.engine import _llama
 
