@@ -17,7 +17,10 @@ on ``--prompts`` other prompts of the workload that were never served, back to b
   (``DecoderConfig(ngram_gate=False)``);
 - ``ngram_cold`` at each γ: gated, with an empty history and a fresh gate (the request's own
   tokens only);
-- ``draft`` at each of ``--draft-gammas``: the derived draft (no adapter) for reference.
+- ``draft`` at each of ``--draft-gammas``: the derived draft (no adapter) for reference;
+- ``peer_gguf_plain`` (``--peer-gguf F``): llama.cpp's own plain generation on another file F,
+  and every row's per-prompt speedup against it (``speedup_vs_peer_gguf_*``): e.g. a requantised
+  target (``bench/verify_cost_bench.py --formats``) against the packaged file it came from.
 
 Per row: tokens/s end to end, speedup vs plain (pooled and the median of per-prompt speedups),
 α = E[Σ min(p, q)] (for the n-gram's one-hot q: E[p(x)]), τ, acceptance rate, coverage (share of
@@ -68,6 +71,9 @@ def parse_args(argv=None):
     ap.add_argument("--draft-gammas", default="1")
     ap.add_argument("--sampling", default="greedy,t1.0")
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--peer-gguf", default=None,
+                    help="a second GGUF whose llama.cpp plain generation runs beside every prompt (e.g. the packaged "
+                         "Q4_1 file while --target is a requantised one): each row gets its speedup against it")
     ap.add_argument("--seeded", action="store_true", help="seed the sampled requests (the n-gram gate is then off)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default=None)
@@ -81,6 +87,8 @@ def parse_args(argv=None):
     bad = [s for s in a.sampling if s not in SAMPLING]
     if bad:
         ap.error(f"--sampling {bad}: use some of {sorted(SAMPLING)}")
+    if a.peer_gguf is not None and not Path(a.peer_gguf).is_file():
+        ap.error(f"--peer-gguf {a.peer_gguf!r}: no such file")
     if a.prompts < 1 or a.serve < 0 or a.serve_gamma < 0:
         ap.error("--prompts must be >= 1, --serve and --serve-gamma >= 0")
     return a
@@ -113,12 +121,18 @@ def main(argv=None) -> dict:
                              draft_engine=choice.draft)
     peer = (LlamaCppPeer(choice.target.path, choice.target.threads, n_ctx=choice.target.context_length)
             if choice.name == "llamacpp" else None)
+    if a.peer_gguf:
+        if peer is None:
+            raise SystemExit("--peer-gguf needs --engine llamacpp")
+        peer2 = LlamaCppPeer(str(a.peer_gguf), choice.target.threads, n_ctx=choice.target.context_length)
+    else:
+        peer2 = None
     served_history, served_gate = dec.ngram_history, dec.ngram_gate
     empty = NgramHistory(dec.config.ngram_max_n, dec.ngram_min_n, dec.config.ngram_history_tokens)
     rows, t_all = [], time.time()
     with torch_threads_for(dec.engine):  # as serve decodes on llama.cpp: torch at one thread
         for wl in a.workloads.split(","):
-            rows += _workload(a, dec, tok, wl, served_history, served_gate, empty, peer)
+            rows += _workload(a, dec, tok, wl, served_history, served_gate, empty, peer, peer2)
     out = {"machine": machine_info(), "args": {k: v for k, v in vars(a).items()}, "seconds": round(time.time() - t_all, 1),
            "pair": {"target": pair.target_name, "draft": pair.draft_name}, "torch_threads": torch.get_num_threads(),
            "engine": dec.engine.describe(), "small_m_calibration": dec.small_m_calibration,
@@ -130,8 +144,10 @@ def main(argv=None) -> dict:
     return out
 
 
-def _workload(a, dec, tok, wl, served_history, served_gate, empty, peer) -> list[dict]:
-    """One workload: serve, then every method back to back per never-served prompt; its rows."""
+def _workload(a, dec, tok, wl, served_history, served_gate, empty, peer, peer2=None) -> list[dict]:
+    """One workload: serve, then every method back to back per never-served prompt; its rows.
+    ``peer2`` (``--peer-gguf``): llama.cpp's plain generation on another file, run beside each
+    prompt; every row then carries its per-prompt speedup against it."""
     rows = []
     prompts = get_workload(wl, a.prompts + a.serve)
     evals, serve = prompts[: a.prompts], prompts[a.prompts:]
@@ -150,6 +166,7 @@ def _workload(a, dec, tok, wl, served_history, served_gate, empty, peer) -> list
         params = SAMPLING[sname]
         res: dict[tuple[str, int], list] = {(m, g): [] for m, g, *_ in methods}
         peer_runs: list[tuple[float, float, bool]] = []  # (tokens/s, our plain tokens/s, same tokens)
+        peer2_tps: list[float] = []
         for i, p in enumerate(evals):
             ids = p.token_ids(tok)[-256:]
             # sampled requests unseeded, as most of a server's are: a seeded one runs without the gate (its γ
@@ -162,6 +179,9 @@ def _workload(a, dec, tok, wl, served_history, served_gate, empty, peer) -> list
                 out, ms, n_out = peer.generate(ids, params, a.max_new_tokens, 1000 + i)
                 mine = res[("plain", 0)][-1]
                 peer_runs.append((n_out / ms * 1e3, mine.tokens_per_s, out == mine.output_ids[: len(out)]))
+            if peer2 is not None:
+                _, ms, n_out = peer2.generate(ids, params, a.max_new_tokens, 1000 + i)
+                peer2_tps.append(n_out / ms * 1e3)
         plain = res[("plain", 0)]
         plain_ms_step = sum(r.counts.decode_ms for r in plain) / max(1, sum(r.counts.num_steps for r in plain))
         plain_tps = sum(len(r.output_ids) for r in plain) / sum(r.latency_ms for r in plain) * 1e3
@@ -173,8 +193,16 @@ def _workload(a, dec, tok, wl, served_history, served_gate, empty, peer) -> list
                          "ours_plain_vs_llamacpp_median": round(statistics.median(per), 3),
                          **({"same_tokens_share": round(sum(s for *_, s in peer_runs) / len(peer_runs), 3)}
                             if params.greedy else {})})
+        if peer2_tps:
+            rows.append({"workload": wl, "sampling": sname, "method": "peer_gguf_plain", "gamma": 0,
+                         "gguf": Path(a.peer_gguf).name, "prompts": len(peer2_tps),
+                         "tokens_per_s": round(statistics.mean(peer2_tps), 3)})
         for (m, g), rs in res.items():
             rows.append(_row(wl, sname, m, g, rs, plain, plain_tps, plain_ms_step, params.greedy))
+            if peer2_tps:
+                per = [r.tokens_per_s / t for r, t in zip(rs, peer2_tps)]
+                rows[-1]["speedup_vs_peer_gguf_median"] = round(statistics.median(per), 3)
+                rows[-1]["speedup_vs_peer_gguf_per_prompt"] = [round(x, 3) for x in per]
             print(json.dumps({k: rows[-1][k] for k in ("workload", "sampling", "method", "gamma", "tokens_per_s",
                                                        "speedup_vs_plain", "speedup_median", "alpha", "tau", "coverage",
                                                        "c", "predicted_speedup")}), file=sys.stderr)
