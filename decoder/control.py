@@ -408,6 +408,11 @@ class ControllerConfig:
     proposers: the proposers the controller chooses among (:mod:`decoder.proposers`): "draft"
         (the draft model, modelled by α) and/or "ngram" (modelled by its measured accepted-length
         distribution, see :class:`GoodputController`). The first listed warms up first.
+    ceiling_probe_every: while the draft's ceiling (its goodput at α = 1, every proposal
+        accepted: no adapter can do better at its measured cost) is below plain decoding, the
+        draft is probed only every this many requests of a key instead of every
+        ``probe_every`` (each probe serves a request slower than plain; this one re-measures the
+        costs, which the host's load or a cheaper draft can change); a multiple of ``probe_every``.
     """
 
     gamma_max: int = 8
@@ -417,6 +422,7 @@ class ControllerConfig:
     useless_alpha: float = 0.1
     min_steps: int = 8
     proposers: tuple[str, ...] = ("draft",)
+    ceiling_probe_every: int = 100
 
     def __post_init__(self):
         from decoder.proposers import PROPOSERS
@@ -432,6 +438,10 @@ class ControllerConfig:
             raise ValueError(f"ewma={self.ewma} must lie in (0, 1]")
         if self.probe_every < 1 or self.min_steps < 0:
             raise ValueError(f"probe_every={self.probe_every} must be >= 1 and min_steps={self.min_steps} >= 0")
+        if (not isinstance(self.ceiling_probe_every, int) or self.ceiling_probe_every < 1
+                or self.ceiling_probe_every % self.probe_every):
+            raise ValueError(f"ceiling_probe_every={self.ceiling_probe_every!r} must be a multiple of "
+                             f"probe_every={self.probe_every}")
 
 
 class _Ewma:
@@ -510,6 +520,8 @@ def _estimates(s: "_KeyState", ev: dict[str, Any]) -> dict[str, Any]:
         "t_plain_ms": nan_none(ev["t_plain"], 4),
         "t_verify_ms": {g: nan_none(t, 4) for g, t in ev["t_verify"].items()},
         "overhead_ms": nan_none(ev["overhead"], 4),
+        "draft_ceiling_gamma": ev["ceiling"][0],
+        "draft_ceiling_tokens_per_ms": nan_none(ev["ceiling"][1], 5),
     }
 
 
@@ -527,6 +539,13 @@ class GoodputController:
     where o is the per-step overhead outside the two model calls (sampling, the acceptance test,
     cache crops), measured by the policy as the time from one step's gamma() call to the next
     minus draft ms and verify ms. t_verify and t_plain are shown with o included.
+    The draft's ceiling is the same goodput at α = 1 (E = γ + 1), max over γ: what a perfectly
+    trained draft of the measured cost would give. Below plain decoding, no adapter can make the
+    draft pay on this engine (a draft nearly as dear as the target, or verification rows that cost
+    nearly a plain step each, as on llama.cpp on CPU: bench/RESULTS.md), so the draft is probed
+    only every ``ceiling_probe_every`` requests and the decision says why. It is a bound, not an
+    estimate: where a long γ amortises the verification (γ = 8 at 5 plain steps for 9 rows), a
+    draft of c = 0.4 keeps a ceiling above plain although no realistic α gets it there.
     The best γ serves the key; every ``probe_every`` requests one request probes plain
     decoding (when speculating), a speculative γ (when off, so a better draft is noticed), or a
     γ never measured. When the adapter version serving the key changes, α is reset and the next
@@ -604,6 +623,12 @@ class GoodputController:
             for g in range(1, c.gamma_max + 1):
                 if tv[g] == tv[g]:
                     rate[g] = expected_tokens_per_step(a, g) / max(g * max(td, 0.0) + tv[g], 1e-6)
+        ceiling = (None, math.nan)  # (γ, tokens/ms) of the draft at α = 1
+        if td == td:
+            top = {g: (g + 1) / max(g * max(td, 0.0) + tv[g], 1e-6) for g in tv if tv[g] == tv[g]}
+            if top:
+                g = max(top, key=top.get)
+                ceiling = (g, top[g])
         others: dict[str, dict[int, float]] = {}
         for name, m in s.lengths.items():
             if not m.steps:
@@ -615,7 +640,22 @@ class GoodputController:
                     r[g] = m.tokens_per_step(g) / max(cost, 1e-6)
             others[name] = r
         return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o,
-                "others": others}
+                "others": others, "ceiling": ceiling}
+
+    @staticmethod
+    def _draft_cannot_pay(ev: dict[str, Any]) -> bool:
+        """True when the draft's α = 1 goodput (its ceiling) is measured and below plain decoding's."""
+        plain, top = ev["rate"].get(0, math.nan), ev["ceiling"][1]
+        return plain == plain and top == top and top < plain
+
+    @staticmethod
+    def _ceiling_why(ev: dict[str, Any]) -> str:
+        g, top = ev["ceiling"]
+        plain = ev["rate"][0]
+        return (f"the draft cannot pay on this engine: at α = 1 its best, γ={g}, is {top:.3f} tok/ms = "
+                f"{top / plain:.2f}x plain (draft {ev['t_draft']:.2f} ms per token, a verification of {g + 1} rows "
+                f"{ev['t_verify'][g]:.2f} ms, a plain step {ev['t_plain']:.2f} ms); probed every "
+                f"ceiling_probe_every requests")
 
     # ---- the decision ----------------------------------------------------------------------
     def _begin_request(self, key: Key) -> _KeyState:
@@ -656,6 +696,8 @@ class GoodputController:
                     unexplored = [g for g in range(1, c.gamma_max + 1) if g not in s.verify_ms]
                     if best > 0:
                         gamma, why = 0, f"probe: plain decoding (every {c.probe_every} requests); " + why
+                    elif self._draft_cannot_pay(ev) and s.requests % c.ceiling_probe_every:
+                        probe = False  # _why says so
                     else:  # off: re-measure α at the cheapest informative γ (a better draft shows up there)
                         g = best_spec or 1
                         gamma, why = g, f"probe: γ={g} (every {c.probe_every} requests); " + why
@@ -702,9 +744,16 @@ class GoodputController:
             best = max(cands, key=cands.get) if cands else ("plain", 0)
             if choice is None:
                 choice, why = best, self._why_among(cands, best, ev)
+                hopeless = "draft" in c.proposers and self._draft_cannot_pay(ev)
+                if hopeless:
+                    why += "; " + self._ceiling_why(ev)
                 if s.requests % c.probe_every == 0:
                     others = [("plain", 0)] + [best_of[n] for n in c.proposers if best_of[n] is not None]
                     others = [o for o in others if o != best and o[0] != best[0]]
+                    if hopeless:  # the draft only every ceiling_probe_every requests, and then the draft
+                        drafts = [o for o in others if o[0] == "draft"]
+                        others = drafts if drafts and s.requests % c.ceiling_probe_every == 0 else \
+                            [o for o in others if o[0] != "draft"]
                     if others:
                         choice = others[(s.requests // c.probe_every) % len(others)]
                         probe = True
@@ -779,7 +828,8 @@ class GoodputController:
         if best_spec is None:
             return f"off: plain {rate[0]:.3f} tok/ms (no speculative estimate)"
         label = f"draft useless (α={a:.2f})" if a < self.config.useless_alpha else f"α={a:.2f} too low for its cost"
-        return f"off: {label}: plain {rate[0]:.3f} tok/ms vs best γ={best_spec} {rate[best_spec]:.3f}"
+        why = f"off: {label}: plain {rate[0]:.3f} tok/ms vs best γ={best_spec} {rate[best_spec]:.3f}"
+        return why + "; " + self._ceiling_why(ev) if self._draft_cannot_pay(ev) else why
 
     def decision(self, key: Key) -> dict[str, Any]:
         """The inputs and outcome for ``key`` as they stand now (what the next non-probe request
@@ -801,7 +851,10 @@ class GoodputController:
                     "tokens_per_ms": {g: nan_none(r, 5) for g, r in sorted(rate.items())},
                     "tokens_per_ms_by_proposer": {n: {g: nan_none(r, 5) for g, r in sorted(rs.items())}
                                                   for n, rs in ev["others"].items()},
-                    "why": self._why_among(cands, best, ev) if best is not None else (warm[1] if warm else "warm-up: no estimate yet"),
+                    "why": (self._why_among(cands, best, ev)
+                            + ("; " + self._ceiling_why(ev) if "draft" in self.config.proposers
+                               and self._draft_cannot_pay(ev) else "")
+                            if best is not None else (warm[1] if warm else "warm-up: no estimate yet")),
                     "last": dict(s.last),
                 }
             best = max(rate, key=rate.get) if rate else None

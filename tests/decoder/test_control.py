@@ -257,3 +257,61 @@ def test_controller_verify_cost_fit_and_probes():
         ctl.observe(other, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0), step_ms=15.0)
     assert ctl.decision(other)["overhead_ms"] == pytest.approx(5.0)
     assert ctl.decision(other)["tokens_per_ms"][0] == pytest.approx(1 / 15.0, rel=1e-3)
+
+
+def _draft_steps(ctl, key, draft_ms_per_token: float, verify_ms: dict[int, float], alpha: float, n: int = 4):
+    """n hand-made steps each of plain decoding (10 ms) and of the draft at each γ in verify_ms."""
+    for _ in range(n):
+        ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
+        for g, ms in verify_ms.items():
+            ctl.observe(key, StepStats(g, 0, 1, 0, alpha * g, draft_ms_per_token * g, ms))
+
+
+def test_a_draft_whose_alpha_one_ceiling_is_below_plain_is_probed_only_every_ceiling_probe_every():
+    """Plain 10 ms a step; the draft 4 ms a token, a verification of 2 rows 20 ms, of 3 rows 28 ms:
+    at α = 1, γ=1 gives 2 / (4 + 20) = 0.0833 tok/ms and γ=2 3 / (8 + 28) = 0.0833, both below
+    plain's 0.1, so however training improves α it cannot pay, and the draft is probed only every
+    ceiling_probe_every (20) requests instead of every probe_every (5)."""
+    cfg = ControllerConfig(gamma_max=2, gamma_init=1, probe_every=5, min_steps=2, ceiling_probe_every=20)
+    ctl = GoodputController(cfg)
+    key = ("prose", "greedy")
+    _draft_steps(ctl, key, 4.0, {1: 20.0, 2: 28.0}, alpha=0.3)
+    d = ctl.decision(key)
+    assert d["draft_ceiling_gamma"] == 1 and d["draft_ceiling_tokens_per_ms"] == pytest.approx(2 / 24, rel=1e-4)
+    assert "the draft cannot pay on this engine: at α = 1 its best, γ=1, is 0.083 tok/ms = 0.83x plain" in d["why"]
+    gammas = [ctl.policy_for(key).gamma() for _ in range(40)]
+    assert [i + 1 for i, g in enumerate(gammas) if g] == [20, 40]
+    # a cheap draft, off at α = 0.2 (γ=1: 1.2 / 13 < 0.1) but whose ceiling (2 / 13) beats plain, keeps the old cadence
+    other = ("code", "greedy")
+    _draft_steps(ctl, other, 1.0, {1: 12.0, 2: 14.0}, alpha=0.2)
+    assert "cannot pay" not in ctl.decision(other)["why"]
+    gammas = [ctl.policy_for(other).gamma() for _ in range(20)]
+    assert [i + 1 for i, g in enumerate(gammas) if g] == [5, 10, 15, 20]
+
+
+def test_among_proposers_a_hopeless_draft_drops_out_of_the_probe_rotation():
+    """n-gram serves (3 tokens per 12 ms step against plain's 0.1 tok/ms); every probe_every
+    requests one probes plain or the draft in turn, but a draft whose ceiling is below plain only
+    every ceiling_probe_every requests."""
+    cfg = ControllerConfig(gamma_max=2, gamma_init=2, probe_every=5, min_steps=2, ceiling_probe_every=20,
+                           proposers=("ngram", "draft"))
+    ctl = GoodputController(cfg)
+    key = ("code", "greedy")
+    _draft_steps(ctl, key, 4.0, {1: 20.0, 2: 28.0}, alpha=0.3)
+    for _ in range(4):
+        ctl.observe(key, StepStats(2, 2, 3, -1, 2.0, 0.01, 12.0), proposer="ngram", asked=2)
+    chosen = []
+    for _ in range(40):
+        pol = ctl.policy_for(key)
+        g = pol.gamma()
+        chosen.append(pol.proposer_name() if g else "plain")
+    assert {i + 1 for i, c in enumerate(chosen) if c == "draft"} == {20, 40}
+    assert {i + 1 for i, c in enumerate(chosen) if c == "plain"} == {5, 10, 15, 25, 30, 35}
+    assert "the draft cannot pay on this engine" in ctl.decision(key)["why"]
+
+
+def test_ceiling_probe_every_must_be_a_multiple_of_probe_every():
+    with pytest.raises(ValueError, match="ceiling_probe_every=15 must be a multiple of probe_every=10"):
+        ControllerConfig(probe_every=10, ceiling_probe_every=15)
+    with pytest.raises(ValueError, match="ceiling_probe_every=0"):
+        ControllerConfig(probe_every=10, ceiling_probe_every=0)
