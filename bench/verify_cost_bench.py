@@ -11,7 +11,9 @@
    packaged GGUF requantised by llama.cpp itself (``decoder.gguf_export.requantised_gguf``, written once under
    ``$DRAFTD_CACHE_DIR/requant``): which weight formats make a verification cheap on this CPU. A
    requantised file is a different model (Q4_0 of the Q4_1 weights loses more; BF16 rounds them), so
-   this says where speculation can pay, not what to serve; ``break_even_a1`` is the first-token
+   this says where speculation can pay, not what to serve (``fidelity_to_packaged``: mean KL from the
+   packaged file's next-token distributions, top-1 agreement, TV, over 768 teacher-forced
+   positions of the three workloads, up to 256 each); ``break_even_a1`` is the first-token
    acceptance above which γ = 1 beats plain decoding of the same file (t(2) / t(1) - 1), and
    ``ms_vs_packaged`` a step of n rows against a plain step of the packaged file.
 3. ``ngram_min_n``: greedy speculation with the n-gram proposer (history empty: the request's own
@@ -77,27 +79,78 @@ def verify_cost(gguf, threads: int, reps: int, worker: bool = False, cached: int
 FORMATS = ("Q4_0", "IQ4_NL", "Q8_0", "BF16", "F16")
 
 
+FIDELITY_TOKENS = 256  # per workload: the text whose next-token distributions each format is compared on
+
+
+def fidelity_logits(gguf, out) -> None:
+    """Teacher-forced logits (positions, V) of ``gguf`` over the first ``FIDELITY_TOKENS`` tokens of
+    each workload's first two prompts (prose, code, math), saved to ``out`` (.npy)."""
+    import llama_cpp
+    import numpy as np
+
+    from decoder.engine import LlamaCppEngine
+    from decoder.workloads import get_workload
+
+    vocab = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    eng = LlamaCppEngine(gguf, n_ctx=1024, threads=2)
+    rows = []
+    for wl in ("prose", "code", "math"):
+        text = "\n\n".join(p.text for p in get_workload(wl, 2))
+        ids = vocab.tokenize(text.encode(), add_bos=False)[:FIDELITY_TOKENS]
+        seq = eng.start()
+        rows.append(np.asarray(seq.forward(ids, len(ids)), dtype=np.float32))
+    eng.close()
+    np.save(out, np.concatenate(rows))
+
+
+def fidelity(ref, other) -> dict:
+    """How far a requantised file's next-token distributions are from the packaged file's, over
+    the same teacher-forced positions: mean KL(p_packaged || p_format) in nats, the share of
+    positions whose argmax agrees, and mean total variation (1 - Σ min(p, q): one minus the α a
+    one-step proposal from the packaged file would get against it)."""
+    import numpy as np
+
+    def logp(x):
+        x = x - x.max(axis=1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+    lp, lq = logp(np.load(ref).astype(np.float64)), logp(np.load(other).astype(np.float64))
+    p, q = np.exp(lp), np.exp(lq)
+    return {"positions": int(lp.shape[0]), "kl_nats": round(float((p * (lp - lq)).sum(axis=1).mean()), 5),
+            "top1_agree": round(float((lp.argmax(1) == lq.argmax(1)).mean()), 4),
+            "tv": round(float(1 - np.minimum(p, q).sum(axis=1).mean()), 5)}
+
+
 def formats_cost(gguf, formats: list[str], reps: int, cached: int = 100, n_ctx: int = 1024) -> list[dict]:
     """verify_cost at 2 threads for the packaged file and each requantised one, each in a process of
-    its own, with the first-token acceptance a γ = 1 proposal needs to pay on each."""
+    its own, with the first-token acceptance a γ = 1 proposal needs to pay on each, the prefill of
+    the cached tokens, and each format's :func:`fidelity` to the packaged file."""
+    import tempfile
+
     from decoder.gguf_export import requantised_gguf
 
     rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="draftd-formats-"))
     for fmt in ["packaged", *formats]:
         path = gguf if fmt == "packaged" else requantised_gguf(gguf, fmt)
         r = subprocess.run([sys.executable, __file__, "--verify-only", "--reps", str(reps), "--gguf", str(path),
-                            "--cached", str(cached), "--n-ctx", str(n_ctx)],
+                            "--cached", str(cached), "--n-ctx", str(n_ctx), "--logits-out", str(tmp / f"{fmt}.npy")],
                            capture_output=True, text=True)
         if r.returncode != 0:
             rows.append({"format": fmt, "error": f"exit {r.returncode}", "stderr": r.stderr[-500:]})
             continue
         row = dict(json.loads(r.stdout)[0], format=fmt, gguf=path.name, bytes=path.stat().st_size)
+        if fmt != "packaged" and (tmp / "packaged.npy").exists():
+            row["fidelity_to_packaged"] = fidelity(tmp / "packaged.npy", tmp / f"{fmt}.npy")
         row["break_even_a1"] = round(row["ratio"]["2"] - 1, 3)
         rows.append(row)
     base = rows[0]["ms"]["1"] if "ms" in rows[0] else None
     for row in rows:
         if base and "ms" in row:
             row["ms_vs_packaged"] = {n: round(v / base, 3) for n, v in row["ms"].items()}
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
@@ -156,6 +209,7 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=1024, help="--formats: the context size (serve's is the model's, 8192)")
     ap.add_argument("--verify-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--logits-out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     from daemon.logging import configure
 
@@ -166,7 +220,10 @@ def main() -> None:
 
     gguf = packaged_gguf("smollm2-135m")
     if a.verify_only and a.gguf:  # the child of a --formats run: one file, 2 threads, main thread
-        print(json.dumps([verify_cost(Path(a.gguf), 2, a.reps, cached=a.cached, n_ctx=a.n_ctx)]))
+        res = verify_cost(Path(a.gguf), 2, a.reps, cached=a.cached, n_ctx=a.n_ctx)
+        if a.logits_out:
+            fidelity_logits(Path(a.gguf), a.logits_out)
+        print(json.dumps([res]))
         return
     if a.verify_only:  # the child of a run that measures both buffer settings
         print(json.dumps([verify_cost(gguf, t, a.reps, w) for t in (1, 2) for w in (False, True)]))

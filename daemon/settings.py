@@ -110,7 +110,9 @@ class ModelSettings(_Group):
     enabled: bool = Field(
         True, description="Load the model pair and run the trainer. false = bookkeeping, API and metrics only."
     )
-    target: str = Field("smollm2-135m", description="Target model: a built-in name, a local directory or a cached hub id.")
+    target: str = Field("smollm2-135m", description="Target model: a built-in name (smollm2-135m; name@bf16: its weights requantised to "
+                                                          "BF16 by llama.cpp, where verification is cheap on CPU), a .gguf "
+                                                          "file, a local directory or a cached hub id.")
     draft: str = Field("layers:0-3", description="Draft: 'layers:<spec>' (derived from the target), 'self', or a model reference.")
     device: str = Field("cpu", description="Torch device for the draft being trained, e.g. cpu or cuda:0.")
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads for the trainer; unset = torch's default.")

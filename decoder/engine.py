@@ -623,12 +623,14 @@ def torch_threads_for(engine):
 
 
 def target_gguf(target: str) -> Path | None:
-    """The GGUF behind a target reference: a built-in name's packaged file, or a ``.gguf`` path;
-    None for anything else (a transformers directory or hub id)."""
-    from decoder.models import PACKAGED, packaged_gguf
+    """The GGUF behind a target reference: a built-in name's packaged file (``name@FORMAT``: the
+    packaged file requantised, :func:`decoder.models.packaged_target`), or a ``.gguf`` path; None
+    for anything else (a transformers directory or hub id)."""
+    from decoder.models import packaged_target
 
-    if target in PACKAGED:
-        return packaged_gguf(target)
+    gguf = packaged_target(target)
+    if gguf is not None:
+        return gguf
     p = Path(target).expanduser()
     return p if p.suffix == ".gguf" and p.is_file() else None
 

@@ -98,6 +98,32 @@ def packaged_gguf(name: str) -> Path:
     raise ModelLoadError(f"package {pm.package!r} at {pkg_dir} holds no .gguf file")
 
 
+def packaged_target(ref: str) -> Path | None:
+    """The GGUF of a built-in reference: ``name`` (the packaged file) or ``name@FORMAT`` (the
+    packaged file requantised by llama.cpp to FORMAT, e.g. ``smollm2-135m@bf16``, written once:
+    :func:`decoder.gguf_export.requantised_gguf`); None when ``ref`` names no built-in model.
+
+    ``@bf16`` keeps the packaged model up to bfloat16 rounding of its weights (bench/RESULTS.md
+    measures the KL) while llama.cpp's batched kernels make a verification of several rows cheap
+    on CPU; a 4-bit format of the 4-bit weights (``@q4_0``) is a different, worse model.
+
+    Raises:
+        ModelLoadError: the package is not installed, or FORMAT is not a llama.cpp weight format.
+    """
+    base, sep, fmt = ref.partition("@")
+    if base not in PACKAGED:
+        return None
+    gguf = packaged_gguf(base)
+    if not sep:
+        return gguf
+    from decoder.gguf_export import requantised_gguf
+
+    try:
+        return requantised_gguf(gguf, fmt)
+    except (ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"model {ref!r}: {e} (after '@'; e.g. {base}@bf16)") from e
+
+
 def _converted(gguf: Path, name: str, progress=None) -> Path:
     """The transformers directory of ``gguf``, converted once into ``cache_root() / f"{name}-{digest}"``."""
     # Key the cache by the file's identity; hashing 100-250 MB on every start would cost
@@ -136,15 +162,17 @@ def _convert_gguf(gguf: Path, out_dir: Path, progress=None) -> None:
 def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
     """Map a model reference to something ``from_pretrained`` loads without a network.
 
-    Built-in names and local ``.gguf`` files are converted once and cached; local directories are returned as they are;
+    Built-in names (``name`` or ``name@FORMAT``, :func:`packaged_target`) and local ``.gguf`` files are converted
+    once and cached; local directories are returned as they are;
     anything else is treated as a hub id and must already be in the local hub cache.
 
     Raises:
         ModelLoadError: an existing path that is not a model directory (no ``config.json``), or a
             path-like reference (``/``, ``./``, ``../``, ``~``) that does not exist.
     """
-    if name_or_path in PACKAGED:
-        return _converted(packaged_gguf(name_or_path), name_or_path, progress)
+    gguf = packaged_target(name_or_path)
+    if gguf is not None:  # a built-in name, or name@FORMAT
+        return _converted(gguf, name_or_path.replace("@", "-"), progress)
     p = Path(name_or_path).expanduser()
     if p.is_file() and p.suffix == ".gguf":  # a GGUF of one's own: converted and cached like a built-in
         try:

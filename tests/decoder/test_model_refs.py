@@ -50,3 +50,32 @@ def test_a_gguf_file_is_converted_and_cached_like_a_built_in(tmp_path, monkeypat
     with pytest.raises(ModelLoadError, match="cannot load this GGUF file") as ei:
         resolve_model_dir(str(broken))
     assert str(broken) in str(ei.value)
+
+
+def test_a_built_in_name_at_a_format_is_its_file_requantised(tmp_path, monkeypatch):
+    """``name@bf16`` resolves, for llama.cpp and for transformers alike, to the built-in's GGUF
+    requantised by llama.cpp (cached under DRAFTD_CACHE_DIR); an unknown format is a ModelLoadError
+    that names it and shows the form; a name that is not built in is not a built-in reference."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("llama_cpp")
+    import gguf
+
+    import decoder.models as M
+    from decoder.engine import target_gguf
+    from test_gguf_export import tiny_model, write_tiny_gguf
+
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "cache"))
+    src = write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf", extra=False)
+    monkeypatch.setitem(M.PACKAGED, "tiny-pkg", M.PackagedModel("tiny-pkg", "tiny_pkg", "pip install tiny-pkg"))
+    monkeypatch.setattr(M, "packaged_gguf", lambda name: src if name == "tiny-pkg" else None)
+    g = M.packaged_target("tiny-pkg@bf16")
+    assert g.parent == tmp_path / "cache" / "requant" and g.name.endswith("-BF16.gguf")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(g).tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.BF16
+    assert target_gguf("tiny-pkg@bf16") == g and target_gguf("tiny-pkg") == src
+    out = resolve_model_dir("tiny-pkg@bf16")
+    assert (out / "config.json").is_file() and out.name.startswith("tiny-pkg-bf16-")
+    assert out != resolve_model_dir("tiny-pkg")  # its own conversion: a different file
+    with pytest.raises(ModelLoadError, match=r"model 'tiny-pkg@q9': 'q9' is not a llama.cpp weight format.*tiny-pkg@bf16"):
+        M.packaged_target("tiny-pkg@q9")
+    assert M.packaged_target("not-built-in@bf16") is None
