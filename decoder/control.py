@@ -132,6 +132,7 @@ class AcceptanceTracker:
         self.clock = clock
         self._lock = threading.Lock()
         self._totals: dict[tuple[str, str, int], Window] = {}
+        self._draft: dict[tuple[str, str, int], Window] = {}  # the requests the draft model proposed for
         self._unflushed: dict[tuple[str, str, int], Window] = {}
         self._recent: dict[Key, deque[float]] = {}
         self._recent_n = recent
@@ -149,6 +150,8 @@ class AcceptanceTracker:
         k = (w, result.sampling_bucket, int(result.adapter_version))
         with self._lock:
             self._totals.setdefault(k, Window()).add(result.counts)
+            if getattr(result, "proposer", "draft") == "draft" and result.counts.num_draft_tokens:
+                self._draft.setdefault(k, Window()).add(result.counts)
             self._unflushed.setdefault(k, Window()).add(result.counts)
             a = result.counts.alpha
             if a == a:
@@ -208,12 +211,15 @@ class AcceptanceTracker:
         while not self._stop.wait(self.flush_interval_s):
             self.flush()
 
-    def window(self, workload: str, bucket: str, version: int) -> Window:
-        """A copy of the cumulative window of one key (empty if never seen)."""
+    def window(self, workload: str, bucket: str, version: int, *, draft_only: bool = False) -> Window:
+        """A copy of the cumulative window of one key (empty if never seen); ``draft_only``: of
+        the key's requests whose proposals came from the draft model (not the n-gram proposer,
+        not plain decoding), the only ones an adapter version changes."""
         with self._lock:
             out = Window()
-            if (workload, bucket, version) in self._totals:
-                out.merge(self._totals[(workload, bucket, version)])
+            src = self._draft if draft_only else self._totals
+            if (workload, bucket, version) in src:
+                out.merge(src[(workload, bucket, version)])
             return out
 
     def keys(self) -> list[tuple[str, str, int]]:
@@ -269,8 +275,11 @@ class RollbackMonitor:
 
     Call :meth:`check` periodically (or after each request) with the decoder's adapter version.
     The monitor notices each new version v serving after a version u; on every
-    (workload, bucket) key where both v and u have served >= ``min_requests`` requests (from
-    the tracker's windows), it compares the metric; if v's is below u's by more than ``margin``
+    (workload, bucket) key where the draft model has proposed for >= ``min_requests`` requests
+    under both v and u (the tracker's draft-only windows: an adapter changes only the draft, so
+    requests the n-gram proposer served or decoded plain say nothing about it, and pooling them
+    would compare the n-gram proposer's α under u with the draft's under v), it compares the
+    metric; if v's is below u's by more than ``margin``
     on any key, it rolls v back in its own scope (``registry.rollback(reason, scope)``, only
     while v is still that scope's active version) and records the decision.
 
@@ -334,7 +343,7 @@ class RollbackMonitor:
         for w, b, ver in self.tracker.keys():
             if ver != v or (workload is not None and w != workload):
                 continue
-            new, old = self.tracker.window(w, b, v), self.tracker.window(w, b, u)
+            new, old = self.tracker.window(w, b, v, draft_only=True), self.tracker.window(w, b, u, draft_only=True)
             n_new, n_old = new.counts.num_requests, old.counts.num_requests
             if n_new < self.min_requests or n_old < self.min_requests:
                 continue

@@ -315,3 +315,49 @@ def test_ceiling_probe_every_must_be_a_multiple_of_probe_every():
         ControllerConfig(probe_every=10, ceiling_probe_every=15)
     with pytest.raises(ValueError, match="ceiling_probe_every=0"):
         ControllerConfig(probe_every=10, ceiling_probe_every=0)
+
+
+def _result(version: int, proposer: str, alpha: float | None, workload: str = "prose"):
+    """A request's result as the tracker reads it: 4 proposed tokens at α (None: decoded plain)."""
+    from types import SimpleNamespace
+
+    from decoder.metrics import AcceptanceCounts
+
+    c = AcceptanceCounts(num_requests=1, num_steps=4, num_emitted_tokens=4)
+    if alpha is not None:
+        c.num_drafts, c.num_draft_tokens, c.alpha_sum = 1, 4, 4 * alpha
+    return SimpleNamespace(workload=workload, sampling_bucket="greedy", adapter_version=version, counts=c,
+                           proposer=proposer)
+
+
+def test_rollback_judges_an_adapter_on_the_requests_the_draft_served_only(pair, reg, tmp_path):
+    """Under v0 the n-gram proposer served 10 requests at α 0.8 and the draft 3 at 0.2 (and 3 were
+    plain); under v1 the draft served 3 at 0.25. Pooled over proposers v0's α is 0.66 and v1 would
+    be rolled back (0.25 < 0.66 - 0.1); judged on the draft's requests alone it improved (0.20 ->
+    0.25) and is kept. v2, whose draft requests fall to 0.05, is rolled back against v1's 0.25."""
+    _, draft, _ = pair
+    tracker = AcceptanceTracker()
+    monitor = RollbackMonitor(reg.registry, tracker, min_requests=3, margin=0.1)
+
+    def serve(results):
+        for r in results:
+            tracker.observe(r)
+            monitor.check(r.adapter_version)
+
+    serve([_result(0, "ngram", 0.8)] * 10 + [_result(0, "draft", 0.2)] * 3 + [_result(0, "draft", None)] * 3)
+    assert tracker.window("prose", "greedy", 0).counts.alpha == pytest.approx((10 * 3.2 + 3 * 0.8) / 52)
+    assert tracker.window("prose", "greedy", 0, draft_only=True).counts.num_requests == 3
+    v1 = reg.register(random_lora(draft, tmp_path / "v1", scale=0.1, seed=1))
+    reg.registry.promote(v1, "trained")
+    serve([_result(v1, "draft", 0.25)] * 3)
+    d = monitor.decisions[-1]
+    assert (d.version, d.previous, d.rolled_back) == (v1, 0, False)
+    assert d.new_value == pytest.approx(0.25) and d.previous_value == pytest.approx(0.2)
+    assert (d.new_requests, d.previous_requests) == (3, 3)
+    v2 = reg.register(random_lora(draft, tmp_path / "v2", scale=0.1, seed=2))
+    reg.registry.promote(v2, "trained")
+    serve([_result(v2, "ngram", 0.9)] * 5 + [_result(v2, "draft", 0.05)] * 3)
+    d = monitor.decisions[-1]
+    assert (d.version, d.previous, d.rolled_back) == (v2, v1, True)
+    assert d.new_value == pytest.approx(0.05) and d.previous_value == pytest.approx(0.25)
+    assert reg.registry.active_version() == v1
