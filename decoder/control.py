@@ -15,6 +15,7 @@ Keys are written ``"{workload}@{bucket}"`` wherever they are shown (e.g. ``prose
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -107,7 +108,10 @@ class AcceptanceTracker:
 
     Args:
         history: where to flush (None: local only).
-        detector: fed each request's α keyed by (workload, bucket).
+        detector: fed each request's α keyed by (workload, bucket, proposer): the draft's and the
+            n-gram proposer's acceptance run at different levels, so one test over both would flag
+            the controller switching proposers as a drop. Its alarms come back keyed by
+            (workload, bucket), with ``proposer`` set.
         flush_interval_s: background flush period.
         history_name: the workload name written to the store for a key; default
             ``"{workload}@{bucket}"`` so the sampling bucket is visible in every reader.
@@ -156,12 +160,16 @@ class AcceptanceTracker:
             a = result.counts.alpha
             if a == a:
                 self._recent.setdefault(k[:2], deque(maxlen=self._recent_n)).append(a)
-            alarm = self.detector.update(k[:2], a) if self.detector is not None else None
+            alarm = None
+            if self.detector is not None and a == a:
+                proposer = getattr(result, "proposer", None) or "draft"
+                raw = self.detector.update((*k[:2], proposer), a)
+                alarm = dataclasses.replace(raw, key=k[:2], proposer=proposer) if raw is not None else None
             if alarm is not None:
                 self.alarms.append(alarm)
         if alarm is not None:
-            log.warning("acceptance_shift", key=key_str(*k[:2]), version=k[2], reference_alpha=round(alarm.reference_alpha, 4),
-                        recent_alpha=round(alarm.recent_alpha, 4))
+            log.warning("acceptance_shift", key=key_str(*k[:2]), proposer=alarm.proposer, version=k[2],
+                        reference_alpha=round(alarm.reference_alpha, 4), recent_alpha=round(alarm.recent_alpha, 4))
         return alarm
 
     def flush(self) -> int:
@@ -245,7 +253,7 @@ class AcceptanceTracker:
             "flush_errors": self.flush_errors,
             "last_error": self.last_error,
             "shift_alarms": [
-                {"key": key_str(*a.key), "ts": a.ts, "reference_alpha": round(a.reference_alpha, 4),
+                {"key": key_str(*a.key), "proposer": a.proposer, "ts": a.ts, "reference_alpha": round(a.reference_alpha, 4),
                  "recent_alpha": round(a.recent_alpha, 4)} for a in self.alarms[-20:]
             ],
         }

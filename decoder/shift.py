@@ -94,6 +94,7 @@ class ShiftAlarm:
     reference_alpha: float  # running mean x̄ when flagged (includes the drop's first samples)
     recent_alpha: float  # mean of the last ``recent`` observations
     statistic: float  # M_t - m_t
+    proposer: str | None = None  # whose acceptance dropped, when the caller keys tests by proposer
 
 
 @dataclass

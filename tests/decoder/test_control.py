@@ -361,3 +361,23 @@ def test_rollback_judges_an_adapter_on_the_requests_the_draft_served_only(pair, 
     assert (d.version, d.previous, d.rolled_back) == (v2, v1, True)
     assert d.new_value == pytest.approx(0.05) and d.previous_value == pytest.approx(0.25)
     assert reg.registry.active_version() == v1
+
+
+def test_the_shift_detector_follows_each_proposer_apart():
+    """30 requests of the n-gram proposer at α 0.8, then the controller switches prose to the
+    draft at α 0.2: no traffic shift, and no alarm (one test over both would flag 0.8 -> 0.2).
+    Then the draft's own α falls from 0.6 to 0.1: an alarm keyed (workload, bucket) with
+    proposer "draft"."""
+    tracker = AcceptanceTracker(detector=ShiftDetector(ShiftConfig(min_samples=5, lam=1.0)))
+    for _ in range(30):
+        tracker.observe(_result(0, "ngram", 0.8))
+    for _ in range(30):
+        tracker.observe(_result(0, "draft", 0.2))
+    assert tracker.alarms == []
+    pooled = ShiftDetector(ShiftConfig(min_samples=5, lam=1.0))  # what one test over both would say
+    assert any(pooled.update(("prose", "greedy"), a) for a in [0.8] * 30 + [0.2] * 30)
+    code = [_result(0, "draft", 0.6, "code")] * 20 + [_result(0, "draft", 0.1, "code")] * 20
+    assert [tracker.observe(r) for r in code].count(None) == len(code) - 1
+    (alarm,) = tracker.alarms
+    assert alarm.key == ("code", "greedy") and alarm.proposer == "draft" and alarm.reference_alpha > 0.4
+    assert tracker.status()["shift_alarms"][0]["key"] == "code@greedy"
