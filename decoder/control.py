@@ -455,7 +455,8 @@ class ControllerConfig:
             raise ValueError(f"ewma={self.ewma} must lie in (0, 1]")
         if self.probe_every < 1 or self.min_steps < 0:
             raise ValueError(f"probe_every={self.probe_every} must be >= 1 and min_steps={self.min_steps} >= 0")
-        if (not isinstance(self.ceiling_probe_every, int) or self.ceiling_probe_every < 1
+        if (not isinstance(self.ceiling_probe_every, int) or isinstance(self.ceiling_probe_every, bool)
+                or self.ceiling_probe_every < 1
                 or self.ceiling_probe_every % self.probe_every):
             raise ValueError(f"ceiling_probe_every={self.ceiling_probe_every!r} must be a multiple of "
                              f"probe_every={self.probe_every}")
@@ -665,14 +666,13 @@ class GoodputController:
         plain, top = ev["rate"].get(0, math.nan), ev["ceiling"][1]
         return plain == plain and top == top and top < plain
 
-    @staticmethod
-    def _ceiling_why(ev: dict[str, Any]) -> str:
+    def _ceiling_why(self, ev: dict[str, Any]) -> str:
         g, top = ev["ceiling"]
         plain = ev["rate"][0]
         return (f"the draft cannot pay on this engine: at α = 1 its best, γ={g}, is {top:.3f} tok/ms = "
                 f"{top / plain:.2f}x plain (draft {ev['t_draft']:.2f} ms per token, a verification of {g + 1} rows "
                 f"{ev['t_verify'][g]:.2f} ms, a plain step {ev['t_plain']:.2f} ms); probed every "
-                f"ceiling_probe_every requests")
+                f"{self.config.ceiling_probe_every} requests")
 
     # ---- the decision ----------------------------------------------------------------------
     def _begin_request(self, key: Key) -> _KeyState:

@@ -279,6 +279,7 @@ def test_a_draft_whose_alpha_one_ceiling_is_below_plain_is_probed_only_every_cei
     d = ctl.decision(key)
     assert d["draft_ceiling_gamma"] == 1 and d["draft_ceiling_tokens_per_ms"] == pytest.approx(2 / 24, rel=1e-4)
     assert "the draft cannot pay on this engine: at α = 1 its best, γ=1, is 0.083 tok/ms = 0.83x plain" in d["why"]
+    assert d["why"].endswith("probed every 20 requests")
     gammas = [ctl.policy_for(key).gamma() for _ in range(40)]
     assert [i + 1 for i, g in enumerate(gammas) if g] == [20, 40]
     # a cheap draft, off at α = 0.2 (γ=1: 1.2 / 13 < 0.1) but whose ceiling (2 / 13) beats plain, keeps the old cadence
@@ -315,6 +316,8 @@ def test_ceiling_probe_every_must_be_a_multiple_of_probe_every():
         ControllerConfig(probe_every=10, ceiling_probe_every=15)
     with pytest.raises(ValueError, match="ceiling_probe_every=0"):
         ControllerConfig(probe_every=10, ceiling_probe_every=0)
+    with pytest.raises(ValueError, match="ceiling_probe_every=True"):
+        ControllerConfig(probe_every=1, ceiling_probe_every=True)
 
 
 def _result(version: int, proposer: str, alpha: float | None, workload: str = "prose"):
