@@ -286,7 +286,8 @@ def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path
     result is a different model from ``src`` unless the format holds ``src``'s values exactly
     (requantising Q4_1 to Q4_0 loses more; BF16 rounds a Q4_1 weight d * q + m to 8 significant
     bits): ``bench/verify_cost_bench.py --formats`` uses it to measure how the weight format
-    moves the cost of a verification of n rows (bench/RESULTS.md), not to serve.
+    moves the cost of a verification of n rows (bench/RESULTS.md), and a ``name@FORMAT`` model
+    reference (:func:`decoder.models.packaged_target`) to serve a built-in model so.
 
     Cached as ``cache_dir`` (default ``decoder.models.cache_root() / "requant"``) /
     ``{src.stem}-{digest16}-{FMT}.gguf`` (:func:`file_digest16`), written to a temporary file and

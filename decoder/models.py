@@ -172,7 +172,8 @@ def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
     """
     gguf = packaged_target(name_or_path)
     if gguf is not None:  # a built-in name, or name@FORMAT
-        return _converted(gguf, name_or_path.replace("@", "-"), progress)
+        base, _, fmt = name_or_path.partition("@")
+        return _converted(gguf, f"{base}-{fmt.strip().lower()}" if fmt else base, progress)
     p = Path(name_or_path).expanduser()
     if p.is_file() and p.suffix == ".gguf":  # a GGUF of one's own: converted and cached like a built-in
         try:
