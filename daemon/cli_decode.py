@@ -150,7 +150,8 @@ EngineOpt = Annotated[str, typer.Option(
     help="auto (llama.cpp for a GGUF target on CPU when installed), torch (transformers), llamacpp")]
 ProposerOpt = Annotated[str, typer.Option(help="draft (the draft model) or ngram (prompt lookup over the request and "
                                                "the workload's past requests)")]
-TargetOpt = Annotated[str, typer.Option(help="target: built-in name (smollm2-135m, gemma3-270m), local path or cached hub id")]
+TargetOpt = Annotated[str, typer.Option(help="target: built-in name (smollm2-135m, gemma3-270m; name@bf16: its GGUF "
+                                              "requantised by llama.cpp), local path or cached hub id")]
 DraftOpt = Annotated[str, typer.Option(help="draft: 'layers:0-3' (derived from the target), 'self', or a model reference")]
 
 

@@ -90,8 +90,8 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     t_start = time.time()
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     with ExitStack() as stack:
+        models = _load_models(settings, console)  # first: a pair that cannot load leaves the last run's state alone
         store = _open_store(stack, settings, console)
-        models = _load_models(settings, console)
         trainer = _start_trainer(stack, settings, cfg, store, models, out_dir, run_id)
         loop, oai = _start_serving(stack, settings, cfg, store, models, trainer, console)
         params = SamplingParams()  # greedy: α per position = agreement with the target's argmax
@@ -654,7 +654,14 @@ def register(app) -> None:
         cfg = DemoConfig.quick(out_dir=out) if quick else DemoConfig(out_dir=out)
         if phase_seconds is not None:
             cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)
-        report = run_demo(settings, cfg, console)
+        from decoder.engine import EngineError
+        from decoder.models import ModelLoadError
+
+        try:
+            report = run_demo(settings, cfg, console)
+        except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from e
         print_report(report, console)
         keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "plot")
         summary = {k: report.get(k) for k in keep}

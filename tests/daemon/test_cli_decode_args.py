@@ -86,3 +86,28 @@ def test_bootstrap_rejects_bad_options_before_loading(args, needle, monkeypatch)
     r = CliRunner().invoke(app, ["bootstrap", *args])
     assert r.exit_code == 2, r.output
     assert needle in " ".join(r.output.split()), r.output
+
+
+def test_demo_with_a_target_that_cannot_load_says_so_and_keeps_the_last_runs_state(monkeypatch):
+    """`DRAFTD_MODELS__TARGET=smollm2-135m@q9 daemonctl demo`: exit 2 with the model error in a line
+    (no traceback), and the previous run's keys under the demo's prefix are left as they were (the
+    pair loads before the demo empties its namespace)."""
+    pytest.importorskip("llama_cpp")
+    import uuid
+
+    import redis
+
+    prefix = f"draftd-qa-{uuid.uuid4().hex[:8]}:"
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    client.set(f"{prefix}demo:last-run", "kept")
+    monkeypatch.setenv("DRAFTD_STORE__KEY_PREFIX", prefix)
+    monkeypatch.setenv("DRAFTD_MODELS__TARGET", "smollm2-135m@q9")
+    try:
+        r = CliRunner().invoke(app, ["demo", "--quick"])
+        out = " ".join(r.output.split())
+        assert r.exit_code == 2, r.output
+        assert "error: model 'smollm2-135m@q9': 'q9' is not a llama.cpp weight format" in out, r.output
+        assert "Traceback" not in r.output
+        assert client.get(f"{prefix}demo:last-run") == b"kept"
+    finally:
+        client.delete(f"{prefix}demo:last-run")
