@@ -127,12 +127,32 @@ def formats_cost(gguf, formats: list[str], reps: int, cached: int = 100, n_ctx: 
     the cached tokens, and each format's :func:`fidelity` to the packaged file."""
     import tempfile
 
+    tmp = Path(tempfile.mkdtemp(prefix="draftd-formats-"))
+    try:
+        rows = _formats_rows(gguf, formats, reps, cached, n_ctx, tmp)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    base = rows[0]["ms"]["1"] if "ms" in rows[0] else None
+    for row in rows:
+        if base and "ms" in row:
+            row["ms_vs_packaged"] = {n: round(v / base, 3) for n, v in row["ms"].items()}
+    return rows
+
+
+def _formats_rows(gguf, formats, reps, cached, n_ctx, tmp) -> list[dict]:
+    """One row per format; a format llama.cpp cannot write or a child that fails is an error row
+    (the other formats' measurements are kept)."""
     from decoder.gguf_export import requantised_gguf
 
     rows = []
-    tmp = Path(tempfile.mkdtemp(prefix="draftd-formats-"))
-    for fmt in ["packaged", *formats]:
-        path = gguf if fmt == "packaged" else requantised_gguf(gguf, fmt)
+    for fmt in ["packaged", *dict.fromkeys(f.upper() for f in formats)]:
+        try:
+            path = gguf if fmt == "packaged" else requantised_gguf(gguf, fmt)
+        except (ValueError, RuntimeError, OSError) as e:
+            rows.append({"format": fmt, "error": str(e)})
+            continue
         r = subprocess.run([sys.executable, __file__, "--verify-only", "--reps", str(reps), "--gguf", str(path),
                             "--cached", str(cached), "--n-ctx", str(n_ctx), "--logits-out", str(tmp / f"{fmt}.npy")],
                            capture_output=True, text=True)
@@ -144,13 +164,6 @@ def formats_cost(gguf, formats: list[str], reps: int, cached: int = 100, n_ctx: 
             row["fidelity_to_packaged"] = fidelity(tmp / "packaged.npy", tmp / f"{fmt}.npy")
         row["break_even_a1"] = round(row["ratio"]["2"] - 1, 3)
         rows.append(row)
-    base = rows[0]["ms"]["1"] if "ms" in rows[0] else None
-    for row in rows:
-        if base and "ms" in row:
-            row["ms_vs_packaged"] = {n: round(v / base, 3) for n, v in row["ms"].items()}
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
@@ -228,6 +241,8 @@ def main() -> None:
     if a.verify_only:  # the child of a run that measures both buffer settings
         print(json.dumps([verify_cost(gguf, t, a.reps, w) for t in (1, 2) for w in (False, True)]))
         return
+    if (a.cached, a.n_ctx) != (100, 1024) and not a.formats:
+        ap.error("--cached and --n-ctx apply to --formats only (the default run measures after 100 cached tokens)")
     if a.formats:
         fmts = [f.strip() for f in a.formats.split(",") if f.strip()]
         from decoder.engine import _llama

@@ -289,12 +289,15 @@ class RollbackMonitor:
     would compare the n-gram proposer's α under u with the draft's under v), it compares the
     metric; if v's is below u's by more than ``margin``
     on any key, it rolls v back in its own scope (``registry.rollback(reason, scope)``, only
-    while v is still that scope's active version) and records the decision.
+    while v is still that scope's active version) and records the decision. Each key is judged
+    once it has that evidence: a version kept on the keys judged so far stays under watch on the
+    rest (the key an adapter harms is the one where the controller stops serving the draft, so
+    its evidence arrives last, from probes).
 
     With per-workload adapters the decoder's version changes with each request's workload, so
     pass the request's ``workload`` too: the monitor then follows the versions serving each
-    workload separately and judges v on that workload's keys only (once per workload). Without
-    it, one sequence of versions is followed over all keys and a version is judged once.
+    workload separately and judges v on that workload's keys only. Without it, one sequence of
+    versions is followed over all keys.
 
     Only a promotion is judged: within one scope, v newer than u (versions only grow), or a
     workload's own adapter replacing the shared one. A rollback, which brings back an older
@@ -324,7 +327,8 @@ class RollbackMonitor:
         self.decisions: list[RollbackDecision] = []
         # per workload (None = all keys): [current version, previous version]
         self._seen: dict[str | None, list[int | None]] = {}
-        self._judged: set[tuple[int, str | None]] = set()
+        self._judged: set[tuple[int, str | None]] = set()  # (version, workload) rolled back: judged for good
+        self._judged_keys: dict[tuple[int, str | None], set[str]] = {}  # keys a kept version was judged on
         self._scopes: dict[int, str] = {0: ""}  # version -> its registry scope (never changes)
 
     def check(self, serving_version: int, workload: str | None = None) -> RollbackDecision | None:
@@ -347,9 +351,10 @@ class RollbackMonitor:
                 return None  # a rollback brought an older version back
         elif not (scope_u == "" and scope_v != ""):
             return None  # a fallback to the shared adapter (or two workloads' versions interleaved)
-        worst = None
+        worst, judged = None, []
+        done = self._judged_keys.setdefault((v, workload), set())
         for w, b, ver in self.tracker.keys():
-            if ver != v or (workload is not None and w != workload):
+            if ver != v or (workload is not None and w != workload) or key_str(w, b) in done:
                 continue
             new, old = self.tracker.window(w, b, v, draft_only=True), self.tracker.window(w, b, u, draft_only=True)
             n_new, n_old = new.counts.num_requests, old.counts.num_requests
@@ -358,13 +363,17 @@ class RollbackMonitor:
             x_new, x_old = getattr(new.counts, self.metric), getattr(old.counts, self.metric)
             if x_new != x_new or x_old != x_old:
                 continue
+            judged.append(key_str(w, b))
             if worst is None or x_new - x_old < worst[1] - worst[2]:
                 worst = (key_str(w, b), x_new, x_old, n_new, n_old)
         if worst is None:
             return None
         key, x_new, x_old, n_new, n_old = worst
-        self._judged.add((v, workload))
         bad = x_new < x_old - self.margin
+        if bad:
+            self._judged.add((v, workload))
+        else:  # kept on these keys; the keys still short of evidence are judged as they reach it
+            done.update(judged)
         if bad:
             reason = (f"auto-rollback: v{v} {self.metric}={x_new:.3f} on {key} over {n_new} requests vs "
                       f"v{u} {x_old:.3f} over {n_old} (margin {self.margin})")
@@ -427,8 +436,8 @@ class ControllerConfig:
         distribution, see :class:`GoodputController`). The first listed warms up first.
     ceiling_probe_every: while the draft's ceiling (its goodput at α = 1, every proposal
         accepted: no adapter can do better at its measured cost) is below plain decoding, the
-        draft is probed only every this many requests of a key instead of every
-        ``probe_every`` (each probe serves a request slower than plain; this one re-measures the
+        draft's probes back off (1, 2, 4, ... ``probe_every`` requests apart) up to one every this
+        many requests of a key (each probe serves a request slower than plain; it re-measures the
         costs, which the host's load or a cheaper draft can change); a multiple of ``probe_every``.
     """
 
@@ -485,6 +494,8 @@ class _KeyState:
     adapter_version: int | None = None
     last: dict[str, Any] = field(default_factory=dict)
     lengths: dict[str, "_LengthModel"] = field(default_factory=dict)  # proposer -> accepted-length model
+    ceiling_probes: int = 0  # draft probes in a row while its ceiling was below plain (the back-off's exponent)
+    last_ceiling_probe: int = 0  # the request that made the last of them
 
 
 @dataclass
@@ -560,8 +571,8 @@ class GoodputController:
     The draft's ceiling is the same goodput at α = 1 (E = γ + 1), max over γ: what a perfectly
     trained draft of the measured cost would give. Below plain decoding, no adapter can make the
     draft pay on this engine (a draft nearly as dear as the target, or verification rows that cost
-    nearly a plain step each, as on llama.cpp on CPU: bench/RESULTS.md), so the draft is probed
-    only every ``ceiling_probe_every`` requests and the decision says why. It is a bound, not an
+    nearly a plain step each, as on llama.cpp on CPU: bench/RESULTS.md), so the draft's probes back
+    off up to one every ``ceiling_probe_every`` requests and the decision says why. It is a bound, not an
     estimate: where a long γ amortises the verification (γ = 8 at 5 plain steps for 9 rows), a
     draft of c = 0.4 keeps a ceiling above plain although no realistic α gets it there.
     The best γ serves the key; every ``probe_every`` requests one request probes plain
@@ -666,13 +677,29 @@ class GoodputController:
         plain, top = ev["rate"].get(0, math.nan), ev["ceiling"][1]
         return plain == plain and top == top and top < plain
 
+    def _ceiling_probe_due(self, s: _KeyState, hopeless: bool) -> bool:
+        """At a probe slot: may the draft be probed? Always while its ceiling is above plain; while
+        below, after back-off intervals of 1, 2, 4, ... probe_every requests up to
+        ``ceiling_probe_every`` (a transient slowdown that made the draft look hopeless is
+        re-measured soon; a draft that stays hopeless is probed ever more rarely)."""
+        c = self.config
+        if not hopeless:
+            s.ceiling_probes = 0
+            return True
+        spacing = min(c.probe_every * 2 ** min(s.ceiling_probes, 30), c.ceiling_probe_every)
+        if s.requests - s.last_ceiling_probe < spacing:
+            return False
+        s.ceiling_probes += 1
+        s.last_ceiling_probe = s.requests
+        return True
+
     def _ceiling_why(self, ev: dict[str, Any]) -> str:
         g, top = ev["ceiling"]
         plain = ev["rate"][0]
         return (f"the draft cannot pay on this engine: at α = 1 its best, γ={g}, is {top:.3f} tok/ms = "
                 f"{top / plain:.2f}x plain (draft {ev['t_draft']:.2f} ms per token, a verification of {g + 1} rows "
-                f"{ev['t_verify'][g]:.2f} ms, a plain step {ev['t_plain']:.2f} ms); probed every "
-                f"{self.config.ceiling_probe_every} requests")
+                f"{ev['t_verify'][g]:.2f} ms, a plain step {ev['t_plain']:.2f} ms); probed ever more rarely, "
+                f"at most every {self.config.ceiling_probe_every} requests")
 
     # ---- the decision ----------------------------------------------------------------------
     def _begin_request(self, key: Key) -> _KeyState:
@@ -713,7 +740,7 @@ class GoodputController:
                     unexplored = [g for g in range(1, c.gamma_max + 1) if g not in s.verify_ms]
                     if best > 0:
                         gamma, why = 0, f"probe: plain decoding (every {c.probe_every} requests); " + why
-                    elif self._draft_cannot_pay(ev) and s.requests % c.ceiling_probe_every:
+                    elif not self._ceiling_probe_due(s, self._draft_cannot_pay(ev)):
                         probe = False  # _why says so
                     else:  # off: re-measure α at the cheapest informative γ (a better draft shows up there)
                         g = best_spec or 1
@@ -767,10 +794,11 @@ class GoodputController:
                 if s.requests % c.probe_every == 0:
                     others = [("plain", 0)] + [best_of[n] for n in c.proposers if best_of[n] is not None]
                     others = [o for o in others if o != best and o[0] != best[0]]
-                    if hopeless:  # the draft only every ceiling_probe_every requests, and then the draft
-                        drafts = [o for o in others if o[0] == "draft"]
-                        others = drafts if drafts and s.requests % c.ceiling_probe_every == 0 else \
-                            [o for o in others if o[0] != "draft"]
+                    drafts = [o for o in others if o[0] == "draft"]
+                    if drafts and hopeless:  # the draft only when its back-off is due, and then the draft
+                        others = drafts if self._ceiling_probe_due(s, True) else [o for o in others if o[0] != "draft"]
+                    elif not hopeless:
+                        self._ceiling_probe_due(s, False)
                     if others:
                         choice = others[(s.requests // c.probe_every) % len(others)]
                         probe = True

@@ -270,8 +270,8 @@ def _draft_steps(ctl, key, draft_ms_per_token: float, verify_ms: dict[int, float
 def test_a_draft_whose_alpha_one_ceiling_is_below_plain_is_probed_only_every_ceiling_probe_every():
     """Plain 10 ms a step; the draft 4 ms a token, a verification of 2 rows 20 ms, of 3 rows 28 ms:
     at α = 1, γ=1 gives 2 / (4 + 20) = 0.0833 tok/ms and γ=2 3 / (8 + 28) = 0.0833, both below
-    plain's 0.1, so however training improves α it cannot pay, and the draft is probed only every
-    ceiling_probe_every (20) requests instead of every probe_every (5)."""
+    plain's 0.1, so however training improves α it cannot pay, and the draft's probes back off:
+    5, 10, 20 requests apart (ceiling_probe_every), instead of every probe_every (5)."""
     cfg = ControllerConfig(gamma_max=2, gamma_init=1, probe_every=5, min_steps=2, ceiling_probe_every=20)
     ctl = GoodputController(cfg)
     key = ("prose", "greedy")
@@ -279,9 +279,9 @@ def test_a_draft_whose_alpha_one_ceiling_is_below_plain_is_probed_only_every_cei
     d = ctl.decision(key)
     assert d["draft_ceiling_gamma"] == 1 and d["draft_ceiling_tokens_per_ms"] == pytest.approx(2 / 24, rel=1e-4)
     assert "the draft cannot pay on this engine: at α = 1 its best, γ=1, is 0.083 tok/ms = 0.83x plain" in d["why"]
-    assert d["why"].endswith("probed every 20 requests")
-    gammas = [ctl.policy_for(key).gamma() for _ in range(40)]
-    assert [i + 1 for i, g in enumerate(gammas) if g] == [20, 40]
+    assert d["why"].endswith("probed ever more rarely, at most every 20 requests")
+    gammas = [ctl.policy_for(key).gamma() for _ in range(60)]
+    assert [i + 1 for i, g in enumerate(gammas) if g] == [5, 15, 35, 55]
     # a cheap draft, off at α = 0.2 (γ=1: 1.2 / 13 < 0.1) but whose ceiling (2 / 13) beats plain, keeps the old cadence
     other = ("code", "greedy")
     _draft_steps(ctl, other, 1.0, {1: 12.0, 2: 14.0}, alpha=0.2)
@@ -293,7 +293,7 @@ def test_a_draft_whose_alpha_one_ceiling_is_below_plain_is_probed_only_every_cei
 def test_among_proposers_a_hopeless_draft_drops_out_of_the_probe_rotation():
     """n-gram serves (3 tokens per 12 ms step against plain's 0.1 tok/ms); every probe_every
     requests one probes plain or the draft in turn, but a draft whose ceiling is below plain only
-    every ceiling_probe_every requests."""
+    at back-off intervals (5, 10, 20 = ceiling_probe_every requests apart)."""
     cfg = ControllerConfig(gamma_max=2, gamma_init=2, probe_every=5, min_steps=2, ceiling_probe_every=20,
                            proposers=("ngram", "draft"))
     ctl = GoodputController(cfg)
@@ -306,8 +306,8 @@ def test_among_proposers_a_hopeless_draft_drops_out_of_the_probe_rotation():
         pol = ctl.policy_for(key)
         g = pol.gamma()
         chosen.append(pol.proposer_name() if g else "plain")
-    assert {i + 1 for i, c in enumerate(chosen) if c == "draft"} == {20, 40}
-    assert {i + 1 for i, c in enumerate(chosen) if c == "plain"} == {5, 10, 15, 25, 30, 35}
+    assert {i + 1 for i, c in enumerate(chosen) if c == "draft"} == {5, 15, 35}
+    assert {i + 1 for i, c in enumerate(chosen) if c == "plain"} == {10, 20, 25, 30, 40}
     assert "the draft cannot pay on this engine" in ctl.decision(key)["why"]
 
 
@@ -384,3 +384,31 @@ def test_the_shift_detector_follows_each_proposer_apart():
     (alarm,) = tracker.alarms
     assert alarm.key == ("code", "greedy") and alarm.proposer == "draft" and alarm.reference_alpha > 0.4
     assert tracker.status()["shift_alarms"][0]["key"] == "code@greedy"
+
+
+def test_a_version_kept_on_one_key_is_still_judged_on_a_key_whose_evidence_comes_later(pair, reg, tmp_path):
+    """v1 keeps prose at α 0.6 but breaks code (0.6 -> 0.05), where the controller soon stops
+    serving the draft, so code's draft-served requests arrive last (here: after prose's). Kept on
+    prose, v1 is rolled back once code has min_requests of them."""
+    _, draft, _ = pair
+    tracker = AcceptanceTracker()
+    monitor = RollbackMonitor(reg.registry, tracker, min_requests=3, margin=0.1)
+
+    def serve(results):
+        for r in results:
+            tracker.observe(r)
+            monitor.check(r.adapter_version)
+
+    serve([_result(0, "draft", 0.6), _result(0, "draft", 0.6, "code")] * 3)
+    v1 = reg.register(random_lora(draft, tmp_path / "v1", scale=0.1, seed=1))
+    reg.registry.promote(v1, "trained")
+    serve([_result(v1, "draft", 0.6)] * 3 + [_result(v1, "draft", 0.05, "code")] * 2)
+    kept = monitor.decisions[-1]
+    assert (kept.version, kept.key, kept.rolled_back) == (v1, "prose@greedy", False)
+    serve([_result(v1, "draft", 0.6)] * 5)  # more prose: judged already, no new decision
+    assert monitor.decisions[-1] is kept
+    serve([_result(v1, "draft", 0.05, "code")])
+    d = monitor.decisions[-1]
+    assert (d.version, d.key, d.rolled_back) == (v1, "code@greedy", True)
+    assert d.new_value == pytest.approx(0.05) and d.previous_value == pytest.approx(0.6)
+    assert reg.registry.active_version() == 0
