@@ -87,8 +87,15 @@ def parse_args(argv=None):
     bad = [s for s in a.sampling if s not in SAMPLING]
     if bad:
         ap.error(f"--sampling {bad}: use some of {sorted(SAMPLING)}")
-    if a.peer_gguf is not None and not Path(a.peer_gguf).is_file():
-        ap.error(f"--peer-gguf {a.peer_gguf!r}: no such file")
+    if a.peer_gguf is not None:
+        peer = Path(a.peer_gguf)
+        if not peer.is_file():
+            ap.error(f"--peer-gguf {a.peer_gguf!r}: not a file")
+        with open(peer, "rb") as f:
+            if f.read(4) != b"GGUF":
+                ap.error(f"--peer-gguf {a.peer_gguf!r}: not a GGUF file (no GGUF magic)")
+        if a.engine != "llamacpp":
+            ap.error("--peer-gguf needs --engine llamacpp (llama.cpp runs the peer)")
     if a.prompts < 1 or a.serve < 0 or a.serve_gamma < 0:
         ap.error("--prompts must be >= 1, --serve and --serve-gamma >= 0")
     return a
@@ -122,8 +129,6 @@ def main(argv=None) -> dict:
     peer = (LlamaCppPeer(choice.target.path, choice.target.threads, n_ctx=choice.target.context_length)
             if choice.name == "llamacpp" else None)
     if a.peer_gguf:
-        if peer is None:
-            raise SystemExit("--peer-gguf needs --engine llamacpp")
         peer2 = LlamaCppPeer(str(a.peer_gguf), choice.target.threads, n_ctx=choice.target.context_length)
     else:
         peer2 = None

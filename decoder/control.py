@@ -154,7 +154,8 @@ class AcceptanceTracker:
         k = (w, result.sampling_bucket, int(result.adapter_version))
         with self._lock:
             self._totals.setdefault(k, Window()).add(result.counts)
-            if getattr(result, "proposer", "draft") == "draft" and result.counts.num_draft_tokens:
+            proposer = getattr(result, "proposer", None) or "draft"  # DecodeResult's default
+            if proposer == "draft" and result.counts.num_draft_tokens:
                 self._draft.setdefault(k, Window()).add(result.counts)
             self._unflushed.setdefault(k, Window()).add(result.counts)
             a = result.counts.alpha
@@ -162,7 +163,6 @@ class AcceptanceTracker:
                 self._recent.setdefault(k[:2], deque(maxlen=self._recent_n)).append(a)
             alarm = None
             if self.detector is not None and a == a:
-                proposer = getattr(result, "proposer", None) or "draft"
                 raw = self.detector.update((*k[:2], proposer), a)
                 alarm = dataclasses.replace(raw, key=k[:2], proposer=proposer) if raw is not None else None
             if alarm is not None:
@@ -430,7 +430,7 @@ class ControllerConfig:
     probe_every: every this many requests of a key, one request probes: plain decoding when
         speculating, γ = the best speculative candidate when off, or a γ never measured.
     useless_alpha: below this α the "off" reason says the draft is useless.
-    min_steps: steps of γ = 0 and of γ >= 1 measured before the choice is trusted (warm-up).
+    min_steps: steps of γ = 0 and of γ >= 1 measured before the choice is trusted (warm-up; >= 1).
     proposers: the proposers the controller chooses among (:mod:`decoder.proposers`): "draft"
         (the draft model, modelled by α) and/or "ngram" (modelled by its measured accepted-length
         distribution, see :class:`GoodputController`). The first listed warms up first.
@@ -462,8 +462,8 @@ class ControllerConfig:
             raise ValueError(f"gamma_init={self.gamma_init} must lie in 1..gamma_max={self.gamma_max}")
         if not 0 < self.ewma <= 1:
             raise ValueError(f"ewma={self.ewma} must lie in (0, 1]")
-        if self.probe_every < 1 or self.min_steps < 0:
-            raise ValueError(f"probe_every={self.probe_every} must be >= 1 and min_steps={self.min_steps} >= 0")
+        if self.probe_every < 1 or self.min_steps < 1:  # min_steps 0 trusted estimates that do not exist yet
+            raise ValueError(f"probe_every={self.probe_every} and min_steps={self.min_steps} must be >= 1")
         if (not isinstance(self.ceiling_probe_every, int) or isinstance(self.ceiling_probe_every, bool)
                 or self.ceiling_probe_every < 1
                 or self.ceiling_probe_every % self.probe_every):

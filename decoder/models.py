@@ -120,8 +120,18 @@ def packaged_target(ref: str) -> Path | None:
 
     try:
         return requantised_gguf(gguf, fmt)
-    except (ValueError, RuntimeError) as e:
+    except ValueError as e:  # the format's name
         raise ModelLoadError(f"model {ref!r}: {e} (after '@'; e.g. {base}@bf16)") from e
+    except (RuntimeError, OSError) as e:  # llama.cpp's quantiser, or the cache directory
+        raise ModelLoadError(f"model {ref!r}: requantising {gguf.name} failed: {e} (the cache is "
+                             f"{cache_root()}; DRAFTD_CACHE_DIR moves it)") from e
+
+
+def canonical_ref(ref: str) -> str:
+    """A built-in ``name@FORMAT`` with FORMAT as llama.cpp spells it (``smollm2-135m@bf16 `` ->
+    ``smollm2-135m@BF16``), so one file has one pair fingerprint; any other reference as given."""
+    base, sep, fmt = ref.partition("@")
+    return f"{base}@{fmt.strip().upper()}" if sep and base in PACKAGED else ref
 
 
 def _converted(gguf: Path, name: str, progress=None) -> Path:
@@ -406,4 +416,4 @@ def load_pair(
         if dmodel is tmodel:
             raise ValueError("int8_draft needs a separate or derived draft, not draft='self'")
         dmodel = quantize_draft_int8(dmodel)
-    return ModelPair(tmodel, dmodel, tok, target, draft, time.perf_counter() - t0)
+    return ModelPair(tmodel, dmodel, tok, canonical_ref(target), draft, time.perf_counter() - t0)

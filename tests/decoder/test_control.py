@@ -311,6 +311,12 @@ def test_among_proposers_a_hopeless_draft_drops_out_of_the_probe_rotation():
     assert "the draft cannot pay on this engine" in ctl.decision(key)["why"]
 
 
+def test_min_steps_zero_is_refused():
+    """min_steps=0 let the controller choose from estimates it had not measured (KeyError: 0)."""
+    with pytest.raises(ValueError, match="min_steps=0 must be >= 1"):
+        ControllerConfig(min_steps=0)
+
+
 def test_ceiling_probe_every_must_be_a_multiple_of_probe_every():
     with pytest.raises(ValueError, match="ceiling_probe_every=15 must be a multiple of probe_every=10"):
         ControllerConfig(probe_every=10, ceiling_probe_every=15)

@@ -79,3 +79,6 @@ def test_a_built_in_name_at_a_format_is_its_file_requantised(tmp_path, monkeypat
     with pytest.raises(ModelLoadError, match=r"model 'tiny-pkg@q9': 'q9' is not a llama.cpp weight format.*tiny-pkg@bf16"):
         M.packaged_target("tiny-pkg@q9")
     assert M.packaged_target("not-built-in@bf16") is None
+    # one file, one pair fingerprint: the format as llama.cpp spells it
+    assert M.canonical_ref("tiny-pkg@bf16 ") == M.canonical_ref("tiny-pkg@BF16") == "tiny-pkg@BF16"
+    assert M.canonical_ref("not-built-in@bf16") == "not-built-in@bf16" and M.canonical_ref("tiny-pkg") == "tiny-pkg"
