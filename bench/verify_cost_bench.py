@@ -245,12 +245,11 @@ def main() -> None:
         ap.error("--cached and --n-ctx apply to --formats only (the default run measures after 100 cached tokens)")
     if a.formats:
         fmts = [f.strip() for f in a.formats.split(",") if f.strip()]
-        from decoder.engine import _llama
+        from decoder.gguf_export import weight_formats
 
-        ll = _llama()
+        known = weight_formats()
         for f in fmts:  # refuse a bad name before any quantising
-            if not hasattr(ll, f"LLAMA_FTYPE_MOSTLY_{f.upper()}"):
-                known = sorted(k.removeprefix("LLAMA_FTYPE_MOSTLY_") for k in dir(ll) if k.startswith("LLAMA_FTYPE_MOSTLY_"))
+            if f.upper() not in known:
                 ap.error(f"--formats: {f!r} is not a llama.cpp weight format; use some of {', '.join(known)}")
         if not 1 <= a.cached < a.n_ctx - 16:
             ap.error(f"--cached {a.cached} must lie in 1..n_ctx - 17 (--n-ctx {a.n_ctx})")

@@ -677,21 +677,27 @@ class GoodputController:
         plain, top = ev["rate"].get(0, math.nan), ev["ceiling"][1]
         return plain == plain and top == top and top < plain
 
-    def _ceiling_probe_due(self, s: _KeyState, hopeless: bool) -> bool:
-        """At a probe slot: may the draft be probed? Always while its ceiling is above plain; while
-        below, after back-off intervals of 1, 2, 4, ... probe_every requests up to
-        ``ceiling_probe_every`` (a transient slowdown that made the draft look hopeless is
-        re-measured soon; a draft that stays hopeless is probed ever more rarely)."""
+    def _ceiling_probe_due(self, s: _KeyState) -> bool:
+        """At a probe slot, with the draft's ceiling below plain: may the draft be probed? After
+        back-off intervals of 1, 2, 4, ... probe_every requests up to ``ceiling_probe_every`` (a
+        transient slowdown that made the draft look hopeless is re-measured soon; a draft that
+        stays hopeless is probed ever more rarely). The back-off restarts whenever the ceiling is
+        above plain again (:meth:`_hopeless`)."""
         c = self.config
-        if not hopeless:
-            s.ceiling_probes = 0
-            return True
         spacing = min(c.probe_every * 2 ** min(s.ceiling_probes, 30), c.ceiling_probe_every)
         if s.requests - s.last_ceiling_probe < spacing:
             return False
         s.ceiling_probes += 1
         s.last_ceiling_probe = s.requests
         return True
+
+    def _hopeless(self, s: _KeyState, ev: dict[str, Any]) -> bool:
+        """Whether the draft is a candidate whose ceiling is below plain; otherwise the probe
+        back-off restarts."""
+        hopeless = "draft" in self.config.proposers and self._draft_cannot_pay(ev)
+        if not hopeless:
+            s.ceiling_probes = 0
+        return hopeless
 
     def _ceiling_why(self, ev: dict[str, Any]) -> str:
         g, top = ev["ceiling"]
@@ -722,6 +728,7 @@ class GoodputController:
         with self._lock:
             s = self._begin_request(key)
             ev = self._evaluate(s)
+            hopeless = self._hopeless(s, ev)
             rate = ev["rate"]
             spec_steps = sum(e.n for g, e in s.verify_ms.items() if g > 0)
             plain_steps = s.verify_ms[0].n if 0 in s.verify_ms else 0
@@ -740,7 +747,7 @@ class GoodputController:
                     unexplored = [g for g in range(1, c.gamma_max + 1) if g not in s.verify_ms]
                     if best > 0:
                         gamma, why = 0, f"probe: plain decoding (every {c.probe_every} requests); " + why
-                    elif not self._ceiling_probe_due(s, self._draft_cannot_pay(ev)):
+                    elif hopeless and not self._ceiling_probe_due(s):
                         probe = False  # _why says so
                     else:  # off: re-measure α at the cheapest informative γ (a better draft shows up there)
                         g = best_spec or 1
@@ -777,6 +784,7 @@ class GoodputController:
         with self._lock:
             s = self._begin_request(key)
             ev = self._evaluate(s)
+            hopeless = self._hopeless(s, ev)
             cands = self._candidates(ev)
             probe, why = False, ""
             choice = self._warm_up(s)
@@ -788,7 +796,6 @@ class GoodputController:
             best = max(cands, key=cands.get) if cands else ("plain", 0)
             if choice is None:
                 choice, why = best, self._why_among(cands, best, ev)
-                hopeless = "draft" in c.proposers and self._draft_cannot_pay(ev)
                 if hopeless:
                     why += "; " + self._ceiling_why(ev)
                 if s.requests % c.probe_every == 0:
@@ -796,9 +803,7 @@ class GoodputController:
                     others = [o for o in others if o != best and o[0] != best[0]]
                     drafts = [o for o in others if o[0] == "draft"]
                     if drafts and hopeless:  # the draft only when its back-off is due, and then the draft
-                        others = drafts if self._ceiling_probe_due(s, True) else [o for o in others if o[0] != "draft"]
-                    elif not hopeless:
-                        self._ceiling_probe_due(s, False)
+                        others = drafts if self._ceiling_probe_due(s) else [o for o in others if o[0] != "draft"]
                     if others:
                         choice = others[(s.requests // c.probe_every) % len(others)]
                         probe = True

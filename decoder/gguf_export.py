@@ -277,6 +277,16 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
 # ---- requantised weights ---------------------------------------------------------------------
 
 
+def weight_formats() -> dict[str, int]:
+    """llama.cpp's file types by name (``"BF16"`` -> ``LLAMA_FTYPE_MOSTLY_BF16``), what
+    :func:`requantised_gguf` takes. Raises EngineError without llama-cpp-python."""
+    from decoder.engine import _llama
+
+    ll = _llama()
+    return {k.removeprefix("LLAMA_FTYPE_MOSTLY_"): getattr(ll, k) for k in sorted(dir(ll))
+            if k.startswith("LLAMA_FTYPE_MOSTLY_")}
+
+
 def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path:
     """``src`` with its weights requantised to ``fmt`` by llama.cpp's own quantiser
     (``llama_model_quantize``, ``allow_requantize``), written once.
@@ -306,10 +316,10 @@ def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path
     src = Path(src)
     ll = _llama()
     name = str(fmt).strip().upper()
-    ftype = getattr(ll, f"LLAMA_FTYPE_MOSTLY_{name}", None)
-    if ftype is None or not name:
-        known = sorted(k.removeprefix("LLAMA_FTYPE_MOSTLY_") for k in dir(ll) if k.startswith("LLAMA_FTYPE_MOSTLY_"))
-        raise ValueError(f"{fmt!r} is not a llama.cpp weight format; use one of {', '.join(known)}")
+    formats = weight_formats()
+    ftype = formats.get(name)
+    if ftype is None:
+        raise ValueError(f"{fmt!r} is not a llama.cpp weight format; use one of {', '.join(formats)}")
     out = Path(cache_dir or cache_root() / "requant") / f"{src.stem}-{file_digest16(src)}-{name}.gguf"
     if out.exists():
         return out

@@ -339,12 +339,9 @@ def _result(version: int, proposer: str, alpha: float | None, workload: str = "p
                            proposer=proposer)
 
 
-def test_rollback_judges_an_adapter_on_the_requests_the_draft_served_only(pair, reg, tmp_path):
-    """Under v0 the n-gram proposer served 10 requests at α 0.8 and the draft 3 at 0.2 (and 3 were
-    plain); under v1 the draft served 3 at 0.25. Pooled over proposers v0's α is 0.66 and v1 would
-    be rolled back (0.25 < 0.66 - 0.1); judged on the draft's requests alone it improved (0.20 ->
-    0.25) and is kept. v2, whose draft requests fall to 0.05, is rolled back against v1's 0.25."""
-    _, draft, _ = pair
+def _judged_results(reg):
+    """A tracker, a rollback monitor on it (min_requests 3, margin 0.1) and serve(results), which
+    feeds hand-made results to both as the serving loop does."""
     tracker = AcceptanceTracker()
     monitor = RollbackMonitor(reg.registry, tracker, min_requests=3, margin=0.1)
 
@@ -353,6 +350,16 @@ def test_rollback_judges_an_adapter_on_the_requests_the_draft_served_only(pair, 
             tracker.observe(r)
             monitor.check(r.adapter_version)
 
+    return tracker, monitor, serve
+
+
+def test_rollback_judges_an_adapter_on_the_requests_the_draft_served_only(pair, reg, tmp_path):
+    """Under v0 the n-gram proposer served 10 requests at α 0.8 and the draft 3 at 0.2 (and 3 were
+    plain); under v1 the draft served 3 at 0.25. Pooled over proposers v0's α is 0.66 and v1 would
+    be rolled back (0.25 < 0.66 - 0.1); judged on the draft's requests alone it improved (0.20 ->
+    0.25) and is kept. v2, whose draft requests fall to 0.05, is rolled back against v1's 0.25."""
+    _, draft, _ = pair
+    tracker, monitor, serve = _judged_results(reg)
     serve([_result(0, "ngram", 0.8)] * 10 + [_result(0, "draft", 0.2)] * 3 + [_result(0, "draft", None)] * 3)
     assert tracker.window("prose", "greedy", 0).counts.alpha == pytest.approx((10 * 3.2 + 3 * 0.8) / 52)
     assert tracker.window("prose", "greedy", 0, draft_only=True).counts.num_requests == 3
@@ -397,14 +404,7 @@ def test_a_version_kept_on_one_key_is_still_judged_on_a_key_whose_evidence_comes
     serving the draft, so code's draft-served requests arrive last (here: after prose's). Kept on
     prose, v1 is rolled back once code has min_requests of them."""
     _, draft, _ = pair
-    tracker = AcceptanceTracker()
-    monitor = RollbackMonitor(reg.registry, tracker, min_requests=3, margin=0.1)
-
-    def serve(results):
-        for r in results:
-            tracker.observe(r)
-            monitor.check(r.adapter_version)
-
+    tracker, monitor, serve = _judged_results(reg)
     serve([_result(0, "draft", 0.6), _result(0, "draft", 0.6, "code")] * 3)
     v1 = reg.register(random_lora(draft, tmp_path / "v1", scale=0.1, seed=1))
     reg.registry.promote(v1, "trained")
