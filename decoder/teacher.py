@@ -130,6 +130,48 @@ def score_windows(
                 on_batch(x.shape[0] * (length - 1))
 
 
+def score_windows_engine(
+    engine,
+    items: Iterable[tuple[str, Sequence[int]]],
+    workload: str,
+    pair_fingerprint,
+    k: int = 32,
+    request_prefix: str = "corpus",
+    on_batch: Callable[[int], None] | None = None,
+) -> Iterator:
+    """:func:`score_windows` on an engine (``decoder.engine``: llama.cpp on CPU), one window per forward.
+
+    The served target itself scores the text (llama.cpp's kernels on the GGUF, not the torch copy
+    dequantised from it), with logits kept at every position: a window of L tokens in, logits
+    (L, V) out, top-k (L - 1, k) + tail mass kept. The records are those of :func:`score_windows`.
+
+    Raises:
+        ValueError: a window shorter than 2 tokens or ``k < 1``.
+        decoder.engine.EngineError: a window longer than the engine's context.
+    """
+    from decoder.speculative import _topk_rows
+    from store.schema import VerifiedSample
+
+    if k < 1:
+        raise ValueError(f"k={k} must be >= 1")
+    for key, w in items:
+        if len(w) < 2:
+            raise ValueError(f"a window of {len(w)} tokens (document {key!r}) has no next-token position; need >= 2")
+        t0 = time.time()
+        seq = engine.start()
+        logits = seq.forward(list(w), keep=len(w))  # (L, V)
+        top_ids, top_p, tail = _topk_rows(logits[:-1].float(), k)  # (L - 1, k), (L - 1,)
+        x = np.asarray(w)
+        yield VerifiedSample(
+            request_id=f"{request_prefix}:{workload}:{key}", workload=workload, adapter_version=0, pair=pair_fingerprint,
+            prompt_ids=x[:1], output_ids=x[1:], proposal_lens=np.zeros(0), rejection_pos=np.zeros(0),
+            topk_ids=top_ids.numpy(), topk_probs=top_p.numpy(), tail_mass=tail.numpy(),
+            started_at=t0, finished_at=time.time(), source="prefill",
+        )
+        if on_batch is not None:
+            on_batch(len(w) - 1)
+
+
 @torch.inference_mode()
 def continue_windows(
     target: torch.nn.Module,

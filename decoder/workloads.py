@@ -236,6 +236,30 @@ def documents(workload: str) -> list[tuple[str, str]]:
     raise ValueError(f"no built-in corpus for workload {workload!r}; choose prose, code or math")
 
 
+EVAL_RESERVED_PROMPTS = 16  # the first prompts of each built-in workload: evaluation only, never in a bootstrap corpus
+
+
+def bootstrap_documents(workload: str, reserved: int = EVAL_RESERVED_PROMPTS) -> list[tuple[str, str]]:
+    """:func:`documents` of ``workload`` without the ones a reserved prompt comes from.
+
+    The demo evaluates on the first prompts of each workload (never served); a draft bootstrapped
+    on text that holds them would be judged on text it was trained on. A document is dropped when
+    it contains the opening (first 80 characters, whitespace-normalised) of any of the first
+    ``reserved`` prompts of ``workload`` (prose: their pydoc topics; math: their GSM8K rows; code:
+    none, its corpus modules are disjoint from the prompts' already).
+
+    Raises:
+        ValueError: a workload without a built-in corpus, or ``reserved`` < 0.
+    """
+    if reserved < 0:
+        raise ValueError(f"reserved={reserved!r}: must be >= 0 prompts")
+    docs = documents(workload)
+    if not reserved or not docs:
+        return docs
+    heads = [" ".join(p.text.split())[:80] for p in get_workload(workload, reserved)]
+    return [(k, t) for k, t in docs if not any(h and h in " ".join(t.split()) for h in heads)]
+
+
 def split_documents(docs: list[tuple[str, str]], heldout_fraction: float, shingle: int = 12) -> tuple[list, list]:
     """Deterministic (train, held-out) split that keeps shared text on one side.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,8 @@ class CurvePoint:
     alpha: float
     greedy: float
     loss: float
+    cpu_seconds: float = 0.0  # process CPU time of the training so far (all threads), seconds
+    per_workload: dict[str, float] = field(default_factory=dict)  # held-out alpha per workload tag
 
 
 @dataclass
@@ -72,6 +74,7 @@ def bootstrap(
     config: BootstrapConfig,
     clock: Callable[[], float] = time.monotonic,
     on_round: Callable[[CurvePoint], None] | None = None,
+    heldout: Sequence[VerifiedSample] | None = None,
 ) -> BootstrapResult:
     """Distil ``samples`` into the distiller's adapter within the budget; register (and promote) it.
 
@@ -82,14 +85,20 @@ def bootstrap(
         registry: ``store.registry.AdapterRegistry`` or None (train and evaluate only).
         clock: monotonic seconds for the time budget.
         on_round: called after each round with the new curve point (progress reporting).
+        heldout: the held-out samples, when the caller split them (e.g. by document,
+            ``decoder.workloads.split_documents``); then every one of ``samples`` trains. None:
+            ``samples`` are split by ``holdout_fraction`` on a hash of each record's text.
 
     Raises:
         NotEnoughSamples: no training or no held-out samples.
         TrainerError: a round went non-finite.
     """
     train, held = [], []
-    for s in samples:
-        (held if is_heldout(split_key(s), config.holdout_fraction) else train).append(s)
+    if heldout is not None:
+        train, held = list(samples), list(heldout)
+    else:
+        for s in samples:
+            (held if is_heldout(split_key(s), config.holdout_fraction) else train).append(s)
     if not train or not held:
         raise NotEnoughSamples(
             f"bootstrap needs training and held-out samples; got {len(train)} and {len(held)} "
@@ -98,7 +107,7 @@ def bootstrap(
     base = distiller.evaluate(held, adapter=BASE)
     log.info("bootstrap_start", train=len(train), heldout=len(held), base_alpha=base.alpha, base_greedy=base.greedy)
     orig = distiller.config
-    steps, seconds, curve = 0, 0.0, []
+    steps, seconds, cpu, curve = 0, 0.0, 0.0, []
     after = base
     try:
         while steps < config.max_steps and seconds < config.max_seconds:
@@ -108,16 +117,18 @@ def bootstrap(
                 max_seconds=config.max_seconds - seconds,
                 max_epochs=max(orig.max_epochs, 10**6),  # the budget, not the epoch count, ends a round
             )
-            t0 = clock()
+            t0, c0 = clock(), time.process_time()
             res = distiller.train_round(train)
             seconds += clock() - t0
+            cpu += time.process_time() - c0
             if not res.finite:
                 raise TrainerError(f"bootstrap round went non-finite after {steps} steps: {res.reason}; lower lr={orig.lr}")
             if res.steps == 0:
                 raise TrainerError(f"bootstrap round made no step (weighting={orig.weighting!r} with gamma=0 samples?)")
             steps += res.steps
             after = distiller.evaluate(held)
-            point = CurvePoint(steps, seconds, after.alpha, after.greedy, res.loss_last)
+            point = CurvePoint(steps, seconds, after.alpha, after.greedy, res.loss_last, cpu,
+                               {w: c.alpha for w, c in sorted(after.per_workload.items())})
             curve.append(point)
             log.info("bootstrap_round", **dataclasses.asdict(point))
             if on_round is not None:

@@ -500,3 +500,29 @@ def test_bench_on_llamacpp_puts_llama_cpps_own_generation_beside_ours(engine, gg
     assert spec["matches_plain"] is True and spec["matches_plain_share"] == 1.0 and spec["mismatches"] == []
     assert spec["verify_cost_vs_plain_step"] > 0 and plain["batched_vs_one_token_max_logit_diff"] is not None
     assert res["kernels"]["engine"]["engine"] == "llamacpp"
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_teacher_scoring_on_llamacpp_matches_the_torch_copy_and_its_records(engine, real):
+    """Bootstrap scoring on the served GGUF (decoder.teacher.score_windows_engine) gives the records
+    score_windows gives on the dequantised torch target: the same ids, and distributions within the
+    two implementations' numerics (top-1 equal almost everywhere, top-k mass within 0.01)."""
+    from decoder.teacher import corpus_windows, score_windows, score_windows_engine
+    from decoder.workloads import bootstrap_documents
+    from store.schema import PairFingerprint
+
+    fp = PairFingerprint("t", "d", "h")
+    items = corpus_windows(real.tokenizer, bootstrap_documents("prose")[:2], 64, max_tokens=192)
+    a = list(score_windows_engine(engine, items, "prose", fp, k=8, request_prefix="b"))
+    b = list(score_windows(real.target, items, "prose", fp, k=8, request_prefix="b"))
+    assert len(a) == len(b) == len(items)
+    by_text = {tuple(y.output_ids.tolist()): y for y in b}  # score_windows batches by length: another order
+    for x, (key, w) in zip(a, items):  # score_windows_engine keeps the items' order
+        y = by_text[tuple(w[1:])]
+        assert x.request_id == y.request_id == f"b:prose:{key}" and x.source == "prefill"
+        assert x.prompt_ids.tolist() == [w[0]] and x.output_ids.tolist() == w[1:] == y.output_ids.tolist()
+        assert x.topk_ids.shape == y.topk_ids.shape == (len(w) - 1, 8)
+        assert (x.topk_ids[:, 0] == y.topk_ids[:, 0]).mean() >= 0.9
+        np.testing.assert_allclose(x.topk_probs.astype(float).sum(1) + x.tail_mass, 1.0, atol=1e-3)  # stored as fp16
+        assert np.abs((1 - x.tail_mass) - (1 - y.tail_mass)).max() < 0.05
