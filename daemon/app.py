@@ -29,7 +29,7 @@ from daemon.client import read_token  # noqa: F401 - re-exported: it lived here
 from daemon.errors import DaemonError, TrainerDisabledError
 from daemon.redis_embed import RedisHandle, open_redis
 from daemon.reports import RECENT_WINDOW_S, adapter_dict, adapters_list, by_workload, history_report, jsonable, status_report  # noqa: F401
-from daemon.settings import Settings, distill_config, draft_vocab_ids, service_config, store_config
+from daemon.settings import Settings, distill_config, draft_vocab_ids, service_config, store_config, warm_start_config
 from store.history import AcceptanceHistory
 from store.registry import AdapterRegistry
 
@@ -90,12 +90,22 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
     group = settings.store.consumer_group
     consumer = f"{group}-{socket.gethostname()}-{os.getpid()}"
     reader = SampleReader(handle.client, scfg, group, consumer, expected_fingerprint=fingerprint)
+    distiller = Distiller(pair.draft, distill_config(settings), vocab=draft_vocab_ids(settings, pair.tokenizer))
+    ws_cfg = warm_start_config(settings)
+
+    def warm_start():  # the trainer's first job: v0 bootstrapped (first start on this pair) or taken from the cache
+        from daemon.warm_start import ensure_v0
+
+        return ensure_v0(pair, fingerprint, registry, distiller, ws_cfg, settings.trainer.precision,
+                         progress=lambda msg: log.info("bootstrap_progress", msg=msg))
+
     service = TrainerService(
         reader,
         registry,
-        Distiller(pair.draft, distill_config(settings), vocab=draft_vocab_ids(settings, pair.tokenizer)),
+        distiller,
         service_config(settings),
         backlog=lambda: group_lag(handle.client, scfg, group),
+        warm_start=warm_start if ws_cfg.enabled else None,
     )
     service.fingerprint = fingerprint.key()  # shown in status
     if settings.trainer.start_paused:

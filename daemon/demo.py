@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -98,8 +99,9 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         traffic = _serve_phases(cfg, oai, loop, models.tok, settings.models.target, trainer.svc, params, console)
         _finish_serving(trainer, loop, console)
         table = evaluate_phases(cfg, trainer.heldout, traffic.phase_end_version, traffic.timeline, trainer.distiller,
-                                trainer.registry, loop.decoder, frozen_draft=derive_draft(models.pair.target, models.layers),
-                                tok=models.tok, params=params, console=console, controller=loop.controller)
+                                trainer.registry, loop.decoder, frozen_draft=_v0_draft(models, trainer),
+                                tok=models.tok, params=params, console=console, controller=loop.controller,
+                                v0_version=trainer.v0.version or 0)
         loop.tracker.flush()
         report = _report(cfg, run_id, t_start, store, models, trainer, loop, traffic, table)
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
@@ -145,6 +147,7 @@ class _Trainer:
     svc: Any  # trainer.service.TrainerService
     heldout: dict[str, list]  # workload -> served samples the trainer's split holds out
     keep_heldout: Any  # the serving loop's tap that fills ``heldout``
+    v0: Any = None  # daemon.warm_start.WarmStart: the bootstrapped v0 (version None: the base draft)
 
 
 @dataclass
@@ -213,6 +216,7 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
     dcfg = distill_config(settings)
     dcfg = dataclasses.replace(dcfg, max_steps=cfg.round_steps, max_seconds=cfg.round_seconds)
     distiller = Distiller(derive_draft(models.pair.target, models.layers), dcfg, vocab=models.vocab)
+    v0 = _warm_start(settings, models, registry, distiller, console)
     svc = TrainerService(
         reader, registry, distiller,
         ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
@@ -230,7 +234,38 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
         if is_heldout(split_key(sample), svc.config.holdout_fraction):
             heldout.setdefault(sample.workload, []).append(sample)
 
-    return _Trainer(registry, distiller, svc, heldout, keep_heldout)
+    return _Trainer(registry, distiller, svc, heldout, keep_heldout, v0)
+
+
+def _warm_start(settings, models: _Models, registry, distiller, console):
+    """v0 before the first request (daemon.warm_start): the cached bootstrap of this pair promoted,
+    or trained now on both cores (the first run on a pair)."""
+    import torch
+
+    from daemon.settings import warm_start_config
+    from daemon.warm_start import ensure_v0
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))  # nothing is served yet: the bootstrap takes every core
+    try:
+        v0 = ensure_v0(models.pair, models.fp, registry, distiller, warm_start_config(settings), settings.trainer.precision,
+                       progress=console.log)
+    finally:
+        torch.set_num_threads(threads)
+    console.log(f"v0: {v0.reason}" if v0.version else f"[yellow]v0 is the base draft:[/] {v0.reason}")
+    return v0
+
+
+def _v0_draft(models: _Models, trainer: _Trainer):
+    """A torch copy of the frozen v0 draft: the derived draft with the bootstrapped adapter merged in."""
+    from decoder.models import derive_draft
+
+    draft = derive_draft(models.pair.target, models.layers)
+    if trainer.v0 is not None and trainer.v0.version:
+        from peft import PeftModel
+
+        draft = PeftModel.from_pretrained(draft, str(trainer.registry.fetch(trainer.v0.version))).merge_and_unload()
+    return draft
 
 
 def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Models, trainer: _Trainer, console):
@@ -256,6 +291,9 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
         engine=models.engines.target, draft_engine=models.engines.draft)
     loop.start()
     stack.callback(loop.close)
+    if trainer.v0 is not None and trainer.v0.version:  # the first request is served by v0, not the base draft
+        if not loop.manager.wait_prepared(trainer.v0.version, 120):
+            console.log(f"[yellow]v0 (v{trainer.v0.version}) was not installed within 120 s; serving starts without it[/]")
     model_name = settings.models.target
     service = InferenceService(loop, tok, model_name, context_len=getattr(pair.target.config, "max_position_embeddings", None))
     server = stack.enter_context(ServeServer(service, "127.0.0.1", 0))
@@ -356,14 +394,17 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
 
 
 def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, frozen_draft, tok,
-                    params, console, controller=None) -> list[dict]:
+                    params, console, controller=None, v0_version: int = 0) -> list[dict]:
     """The per-phase table: frozen v0 vs what adaptation built, on prompts never served.
+
+    v0 is what served the first request: the bootstrapped adapter ``v0_version`` (daemon.warm_start)
+    or, when there is none (0), the base draft; ``frozen_draft`` is its torch copy.
 
     - ``heldout_alpha``: α = Σ min(p, q) at temperature 1 over the stored top-k support, on the
       phase's held-out samples (served requests the trainer never trained on; Distiller.evaluate),
-      for the base draft (frozen), the adapter active when the phase ended, and the final one.
+      for v0 (frozen), the adapter active when the phase ended, and the final one.
     - decoded, on ``eval_prompts`` prompts never served, greedy, ``max_new_tokens`` each:
-      ``plain`` (γ = 0); ``frozen`` (the base draft, v0) and ``adapted_draft`` (the final adapter)
+      ``plain`` (γ = 0); ``frozen`` (v0) and ``adapted_draft`` (the final adapter)
       at γ = ``eval_gamma``; ``adapted``: what the goodput controller picks for the phase's
       workload at the end (proposer and γ; plain decoding when it keeps speculation off), the
       n-gram proposer indexing only what was served (each evaluation request decodes against a
@@ -381,10 +422,11 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
         distiller.load_adapter_weights(registry.fetch(version))
         return distiller.adapter_state()
 
+    v0_state = state_of(v0_version)
     final_state = state_of(decoder.adapter_version)
     served_history, served_gate = decoder.ngram_history, decoder.ngram_gate
     # the same head as the adapted draft (FR-Spec or not), so the rows differ by training only
-    # on llama.cpp the frozen draft is the draft's own context with no LoRA set (see _frozen_lora)
+    # on llama.cpp the frozen draft is the draft's own context with v0's LoRA set (see _frozen_lora)
     frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok, DecoderConfig(draft_vocab=decoder.config.draft_vocab),
                                 engine=decoder.engine, draft_engine=decoder.draft_engine)
     rows = []
@@ -396,7 +438,7 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
             row["heldout_samples"] = len(held)
             if held:
                 row["heldout_alpha"] = {
-                    "frozen": _nn(distiller.evaluate(held, adapter=BASE).alpha),
+                    "frozen": _nn(distiller.evaluate(held, adapter=v0_state).alpha),
                     "phase_end": _nn(distiller.evaluate(held, adapter=state_of(row["adapter_at_phase_end"])).alpha),
                     "final": _nn(distiller.evaluate(held, adapter=final_state).alpha),
                 }
@@ -420,7 +462,7 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                     # the history and gate as serving left them, the same for every row (evaluation teaches neither)
                     decoder.ngram_history = served_history.copy()
                     decoder.ngram_gate = served_gate.copy() if served_gate is not None else None
-                    with _frozen_lora(decoder if dec is frozen else None):
+                    with _frozen_lora(decoder if dec is frozen else None, v0_version, registry):
                         r = dec.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
                                                        workload=phase, proposer=prop))
                     tot[name][0].merge(r.counts)
@@ -450,16 +492,25 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
 
 
 @contextlib.contextmanager
-def _frozen_lora(decoder):
-    """With ``decoder`` (whose draft runs on llama.cpp): its draft's context without a LoRA for
-    the block (the base draft, v0), the adapter put back after; a no-op otherwise."""
+def _frozen_lora(decoder, v0_version: int = 0, registry=None):
+    """With ``decoder`` (whose draft runs on llama.cpp): its draft's context with v0's LoRA for
+    the block (``v0_version``'s GGUF LoRA, loaded if the manager evicted it; none for the base
+    draft), the adapter put back after; a no-op otherwise."""
+    from decoder.adapters import adapter_name
+
     eng = getattr(decoder, "draft_engine", None) if decoder is not None else None
-    if eng is None or not hasattr(eng, "set_lora") or eng.lora is None:
+    want = adapter_name(v0_version) if v0_version else None
+    if eng is None or not hasattr(eng, "set_lora") or eng.lora == want:
         yield
         return
     with decoder._lock:  # no request runs meanwhile
         was = eng.lora
-        eng.set_lora(None)
+        if want is not None and want not in eng.loras:
+            from decoder.gguf_export import lora_gguf_cached
+            from decoder.models import cache_root
+
+            eng.load_lora(want, lora_gguf_cached(Path(registry.fetch(v0_version)), cache_root() / "gguf" / "lora", eng.path))
+        eng.set_lora(want)
         try:
             yield
         finally:

@@ -28,6 +28,7 @@ from store.config import BufferConfig, HistoryConfig, StoreConfig
 if TYPE_CHECKING:  # torch-free at import time: the CLI must start fast
     import torch
 
+    from daemon.warm_start import WarmStartConfig
     from trainer.distill import DistillConfig
     from trainer.service import ServiceConfig
 
@@ -171,6 +172,20 @@ class TrainerSettings(_Group):
     )
 
 
+class BootstrapSettings(_Group):
+    """v0 before the first request (daemon.warm_start): the first start on a pair distils the
+    target's distributions on built-in corpora into the draft, caches it by pair fingerprint and
+    promotes it; later starts on an empty registry promote the cached copy in seconds."""
+
+    enabled: bool = Field(True, description="Bootstrap v0 on the first start (run, demo) when the registry is empty; false = start from the base draft.")
+    workloads: str = Field("prose,code,math", description="Built-in corpora, comma-separated (math needs ../shared/data).")
+    corpus_tokens: int = Field(12_000, ge=128, description="Teacher-scored training tokens per workload.")
+    heldout_tokens: int = Field(2_048, ge=128, description="Teacher-scored held-out tokens per workload (whole documents).")
+    max_steps: int = Field(60, ge=1, description="Optimiser steps, at most.")
+    max_seconds: float = Field(300.0, gt=0, le=24 * 3600, description="Training seconds, at most (scoring not counted).")
+    round_steps: int = Field(20, ge=1, description="Steps between held-out evaluations.")
+
+
 class ApiSettings(_Group):
     """The control API (HTTP) and the Prometheus endpoint."""
 
@@ -265,6 +280,7 @@ class Settings(BaseSettings):
     store: StoreSettings = Field(default_factory=StoreSettings, description="Buffer, history and key names.")
     models: ModelSettings = Field(default_factory=ModelSettings, description="Model pair for the trainer.")
     trainer: TrainerSettings = Field(default_factory=TrainerSettings, description="Training rounds and the gate.")
+    bootstrap: BootstrapSettings = Field(default_factory=BootstrapSettings, description="v0 bootstrapped on the first start.")
     api: ApiSettings = Field(default_factory=ApiSettings, description="Control API and metrics.")
     serve: ServeSettings = Field(default_factory=ServeSettings, description="The inference service (daemonctl serve).")
     state_dir: Path = Field(
@@ -414,6 +430,24 @@ def draft_vocab_ids(s: Settings, tokenizer: Any) -> "torch.Tensor | None":
         return frequent_token_ids(tokenizer, s.models.draft_vocab)
     except ValueError as e:  # checked before any counting
         raise ConfigError(f"models.draft_vocab (DRAFTD_MODELS__DRAFT_VOCAB): {e}; or 0 for the full vocabulary") from e
+
+
+def warm_start_config(s: Settings) -> "WarmStartConfig":
+    """``bootstrap.*`` as daemon.warm_start's config.
+
+    Raises:
+        ConfigError: ``bootstrap.workloads`` names no workload or an unknown one.
+    """
+    from daemon.warm_start import WarmStartConfig
+
+    b = s.bootstrap
+    names = tuple(w.strip() for w in b.workloads.split(",") if w.strip())
+    bad = [w for w in names if w not in ("prose", "code", "math", "gsm8k")]
+    if not names or bad:
+        raise ConfigError(f"bootstrap.workloads (DRAFTD_BOOTSTRAP__WORKLOADS) {b.workloads!r}: name built-in corpora, "
+                          f"comma-separated, from prose, code, math")
+    return WarmStartConfig(enabled=b.enabled, workloads=names, corpus_tokens=b.corpus_tokens, heldout_tokens=b.heldout_tokens,
+                           max_steps=b.max_steps, max_seconds=b.max_seconds, round_steps=b.round_steps)
 
 
 def service_config(s: Settings) -> "ServiceConfig":

@@ -58,6 +58,7 @@ pulls the round forward when at least ``min_new_samples`` entries wait in the gr
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import tempfile
@@ -169,6 +170,13 @@ class _Scope:
     error: str | None = None  # why the scope's active version could not be loaded (its turn is skipped)
 
 
+def _plain(x: Any) -> Any:
+    """A dataclass as a dict of its scalar fields (status is JSON); anything else as it is."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {k: v for k, v in dataclasses.asdict(x).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    return x
+
+
 def is_heldout(key: str, fraction: float) -> bool:
     """Deterministic split: the first 8 hex digits of sha256(key) as a fraction of 2^32."""
     h = int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:8], 16)
@@ -263,6 +271,7 @@ class TrainerService:
         config: ServiceConfig,
         clock: Callable[[], float] = time.time,
         backlog: Callable[[], int] | None = None,
+        warm_start: Callable[[], Any] | None = None,
     ):
         self.reader = reader
         self.registry = registry
@@ -285,6 +294,9 @@ class TrainerService:
         self._scopes: dict[str, _Scope] = {}  # per_workload: workload -> its scope
         self._scheduler: BackgroundScheduler | None = None
         self._next_trigger = "interval"
+        # run once, under the round lock, before the first round (daemon.warm_start: v0 bootstrapped)
+        self._warm_start = warm_start
+        self.warm_start_result: Any = None  # what it returned (or "failed: ...")
         if config.work_dir is not None:
             self._work = Path(config.work_dir) / "candidates"
             shutil.rmtree(self._work, ignore_errors=True)  # leftovers of a killed process, never registered
@@ -299,8 +311,10 @@ class TrainerService:
         if self._scheduler is not None:
             return
         s = BackgroundScheduler(timezone=timezone.utc)
-        s.add_job(
+        first = {"next_run_time": datetime.now(timezone.utc)} if self._warm_start is not None else {}
+        s.add_job(  # a pending warm start runs at once, as the first round's first step
             self._scheduled, "interval", seconds=self.config.interval_s, id="round", max_instances=1, coalesce=True,
+            **first,
         )
         if self.backlog is not None:
             s.add_job(
@@ -355,6 +369,7 @@ class TrainerService:
         return {
             "paused": self._paused,
             "running": self._lock.locked(),
+            "warm_start": "pending" if self._warm_start is not None else _plain(self.warm_start_result),
             "rounds": self._rounds,
             "promoted_version": self._promoted_version,
             "workload_versions": {w: sc.version for w, sc in sorted(self._scopes.items())},
@@ -371,6 +386,7 @@ class TrainerService:
     def run_round_now(self, trigger: str = "manual") -> RoundReport:
         """Run one round synchronously (waits for a running one to finish first)."""
         with self._lock:
+            self._run_warm_start()
             report = RoundReport(trigger=trigger, started_at=self.clock())
             try:
                 self._round(report)
@@ -387,6 +403,19 @@ class TrainerService:
                     reason=report.reason,
                 )
             return report
+
+    def _run_warm_start(self) -> None:
+        """The pending warm start, once (a failure is logged and reported in status, never retried:
+        the rounds go on from whatever the registry serves)."""
+        fn, self._warm_start = self._warm_start, None
+        if fn is None:
+            return
+        try:
+            self.warm_start_result = fn()
+            log.info("trainer_warm_start", result=_plain(self.warm_start_result))
+        except Exception as e:  # noqa: BLE001 - the trainer must start anyway
+            self.warm_start_result = f"failed: {type(e).__name__}: {e}"
+            log.exception("trainer_warm_start_failed", error=str(e))
 
     def _sync_active(self) -> None:
         """Follow the registry's active version (ours, or an operator's promote/rollback).

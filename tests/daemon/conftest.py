@@ -37,6 +37,7 @@ def base_env(state_dir: Path, port: int, **extra: str) -> dict[str, str]:
         DRAFTD_LOG_FORMAT="json",
         PYTHONUNBUFFERED="1",
         COLUMNS="200",
+        DRAFTD_BOOTSTRAP__ENABLED="false",  # no v0 bootstrap (minutes of training) unless a test asks for it
     )
     env.update(extra)
     return env

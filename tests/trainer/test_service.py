@@ -382,3 +382,36 @@ def test_workload_turns_leave_the_shared_adapter_exactly_as_without_them(env, re
         ta = load_file(str(Path(a.artifact_path) / "adapter_model.safetensors"))
         tb = load_file(str(Path(b.artifact_path) / "adapter_model.safetensors"))
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_warm_start_runs_once_before_the_first_round_and_the_round_continues_from_it(env, train_samples, heldout_samples):
+    """The hook (daemon.warm_start's v0) runs under the round lock before the first round only; the
+    round then follows what it promoted, so its candidate's parent is v0; a failing hook is reported,
+    not retried, and never stops the rounds."""
+    client, cfg, registry, tmp = env
+    calls = []
+
+    def warm():
+        calls.append(registry.active_version())
+        d = Distiller(tiny_draft(), FAST)
+        d.train_round(train_samples[:32])
+        d.save(tmp / "v0")
+        v = registry.register(tmp / "v0", AdapterMeta(parent=0))
+        registry.promote(v, "v0 bootstrap (test)")
+        return {"version": v}
+
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env)
+    svc._warm_start = warm
+    assert svc.status()["warm_start"] == "pending"
+    rep = svc.run_round_now()
+    assert calls == [0] and svc.status()["warm_start"] == {"version": 1}
+    assert rep.version == 2 and registry.get(2).parent == 1, rep.reason  # judged against v0, not the base draft
+    svc.run_round_now()
+    assert calls == [0]  # once
+
+    bad = make_service(env, consumer="c2")
+    bad._warm_start = lambda: 1 / 0
+    bad.run_round_now()
+    assert bad.status()["warm_start"] == "failed: ZeroDivisionError: division by zero"
+    assert bad.status()["rounds"] == 1

@@ -1,0 +1,278 @@
+"""A useful v0 before the first request: the base draft bootstrapped on built-in corpora, once per pair.
+
+The derived draft starts near α = 0.02-0.07 on served traffic, so online adaptation would start
+from nothing. On its first start on a pair, ``daemonctl run`` (as the trainer's first job) and
+``daemonctl demo`` (before the first request) distil the target's teacher-forced distributions on
+the built-in corpora into a LoRA adapter on the draft, as ``daemonctl bootstrap`` does, and keep
+it in a cache keyed by the pair fingerprint and everything that shapes the adapter (draft
+vocabulary, LoRA and loss settings, corpora and budget): ``<cache>/bootstrap/<key>/``, beside the
+converted models (``$DRAFTD_CACHE_DIR`` or ``~/.cache/draftd/models``). Every later start on an empty registry
+registers the cached adapter and promotes it in seconds, so adaptation starts from that speed
+floor: the trainer's rounds continue from it and the gate judges candidates against it.
+
+A registry that already holds a version is left alone (an operator's history is never
+overwritten); a bootstrap that did not raise held-out α over the base draft is cached as that
+negative result (``meta.json`` without an adapter) and not retried until its directory is removed.
+
+Held-out α here is on whole documents held out (``decoder.workloads.split_documents``), teacher
+forced; the documents the first ``EVAL_RESERVED_PROMPTS`` prompts of each workload come from are
+in neither split, so the demo's never-served evaluation prompts are never bootstrap text.
+The budget defaults come from ``bench/bootstrap_bench.py`` (README, "A useful v0").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+FORMAT = 1  # bump when the bootstrap's data or training changes meaning: older caches are ignored
+WINDOW_TOKENS = 128  # corpus window length (one target forward each)
+TOPK = 32  # target top-k stored per position
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """What v0 is bootstrapped on, and its budget (``DRAFTD_BOOTSTRAP__*``)."""
+
+    enabled: bool = True
+    workloads: tuple[str, ...] = ("prose", "code", "math")
+    corpus_tokens: int = 12_000  # teacher-scored training tokens per workload (bench/bootstrap_bench.py: README, "A useful v0")
+    heldout_tokens: int = 2_048  # teacher-scored held-out tokens per workload (the gate's and the table's α)
+    heldout_fraction: float = 0.1  # of each workload's characters, whole documents
+    max_steps: int = 60  # optimiser steps (full head: ~3.3 s each on 2 cores, held-out α 0.18 -> ~0.32)
+    max_seconds: float = 300.0  # training seconds at most, for a slower host (scoring and evaluation not counted)
+    round_steps: int = 20  # steps between held-out evaluations
+
+    def __post_init__(self):
+        for name in ("corpus_tokens", "heldout_tokens", "max_steps", "round_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"bootstrap.{name}={getattr(self, name)!r}: must be >= 1")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"bootstrap.heldout_fraction={self.heldout_fraction!r}: must be in (0, 1), e.g. 0.1")
+        if not self.max_seconds > 0:
+            raise ValueError(f"bootstrap.max_seconds={self.max_seconds!r}: must be > 0 seconds")
+        if not self.workloads:
+            raise ValueError("bootstrap.workloads is empty: name at least one of prose, code, math")
+
+
+@dataclass
+class WarmStart:
+    """What a start did about v0."""
+
+    source: str  # "cache" | "trained" | "registry" (versions exist) | "disabled" | "no gain" | "no data"
+    version: int | None  # the version registered and promoted now (None: none)
+    reason: str
+    cache_dir: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def bootstrap_cache_root() -> Path:
+    """``bootstrap/`` in the model cache (``$DRAFTD_CACHE_DIR`` or ``~/.cache/draftd/models``)."""
+    from decoder.models import cache_root
+
+    return cache_root() / "bootstrap"
+
+
+def cache_key(fingerprint_key: str, cfg: WarmStartConfig, distill_config: Any, vocab: Any) -> str:
+    """16 hex digits of sha256 over everything that shapes the bootstrapped adapter."""
+    dc = {k: v for k, v in dataclasses.asdict(distill_config).items()
+          if k not in ("max_steps", "max_seconds", "max_epochs", "weighting")}
+    ids = [] if vocab is None else [int(x) for x in (vocab.tolist() if hasattr(vocab, "tolist") else vocab)]
+    blob = json.dumps({"format": FORMAT, "pair": fingerprint_key, "config": dataclasses.asdict(cfg), "distill": dc,
+                       "vocab": hashlib.sha256(json.dumps(ids).encode()).hexdigest()}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def scoring_engine(choice: str, target: str, device: str = "cpu", threads: int | None = None):
+    """A llama.cpp context of the target for bootstrap scoring (closed after the block), where
+    ``models.engine`` would serve the target on llama.cpp; else None (the torch target scores).
+
+    Raises:
+        decoder.engine.EngineError: ``choice`` is ``llamacpp`` and llama.cpp cannot load the target.
+    """
+    from decoder.engine import LlamaCppEngine, llamacpp_available, target_gguf
+
+    gguf = target_gguf(target) if choice != "torch" and device == "cpu" else None
+    if gguf is None or not llamacpp_available():
+        yield None
+        return
+    eng = LlamaCppEngine(gguf, n_ctx=4 * WINDOW_TOKENS, threads=threads)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def score_corpora(pair: Any, fingerprint: Any, cfg: WarmStartConfig, precision: str,
+                  progress: Callable[[str], None] = lambda m: None, engine: Any = None) -> tuple[list, list, dict]:
+    """The target's teacher-forced top-k on each workload's bootstrap documents.
+
+    ``engine``: the served target's engine (``decoder.engine``), which then scores the windows
+    (``decoder.teacher.score_windows_engine``); None: the torch target (``score_windows``, bf16
+    autocast per ``precision``).
+
+    Returns (train samples, held-out samples, stats: per workload documents, positions, scoring
+    wall and CPU seconds). A workload without corpus text (math without ``../shared/data``) is
+    skipped and named in ``stats["skipped"]``.
+    """
+    from decoder.teacher import corpus_windows, score_windows, score_windows_engine
+    from decoder.workloads import bootstrap_documents, split_documents
+    from trainer.distill import autocast_dtype
+
+    ac = autocast_dtype(precision, next(pair.target.parameters()).device)
+    train, held = [], []
+    stats = {"scorer": getattr(engine, "name", "torch"), "workloads": {}, "skipped": [], "wall_seconds": 0.0,
+             "cpu_seconds": 0.0}
+    for w in cfg.workloads:
+        docs = bootstrap_documents(w)
+        if not docs:
+            stats["skipped"].append(w)
+            continue
+        tr_docs, he_docs = split_documents(docs, cfg.heldout_fraction)
+        label = "math" if w == "gsm8k" else w
+        row = {"train_documents": len(tr_docs), "heldout_documents": len(he_docs)}
+        t0, c0 = time.perf_counter(), time.process_time()
+        for side, ds, budget, out in (("train", tr_docs, cfg.corpus_tokens, train), ("heldout", he_docs, cfg.heldout_tokens, held)):
+            items = corpus_windows(pair.tokenizer, ds, WINDOW_TOKENS, max_tokens=budget)
+            progress(f"bootstrap: the target scores {sum(len(x) for _, x in items)} {w} tokens ({side})")
+            prefix = f"bootstrap-{side}"
+            got = list(score_windows_engine(engine, items, label, fingerprint, k=TOPK, request_prefix=prefix)
+                       if engine is not None else
+                       score_windows(pair.target, items, label, fingerprint, k=TOPK, request_prefix=prefix, autocast_dtype=ac))
+            row[f"{side}_positions"] = sum(s.num_tokens for s in got)
+            out.extend(got)
+        row["wall_seconds"], row["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
+        stats["wall_seconds"] += row["wall_seconds"]
+        stats["cpu_seconds"] += row["cpu_seconds"]
+        stats["workloads"][w] = row
+    return train, held, stats
+
+
+def train_v0(pair: Any, fingerprint: Any, distiller: Any, cfg: WarmStartConfig, precision: str,
+             progress: Callable[[str], None] = lambda m: None, on_round: Callable[[Any], None] | None = None,
+             engine: Any = None):
+    """Score the corpora and distil them into ``distiller``'s adapter (registered nowhere).
+
+    Returns (``trainer.bootstrap.BootstrapResult``, scoring stats). Every position trains
+    (weighting ``all``: teacher-forced records have no rejections). ``engine``: see :func:`score_corpora`.
+
+    Raises:
+        trainer.bootstrap.NotEnoughSamples: no corpus text at all, or none held out.
+    """
+    from trainer.bootstrap import BootstrapConfig, bootstrap
+
+    train, held, stats = score_corpora(pair, fingerprint, cfg, precision, progress, engine)
+    orig = distiller.config
+    distiller.config = dataclasses.replace(orig, weighting="all")
+    try:
+        res = bootstrap(train, distiller, None,
+                        BootstrapConfig(max_steps=cfg.max_steps, max_seconds=cfg.max_seconds, round_steps=cfg.round_steps,
+                                        promote=True),
+                        on_round=on_round, heldout=held)
+    finally:
+        distiller.config = orig
+    return res, stats
+
+
+def ensure_v0(pair: Any, fingerprint: Any, registry: Any, distiller: Any, cfg: WarmStartConfig, precision: str = "auto",
+              progress: Callable[[str], None] = lambda m: None, engine: Any = None) -> WarmStart:
+    """Make the bootstrapped v0 the active shared version of an empty registry (trained once per cache key).
+
+    Args:
+        pair: ``decoder.models.ModelPair`` (its torch target scores the corpora on a cache miss).
+        fingerprint: ``store.schema.PairFingerprint`` of the pair.
+        registry: ``store.registry.AdapterRegistry``.
+        distiller: ``trainer.distill.Distiller`` on the draft; on a cache miss its adapter is trained
+            in place, so a trainer built on it continues from v0.
+        cfg: corpora and budget.
+        precision: ``trainer.precision`` (bf16 autocast for scoring where native).
+        progress: one-line progress messages.
+        engine: an engine of the target (``scoring_engine``) to score the corpora on, the served
+            numerics; None (what ``run`` and ``demo`` pass): the torch target under bf16 autocast,
+            which took half the CPU time of llama.cpp's Q4_1 here (``bench/bootstrap_bench.py --scorer``).
+
+    Never raises for a failed bootstrap (no corpus, no gain): the start goes on from the base
+    draft and ``WarmStart.reason`` says why. Registry errors propagate (Redis is required).
+    """
+    from store.registry import AdapterMeta
+    from trainer.bootstrap import NotEnoughSamples
+    from trainer.publish import adapter_meta
+
+    if not cfg.enabled:
+        return WarmStart("disabled", None, "bootstrap.enabled=false: adaptation starts from the base draft")
+    existing = registry.list()
+    if existing:
+        return WarmStart("registry", None, f"the registry already holds {len(existing)} version(s) (active "
+                                          f"v{registry.active_version()}): adaptation continues from there")
+    key = cache_key(fingerprint.key(), cfg, distiller.config, getattr(distiller, "_vocab", None))
+    d = bootstrap_cache_root() / key
+    meta_path = d / "meta.json"
+    source = "cache"
+    if not meta_path.is_file():
+        source = "trained"
+        progress(f"bootstrapping v0 on the built-in corpora (once for this pair: cache {d})")
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            res, stats = train_v0(pair, fingerprint, distiller, cfg, precision, progress,
+                                  on_round=lambda pt: progress(f"bootstrap: {pt.steps} steps, held-out α {pt.alpha:.3f}"),
+                                  engine=engine)
+        except NotEnoughSamples as e:
+            return WarmStart("no data", None, f"bootstrap skipped: {e}")
+        gain = res.after.alpha - res.base.alpha
+        meta = {
+            "format": FORMAT, "key": key, "pair": fingerprint.key(), "config": dataclasses.asdict(cfg),
+            "created_at": time.time(), "alpha_base": res.base.alpha, "alpha_after": res.after.alpha, "gain": gain,
+            "alpha_base_by_workload": {w: c.alpha for w, c in sorted(res.base.per_workload.items())},
+            "alpha_after_by_workload": {w: c.alpha for w, c in sorted(res.after.per_workload.items())},
+            "steps": res.steps, "train_seconds": res.train_seconds, "samples_trained": res.samples_trained,
+            "heldout_samples": res.heldout_samples, "scoring": stats,
+            "wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+            "curve": [dataclasses.asdict(p) for p in res.curve],
+            "adapter_meta": dataclasses.asdict(adapter_meta(0, res.base, res.after, res.samples_trained, 0,
+                                                            res.curve[-1].loss if res.curve else float("nan"))),
+        }
+        _write_cache(d, meta, distiller if gain > 0 else None)
+    meta = json.loads(meta_path.read_text())
+    what = (f"held-out α {meta['alpha_base']:.3f} -> {meta['alpha_after']:.3f} in {meta['steps']} steps, "
+            f"{meta['cpu_seconds'] / 60:.1f} CPU minutes")
+    if not (d / "adapter").is_dir():
+        return WarmStart("no gain", None, f"the bootstrap did not raise held-out α ({what}); remove {d} to retry", str(d), meta)
+    am = AdapterMeta(**{k: v for k, v in meta["adapter_meta"].items() if k in AdapterMeta.__dataclass_fields__})
+    version = registry.register(d / "adapter", am)
+    reason = f"v0 bootstrap ({'cached' if source == 'cache' else 'trained now'}, {key}): {what}"
+    registry.promote(version, reason)
+    log.info("bootstrap_v0_promoted", version=version, source=source, cache=str(d), alpha_after=meta["alpha_after"])
+    return WarmStart(source, version, reason, str(d), meta)
+
+
+def _write_cache(d: Path, meta: dict, distiller: Any | None) -> None:
+    """``d`` with meta.json (+ the adapter when ``distiller``), written whole or not at all."""
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = d.parent / f".{d.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        if distiller is not None:
+            distiller.save(tmp / "adapter")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        try:
+            os.replace(tmp, d)
+        except OSError:
+            if not (d / "meta.json").is_file():  # not another process's finished copy: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

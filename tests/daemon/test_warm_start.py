@@ -1,0 +1,131 @@
+"""v0 before the first request (daemon.warm_start) on a tiny pair, a real registry and a real cache dir."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "decoder"))
+
+from tiny import char_tokenizer, tiny_llama  # noqa: E402
+
+import trainer.bootstrap as tb  # noqa: E402
+from daemon.settings import ConfigError, Settings, warm_start_config  # noqa: E402
+from daemon.warm_start import WarmStartConfig, bootstrap_cache_root, cache_key, ensure_v0  # noqa: E402
+from decoder.workloads import EVAL_RESERVED_PROMPTS, bootstrap_documents, documents, get_workload  # noqa: E402
+from store.config import StoreConfig  # noqa: E402
+from store.registry import AdapterRegistry  # noqa: E402
+from store.schema import PairFingerprint  # noqa: E402
+from trainer.distill import DistillConfig, Distiller  # noqa: E402
+
+FP = PairFingerprint(target="tiny-t", draft="tiny-d", tokenizer_hash="chars")
+CFG = WarmStartConfig(workloads=("prose",), corpus_tokens=1536, heldout_tokens=384, max_steps=40, max_seconds=120,
+                      round_steps=20)
+DCFG = DistillConfig(lr=1e-2, batch_size=8)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "models"))
+    return tmp_path / "models" / "bootstrap"
+
+
+@pytest.fixture
+def pair():
+    return SimpleNamespace(target=tiny_llama(0, head_scale=20.0), draft=tiny_llama(1, layers=1), tokenizer=char_tokenizer())
+
+
+def _registry(redis_client, prefix: str, tmp_path: Path) -> AdapterRegistry:
+    return AdapterRegistry(redis_client, tmp_path / prefix.strip(":").replace(":", "-"), StoreConfig(key_prefix=prefix))
+
+
+def test_bootstrap_documents_never_hold_an_evaluation_prompt():
+    docs, kept = documents("prose"), bootstrap_documents("prose")
+    heads = [" ".join(p.text.split())[:80] for p in get_workload("prose", EVAL_RESERVED_PROMPTS)]
+    assert not any(h in " ".join(t.split()) for h in heads for _, t in kept)
+    dropped = {k for k, _ in docs} - {k for k, _ in kept}
+    # the prose prompts are openings of pydoc topics: exactly their topics go (one each here)
+    assert len(dropped) == EVAL_RESERVED_PROMPTS
+    assert all(k in dict(docs) for k in dropped) and len(kept) == len(docs) - EVAL_RESERVED_PROMPTS
+    code = documents("code")
+    assert bootstrap_documents("code") == code  # the code corpus's modules are not the prompts' modules
+    with pytest.raises(ValueError, match="reserved=-1"):
+        bootstrap_documents("prose", reserved=-1)
+
+
+def test_first_start_trains_v0_caches_it_and_promotes_it_then_later_starts_take_the_cache(
+        pair, cache, redis_client, key_prefix, tmp_path, monkeypatch):
+    reg = _registry(redis_client, key_prefix, tmp_path)
+    lines: list[str] = []
+    r = ensure_v0(pair, FP, reg, Distiller(pair.draft, DCFG), CFG, "fp32", progress=lines.append)
+    assert r.source == "trained" and r.version == 1, r.reason
+    assert reg.active_version() == 1 and reg.get(1).state == "promoted" and reg.get(1).reason.startswith("v0 bootstrap")
+    d = Path(r.cache_dir)
+    assert d.parent == cache and d.name == cache_key(FP.key(), CFG, DCFG, None)
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["alpha_after"] > meta["alpha_base"] + 0.01, meta  # the point of v0: a floor above the base draft (0.29 -> 0.31 here)
+    assert [p["steps"] for p in meta["curve"]] == [20, 40] and meta["heldout_samples"] > 0
+    assert meta["scoring"]["workloads"]["prose"]["train_positions"] >= 1000
+    assert any("bootstrapping v0" in m for m in lines)
+    assert not list(cache.glob(".*tmp*"))  # written whole
+
+    # a later start (an empty registry, e.g. the demo's fresh namespace): the cache, no scoring or training
+    def no_training(*a, **kw):
+        raise AssertionError("trained again despite the cache")
+
+    monkeypatch.setattr("daemon.warm_start.train_v0", no_training)
+    reg2 = _registry(redis_client, key_prefix + "second:", tmp_path)
+    fresh = tiny_llama(1, layers=1)
+    r2 = ensure_v0(pair, FP, reg2, Distiller(fresh, DCFG), CFG, "fp32")
+    assert r2.source == "cache" and r2.version == 1 and reg2.active_version() == 1
+    a = (reg.fetch(1) / "adapter_model.safetensors").read_bytes()
+    assert (reg2.fetch(1) / "adapter_model.safetensors").read_bytes() == a == (d / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert reg2.get(1).alpha_after == pytest.approx(meta["alpha_after"])
+
+    # a registry with history is never touched; disabled does nothing
+    r3 = ensure_v0(pair, FP, reg2, Distiller(tiny_llama(1, layers=1), DCFG), CFG, "fp32")
+    assert r3.source == "registry" and r3.version is None and len(reg2.list()) == 1
+    off = WarmStartConfig(enabled=False)
+    assert ensure_v0(pair, FP, _registry(redis_client, key_prefix + "third:", tmp_path), None, off).source == "disabled"
+    # another budget is another key: it would train
+    with pytest.raises(AssertionError, match="trained again"):
+        ensure_v0(pair, FP, _registry(redis_client, key_prefix + "fourth:", tmp_path),
+                  Distiller(tiny_llama(1, layers=1), DCFG), WarmStartConfig(workloads=("prose",), max_steps=41), "fp32")
+
+
+def test_a_bootstrap_without_gain_is_cached_as_such_and_nothing_is_promoted(
+        pair, cache, redis_client, key_prefix, tmp_path, monkeypatch):
+    real = tb.bootstrap
+
+    def flat(samples, distiller, registry, config, **kw):  # the real evaluation, no training
+        ev = distiller.evaluate(kw["heldout"])
+        return tb.BootstrapResult(None, False, "flat", 0, 0.0, len(list(samples)), len(kw["heldout"]), ev, ev, [])
+
+    monkeypatch.setattr(tb, "bootstrap", flat)
+    reg = _registry(redis_client, key_prefix, tmp_path)
+    r = ensure_v0(pair, FP, reg, Distiller(pair.draft, DCFG), CFG, "fp32")
+    assert r.source == "no gain" and r.version is None and reg.list() == []
+    d = Path(r.cache_dir)
+    assert (d / "meta.json").is_file() and not (d / "adapter").exists() and f"remove {d}" in r.reason
+    monkeypatch.setattr(tb, "bootstrap", real)
+    assert ensure_v0(pair, FP, reg, Distiller(tiny_llama(1, layers=1), DCFG), CFG, "fp32").source == "no gain"  # not retried
+
+
+def test_no_corpus_text_starts_from_the_base_draft(pair, cache, redis_client, key_prefix, tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTD_SHARED_DATA", str(tmp_path / "empty"))
+    (tmp_path / "empty").mkdir()
+    reg = _registry(redis_client, key_prefix, tmp_path)
+    r = ensure_v0(pair, FP, reg, Distiller(pair.draft, DCFG), WarmStartConfig(workloads=("math",)), "fp32")
+    assert r.source == "no data" and r.version is None and reg.list() == [] and "training and held-out" in r.reason
+
+
+def test_bootstrap_settings_are_checked():
+    assert warm_start_config(Settings()).workloads == ("prose", "code", "math")
+    with pytest.raises(ConfigError, match="'prose,poetry'"):
+        warm_start_config(Settings(bootstrap={"workloads": "prose,poetry"}))
+    with pytest.raises(ValueError, match="heldout_fraction=1.5"):
+        WarmStartConfig(heldout_fraction=1.5)
