@@ -199,7 +199,14 @@ def render_status(st: dict) -> None:
             t.add_row("trainer", f"off: {tr.get('reason')}")
         else:
             state = "paused" if tr["paused"] else ("running a round" if tr["running"] else "idle")
+            ws = tr.get("warm_start")
+            if ws in ("pending", "running"):
+                state = "bootstrapping v0 (its first job: daemon/warm_start.py)" if ws == "running" else "v0 bootstrap pending"
             t.add_row("trainer", f"{state}; {tr['rounds']} rounds; next run {tr['next_run_time'] or '-'}")
+            if isinstance(ws, dict):
+                t.add_row("v0", escape(f"{ws.get('source')}: {ws.get('reason')}"))
+            elif isinstance(ws, str) and ws not in ("pending", "running"):
+                t.add_row("v0", escape(ws))
             lr = tr.get("last_round")
             if lr:
                 t.add_row("last round", f"{lr['decision']} v{lr['version']} at {_when(lr['started_at'])} "

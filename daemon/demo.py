@@ -93,7 +93,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     with ExitStack() as stack:
         models = _load_models(settings, console)  # first: a pair that cannot load leaves the last run's state alone
         store = _open_store(stack, settings, console)
-        trainer = _start_trainer(stack, settings, cfg, store, models, out_dir, run_id)
+        trainer = _start_trainer(stack, settings, cfg, store, models, out_dir, run_id, console)
         loop, oai = _start_serving(stack, settings, cfg, store, models, trainer, console)
         params = SamplingParams()  # greedy: α per position = agreement with the target's argmax
         traffic = _serve_phases(cfg, oai, loop, models.tok, settings.models.target, trainer.svc, params, console)
@@ -200,7 +200,7 @@ def _load_models(settings, console) -> _Models:
 
 
 def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Models, out_dir: Path,
-                   run_id: str) -> _Trainer:
+                   run_id: str, console) -> _Trainer:
     """The TrainerService on a second, private copy of the derived draft, started (stopped by ``stack``)."""
     from daemon.settings import distill_config
     from decoder.models import derive_draft

@@ -134,6 +134,7 @@ def trainer_section(trainer: Any, problems: list[str]) -> dict:
         "rounds": st["rounds"],
         "next_run_time": None if st["paused"] else st["next_run_time"],
         "heldout": st["heldout"],
+        "warm_start": st.get("warm_start"),  # v0's bootstrap (daemon.warm_start): "pending", its result, or "failed: ..."
         "last_round": None if last is None else {
             k: last.get(k) for k in ("trigger", "started_at", "seconds", "decision", "reason", "version", "read", "trained_on",
                                      "acked", "scopes")

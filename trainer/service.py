@@ -369,7 +369,9 @@ class TrainerService:
         return {
             "paused": self._paused,
             "running": self._lock.locked(),
-            "warm_start": "pending" if self._warm_start is not None else _plain(self.warm_start_result),
+            # v0's bootstrap: "pending" (before the first round), "running", then what it returned
+            "warm_start": ("pending" if self._warm_start is not None and self.warm_start_result is None
+                           else _plain(self.warm_start_result)),
             "rounds": self._rounds,
             "promoted_version": self._promoted_version,
             "workload_versions": {w: sc.version for w, sc in sorted(self._scopes.items())},
@@ -407,15 +409,18 @@ class TrainerService:
     def _run_warm_start(self) -> None:
         """The pending warm start, once (a failure is logged and reported in status, never retried:
         the rounds go on from whatever the registry serves)."""
-        fn, self._warm_start = self._warm_start, None
+        fn = self._warm_start
         if fn is None:
             return
+        self.warm_start_result = "running"
         try:
             self.warm_start_result = fn()
             log.info("trainer_warm_start", result=_plain(self.warm_start_result))
         except Exception as e:  # noqa: BLE001 - the trainer must start anyway
             self.warm_start_result = f"failed: {type(e).__name__}: {e}"
             log.exception("trainer_warm_start_failed", error=str(e))
+        finally:
+            self._warm_start = None
 
     def _sync_active(self) -> None:
         """Follow the registry's active version (ours, or an operator's promote/rollback).

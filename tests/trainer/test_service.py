@@ -393,6 +393,7 @@ def test_warm_start_runs_once_before_the_first_round_and_the_round_continues_fro
 
     def warm():
         calls.append(registry.active_version())
+        assert svc.status()["warm_start"] == "running" and svc.status()["running"]
         d = Distiller(tiny_draft(), FAST)
         d.train_round(train_samples[:32])
         d.save(tmp / "v0")
