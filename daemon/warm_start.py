@@ -72,7 +72,7 @@ class WarmStartConfig:
 class WarmStart:
     """What a start did about v0."""
 
-    source: str  # "cache" | "trained" | "registry" (versions exist) | "disabled" | "no gain" | "no data"
+    source: str  # "cache" | "trained" | "registry" (versions exist) | "disabled" | "no gain" | "no data" | "failed"
     version: int | None  # the version registered and promoted now (None: none)
     reason: str
     cache_dir: str | None = None
@@ -205,11 +205,12 @@ def ensure_v0(pair: Any, fingerprint: Any, registry: Any, distiller: Any, cfg: W
             numerics; None (what ``run`` and ``demo`` pass): the torch target under bf16 autocast,
             which took half the CPU time of llama.cpp's Q4_1 here (``bench/bootstrap_bench.py --scorer``).
 
-    Never raises for a failed bootstrap (no corpus, no gain): the start goes on from the base
-    draft and ``WarmStart.reason`` says why. Registry errors propagate (Redis is required).
+    Never raises for a failed bootstrap (no corpus, no gain, a non-finite round, a cache entry
+    that cannot be read, which is bootstrapped again): the start goes on from the base draft and
+    ``WarmStart.reason`` says why. Registry errors propagate (Redis is required).
     """
-    from store.registry import AdapterMeta
     from trainer.bootstrap import NotEnoughSamples
+    from trainer.distill import TrainerError
     from trainer.publish import adapter_meta
 
     if not cfg.enabled:
@@ -220,33 +221,64 @@ def ensure_v0(pair: Any, fingerprint: Any, registry: Any, distiller: Any, cfg: W
                                           f"v{registry.active_version()}): adaptation continues from there")
     key = cache_key(fingerprint.key(), cfg, distiller.config, getattr(distiller, "_vocab", None))
     d = bootstrap_cache_root() / key
-    meta_path = d / "meta.json"
-    source = "cache"
-    if not meta_path.is_file():
-        source = "trained"
-        progress(f"bootstrapping v0 on the built-in corpora (once for this pair: cache {d})")
-        t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            res, stats = train_v0(pair, fingerprint, distiller, cfg, precision, progress,
-                                  on_round=lambda pt: progress(f"bootstrap: {pt.steps} steps, held-out α {pt.alpha:.3f}"),
-                                  engine=engine)
-        except NotEnoughSamples as e:
-            return WarmStart("no data", None, f"bootstrap skipped: {e}")
-        gain = res.after.alpha - res.base.alpha
-        meta = {
-            "format": FORMAT, "key": key, "pair": fingerprint.key(), "config": dataclasses.asdict(cfg),
-            "created_at": time.time(), "alpha_base": res.base.alpha, "alpha_after": res.after.alpha, "gain": gain,
-            "alpha_base_by_workload": {w: c.alpha for w, c in sorted(res.base.per_workload.items())},
-            "alpha_after_by_workload": {w: c.alpha for w, c in sorted(res.after.per_workload.items())},
-            "steps": res.steps, "train_seconds": res.train_seconds, "samples_trained": res.samples_trained,
-            "heldout_samples": res.heldout_samples, "scoring": stats,
-            "wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
-            "curve": [dataclasses.asdict(p) for p in res.curve],
-            "adapter_meta": dataclasses.asdict(adapter_meta(0, res.base, res.after, res.samples_trained, 0,
-                                                            res.curve[-1].loss if res.curve else float("nan"))),
-        }
-        _write_cache(d, meta, distiller if gain > 0 else None)
-    meta = json.loads(meta_path.read_text())
+    if (d / "meta.json").exists():
+        meta, why = _read_cache(d, distiller)
+        if meta is not None:
+            return _promote(d, key, meta, registry, "cache")
+        log.warning("bootstrap_cache_unusable", cache=str(d), error=why)
+        progress(f"the cached bootstrap {d} cannot be used ({why}); bootstrapping it again")
+        shutil.rmtree(d, ignore_errors=True)
+    progress(f"bootstrapping v0 on the built-in corpora (once for this pair: cache {d})")
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        res, stats = train_v0(pair, fingerprint, distiller, cfg, precision, progress,
+                              on_round=lambda pt: progress(f"bootstrap: {pt.steps} steps, held-out α {pt.alpha:.3f}"),
+                              engine=engine)
+    except NotEnoughSamples as e:
+        distiller.reset_adapter()
+        return WarmStart("no data", None, f"bootstrap skipped: {e}")
+    except TrainerError as e:  # e.g. a round went non-finite: start from the base draft, retry on the next start
+        distiller.reset_adapter()
+        return WarmStart("failed", None, f"bootstrap failed ({e}); adaptation starts from the base draft")
+    gain = res.after.alpha - res.base.alpha
+    meta = {
+        "format": FORMAT, "key": key, "pair": fingerprint.key(), "config": dataclasses.asdict(cfg),
+        "created_at": time.time(), "alpha_base": res.base.alpha, "alpha_after": res.after.alpha, "gain": gain,
+        "alpha_base_by_workload": {w: c.alpha for w, c in sorted(res.base.per_workload.items())},
+        "alpha_after_by_workload": {w: c.alpha for w, c in sorted(res.after.per_workload.items())},
+        "steps": res.steps, "train_seconds": res.train_seconds, "samples_trained": res.samples_trained,
+        "heldout_samples": res.heldout_samples, "scoring": stats,
+        "wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+        "curve": [dataclasses.asdict(p) for p in res.curve],
+        "adapter_meta": dataclasses.asdict(adapter_meta(0, res.base, res.after, res.samples_trained, 0,
+                                                        res.curve[-1].loss if res.curve else float("nan"))),
+    }
+    _write_cache(d, meta, distiller if gain > 0 else None)
+    if not gain > 0:
+        distiller.reset_adapter()  # the trainer starts from the base draft, which serves
+    return _promote(d, key, meta, registry, "trained")
+
+
+def _read_cache(d: Path, distiller: Any) -> tuple[dict | None, str]:
+    """(meta, "") for a usable cache entry, else (None, why). A usable adapter is loaded into
+    ``distiller`` (its shapes and vocabulary checked, as the trainer will continue from it)."""
+    from trainer.distill import TrainerError
+
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+        for k in ("alpha_base", "alpha_after", "steps", "cpu_seconds", "adapter_meta"):
+            meta[k]  # noqa: B018 - a KeyError names the missing field
+        if (d / "adapter").exists():
+            distiller.load_adapter_weights(d / "adapter")
+    except (OSError, ValueError, KeyError, TypeError, TrainerError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    return meta, ""
+
+
+def _promote(d: Path, key: str, meta: dict, registry: Any, source: str) -> WarmStart:
+    """Register the cached adapter and promote it (or report the cached negative result)."""
+    from store.registry import AdapterMeta
+
     what = (f"held-out α {meta['alpha_base']:.3f} -> {meta['alpha_after']:.3f} in {meta['steps']} steps, "
             f"{meta['cpu_seconds'] / 60:.1f} CPU minutes")
     if not (d / "adapter").is_dir():

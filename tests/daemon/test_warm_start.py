@@ -129,3 +129,28 @@ def test_bootstrap_settings_are_checked():
         warm_start_config(Settings(bootstrap={"workloads": "prose,poetry"}))
     with pytest.raises(ValueError, match="heldout_fraction=1.5"):
         WarmStartConfig(heldout_fraction=1.5)
+
+
+@pytest.mark.parametrize("damage", ["meta", "weights"])
+def test_a_damaged_cache_entry_is_bootstrapped_again_not_served(pair, cache, redis_client, key_prefix, tmp_path, damage):
+    r = ensure_v0(pair, FP, _registry(redis_client, key_prefix, tmp_path), Distiller(pair.draft, DCFG), CFG, "fp32")
+    d = Path(r.cache_dir)
+    if damage == "meta":
+        (d / "meta.json").write_text("{not json")
+    else:
+        w = d / "adapter" / "adapter_model.safetensors"
+        w.write_bytes(w.read_bytes()[:100])  # truncated
+    lines: list[str] = []
+    reg2 = _registry(redis_client, key_prefix + "again:", tmp_path)
+    r2 = ensure_v0(pair, FP, reg2, Distiller(tiny_llama(1, layers=1), DCFG), CFG, "fp32", progress=lines.append)
+    assert r2.source == "trained" and r2.version == 1 and reg2.active_version() == 1, r2.reason
+    assert any("cannot be used" in m for m in lines), lines
+    assert json.loads((d / "meta.json").read_text())["alpha_after"] == pytest.approx(r2.meta["alpha_after"])
+
+
+def test_a_bootstrap_that_goes_non_finite_starts_from_the_base_draft(pair, cache, redis_client, key_prefix, tmp_path):
+    dist = Distiller(pair.draft, DistillConfig(lr=1e30, batch_size=8))
+    reg = _registry(redis_client, key_prefix, tmp_path)
+    r = ensure_v0(pair, FP, reg, dist, CFG, "fp32")
+    assert r.source == "failed" and r.version is None and reg.list() == [] and "non-finite" in r.reason, r.reason
+    assert dist.weights_finite and not list(cache.glob("*"))  # nothing cached: the next start tries again
