@@ -243,13 +243,15 @@ def _warm_start(settings, models: _Models, registry, distiller, console):
     import torch
 
     from daemon.settings import warm_start_config
-    from daemon.warm_start import ensure_v0
+    from daemon.warm_start import WarmStart, ensure_v0
 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, os.cpu_count() or 1))  # nothing is served yet: the bootstrap takes every core
     try:
         v0 = ensure_v0(models.pair, models.fp, registry, distiller, warm_start_config(settings), settings.trainer.precision,
                        progress=console.log)
+    except Exception as e:  # noqa: BLE001 - e.g. Redis refused the registration: the demo runs from the base draft
+        v0 = WarmStart("failed", None, f"{type(e).__name__}: {e}")
     finally:
         torch.set_num_threads(threads)
     console.log(f"v0: {v0.reason}" if v0.version else f"[yellow]v0 is the base draft:[/] {v0.reason}")

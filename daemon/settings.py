@@ -441,13 +441,15 @@ def warm_start_config(s: Settings) -> "WarmStartConfig":
     from daemon.warm_start import WarmStartConfig
 
     b = s.bootstrap
+    if not b.enabled:  # nothing of it is used
+        return WarmStartConfig(enabled=False)
     names = tuple(w.strip() for w in b.workloads.split(",") if w.strip())
-    bad = [w for w in names if w not in ("prose", "code", "math", "gsm8k")]
-    if not names or bad:
-        raise ConfigError(f"bootstrap.workloads (DRAFTD_BOOTSTRAP__WORKLOADS) {b.workloads!r}: name built-in corpora, "
-                          f"comma-separated, from prose, code, math")
-    return WarmStartConfig(enabled=b.enabled, workloads=names, corpus_tokens=b.corpus_tokens, heldout_tokens=b.heldout_tokens,
-                           max_steps=b.max_steps, max_seconds=b.max_seconds, round_steps=b.round_steps)
+    try:
+        return WarmStartConfig(enabled=True, workloads=names, corpus_tokens=b.corpus_tokens, heldout_tokens=b.heldout_tokens,
+                               max_steps=b.max_steps, max_seconds=b.max_seconds, round_steps=b.round_steps)
+    except ValueError as e:
+        raise ConfigError(f"bootstrap.workloads (DRAFTD_BOOTSTRAP__WORKLOADS) {b.workloads!r}: {e}; e.g. "
+                          f"'prose,code,math'") from e
 
 
 def service_config(s: Settings) -> "ServiceConfig":

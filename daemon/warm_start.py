@@ -15,8 +15,9 @@ overwritten); a bootstrap that did not raise held-out α over the base draft is 
 negative result (``meta.json`` without an adapter) and not retried until its directory is removed.
 
 Held-out α here is on whole documents held out (``decoder.workloads.split_documents``), teacher
-forced; the documents the first ``EVAL_RESERVED_PROMPTS`` prompts of each workload come from are
-in neither split, so the demo's never-served evaluation prompts are never bootstrap text.
+forced; documents sharing a run of 8 words with the first ``EVAL_RESERVED_PROMPTS`` prompts of a
+workload are in neither split (``bootstrap_documents``), so the demo's never-served evaluation
+prompts are never bootstrap text.
 The budget defaults come from ``bench/bootstrap_bench.py`` (README, "A useful v0").
 """
 
@@ -28,7 +29,9 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,9 +41,10 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-FORMAT = 1  # bump when the bootstrap's data or training changes meaning: older caches are ignored
+FORMAT = 2  # bump when the bootstrap's data or training changes meaning: older caches are ignored (2: 8-word-run exclusion)
 WINDOW_TOKENS = 128  # corpus window length (one target forward each)
 TOPK = 32  # target top-k stored per position
+CORPORA = ("prose", "code", "math")  # decoder.workloads.documents
 
 
 @dataclass(frozen=True)
@@ -58,14 +62,24 @@ class WarmStartConfig:
 
     def __post_init__(self):
         for name in ("corpus_tokens", "heldout_tokens", "max_steps", "round_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"bootstrap.{name}={getattr(self, name)!r}: must be >= 1")
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"bootstrap.heldout_fraction={self.heldout_fraction!r}: must be in (0, 1), e.g. 0.1")
-        if not self.max_seconds > 0:
-            raise ValueError(f"bootstrap.max_seconds={self.max_seconds!r}: must be > 0 seconds")
-        if not self.workloads:
-            raise ValueError("bootstrap.workloads is empty: name at least one of prose, code, math")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"bootstrap.{name}={v!r}: must be an integer >= 1")
+        for name, lo, hi in (("heldout_fraction", 0.0, 1.0), ("max_seconds", 0.0, 24 * 3600.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v <= hi or (name == "heldout_fraction" and v == hi):
+                raise ValueError(f"bootstrap.{name}={v!r}: must be a number in ({lo:g}, {hi:g}"
+                                 f"{')' if name == 'heldout_fraction' else ']'}, e.g. {0.1 if name == 'heldout_fraction' else 300}")
+        if isinstance(self.workloads, str) or not self.workloads:
+            raise ValueError(f"bootstrap.workloads={self.workloads!r}: a non-empty tuple of built-in corpora, e.g. ('prose', 'code', 'math')")
+        names = []
+        for w in self.workloads:  # gsm8k is math's corpus: one of them, once
+            w = "math" if w == "gsm8k" else w
+            if w not in CORPORA:
+                raise ValueError(f"bootstrap.workloads: {w!r} has no built-in corpus; choose from {', '.join(CORPORA)} (or gsm8k = math)")
+            if w not in names:
+                names.append(w)
+        object.__setattr__(self, "workloads", tuple(names))
 
 
 @dataclass
@@ -197,7 +211,8 @@ def ensure_v0(pair: Any, fingerprint: Any, registry: Any, distiller: Any, cfg: W
         fingerprint: ``store.schema.PairFingerprint`` of the pair.
         registry: ``store.registry.AdapterRegistry``.
         distiller: ``trainer.distill.Distiller`` on the draft; on a cache miss its adapter is trained
-            in place, so a trainer built on it continues from v0.
+            in place, so a trainer built on it continues from v0. Whatever goes wrong, it is left
+            on the base draft unless v0 was promoted.
         cfg: corpora and budget.
         precision: ``trainer.precision`` (bf16 autocast for scoring where native).
         progress: one-line progress messages.
@@ -205,41 +220,88 @@ def ensure_v0(pair: Any, fingerprint: Any, registry: Any, distiller: Any, cfg: W
             numerics; None (what ``run`` and ``demo`` pass): the torch target under bf16 autocast,
             which took half the CPU time of llama.cpp's Q4_1 here (``bench/bootstrap_bench.py --scorer``).
 
-    Never raises for a failed bootstrap (no corpus, no gain, a non-finite round, a cache entry
-    that cannot be read, which is bootstrapped again): the start goes on from the base draft and
-    ``WarmStart.reason`` says why. Registry errors propagate (Redis is required).
-    """
-    from trainer.bootstrap import NotEnoughSamples
-    from trainer.distill import TrainerError
-    from trainer.publish import adapter_meta
+    "Empty" means no version was ever promoted, rejected or rolled back: a candidate left by a
+    start that failed between registering and promoting does not count. Processes on one host
+    take a lock per cache key (``fcntl.flock``), so one bootstraps and the rest wait and take its
+    cache. A cache entry that cannot be used (unreadable or inconsistent ``meta.json``, weights
+    that do not load into the draft) is bootstrapped again; a cache that cannot be written costs
+    only the cache (v0 is promoted from a temporary copy).
 
+    Never raises for a failed bootstrap (no corpus, no gain, a non-finite round, bad corpus
+    files): the start goes on from the base draft and ``WarmStart.reason`` says why. Registry
+    errors propagate (Redis is required), with the distiller reset.
+    """
     if not cfg.enabled:
         return WarmStart("disabled", None, "bootstrap.enabled=false: adaptation starts from the base draft")
-    existing = registry.list()
-    if existing:
-        return WarmStart("registry", None, f"the registry already holds {len(existing)} version(s) (active "
-                                          f"v{registry.active_version()}): adaptation continues from there")
+    history = _history(registry)
+    if history is not None:
+        return history
     key = cache_key(fingerprint.key(), cfg, distiller.config, getattr(distiller, "_vocab", None))
     d = bootstrap_cache_root() / key
-    if (d / "meta.json").exists():
+    try:
+        with _key_lock(d):
+            history = _history(registry)  # another process may have promoted it while we waited
+            if history is not None:
+                return history
+            return _ensure_locked(d, key, pair, fingerprint, registry, distiller, cfg, precision, progress, engine)
+    except BaseException:
+        distiller.reset_adapter()  # never train on from weights the registry does not serve
+        raise
+
+
+def _history(registry: Any) -> WarmStart | None:
+    """A WarmStart("registry") when the registry has history, else None."""
+    recs = [r for r in registry.list() if r.state != "candidate"]
+    if not recs:
+        return None
+    return WarmStart("registry", None, f"the registry already holds {len(recs)} version(s) (active "
+                                      f"v{registry.active_version()}): adaptation continues from there")
+
+
+@contextlib.contextmanager
+def _key_lock(d: Path):
+    """An exclusive ``flock`` on ``<cache>/.<key>.lock`` (no lock when the cache dir cannot be made)."""
+    import fcntl
+
+    try:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        f = open(d.parent / f".{d.name}.lock", "a")
+    except OSError as e:
+        log.warning("bootstrap_cache_unwritable", cache=str(d.parent), error=str(e))
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _ensure_locked(d: Path, key: str, pair, fingerprint, registry, distiller, cfg, precision, progress, engine) -> WarmStart:
+    from trainer.publish import adapter_meta
+
+    for stale in d.parent.glob(f".{d.name}.tmp-*"):  # a killed process's half-written entry (we hold the key's lock)
+        shutil.rmtree(stale, ignore_errors=True)
+    if d.exists() or d.is_symlink():
         meta, why = _read_cache(d, distiller)
         if meta is not None:
             return _promote(d, key, meta, registry, "cache")
         log.warning("bootstrap_cache_unusable", cache=str(d), error=why)
         progress(f"the cached bootstrap {d} cannot be used ({why}); bootstrapping it again")
-        shutil.rmtree(d, ignore_errors=True)
+        _remove(d)
     progress(f"bootstrapping v0 on the built-in corpora (once for this pair: cache {d})")
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         res, stats = train_v0(pair, fingerprint, distiller, cfg, precision, progress,
                               on_round=lambda pt: progress(f"bootstrap: {pt.steps} steps, held-out α {pt.alpha:.3f}"),
                               engine=engine)
-    except NotEnoughSamples as e:
+    except Exception as e:  # noqa: BLE001 - no corpus text, a non-finite round, a damaged corpus file: start from the base
         distiller.reset_adapter()
-        return WarmStart("no data", None, f"bootstrap skipped: {e}")
-    except TrainerError as e:  # e.g. a round went non-finite: start from the base draft, retry on the next start
-        distiller.reset_adapter()
-        return WarmStart("failed", None, f"bootstrap failed ({e}); adaptation starts from the base draft")
+        why = "skipped" if type(e).__name__ == "NotEnoughSamples" else "failed"
+        log.warning("bootstrap_failed", error=f"{type(e).__name__}: {e}")
+        return WarmStart("no data" if why == "skipped" else "failed", None,
+                         f"bootstrap {why} ({type(e).__name__}: {e}); adaptation starts from the base draft")
     gain = res.after.alpha - res.base.alpha
     meta = {
         "format": FORMAT, "key": key, "pair": fingerprint.key(), "config": dataclasses.asdict(cfg),
@@ -253,58 +315,98 @@ def ensure_v0(pair: Any, fingerprint: Any, registry: Any, distiller: Any, cfg: W
         "adapter_meta": dataclasses.asdict(adapter_meta(0, res.base, res.after, res.samples_trained, 0,
                                                         res.curve[-1].loss if res.curve else float("nan"))),
     }
-    _write_cache(d, meta, distiller if gain > 0 else None)
     if not gain > 0:
         distiller.reset_adapter()  # the trainer starts from the base draft, which serves
-    return _promote(d, key, meta, registry, "trained")
+    tmp = Path(tempfile.mkdtemp(prefix="draftd-v0-"))
+    try:
+        if gain > 0:
+            distiller.save(tmp / "adapter")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        try:
+            _write_cache(d, tmp)
+        except OSError as e:
+            log.warning("bootstrap_cache_unwritable", cache=str(d), error=str(e))
+            progress(f"[yellow]the bootstrap cannot be cached ({e}): the next start on this pair bootstraps again[/]")
+        return _promote(tmp, key, meta, registry, "trained", shown=d)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
 
 
 def _read_cache(d: Path, distiller: Any) -> tuple[dict | None, str]:
-    """(meta, "") for a usable cache entry, else (None, why). A usable adapter is loaded into
-    ``distiller`` (its shapes and vocabulary checked, as the trainer will continue from it)."""
-    from trainer.distill import TrainerError
+    """(meta, "") for a usable cache entry, else (None, why). Usable: ``meta.json`` of this
+    format with numbers where numbers belong, an adapter exactly when α rose, its registry
+    record shared (no scope); the adapter is then loaded into ``distiller`` (shapes and
+    vocabulary checked, as the trainer will continue from it; reset again if that fails)."""
+    import math
+
+    from store.registry import AdapterMeta
 
     try:
         meta = json.loads((d / "meta.json").read_text())
-        for k in ("alpha_base", "alpha_after", "steps", "cpu_seconds", "adapter_meta"):
-            meta[k]  # noqa: B018 - a KeyError names the missing field
-        if (d / "adapter").exists():
-            distiller.load_adapter_weights(d / "adapter")
-    except (OSError, ValueError, KeyError, TypeError, TrainerError) as e:
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            return None, f"meta.json is not a format-{FORMAT} record"
+        for k in ("alpha_base", "alpha_after", "cpu_seconds"):
+            v = meta.get(k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                return None, f"meta.json {k}={v!r} is not a finite number"
+        if isinstance(meta.get("steps"), bool) or not isinstance(meta.get("steps"), int):
+            return None, f"meta.json steps={meta.get('steps')!r} is not an integer"
+        am = meta.get("adapter_meta")
+        if not isinstance(am, dict):
+            return None, f"meta.json adapter_meta={am!r} is not a record"
+        rec = AdapterMeta(**{k: v for k, v in am.items() if k in AdapterMeta.__dataclass_fields__})
+        if rec.scope or not isinstance(rec.samples_trained, int) or not isinstance(rec.tokens_trained, int):
+            return None, "meta.json adapter_meta is not a shared adapter's record"
+        rose = meta["alpha_after"] > meta["alpha_base"]
+        has = (d / "adapter").exists()
+        if rose != has:
+            return None, ("held-out α rose but the adapter is missing" if rose else "an adapter beside a result without gain")
+        if has:
+            try:
+                distiller.load_adapter_weights(d / "adapter")
+            except BaseException:
+                distiller.reset_adapter()
+                raise
+    except Exception as e:  # noqa: BLE001 - anything unreadable is a damaged entry
         return None, f"{type(e).__name__}: {e}"
     return meta, ""
 
 
-def _promote(d: Path, key: str, meta: dict, registry: Any, source: str) -> WarmStart:
-    """Register the cached adapter and promote it (or report the cached negative result)."""
+def _promote(src: Path, key: str, meta: dict, registry: Any, source: str, shown: Path | None = None) -> WarmStart:
+    """Register ``src``'s adapter as the shared v0 and promote it (or report a result without gain)."""
     from store.registry import AdapterMeta
 
+    shown = shown or src
     what = (f"held-out α {meta['alpha_base']:.3f} -> {meta['alpha_after']:.3f} in {meta['steps']} steps, "
             f"{meta['cpu_seconds'] / 60:.1f} CPU minutes")
-    if not (d / "adapter").is_dir():
-        return WarmStart("no gain", None, f"the bootstrap did not raise held-out α ({what}); remove {d} to retry", str(d), meta)
-    am = AdapterMeta(**{k: v for k, v in meta["adapter_meta"].items() if k in AdapterMeta.__dataclass_fields__})
-    version = registry.register(d / "adapter", am)
+    if not (src / "adapter").is_dir():
+        return WarmStart("no gain", None, f"the bootstrap did not raise held-out α ({what}); remove {shown} to retry",
+                         str(shown), meta)
+    fields = {k: v for k, v in meta["adapter_meta"].items() if k in AdapterMeta.__dataclass_fields__}
+    am = AdapterMeta(**{**fields, "parent": 0, "scope": ""})
+    version = registry.register(src / "adapter", am)
     reason = f"v0 bootstrap ({'cached' if source == 'cache' else 'trained now'}, {key}): {what}"
     registry.promote(version, reason)
-    log.info("bootstrap_v0_promoted", version=version, source=source, cache=str(d), alpha_after=meta["alpha_after"])
-    return WarmStart(source, version, reason, str(d), meta)
+    log.info("bootstrap_v0_promoted", version=version, source=source, cache=str(shown), alpha_after=meta["alpha_after"])
+    return WarmStart(source, version, reason, str(shown), meta)
 
 
-def _write_cache(d: Path, meta: dict, distiller: Any | None) -> None:
-    """``d`` with meta.json (+ the adapter when ``distiller``), written whole or not at all."""
+def _write_cache(d: Path, src: Path) -> None:
+    """``d`` as a copy of ``src`` (meta.json [+ adapter/]), written whole or not at all (the caller
+    holds the key's lock, so nothing else writes ``d``)."""
     d.parent.mkdir(parents=True, exist_ok=True)
-    tmp = d.parent / f".{d.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = d.parent / f".{d.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        if distiller is not None:
-            distiller.save(tmp / "adapter")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-        try:
-            os.replace(tmp, d)
-        except OSError:
-            if not (d / "meta.json").is_file():  # not another process's finished copy: a real failure
-                raise
+        shutil.copytree(src, tmp)
+        if d.exists() or d.is_symlink():
+            _remove(d)
+        os.replace(tmp, d)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

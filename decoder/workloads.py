@@ -244,9 +244,10 @@ def bootstrap_documents(workload: str, reserved: int = EVAL_RESERVED_PROMPTS) ->
 
     The demo evaluates on the first prompts of each workload (never served); a draft bootstrapped
     on text that holds them would be judged on text it was trained on. A document is dropped when
-    it contains the opening (first 80 characters, whitespace-normalised) of any of the first
-    ``reserved`` prompts of ``workload`` (prose: their pydoc topics; math: their GSM8K rows; code:
-    none, its corpus modules are disjoint from the prompts' already).
+    it shares any run of 8 words with any of the first ``reserved`` prompts of ``workload``
+    (prose: their pydoc topics, and the topics that quote them, e.g. "compound" quotes "async"
+    and "class"; math: their GSM8K rows; code: none, its corpus modules are disjoint from the
+    prompts' already).
 
     Raises:
         ValueError: a workload without a built-in corpus, or ``reserved`` < 0.
@@ -256,8 +257,17 @@ def bootstrap_documents(workload: str, reserved: int = EVAL_RESERVED_PROMPTS) ->
     docs = documents(workload)
     if not reserved or not docs:
         return docs
-    heads = [" ".join(p.text.split())[:80] for p in get_workload(workload, reserved)]
-    return [(k, t) for k, t in docs if not any(h and h in " ".join(t.split()) for h in heads)]
+    n = 8
+    runs = set()
+    for p in get_workload(workload, reserved):
+        words = p.text.split()
+        runs.update(tuple(words[i : i + n]) for i in range(max(1, len(words) - n + 1)))
+
+    def shares(text: str) -> bool:
+        words = text.split()
+        return any(tuple(words[i : i + n]) in runs for i in range(max(1, len(words) - n + 1)))
+
+    return [(k, t) for k, t in docs if not shares(t)]
 
 
 def split_documents(docs: list[tuple[str, str]], heldout_fraction: float, shingle: int = 12) -> tuple[list, list]:

@@ -314,7 +314,7 @@ class TrainerService:
         first = {"next_run_time": datetime.now(timezone.utc)} if self._warm_start is not None else {}
         s.add_job(  # a pending warm start runs at once, as the first round's first step
             self._scheduled, "interval", seconds=self.config.interval_s, id="round", max_instances=1, coalesce=True,
-            **first,
+            misfire_grace_time=None, **first,  # a run due while paused runs at resume (once: coalesce)
         )
         if self.backlog is not None:
             s.add_job(
@@ -416,9 +416,13 @@ class TrainerService:
         try:
             self.warm_start_result = fn()
             log.info("trainer_warm_start", result=_plain(self.warm_start_result))
-        except Exception as e:  # noqa: BLE001 - the trainer must start anyway
+        except BaseException as e:  # the trainer must start anyway, from the base draft or what the registry serves
             self.warm_start_result = f"failed: {type(e).__name__}: {e}"
+            self.distiller.reset_adapter()
+            self._promoted_version = -1  # the next sync loads whatever is active
             log.exception("trainer_warm_start_failed", error=str(e))
+            if not isinstance(e, Exception):
+                raise
         finally:
             self._warm_start = None
 

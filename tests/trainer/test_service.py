@@ -412,7 +412,14 @@ def test_warm_start_runs_once_before_the_first_round_and_the_round_continues_fro
     assert calls == [0]  # once
 
     bad = make_service(env, consumer="c2")
-    bad._warm_start = lambda: 1 / 0
+
+    def half_done():  # trains the distiller, then fails before anything is promoted
+        bad.distiller.train_round(train_samples[:16])
+        raise ZeroDivisionError("division by zero")
+
+    bad._warm_start = half_done
     bad.run_round_now()
     assert bad.status()["warm_start"] == "failed: ZeroDivisionError: division by zero"
     assert bad.status()["rounds"] == 1
+    # its rounds follow the registry (v2 here), never the half-trained weights the hook left behind
+    assert bad._promoted_version == registry.active_version() == 2
