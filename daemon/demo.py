@@ -81,7 +81,6 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
 
     import torch
 
-    from decoder.models import derive_draft
     from decoder.sampling import SamplingParams
 
     torch.set_num_threads(1)

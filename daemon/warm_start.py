@@ -279,6 +279,7 @@ def _key_lock(d: Path):
 
 
 def _ensure_locked(d: Path, key: str, pair, fingerprint, registry, distiller, cfg, precision, progress, engine) -> WarmStart:
+    from trainer.bootstrap import NotEnoughSamples
     from trainer.publish import adapter_meta
 
     for stale in d.parent.glob(f".{d.name}.tmp-*"):  # a killed process's half-written entry (we hold the key's lock)
@@ -298,7 +299,7 @@ def _ensure_locked(d: Path, key: str, pair, fingerprint, registry, distiller, cf
                               engine=engine)
     except Exception as e:  # noqa: BLE001 - no corpus text, a non-finite round, a damaged corpus file: start from the base
         distiller.reset_adapter()
-        why = "skipped" if type(e).__name__ == "NotEnoughSamples" else "failed"
+        why = "skipped" if isinstance(e, NotEnoughSamples) else "failed"
         log.warning("bootstrap_failed", error=f"{type(e).__name__}: {e}")
         return WarmStart("no data" if why == "skipped" else "failed", None,
                          f"bootstrap {why} ({type(e).__name__}: {e}); adaptation starts from the base draft")
