@@ -39,11 +39,11 @@ from typing import Any
 
 import structlog
 
+from daemon.bootstrap_data import TOPK, WINDOW_TOKENS  # what `daemonctl bootstrap` scores with
+
 log = structlog.get_logger(__name__)
 
 FORMAT = 2  # bump when the bootstrap's data or training changes meaning: older caches are ignored (2: 8-word-run exclusion)
-WINDOW_TOKENS = 128  # corpus window length (one target forward each)
-TOPK = 32  # target top-k stored per position
 CORPORA = ("prose", "code", "math")  # decoder.workloads.documents
 
 
@@ -157,16 +157,15 @@ def score_corpora(pair: Any, fingerprint: Any, cfg: WarmStartConfig, precision: 
             stats["skipped"].append(w)
             continue
         tr_docs, he_docs = split_documents(docs, cfg.heldout_fraction)
-        label = "math" if w == "gsm8k" else w
         row = {"train_documents": len(tr_docs), "heldout_documents": len(he_docs)}
         t0, c0 = time.perf_counter(), time.process_time()
         for side, ds, budget, out in (("train", tr_docs, cfg.corpus_tokens, train), ("heldout", he_docs, cfg.heldout_tokens, held)):
             items = corpus_windows(pair.tokenizer, ds, WINDOW_TOKENS, max_tokens=budget)
             progress(f"bootstrap: the target scores {sum(len(x) for _, x in items)} {w} tokens ({side})")
             prefix = f"bootstrap-{side}"
-            got = list(score_windows_engine(engine, items, label, fingerprint, k=TOPK, request_prefix=prefix)
+            got = list(score_windows_engine(engine, items, w, fingerprint, k=TOPK, request_prefix=prefix)
                        if engine is not None else
-                       score_windows(pair.target, items, label, fingerprint, k=TOPK, request_prefix=prefix, autocast_dtype=ac))
+                       score_windows(pair.target, items, w, fingerprint, k=TOPK, request_prefix=prefix, autocast_dtype=ac))
             row[f"{side}_positions"] = sum(s.num_tokens for s in got)
             out.extend(got)
         row["wall_seconds"], row["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
