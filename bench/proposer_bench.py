@@ -18,6 +18,8 @@ on ``--prompts`` other prompts of the workload that were never served, back to b
 - ``ngram_cold`` at each γ: gated, with an empty history and a fresh gate (the request's own
   tokens only);
 - ``draft`` at each of ``--draft-gammas``: the derived draft (no adapter) for reference;
+- ``eagle`` at each of ``--eagle-gammas`` (``--eagle-head F``): the feature-level head of
+  ``decoder.eagle`` trained by ``bench/eagle_bench.py --save F``, on the target's hidden states;
 - ``peer_gguf_plain`` (``--peer-gguf F``): llama.cpp's own plain generation on another file F,
   and every row's per-prompt speedup against it (``speedup_vs_peer_gguf_*``): e.g. a requantised
   target (``bench/verify_cost_bench.py --formats``) against the packaged file it came from.
@@ -69,6 +71,9 @@ def parse_args(argv=None):
     ap.add_argument("--prompts", type=int, default=6, help="never-served evaluation prompts per workload")
     ap.add_argument("--gammas", default="1,3,8")
     ap.add_argument("--draft-gammas", default="1")
+    ap.add_argument("--eagle-head", default=None,
+                    help="a trained feature-level head (bench/eagle_bench.py --save): adds rows 'eagle' at --eagle-gammas")
+    ap.add_argument("--eagle-gammas", default="1,2,3")
     ap.add_argument("--sampling", default="greedy,t1.0")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--peer-gguf", default=None,
@@ -78,7 +83,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    for name in ("gammas", "draft_gammas"):
+    for name in ("gammas", "draft_gammas", "eagle_gammas"):
         vals = [int(x) for x in getattr(a, name).split(",") if x.strip()]
         if any(g < 1 for g in vals):
             ap.error(f"--{name.replace('_', '-')}={getattr(a, name)}: each γ must be >= 1")
@@ -96,6 +101,8 @@ def parse_args(argv=None):
                 ap.error(f"--peer-gguf {a.peer_gguf!r}: not a GGUF file (no GGUF magic)")
         if a.engine != "llamacpp":
             ap.error("--peer-gguf needs --engine llamacpp (llama.cpp runs the peer)")
+    if a.eagle_head is not None and not Path(a.eagle_head).is_file():
+        ap.error(f"--eagle-head {a.eagle_head!r}: not a file (bench/eagle_bench.py --save writes one)")
     if a.prompts < 1 or a.serve < 0 or a.serve_gamma < 0:
         ap.error("--prompts must be >= 1, --serve and --serve-gamma >= 0")
     return a
@@ -123,9 +130,16 @@ def main(argv=None) -> dict:
 
     pair = load_pair(a.target, a.draft)
     tok = pair.tokenizer
-    choice = choose_engine(a.engine, a.target, "cpu", a.draft)  # llama.cpp on every core, as serve runs it
+    # llama.cpp on every core, as serve runs it; with a head, its hidden states too
+    choice = choose_engine(a.engine, a.target, "cpu", a.draft, embeddings=bool(a.eagle_head))
     dec = SpeculativeDecoder(pair.target, pair.draft, tok, DecoderConfig(topk_record=0), engine=choice.target,
                              draft_engine=choice.draft)
+    if a.eagle_head:
+        from decoder.eagle import load_head
+        from trainer.distill import cpu_has_native_bf16
+
+        dec.eagle_head = load_head(pair.target, a.eagle_head).serving_copy(
+            torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
     peer = (LlamaCppPeer(choice.target.path, choice.target.threads, n_ctx=choice.target.context_length)
             if choice.name == "llamacpp" else None)
     if a.peer_gguf:
@@ -166,7 +180,9 @@ def _workload(a, dec, tok, wl, served_history, served_gate, empty, peer, peer2=N
                + [("ngram", g, "ngram", served_history, served_gate) for g in a.gammas]
                + [("ngram_ungated", g, "ngram", served_history, None) for g in a.gammas]
                + [("ngram_cold", g, "ngram", empty, NgramGate()) for g in a.gammas]
-               + [("draft", g, "draft", served_history, served_gate) for g in a.draft_gammas])
+               + [("draft", g, "draft", served_history, served_gate) for g in a.draft_gammas]
+               + ([("eagle", g, "eagle", served_history, served_gate) for g in a.eagle_gammas]
+                  if dec.eagle_head is not None else []))
     for sname in a.sampling:
         params = SAMPLING[sname]
         res: dict[tuple[str, int], list] = {(m, g): [] for m, g, *_ in methods}

@@ -423,6 +423,7 @@ class LlamaCppEngine:
         self.threads = int(threads or os.cpu_count() or 1)
         self.n_batch = int(n_batch)
         self.embeddings = bool(embeddings)
+        self._emb_on = self.embeddings  # hidden-state extraction on the context now (llama_set_embeddings)
         cp = L.llama_context_default_params()
         cp.n_ctx = self.context_length
         cp.n_batch = cp.n_ubatch = self.n_batch
@@ -477,6 +478,12 @@ class LlamaCppEngine:
                               f"model's own, at most 8192)")
         if hidden and not self.embeddings:
             raise EngineError("hidden states need LlamaCppEngine(embeddings=True)")
+        if self.embeddings and hidden != self._emb_on:
+            # with extraction on, llama.cpp outputs every row of a batch (logits included), so a
+            # prefill or a plain step that wants no hidden state would pay a full-vocabulary head
+            # per row: it is on only for the calls that ask for hidden states
+            L.llama_set_embeddings(self.ctx, hidden)
+            self._emb_on = hidden
         rows, hs = [], []
         for c0 in range(0, n, self.n_batch):  # chunks of n_batch; outputs only in the last `keep`
             chunk = tokens[c0 : c0 + self.n_batch]
@@ -497,7 +504,7 @@ class LlamaCppEngine:
                 raise EngineError(f"llama_decode returned {rc} (1: no KV slot; <0: error) at position {seq.length}")
             seq.length += len(chunk)
             if outs:
-                if self.embeddings:
+                if self._emb_on:
                     # llama.cpp then outputs every token of the batch, whatever b.logits says
                     # (llama-batch.cpp: "embeddings required but some input tokens were not marked
                     # as outputs -> overriding"), so llama_get_logits holds len(chunk) rows: pick

@@ -37,7 +37,7 @@ import torch
 from decoder.metrics import line_at
 from decoder.sampling import SamplingParams, process_logits, sample
 
-PROPOSERS = ("draft", "ngram")
+PROPOSERS = ("draft", "ngram", "eagle")  # "eagle": decoder.eagle.EagleProposer
 
 
 @dataclass

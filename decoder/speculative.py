@@ -379,6 +379,8 @@ class SpeculativeDecoder:
         # what a step costs by verified rows (steps that ran no draft model), and the n-gram
         # proposer's per-step length estimates (DecoderConfig.ngram_gate)
         self.step_cost = StepCost()
+        # the feature-level proposer's head (decoder.eagle.EagleHead; proposer "eagle"), if any
+        self.eagle_head = None
         self.ngram_gate: NgramGate | None = NgramGate() if self.config.ngram_gate else None
 
     # ---- construction phases --------------------------------------------------------------------
@@ -437,11 +439,28 @@ class SpeculativeDecoder:
         self._draft_head_w = self.proposer.get_output_embeddings().weight.detach()[ids].clone()  # (V', H)
 
     def make_proposer(self, name: str, req: DecodeRequest) -> Proposer:
-        """The proposer ``name`` (``"draft"`` or ``"ngram"``) for one request."""
+        """The proposer ``name`` (``"draft"``, ``"ngram"`` or ``"eagle"``) for one request.
+
+        Raises:
+            ValueError: an unknown name, or ``"eagle"`` without ``eagle_head``.
+        """
         if name == "draft":
             if self.draft_engine is not None:
                 return DraftModelProposer(self._engine_draft_logits, self.draft_engine.start)
             return DraftModelProposer(self._draft_logits, lambda: DynamicCache(config=self.draft.config))
+        if name == "eagle":
+            if self.eagle_head is None:
+                raise ValueError("proposer 'eagle' needs a head: set SpeculativeDecoder.eagle_head "
+                                 "(decoder.eagle.EagleHead.from_target, then trained)")
+            if getattr(self.engine, "embeddings", True) is False:
+                raise ValueError(f"proposer 'eagle' needs the target's hidden states, and engine {self.engine.name} "
+                                 f"was built without them: LlamaCppEngine(embeddings=True) "
+                                 f"(choose_engine(..., embeddings=True))")
+            if self.eagle_head.hidden_size != self.engine.hidden_size:
+                raise ValueError(f"the eagle head takes {self.eagle_head.hidden_size}-wide features, the target's are "
+                                 f"{self.engine.hidden_size}: a head trained for another model")
+            from decoder.eagle import EagleProposer
+            return EagleProposer(self.eagle_head, self.vocab_p)
         if name == "ngram":
             history = self.ngram_history if req.ngram_history else NgramHistory(
                 self.config.ngram_max_n, self.ngram_min_n, 1)  # empty: the request's own tokens only
@@ -515,6 +534,19 @@ class SpeculativeDecoder:
         parts = [_topk_rows(self._target_head(h[i : i + _PROMPT_CHUNK]), k) for i in range(0, h.shape[0], _PROMPT_CHUNK)]
         return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
 
+    def _prompt_features(self, ids: list[int], seq, k: int, proposer):
+        """Prefill ``ids[:-1]`` with the target's hidden states, in chunks, feeding them to a
+        feature-level ``proposer`` (row j: f_j with token ids[j + 1]); returns the prompt's top-k
+        rows as :meth:`_prompt_topk` does when ``k`` > 0, else None."""
+        parts = []
+        for i in range(0, len(ids) - 1, _PROMPT_CHUNK):
+            chunk = ids[i : min(i + _PROMPT_CHUNK, len(ids) - 1)]
+            logits, hid = seq.forward(chunk, len(chunk), hidden=True)
+            proposer.features(hid, ids[i + 1 : i + 1 + len(chunk)])
+            if k:
+                parts.append(_topk_rows(logits, k))
+        return tuple(torch.cat([p[j] for p in parts]) for j in range(3)) if k else None
+
     # ---- the loop -----------------------------------------------------------------------------
     def generate(self, req: DecodeRequest, policy: GammaPolicy | None = None,
                  on_step: Callable[[list[int]], bool | None] | None = None) -> DecodeResult:
@@ -571,15 +603,20 @@ class SpeculativeDecoder:
         # Prefill: everything but the pending last token, for the target (and the draft if it
         # is going to be used; otherwise it catches up lazily on its first proposal).
         t0 = clock()
-        prompt_rows = None
-        if prompt_len > 1:
-            if k_rec and self.config.record_prompt:
-                prompt_rows = self._prompt_topk(ids[:-1], tcache, k_rec)
-            else:
-                self._target_logits(ids[:-1], tcache, 1)
         speculate = policy.gamma() > 0  # the policy's first call: a controller decides here
         name = req.proposer or (policy.proposer_name() if hasattr(policy, "proposer_name") else None) or "draft"
         proposer = self.make_proposer(name, req)
+        # a feature-level proposer (decoder.eagle) learns the target's hidden state at every
+        # position: the prompt's here, each verification's below
+        features = getattr(proposer, "needs_features", False)
+        prompt_rows = None
+        if prompt_len > 1:
+            if features:
+                prompt_rows = self._prompt_features(ids, tcache, k_rec if self.config.record_prompt else 0, proposer)
+            elif k_rec and self.config.record_prompt:
+                prompt_rows = self._prompt_topk(ids[:-1], tcache, k_rec)
+            else:
+                self._target_logits(ids[:-1], tcache, 1)
         proposer.start(ids, speculate)
         shadow = self._shadow(req)
         if shadow is not None:
@@ -603,7 +640,10 @@ class SpeculativeDecoder:
                 shadow.proposing(ids) if g else shadow.idle_step(ids)
             # 2. verification: pending token + proposals in one target forward
             tv = clock()
-            logits = self._target_logits([ids[-1]] + proposals, tcache, g + 1)  # (g+1, V)
+            if features:
+                logits, hid = tcache.forward([ids[-1]] + proposals, g + 1, hidden=True)  # (g+1, V), (g+1, H)
+            else:
+                logits = self._target_logits([ids[-1]] + proposals, tcache, g + 1)  # (g+1, V)
             p = process_logits(logits, params)
             q = prop.q.to(p.dtype) if g else p.new_zeros((0, p.shape[-1]))
             v = verify(torch.tensor(proposals, dtype=torch.long), q, p, params.greedy, gen)
@@ -617,6 +657,8 @@ class SpeculativeDecoder:
             block = block[:cut]
             if k_rec and block:
                 topk_rows.append(_topk_rows(logits[: len(block)], k_rec))
+            if features and block:  # the input token and the accepted proposals, each with its successor
+                proposer.features(hid[: len(block)], block)
             out.extend(block)
             ids.extend(block)
             if shadow is not None:

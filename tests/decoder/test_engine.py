@@ -296,6 +296,16 @@ def test_llamacpp_engine_with_embeddings_returns_the_last_keep_rows(tiny_gguf, n
         torch.testing.assert_close(logits, all_logits[-3:], rtol=0, atol=1e-5)
         torch.testing.assert_close(hidden, all_hidden[-3:], rtol=0, atol=1e-5)
         torch.testing.assert_close(emb.start().forward(ids, 3), plain.start().forward(ids, 3), rtol=0, atol=1e-4)
+        # extraction is switched per call (llama_set_embeddings): calls with and without hidden
+        # states, interleaved on one sequence, give the rows a plain engine and a one-pass call do
+        seq, ref = emb.start(), plain.start()
+        lg, hs = seq.forward(ids[:5], 2, hidden=True)
+        torch.testing.assert_close(lg, ref.forward(ids[:5], 2), rtol=0, atol=1e-4)
+        torch.testing.assert_close(hs, all_hidden[3:5], rtol=0, atol=1e-4)
+        torch.testing.assert_close(seq.forward(ids[5:8], 3), ref.forward(ids[5:8], 3), rtol=0, atol=1e-4)
+        lg, hs = seq.forward(ids[8:], 2, hidden=True)
+        torch.testing.assert_close(hs, all_hidden[8:], rtol=0, atol=1e-4)
+        torch.testing.assert_close(lg, ref.forward(ids[8:], 2), rtol=0, atol=1e-4)
     finally:
         emb.close()
         plain.close()
@@ -526,3 +536,30 @@ def test_teacher_scoring_on_llamacpp_matches_the_torch_copy_and_its_records(engi
         assert (x.topk_ids[:, 0] == y.topk_ids[:, 0]).mean() >= 0.9
         np.testing.assert_allclose(x.topk_probs.astype(float).sum(1) + x.tail_mass, 1.0, atol=1e-3)  # stored as fp16
         assert np.abs((1 - x.tail_mass) - (1 - y.tail_mass)).max() < 0.05
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_eagle_head_on_llamacpp_features_greedy_equals_plain(engine, gguf, real):
+    """The feature-level proposer on llama.cpp's hidden states (embeddings=True, switched on per
+    call): greedy output equals plain decoding on the same engine, with proposals accepted and
+    rejected; an engine built without hidden states is refused with the fix."""
+    from decoder.eagle import EagleHead
+    from decoder.vocab import frequent_token_ids
+
+    head = EagleHead.from_target(real.target, frequent_token_ids(real.tokenizer, 8192)).serving_copy(torch.float32)
+    ids = real.tokenizer(PROMPT)["input_ids"]
+    no_hidden = SpeculativeDecoder(real.target, real.draft, real.tokenizer, engine=engine)
+    no_hidden.eagle_head = head
+    with pytest.raises(ValueError, match="embeddings=True"):
+        no_hidden.generate(DecodeRequest(ids, SamplingParams(), 4, gamma=2, proposer="eagle"))
+    emb = LlamaCppEngine(gguf, n_ctx=512, threads=2, embeddings=True)
+    try:
+        dec = SpeculativeDecoder(real.target, real.draft, real.tokenizer, engine=emb)
+        dec.eagle_head = head
+        plain = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=0, ignore_eos=True))
+        spec = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=2, ignore_eos=True, proposer="eagle"))
+        assert spec.output_ids == plain.output_ids and spec.proposer == "eagle"
+        assert 0 < spec.counts.num_accepted_tokens < spec.counts.num_draft_tokens
+    finally:
+        emb.close()

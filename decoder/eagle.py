@@ -1,0 +1,440 @@
+"""A feature-level draft head over the target's hidden states (EAGLE-1).
+
+Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", §3: the
+draft autoregresses on the target's second-to-top features, not on tokens. One step maps the
+target's final hidden state f_t and the embedding of the token x_{t+1} sampled after it to a
+predicted feature g_{t+1}, through ``fc([e(x_{t+1}) ; f_t])`` and one decoder layer; the
+target's own LM head turns g_{t+1} into q(x_{t+2} | x_<=t+1). For γ > 1 it feeds its own g back
+in place of the target's f (which exists only after verification); after each verification the
+head's cache is refilled from the target's true features of the accepted tokens.
+
+Here the layer is a copy of the target's last decoder layer (EAGLE-1 initialises its layer the
+same way in its released code), the embedding is the target's (frozen) and the LM head is the
+target's tied embedding cut to a frequent-token vocabulary (FR-Spec, Zhao et al. 2025:
+``decoder.vocab.frequent_token_ids``), frozen. What trains is ``fc`` and the layer: 4.2M
+parameters for SmolLM2-135M (576 hidden, 1536 MLP), against 134M in the target.
+
+Shapes: B batch, T positions, H hidden size, V' the head's vocabulary. The features are the
+target's final hidden states after its final norm, which is what both the transformers model
+(``output_hidden_states[-1]``) and llama.cpp (``llama_get_embeddings_ith`` with pooling none)
+return.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone().float())
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+
+
+@dataclass
+class KVCache:
+    """The head's own attention cache: k, v of shape (B, n_kv_heads, T, head_dim)."""
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[2])
+
+    def crop(self, length: int) -> "KVCache":
+        return KVCache(self.k[:, :, :length], self.v[:, :, :length])
+
+
+class HeadLayer(nn.Module):
+    """One Llama decoder layer (pre-norm attention with RoPE and grouped KV heads, then a SwiGLU
+    MLP), copied from a transformers ``LlamaDecoderLayer`` and run with its own cache, so a
+    refill of several rows after a cached prefix gets the right (bottom-right aligned) causal
+    mask."""
+
+    def __init__(self, layer: nn.Module, config):
+        super().__init__()
+        a, m = layer.self_attn, layer.mlp
+        self.n_heads = int(config.num_attention_heads)
+        self.n_kv = int(getattr(config, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.n_heads)
+        eps = float(getattr(config, "rms_norm_eps", 1e-5))
+        theta = float(getattr(config, "rope_theta", None)
+                      or (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+        self.q_proj, self.k_proj = copy.deepcopy(a.q_proj), copy.deepcopy(a.k_proj)
+        self.v_proj, self.o_proj = copy.deepcopy(a.v_proj), copy.deepcopy(a.o_proj)
+        self.gate_proj, self.up_proj, self.down_proj = (copy.deepcopy(m.gate_proj), copy.deepcopy(m.up_proj),
+                                                        copy.deepcopy(m.down_proj))
+        self.input_norm = _RMSNorm(layer.input_layernorm.weight, eps)
+        self.post_norm = _RMSNorm(layer.post_attention_layernorm.weight, eps)
+        # float32 whatever the layer's dtype (a bf16 copy would put rotary angles off by ~0.4 %
+        # of the position): a plain attribute, so Module.to(dtype) leaves it alone
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        for p in self.parameters():
+            p.data = p.data.float()
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        ang = pos.float()[:, None] * self.inv_freq.to(pos.device)[None, :]  # (T, hd/2)
+        emb = torch.cat([ang, ang], dim=-1)  # (T, hd)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        x1, x2 = x[..., : self.head_dim // 2], x[..., self.head_dim // 2:]
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    def forward(self, x: torch.Tensor, start: int, cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
+        """x: (B, T, H) at positions start .. start + T - 1, after ``cache`` (length == start).
+        Returns (B, T, H) and the cache extended by T positions."""
+        B, T, _ = x.shape
+        pos = torch.arange(start, start + T, device=x.device)
+        h = self.input_norm(x)
+        q = self.q_proj(h).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        if cache is not None and cache.length:
+            k = torch.cat([cache.k, k], dim=2)
+            v = torch.cat([cache.v, v], dim=2)
+        new_cache = KVCache(k, v)
+        rep = self.n_heads // self.n_kv
+        kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        S = kk.shape[2]
+        if T == 1:
+            att = F.scaled_dot_product_attention(q, kk, vv)
+        else:  # row i sees keys 0 .. S - T + i
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+            att = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
+        h = self.post_norm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x, new_cache
+
+
+class EagleHead(nn.Module):
+    """fc([e(x_{t+1}) ; f_t]) -> one decoder layer -> g_{t+1}; logits = g W_S^T over the head's
+    vocabulary S (column j is token ``vocab_ids[j]``)."""
+
+    def __init__(self, layer: HeadLayer, embed: torch.Tensor, lm_weight: torch.Tensor,
+                 vocab_ids: torch.Tensor | None):
+        super().__init__()
+        H = embed.shape[1]
+        self.hidden_size = H
+        self.fc = nn.Linear(2 * H, H, bias=True)
+        with torch.no_grad():  # start as "the feature passes through", the embedding as a small nudge
+            self.fc.weight.zero_()
+            self.fc.weight[:, H:].copy_(torch.eye(H))
+            self.fc.weight[:, :H].normal_(0.0, 1.0 / math.sqrt(H))
+            self.fc.bias.zero_()
+        self.layer = layer
+        self.register_buffer("embed", embed.detach().float().clone(), persistent=False)
+        self.register_buffer("lm_weight", lm_weight.detach().float().clone(), persistent=False)
+        self.register_buffer("vocab_ids", vocab_ids.clone() if vocab_ids is not None else None, persistent=False)
+
+    @classmethod
+    def from_target(cls, target: nn.Module, vocab_ids: torch.Tensor | None = None, layer_index: int = -1) -> "EagleHead":
+        """Build the head from a transformers causal LM (Llama family): a copy of decoder layer
+        ``layer_index``, its input embedding, its LM head rows ``vocab_ids`` (None: all).
+
+        Raises:
+            ValueError: a ``vocab_ids`` entry outside the target's vocabulary.
+        """
+        dec = target.get_decoder()
+        emb = target.get_input_embeddings().weight
+        lm = target.get_output_embeddings().weight
+        if vocab_ids is not None:
+            vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long)
+            if vocab_ids.numel() and (int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= lm.shape[0]):
+                raise ValueError(f"vocab_ids span {int(vocab_ids.min())}..{int(vocab_ids.max())}; the target's "
+                                 f"vocabulary is 0..{lm.shape[0] - 1}")
+            lm = lm[vocab_ids]
+        return cls(HeadLayer(dec.layers[layer_index], target.config), emb, lm, vocab_ids)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def forward(self, feats: torch.Tensor, next_tokens: torch.Tensor, start: int = 0,
+                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        """One or more head steps.
+
+        Args:
+            feats: (B, T, H) features f (the target's, or the head's own g for a γ > 1 step).
+            next_tokens: (B, T) int64: token x_{t+1} for the feature f_t in the same row.
+            start: the head position of the first row (== cache length).
+            cache: the head's cache, or None.
+
+        Returns:
+            logits (B, T, V') over the head's vocabulary, g (B, T, H), the extended cache.
+        """
+        e = F.embedding(next_tokens, self.embed)
+        x = self.fc(torch.cat([e, feats.to(e.dtype)], dim=-1))
+        g, cache = self.layer(x, start, cache)
+        return g @ self.lm_weight.T, g, cache
+
+    def serving_copy(self, dtype: torch.dtype = torch.bfloat16) -> "EagleHead":
+        """A frozen copy in ``dtype`` for proposing (the trainer keeps the float32 original).
+        One row through SmolLM2-135M's head in bf16 on an AVX512-BF16 CPU: bench/RESULTS.md."""
+        cp = copy.deepcopy(self).to(dtype).eval()
+        cp.requires_grad_(False)
+        return cp
+
+    def full_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """(…, V') head logits -> (…, vocab_size) with -inf outside the head's vocabulary."""
+        if self.vocab_ids is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        out[..., self.vocab_ids] = logits
+        return out
+
+
+@torch.inference_mode()
+def score_features(target: nn.Module, windows: list[list[int]], k: int = 32, batch_size: int = 8,
+                   autocast_dtype: torch.dtype | None = None) -> list[dict]:
+    """Teacher-force the target over token windows and keep, per window, what a head learns from:
+    ``ids`` (L,) int64, ``feats`` (L, H) float16 final hidden states, and the target's
+    next-token distribution at each position as top-k: ``topk_ids`` (L, k) int64, ``topk_probs``
+    (L, k) float32, ``tail`` (L,) float32 (row j is p(. | ids[: j + 1]), temperature 1).
+    Windows of equal length are batched (no padding)."""
+    from decoder.speculative import _topk_rows
+
+    device = next(target.parameters()).device
+    by_len: dict[int, list[list[int]]] = {}
+    for w in windows:
+        if len(w) >= 3:
+            by_len.setdefault(len(w), []).append(list(w))
+    out = []
+    for _, group in sorted(by_len.items()):
+        for i in range(0, len(group), batch_size):
+            x = torch.tensor(group[i : i + batch_size], device=device)
+            with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                o = target(input_ids=x, output_hidden_states=True)
+            ti, tp, tail = _topk_rows(o.logits.float(), k)
+            hs = o.hidden_states[-1].float()
+            for b in range(x.shape[0]):
+                out.append({"ids": x[b].cpu(), "feats": hs[b].half().cpu(), "topk_ids": ti[b].cpu(),
+                            "topk_probs": tp[b].float().cpu(), "tail": tail[b].float().cpu()})
+    return out
+
+
+@torch.inference_mode()
+def score_features_engine(engine, windows: list[list[int]], k: int = 32) -> list[dict]:
+    """:func:`score_features` on a serving engine (``decoder.engine``; llama.cpp with
+    ``embeddings=True``): the features and distributions the head sees when it proposes."""
+    from decoder.speculative import _topk_rows
+
+    out = []
+    for w in windows:
+        if len(w) < 3:
+            continue
+        logits, hid = engine.start().forward(list(w), len(w), hidden=True)
+        ti, tp, tail = _topk_rows(logits.float(), k)
+        out.append({"ids": torch.tensor(w), "feats": hid.float().half(), "topk_ids": ti.long(),
+                    "topk_probs": tp.float(), "tail": tail.float()})
+    return out
+
+
+def _column_map(vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    if vocab_ids is None:
+        return None
+    col = torch.full((vocab_size,), -1, dtype=torch.long)
+    col[vocab_ids] = torch.arange(vocab_ids.numel())
+    return col
+
+
+def head_batch(items: list[dict], col: torch.Tensor | None, noise: float = 0.0,
+               gen: torch.Generator | None = None) -> dict:
+    """Stack scored windows of equal length into one training batch for the head.
+
+    Row j of a window (j = 0 .. L - 3): input (f_j, x_{j+1}); targets the target's distribution
+    at position j + 1 (over x_{j+2}) and the feature f_{j+1} (EAGLE's regression target).
+
+    Returns tensors: feats (B, L-2, H), tokens (B, L-2), next_feats (B, L-2, H), topk (B, L-2, k)
+    column ids, present (B, L-2, k) bool, p (B, L-2, k+1) teacher buckets (restricted to the
+    head's vocabulary: ``trainer.losses.teacher_on_vocab``).
+    """
+    from trainer.losses import teacher_buckets, teacher_on_vocab
+
+    feats = torch.stack([it["feats"][:-2] for it in items]).float()
+    if noise > 0:  # EAGLE §3.3: features at decode time are the head's own, so train on noisy ones
+        feats = feats + (torch.rand(feats.shape, generator=gen) * 2 - 1) * noise
+    tokens = torch.stack([it["ids"][1:-1] for it in items])
+    next_feats = torch.stack([it["feats"][1:-1] for it in items]).float()
+    ti = torch.stack([it["topk_ids"][1:-1] for it in items])
+    tp = torch.stack([it["topk_probs"][1:-1] for it in items])
+    tail = torch.stack([it["tail"][1:-1] for it in items])
+    B, T, k = ti.shape
+    p = teacher_buckets(tp.reshape(-1, k), tail.reshape(-1))
+    if col is not None:
+        cols = col[ti]
+        present = cols >= 0
+        p = teacher_on_vocab(p, present.reshape(-1, k))
+        cols = cols.clamp_min(0)
+    else:
+        cols, present = ti, torch.ones_like(ti, dtype=torch.bool)
+    return {"feats": feats, "tokens": tokens, "next_feats": next_feats, "topk": cols, "present": present,
+            "p": p.view(B, T, k + 1)}
+
+
+def _unrolled(head: EagleHead, batch: dict, depth: int):
+    """Yield (d, logits, g, rows) for proposal depths d = 0 .. depth - 1 over a batch: depth 0
+    runs on the target's features; depth d feeds row j the head's depth-(d-1) prediction for
+    position j (its g_{j-1}) and keeps the target's features for rows < d, as the d-th token of a
+    proposal does (EAGLE-3's training-time test, Li et al. 2025, §3.2). ``rows`` = slice(d, None):
+    the rows whose last d inputs are the head's own. Approximate in one respect: the attention
+    context rows carry the head's own features too, where a real proposal's cache holds the
+    target's (refilled after each verification)."""
+    feats, tokens = batch["feats"], batch["tokens"]
+    cur = feats
+    for d in range(depth):
+        logits, g, _ = head(cur, tokens)
+        yield d, logits, g, slice(d, None)
+        cur = torch.cat([feats[:, : d + 1], g[:, d:-1]], dim=1)
+
+
+def _bucket_logq(logits: torch.Tensor, batch: dict, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    from trainer.losses import student_bucket_logprobs
+
+    k = batch["topk"].shape[-1]
+    lg = logits[:, rows]
+    logq = student_bucket_logprobs(lg.reshape(-1, lg.shape[-1]), batch["topk"][:, rows].reshape(-1, k),
+                                   batch["present"][:, rows].reshape(-1, k))
+    return logq, batch["p"][:, rows].reshape(-1, k + 1)
+
+
+def head_loss(head: EagleHead, batch: dict, feature_weight: float = 1.0, unroll: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-1's loss (§3.2): forward KL of the head's next-token distribution from the target's
+    (over the stored top-k + tail buckets: ``trainer.losses``) plus ``feature_weight`` x the
+    smooth-L1 regression of g_{t+1} on f_{t+1}, summed over ``unroll`` proposal depths
+    (:func:`_unrolled`). Returns (loss, per-position depth-1 α (B*T,))."""
+    from trainer.losses import alpha, forward_kl
+
+    loss, a1 = 0.0, None
+    for d, logits, g, rows in _unrolled(head, batch, unroll):
+        logq, p = _bucket_logq(logits, batch, rows)
+        loss = loss + forward_kl(p, logq).mean()
+        if feature_weight:
+            loss = loss + feature_weight * F.smooth_l1_loss(g[:, rows], batch["next_feats"][:, rows])
+        if d == 0:
+            a1 = alpha(p, logq.detach())
+    return loss, a1
+
+
+@torch.no_grad()
+def chained_alpha(head: EagleHead, batch: dict, depth: int = 2) -> list[float]:
+    """Teacher-forced α at proposal depths 1 .. ``depth`` (:func:`_unrolled`; tokens are the
+    text's). α = Σ min(p, q) over the stored buckets (Leviathan et al. 2023, §3.1). Returns one
+    mean per depth."""
+    from trainer.losses import alpha
+
+    out = []
+    for _, logits, _, rows in _unrolled(head, batch, depth):
+        logq, p = _bucket_logq(logits, batch, rows)
+        out.append(float(alpha(p, logq).mean()))
+    return out
+
+
+class EagleProposer:
+    """Proposals from an :class:`EagleHead` (``"eagle"``), one head row per draft token.
+
+    The decoder feeds it the target's features: after the prefill, the prompt's (row j:
+    (f_j, x_{j+1})), and after each verification those of the input token and the accepted
+    proposals, each with the token that followed it (the accepted ones, then the bonus token):
+    :meth:`features`. Those rows are the head's committed cache; the first proposal of a step
+    runs them (the last of them gives q for x_1), then the head continues on its own features g
+    for x_2 .. x_γ. Speculative rows are never committed, so a rollback needs no crop.
+
+    Args:
+        head: the head (eval mode; its ``vocab_ids`` map its columns to token ids).
+        vocab_size: V_p, the target's vocabulary: q has this width, 0 outside the head's ids.
+    """
+
+    name = "eagle"
+    needs_features = True
+
+    def __init__(self, head: EagleHead, vocab_size: int):
+        self.head = head
+        self.vocab_size = vocab_size
+        self.cache: KVCache | None = None
+        self.length = 0  # committed head rows
+        self._feats: list[torch.Tensor] = []
+        self._next: list[int] = []
+
+    def start(self, ids: list[int], prefill: bool) -> None:
+        pass  # the prompt's features arrive through features()
+
+    def features(self, feats: torch.Tensor, next_tokens: list[int]) -> None:
+        """Queue committed rows: ``feats`` (m, H) target features, ``next_tokens`` (m,) the token
+        after each. Raises ValueError if the two lengths differ."""
+        if feats.shape[0] != len(next_tokens):
+            raise ValueError(f"features: {feats.shape[0]} feature rows for {len(next_tokens)} tokens")
+        if len(next_tokens):
+            self._feats.append(feats.float())
+            self._next.extend(int(t) for t in next_tokens)
+
+    def _q(self, logits: torch.Tensor, params):
+        from decoder.sampling import process_logits
+        return process_logits(self.head.full_logits(logits.float(), self.vocab_size), params)
+
+    def propose(self, ids: list[int], gamma: int, params, gen: torch.Generator):
+        from decoder.proposers import Proposal
+        from decoder.sampling import sample
+
+        if not self._next:  # a one-token prompt: no feature yet; the plain step brings its own
+            return Proposal([], torch.zeros((0, self.vocab_size)))
+        f = torch.cat(self._feats)[None]  # (1, m, H)
+        x = torch.tensor([self._next])
+        logits, g, self.cache = self.head(f, x, self.length, self.cache)
+        self.length += x.shape[1]
+        self._feats, self._next = [], []
+        tokens, qs = [], []
+        cache, g_last, logit = self.cache, g[:, -1:], logits[0, -1]
+        for i in range(gamma):
+            q_i = self._q(logit, params)
+            t = int(q_i.argmax()) if params.greedy else int(sample(q_i, gen))
+            tokens.append(t)
+            qs.append(q_i)
+            if i + 1 < gamma:
+                lg, g_last, cache = self.head(g_last, torch.tensor([[t]]), self.length + i, cache)
+                logit = lg[0, -1]
+        return Proposal(tokens, torch.stack(qs) if qs else torch.zeros((0, self.vocab_size)))
+
+    def rollback(self, length: int) -> None:
+        pass  # speculative rows were never committed
+
+
+def save_head(head: EagleHead, path, meta: dict | None = None) -> None:
+    """Write the head's trained weights (fc and the layer; the frozen embedding and LM head are
+    the target's and are rebuilt from it) and its vocabulary to a safetensors file, with
+    ``meta`` (str -> str) in its header."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().float().contiguous() for k, v in head.state_dict().items()}
+    if head.vocab_ids is not None:
+        tensors["vocab_ids"] = head.vocab_ids.long().contiguous()
+    save_file(tensors, str(path), metadata={k: str(v) for k, v in (meta or {}).items()})
+
+
+def load_head(target: nn.Module, path) -> EagleHead:
+    """The head saved by :func:`save_head`, rebuilt on ``target`` (which supplies the embedding
+    and LM head).
+
+    Raises:
+        ValueError: the file's weights do not fit this target (another model's head).
+    """
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    vocab = tensors.pop("vocab_ids", None)
+    head = EagleHead.from_target(target, vocab)
+    try:
+        head.load_state_dict(tensors)
+    except RuntimeError as e:
+        raise ValueError(f"head file {str(path)!r} does not fit this target: {str(e).splitlines()[0]}") from e
+    return head.eval()

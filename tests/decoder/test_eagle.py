@@ -1,0 +1,161 @@
+"""The feature-level head (decoder/eagle.py): its layer against transformers' own decoder layer,
+cached against uncached steps, the training batch's alignment by hand, training that raises
+held-out α, and lossless decoding with it (greedy equals plain token for token; T = 1 first-token
+chi-square)."""
+
+from __future__ import annotations
+
+import torch
+
+from decoder.eagle import EagleHead, EagleProposer, _column_map, chained_alpha, head_batch, head_loss, score_features
+from decoder.sampling import SamplingParams, process_logits
+from decoder.speculative import DecodeRequest, SpeculativeDecoder
+from test_speculative import _chi2_crit_001, _chi_square
+from tiny import reference_greedy
+
+GREEDY = SamplingParams()
+
+
+def test_head_layer_reproduces_the_targets_last_layer(target):
+    """The copied layer on the last layer's input, then the target's final norm, gives the
+    target's final hidden states (transformers computes the reference)."""
+    x = torch.randint(2, 40, (2, 11))
+    with torch.no_grad():
+        hs = target(input_ids=x, output_hidden_states=True).hidden_states
+        head = EagleHead.from_target(target)
+        y, cache = head.layer(hs[-2], 0, None)
+        assert torch.allclose(target.model.norm(y), hs[-1], atol=1e-4)
+        assert cache.length == 11
+
+
+def test_cached_rows_match_one_pass_and_refills_see_the_prefix():
+    """All rows at once == a prefix then a 3-row refill (bottom-right causal mask) == one row at
+    a time."""
+    from tiny import tiny_llama
+
+    t = tiny_llama(3, layers=2, hidden=32)
+    head = EagleHead.from_target(t).eval()
+    f = torch.randn(1, 9, 32)
+    x = torch.randint(0, 40, (1, 9))
+    with torch.no_grad():
+        full, g_full, _ = head(f, x)
+        a, _, c = head(f[:, :6], x[:, :6])
+        b, _, c2 = head(f[:, 6:], x[:, 6:], 6, c)
+        assert torch.allclose(torch.cat([a, b], 1), full, atol=1e-5)
+        assert c2.length == 9
+        c, rows = None, []
+        for j in range(9):
+            lg, _, c = head(f[:, j : j + 1], x[:, j : j + 1], j, c)
+            rows.append(lg)
+        assert torch.allclose(torch.cat(rows, 1), full, atol=1e-5)
+
+
+def test_head_batch_aligns_feature_token_and_next_distribution():
+    """Row j is (f_j, x_{j+1}) with the target's distribution at position j + 1 and f_{j+1}; a
+    restricted vocabulary maps ids to columns and drops the mass outside it (renormalised)."""
+    L, H = 5, 4
+    item = {"ids": torch.tensor([10, 11, 12, 13, 14]), "feats": torch.arange(L * H, dtype=torch.float16).view(L, H),
+            "topk_ids": torch.tensor([[1, 2]] * L), "topk_probs": torch.tensor([[0.5, 0.3]] * L),
+            "tail": torch.full((L,), 0.2)}
+    item["topk_ids"][2] = torch.tensor([3, 2])
+    b = head_batch([item], None)
+    assert b["tokens"].tolist() == [[11, 12, 13]]
+    assert torch.equal(b["feats"][0, 1], item["feats"][1].float())
+    assert torch.equal(b["next_feats"][0, 1], item["feats"][2].float())
+    assert b["topk"][0, 1].tolist() == [3, 2]  # position 2's top-k for row 1
+    col = _column_map(torch.tensor([0, 2, 5]), 8)  # id 2 -> column 1; ids 1 and 3 are outside
+    r = head_batch([item], col)
+    assert r["present"][0, 0].tolist() == [False, True]
+    assert r["topk"][0, 0].tolist() == [0, 1]
+    # p over (id 1, id 2, tail) = (0.5, 0.3, 0.2) -> id 1 outside: (0, 0.3, 0.2) / 0.5
+    assert torch.allclose(r["p"][0, 0], torch.tensor([0.0, 0.6, 0.4]), atol=1e-6)
+
+
+def test_training_raises_heldout_alpha(target):
+    """EAGLE's loss on the target's own features and distributions: held-out α at depth 1 and 2
+    rise from the untrained head's."""
+    torch.manual_seed(0)
+    wins = [torch.randint(2, 40, (24,)).tolist() for _ in range(40)]
+    scored = score_features(target, wins, k=8)
+    train, held = scored[:32], scored[32:]
+    head = EagleHead.from_target(target)
+    hb = head_batch(held, None)
+    before = chained_alpha(head, hb, 2)
+    opt = torch.optim.AdamW(head.trainable(), lr=3e-3)
+    for step in range(300):
+        batch = head_batch([train[(step * 4 + i) % 32] for i in range(4)], None)
+        loss, _ = head_loss(head, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = chained_alpha(head, hb, 2)
+    assert after[0] > before[0] + 0.05, (before, after)
+    assert after[1] > before[1], (before, after)
+
+
+def _decoder(target, tok):
+    dec = SpeculativeDecoder(target, target, tok)
+    torch.manual_seed(5)
+    dec.eagle_head = EagleHead.from_target(target, torch.arange(0, 30)).eval()  # 30 of the 44 ids
+    return dec
+
+
+def test_eagle_greedy_equals_plain(target, tok):
+    """Token for token, at γ = 1 and 3, with proposals both accepted (the accepted tokens'
+    features refill the head's cache) and rejected."""
+    dec = _decoder(target, tok)
+    proposed = accepted = 0
+    for text in ("the cat sat on the mat", "hello world, hi"):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        ref = reference_greedy(target, ids, 20)
+        for gamma in (1, 3):
+            r = dec.generate(DecodeRequest(ids, GREEDY, 20, gamma=gamma, ignore_eos=True, proposer="eagle"))
+            assert r.output_ids == ref and r.proposer == "eagle"
+            proposed += r.counts.num_draft_tokens
+            accepted += r.counts.num_accepted_tokens
+    assert 0 < accepted < proposed
+
+
+def test_eagle_sampling_is_lossless_first_token_chi_square(target, tok):
+    """T = 1, γ = 1: the first token is distributed as the target's p, through both the accepted
+    draft path and the residual one."""
+    dec = _decoder(target, tok)
+    ids = tok("hello world, hi", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(1.0)
+    with torch.inference_mode():
+        p = process_logits(target(input_ids=torch.tensor([ids])).logits[0, -1], params)
+    n, accepted = 600, 0
+    counts = torch.zeros_like(p)
+    for s in range(n):
+        r = dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=s), 2, gamma=1, ignore_eos=True, proposer="eagle"))
+        assert r.steps[0].proposed == 1
+        accepted += r.steps[0].accepted
+        counts[r.output_ids[0]] += 1
+    chi2, df = _chi_square(counts, p, n)
+    assert chi2 < _chi2_crit_001(max(df, 1)), (chi2, df)
+    assert 0 < accepted < n
+
+
+def test_a_one_token_prompt_and_bad_inputs(target, tok):
+    """A one-token prompt has no feature for the first step: it proposes nothing there and the
+    output still equals plain; mismatched feature rows, a missing head, a head of another width
+    and an engine without hidden states are refused with the fix."""
+    import pytest
+
+    from tiny import tiny_llama
+
+    prop = EagleProposer(EagleHead.from_target(target), 64)
+    assert prop.propose([3], 2, GREEDY, torch.Generator()).tokens == []
+    with pytest.raises(ValueError, match="2 feature rows for 1 tokens"):
+        prop.features(torch.zeros(2, 48), [5])
+    dec = _decoder(target, tok)
+    ids = tok("h", add_special_tokens=False)["input_ids"]
+    r = dec.generate(DecodeRequest(ids, GREEDY, 12, gamma=2, ignore_eos=True, proposer="eagle"))
+    assert r.output_ids == reference_greedy(target, ids, 12)
+    assert r.steps[0].proposed == 0 and r.counts.num_draft_tokens > 0
+    bare = SpeculativeDecoder(target, target, tok)
+    with pytest.raises(ValueError, match="needs a head"):
+        bare.generate(DecodeRequest(ids, GREEDY, 4, gamma=2, proposer="eagle"))
+    bare.eagle_head = EagleHead.from_target(tiny_llama(3, layers=2, hidden=32))
+    with pytest.raises(ValueError, match="32-wide features, the target's are 48"):
+        bare.generate(DecodeRequest(ids, GREEDY, 4, gamma=2, proposer="eagle"))
