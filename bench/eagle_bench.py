@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--heldout-tokens", type=int, default=2_048)
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--round-steps", type=int, default=50)
+    ap.add_argument("--max-steps", type=int, default=None,
+                    help="train this many steps instead (the learning-rate decay then follows steps, not minutes)")
     ap.add_argument("--batch", type=int, default=8, help="windows per step")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--feature-weight", type=float, default=1.0)
@@ -60,6 +62,9 @@ def main() -> None:
     from decoder.workloads import bootstrap_documents, split_documents
     from trainer.distill import cpu_has_native_bf16
 
+    from daemon.logging import configure
+
+    configure("auto", "warning", stream=sys.stderr)  # stdout carries only the JSON
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -113,10 +118,10 @@ def main() -> None:
     log(json.dumps(curve[-1]))
     lengths = [L for L, g in by_len.items() for _ in range(0, len(g), args.batch)]
     t_train, steps = 0.0, 0
-    while t_train < args.minutes * 60:
+    while (steps < args.max_steps) if args.max_steps else (t_train < args.minutes * 60):
         L = rng.choice(lengths)
         b = head_batch(rng.sample(by_len[L], min(args.batch, len(by_len[L]))), col, args.noise, gen)
-        frac = min(1.0, t_train / (args.minutes * 60))
+        frac = min(1.0, steps / args.max_steps if args.max_steps else t_train / (args.minutes * 60))
         for grp in opt.param_groups:  # warm-up over 20 steps, then cosine decay by training time
             grp["lr"] = args.lr * min(1.0, (steps + 1) / 20) * (args.min_lr + (1 - args.min_lr) * 0.5 * (1 + math.cos(math.pi * frac)))
         t0 = time.perf_counter()

@@ -80,8 +80,9 @@ class HeadLayer(nn.Module):
         # float32 whatever the layer's dtype (a bf16 copy would put rotary angles off by ~0.4 %
         # of the position): a plain attribute, so Module.to(dtype) leaves it alone
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        for p in self.parameters():
+        for p in self.parameters():  # the target's copies arrive frozen (requires_grad=False): the head trains them
             p.data = p.data.float()
+            p.requires_grad_(True)
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         ang = pos.float()[:, None] * self.inv_freq.to(pos.device)[None, :]  # (T, hd/2)

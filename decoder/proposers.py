@@ -37,7 +37,10 @@ import torch
 from decoder.metrics import line_at
 from decoder.sampling import SamplingParams, process_logits, sample
 
-PROPOSERS = ("draft", "ngram", "eagle")  # "eagle": decoder.eagle.EagleProposer
+PROPOSERS = ("draft", "ngram")  # what serve, the CLI, the controller and the bench choose among
+# every proposer a request may name: "eagle" (decoder.eagle.EagleProposer) needs a trained head on
+# the decoder (SpeculativeDecoder.eagle_head), which nothing in serve builds yet
+REQUEST_PROPOSERS = PROPOSERS + ("eagle",)
 
 
 @dataclass

@@ -33,7 +33,7 @@ from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_lin
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
 from decoder.metrics import AcceptanceCounts, StepStats
 from store.jsonsafe import nan_none
-from decoder.proposers import (PROPOSERS, DraftModelProposer, NgramGate, NgramHistory, NgramProposer, NgramShadow,
+from decoder.proposers import (REQUEST_PROPOSERS, DraftModelProposer, NgramGate, NgramHistory, NgramProposer, NgramShadow,
                                Proposer, StepCost, crop_to)
 from decoder.sampling import SamplingParams, alpha, process_logits, verify
 
@@ -121,8 +121,8 @@ class DecodeRequest:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
         if self.gamma is not None and self.gamma < 0:
             raise ValueError(f"gamma={self.gamma}: must be >= 0 (0 = plain decoding)")
-        if self.proposer is not None and self.proposer not in PROPOSERS:
-            raise ValueError(f"proposer={self.proposer!r}: use one of {PROPOSERS} (or None: the policy's choice)")
+        if self.proposer is not None and self.proposer not in REQUEST_PROPOSERS:
+            raise ValueError(f"proposer={self.proposer!r}: use one of {REQUEST_PROPOSERS} (or None: the policy's choice)")
 
 
 @dataclass
@@ -471,7 +471,7 @@ class SpeculativeDecoder:
                 gate = NgramGate()  # no past traffic: no past acceptance either
             return NgramProposer(history, req.workload, self.vocab_p, self.device, gate=gate,
                                  cost=self.step_cost if gate is not None else None)
-        raise ValueError(f"proposer {name!r}: use one of {PROPOSERS}")
+        raise ValueError(f"proposer {name!r}: use one of {REQUEST_PROPOSERS}")
 
     def _shadow(self, req: DecodeRequest) -> NgramShadow | None:
         """What teaches the shared n-gram gate from this request's steps that propose nothing

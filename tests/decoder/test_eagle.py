@@ -81,7 +81,7 @@ def test_training_raises_heldout_alpha(target):
     head = EagleHead.from_target(target)
     hb = head_batch(held, None)
     before = chained_alpha(head, hb, 2)
-    opt = torch.optim.AdamW(head.trainable(), lr=3e-3)
+    opt = torch.optim.AdamW(head.trainable(), lr=3e-4)
     for step in range(300):
         batch = head_batch([train[(step * 4 + i) % 32] for i in range(4)], None)
         loss, _ = head_loss(head, batch)
@@ -159,3 +159,20 @@ def test_a_one_token_prompt_and_bad_inputs(target, tok):
     bare.eagle_head = EagleHead.from_target(tiny_llama(3, layers=2, hidden=32))
     with pytest.raises(ValueError, match="32-wide features, the target's are 48"):
         bare.generate(DecodeRequest(ids, GREEDY, 4, gamma=2, proposer="eagle"))
+
+
+def test_the_layer_and_fc_train_and_the_targets_weights_stay_frozen(target):
+    """The head's copies of the target's (frozen) layer are trainable; the embedding and LM head
+    are buffers, and training the head leaves the target's own weights unchanged."""
+    head = EagleHead.from_target(target)
+    names = {n for n, p in head.named_parameters() if p.requires_grad}
+    assert {"fc.weight", "layer.q_proj.weight", "layer.down_proj.weight", "layer.input_norm.weight"} <= names
+    assert not any(n.startswith(("embed", "lm_weight")) for n in names)
+    before = target.model.layers[-1].mlp.down_proj.weight.clone()
+    b = head_batch(score_features(target, [list(range(2, 26))], k=8), None)
+    loss, _ = head_loss(head, b)
+    loss.backward()
+    torch.optim.SGD(head.trainable(), lr=1.0).step()
+    assert head.layer.down_proj.weight.grad is not None
+    assert torch.equal(target.model.layers[-1].mlp.down_proj.weight, before)
+    assert not torch.equal(head.layer.down_proj.weight, before)
