@@ -51,6 +51,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", default=None, help="write the trained head here (safetensors; bench/proposer_bench.py --eagle-head)")
     args = ap.parse_args()
+    for name in ("corpus_tokens", "heldout_tokens", "round_steps", "batch", "unroll"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.max_steps is not None and args.max_steps < 1:
+        ap.error(f"--max-steps {args.max_steps}: must be >= 1 (or leave it out: train for --minutes)")
+    if not args.minutes > 0 or not args.lr > 0 or not 0 <= args.min_lr <= 1:
+        ap.error(f"--minutes {args.minutes} and --lr {args.lr} must be > 0, --min-lr {args.min_lr} in [0, 1]")
+    if args.save and not Path(args.save).resolve().parent.is_dir():
+        ap.error(f"--save {args.save!r}: its directory does not exist")
 
     import torch
 
@@ -159,7 +168,7 @@ def main() -> None:
         log(f"held-out alpha on llama.cpp features: {engine_alpha}")
     if args.save:
         from decoder.eagle import save_head
-        save_head(head, args.save, {"target": args.target, "steps": steps})
+        save_head(head, args.save, target, {"target": args.target, "steps": steps})
     print(json.dumps({"args": vars(args), "scoring": scoring, "trainable_params": sum(p.numel() for p in head.trainable()),
                       "curve": curve, "cost": cost,
                       "heldout_alpha_on_served_engine_features": engine_alpha}, indent=1))

@@ -84,7 +84,10 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     for name in ("gammas", "draft_gammas", "eagle_gammas"):
-        vals = [int(x) for x in getattr(a, name).split(",") if x.strip()]
+        try:
+            vals = [int(x) for x in getattr(a, name).split(",") if x.strip()]
+        except ValueError:
+            ap.error(f"--{name.replace('_', '-')}={getattr(a, name)!r}: a comma-separated list of integers")
         if any(g < 1 for g in vals):
             ap.error(f"--{name.replace('_', '-')}={getattr(a, name)}: each γ must be >= 1")
         setattr(a, name, vals)
@@ -101,8 +104,14 @@ def parse_args(argv=None):
                 ap.error(f"--peer-gguf {a.peer_gguf!r}: not a GGUF file (no GGUF magic)")
         if a.engine != "llamacpp":
             ap.error("--peer-gguf needs --engine llamacpp (llama.cpp runs the peer)")
-    if a.eagle_head is not None and not Path(a.eagle_head).is_file():
-        ap.error(f"--eagle-head {a.eagle_head!r}: not a file (bench/eagle_bench.py --save writes one)")
+    if a.eagle_head is not None:
+        try:
+            from safetensors import safe_open
+
+            with safe_open(a.eagle_head, "pt") as f:
+                f.metadata()
+        except Exception as e:  # a missing file, or not safetensors
+            ap.error(f"--eagle-head {a.eagle_head!r}: not a head file ({e}); bench/eagle_bench.py --save writes one")
     if a.prompts < 1 or a.serve < 0 or a.serve_gamma < 0:
         ap.error("--prompts must be >= 1, --serve and --serve-gamma >= 0")
     return a

@@ -119,6 +119,9 @@ class HeadLayer(nn.Module):
         return x, new_cache
 
 
+LLAMA_TYPES = ("llama",)  # model types whose decoder layer HeadLayer reproduces (SmolLM2 is one)
+
+
 class EagleHead(nn.Module):
     """fc([e(x_{t+1}) ; f_t]) -> one decoder layer -> g_{t+1}; logits = g W_S^T over the head's
     vocabulary S (column j is token ``vocab_ids[j]``)."""
@@ -145,16 +148,31 @@ class EagleHead(nn.Module):
         ``layer_index``, its input embedding, its LM head rows ``vocab_ids`` (None: all).
 
         Raises:
-            ValueError: a ``vocab_ids`` entry outside the target's vocabulary.
+            ValueError: a target that is not a Llama-family model (the copied layer is Llama's: no
+                q/k norms, no embedding scale, as Gemma 3 and Qwen3 have), or ``vocab_ids`` that
+                are not a non-empty 1-D integer tensor of distinct ids inside the vocabulary.
         """
+        mtype = getattr(target.config, "model_type", None)
+        if mtype not in LLAMA_TYPES:
+            raise ValueError(f"EagleHead.from_target: model_type {mtype!r} is not supported (the head's layer is a "
+                             f"Llama decoder layer: {', '.join(LLAMA_TYPES)}); use a Llama-family target such as "
+                             f"smollm2-135m")
         dec = target.get_decoder()
         emb = target.get_input_embeddings().weight
         lm = target.get_output_embeddings().weight
         if vocab_ids is not None:
-            vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long)
-            if vocab_ids.numel() and (int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= lm.shape[0]):
+            vocab_ids = torch.as_tensor(vocab_ids)
+            if (vocab_ids.dim() != 1 or not vocab_ids.numel() or vocab_ids.dtype.is_floating_point
+                    or vocab_ids.dtype == torch.bool):
+                raise ValueError(f"vocab_ids: need a non-empty 1-D tensor of integer token ids, got shape "
+                                 f"{tuple(vocab_ids.shape)} of {vocab_ids.dtype}; build one with "
+                                 f"decoder.vocab.frequent_token_ids")
+            vocab_ids = vocab_ids.long()
+            if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= lm.shape[0]:
                 raise ValueError(f"vocab_ids span {int(vocab_ids.min())}..{int(vocab_ids.max())}; the target's "
                                  f"vocabulary is 0..{lm.shape[0] - 1}")
+            if vocab_ids.unique().numel() != vocab_ids.numel():
+                raise ValueError("vocab_ids: an id appears twice; each column of the head is one distinct token")
             lm = lm[vocab_ids]
         return cls(HeadLayer(dec.layers[layer_index], target.config), emb, lm, vocab_ids)
 
@@ -162,7 +180,7 @@ class EagleHead(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def forward(self, feats: torch.Tensor, next_tokens: torch.Tensor, start: int = 0,
-                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+                cache: KVCache | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
         """One or more head steps.
 
         Args:
@@ -170,14 +188,16 @@ class EagleHead(nn.Module):
             next_tokens: (B, T) int64: token x_{t+1} for the feature f_t in the same row.
             start: the head position of the first row (== cache length).
             cache: the head's cache, or None.
+            last_only: logits of the last row only (a refill of a long prompt needs no others).
 
         Returns:
-            logits (B, T, V') over the head's vocabulary, g (B, T, H), the extended cache.
+            logits (B, T, V') over the head's vocabulary ((B, 1, V') with ``last_only``), g (B, T, H),
+            the extended cache.
         """
-        e = F.embedding(next_tokens, self.embed)
-        x = self.fc(torch.cat([e, feats.to(e.dtype)], dim=-1))
+        e = F.embedding(next_tokens.to(self.embed.device), self.embed)
+        x = self.fc(torch.cat([e, feats.to(device=e.device, dtype=e.dtype)], dim=-1))
         g, cache = self.layer(x, start, cache)
-        return g @ self.lm_weight.T, g, cache
+        return (g[:, -1:] if last_only else g) @ self.lm_weight.T, g, cache
 
     def serving_copy(self, dtype: torch.dtype = torch.bfloat16) -> "EagleHead":
         """A frozen copy in ``dtype`` for proposing (the trainer keeps the float32 original).
@@ -292,8 +312,10 @@ def _unrolled(head: EagleHead, batch: dict, depth: int):
     context rows carry the head's own features too, where a real proposal's cache holds the
     target's (refilled after each verification)."""
     feats, tokens = batch["feats"], batch["tokens"]
+    if depth < 1:
+        raise ValueError(f"depth={depth}: need >= 1 proposal depth")
     cur = feats
-    for d in range(depth):
+    for d in range(min(depth, feats.shape[1])):  # depth d needs a row with d earlier rows
         logits, g, _ = head(cur, tokens)
         yield d, logits, g, slice(d, None)
         cur = torch.cat([feats[:, : d + 1], g[:, d:-1]], dim=1)
@@ -389,9 +411,10 @@ class EagleProposer:
 
         if not self._next:  # a one-token prompt: no feature yet; the plain step brings its own
             return Proposal([], torch.zeros((0, self.vocab_size)))
-        f = torch.cat(self._feats)[None]  # (1, m, H)
-        x = torch.tensor([self._next])
-        logits, g, self.cache = self.head(f, x, self.length, self.cache)
+        dev = self.head.embed.device
+        f = torch.cat(self._feats).to(dev)[None]  # (1, m, H)
+        x = torch.tensor([self._next], device=dev)
+        logits, g, self.cache = self.head(f, x, self.length, self.cache, last_only=True)
         self.length += x.shape[1]
         self._feats, self._next = [], []
         tokens, qs = [], []
@@ -402,7 +425,7 @@ class EagleProposer:
             tokens.append(t)
             qs.append(q_i)
             if i + 1 < gamma:
-                lg, g_last, cache = self.head(g_last, torch.tensor([[t]]), self.length + i, cache)
+                lg, g_last, cache = self.head(g_last, torch.tensor([[t]], device=dev), self.length + i, cache)
                 logit = lg[0, -1]
         return Proposal(tokens, torch.stack(qs) if qs else torch.zeros((0, self.vocab_size)))
 
@@ -410,16 +433,29 @@ class EagleProposer:
         pass  # speculative rows were never committed
 
 
-def save_head(head: EagleHead, path, meta: dict | None = None) -> None:
+def target_digest(target: nn.Module) -> str:
+    """16 hex digits identifying the target's weights a head depends on: every 64th row of its
+    input embedding and its last decoder layer's query projection (float32 bytes, sha256)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (target.get_input_embeddings().weight[::64], target.get_decoder().layers[-1].self_attn.q_proj.weight):
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_head(head: EagleHead, path, target: nn.Module, meta: dict | None = None) -> None:
     """Write the head's trained weights (fc and the layer; the frozen embedding and LM head are
     the target's and are rebuilt from it) and its vocabulary to a safetensors file, with
-    ``meta`` (str -> str) in its header."""
+    ``meta`` (str -> str) and the target's :func:`target_digest` in its header."""
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().float().contiguous() for k, v in head.state_dict().items()}
     if head.vocab_ids is not None:
         tensors["vocab_ids"] = head.vocab_ids.long().contiguous()
-    save_file(tensors, str(path), metadata={k: str(v) for k, v in (meta or {}).items()})
+    header = {k: str(v) for k, v in (meta or {}).items()}
+    header["target_digest"] = target_digest(target)
+    save_file(tensors, str(path), metadata=header)
 
 
 def load_head(target: nn.Module, path) -> EagleHead:
@@ -427,15 +463,27 @@ def load_head(target: nn.Module, path) -> EagleHead:
     and LM head).
 
     Raises:
-        ValueError: the file's weights do not fit this target (another model's head).
+        ValueError: the file is missing or not a safetensors file, it was saved for other target
+            weights (its ``target_digest``), or its tensors do not fit this target.
     """
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    tensors = load_file(str(path))
+    try:
+        with safe_open(str(path), "pt") as f:
+            header = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (OSError, ValueError, RuntimeError, Exception) as e:  # SafetensorError derives from Exception only
+        raise ValueError(f"head file {str(path)!r} cannot be read ({type(e).__name__}: {e}); write one with "
+                         f"bench/eagle_bench.py --save") from e
+    want = target_digest(target)
+    if header.get("target_digest") not in (None, want):
+        raise ValueError(f"head file {str(path)!r} was trained for other target weights (digest "
+                         f"{header['target_digest']}, this target's {want}): train one for this target")
     vocab = tensors.pop("vocab_ids", None)
     head = EagleHead.from_target(target, vocab)
     try:
         head.load_state_dict(tensors)
     except RuntimeError as e:
-        raise ValueError(f"head file {str(path)!r} does not fit this target: {str(e).splitlines()[0]}") from e
+        raise ValueError(f"head file {str(path)!r} does not fit this target: {' '.join(str(e).split())}") from e
     return head.eval()

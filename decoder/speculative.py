@@ -459,6 +459,10 @@ class SpeculativeDecoder:
             if self.eagle_head.hidden_size != self.engine.hidden_size:
                 raise ValueError(f"the eagle head takes {self.eagle_head.hidden_size}-wide features, the target's are "
                                  f"{self.engine.hidden_size}: a head trained for another model")
+            head_vocab = self.eagle_head.embed.shape[0]
+            if head_vocab != self.vocab_p:
+                raise ValueError(f"the eagle head embeds {head_vocab} token ids, the target's vocabulary has "
+                                 f"{self.vocab_p}: a head built for another model")
             from decoder.eagle import EagleProposer
             return EagleProposer(self.eagle_head, self.vocab_p)
         if name == "ngram":

@@ -176,3 +176,67 @@ def test_the_layer_and_fc_train_and_the_targets_weights_stay_frozen(target):
     assert head.layer.down_proj.weight.grad is not None
     assert torch.equal(target.model.layers[-1].mlp.down_proj.weight, before)
     assert not torch.equal(head.layer.down_proj.weight, before)
+
+
+def test_heads_that_do_not_fit_are_refused(target, tok, tmp_path):
+    """Another model's head (other vocabulary; other weights of the same shapes), a damaged or
+    missing file, bad vocabulary ids and an unsupported architecture: each a ValueError naming
+    the fix, before any decoding."""
+    import pytest
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from decoder.eagle import load_head, save_head
+    from tiny import tiny_llama
+
+    ids = tok("hello", add_special_tokens=False)["input_ids"]
+    dec = SpeculativeDecoder(target, target, tok)
+    dec.eagle_head = EagleHead.from_target(tiny_llama(9, layers=1, hidden=48, vocab=128))
+    with pytest.raises(ValueError, match="embeds 128 token ids, the target's vocabulary has 64"):
+        dec.generate(DecodeRequest(ids, GREEDY, 4, gamma=2, proposer="eagle"))
+    head = EagleHead.from_target(target, torch.arange(0, 30))
+    save_head(head, tmp_path / "h.safetensors", target)
+    again = load_head(target, tmp_path / "h.safetensors")
+    x, f = torch.randint(0, 64, (1, 5)), torch.randn(1, 5, 48)
+    with torch.no_grad():
+        assert torch.equal(again(f, x)[0], head.eval()(f, x)[0])
+    other = tiny_llama(77, layers=4, hidden=48, head_scale=20.0)  # same shapes, other weights
+    with pytest.raises(ValueError, match="trained for other target weights"):
+        load_head(other, tmp_path / "h.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    for path in (tmp_path / "bad.safetensors", tmp_path / "missing.safetensors"):
+        with pytest.raises(ValueError, match="cannot be read"):
+            load_head(target, path)
+    for bad, msg in ((torch.tensor([], dtype=torch.long), "non-empty 1-D"), (torch.tensor([[1, 2]]), "non-empty 1-D"),
+                     (torch.tensor([1.0, 2.0]), "integer"), (torch.tensor([True, False]), "integer"),
+                     (torch.tensor([3, 3]), "appears twice"), (torch.tensor([0, 64]), "0..63")):
+        with pytest.raises(ValueError, match=msg):
+            EagleHead.from_target(target, bad)
+    qwen = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    with pytest.raises(ValueError, match="model_type 'qwen3' is not supported"):
+        EagleHead.from_target(qwen)
+
+
+def test_the_benches_refuse_bad_eagle_arguments_before_loading(tmp_path, capsys):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    repo = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(repo / "bench"))
+    from proposer_bench import parse_args
+
+    (tmp_path / "h.bin").write_bytes(b"not a safetensors file")
+    for argv, msg in ((["--eagle-head", str(tmp_path / "h.bin")], "not a head file"),
+                      (["--eagle-head", str(tmp_path / "none")], "not a head file"),
+                      (["--eagle-gammas", "1,x"], "comma-separated list of integers")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert msg in capsys.readouterr().err
+    for args, msg in ((["--max-steps", "0"], "--max-steps 0: must be >= 1"), (["--unroll", "0"], "--unroll 0"),
+                      (["--save", str(tmp_path / "no" / "h.safetensors")], "its directory does not exist")):
+        r = subprocess.run([sys.executable, str(repo / "bench" / "eagle_bench.py"), *args], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr[-500:]
