@@ -203,10 +203,10 @@ def step_costs(head, target, target_ref: str, ctx: int = 256, reps: int = 30) ->
         ts = []
         from transformers import DynamicCache
         c = DynamicCache()
-        target(input_ids=torch.randint(0, 1000, (1, ctx)), past_key_values=c, use_cache=True)
+        target(input_ids=torch.randint(0, 1000, (1, ctx)), cache=c, use_cache=True)
         for _ in range(reps):
             t0 = time.perf_counter()
-            target(input_ids=torch.randint(0, 1000, (1, 1)), past_key_values=c, use_cache=True)
+            target(input_ids=torch.randint(0, 1000, (1, 1)), cache=c, use_cache=True)
             c.crop(-1)
             ts.append((time.perf_counter() - t0) * 1e3)
         out["torch_target_step_ms"] = round(statistics.median(ts), 3)
