@@ -17,7 +17,13 @@ Measured (one process):
 - ``bytes_per_record``: encoded field bytes; ``redis_bytes_per_record``: MEMORY USAGE of the
   stream / N.
 
-Usage: ``.venv/bin/python bench/store_bench.py [--url redis://127.0.0.1:6379/0] [--n 5000]``.
+Run twice in one process, side by side: records as the decoder writes them by default (schema 1,
+top-k only: ``without_hidden``) and records that also carry the target's hidden states
+(``DecoderConfig.record_hidden``, schema 2: ``with_hidden``, H = ``--hidden-size``, 576 for
+SmolLM2-135M, float16), ``--n-hidden`` of them; ``hidden_growth`` gives the ratios (bytes per
+record, write and read rates).
+
+Usage: ``.venv/bin/python bench/store_bench.py [--url redis://127.0.0.1:6379/0] [--n 5000] [--hidden-size 576]``.
 Keys live under a unique ``bench:store:<hex>:`` prefix and are deleted at the end.
 """
 
@@ -42,9 +48,11 @@ from store.schema import PairFingerprint, SamplingSettings, VerifiedSample, enco
 PAIR = PairFingerprint("google/gemma-3-4b-it", "google/gemma-3-270m-it", "bench-tokenizer")
 
 
-def realistic_sample(rng: np.random.Generator, n_tokens: int = 128, k: int = 32, prompt_len: int = 200, gamma: int = 4) -> VerifiedSample:
+def realistic_sample(rng: np.random.Generator, n_tokens: int = 128, k: int = 32, prompt_len: int = 200, gamma: int = 4,
+                     hidden_size: int = 0) -> VerifiedSample:
     now = time.time()
-    return synthetic_sample(rng, n_tokens, k, prompt_len, gamma, request_id=uuid.uuid4().hex, workload="chat",
+    return synthetic_sample(rng, n_tokens, k, prompt_len, gamma, hidden_size=hidden_size,
+                            request_id=uuid.uuid4().hex, workload="chat",
                             adapter_version=3, pair=PAIR, sampling=SamplingSettings(temperature=0.0),
                             started_at=now - 8.0, finished_at=now)
 
@@ -54,12 +62,26 @@ def main() -> None:
     ap.add_argument("--url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--n", type=int, default=5000, help="records to write and read")
     ap.add_argument("--decode-ms", type=float, default=8000.0, help="latency of one decode to compare against, ms")
+    ap.add_argument("--hidden-size", type=int, default=576, help="H of the records with hidden states (0: skip that run)")
+    ap.add_argument("--n-hidden", type=int, default=1000, help="records with hidden states to write and read")
     args = ap.parse_args()
+    if args.n < 1 or args.n_hidden < 1 or args.hidden_size < 0:
+        ap.error(f"--n {args.n} and --n-hidden {args.n_hidden} must be >= 1, --hidden-size {args.hidden_size} >= 0")
+    runs = {"without_hidden": measure(args, args.n, 0)}
+    if args.hidden_size:
+        runs["with_hidden"] = measure(args, args.n_hidden, args.hidden_size)
+        a, b = runs["without_hidden"], runs["with_hidden"]
+        runs["hidden_growth"] = {k: round(b[k] / a[k], 2) for k in
+                                 ("bytes_per_record", "redis_bytes_per_record", "write_records_per_s",
+                                  "read_decode_records_per_s", "overhead_pct_upper_bound")}
+    print(json.dumps(runs, indent=2))
 
+
+def measure(args, n: int, hidden_size: int) -> dict:
     rng = np.random.default_rng(0)
-    base = [realistic_sample(rng) for _ in range(64)]
+    base = [realistic_sample(rng, hidden_size=hidden_size) for _ in range(64)]
     # distinct record ids (the reader dedupes on them); arrays shared, not copied
-    samples = [dataclasses.replace(base[i % 64], record_id=uuid.uuid4().hex) for i in range(args.n)]
+    samples = [dataclasses.replace(base[i % 64], record_id=uuid.uuid4().hex) for i in range(n)]
 
     t = time.perf_counter()
     enc = [encode(s) for s in samples[:2000]]
@@ -68,10 +90,11 @@ def main() -> None:
 
     client = connect(args.url)
     prefix = f"bench:store:{uuid.uuid4().hex[:8]}:"
-    cfg = StoreConfig(key_prefix=prefix, buffer=BufferConfig(maxlen=max(args.n, 1000), queue_size=max(args.n, 10_000)))
+    cfg = StoreConfig(key_prefix=prefix, buffer=BufferConfig(maxlen=max(n, 1000), max_bytes=None,
+                                                             queue_size=max(n, 10_000)))
     try:
         w = SampleWriter(client, cfg)
-        lat = np.empty(args.n, dtype=np.int64)
+        lat = np.empty(n, dtype=np.int64)
         t0 = time.perf_counter()
         for i, s in enumerate(samples):
             a = time.perf_counter_ns()
@@ -99,12 +122,13 @@ def main() -> None:
         writer_us = 1e6 / write_rate
         decode_us = args.decode_ms * 1e3
         out = {
-            "records": args.n,
-            "record": {"gamma": 4, "new_tokens": 128, "top_k": 32, "prompt_tokens": 200},
+            "records": n,
+            "record": {"gamma": 4, "new_tokens": 128, "top_k": 32, "prompt_tokens": 200, "hidden_size": hidden_size,
+                       "schema_version": samples[0].schema_version},
             "encode_records_per_s": round(encode_rate),
             "write_records_per_s": round(write_rate),
             "write_all_flushed": flushed,
-            "submit_loop_records_per_s": round(args.n / (submit_done - t0)),
+            "submit_loop_records_per_s": round(n / (submit_done - t0)),
             "submit_us_mean": round(submit_us_mean, 2),
             "submit_us_p99": round(float(np.percentile(lat, 99) / 1e3), 2),
             "submit_us_max": round(float(lat.max() / 1e3), 1),  # includes waiting for the GIL
@@ -125,7 +149,7 @@ def main() -> None:
         for k in client.scan_iter(match=f"{prefix}*".encode(), count=1000):
             client.delete(k)
         client.close()
-    print(json.dumps(out, indent=2))
+    return out
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ One stream, workload as a field
 All workloads share one stream (``P samples``); the workload travels in the clear ``w`` field of
 each entry. Reasons: the trainer distils every workload into the same draft adapter and reads
 them in one XREADGROUP, so one consumer group and one pending list cover everything; the caps
-(MAXLEN by count, MINID by age) bound the buffer's memory with one number instead of one per
-workload; and new workload names need no discovery step. Per-workload mixing or filtering is
+(MAXLEN by count, lowered to ``max_bytes`` / the mean entry size; MINID by age) bound the
+buffer's memory with one number instead of one per workload; and new workload names need no discovery step. Per-workload mixing or filtering is
 the trainer's decision and reads the ``w`` field without decoding the body.
 
 Writer (decoder side): never blocks on Redis
@@ -133,6 +133,7 @@ class SampleWriter:
         self._client = client
         self._cfg = config.buffer
         self._key = config.keys.stream
+        self._mean_bytes: float | None = None  # running mean entry size (maxlen)
         self._clock = clock
         self._q: collections.deque[VerifiedSample] = collections.deque()
         self._lock = threading.Lock()
@@ -263,10 +264,23 @@ class SampleWriter:
                 log.error("sample_encode_failed", error=_describe(e))
         return out
 
+    def maxlen(self, entries: list[dict[bytes, bytes]] = ()) -> int:
+        """The MAXLEN the next XADDs carry: ``maxlen``, lowered so that that many entries of the
+        running mean size (bytes of field names and values, an exponential mean over the entries
+        written so far, ``entries`` included) fit in ``max_bytes``. Never below 1."""
+        for fields in entries:
+            n = sum(len(k) + len(v) for k, v in fields.items())
+            self._mean_bytes = n if self._mean_bytes is None else 0.98 * self._mean_bytes + 0.02 * n
+        cap = self._cfg.maxlen
+        if self._cfg.max_bytes is not None and self._mean_bytes:
+            cap = min(cap, max(1, int(self._cfg.max_bytes // self._mean_bytes)))
+        return cap
+
     def _write(self, entries: list[dict[bytes, bytes]]) -> None:
         pipe = self._client.pipeline(transaction=False)
+        maxlen = self.maxlen(entries)
         for fields in entries:
-            pipe.xadd(self._key, fields, maxlen=self._cfg.maxlen, approximate=True)
+            pipe.xadd(self._key, fields, maxlen=maxlen, approximate=True)
         now = self._clock()
         trim = self._cfg.max_age_s is not None and now - self._last_trim >= self._cfg.trim_interval_s
         if trim:

@@ -37,6 +37,10 @@ class BufferConfig(BaseModel):
 
     stream: str = "samples"  # stream key suffix; the dead-letter stream is f"{stream}:dead"
     maxlen: int = Field(100_000, gt=0)  # approximate cap on entries (XADD MAXLEN ~)
+    # approximate cap on the entries' bytes: the writer lowers MAXLEN to max_bytes / its running
+    # mean entry size, so records that carry hidden states (6.9x a schema 1 record's rows for
+    # SmolLM2-135M) keep the same memory bound, in fewer entries; None = the count cap only
+    max_bytes: int | None = Field(1 << 30, gt=0)
     max_age_s: float | None = Field(24 * 3600.0, gt=0)  # entries older than this are trimmed (XTRIM MINID ~); None = no age cap
     dead_letter_maxlen: int | None = Field(100_000, gt=0)  # approximate cap of the dead-letter stream; None = unbounded
     dead_letter_excerpt_bytes: int = Field(4096, ge=0)  # bytes of the original entry a dead letter keeps (with its reason and id)

@@ -15,7 +15,16 @@ Array dtypes (chosen for size; see ``bench/store_bench.py`` for bytes per record
 - top-k probabilities: ``float16`` (their rounding error, <= 2^-11 relative, is far below the
   noise of one distillation step); the tail mass is computed in float32 before rounding and
   stored as ``float32`` so the teacher distribution still sums to 1 within 1e-3;
-- per-step lengths and rejection positions: ``int16``.
+- per-step lengths and rejection positions: ``int16``;
+- the target's hidden states (schema 2, optional): ``float16``, H per emitted position (1152 bytes a
+  row for SmolLM2-135M's H = 576, against 196 for its top-32 row): what a feature-level head
+  (``decoder.eagle``) distils from without the target. Written only when the decoder records them
+  (``DecoderConfig.record_hidden``).
+
+Schema versions: 1 (no hidden states) and 2 (with them) both decode. A record without hidden
+states is written as version 1, byte for byte what the previous build wrote, so a trainer of that
+build still reads a newer decoder's records during a rolling upgrade; only records that carry
+hidden states are version 2.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ import numpy as np
 
 from store.errors import StoreError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # schema 1 records (no ``hidden`` field) decode with hidden = None
 # Record sources (``VerifiedSample.source``); the body field is optional and "decode" when absent,
 # so records written before it existed still decode.
 SOURCES = ("decode", "prefill")
@@ -117,6 +127,11 @@ class VerifiedSample:
       (the model's own distribution p, before the request's sampling transforms)
     - ``tail_mass``: (N,) float32, 1 - sum of the top-k probabilities (the "other" bucket)
 
+    - ``hidden``: (N, H) float16 or None: the target's final hidden state (after its final norm)
+      at the position whose distribution is row j of ``topk_ids``, i.e. at sequence index
+      P - 1 + j; the feature f a feature-level head (``decoder.eagle``) is trained on. None when
+      the decoder did not record them (``DecoderConfig.record_hidden``; schema 1 records).
+
     ``adapter_version`` is the draft adapter that proposed the tokens (0 = the base draft).
 
     ``source`` says where the rows come from:
@@ -151,6 +166,7 @@ class VerifiedSample:
     record_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     schema_version: int = SCHEMA_VERSION
     source: str = "decode"
+    hidden: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -169,6 +185,12 @@ class VerifiedSample:
             )
         if self.tail_mass.shape[0] != n:
             raise SchemaError(f"tail_mass has {self.tail_mass.shape[0]} rows, expected {n}")
+        if self.hidden is not None:
+            h = np.asarray(self.hidden)
+            if h.ndim != 2 or h.shape[0] != n or h.shape[1] == 0:
+                raise SchemaError(f"hidden has shape {h.shape}, expected ({n}, H): one row per output token")
+            self.hidden = np.ascontiguousarray(h, dtype=np.float16)
+        self.schema_version = SCHEMA_VERSION if self.hidden is not None else 1  # what encode writes
         if self.source == "prefill" and self.proposal_lens.shape[0]:
             raise SchemaError(f"a prefill record has no steps, got {self.proposal_lens.shape[0]} proposal lengths")
         if self.proposal_lens.shape != self.rejection_pos.shape:
@@ -191,7 +213,9 @@ class VerifiedSample:
             return NotImplemented
         for f in dataclasses.fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(a, np.ndarray):
+            if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+                    return False
                 if a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(a, b):
                     return False
             elif a != b:
@@ -252,6 +276,15 @@ def _check_arrays(a: dict[str, np.ndarray]) -> None:
         raise SchemaError("field 'proposal_lens' has a negative γ")
 
 
+def _check_hidden(h: np.ndarray, n: int) -> None:
+    if h.dtype.kind != "f":
+        raise SchemaError(f"field 'hidden' has dtype {h.dtype}, expected a float array")
+    if h.ndim != 2 or h.shape[0] != n or h.shape[1] == 0:
+        raise SchemaError(f"field 'hidden' has shape {h.shape}, expected ({n}, H): one row per output token")
+    if not np.isfinite(h).all():
+        raise SchemaError("field 'hidden' holds NaN or infinity")
+
+
 def _check_scalars(body: dict) -> None:
     if not isinstance(body.get("request_id"), str):
         raise SchemaError(f"body field 'request_id' is {type(body.get('request_id')).__name__}, expected a string")
@@ -290,6 +323,8 @@ def encode(sample: VerifiedSample) -> dict[bytes, bytes]:
     }
     for name in _ARRAYS:
         body[name] = _pack_array(getattr(sample, name))
+    if sample.hidden is not None:
+        body["hidden"] = _pack_array(sample.hidden)
     return {
         F_VERSION: str(sample.schema_version).encode(),
         F_RECORD_ID: sample.record_id.encode(),
@@ -314,8 +349,8 @@ def decode(fields: dict[bytes, bytes]) -> VerifiedSample:
         version = int(fields[F_VERSION])
     except ValueError as e:
         raise SchemaError(f"schema version {fields[F_VERSION]!r} is not an integer") from e
-    if version != SCHEMA_VERSION:
-        raise SchemaError(f"unknown schema version {version} (this build reads {SCHEMA_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise SchemaError(f"unknown schema version {version} (this build reads {', '.join(map(str, READABLE_VERSIONS))})")
     try:
         record_id = fields[F_RECORD_ID].decode("ascii")
     except UnicodeDecodeError as e:
@@ -334,6 +369,12 @@ def decode(fields: dict[bytes, bytes]) -> VerifiedSample:
         arrays = {name: _unpack_array(body[name], name) for name in _ARRAYS}
         _check_arrays(arrays)
         _check_scalars(body)
+        hidden = None
+        if "hidden" in body:
+            if version < 2:
+                raise SchemaError(f"field 'hidden' in a schema {version} record (hidden states are schema 2)")
+            hidden = _unpack_array(body["hidden"], "hidden")
+            _check_hidden(hidden, arrays["output_ids"].shape[0])
         t, p, k, seed = body["sampling"]
         source = body.get("source", "decode")
         if source not in SOURCES:
@@ -349,6 +390,7 @@ def decode(fields: dict[bytes, bytes]) -> VerifiedSample:
             record_id=record_id,
             schema_version=version,
             source=source,
+            hidden=hidden,
             **arrays,
         )
     except SchemaError:

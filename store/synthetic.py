@@ -15,9 +15,10 @@ from store.schema import VerifiedSample
 
 
 def synthetic_sample(rng: np.random.Generator, n_tokens: int = 128, k: int = 32, prompt_len: int = 200,
-                     gamma: int = 4, vocab: int = 262_144, **fields: Any) -> VerifiedSample:
+                     gamma: int = 4, vocab: int = 262_144, hidden_size: int = 0, **fields: Any) -> VerifiedSample:
     """One VerifiedSample drawn from ``rng``; ``fields`` give the rest (request_id, workload,
-    adapter_version, pair, sampling, started_at, finished_at)."""
+    adapter_version, pair, sampling, started_at, finished_at). ``hidden_size`` > 0 adds the
+    target's hidden states (n_tokens, hidden_size) float16, normal with unit variance (schema 2)."""
     prop, rej, emitted = [], [], 0
     while emitted < n_tokens:
         r = int(rng.integers(-1, gamma))  # -1 = all γ accepted (+ bonus)
@@ -35,5 +36,6 @@ def synthetic_sample(rng: np.random.Generator, n_tokens: int = 128, k: int = 32,
         topk_ids=rng.integers(0, vocab, (n_tokens, k)),
         topk_probs=probs,
         tail_mass=1.0 - probs.astype(np.float32).sum(-1),
+        hidden=rng.standard_normal((n_tokens, hidden_size)).astype(np.float16) if hidden_size else None,
         **fields,
     )

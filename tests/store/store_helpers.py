@@ -75,11 +75,12 @@ def make_sample(
     pair: PairFingerprint = PAIR,
     seed: int = 0,
     vocab: int = 262_144,
+    hidden_size: int = 0,
 ) -> VerifiedSample:
     """A realistic record: steps of γ proposals, random top-k distributions that sum with the
     tail mass to 1 (store.synthetic)."""
     return synthetic_sample(
-        np.random.default_rng(seed), n_tokens, k, prompt_len, gamma, vocab,
+        np.random.default_rng(seed), n_tokens, k, prompt_len, gamma, vocab, hidden_size,
         request_id=f"req-{seed}", workload=workload, adapter_version=adapter_version, pair=pair,
         sampling=SamplingSettings(temperature=0.7, top_p=0.95, top_k=64, seed=seed),
         started_at=1_732_870_000.0 + seed, finished_at=1_732_870_008.25 + seed,

@@ -209,6 +209,32 @@ def test_writer_caps_stream_length(client, prefix, sample_factory):
     assert 100 <= stream_depth(client, cfg) <= 200
 
 
+def test_writer_caps_stream_bytes_for_records_with_hidden_states(client, prefix, sample_factory):
+    """Records that carry hidden states are 7x larger; the byte cap keeps the stream's memory
+    where the count cap alone would let it grow 7x."""
+    s_plain = sample_factory(n_tokens=32, prompt_len=16)
+    s_hid = sample_factory(n_tokens=32, prompt_len=16, hidden_size=576)
+    b_plain = sum(len(k) + len(v) for k, v in encode(s_plain).items())
+    b_hid = sum(len(k) + len(v) for k, v in encode(s_hid).items())
+    assert b_hid > 5 * b_plain  # 32 x 576 x 2 bytes of hidden states beside 32 x 196 of top-k
+    max_bytes = 200 * b_plain
+    for s, n_bytes in ((s_plain, b_plain), (s_hid, b_hid)):
+        cfg = StoreConfig(key_prefix=f"{prefix}{n_bytes}:",
+                          buffer=BufferConfig(maxlen=100_000, max_bytes=max_bytes, batch_size=50))
+        with SampleWriter(client, cfg) as w:
+            for _ in range(600):
+                w.submit(s)
+            assert w.flush(20)
+            cap = w.maxlen()
+        assert abs(cap - max_bytes // n_bytes) <= 1  # every entry the same size: the mean is it
+        depth = stream_depth(client, cfg)
+        # approximate MAXLEN trims whole nodes: at most one node (100 entries) beyond the cap
+        assert cap <= depth <= cap + 100, (depth, cap)
+        if s is s_hid:
+            assert depth * n_bytes <= 2 * max_bytes
+            assert depth < 600
+
+
 def test_redis_killed_mid_stream_writer_keeps_accepting_and_resumes(private_redis, tmp_path, sample_factory):
     prefix = "test:store:kill:"
     cfg = StoreConfig(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import msgpack
 import numpy as np
 import pytest
@@ -60,7 +63,8 @@ def test_bytes_per_record_close_to_raw_array_size(sample_factory):
 def test_fields_in_the_clear(sample_factory):
     s = sample_factory()
     f = encode(s)
-    assert f[F_VERSION] == str(SCHEMA_VERSION).encode()
+    assert f[F_VERSION] == b"1"  # no hidden states: what the previous build wrote and reads
+    assert encode(sample_factory(hidden_size=8))[F_VERSION] == str(SCHEMA_VERSION).encode() == b"2"
     assert f[F_RECORD_ID] == s.record_id.encode()
     assert f[F_FINGERPRINT] == s.pair.key().encode()
 
@@ -128,3 +132,60 @@ def test_bad_source_is_a_schema_error(sample_factory):
         decode(_body_edit(encode(sample_factory(n_tokens=8)), source="sampled"))
     with pytest.raises(SchemaError, match="a prefill record has no steps"):
         dataclasses.replace(sample_factory(n_tokens=8), source="prefill")
+
+
+def test_hidden_states_round_trip_as_float16(sample_factory):
+    s = sample_factory(n_tokens=40, hidden_size=576, seed=3)
+    assert s.hidden.dtype == np.float16 and s.hidden.shape == (40, 576)
+    d = decode(encode(s))
+    assert d == s and d.schema_version == 2
+    np.testing.assert_array_equal(d.hidden, s.hidden)
+    # the cost of carrying them: 576 x 2 bytes a row on top of the schema 1 record
+    plain = sum(len(k) + len(v) for k, v in encode(sample_factory(n_tokens=40, seed=3)).items())
+    full = sum(len(k) + len(v) for k, v in encode(s).items())
+    assert 40 * 576 * 2 <= full - plain <= 40 * 576 * 2 + 64
+
+
+def test_schema_1_record_decodes_without_hidden(sample_factory):
+    """A record the previous build wrote (version 1, no 'hidden' field) still decodes."""
+    s = sample_factory(n_tokens=16, seed=4)
+    f = encode(s)
+    assert f[F_VERSION] == b"1" and b"hidden" not in f[F_BODY]
+    d = decode(f)
+    assert d.hidden is None and d == s
+
+
+def _with_body(fields, **changes):
+    body = msgpack.unpackb(fields[F_BODY], raw=False)
+    body.update(changes)
+    out = dict(fields)
+    out[F_BODY] = msgpack.packb(body, use_bin_type=True)
+    return out
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda h: h[:-1], "expected (12, H)"),
+    (lambda h: h.reshape(-1), "expected (12, H)"),
+    (lambda h: h.astype(np.int16), "expected a float array"),
+    (lambda h: np.where(np.arange(h.size).reshape(h.shape) == 5, np.float16(np.nan), h), "NaN or infinity"),
+])
+def test_bad_hidden_states_are_schema_errors(sample_factory, make, reason):
+    from store.schema import _pack_array
+
+    f = encode(sample_factory(n_tokens=12, hidden_size=6, seed=5))
+    bad = _with_body(f, hidden=_pack_array(make(decode(f).hidden)))
+    with pytest.raises(SchemaError, match=re.escape(reason)):
+        decode(bad)
+
+
+def test_hidden_in_a_schema_1_record_is_refused(sample_factory):
+    f = encode(sample_factory(n_tokens=12, hidden_size=6, seed=6))
+    f[F_VERSION] = b"1"
+    with pytest.raises(SchemaError, match="schema 1 record"):
+        decode(f)
+
+
+def test_constructor_refuses_misaligned_hidden(sample_factory):
+    s = sample_factory(n_tokens=10, seed=7)
+    with pytest.raises(SchemaError, match=r"hidden has shape \(9, 4\), expected \(10, H\)"):
+        dataclasses.replace(s, hidden=np.zeros((9, 4)))
