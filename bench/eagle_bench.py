@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import statistics
 import sys
 import time
@@ -64,25 +62,25 @@ def main() -> None:
     import torch
 
     from daemon.bootstrap_data import TOPK, WINDOW_TOKENS
-    from decoder.eagle import EagleHead, _column_map, chained_alpha, head_batch, head_loss, score_features
+    from decoder.eagle import EagleHead, score_features
     from decoder.models import load_model
     from decoder.teacher import corpus_windows
     from decoder.vocab import frequent_token_ids
     from decoder.workloads import bootstrap_documents, split_documents
     from trainer.distill import cpu_has_native_bf16
+    from trainer.head import HeadDistiller, column_map, groups, head_batch, heldout_alpha
 
     from daemon.logging import configure
 
     configure("auto", "warning", stream=sys.stderr)  # stdout carries only the JSON
     torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     c_start = time.process_time()
     target, tok = load_model(args.target)
     target.eval()
     ac = torch.bfloat16 if cpu_has_native_bf16() else None
     vocab = frequent_token_ids(tok, args.draft_vocab) if args.draft_vocab else None
-    col = _column_map(vocab, target.get_output_embeddings().weight.shape[0])
+    col = column_map(vocab, target.get_output_embeddings().weight.shape[0])
 
     train, held, scoring = [], {}, {}
     for w in args.workloads.split(","):
@@ -100,53 +98,33 @@ def main() -> None:
                       "wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1)}
         log(f"{w}: scored {scoring[w]}")
 
-    by_len: dict[int, list] = {}
-    for it in train:
-        by_len.setdefault(len(it["ids"]), []).append(it)
-    held_batches = {w: [head_batch(g, col) for g in _groups(items)] for w, items in held.items()}
+    held_batches = {w: [head_batch(g, col) for g in groups(items)] for w, items in held.items()}
 
     head = EagleHead.from_target(target, vocab)
     cost = step_costs(head, target, args.target)
     log(f"cost: {cost}")
-    head.train()
-    opt = torch.optim.AdamW(head.trainable(), lr=args.lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(args.seed)
+    # --minutes: the cosine runs over the steps the first minute's pace predicts (re-estimated as it goes)
+    dist = HeadDistiller(head, train, col, lr=args.lr, batch=args.batch, unroll=args.unroll, noise=args.noise,
+                         feature_weight=args.feature_weight, total_steps=args.max_steps or 10**9,
+                         min_lr=args.min_lr, seed=args.seed, autocast=ac)
 
     def evaluate() -> dict:
-        head.eval()
-        per = {}
-        for w, bs in held_batches.items():
-            n = [b["tokens"].numel() for b in bs]
-            depths = [chained_alpha(head, b, 3) for b in bs]
-            per[w] = [round(sum(d[i] * k for d, k in zip(depths, n)) / sum(n), 4) for i in range(3)]
-        head.train()
+        per = {w: [round(a, 4) for a in heldout_alpha(head, bs, 3)] for w, bs in held_batches.items()}
         overall = [round(statistics.mean(v[i] for v in per.values()), 4) for i in range(3)]
         return {"alpha_depth_1_2_3": overall, "per_workload": per}
 
     curve = [{"steps": 0, "train_s": 0.0, "cpu_min": round((time.process_time() - c_start) / 60, 2), **evaluate()}]
     log(json.dumps(curve[-1]))
-    lengths = [L for L, g in by_len.items() for _ in range(0, len(g), args.batch)]
-    t_train, steps = 0.0, 0
-    while (steps < args.max_steps) if args.max_steps else (t_train < args.minutes * 60):
-        L = rng.choice(lengths)
-        b = head_batch(rng.sample(by_len[L], min(args.batch, len(by_len[L]))), col, args.noise, gen)
-        frac = min(1.0, steps / args.max_steps if args.max_steps else t_train / (args.minutes * 60))
-        for grp in opt.param_groups:  # warm-up over 20 steps, then cosine decay by training time
-            grp["lr"] = args.lr * min(1.0, (steps + 1) / 20) * (args.min_lr + (1 - args.min_lr) * 0.5 * (1 + math.cos(math.pi * frac)))
-        t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac is not None):
-            loss, _ = head_loss(head, b, args.feature_weight, args.unroll)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.trainable(), 1.0)
-        opt.step()
-        t_train += time.perf_counter() - t0
-        steps += 1
-        if steps % args.round_steps == 0:
-            curve.append({"steps": steps, "train_s": round(t_train, 1),
-                          "cpu_min": round((time.process_time() - c_start) / 60, 2), "loss": round(float(loss.detach()), 4),
+    while (dist.steps < args.max_steps) if args.max_steps else (dist.train_s < args.minutes * 60):
+        if not args.max_steps and dist.steps >= 20:  # time-bounded: decay by training time, as before
+            dist.total_steps = max(dist.steps + 1, int(dist.steps * args.minutes * 60 / dist.train_s))
+        loss = dist.step()
+        if dist.steps % args.round_steps == 0:
+            curve.append({"steps": dist.steps, "train_s": round(dist.train_s, 1),
+                          "cpu_min": round((time.process_time() - c_start) / 60, 2), "loss": round(loss, 4),
                           **evaluate()})
             log(json.dumps(curve[-1]))
+    steps = dist.steps
     # the same held-out windows scored by the served engine: the features the head proposes from
     from decoder.engine import LlamaCppEngine
     from decoder.models import packaged_target
@@ -159,11 +137,7 @@ def main() -> None:
         engine_alpha = {}
         for w, items in held.items():
             sc = score_features_engine(eng, [it["ids"].tolist() for it in items], TOPK)
-            bs = [head_batch(g, col) for g in _groups(sc)]
-            n = [b["tokens"].numel() for b in bs]
-            head.eval()
-            depths = [chained_alpha(head, b, 3) for b in bs]
-            engine_alpha[w] = [round(sum(d[i] * k for d, k in zip(depths, n)) / sum(n), 4) for i in range(3)]
+            engine_alpha[w] = [round(a, 4) for a in heldout_alpha(head, [head_batch(g, col) for g in groups(sc)], 3)]
         eng.close()
         log(f"held-out alpha on llama.cpp features: {engine_alpha}")
     if args.save:
@@ -172,13 +146,6 @@ def main() -> None:
     print(json.dumps({"args": vars(args), "scoring": scoring, "trainable_params": sum(p.numel() for p in head.trainable()),
                       "curve": curve, "cost": cost,
                       "heldout_alpha_on_served_engine_features": engine_alpha}, indent=1))
-
-
-def _groups(items: list, size: int = 8) -> list[list]:
-    by: dict[int, list] = {}
-    for it in items:
-        by.setdefault(len(it["ids"]), []).append(it)
-    return [g[i : i + size] for g in by.values() for i in range(0, len(g), size)]
 
 
 def step_costs(head, target, target_ref: str, ctx: int = 256, reps: int = 30) -> dict:

@@ -14,6 +14,10 @@ target's tied embedding cut to a frequent-token vocabulary (FR-Spec, Zhao et al.
 ``decoder.vocab.frequent_token_ids``), frozen. What trains is ``fc`` and the layer: 4.2M
 parameters for SmolLM2-135M (576 hidden, 1536 MLP), against 134M in the target.
 
+Training (the loss, the batches, teacher-forced α, distillation from buffered records) lives in
+``trainer.head``: decoder/ and trainer/ never import each other. This module holds what serves:
+the head, its proposer, the target's features for scoring (``score_features``) and the file format.
+
 Shapes: B batch, T positions, H hidden size, V' the head's vocabulary. The features are the
 target's final hidden states after its final norm, which is what both the transformers model
 (``output_hidden_states[-1]``) and llama.cpp (``llama_get_embeddings_ith`` with pooling none)
@@ -105,14 +109,12 @@ class HeadLayer(nn.Module):
             k = torch.cat([cache.k, k], dim=2)
             v = torch.cat([cache.v, v], dim=2)
         new_cache = KVCache(k, v)
-        rep = self.n_heads // self.n_kv
-        kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        S = kk.shape[2]
-        if T == 1:
-            att = F.scaled_dot_product_attention(q, kk, vv)
-        else:  # row i sees keys 0 .. S - T + i
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
-            att = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        S = k.shape[2]
+        # grouped KV heads without copying them (enable_gqa), and in float32: a bf16 serving copy's
+        # attention over a few hundred keys ran 4x slower in bf16 than in float32 on one CPU thread
+        qf, kf, vf = (t.float() for t in (q, k, v))
+        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)  # row i sees keys 0 .. S - T + i
+        att = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv).to(x.dtype)
         x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, -1))
         h = self.post_norm(x)
         x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -197,7 +199,12 @@ class EagleHead(nn.Module):
         e = F.embedding(next_tokens.to(self.embed.device), self.embed)
         x = self.fc(torch.cat([e, feats.to(device=e.device, dtype=e.dtype)], dim=-1))
         g, cache = self.layer(x, start, cache)
-        return (g[:, -1:] if last_only else g) @ self.lm_weight.T, g, cache
+        # F.linear on 2-D rows, not ``@ lm_weight.T`` on (B, 1, H): the last row of a multi-row refill
+        # is a strided view, and matmul turned it into a bmm that copied the whole (V', H) head on
+        # every call (a 2-row bf16 refill took 10.6 ms against 2.3 for one row)
+        if last_only:
+            return F.linear(g[:, -1], self.lm_weight).unsqueeze(1), g, cache
+        return F.linear(g, self.lm_weight), g, cache
 
     def serving_copy(self, dtype: torch.dtype = torch.bfloat16) -> "EagleHead":
         """A frozen copy in ``dtype`` for proposing (the trainer keeps the float32 original).
@@ -258,108 +265,6 @@ def score_features_engine(engine, windows: list[list[int]], k: int = 32) -> list
         ti, tp, tail = _topk_rows(logits.float(), k)
         out.append({"ids": torch.tensor(w), "feats": hid.float().half(), "topk_ids": ti.long(),
                     "topk_probs": tp.float(), "tail": tail.float()})
-    return out
-
-
-def _column_map(vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
-    if vocab_ids is None:
-        return None
-    col = torch.full((vocab_size,), -1, dtype=torch.long)
-    col[vocab_ids] = torch.arange(vocab_ids.numel())
-    return col
-
-
-def head_batch(items: list[dict], col: torch.Tensor | None, noise: float = 0.0,
-               gen: torch.Generator | None = None) -> dict:
-    """Stack scored windows of equal length into one training batch for the head.
-
-    Row j of a window (j = 0 .. L - 3): input (f_j, x_{j+1}); targets the target's distribution
-    at position j + 1 (over x_{j+2}) and the feature f_{j+1} (EAGLE's regression target).
-
-    Returns tensors: feats (B, L-2, H), tokens (B, L-2), next_feats (B, L-2, H), topk (B, L-2, k)
-    column ids, present (B, L-2, k) bool, p (B, L-2, k+1) teacher buckets (restricted to the
-    head's vocabulary: ``trainer.losses.teacher_on_vocab``).
-    """
-    from trainer.losses import teacher_buckets, teacher_on_vocab
-
-    feats = torch.stack([it["feats"][:-2] for it in items]).float()
-    if noise > 0:  # EAGLE §3.3: features at decode time are the head's own, so train on noisy ones
-        feats = feats + (torch.rand(feats.shape, generator=gen) * 2 - 1) * noise
-    tokens = torch.stack([it["ids"][1:-1] for it in items])
-    next_feats = torch.stack([it["feats"][1:-1] for it in items]).float()
-    ti = torch.stack([it["topk_ids"][1:-1] for it in items])
-    tp = torch.stack([it["topk_probs"][1:-1] for it in items])
-    tail = torch.stack([it["tail"][1:-1] for it in items])
-    B, T, k = ti.shape
-    p = teacher_buckets(tp.reshape(-1, k), tail.reshape(-1))
-    if col is not None:
-        cols = col[ti]
-        present = cols >= 0
-        p = teacher_on_vocab(p, present.reshape(-1, k))
-        cols = cols.clamp_min(0)
-    else:
-        cols, present = ti, torch.ones_like(ti, dtype=torch.bool)
-    return {"feats": feats, "tokens": tokens, "next_feats": next_feats, "topk": cols, "present": present,
-            "p": p.view(B, T, k + 1)}
-
-
-def _unrolled(head: EagleHead, batch: dict, depth: int):
-    """Yield (d, logits, g, rows) for proposal depths d = 0 .. depth - 1 over a batch: depth 0
-    runs on the target's features; depth d feeds row j the head's depth-(d-1) prediction for
-    position j (its g_{j-1}) and keeps the target's features for rows < d, as the d-th token of a
-    proposal does (EAGLE-3's training-time test, Li et al. 2025, §3.2). ``rows`` = slice(d, None):
-    the rows whose last d inputs are the head's own. Approximate in one respect: the attention
-    context rows carry the head's own features too, where a real proposal's cache holds the
-    target's (refilled after each verification)."""
-    feats, tokens = batch["feats"], batch["tokens"]
-    if depth < 1:
-        raise ValueError(f"depth={depth}: need >= 1 proposal depth")
-    cur = feats
-    for d in range(min(depth, feats.shape[1])):  # depth d needs a row with d earlier rows
-        logits, g, _ = head(cur, tokens)
-        yield d, logits, g, slice(d, None)
-        cur = torch.cat([feats[:, : d + 1], g[:, d:-1]], dim=1)
-
-
-def _bucket_logq(logits: torch.Tensor, batch: dict, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    from trainer.losses import student_bucket_logprobs
-
-    k = batch["topk"].shape[-1]
-    lg = logits[:, rows]
-    logq = student_bucket_logprobs(lg.reshape(-1, lg.shape[-1]), batch["topk"][:, rows].reshape(-1, k),
-                                   batch["present"][:, rows].reshape(-1, k))
-    return logq, batch["p"][:, rows].reshape(-1, k + 1)
-
-
-def head_loss(head: EagleHead, batch: dict, feature_weight: float = 1.0, unroll: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """EAGLE-1's loss (§3.2): forward KL of the head's next-token distribution from the target's
-    (over the stored top-k + tail buckets: ``trainer.losses``) plus ``feature_weight`` x the
-    smooth-L1 regression of g_{t+1} on f_{t+1}, summed over ``unroll`` proposal depths
-    (:func:`_unrolled`). Returns (loss, per-position depth-1 α (B*T,))."""
-    from trainer.losses import alpha, forward_kl
-
-    loss, a1 = 0.0, None
-    for d, logits, g, rows in _unrolled(head, batch, unroll):
-        logq, p = _bucket_logq(logits, batch, rows)
-        loss = loss + forward_kl(p, logq).mean()
-        if feature_weight:
-            loss = loss + feature_weight * F.smooth_l1_loss(g[:, rows], batch["next_feats"][:, rows])
-        if d == 0:
-            a1 = alpha(p, logq.detach())
-    return loss, a1
-
-
-@torch.no_grad()
-def chained_alpha(head: EagleHead, batch: dict, depth: int = 2) -> list[float]:
-    """Teacher-forced α at proposal depths 1 .. ``depth`` (:func:`_unrolled`; tokens are the
-    text's). α = Σ min(p, q) over the stored buckets (Leviathan et al. 2023, §3.1). Returns one
-    mean per depth."""
-    from trainer.losses import alpha
-
-    out = []
-    for _, logits, _, rows in _unrolled(head, batch, depth):
-        logq, p = _bucket_logq(logits, batch, rows)
-        out.append(float(alpha(p, logq).mean()))
     return out
 
 

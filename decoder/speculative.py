@@ -230,6 +230,13 @@ class DecoderConfig:
         always switches, False never does. The LM head is switched too. The switch is one-way:
         False, or "auto" deciding against it, leaves the models as they are, and a model an
         earlier decoder switched stays switched (``decoder.fastpath.plain_linear`` undoes it).
+    record_hidden: also stream the target's final hidden state (H float16 per emitted position:
+        ``store.schema.VerifiedSample.hidden``) in every record, the feature a feature-level head
+        (``decoder.eagle``) is distilled from without the target (``trainer.head``). The
+        verification returns them with its logits (on llama.cpp the engine must be built with
+        ``embeddings=True``, else ValueError at construction); each record grows by H x 2 bytes
+        a row (1152 for SmolLM2-135M, beside 196 for its top-32; ``bench/store_bench.py``).
+        Needs ``topk_record`` > 0 (the head learns the distributions beside the features).
     ngram_max_n / ngram_min_n: longest and shortest context suffix the n-gram proposer matches.
         ``ngram_min_n=None`` (default) takes it from the engine's verification cost: 1 on torch
         (a verification of a few rows costs about one plain step there, so every match is worth
@@ -258,6 +265,7 @@ class DecoderConfig:
 
     topk_record: int = 32
     record_prompt: bool = False
+    record_hidden: bool = False
     draft_vocab: torch.Tensor | None = None
     small_m_linear: bool | str = "auto"
     draft_precision: str = "auto"
@@ -289,6 +297,11 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig.draft_precision={self.draft_precision!r}: use one of {PRECISIONS}")
         if not isinstance(self.ngram_gate, bool):
             raise ValueError(f"DecoderConfig.ngram_gate={self.ngram_gate!r}: use True (default) or False")
+        if not isinstance(self.record_hidden, bool):
+            raise ValueError(f"DecoderConfig.record_hidden={self.record_hidden!r}: use True or False (default)")
+        if self.record_hidden and self.topk_record <= 0:
+            raise ValueError(f"DecoderConfig.record_hidden=True needs topk_record > 0 (got {self.topk_record}): "
+                             f"a head distils the target's distributions beside its hidden states")
 
 
 def _seeded_sampling(params: SamplingParams) -> bool:
@@ -357,6 +370,10 @@ class SpeculativeDecoder:
         self.vocab_q = (draft_engine.vocab_size if draft_engine is not None
                         else draft.get_output_embeddings().weight.shape[0])
         torch_target = isinstance(self.engine, TorchEngine)
+        if self.config.record_hidden and getattr(self.engine, "embeddings", True) is False:
+            raise ValueError(f"DecoderConfig.record_hidden needs the target's hidden states, and engine "
+                             f"{self.engine.name} was built without them: LlamaCppEngine(embeddings=True) "
+                             f"(choose_engine(..., embeddings=True))")
         if not torch_target and self.engine.vocab_size != target.get_output_embeddings().weight.shape[0]:
             raise ValueError(f"engine {self.engine.name} has a vocabulary of {self.engine.vocab_size} ids, the torch "
                              f"target {target.get_output_embeddings().weight.shape[0]}: they must be the same model")
@@ -449,20 +466,7 @@ class SpeculativeDecoder:
                 return DraftModelProposer(self._engine_draft_logits, self.draft_engine.start)
             return DraftModelProposer(self._draft_logits, lambda: DynamicCache(config=self.draft.config))
         if name == "eagle":
-            if self.eagle_head is None:
-                raise ValueError("proposer 'eagle' needs a head: set SpeculativeDecoder.eagle_head "
-                                 "(decoder.eagle.EagleHead.from_target, then trained)")
-            if getattr(self.engine, "embeddings", True) is False:
-                raise ValueError(f"proposer 'eagle' needs the target's hidden states, and engine {self.engine.name} "
-                                 f"was built without them: LlamaCppEngine(embeddings=True) "
-                                 f"(choose_engine(..., embeddings=True))")
-            if self.eagle_head.hidden_size != self.engine.hidden_size:
-                raise ValueError(f"the eagle head takes {self.eagle_head.hidden_size}-wide features, the target's are "
-                                 f"{self.engine.hidden_size}: a head trained for another model")
-            head_vocab = self.eagle_head.embed.shape[0]
-            if head_vocab != self.vocab_p:
-                raise ValueError(f"the eagle head embeds {head_vocab} token ids, the target's vocabulary has "
-                                 f"{self.vocab_p}: a head built for another model")
+            self.check_eagle_head()
             from decoder.eagle import EagleProposer
             return EagleProposer(self.eagle_head, self.vocab_p)
         if name == "ngram":
@@ -476,6 +480,24 @@ class SpeculativeDecoder:
             return NgramProposer(history, req.workload, self.vocab_p, self.device, gate=gate,
                                  cost=self.step_cost if gate is not None else None)
         raise ValueError(f"proposer {name!r}: use one of {REQUEST_PROPOSERS}")
+
+    def check_eagle_head(self) -> None:
+        """Raises ValueError unless ``eagle_head`` is set and this target can feed it: an engine
+        that returns hidden states, of the head's width, over the head's vocabulary."""
+        if self.eagle_head is None:
+            raise ValueError("proposer 'eagle' needs a head: set SpeculativeDecoder.eagle_head "
+                             "(decoder.eagle.EagleHead.from_target, then trained)")
+        if getattr(self.engine, "embeddings", True) is False:
+            raise ValueError(f"proposer 'eagle' needs the target's hidden states, and engine {self.engine.name} "
+                             f"was built without them: LlamaCppEngine(embeddings=True) "
+                             f"(choose_engine(..., embeddings=True))")
+        if self.eagle_head.hidden_size != self.engine.hidden_size:
+            raise ValueError(f"the eagle head takes {self.eagle_head.hidden_size}-wide features, the target's are "
+                             f"{self.engine.hidden_size}: a head trained for another model")
+        head_vocab = self.eagle_head.embed.shape[0]
+        if head_vocab != self.vocab_p:
+            raise ValueError(f"the eagle head embeds {head_vocab} token ids, the target's vocabulary has "
+                             f"{self.vocab_p}: a head built for another model")
 
     def _shadow(self, req: DecodeRequest) -> NgramShadow | None:
         """What teaches the shared n-gram gate from this request's steps that propose nothing
@@ -538,18 +560,25 @@ class SpeculativeDecoder:
         parts = [_topk_rows(self._target_head(h[i : i + _PROMPT_CHUNK]), k) for i in range(0, h.shape[0], _PROMPT_CHUNK)]
         return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
 
-    def _prompt_features(self, ids: list[int], seq, k: int, proposer):
+    def _prompt_features(self, ids: list[int], seq, k: int, proposer, keep_hidden: bool = False):
         """Prefill ``ids[:-1]`` with the target's hidden states, in chunks, feeding them to a
-        feature-level ``proposer`` (row j: f_j with token ids[j + 1]); returns the prompt's top-k
-        rows as :meth:`_prompt_topk` does when ``k`` > 0, else None."""
-        parts = []
+        feature-level ``proposer`` if one is given (row j: f_j with token ids[j + 1]); returns the
+        prompt's top-k rows as :meth:`_prompt_topk` does when ``k`` > 0, with the hidden states
+        (P - 1, H) float16 as a fourth element when ``keep_hidden``; else None."""
+        parts, hids = [], []
         for i in range(0, len(ids) - 1, _PROMPT_CHUNK):
             chunk = ids[i : min(i + _PROMPT_CHUNK, len(ids) - 1)]
             logits, hid = seq.forward(chunk, len(chunk), hidden=True)
-            proposer.features(hid, ids[i + 1 : i + 1 + len(chunk)])
+            if proposer is not None:
+                proposer.features(hid, ids[i + 1 : i + 1 + len(chunk)])
             if k:
                 parts.append(_topk_rows(logits, k))
-        return tuple(torch.cat([p[j] for p in parts]) for j in range(3)) if k else None
+                if keep_hidden:
+                    hids.append(hid.detach().to("cpu", torch.float16))
+        if not k:
+            return None
+        rows = tuple(torch.cat([p[j] for p in parts]) for j in range(3))
+        return rows + (torch.cat(hids),) if keep_hidden else rows
 
     # ---- the loop -----------------------------------------------------------------------------
     def generate(self, req: DecodeRequest, policy: GammaPolicy | None = None,
@@ -604,6 +633,8 @@ class SpeculativeDecoder:
         steps: list[StepStats] = []
         topk_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         k_rec = self.config.topk_record if self.sink is not None else 0
+        rec_hidden = bool(k_rec) and self.config.record_hidden  # the records carry hidden states
+        hid_rows: list[torch.Tensor] = []
         # Prefill: everything but the pending last token, for the target (and the draft if it
         # is going to be used; otherwise it catches up lazily on its first proposal).
         t0 = clock()
@@ -615,8 +646,9 @@ class SpeculativeDecoder:
         features = getattr(proposer, "needs_features", False)
         prompt_rows = None
         if prompt_len > 1:
-            if features:
-                prompt_rows = self._prompt_features(ids, tcache, k_rec if self.config.record_prompt else 0, proposer)
+            if features or (rec_hidden and self.config.record_prompt):
+                prompt_rows = self._prompt_features(ids, tcache, k_rec if self.config.record_prompt else 0,
+                                                    proposer if features else None, rec_hidden)
             elif k_rec and self.config.record_prompt:
                 prompt_rows = self._prompt_topk(ids[:-1], tcache, k_rec)
             else:
@@ -644,7 +676,7 @@ class SpeculativeDecoder:
                 shadow.proposing(ids) if g else shadow.idle_step(ids)
             # 2. verification: pending token + proposals in one target forward
             tv = clock()
-            if features:
+            if features or rec_hidden:
                 logits, hid = tcache.forward([ids[-1]] + proposals, g + 1, hidden=True)  # (g+1, V), (g+1, H)
             else:
                 logits = self._target_logits([ids[-1]] + proposals, tcache, g + 1)  # (g+1, V)
@@ -661,6 +693,8 @@ class SpeculativeDecoder:
             block = block[:cut]
             if k_rec and block:
                 topk_rows.append(_topk_rows(logits[: len(block)], k_rec))
+                if rec_hidden:  # row j: the state whose distribution emitted block[j]
+                    hid_rows.append(hid[: len(block)].detach().to("cpu", torch.float16))
             if features and block:  # the input token and the accepted proposals, each with its successor
                 proposer.features(hid[: len(block)], block)
             out.extend(block)
@@ -695,7 +729,7 @@ class SpeculativeDecoder:
         if self.sink is not None and out:
             if prompt_rows is not None:
                 self._emit_prefill(req, result, prompt_rows, started_wall)
-            self._emit(req, result, topk_rows, started_wall)
+            self._emit(req, result, topk_rows, started_wall, hid_rows if rec_hidden else None)
         return result
 
     def _checked_prompt(self, req: DecodeRequest) -> list[int]:
@@ -765,7 +799,9 @@ class SpeculativeDecoder:
             reason = reason or "length"
         return cut, reason
 
-    def _emit(self, req: DecodeRequest, result: DecodeResult, topk_rows, started_wall: float) -> None:
+    def _emit(self, req: DecodeRequest, result: DecodeResult, topk_rows, started_wall: float,
+              hid_rows: list[torch.Tensor] | None = None) -> None:
+        hidden = torch.cat(hid_rows).numpy() if hid_rows else None
         if topk_rows:
             ids_, probs, tail = (torch.cat([r[j] for r in topk_rows]).numpy() for j in range(3))
         else:
@@ -775,7 +811,7 @@ class SpeculativeDecoder:
                    output_ids=np.asarray(result.output_ids),
                    proposal_lens=np.asarray([s.proposed for s in result.steps]),
                    rejection_pos=np.asarray([s.rejected_at for s in result.steps]),
-                   topk_ids=ids_, topk_probs=probs, tail_mass=tail)
+                   topk_ids=ids_, topk_probs=probs, tail_mass=tail, hidden=hidden)
 
     def _emit_prefill(self, req: DecodeRequest, result: DecodeResult, rows, started_wall: float) -> None:
         """The prompt's teacher-forced record: prompt_ids = the first prompt token, output_ids =
@@ -783,7 +819,7 @@ class SpeculativeDecoder:
         ids = np.asarray(req.prompt_ids)
         self._send(req, result, started_wall, prompt_ids=ids[:1], output_ids=ids[1:], proposal_lens=np.zeros(0),
                    rejection_pos=np.zeros(0), topk_ids=rows[0].numpy(), topk_probs=rows[1].numpy(),
-                   tail_mass=rows[2].numpy(), source="prefill")
+                   tail_mass=rows[2].numpy(), source="prefill", hidden=rows[3].numpy() if len(rows) > 3 else None)
 
     def _send(self, req: DecodeRequest, result: DecodeResult, started_wall: float, **arrays) -> None:
         """Build the request's VerifiedSample from ``arrays`` and hand it to the sink; a failing

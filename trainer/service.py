@@ -194,6 +194,12 @@ def split_key(sample) -> str:
     return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i4").tobytes()).hexdigest()
 
 
+def _lean(sample: VerifiedSample) -> VerifiedSample:
+    """The sample without its hidden states (schema 2), for what the LoRA trainer keeps in memory
+    (held-out and replay pools): it never reads them, and they are 6.5x a record's top-k rows."""
+    return dataclasses.replace(sample, hidden=None) if getattr(sample, "hidden", None) is not None else sample
+
+
 def replay_mix(new: list[VerifiedSample], kept: dict[str, Any], ratio: float = 1.0) -> list[VerifiedSample]:
     """Replayed samples for a round (pure): up to ``ratio * len(new)`` of the kept samples of workloads
     absent from ``new``, newest first, taken round-robin across those workloads (oldest-first
@@ -602,7 +608,7 @@ class TrainerService:
             if is_heldout(split_key(s), cfg.holdout_fraction):
                 d = self._heldout.setdefault(s.workload, deque(maxlen=cfg.holdout_per_workload))
                 if all(x.record_id != s.record_id for x in d):
-                    d.append(s)
+                    d.append(_lean(s))
                     report.heldout_added += 1
                 heldout_entries.append(e)
             else:
@@ -620,7 +626,7 @@ class TrainerService:
         result = self.distiller.train_round(new + replay)
         if cfg.replay_per_workload:
             for smp in new:
-                self._replay.setdefault(smp.workload, deque(maxlen=cfg.replay_per_workload)).append(smp)
+                self._replay.setdefault(smp.workload, deque(maxlen=cfg.replay_per_workload)).append(_lean(smp))
         report.result = result
         report.before = before.to_dict()
         if not result.finite:

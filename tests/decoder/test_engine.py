@@ -563,3 +563,39 @@ def test_eagle_head_on_llamacpp_features_greedy_equals_plain(engine, gguf, real)
         assert 0 < spec.counts.num_accepted_tokens < spec.counts.num_draft_tokens
     finally:
         emb.close()
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_records_carry_llama_cpps_hidden_states_on_the_real_model(engine, gguf, real):
+    """DecoderConfig.record_hidden on llama.cpp: the decode record's rows are llama.cpp's own
+    hidden states of the prompt + output taken in one teacher-forced pass (row j at index
+    P - 1 + j), within float16 rounding, while speculation (n-gram, proposals accepted) runs; the
+    output equals plain decoding; an engine built without hidden states is refused at
+    construction with the fix."""
+    from decoder.speculative import DecoderConfig
+
+    with pytest.raises(ValueError, match="embeddings=True"):
+        SpeculativeDecoder(real.target, real.draft, real.tokenizer, DecoderConfig(record_hidden=True), engine=engine)
+    emb = LlamaCppEngine(gguf, n_ctx=512, threads=2, embeddings=True)
+    got = []
+    try:
+        dec = SpeculativeDecoder(real.target, real.draft, real.tokenizer,
+                                 DecoderConfig(record_hidden=True, record_prompt=True), sink=got.append, engine=emb)
+        ids = real.tokenizer(PROMPT)["input_ids"]
+        spec = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=3, ignore_eos=True, proposer="ngram"))
+        plain = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=0, ignore_eos=True))
+        assert spec.output_ids == plain.output_ids and spec.counts.num_accepted_tokens > 0
+        pre, rec = got[0], got[1]
+        _, hs = emb.start().forward(ids + spec.output_ids, len(ids) + len(spec.output_ids), hidden=True)
+        P, N = len(ids), len(spec.output_ids)
+        assert rec.hidden.shape == (N, emb.hidden_size) and pre.hidden.shape == (P - 1, emb.hidden_size)
+        ref = hs.float()
+        # one pass against step by step: llama.cpp's batched and one-row kernels round apart
+        for got_rows, want in ((rec.hidden, ref[P - 1 : P - 1 + N]), (pre.hidden, ref[: P - 1])):
+            g = torch.from_numpy(got_rows).float()
+            cos = torch.nn.functional.cosine_similarity(g, want, dim=-1)
+            assert float(cos.min()) > 0.999, cos
+            assert float((g - want).abs().max()) < 0.05 * float(want.abs().max())
+    finally:
+        emb.close()

@@ -231,6 +231,28 @@ def test_round_on_a_new_workload_replays_the_old_one(env, train_samples):
     assert rep2.trained_on > 10 and rep2.decision in ("promoted", "rejected")
 
 
+def test_kept_samples_drop_their_hidden_states(env, train_samples):
+    """The held-out and replay pools live in the trainer's memory for many rounds; the LoRA
+    trainer never reads hidden states (schema 2), so it keeps the records without them."""
+    import dataclasses
+
+    import numpy as np
+
+    client, cfg, registry, _ = env
+    rng = np.random.default_rng(0)
+    with_h = [dataclasses.replace(s, hidden=rng.standard_normal((s.num_tokens, 16)).astype(np.float16))
+              for s in train_samples]
+    write(client, cfg, with_h)
+    svc = make_service(env, replay_per_workload=10, holdout_fraction=0.5)
+    rep = svc.run_round_now()
+    assert rep.trained_on > 0 and rep.heldout_added > 0
+    kept = [s for d in (*svc._heldout.values(), *svc._replay.values()) for s in d]
+    assert kept and all(s.hidden is None for s in kept)
+    by_id = {s.record_id: s for s in with_h}
+    for s in kept:  # everything else is the record as written
+        assert s == dataclasses.replace(by_id[s.record_id], hidden=None)
+
+
 def test_promoted_adapter_is_evaluated_only_on_new_heldout_samples(env, train_samples, heldout_samples, target):
     client, cfg, registry, _ = env
     write(client, cfg, train_samples + heldout_samples)
