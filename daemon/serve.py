@@ -761,6 +761,20 @@ class Heartbeat:
             pass
 
 
+def _eagle_head(path, target):
+    """The feature-level head in ``path`` (``serve.eagle_head``), as it serves: a frozen bf16 copy
+    where the CPU multiplies bf16 natively, else float32; None without a path."""
+    if path is None:
+        return None
+    import torch
+
+    from decoder.eagle import load_head
+    from trainer.distill import cpu_has_native_bf16
+
+    dtype = torch.bfloat16 if cpu_has_native_bf16() or torch.cuda.is_available() else torch.float32
+    return load_head(target, Path(path).expanduser()).serving_copy(dtype)
+
+
 def run_serve(settings, console=None) -> int:
     """``daemonctl serve``: load the pair, wire the loop, serve until SIGTERM/SIGINT, drain."""
     from contextlib import ExitStack
@@ -787,7 +801,8 @@ def run_serve(settings, console=None) -> int:
         pair = load_pair(m.target, m.draft, device=m.device)
         from decoder.engine import choose_engine, torch_threads_for
 
-        engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads)
+        engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads,
+                                embeddings=sv.record_hidden or sv.eagle_head is not None)
         log.info("engine", engine=engines.name, reason=engines.reason)
         if not m.torch_threads:  # on llama.cpp the decoder's torch work is per-row vector math: one thread
             stack.enter_context(torch_threads_for(engines.target))
@@ -796,9 +811,10 @@ def run_serve(settings, console=None) -> int:
         loop = build_serving_loop(
             pair.target, pair.draft, pair.tokenizer, client=rh.client, store_config=scfg, registry=registry,
             decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
-                                         ngram_gate=sv.ngram_gate),
+                                         ngram_gate=sv.ngram_gate, record_hidden=sv.record_hidden),
             pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every),
-            proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft)
+            proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft,
+            eagle_head=_eagle_head(sv.eagle_head, pair.target))
         loop.start()
         stack.callback(loop.close)
         ctx = loop.decoder.engine.context_length

@@ -93,6 +93,9 @@ class StoreSettings(_Group):
     key_prefix: str = Field("draftd:", description="Prefix of every Redis key and channel draftd uses.")
     stream: str = Field("samples", description="Suffix of the verified-sample stream key.")
     buffer_maxlen: int = Field(100_000, gt=0, description="Approximate cap on buffered samples (XADD MAXLEN ~).")
+    buffer_max_bytes: int | None = Field(1 << 30, gt=0, description="Approximate cap on the buffered samples' bytes: the writer "
+                                         "lowers MAXLEN to this / its mean entry size (records with hidden states are 6.5x "
+                                         "larger); unset = the count cap only.")
     buffer_max_age_s: float | None = Field(
         24 * 3600.0, gt=0, description="Samples older than this are trimmed (XTRIM MINID ~); unset = no age cap."
     )
@@ -244,21 +247,39 @@ class ServeSettings(_Group):
     speculation: bool = Field(True, description="false = plain decoding for every request (the baseline serve_bench compares with).")
     check_plain_every: int = Field(0, ge=0, description="Also decode every N-th greedy request plainly to report matches_plain (0 = never).")
     record_prompt: bool = Field(True, description="Stream the target's distributions over each prompt too (DecoderConfig.record_prompt).")
+    record_hidden: bool = Field(False, description="Stream the target's final hidden state per position too (DecoderConfig.record_hidden: "
+                                "float16, 1152 bytes a position for SmolLM2-135M beside 196 for its top-32), the data a feature-level "
+                                "head (decoder.eagle, trainer.head) is distilled from; on llama.cpp the engine extracts them "
+                                "(bench/head_buffer_bench.py: the cost in tokens/s).")
     ngram_gate: bool = Field(True, description="The n-gram proposer proposes per step only the matched tokens expected to pay, "
                              "from acceptance learnt on every step against the measured step cost (DecoderConfig.ngram_gate); "
                              "false proposes every matched token up to γ.")
     follow_adapters: bool = Field(True, description="Follow promoted and rolled-back adapters from the registry (per workload).")
     server_id: str | None = Field(None, description="Id in the heartbeat; unset = <hostname>-<pid>.")
-    proposers: list[Literal["ngram", "draft"]] = Field(["ngram", "draft"], description="Proposers the goodput controller chooses among per "
+    proposers: list[Literal["ngram", "draft", "eagle"]] = Field(["ngram", "draft"], description="Proposers the goodput controller chooses among per "
                                  "workload x sampling bucket: ngram (prompt lookup over the request and the workload's past "
-                                 "requests, no model), draft (the draft model with its adapters).")
+                                 "requests, no model), draft (the draft model with its adapters), eagle (the feature-level "
+                                 "head in serve.eagle_head, on the target's hidden states).")
+    eagle_head: Path | None = Field(None, description="A feature-level head file (decoder.eagle.save_head; bench/head_buffer_bench.py "
+                                    "--save distils one from the buffer) for the 'eagle' proposer; needs 'eagle' in serve.proposers.")
 
     @field_validator("proposers")
     @classmethod
     def _known_proposers(cls, v: list[str]) -> list[str]:
         if not v or len(set(v)) != len(v):
-            raise ValueError(f"serve.proposers={v!r}: a non-empty list of distinct names from ['ngram', 'draft']")
+            raise ValueError(f"serve.proposers={v!r}: a non-empty list of distinct names from ['ngram', 'draft', 'eagle']")
         return v
+
+    @model_validator(mode="after")
+    def _eagle_needs_a_head(self) -> "ServeSettings":
+        if ("eagle" in self.proposers) != (self.eagle_head is not None):
+            raise ValueError(f"serve.proposers={self.proposers!r} and serve.eagle_head={self.eagle_head!r}: the 'eagle' proposer "
+                             f"and a head file go together (DRAFTD_SERVE__EAGLE_HEAD=head.safetensors with "
+                             f"DRAFTD_SERVE__PROPOSERS='[\"ngram\", \"eagle\"]')")
+        if self.eagle_head is not None and not Path(self.eagle_head).expanduser().is_file():
+            raise ValueError(f"serve.eagle_head={str(self.eagle_head)!r} does not exist: train one with "
+                             f"bench/head_buffer_bench.py --save PATH, or unset it")
+        return self
 
 
 def _default_state_dir() -> Path:
@@ -390,6 +411,7 @@ def store_config(s: Settings) -> StoreConfig:
         buffer=BufferConfig(
             stream=st.stream,
             maxlen=st.buffer_maxlen,
+            max_bytes=st.buffer_max_bytes,
             max_age_s=st.buffer_max_age_s,
             dead_letter_maxlen=st.dead_letter_maxlen,
         ),

@@ -432,8 +432,10 @@ class ControllerConfig:
     useless_alpha: below this α the "off" reason says the draft is useless.
     min_steps: steps of γ = 0 and of γ >= 1 measured before the choice is trusted (warm-up; >= 1).
     proposers: the proposers the controller chooses among (:mod:`decoder.proposers`): "draft"
-        (the draft model, modelled by α) and/or "ngram" (modelled by its measured accepted-length
-        distribution, see :class:`GoodputController`). The first listed warms up first.
+        (the draft model, modelled by α), "ngram" and "eagle" (the feature-level head,
+        ``decoder.eagle``; the decoder needs one: ``build_serving_loop(eagle_head=...)``), both
+        modelled by their measured accepted-length distribution and step cost, see
+        :class:`GoodputController`. The first listed warms up first.
     ceiling_probe_every: while the draft's ceiling (its goodput at α = 1, every proposal
         accepted: no adapter can do better at its measured cost) is below plain decoding, the
         draft's probes back off (1, 2, 4, ... ``probe_every`` requests apart) up to one every this
@@ -451,13 +453,13 @@ class ControllerConfig:
     ceiling_probe_every: int = 100
 
     def __post_init__(self):
-        from decoder.proposers import PROPOSERS
+        from decoder.proposers import REQUEST_PROPOSERS
 
         self.proposers = (self.proposers,) if isinstance(self.proposers, str) else tuple(self.proposers)
-        bad = [p for p in self.proposers if p not in PROPOSERS]
+        bad = [p for p in self.proposers if p not in REQUEST_PROPOSERS]
         if not self.proposers or bad or len(set(self.proposers)) != len(self.proposers):
             raise ValueError(f"ControllerConfig.proposers={self.proposers!r}: a non-empty list of distinct names "
-                             f"from {PROPOSERS}")
+                             f"from {REQUEST_PROPOSERS}")
         if not 1 <= self.gamma_init <= self.gamma_max:
             raise ValueError(f"gamma_init={self.gamma_init} must lie in 1..gamma_max={self.gamma_max}")
         if not 0 < self.ewma <= 1:

@@ -459,7 +459,7 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                        config: LoopConfig | None = None, controller=None, poll_interval_s: float = 1.0,
                        rollback_min_requests: int = 20, rollback_margin: float = 0.1,
                        history_flush_s: float = 5.0, proposers: tuple[str, ...] = ("draft",),
-                       engine=None, draft_engine=None) -> ServingLoop:
+                       engine=None, draft_engine=None, eagle_head=None) -> ServingLoop:
     """Wire the decoder and the adaptive loop once (what ``serve`` and an in-process driver share).
 
     - ``client`` + ``store_config``: a SampleWriter as the decoder's sink (``tap(sample)`` is
@@ -470,8 +470,15 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
       (``decoder.engine.choose_engine``); None: transformers on ``target`` / ``draft``.
     - ``controller``: a GoodputController (default: one following the decoder's adapter version,
       choosing among ``proposers``, see :class:`decoder.control.ControllerConfig`).
+    - ``eagle_head``: the feature-level head (``decoder.eagle.EagleHead``, e.g. ``load_head(...)
+      .serving_copy()``) the ``"eagle"`` proposer proposes with; the target's engine must return
+      hidden states (llama.cpp: ``choose_engine(..., embeddings=True)``).
 
     Returns the loop, not started (``with build_serving_loop(...) as loop:``).
+
+    Raises:
+        ValueError: ``"eagle"`` among ``proposers`` without ``eagle_head``, or a head the target
+            cannot feed (another width or vocabulary, an engine without hidden states).
     """
     from decoder.adapters import AdapterManager
     from decoder.shift import ShiftDetector
@@ -492,8 +499,14 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                 except Exception:  # noqa: BLE001 - a tap never fails the buffer
                     log.exception("sample_tap_failed")
             return writer.submit(sample)
+    if "eagle" in proposers and eagle_head is None:
+        raise ValueError(f"proposers={tuple(proposers)!r} include 'eagle', which needs a head: pass eagle_head= "
+                         f"(decoder.eagle.load_head(target, path), trained by bench/head_buffer_bench.py --save)")
     decoder = SpeculativeDecoder(target, draft, tokenizer, decoder_config, sink=sink, pair_fingerprint=pair_fingerprint,
                                  engine=engine, draft_engine=draft_engine)
+    if eagle_head is not None:
+        decoder.eagle_head = eagle_head
+        decoder.check_eagle_head()  # a head this target cannot feed fails here, not on the first request
     manager = AdapterManager(decoder, registry, poll_interval_s=poll_interval_s) if registry is not None else None
     tracker = AcceptanceTracker(history, ShiftDetector(), flush_interval_s=history_flush_s)
     monitor = (RollbackMonitor(registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin)

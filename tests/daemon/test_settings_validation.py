@@ -83,3 +83,24 @@ def test_serve_ngram_gate_defaults_on_turns_off_and_refuses_a_bad_value(monkeypa
     monkeypatch.setenv("DRAFTD_SERVE__NGRAM_GATE", "maybe")
     with pytest.raises(ConfigError, match="ngram_gate"):
         load_settings(None)
+
+
+def test_serve_eagle_proposer_and_its_head_file_go_together(monkeypatch, tmp_path):
+    s = load_settings(None).serve
+    assert s.eagle_head is None and s.record_hidden is False
+    monkeypatch.setenv("DRAFTD_SERVE__PROPOSERS", '["ngram", "eagle"]')
+    with pytest.raises(ConfigError, match="'eagle' proposer and a head file go together"):
+        load_settings(None)
+    monkeypatch.setenv("DRAFTD_SERVE__EAGLE_HEAD", str(tmp_path / "missing.safetensors"))
+    with pytest.raises(ConfigError, match="missing.safetensors' does not exist: train one with"):
+        load_settings(None)
+    head = tmp_path / "head.safetensors"
+    head.write_bytes(b"x")  # load_settings checks the path; serve's load_head checks the file
+    monkeypatch.setenv("DRAFTD_SERVE__EAGLE_HEAD", str(head))
+    assert load_settings(None).serve.eagle_head == head
+    monkeypatch.setenv("DRAFTD_SERVE__PROPOSERS", '["ngram"]')
+    with pytest.raises(ConfigError, match="go together"):
+        load_settings(None)
+    monkeypatch.delenv("DRAFTD_SERVE__EAGLE_HEAD")
+    monkeypatch.setenv("DRAFTD_SERVE__RECORD_HIDDEN", "true")
+    assert load_settings(None).serve.record_hidden is True

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from decoder.eagle import EagleHead, EagleProposer, _column_map, chained_alpha, head_batch, head_loss, score_features
+from decoder.eagle import EagleHead, EagleProposer, score_features
+from trainer.head import chained_alpha, column_map, head_batch, head_loss
 from decoder.sampling import SamplingParams, process_logits
 from decoder.speculative import DecodeRequest, SpeculativeDecoder
 from test_speculative import _chi2_crit_001, _chi_square
@@ -63,7 +64,7 @@ def test_head_batch_aligns_feature_token_and_next_distribution():
     assert torch.equal(b["feats"][0, 1], item["feats"][1].float())
     assert torch.equal(b["next_feats"][0, 1], item["feats"][2].float())
     assert b["topk"][0, 1].tolist() == [3, 2]  # position 2's top-k for row 1
-    col = _column_map(torch.tensor([0, 2, 5]), 8)  # id 2 -> column 1; ids 1 and 3 are outside
+    col = column_map(torch.tensor([0, 2, 5]), 8)  # id 2 -> column 1; ids 1 and 3 are outside
     r = head_batch([item], col)
     assert r["present"][0, 0].tolist() == [False, True]
     assert r["topk"][0, 0].tolist() == [0, 1]
@@ -240,3 +241,143 @@ def test_the_benches_refuse_bad_eagle_arguments_before_loading(tmp_path, capsys)
         r = subprocess.run([sys.executable, str(repo / "bench" / "eagle_bench.py"), *args], capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 2 and msg in r.stderr, r.stderr[-500:]
+
+
+def test_records_carry_the_targets_hidden_states_row_for_row(target, other_draft, tok):
+    """DecoderConfig.record_hidden: row j of the decode record is the target's final hidden state
+    at sequence index P - 1 + j and row j of the prefill record the one at index j, both against
+    a full teacher-forced recomputation (transformers' output_hidden_states), over steps that
+    accepted some proposals and rejected others; they survive the
+    buffer's encoding; without the flag records stay schema 1."""
+    from decoder.models import derive_draft
+    from decoder.speculative import DecoderConfig
+    from store.schema import PairFingerprint, decode, encode
+
+    got = []
+    fp = PairFingerprint("tiny-t", "tiny-d", "chars")
+    dec = SpeculativeDecoder(target, derive_draft(target, "0-2"), tok,
+                             DecoderConfig(topk_record=4, record_prompt=True, record_hidden=True),
+                             sink=got.append, pair_fingerprint=fp)
+    ids = tok("def add(a, b):", add_special_tokens=False)["input_ids"]
+    res = dec.generate(DecodeRequest(ids, max_new_tokens=14, gamma=3, ignore_eos=True, workload="w"))
+    assert any(s.rejected_at >= 0 for s in res.steps) and any(s.accepted for s in res.steps)
+    pre, rec = got
+    assert (pre.source, rec.source) == ("prefill", "decode")
+    with torch.no_grad():
+        hs = target(input_ids=torch.tensor([ids + res.output_ids]), output_hidden_states=True).hidden_states[-1][0]
+    P, N = len(ids), len(res.output_ids)
+    assert rec.hidden.shape == (N, 48) and rec.hidden.dtype.name == "float16"
+    assert torch.allclose(torch.from_numpy(rec.hidden).float(), hs[P - 1 : P - 1 + N], atol=2e-2, rtol=1e-2)
+    assert pre.hidden.shape == (P - 1, 48)
+    assert torch.allclose(torch.from_numpy(pre.hidden).float(), hs[: P - 1], atol=2e-2, rtol=1e-2)
+    for r in (pre, rec):
+        back = decode(encode(r))
+        assert back == r and back.schema_version == 2
+    got.clear()
+    SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=4), sink=got.append,
+                       pair_fingerprint=fp).generate(DecodeRequest(ids, max_new_tokens=6, gamma=2, ignore_eos=True))
+    assert got[0].hidden is None and got[0].schema_version == 1
+
+
+def test_record_hidden_refuses_what_cannot_record(target, tok):
+    import pytest
+
+    from decoder.speculative import DecoderConfig
+
+    with pytest.raises(ValueError, match="record_hidden=True needs topk_record > 0"):
+        DecoderConfig(topk_record=0, record_hidden=True)
+    with pytest.raises(ValueError, match="record_hidden='yes'"):
+        DecoderConfig(record_hidden="yes")
+
+    class NoHidden:  # an engine built without hidden-state extraction (LlamaCppEngine(embeddings=False))
+        name, embeddings, vocab_size, hidden_size, context_length = "llama.cpp", False, 64, 48, 512
+
+    with pytest.raises(ValueError, match=r"record_hidden needs the target's hidden states.*embeddings=True"):
+        SpeculativeDecoder(target, target, tok, DecoderConfig(record_hidden=True), engine=NoHidden())
+
+
+def test_a_head_distilled_from_records_alone_raises_heldout_alpha(target, other_draft, tok):
+    """trainer.head: decoded records (the decoder's own sink, through the buffer's encoding) are
+    the only training data; no target forward runs in training. Held-out α (records of other
+    prompts) rises at depth 1 and 2, and the windows line up with the records' tokens."""
+    from decoder.speculative import DecoderConfig
+    from store.schema import PairFingerprint, decode, encode
+    from trainer.head import HeadDistiller, column_map, groups, head_batch, heldout_alpha, record_items
+
+    got = []
+    dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=8, record_prompt=True,
+                                                                     record_hidden=True),
+                             sink=lambda s: got.append(decode(encode(s))),
+                             pair_fingerprint=PairFingerprint("tiny-t", "tiny-d", "chars"))
+    g = torch.Generator().manual_seed(11)
+    for i in range(72):  # 60 requests to train on, 12 held out (a prefill and a decode record each)
+        ids = torch.randint(2, 40, (12,), generator=g).tolist()
+        dec.generate(DecodeRequest(ids, max_new_tokens=32, gamma=2, ignore_eos=True, workload="w",
+                                   params=SamplingParams(temperature=1.0, seed=i)))
+    train_recs, held_recs = got[:120], got[120:]
+    items = record_items(train_recs, window=16)
+    r = train_recs[1]  # a decode record: row 0's input is the prompt's last token, then the outputs
+    assert r.source == "decode"
+    first, second = record_items([r], window=16)
+    assert first["ids"].tolist() == [int(r.prompt_ids[-1])] + r.output_ids[:15].tolist()
+    assert second["ids"].tolist() == r.output_ids[15:31].tolist()
+    assert torch.equal(first["feats"], torch.from_numpy(r.hidden[:16]))
+    assert torch.equal(second["topk_ids"], torch.from_numpy(r.topk_ids[16:32].astype("int64")))
+    held = [head_batch(gr, None) for gr in groups(record_items(held_recs, window=16))]
+    head = EagleHead.from_target(target)
+    before = heldout_alpha(head, held, 2)
+    calls = []
+    target.register_forward_hook(lambda *a: calls.append(1))
+    dist = HeadDistiller(head, items, None, lr=1e-3, batch=4, unroll=2, total_steps=250, min_lr=1.0, warmup=1)
+    for _ in range(250):
+        dist.step()
+    target._forward_hooks.clear()
+    assert calls == []  # distilled from the records alone
+    after = heldout_alpha(head, held, 2)
+    assert after[0] > before[0] + 0.05, (before, after)
+    assert after[1] > before[1], (before, after)
+
+
+def test_record_items_and_the_distiller_refuse_what_cannot_train():
+    import pytest
+
+    from trainer.head import HeadDistiller, record_items
+
+    with pytest.raises(ValueError, match="window=2"):
+        record_items([], window=2)
+    with pytest.raises(ValueError, match="no training windows"):
+        HeadDistiller(None, [], None)
+
+
+def test_the_serving_loop_measures_the_eagle_proposer_beside_the_others(target, other_draft, tok):
+    """build_serving_loop(eagle_head=...): the goodput controller warms up 'eagle' among its
+    proposers and rates it by its measured accepted lengths and step cost; every greedy output
+    equals plain decoding; 'eagle' without a head, or a head the target cannot feed, is refused
+    when the loop is built."""
+    import pytest
+
+    from decoder.loop import build_serving_loop
+    from decoder.speculative import DecoderConfig
+    from tiny import tiny_llama
+
+    with pytest.raises(ValueError, match="include 'eagle', which needs a head"):
+        build_serving_loop(target, other_draft, tok, proposers=("ngram", "eagle"))
+    with pytest.raises(ValueError, match="32-wide features, the target's are 48"):
+        build_serving_loop(target, other_draft, tok, proposers=("eagle",),
+                           eagle_head=EagleHead.from_target(tiny_llama(3, layers=2, hidden=32)))
+    torch.manual_seed(5)
+    head = EagleHead.from_target(target).eval()
+    loop = build_serving_loop(target, other_draft, tok, decoder_config=DecoderConfig(topk_record=0),
+                              proposers=("eagle", "ngram"), eagle_head=head)
+    served = set()
+    with loop:
+        for i in range(12):
+            ids = tok(["the cat sat on the mat", "hello world, hi", "abc abc abc"][i % 3],
+                      add_special_tokens=False)["input_ids"]
+            r = loop.generate(DecodeRequest(ids, GREEDY, 12, ignore_eos=True, workload="w"))
+            assert r.output_ids == reference_greedy(target, ids, 12)
+            served.add(r.proposer)
+        dec = loop.controller.status()["w@greedy"]
+    assert "eagle" in served and "ngram" in served
+    rates = dec["tokens_per_ms_by_proposer"]
+    assert set(rates) == {"eagle", "ngram"} and all(r > 0 for r in rates["eagle"].values() if r is not None)
