@@ -148,6 +148,9 @@ class TrainerSettings(_Group):
     )
     replay_ratio: float = Field(1.0, ge=0, allow_inf_nan=False, description="Replayed samples per new sample in a round, at most.")
     min_eval_samples: int = Field(8, ge=1, description="Held-out samples a workload needs to count in the promotion gate.")
+    heldout_topup: bool = Field(True, description="A workload the prompt-hash split left short of min_eval_samples is topped up "
+                                "with whole prompts it never trained on, so its rounds are judged, not rejected for want of "
+                                "held-out samples (trainer.service.ServiceConfig.heldout_topup).")
     per_workload: bool = Field(
         False, description="Also train one adapter per workload tag, served to that workload only (the shared one serves the rest)."
     )
@@ -489,6 +492,7 @@ def service_config(s: Settings) -> "ServiceConfig":
         replay_per_workload=t.replay_per_workload,
         replay_ratio=t.replay_ratio,
         min_eval_samples=t.min_eval_samples,
+        heldout_topup=t.heldout_topup,
         per_workload=t.per_workload,
         min_workload_samples=t.min_workload_samples,
         promote_margin=t.promote_margin,

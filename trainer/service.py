@@ -5,10 +5,11 @@ A round (``TrainerService.run_round_now`` or the scheduler):
 1. Reclaim entries a dead consumer held (XAUTOCLAIM after ``reclaim_min_idle_ms``), then read
    new ones, up to ``max_samples_per_round`` (any overflow is carried to the next round, never
    dropped: the reader holds it pending).
-2. Split by record id: a fixed hash bucket of record ids (``holdout_fraction``) is held out, so
+2. Split by prompt (``split_key``): a fixed hash bucket of prompts (``holdout_fraction``) is held out, so
    a redelivered sample always lands on the same side and a held-out sample is never trained
    on. Held-out samples are kept in memory, the most recent ``holdout_per_workload`` per
-   workload.
+   workload. A workload the hash left short of ``min_eval_samples`` is topped up with whole
+   prompts it never trained on (``heldout_topup``), so the gate is not blocked for a phase.
 3. Evaluate the promoted adapter (or the base draft) on the held-out slice, train a candidate,
    evaluate it on the same slice. The promoted adapter's per-sample results are cached while it
    stays promoted (its weights do not change), and a promoted candidate's own evaluation seeds
@@ -64,7 +65,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -98,6 +99,13 @@ class ServiceConfig:
     holdout_fraction: float = 0.2  # share of record ids (by hash) held out for evaluation
     holdout_per_workload: int = 64  # most recent held-out samples kept per workload
     min_eval_samples: int = 8  # held-out samples a workload needs to count in the gate
+    # A workload whose hash split left it fewer than min_eval_samples held out (few distinct
+    # prompts: a phase cycling 8 problems holds none out 17 % of the time at 0.2) would have every
+    # round rejected for "not enough held-out samples". Top-up: the round then also holds out
+    # the records of whole prompts of that workload never trained on (all their records, now and
+    # when they come again; in memory, so a restart forgets it), keeping at least one prompt of
+    # the workload's round in training, until min_eval_samples are held out.
+    heldout_topup: bool = True
     promote_margin: float = 0.005  # candidate alpha must beat the promoted one by this much
     regress_margin: float = 0.01  # and may drop by at most this much on any workload
     # Replay against forgetting: the most recent trained samples of each workload are kept (in
@@ -125,6 +133,7 @@ class RoundReport:
     trained_on: int = 0  # new samples given to the Distiller
     replayed: int = 0  # kept samples of other workloads mixed in (ServiceConfig.replay_per_workload)
     heldout_added: int = 0
+    heldout_topped_up: int = 0  # of those, held out by the top-up (ServiceConfig.heldout_topup), not the hash
     decision: str = "idle"
     reason: str = ""
     version: int | None = None  # registered candidate version
@@ -192,6 +201,9 @@ def split_key(sample) -> str:
     same prompt among the training records, and held-out alpha measures unseen prompts."""
     ids = sample.prompt_ids if sample.source == "decode" else np.concatenate([sample.prompt_ids, sample.output_ids])
     return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i4").tobytes()).hexdigest()
+
+
+_TRAINED_KEYS_KEPT = 65536  # split keys remembered per workload (trained) and in all (topped-up held out)
 
 
 def _lean(sample: VerifiedSample) -> VerifiedSample:
@@ -291,6 +303,9 @@ class TrainerService:
         self._last: RoundReport | None = None
         self._heldout: dict[str, deque[VerifiedSample]] = {}
         self._replay: dict[str, deque[VerifiedSample]] = {}
+        # split keys (prompts) trained on, and those the top-up holds out, per workload; bounded
+        self._trained_keys: dict[str, OrderedDict[str, None]] = {}
+        self._topup_keys: OrderedDict[str, None] = OrderedDict()
         self._carry: list[Any] = []  # entries read beyond max_samples_per_round, for the next round
         self._promoted_version = -1  # unknown until the first sync (and again after a failed one)
         self.sync_error: str | None = None  # why the registry's active adapter could not be loaded
@@ -598,21 +613,65 @@ class TrainerService:
             self._drop(report, entries, [(x, f"{why} (the round failed with {type(e).__name__}: {e})") for x, why in bad])
             self._process_once(report, entries)
 
+    def _topup(self, keyed: list[tuple[Any, str]], held: set[str]) -> set[str]:
+        """The split keys the held-out top-up adds this round (``ServiceConfig.heldout_topup``):
+        per workload short of ``min_eval_samples`` held out (kept, plus this round's), whole
+        prompts in arrival order that were never trained on, until it has enough, never the
+        workload's last prompt in training this round."""
+        cfg = self.config
+        by_w: dict[str, dict[str, int]] = {}  # workload -> this round's training keys -> records
+        have: dict[str, int] = {}
+        for e, k in keyed:
+            w = e.sample.workload
+            if k in held:
+                have[w] = have.get(w, 0) + 1
+            else:
+                by_w.setdefault(w, {})
+                by_w[w][k] = by_w[w].get(k, 0) + 1
+        added: set[str] = set()
+        for w, keys in by_w.items():
+            n = len(self._heldout.get(w, ())) + have.get(w, 0)
+            trained = self._trained_keys.get(w, {})
+            fresh = [k for k in keys if k not in trained]
+            left = len(keys)  # this round's training prompts of w
+            while n < cfg.min_eval_samples and fresh and left > 1:
+                k = fresh.pop(0)
+                added.add(k)
+                n += keys[k]
+                left -= 1
+        for k in added:
+            self._topup_keys[k] = None
+        while len(self._topup_keys) > _TRAINED_KEYS_KEPT:  # bounded: the oldest are forgotten, as on restart
+            self._topup_keys.popitem(last=False)
+        if added:
+            log.info("trainer_heldout_topup", prompts=len(added))
+        return added
+
     def _process_once(self, report: RoundReport, entries: list[Any]) -> None:
         cfg = self.config
         if not self.distiller.weights_finite:
             raise TrainerError("the adapter's weights are not finite before the round; not training (entries kept pending)")
         train, heldout_entries = [], []
-        for e in entries:
+        keyed = [(e, split_key(e.sample)) for e in entries]
+        held = {k for e, k in keyed if is_heldout(k, cfg.holdout_fraction) or k in self._topup_keys}
+        if cfg.heldout_topup:
+            held |= self._topup(keyed, held)
+        for e, key in keyed:
             s = e.sample
-            if is_heldout(split_key(s), cfg.holdout_fraction):
+            if key in held:
                 d = self._heldout.setdefault(s.workload, deque(maxlen=cfg.holdout_per_workload))
                 if all(x.record_id != s.record_id for x in d):
                     d.append(_lean(s))
                     report.heldout_added += 1
+                    report.heldout_topped_up += key in self._topup_keys
                 heldout_entries.append(e)
             else:
                 train.append(e)
+                tk = self._trained_keys.setdefault(s.workload, OrderedDict())
+                tk[key] = None
+                tk.move_to_end(key)
+                while len(tk) > _TRAINED_KEYS_KEPT:
+                    tk.popitem(last=False)
         report.trained_on = len(train)
         if not train:
             report.decision, report.reason = "idle", "no new training samples"

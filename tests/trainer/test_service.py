@@ -231,6 +231,47 @@ def test_round_on_a_new_workload_replays_the_old_one(env, train_samples):
     assert rep2.trained_on > 10 and rep2.decision in ("promoted", "rejected")
 
 
+def test_a_workload_the_hash_holds_nothing_out_of_is_topped_up_with_untrained_prompts(env, train_samples):
+    """holdout_fraction 0: the hash holds no prompt out. Without the top-up every round is
+    rejected for want of held-out samples; with it, whole prompts never trained on are held out
+    until min_eval_samples, the gate judges alpha, and a topped-up prompt served again stays
+    held out while a trained prompt served again is trained on."""
+    import dataclasses
+
+    client, cfg, registry, _ = env
+    prose = [s for s in train_samples if s.workload == "prose"][:24]
+    assert len({split_key(s) for s in prose}) == 24  # one record per prompt
+    write(client, cfg, prose[:12])
+    svc = make_service(env, holdout_fraction=0.0)
+    rep = svc.run_round_now()
+    assert (rep.heldout_added, rep.heldout_topped_up, rep.trained_on) == (4, 4, 8)
+    assert "not enough held-out" not in rep.reason and rep.decision in ("promoted", "rejected"), rep.reason
+    held_ids = {s.record_id for s in svc._heldout["prose"]}
+    assert held_ids == {s.record_id for s in prose[:4]}  # the first prompts, in arrival order
+    # the same prompts again (new records): a topped-up one stays held out, a trained one trains;
+    # the pool has enough, so no new prompt is held out
+    again = [dataclasses.replace(prose[0], record_id="again-0"), dataclasses.replace(prose[5], record_id="again-5")]
+    write(client, cfg, again + prose[12:16])
+    rep2 = svc.run_round_now()
+    assert rep2.heldout_added == 1 and rep2.heldout_topped_up == 1 and rep2.trained_on == 5
+    assert "again-0" in {s.record_id for s in svc._heldout["prose"]}
+
+
+def test_without_the_top_up_such_a_workload_blocks_the_gate(env, train_samples):
+    client, cfg, registry, _ = env
+    write(client, cfg, [s for s in train_samples if s.workload == "prose"][:12])
+    rep = make_service(env, holdout_fraction=0.0, heldout_topup=False).run_round_now()
+    assert rep.decision == "rejected" and "not enough held-out samples" in rep.reason and rep.heldout_added == 0
+
+
+def test_the_top_up_never_holds_out_a_workloads_last_training_prompt(env, train_samples):
+    client, cfg, registry, _ = env
+    one = [s for s in train_samples if s.workload == "code"][:1]
+    write(client, cfg, one)
+    rep = make_service(env, holdout_fraction=0.0).run_round_now()
+    assert rep.heldout_added == 0 and rep.trained_on == 1
+
+
 def test_kept_samples_drop_their_hidden_states(env, train_samples):
     """The held-out and replay pools live in the trainer's memory for many rounds; the LoRA
     trainer never reads hidden states (schema 2), so it keeps the records without them."""
