@@ -128,8 +128,6 @@ def chained_alpha(head, batch: dict, depth: int = 2) -> list[float]:
     return out
 
 
-
-
 def record_items(samples: Iterable, window: int = 64) -> list[dict]:
     """Cut records that carry hidden states into training windows of ``window`` rows (the last
     part of a record, if at least 3 rows, is a shorter window of its own).
