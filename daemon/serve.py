@@ -763,7 +763,11 @@ class Heartbeat:
 
 def _eagle_head(path, target):
     """The feature-level head in ``path`` (``serve.eagle_head``), as it serves: a frozen bf16 copy
-    where the CPU multiplies bf16 natively, else float32; None without a path."""
+    where the CPU multiplies bf16 natively, else float32; None without a path.
+
+    Raises:
+        ModelLoadError: the file cannot be read or does not fit ``target`` (serve exits 2 naming it).
+    """
     if path is None:
         return None
     import torch
@@ -771,8 +775,13 @@ def _eagle_head(path, target):
     from decoder.eagle import load_head
     from trainer.distill import cpu_has_native_bf16
 
+    from decoder.models import ModelLoadError
+
     dtype = torch.bfloat16 if cpu_has_native_bf16() or torch.cuda.is_available() else torch.float32
-    return load_head(target, Path(path).expanduser()).serving_copy(dtype)
+    try:
+        return load_head(target, Path(path).expanduser()).serving_copy(dtype)
+    except ValueError as e:  # unreadable, another target's, or another shape: say so, no traceback
+        raise ModelLoadError(f"serve.eagle_head: {e}") from e
 
 
 def run_serve(settings, console=None) -> int:

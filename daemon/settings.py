@@ -273,6 +273,11 @@ class ServeSettings(_Group):
             raise ValueError(f"serve.proposers={v!r}: a non-empty list of distinct names from ['ngram', 'draft', 'eagle']")
         return v
 
+    @field_validator("eagle_head", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v):
+        return None if isinstance(v, str) and not v.strip() else v
+
     @model_validator(mode="after")
     def _eagle_needs_a_head(self) -> "ServeSettings":
         if ("eagle" in self.proposers) != (self.eagle_head is not None):

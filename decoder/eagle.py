@@ -380,7 +380,7 @@ def load_head(target: nn.Module, path) -> EagleHead:
         tensors = load_file(str(path))
     except (OSError, ValueError, RuntimeError, Exception) as e:  # SafetensorError derives from Exception only
         raise ValueError(f"head file {str(path)!r} cannot be read ({type(e).__name__}: {e}); write one with "
-                         f"bench/eagle_bench.py --save") from e
+                         f"bench/head_buffer_bench.py --save (from served traffic) or bench/eagle_bench.py --save") from e
     want = target_digest(target)
     if header.get("target_digest") not in (None, want):
         raise ValueError(f"head file {str(path)!r} was trained for other target weights (digest "

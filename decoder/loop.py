@@ -502,11 +502,16 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
     if "eagle" in proposers and eagle_head is None:
         raise ValueError(f"proposers={tuple(proposers)!r} include 'eagle', which needs a head: pass eagle_head= "
                          f"(decoder.eagle.load_head(target, path), trained by bench/head_buffer_bench.py --save)")
-    decoder = SpeculativeDecoder(target, draft, tokenizer, decoder_config, sink=sink, pair_fingerprint=pair_fingerprint,
-                                 engine=engine, draft_engine=draft_engine)
-    if eagle_head is not None:
-        decoder.eagle_head = eagle_head
-        decoder.check_eagle_head()  # a head this target cannot feed fails here, not on the first request
+    try:
+        decoder = SpeculativeDecoder(target, draft, tokenizer, decoder_config, sink=sink,
+                                     pair_fingerprint=pair_fingerprint, engine=engine, draft_engine=draft_engine)
+        if eagle_head is not None:
+            decoder.eagle_head = eagle_head
+            decoder.check_eagle_head()  # a head this target cannot feed fails here, not on the first request
+    except Exception:
+        if writer is not None:  # its thread started above: nothing else will close it
+            writer.close()
+        raise
     manager = AdapterManager(decoder, registry, poll_interval_s=poll_interval_s) if registry is not None else None
     tracker = AcceptanceTracker(history, ShiftDetector(), flush_interval_s=history_flush_s)
     monitor = (RollbackMonitor(registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin)

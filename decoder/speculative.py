@@ -801,7 +801,7 @@ class SpeculativeDecoder:
 
     def _emit(self, req: DecodeRequest, result: DecodeResult, topk_rows, started_wall: float,
               hid_rows: list[torch.Tensor] | None = None) -> None:
-        hidden = torch.cat(hid_rows).numpy() if hid_rows else None
+        hidden = _finite_or_none(torch.cat(hid_rows)) if hid_rows else None
         if topk_rows:
             ids_, probs, tail = (torch.cat([r[j] for r in topk_rows]).numpy() for j in range(3))
         else:
@@ -819,7 +819,7 @@ class SpeculativeDecoder:
         ids = np.asarray(req.prompt_ids)
         self._send(req, result, started_wall, prompt_ids=ids[:1], output_ids=ids[1:], proposal_lens=np.zeros(0),
                    rejection_pos=np.zeros(0), topk_ids=rows[0].numpy(), topk_probs=rows[1].numpy(),
-                   tail_mass=rows[2].numpy(), source="prefill", hidden=rows[3].numpy() if len(rows) > 3 else None)
+                   tail_mass=rows[2].numpy(), source="prefill", hidden=_finite_or_none(rows[3]) if len(rows) > 3 else None)
 
     def _send(self, req: DecodeRequest, result: DecodeResult, started_wall: float, **arrays) -> None:
         """Build the request's VerifiedSample from ``arrays`` and hand it to the sink; a failing
@@ -887,6 +887,16 @@ def small_m_head(model: torch.nn.Module):
         return out
 
     return apply
+
+
+def _finite_or_none(hidden: torch.Tensor):
+    """(N, H) float16 hidden states as numpy, or None (logged) where a row is not finite (NaN, or
+    beyond float16's range): the record then goes without them rather than be dead-lettered with
+    its top-k rows."""
+    if bool(torch.isfinite(hidden).all()):
+        return hidden.numpy()
+    log.warning("hidden_states_not_recorded", reason="NaN or beyond float16's range", rows=int(hidden.shape[0]))
+    return None
 
 
 def _topk_rows(logits: torch.Tensor, k: int):

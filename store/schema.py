@@ -189,7 +189,11 @@ class VerifiedSample:
             h = np.asarray(self.hidden)
             if h.ndim != 2 or h.shape[0] != n or h.shape[1] == 0:
                 raise SchemaError(f"hidden has shape {h.shape}, expected ({n}, H): one row per output token")
-            self.hidden = np.ascontiguousarray(h, dtype=np.float16)
+            with np.errstate(over="ignore", invalid="ignore"):
+                self.hidden = np.ascontiguousarray(h, dtype=np.float16)
+            if not np.isfinite(self.hidden).all():
+                raise SchemaError("hidden holds NaN or infinity, or values beyond float16's range (65504): a reader "
+                                  "would dead-letter the record")
         self.schema_version = SCHEMA_VERSION if self.hidden is not None else 1  # what encode writes
         if self.source == "prefill" and self.proposal_lens.shape[0]:
             raise SchemaError(f"a prefill record has no steps, got {self.proposal_lens.shape[0]} proposal lengths")
@@ -281,8 +285,9 @@ def _check_hidden(h: np.ndarray, n: int) -> None:
         raise SchemaError(f"field 'hidden' has dtype {h.dtype}, expected a float array")
     if h.ndim != 2 or h.shape[0] != n or h.shape[1] == 0:
         raise SchemaError(f"field 'hidden' has shape {h.shape}, expected ({n}, H): one row per output token")
-    if not np.isfinite(h).all():
-        raise SchemaError("field 'hidden' holds NaN or infinity")
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not np.isfinite(h.astype(np.float16)).all():  # as the record holds them: beyond 65504 is inf in float16
+            raise SchemaError("field 'hidden' holds NaN or infinity, or values beyond float16's range (65504)")
 
 
 def _check_scalars(body: dict) -> None:

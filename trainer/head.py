@@ -163,11 +163,16 @@ def record_items(samples: Iterable, window: int = 64) -> list[dict]:
     return out
 
 
+def _shape(it: dict) -> tuple[int, int, int]:
+    return len(it["ids"]), int(it["topk_ids"].shape[1]), int(it["feats"].shape[1])
+
+
 def groups(items: list[dict], size: int = 8) -> list[list[dict]]:
-    """Items of equal length in groups of at most ``size`` (``head_batch`` stacks without padding)."""
-    by: dict[int, list] = {}
+    """Items of equal length, top-k width and feature width in groups of at most ``size``
+    (``head_batch`` stacks without padding)."""
+    by: dict[tuple, list] = {}
     for it in items:
-        by.setdefault(len(it["ids"]), []).append(it)
+        by.setdefault(_shape(it), []).append(it)
     return [g[i : i + size] for g in by.values() for i in range(0, len(g), size)]
 
 
@@ -195,8 +200,9 @@ class HeadDistiller:
     Under bf16 autocast where the CPU (or CUDA) multiplies bf16 natively (``autocast``).
 
     Raises:
-        ValueError: no items, or ``lr`` <= 0, ``batch`` < 1, ``unroll`` < 1, ``min_lr`` outside
-            [0, 1], ``total_steps`` < 1.
+        ValueError: no items, items of more than one (top-k, hidden) width, or ``lr`` outside
+            (0, 1], ``batch`` < 1, ``unroll`` < 1, ``min_lr`` outside [0, 1], ``total_steps`` < 1,
+            ``feature_weight`` negative or not finite.
     """
 
     def __init__(self, head, items: list[dict], col: torch.Tensor | None, *, lr: float = 1e-3, batch: int = 8,
@@ -204,16 +210,21 @@ class HeadDistiller:
                  min_lr: float = 0.1, warmup: int = 20, seed: int = 0, autocast: torch.dtype | None = None):
         if not items:
             raise ValueError("no training windows: records need hidden states (DecoderConfig.record_hidden) and >= 3 rows")
-        if not (lr > 0 and batch >= 1 and unroll >= 1 and 0 <= min_lr <= 1 and total_steps >= 1):
-            raise ValueError(f"lr={lr} (> 0), batch={batch} (>= 1), unroll={unroll} (>= 1), min_lr={min_lr} "
-                             f"(in [0, 1]), total_steps={total_steps} (>= 1)")
+        if not (0 < lr <= 1 and batch >= 1 and unroll >= 1 and 0 <= min_lr <= 1 and total_steps >= 1
+                and 0 <= feature_weight < math.inf):
+            raise ValueError(f"lr={lr} (in (0, 1]), batch={batch} (>= 1), unroll={unroll} (>= 1), min_lr={min_lr} "
+                             f"(in [0, 1]), total_steps={total_steps} (>= 1), feature_weight={feature_weight} (finite, >= 0)")
+        widths = {_shape(it)[1:] for it in items}
+        if len(widths) > 1:
+            raise ValueError(f"training windows of {len(widths)} different (top-k, hidden) widths {sorted(widths)}: "
+                             f"records from decoders with different topk_record, or another model; train on one kind")
         self.head, self.col = head, col
         self.lr, self.batch, self.unroll, self.noise = lr, batch, unroll, noise
         self.feature_weight, self.total_steps, self.min_lr, self.warmup = feature_weight, total_steps, min_lr, warmup
         self.autocast = autocast
         self.by_len: dict[int, list] = {}
         for it in items:
-            self.by_len.setdefault(len(it["ids"]), []).append(it)
+            self.by_len.setdefault(len(it["ids"]), []).append(it)  # one width (checked above): length is the shape
         self._lengths = [L for L, g in self.by_len.items() for _ in range(0, len(g), batch)]
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)

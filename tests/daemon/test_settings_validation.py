@@ -104,3 +104,15 @@ def test_serve_eagle_proposer_and_its_head_file_go_together(monkeypatch, tmp_pat
     monkeypatch.delenv("DRAFTD_SERVE__EAGLE_HEAD")
     monkeypatch.setenv("DRAFTD_SERVE__RECORD_HIDDEN", "true")
     assert load_settings(None).serve.record_hidden is True
+
+
+def test_serve_eagle_head_empty_is_unset_and_a_bad_file_is_a_load_error(monkeypatch, tmp_path):
+    from daemon.serve import _eagle_head
+    from decoder.models import ModelLoadError
+
+    monkeypatch.setenv("DRAFTD_SERVE__EAGLE_HEAD", "")
+    assert load_settings(None).serve.eagle_head is None
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ModelLoadError, match=r"serve.eagle_head: head file .*junk.bin.* cannot be read"):
+        _eagle_head(junk, None)

@@ -381,3 +381,42 @@ def test_the_serving_loop_measures_the_eagle_proposer_beside_the_others(target, 
     assert "eagle" in served and "ngram" in served
     rates = dec["tokens_per_ms_by_proposer"]
     assert set(rates) == {"eagle", "ngram"} and all(r > 0 for r in rates["eagle"].values() if r is not None)
+
+
+def test_the_head_refuses_mixed_widths_and_wild_rates_and_the_loop_closes_its_writer(target, other_draft, tok):
+    """Windows of two top-k widths (decoders with different topk_record share a fingerprint) are
+    a ValueError naming them, not a stack error mid-round; so are an infinite learning rate and a
+    negative feature weight; a loop refused at build closes the writer thread it started; a
+    non-finite hidden row leaves the record without hidden states instead of losing it."""
+    import threading
+
+    import pytest
+
+    from decoder.loop import build_serving_loop
+    from decoder.speculative import _finite_or_none
+    from store.config import StoreConfig
+    from adapt_helpers import SHARED_URL
+    from store.client import connect
+    from tiny import tiny_llama
+    from trainer.head import HeadDistiller
+
+    def item(k):
+        return {"ids": torch.arange(6), "feats": torch.zeros(6, 48, dtype=torch.float16),
+                "topk_ids": torch.zeros(6, k, dtype=torch.long), "topk_probs": torch.full((6, k), 0.1),
+                "tail": torch.full((6,), 0.2)}
+
+    head = EagleHead.from_target(target)
+    with pytest.raises(ValueError, match=r"2 different \(top-k, hidden\) widths \[\(4, 48\), \(8, 48\)\]"):
+        HeadDistiller(head, [item(4), item(8)], None)
+    for kw in ({"lr": float("inf")}, {"feature_weight": -1.0}, {"feature_weight": float("nan")}):
+        with pytest.raises(ValueError, match="lr="):
+            HeadDistiller(head, [item(4)], None, **kw)
+    assert _finite_or_none(torch.tensor([[1.0, float("inf")]], dtype=torch.float16)) is None
+    assert _finite_or_none(torch.ones(2, 3, dtype=torch.float16)).shape == (2, 3)
+    client = connect(SHARED_URL)
+    before = sum(t.name == "draftd-sample-writer" for t in threading.enumerate())
+    with pytest.raises(ValueError, match="32-wide features"):
+        build_serving_loop(target, other_draft, tok, client=client, store_config=StoreConfig(key_prefix="test:eagle:leak:"),
+                           proposers=("eagle",), eagle_head=EagleHead.from_target(tiny_llama(3, layers=2, hidden=32)))
+    assert sum(t.name == "draftd-sample-writer" for t in threading.enumerate()) == before
+    client.close()

@@ -189,3 +189,20 @@ def test_constructor_refuses_misaligned_hidden(sample_factory):
     s = sample_factory(n_tokens=10, seed=7)
     with pytest.raises(SchemaError, match=r"hidden has shape \(9, 4\), expected \(10, H\)"):
         dataclasses.replace(s, hidden=np.zeros((9, 4)))
+
+
+def test_hidden_states_beyond_float16_are_refused_where_they_would_turn_infinite(sample_factory):
+    """Checked as the record holds them (float16): a float32 70000 decodes to inf, so it is a
+    SchemaError at decode (the reader dead-letters it) and at construction (the writer never
+    sends a record the reader would refuse)."""
+    from store.schema import _pack_array
+
+    f = encode(sample_factory(n_tokens=12, hidden_size=6, seed=8))
+    h = decode(f).hidden.astype(np.float32)
+    h[5, 3] = 70000.0
+    with pytest.raises(SchemaError, match="beyond float16's range"):
+        decode(_with_body(f, hidden=_pack_array(h)))
+    s = sample_factory(n_tokens=12, seed=8)
+    for bad in (h, np.full((12, 6), np.nan)):
+        with pytest.raises(SchemaError, match="NaN or infinity"):
+            dataclasses.replace(s, hidden=bad)
