@@ -13,7 +13,8 @@ Writer (decoder side): never blocks on Redis
 --------------------------------------------
 :meth:`SampleWriter.submit` appends to a bounded in-memory deque and returns; a background
 thread takes batches, encodes them and sends them in one pipeline of ``XADD ... MAXLEN ~``.
-When the queue is full the *oldest* queued sample is dropped (fresh samples matter most for
+When the queue is full (``queue_size`` samples, or ``queue_max_bytes`` of their arrays: records
+with hidden states are 6.5x larger) the *oldest* queued sample is dropped (fresh samples matter most for
 online adaptation) and counted: ``dropped_redis_down`` if the writer currently sees Redis down,
 else ``dropped_queue_full``. While Redis is down the batch in hand is retried with exponential
 backoff, so nothing already taken from the queue is lost; the queue keeps accepting. A retried
@@ -116,6 +117,13 @@ class WriterStats:
         return d
 
 
+def _nbytes(sample: VerifiedSample) -> int:
+    """The sample's array bytes: what it holds in the writer's queue (hidden states included)."""
+    n = sum(getattr(sample, f).nbytes for f in ("prompt_ids", "output_ids", "proposal_lens", "rejection_pos",
+                                                 "topk_ids", "topk_probs", "tail_mass"))
+    return n + (sample.hidden.nbytes if sample.hidden is not None else 0)
+
+
 class SampleWriter:
     """Non-blocking writer of :class:`VerifiedSample` records to the buffer stream.
 
@@ -136,6 +144,7 @@ class SampleWriter:
         self._mean_bytes: float | None = None  # running mean entry size (maxlen)
         self._clock = clock
         self._q: collections.deque[VerifiedSample] = collections.deque()
+        self._q_bytes = 0  # array bytes of the queued samples (queue_max_bytes)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._wake = threading.Event()
@@ -165,10 +174,13 @@ class SampleWriter:
                 if self._closed or not isinstance(sample, VerifiedSample):
                     self._n["rejected"] += 1
                     return False
-                if len(self._q) >= self._cfg.queue_size:
-                    self._q.popleft()
-                    self._n["dropped_queue_full" if self._redis_up else "dropped_redis_down"] += 1
                 self._q.append(sample)
+                self._q_bytes += _nbytes(sample)
+                cap = self._cfg.queue_max_bytes
+                while len(self._q) > 1 and (len(self._q) > self._cfg.queue_size
+                                            or (cap is not None and self._q_bytes > cap)):
+                    self._q_bytes -= _nbytes(self._q.popleft())
+                    self._n["dropped_queue_full" if self._redis_up else "dropped_redis_down"] += 1
                 full = len(self._q) >= self._cfg.batch_size
             if full:
                 self._wake.set()
@@ -226,6 +238,7 @@ class SampleWriter:
                 unsure = self._in_flight if self._maybe_sent else 0
                 lost = len(self._q) + self._in_flight - unsure
                 self._q.clear()
+                self._q_bytes = 0
                 self._in_flight = 0
                 self._n["dropped_on_close"] += lost
                 self._n["unconfirmed_on_close"] += unsure
@@ -247,6 +260,7 @@ class SampleWriter:
         with self._lock:
             k = min(len(self._q), self._cfg.batch_size)
             batch = [self._q.popleft() for _ in range(k)]
+            self._q_bytes -= sum(_nbytes(x) for x in batch)
             self._in_flight = k
             self._maybe_sent = False
             return batch

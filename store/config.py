@@ -45,6 +45,7 @@ class BufferConfig(BaseModel):
     dead_letter_maxlen: int | None = Field(100_000, gt=0)  # approximate cap of the dead-letter stream; None = unbounded
     dead_letter_excerpt_bytes: int = Field(4096, ge=0)  # bytes of the original entry a dead letter keeps (with its reason and id)
     queue_size: int = Field(10_000, gt=0)  # writer's in-memory queue, samples; when full the oldest is dropped
+    queue_max_bytes: int | None = Field(512 << 20, gt=0)  # ... or when its samples' arrays pass this (None: count only)
     batch_size: int = Field(256, gt=0)  # samples per XADD pipeline
     flush_interval_s: float = Field(0.05, gt=0)  # writer thread wakes at least this often
     backoff_initial_s: float = Field(0.05, gt=0)  # first retry delay while Redis is down

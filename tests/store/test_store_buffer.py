@@ -282,3 +282,27 @@ def test_redis_killed_mid_stream_writer_keeps_accepting_and_resumes(private_redi
     assert ids[:20] == [s.record_id for s in samples[:20]]
     assert ids[-1] == samples[-1].record_id  # drop-oldest keeps the freshest
     assert len(set(ids)) == len(ids)
+
+
+def test_writer_queue_is_bounded_in_bytes_while_redis_is_down(sample_factory):
+    """Redis unreachable: records with hidden states pile up in the queue; queue_max_bytes keeps
+    the newest that fit and counts the rest as dropped while Redis is down."""
+    import redis
+
+    from store.buffer import _nbytes
+
+    s = sample_factory(n_tokens=32, prompt_len=16, hidden_size=576)
+    one = _nbytes(s)
+    assert one > 32 * 576 * 2
+    cfg = StoreConfig(key_prefix="test:store:down:", buffer=BufferConfig(queue_max_bytes=10 * one, backoff_initial_s=0.05,
+                                                                         backoff_max_s=0.1))
+    w = SampleWriter(redis.Redis(port=1, socket_connect_timeout=0.1), cfg)
+    try:
+        for _ in range(50):
+            assert w.submit(s)
+        time.sleep(0.3)
+        st = w.stats()
+        assert st.queued <= 10 and st.in_flight <= 10  # the batch in hand came from a queue that small
+        assert st.dropped_redis_down + st.dropped_queue_full == 50 - st.queued - st.in_flight >= 30
+    finally:
+        w.close(timeout=0.5)
