@@ -183,6 +183,9 @@ def main(argv=None) -> dict:
             hb = [head_batch(g, col) for g in groups(record_items([s for s in held if s.workload == wl], a.window))]
             if hb:
                 held_batches[wl] = hb
+            else:
+                log(f"{wl}: no held-out records (the 10 % prompt-hash split drew none of its {len(served[wl])} "
+                    f"prompts): its alpha is not in the curve; serve more (--serve)")
         if not held_batches or not items:
             raise SystemExit(f"{len(held)} held-out and {len(train)} training records (the split hashes each prompt, 10 % "
                              f"held out): serve more prompts (--serve {a.serve})")

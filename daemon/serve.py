@@ -833,7 +833,8 @@ def run_serve(settings, console=None) -> int:
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,
-                 streams_steps=loop.streams_steps)
+                 streams_steps=loop.streams_steps, proposers=list(sv.proposers),
+                 eagle_head=str(sv.eagle_head) if sv.eagle_head else None, record_hidden=sv.record_hidden)
         if console is not None:
             console.print(f"serving {service.model} at {server.url}/v1 (redis {rh.mode}); SIGTERM drains")
         while not stop.wait(0.5):
