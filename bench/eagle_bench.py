@@ -68,7 +68,7 @@ def main() -> None:
     from decoder.vocab import frequent_token_ids
     from decoder.workloads import bootstrap_documents, split_documents
     from trainer.distill import cpu_has_native_bf16
-    from trainer.head import HeadDistiller, column_map, groups, head_batch, heldout_alpha
+    from trainer.head import HeadDistiller, column_map, groups, head_batch, heldout_alpha, learning_curve
 
     from daemon.logging import configure
 
@@ -108,22 +108,8 @@ def main() -> None:
                          feature_weight=args.feature_weight, total_steps=args.max_steps or 10**9,
                          min_lr=args.min_lr, seed=args.seed, autocast=ac)
 
-    def evaluate() -> dict:
-        per = {w: [round(a, 4) for a in heldout_alpha(head, bs, 3)] for w, bs in held_batches.items()}
-        overall = [round(statistics.mean(v[i] for v in per.values()), 4) for i in range(3)]
-        return {"alpha_depth_1_2_3": overall, "per_workload": per}
-
-    curve = [{"steps": 0, "train_s": 0.0, "cpu_min": round((time.process_time() - c_start) / 60, 2), **evaluate()}]
-    log(json.dumps(curve[-1]))
-    while (dist.steps < args.max_steps) if args.max_steps else (dist.train_s < args.minutes * 60):
-        if not args.max_steps and dist.steps >= 20:  # time-bounded: decay by training time, as before
-            dist.total_steps = max(dist.steps + 1, int(dist.steps * args.minutes * 60 / dist.train_s))
-        loss = dist.step()
-        if dist.steps % args.round_steps == 0:
-            curve.append({"steps": dist.steps, "train_s": round(dist.train_s, 1),
-                          "cpu_min": round((time.process_time() - c_start) / 60, 2), "loss": round(loss, 4),
-                          **evaluate()})
-            log(json.dumps(curve[-1]))
+    curve = learning_curve(dist, held_batches, minutes=args.minutes, max_steps=args.max_steps,
+                           round_steps=args.round_steps, cpu_start=c_start, log=log, final=False)
     steps = dist.steps
     # the same held-out windows scored by the served engine: the features the head proposes from
     from decoder.engine import LlamaCppEngine

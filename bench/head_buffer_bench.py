@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
     from store.config import BufferConfig, StoreConfig
     from store.schema import PairFingerprint, encode
     from trainer.distill import cpu_has_native_bf16
-    from trainer.head import HeadDistiller, column_map, groups, head_batch, heldout_alpha, record_items
+    from trainer.head import HeadDistiller, column_map, groups, head_batch, learning_curve, record_items
     from trainer.service import split_key
 
     configure("auto", "warning", stream=sys.stderr)  # stdout carries only the JSON
@@ -199,25 +199,8 @@ def main(argv=None) -> dict:
                                                    for wl, bs in held_batches.items()}}
         log(f"train data: {out['train_data']}")
 
-        def evaluate() -> dict:
-            per = {wl: [round(x, 4) for x in heldout_alpha(head, bs, 3)] for wl, bs in held_batches.items()}
-            return {"alpha_depth_1_2_3": [round(statistics.mean(v[i] for v in per.values()), 4) for i in range(3)],
-                    "per_workload": per}
-
-        curve = [{"steps": 0, "train_s": 0.0, "cpu_min": round((time.process_time() - c_start) / 60, 2), **evaluate()}]
-        log(json.dumps(curve[-1]))
-        while (dist.steps < a.max_steps) if a.max_steps else (dist.train_s < a.minutes * 60):
-            if not a.max_steps and dist.steps >= 20:  # time-bounded: the cosine over the steps the pace predicts
-                dist.total_steps = max(dist.steps + 1, int(dist.steps * a.minutes * 60 / dist.train_s))
-            loss = dist.step()
-            if dist.steps % a.round_steps == 0:
-                curve.append({"steps": dist.steps, "train_s": round(dist.train_s, 1),
-                              "cpu_min": round((time.process_time() - c_start) / 60, 2), "loss": round(loss, 4),
-                              **evaluate()})
-                log(json.dumps(curve[-1]))
-        if dist.steps % a.round_steps:
-            curve.append({"steps": dist.steps, "train_s": round(dist.train_s, 1),
-                          "cpu_min": round((time.process_time() - c_start) / 60, 2), **evaluate()})
+        curve = learning_curve(dist, held_batches, minutes=a.minutes, max_steps=a.max_steps,
+                               round_steps=a.round_steps, cpu_start=c_start, log=log)
         out["curve"] = curve
         out["trainable_params"] = sum(p.numel() for p in head.trainable())
         if a.save:

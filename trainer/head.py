@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from trainer.losses import alpha, forward_kl, student_bucket_logprobs, teacher_buckets, teacher_on_vocab
 
 __all__ = ["column_map", "head_batch", "head_loss", "chained_alpha", "record_items", "groups", "heldout_alpha",
-           "HeadDistiller"]
+           "HeadDistiller", "learning_curve"]
 
 
 def column_map(vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
@@ -253,3 +253,40 @@ class HeadDistiller:
         self.train_s += time.perf_counter() - t0
         self.steps += 1
         return float(loss.detach())
+
+
+def learning_curve(dist: HeadDistiller, held_batches: dict[str, list[dict]], *, minutes: float, max_steps: int = 0,
+                   round_steps: int = 100, cpu_start: float = 0.0, log=None, final: bool = True,
+                   depth: int = 3) -> list[dict]:
+    """Train ``dist`` for ``max_steps`` steps, or (0) ``minutes`` of training time, and evaluate
+    held-out teacher-forced α (:func:`heldout_alpha`, depths 1 .. ``depth``) per workload of
+    ``held_batches`` at step 0, every ``round_steps`` steps and (``final``) at the end. Time-bounded,
+    the cosine runs over the steps the pace so far predicts (re-estimated after 20 steps).
+
+    Returns the points: ``steps``, ``train_s`` (s), ``cpu_min`` (process CPU minutes since
+    ``cpu_start``, a ``time.process_time()``), ``loss`` (the last step's; not at step 0 or the
+    final point), ``alpha_depth_1_2_3`` (mean over workloads) and ``per_workload``. ``log`` gets
+    each point as JSON text."""
+    import json
+    import statistics
+
+    def point(**extra) -> dict:
+        per = {w: [round(a, 4) for a in heldout_alpha(dist.head, bs, depth)] for w, bs in held_batches.items()}
+        p = {"steps": dist.steps, "train_s": round(dist.train_s, 1),
+             "cpu_min": round((time.process_time() - cpu_start) / 60, 2), **extra,
+             "alpha_depth_1_2_3": [round(statistics.mean(v[i] for v in per.values()), 4) for i in range(depth)],
+             "per_workload": per}
+        if log is not None:
+            log(json.dumps(p))
+        return p
+
+    curve = [point()]
+    while (dist.steps < max_steps) if max_steps else (dist.train_s < minutes * 60):
+        if not max_steps and dist.steps >= 20:
+            dist.total_steps = max(dist.steps + 1, int(dist.steps * minutes * 60 / dist.train_s))
+        loss = dist.step()
+        if dist.steps % round_steps == 0:
+            curve.append(point(loss=round(loss, 4)))
+    if final and dist.steps % round_steps:
+        curve.append(point())
+    return curve
