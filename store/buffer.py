@@ -6,16 +6,17 @@ All workloads share one stream (``P samples``); the workload travels in the clea
 each entry. Reasons: the trainer distils every workload into the same draft adapter and reads
 them in one XREADGROUP, so one consumer group and one pending list cover everything; the caps
 (MAXLEN by count, lowered to ``max_bytes`` / the mean entry size; MINID by age) bound the
-buffer's memory with one number instead of one per workload; and new workload names need no discovery step. Per-workload mixing or filtering is
-the trainer's decision and reads the ``w`` field without decoding the body.
+buffer's memory with one number instead of one per workload; and new workload names need no
+discovery step. Per-workload mixing or filtering is the trainer's decision and reads the ``w``
+field without decoding the body.
 
 Writer (decoder side): never blocks on Redis
 --------------------------------------------
 :meth:`SampleWriter.submit` appends to a bounded in-memory deque and returns; a background
 thread takes batches, encodes them and sends them in one pipeline of ``XADD ... MAXLEN ~``.
 When the queue is full (``queue_size`` samples, or ``queue_max_bytes`` of their arrays: records
-with hidden states are 6.5x larger) the *oldest* queued sample is dropped (fresh samples matter most for
-online adaptation) and counted: ``dropped_redis_down`` if the writer currently sees Redis down,
+with hidden states are 6.5x larger) the *oldest* queued sample is dropped (fresh samples matter
+most for online adaptation) and counted: ``dropped_redis_down`` if the writer currently sees Redis down,
 else ``dropped_queue_full``. While Redis is down the batch in hand is retried with exponential
 backoff, so nothing already taken from the queue is lost; the queue keeps accepting. A retried
 pipeline may have partly succeeded, so an entry can appear twice: readers dedupe on record id.
@@ -117,13 +118,6 @@ class WriterStats:
         return d
 
 
-def _nbytes(sample: VerifiedSample) -> int:
-    """The sample's array bytes: what it holds in the writer's queue (hidden states included)."""
-    n = sum(getattr(sample, f).nbytes for f in ("prompt_ids", "output_ids", "proposal_lens", "rejection_pos",
-                                                 "topk_ids", "topk_probs", "tail_mass"))
-    return n + (sample.hidden.nbytes if sample.hidden is not None else 0)
-
-
 class SampleWriter:
     """Non-blocking writer of :class:`VerifiedSample` records to the buffer stream.
 
@@ -175,11 +169,11 @@ class SampleWriter:
                     self._n["rejected"] += 1
                     return False
                 self._q.append(sample)
-                self._q_bytes += _nbytes(sample)
+                self._q_bytes += sample.nbytes
                 cap = self._cfg.queue_max_bytes
                 while len(self._q) > 1 and (len(self._q) > self._cfg.queue_size
                                             or (cap is not None and self._q_bytes > cap)):
-                    self._q_bytes -= _nbytes(self._q.popleft())
+                    self._q_bytes -= self._q.popleft().nbytes
                     self._n["dropped_queue_full" if self._redis_up else "dropped_redis_down"] += 1
                 full = len(self._q) >= self._cfg.batch_size
             if full:
@@ -260,7 +254,7 @@ class SampleWriter:
         with self._lock:
             k = min(len(self._q), self._cfg.batch_size)
             batch = [self._q.popleft() for _ in range(k)]
-            self._q_bytes -= sum(_nbytes(x) for x in batch)
+            self._q_bytes -= sum(x.nbytes for x in batch)
             self._in_flight = k
             self._maybe_sent = False
             return batch

@@ -212,6 +212,11 @@ class VerifiedSample:
     def num_tokens(self) -> int:
         return int(self.output_ids.shape[0])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the record's arrays (hidden states included): what it holds in memory."""
+        return sum(getattr(self, f).nbytes for f in _ARRAYS) + (self.hidden.nbytes if self.hidden is not None else 0)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, VerifiedSample):
             return NotImplemented

@@ -289,10 +289,8 @@ def test_writer_queue_is_bounded_in_bytes_while_redis_is_down(sample_factory):
     the newest that fit and counts the rest as dropped while Redis is down."""
     import redis
 
-    from store.buffer import _nbytes
-
     s = sample_factory(n_tokens=32, prompt_len=16, hidden_size=576)
-    one = _nbytes(s)
+    one = s.nbytes
     assert one > 32 * 576 * 2
     cfg = StoreConfig(key_prefix="test:store:down:", buffer=BufferConfig(queue_max_bytes=10 * one, backoff_initial_s=0.05,
                                                                          backoff_max_s=0.1))
