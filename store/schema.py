@@ -176,8 +176,8 @@ class VerifiedSample:
         self.proposal_lens = np.ascontiguousarray(self.proposal_lens, dtype=np.int16).reshape(-1)
         self.rejection_pos = np.ascontiguousarray(self.rejection_pos, dtype=np.int16).reshape(-1)
         n = self.output_ids.shape[0]
-        self.topk_ids = np.ascontiguousarray(self.topk_ids, dtype=np.int32).reshape(n, -1)
-        self.topk_probs = np.ascontiguousarray(self.topk_probs, dtype=np.float16).reshape(n, -1)
+        self.topk_ids = _rows(np.ascontiguousarray(self.topk_ids, dtype=np.int32), n, "topk_ids")
+        self.topk_probs = _rows(np.ascontiguousarray(self.topk_probs, dtype=np.float16), n, "topk_probs")
         self.tail_mass = np.ascontiguousarray(self.tail_mass, dtype=np.float32).reshape(-1)
         if self.topk_ids.shape != self.topk_probs.shape:
             raise SchemaError(
@@ -235,15 +235,33 @@ class VerifiedSample:
 _ARRAYS = ("prompt_ids", "output_ids", "proposal_lens", "rejection_pos", "topk_ids", "topk_probs", "tail_mass")
 
 
+def _rows(a: np.ndarray, n: int, name: str) -> np.ndarray:
+    """``a`` as (n, k): one row per output token. A record with no output tokens (n = 0) keeps
+    its width (0, k), or (0, 0) when it came flat. Raises SchemaError when it does not divide."""
+    if a.ndim == 2 and a.shape[0] == n:
+        return a
+    if n == 0:
+        if a.size:
+            raise SchemaError(f"{name} has {a.size} values but the record has no output tokens")
+        return a.reshape(0, a.shape[1] if a.ndim == 2 else 0)
+    if a.size % n:
+        raise SchemaError(f"{name} has {a.size} values, not a whole number of rows for {n} output tokens")
+    return a.reshape(n, -1)
+
+
 def _pack_array(a: np.ndarray) -> list:
+    """[dtype, shape, bytes]: the bytes little-endian and the dtype saying so (``<f2``)."""
     a = np.ascontiguousarray(a)
-    return [a.dtype.str, list(a.shape), a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()]
+    le = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    return [le.dtype.str, list(a.shape), le.tobytes()]
 
 
 def _unpack_array(v: list, name: str) -> np.ndarray:
+    """The array of a packed [dtype, shape, bytes], read in the byte order its dtype names
+    (``>f2`` from a big-endian writer is read as big-endian), returned in native order."""
     try:
         dtype, shape, raw = v
-        arr = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+        arr = np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape)
     except Exception as e:  # noqa: BLE001 - any malformed field is one reason
         raise SchemaError(f"field {name!r} is not a packed array: {e}") from e
     return arr.astype(arr.dtype.newbyteorder("="), copy=True)

@@ -206,3 +206,42 @@ def test_hidden_states_beyond_float16_are_refused_where_they_would_turn_infinite
     for bad in (h, np.full((12, 6), np.nan)):
         with pytest.raises(SchemaError, match="NaN or infinity"):
             dataclasses.replace(s, hidden=bad)
+
+
+def test_record_with_no_output_tokens_round_trips(sample_factory):
+    """A request cut before its first token (N = 0) is a valid, empty record: it used to crash
+    in the top-k reshape ("cannot reshape array of size 0")."""
+    s = sample_factory(n_tokens=0, seed=5)
+    assert s.topk_ids.shape == (0, s.topk_ids.shape[1]) and s.tail_mass.shape == (0,)
+    d = decode(encode(s))
+    assert d == s and d.output_ids.size == 0 and d.topk_probs.shape == s.topk_probs.shape
+    flat = dataclasses.replace(s, topk_ids=np.zeros(0, np.int32), topk_probs=np.zeros(0, np.float16))
+    assert flat.topk_ids.shape == (0, 0)
+    with pytest.raises(SchemaError, match="no output tokens"):
+        dataclasses.replace(s, topk_ids=np.zeros(4, np.int32), topk_probs=np.zeros(4, np.float16))
+
+
+def test_topk_that_does_not_divide_into_rows_is_refused(sample_factory):
+    s = sample_factory(n_tokens=3, k=4, seed=6)
+    with pytest.raises(SchemaError, match="whole number of rows for 3"):
+        dataclasses.replace(s, topk_ids=np.zeros(10, np.int32), topk_probs=np.zeros(10, np.float16))
+
+
+def test_a_big_endian_array_is_read_in_its_own_byte_order(sample_factory):
+    """A writer on a big-endian host (or numpy asked for '>f2') packs its bytes big-endian and
+    says so; the reader used to force little-endian and read garbage probabilities."""
+    s = sample_factory(n_tokens=6, k=4, seed=7)
+    f = encode(s)
+    body = msgpack.unpackb(f[F_BODY], raw=False)
+    assert body["topk_probs"][0] == "<f2" and body["output_ids"][0] == "<i4"  # what we write
+    be_probs = s.topk_probs.astype(">f2")
+    be_ids = s.output_ids.astype(">i4")
+    d = decode(_with_body(f, topk_probs=[">f2", list(be_probs.shape), be_probs.tobytes()],
+                          output_ids=[">i4", list(be_ids.shape), be_ids.tobytes()]))
+    np.testing.assert_array_equal(d.topk_probs, s.topk_probs)
+    np.testing.assert_array_equal(d.output_ids, s.output_ids)
+    assert d.topk_probs.dtype == np.float16 and d.topk_probs.dtype.isnative
+    # and a big-endian array handed to the constructor is written little-endian, saying so
+    s2 = dataclasses.replace(s, topk_probs=be_probs)
+    assert msgpack.unpackb(encode(s2)[F_BODY], raw=False)["topk_probs"][0] == "<f2"
+    assert decode(encode(s2)) == s
