@@ -79,6 +79,9 @@ class Keys:
 
     prefix: str
     stream_name: str = "samples"
+    # what the registry keys hold: "adapter" (LoRA adapters of the draft) or "head" (the
+    # feature-level proposer's heads, ``P head:...``: the same layout, versions and scopes)
+    kind: str = "adapter"
 
     @property
     def stream(self) -> str:
@@ -93,45 +96,45 @@ class Keys:
 
     @property
     def adapter_counter(self) -> str:
-        return f"{self.prefix}adapter:next_version"
+        return f"{self.prefix}{self.kind}:next_version"
 
     @property
     def adapter_versions(self) -> str:
-        return f"{self.prefix}adapter:versions"
+        return f"{self.prefix}{self.kind}:versions"
 
     def adapter(self, version: int) -> str:
-        return f"{self.prefix}adapter:v:{version}"
+        return f"{self.prefix}{self.kind}:v:{version}"
 
     def adapter_blob(self, version: int) -> str:
-        return f"{self.prefix}adapter:blob:{version}"
+        return f"{self.prefix}{self.kind}:blob:{version}"
 
     @property
     def active(self) -> str:
-        return f"{self.prefix}adapter:active"
+        return f"{self.prefix}{self.kind}:active"
 
     @property
     def active_stack(self) -> str:
-        return f"{self.prefix}adapter:active_stack"
+        return f"{self.prefix}{self.kind}:active_stack"
 
     def active_in(self, scope: str) -> str:
         """The active-version key of ``scope`` ("" = shared: :attr:`active`)."""
-        return self.active if not scope else f"{self.prefix}adapter:active:w:{scope}"
+        return self.active if not scope else f"{self.prefix}{self.kind}:active:w:{scope}"
 
     def active_stack_in(self, scope: str) -> str:
         """The rollback stack of ``scope`` ("" = shared: :attr:`active_stack`)."""
-        return self.active_stack if not scope else f"{self.prefix}adapter:active_stack:w:{scope}"
+        return self.active_stack if not scope else f"{self.prefix}{self.kind}:active_stack:w:{scope}"
 
     @property
     def adapter_scopes(self) -> str:
-        return f"{self.prefix}adapter:scopes"
+        return f"{self.prefix}{self.kind}:scopes"
 
     @property
     def promotions(self) -> str:
-        return f"{self.prefix}adapter:promotions"
+        return f"{self.prefix}{self.kind}:promotions"
 
     @property
     def events_channel(self) -> str:
-        return f"{self.prefix}adapter:events"
+        return f"{self.prefix}{self.kind}:events"
 
     @property
     def history_index(self) -> str:

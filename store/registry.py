@@ -50,6 +50,7 @@ adapter must survive a Redis crash.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -69,6 +70,9 @@ from store.config import StoreConfig
 from store.errors import ArtifactInvalidError, ArtifactMissingError, IntegrityError, InvalidTransitionError, RegistryError, UnknownVersionError
 
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
+HEAD_FILE = "head.safetensors"  # decoder.eagle.save_head's file: a registered head's one artifact
+# what a version's directory must hold, by registry kind; the last file is the weights
+ARTIFACT_FILES = {"adapter": REQUIRED_FILES, "head": (HEAD_FILE,)}
 STATES = ("candidate", "promoted", "rejected", "rolled_back")
 
 _PROMOTE = """
@@ -282,6 +286,10 @@ class AdapterRegistry:
         artifact_dir: local directory holding ``v{N}/`` adapter directories (created if missing).
         config: store configuration (key prefix).
         clock: seconds since the epoch, injected for tests.
+        kind: ``"adapter"`` (peft LoRA directories, keys ``P adapter:...``) or ``"head"`` (the
+            feature-level proposer's heads: a directory holding ``head.safetensors``, written by
+            ``decoder.eagle.save_head``; keys ``P head:...``). The two kinds share nothing but the
+            prefix: versions, scopes, active pointers, stacks, logs and events are their own.
 
     Raises (any method): StoreUnavailableError when Redis is unreachable.
     """
@@ -293,10 +301,14 @@ class AdapterRegistry:
         config: StoreConfig,
         *,
         clock: Callable[[], float] = time.time,
+        kind: str = "adapter",
     ):
+        if kind not in ARTIFACT_FILES:
+            raise ValueError(f"registry kind {kind!r}: use one of {sorted(ARTIFACT_FILES)}")
+        self.kind = kind
         self._client = client
         self.artifact_dir = Path(artifact_dir)
-        self._keys = config.keys
+        self._keys = dataclasses.replace(config.keys, kind=kind)
         self._clock = clock
         self._promote = client.register_script(_PROMOTE)
         self._rollback = client.register_script(_ROLLBACK)
@@ -326,11 +338,13 @@ class AdapterRegistry:
         """
         scope = check_scope(meta.scope)
         src = Path(src_dir)
-        missing = [n for n in REQUIRED_FILES if not (src / n).is_file()]
+        missing = [n for n in ARTIFACT_FILES[self.kind] if not (src / n).is_file()]
         if missing:
+            how = (f"model.save_pretrained({str(src)!r})" if self.kind == "adapter"
+                   else f"decoder.eagle.save_head(head, {str(src / HEAD_FILE)!r}, target)")
             raise RegistryError(
-                f"{src} is not a peft adapter directory: missing {', '.join(missing)}; "
-                f"write it with model.save_pretrained({str(src)!r})"
+                f"{src} is not a {'peft adapter' if self.kind == 'adapter' else 'head'} directory: missing "
+                f"{', '.join(missing)}; write it with {how}"
             )
         files = {p.name: p for p in sorted(src.iterdir()) if p.is_file()}
         with _unavailable("INCR adapter version"):
@@ -459,7 +473,7 @@ class AdapterRegistry:
             raise
         except RegistryError as e:
             return str(e)
-        return safetensors_problem(path / "adapter_model.safetensors")
+        return safetensors_problem(path / ARTIFACT_FILES[self.kind][-1])
 
     def clean_orphans(self, min_age_s: float = 600.0) -> list[str]:
         """Remove from ``artifact_dir`` what crashed registrations left: temp directories
@@ -580,7 +594,7 @@ class AdapterRegistry:
         with _unavailable("rollback"):
             res = self._rollback(
                 keys=[k.active_in(scope), k.active_stack_in(scope), k.promotions],
-                args=[f"{k.prefix}adapter:v:", reason, repr(float(now)), k.events_channel, scope,
+                args=[f"{k.prefix}{k.kind}:v:", reason, repr(float(now)), k.events_channel, scope,
                       json.dumps(bad)],
             )
         if res[0].decode() == "none":

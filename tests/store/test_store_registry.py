@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from store.errors import ArtifactMissingError, IntegrityError, InvalidTransitionError, RegistryError, UnknownVersionError
+from store.errors import ArtifactInvalidError, ArtifactMissingError, IntegrityError, InvalidTransitionError, RegistryError, UnknownVersionError
 from store.registry import AdapterMeta, AdapterRegistry, parse_event
 
 
@@ -273,3 +273,50 @@ def test_counter_reset_does_not_overwrite_artifacts(reg, client, cfg, tmp_path):
     client.delete(cfg.keys.adapter_counter)  # Redis lost its data, the disk did not
     with pytest.raises(RegistryError, match="already exists"):
         reg.register(peft_dir(tmp_path / "b", 1), AdapterMeta())
+
+
+def head_dir(path, seed=0, bad=False):
+    """A directory holding a head file as decoder.eagle.save_head writes one (safetensors)."""
+    path.mkdir(parents=True)
+    w = np.random.default_rng(seed).standard_normal((16, 32)).astype(np.float32)
+    if bad:
+        w[3, 4] = np.nan
+    save_file({"fc.weight": w}, str(path / "head.safetensors"), metadata={"target_digest": "0" * 16})
+    return path
+
+
+def test_head_registry_has_its_own_versions_pointers_and_events(client, cfg, reg, tmp_path):
+    """Heads (kind "head") go through the same states, scopes and rollback as adapters, under
+    their own keys: a head's promotion moves neither the adapters' pointer nor their counter."""
+    heads = AdapterRegistry(client, tmp_path / "heads", cfg, kind="head", clock=lambda: 1_732_870_001.0)
+    assert heads.events_channel == f"{cfg.key_prefix}head:events" != reg.events_channel
+    av = reg.register(peft_dir(tmp_path / "a1"), AdapterMeta())
+    reg.promote(av, "adapter")
+    ps = heads.subscribe()
+    h1 = heads.register(head_dir(tmp_path / "h1", 1), AdapterMeta(alpha_before=0.0, alpha_after=0.31))
+    h2 = heads.register(head_dir(tmp_path / "h2", 2), AdapterMeta(alpha_before=0.31, alpha_after=0.4, scope="code"))
+    assert (h1, h2) == (1, 2)  # numbered on their own, beside adapter v1
+    assert heads.promote(h1, "first head") == 0
+    assert next_event(ps) == {"event": "promote", "version": 1, "previous": 0, "reason": "first head",
+                              "ts": 1_732_870_001.0, "scope": ""}
+    heads.promote(h2, "code head")
+    assert heads.active_versions() == {"": 1, "code": 2}
+    assert heads.resolve("code") == 2 and heads.resolve("prose") == 1
+    assert reg.active_versions() == {"": av} and reg.resolve("code") == av
+    assert (heads.fetch(h1) / "head.safetensors").read_bytes() == (tmp_path / "h1" / "head.safetensors").read_bytes()
+    assert heads.rollback("regressed", scope="code") == 0
+    assert heads.resolve("code") == 1 and heads.get(h2).state == "rolled_back"
+    assert [r.version for r in heads.list()] == [1, 2] and [r.version for r in reg.list()] == [av]
+    ps.close()
+
+
+def test_head_registry_refuses_a_directory_without_a_head_and_a_non_finite_head(client, cfg, tmp_path):
+    heads = AdapterRegistry(client, tmp_path / "heads", cfg, kind="head")
+    with pytest.raises(RegistryError, match=r"not a head directory: missing head\.safetensors.*save_head"):
+        heads.register(peft_dir(tmp_path / "a1"), AdapterMeta())
+    v = heads.register(head_dir(tmp_path / "h1", bad=True), AdapterMeta())
+    assert "NaN or infinity" in heads.artifact_problem(v)
+    with pytest.raises(ArtifactInvalidError, match="NaN or infinity"):
+        heads.promote(v, "never")
+    with pytest.raises(ValueError, match="registry kind 'lora'"):
+        AdapterRegistry(client, tmp_path / "x", cfg, kind="lora")
