@@ -170,6 +170,10 @@ class TrainerSettings(_Group):
         "auto", description="Training, and the target's scoring of bootstrap text, under bf16 autocast: auto = where "
                             "the hardware multiplies bf16 natively (AMX, AVX512-BF16, CUDA); evaluation stays fp32."
     )
+    heads: bool = Field(False, description="Each round also distils the feature-level head (the 'eagle' proposer) from the round's "
+                        "records that carry hidden states (serve.record_hidden), judges it on held-out records and promotes it "
+                        "through the head registry (trainer.heads); serve follows it with serve.follow_heads.")
+    head_steps: int = Field(150, ge=1, description="Optimiser steps of the head per round (0.1-0.3 s each on 2 CPU cores).")
     start_paused: bool = Field(False, description="Start with scheduled rounds paused (train-now still works).")
     shutdown_grace_s: float = Field(
         300.0, ge=0,
@@ -264,7 +268,11 @@ class ServeSettings(_Group):
                                  "requests, no model), draft (the draft model with its adapters), eagle (the feature-level "
                                  "head in serve.eagle_head, on the target's hidden states).")
     eagle_head: Path | None = Field(None, description="A feature-level head file (decoder.eagle.save_head; bench/head_buffer_bench.py "
-                                    "--save distils one from the buffer) for the 'eagle' proposer; needs 'eagle' in serve.proposers.")
+                                    "--save distils one from the buffer) for the 'eagle' proposer; needs 'eagle' in serve.proposers. "
+                                    "Unset with 'eagle' and serve.follow_heads: the heads the trainer promotes serve.")
+    follow_heads: bool = Field(True, description="With 'eagle' in serve.proposers and no serve.eagle_head: follow the heads the "
+                               "trainer promotes (trainer.heads) from the head registry, per workload, hot-swapped between "
+                               "requests and rolled back with it; until one is promoted the controller does not offer 'eagle'.")
 
     @field_validator("proposers")
     @classmethod
@@ -280,10 +288,13 @@ class ServeSettings(_Group):
 
     @model_validator(mode="after")
     def _eagle_needs_a_head(self) -> "ServeSettings":
-        if ("eagle" in self.proposers) != (self.eagle_head is not None):
-            raise ValueError(f"serve.proposers={self.proposers!r} and serve.eagle_head={self.eagle_head!r}: the 'eagle' proposer "
-                             f"and a head file go together (DRAFTD_SERVE__EAGLE_HEAD=head.safetensors with "
-                             f"DRAFTD_SERVE__PROPOSERS='[\"ngram\", \"eagle\"]')")
+        if self.eagle_head is not None and "eagle" not in self.proposers:
+            raise ValueError(f"serve.eagle_head={str(self.eagle_head)!r} without 'eagle' in serve.proposers={self.proposers!r}: "
+                             f"add it (DRAFTD_SERVE__PROPOSERS='[\"ngram\", \"eagle\"]') or unset the head")
+        if "eagle" in self.proposers and self.eagle_head is None and not self.follow_heads:
+            raise ValueError(f"serve.proposers={self.proposers!r} include 'eagle' with neither serve.eagle_head nor "
+                             f"serve.follow_heads: give a head file (DRAFTD_SERVE__EAGLE_HEAD=head.safetensors) or follow "
+                             f"the trainer's heads (DRAFTD_SERVE__FOLLOW_HEADS=true, trainer.heads on)")
         if self.eagle_head is not None and not Path(self.eagle_head).expanduser().is_file():
             raise ValueError(f"serve.eagle_head={str(self.eagle_head)!r} does not exist: train one with "
                              f"bench/head_buffer_bench.py --save PATH, or unset it")
@@ -340,6 +351,11 @@ class Settings(BaseSettings):
     @property
     def adapter_dir(self) -> Path:
         return self.state_dir / "adapters"
+
+    @property
+    def head_dir(self) -> Path:
+        """Where the head registry keeps its versions (``trainer.heads``, ``serve.follow_heads``)."""
+        return self.state_dir / "heads"
 
     @property
     def token_file(self) -> Path:

@@ -58,13 +58,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import redis
 import structlog
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
-from store import AdapterRegistry, StoreError, StoreUnavailableError, parse_event
+from store import AdapterRegistry, StoreUnavailableError
 
 log = structlog.get_logger("decoder.adapters")
 
@@ -304,52 +303,10 @@ class AdapterManager:
         self.close()
 
     def _watch(self) -> None:
-        ps = None
-        next_poll = 0.0
-        while not self._stop.is_set():
-            try:
-                if ps is None:
-                    ps = self.registry.subscribe()
-                    next_poll = 0.0  # subscribed first, then polled: nothing falls in between
-                now = self.clock()
-                if now >= next_poll:
-                    for scope, version in self.registry.active_versions().items():
-                        self._prepare(version, "poll", scope)
-                    next_poll = now + self.poll_interval_s
-                # short waits, so that stop() is prompt whatever the poll interval
-                msg = ps.get_message(timeout=min(0.2, self.poll_interval_s))
-                if msg is not None and msg.get("type") == "message":
-                    for scope, version in self._latest_events(ps, msg).items():
-                        self._prepare(version, "event", scope)
-                self._evict()
-            except (StoreError, redis.RedisError, OSError, ValueError) as e:
-                if self._stop.is_set():
-                    break
-                log.warning("adapter_watch_error", error=str(e), retry_in_s=self.poll_interval_s)
-                if ps is not None:
-                    try:
-                        ps.close()
-                    except Exception:  # noqa: BLE001 - a broken connection may fail to close
-                        pass
-                    ps = None
-                self._stop.wait(self.poll_interval_s)
-        if ps is not None:
-            try:
-                ps.close()
-            except Exception:  # noqa: BLE001
-                pass
+        from decoder.heads import watch_registry
 
-    @staticmethod
-    def _latest_events(ps, msg) -> dict[str, int]:
-        """The newest event's version per scope: drain what is queued, so a burst costs one
-        load per scope."""
-        ev = parse_event(msg)
-        latest = {ev["scope"]: int(ev["version"])}
-        while (more := ps.get_message(timeout=0)) is not None:
-            if more.get("type") == "message":
-                ev = parse_event(more)
-                latest[ev["scope"]] = int(ev["version"])
-        return latest
+        watch_registry(self.registry, self._prepare, self._stop, poll_interval_s=self.poll_interval_s,
+                       clock=self.clock, after=self._evict, name="adapter")
 
     # ---- preparation (background, outside the decoder's lock) ------------------------------
     def poll_once(self, version: int | None = None, scope: str = "") -> int:

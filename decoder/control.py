@@ -494,6 +494,7 @@ class _KeyState:
     overhead_ms: _Ewma = field(default_factory=_Ewma)  # step wall time - draft ms - verify ms
     requests: int = 0
     adapter_version: int | None = None
+    head_version: int | None = None
     last: dict[str, Any] = field(default_factory=dict)
     lengths: dict[str, "_LengthModel"] = field(default_factory=dict)  # proposer -> accepted-length model
     ceiling_probes: int = 0  # draft probes in a row while its ceiling was below plain (the back-off's exponent)
@@ -586,14 +587,24 @@ class GoodputController:
         config: :class:`ControllerConfig`.
         adapter_version: returns the decoder's adapter version (read at a request's first
             ``gamma()`` call, which happens under the decoder's lock after adapter swaps).
+        head_version: returns the decoder's feature-level head version (``decoder.heads``),
+            read like ``adapter_version``: a new head serving a key resets the ``"eagle"``
+            proposer's accepted-length model there, so warm-up measures the new head.
+        proposer_available: ``proposer_available(name)`` is False while a configured proposer
+            cannot propose (``"eagle"`` before the first head is promoted); such a proposer is
+            neither warmed up nor chosen until it is.
         clock: monotonic seconds; a step's wall time runs from its gamma() call to the next one.
     """
 
     def __init__(self, config: ControllerConfig | None = None, *, adapter_version: Callable[[], int] | None = None,
+                 head_version: Callable[[], int] | None = None,
+                 proposer_available: Callable[[str], bool] | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.config = config or ControllerConfig()
         self.clock = clock
         self._version = adapter_version
+        self._head_version = head_version
+        self._available = proposer_available
         self._lock = threading.Lock()
         self._keys: dict[Key, _KeyState] = {}
 
@@ -719,8 +730,19 @@ class GoodputController:
             if s.adapter_version is not None and v != s.adapter_version:
                 s.alpha = _Ewma()  # a new draft: its α is unknown
             s.adapter_version = v
+        if self._head_version is not None:
+            h = self._head_version()
+            if s.head_version is not None and h != s.head_version:
+                s.lengths.pop("eagle", None)  # a new head: its accepted lengths are unknown
+            s.head_version = h
         s.requests += 1
         return s
+
+    def _offered(self) -> tuple[str, ...]:
+        """The configured proposers that can propose now (``proposer_available``)."""
+        if self._available is None:
+            return self.config.proposers
+        return tuple(n for n in self.config.proposers if self._available(n))
 
     def _choose(self, key: Key) -> tuple[int, dict[str, Any]]:
         """γ for the next request of ``key`` and the decision record (called once per request)."""
@@ -835,7 +857,7 @@ class GoodputController:
         configured order at ``gamma_init`` for ``min_steps`` steps, then plain decoding; None when
         every candidate is measured."""
         c = self.config
-        for name in c.proposers:
+        for name in self._offered():
             if name == "draft":
                 steps = s.alpha.n and sum(e.n for g, e in s.verify_ms.items() if g > 0)
                 cold = s.alpha.n == 0 or steps < c.min_steps
@@ -853,10 +875,11 @@ class GoodputController:
         cands: dict[tuple[str, int], float] = {}
         if 0 in ev["rate"]:
             cands[("plain", 0)] = ev["rate"][0]
-        if "draft" in self.config.proposers:
+        offered = self._offered()
+        if "draft" in offered:
             cands.update({("draft", g): r for g, r in ev["rate"].items() if g > 0})
         for name, rates in ev["others"].items():
-            if name in self.config.proposers:
+            if name in offered:
                 cands.update({(name, g): r for g, r in rates.items()})
         return cands
 

@@ -172,6 +172,8 @@ class ServingLoop:
             decoder is built.
         manager: an :class:`decoder.adapters.AdapterManager` on ``decoder`` (its hook already
             installed; the loop starts and closes it), or None to serve the draft as it is.
+        heads: a :class:`decoder.heads.HeadManager` on ``decoder`` (the same), or None to serve
+            the head given at build (if any) as it is.
         controller: γ per (workload, sampling bucket); default a GoodputController following
             ``decoder.adapter_version``.
         tracker: an :class:`AcceptanceTracker` (the loop starts and stops it), or None.
@@ -188,9 +190,11 @@ class ServingLoop:
 
     def __init__(self, decoder, *, manager=None, controller: GoodputController | None = None,
                  tracker: AcceptanceTracker | None = None, monitor: RollbackMonitor | None = None,
-                 writer=None, config: LoopConfig | None = None, clock: Callable[[], float] = time.perf_counter):
+                 writer=None, config: LoopConfig | None = None, clock: Callable[[], float] = time.perf_counter,
+                 heads=None):
         self.decoder = decoder
         self.manager = manager
+        self.heads = heads
         self.controller = controller or GoodputController(adapter_version=lambda: decoder.adapter_version)
         self.tracker = tracker
         self.monitor = monitor
@@ -214,6 +218,8 @@ class ServingLoop:
         if self._thread is None:
             if self.manager is not None:
                 self.manager.start()
+            if self.heads is not None:
+                self.heads.start()
             if self.tracker is not None:
                 self.tracker.start()
             self._thread = threading.Thread(target=self._run, name="draftd-serving", daemon=True)
@@ -252,6 +258,8 @@ class ServingLoop:
             self._thread = None
         if self.manager is not None:
             self.manager.close()
+        if self.heads is not None:
+            self.heads.close()
         if self.tracker is not None:
             self.tracker.stop()
         if self.writer is not None:
@@ -451,6 +459,10 @@ class ServingLoop:
         if self.manager is not None:
             ms = self.manager.status()
             st["adapters"] = {"routes": ms["routes"], "swaps": ms["swaps"], "failures": ms["failures"]}
+        if self.heads is not None:
+            hs = self.heads.status()
+            st["heads"] = {"serving_version": hs["serving_version"], "routes": hs["routes"], "swaps": hs["swaps"],
+                           "failures": hs["failures"], "last_failure": hs["last_failure"]}
         return st
 
 
@@ -459,7 +471,8 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                        config: LoopConfig | None = None, controller=None, poll_interval_s: float = 1.0,
                        rollback_min_requests: int = 20, rollback_margin: float = 0.1,
                        history_flush_s: float = 5.0, proposers: tuple[str, ...] = ("draft",),
-                       engine=None, draft_engine=None, eagle_head=None) -> ServingLoop:
+                       engine=None, draft_engine=None, eagle_head=None, head_registry=None,
+                       head_dtype=None) -> ServingLoop:
     """Wire the decoder and the adaptive loop once (what ``serve`` and an in-process driver share).
 
     - ``client`` + ``store_config``: a SampleWriter as the decoder's sink (``tap(sample)`` is
@@ -473,12 +486,18 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
     - ``eagle_head``: the feature-level head (``decoder.eagle.EagleHead``, e.g. ``load_head(...)
       .serving_copy()``) the ``"eagle"`` proposer proposes with; the target's engine must return
       hidden states (llama.cpp: ``choose_engine(..., embeddings=True)``).
+    - ``head_registry``: a registry of kind ``"head"``: a :class:`decoder.heads.HeadManager`
+      keeps the served head on its promoted one (per-workload scopes, hot-swapped between
+      requests, rolled back with it), each served as a frozen copy in ``head_dtype`` (default
+      float32; bf16 where the CPU multiplies it natively: :func:`decoder.heads.serving_head_loader`). ``"eagle"`` may then be configured
+      without ``eagle_head``: the controller offers it once a head serves.
 
     Returns the loop, not started (``with build_serving_loop(...) as loop:``).
 
     Raises:
-        ValueError: ``"eagle"`` among ``proposers`` without ``eagle_head``, or a head the target
-            cannot feed (another width or vocabulary, an engine without hidden states).
+        ValueError: ``"eagle"`` among ``proposers`` without ``eagle_head`` or ``head_registry``,
+            or a head the target cannot feed (another width or vocabulary, an engine without
+            hidden states).
     """
     from decoder.adapters import AdapterManager
     from decoder.shift import ShiftDetector
@@ -499,28 +518,41 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                 except Exception:  # noqa: BLE001 - a tap never fails the buffer
                     log.exception("sample_tap_failed")
             return writer.submit(sample)
-    if "eagle" in proposers and eagle_head is None:
+    if "eagle" in proposers and eagle_head is None and head_registry is None:
         raise ValueError(f"proposers={tuple(proposers)!r} include 'eagle', which needs a head: pass eagle_head= "
-                         f"(decoder.eagle.load_head(target, path), trained by bench/head_buffer_bench.py --save)")
+                         f"(decoder.eagle.load_head(target, path), trained by bench/head_buffer_bench.py --save) "
+                         f"or head_registry= (heads the trainer promotes: trainer.heads)")
     try:
         decoder = SpeculativeDecoder(target, draft, tokenizer, decoder_config, sink=sink,
                                      pair_fingerprint=pair_fingerprint, engine=engine, draft_engine=draft_engine)
         if eagle_head is not None:
             decoder.eagle_head = eagle_head
             decoder.check_eagle_head()  # a head this target cannot feed fails here, not on the first request
+        elif head_registry is not None and "eagle" in proposers:
+            decoder.check_eagle_head(need_head=False)  # an engine without hidden states fails here
     except Exception:
         if writer is not None:  # its thread started above: nothing else will close it
             writer.close()
         raise
     manager = AdapterManager(decoder, registry, poll_interval_s=poll_interval_s) if registry is not None else None
+    heads = None
+    if head_registry is not None:
+        import torch
+
+        from decoder.heads import HeadManager, serving_head_loader
+
+        heads = HeadManager(decoder, head_registry, poll_interval_s=poll_interval_s,
+                            load=serving_head_loader(decoder, head_dtype or torch.float32))
     tracker = AcceptanceTracker(history, ShiftDetector(), flush_interval_s=history_flush_s)
     monitor = (RollbackMonitor(registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin)
                if registry is not None else None)
     if controller is None:
         controller = GoodputController(ControllerConfig(proposers=tuple(proposers)),
-                                       adapter_version=lambda: decoder.adapter_version)
+                                       adapter_version=lambda: decoder.adapter_version,
+                                       head_version=lambda: decoder.head_version,
+                                       proposer_available=lambda n: n != "eagle" or decoder.eagle_head is not None)
     return ServingLoop(decoder, manager=manager, controller=controller, tracker=tracker, monitor=monitor,
-                       writer=writer, config=config)
+                       writer=writer, config=config, heads=heads)
 
 
 def speculation_by_workload(speculation: dict[str, dict[str, Any]]) -> dict[str, bool]:

@@ -156,6 +156,7 @@ class DecodeResult:
     policy: str
     proposer: str = "draft"
     engine: str = "torch"
+    head_version: int = 0  # the feature-level head that served (decoder.heads; 0 = none or one given at build)
     matches_plain: bool | None = None
     first_diff_index: int | None = None
 
@@ -182,6 +183,7 @@ class DecodeResult:
             "proposer": self.proposer,
             "engine": self.engine,
             "adapter_version": self.adapter_version,
+            "head_version": self.head_version,
             "prompt_tokens": self.prompt_len,
             "output_tokens": len(self.output_ids),
             "finish_reason": self.finish_reason,
@@ -396,8 +398,10 @@ class SpeculativeDecoder:
         # what a step costs by verified rows (steps that ran no draft model), and the n-gram
         # proposer's per-step length estimates (DecoderConfig.ngram_gate)
         self.step_cost = StepCost()
-        # the feature-level proposer's head (decoder.eagle.EagleHead; proposer "eagle"), if any
+        # the feature-level proposer's head (decoder.eagle.EagleHead; proposer "eagle"), if any, and
+        # its registry version (decoder.heads.HeadManager swaps both between requests; 0 = given at build)
         self.eagle_head = None
+        self.head_version = 0
         self.ngram_gate: NgramGate | None = NgramGate() if self.config.ngram_gate else None
 
     # ---- construction phases --------------------------------------------------------------------
@@ -481,16 +485,19 @@ class SpeculativeDecoder:
                                  cost=self.step_cost if gate is not None else None)
         raise ValueError(f"proposer {name!r}: use one of {REQUEST_PROPOSERS}")
 
-    def check_eagle_head(self) -> None:
+    def check_eagle_head(self, need_head: bool = True) -> None:
         """Raises ValueError unless ``eagle_head`` is set and this target can feed it: an engine
-        that returns hidden states, of the head's width, over the head's vocabulary."""
-        if self.eagle_head is None:
+        that returns hidden states, of the head's width, over the head's vocabulary. With
+        ``need_head=False`` and no head yet (one will come from a registry), only the engine."""
+        if self.eagle_head is None and need_head:
             raise ValueError("proposer 'eagle' needs a head: set SpeculativeDecoder.eagle_head "
                              "(decoder.eagle.EagleHead.from_target, then trained)")
         if getattr(self.engine, "embeddings", True) is False:
             raise ValueError(f"proposer 'eagle' needs the target's hidden states, and engine {self.engine.name} "
                              f"was built without them: LlamaCppEngine(embeddings=True) "
                              f"(choose_engine(..., embeddings=True))")
+        if self.eagle_head is None:
+            return
         if self.eagle_head.hidden_size != self.engine.hidden_size:
             raise ValueError(f"the eagle head takes {self.eagle_head.hidden_size}-wide features, the target's are "
                              f"{self.engine.hidden_size}: a head trained for another model")
@@ -776,6 +783,7 @@ class SpeculativeDecoder:
             policy=policy.describe() if hasattr(policy, "describe") else type(policy).__name__,
             proposer=proposer,
             engine=self.engine.name,
+            head_version=self.head_version if proposer == "eagle" else 0,
         )
 
     def _truncate(self, out: list[int], block: list[int], req: DecodeRequest) -> tuple[int, str | None]:

@@ -145,6 +145,7 @@ class RoundReport:
     dead_lettered: int = 0  # records of this round that could not train, moved to the dead-letter stream with their reasons
     # per_workload: workload -> ScopeReport.to_dict() of its own adapter's turn this round
     scopes: dict[str, dict] = field(default_factory=dict)
+    head: dict | None = None  # trainer.heads.HeadReport.to_dict() of the head's turn (TrainerService(heads=...))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -290,8 +291,12 @@ class TrainerService:
         clock: Callable[[], float] = time.time,
         backlog: Callable[[], int] | None = None,
         warm_start: Callable[[], Any] | None = None,
+        heads: Any = None,
     ):
         self.reader = reader
+        # trainer.heads.HeadTrainer: each round also distils the feature-level head on the same
+        # split (records with hidden states), judged and published through its own registry
+        self.heads = heads
         self.registry = registry
         self.distiller = distiller
         self.config = config
@@ -402,6 +407,7 @@ class TrainerService:
             "carried_over": len(self._carry),
             "sync_error": self.sync_error,
             "last_round": self._last.to_dict() if self._last else None,
+            "heads": self.heads.status() if self.heads is not None else None,
         }
 
     # ---- the round ---------------------------------------------------------------------------
@@ -700,6 +706,8 @@ class TrainerService:
             for w, smp in sorted(by_w.items()):
                 if w and len(smp) >= cfg.min_workload_samples:  # "" (untagged) is the shared scope's alone
                     report.scopes[w] = self._workload_turn(w, smp).to_dict()
+        if self.heads is not None:  # never raises: its report says what went wrong
+            report.head = self.heads.turn([e.sample for e in train], [e.sample for e in heldout_entries]).to_dict()
         self._prune_eval_cache()
         report.acked = self.reader.ack(entries)
 

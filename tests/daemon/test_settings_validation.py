@@ -85,12 +85,16 @@ def test_serve_ngram_gate_defaults_on_turns_off_and_refuses_a_bad_value(monkeypa
         load_settings(None)
 
 
-def test_serve_eagle_proposer_and_its_head_file_go_together(monkeypatch, tmp_path):
+def test_serve_eagle_proposer_takes_a_head_file_or_follows_the_trainers_heads(monkeypatch, tmp_path):
     s = load_settings(None).serve
-    assert s.eagle_head is None and s.record_hidden is False
+    assert s.eagle_head is None and s.record_hidden is False and s.follow_heads is True
+    assert load_settings(None).trainer.heads is False
     monkeypatch.setenv("DRAFTD_SERVE__PROPOSERS", '["ngram", "eagle"]')
-    with pytest.raises(ConfigError, match="'eagle' proposer and a head file go together"):
+    assert load_settings(None).serve.eagle_head is None  # the head registry's heads serve
+    monkeypatch.setenv("DRAFTD_SERVE__FOLLOW_HEADS", "false")
+    with pytest.raises(ConfigError, match="include 'eagle' with neither serve.eagle_head nor serve.follow_heads"):
         load_settings(None)
+    monkeypatch.delenv("DRAFTD_SERVE__FOLLOW_HEADS")
     monkeypatch.setenv("DRAFTD_SERVE__EAGLE_HEAD", str(tmp_path / "missing.safetensors"))
     with pytest.raises(ConfigError, match="missing.safetensors' does not exist: train one with"):
         load_settings(None)
@@ -99,7 +103,7 @@ def test_serve_eagle_proposer_and_its_head_file_go_together(monkeypatch, tmp_pat
     monkeypatch.setenv("DRAFTD_SERVE__EAGLE_HEAD", str(head))
     assert load_settings(None).serve.eagle_head == head
     monkeypatch.setenv("DRAFTD_SERVE__PROPOSERS", '["ngram"]')
-    with pytest.raises(ConfigError, match="go together"):
+    with pytest.raises(ConfigError, match="without 'eagle' in serve.proposers"):
         load_settings(None)
     monkeypatch.delenv("DRAFTD_SERVE__EAGLE_HEAD")
     monkeypatch.setenv("DRAFTD_SERVE__RECORD_HIDDEN", "true")

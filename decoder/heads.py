@@ -1,0 +1,337 @@
+"""Keeping the decoder's feature-level head on the registry's promoted one.
+
+The trainer registers heads (``decoder.eagle.save_head`` files) in a registry of kind ``"head"``
+(:class:`store.AdapterRegistry`, keys ``P head:...``) and promotes one when its held-out
+acceptance beats the serving one (``trainer.heads``). :class:`HeadManager` does for heads what
+:class:`decoder.adapters.AdapterManager` does for LoRA adapters, with the same watcher
+(:func:`watch_registry`: subscribe to the events channel, poll the active versions, retry while
+Redis is away):
+
+- preparation runs on the watcher thread, outside the decoder's lock: fetch the version (every
+  file's sha256 checked), rebuild it on the target (``decoder.eagle.load_head``: the file must be
+  this target's), make its serving copy, and check the decoder can feed it
+  (``SpeculativeDecoder.check_eagle_head``). A head that fails any of these never serves; the
+  failure is recorded and the route keeps the head that serves.
+- the switch is a reference swap at a request boundary (the decoder's ``between_requests``
+  hook): ``decoder.eagle_head`` and ``decoder.head_version`` change together, never inside a
+  request, so a request runs with one head from its first proposal to its last.
+- per-workload scopes route as adapters do: a request of workload ``w`` gets ``w``'s own
+  promoted head, else the shared one; version 0 means no head (the controller then does not
+  offer the ``"eagle"`` proposer: ``GoodputController(proposer_available=...)``).
+
+A rollback in the registry (``registry.rollback(reason, scope)``) is an event like a
+promotion: the previous head is prepared (kept loaded, so it is a pure switch) and served from
+the next request on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+import structlog
+
+from store import StoreError, StoreUnavailableError
+from store.registry import HEAD_FILE, parse_event
+
+log = structlog.get_logger(__name__)
+
+
+def watch_registry(registry, prepare: Callable[[int, str, str], None], stop: threading.Event, *,
+                   poll_interval_s: float, clock: Callable[[], float], after: Callable[[], None] | None = None,
+                   name: str = "adapter") -> None:
+    """The watcher loop :class:`decoder.adapters.AdapterManager` and :class:`HeadManager` run on
+    their thread until ``stop`` is set: subscribe to ``registry``'s events first, then poll
+    ``active_versions()`` every ``poll_interval_s`` and on each event call
+    ``prepare(version, source, scope)`` (source "poll" or "event"; a burst of events costs one
+    call per scope), then ``after()``. Redis errors close the subscription and retry after
+    ``poll_interval_s``; ``prepare`` must not raise for a bad artifact (it records it)."""
+    ps = None
+    next_poll = 0.0
+    while not stop.is_set():
+        try:
+            if ps is None:
+                ps = registry.subscribe()
+                next_poll = 0.0  # subscribed first, then polled: nothing falls in between
+            now = clock()
+            if now >= next_poll:
+                for scope, version in registry.active_versions().items():
+                    prepare(version, "poll", scope)
+                next_poll = now + poll_interval_s
+            # short waits, so that stop is prompt whatever the poll interval
+            msg = ps.get_message(timeout=min(0.2, poll_interval_s))
+            if msg is not None and msg.get("type") == "message":
+                for scope, version in latest_events(ps, msg).items():
+                    prepare(version, "event", scope)
+            if after is not None:
+                after()
+        except (StoreError, redis.RedisError, OSError, ValueError) as e:
+            if stop.is_set():
+                break
+            log.warning(f"{name}_watch_error", error=str(e), retry_in_s=poll_interval_s)
+            _close(ps)
+            ps = None
+            stop.wait(poll_interval_s)
+    _close(ps)
+
+
+def latest_events(ps, msg) -> dict[str, int]:
+    """The newest event's version per scope: ``msg`` and whatever else is queued on ``ps``."""
+    ev = parse_event(msg)
+    latest = {ev["scope"]: int(ev["version"])}
+    while (more := ps.get_message(timeout=0)) is not None:
+        if more.get("type") == "message":
+            ev = parse_event(more)
+            latest[ev["scope"]] = int(ev["version"])
+    return latest
+
+
+def _close(ps) -> None:
+    if ps is not None:
+        try:
+            ps.close()
+        except Exception:  # noqa: BLE001 - a broken connection may fail to close
+            pass
+
+
+@dataclass(frozen=True)
+class HeadSwap:
+    """One switch of the serving head at a request boundary."""
+
+    boundary: int  # the boundary's sequence number (requests and idle boundaries)
+    at: float  # seconds since the epoch
+    from_version: int
+    to_version: int
+    pause_ms: float
+    workload: str | None
+
+
+@dataclass(frozen=True)
+class HeadFailure:
+    """A head version that could not be prepared (it never served)."""
+
+    version: int
+    at: float  # seconds since the epoch
+    reason: str
+
+
+def serving_head_loader(decoder, dtype) -> Callable[[Path], Any]:
+    """``load(dir)``: the head in ``dir/head.safetensors`` rebuilt on ``decoder.target`` as it
+    serves: a frozen copy in ``dtype`` (``torch.bfloat16`` where the CPU multiplies it natively,
+    as ``daemon.serve`` chooses, else ``torch.float32``).
+
+    Raises (from the returned callable): ValueError, the file is unreadable, another target's,
+    or of another shape (``decoder.eagle.load_head``)."""
+    from decoder.eagle import load_head
+
+    def load(path: Path):
+        return load_head(decoder.target, Path(path) / HEAD_FILE).serving_copy(dtype)
+
+    return load
+
+
+class HeadManager:
+    """Keeps ``decoder.eagle_head`` on the head registry's promoted head (module docstring).
+
+    Args:
+        decoder: a :class:`decoder.speculative.SpeculativeDecoder`; a hook is appended to its
+            ``between_requests``. Its ``eagle_head`` / ``head_version`` (a head given at build,
+            version 0) is the shared scope's starting route.
+        registry: a :class:`store.AdapterRegistry` of kind ``"head"``.
+        load: ``load(dir) -> head`` (:func:`serving_head_loader`); raises for a head that must
+            not serve.
+        poll_interval_s: how often the active versions are polled when no event arrives, and
+            the retry delay while Redis is unreachable (s).
+        keep_loaded: head versions kept in memory besides routed ones (>= 1); 2 keeps the
+            previous shared head, so a rollback is a pure switch. A 135M target's bf16 head is
+            about 12 MB (its layer and fc; embedding and LM head are the target's, shared).
+    """
+
+    def __init__(self, decoder, registry, *, load: Callable[[Path], Any], poll_interval_s: float = 2.0,
+                 clock: Callable[[], float] = time.perf_counter, wall_clock: Callable[[], float] = time.time,
+                 keep_loaded: int = 2, history: int = 1000):
+        if getattr(registry, "kind", "head") != "head":
+            raise ValueError(f"HeadManager needs a registry of kind 'head', got {registry.kind!r}: "
+                             f"AdapterRegistry(client, dir, config, kind='head')")
+        if keep_loaded < 1:
+            raise ValueError(f"keep_loaded={keep_loaded}: must be >= 1 (the serving head)")
+        self.decoder = decoder
+        self.registry = registry
+        self.load = load
+        self.poll_interval_s = poll_interval_s
+        self.clock, self.wall_clock = clock, wall_clock
+        self.keep_loaded = keep_loaded
+        self.swaps: deque[HeadSwap] = deque(maxlen=history)
+        self.failures: deque[HeadFailure] = deque(maxlen=history)
+        self.prepare_ms: deque[float] = deque(maxlen=history)
+        self._heads: dict[int, Any] = {}  # version -> serving head (insertion order = load order)
+        v0 = int(getattr(decoder, "head_version", 0))
+        if v0 and decoder.eagle_head is not None:
+            self._heads[v0] = decoder.eagle_head
+        self._initial = decoder.eagle_head if not v0 else None  # a head given at build serves as version 0
+        self._routes: dict[str, int] = {"": v0}
+        self._failed: dict[int, str] = {}
+        self._boundaries = 0
+        self._lock = threading.Lock()  # _heads and _routes changes
+        self._prep_lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        decoder.between_requests.append(self._between_requests)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "HeadManager":
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._watch, name="head-manager", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop the thread and remove the hook from the decoder."""
+        self.stop()
+        try:
+            self.decoder.between_requests.remove(self._between_requests)
+        except ValueError:
+            pass
+
+    def __enter__(self) -> "HeadManager":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _watch(self) -> None:
+        watch_registry(self.registry, self._prepare, self._stop, poll_interval_s=self.poll_interval_s,
+                       clock=self.clock, after=self._evict, name="head")
+
+    # ---- preparation (watcher thread) --------------------------------------------------------
+    def poll_once(self, version: int | None = None, scope: str = "") -> int:
+        """Synchronously prepare ``version`` for ``scope`` (default: every scope's active
+        version); the switch still happens at the next request boundary. Returns the version
+        routed for ``scope``. Raises StoreUnavailableError when Redis is unreachable."""
+        if version is None:
+            for sc, v in self.registry.active_versions().items():
+                self._prepare(v, "manual", sc)
+        else:
+            self._prepare(int(version), "manual", scope)
+        self._evict()
+        return self._routes.get(scope, 0)
+
+    def _prepare(self, version: int, source: str, scope: str = "") -> None:
+        with self._prep_lock:
+            if version == self._routes.get(scope, 0):
+                return
+            if version in self._failed and source == "poll":
+                return  # already failed; an event or poll_once retries it
+            t0 = self.clock()
+            if version and version not in self._heads:
+                try:
+                    head = self.load(self.registry.fetch(version))
+                    self._check(head)
+                except StoreUnavailableError:
+                    raise  # transient: the watcher retries
+                except Exception as e:  # noqa: BLE001 - a bad head must never reach a request
+                    self._fail(version, f"{type(e).__name__}: {e}", scope)
+                    return
+                with self._lock:
+                    self._heads[version] = head
+                self.prepare_ms.append((self.clock() - t0) * 1e3)
+            self._failed.pop(version, None)
+            with self._lock:
+                self._routes = {**self._routes, scope: version}  # replaced whole: the hook reads it unlocked
+            log.info("head_prepared", version=version, scope=scope, source=source,
+                     prepare_ms=round((self.clock() - t0) * 1e3, 3))
+            with self._changed:
+                self._changed.notify_all()
+
+    def _check(self, head) -> None:
+        """Raises ValueError when the decoder cannot feed ``head`` (its width or vocabulary)."""
+        dec = self.decoder
+        saved = dec.eagle_head
+        try:
+            dec.eagle_head = head  # check_eagle_head reads the attribute; restored at once
+            dec.check_eagle_head()
+        finally:
+            dec.eagle_head = saved
+
+    def _fail(self, version: int, reason: str, scope: str) -> None:
+        self.failures.append(HeadFailure(version, self.wall_clock(), reason))
+        self._failed[version] = reason
+        log.error("head_load_failed", version=version, scope=scope, reason=reason, serving=self._routes.get(scope, 0))
+        with self._changed:
+            self._changed.notify_all()
+
+    def _evict(self) -> None:
+        """Forget loaded heads beyond ``keep_loaded`` plus the routed ones, oldest first; never a
+        routed head or the one serving."""
+        with self._lock:
+            routed = set(self._routes.values()) | {int(getattr(self.decoder, "head_version", 0))}
+            spare = [v for v in self._heads if v not in routed]
+            for v in spare[: max(0, len(spare) - (self.keep_loaded - 1))]:
+                del self._heads[v]
+
+    # ---- the switch (decoder's lock held) ----------------------------------------------------
+    def route(self, workload: str | None) -> int:
+        """The head version a request of ``workload`` runs with: its scope's, else the shared."""
+        routes = self._routes
+        return (routes.get(workload, 0) if workload else 0) or routes.get("", 0)
+
+    def _between_requests(self, dec, req=None) -> None:
+        seq = self._boundaries
+        self._boundaries += 1
+        workload = getattr(req, "workload", None)
+        want = self.route(workload)
+        old = int(getattr(dec, "head_version", 0))
+        if want == old:
+            return
+        t0 = self.clock()
+        with self._lock:
+            head = self._heads.get(want) if want else self._initial
+            if want and head is None:
+                return  # evicted by a newer route between reading it and now: keep what serves
+            dec.eagle_head, dec.head_version = head, want
+        pause = (self.clock() - t0) * 1e3
+        self.swaps.append(HeadSwap(seq, self.wall_clock(), old, want, pause, workload))
+        log.info("head_swapped", from_version=old, to_version=want, workload=workload, pause_ms=round(pause, 3))
+
+    # ---- observation -------------------------------------------------------------------------
+    def wait_prepared(self, version: int, timeout: float = 30.0, scope: str = "") -> bool:
+        """Block until ``version`` is routed for ``scope`` (True) or failed / timed out (False)."""
+        deadline = self.clock() + timeout
+        with self._changed:
+            while True:
+                if self._routes.get(scope, 0) == version and version not in self._failed:
+                    return True
+                if version in self._failed:
+                    return False
+                left = deadline - self.clock()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.1))
+
+    def status(self) -> dict[str, Any]:
+        """Serving head, routes, loaded versions, swaps and failures; JSON-ready."""
+        last = self.failures[-1] if self.failures else None
+        return {
+            "serving_version": int(getattr(self.decoder, "head_version", 0)),
+            "routes": dict(sorted(self._routes.items())),
+            "loaded": sorted(self._heads),
+            "swaps": len(self.swaps),
+            "failures": len(self.failures),
+            "last_failure": asdict(last) if last else None,
+            "prepare_ms_last": round(self.prepare_ms[-1], 3) if self.prepare_ms else None,
+            "watching": self._thread is not None and self._thread.is_alive(),
+        }

@@ -1,0 +1,149 @@
+"""Feature-level heads through the registry (decoder/heads.py, trainer/heads.py): registered,
+gated and promoted by the trainer from served records, hot-swapped between requests per
+workload scope, refused when they cannot serve, rolled back; on a real Redis with the tiny pair."""
+
+from __future__ import annotations
+
+import torch
+
+from decoder.eagle import EagleHead, load_head, save_head
+from decoder.heads import HeadManager, serving_head_loader
+from decoder.sampling import SamplingParams
+from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
+from store.config import StoreConfig
+from store.registry import HEAD_FILE, AdapterMeta, AdapterRegistry
+from tiny import reference_greedy, tiny_llama
+
+GREEDY = SamplingParams()
+
+
+def _head_dir(path, target, seed):
+    path.mkdir(parents=True)
+    torch.manual_seed(seed)
+    save_head(EagleHead.from_target(target), path / HEAD_FILE, target)
+    return path
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_heads_swap_between_requests_per_scope_and_a_bad_head_never_serves(target, tok, redis_client, key_prefix,
+                                                                           tmp_path):
+    cfg = StoreConfig(key_prefix=key_prefix)
+    heads = AdapterRegistry(redis_client, tmp_path / "heads", cfg, kind="head")
+    dec = SpeculativeDecoder(target, target, tok)
+    mgr = HeadManager(dec, heads, load=serving_head_loader(dec, torch.float32))
+    v1 = heads.register(_head_dir(tmp_path / "h1", target, 1), AdapterMeta())
+    heads.promote(v1, "first")
+    assert mgr.poll_once() == v1 and dec.head_version == 0  # prepared; the switch waits for a boundary
+    ids = _ids(tok, "the cat sat")
+    r = dec.generate(DecodeRequest(ids, GREEDY, 10, ignore_eos=True, workload="prose", proposer="eagle", gamma=2))
+    assert r.head_version == v1 and r.proposer == "eagle"
+    assert r.output_ids == reference_greedy(target, ids, 10)  # lossless with the swapped-in head
+    # the same weights as the file, rebuilt on the target, as it serves
+    want = load_head(target, heads.fetch(v1) / HEAD_FILE)
+    assert torch.equal(dec.eagle_head.fc.weight, want.fc.weight)
+    # another model's head: registered and promoted in the registry, refused by the decoder
+    other = tiny_llama(3, layers=2, hidden=32)
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    save_head(EagleHead.from_target(other), bad_dir / HEAD_FILE, other)
+    v2 = heads.register(bad_dir, AdapterMeta())
+    heads.promote(v2, "wrong model")
+    assert mgr.poll_once() == v1
+    assert mgr.failures[-1].version == v2 and "other target weights" in mgr.failures[-1].reason
+    r = dec.generate(DecodeRequest(ids, GREEDY, 6, ignore_eos=True, workload="prose", proposer="eagle"))
+    assert r.head_version == v1  # what served keeps serving
+    # a workload scope of its own; the others keep the shared head
+    v3 = heads.register(_head_dir(tmp_path / "h3", target, 3), AdapterMeta(scope="code"))
+    heads.promote(v3, "code's own")
+    heads.rollback("v2 cannot serve")  # the shared pointer back to v1
+    mgr.poll_once()
+    got = {w: dec.generate(DecodeRequest(ids, GREEDY, 4, ignore_eos=True, workload=w, proposer="eagle")).head_version
+           for w in ("code", "prose")}
+    assert got == {"code": v3, "prose": v1}
+    # the shared scope rolled back to no head: a request of prose has none (the controller then
+    # does not offer "eagle"); code keeps its own
+    heads.rollback("regressed")
+    mgr.poll_once()
+    dec.generate(DecodeRequest(ids, GREEDY, 4, ignore_eos=True, workload="prose"))
+    assert dec.head_version == 0 and dec.eagle_head is None
+    assert dec.generate(DecodeRequest(ids, GREEDY, 4, ignore_eos=True, workload="code",
+                                      proposer="eagle")).head_version == v3
+    st = mgr.status()
+    assert st["routes"] == {"": 0, "code": v3} and st["failures"] == 1 and v3 in st["loaded"]
+    mgr.close()
+
+
+def test_the_loop_learns_a_head_from_its_own_traffic_then_serves_and_rolls_it_back(target, other_draft, tok,
+                                                                                  redis_client, key_prefix, tmp_path):
+    """serve -> buffer (hidden states) -> TrainerService round with a head turn -> head v1
+    promoted -> the loop's HeadManager swaps it in -> the controller warms up 'eagle' and serves
+    with it (greedy outputs equal plain) -> a rollback takes it out again."""
+    from decoder.loop import build_serving_loop
+    from store.buffer import SampleReader
+    from store.schema import PairFingerprint
+    from trainer.distill import DistillConfig, Distiller
+    from trainer.heads import HeadConfig, HeadTrainer
+    from trainer.service import ServiceConfig, TrainerService
+
+    cfg = StoreConfig(key_prefix=key_prefix)
+    pair = PairFingerprint("tiny-t", "tiny-d", "chars")
+    heads = AdapterRegistry(redis_client, tmp_path / "heads", cfg, kind="head")
+    loop = build_serving_loop(target, other_draft, tok, client=redis_client, store_config=cfg, pair_fingerprint=pair,
+                              decoder_config=DecoderConfig(topk_record=8, record_prompt=True, record_hidden=True),
+                              proposers=("eagle", "ngram"), head_registry=heads, poll_interval_s=0.2)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 40, (10,), generator=g).tolist() for _ in range(48)]
+
+    def serve(batch):
+        out = []
+        for i, ids in batch:
+            r = loop.generate(DecodeRequest(ids, GREEDY, 24, ignore_eos=True, workload="w"), timeout=120)
+            assert r.output_ids == reference_greedy(target, ids, 24), i
+            out.append(r)
+        return out
+
+    with loop:
+        first = serve(list(enumerate(prompts[:40])))
+        assert "eagle" not in {r.proposer for r in first} and all(r.head_version == 0 for r in first)
+        assert loop.writer.flush(10)
+        reader = SampleReader(redis_client, cfg, "trainer", "c1", expected_fingerprint=pair)
+        torch.manual_seed(0)
+        ht = HeadTrainer(heads, lambda: EagleHead.from_target(target), lambda p: load_head(target, p),
+                         lambda h, p, meta: save_head(h, p, target, meta), vocab_size=dec_vocab(loop),
+                         config=HeadConfig(steps=200, window=16, batch=4, min_eval_positions=16, unroll=1),
+                         work_dir=tmp_path / "work")
+        svc = TrainerService(reader, AdapterRegistry(redis_client, tmp_path / "adapters", cfg),
+                             Distiller(other_draft, DistillConfig(max_steps=2, batch_size=8)),
+                             ServiceConfig(max_samples_per_round=512, min_eval_samples=2, work_dir=str(tmp_path / "w")),
+                             heads=ht)
+        rep = svc.run_round_now()
+        head = rep.head
+        assert head["decision"] == "promoted", head
+        assert head["records"] > 0 and head["records_without_hidden"] == 0
+        assert head["alpha_after"] > 0.05 and head["alpha_before"] == 0.0  # against no head at all
+        v1 = head["version"]
+        assert heads.active_version() == v1 and heads.get(v1).alpha_after == head["alpha_after"]
+        assert loop.heads.wait_prepared(v1, timeout=30)
+        later = serve(list(enumerate(prompts[40:], 40)) * 2)
+        by_head = {r.head_version for r in later if r.proposer == "eagle"}
+        assert by_head == {v1}, [(r.proposer, r.head_version) for r in later]
+        assert loop.status()["heads"]["serving_version"] == v1
+        # a second round trains from v1 and judges its candidate against v1, not against no head
+        assert loop.writer.flush(10)
+        rep2 = svc.run_round_now().head
+        assert rep2["parent"] == v1 and rep2["decision"] in ("promoted", "rejected"), rep2
+        assert rep2["alpha_before"] > 0.05 and (rep2["decision"] == "promoted") == (heads.active_version() != v1)
+        while heads.active_version():  # back past v1 (and v2, if the second round promoted one)
+            heads.rollback("operator: regressed")
+        assert loop.heads.wait_prepared(0, timeout=30)
+        after = serve([(0, prompts[0]), (1, prompts[1])])
+        assert all(r.proposer != "eagle" and r.head_version == 0 for r in after)
+    st = svc.status()["heads"]
+    assert st["turns"] == 2 and st["last"]["parent"] == v1
+
+
+def dec_vocab(loop) -> int:
+    return loop.decoder.vocab_p
