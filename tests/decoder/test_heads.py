@@ -147,3 +147,113 @@ def test_the_loop_learns_a_head_from_its_own_traffic_then_serves_and_rolls_it_ba
 
 def dec_vocab(loop) -> int:
     return loop.decoder.vocab_p
+
+
+def _records(target, tok, n, seed, hidden=True, workload="w"):
+    """Decoded records of ``n`` random prompts, through the buffer's encoding."""
+    from store.schema import PairFingerprint, decode, encode
+
+    got = []
+    dec = SpeculativeDecoder(target, target, tok, DecoderConfig(topk_record=8, record_prompt=True, record_hidden=hidden),
+                             sink=lambda s: got.append(decode(encode(s))),
+                             pair_fingerprint=PairFingerprint("tiny-t", "tiny-t", "chars"))
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        ids = torch.randint(2, 40, (10,), generator=g).tolist()
+        dec.generate(DecodeRequest(ids, GREEDY, 24, ignore_eos=True, workload=workload, gamma=0))
+    return got
+
+
+def _trainer(target, heads, tmp_path, **kw):
+    from trainer.heads import HeadConfig, HeadTrainer
+
+    cfg = {"steps": 150, "window": 16, "batch": 4, "min_eval_positions": 16, "unroll": 1, **kw}
+    return HeadTrainer(heads, lambda: EagleHead.from_target(target), lambda p: load_head(target, p),
+                       lambda h, p, meta: save_head(h, p, target, meta), vocab_size=44, config=HeadConfig(**cfg),
+                       work_dir=tmp_path / "work")
+
+
+def test_the_head_gate_promotes_a_gain_rejects_no_gain_and_trains_the_rejected_one_on(target, tok, redis_client,
+                                                                                   key_prefix, tmp_path):
+    heads = AdapterRegistry(redis_client, tmp_path / "heads", StoreConfig(key_prefix=key_prefix), kind="head")
+    train, held = _records(target, tok, 24, 1), _records(target, tok, 6, 2)
+    torch.manual_seed(0)
+    ht = _trainer(target, heads, tmp_path)
+    first = ht.turn(train, held)
+    assert first.decision == "promoted" and first.parent == 0 and first.alpha_before == 0.0
+    assert heads.active_version() == first.version and heads.get(first.version).state == "promoted"
+    # no gain possible at a learning rate of 1e-9: the candidate equals what serves, so it is
+    # rejected against v1's own held-out α (measured again, on the same records)
+    ht.config.lr = 1e-9
+    second = ht.turn([], held)
+    assert second.decision == "idle" and second.reason == "no training records"
+    second = ht.turn(train[:4], [])
+    assert second.decision == "rejected" and "did not beat the serving head's" in second.reason
+    assert second.parent == first.version and abs(second.alpha_before - first.alpha_after) < 1e-4
+    assert heads.get(second.version).state == "rejected" and heads.active_version() == first.version
+    assert ht._carry is not None and ht._carry[0] == first.version  # trains on next turn
+    # records without hidden states are counted and named, not trained on
+    lean = _records(target, tok, 3, 3, hidden=False)
+    third = ht.turn(lean, [])
+    assert third.decision == "idle" and third.records_without_hidden == len(lean)
+    assert "set serve.record_hidden" in third.reason
+
+
+def test_a_failing_head_turn_never_fails_the_round_that_carries_it(target, tok, redis_client, key_prefix, tmp_path):
+    """The LoRA round registers, judges and acks as before when the head's constructor raises;
+    the head's report says why."""
+    from store.buffer import SampleReader, SampleWriter
+    from store.schema import PairFingerprint
+    from trainer.distill import DistillConfig, Distiller
+    from trainer.service import ServiceConfig, TrainerService
+    from tiny import tiny_llama as tl
+
+    cfg = StoreConfig(key_prefix=key_prefix)
+    heads = AdapterRegistry(redis_client, tmp_path / "heads", cfg, kind="head")
+    ht = _trainer(target, heads, tmp_path)
+    ht.new_head = lambda: (_ for _ in ()).throw(RuntimeError("out of memory building the head"))
+    recs = _records(target, tok, 16, 4)
+    with SampleWriter(redis_client, cfg) as w:
+        for r in recs:
+            w.submit(r)
+        assert w.flush(10)
+    reader = SampleReader(redis_client, cfg, "trainer", "c1", expected_fingerprint=PairFingerprint("tiny-t", "tiny-t", "chars"))
+    svc = TrainerService(reader, AdapterRegistry(redis_client, tmp_path / "adapters", cfg),
+                         Distiller(tl(7, layers=2, hidden=32), DistillConfig(max_steps=2, batch_size=8)),
+                         ServiceConfig(min_eval_samples=1, work_dir=str(tmp_path / "w")), heads=ht)
+    rep = svc.run_round_now()
+    assert rep.decision in ("promoted", "rejected") and rep.acked == len(recs)
+    assert rep.head["decision"] == "failed" and "out of memory building the head" in rep.head["reason"]
+    assert heads.list() == []
+
+
+def test_the_heads_v0_is_bootstrapped_once_then_taken_from_the_cache(target, tok, redis_client, key_prefix, tmp_path,
+                                                                       monkeypatch):
+    """daemon.heads.ensure_head_v0: trained on the built-in corpora on the first start, promoted
+    as v1 of an empty registry; a second empty registry gets the cached file (same bytes, no
+    training); a registry with history is left alone."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from daemon.heads import HeadBootstrapConfig, ensure_head_v0
+    from store.schema import PairFingerprint
+
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "cache"))
+    pair = SimpleNamespace(target=target, tokenizer=tok)
+    fp = PairFingerprint("tiny-t", "tiny-t", "chars")
+    cfg = HeadBootstrapConfig(workloads=("prose", "code"), corpus_tokens=1500, heldout_tokens=400, train_seconds=20,
+                              max_steps=60)
+    reg1 = AdapterRegistry(redis_client, tmp_path / "h1", StoreConfig(key_prefix=key_prefix + "a:"), kind="head")
+    torch.manual_seed(0)
+    first = ensure_head_v0(pair, fp, reg1, cfg)
+    assert first.source == "trained" and first.version == 1 and reg1.active_version() == 1
+    assert first.meta["steps"] == 60 and set(first.meta["alpha_by_workload"]) == {"prose", "code"}
+    assert reg1.get(1).alpha_after == first.meta["alpha"] > 0.05  # the registry records the bootstrap's held-out α
+    reg2 = AdapterRegistry(redis_client, tmp_path / "h2", StoreConfig(key_prefix=key_prefix + "b:"), kind="head")
+    second = ensure_head_v0(pair, fp, reg2, cfg)
+    assert second.source == "cache" and second.version == 1
+    digest = lambda r: hashlib.sha256((r.fetch(1) / HEAD_FILE).read_bytes()).hexdigest()  # noqa: E731
+    assert digest(reg1) == digest(reg2)
+    assert ensure_head_v0(pair, fp, reg1, cfg).source == "registry"
+    for k in redis_client.scan_iter(match=key_prefix + "*"):
+        redis_client.delete(k)
