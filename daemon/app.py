@@ -79,6 +79,8 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
     from trainer.distill import Distiller
     from trainer.service import TrainerService, group_lag
 
+    from daemon.heads import head_trainer
+
     m = settings.models
     if m.torch_threads:
         torch.set_num_threads(m.torch_threads)
@@ -106,6 +108,7 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
         service_config(settings),
         backlog=lambda: group_lag(handle.client, scfg, group),
         warm_start=warm_start if ws_cfg.enabled else None,
+        heads=head_trainer(settings, handle.client, pair, scfg) if settings.trainer.heads else None,
     )
     service.fingerprint = fingerprint.key()  # shown in status
     if settings.trainer.start_paused:

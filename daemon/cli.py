@@ -34,6 +34,9 @@ from daemon.reports import adapters_list as adapters_report, history_report
 app = typer.Typer(help="draftd: online-adapted speculative decoding sidecar. Operate the daemon.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Registered draft adapters: list, show, promote, rollback.", no_args_is_help=True)
 app.add_typer(adapters_app, name="adapters")
+heads_app = typer.Typer(help="Registered feature-level heads (trainer.heads, the 'eagle' proposer): list, rollback. "
+                             "Read and written in Redis directly.", no_args_is_help=True)
+app.add_typer(heads_app, name="heads")
 
 out = console()
 err = console(stderr=True)
@@ -398,6 +401,56 @@ def adapters_rollback(
         out.print(f"{workload}: {now} (rolled back v{r['previous']})")
     else:
         out.print(f"v{r['active']} active (rolled back v{r['previous']})")
+    for v, why in (r.get("skipped") or {}).items():
+        out.print(f"skipped v{v}: its artifact fails the check: {why}")
+
+
+def _settings(config: Path | None):
+    try:
+        return load_settings(config)
+    except ConfigError as e:
+        err.print(f"[red]config error:[/] {e}")
+        raise typer.Exit(2) from e
+
+
+@heads_app.command("list")
+def heads_list(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
+    """Registered head versions, oldest first (the head registry in Redis)."""
+    from daemon.cli_offline import offline_call
+
+    rows = offline_call(_settings(config), "heads list", lambda reg, hist: adapters_report(reg), kind="head")
+    if json_out:
+        print(json.dumps(rows, indent=2))
+        return
+    t = Table(title="heads (* = active in its scope; scope '-' = shared)")
+    for col in ("version", "scope", "parent", "created", "state", "alpha before", "alpha after", "records", "reason"):
+        t.add_column(col)
+    for a in rows:
+        t.add_row(f"v{a['version']}" + (" *" if a["active"] else ""), a.get("scope") or "-", f"v{a['parent']}",
+                  _when(a["created_at"]), a["state"], _f(a["alpha_before"]), _f(a["alpha_after"]), str(a["samples_trained"]),
+                  a["reason"])
+    out.print(t)
+
+
+@heads_app.command("rollback")
+def heads_rollback(
+    config: ConfigOpt = None,
+    reason: ReasonOpt = "operator rollback",
+    workload: Annotated[str, typer.Option("--workload", help="roll back this workload's own head (default: the shared one)")] = "",
+) -> None:
+    """Roll the active head back to the previous promoted one (v0 = no head: the controller stops
+    offering 'eagle'); serving loops that follow heads swap at their next request."""
+    from daemon.cli_offline import offline_call
+    from store.errors import InvalidTransitionError
+
+    try:
+        r = offline_call(_settings(config), "heads rollback",
+                         lambda reg, hist: dict(zip(("active", "skipped"), reg.rollback_checked(reason, scope=workload))),
+                         kind="head")
+    except (InvalidTransitionError, ValueError) as e:  # no active head in that scope, or a bad scope name
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(1) from e
+    out.print(f"{workload or 'shared'}: head v{r['active']} active" + (" (none: 'eagle' is not offered)" if not r["active"] else ""))
     for v, why in (r.get("skipped") or {}).items():
         out.print(f"skipped v{v}: its artifact fails the check: {why}")
 

@@ -15,9 +15,10 @@ from daemon.logging import console
 err = console(stderr=True)
 
 
-def offline_call(s, what: str, fn: Callable[[Any, Any], Any]) -> Any:
+def offline_call(s, what: str, fn: Callable[[Any, Any], Any], kind: str = "adapter") -> Any:
     """``fn(registry, history)`` over Redis directly (URL, else the default address), JSON-encoded
-    as the API would (NaN -> None). Exit 3 when no Redis answers either."""
+    as the API would (NaN -> None). Exit 3 when no Redis answers either. ``kind="head"``: the
+    head registry (``daemonctl heads``, which always reads Redis: the daemon has no head API)."""
     from daemon.redis_embed import answers
     from daemon.settings import store_config
     from store.jsonsafe import jsonable
@@ -37,8 +38,10 @@ def offline_call(s, what: str, fn: Callable[[Any, Any], Any]) -> Any:
         raise typer.Exit(3) from e
     try:
         cfg = store_config(s)
-        registry, history = AdapterRegistry(client, s.adapter_dir, cfg), AcceptanceHistory(client, cfg)
-        err.print(f"[yellow]no daemon answers at {s.api_url}: read from Redis directly (prefix {s.store.key_prefix})[/]")
+        registry = AdapterRegistry(client, s.head_dir if kind == "head" else s.adapter_dir, cfg, kind=kind)
+        history = AcceptanceHistory(client, cfg)
+        if kind == "adapter":
+            err.print(f"[yellow]no daemon answers at {s.api_url}: read from Redis directly (prefix {s.store.key_prefix})[/]")
         return json.loads(json.dumps(jsonable(fn(registry, history)), default=str))
     finally:
         client.close()

@@ -53,6 +53,12 @@ class DemoConfig:
     train_min_new_samples: int = 8
     round_steps: int = 40
     round_seconds: float = 60.0
+    # --heads: the feature-level head as a third proposer: v0 bootstrapped on the corpora (cached),
+    # records carry hidden states, each round also distils the head (head_steps steps) and the
+    # serving loop hot-swaps the promoted heads; the table adds frozen-v0 and adapted head rows
+    heads: bool = False
+    head_steps: int = 60
+    head_gamma: int = 1  # γ of the frozen-vs-adapted head rows (on 2 CPU cores γ = 1 is the head's best)
     seed: int = 0
     out_dir: Path = field(default_factory=lambda: Path("out/demo"))
 
@@ -90,7 +96,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     t_start = time.time()
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     with ExitStack() as stack:
-        models = _load_models(settings, console)  # first: a pair that cannot load leaves the last run's state alone
+        models = _load_models(settings, console, embeddings=cfg.heads)  # first: a pair that cannot load leaves the last run's state alone
         store = _open_store(stack, settings, console)
         trainer = _start_trainer(stack, settings, cfg, store, models, out_dir, run_id, console)
         loop, oai = _start_serving(stack, settings, cfg, store, models, trainer, console)
@@ -100,7 +106,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         table = evaluate_phases(cfg, trainer.heldout, traffic.phase_end_version, traffic.timeline, trainer.distiller,
                                 trainer.registry, loop.decoder, frozen_draft=_v0_draft(models, trainer),
                                 tok=models.tok, params=params, console=console, controller=loop.controller,
-                                v0_version=trainer.v0.version or 0)
+                                v0_version=trainer.v0.version or 0, frozen_head=_v0_head(loop, trainer))
         loop.tracker.flush()
         report = _report(cfg, run_id, t_start, store, models, trainer, loop, traffic, table)
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
@@ -147,6 +153,8 @@ class _Trainer:
     heldout: dict[str, list]  # workload -> served samples the trainer's split holds out
     keep_heldout: Any  # the serving loop's tap that fills ``heldout``
     v0: Any = None  # daemon.warm_start.WarmStart: the bootstrapped v0 (version None: the base draft)
+    head_registry: Any = None  # --heads: the head registry (kind "head")
+    head_v0: Any = None  # --heads: daemon.warm_start.WarmStart of the head's v0
 
 
 @dataclass
@@ -156,6 +164,7 @@ class _Traffic:
     timeline: list[dict] = field(default_factory=list)  # a row per request
     shifts: list[dict] = field(default_factory=list)  # where each phase began
     phase_end_version: dict[str, int] = field(default_factory=dict)  # the adapter each phase ended on
+    phase_end_head: dict[str, int] = field(default_factory=dict)  # --heads: the head each phase ended on
 
 
 def _open_store(stack, settings, console) -> _Store:
@@ -174,7 +183,7 @@ def _open_store(stack, settings, console) -> _Store:
     return _Store(rh, scfg, prefix)
 
 
-def _load_models(settings, console) -> _Models:
+def _load_models(settings, console, embeddings: bool = False) -> _Models:
     """The configured pair (converted and cached on first use) and the engines it runs on."""
     from daemon.settings import draft_vocab_ids
     from decoder.models import load_pair
@@ -185,7 +194,7 @@ def _load_models(settings, console) -> _Models:
         from decoder.engine import choose_engine
 
         m = settings.models  # the decoder's engine gets one core, the trainer the other (unless told)
-        engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1)
+        engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1, embeddings=embeddings)
     console.log(f"engine: {engines.name} ({engines.reason})")
     layers = settings.models.draft.split(":", 1)[1] if settings.models.draft.startswith("layers:") else None
     if layers is None:
@@ -216,6 +225,14 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
     dcfg = dataclasses.replace(dcfg, max_steps=cfg.round_steps, max_seconds=cfg.round_seconds)
     distiller = Distiller(derive_draft(models.pair.target, models.layers), dcfg, vocab=models.vocab)
     v0 = _warm_start(settings, models, registry, distiller, console)
+    head_registry = head_v0 = heads = None
+    if cfg.heads:
+        from daemon.heads import head_trainer
+
+        head_registry = AdapterRegistry(client, out_dir / "heads" / run_id, scfg, kind="head")
+        head_v0 = _head_warm_start(settings, models, head_registry, console)
+        heads = head_trainer(settings, client, models.pair, scfg, head_dir=out_dir / "heads" / run_id,
+                             work_dir=out_dir / "work" / run_id, steps=cfg.head_steps)
     svc = TrainerService(
         reader, registry, distiller,
         ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
@@ -223,6 +240,7 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
                       holdout_per_workload=24, min_eval_samples=3, promote_margin=0.005,
                       regress_margin=0.05, replay_per_workload=64, replay_ratio=2.0, work_dir=str(out_dir / "work" / run_id)),
         backlog=lambda: sum(g.lag or 0 for g in group_info(client, scfg) if g.name == "trainer"),
+        heads=heads,
     )
     svc.start()
     stack.callback(svc.stop)
@@ -233,7 +251,7 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
         if is_heldout(split_key(sample), svc.config.holdout_fraction):
             heldout.setdefault(sample.workload, []).append(sample)
 
-    return _Trainer(registry, distiller, svc, heldout, keep_heldout, v0)
+    return _Trainer(registry, distiller, svc, heldout, keep_heldout, v0, head_registry, head_v0)
 
 
 def _warm_start(settings, models: _Models, registry, distiller, console):
@@ -255,6 +273,33 @@ def _warm_start(settings, models: _Models, registry, distiller, console):
         torch.set_num_threads(threads)
     console.log(f"v0: {v0.reason}" if v0.version else f"[yellow]v0 is the base draft:[/] {v0.reason}")
     return v0
+
+
+def _head_warm_start(settings, models: _Models, registry, console):
+    """The head's v0 (daemon.heads.ensure_head_v0) on every core, before anything is served."""
+    import torch
+
+    from daemon.heads import HeadBootstrapConfig, ensure_head_v0
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    try:
+        v0 = ensure_head_v0(models.pair, models.fp, registry, HeadBootstrapConfig(), settings.trainer.precision,
+                            progress=console.log)
+    finally:
+        torch.set_num_threads(threads)
+    console.log(f"head v0: {v0.reason}")
+    return v0
+
+
+def _v0_head(loop, trainer: _Trainer):
+    """The head's frozen v0 as it serves (None without --heads or without a v0 head)."""
+    if trainer.head_v0 is None or not trainer.head_v0.version:
+        return None
+    from daemon.serve import head_dtype
+    from decoder.heads import serving_head_loader
+
+    return serving_head_loader(loop.decoder, head_dtype())(trainer.head_registry.fetch(trainer.head_v0.version))
 
 
 def _v0_draft(models: _Models, trainer: _Trainer):
@@ -279,6 +324,12 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
     from decoder.speculative import DecoderConfig
 
     pair, tok, vocab = models.pair, models.tok, models.vocab
+    proposers = tuple(cfg.proposers) + (("eagle",) if cfg.heads and "eagle" not in cfg.proposers else ())
+    head_kw = {}
+    if cfg.heads:
+        from daemon.serve import head_dtype
+
+        head_kw = {"head_registry": trainer.head_registry, "head_dtype": head_dtype()}
     # The serving loop `daemonctl serve` runs (decoder, adapter manager, goodput controller over
     # the n-gram and draft proposers, acceptance tracker, rollback monitor, sample writer), behind
     # its OpenAI-compatible API on a free loopback port: the demo's traffic is a client's.
@@ -286,20 +337,23 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
     # (from the prefill it runs anyway), ~3x the trainer's data per request.
     loop = build_serving_loop(
         pair.target, pair.draft, tok, client=store.client, store_config=store.config, registry=trainer.registry,
-        decoder_config=DecoderConfig(topk_record=32, record_prompt=True, draft_vocab=vocab), pair_fingerprint=models.fp,
+        decoder_config=DecoderConfig(topk_record=32, record_prompt=True, draft_vocab=vocab, record_hidden=cfg.heads),
+        pair_fingerprint=models.fp,
         tap=trainer.keep_heldout, config=LoopConfig(rollback_per_workload=False), poll_interval_s=1.0,
-        rollback_min_requests=6, rollback_margin=0.15, proposers=tuple(cfg.proposers),
-        engine=models.engines.target, draft_engine=models.engines.draft)
+        rollback_min_requests=6, rollback_margin=0.15, proposers=proposers,
+        engine=models.engines.target, draft_engine=models.engines.draft, **head_kw)
     loop.start()
     stack.callback(loop.close)
     if trainer.v0 is not None and trainer.v0.version:  # the first request is served by v0, not the base draft
         if not loop.manager.wait_prepared(trainer.v0.version, 120):
             console.log(f"[yellow]v0 (v{trainer.v0.version}) was not installed within 120 s; serving starts without it[/]")
+    if trainer.head_v0 is not None and trainer.head_v0.version and not loop.heads.wait_prepared(trainer.head_v0.version, 120):
+        console.log(f"[yellow]head v0 (v{trainer.head_v0.version}) was not installed within 120 s[/]")
     model_name = settings.models.target
     service = InferenceService(loop, tok, model_name, context_len=getattr(pair.target.config, "max_position_embeddings", None))
     server = stack.enter_context(ServeServer(service, "127.0.0.1", 0))
     oai = OpenAI(base_url=f"{server.url}/v1", api_key="demo", max_retries=0, timeout=600)
-    console.log(f"serving on {server.url}/v1 (OpenAI API); proposers {', '.join(cfg.proposers)}")
+    console.log(f"serving on {server.url}/v1 (OpenAI API); proposers {', '.join(proposers)}")
     return loop, oai
 
 
@@ -325,6 +379,8 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                 timeline.append(row)
                 live.update(_progress_table(timeline, phase, svc, loop.manager, loop.controller, (phase, params.bucket())))
             traffic.phase_end_version[phase] = loop.decoder.adapter_version
+            if loop.heads is not None:
+                traffic.phase_end_head[phase] = loop.heads.route(phase)
     return traffic
 
 
@@ -367,6 +423,13 @@ def _finish_serving(trainer: _Trainer, loop, console) -> None:
         console.log(f"[yellow]the last promoted adapter v{latest} could not be installed; evaluating "
                     f"v{decoder.adapter_version}[/]")
     manager.close()  # no hook left to swap during the evaluation
+    if loop.heads is not None:  # the same for the head: the last promoted one, then no more swaps
+        latest = trainer.head_registry.active_version()
+        loop.heads.wait_prepared(latest, 60)
+        loop.heads.stop()
+        decoder.run_between_requests()
+        loop.heads.close()
+        console.log(f"final head v{decoder.head_version}")
     console.log(f"serving done (final adapter v{decoder.adapter_version}); evaluating frozen vs adapted drafts")
 
 
@@ -383,6 +446,8 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "seconds": round(time.time() - t_start, 1), "requests": len(timeline),
         "active_adapter": decoder.adapter_version,
         "adapters": [_adapter_row(r) for r in trainer.registry.list()],
+        "heads": ([_adapter_row(r) for r in trainer.head_registry.list()] if trainer.head_registry is not None else None),
+        "head_v0": trainer.head_v0.__dict__ if trainer.head_v0 is not None else None,
         "trainer": _jsonable(trainer.svc.status()), "swaps": loop.manager.status(),
         "rollbacks": [d.__dict__ for d in loop.monitor.decisions],
         "shift_alarms": [a.__dict__ for a in loop.tracker.alarms], "shifts": shifts,
@@ -395,7 +460,7 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
 
 
 def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, frozen_draft, tok,
-                    params, console, controller=None, v0_version: int = 0) -> list[dict]:
+                    params, console, controller=None, v0_version: int = 0, frozen_head=None) -> list[dict]:
     """The per-phase table: frozen v0 vs what adaptation built, on prompts never served.
 
     v0 is what served the first request: the bootstrapped adapter ``v0_version`` (daemon.warm_start)
@@ -411,6 +476,8 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
       n-gram proposer indexing only what was served (each evaluation request decodes against a
       copy of the served history, so evaluation requests never see each other). Greedy α (share
       of proposals accepted), τ, tokens/s and speedup vs plain, all measured.
+    - with ``--heads`` (``frozen_head``: the head's v0 as it serves): ``frozen_head`` and
+      ``adapted_head`` (the final head), the ``"eagle"`` proposer at γ = ``head_gamma``.
     - live: the phase's served requests, first and last third: greedy α and tokens/s.
     """
     from decoder.metrics import AcceptanceCounts
@@ -450,6 +517,8 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
             ps = _prompts(phase, cfg.eval_prompts)
             runs = (("plain", decoder, 0, None), ("frozen", frozen, cfg.eval_gamma, "draft"),
                     ("adapted_draft", decoder, cfg.eval_gamma, "draft"), ("adapted", decoder, pick_g, pick_p))
+            if frozen_head is not None and decoder.eagle_head is not None:
+                runs += (("frozen_head", decoder, cfg.head_gamma, "eagle"), ("adapted_head", decoder, cfg.head_gamma, "eagle"))
             console.log(f"evaluating {phase} on {len(ps)} prompts never served: plain, frozen, adapted draft, "
                         + (f"the pick ({pick_p} γ={pick_g})" if pick_g else "the pick (plain: speculation off)"))
             tot = {name: [AcceptanceCounts(), 0.0] for name, *_ in runs}
@@ -463,7 +532,8 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                     # the history and gate as serving left them, the same for every row (evaluation teaches neither)
                     decoder.ngram_history = served_history.copy()
                     decoder.ngram_gate = served_gate.copy() if served_gate is not None else None
-                    with _frozen_lora(decoder if dec is frozen else None, v0_version, registry):
+                    with (_frozen_lora(decoder if dec is frozen else None, v0_version, registry),
+                          _swapped_head(decoder, frozen_head if name == "frozen_head" else None)):
                         r = dec.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
                                                        workload=phase, proposer=prop))
                     tot[name][0].merge(r.counts)
@@ -473,8 +543,12 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                 row[name] = {"proposer": prop, "gamma": g, "alpha": _nn(c.alpha),
                              "tau": _nn(c.mean_accepted_length), "acceptance_rate": _nn(c.acceptance_rate),
                              "tokens_per_s": round(c.num_emitted_tokens / ms * 1e3, 3)}
-            for name in ("frozen", "adapted_draft", "adapted"):
-                row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
+            for name in ("frozen", "adapted_draft", "adapted", "frozen_head", "adapted_head"):
+                if name in row:
+                    row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
+            if "adapted_head" in row:
+                row["final_head"] = decoder.head_version
+                row["head_alpha_gain"] = _nn((row["adapted_head"]["alpha"] or 0) - (row["frozen_head"]["alpha"] or 0))
             # what training bought the draft: the adapted draft's α over the frozen v0's (the pick may be
             # plain decoding, whose α is None, or the n-gram proposer, which is not trained)
             row["alpha_gain"] = _nn((row["adapted_draft"]["alpha"] or 0) - (row["frozen"]["alpha"] or 0))
@@ -490,6 +564,21 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
     finally:
         decoder.ngram_history, decoder.ngram_gate = served_history, served_gate
     return rows
+
+
+@contextlib.contextmanager
+def _swapped_head(decoder, head):
+    """``decoder.eagle_head`` = ``head`` for the block (None: a no-op), put back after; the head
+    manager is closed by then, so nothing swaps it meanwhile."""
+    if head is None:
+        yield
+        return
+    old = decoder.eagle_head
+    decoder.eagle_head = head
+    try:
+        yield
+    finally:
+        decoder.eagle_head = old
 
 
 @contextlib.contextmanager
@@ -639,6 +728,16 @@ def print_report(report: dict, console) -> None:
                   f(pk["alpha"]), f(pk["tau"]), f(pk["speedup_vs_plain"]),
                   f"{f(r['live_first_third']['alpha'])} → {f(r['live_last_third']['alpha'])}")
     console.print(t)
+    if any("adapted_head" in r for r in report["phases"]):
+        th = Table(title=f"the feature-level head on the same prompts (eagle γ={report['config'].get('head_gamma')}): "
+                         f"frozen v0 head vs the final head")
+        for c in ("phase", "frozen head α", "frozen head ×plain", "adapted head α", "adapted head ×plain", "final head"):
+            th.add_column(c)
+        for r in report["phases"]:
+            if "adapted_head" in r:
+                th.add_row(r["workload"], f(r["frozen_head"]["alpha"]), f(r["frozen_head"]["speedup_vs_plain"]),
+                           f(r["adapted_head"]["alpha"]), f(r["adapted_head"]["speedup_vs_plain"]), f"v{r['final_head']}")
+        console.print(th)
     for r in report["phases"]:
         console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}")
         sv = r.get("served") or {}
@@ -654,6 +753,14 @@ def print_report(report: dict, console) -> None:
         a.add_row(str(r.get("version")), str(r.get("state")), f(r.get("alpha_before")), f(r.get("alpha_after")),
                   str(r.get("samples_trained")), str(r.get("reason", ""))[:90])
     console.print(a)
+    if report.get("heads"):
+        hd = Table(title="heads")
+        for c in ("version", "state", "α before", "α after", "records", "reason"):
+            hd.add_column(c)
+        for r in report["heads"]:
+            hd.add_row(str(r.get("version")), str(r.get("state")), f(r.get("alpha_before")), f(r.get("alpha_after")),
+                       str(r.get("samples_trained")), str(r.get("reason", ""))[:90])
+        console.print(hd)
     rc = Table(title="recovery after each shift (greedy α of the last 5 speculating requests back to 90 % of pre-shift)",
                caption="- : not recovered within the phase, or too few requests speculated to tell")
     for c in ("shift", "pre-shift α", "requests", "seconds", "α then"):
@@ -680,6 +787,9 @@ def register(app) -> None:
         quick: Annotated[bool, typer.Option(help="a ~6.5-minute run (75 s per phase)")] = False,
         phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase (overrides the preset)")] = None,
         out: Annotated[Path, typer.Option(help="directory for report.json and acceptance.png")] = Path("out/demo"),
+        heads: Annotated[bool, typer.Option(help="also serve and adapt the feature-level head (the 'eagle' proposer): "
+                                                 "v0 bootstrapped once per pair (cached), distilled each round from "
+                                                 "records with hidden states")] = False,
         config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")] = None,
     ) -> None:
         """The main job: serve a shifting workload (prose -> code -> math) while the trainer adapts
@@ -706,6 +816,8 @@ def register(app) -> None:
         cfg = DemoConfig.quick(out_dir=out) if quick else DemoConfig(out_dir=out)
         if phase_seconds is not None:
             cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)
+        if heads:
+            cfg = dataclasses.replace(cfg, heads=True)
         from decoder.engine import EngineError
         from decoder.models import ModelLoadError
 

@@ -92,6 +92,8 @@ def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", stor
     out["buffer"] = buffer_section(redis.client, store_config, settings.store.consumer_group, warnings)
     out["trainer"] = trainer_section(trainer, problems)
     out["adapter"] = adapter_section(registry)
+    # the feature-level proposer's heads (trainer.heads, serve.follow_heads): the same layout
+    out["head"] = adapter_section(AdapterRegistry(redis.client, settings.head_dir, store_config, kind="head"))
     out["acceptance"], out["speculation"] = acceptance_sections(history, out["adapter"], now)
     from store.heartbeat import read_heartbeats
 
@@ -135,6 +137,7 @@ def trainer_section(trainer: Any, problems: list[str]) -> dict:
         "next_run_time": None if st["paused"] else st["next_run_time"],
         "heldout": st["heldout"],
         "warm_start": st.get("warm_start"),  # v0's bootstrap (daemon.warm_start): "pending", its result, or "failed: ..."
+        "heads": st.get("heads"),  # trainer.heads: the head it trains from, its pools and its last turn (None: off)
         "last_round": None if last is None else {
             k: last.get(k) for k in ("trigger", "started_at", "seconds", "decision", "reason", "version", "read", "trained_on",
                                      "acked", "scopes")

@@ -761,6 +761,15 @@ class Heartbeat:
             pass
 
 
+def head_dtype():
+    """The dtype a head serves in: bf16 where the CPU multiplies it natively (or on CUDA), else float32."""
+    import torch
+
+    from trainer.distill import cpu_has_native_bf16
+
+    return torch.bfloat16 if cpu_has_native_bf16() or torch.cuda.is_available() else torch.float32
+
+
 def _eagle_head(path, target):
     """The feature-level head in ``path`` (``serve.eagle_head``), as it serves: a frozen bf16 copy
     where the CPU multiplies bf16 natively, else float32; None without a path.
@@ -770,16 +779,11 @@ def _eagle_head(path, target):
     """
     if path is None:
         return None
-    import torch
-
     from decoder.eagle import load_head
-    from trainer.distill import cpu_has_native_bf16
-
     from decoder.models import ModelLoadError
 
-    dtype = torch.bfloat16 if cpu_has_native_bf16() or torch.cuda.is_available() else torch.float32
     try:
-        return load_head(target, Path(path).expanduser()).serving_copy(dtype)
+        return load_head(target, Path(path).expanduser()).serving_copy(head_dtype())
     except ValueError as e:  # unreadable, another target's, or another shape: say so, no traceback
         raise ModelLoadError(f"serve.eagle_head: {e}") from e
 
@@ -811,19 +815,21 @@ def run_serve(settings, console=None) -> int:
         from decoder.engine import choose_engine, torch_threads_for
 
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads,
-                                embeddings=sv.record_hidden or sv.eagle_head is not None)
+                                embeddings=sv.record_hidden or "eagle" in sv.proposers)
         log.info("engine", engine=engines.name, reason=engines.reason)
         if not m.torch_threads:  # on llama.cpp the decoder's torch work is per-row vector math: one thread
             stack.enter_context(torch_threads_for(engines.target))
         fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
         registry = AdapterRegistry(rh.client, settings.adapter_dir, scfg) if sv.follow_adapters else None
+        follow_heads = "eagle" in sv.proposers and sv.eagle_head is None and sv.follow_heads
+        heads = AdapterRegistry(rh.client, settings.head_dir, scfg, kind="head") if follow_heads else None
         loop = build_serving_loop(
             pair.target, pair.draft, pair.tokenizer, client=rh.client, store_config=scfg, registry=registry,
             decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
                                          ngram_gate=sv.ngram_gate, record_hidden=sv.record_hidden),
             pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every),
             proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft,
-            eagle_head=_eagle_head(sv.eagle_head, pair.target))
+            eagle_head=_eagle_head(sv.eagle_head, pair.target), head_registry=heads, head_dtype=head_dtype())
         loop.start()
         stack.callback(loop.close)
         ctx = loop.decoder.engine.context_length
@@ -834,7 +840,8 @@ def run_serve(settings, console=None) -> int:
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,
                  streams_steps=loop.streams_steps, proposers=list(sv.proposers),
-                 eagle_head=str(sv.eagle_head) if sv.eagle_head else None, record_hidden=sv.record_hidden)
+                 eagle_head=str(sv.eagle_head) if sv.eagle_head else ("registry" if heads is not None else None),
+                 record_hidden=sv.record_hidden)
         if console is not None:
             console.print(f"serving {service.model} at {server.url}/v1 (redis {rh.mode}); SIGTERM drains")
         while not stop.wait(0.5):
