@@ -20,7 +20,11 @@
    (or ``--max-steps``), with no target forward. Every ``--round-steps``: teacher-forced α at
    depths 1..3 on the records of held-out prompts (``trainer.service.split_key``, 10 %: no held-out
    prompt is trained on), with CPU minutes spent.
-4. ``--save F``: the head (``decoder.eagle.save_head``), for ``bench/proposer_bench.py --eagle-head F``
+4. ``--from-head F`` starts from a saved head (the demo's cached v0) instead of a fresh one, and
+   ``--compare-lora R`` trains, from the same start on the same windows for the same time, LoRA
+   of rank R on the head's linear layers with the base frozen: the two ways to adapt a head,
+   side by side (``curve`` and ``lora.curve``: α per training second and CPU minute).
+5. ``--save F``: the head (``decoder.eagle.save_head``), for ``bench/proposer_bench.py --eagle-head F``
    (decoded speed beside plain decoding and llama.cpp on never-served prompts).
 
 Usage: ``.venv/bin/python bench/head_buffer_bench.py [--serve 40] [--minutes 4] [--save head.safetensors]``
@@ -31,6 +35,7 @@ the end). Results: README "The feature-level head (EAGLE)".
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -61,6 +66,13 @@ def parse_args(argv=None):
     ap.add_argument("--url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", default=None)
+    ap.add_argument("--from-head", default=None,
+                    help="start from this head file (e.g. the cached v0: ~/.cache/draftd/models/bootstrap-head/<key>/"
+                         "head.safetensors) instead of a fresh one: adaptation to served traffic")
+    ap.add_argument("--compare-lora", type=int, default=0, metavar="R",
+                    help="also train LoRA of rank R on the head's linear layers (the base head frozen) from the same "
+                         "start for the same --minutes, and report both curves side by side (issue 20 item 2)")
+    ap.add_argument("--lora-lr", type=float, default=5e-3)
     a = ap.parse_args(argv)
     if a.skip < 0 or not 0 <= a.cost_prompts <= a.skip:
         ap.error(f"--skip {a.skip} must be >= 0 and --cost-prompts {a.cost_prompts} in 0..--skip")
@@ -72,7 +84,27 @@ def parse_args(argv=None):
                  f"--max-steps {a.max_steps} >= 0, --round-steps {a.round_steps} >= 1")
     if a.save and not Path(a.save).resolve().parent.is_dir():
         ap.error(f"--save {a.save!r}: its directory does not exist")
+    if a.from_head and not Path(a.from_head).is_file():
+        ap.error(f"--from-head {a.from_head!r} does not exist (the demo with --heads caches a v0 head under "
+                 f"~/.cache/draftd/models/bootstrap-head/)")
+    if a.compare_lora < 0 or not a.lora_lr > 0:
+        ap.error(f"--compare-lora {a.compare_lora} must be >= 0 and --lora-lr {a.lora_lr} > 0")
     return a
+
+
+LORA_MODULES = ["fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_head(head, r: int):
+    """``head`` with LoRA of rank ``r`` (alpha 2r) injected into fc and every linear layer of its
+    decoder layer (peft's ``inject_adapter_in_model``); only the LoRA weights train."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    head = inject_adapter_in_model(LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=LORA_MODULES),
+                                   head)
+    for n, p in head.named_parameters():
+        p.requires_grad_("lora_" in n)
+    return head
 
 
 def main(argv=None) -> dict:
@@ -190,7 +222,21 @@ def main(argv=None) -> dict:
             raise SystemExit(f"{len(held)} held-out and {len(train)} training records (the split hashes each prompt, 10 % "
                              f"held out): serve more prompts (--serve {a.serve})")
         ac = torch.bfloat16 if cpu_has_native_bf16() else None
-        head = EagleHead.from_target(pair.target, vocab)
+        if a.from_head:
+            from decoder.eagle import load_head
+
+            base = load_head(pair.target, a.from_head)
+            if (base.vocab_ids is None) != (vocab is None) or (vocab is not None and not torch.equal(base.vocab_ids, vocab)):
+                vocab = base.vocab_ids  # the head's own vocabulary decides the columns
+                col = column_map(vocab, pair.target.get_output_embeddings().weight.shape[0])
+                held_batches = {wl: [head_batch(g, col) for g in groups(record_items([s for s in held if s.workload == wl],
+                                                                                      a.window))]
+                                for wl in held_batches}
+            head = copy.deepcopy(base)
+            out["from_head"] = a.from_head
+        else:
+            head = EagleHead.from_target(pair.target, vocab)
+        start = copy.deepcopy(head) if a.compare_lora else None
         dist = HeadDistiller(head, items, col, lr=a.lr, batch=a.batch, unroll=a.unroll,
                              total_steps=a.max_steps or 10**9, min_lr=a.min_lr, seed=a.seed, autocast=ac)
         out["train_data"] = {"train_records": len(train), "heldout_records": len(held), "windows": len(items),
@@ -203,6 +249,14 @@ def main(argv=None) -> dict:
                                round_steps=a.round_steps, cpu_start=c_start, log=log)
         out["curve"] = curve
         out["trainable_params"] = sum(p.numel() for p in head.trainable())
+        if a.compare_lora:  # the same start, data, steps' schedule and time, LoRA weights only
+            lh = lora_head(start, a.compare_lora)
+            ld = HeadDistiller(lh, items, col, lr=a.lora_lr, batch=a.batch, unroll=a.unroll,
+                               total_steps=a.max_steps or 10**9, min_lr=a.min_lr, seed=a.seed, autocast=ac)
+            log(f"LoRA r={a.compare_lora}: {sum(p.numel() for p in lh.trainable())} trainable parameters")
+            out["lora"] = {"rank": a.compare_lora, "lr": a.lora_lr, "trainable_params": sum(p.numel() for p in lh.trainable()),
+                           "curve": learning_curve(ld, held_batches, minutes=a.minutes, max_steps=a.max_steps,
+                                                   round_steps=a.round_steps, cpu_start=c_start, log=log)}
         if a.save:
             from decoder.eagle import save_head
 

@@ -377,7 +377,8 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                 row["repeat"] = i >= len(prompts)  # served before in this phase: its output is in the n-gram history
                 i += 1
                 timeline.append(row)
-                live.update(_progress_table(timeline, phase, svc, loop.manager, loop.controller, (phase, params.bucket())))
+                live.update(_progress_table(timeline, phase, svc, loop.manager, loop.controller, (phase, params.bucket()),
+                                            loop.heads))
             traffic.phase_end_version[phase] = loop.decoder.adapter_version
             if loop.heads is not None:
                 traffic.phase_end_head[phase] = loop.heads.route(phase)
@@ -396,7 +397,7 @@ def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: i
     rb = next((d for d in loop.monitor.decisions[rollbacks:] if d.rolled_back), None)
     return {
         "t": round(time.time() - t0, 2), "workload": phase, "adapter_version": m["adapter_version"],
-        "gamma": m["gamma"], "proposer": m.get("proposer"),
+        "head_version": m.get("head_version", 0), "gamma": m["gamma"], "proposer": m.get("proposer"),
         "alpha": m["alpha"], "tau": m["tau"], "acceptance_rate": m["acceptance_rate"],
         "tokens": m["output_tokens"], "latency_ms": m["latency_ms"], "http_ms": round(wall_ms, 1),
         "tokens_per_s": round(m["output_tokens"] / m["latency_ms"] * 1e3, 3) if m["latency_ms"] else None,
@@ -630,7 +631,7 @@ def _nn(x):
     return nan_none(x, 4)
 
 
-def _progress_table(timeline, phase, svc, manager, controller, key):
+def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
     from rich.table import Table
 
     recent = [r for r in timeline[-12:] if r["workload"] == phase]
@@ -646,6 +647,9 @@ def _progress_table(timeline, phase, svc, manager, controller, key):
     t.add_row("rolling τ", f"{sum(taus) / len(taus):.2f}" if taus else "-")
     t.add_row("rolling tokens/s", f"{sum(tps) / len(tps):.2f}" if tps else "-")
     t.add_row("active adapter", f"v{manager.status().get('active_version', 0)}")
+    if heads is not None:
+        h = (st.get("heads") or {}).get("last") or {}
+        t.add_row("head (eagle)", f"v{heads.route(phase)}; last turn: {h.get('decision', '-')} {str(h.get('reason', ''))[:50]}")
     t.add_row("speculation", controller.decision(key).get("why", "-"))
     t.add_row("trainer", f"rounds {st.get('rounds', 0)}, last: {last.get('decision', '-')} {last.get('reason', '')[:60]}")
     return t

@@ -166,6 +166,7 @@ def _train_head_v0(pair, vocab, cfg: HeadBootstrapConfig, precision: str, d: Pat
     target = pair.target
     ac = autocast_dtype(precision, next(target.parameters()).device)
     train, held = [], {}
+    t0 = time.perf_counter()
     for w in cfg.workloads:
         docs = bootstrap_documents(w)
         if not docs:
@@ -178,6 +179,7 @@ def _train_head_v0(pair, vocab, cfg: HeadBootstrapConfig, precision: str, d: Pat
         held[w] = score_features(target, hw, TOPK, autocast_dtype=ac)
     if not train or not any(held.values()):
         raise ValueError(f"no corpus text for {cfg.workloads} (decoder.workloads.bootstrap_documents)")
+    score_s = time.perf_counter() - t0
     col = column_map(vocab, int(target.get_output_embeddings().weight.shape[0]))
     held_b = {w: [head_batch(g, col) for g in groups(it, 8)] for w, it in held.items() if it}
     head = EagleHead.from_target(target, vocab)
@@ -194,7 +196,8 @@ def _train_head_v0(pair, vocab, cfg: HeadBootstrapConfig, precision: str, d: Pat
     if not all(torch.isfinite(p).all() for p in head.trainable()):
         raise ValueError("the head's weights are not finite after training")
     meta = {"alpha": round(statistics.mean(per.values()), 4), "alpha_by_workload": per, "steps": dist.steps,
-            "train_s": round(dist.train_s, 1), "positions": sum(len(it["ids"]) for it in train)}
+            "train_s": round(dist.train_s, 1), "score_s": round(score_s, 1),
+            "positions": sum(len(it["ids"]) for it in train)}
     tmp = d.parent / f".{d.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

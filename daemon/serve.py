@@ -429,7 +429,8 @@ def measurement(res, ticket, *, speculation: bool) -> dict[str, Any]:
     ms = lambda a, b: None if a is None or b is None else round((b - a) * 1e3, 3)  # noqa: E731
     return {
         "request_id": res.request_id, "workload": res.workload, "sampling": res.sampling_bucket,
-        "adapter_version": res.adapter_version, "proposer": res.proposer, "engine": res.engine, "output_tokens": len(res.output_ids), "proposed_tokens": c.num_draft_tokens,
+        "adapter_version": res.adapter_version, "head_version": res.head_version, "proposer": res.proposer,
+        "engine": res.engine, "output_tokens": len(res.output_ids), "proposed_tokens": c.num_draft_tokens,
         "accepted_tokens": c.num_accepted_tokens, "steps": c.num_steps, "tau": rec["mean_accepted_length"],
         "alpha": rec["alpha"], "acceptance_rate": rec["acceptance_rate"],
         "gamma_policy": res.policy if speculation else "off (serve.speculation=false)",
