@@ -426,6 +426,9 @@ class ControllerConfig:
 
     gamma_max: largest γ considered.
     gamma_init: γ of the first speculative measurement of a key.
+    eagle_gamma_init: γ of the feature-level head's warm-up (again after each new head: every
+        proposed token costs a head step, so a γ = 4 warm-up is a slow request per key and head;
+        longer γ are extrapolated from the measured depths until measured).
     ewma: weight of a new step in every estimate (α, draft ms per token, verify ms per γ).
     probe_every: every this many requests of a key, one request probes: plain decoding when
         speculating, γ = the best speculative candidate when off, or a γ never measured.
@@ -445,6 +448,7 @@ class ControllerConfig:
 
     gamma_max: int = 8
     gamma_init: int = 4
+    eagle_gamma_init: int = 1
     ewma: float = 0.1
     probe_every: int = 10
     useless_alpha: float = 0.1
@@ -460,8 +464,9 @@ class ControllerConfig:
         if not self.proposers or bad or len(set(self.proposers)) != len(self.proposers):
             raise ValueError(f"ControllerConfig.proposers={self.proposers!r}: a non-empty list of distinct names "
                              f"from {REQUEST_PROPOSERS}")
-        if not 1 <= self.gamma_init <= self.gamma_max:
-            raise ValueError(f"gamma_init={self.gamma_init} must lie in 1..gamma_max={self.gamma_max}")
+        if not 1 <= self.gamma_init <= self.gamma_max or not 1 <= self.eagle_gamma_init <= self.gamma_max:
+            raise ValueError(f"gamma_init={self.gamma_init} and eagle_gamma_init={self.eagle_gamma_init} must lie in "
+                             f"1..gamma_max={self.gamma_max}")
         if not 0 < self.ewma <= 1:
             raise ValueError(f"ewma={self.ewma} must lie in (0, 1]")
         if self.probe_every < 1 or self.min_steps < 1:  # min_steps 0 trusted estimates that do not exist yet
@@ -865,7 +870,8 @@ class GoodputController:
                 m = s.lengths.get(name)
                 cold = m is None or m.steps < c.min_steps
             if cold:
-                return (name, c.gamma_init), f"warm-up: measuring {name} at γ={c.gamma_init}"
+                g = c.eagle_gamma_init if name == "eagle" else c.gamma_init
+                return (name, g), f"warm-up: measuring {name} at γ={g}"
         if (s.verify_ms[0].n if 0 in s.verify_ms else 0) < c.min_steps:
             return ("plain", 0), "warm-up: measuring plain decoding"
         return None

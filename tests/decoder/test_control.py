@@ -418,3 +418,43 @@ def test_a_version_kept_on_one_key_is_still_judged_on_a_key_whose_evidence_comes
     assert (d.version, d.key, d.rolled_back) == (v1, "code@greedy", True)
     assert d.new_value == pytest.approx(0.05) and d.previous_value == pytest.approx(0.6)
     assert reg.registry.active_version() == 0
+
+
+def test_eagle_is_offered_only_while_a_head_serves_warms_up_at_its_own_gamma_and_a_new_head_is_measured_again():
+    head = {"v": 0}
+    cfg = ControllerConfig(gamma_max=4, gamma_init=3, probe_every=50, min_steps=2, proposers=("eagle", "ngram"))
+    ctl = GoodputController(cfg, head_version=lambda: head["v"], proposer_available=lambda n: n != "eagle" or head["v"] > 0)
+    key = ("prose", "greedy")
+
+    def request():
+        pol = ctl.policy_for(key)
+        g = pol.gamma()
+        return (pol.proposer_name() if g else "plain"), g
+
+    # no head: warm-up skips eagle (ngram at gamma_init, then plain)
+    assert request() == ("ngram", 3)
+    for _ in range(2):
+        ctl.observe(key, StepStats(3, 3, 4, -1, 3.0, 0.01, 12.0), proposer="ngram", asked=3)
+    assert request() == ("plain", 0)
+    for _ in range(2):
+        ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
+    p, g = request()
+    assert p == "ngram" and g >= 3  # every proposal accepted at 12 ms a step beats plain's 1 token per 10 ms
+    # head v1 is swapped in: eagle warms up at eagle_gamma_init = 1, not gamma_init
+    head["v"] = 1
+    assert request() == ("eagle", 1)
+    for _ in range(2):
+        ctl.observe(key, StepStats(1, 1, 2, -1, 1.0, 2.0, 13.0), proposer="eagle", asked=1)
+    assert ctl._keys[key].lengths["eagle"].steps == 2
+    # a new head: its accepted lengths are unknown again, so it is measured again at γ = 1
+    head["v"] = 2
+    assert request() == ("eagle", 1)
+    assert "eagle" not in ctl._keys[key].lengths
+    # rolled back to no head: never offered, whatever was measured
+    head["v"] = 0
+    assert all(request()[0] != "eagle" for _ in range(60))
+
+
+def test_eagle_gamma_init_outside_the_range_is_refused():
+    with pytest.raises(ValueError, match="eagle_gamma_init=0 must lie in 1..gamma_max=8"):
+        ControllerConfig(eagle_gamma_init=0)
