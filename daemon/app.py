@@ -94,12 +94,23 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
     reader = SampleReader(handle.client, scfg, group, consumer, expected_fingerprint=fingerprint)
     distiller = Distiller(pair.draft, distill_config(settings), vocab=draft_vocab_ids(settings, pair.tokenizer))
     ws_cfg = warm_start_config(settings)
+    heads = head_trainer(settings, handle.client, pair, scfg) if settings.trainer.heads else None
 
     def warm_start():  # the trainer's first job: v0 bootstrapped (first start on this pair) or taken from the cache
         from daemon.warm_start import ensure_v0
 
-        return ensure_v0(pair, fingerprint, registry, distiller, ws_cfg, settings.trainer.precision,
-                         progress=lambda msg: log.info("bootstrap_progress", msg=msg))
+        progress = lambda msg: log.info("bootstrap_progress", msg=msg)  # noqa: E731
+        res = ensure_v0(pair, fingerprint, registry, distiller, ws_cfg, settings.trainer.precision, progress=progress)
+        if heads is not None:  # trainer.heads: the head's v0 the same way (daemon.heads.ensure_head_v0)
+            from daemon.heads import HeadBootstrapConfig, ensure_head_v0
+
+            try:  # the head's v0 failing never undoes the draft's
+                hv0 = ensure_head_v0(pair, fingerprint, heads.registry, HeadBootstrapConfig(),
+                                     settings.trainer.precision, progress=progress)
+                log.info("head_v0", source=hv0.source, version=hv0.version, reason=hv0.reason)
+            except Exception:  # noqa: BLE001 - e.g. Redis refused it: the rounds start from a fresh head
+                log.exception("head_v0_failed")
+        return res
 
     service = TrainerService(
         reader,
@@ -108,7 +119,7 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
         service_config(settings),
         backlog=lambda: group_lag(handle.client, scfg, group),
         warm_start=warm_start if ws_cfg.enabled else None,
-        heads=head_trainer(settings, handle.client, pair, scfg) if settings.trainer.heads else None,
+        heads=heads,
     )
     service.fingerprint = fingerprint.key()  # shown in status
     if settings.trainer.start_paused:

@@ -441,13 +441,14 @@ def heads_rollback(
     """Roll the active head back to the previous promoted one (v0 = no head: the controller stops
     offering 'eagle'); serving loops that follow heads swap at their next request."""
     from daemon.cli_offline import offline_call
-    from store.errors import InvalidTransitionError
+    from store.errors import ArtifactMissingError, InvalidTransitionError
 
     try:
         r = offline_call(_settings(config), "heads rollback",
-                         lambda reg, hist: dict(zip(("active", "skipped"), reg.rollback_checked(reason, scope=workload))),
+                         lambda reg, hist: dict(zip(("active", "skipped"),
+                                                    reg.rollback_checked(reason, scope=workload, refuse_missing=True))),
                          kind="head")
-    except (InvalidTransitionError, ValueError) as e:  # no active head in that scope, or a bad scope name
+    except (InvalidTransitionError, ArtifactMissingError, ValueError) as e:  # nothing active, files elsewhere, bad scope
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(1) from e
     out.print(f"{workload or 'shared'}: head v{r['active']} active" + (" (none: 'eagle' is not offered)" if not r["active"] else ""))

@@ -113,7 +113,7 @@ def ensure_head_v0(pair, fingerprint, registry, cfg: HeadBootstrapConfig, precis
         history = _history(registry)
         if history is not None:
             return history
-        meta = _cached_head(d)
+        meta = _cached_head(d, pair.target)
         source = "cache"
         if meta is None:
             progress(f"bootstrapping the head's v0 on the built-in corpora (once for this pair: cache {d})")
@@ -129,7 +129,12 @@ def ensure_head_v0(pair, fingerprint, registry, cfg: HeadBootstrapConfig, precis
         v = registry.register(d, AdapterMeta(parent=0, alpha_before=0.0, alpha_after=meta["alpha"],
                                              alpha_after_by_workload=meta["alpha_by_workload"],
                                              tokens_trained=meta["positions"]))
-        registry.promote(v, f"v0: head bootstrapped on the built-in corpora ({source}), held-out α {meta['alpha']:.3f}")
+        try:
+            registry.promote(v, f"v0: head bootstrapped on the built-in corpora ({source}), held-out α {meta['alpha']:.3f}")
+        except Exception as e:
+            registry.set_state(v, "rejected", f"v0 could not be promoted: {e}")
+            shutil.rmtree(d, ignore_errors=True)  # the next start bootstraps it again
+            raise
         return WarmStart(source, v, f"head v{v} from the {source} bootstrap: held-out teacher-forced α "
                                     f"{meta['alpha']:.3f} after {meta['steps']} steps", str(d), meta)
 
@@ -141,13 +146,26 @@ def head_vocab(pair):
     return frequent_token_ids(pair.tokenizer, min(HEAD_VOCAB, len(pair.tokenizer)))
 
 
-def _cached_head(d: Path) -> dict | None:
+def _cached_head(d: Path, target) -> dict | None:
+    """The cache entry's meta when ``d`` holds a usable head for ``target`` (readable meta, a
+    safetensors file of finite tensors that loads onto the target); else None, the entry removed
+    (a truncated or foreign file is bootstrapped again, not promoted on every start)."""
+    from decoder.eagle import load_head
+    from store.registry import safetensors_problem
+
+    if not d.exists():
+        return None
     try:
         meta = json.loads((d / "meta.json").read_text())
-        if (d / HEAD_FILE).is_file() and {"alpha", "steps", "positions", "alpha_by_workload"} <= set(meta):
+        ok = {"alpha", "steps", "positions", "alpha_by_workload"} <= set(meta)
+        problem = safetensors_problem(d / HEAD_FILE) if ok else "meta.json lacks fields"
+        if problem is None:
+            load_head(target, d / HEAD_FILE)
             return meta
-    except (OSError, ValueError):
-        pass
+    except (OSError, ValueError) as e:
+        problem = str(e)
+    log.warning("head_bootstrap_cache_unusable", cache=str(d), error=problem)
+    shutil.rmtree(d, ignore_errors=True)
     return None
 
 

@@ -155,8 +155,8 @@ class TrainerSettings(_Group):
         False, description="Also train one adapter per workload tag, served to that workload only (the shared one serves the rest)."
     )
     min_workload_samples: int = Field(16, ge=1, description="New training samples of a workload in a round before its own adapter trains.")
-    promote_margin: float = Field(0.005, description="Held-out alpha must rise by at least this much to promote.")
-    regress_margin: float = Field(0.01, ge=0, description="... and may drop by at most this much on any workload.")
+    promote_margin: float = Field(0.005, allow_inf_nan=False, description="Held-out alpha must rise by at least this much to promote.")
+    regress_margin: float = Field(0.01, ge=0, allow_inf_nan=False, description="... and may drop by at most this much on any workload.")
     loss: LossName = Field("forward_kl", description="Divergence: forward_kl, reverse_kl, jsd or tv (trainer.losses).")
     weighting: WeightingName = Field("all", description="Positions trained: all, rejected, upweight_rejected.")
     lora_r: int = Field(16, ge=1, description="LoRA rank.")
@@ -172,7 +172,8 @@ class TrainerSettings(_Group):
     )
     heads: bool = Field(False, description="Each round also distils the feature-level head (the 'eagle' proposer) from the round's "
                         "records that carry hidden states (serve.record_hidden), judges it on held-out records and promotes it "
-                        "through the head registry (trainer.heads); serve follows it with serve.follow_heads.")
+                        "through the head registry (trainer.heads); its v0 is bootstrapped on the built-in corpora on the first start "
+                        "and cached, as the draft's is (daemon.heads). serve follows it with serve.follow_heads.")
     head_steps: int = Field(150, ge=1, description="Optimiser steps of the head per round (0.1-0.3 s each on 2 CPU cores).")
     start_paused: bool = Field(False, description="Start with scheduled rounds paused (train-now still works).")
     shutdown_grace_s: float = Field(

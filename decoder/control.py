@@ -743,8 +743,8 @@ class GoodputController:
         s.requests += 1
         return s
 
-    def _offered(self) -> tuple[str, ...]:
-        """The configured proposers that can propose now (``proposer_available``)."""
+    def offered(self) -> tuple[str, ...]:
+        """The configured proposers that can propose now (``proposer_available``), in order."""
         if self._available is None:
             return self.config.proposers
         return tuple(n for n in self.config.proposers if self._available(n))
@@ -862,7 +862,7 @@ class GoodputController:
         configured order at ``gamma_init`` for ``min_steps`` steps, then plain decoding; None when
         every candidate is measured."""
         c = self.config
-        for name in self._offered():
+        for name in self.offered():
             if name == "draft":
                 steps = s.alpha.n and sum(e.n for g, e in s.verify_ms.items() if g > 0)
                 cold = s.alpha.n == 0 or steps < c.min_steps
@@ -881,7 +881,7 @@ class GoodputController:
         cands: dict[tuple[str, int], float] = {}
         if 0 in ev["rate"]:
             cands[("plain", 0)] = ev["rate"][0]
-        offered = self._offered()
+        offered = self.offered()
         if "draft" in offered:
             cands.update({("draft", g): r for g, r in ev["rate"].items() if g > 0})
         for name, rates in ev["others"].items():

@@ -9,9 +9,10 @@ Redis is away):
 
 - preparation runs on the watcher thread, outside the decoder's lock: fetch the version (every
   file's sha256 checked), rebuild it on the target (``decoder.eagle.load_head``: the file must be
-  this target's), make its serving copy, and check the decoder can feed it
-  (``SpeculativeDecoder.check_eagle_head``). A head that fails any of these never serves; the
-  failure is recorded and the route keeps the head that serves.
+  this target's), make its serving copy, check the decoder can feed it
+  (``SpeculativeDecoder.check_eagle_head``) and that a probe step gives finite logits. A head that
+  fails any of these never serves; the failure is recorded and the route keeps the head that
+  serves.
 - the switch is a reference swap at a request boundary (the decoder's ``between_requests``
   hook): ``decoder.eagle_head`` and ``decoder.head_version`` change together, never inside a
   request, so a request runs with one head from its first proposal to its last.
@@ -41,6 +42,8 @@ from store import StoreError, StoreUnavailableError
 from store.registry import HEAD_FILE, parse_event
 
 log = structlog.get_logger(__name__)
+
+PROBE_DEPTH = 4  # proposal steps a head must survive on its own features before it serves
 
 
 def watch_registry(registry, prepare: Callable[[int, str, str], None], stop: threading.Event, *,
@@ -258,14 +261,27 @@ class HeadManager:
                 self._changed.notify_all()
 
     def _check(self, head) -> None:
-        """Raises ValueError when the decoder cannot feed ``head`` (its width or vocabulary)."""
-        dec = self.decoder
-        saved = dec.eagle_head
-        try:
-            dec.eagle_head = head  # check_eagle_head reads the attribute; restored at once
-            dec.check_eagle_head()
-        finally:
-            dec.eagle_head = saved
+        """Raises ValueError when the decoder cannot feed ``head`` (its width or vocabulary) or a
+        probe step gives logits that are not finite or no distribution (finite but huge weights
+        pass the registry's check and would fail every sampled request). Touches nothing the
+        decoder reads: it runs on the watcher thread while requests decode."""
+        import torch
+
+        self.decoder.check_eagle_head(head=head)
+        p = next(head.parameters())
+        g = torch.Generator().manual_seed(0)
+        feats = torch.randn(1, 2, head.hidden_size, generator=g).to(device=p.device, dtype=p.dtype)
+        tokens = torch.zeros(1, 2, dtype=torch.long, device=p.device)
+        with torch.inference_mode():  # a refill, then proposals fed the head's own features (γ > 1)
+            logits, g, cache = head(feats, tokens)
+            outs = [logits]
+            for _ in range(PROBE_DEPTH):
+                logits, g, cache = head(g[:, -1:], tokens[:, :1], cache.length, cache)
+                outs.append(logits)
+        for depth, lg in enumerate(outs):
+            if not (torch.isfinite(lg).all() and torch.isfinite(torch.softmax(lg.float(), dim=-1)).all()):
+                raise ValueError(f"a probe step of the head gives logits that are not finite at proposal depth {depth} "
+                                 f"(weights too large or corrupt): it would fail sampled requests")
 
     def _fail(self, version: int, reason: str, scope: str) -> None:
         self.failures.append(HeadFailure(version, self.wall_clock(), reason))

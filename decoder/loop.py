@@ -336,8 +336,10 @@ class ServingLoop:
         if t.policy is not None:
             return t.policy
         req = t.request
-        # a client's fixed γ (or a seeded request's) runs the first configured proposer (serve.proposers)
-        first = self.controller.config.proposers[0]
+        # a client's fixed γ (or a seeded request's) runs the first configured proposer that can
+        # propose now (serve.proposers; "eagle" only while a head serves), else the draft model
+        offered = self.controller.offered() if hasattr(self.controller, "offered") else self.controller.config.proposers
+        first = offered[0] if offered else "draft"
         if req.gamma is not None:
             return _ObservedGamma(self.controller, key_of(req), req.gamma, first, "the request's gamma")
         if req.params.seed is not None and not req.params.greedy:

@@ -485,23 +485,25 @@ class SpeculativeDecoder:
                                  cost=self.step_cost if gate is not None else None)
         raise ValueError(f"proposer {name!r}: use one of {REQUEST_PROPOSERS}")
 
-    def check_eagle_head(self, need_head: bool = True) -> None:
-        """Raises ValueError unless ``eagle_head`` is set and this target can feed it: an engine
-        that returns hidden states, of the head's width, over the head's vocabulary. With
-        ``need_head=False`` and no head yet (one will come from a registry), only the engine."""
-        if self.eagle_head is None and need_head:
+    def check_eagle_head(self, need_head: bool = True, head=None) -> None:
+        """Raises ValueError unless ``eagle_head`` (or ``head``, a candidate, checked without
+        touching the decoder) is set and this target can feed it: an engine that returns hidden
+        states, of the head's width, over the head's vocabulary. With ``need_head=False`` and no
+        head yet (one will come from a registry), only the engine."""
+        head = head if head is not None else self.eagle_head
+        if head is None and need_head:
             raise ValueError("proposer 'eagle' needs a head: set SpeculativeDecoder.eagle_head "
                              "(decoder.eagle.EagleHead.from_target, then trained)")
         if getattr(self.engine, "embeddings", True) is False:
             raise ValueError(f"proposer 'eagle' needs the target's hidden states, and engine {self.engine.name} "
                              f"was built without them: LlamaCppEngine(embeddings=True) "
                              f"(choose_engine(..., embeddings=True))")
-        if self.eagle_head is None:
+        if head is None:
             return
-        if self.eagle_head.hidden_size != self.engine.hidden_size:
-            raise ValueError(f"the eagle head takes {self.eagle_head.hidden_size}-wide features, the target's are "
+        if head.hidden_size != self.engine.hidden_size:
+            raise ValueError(f"the eagle head takes {head.hidden_size}-wide features, the target's are "
                              f"{self.engine.hidden_size}: a head trained for another model")
-        head_vocab = self.eagle_head.embed.shape[0]
+        head_vocab = head.embed.shape[0]
         if head_vocab != self.vocab_p:
             raise ValueError(f"the eagle head embeds {head_vocab} token ids, the target's vocabulary has "
                              f"{self.vocab_p}: a head built for another model")

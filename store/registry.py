@@ -377,7 +377,7 @@ class AdapterRegistry:
             "has_bytes": int(store_bytes),
             "scope": scope,
         }
-        with _unavailable(f"recording adapter v{version}"):
+        with _unavailable(f"recording {self.kind} v{version}"):
             pipe = self._client.pipeline(transaction=True)
             if store_bytes:
                 pipe.hset(self._keys.adapter_blob(version), mapping={n: (dest / n).read_bytes() for n in digests})
@@ -419,16 +419,16 @@ class AdapterRegistry:
                 what = (f"{local} lacks {', '.join(n for n in rec.sha256 if not (local / n).is_file())}"
                         if local.is_dir() else f"{local} is missing")
                 raise ArtifactMissingError(
-                    f"adapter v{version}: {what} and its bytes are not in Redis; "
+                    f"{self.kind} v{version}: {what} and its bytes are not in Redis; "
                     f"copy the directory from the host that registered it ({rec.artifact_path}) "
                     f"or register with store_bytes=True"
                 )
-            with _unavailable(f"HGETALL adapter v{version} bytes"):
+            with _unavailable(f"HGETALL {self.kind} v{version} bytes"):
                 blobs = self._client.hgetall(self._keys.adapter_blob(version))
             blobs = {k.decode(): v for k, v in blobs.items()}
             for n, want in rec.sha256.items():
                 if n not in blobs:
-                    raise ArtifactMissingError(f"adapter v{version}: file {n!r} is not among the bytes stored in Redis")
+                    raise ArtifactMissingError(f"{self.kind} v{version}: file {n!r} is not among the bytes stored in Redis")
                 self._check(version, f"redis:{self._keys.adapter_blob(version)}[{n}]", hashlib.sha256(blobs[n]).hexdigest(), want)
             stale = None
             if target == local and local.exists():  # an incomplete local copy: restore it from Redis
@@ -453,11 +453,10 @@ class AdapterRegistry:
             self._check(version, target / n, _sha256_file(target / n), want)
         return target
 
-    @staticmethod
-    def _check(version: int, where: object, found: str, want: str) -> None:
+    def _check(self, version: int, where: object, found: str, want: str) -> None:
         if found != want:
             raise IntegrityError(
-                f"adapter v{version}: {where} has sha256 {found}, registered {want}; the file is corrupt "
+                f"{self.kind} v{version}: {where} has sha256 {found}, registered {want}; the file is corrupt "
                 f"or was replaced. Delete it and fetch again (or re-register the adapter)."
             )
 
@@ -508,7 +507,7 @@ class AdapterRegistry:
 
     def _scope_of(self, version: int) -> str | None:
         """``version``'s scope ("" = shared, also for records from before scopes); None if unknown."""
-        with _unavailable(f"HMGET adapter v{version} scope"):
+        with _unavailable(f"HMGET {self.kind} v{version} scope"):
             known, raw = self._client.hmget(self._keys.adapter(version), ["version", "scope"])
         if known is None:
             return None
@@ -526,7 +525,7 @@ class AdapterRegistry:
         k = self._keys
         scope = self._scope_of(version)
         if scope is None:
-            raise UnknownVersionError(f"cannot promote v{version}: no such adapter version; list the registered ones with `daemonctl adapters list` (AdapterRegistry.list())")
+            raise UnknownVersionError(f"cannot promote v{version}: no such {self.kind} version; list the registered ones with `daemonctl {self.kind}s list` (AdapterRegistry.list())")
         problem = self.artifact_problem(version)
         if problem is not None:
             raise ArtifactInvalidError(
@@ -540,7 +539,7 @@ class AdapterRegistry:
             )
         code = res[0].decode()
         if code == "unknown":
-            raise UnknownVersionError(f"cannot promote v{version}: no such adapter version; list the registered ones with `daemonctl adapters list` (AdapterRegistry.list())")
+            raise UnknownVersionError(f"cannot promote v{version}: no such {self.kind} version; list the registered ones with `daemonctl {self.kind}s list` (AdapterRegistry.list())")
         if code == "state":
             raise InvalidTransitionError(
                 f"cannot promote v{version}: it is {res[1].decode()}; register a new adapter instead"
@@ -553,9 +552,11 @@ class AdapterRegistry:
         """:meth:`rollback_checked` without the skipped versions."""
         return self.rollback_checked(reason, scope)[0]
 
-    def _bad_on_stack(self, scope: str) -> dict[str, str]:
+    def _bad_on_stack(self, scope: str, refuse_missing: bool = False) -> dict[str, str]:
         """Versions on ``scope``'s rollback stack, from the top down to the first good promoted one
-        below the active version, whose artifact fails the check: version (str) -> why."""
+        below the active version, whose artifact fails the check: version (str) -> why. With
+        ``refuse_missing``, a version whose files are neither here nor in Redis raises
+        ArtifactMissingError instead (absent from this host is not corrupt)."""
         k = self._keys
         with _unavailable("reading the rollback stack"):
             cur = int(self._client.get(k.active_in(scope)) or 0)
@@ -569,13 +570,22 @@ class AdapterRegistry:
                     continue
             except UnknownVersionError:
                 continue
+            if refuse_missing:
+                try:
+                    self.fetch(v)
+                except ArtifactMissingError as e:
+                    raise ArtifactMissingError(
+                        f"{e}. Nothing was rolled back: run this where {self.artifact_dir} holds the versions "
+                        f"(the host and state dir that registered them)") from e
+                except RegistryError:
+                    pass  # corrupt: artifact_problem says why below
             problem = self.artifact_problem(v)
             if problem is None:
                 break
             bad[str(v)] = problem
         return bad
 
-    def rollback_checked(self, reason: str, scope: str = "") -> tuple[int, dict[int, str]]:
+    def rollback_checked(self, reason: str, scope: str = "", *, refuse_missing: bool = False) -> tuple[int, dict[int, str]]:
         """Mark ``scope``'s active version ``rolled_back`` and reactivate the scope's previous
         promoted version that is still ``promoted`` and whose artifact passes the check,
         atomically. Returns the scope's new active version (0 when none is left: the base draft
@@ -583,12 +593,17 @@ class AdapterRegistry:
         and the versions skipped because their artifact failed the check (version -> why; they
         are marked ``rolled_back`` with that reason).
 
+        ``refuse_missing``: a version on the way whose files are neither under ``artifact_dir`` nor
+        in Redis (a registry opened with another directory, on another host) raises instead of
+        being skipped as bad, before anything changes.
+
         Raises:
             ValueError: ``scope`` is not a valid scope (see :func:`check_scope`).
             InvalidTransitionError: the scope has no active adapter.
+            ArtifactMissingError: ``refuse_missing`` and a version's files are not reachable here.
         """
         check_scope(scope)
-        bad = self._bad_on_stack(scope)
+        bad = self._bad_on_stack(scope, refuse_missing)
         now = self._clock()
         k = self._keys
         with _unavailable("rollback"):
@@ -625,7 +640,7 @@ class AdapterRegistry:
         k = self._keys
         scope = self._scope_of(version)
         if scope is None:
-            raise UnknownVersionError(f"cannot set state of v{version}: no such adapter version")
+            raise UnknownVersionError(f"cannot set state of v{version}: no such {self.kind} version")
         with _unavailable(f"set_state v{version}"):
             res = self._set_state(
                 keys=[k.adapter(version), k.active_in(scope), k.promotions],
@@ -633,7 +648,7 @@ class AdapterRegistry:
             )
         code = res[0].decode()
         if code == "unknown":
-            raise UnknownVersionError(f"cannot set state of v{version}: no such adapter version")
+            raise UnknownVersionError(f"cannot set state of v{version}: no such {self.kind} version")
         if code == "active":
             raise InvalidTransitionError(f"cannot mark v{version} {state}: it is the active version; rollback() first")
 
@@ -671,10 +686,10 @@ class AdapterRegistry:
 
     def get(self, version: int) -> AdapterRecord:
         """The record of ``version``. Raises UnknownVersionError if there is none."""
-        with _unavailable(f"HGETALL adapter v{version}"):
+        with _unavailable(f"HGETALL {self.kind} v{version}"):
             h = self._client.hgetall(self._keys.adapter(version))
         if not h:
-            raise UnknownVersionError(f"no adapter version {version}; list the registered ones with `daemonctl adapters list` (AdapterRegistry.list())")
+            raise UnknownVersionError(f"no {self.kind} version {version}; list the registered ones with `daemonctl {self.kind}s list` (AdapterRegistry.list())")
         return _record(h)
 
     def list(self) -> list[AdapterRecord]:

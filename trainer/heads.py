@@ -67,6 +67,12 @@ class HeadConfig:
     min_alpha: float = 0.05  # what the first head must reach (against no head at all)
 
     def __post_init__(self):
+        ints = ("steps", "window", "batch", "unroll", "replay_per_workload", "heldout_per_workload", "min_eval_positions")
+        bad = [n for n in ints if not isinstance(getattr(self, n), int) or isinstance(getattr(self, n), bool)]
+        margins = (self.promote_margin, self.regress_margin, self.lr, self.min_alpha, self.feature_weight)
+        if bad or not all(isinstance(m, (int, float)) and math.isfinite(m) for m in margins) or self.regress_margin < 0:
+            raise ValueError(f"HeadConfig {asdict(self)}: {', '.join(bad) or 'the margins'} must be "
+                             f"{'integers' if bad else 'finite numbers (regress_margin >= 0)'}")
         if not (self.steps >= 1 and self.window >= 3 and self.batch >= 1 and 0 < self.lr <= 1 and self.unroll >= 1
                 and self.replay_per_workload >= 0 and self.heldout_per_workload >= 1 and self.min_eval_positions >= 1
                 and 0 <= self.feature_weight < math.inf and 0 <= self.min_alpha < 1):
@@ -85,6 +91,7 @@ class HeadReport:
     version: int | None = None
     records: int = 0  # this round's training records with hidden states
     records_without_hidden: int = 0  # this round's training records it could not use
+    records_refused: int = 0  # records with hidden states of another width (head or top-k), skipped
     windows: int = 0  # training windows (this round's + replayed)
     steps: int = 0
     train_s: float = 0.0
@@ -130,6 +137,7 @@ class HeadTrainer:
         self._head = None  # the trainable head of the serving version
         self._version: int | None = None  # its version (0: fresh, nothing promoted); None: not synced
         self._col = None
+        self._k: int | None = None  # the top-k width of the records it trains on (the first seen)
         self._carry: tuple[int | None, Any] | None = None  # (serving version, a rejected candidate trained from it)
         self._heldout: dict[str, deque] = {}
         self._replay: dict[str, deque] = {}
@@ -155,27 +163,39 @@ class HeadTrainer:
     # ---- a turn ------------------------------------------------------------------------------
     def turn(self, train: list, heldout: list) -> HeadReport:
         """Train, judge and publish a head on one round's ``train`` and ``heldout`` records
-        (``store.schema.VerifiedSample``); records without hidden states are counted and skipped.
+        (``store.schema.VerifiedSample``). Records without hidden states are counted and skipped;
+        so are records whose hidden width is not the head's or whose top-k width is not the one the
+        trainer first saw (``records_refused``: one odd record never stops the head's training).
         Never raises for bad data or a failed training: the report says what happened."""
         cfg = self.config
         rep = HeadReport()
         self._turns += 1
         try:
-            self._keep(heldout, train, rep)
-            if not rep.records:
+            rep.records_without_hidden = sum(getattr(s, "hidden", None) is None for s in train)
+            if all(getattr(s, "hidden", None) is None for s in [*train, *heldout]):
                 rep.reason = (f"no training records with hidden states ({rep.records_without_hidden} without): "
                               f"set serve.record_hidden" if rep.records_without_hidden else "no training records")
                 return self._done(rep)
             self._sync()
             rep.parent = int(self._version or 0)
+            fresh = self._usable(train, rep)
+            self._keep_heldout(self._usable(heldout, rep))
+            rep.records = len(fresh)
+            if not fresh:
+                rep.reason = ("no usable training records with hidden states" if train else "no training records")
+                return self._done(rep)
             held = self._held_batches()
             rep.heldout_positions = {w: sum(b["tokens"].numel() for b in bs) for w, bs in held.items()}
             judged = {w: bs for w, bs in held.items() if rep.heldout_positions[w] >= cfg.min_eval_positions}
             if not judged:
+                self._keep_replay(fresh)
                 rep.reason = (f"no workload has {cfg.min_eval_positions} held-out positions with hidden states "
                               f"(have {rep.heldout_positions or 'none'}): nothing to judge a head on")
                 return self._done(rep)
-            items = record_items([s for d in self._replay.values() for s in d], cfg.window)
+            ids = {s.record_id for s in fresh}
+            old = [s for d in self._replay.values() for s in d if s.record_id not in ids]
+            items = record_items(fresh + old, cfg.window)  # every record of this round, plus the replay
+            self._keep_replay(fresh)
             if not items:
                 rep.reason = "no training windows (records shorter than 3 rows)"
                 return self._done(rep)
@@ -203,31 +223,67 @@ class HeadTrainer:
             rep.alpha_after_by_workload = {w: round(a, 4) for w, a in after.items()}
             rep.alpha_before, rep.alpha_after = statistics.mean(before.values()), statistics.mean(after.values())
             promote, rep.reason = self._gate(before, after)
-            rep.version = self._publish(cand, rep, promote)
-            rep.decision = "promoted" if promote else "rejected"
+            rep.version = self._register(cand, rep)
             if promote:
+                try:
+                    self.registry.promote(rep.version, rep.reason)
+                except Exception as e:  # registered but not promoted: say so in the registry too
+                    self._reject(rep.version, f"promotion failed: {type(e).__name__}: {e}")
+                    raise
                 self._head, self._version = cand, rep.version
             else:
+                self.registry.set_state(rep.version, "rejected", rep.reason)
                 self._carry = (self._version, cand)
+            rep.decision = "promoted" if promote else "rejected"
         except Exception as e:  # noqa: BLE001 - a head turn never fails the round that carries it
             rep.decision, rep.reason = "failed", f"{type(e).__name__}: {e}"
             log.exception("head_turn_failed")
         return self._done(rep)
 
-    def _keep(self, heldout: list, train: list, rep: HeadReport) -> None:
-        """Add the round's records with hidden states to the bounded held-out and replay pools."""
-        cfg = self.config
-        for s in heldout:
-            if getattr(s, "hidden", None) is not None:
-                d = self._heldout.setdefault(s.workload, deque(maxlen=cfg.heldout_per_workload))
-                if all(x.record_id != s.record_id for x in d):
-                    d.append(s)
-        for s in train:
-            if getattr(s, "hidden", None) is None:
-                rep.records_without_hidden += 1
+    def _usable(self, records: list, rep: HeadReport) -> list:
+        """The records with hidden states of the head's width and the trainer's top-k width (the
+        first seen); the rest counted in ``rep.records_refused`` with why (logged once a turn)."""
+        H = int(self._head.hidden_size)
+        out, why = [], set()
+        for s in records:
+            h = getattr(s, "hidden", None)
+            if h is None:
                 continue
-            rep.records += 1
-            self._replay.setdefault(s.workload, deque(maxlen=max(1, cfg.replay_per_workload))).append(s)
+            if h.ndim != 2 or h.shape[1] != H:
+                why.add(f"hidden width {h.shape[-1]} (the head's is {H})")
+                rep.records_refused += 1
+                continue
+            k = int(s.topk_ids.shape[1]) if s.topk_ids.ndim == 2 else -1
+            if self._k is None and k > 0:
+                self._k = k
+            if k != self._k:
+                why.add(f"top-k width {k} (the trainer's is {self._k})")
+                rep.records_refused += 1
+                continue
+            out.append(s)
+        if why:
+            log.warning("head_records_refused", n=rep.records_refused, why=sorted(why))
+        return out
+
+    def _keep_heldout(self, records: list) -> None:
+        for s in records:
+            d = self._heldout.setdefault(s.workload, deque(maxlen=self.config.heldout_per_workload))
+            if all(x.record_id != s.record_id for x in d):
+                d.append(s)
+
+    def _keep_replay(self, records: list) -> None:
+        if not self.config.replay_per_workload:
+            return
+        for s in records:
+            d = self._replay.setdefault(s.workload, deque(maxlen=self.config.replay_per_workload))
+            if all(x.record_id != s.record_id for x in d):  # a round retried after a failure brings them again
+                d.append(s)
+
+    def _reject(self, version: int, reason: str) -> None:
+        try:
+            self.registry.set_state(version, "rejected", reason)
+        except Exception:  # noqa: BLE001 - best effort: the turn's report carries the reason
+            log.exception("head_reject_failed", version=version)
 
     def _held_batches(self) -> dict[str, list[dict]]:
         out = {}
@@ -249,6 +305,8 @@ class HeadTrainer:
     def _gate(self, before: dict[str, float], after: dict[str, float]) -> tuple[bool, str]:
         cfg = self.config
         b, a = statistics.mean(before.values()), statistics.mean(after.values())
+        if not (math.isfinite(a) and math.isfinite(b)):
+            return False, f"held-out α is not finite (serving {b}, candidate {a}): not promoted"
         drops = {w: round(before[w] - after[w], 4) for w in before if before[w] - after[w] > cfg.regress_margin}
         if drops:
             return False, f"held-out α fell by more than {cfg.regress_margin} on {drops}"
@@ -258,7 +316,8 @@ class HeadTrainer:
             return False, f"held-out α {a:.4f} did not beat the serving head's {b:.4f} by {cfg.promote_margin}"
         return True, f"held-out α {b:.4f} -> {a:.4f} over {len(after)} workload(s)"
 
-    def _publish(self, head, rep: HeadReport, promote: bool) -> int:
+    def _register(self, head, rep: HeadReport) -> int:
+        """Write ``head`` and register it as a candidate with the turn's numbers; its version."""
         src = Path(tempfile.mkdtemp(prefix="head-", dir=self._work))
         try:
             self.save(head, src / HEAD_FILE, {"parent": rep.parent, "steps": rep.steps,
@@ -267,14 +326,9 @@ class HeadTrainer:
                                loss=rep.loss, alpha_before=rep.alpha_before, alpha_after=rep.alpha_after,
                                alpha_before_by_workload=rep.alpha_before_by_workload,
                                alpha_after_by_workload=rep.alpha_after_by_workload)
-            version = self.registry.register(src, meta)
+            return self.registry.register(src, meta)
         finally:
             shutil.rmtree(src, ignore_errors=True)
-        if promote:
-            self.registry.promote(version, rep.reason)
-        else:
-            self.registry.set_state(version, "rejected", rep.reason)
-        return version
 
     def _done(self, rep: HeadReport) -> HeadReport:
         self.last = rep

@@ -43,6 +43,9 @@ def test_unknown_key_in_toml_group(tmp_path):
         ("DRAFTD_REDIS__URL", "127.0.0.1:6379", "not a Redis URL"),
         ("DRAFTD_TRAINER__REPLAY_RATIO", "inf", "trainer.replay_ratio"),
         ("DRAFTD_MODELS__DRAFT_VOCAB", "-1", "models.draft_vocab"),
+        ("DRAFTD_TRAINER__PROMOTE_MARGIN", "nan", "trainer.promote_margin"),  # NaN promoted every head
+        ("DRAFTD_TRAINER__REGRESS_MARGIN", "nan", "trainer.regress_margin"),
+        ("DRAFTD_TRAINER__HEAD_STEPS", "1.5", "trainer.head_steps"),
     ],
 )
 def test_bad_env_values(monkeypatch, var, value, needle):

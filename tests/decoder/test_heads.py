@@ -255,5 +255,136 @@ def test_the_heads_v0_is_bootstrapped_once_then_taken_from_the_cache(target, tok
     digest = lambda r: hashlib.sha256((r.fetch(1) / HEAD_FILE).read_bytes()).hexdigest()  # noqa: E731
     assert digest(reg1) == digest(reg2)
     assert ensure_head_v0(pair, fp, reg1, cfg).source == "registry"
+    # a truncated cache entry is bootstrapped again, not promoted (and refused) on every start
+    cached = tmp_path / "cache" / "bootstrap-head"
+    (f,) = list(cached.glob(f"*/{HEAD_FILE}"))
+    f.write_bytes(f.read_bytes()[:1000])
+    reg3 = AdapterRegistry(redis_client, tmp_path / "h3", StoreConfig(key_prefix=key_prefix + "c:"), kind="head")
+    third = ensure_head_v0(pair, fp, reg3, cfg)
+    assert third.source == "trained" and reg3.active_version() == 1 and len(reg3.list()) == 1
     for k in redis_client.scan_iter(match=key_prefix + "*"):
         redis_client.delete(k)
+
+
+def test_the_daemon_wires_head_turns_from_its_settings(target, tok, redis_client, key_prefix, tmp_path, monkeypatch):
+    """daemon.heads.head_trainer: the head registry under <state_dir>/heads, trainer.head_steps
+    and the margins from the settings, heads built on the target with the cut vocabulary."""
+    from types import SimpleNamespace
+
+    from daemon.heads import head_trainer
+    from daemon.settings import load_settings
+
+    monkeypatch.setenv("DRAFTD_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("DRAFTD_TRAINER__HEAD_STEPS", "7")
+    monkeypatch.setenv("DRAFTD_TRAINER__PROMOTE_MARGIN", "0.02")
+    s = load_settings(None)
+    ht = head_trainer(s, redis_client, SimpleNamespace(target=target, tokenizer=tok), StoreConfig(key_prefix=key_prefix))
+    assert ht.registry.kind == "head" and ht.registry.artifact_dir == s.head_dir == tmp_path / "state" / "heads"
+    assert ht.config.steps == 7 and ht.config.promote_margin == 0.02
+    head = ht.new_head()
+    assert head.vocab_ids.numel() == len(tok) and head.hidden_size == 48  # 8192 cut to the tiny vocabulary
+    monkeypatch.setenv("DRAFTD_TRAINER__HEAD_STEPS", "0")
+    import pytest
+
+    from daemon.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="head_steps"):
+        load_settings(None)
+
+
+def test_found_by_review_fixed_gamma_and_seeded_requests_fall_back_while_no_head_serves(target, other_draft, tok,
+                                                                                       redis_client, key_prefix,
+                                                                                       tmp_path):
+    """With 'eagle' first among the proposers and no head yet, a client's fixed γ and a seeded
+    sampled request used to fail ("proposer 'eagle' needs a head"): they run the first proposer
+    that can propose now."""
+    from decoder.loop import build_serving_loop
+
+    heads = AdapterRegistry(redis_client, tmp_path / "heads", StoreConfig(key_prefix=key_prefix), kind="head")
+    loop = build_serving_loop(target, other_draft, tok, decoder_config=DecoderConfig(topk_record=0),
+                              proposers=("eagle", "ngram"), head_registry=heads, poll_interval_s=0.2)
+    ids = _ids(tok, "abc abc abc")
+    with loop:
+        r = loop.generate(DecodeRequest(ids, GREEDY, 8, ignore_eos=True, gamma=2), timeout=60)
+        assert r.proposer == "ngram" and r.output_ids == reference_greedy(target, ids, 8)
+        r = loop.generate(DecodeRequest(ids, SamplingParams(temperature=1.0, seed=3), 8, ignore_eos=True), timeout=60)
+        assert r.proposer == "ngram" and len(r.output_ids) == 8
+
+
+def test_found_by_review_a_head_with_huge_weights_and_the_check_that_wrote_to_the_decoder(target, tok, redis_client,
+                                                                                          key_prefix, tmp_path):
+    """A head with finite but huge weights passes the registry's check (finite tensors) and
+    made every sampled request fail: the manager's probe step refuses it. The check no longer
+    sets decoder.eagle_head while requests decode on another thread."""
+    cfg = StoreConfig(key_prefix=key_prefix)
+    heads = AdapterRegistry(redis_client, tmp_path / "heads", cfg, kind="head")
+    dec = SpeculativeDecoder(target, target, tok)
+    mgr = HeadManager(dec, heads, load=serving_head_loader(dec, torch.float32))
+    v1 = heads.register(_head_dir(tmp_path / "h1", target, 1), AdapterMeta())
+    heads.promote(v1, "good")
+    mgr.poll_once()
+    dec.generate(DecodeRequest(_ids(tok, "cat"), GREEDY, 2, ignore_eos=True))
+    serving = dec.eagle_head
+    torch.manual_seed(2)
+    huge = EagleHead.from_target(target)
+    with torch.no_grad():
+        for p in huge.parameters():
+            p.mul_(1e30)
+    d = tmp_path / "huge"
+    d.mkdir()
+    save_head(huge, d / HEAD_FILE, target)
+    v2 = heads.register(d, AdapterMeta())
+    heads.promote(v2, "finite, huge")  # the registry's check passes: every tensor is finite
+    mgr.poll_once()
+    assert mgr.failures[-1].version == v2 and "probe step" in mgr.failures[-1].reason
+    assert dec.eagle_head is serving and mgr.route("prose") == v1
+    other = EagleHead.from_target(tiny_llama(3, layers=2, hidden=32))
+    import pytest
+
+    with pytest.raises(ValueError, match="32-wide features"):
+        mgr._check(other)
+    assert dec.eagle_head is serving  # untouched by the check
+    r = dec.generate(DecodeRequest(_ids(tok, "cat"), SamplingParams(temperature=1.0, seed=1), 6, ignore_eos=True,
+                                   proposer="eagle"))
+    assert r.head_version == v1 and len(r.output_ids) == 6
+    mgr.close()
+
+
+def test_found_by_review_every_record_of_a_turn_trains_and_odd_widths_are_refused(target, tok, redis_client,
+                                                                                key_prefix, tmp_path):
+    """A turn trained only on the bounded replay pool (64 records a workload), dropping the
+    rest of a round; and one record of another hidden or top-k width stopped every later turn."""
+    import dataclasses
+
+    import numpy as np
+
+    from trainer.head import record_items
+
+    heads = AdapterRegistry(redis_client, tmp_path / "heads", StoreConfig(key_prefix=key_prefix), kind="head")
+    train, held = _records(target, tok, 24, 1), _records(target, tok, 6, 2)
+    ht = _trainer(target, heads, tmp_path, replay_per_workload=2, steps=20)
+    odd_h = dataclasses.replace(train[0], record_id="odd-h", hidden=np.zeros((train[0].num_tokens, 32), np.float16))
+    odd_k = dataclasses.replace(train[1], record_id="odd-k", topk_ids=train[1].topk_ids[:, :4],
+                                topk_probs=train[1].topk_probs[:, :4],
+                                tail_mass=1 - train[1].topk_probs[:, :4].astype(np.float32).sum(1))
+    odd_held = dataclasses.replace(held[0], record_id="odd-held", workload="other",
+                                   hidden=np.zeros((held[0].num_tokens, 32), np.float16))
+    torch.manual_seed(0)
+    rep = ht.turn(train + [odd_h, odd_k], held + [odd_held])
+    assert rep.records == len(train) and rep.records_refused == 3
+    assert rep.windows == len(record_items(train, 16))  # every record of the round, not the 2 kept for replay
+    assert rep.decision == "promoted", rep
+    assert "other" not in ht.status()["heldout_records"]
+    rep2 = ht.turn(train[:3], [])  # later turns are not poisoned
+    assert rep2.decision in ("promoted", "rejected") and rep2.windows == len(record_items(train[:3] + train[-2:], 16))
+
+
+def test_found_by_review_head_config_refuses_nan_margins_and_fractional_counts():
+    import pytest
+
+    from trainer.heads import HeadConfig
+
+    for kw in ({"promote_margin": float("nan")}, {"regress_margin": float("nan")}, {"regress_margin": -0.1},
+               {"steps": 1.5}, {"window": 3.5}, {"heldout_per_workload": 2.5}):
+        with pytest.raises(ValueError, match="HeadConfig"):
+            HeadConfig(**kw)
