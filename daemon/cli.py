@@ -225,6 +225,13 @@ def render_status(st: dict) -> None:
         for w, wa in (a.get("workloads") or {}).items():
             t.add_row(escape(f"adapter ({w})"), f"v{wa['active']} (its own) active since {_when(wa['since'])}"
                       + escape(f" (previous v{wa['previous']}: {wa['reason']})" if wa["previous"] is not None else ""))
+    hd = st.get("head")
+    if hd and (hd.get("registered") or hd.get("active")):  # trainer.heads: the feature-level head's registry
+        t.add_row("head (eagle)", escape(f"v{hd['active']} active since {_when(hd['since'])}"
+                                         + (f" (previous v{hd['previous']}: {hd['reason']})" if hd["previous"] is not None else "")
+                                         + f"; {hd['registered']} registered"))
+        for w, wa in (hd.get("workloads") or {}).items():
+            t.add_row(escape(f"head ({w})"), f"v{wa['active']} (its own) active since {_when(wa['since'])}")
     for hb in st.get("serving") or []:
         spec = ", ".join(f"{w} {'on' if on else 'off'}" for w, on in (hb.get("speculation_by_workload") or {}).items()) or "-"
         t.add_row("serving", escape(f"{hb.get('server_id')}: adapter v{hb.get('adapter_version')}, {hb.get('requests_served')} "
@@ -421,6 +428,10 @@ def heads_list(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     rows = offline_call(_settings(config), "heads list", lambda reg, hist: adapters_report(reg), kind="head")
     if json_out:
         print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        out.print("no heads registered (the trainer registers them with trainer.heads=true, from records that carry "
+                  "hidden states: serve.record_hidden=true)")
         return
     t = Table(title="heads (* = active in its scope; scope '-' = shared)")
     for col in ("version", "scope", "parent", "created", "state", "alpha before", "alpha after", "records", "reason"):

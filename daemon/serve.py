@@ -843,6 +843,10 @@ def run_serve(settings, console=None) -> int:
                  streams_steps=loop.streams_steps, proposers=list(sv.proposers),
                  eagle_head=str(sv.eagle_head) if sv.eagle_head else ("registry" if heads is not None else None),
                  record_hidden=sv.record_hidden)
+        if heads is not None and not heads.active_versions().get(""):
+            log.warning("eagle_waits_for_a_head", head_dir=str(settings.head_dir),
+                        why="'eagle' is offered only once the trainer promotes a head (trainer.heads=true on the daemon, "
+                            "serve.record_hidden=true here); `daemonctl heads list` shows them")
         if console is not None:
             console.print(f"serving {service.model} at {server.url}/v1 (redis {rh.mode}); SIGTERM drains")
         while not stop.wait(0.5):

@@ -616,10 +616,13 @@ class AdapterRegistry:
             if scope:
                 own = sorted(w for w, v in self.active_versions().items() if w and v)
                 raise InvalidTransitionError(
-                    f"cannot roll back workload {scope!r}: it has no active adapter of its own (its requests use "
-                    f"the shared one). Workloads with their own active adapter: {own or 'none'}; "
-                    f"to roll back the shared adapter, leave the workload out"
+                    f"cannot roll back workload {scope!r}: it has no active {self.kind} of its own (its requests use "
+                    f"the shared one). Workloads with their own active {self.kind}: {own or 'none'}; "
+                    f"to roll back the shared {self.kind}, leave the workload out"
                 )
+            if self.kind == "head":
+                raise InvalidTransitionError("cannot roll back: no head is active (version 0: the 'eagle' proposer is "
+                                             "not offered)")
             raise InvalidTransitionError("cannot roll back: no adapter is active (version 0, the base draft)")
         skipped = {int(v): bad.get(v.decode(), "") for v in res[3:]}
         return int(res[1]), skipped

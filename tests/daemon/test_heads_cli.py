@@ -19,6 +19,8 @@ def test_heads_list_and_rollback(redis_client, key_prefix, tmp_path, monkeypatch
     monkeypatch.setenv("DRAFTD_STORE__KEY_PREFIX", key_prefix)
     monkeypatch.setenv("DRAFTD_REDIS__URL", "redis://127.0.0.1:6379/0")
     heads = AdapterRegistry(redis_client, tmp_path / "state" / "heads", StoreConfig(key_prefix=key_prefix), kind="head")
+    r = CliRunner().invoke(app, ["heads", "list"])
+    assert r.exit_code == 0 and "no heads registered" in r.stdout
     for seed in (1, 2):
         d = tmp_path / f"h{seed}"
         d.mkdir()
@@ -39,6 +41,6 @@ def test_heads_list_and_rollback(redis_client, key_prefix, tmp_path, monkeypatch
     assert heads.active_version() == 1 and heads.get(2).state == "rolled_back" and heads.get(2).reason == "regressed"
     assert run.invoke(app, ["heads", "rollback"]).exit_code == 0 and heads.active_version() == 0
     r = run.invoke(app, ["heads", "rollback"])
-    assert r.exit_code == 1 and "error" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 1 and "no head is active" in r.output and "Traceback" not in r.output
     r = run.invoke(app, ["heads", "rollback", "--workload", "two words"])
     assert r.exit_code == 1 and "not a usable workload tag" in " ".join(r.output.split())
