@@ -789,7 +789,7 @@ def register(app) -> None:
 
     @app.command("demo")
     def demo(
-        quick: Annotated[bool, typer.Option(help="a ~6.5-minute run (75 s per phase)")] = False,
+        quick: Annotated[bool, typer.Option(help="a ~7-minute run once v0 is cached (75 s per phase)")] = False,
         phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase (overrides the preset)")] = None,
         out: Annotated[Path, typer.Option(help="directory for report.json and acceptance.png")] = Path("out/demo"),
         heads: Annotated[bool, typer.Option(help="also serve and adapt the feature-level head (the 'eagle' proposer): "
@@ -799,7 +799,7 @@ def register(app) -> None:
     ) -> None:
         """The main job: serve a shifting workload (prose -> code -> math) while the trainer adapts
         the draft in the background; live progress, then a frozen-vs-adapted table per phase and a
-        PNG of acceptance over time. --quick takes about 6.5 minutes on 2 cores, the default about 20."""
+        PNG of acceptance over time. --quick takes about 7 minutes on 2 cores once v0 is cached, the default about 20."""
         from daemon.logging import configure
         from daemon.settings import ConfigError, load_settings
 
