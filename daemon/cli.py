@@ -360,6 +360,19 @@ def history(
 # -- adapters and trainer control ----------------------------------------------------------------------
 
 
+def _versions_table(kind: str, rows: list[dict], trained: str) -> Table:
+    """A registry's versions (``daemon.reports.adapters_list`` rows) as ``adapters list`` and
+    ``heads list`` print them; ``trained`` names the samples_trained column."""
+    t = Table(title=f"{kind} (* = active in its scope; scope '-' = shared)")
+    for col in ("version", "scope", "parent", "created", "state", "alpha before", "alpha after", trained, "reason"):
+        t.add_column(col)
+    for a in rows:
+        t.add_row(f"v{a['version']}" + (" *" if a["active"] else ""), a.get("scope") or "-", f"v{a['parent']}",
+                  _when(a["created_at"]), a["state"], _f(a["alpha_before"]), _f(a["alpha_after"]), str(a["samples_trained"]),
+                  a["reason"])
+    return t
+
+
 @adapters_app.command("list")
 def adapters_list(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Registered adapter versions, oldest first."""
@@ -367,14 +380,7 @@ def adapters_list(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     if json_out:
         print(json.dumps(rows, indent=2))
         return
-    t = Table(title="adapters (* = active in its scope; scope '-' = shared)")
-    for col in ("version", "scope", "parent", "created", "state", "alpha before", "alpha after", "samples", "reason"):
-        t.add_column(col)
-    for a in rows:
-        t.add_row(f"v{a['version']}" + (" *" if a["active"] else ""), a.get("scope") or "-", f"v{a['parent']}",
-                  _when(a["created_at"]), a["state"], _f(a["alpha_before"]), _f(a["alpha_after"]), str(a["samples_trained"]),
-                  a["reason"])
-    out.print(t)
+    out.print(_versions_table("adapters", rows, "samples"))
 
 
 @adapters_app.command("show")
@@ -433,14 +439,7 @@ def heads_list(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
         out.print("no heads registered (the trainer registers them with trainer.heads=true, from records that carry "
                   "hidden states: serve.record_hidden=true)")
         return
-    t = Table(title="heads (* = active in its scope; scope '-' = shared)")
-    for col in ("version", "scope", "parent", "created", "state", "alpha before", "alpha after", "records", "reason"):
-        t.add_column(col)
-    for a in rows:
-        t.add_row(f"v{a['version']}" + (" *" if a["active"] else ""), a.get("scope") or "-", f"v{a['parent']}",
-                  _when(a["created_at"]), a["state"], _f(a["alpha_before"]), _f(a["alpha_after"]), str(a["samples_trained"]),
-                  a["reason"])
-    out.print(t)
+    out.print(_versions_table("heads", rows, "records"))
 
 
 @heads_app.command("rollback")

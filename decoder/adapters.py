@@ -63,6 +63,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
+from decoder.registry_follow import RegistryFollower
 from store import AdapterRegistry, StoreUnavailableError
 
 log = structlog.get_logger("decoder.adapters")
@@ -206,8 +207,9 @@ def summarize_ms(values) -> dict[str, float | int | None]:
     }
 
 
-class AdapterManager:
-    """Keeps the decoder's draft on the registry's active adapter (see the module docstring).
+class AdapterManager(RegistryFollower):
+    """Keeps the decoder's draft on the registry's active adapter (see the module docstring);
+    start / stop / close, ``route`` and ``wait_prepared`` are :class:`RegistryFollower`'s.
 
     Args:
         decoder: a :class:`decoder.speculative.SpeculativeDecoder`; a hook is appended to its
@@ -226,6 +228,8 @@ class AdapterManager:
         history: swaps, failures and boundary versions kept (most recent).
     """
 
+    _thread_name, _watch_name = "adapter-manager", "adapter"
+
     def __init__(
         self,
         decoder,
@@ -241,11 +245,9 @@ class AdapterManager:
     ):
         if keep_loaded < 1:
             raise ValueError(f"keep_loaded={keep_loaded}: must be >= 1 (the active adapter)")
-        self.decoder = decoder
+        self._init_follower(decoder, registry, poll_interval_s, clock)
         self.draft: torch.nn.Module = decoder.draft
-        self.registry = registry
-        self.poll_interval_s = poll_interval_s
-        self.clock, self.wall_clock = clock, wall_clock
+        self.wall_clock = wall_clock
         self.keep_loaded = keep_loaded
         self.max_rank = max_rank
         self.expected_base = expected_base
@@ -261,52 +263,12 @@ class AdapterManager:
         # scope -> version prepared for it ("" = shared; a workload's 0 = use the shared route)
         self._routes: dict[str, int] = {"": decoder.adapter_version}
         self._previous: dict[str, int] = {}  # scope -> its route before the last change (swap-failure fallback)
-        self._failed: dict[int, str] = {}
         self._boundaries = 0
         self._swaps_total = 0
         self._failures_total = 0
         self._model_lock = threading.Lock()  # peft structure changes: load/delete vs switch
         self._prep_lock = threading.Lock()  # one preparation at a time
-        self._changed = threading.Condition()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._pubsub = None
         decoder.between_requests.append(self._between_requests)
-
-    # ---- lifecycle -------------------------------------------------------------------------
-    def start(self) -> "AdapterManager":
-        """Start the watcher thread (subscribe, then poll once, then wait for events)."""
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._watch, name="adapter-manager", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-
-    def close(self) -> None:
-        """Stop the thread and remove the hook from the decoder."""
-        self.stop()
-        try:
-            self.decoder.between_requests.remove(self._between_requests)
-        except ValueError:
-            pass
-
-    def __enter__(self) -> "AdapterManager":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _watch(self) -> None:
-        from decoder.heads import watch_registry
-
-        watch_registry(self.registry, self._prepare, self._stop, poll_interval_s=self.poll_interval_s,
-                       clock=self.clock, after=self._evict, name="adapter")
 
     # ---- preparation (background, outside the decoder's lock) ------------------------------
     def poll_once(self, version: int | None = None, scope: str = "") -> int:
@@ -463,12 +425,6 @@ class AdapterManager:
                 self._loaded = [(v, m) for v, m in self._loaded if m != n]
 
     # ---- the switch (under the decoder's lock) -------------------------------------------
-    def route(self, workload: str | None) -> int:
-        """The prepared version a request of ``workload`` runs with: its scope's route, else
-        the shared one (None = an idle boundary: the shared one)."""
-        routes = self._routes
-        return (routes.get(workload, 0) if workload else 0) or routes.get("", 0)
-
     def _between_requests(self, dec, req=None) -> None:
         seq = self._boundaries
         self._boundaries += 1
@@ -550,20 +506,6 @@ class AdapterManager:
     def pause_ms(self) -> list[float]:
         """Swap pauses (ms), oldest first."""
         return [s.pause_ms for s in self.swaps]
-
-    def wait_prepared(self, version: int, timeout: float = 30.0, scope: str = "") -> bool:
-        """Block until ``version`` is prepared for ``scope`` (True) or failed / timed out (False)."""
-        deadline = self.clock() + timeout
-        with self._changed:
-            while True:
-                if self._routes.get(scope, 0) == version and version not in self._failed:
-                    return True
-                if version in self._failed:
-                    return False
-                left = deadline - self.clock()
-                if left <= 0:
-                    return False
-                self._changed.wait(min(left, 0.1))
 
     def status(self) -> dict[str, Any]:
         """Active version and since when, pending switch, swaps, failures, pause stats; JSON-ready."""

@@ -35,72 +35,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import redis
 import structlog
 
-from store import StoreError, StoreUnavailableError
-from store.registry import HEAD_FILE, parse_event
+from decoder.registry_follow import RegistryFollower
+from store import StoreUnavailableError
+from store.registry import HEAD_FILE
 
 log = structlog.get_logger(__name__)
 
 PROBE_DEPTH = 4  # proposal steps a head must survive on its own features before it serves
-
-
-def watch_registry(registry, prepare: Callable[[int, str, str], None], stop: threading.Event, *,
-                   poll_interval_s: float, clock: Callable[[], float], after: Callable[[], None] | None = None,
-                   name: str = "adapter") -> None:
-    """The watcher loop :class:`decoder.adapters.AdapterManager` and :class:`HeadManager` run on
-    their thread until ``stop`` is set: subscribe to ``registry``'s events first, then poll
-    ``active_versions()`` every ``poll_interval_s`` and on each event call
-    ``prepare(version, source, scope)`` (source "poll" or "event"; a burst of events costs one
-    call per scope), then ``after()``. Redis errors close the subscription and retry after
-    ``poll_interval_s``; ``prepare`` must not raise for a bad artifact (it records it)."""
-    ps = None
-    next_poll = 0.0
-    while not stop.is_set():
-        try:
-            if ps is None:
-                ps = registry.subscribe()
-                next_poll = 0.0  # subscribed first, then polled: nothing falls in between
-            now = clock()
-            if now >= next_poll:
-                for scope, version in registry.active_versions().items():
-                    prepare(version, "poll", scope)
-                next_poll = now + poll_interval_s
-            # short waits, so that stop is prompt whatever the poll interval
-            msg = ps.get_message(timeout=min(0.2, poll_interval_s))
-            if msg is not None and msg.get("type") == "message":
-                for scope, version in latest_events(ps, msg).items():
-                    prepare(version, "event", scope)
-            if after is not None:
-                after()
-        except (StoreError, redis.RedisError, OSError, ValueError) as e:
-            if stop.is_set():
-                break
-            log.warning(f"{name}_watch_error", error=str(e), retry_in_s=poll_interval_s)
-            _close(ps)
-            ps = None
-            stop.wait(poll_interval_s)
-    _close(ps)
-
-
-def latest_events(ps, msg) -> dict[str, int]:
-    """The newest event's version per scope: ``msg`` and whatever else is queued on ``ps``."""
-    ev = parse_event(msg)
-    latest = {ev["scope"]: int(ev["version"])}
-    while (more := ps.get_message(timeout=0)) is not None:
-        if more.get("type") == "message":
-            ev = parse_event(more)
-            latest[ev["scope"]] = int(ev["version"])
-    return latest
-
-
-def _close(ps) -> None:
-    if ps is not None:
-        try:
-            ps.close()
-        except Exception:  # noqa: BLE001 - a broken connection may fail to close
-            pass
 
 
 @dataclass(frozen=True)
@@ -139,8 +82,9 @@ def serving_head_loader(decoder, dtype) -> Callable[[Path], Any]:
     return load
 
 
-class HeadManager:
-    """Keeps ``decoder.eagle_head`` on the head registry's promoted head (module docstring).
+class HeadManager(RegistryFollower):
+    """Keeps ``decoder.eagle_head`` on the head registry's promoted head (module docstring);
+    start / stop / close, ``route`` and ``wait_prepared`` are :class:`RegistryFollower`'s.
 
     Args:
         decoder: a :class:`decoder.speculative.SpeculativeDecoder`; a hook is appended to its
@@ -156,6 +100,8 @@ class HeadManager:
             about 12 MB (its layer and fc; embedding and LM head are the target's, shared).
     """
 
+    _thread_name, _watch_name = "head-manager", "head"
+
     def __init__(self, decoder, registry, *, load: Callable[[Path], Any], poll_interval_s: float = 2.0,
                  clock: Callable[[], float] = time.perf_counter, wall_clock: Callable[[], float] = time.time,
                  keep_loaded: int = 2, history: int = 1000):
@@ -164,11 +110,9 @@ class HeadManager:
                              f"AdapterRegistry(client, dir, config, kind='head')")
         if keep_loaded < 1:
             raise ValueError(f"keep_loaded={keep_loaded}: must be >= 1 (the serving head)")
-        self.decoder = decoder
-        self.registry = registry
+        self._init_follower(decoder, registry, poll_interval_s, clock)
         self.load = load
-        self.poll_interval_s = poll_interval_s
-        self.clock, self.wall_clock = clock, wall_clock
+        self.wall_clock = wall_clock
         self.keep_loaded = keep_loaded
         self.swaps: deque[HeadSwap] = deque(maxlen=history)
         self.failures: deque[HeadFailure] = deque(maxlen=history)
@@ -179,46 +123,10 @@ class HeadManager:
             self._heads[v0] = decoder.eagle_head
         self._initial = decoder.eagle_head if not v0 else None  # a head given at build serves as version 0
         self._routes: dict[str, int] = {"": v0}
-        self._failed: dict[int, str] = {}
         self._boundaries = 0
         self._lock = threading.Lock()  # _heads and _routes changes
         self._prep_lock = threading.Lock()
-        self._changed = threading.Condition()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         decoder.between_requests.append(self._between_requests)
-
-    # ---- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "HeadManager":
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._watch, name="head-manager", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-
-    def close(self) -> None:
-        """Stop the thread and remove the hook from the decoder."""
-        self.stop()
-        try:
-            self.decoder.between_requests.remove(self._between_requests)
-        except ValueError:
-            pass
-
-    def __enter__(self) -> "HeadManager":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _watch(self) -> None:
-        watch_registry(self.registry, self._prepare, self._stop, poll_interval_s=self.poll_interval_s,
-                       clock=self.clock, after=self._evict, name="head")
 
     # ---- preparation (watcher thread) --------------------------------------------------------
     def poll_once(self, version: int | None = None, scope: str = "") -> int:
@@ -300,11 +208,6 @@ class HeadManager:
                 del self._heads[v]
 
     # ---- the switch (decoder's lock held) ----------------------------------------------------
-    def route(self, workload: str | None) -> int:
-        """The head version a request of ``workload`` runs with: its scope's, else the shared."""
-        routes = self._routes
-        return (routes.get(workload, 0) if workload else 0) or routes.get("", 0)
-
     def _between_requests(self, dec, req=None) -> None:
         seq = self._boundaries
         self._boundaries += 1
@@ -324,20 +227,6 @@ class HeadManager:
         log.info("head_swapped", from_version=old, to_version=want, workload=workload, pause_ms=round(pause, 3))
 
     # ---- observation -------------------------------------------------------------------------
-    def wait_prepared(self, version: int, timeout: float = 30.0, scope: str = "") -> bool:
-        """Block until ``version`` is routed for ``scope`` (True) or failed / timed out (False)."""
-        deadline = self.clock() + timeout
-        with self._changed:
-            while True:
-                if self._routes.get(scope, 0) == version and version not in self._failed:
-                    return True
-                if version in self._failed:
-                    return False
-                left = deadline - self.clock()
-                if left <= 0:
-                    return False
-                self._changed.wait(min(left, 0.1))
-
     def status(self) -> dict[str, Any]:
         """Serving head, routes, loaded versions, swaps and failures; JSON-ready."""
         last = self.failures[-1] if self.failures else None

@@ -1,0 +1,146 @@
+"""Following a registry's promotions and rollbacks: the watcher loop and the life cycle that
+:class:`decoder.adapters.AdapterManager` (LoRA adapters) and :class:`decoder.heads.HeadManager`
+(feature-level heads) share. A follower prepares what the registry names on its own thread and
+switches at the decoder's request boundaries (its ``_between_requests`` hook)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import redis
+import structlog
+
+from store import StoreError
+from store.registry import parse_event
+
+log = structlog.get_logger(__name__)
+
+
+def watch_registry(registry, prepare: Callable[[int, str, str], None], stop: threading.Event, *,
+                   poll_interval_s: float, clock: Callable[[], float], after: Callable[[], None] | None = None,
+                   name: str = "adapter") -> None:
+    """The watcher loop :class:`decoder.adapters.AdapterManager` and :class:`HeadManager` run on
+    their thread until ``stop`` is set: subscribe to ``registry``'s events first, then poll
+    ``active_versions()`` every ``poll_interval_s`` and on each event call
+    ``prepare(version, source, scope)`` (source "poll" or "event"; a burst of events costs one
+    call per scope), then ``after()``. Redis errors close the subscription and retry after
+    ``poll_interval_s``; ``prepare`` must not raise for a bad artifact (it records it)."""
+    ps = None
+    next_poll = 0.0
+    while not stop.is_set():
+        try:
+            if ps is None:
+                ps = registry.subscribe()
+                next_poll = 0.0  # subscribed first, then polled: nothing falls in between
+            now = clock()
+            if now >= next_poll:
+                for scope, version in registry.active_versions().items():
+                    prepare(version, "poll", scope)
+                next_poll = now + poll_interval_s
+            # short waits, so that stop is prompt whatever the poll interval
+            msg = ps.get_message(timeout=min(0.2, poll_interval_s))
+            if msg is not None and msg.get("type") == "message":
+                for scope, version in latest_events(ps, msg).items():
+                    prepare(version, "event", scope)
+            if after is not None:
+                after()
+        except (StoreError, redis.RedisError, OSError, ValueError) as e:
+            if stop.is_set():
+                break
+            log.warning(f"{name}_watch_error", error=str(e), retry_in_s=poll_interval_s)
+            _close(ps)
+            ps = None
+            stop.wait(poll_interval_s)
+    _close(ps)
+
+
+def latest_events(ps, msg) -> dict[str, int]:
+    """The newest event's version per scope: ``msg`` and whatever else is queued on ``ps``."""
+    ev = parse_event(msg)
+    latest = {ev["scope"]: int(ev["version"])}
+    while (more := ps.get_message(timeout=0)) is not None:
+        if more.get("type") == "message":
+            ev = parse_event(more)
+            latest[ev["scope"]] = int(ev["version"])
+    return latest
+
+
+def _close(ps) -> None:
+    if ps is not None:
+        try:
+            ps.close()
+        except Exception:  # noqa: BLE001 - a broken connection may fail to close
+            pass
+
+
+class RegistryFollower:
+    """The life cycle of a manager that follows a registry (subclasses set ``_thread_name`` and
+    ``_watch_name``, and provide ``_prepare(version, source, scope)``, ``_evict()`` and
+    ``_between_requests(decoder, request)``; their ``__init__`` calls :meth:`_init_follower`).
+
+    ``start`` runs the watcher thread (:func:`watch_registry`), ``stop`` ends it, ``close`` also
+    removes the hook from the decoder; ``route`` and ``wait_prepared`` read the routes."""
+
+    _thread_name = "registry-follower"
+    _watch_name = "registry"
+
+    def _init_follower(self, decoder, registry, poll_interval_s: float, clock: Callable[[], float]) -> None:
+        self.decoder, self.registry = decoder, registry
+        self.poll_interval_s, self.clock = poll_interval_s, clock
+        self._failed: dict[int, str] = {}
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self):
+        """Start the watcher thread (subscribe, then poll once, then wait for events)."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._watch, name=self._thread_name, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop the thread and remove the hook from the decoder."""
+        self.stop()
+        try:
+            self.decoder.between_requests.remove(self._between_requests)
+        except ValueError:
+            pass
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _watch(self) -> None:
+        watch_registry(self.registry, self._prepare, self._stop, poll_interval_s=self.poll_interval_s,
+                       clock=self.clock, after=self._evict, name=self._watch_name)
+
+    def route(self, workload: str | None) -> int:
+        """The prepared version a request of ``workload`` runs with: its scope's route, else
+        the shared one (None = an idle boundary: the shared one)."""
+        routes = self._routes
+        return (routes.get(workload, 0) if workload else 0) or routes.get("", 0)
+
+    def wait_prepared(self, version: int, timeout: float = 30.0, scope: str = "") -> bool:
+        """Block until ``version`` is prepared for ``scope`` (True) or failed / timed out (False)."""
+        deadline = self.clock() + timeout
+        with self._changed:
+            while True:
+                if self._routes.get(scope, 0) == version and version not in self._failed:
+                    return True
+                if version in self._failed:
+                    return False
+                left = deadline - self.clock()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.1))
