@@ -29,7 +29,7 @@ from daemon.settings import ConfigError, distill_config, draft_vocab_ids, effect
 # Model, Redis, FastAPI and plotting code is imported inside the commands that use it, so that
 # `daemonctl status` loads no torch (tests/daemon/test_cli_imports.py).
 from daemon.cli_offline import read_or_offline
-from daemon.reports import adapters_list as adapters_report, history_report
+from daemon.reports import adapters_list as adapters_report, heads_list as heads_report, history_report
 
 app = typer.Typer(help="draftd: online-adapted speculative decoding sidecar. Operate the daemon.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Registered draft adapters: list, show, promote, rollback.", no_args_is_help=True)
@@ -364,12 +364,15 @@ def _versions_table(kind: str, rows: list[dict], trained: str) -> Table:
     """A registry's versions (``daemon.reports.adapters_list`` rows) as ``adapters list`` and
     ``heads list`` print them; ``trained`` names the samples_trained column."""
     t = Table(title=f"{kind} (* = active in its scope; scope '-' = shared)")
-    for col in ("version", "scope", "parent", "created", "state", "alpha before", "alpha after", trained, "reason"):
+    live = any("live" in a for a in rows)  # heads: the requests each proposed for (the head history)
+    for col in ("version", "scope", "parent", "created", "state", "alpha before", "alpha after", trained,
+                *(("live alpha (requests)",) if live else ()), "reason"):
         t.add_column(col)
     for a in rows:
+        lv = a.get("live") or {}
         t.add_row(f"v{a['version']}" + (" *" if a["active"] else ""), a.get("scope") or "-", f"v{a['parent']}",
                   _when(a["created_at"]), a["state"], _f(a["alpha_before"]), _f(a["alpha_after"]), str(a["samples_trained"]),
-                  a["reason"])
+                  *((f"{_f(lv.get('alpha'))} ({lv.get('requests', 0)})",) if live else ()), a["reason"])
     return t
 
 
@@ -431,7 +434,7 @@ def heads_list(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     """Registered head versions, oldest first (the head registry in Redis)."""
     from daemon.cli_offline import offline_call
 
-    rows = offline_call(_settings(config), "heads list", lambda reg, hist: adapters_report(reg), kind="head")
+    rows = offline_call(_settings(config), "heads list", heads_report, kind="head")
     if json_out:
         print(json.dumps(rows, indent=2))
         return

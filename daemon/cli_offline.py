@@ -18,7 +18,8 @@ err = console(stderr=True)
 def offline_call(s, what: str, fn: Callable[[Any, Any], Any], kind: str = "adapter") -> Any:
     """``fn(registry, history)`` over Redis directly (URL, else the default address), JSON-encoded
     as the API would (NaN -> None). Exit 3 when no Redis answers either. ``kind="head"``: the
-    head registry (``daemonctl heads``, which always reads Redis: the daemon has no head API)."""
+    head registry and the head history (``daemonctl heads``, which always reads Redis: the daemon
+    has no head API)."""
     from daemon.redis_embed import answers
     from daemon.settings import store_config
     from store.jsonsafe import jsonable
@@ -39,7 +40,7 @@ def offline_call(s, what: str, fn: Callable[[Any, Any], Any], kind: str = "adapt
     try:
         cfg = store_config(s)
         registry = AdapterRegistry(client, s.head_dir if kind == "head" else s.adapter_dir, cfg, kind=kind)
-        history = AcceptanceHistory(client, cfg)
+        history = AcceptanceHistory(client, cfg, kind=kind)
         if kind == "adapter":
             err.print(f"[yellow]no daemon answers at {s.api_url}: read from Redis directly (prefix {s.store.key_prefix})[/]")
         return json.loads(json.dumps(jsonable(fn(registry, history)), default=str))

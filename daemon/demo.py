@@ -389,12 +389,15 @@ def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: i
     """One greedy completion of prompt ``p`` through the API; its timeline row (draftd's metrics
     for the request, and whether a shift alarm or a rollback came with it)."""
     alarms, rollbacks = len(loop.tracker.alarms), len(loop.monitor.decisions)
+    head_judged = len(loop.head_monitor.decisions) if loop.head_monitor is not None else 0
     t_req = time.perf_counter()
     resp = oai.completions.create(model=model_name, prompt=p.token_ids(tok)[-256:], temperature=0,
                                   max_tokens=max_new_tokens, extra_body={"workload": phase})
     wall_ms = (time.perf_counter() - t_req) * 1e3
     m = (resp.model_extra or {})["draftd"]
     rb = next((d for d in loop.monitor.decisions[rollbacks:] if d.rolled_back), None)
+    if rb is None and loop.head_monitor is not None:
+        rb = next((d for d in loop.head_monitor.decisions[head_judged:] if d.rolled_back), None)
     return {
         "t": round(time.time() - t0, 2), "workload": phase, "adapter_version": m["adapter_version"],
         "head_version": m.get("head_version", 0), "gamma": m["gamma"], "proposer": m.get("proposer"),
@@ -451,6 +454,7 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "head_v0": trainer.head_v0.__dict__ if trainer.head_v0 is not None else None,
         "trainer": _jsonable(trainer.svc.status()), "swaps": loop.manager.status(),
         "rollbacks": [d.__dict__ for d in loop.monitor.decisions],
+        "head_rollbacks": [d.__dict__ for d in loop.head_monitor.decisions] if loop.head_monitor is not None else None,
         "shift_alarms": [a.__dict__ for a in loop.tracker.alarms], "shifts": shifts,
         "serving": loop.status(), "ngram_history_tokens": decoder.ngram_history.status(),
         "ngram_gate": decoder.ngram_gate.status() if decoder.ngram_gate is not None else None,

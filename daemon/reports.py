@@ -60,6 +60,19 @@ def adapters_list(registry: AdapterRegistry) -> list[dict[str, Any]]:
     return [adapter_dict(r) | {"active": r.version == actives.get(r.scope, 0)} for r in registry.list()]
 
 
+def heads_list(registry: AdapterRegistry, history: AcceptanceHistory) -> list[dict[str, Any]]:
+    """:func:`adapters_list` for the head registry (``daemonctl heads list``), each version with
+    ``live``: the requests it proposed for, summed over workloads from the head history
+    (``AcceptanceHistory(kind="head")``): requests, proposed and accepted tokens, pooled α."""
+    rows = history.read()
+    out = []
+    for a in adapters_list(registry):
+        tot = sum_rows([r for r in rows if r.version == a["version"]], None, a["version"])
+        out.append(a | {"live": {"requests": tot.requests, "num_draft_tokens": tot.num_draft_tokens,
+                                 "num_accepted_tokens": tot.num_accepted_tokens, "alpha": tot.alpha}})
+    return out
+
+
 def active_since(log_events: list[dict], active: int, scope: str = "") -> tuple[float | None, int | None, str | None]:
     """When ``active`` became ``scope``'s active version, the version before it and the reason,
     from the promotion log."""

@@ -115,6 +115,9 @@ class AcceptanceTracker:
         flush_interval_s: background flush period.
         history_name: the workload name written to the store for a key; default
             ``"{workload}@{bucket}"`` so the sampling bucket is visible in every reader.
+        head_history: where the requests the feature-level head proposed for are flushed,
+            keyed by head version (``AcceptanceHistory(kind="head")``; None: kept in memory only).
+            They go to ``history`` too, under the adapter version, as every request does.
         recent: per-key requests kept for the rolling α.
         clock: seconds since the epoch (history bucket times).
     """
@@ -128,8 +131,10 @@ class AcceptanceTracker:
         history_name: Callable[[str, str], str] = key_str,
         recent: int = 50,
         clock: Callable[[], float] = time.time,
+        head_history: AcceptanceHistory | None = None,
     ):
         self.history = history
+        self.head_history = head_history
         self.detector = detector
         self.flush_interval_s = flush_interval_s
         self.history_name = history_name
@@ -138,6 +143,9 @@ class AcceptanceTracker:
         self._totals: dict[tuple[str, str, int], Window] = {}
         self._draft: dict[tuple[str, str, int], Window] = {}  # the requests the draft model proposed for
         self._unflushed: dict[tuple[str, str, int], Window] = {}
+        # the requests the feature-level head proposed for, keyed (workload, bucket, head version)
+        self._heads: dict[tuple[str, str, int], Window] = {}
+        self._unflushed_heads: dict[tuple[str, str, int], Window] = {}
         self._recent: dict[Key, deque[float]] = {}
         self._recent_n = recent
         self.alarms: list[ShiftAlarm] = []
@@ -157,6 +165,11 @@ class AcceptanceTracker:
             proposer = getattr(result, "proposer", None) or "draft"  # DecodeResult's default
             if proposer == "draft" and result.counts.num_draft_tokens:
                 self._draft.setdefault(k, Window()).add(result.counts)
+            head_v = int(getattr(result, "head_version", 0) or 0)
+            if proposer == "eagle" and head_v and result.counts.num_draft_tokens:
+                hk = (*k[:2], head_v)
+                self._heads.setdefault(hk, Window()).add(result.counts)
+                self._unflushed_heads.setdefault(hk, Window()).add(result.counts)
             self._unflushed.setdefault(k, Window()).add(result.counts)
             a = result.counts.alpha
             if a == a:
@@ -173,11 +186,21 @@ class AcceptanceTracker:
         return alarm
 
     def flush(self) -> int:
-        """Write the unflushed counts; returns the keys written. Never raises on Redis errors."""
-        if self.history is None:
-            return 0
+        """Write the unflushed counts (adapter history, then head history); returns the keys
+        written. Never raises on Redis errors: what failed is kept for the next flush."""
+        written = 0
+        if self.history is not None:
+            written += self._flush_into(self.history, "_unflushed")
+        if self.head_history is not None:
+            written += self._flush_into(self.head_history, "_unflushed_heads")
+        if self.history is not None or self.head_history is not None:
+            self.flushes += 1
+        return written
+
+    def _flush_into(self, history: AcceptanceHistory, attr: str) -> int:
         with self._lock:
-            batch, self._unflushed = self._unflushed, {}
+            batch = getattr(self, attr)
+            setattr(self, attr, {})
         ts = self.clock()
         written = 0
         failed: dict[tuple[str, str, int], Window] = {}
@@ -186,18 +209,18 @@ class AcceptanceTracker:
                 failed[k] = win
                 continue
             try:
-                self.history.record(self.history_name(k[0], k[1]), k[2], win.history_counts(), ts)
+                history.record(self.history_name(k[0], k[1]), k[2], win.history_counts(), ts)
                 written += 1
             except (StoreError, redis.RedisError, OSError) as e:
                 failed[k] = win
                 self.flush_errors += 1
                 self.last_error = str(e)
-                log.warning("history_flush_failed", error=str(e), pending_keys=len(batch) - written)
+                log.warning("history_flush_failed", kind=history.kind, error=str(e), pending_keys=len(batch) - written)
         if failed:
             with self._lock:
+                pending = getattr(self, attr)
                 for k, win in failed.items():
-                    self._unflushed.setdefault(k, Window()).merge(win)
-        self.flushes += 1
+                    pending.setdefault(k, Window()).merge(win)
         return written
 
     def start(self) -> "AcceptanceTracker":
@@ -219,20 +242,38 @@ class AcceptanceTracker:
         while not self._stop.wait(self.flush_interval_s):
             self.flush()
 
-    def window(self, workload: str, bucket: str, version: int, *, draft_only: bool = False) -> Window:
-        """A copy of the cumulative window of one key (empty if never seen); ``draft_only``: of
-        the key's requests whose proposals came from the draft model (not the n-gram proposer,
-        not plain decoding), the only ones an adapter version changes."""
+    def window(self, workload: str, bucket: str, version: int, *, draft_only: bool = False,
+               proposer: str | None = None) -> Window:
+        """A copy of the cumulative window of one key (empty if never seen).
+
+        ``draft_only`` (or ``proposer="draft"``): of the key's requests whose proposals came from
+        the draft model (not the n-gram proposer or the head, not plain decoding), the only ones
+        an adapter version changes; ``version`` is the adapter version. ``proposer="eagle"``: of
+        the requests the feature-level head proposed for, and ``version`` is the head version.
+
+        Raises: ValueError for another ``proposer``."""
+        src = self._source(proposer, draft_only)
         with self._lock:
             out = Window()
-            src = self._draft if draft_only else self._totals
             if (workload, bucket, version) in src:
                 out.merge(src[(workload, bucket, version)])
             return out
 
-    def keys(self) -> list[tuple[str, str, int]]:
+    def keys(self, proposer: str | None = None) -> list[tuple[str, str, int]]:
+        """(workload, bucket, version) of every window; ``proposer="eagle"``: of the head's
+        windows, version = head version (``"draft"``: the draft's, adapter version)."""
+        src = self._source(proposer, False)
         with self._lock:
-            return sorted(self._totals)
+            return sorted(src)
+
+    def _source(self, proposer: str | None, draft_only: bool) -> dict:
+        if proposer is None:
+            return self._draft if draft_only else self._totals
+        if proposer == "draft":
+            return self._draft
+        if proposer == "eagle":
+            return self._heads
+        raise ValueError(f"proposer={proposer!r}: windows are kept for 'draft' and 'eagle' (None: all requests)")
 
     def rolling_alpha(self, workload: str, bucket: str) -> float:
         """Mean α of the last ``recent`` requests of (workload, bucket), any version (NaN if none)."""
@@ -243,10 +284,12 @@ class AcceptanceTracker:
     def status(self) -> dict[str, Any]:
         with self._lock:
             windows = {f"{key_str(w, b)}/v{v}": win.summary() for (w, b, v), win in sorted(self._totals.items())}
+            heads = {f"{key_str(w, b)}/head v{v}": win.summary() for (w, b, v), win in sorted(self._heads.items())}
             rolling = {key_str(*k): nan_none(sum(r) / len(r), 4) for k, r in self._recent.items() if r}
-            unflushed = len(self._unflushed)
+            unflushed = len(self._unflushed) + len(self._unflushed_heads)
         return {
             "windows": windows,
+            "head_windows": heads,
             "rolling_alpha": rolling,
             "unflushed_keys": unflushed,
             "flushes": self.flushes,
@@ -276,10 +319,17 @@ class RollbackDecision:
     rolled_back: bool
     reason: str
     ts: float
+    kind: str = "adapter"  # what was judged: "adapter" (the draft's LoRA) or "head" (the feature-level head)
 
 
 class RollbackMonitor:
-    """Rolls back a promoted adapter whose live acceptance is worse than its predecessor's.
+    """Rolls back a promoted adapter (or head) whose live acceptance is worse than its predecessor's.
+
+    ``proposer="eagle"`` judges the feature-level head's versions instead, with ``registry`` the
+    head registry (kind ``"head"``): ``check`` then takes the head version that served a request
+    the head proposed for, and the windows compared are the tracker's head windows (the requests
+    the head proposed for, by head version); everything below holds with "adapter" read as
+    "head" and "the draft model" as "the head".
 
     Call :meth:`check` periodically (or after each request) with the decoder's adapter version.
     The monitor notices each new version v serving after a version u; on every
@@ -318,9 +368,17 @@ class RollbackMonitor:
         margin: float = 0.1,
         metric: str = "alpha",
         clock: Callable[[], float] = time.time,
+        proposer: str = "draft",
     ):
         if metric not in ("alpha", "acceptance_rate"):
             raise ValueError(f"metric={metric!r}: use 'alpha' or 'acceptance_rate'")
+        if proposer not in ("draft", "eagle"):
+            raise ValueError(f"proposer={proposer!r}: the monitor judges 'draft' (adapters) or 'eagle' (heads)")
+        self.proposer = proposer
+        self.kind = "head" if proposer == "eagle" else "adapter"
+        if getattr(registry, "kind", self.kind) != self.kind:
+            raise ValueError(f"proposer={proposer!r} judges {self.kind}s, but the registry holds {registry.kind}s; "
+                             f"pass AdapterRegistry(..., kind={self.kind!r})")
         self.registry, self.tracker = registry, tracker
         self.min_requests, self.margin, self.metric = min_requests, margin, metric
         self.clock = clock
@@ -353,10 +411,11 @@ class RollbackMonitor:
             return None  # a fallback to the shared adapter (or two workloads' versions interleaved)
         worst, judged = None, []
         done = self._judged_keys.setdefault((v, workload), set())
-        for w, b, ver in self.tracker.keys():
+        for w, b, ver in self.tracker.keys(self.proposer):
             if ver != v or (workload is not None and w != workload) or key_str(w, b) in done:
                 continue
-            new, old = self.tracker.window(w, b, v, draft_only=True), self.tracker.window(w, b, u, draft_only=True)
+            new, old = (self.tracker.window(w, b, v, proposer=self.proposer),
+                        self.tracker.window(w, b, u, proposer=self.proposer))
             n_new, n_old = new.counts.num_requests, old.counts.num_requests
             if n_new < self.min_requests or n_old < self.min_requests:
                 continue
@@ -375,19 +434,22 @@ class RollbackMonitor:
         else:  # kept on these keys; the keys still short of evidence are judged as they reach it
             done.update(judged)
         if bad:
-            reason = (f"auto-rollback: v{v} {self.metric}={x_new:.3f} on {key} over {n_new} requests vs "
+            what = "head " if self.kind == "head" else ""
+            reason = (f"auto-rollback: {what}v{v} {self.metric}={x_new:.3f} on {key} over {n_new} requests vs "
                       f"v{u} {x_old:.3f} over {n_old} (margin {self.margin})")
             rolled = self._rollback(v, reason, workload)
             if not rolled[0]:
                 reason += f"; not rolled back: {rolled[1]}"
         else:
-            reason = (f"kept: v{v} {self.metric}={x_new:.3f} on {key} vs v{u} {x_old:.3f} "
+            what = "head " if self.kind == "head" else ""
+            reason = (f"kept: {what}v{v} {self.metric}={x_new:.3f} on {key} vs v{u} {x_old:.3f} "
                       f"(worst key; margin {self.margin})")
             rolled = (False, "")
-        d = RollbackDecision(v, u, key, x_new, x_old, n_new, n_old, rolled[0], reason, self.clock())
+        d = RollbackDecision(v, u, key, x_new, x_old, n_new, n_old, rolled[0], reason, self.clock(), self.kind)
         self.decisions.append(d)
-        log.warning("adapter_judged", version=v, previous=u, rolled_back=rolled[0], reason=reason) if bad else \
-            log.info("adapter_judged", version=v, previous=u, rolled_back=False, reason=reason)
+        event = f"{self.kind}_judged"
+        log.warning(event, version=v, previous=u, rolled_back=rolled[0], reason=reason) if bad else \
+            log.info(event, version=v, previous=u, rolled_back=False, reason=reason)
         return d
 
     def _scope(self, version: int) -> str | None:

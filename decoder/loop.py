@@ -178,6 +178,8 @@ class ServingLoop:
             ``decoder.adapter_version``.
         tracker: an :class:`AcceptanceTracker` (the loop starts and stops it), or None.
         monitor: a :class:`RollbackMonitor` checked after every request, or None.
+        head_monitor: a :class:`RollbackMonitor` with ``proposer="eagle"`` on the head registry,
+            checked after every request the head proposed for (its head version), or None.
         writer: the ``SampleWriter`` behind the decoder's sink, for its counts in
             :meth:`status` and closed by :meth:`close` (the loop does not wire it: the sink does).
         config: :class:`LoopConfig`.
@@ -191,10 +193,11 @@ class ServingLoop:
     def __init__(self, decoder, *, manager=None, controller: GoodputController | None = None,
                  tracker: AcceptanceTracker | None = None, monitor: RollbackMonitor | None = None,
                  writer=None, config: LoopConfig | None = None, clock: Callable[[], float] = time.perf_counter,
-                 heads=None):
+                 heads=None, head_monitor: RollbackMonitor | None = None):
         self.decoder = decoder
         self.manager = manager
         self.heads = heads
+        self.head_monitor = head_monitor
         self.controller = controller or GoodputController(adapter_version=lambda: decoder.adapter_version)
         self.tracker = tracker
         self.monitor = monitor
@@ -417,6 +420,11 @@ class ServingLoop:
                 self.monitor.check(res.adapter_version, res.workload if self.config.rollback_per_workload else None)
             except Exception:  # noqa: BLE001
                 log.exception("rollback_check_failed", request_id=res.request_id)
+        if self.head_monitor is not None and res.proposer == "eagle" and res.head_version:
+            try:
+                self.head_monitor.check(res.head_version, res.workload if self.config.rollback_per_workload else None)
+            except Exception:  # noqa: BLE001
+                log.exception("head_rollback_check_failed", request_id=res.request_id)
 
     # ---- observation -------------------------------------------------------------------------
     def speculation(self) -> dict[str, dict[str, Any]]:
@@ -465,6 +473,9 @@ class ServingLoop:
             hs = self.heads.status()
             st["heads"] = {"serving_version": hs["serving_version"], "routes": hs["routes"], "swaps": hs["swaps"],
                            "failures": hs["failures"], "last_failure": hs["last_failure"]}
+            if self.head_monitor is not None:
+                st["heads"]["judged"] = [{"version": d.version, "previous": d.previous, "rolled_back": d.rolled_back,
+                                          "reason": d.reason} for d in self.head_monitor.decisions[-10:]]
         return st
 
 
@@ -490,7 +501,10 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
       hidden states (llama.cpp: ``choose_engine(..., embeddings=True)``).
     - ``head_registry``: a registry of kind ``"head"``: a :class:`decoder.heads.HeadManager`
       keeps the served head on its promoted one (per-workload scopes, hot-swapped between
-      requests, rolled back with it), each served as a frozen copy in ``head_dtype`` (default
+      requests, rolled back with it), a RollbackMonitor (``proposer="eagle"``, the same
+      ``rollback_min_requests`` / ``rollback_margin``) rolls back a promoted head whose live α on
+      the requests it proposed for falls below its predecessor's, and the acceptance history of
+      those requests is kept by head version (``AcceptanceHistory(kind="head")``), each served as a frozen copy in ``head_dtype`` (default
       float32; bf16 where the CPU multiplies it natively: :func:`decoder.heads.serving_head_loader`). ``"eagle"`` may then be configured
       without ``eagle_head``: the controller offers it once a head serves.
 
@@ -545,16 +559,19 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
 
         heads = HeadManager(decoder, head_registry, poll_interval_s=poll_interval_s,
                             load=serving_head_loader(decoder, head_dtype or torch.float32))
-    tracker = AcceptanceTracker(history, ShiftDetector(), flush_interval_s=history_flush_s)
+    head_history = history.of_kind("head") if history is not None and head_registry is not None else None
+    tracker = AcceptanceTracker(history, ShiftDetector(), flush_interval_s=history_flush_s, head_history=head_history)
     monitor = (RollbackMonitor(registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin)
                if registry is not None else None)
+    head_monitor = (RollbackMonitor(head_registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin,
+                                    proposer="eagle") if head_registry is not None else None)
     if controller is None:
         controller = GoodputController(ControllerConfig(proposers=tuple(proposers)),
                                        adapter_version=lambda: decoder.adapter_version,
                                        head_version=lambda: decoder.head_version,
                                        proposer_available=lambda n: n != "eagle" or decoder.eagle_head is not None)
     return ServingLoop(decoder, manager=manager, controller=controller, tracker=tracker, monitor=monitor,
-                       writer=writer, config=config, heads=heads)
+                       writer=writer, config=config, heads=heads, head_monitor=head_monitor)
 
 
 def speculation_by_workload(speculation: dict[str, dict[str, Any]]) -> dict[str, bool]:

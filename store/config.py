@@ -137,8 +137,14 @@ class Keys:
         return f"{self.prefix}{self.kind}:events"
 
     @property
+    def _hist(self) -> str:
+        """The acceptance history's key root: ``P hist:`` for adapter versions (the keys older
+        builds wrote), ``P head:hist:`` for head versions (``AcceptanceHistory(kind="head")``)."""
+        return f"{self.prefix}hist:" if self.kind == "adapter" else f"{self.prefix}{self.kind}:hist:"
+
+    @property
     def history_index(self) -> str:
-        return f"{self.prefix}hist:index"
+        return f"{self._hist}index"
 
     def history_bucket(self, workload: str, version: int, bucket: int) -> bytes:
-        return f"{self.prefix}hist:{version}:{bucket}:{workload}".encode("utf-8")
+        return f"{self._hist}{version}:{bucket}:{workload}".encode("utf-8")

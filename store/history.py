@@ -1,4 +1,6 @@
-"""Acceptance history: time-bucketed counts per (workload, adapter version).
+"""Acceptance history: time-bucketed counts per (workload, adapter version), and apart from it
+per (workload, head version) for the requests the feature-level head proposed for
+(``AcceptanceHistory(kind="head")``: keys ``P head:hist:...``, the same layout).
 
 Counts are stored, rates are derived on read (each rate's definition is on the property that
 computes it; NaN when its denominator is 0). Counter names follow vLLM's spec-decode metrics:
@@ -22,6 +24,7 @@ every write. Workload names are UTF-8 and may contain any character (the workloa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -95,16 +98,30 @@ class AcceptanceHistory:
         client: a ``decode_responses=False`` client.
         config: ``config.history.bucket_s`` (bucket width, s) and ``retention_s``.
         clock: seconds since the epoch, the default ``ts`` of :meth:`record` and the retention cut.
+        kind: what ``version`` counts: ``"adapter"`` (the draft's LoRA version; every request is
+            recorded under the one that served it) or ``"head"`` (the feature-level head's
+            version; only the requests it proposed for). The two are kept apart, so a reader
+            summing one kind's rows never counts a request twice.
 
-    Raises (any method): StoreUnavailableError when Redis is unreachable.
+    Raises (any method): StoreUnavailableError when Redis is unreachable; ValueError for an
+    unknown ``kind``.
     """
 
-    def __init__(self, client: redis.Redis, config: StoreConfig, *, clock: Callable[[], float] = time.time):
+    def __init__(self, client: redis.Redis, config: StoreConfig, *, clock: Callable[[], float] = time.time,
+                 kind: str = "adapter"):
+        if kind not in ("adapter", "head"):
+            raise ValueError(f"history kind {kind!r}: use 'adapter' or 'head'")
         self._client = client
-        self._keys = config.keys
+        self._config = config
+        self.kind = kind
+        self._keys = dataclasses.replace(config.keys, kind=kind)
         self.bucket_s = config.history.bucket_s
         self.retention_s = config.history.retention_s
         self._clock = clock
+
+    def of_kind(self, kind: str) -> "AcceptanceHistory":
+        """The history of ``kind`` on the same Redis, configuration and clock."""
+        return AcceptanceHistory(self._client, self._config, clock=self._clock, kind=kind)
 
     def bucket_of(self, ts: float) -> int:
         """Start (integer seconds) of the bucket holding ``ts``."""

@@ -26,9 +26,19 @@ def test_heads_list_and_rollback(redis_client, key_prefix, tmp_path, monkeypatch
         d.mkdir()
         save_file({"fc.weight": np.random.default_rng(seed).standard_normal((4, 8)).astype(np.float32)}, str(d / HEAD_FILE))
         heads.promote(heads.register(d, AdapterMeta(alpha_before=0.1 * seed, alpha_after=0.2 * seed)), f"head {seed}")
+    # what the serving loop flushed for the requests head v2 proposed for: 2 requests, per-request α 0.5 and 0.25
+    from store import AcceptanceHistory
+
+    AcceptanceHistory(redis_client, StoreConfig(key_prefix=key_prefix), kind="head").record(
+        "prose@greedy", 2, {"requests": 2, "num_draft_tokens": 8, "num_accepted_tokens": 3, "alpha_sum": 0.75,
+                            "alpha_count": 2})
     run = CliRunner()
     rows = json.loads(run.invoke(app, ["heads", "list", "--json"]).stdout)
     assert [(r["version"], r["active"], r["alpha_after"]) for r in rows] == [(1, False, 0.2), (2, True, 0.4)]
+    assert rows[0]["live"] == {"requests": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "alpha": None}
+    assert rows[1]["live"] == {"requests": 2, "num_draft_tokens": 8, "num_accepted_tokens": 3, "alpha": 0.375}
+    table = run.invoke(app, ["heads", "list"], terminal_width=250).stdout
+    assert "live alpha (requests)" in table and "0.375 (2)" in table and "- (0)" in table
     # from another state dir the versions' files are not there: refused, nothing changes (they
     # used to be skipped as bad, rolling every head back)
     monkeypatch.setenv("DRAFTD_STATE_DIR", str(tmp_path / "elsewhere"))

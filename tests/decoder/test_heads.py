@@ -131,6 +131,14 @@ def test_the_loop_learns_a_head_from_its_own_traffic_then_serves_and_rolls_it_ba
         by_head = {r.head_version for r in later if r.proposer == "eagle"}
         assert by_head == {v1}, [(r.proposer, r.head_version) for r in later]
         assert loop.status()["heads"]["serving_version"] == v1
+        # the head's requests are tracked and flushed by head version, and a monitor judges them
+        n_eagle = sum(r.proposer == "eagle" for r in later)
+        assert loop.tracker.window("w", "greedy", v1, proposer="eagle").counts.num_requests == n_eagle
+        loop.tracker.flush()
+        from store import AcceptanceHistory
+
+        assert sum(r.requests for r in AcceptanceHistory(redis_client, cfg, kind="head").read(version=v1)) == n_eagle
+        assert loop.head_monitor.proposer == "eagle" and loop.status()["heads"]["judged"] == []  # v1 had no predecessor
         # a second round trains from v1 and judges its candidate against v1, not against no head
         assert loop.writer.flush(10)
         rep2 = svc.run_round_now().head
@@ -388,3 +396,99 @@ def test_found_by_review_head_config_refuses_nan_margins_and_fractional_counts()
                {"steps": 1.5}, {"window": 3.5}, {"heldout_per_workload": 2.5}):
         with pytest.raises(ValueError, match="HeadConfig"):
             HeadConfig(**kw)
+
+
+def _head_result(head_version: int, proposer: str, alpha: float | None, workload: str = "prose", adapter: int = 0):
+    """A request's result as the tracker reads it: 4 tokens proposed at α by ``proposer``
+    (None: decoded plain), under adapter ``adapter`` and head ``head_version`` (the decoder
+    sets head_version only when the head proposed)."""
+    from types import SimpleNamespace
+
+    from decoder.metrics import AcceptanceCounts
+
+    c = AcceptanceCounts(num_requests=1, num_steps=4, num_emitted_tokens=4)
+    if alpha is not None:
+        c.num_drafts, c.num_draft_tokens, c.alpha_sum = 1, 4, 4 * alpha
+    return SimpleNamespace(workload=workload, sampling_bucket="greedy", adapter_version=adapter, counts=c,
+                           proposer=proposer, head_version=head_version if proposer == "eagle" else 0)
+
+
+def test_a_promoted_head_that_regresses_live_is_rolled_back_on_the_requests_it_proposed_for(target, redis_client,
+                                                                                            key_prefix, tmp_path):
+    """Head v1 proposes at α 0.4; v2 replaces it. Under v2 the n-gram proposer serves 6 requests at
+    α 0.9 and the draft 3 at 0.8: none of them is v2's doing, and v2 is not judged on them. v2's
+    own 3 requests at 0.1 (0.4 - 0.1 > margin 0.1 below v1) roll it back to v1; v3, at 0.45 on
+    its own requests, is kept. The adapter monitor never sees a head version."""
+    import pytest
+
+    from decoder.control import AcceptanceTracker, RollbackMonitor
+
+    cfg = StoreConfig(key_prefix=key_prefix)
+    heads = AdapterRegistry(redis_client, tmp_path / "heads", cfg, kind="head")
+    with pytest.raises(ValueError, match="the registry holds heads; pass AdapterRegistry"):
+        RollbackMonitor(heads, AcceptanceTracker())  # the adapter monitor on a head registry
+    tracker = AcceptanceTracker()
+    monitor = RollbackMonitor(heads, tracker, min_requests=3, margin=0.1, proposer="eagle")
+
+    def serve(results):
+        for r in results:
+            tracker.observe(r)
+            if r.proposer == "eagle" and r.head_version:  # as ServingLoop._after does
+                monitor.check(r.head_version, r.workload)
+
+    v1 = heads.register(_head_dir(tmp_path / "h1", target, 1), AdapterMeta())
+    heads.promote(v1, "first")
+    serve([_head_result(v1, "eagle", 0.4)] * 3)
+    assert monitor.decisions == []  # the first head has no predecessor to be judged against
+    v2 = heads.register(_head_dir(tmp_path / "h2", target, 2), AdapterMeta())
+    heads.promote(v2, "trained")
+    serve([_head_result(v2, "ngram", 0.9)] * 6 + [_head_result(v2, "draft", 0.8)] * 3 + [_head_result(v2, "eagle", 0.1)] * 2)
+    assert monitor.decisions == []  # 2 of v2's own requests: short of min_requests
+    assert tracker.window("prose", "greedy", v2, proposer="eagle").counts.num_requests == 2
+    serve([_head_result(v2, "eagle", 0.1)])
+    d = monitor.decisions[-1]
+    assert (d.kind, d.version, d.previous, d.rolled_back, d.key) == ("head", v2, v1, True, "prose@greedy")
+    assert d.new_value == pytest.approx(0.1) and d.previous_value == pytest.approx(0.4)
+    assert d.reason.startswith(f"auto-rollback: head v{v2} alpha=0.100 on prose@greedy over 3 requests vs v{v1} 0.400")
+    assert heads.active_version() == v1
+    serve([_head_result(v1, "eagle", 0.4)])  # v1 serves again (a rollback is not judged)
+    assert len(monitor.decisions) == 1
+    v3 = heads.register(_head_dir(tmp_path / "h3", target, 3), AdapterMeta())
+    heads.promote(v3, "trained")
+    serve([_head_result(v3, "eagle", 0.45)] * 3)
+    d = monitor.decisions[-1]
+    assert (d.version, d.previous, d.rolled_back) == (v3, v1, False) and heads.active_version() == v3
+    assert d.reason.startswith(f"kept: head v{v3}")
+    with pytest.raises(ValueError, match="proposer='ngram'"):
+        tracker.window("prose", "greedy", v3, proposer="ngram")
+
+
+def test_the_head_history_is_kept_by_head_version_apart_from_the_adapter_history(redis_client, key_prefix):
+    """Every request goes to the adapter history under its adapter version (here 7: 5 requests,
+    20 proposed tokens); only the head's 3 go to the head history, under head versions 2 and 3,
+    so summing either kind counts each request once."""
+    from decoder.control import AcceptanceTracker
+    from store import AcceptanceHistory
+
+    cfg = StoreConfig(key_prefix=key_prefix)
+    hist = AcceptanceHistory(redis_client, cfg)
+    heads = hist.of_kind("head")
+    tracker = AcceptanceTracker(hist, head_history=heads)
+    for r in [_head_result(2, "eagle", 0.5, adapter=7), _head_result(2, "eagle", 0.25, adapter=7),
+              _head_result(3, "eagle", 0.75, adapter=7), _head_result(2, "ngram", 1.0, adapter=7),
+              _head_result(2, "draft", None, adapter=7)]:
+        tracker.observe(r)
+    assert tracker.flush() == 3  # one adapter key, two head keys
+    rows = hist.read()
+    assert [(r.workload, r.version, r.requests, r.num_draft_tokens) for r in rows] == [("prose@greedy", 7, 5, 16)]
+    by_v = {r.version: r for r in heads.read()}
+    assert sorted(by_v) == [2, 3]
+    assert (by_v[2].requests, by_v[2].num_draft_tokens, by_v[3].requests) == (2, 8, 1)
+    assert by_v[2].alpha_sum == 0.5 + 0.25 and by_v[3].alpha_sum == 0.75  # per-request α, summed
+    assert heads.read(version=7) == [] and hist.read(version=2) == []
+    assert redis_client.exists(f"{key_prefix}head:hist:index") and redis_client.exists(f"{key_prefix}hist:index")
+    assert tracker.status()["head_windows"]["prose@greedy/head v2"]["requests"] == 2
+    import pytest
+
+    with pytest.raises(ValueError, match="history kind 'lora'"):
+        AcceptanceHistory(redis_client, cfg, kind="lora")
