@@ -15,7 +15,11 @@
    packaged file's next-token distributions, top-1 agreement, TV, over 768 teacher-forced
    positions of the three workloads, up to 256 each); ``break_even_a1`` is the first-token
    acceptance above which γ = 1 beats plain decoding of the same file (t(2) / t(1) - 1), and
-   ``ms_vs_packaged`` a step of n rows against a plain step of the packaged file.
+   ``ms_vs_packaged`` a step of n rows against a plain step of the packaged file; ``Q4_1S`` is the
+   packaged Q4_1 weights split into Q4_0 blocks and an offset adapter (``decoder.gguf_export.
+   q4_1_split_gguf``: the same weights, Q4_0's batched kernels); ``--threads 1,2`` measures each
+   file at each thread count. Every row has ``ceiling_at_alpha_1``: the speedup over plain decoding
+   of the same file at each γ if every proposal were accepted at no cost (:func:`ceiling`).
 3. ``ngram_min_n``: greedy speculation with the n-gram proposer (history empty: the request's own
    context only) at ``ngram_min_n`` 1, 2, 3 and γ 1..3, against our plain decoding on the same engine,
    paired per prompt, on never-served prompts of prose, code and math; every output checked equal to
@@ -68,13 +72,31 @@ def verify_cost(gguf, threads: int, reps: int, worker: bool = False, cached: int
         seq.forward(prompt, 1)
         prefill.append((time.perf_counter() - t0) * 1e3)
     extra = eng.extra_bufts
-    eng.close()
     base = statistics.median(ms[1])
+    ratio = {n: statistics.median(v) / base for n, v in ms.items()}
+    offset = eng.offset_lora.name if eng.offset_lora else None
+    eng.close()
     return {"threads": threads, "thread": "main", "extra_buffer_types": extra, "cached": cached, "n_ctx": n_ctx,
+            "offset_lora": offset,
             "prefill_ms": round(statistics.median(prefill), 2),
             "ms": {n: round(statistics.median(v), 3) for n, v in ms.items()},
-            "ratio": {n: round(statistics.median(v) / base, 3) for n, v in ms.items()}}
+            "ratio": {n: round(r, 3) for n, r in ratio.items()}, **ceiling(ratio)}
 
+
+def ceiling(ratio: dict[int, float]) -> dict:
+    """The most any proposer can buy on this engine: the speedup over plain decoding of the same
+    file at γ = n - 1 if every proposed token were accepted and proposing cost nothing, (γ + 1) /
+    (t(γ + 1) / t(1)) (Leviathan et al. 2023, Theorem 3.8's speedup with α = 1 and c = 0, the cost
+    of a verification of γ + 1 rows measured instead of assumed to be one step). Below 1.3 at
+    every γ, no proposer reaches a 1.3x target here. ``best_ceiling``: the best γ up to the
+    controller's ``gamma_max`` (8)."""
+    ceil = {n - 1: (n / r) for n, r in ratio.items() if n > 1}
+    g = max((k for k in ceil if k <= GAMMA_MAX), key=ceil.get)  # what the controller can pick
+    return {"ceiling_at_alpha_1": {k: round(v, 3) for k, v in ceil.items()},
+            "best_ceiling": {"gamma": g, "speedup": round(ceil[g], 3)}}
+
+
+GAMMA_MAX = 8  # decoder.control.ControllerConfig.gamma_max
 
 FORMATS = ("Q4_0", "IQ4_NL", "Q8_0", "BF16", "F16")
 
@@ -121,49 +143,53 @@ def fidelity(ref, other) -> dict:
             "tv": round(float(1 - np.minimum(p, q).sum(axis=1).mean()), 5)}
 
 
-def formats_cost(gguf, formats: list[str], reps: int, cached: int = 100, n_ctx: int = 1024) -> list[dict]:
-    """verify_cost at 2 threads for the packaged file and each requantised one, each in a process of
+def formats_cost(gguf, formats: list[str], reps: int, cached: int = 100, n_ctx: int = 1024,
+                 threads: tuple[int, ...] = (2,)) -> list[dict]:
+    """verify_cost at each of ``threads`` for the packaged file and each requantised one, each in a process of
     its own, with the first-token acceptance a γ = 1 proposal needs to pay on each, the prefill of
     the cached tokens, and each format's :func:`fidelity` to the packaged file."""
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="draftd-formats-"))
     try:
-        rows = _formats_rows(gguf, formats, reps, cached, n_ctx, tmp)
+        rows = _formats_rows(gguf, formats, reps, cached, n_ctx, tmp, threads)
     finally:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    base = rows[0]["ms"]["1"] if "ms" in rows[0] else None
+    base = {r["threads"]: r["ms"]["1"] for r in rows if r["format"] == "packaged" and "ms" in r}
     for row in rows:
-        if base and "ms" in row:
-            row["ms_vs_packaged"] = {n: round(v / base, 3) for n, v in row["ms"].items()}
+        if base.get(row.get("threads")) and "ms" in row:
+            row["ms_vs_packaged"] = {n: round(v / base[row["threads"]], 3) for n, v in row["ms"].items()}
     return rows
 
 
-def _formats_rows(gguf, formats, reps, cached, n_ctx, tmp) -> list[dict]:
+def _formats_rows(gguf, formats, reps, cached, n_ctx, tmp, threads=(2,)) -> list[dict]:
     """One row per format; a format llama.cpp cannot write or a child that fails is an error row
     (the other formats' measurements are kept)."""
-    from decoder.gguf_export import requantised_gguf
+    from decoder.gguf_export import SPLIT_FORMAT, q4_1_split_gguf, requantised_gguf
 
     rows = []
     for fmt in ["packaged", *dict.fromkeys(f.upper() for f in formats)]:
         try:
-            path = gguf if fmt == "packaged" else requantised_gguf(gguf, fmt)
+            path = (gguf if fmt == "packaged" else q4_1_split_gguf(gguf) if fmt == SPLIT_FORMAT
+                    else requantised_gguf(gguf, fmt))
         except (ValueError, RuntimeError, OSError) as e:
             rows.append({"format": fmt, "error": str(e)})
             continue
-        r = subprocess.run([sys.executable, __file__, "--verify-only", "--reps", str(reps), "--gguf", str(path),
-                            "--cached", str(cached), "--n-ctx", str(n_ctx), "--logits-out", str(tmp / f"{fmt}.npy")],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            rows.append({"format": fmt, "error": f"exit {r.returncode}", "stderr": r.stderr[-500:]})
-            continue
-        row = dict(json.loads(r.stdout)[0], format=fmt, gguf=path.name, bytes=path.stat().st_size)
-        if fmt != "packaged" and (tmp / "packaged.npy").exists():
-            row["fidelity_to_packaged"] = fidelity(tmp / "packaged.npy", tmp / f"{fmt}.npy")
-        row["break_even_a1"] = round(row["ratio"]["2"] - 1, 3)
-        rows.append(row)
+        for i, th in enumerate(threads):
+            logits = ["--logits-out", str(tmp / f"{fmt}.npy")] if i == 0 else []
+            r = subprocess.run([sys.executable, __file__, "--verify-only", "--reps", str(reps), "--gguf", str(path),
+                                "--cached", str(cached), "--n-ctx", str(n_ctx), "--threads", str(th), *logits],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                rows.append({"format": fmt, "threads": th, "error": f"exit {r.returncode}", "stderr": r.stderr[-500:]})
+                continue
+            row = dict(json.loads(r.stdout)[0], format=fmt, gguf=path.name, bytes=path.stat().st_size)
+            if fmt != "packaged" and (tmp / "packaged.npy").exists() and (tmp / f"{fmt}.npy").exists():
+                row["fidelity_to_packaged"] = fidelity(tmp / "packaged.npy", tmp / f"{fmt}.npy")
+            row["break_even_a1"] = round(row["ratio"]["2"] - 1, 3)
+            rows.append(row)
     return rows
 
 
@@ -220,6 +246,8 @@ def main() -> None:
                                                      f"and measure, e.g. {','.join(FORMATS)} (then only that)")
     ap.add_argument("--cached", type=int, default=100, help="--formats: tokens in the cache before each measured decode")
     ap.add_argument("--n-ctx", type=int, default=1024, help="--formats: the context size (serve's is the model's, 8192)")
+    ap.add_argument("--threads", default="2", help="--formats: comma-separated thread counts to measure each file at "
+                                                   "(the demo's decoder runs on 1 beside the trainer)")
     ap.add_argument("--verify-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--logits-out", default=None, help=argparse.SUPPRESS)
@@ -233,7 +261,7 @@ def main() -> None:
 
     gguf = packaged_gguf("smollm2-135m")
     if a.verify_only and a.gguf:  # the child of a --formats run: one file, 2 threads, main thread
-        res = verify_cost(Path(a.gguf), 2, a.reps, cached=a.cached, n_ctx=a.n_ctx)
+        res = verify_cost(Path(a.gguf), int(a.threads), a.reps, cached=a.cached, n_ctx=a.n_ctx)
         if a.logits_out:
             fidelity_logits(Path(a.gguf), a.logits_out)
         print(json.dumps([res]))
@@ -247,14 +275,23 @@ def main() -> None:
         fmts = [f.strip() for f in a.formats.split(",") if f.strip()]
         from decoder.gguf_export import weight_formats
 
-        known = weight_formats()
+        from decoder.gguf_export import SPLIT_FORMAT
+
+        known = [*weight_formats(), SPLIT_FORMAT]
         for f in fmts:  # refuse a bad name before any quantising
             if f.upper() not in known:
-                ap.error(f"--formats: {f!r} is not a llama.cpp weight format; use some of {', '.join(known)}")
+                ap.error(f"--formats: {f!r} is not a llama.cpp weight format; use some of {', '.join(known)} "
+                         f"({SPLIT_FORMAT}: the Q4_1 weights split into Q4_0 blocks and an offset adapter)")
+        try:
+            threads = tuple(int(t) for t in a.threads.split(","))
+        except ValueError:
+            ap.error(f"--threads {a.threads!r}: comma-separated positive integers, e.g. 1,2")
+        if not threads or min(threads) < 1:
+            ap.error(f"--threads {a.threads!r}: comma-separated positive integers, e.g. 1,2")
         if not 1 <= a.cached < a.n_ctx - 16:
             ap.error(f"--cached {a.cached} must lie in 1..n_ctx - 17 (--n-ctx {a.n_ctx})")
         print(json.dumps({"gguf": gguf.name, "cached": a.cached, "n_ctx": a.n_ctx,
-                          "formats": formats_cost(gguf, fmts, a.reps, a.cached, a.n_ctx)}, indent=1))
+                          "formats": formats_cost(gguf, fmts, a.reps, a.cached, a.n_ctx, threads)}, indent=1))
         return
     from decoder.engine import _llama
 

@@ -30,6 +30,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -76,9 +77,16 @@ class LlamaCppPeer:
         llama_extra_buffers(gguf)  # logging off, backend initialised, the same weight buffers as ours
         from llama_cpp import Llama
 
+        from decoder.gguf_export import SPLIT_KEY
+
         self.threads = int(threads or os.cpu_count() or 1)
-        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
-                         flash_attn=True, verbose=False)  # the setting decoder.engine.LlamaCppEngine runs
+        kw = dict(model_path=str(gguf), n_ctx=n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
+                  flash_attn=True, verbose=False)  # the setting decoder.engine.LlamaCppEngine runs
+        self.llm = Llama(**kw)
+        split = self.llm.metadata.get(SPLIT_KEY)
+        if split:  # a split Q4_1 file (decoder.gguf_export.q4_1_split_gguf): with its offset adapter, as ours runs it
+            self.llm.close()
+            self.llm = Llama(**kw, lora_path=str(Path(gguf).parent / split), lora_scale=1.0)
         self.eos = [t for t in {self.llm.token_eos(), getattr(self.llm, "token_eot", lambda: -1)()} if t >= 0]
 
     def generate(self, ids: list[int], params: SamplingParams, n: int, seed: int) -> tuple[list[int], float, int]:

@@ -37,6 +37,8 @@ import numpy as np
 import structlog
 import torch
 
+from decoder.gguf_export import SPLIT_KEY
+
 ENGINES = ("auto", "torch", "llamacpp")
 log = structlog.get_logger("decoder.engine")
 
@@ -448,6 +450,31 @@ class LlamaCppEngine:
         self.lora: str | None = None  # the adapter key now set on the context
         self._closed = False
         self._busy = threading.Lock()  # held by a decode; close() waits for it
+        self._offset_lora = None  # a split Q4_1 file's offset adapter, under every forward
+        self.offset_lora: Path | None = None
+        split = self._meta_str(SPLIT_KEY)
+        if split is not None:
+            self._apply_offset_lora(self.path.parent / split)
+
+    def _meta_str(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    def _apply_offset_lora(self, path: Path) -> None:
+        """A split Q4_1 model (:func:`decoder.gguf_export.q4_1_split_gguf`) is Q4_0 blocks plus
+        the per-block offsets as a LoRA adapter; without the adapter its weights are wrong, so a
+        missing or refused one fails the load."""
+        if not path.is_file():
+            self.close()
+            raise EngineError(f"{self.path.name} is a split Q4_1 model and needs its offset adapter {path}, which is "
+                              f"missing; delete {self.path} so it is written again")
+        ad = self.L.llama_adapter_lora_init(self.model, str(path).encode())
+        if not ad:
+            self.close()
+            raise EngineError(f"llama.cpp refused the offset adapter {path} of the split model {self.path.name}")
+        self._offset_lora, self.offset_lora = ad, path
+        self._set_adapters(None, 1.0)
 
     def _check_open(self) -> None:
         """Every call into the context goes through here: after :meth:`close` its pointers are
@@ -544,17 +571,23 @@ class LlamaCppEngine:
         """Apply the adapter ``key`` (None: none) to every following forward. Call between
         requests only (the decoder's between-request hook)."""
         self._check_open()
+        if key is not None and key not in self._loras:
+            raise EngineError(f"LoRA adapter {key!r} is not loaded (loaded: {self.loras}); load_lora it first")
+        self._set_adapters(key, scale)
+        self.lora = key
+
+    def _set_adapters(self, key: str | None, scale: float) -> None:
+        """The context's adapters: a split model's offsets (scale 1) and the adapter ``key``."""
         L = self.L
-        if key is None:
+        ads = ([(self._offset_lora, 1.0)] if self._offset_lora is not None else []) + \
+              ([(self._loras[key], float(scale))] if key is not None else [])
+        if not ads:
             rc = L.llama_set_adapters_lora(self.ctx, None, 0, None)
         else:
-            if key not in self._loras:
-                raise EngineError(f"LoRA adapter {key!r} is not loaded (loaded: {self.loras}); load_lora it first")
-            arr = (L.llama_adapter_lora_p_ctypes * 1)(self._loras[key])
-            rc = L.llama_set_adapters_lora(self.ctx, arr, 1, (ctypes.c_float * 1)(scale))
+            arr = (L.llama_adapter_lora_p_ctypes * len(ads))(*(a for a, _ in ads))
+            rc = L.llama_set_adapters_lora(self.ctx, arr, len(ads), (ctypes.c_float * len(ads))(*(x for _, x in ads)))
         if rc != 0:
             raise EngineError(f"llama_set_adapters_lora({key!r}) returned {rc}")
-        self.lora = key
 
     def drop_lora(self, key: str) -> None:
         """Free an adapter that is not applied."""
@@ -587,6 +620,9 @@ class LlamaCppEngine:
         for ad in self._loras.values():
             L.llama_adapter_lora_free(ad)
         self._loras.clear()
+        if self._offset_lora is not None:
+            L.llama_adapter_lora_free(self._offset_lora)
+            self._offset_lora = None
         L.llama_model_free(self.model)
 
     def __del__(self):  # pragma: no cover - interpreter shutdown order varies

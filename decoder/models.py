@@ -106,6 +106,8 @@ def packaged_target(ref: str) -> Path | None:
     ``@bf16`` keeps the packaged model up to bfloat16 rounding of its weights (bench/RESULTS.md
     measures the KL) while llama.cpp's batched kernels make a verification of several rows cheap
     on CPU; a 4-bit format of the 4-bit weights (``@q4_0``) is a different, worse model.
+    ``@q4_1s`` splits a Q4_1 file into Q4_0 blocks and an offset adapter, the same weights
+    (:func:`decoder.gguf_export.q4_1_split_gguf`): Q4_0's batched kernels make rows cheaper.
 
     Raises:
         ModelLoadError: the package is not installed, or FORMAT is not a llama.cpp weight format.
@@ -116,9 +118,11 @@ def packaged_target(ref: str) -> Path | None:
     gguf = packaged_gguf(base)
     if not sep:
         return gguf
-    from decoder.gguf_export import requantised_gguf
+    from decoder.gguf_export import SPLIT_FORMAT, q4_1_split_gguf, requantised_gguf
 
     try:
+        if fmt.strip().upper() == SPLIT_FORMAT:
+            return q4_1_split_gguf(gguf)
         return requantised_gguf(gguf, fmt)
     except ValueError as e:  # the format's name
         raise ModelLoadError(f"model {ref!r}: {e} (after '@'; e.g. {base}@bf16)") from e

