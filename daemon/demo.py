@@ -459,6 +459,7 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "serving": loop.status(), "ngram_history_tokens": decoder.ngram_history.status(),
         "ngram_gate": decoder.ngram_gate.status() if decoder.ngram_gate is not None else None,
         "step_cost_ms": decoder.step_cost.status(),
+        "engine_ceiling": decoder.step_cost.ceiling(controller.config.gamma_max),
         "controller": _jsonable(controller.status()),
         "phases": table, "recovery": recovery_stats(timeline, shifts), "timeline": timeline,
     }
@@ -777,6 +778,14 @@ def print_report(report: dict, console) -> None:
         rc.add_row(f"{r['from']} → {r['workload']}", f(r["pre_shift_alpha"]), f(r["requests"]), f(r["seconds"]),
                    f(r["recovered_alpha"]))
     console.print(rc)
+    ceil, cost = report.get("engine_ceiling"), report.get("step_cost_ms") or {}
+    if ceil:
+        two = cost.get(2, cost.get("2"))
+        one = cost.get(1, cost.get("1"))
+        console.print(f"engine ceiling: even if every proposal were accepted at no cost, speculation here could run at most "
+                      f"{ceil['speedup']:.2f}x plain (γ={ceil['gamma']})"
+                      + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else "")
+                      + " (step_cost_ms, beside the trainer)")
     console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}, "
                   f"seconds: {report['seconds']}, plot: {report.get('plot')}")
     console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; .venv/bin/daemonctl status; "

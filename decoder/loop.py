@@ -459,6 +459,9 @@ class ServingLoop:
             "speculation": self.speculation(),
             # what a step costs by verified rows, and the n-gram proposer's acceptance per kind of match
             "step_cost_ms": self.decoder.step_cost.status(),
+            # the most any proposer could buy at those costs (α = 1, no proposing cost)
+            "engine_ceiling": self.decoder.step_cost.ceiling(
+                getattr(getattr(self.controller, "config", None), "gamma_max", 8)),
             "ngram_gate": self.decoder.ngram_gate.status() if self.decoder.ngram_gate is not None else None,
         }
         if self.writer is not None:

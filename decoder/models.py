@@ -187,6 +187,11 @@ def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
     gguf = packaged_target(name_or_path)
     if gguf is not None:  # a built-in name, or name@FORMAT
         base, _, fmt = name_or_path.partition("@")
+        from decoder.gguf_export import SPLIT_FORMAT
+
+        if fmt.strip().upper() == SPLIT_FORMAT:  # the same weights as the packaged file: its conversion
+            # (transformers would dequantise the split file's Q4_0 blocks without their offsets)
+            return _converted(packaged_gguf(base), base, progress)
         return _converted(gguf, f"{base}-{fmt.strip().lower()}" if fmt else base, progress)
     p = Path(name_or_path).expanduser()
     if p.is_file() and p.suffix == ".gguf":  # a GGUF of one's own: converted and cached like a built-in

@@ -319,6 +319,25 @@ class StepCost:
         with self._lock:
             return {k: round(v, 4) for k, v in sorted(self._median.items())}
 
+    def ceiling(self, gamma_max: int = 8) -> dict | None:
+        """What this engine lets any proposer buy: the speedup over plain decoding at γ if every
+        proposed token were accepted and proposing cost nothing, (γ + 1) t(1) / t(γ + 1), for
+        each measured γ <= ``gamma_max`` (Leviathan et al. 2023, Theorem 3.8's speedup with α = 1
+        and c = 0, a verification's measured cost in place of one step). A proposer with real α
+        and cost gets less; where the best is near 1, no proposer can pay here.
+
+        Returns: {"by_gamma": {γ: speedup}, "gamma": best γ, "speedup": best} or None while
+        plain steps or proposals are unmeasured."""
+        with self._lock:
+            med = dict(self._median)
+        if 1 not in med or med[1] <= 0:
+            return None
+        by = {r - 1: (r * med[1] / med[r]) for r in med if 1 < r <= gamma_max + 1 and med[r] > 0}
+        if not by:
+            return None
+        g = max(by, key=by.get)
+        return {"by_gamma": {k: round(v, 3) for k, v in sorted(by.items())}, "gamma": g, "speedup": round(by[g], 3)}
+
 
 class NgramGate(_PerWorkload):
     """How many of a match's tokens the n-gram proposer proposes at a step (0: a plain step).

@@ -58,6 +58,20 @@ def test_step_cost_is_the_median_per_row_count_and_a_line_elsewhere():
         StepCost(window=0)
 
 
+def test_the_engine_ceiling_is_gamma_plus_one_over_the_verification_cost():
+    """Hand values: plain 10 ms, 2 rows 18 ms, 4 rows 24 ms, 10 rows 70 ms: at α = 1 and no
+    proposing cost γ=1 gives 2 * 10 / 18 = 1.111x, γ=3 4 * 10 / 24 = 1.667x (the best), γ=9 is past
+    gamma_max 8 and left out."""
+    c = StepCost()
+    assert c.ceiling() is None
+    c.add(2, 18.0)
+    assert c.ceiling() is None  # no plain step measured
+    for rows, ms in ((1, 10.0), (4, 24.0), (10, 70.0)):
+        c.add(rows, ms)
+    assert c.ceiling() == {"by_gamma": {1: 1.111, 3: 1.667}, "gamma": 3, "speedup": 1.667}
+    assert c.ceiling(gamma_max=1) == {"by_gamma": {1: 1.111}, "gamma": 1, "speedup": 1.111}
+
+
 def test_match_class_buckets_the_match_length():
     assert match_class("own", 1) == ("own", 1)
     assert match_class("hist", 5) == ("hist", 4)
