@@ -350,7 +350,7 @@ def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path
 # weights are d * (q - 8) only, a broken model (KL 15 nats from the packaged one).
 SPLIT_KEY = "draftd.q4_1_split.offset_lora"
 SPLIT_FORMAT = "Q4_1S"
-SPLIT_FORMAT_VERSION = 1
+SPLIT_FORMAT_VERSION = 2  # in the file name: bumped when the bytes written for the same source change
 _Q4_1_BYTES, _Q4_0_BYTES = 20, 18  # per 32-weight block: (d f16, m f16, 16 nibble bytes) / (d f16, 16 nibble bytes)
 
 
@@ -390,7 +390,43 @@ def q4_1_split(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.ascontiguousarray(q4_0), lora_a, (m + np.float32(8) * d).astype(np.float32)
 
 
-def _write_offset_lora(out: Path, arch: str, tensors: list[tuple[str, np.ndarray]]) -> None:
+def ones_q8_0(a: np.ndarray) -> np.ndarray:
+    """A 0/1 matrix (rows, in) whose ones fill whole 32-blocks, as Q8_0 bytes (rows, in / 32 * 34),
+    exactly: a block of ones is d = 1.0 with q = 1, a block of zeros d = 0 with q = 0."""
+    rows, n = a.shape
+    blk = a.reshape(rows, n // 32, 32)
+    out = np.zeros((rows, n // 32, 34), np.uint8)
+    d = np.where(blk.max(axis=2) > 0, np.float16(1.0), np.float16(0.0)).astype(np.float16)
+    out[:, :, 0:2] = d.view(np.uint8).reshape(rows, n // 32, 2)
+    out[:, :, 2:] = blk.astype(np.int8).view(np.uint8)
+    return out.reshape(rows, -1)
+
+
+def offset_lora_tensors(name: str, lora_a: np.ndarray, lora_b: np.ndarray) -> list[tuple[str, np.ndarray, Any]]:
+    """What the offset adapter stores for one weight (name, data, GGML type), chosen so that a
+    verification of n rows gives each row bit for bit the logits a one-row step gives (greedy
+    speculation then emits what plain decoding does, as on the packaged Q4_1 file):
+
+    - ``lora_a`` in Q8_0 (exact: :func:`ones_q8_0`): llama.cpp quantises the activations to Q8_0
+      for it, so A x is the *quantised* block sums d_x Σ q_x, as its Q4_1 kernel uses them, and
+      with one nonzero block per row every kernel computes it exactly;
+    - ``lora_b`` in float16 (the offsets m + 8 d rounded to float16; llama.cpp's Q4_1 kernel rounds
+      the block sums to float16 the same way), with one zero column more (rank in / 32 + 1): at a
+      rank that is a multiple of 16, llama.cpp's tinyBLAS took the matmul from 9 rows on and summed
+      in another order than the one-row kernel, and through the next layer's 8-bit activations that
+      rounding moved logits by up to 0.98.
+
+    Measured (one thread and two): float32 A and B differed from the one-row logits by 0.98 at
+    every n; these by 0.0 at n = 2..16."""
+    import gguf
+
+    a = np.concatenate([lora_a, np.zeros((1, lora_a.shape[1]), np.float32)])
+    b = np.concatenate([lora_b, np.zeros((lora_b.shape[0], 1), np.float32)], axis=1)
+    return [(name + ".lora_a", ones_q8_0(a), gguf.GGMLQuantizationType.Q8_0),
+            (name + ".lora_b", b.astype(np.float16), gguf.GGMLQuantizationType.F16)]
+
+
+def _write_offset_lora(out: Path, arch: str, tensors: list[tuple[str, np.ndarray, Any]]) -> None:
     """An adapter GGUF as llama.cpp's convert_lora_to_gguf.py writes one, with alpha 0 (llama.cpp
     then scales B A x by the user scale alone, 1.0: ``llama_adapter_lora_weight::get_scale``)."""
     import gguf
@@ -400,10 +436,12 @@ def _write_offset_lora(out: Path, arch: str, tensors: list[tuple[str, np.ndarray
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, 0.0)
         writer.add_name("q4_1-offsets")
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for name, arr in tensors:
-            writer.add_tensor(name, arr)
+        for name, data, typ in tensors:
+            if typ == gguf.GGMLQuantizationType.Q8_0:
+                writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=typ)
+            else:
+                writer.add_tensor(name, data)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -411,19 +449,20 @@ def _write_offset_lora(out: Path, arch: str, tensors: list[tuple[str, np.ndarray
 
 def q4_1_split_gguf(src: Path, cache_dir: Path | None = None) -> Path:
     """``src`` with every Q4_1 tensor split into Q4_0 blocks and an offset adapter (see
-    :func:`q4_1_split`): the same weights, served by llama.cpp's repacked Q4_0 kernels (a GEMM
-    over 4 rows on x86, where Q4_1 has only a dot product per row) plus a rank in / 32 LoRA.
+    :func:`q4_1_split`): the Q4_1 weights (their per-block offsets rounded to float16), served by
+    llama.cpp's repacked Q4_0 kernels (a GEMM over 4 rows on x86, where Q4_1 has only a dot
+    product per row) plus a LoRA of rank in / 32 + 1 (:func:`offset_lora_tensors`, whose types make
+    a verification's rows bit-identical to one-row steps).
 
-    Not bit-identical to ``src``: llama.cpp's Q4_1 matmul multiplies the offsets with the block
-    sums of the *quantised* activations (``block_q8_1.s``), the adapter with the exact float32
-    ones; measured on the packaged SmolLM2-135M, mean KL 0.0053 nats from the packaged file and
-    the same argmax at 95.4 % of 768 teacher-forced positions (BF16 of the same weights: 0.0043,
-    96.4 %), bench/RESULTS.md. Other tensors are copied byte for byte, all metadata kept, and
-    :data:`SPLIT_KEY` names the adapter, which :class:`decoder.engine.LlamaCppEngine` applies under
-    every forward.
+    Not bit-identical to ``src``: llama.cpp's Q4_1 and Q4_0 kernels accumulate in other orders and
+    the offsets meet the activations in float16; measured on the packaged SmolLM2-135M, mean KL
+    about 0.005 nats from the packaged file, the same argmax at 95-96 % of teacher-forced
+    positions (BF16 of the same weights: 0.0043, 96.6 %), bench/RESULTS.md. Other tensors are
+    copied byte for byte, all metadata kept, and :data:`SPLIT_KEY` names the adapter, which
+    :class:`decoder.engine.LlamaCppEngine` applies under every forward.
 
     Written once: ``cache_dir`` (default ``decoder.models.cache_root() / "requant"``) /
-    ``{src.stem}-{digest16}-Q4_1S.gguf`` and its ``.offset-lora.gguf`` beside it (the adapter
+    ``{src.stem}-{digest16}-Q4_1S-v{SPLIT_FORMAT_VERSION}.gguf`` and its ``.offset-lora.gguf`` beside it (the adapter
     first, so a model file never exists without its adapter).
 
     Raises:
@@ -435,7 +474,8 @@ def q4_1_split_gguf(src: Path, cache_dir: Path | None = None) -> Path:
     from decoder.models import cache_root
 
     src = Path(src)
-    out = Path(cache_dir or cache_root() / "requant") / f"{src.stem}-{file_digest16(src)}-{SPLIT_FORMAT}.gguf"
+    out = (Path(cache_dir or cache_root() / "requant")
+           / f"{src.stem}-{file_digest16(src)}-{SPLIT_FORMAT}-v{SPLIT_FORMAT_VERSION}.gguf")
     lora = out.parent / offset_lora_name(out)
     if out.is_file() and lora.is_file():
         return out
@@ -446,7 +486,7 @@ def q4_1_split_gguf(src: Path, cache_dir: Path | None = None) -> Path:
         if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:
             q, a, b = q4_1_split(np.asarray(t.data))
             tensors.append((t.name, q, gguf.GGMLQuantizationType.Q4_0))
-            offsets += [(t.name + ".lora_a", a), (t.name + ".lora_b", b)]
+            offsets += offset_lora_tensors(t.name, a, b)
         else:
             tensors.append((t.name, t.data, t.tensor_type))
     if not offsets:
@@ -486,7 +526,7 @@ def _derived_offset_lora(src: Path, split_name: str, new_of_old: dict[int, int],
     for t in r.tensors:
         m = _BLOCK.match(t.name)
         if m and int(m.group(1)) in new_of_old:
-            kept.append((f"blk.{new_of_old[int(m.group(1))]}.{m.group(2)}", np.array(t.data, dtype=np.float32)))
+            kept.append((f"blk.{new_of_old[int(m.group(1))]}.{m.group(2)}", np.array(t.data), t.tensor_type))
     name = offset_lora_name(out_model)
     _write_offset_lora(out_model.parent / name, arch, kept)
     return name

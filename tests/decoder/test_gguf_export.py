@@ -598,6 +598,15 @@ def test_q4_1_split_is_the_same_weights_exactly():
     assert not np.array_equal(quants.dequantize(q40, Q40), want)  # the offsets are real
     with pytest.raises(ValueError, match=r"Q4_1 rows must be uint8 \(out, n \* 20\) bytes, got uint8 \(6, 39\)"):
         ge.q4_1_split(packed[:, :39])
+    # as the adapter stores them: A in Q8_0, exactly the ones plus a zero row; B the offsets in
+    # float16 plus a zero column (rank 3 + 1)
+    (na, qa, ta), (nb, qb, tb) = ge.offset_lora_tensors("blk.0.ffn_up.weight", a, b)
+    assert (na, ta, nb, tb) == ("blk.0.ffn_up.weight.lora_a", gguf.GGMLQuantizationType.Q8_0,
+                                "blk.0.ffn_up.weight.lora_b", gguf.GGMLQuantizationType.F16)
+    np.testing.assert_array_equal(quants.dequantize(qa, gguf.GGMLQuantizationType.Q8_0), np.vstack([a, np.zeros((1, 96))]))
+    np.testing.assert_array_equal(qb, np.hstack([b, np.zeros((6, 1))]).astype(np.float16))
+    got16 = quants.dequantize(q40, Q40) + qb.astype(np.float32) @ quants.dequantize(qa, gguf.GGMLQuantizationType.Q8_0)
+    assert np.abs(got16 - want).max() <= np.abs(b).max() * 2.0 ** -11  # the offsets' float16 rounding, no more
 
 
 def test_q4_1_split_gguf_refuses_a_file_without_q4_1(tiny, tmp_path):
@@ -638,6 +647,16 @@ def test_real_q4_1_split_serves_the_packaged_model_with_its_offsets(tmp_path):
         e.close()
         return torch.log_softmax(x, -1)
 
+    # a verification's rows are the one-row steps' logits bit for bit (greedy speculation = plain)
+    e = LlamaCppEngine(out, n_ctx=256, threads=2)
+    seq = e.start()
+    seq.forward(ids[:8], 1)
+    one = [np.asarray(seq.forward([t], 1))[-1].copy() for t in ids[8:17]]
+    for n in (2, 4, 9):
+        seq.truncate(8)
+        rows = np.asarray(seq.forward(ids[8:8 + n], n))
+        assert all(np.array_equal(rows[i], one[i]) for i in range(n)), n
+    e.close()
     ref, split, blocks = logp(src), logp(out), logp(out, offsets=False)
     kl = lambda p, q: float((p.exp() * (p - q)).sum(-1).mean())  # noqa: E731
     assert kl(ref, split) < 0.02, kl(ref, split)
