@@ -195,6 +195,7 @@ def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
         return _converted(gguf, f"{base}-{fmt.strip().lower()}" if fmt else base, progress)
     p = Path(name_or_path).expanduser()
     if p.is_file() and p.suffix == ".gguf":  # a GGUF of one's own: converted and cached like a built-in
+        _refuse_split(p)
         try:
             return _converted(p, p.stem, progress)
         except Exception as e:  # noqa: BLE001 - transformers' GGUF loader raises many types
@@ -215,6 +216,24 @@ def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
             f"({', '.join(PACKAGED)}) or a hub id already in the local Hugging Face cache"
         )
     return name_or_path
+
+
+def _refuse_split(path: Path) -> None:
+    """A split Q4_1 file (:func:`decoder.gguf_export.q4_1_split_gguf`) holds Q4_0 blocks whose
+    offsets live in an adapter beside it; transformers would dequantise the blocks alone into a
+    broken model, so it is refused by name. Raises ModelLoadError."""
+    import gguf
+
+    from decoder.gguf_export import SPLIT_KEY
+
+    try:
+        field = gguf.GGUFReader(path, "r").get_field(SPLIT_KEY)
+    except Exception:  # noqa: BLE001 - not readable here: transformers' loader says why below
+        return
+    if field is not None:
+        raise ModelLoadError(f"model {str(path)!r} is a split Q4_1 file (Q4_0 blocks plus the offset adapter "
+                             f"{field.contents()!r}), which only llama.cpp with that adapter serves; pass the Q4_1 "
+                             f"file it was split from, or a built-in name with @q4_1s (e.g. smollm2-135m@q4_1s)")
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu", progress=None):

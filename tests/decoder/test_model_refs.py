@@ -82,3 +82,29 @@ def test_a_built_in_name_at_a_format_is_its_file_requantised(tmp_path, monkeypat
     # one file, one pair fingerprint: the format as llama.cpp spells it
     assert M.canonical_ref("tiny-pkg@bf16 ") == M.canonical_ref("tiny-pkg@BF16") == "tiny-pkg@BF16"
     assert M.canonical_ref("not-built-in@bf16") == "not-built-in@bf16" and M.canonical_ref("tiny-pkg") == "tiny-pkg"
+
+
+def test_a_split_reference_trains_on_its_source_and_a_split_file_is_refused_by_transformers(tmp_path, monkeypatch):
+    """``name@q4_1s`` is the built-in's Q4_1 file split for llama.cpp; transformers' copy is the
+    Q4_1 file's own conversion (the same weights: the split's Q4_0 blocks alone would be another
+    model). The split file given as a path is refused, naming what to pass instead."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("llama_cpp")
+    import gguf
+
+    import decoder.models as M
+    from decoder.gguf_export import requantised_gguf
+    from test_gguf_export import tiny_model, write_tiny_gguf
+
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "cache"))
+    q41 = requantised_gguf(write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf", extra=False), "Q4_1",
+                           cache_dir=tmp_path / "q41")
+    assert gguf.GGMLQuantizationType.Q4_1 in {t.tensor_type for t in gguf.GGUFReader(q41).tensors}
+    monkeypatch.setitem(M.PACKAGED, "tiny-pkg", M.PackagedModel("tiny-pkg", "tiny_pkg", "pip install tiny-pkg"))
+    monkeypatch.setattr(M, "packaged_gguf", lambda name: q41 if name == "tiny-pkg" else None)
+    split = M.packaged_target("tiny-pkg@q4_1s")
+    assert split.name.endswith("-Q4_1S-v2.gguf") and M.canonical_ref("tiny-pkg@q4_1s") == "tiny-pkg@Q4_1S"
+    assert resolve_model_dir("tiny-pkg@q4_1s") == resolve_model_dir("tiny-pkg")
+    with pytest.raises(ModelLoadError, match=r"is a split Q4_1 file .*pass the Q4_1 file it was split from, or a "
+                                             r"built-in name with @q4_1s"):
+        resolve_model_dir(str(split))
