@@ -748,8 +748,11 @@ class GoodputController:
                 if cost == cost:
                     r[g] = m.tokens_per_step(g) / max(cost, 1e-6)
             others[name] = r
+        # the engine's ceiling: any proposer at α = 1 with free proposals, (γ + 1) / t_verify(γ)
+        free = {g: (g + 1) / max(tv[g], 1e-6) for g in tv if tv[g] == tv[g] and g in s.verify_ms}
+        engine = (max(free, key=free.get), max(free.values())) if free else (None, math.nan)
         return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o,
-                "others": others, "ceiling": ceiling}
+                "others": others, "ceiling": ceiling, "engine_ceiling": engine}
 
     @staticmethod
     def _draft_cannot_pay(ev: dict[str, Any]) -> bool:
@@ -962,7 +965,13 @@ class GoodputController:
         if not spec:
             return f"off: plain {plain:.3f} tok/ms (no speculative estimate)"
         top = max(spec, key=cands.get)
-        return f"off: plain {plain:.3f} tok/ms beats every proposer (best {top[0]} γ={top[1]} {cands[top]:.3f})"
+        why = f"off: plain {plain:.3f} tok/ms beats every proposer (best {top[0]} γ={top[1]} {cands[top]:.3f})"
+        g, free = ev.get("engine_ceiling", (None, math.nan))
+        if free == free and plain == plain and free < plain:
+            why += (f"; no proposer can pay on this engine now: even accepted in full and free, its best, γ={g}, "
+                    f"is {free:.3f} tok/ms = {free / plain:.2f}x plain (a verification of {g + 1} rows "
+                    f"{ev['t_verify'][g]:.2f} ms, a plain step {ev['t_plain']:.2f} ms)")
+        return why
 
     def _why(self, ev: dict[str, Any], best: int, best_spec: int | None) -> str:
         rate, a = ev["rate"], ev["alpha"]

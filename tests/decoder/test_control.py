@@ -290,6 +290,31 @@ def test_a_draft_whose_alpha_one_ceiling_is_below_plain_is_probed_only_every_cei
     assert [i + 1 for i, g in enumerate(gammas) if g] == [5, 10, 15, 20]
 
 
+def test_off_says_when_no_proposer_could_pay_on_this_engine():
+    """Plain 10 ms a step; the n-gram proposer's verifications of 2 rows 24 ms and of 4 rows 44 ms.
+    Even accepted in full and free, γ=1 gives 2 / 24 = 0.083 tok/ms and γ=3 4 / 44 = 0.091, both
+    below plain's 0.1: the decision says so, with the numbers. With 4 rows at 36 ms (4 / 36 =
+    0.111 > 0.1) a proposer could pay, and it does not say it."""
+    cfg = ControllerConfig(gamma_max=3, gamma_init=3, min_steps=2, proposers=("ngram",))
+    key = ("prose", "greedy")
+
+    def feed(ctl, four_rows_ms):
+        for _ in range(4):
+            ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
+            ctl.observe(key, StepStats(1, 0, 1, 0, 0.0, 0.0, 24.0), proposer="ngram", asked=1)
+            ctl.observe(key, StepStats(3, 0, 1, 0, 0.0, 0.0, four_rows_ms), proposer="ngram", asked=3)
+
+    ctl = GoodputController(cfg)
+    feed(ctl, 44.0)
+    why = ctl.decision(key)["why"]
+    assert why.startswith("off: plain 0.100 tok/ms beats every proposer")
+    assert why.endswith("no proposer can pay on this engine now: even accepted in full and free, its best, γ=3, "
+                        "is 0.091 tok/ms = 0.91x plain (a verification of 4 rows 44.00 ms, a plain step 10.00 ms)")
+    other = GoodputController(cfg)
+    feed(other, 36.0)
+    assert "no proposer can pay" not in other.decision(key)["why"]
+
+
 def test_among_proposers_a_hopeless_draft_drops_out_of_the_probe_rotation():
     """n-gram serves (3 tokens per 12 ms step against plain's 0.1 tok/ms); every probe_every
     requests one probes plain or the draft in turn, but a draft whose ceiling is below plain only
