@@ -315,6 +315,7 @@ class Settings(BaseSettings):
         env_nested_delimiter=NESTED,
         extra="forbid",
         toml_file=None,
+        env_parse_none_str="null",  # DRAFTD_STORE__BUFFER_MAX_BYTES=null unsets an optional cap from the environment
     )
 
     redis: RedisSettings = Field(default_factory=RedisSettings, description="Redis connection.")

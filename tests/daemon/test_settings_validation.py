@@ -61,6 +61,21 @@ def test_good_values_load(monkeypatch):
     assert s.trainer.loss == "jsd" and s.redis.url == "unix:///tmp/redis.sock"
 
 
+def test_null_unsets_an_optional_cap_from_the_environment(monkeypatch):
+    """Without it the byte and age caps could be lowered but never unset from the environment."""
+    assert load_settings().store.buffer_max_bytes == 1 << 30
+    monkeypatch.setenv("DRAFTD_STORE__BUFFER_MAX_BYTES", "null")
+    monkeypatch.setenv("DRAFTD_STORE__BUFFER_MAX_AGE_S", "null")
+    s = load_settings()
+    assert s.store.buffer_max_bytes is None and s.store.buffer_max_age_s is None
+    from daemon.settings import store_config
+
+    assert store_config(s).buffer.max_bytes is None
+    monkeypatch.setenv("DRAFTD_STORE__BUFFER_MAXLEN", "null")  # not optional: refused by name
+    with pytest.raises(ConfigError, match="buffer_maxlen"):
+        load_settings()
+
+
 def test_literals_match_the_trainer():
     from trainer.distill import WEIGHTINGS
     from trainer.losses import LOSSES
