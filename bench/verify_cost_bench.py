@@ -269,8 +269,9 @@ def main() -> None:
     if a.verify_only:  # the child of a run that measures both buffer settings
         print(json.dumps([verify_cost(gguf, t, a.reps, w) for t in (1, 2) for w in (False, True)]))
         return
-    if (a.cached, a.n_ctx) != (100, 1024) and not a.formats:
-        ap.error("--cached and --n-ctx apply to --formats only (the default run measures after 100 cached tokens)")
+    if ((a.cached, a.n_ctx) != (100, 1024) or a.threads != "2") and not a.formats:
+        ap.error("--cached, --n-ctx and --threads apply to --formats only (the default run measures after 100 cached "
+                 "tokens, at 1 and 2 threads)")
     if a.formats:
         fmts = [f.strip() for f in a.formats.split(",") if f.strip()]
         from decoder.gguf_export import weight_formats

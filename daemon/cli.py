@@ -366,7 +366,7 @@ def _versions_table(kind: str, rows: list[dict], trained: str) -> Table:
     t = Table(title=f"{kind} (* = active in its scope; scope '-' = shared)")
     live = any("live" in a for a in rows)  # heads: the requests each proposed for (the head history)
     for col in ("version", "scope", "parent", "created", "state", "alpha before", "alpha after", trained,
-                *(("live alpha (requests)",) if live else ()), "reason"):
+                *(("live alpha, mean per request (requests)",) if live else ()), "reason"):
         t.add_column(col)
     for a in rows:
         lv = a.get("live") or {}

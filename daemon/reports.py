@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from store.buffer import dead_letter_count, group_info, stream_depth
 from store.history import AcceptanceHistory, HistoryRow, sum_rows
 from store.jsonsafe import jsonable, nan_none
@@ -63,10 +65,19 @@ def adapters_list(registry: AdapterRegistry) -> list[dict[str, Any]]:
 def heads_list(registry: AdapterRegistry, history: AcceptanceHistory) -> list[dict[str, Any]]:
     """:func:`adapters_list` for the head registry (``daemonctl heads list``), each version with
     ``live``: the requests it proposed for, summed over workloads from the head history
-    (``AcceptanceHistory(kind="head")``): requests, proposed and accepted tokens, pooled α."""
-    rows = history.read()
+    (``AcceptanceHistory(kind="head")``): requests, proposed and accepted tokens, and α as the
+    history keeps it, the mean of per-request α (the rollback monitor judges the α pooled over
+    proposed positions, which weighs long requests more). A history that cannot be read (a
+    corrupt index) leaves ``live`` None with ``live_error`` saying why; the versions still list."""
+    versions = adapters_list(registry)
+    if not versions:
+        return []
+    try:
+        rows = history.read()
+    except (ValueError, redis.ResponseError) as e:  # a malformed index or a key of another type; no Redis raises
+        return [a | {"live": None, "live_error": f"the head history cannot be read: {e}"} for a in versions]
     out = []
-    for a in adapters_list(registry):
+    for a in versions:
         tot = sum_rows([r for r in rows if r.version == a["version"]], None, a["version"])
         out.append(a | {"live": {"requests": tot.requests, "num_draft_tokens": tot.num_draft_tokens,
                                  "num_accepted_tokens": tot.num_accepted_tokens, "alpha": tot.alpha}})

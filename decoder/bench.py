@@ -86,6 +86,11 @@ class LlamaCppPeer:
         split = self.llm.metadata.get(SPLIT_KEY)
         if split:  # a split Q4_1 file (decoder.gguf_export.q4_1_split_gguf): with its offset adapter, as ours runs it
             self.llm.close()
+            from decoder.engine import LlamaCppEngine
+
+            # our engine checks the adapter (present, loadable, this model's): llama-cpp-python
+            # does not, and a refused adapter crashed it at the first decode
+            LlamaCppEngine(gguf, n_ctx=64, threads=1).close()
             self.llm = Llama(**kw, lora_path=str(Path(gguf).parent / split), lora_scale=1.0)
         self.eos = [t for t in {self.llm.token_eos(), getattr(self.llm, "token_eot", lambda: -1)()} if t >= 0]
 

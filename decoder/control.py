@@ -84,7 +84,8 @@ class Window:
             "requests": c.num_requests,
             "alpha_sum": self.request_alpha_sum,
             "alpha_count": self.request_alpha_count,
-            "wall_ms": c.decode_ms,
+            # a broken clock's reading (inf, NaN) loses the time, not the window's counts
+            "wall_ms": c.decode_ms if math.isfinite(c.decode_ms) else 0.0,
         }
 
     def summary(self) -> dict[str, Any]:
@@ -151,6 +152,7 @@ class AcceptanceTracker:
         self.alarms: list[ShiftAlarm] = []
         self.flushes = 0
         self.flush_errors = 0
+        self.dropped_windows = 0  # windows whose counts the store refused (not finite): logged, not retried
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -166,10 +168,11 @@ class AcceptanceTracker:
             if proposer == "draft" and result.counts.num_draft_tokens:
                 self._draft.setdefault(k, Window()).add(result.counts)
             head_v = int(getattr(result, "head_version", 0) or 0)
-            if proposer == "eagle" and head_v and result.counts.num_draft_tokens:
+            if proposer == "eagle" and head_v > 0 and result.counts.num_draft_tokens:
                 hk = (*k[:2], head_v)
                 self._heads.setdefault(hk, Window()).add(result.counts)
-                self._unflushed_heads.setdefault(hk, Window()).add(result.counts)
+                if self.head_history is not None:  # nowhere to flush them otherwise
+                    self._unflushed_heads.setdefault(hk, Window()).add(result.counts)
             self._unflushed.setdefault(k, Window()).add(result.counts)
             a = result.counts.alpha
             if a == a:
@@ -211,6 +214,11 @@ class AcceptanceTracker:
             try:
                 history.record(self.history_name(k[0], k[1]), k[2], win.history_counts(), ts)
                 written += 1
+            except ValueError as e:  # counts no store can take (a broken clock's inf): dropped, never retried
+                self.flush_errors += 1
+                self.dropped_windows += 1
+                self.last_error = str(e)
+                log.error("history_window_dropped", kind=history.kind, key=key_str(k[0], k[1]), version=k[2], error=str(e))
             except (StoreError, redis.RedisError, OSError) as e:
                 failed[k] = win
                 self.flush_errors += 1
@@ -294,6 +302,7 @@ class AcceptanceTracker:
             "unflushed_keys": unflushed,
             "flushes": self.flushes,
             "flush_errors": self.flush_errors,
+            "dropped_windows": self.dropped_windows,
             "last_error": self.last_error,
             "shift_alarms": [
                 {"key": key_str(*a.key), "proposer": a.proposer, "ts": a.ts, "reference_alpha": round(a.reference_alpha, 4),

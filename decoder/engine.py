@@ -37,7 +37,7 @@ import numpy as np
 import structlog
 import torch
 
-from decoder.gguf_export import SPLIT_KEY
+from decoder.gguf_export import SPLIT_ID_KEY, SPLIT_KEY
 
 ENGINES = ("auto", "torch", "llamacpp")
 log = structlog.get_logger("decoder.engine")
@@ -472,7 +472,16 @@ class LlamaCppEngine:
         ad = self.L.llama_adapter_lora_init(self.model, str(path).encode())
         if not ad:
             self.close()
-            raise EngineError(f"llama.cpp refused the offset adapter {path} of the split model {self.path.name}")
+            raise EngineError(f"llama.cpp refused the offset adapter {path} of the split model {self.path.name}; "
+                              f"delete both so they are written again")
+        want, buf = self._meta_str(SPLIT_ID_KEY), ctypes.create_string_buffer(4096)
+        n = self.L.llama_adapter_meta_val_str(ad, SPLIT_ID_KEY.encode(), buf, len(buf))
+        got = buf.value.decode("utf-8", "replace") if n >= 0 else None
+        if want is None or got != want:
+            self.L.llama_adapter_lora_free(ad)
+            self.close()
+            raise EngineError(f"the offset adapter {path} belongs to split {got!r}, not to {self.path.name} "
+                              f"({want!r}); delete both so they are written again")
         self._offset_lora, self.offset_lora = ad, path
         self._set_adapters(None, 1.0)
 

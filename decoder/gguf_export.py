@@ -253,7 +253,8 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
     tensors = plain + [x for blk in blocks for x in blk]
 
     split = _field(reader, SPLIT_KEY)  # a split Q4_1 source: the draft needs the offsets of its blocks
-    lora_name = _derived_offset_lora(src, split, new_of_old, out, arch) if split else None
+    derived_id = f"{_field(reader, SPLIT_ID_KEY)}-layers-{layer_spec(sel)}" if split else None
+    lora_name = _derived_offset_lora(src, split, new_of_old, out, arch, derived_id) if split else None
     with _atomic_writer(out, arch, endianess=reader.endianess) as writer:
         writer.data_alignment = reader.alignment
         for field in reader.fields.values():
@@ -262,6 +263,8 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
             value, vtype, sub = _copy_value(field)
             if field.name == SPLIT_KEY:
                 value = lora_name.encode()
+            elif field.name == SPLIT_ID_KEY:
+                value = derived_id.encode()
             elif field.name == bc_key:
                 value = len(sel)
             elif (field.name.startswith(f"{arch}.") and vtype == gguf.GGUFValueType.ARRAY
@@ -349,8 +352,11 @@ def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path
 # LlamaCppEngine reads it and applies that adapter under every forward; without it the file's
 # weights are d * (q - 8) only, a broken model (KL 15 nats from the packaged one).
 SPLIT_KEY = "draftd.q4_1_split.offset_lora"
+# In a split model and its offset adapter alike: the pair's identity (source digest, format, layers),
+# so an adapter of another model, or of another layer selection, is refused at load.
+SPLIT_ID_KEY = "draftd.q4_1_split.id"
 SPLIT_FORMAT = "Q4_1S"
-SPLIT_FORMAT_VERSION = 2  # in the file name: bumped when the bytes written for the same source change
+SPLIT_FORMAT_VERSION = 3  # in the file name: bumped when the bytes written for the same source change
 _Q4_1_BYTES, _Q4_0_BYTES = 20, 18  # per 32-weight block: (d f16, m f16, 16 nibble bytes) / (d f16, 16 nibble bytes)
 
 
@@ -426,15 +432,17 @@ def offset_lora_tensors(name: str, lora_a: np.ndarray, lora_b: np.ndarray) -> li
             (name + ".lora_b", b.astype(np.float16), gguf.GGMLQuantizationType.F16)]
 
 
-def _write_offset_lora(out: Path, arch: str, tensors: list[tuple[str, np.ndarray, Any]]) -> None:
+def _write_offset_lora(out: Path, arch: str, tensors: list[tuple[str, np.ndarray, Any]], split_id: str) -> None:
     """An adapter GGUF as llama.cpp's convert_lora_to_gguf.py writes one, with alpha 0 (llama.cpp
-    then scales B A x by the user scale alone, 1.0: ``llama_adapter_lora_weight::get_scale``)."""
+    then scales B A x by the user scale alone, 1.0: ``llama_adapter_lora_weight::get_scale``), and
+    :data:`SPLIT_ID_KEY` = ``split_id``, the model's."""
     import gguf
 
     with _atomic_writer(out, arch) as writer:
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, 0.0)
+        writer.add_string(SPLIT_ID_KEY, split_id)
         writer.add_name("q4_1-offsets")
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for name, data, typ in tensors:
@@ -481,27 +489,32 @@ def q4_1_split_gguf(src: Path, cache_dir: Path | None = None) -> Path:
         return out
     reader = gguf.GGUFReader(src, "r")
     arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
+    split_id = f"{file_digest16(src)}-{SPLIT_FORMAT}-v{SPLIT_FORMAT_VERSION}"
     tensors, offsets = [], []
     for t in reader.tensors:
-        if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+        # the decoder blocks' matmuls only: token_embd is a row lookup (and llama.cpp wants an
+        # embedding adapter's A and B the other way round), the output head is left as it is
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 and _BLOCK.match(t.name) and t.name.endswith(".weight"):
             q, a, b = q4_1_split(np.asarray(t.data))
             tensors.append((t.name, q, gguf.GGMLQuantizationType.Q4_0))
             offsets += offset_lora_tensors(t.name, a, b)
         else:
             tensors.append((t.name, t.data, t.tensor_type))
     if not offsets:
-        raise ValueError(f"{src} has no Q4_1 tensor: nothing to split (its types: "
+        raise ValueError(f"{src} has no Q4_1 matmul in its decoder blocks: nothing to split (its types: "
                          f"{sorted({t.tensor_type.name for t in reader.tensors})})")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_offset_lora(lora, arch, offsets)
+    _write_offset_lora(lora, arch, offsets, split_id)
     with _atomic_writer(out, arch, endianess=reader.endianess) as writer:
         writer.data_alignment = reader.alignment
         for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF.") or field.name == SPLIT_KEY:
+            if (field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF.")
+                    or field.name in (SPLIT_KEY, SPLIT_ID_KEY)):
                 continue
             value, vtype, sub = _copy_value(field)
             writer.add_key_value(field.name, value, vtype, sub_type=sub)
         writer.add_string(SPLIT_KEY, lora.name)
+        writer.add_string(SPLIT_ID_KEY, split_id)
         for name, data, typ in tensors:
             writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, typ)
         writer.write_header_to_file()
@@ -512,9 +525,11 @@ def q4_1_split_gguf(src: Path, cache_dir: Path | None = None) -> Path:
     return out
 
 
-def _derived_offset_lora(src: Path, split_name: str, new_of_old: dict[int, int], out_model: Path, arch: str) -> str:
+def _derived_offset_lora(src: Path, split_name: str, new_of_old: dict[int, int], out_model: Path, arch: str,
+                         split_id: str) -> str:
     """The offset adapter of a derived draft of a split ``src``: the source adapter's tensors of
-    the kept blocks, renumbered. Returns its file name (beside ``out_model``)."""
+    the kept blocks, renumbered, under the derived model's ``split_id``. Returns its file name
+    (beside ``out_model``)."""
     import gguf
 
     lora_src = src.parent / split_name
@@ -528,7 +543,7 @@ def _derived_offset_lora(src: Path, split_name: str, new_of_old: dict[int, int],
         if m and int(m.group(1)) in new_of_old:
             kept.append((f"blk.{new_of_old[int(m.group(1))]}.{m.group(2)}", np.array(t.data), t.tensor_type))
     name = offset_lora_name(out_model)
-    _write_offset_lora(out_model.parent / name, arch, kept)
+    _write_offset_lora(out_model.parent / name, arch, kept, split_id)
     return name
 
 

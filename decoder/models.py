@@ -125,7 +125,8 @@ def packaged_target(ref: str) -> Path | None:
             return q4_1_split_gguf(gguf)
         return requantised_gguf(gguf, fmt)
     except ValueError as e:  # the format's name
-        raise ModelLoadError(f"model {ref!r}: {e} (after '@'; e.g. {base}@bf16)") from e
+        raise ModelLoadError(f"model {ref!r}: {e}, or {SPLIT_FORMAT} (the Q4_1 file split into Q4_0 blocks and "
+                             f"their offsets) (after '@'; e.g. {base}@bf16)") from e
     except (RuntimeError, OSError) as e:  # llama.cpp's quantiser, or the cache directory
         raise ModelLoadError(f"model {ref!r}: requantising {gguf.name} failed: {e} (the cache is "
                              f"{cache_root()}; DRAFTD_CACHE_DIR moves it)") from e

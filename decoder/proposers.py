@@ -327,7 +327,11 @@ class StepCost:
         and cost gets less; where the best is near 1, no proposer can pay here.
 
         Returns: {"by_gamma": {γ: speedup}, "gamma": best γ, "speedup": best} or None while
-        plain steps or proposals are unmeasured."""
+        plain steps or proposals are unmeasured.
+
+        Raises: ValueError: ``gamma_max`` is not an int >= 1."""
+        if not _is_int(gamma_max) or gamma_max < 1:
+            raise ValueError(f"StepCost.ceiling: gamma_max={gamma_max!r} must be an int >= 1")
         with self._lock:
             med = dict(self._median)
         if 1 not in med or med[1] <= 0:

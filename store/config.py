@@ -23,6 +23,9 @@ Key names (``P`` = ``key_prefix``, default ``"draftd:"``)::
     P adapter:events                   pub/sub channel, JSON {event, version, previous, reason, ts, scope}
     P hist:index                       zset "{bucket}|{version}|{workload}" -> bucket start (s)
     P hist:{version}:{bucket}:{workload}   hash of counts for one (workload, version, bucket)
+    P head:*                           the head registry: the adapter:* layout under ``head:``
+    P head:hist:index, P head:hist:{version}:{bucket}:{workload}
+                                       the head history: the requests the head proposed for, by head version
 """
 
 from __future__ import annotations

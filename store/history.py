@@ -134,12 +134,15 @@ class AcceptanceHistory:
         aggregate locally and record from a background task).
 
         Raises:
-            ValueError: an unknown counter name, a non-integer value for an integer counter,
-                or an empty workload name; the message names the offending key.
+            ValueError: an unknown counter name, a non-integer value for an integer counter, a
+                non-finite value, or an empty workload name; the message names the offending key.
         """
         unknown = sorted(set(counts) - set(COUNTS))
         if unknown:
             raise ValueError(f"unknown history counters {unknown}; known: {list(COUNTS)}")
+        bad = {k: v for k, v in counts.items() if not math.isfinite(float(v))}
+        if bad:  # HINCRBYFLOAT refuses them inside MULTI, and Redis still applies the rest
+            raise ValueError(f"history counters must be finite numbers, got {bad} for {workload!r} v{version}")
         if not workload:
             raise ValueError("workload name is empty; pass the request's workload tag")
         ts = self._clock() if ts is None else ts

@@ -38,7 +38,7 @@ def test_heads_list_and_rollback(redis_client, key_prefix, tmp_path, monkeypatch
     assert rows[0]["live"] == {"requests": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "alpha": None}
     assert rows[1]["live"] == {"requests": 2, "num_draft_tokens": 8, "num_accepted_tokens": 3, "alpha": 0.375}
     table = run.invoke(app, ["heads", "list"], terminal_width=250).stdout
-    assert "live alpha (requests)" in table and "0.375 (2)" in table and "- (0)" in table
+    assert "live alpha, mean per request (requests)" in table and "0.375 (2)" in table and "- (0)" in table
     # from another state dir the versions' files are not there: refused, nothing changes (they
     # used to be skipped as bad, rolling every head back)
     monkeypatch.setenv("DRAFTD_STATE_DIR", str(tmp_path / "elsewhere"))

@@ -611,7 +611,7 @@ def test_q4_1_split_is_the_same_weights_exactly():
 
 def test_q4_1_split_gguf_refuses_a_file_without_q4_1(tiny, tmp_path):
     _, src = tiny
-    with pytest.raises(ValueError, match=r"has no Q4_1 tensor: nothing to split \(its types: \['F32'\]\)"):
+    with pytest.raises(ValueError, match=r"has no Q4_1 matmul in its decoder blocks: nothing to split \(its types: \['F32'\]\)"):
         ge.q4_1_split_gguf(src, cache_dir=tmp_path / "split")
 
 
@@ -672,8 +672,16 @@ def test_real_q4_1_split_serves_the_packaged_model_with_its_offsets(tmp_path):
     got = torch.log_softmax(torch.as_tensor(np.asarray(d_split.start().forward(ids, len(ids)), dtype=np.float64)), -1)
     d_split.close()
     assert kl(d_ref, got) < 0.02
+    assert "token_embd.weight.lora_a" not in {t.name for t in gguf.GGUFReader(lora).tensors}  # matmuls only
     moved = tmp_path / "moved"
     moved.mkdir()
     shutil.copy(out, moved / out.name)  # without its adapter
     with pytest.raises(EngineError, match=r"split Q4_1 model and needs its offset adapter .*offset-lora.gguf, which is missing"):
+        LlamaCppEngine(moved / out.name, n_ctx=64)
+    from decoder.bench import LlamaCppPeer
+
+    with pytest.raises(EngineError, match="which is missing"):  # llama-cpp-python itself crashed at the first decode
+        LlamaCppPeer(str(moved / out.name), threads=1, n_ctx=64)
+    shutil.copy(dl, moved / ge.offset_lora_name(out))  # the derived draft's adapter under the model's name
+    with pytest.raises(EngineError, match=r"belongs to split '.*-layers-0-3', not to .*delete both"):
         LlamaCppEngine(moved / out.name, n_ctx=64)

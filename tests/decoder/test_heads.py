@@ -492,3 +492,50 @@ def test_the_head_history_is_kept_by_head_version_apart_from_the_adapter_history
 
     with pytest.raises(ValueError, match="history kind 'lora'"):
         AcceptanceHistory(redis_client, cfg, kind="lora")
+
+
+def test_found_by_review_a_broken_clock_loses_the_time_not_the_counts(redis_client, key_prefix):
+    """A head request timed at inf ms: HINCRBYFLOAT refused it inside MULTI while Redis applied the
+    rest, so every flush added the integer counts again (1 request read as 5) and the keys queued
+    after it were never written. Now the window goes out with wall_ms 0 and the history refuses a
+    non-finite counter by name."""
+    import math
+
+    import pytest
+
+    from decoder.control import AcceptanceTracker
+    from store import AcceptanceHistory
+
+    cfg = StoreConfig(key_prefix=key_prefix)
+    heads = AcceptanceHistory(redis_client, cfg, kind="head")
+    tracker = AcceptanceTracker(head_history=heads)
+    bad = _head_result(2, "eagle", 0.5)
+    bad.counts.decode_ms = math.inf
+    tracker.observe(bad)
+    tracker.observe(_head_result(2, "eagle", 0.25, workload="code"))
+    for _ in range(3):
+        tracker.flush()
+    rows = {r.workload: r for r in heads.read()}
+    assert (rows["prose@greedy"].requests, rows["prose@greedy"].wall_ms, rows["code@greedy"].requests) == (1, 0.0, 1)
+    with pytest.raises(ValueError, match=r"must be finite numbers, got \{'wall_ms': inf\} for 'w' v1"):
+        heads.record("w", 1, {"requests": 1, "wall_ms": math.inf})
+
+
+def test_found_by_review_heads_list_survives_a_corrupt_head_history(redis_client, key_prefix, tmp_path):
+    """A head history index member without '|' (or an index of another type) used to crash
+    ``heads list`` even with no heads registered; now the versions list with live None and why."""
+    from daemon.reports import heads_list
+    from store import AcceptanceHistory
+
+    cfg = StoreConfig(key_prefix=key_prefix)
+    heads = AdapterRegistry(redis_client, tmp_path / "heads", cfg, kind="head")
+    hist = AcceptanceHistory(redis_client, cfg, kind="head")
+    redis_client.zadd(f"{key_prefix}head:hist:index", {"garbage": 1})
+    assert heads_list(heads, hist) == []  # nothing registered: the history is not read
+    v1 = heads.register(_head_dir(tmp_path / "h1", tiny_llama(3, layers=2, hidden=32), 1), AdapterMeta())
+    (row,) = heads_list(heads, hist)
+    assert row["version"] == v1 and row["live"] is None and "the head history cannot be read" in row["live_error"]
+    redis_client.delete(f"{key_prefix}head:hist:index")
+    redis_client.set(f"{key_prefix}head:hist:index", "a string")
+    (row,) = heads_list(heads, hist)
+    assert row["live"] is None and "WRONGTYPE" in row["live_error"]

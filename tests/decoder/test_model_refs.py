@@ -103,7 +103,7 @@ def test_a_split_reference_trains_on_its_source_and_a_split_file_is_refused_by_t
     monkeypatch.setitem(M.PACKAGED, "tiny-pkg", M.PackagedModel("tiny-pkg", "tiny_pkg", "pip install tiny-pkg"))
     monkeypatch.setattr(M, "packaged_gguf", lambda name: q41 if name == "tiny-pkg" else None)
     split = M.packaged_target("tiny-pkg@q4_1s")
-    assert split.name.endswith("-Q4_1S-v2.gguf") and M.canonical_ref("tiny-pkg@q4_1s") == "tiny-pkg@Q4_1S"
+    assert split.name.endswith("-Q4_1S-v3.gguf") and M.canonical_ref("tiny-pkg@q4_1s") == "tiny-pkg@Q4_1S"
     assert resolve_model_dir("tiny-pkg@q4_1s") == resolve_model_dir("tiny-pkg")
     with pytest.raises(ModelLoadError, match=r"is a split Q4_1 file .*pass the Q4_1 file it was split from, or a "
                                              r"built-in name with @q4_1s"):

@@ -70,6 +70,9 @@ def test_the_engine_ceiling_is_gamma_plus_one_over_the_verification_cost():
         c.add(rows, ms)
     assert c.ceiling() == {"by_gamma": {1: 1.111, 3: 1.667}, "gamma": 3, "speedup": 1.667}
     assert c.ceiling(gamma_max=1) == {"by_gamma": {1: 1.111}, "gamma": 1, "speedup": 1.111}
+    for bad in (0, -1, 2.5, None, True):
+        with pytest.raises(ValueError, match="gamma_max=.* must be an int >= 1"):
+            c.ceiling(gamma_max=bad)
 
 
 def test_match_class_buckets_the_match_length():
