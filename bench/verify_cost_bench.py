@@ -90,10 +90,11 @@ def ceiling(ratio: dict[int, float]) -> dict:
     of a verification of γ + 1 rows measured instead of assumed to be one step). Below 1.3 at
     every γ, no proposer reaches a 1.3x target here. ``best_ceiling``: the best γ up to the
     controller's ``gamma_max`` (8)."""
-    ceil = {n - 1: (n / r) for n, r in ratio.items() if n > 1}
-    g = max((k for k in ceil if k <= GAMMA_MAX), key=ceil.get)  # what the controller can pick
-    return {"ceiling_at_alpha_1": {k: round(v, 3) for k, v in ceil.items()},
-            "best_ceiling": {"gamma": g, "speedup": round(ceil[g], 3)}}
+    from decoder.proposers import speculation_ceiling
+
+    every = speculation_ceiling(ratio, max(ratio) - 1)
+    best = speculation_ceiling(ratio, GAMMA_MAX)  # what the controller can pick
+    return {"ceiling_at_alpha_1": every["by_gamma"], "best_ceiling": {"gamma": best["gamma"], "speedup": best["speedup"]}}
 
 
 GAMMA_MAX = 8  # decoder.control.ControllerConfig.gamma_max

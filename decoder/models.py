@@ -107,7 +107,8 @@ def packaged_target(ref: str) -> Path | None:
     measures the KL) while llama.cpp's batched kernels make a verification of several rows cheap
     on CPU; a 4-bit format of the 4-bit weights (``@q4_0``) is a different, worse model.
     ``@q4_1s`` splits a Q4_1 file into Q4_0 blocks and an offset adapter, the same weights
-    (:func:`decoder.gguf_export.q4_1_split_gguf`): Q4_0's batched kernels make rows cheaper.
+    (:func:`decoder.gguf_export.q4_1_split_gguf`), to measure what Q4_0's batched kernels buy: on
+    the Zen 4 host nothing, its plain step being dearer (bench/RESULTS.md).
 
     Raises:
         ModelLoadError: the package is not installed, or FORMAT is not a llama.cpp weight format.

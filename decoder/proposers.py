@@ -330,17 +330,29 @@ class StepCost:
         plain steps or proposals are unmeasured.
 
         Raises: ValueError: ``gamma_max`` is not an int >= 1."""
-        if not _is_int(gamma_max) or gamma_max < 1:
-            raise ValueError(f"StepCost.ceiling: gamma_max={gamma_max!r} must be an int >= 1")
         with self._lock:
             med = dict(self._median)
-        if 1 not in med or med[1] <= 0:
-            return None
-        by = {r - 1: (r * med[1] / med[r]) for r in med if 1 < r <= gamma_max + 1 and med[r] > 0}
-        if not by:
-            return None
-        g = max(by, key=by.get)
-        return {"by_gamma": {k: round(v, 3) for k, v in sorted(by.items())}, "gamma": g, "speedup": round(by[g], 3)}
+        return speculation_ceiling(med, gamma_max)
+
+
+def speculation_ceiling(ms_by_rows: dict[int, float], gamma_max: int = 8) -> dict | None:
+    """(γ + 1) t(1) / t(γ + 1) for each γ <= ``gamma_max`` whose t(γ + 1) is in ``ms_by_rows``
+    (ms, or any unit, by verified rows; see :meth:`StepCost.ceiling`), and the best of them.
+
+    Returns: {"by_gamma": {γ: speedup}, "gamma": best γ, "speedup": best} (rounded to 3 places),
+    or None without t(1) > 0 and one more row count.
+
+    Raises: ValueError: ``gamma_max`` is not an int >= 1."""
+    if not _is_int(gamma_max) or gamma_max < 1:
+        raise ValueError(f"StepCost.ceiling: gamma_max={gamma_max!r} must be an int >= 1")
+    med = {int(r): float(t) for r, t in ms_by_rows.items()}
+    if med.get(1, 0) <= 0:
+        return None
+    by = {r - 1: (r * med[1] / med[r]) for r in med if 1 < r <= gamma_max + 1 and med[r] > 0}
+    if not by:
+        return None
+    g = max(by, key=by.get)
+    return {"by_gamma": {k: round(v, 3) for k, v in sorted(by.items())}, "gamma": g, "speedup": round(by[g], 3)}
 
 
 class NgramGate(_PerWorkload):
