@@ -104,7 +104,8 @@ class AcceptanceTracker:
 
     :meth:`observe` only touches memory (a lock and a few additions); :meth:`flush` writes the
     counts accumulated since the last flush with one ``history.record`` per key. Redis errors
-    never reach the caller: unflushed counts are kept and retried at the next flush (the last
+    never reach the caller: a failed write is kept and retried at the next flush with its own
+    sequence number, so one that Redis applied before its reply was lost counts once (the last
     error is in :meth:`status`). :meth:`start` runs flushes every ``flush_interval_s`` in a thread.
 
     Args:
@@ -147,6 +148,8 @@ class AcceptanceTracker:
         # the requests the feature-level head proposed for, keyed (workload, bucket, head version)
         self._heads: dict[tuple[str, str, int], Window] = {}
         self._unflushed_heads: dict[tuple[str, str, int], Window] = {}
+        self._retry: dict[str, list] = {}  # per unflushed attr: failed writes (key, window, ts, (writer, seq)), oldest first
+        self._flush_lock = threading.Lock()
         self._recent: dict[Key, deque[float]] = {}
         self._recent_n = recent
         self.alarms: list[ShiftAlarm] = []
@@ -201,35 +204,41 @@ class AcceptanceTracker:
         return written
 
     def _flush_into(self, history: AcceptanceHistory, attr: str) -> int:
-        with self._lock:
-            batch = getattr(self, attr)
-            setattr(self, attr, {})
-        ts = self.clock()
-        written = 0
-        failed: dict[tuple[str, str, int], Window] = {}
-        for k, win in batch.items():
-            if failed:  # Redis is down: keep the rest for the next flush without trying
-                failed[k] = win
-                continue
-            try:
-                history.record(self.history_name(k[0], k[1]), k[2], win.history_counts(), ts)
-                written += 1
-            except ValueError as e:  # counts no store can take (a broken clock's inf): dropped, never retried
-                self.flush_errors += 1
-                self.dropped_windows += 1
-                self.last_error = str(e)
-                log.error("history_window_dropped", kind=history.kind, key=key_str(k[0], k[1]), version=k[2], error=str(e))
-            except (StoreError, redis.RedisError, OSError) as e:
-                failed[k] = win
-                self.flush_errors += 1
-                self.last_error = str(e)
-                log.warning("history_flush_failed", kind=history.kind, error=str(e), pending_keys=len(batch) - written)
-        if failed:
+        # A write that failed is retried with its own counts, time and seq, before any newer one,
+        # never merged into newer counts: its reply may have been lost after Redis applied it, and
+        # the history skips a seq it has applied (AcceptanceHistory.record), so it counts once.
+        with self._flush_lock:
             with self._lock:
-                pending = getattr(self, attr)
-                for k, win in failed.items():
-                    pending.setdefault(k, Window()).merge(win)
-        return written
+                batch = getattr(self, attr)
+                setattr(self, attr, {})
+                retry = self._retry.pop(attr, [])
+            ts = self.clock()
+            writes = retry + [(k, win, ts, None) for k, win in batch.items()]
+            written = 0
+            failed: list[tuple[tuple[str, str, int], Window, float, tuple[str, int] | None]] = []
+            for k, win, wts, seq in writes:
+                if failed:  # Redis is down: keep the rest, in order, for the next flush without trying
+                    failed.append((k, win, wts, seq))
+                    continue
+                if seq is None or seq[0] != history.writer:  # a seq numbers one writer's writes only
+                    seq = (history.writer, history.next_seq())
+                try:
+                    history.record(self.history_name(k[0], k[1]), k[2], win.history_counts(), wts, seq=seq[1])
+                    written += 1
+                except ValueError as e:  # counts no store can take (a broken clock's inf): dropped, never retried
+                    self.flush_errors += 1
+                    self.dropped_windows += 1
+                    self.last_error = str(e)
+                    log.error("history_window_dropped", kind=history.kind, key=key_str(k[0], k[1]), version=k[2], error=str(e))
+                except (StoreError, redis.RedisError, OSError) as e:
+                    failed.append((k, win, wts, seq))
+                    self.flush_errors += 1
+                    self.last_error = str(e)
+                    log.warning("history_flush_failed", kind=history.kind, error=str(e), pending_keys=len(writes) - written)
+            if failed:
+                with self._lock:
+                    self._retry[attr] = failed
+            return written
 
     def start(self) -> "AcceptanceTracker":
         if self._thread is None:
@@ -294,12 +303,15 @@ class AcceptanceTracker:
             windows = {f"{key_str(w, b)}/v{v}": win.summary() for (w, b, v), win in sorted(self._totals.items())}
             heads = {f"{key_str(w, b)}/head v{v}": win.summary() for (w, b, v), win in sorted(self._heads.items())}
             rolling = {key_str(*k): nan_none(sum(r) / len(r), 4) for k, r in self._recent.items() if r}
-            unflushed = len(self._unflushed) + len(self._unflushed_heads)
+            retrying = sum(len(v) for v in self._retry.values())
+            unflushed = len({("_unflushed", k) for k in self._unflushed} | {("_unflushed_heads", k) for k in self._unflushed_heads}
+                            | {(attr, w[0]) for attr, ws in self._retry.items() for w in ws})  # keys with counts not yet written
         return {
             "windows": windows,
             "head_windows": heads,
             "rolling_alpha": rolling,
             "unflushed_keys": unflushed,
+            "retrying_writes": retrying,
             "flushes": self.flushes,
             "flush_errors": self.flush_errors,
             "dropped_windows": self.dropped_windows,

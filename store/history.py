@@ -15,10 +15,14 @@ computes it; NaN when its denominator is 0). Counter names follow vLLM's spec-de
 - ``requests``: requests (or chunks) recorded
 
 Storage: one hash per (workload, version, bucket) at ``P hist:{version}:{bucket}:{workload}``
-(``bucket`` = bucket start in integer seconds), updated with HINCRBY / HINCRBYFLOAT in one
-pipeline and given a TTL of ``retention_s``; a sorted set ``P hist:index`` holds
+(``bucket`` = bucket start in integer seconds), updated with HINCRBY / HINCRBYFLOAT in one Lua
+script and given a TTL of ``retention_s``; a sorted set ``P hist:index`` holds
 ``"{bucket}|{version}|{workload}"`` scored by bucket start, trimmed to the retention window on
-every write. Workload names are UTF-8 and may contain any character (the workload is the last
+every write. Writes are counted once: each :class:`AcceptanceHistory` is a writer with its own
+id, each write carries a sequence number, and the script skips a write whose number is not above
+the last one it applied for that writer, workload and version (``P hist:applied:{writer}``, one
+field per workload and version, the same TTL). redis-py resends a call whose reply timed out,
+and a caller retries after StoreUnavailableError; either would otherwise add the counts twice. Workload names are UTF-8 and may contain any character (the workload is the last
 ``|``-separated part of an index member, so it is parsed unambiguously).
 """
 
@@ -26,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -38,6 +44,24 @@ from store.config import StoreConfig
 INT_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_steps", "alpha_count", "requests")
 FLOAT_COUNTS = ("alpha_sum", "wall_ms")
 COUNTS = INT_COUNTS + FLOAT_COUNTS
+
+# KEYS: bucket hash, index, the writer's applied hash. ARGV: retention_s, index member, bucket,
+# trim-before, applied field, seq, then (i|f, counter, value) triples. Returns 1 if applied, 0 if
+# this writer's seq for the field was applied already (a resent or retried write).
+_RECORD = """
+local last = redis.call('HGET', KEYS[3], ARGV[5])
+if last and tonumber(last) >= tonumber(ARGV[6]) then return 0 end
+redis.call('HSET', KEYS[3], ARGV[5], ARGV[6])
+redis.call('EXPIRE', KEYS[3], ARGV[1])
+for i = 7, #ARGV, 3 do
+  if ARGV[i] == 'i' then redis.call('HINCRBY', KEYS[1], ARGV[i + 1], ARGV[i + 2])
+  else redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i + 1], ARGV[i + 2]) end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[4])
+return 1
+"""
 
 
 def _ratio(num: float, den: float) -> float:
@@ -118,6 +142,10 @@ class AcceptanceHistory:
         self.bucket_s = config.history.bucket_s
         self.retention_s = config.history.retention_s
         self._clock = clock
+        self.writer = uuid.uuid4().hex  # this instance's writes are deduplicated under it
+        self._seq = 0  # the highest seq handed out or written
+        self._seq_lock = threading.Lock()
+        self._record = client.register_script(_RECORD)
 
     def of_kind(self, kind: str) -> "AcceptanceHistory":
         """The history of ``kind`` on the same Redis, configuration and clock."""
@@ -127,42 +155,69 @@ class AcceptanceHistory:
         """Start (integer seconds) of the bucket holding ``ts``."""
         return int(math.floor(ts / self.bucket_s)) * self.bucket_s
 
-    def record(self, workload: str, version: int, counts: Mapping[str, float], ts: float | None = None) -> None:
-        """Add ``counts`` to the bucket of ``ts`` (default now) for (``workload``, ``version``).
+    def next_seq(self) -> int:
+        """A new sequence number of this writer (for :meth:`record`'s ``seq``): above every one
+        handed out or written so far."""
+        with self._seq_lock:
+            self._seq += 1
+            return self._seq
 
-        One pipelined round trip; synchronous (callers on a latency-critical path should
-        aggregate locally and record from a background task).
+    def record(self, workload: str, version: int, counts: Mapping[str, float], ts: float | None = None,
+               *, seq: int | None = None) -> bool:
+        """Add ``counts`` to the bucket of ``ts`` (default now) for (``workload``, ``version``),
+        at most once per ``seq``.
+
+        One round trip (a Lua script); synchronous (callers on a latency-critical path should
+        aggregate locally and record from a background task). ``seq`` (from :meth:`next_seq`;
+        None: a new one) numbers the write: a write whose seq is not above the last this writer
+        applied for (``workload``, ``version``) is skipped, so the same write retried after an
+        error whose reply was lost counts once. A caller that retries must retry its oldest
+        unapplied write for a key before any newer one.
+
+        Returns: True if applied, False if this seq (or a later one) was applied already.
 
         Raises:
             ValueError: an unknown counter name, a non-integer value for an integer counter, a
                 non-finite value, or an empty workload name; the message names the offending key.
+            StoreUnavailableError: Redis unreachable (the write may or may not have been applied:
+                retry it with the same ``seq``).
         """
         unknown = sorted(set(counts) - set(COUNTS))
         if unknown:
             raise ValueError(f"unknown history counters {unknown}; known: {list(COUNTS)}")
         bad = {k: v for k, v in counts.items() if not math.isfinite(float(v))}
-        if bad:  # HINCRBYFLOAT refuses them inside MULTI, and Redis still applies the rest
+        if bad:  # HINCRBYFLOAT refuses them, and a script that fails half way keeps its first writes
             raise ValueError(f"history counters must be finite numbers, got {bad} for {workload!r} v{version}")
         if not workload:
             raise ValueError("workload name is empty; pass the request's workload tag")
-        ts = self._clock() if ts is None else ts
-        bucket = self.bucket_of(ts)
-        key = self._keys.history_bucket(workload, version, bucket)
-        member = f"{bucket}|{int(version)}|{workload}".encode("utf-8")
-        pipe = self._client.pipeline(transaction=True)
+        args: list = []
         for name, value in counts.items():
             if name in INT_COUNTS:
                 if isinstance(value, float) and not value.is_integer():
                     raise ValueError(f"counter {name!r} must be an integer, got {value!r}")
                 if int(value):
-                    pipe.hincrby(key, name, int(value))
+                    args += ["i", name, int(value)]
             elif value:
-                pipe.hincrbyfloat(key, name, float(value))
-        pipe.expire(key, self.retention_s)
-        pipe.zadd(self._keys.history_index, {member: bucket})
-        pipe.zremrangebyscore(self._keys.history_index, "-inf", f"({self._clock() - self.retention_s}")
+                args += ["f", name, repr(float(value))]
+        if seq is None:
+            seq = self.next_seq()
+        else:
+            seq = int(seq)
+            with self._seq_lock:
+                self._seq = max(self._seq, seq)
+        ts = self._clock() if ts is None else ts
+        bucket = self.bucket_of(ts)
+        key = self._keys.history_bucket(workload, version, bucket)
+        member = f"{bucket}|{int(version)}|{workload}".encode("utf-8")
+        applied = f"{self._hist_root()}applied:{self.writer}"
         with _unavailable(f"recording history for {workload!r} v{version}"):
-            pipe.execute()
+            return bool(self._record(
+                keys=[key, self._keys.history_index, applied],
+                args=[int(self.retention_s), member, bucket, repr(float(self._clock() - self.retention_s)),
+                      f"{int(version)}|{workload}".encode("utf-8"), seq, *args]))
+
+    def _hist_root(self) -> str:
+        return self._keys.history_index[: -len("index")]
 
     def read(
         self,

@@ -62,6 +62,41 @@ def test_tracker_flushes_windows_to_history_and_survives_redis_down(tok, pair, r
     assert history.totals(workload="prose@greedy", version=0).requests == 4
 
 
+def test_tracker_retry_of_a_write_whose_reply_was_lost_counts_once(tok, pair, reg):
+    # Redis applied the flush but its reply was lost (a timeout after the server ran it): the
+    # tracker retries that write with its own seq before the newer counts of the same key, and
+    # the history skips it. Merged into the newer counts and written afresh, it counted twice.
+    from store.errors import StoreUnavailableError
+
+    target, draft, noise = pair
+    dec = SpeculativeDecoder(target, draft, tok)
+    history = AcceptanceHistory(reg.client, reg.config)
+
+    class LostReply:  # the real history, whose first reply is lost after the write is applied
+        kind = "adapter"
+        lost = 1
+        writer = history.writer
+
+        def next_seq(self):
+            return history.next_seq()
+
+        def record(self, *a, **kw):
+            history.record(*a, **kw)
+            if self.lost:
+                self.lost -= 1
+                raise StoreUnavailableError("recording history: Redis unreachable (read timed out)")
+
+    tracker = AcceptanceTracker(LostReply())
+    r1, r2 = [dec.generate(_req(tok, i), FixedGamma(2)) for i in range(2)]
+    tracker.observe(r1)
+    assert tracker.flush() == 0 and tracker.status()["retrying_writes"] == 1
+    tracker.observe(r2)  # the same key, before the retry
+    assert tracker.flush() == 2 and tracker.status()["retrying_writes"] == 0
+    row = history.totals(workload="prose@greedy", version=0)
+    assert row.requests == 2
+    assert row.num_draft_tokens == r1.counts.num_draft_tokens + r2.counts.num_draft_tokens
+
+
 def test_bad_adapter_is_rolled_back_with_the_reason_recorded(tok, pair, reg, tmp_path):
     target, draft, noise = pair
     good = reg.register(fixing_lora(draft, noise, tmp_path / "fix"))

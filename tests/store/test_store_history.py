@@ -85,3 +85,57 @@ def test_record_validates_counters(hist):
     with pytest.raises(ValueError, match="empty"):
         hist.record("", 0, {"num_steps": 1})
     assert hist.read() == []
+
+
+def test_a_write_is_applied_once_per_writer_and_seq(hist, client, prefix):
+    # the same write retried (same seq) or an older one arriving late is skipped; a newer one and
+    # another writer's are applied: 1 + 4 + 16 steps, not 1 + 2 + 4 + 8 + 16
+    assert hist.record("chat", 1, {"num_steps": 1, "requests": 1}, seq=3) is True
+    assert hist.record("chat", 1, {"num_steps": 2, "requests": 1}, seq=3) is False  # a resend
+    assert hist.record("chat", 1, {"num_steps": 8, "requests": 1}, seq=2) is False  # older than applied
+    assert hist.record("chat", 1, {"num_steps": 4, "requests": 1}, seq=4) is True
+    assert hist.record("chat", 2, {"num_steps": 32, "requests": 1}, seq=1) is True  # another version: its own numbers
+    other = AcceptanceHistory(client, StoreConfig(key_prefix=prefix, history=HistoryConfig(bucket_s=10, retention_s=3600)),
+                              clock=lambda: NOW)
+    assert other.writer != hist.writer
+    assert other.record("chat", 1, {"num_steps": 16, "requests": 1}, seq=3) is True
+    row = hist.totals(workload="chat", version=1)
+    assert (row.num_steps, row.requests) == (1 + 4 + 16, 3)
+    assert hist.totals(workload="chat", version=2).num_steps == 32
+    # without a seq every call is a new write
+    hist.record("chat", 1, {"num_steps": 64})
+    hist.record("chat", 1, {"num_steps": 64})
+    assert hist.totals(workload="chat", version=1).num_steps == 1 + 4 + 16 + 128
+
+
+def test_a_write_whose_reply_was_lost_counts_once_when_resent_or_retried(private_redis, tmp_path):
+    # The server is busy (a script running 1.5 s) when the write arrives: the client's 0.3 s read
+    # times out, redis-py (its default Retry) resends it on new connections, and record raises
+    # StoreUnavailableError; the server runs what it had read once the script ends. The caller
+    # (AcceptanceTracker) then retries with the same seq, as the error tells it to. Counted once.
+    import threading
+    import time
+
+    from store.client import connect
+    from store.errors import StoreUnavailableError
+
+    busy = private_redis.client()
+    slow = connect(private_redis.url, socket_timeout=0.3)
+    cfg = StoreConfig(key_prefix="t:", history=HistoryConfig(bucket_s=10, retention_s=3600))
+    h = AcceptanceHistory(slow, cfg, clock=lambda: NOW)
+    h.record("chat", 0, {"requests": 1})  # the script is loaded before the server is busy
+    spin = ("local t0 = redis.call('TIME') local t = t0 "
+            "while (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) < 1500000 do t = redis.call('TIME') end return 1")
+    th = threading.Thread(target=lambda: busy.eval(spin, 0))
+    th.start()
+    time.sleep(0.2)
+    seq = h.next_seq()
+    with pytest.raises(StoreUnavailableError):
+        h.record("chat", 0, {"requests": 1, "num_steps": 5}, seq=seq)
+    th.join()
+    time.sleep(0.2)
+    applied_meanwhile = busy.info("commandstats")["cmdstat_evalsha"]["calls"] - 1
+    assert applied_meanwhile >= 1  # the server ran the write whose reply was lost: the case under test
+    assert h.record("chat", 0, {"requests": 1, "num_steps": 5}, seq=seq) is False  # the caller's retry
+    row = AcceptanceHistory(private_redis.client(), cfg, clock=lambda: NOW).totals(workload="chat", version=0)
+    assert (row.requests, row.num_steps) == (2, 5)
