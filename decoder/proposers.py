@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -279,14 +280,33 @@ class StepCost:
     An unmeasured n is read off a least-squares line through the measured ones (slope clamped
     at >= 0; flat through a single point, so before any proposal is measured a proposal looks as
     cheap as a plain step, and the first ones measure what it really costs). Fed by the decoder
-    from the steps that ran no draft model (the n-gram proposer's and plain ones)."""
+    from the steps that ran no draft model (the n-gram proposer's and plain ones).
 
-    def __init__(self, window: int = 33):
+    Paired in time: a step of n > 1 rows counts as its ratio to the plain steps of its own time
+    (the median of the last ``ref_steps`` plain steps when it ran, if the newest is at most
+    ``ref_max_age_s`` old; else to the plain median when read), and t(n) is that median ratio
+    times the plain median now. Beside a trainer that runs in rounds every step costs more during
+    a round, and proposals are tried at other times than plain steps run, so unpaired medians
+    mixed a busy core's multi-row steps with an idle core's plain ones (the demo read 2 rows as
+    2.8 plain steps; alone on the engine, and with a training thread beside it, they cost 1.75-1.95).
+
+    Raises: ValueError for a ``window`` or ``ref_steps`` that is not an int >= 1, or a negative
+    ``ref_max_age_s`` (seconds).
+    """
+
+    def __init__(self, window: int = 33, *, ref_steps: int = 9, ref_max_age_s: float = 30.0,
+                 clock=time.monotonic):
         if not _is_int(window) or window < 1:
             raise ValueError(f"StepCost: window={window!r} must be an int >= 1")
-        self.window = window
-        self._recent: dict[int, deque[float]] = {}
+        if not _is_int(ref_steps) or ref_steps < 1:
+            raise ValueError(f"StepCost: ref_steps={ref_steps!r} must be an int >= 1")
+        if not isinstance(ref_max_age_s, (int, float)) or not ref_max_age_s >= 0:
+            raise ValueError(f"StepCost: ref_max_age_s={ref_max_age_s!r} must be a number of seconds >= 0")
+        self.window, self.ref_steps, self.ref_max_age_s = window, ref_steps, float(ref_max_age_s)
+        self._clock = clock
+        self._recent: dict[int, deque[tuple[float, float | None]]] = {}  # rows -> (ms, plain ms of its time)
         self._median: dict[int, float] = {}
+        self._last_plain: float | None = None
         self._lock = threading.Lock()
 
     def add(self, rows: int, ms: float) -> None:
@@ -301,10 +321,32 @@ class StepCost:
         ms = float(ms)
         if not math.isfinite(ms):  # a broken clock reading must not poison the estimate
             return
+        rows = int(rows)
         with self._lock:
-            r = self._recent.setdefault(int(rows), deque(maxlen=self.window))
-            r.append(max(0.0, ms))
-            self._median[int(rows)] = statistics.median(r)
+            now = self._clock()
+            ref = None
+            plain = self._recent.get(1)
+            if rows > 1 and plain and self._last_plain is not None and now - self._last_plain <= self.ref_max_age_s:
+                ref = statistics.median(m for m, _ in list(plain)[-self.ref_steps:])
+            self._recent.setdefault(rows, deque(maxlen=self.window)).append((max(0.0, ms), ref))
+            if rows == 1:
+                self._last_plain = now
+            self._estimate()
+
+    def _estimate(self) -> None:
+        """t(n) per measured n from the samples (lock held)."""
+        med: dict[int, float] = {}
+        t1 = statistics.median(m for m, _ in self._recent[1]) if 1 in self._recent else None
+        if t1 is not None:
+            med[1] = t1
+        for rows, r in self._recent.items():
+            if rows == 1:
+                continue
+            if t1 is None or t1 <= 0:
+                med[rows] = statistics.median(m for m, _ in r)
+            else:
+                med[rows] = t1 * statistics.median(m / ref if ref else m / t1 for m, ref in r)
+        self._median = med
 
     def ms(self, rows: int) -> float:
         """Estimated ms of a step verifying ``rows`` tokens (NaN before any step is measured)."""

@@ -58,6 +58,37 @@ def test_step_cost_is_the_median_per_row_count_and_a_line_elsewhere():
         StepCost(window=0)
 
 
+def test_step_cost_pairs_each_multi_row_step_with_the_plain_steps_of_its_time():
+    """Hand values: plain steps cost 10 ms on an idle core and 20 ms while a training round shares
+    it; the 2-row steps (36 ms) all ran during the round. Paired with the plain steps of their time
+    they cost 1.8 plain steps, so t(2) = 1.8 x the plain median now (10 ms) = 18 ms and γ = 1's
+    ceiling is 2 x 10 / 18 = 1.111x; unpaired medians gave 36 ms and 0.556x. A 3-row step with no
+    plain step in the last 30 s is read against the plain median when read: 30 / 10 = 3."""
+    now = [0.0]
+    c = StepCost(ref_steps=3, clock=lambda: now[0])
+    for _ in range(5):  # idle
+        c.add(1, 10.0)
+        now[0] += 1
+    now[0] = 100.0  # a training round
+    for _ in range(3):
+        c.add(1, 20.0)
+        c.add(2, 36.0)
+        now[0] += 1
+    now[0] = 200.0  # idle again
+    for _ in range(30):
+        c.add(1, 10.0)
+        now[0] += 1
+    assert c.ms(1) == 10.0
+    assert c.ms(2) == pytest.approx(18.0)
+    assert c.ceiling(1) == {"by_gamma": {1: 1.111}, "gamma": 1, "speedup": 1.111}
+    now[0] = 1000.0
+    c.add(3, 30.0)  # the newest plain step is 771 s old: no reference of its time
+    assert c.ms(3) == pytest.approx(30.0)
+    for bad in ({"ref_steps": 0}, {"ref_steps": 1.5}, {"ref_max_age_s": -1}, {"ref_max_age_s": float("nan")}):
+        with pytest.raises(ValueError, match="StepCost: ref_"):
+            StepCost(**bad)
+
+
 def test_the_engine_ceiling_is_gamma_plus_one_over_the_verification_cost():
     """Hand values: plain 10 ms, 2 rows 18 ms, 4 rows 24 ms, 10 rows 70 ms: at α = 1 and no
     proposing cost γ=1 gives 2 * 10 / 18 = 1.111x, γ=3 4 * 10 / 24 = 1.667x (the best), γ=9 is past
