@@ -47,12 +47,16 @@ COUNTS = INT_COUNTS + FLOAT_COUNTS
 
 # KEYS: bucket hash, index, the writer's applied hash. ARGV: retention_s, index member, bucket,
 # trim-before, applied field, seq, then (i|f, counter, value) triples. Returns 1 if applied, 0 if
-# this writer's seq for the field was applied already (a resent or retried write).
+# this writer's seq for the field was applied already (a resent or retried write), -1 (writing
+# nothing) if a counter would leave the range Redis keeps (a 64-bit integer, a finite float): a
+# script that fails half way keeps its first writes, so every check runs before any write.
 _RECORD = """
 local last = redis.call('HGET', KEYS[3], ARGV[5])
 if last and tonumber(last) >= tonumber(ARGV[6]) then return 0 end
-redis.call('HSET', KEYS[3], ARGV[5], ARGV[6])
-redis.call('EXPIRE', KEYS[3], ARGV[1])
+for i = 7, #ARGV, 3 do
+  local v = tonumber(redis.call('HGET', KEYS[1], ARGV[i + 1]) or '0') + tonumber(ARGV[i + 2])
+  if v ~= v or v >= 9.2e18 or v <= -9.2e18 then return -1 end
+end
 for i = 7, #ARGV, 3 do
   if ARGV[i] == 'i' then redis.call('HINCRBY', KEYS[1], ARGV[i + 1], ARGV[i + 2])
   else redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i + 1], ARGV[i + 2]) end
@@ -60,6 +64,8 @@ end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[4])
+redis.call('HSET', KEYS[3], ARGV[5], ARGV[6])
+redis.call('EXPIRE', KEYS[3], ARGV[1])
 return 1
 """
 
@@ -145,6 +151,7 @@ class AcceptanceHistory:
         self.writer = uuid.uuid4().hex  # this instance's writes are deduplicated under it
         self._seq = 0  # the highest seq handed out or written
         self._seq_lock = threading.Lock()
+        self._write_lock = threading.Lock()  # a call without seq takes its number and writes under it
         self._record = client.register_script(_RECORD)
 
     def of_kind(self, kind: str) -> "AcceptanceHistory":
@@ -172,13 +179,19 @@ class AcceptanceHistory:
         None: a new one) numbers the write: a write whose seq is not above the last this writer
         applied for (``workload``, ``version``) is skipped, so the same write retried after an
         error whose reply was lost counts once. A caller that retries must retry its oldest
-        unapplied write for a key before any newer one.
+        unapplied write for a key before any newer one, and give one seq to one thread at a time:
+        a higher seq that lands first makes a lower one a skip. Calls without ``seq`` are safe
+        from any thread (each takes its number and writes under one lock). A seq numbers this
+        writer's writes only: another AcceptanceHistory is another writer.
 
         Returns: True if applied, False if this seq (or a later one) was applied already.
 
         Raises:
             ValueError: an unknown counter name, a non-integer value for an integer counter, a
-                non-finite value, or an empty workload name; the message names the offending key.
+                non-finite value or ``ts``, an empty workload name, a ``seq`` outside 1..2**53
+                (the script compares them as doubles), or a counter that would leave what Redis
+                keeps (a 64-bit integer; nothing is written then); the message names the
+                offending key.
             StoreUnavailableError: Redis unreachable (the write may or may not have been applied:
                 retry it with the same ``seq``).
         """
@@ -195,26 +208,40 @@ class AcceptanceHistory:
             if name in INT_COUNTS:
                 if isinstance(value, float) and not value.is_integer():
                     raise ValueError(f"counter {name!r} must be an integer, got {value!r}")
+                if abs(int(value)) >= 2**63:
+                    raise ValueError(f"counter {name!r} = {int(value)} is outside a 64-bit integer")
                 if int(value):
                     args += ["i", name, int(value)]
             elif value:
                 args += ["f", name, repr(float(value))]
-        if seq is None:
-            seq = self.next_seq()
-        else:
-            seq = int(seq)
-            with self._seq_lock:
-                self._seq = max(self._seq, seq)
+        if seq is not None and not (isinstance(seq, int) and not isinstance(seq, bool) and 1 <= seq <= 2**53):
+            raise ValueError(f"seq={seq!r} must be an int in 1..2**53 (from next_seq())")
         ts = self._clock() if ts is None else ts
+        if not math.isfinite(float(ts)):
+            raise ValueError(f"ts={ts!r} is not a finite time (seconds since the epoch); is the clock broken?")
         bucket = self.bucket_of(ts)
         key = self._keys.history_bucket(workload, version, bucket)
         member = f"{bucket}|{int(version)}|{workload}".encode("utf-8")
         applied = f"{self._hist_root()}applied:{self.writer}"
-        with _unavailable(f"recording history for {workload!r} v{version}"):
-            return bool(self._record(
-                keys=[key, self._keys.history_index, applied],
-                args=[int(self.retention_s), member, bucket, repr(float(self._clock() - self.retention_s)),
-                      f"{int(version)}|{workload}".encode("utf-8"), seq, *args]))
+
+        def write(n: int) -> int:
+            with _unavailable(f"recording history for {workload!r} v{version}"):
+                return int(self._record(
+                    keys=[key, self._keys.history_index, applied],
+                    args=[int(self.retention_s), member, bucket, repr(float(self._clock() - self.retention_s)),
+                          f"{int(version)}|{workload}".encode("utf-8"), n, *args]))
+
+        if seq is None:
+            with self._write_lock:
+                done = write(self.next_seq())
+        else:
+            with self._seq_lock:
+                self._seq = max(self._seq, seq)
+            done = write(seq)
+        if done < 0:
+            raise ValueError(f"history counters {dict(counts)} would overflow the stored counts of {workload!r} "
+                             f"v{version} (a 64-bit integer or a finite float); nothing was written")
+        return bool(done)
 
     def _hist_root(self) -> str:
         return self._keys.history_index[: -len("index")]

@@ -139,3 +139,33 @@ def test_a_write_whose_reply_was_lost_counts_once_when_resent_or_retried(private
     assert h.record("chat", 0, {"requests": 1, "num_steps": 5}, seq=seq) is False  # the caller's retry
     row = AcceptanceHistory(private_redis.client(), cfg, clock=lambda: NOW).totals(workload="chat", version=0)
     assert (row.requests, row.num_steps) == (2, 5)
+
+
+def test_concurrent_writes_without_seq_all_count(hist):
+    # each call takes its number and writes under one lock: a later number landing first must
+    # not turn an earlier one into a skip (4 threads x 100 writes = 400)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: hist.record("conc", 1, {"requests": 1}), range(400)))
+    assert hist.totals(workload="conc", version=1).requests == 400
+
+
+def test_a_write_redis_cannot_keep_writes_nothing_and_says_so(hist, client, prefix):
+    hist.record("big", 1, {"requests": 1, "num_steps": 2**62})
+    with pytest.raises(ValueError, match="num_steps.* outside a 64-bit integer"):
+        hist.record("big", 1, {"requests": 1, "num_steps": 2**63})
+    # 2**62 + 2**62 overflows what Redis keeps: refused whole, before any counter moves
+    with pytest.raises(ValueError, match="would overflow the stored counts of 'big' v1 .*nothing was written"):
+        hist.record("big", 1, {"requests": 1, "num_steps": 2**62}, seq=99)
+    row = hist.totals(workload="big", version=1)
+    assert (row.requests, row.num_steps) == (1, 2**62)
+    assert hist.record("big", 1, {"requests": 1}, seq=99) is True  # the refused seq was not marked applied
+    key = StoreConfig(key_prefix=prefix).keys.history_bucket("big", 1, hist.bucket_of(NOW))
+    assert 0 < client.ttl(key) <= 3600
+    for bad in (0, -1, 2**53 + 1, 2.0, True):
+        with pytest.raises(ValueError, match="seq=.* must be an int in 1..2\\*\\*53"):
+            hist.record("big", 1, {"requests": 1}, seq=bad)
+    with pytest.raises(ValueError, match="ts=inf is not a finite time"):
+        hist.record("big", 1, {"requests": 1}, ts=float("inf"))
+    assert hist.totals(workload="big", version=1).requests == 2
