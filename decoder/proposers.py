@@ -274,27 +274,30 @@ def _pos_bucket(j: int) -> int:
 
 class StepCost:
     """Measured wall ms of one decoding step (proposal, verification, acceptance test; not the
-    cache crop after it, which costs microseconds) by the rows it verified, n = proposals + 1 (n = 1: a plain step): the median of the
-    last ``window`` steps per n (a median, not a mean: one step stalled by another process, a
-    page fault or a graph rebuild must not make proposals look expensive for the next dozens).
-    An unmeasured n is read off a least-squares line through the measured ones (slope clamped
-    at >= 0; flat through a single point, so before any proposal is measured a proposal looks as
-    cheap as a plain step, and the first ones measure what it really costs). Fed by the decoder
-    from the steps that ran no draft model (the n-gram proposer's and plain ones).
+    cache crop after it, which costs microseconds) by the rows it verified, n = proposals + 1
+    (n = 1: a plain step). Fed by the decoder from the steps that ran no draft model (the n-gram
+    proposer's and plain ones).
 
-    Paired in time: a step of n > 1 rows counts as its ratio to the plain steps of its own time
-    (the median of the last ``ref_steps`` plain steps when it ran, if the newest is at most
-    ``ref_max_age_s`` old; else to the plain median when read), and t(n) is that median ratio
-    times the plain median now. Beside a trainer that runs in rounds every step costs more during
-    a round, and proposals are tried at other times than plain steps run, so unpaired medians
-    mixed a busy core's multi-row steps with an idle core's plain ones (the demo read 2 rows as
-    2.8 plain steps; alone on the engine, and with a training thread beside it, they cost 1.75-1.95).
+    - t(1): the median of the last ``window`` plain steps (a median, not a mean: one step stalled
+      by another process, a page fault or a graph rebuild must not make proposals look expensive
+      for the next dozens).
+    - t(n), n > 1, paired in time: each step of n rows counts as its ratio to the plain steps of
+      its own time (the median of the last ``ref_steps`` plain steps of the ``ref_max_age_s``
+      seconds before it; with none that recent, to t(1) when read), and t(n) = t(1) x the
+      median ratio of its last ``window`` steps, never below t(1) (a verification is never
+      cheaper than a plain step; before any plain step, the median of its ms). Beside a
+      trainer that runs in rounds every step costs more during a round, and proposals are tried
+      at other times than plain steps run, so unpaired medians mixed a busy core's multi-row
+      steps with an idle core's plain ones.
+    - an unmeasured n is read off a least-squares line through the measured ones (slope clamped
+      at >= 0; flat through a single point, so before any proposal is measured a proposal looks
+      as cheap as a plain step, and the first ones measure what it really costs).
 
-    Raises: ValueError for a ``window`` or ``ref_steps`` that is not an int >= 1, or a negative
-    ``ref_max_age_s`` (seconds).
+    Raises: ValueError for a ``window`` or ``ref_steps`` that is not an int >= 1, or a
+    ``ref_max_age_s`` (seconds) that is not a number >= 0.
     """
 
-    def __init__(self, window: int = 33, *, ref_steps: int = 9, ref_max_age_s: float = 30.0,
+    def __init__(self, window: int = 33, *, ref_steps: int = 9, ref_max_age_s: float = 5.0,
                  clock=time.monotonic):
         if not _is_int(window) or window < 1:
             raise ValueError(f"StepCost: window={window!r} must be an int >= 1")
@@ -304,9 +307,10 @@ class StepCost:
             raise ValueError(f"StepCost: ref_max_age_s={ref_max_age_s!r} must be a number of seconds >= 0")
         self.window, self.ref_steps, self.ref_max_age_s = window, ref_steps, float(ref_max_age_s)
         self._clock = clock
-        self._recent: dict[int, deque[tuple[float, float | None]]] = {}  # rows -> (ms, plain ms of its time)
-        self._median: dict[int, float] = {}
-        self._last_plain: float | None = None
+        self._plain: deque[tuple[float, float]] = deque(maxlen=window)  # (ms, clock)
+        self._rows: dict[int, deque[tuple[float, float | None]]] = {}  # rows > 1 -> (ms, ratio to its time's plain steps)
+        self._est: dict[int, float] | None = None  # t(n), computed on the first read after an add
+        self._paired: dict[int, float] = {}  # rows -> median ratio, for rows whose steps are all paired
         self._lock = threading.Lock()
 
     def add(self, rows: int, ms: float) -> None:
@@ -321,45 +325,55 @@ class StepCost:
         ms = float(ms)
         if not math.isfinite(ms):  # a broken clock reading must not poison the estimate
             return
-        rows = int(rows)
+        rows, ms = int(rows), max(0.0, ms)
         with self._lock:
             now = self._clock()
-            ref = None
-            plain = self._recent.get(1)
-            if rows > 1 and plain and self._last_plain is not None and now - self._last_plain <= self.ref_max_age_s:
-                ref = statistics.median(m for m, _ in list(plain)[-self.ref_steps:])
-            self._recent.setdefault(rows, deque(maxlen=self.window)).append((max(0.0, ms), ref))
+            self._est = None
             if rows == 1:
-                self._last_plain = now
-            self._estimate()
-
-    def _estimate(self) -> None:
-        """t(n) per measured n from the samples (lock held)."""
-        med: dict[int, float] = {}
-        t1 = statistics.median(m for m, _ in self._recent[1]) if 1 in self._recent else None
-        if t1 is not None:
-            med[1] = t1
-        for rows, r in self._recent.items():
-            if rows == 1:
-                continue
-            if t1 is None or t1 <= 0:
-                med[rows] = statistics.median(m for m, _ in r)
+                self._plain.append((ms, now))
+                return
+            recent = [m for m, t in self._plain if 0 <= now - t <= self.ref_max_age_s][-self.ref_steps:]
+            ref = statistics.median(recent) if recent else 0.0
+            d = self._rows.setdefault(rows, deque(maxlen=self.window))
+            d.append((ms, ms / ref if ref > 0 else None))
+            if all(q is not None for _, q in d):
+                self._paired[rows] = statistics.median(q for _, q in d)
             else:
-                med[rows] = t1 * statistics.median(m / ref if ref else m / t1 for m, ref in r)
-        self._median = med
+                self._paired.pop(rows, None)
+
+    def _estimates(self) -> dict[int, float]:
+        """t(n) per measured n (lock held)."""
+        if self._est is not None:
+            return self._est
+        if not self._plain:  # no plain step yet: the raw medians
+            est = {r: statistics.median(m for m, _ in d) for r, d in self._rows.items()}
+        else:
+            t1 = statistics.median(m for m, _ in self._plain)
+            est = {1: t1}
+            for r, d in self._rows.items():
+                if t1 > 0:  # a step with no plain steps of its time is read against t(1) now
+                    ratio = self._paired.get(r)
+                    if ratio is None:
+                        ratio = statistics.median(q if q is not None else m / t1 for m, q in d)
+                    est[r] = t1 * max(1.0, ratio)
+                else:
+                    est[r] = statistics.median(m for m, _ in d)
+        self._est = est
+        return est
 
     def ms(self, rows: int) -> float:
         """Estimated ms of a step verifying ``rows`` tokens (NaN before any step is measured)."""
         with self._lock:
-            if rows in self._median:
-                return self._median[rows]
-            pts = list(self._median.items())
-        return line_at(pts, rows)
+            est = self._estimates()
+        if rows in est:
+            return est[rows]
+        return line_at(list(est.items()), rows)
 
     def status(self) -> dict[int, float]:
-        """Median ms per verified row count measured so far."""
+        """t(n) in ms per verified row count measured so far (t(1) x the paired median ratio for
+        n > 1; see the class)."""
         with self._lock:
-            return {k: round(v, 4) for k, v in sorted(self._median.items())}
+            return {k: round(v, 4) for k, v in sorted(self._estimates().items())}
 
     def ceiling(self, gamma_max: int = 8) -> dict | None:
         """What this engine lets any proposer buy: the speedup over plain decoding at γ if every
@@ -373,13 +387,16 @@ class StepCost:
 
         Raises: ValueError: ``gamma_max`` is not an int >= 1."""
         with self._lock:
-            med = dict(self._median)
+            med = self._estimates()
         return speculation_ceiling(med, gamma_max)
 
 
 def speculation_ceiling(ms_by_rows: dict[int, float], gamma_max: int = 8) -> dict | None:
     """(γ + 1) t(1) / t(γ + 1) for each γ <= ``gamma_max`` whose t(γ + 1) is in ``ms_by_rows``
     (ms, or any unit, by verified rows; see :meth:`StepCost.ceiling`), and the best of them.
+
+    A t(γ + 1) below t(1) (noise, or a broken clock's near-zero reading) counts as t(1): a
+    verification is never cheaper than a plain step, so no γ reads above γ + 1.
 
     Returns: {"by_gamma": {γ: speedup}, "gamma": best γ, "speedup": best} (rounded to 3 places),
     or None without t(1) > 0 and one more row count.
@@ -390,7 +407,7 @@ def speculation_ceiling(ms_by_rows: dict[int, float], gamma_max: int = 8) -> dic
     med = {int(r): float(t) for r, t in ms_by_rows.items()}
     if med.get(1, 0) <= 0:
         return None
-    by = {r - 1: (r * med[1] / med[r]) for r in med if 1 < r <= gamma_max + 1 and med[r] > 0}
+    by = {r - 1: (r * med[1] / max(med[r], med[1])) for r in med if 1 < r <= gamma_max + 1 and med[r] > 0}
     if not by:
         return None
     g = max(by, key=by.get)

@@ -49,11 +49,11 @@ def test_step_cost_is_the_median_per_row_count_and_a_line_elsewhere():
     assert c.ms(2) == pytest.approx(17.0) and c.ms(6) == pytest.approx(37.0)
     c.add(2, float("nan"))  # ignored
     assert c.status() == {1: 12.0, 3: 22.0}
-    # a cheaper longer step never gives a negative slope
+    # a verification that measured cheaper than a plain step counts as one, and the line is flat
     d = StepCost()
     d.add(1, 10.0)
     d.add(2, 6.0)
-    assert d.ms(4) == pytest.approx(8.0)  # flat through the mean
+    assert d.ms(2) == 10.0 and d.ms(4) == pytest.approx(10.0)
     with pytest.raises(ValueError, match="window"):
         StepCost(window=0)
 
@@ -89,6 +89,26 @@ def test_step_cost_pairs_each_multi_row_step_with_the_plain_steps_of_its_time():
             StepCost(**bad)
 
 
+def test_step_cost_pairs_only_with_recent_plain_steps():
+    """Nine plain steps of 20 ms (a busy core) up to t = 8 s; at t = 29 s five 2-row steps of 12 ms
+    (the core idle again): no plain step in the 5 s before them, so they are not paired with the
+    busy ones (that read 0.6 plain steps, below what any verification costs) but read against
+    t(1) now; then plain steps of 10 ms: t(2) = 12 ms, 1.2 plain steps."""
+    now = [0.0]
+    c = StepCost(clock=lambda: now[0])
+    for k in range(9):
+        now[0] = float(k)
+        c.add(1, 20.0)
+    now[0] = 29.0
+    for _ in range(5):
+        c.add(2, 12.0)
+    for k in range(30):
+        now[0] = 30.0 + k
+        c.add(1, 10.0)
+    assert c.ms(1) == 10.0 and c.ms(2) == pytest.approx(12.0)
+    assert c.ceiling(1)["speedup"] == pytest.approx(2 / 1.2, abs=1e-3)
+
+
 def test_the_engine_ceiling_is_gamma_plus_one_over_the_verification_cost():
     """Hand values: plain 10 ms, 2 rows 18 ms, 4 rows 24 ms, 10 rows 70 ms: at α = 1 and no
     proposing cost γ=1 gives 2 * 10 / 18 = 1.111x, γ=3 4 * 10 / 24 = 1.667x (the best), γ=9 is past
@@ -101,6 +121,8 @@ def test_the_engine_ceiling_is_gamma_plus_one_over_the_verification_cost():
         c.add(rows, ms)
     assert c.ceiling() == {"by_gamma": {1: 1.111, 3: 1.667}, "gamma": 3, "speedup": 1.667}
     assert c.ceiling(gamma_max=1) == {"by_gamma": {1: 1.111}, "gamma": 1, "speedup": 1.111}
+    c.add(3, 1e-300)  # a broken clock: 3 rows never read as cheaper than a plain step, so at most γ + 1 = 3x
+    assert c.ceiling()["by_gamma"] == {1: 1.111, 2: 3.0, 3: 1.667}
     for bad in (0, -1, 2.5, None, True):
         with pytest.raises(ValueError, match="gamma_max=.* must be an int >= 1"):
             c.ceiling(gamma_max=bad)
