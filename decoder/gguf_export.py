@@ -200,7 +200,8 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
     Written once: ``cache_dir`` (default ``decoder.models.cache_root() / "gguf"``) /
     ``{src.stem}-{digest16}-layers-{spec}.gguf``, where digest16 is :func:`file_digest16` of
     ``src`` and spec is :func:`layer_spec` of ``layers`` (e.g. ``"0-3"``). Later calls return
-    the cached file. Writes go to a temporary file in that directory, then ``os.replace``.
+    the cached file (of a split ``src``, with its offset adapter beside it; a cached split draft
+    whose adapter is gone is written again). Writes go to a temporary file in that directory, then ``os.replace``.
 
     Caveat: llama.cpp derives some per-layer behaviour from the block index itself (e.g. gemma3's
     sliding-window pattern, every 6th layer global); a selection that is not a prefix of the
@@ -231,7 +232,9 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
     sel = _check_layers(layers, None, src)
     out = cache_dir / f"{src.stem}-{file_digest16(src)}-layers-{layer_spec(sel)}.gguf"
     if out.is_file():  # only ever written for in-range layers of this very source
-        return out
+        if (out.parent / offset_lora_name(out)).is_file() or _field(gguf.GGUFReader(out, "r"), SPLIT_KEY) is None:
+            return out
+        # a split draft whose offset adapter was removed: both are written again
     reader = gguf.GGUFReader(src, "r")
     arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
     bc_key = gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)

@@ -672,6 +672,9 @@ def test_real_q4_1_split_serves_the_packaged_model_with_its_offsets(tmp_path):
     got = torch.log_softmax(torch.as_tensor(np.asarray(d_split.start().forward(ids, len(ids)), dtype=np.float64)), -1)
     d_split.close()
     assert kl(d_ref, got) < 0.02
+    dl.unlink()  # the cached draft's adapter removed: the next call writes both again
+    assert derived_draft_gguf(out, [0, 1, 2, 3], tmp_path / "drafts") == draft and dl.is_file()
+    LlamaCppEngine(draft, n_ctx=64).close()
     assert "token_embd.weight.lora_a" not in {t.name for t in gguf.GGUFReader(lora).tensors}  # matmuls only
     moved = tmp_path / "moved"
     moved.mkdir()
