@@ -172,7 +172,9 @@ def _offline_status(s) -> dict:
     finally:
         client.close()
     st["trainer"] = {"enabled": None, "reason": "daemon not running"}
-    st["problems"].insert(0, f"daemon not running (no answer at {s.api_url})")
+    st["problems"].insert(0, f"daemon not running (no answer at {s.api_url}); what the store holds is shown: "
+                             "after `daemonctl demo`, whose loop ran in its own process, that is expected; "
+                             "`daemonctl run` starts the daemon")
     st["healthy"] = False
     return st
 
