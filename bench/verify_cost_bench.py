@@ -20,12 +20,19 @@
    q4_1_split_gguf``: the same weights, Q4_0's batched kernels); ``--threads 1,2`` measures each
    file at each thread count. Every row has ``ceiling_at_alpha_1``: the speedup over plain decoding
    of the same file at each γ if every proposal were accepted at no cost (:func:`ceiling`).
-3. ``ngram_min_n``: greedy speculation with the n-gram proposer (history empty: the request's own
+3. ``beside`` (``--beside alone,thread,process``): the measurement at 1 thread, on a thread of
+   its own (as the demo's decoder runs beside the trainer, 200 tokens cached), alone, with a
+   training load in the same process (``thread``: the derived draft's torch copy, forward and
+   backward on a 4 x 128 batch and an Adam step, in a loop, at 1 torch thread) or in a process of
+   its own (``process``); whether the trainer's Python work beside the decoder (the GIL) makes a
+   verification's rows dearer, as the demo's step costs beside the trainer suggested.
+4. ``ngram_min_n``: greedy speculation with the n-gram proposer (history empty: the request's own
    context only) at ``ngram_min_n`` 1, 2, 3 and γ 1..3, against our plain decoding on the same engine,
    paired per prompt, on never-served prompts of prose, code and math; every output checked equal to
    plain.
 
-Usage: ``.venv/bin/python bench/verify_cost_bench.py [--prompts 3] [--max-new-tokens 64] [--formats Q4_0,BF16]``
+Usage: ``.venv/bin/python bench/verify_cost_bench.py [--prompts 3] [--max-new-tokens 64] [--formats Q4_0,BF16]
+[--beside alone,thread,process]``
 (run it alone on the cores). Results: bench/RESULTS.md.
 """
 
@@ -238,6 +245,66 @@ def _ngram_rows(decs, pair, prompts: int, max_new: int) -> list[dict]:
     return rows
 
 
+def _training_load(stop, ready, pair=None) -> None:
+    """A trainer's work until ``stop``: the derived draft's torch copy (its own copy, every
+    parameter trained), forward and backward on a 4 x 128 batch and an Adam step, at 1 torch thread."""
+    import copy
+
+    import torch
+
+    torch.set_num_threads(1)
+    if pair is None:
+        from daemon.logging import configure
+        from decoder.models import load_pair
+
+        configure("auto", "warning", stream=sys.stderr)
+        pair = load_pair("smollm2-135m", "layers:0-3")
+    model = copy.deepcopy(pair.draft).train()
+    params = list(model.parameters())
+    for q in params:
+        q.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=1e-6)
+    ids = torch.randint(0, 40000, (4, 128), generator=torch.Generator().manual_seed(0))
+    ready.set()
+    while not stop.is_set():
+        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def beside_trainer(gguf, modes: list[str], reps: int, cached: int = 200) -> list[dict]:
+    """:func:`verify_cost` at 1 thread on a worker thread, per mode: ``alone``, a training load
+    (:func:`_training_load`) on a thread of this process (``thread``), or in a process of its own
+    (``process``)."""
+    import multiprocessing as mp
+    import threading
+
+    from decoder.models import load_pair
+
+    pair = load_pair("smollm2-135m", "layers:0-3")
+    rows = []
+    for mode in modes:
+        spawn = mp.get_context("spawn")
+        stop, ready = (spawn.Event(), spawn.Event()) if mode == "process" else (threading.Event(), threading.Event())
+        worker = None
+        if mode == "process":
+            worker = spawn.Process(target=_training_load, args=(stop, ready))
+        elif mode == "thread":
+            worker = threading.Thread(target=_training_load, args=(stop, ready, pair), daemon=True)
+        if worker is not None:
+            worker.start()
+            if not ready.wait(600):
+                raise RuntimeError(f"--beside {mode}: the training load did not start")
+            time.sleep(2)  # past its first steps' allocations
+        try:
+            rows.append(dict(verify_cost(gguf, 1, reps, worker=True, cached=cached), beside=mode))
+        finally:
+            stop.set()
+            if worker is not None:
+                worker.join(60)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=3)
@@ -249,6 +316,8 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=1024, help="--formats: the context size (serve's is the model's, 8192)")
     ap.add_argument("--threads", default="2", help="--formats: comma-separated thread counts to measure each file at "
                                                    "(the demo's decoder runs on 1 beside the trainer)")
+    ap.add_argument("--beside", default="", help="comma-separated alone,thread,process: a verification's cost at 1 "
+                                                 "thread beside a training load in this process or in its own (then only that)")
     ap.add_argument("--verify-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--logits-out", default=None, help=argparse.SUPPRESS)
@@ -269,6 +338,13 @@ def main() -> None:
         return
     if a.verify_only:  # the child of a run that measures both buffer settings
         print(json.dumps([verify_cost(gguf, t, a.reps, w) for t in (1, 2) for w in (False, True)]))
+        return
+    if a.beside:
+        modes = [m.strip() for m in a.beside.split(",") if m.strip()]
+        bad = [m for m in modes if m not in ("alone", "thread", "process")]
+        if bad or not modes:
+            ap.error(f"--beside {a.beside!r}: comma-separated alone, thread, process")
+        print(json.dumps({"gguf": gguf.name, "beside": beside_trainer(gguf, modes, a.reps)}, indent=1))
         return
     if ((a.cached, a.n_ctx) != (100, 1024) or a.threads != "2") and not a.formats:
         ap.error("--cached, --n-ctx and --threads apply to --formats only (the default run measures after 100 cached "
