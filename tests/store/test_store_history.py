@@ -119,7 +119,7 @@ def test_a_write_whose_reply_was_lost_counts_once_when_resent_or_retried(private
     from store.client import connect
     from store.errors import StoreUnavailableError
 
-    busy = private_redis.client()
+    busy = connect(private_redis.url, socket_timeout=10.0)  # waits out its own 1.5 s script
     slow = connect(private_redis.url, socket_timeout=0.3)
     cfg = StoreConfig(key_prefix="t:", history=HistoryConfig(bucket_s=10, retention_s=3600))
     h = AcceptanceHistory(slow, cfg, clock=lambda: NOW)
