@@ -789,7 +789,7 @@ def print_report(report: dict, console) -> None:
     console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}, "
                   f"seconds: {report['seconds']}, plot: {report.get('plot')}")
     console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; .venv/bin/daemonctl status; "
-                  f".venv/bin/daemonctl history --plot history.png"
+                  f".venv/bin/daemonctl history --plot {Path(report.get('plot') or 'out/demo/acceptance.png').with_name('history.png')}"
                   + ("; .venv/bin/daemonctl heads list" if report.get("heads") else ""))
 
 
