@@ -8,7 +8,9 @@ Event names are snake_case with keyword context, e.g.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import warnings
 from typing import Literal
 
 import structlog
@@ -17,10 +19,20 @@ _configured = False
 
 
 def configure(fmt: Literal["auto", "json", "console"] = "auto", level: str = "info", stream=None) -> None:
-    """Configure structlog and the standard ``logging`` root once (later calls are no-ops)."""
+    """Configure structlog and the standard ``logging`` root once (later calls are no-ops).
+
+    Below ``debug`` it also silences what libraries print that no user can act on: transformers'
+    progress bar per model load (``HF_HUB_DISABLE_PROGRESS_BARS=1`` unless set, so it must run
+    before transformers is imported; every ``daemonctl`` command does) and peft's call of a
+    deprecated transformers attribute (a FutureWarning per adapter wrap)."""
     global _configured
     if _configured:
         return
+    if level.lower() != "debug":  # library noise no user can act on (a user's own setting wins)
+        # transformers' progress bar per model load (it reads this when first imported)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        # peft asks transformers 5 a deprecated attribute on every adapter wrap
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     stream = stream or sys.stdout
     tty = hasattr(stream, "isatty") and stream.isatty()
     use_json = fmt == "json" or (fmt == "auto" and not tty)
