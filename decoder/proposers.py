@@ -310,7 +310,6 @@ class StepCost:
         self._plain: deque[tuple[float, float]] = deque(maxlen=window)  # (ms, clock)
         self._rows: dict[int, deque[tuple[float, float | None]]] = {}  # rows > 1 -> (ms, ratio to its time's plain steps)
         self._est: dict[int, float] | None = None  # t(n), computed on the first read after an add
-        self._paired: dict[int, float] = {}  # rows -> median ratio, for rows whose steps are all paired
         self._lock = threading.Lock()
 
     def add(self, rows: int, ms: float) -> None:
@@ -334,12 +333,7 @@ class StepCost:
                 return
             recent = [m for m, t in self._plain if 0 <= now - t <= self.ref_max_age_s][-self.ref_steps:]
             ref = statistics.median(recent) if recent else 0.0
-            d = self._rows.setdefault(rows, deque(maxlen=self.window))
-            d.append((ms, ms / ref if ref > 0 else None))
-            if all(q is not None for _, q in d):
-                self._paired[rows] = statistics.median(q for _, q in d)
-            else:
-                self._paired.pop(rows, None)
+            self._rows.setdefault(rows, deque(maxlen=self.window)).append((ms, ms / ref if ref > 0 else None))
 
     def _estimates(self) -> dict[int, float]:
         """t(n) per measured n (lock held)."""
@@ -352,10 +346,7 @@ class StepCost:
             est = {1: t1}
             for r, d in self._rows.items():
                 if t1 > 0:  # a step with no plain steps of its time is read against t(1) now
-                    ratio = self._paired.get(r)
-                    if ratio is None:
-                        ratio = statistics.median(q if q is not None else m / t1 for m, q in d)
-                    est[r] = t1 * max(1.0, ratio)
+                    est[r] = t1 * max(1.0, statistics.median(q if q is not None else m / t1 for m, q in d))
                 else:
                     est[r] = statistics.median(m for m, _ in d)
         self._est = est

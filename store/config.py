@@ -151,3 +151,7 @@ class Keys:
 
     def history_bucket(self, workload: str, version: int, bucket: int) -> bytes:
         return f"{self._hist}{version}:{bucket}:{workload}".encode("utf-8")
+
+    def history_applied(self, writer: str) -> str:
+        """The last seq each (version, workload) of one history writer had applied (``AcceptanceHistory.record``)."""
+        return f"{self._hist}applied:{writer}"

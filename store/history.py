@@ -222,7 +222,7 @@ class AcceptanceHistory:
         bucket = self.bucket_of(ts)
         key = self._keys.history_bucket(workload, version, bucket)
         member = f"{bucket}|{int(version)}|{workload}".encode("utf-8")
-        applied = f"{self._hist_root()}applied:{self.writer}"
+        applied = self._keys.history_applied(self.writer)
 
         def write(n: int) -> int:
             with _unavailable(f"recording history for {workload!r} v{version}"):
@@ -242,9 +242,6 @@ class AcceptanceHistory:
             raise ValueError(f"history counters {dict(counts)} would overflow the stored counts of {workload!r} "
                              f"v{version} (a 64-bit integer or a finite float); nothing was written")
         return bool(done)
-
-    def _hist_root(self) -> str:
-        return self._keys.history_index[: -len("index")]
 
     def read(
         self,
