@@ -157,6 +157,9 @@ class TrainerSettings(_Group):
     min_workload_samples: int = Field(16, ge=1, description="New training samples of a workload in a round before its own adapter trains.")
     promote_margin: float = Field(0.005, allow_inf_nan=False, description="Held-out alpha must rise by at least this much to promote.")
     regress_margin: float = Field(0.01, ge=0, allow_inf_nan=False, description="... and may drop by at most this much on any workload.")
+    min_eval_requests: int = Field(8, ge=2, description="Held-out requests (prompts) the promotion gate's paired interval needs (trainer.gate).")
+    min_eval_positions: int = Field(256, ge=1, description="Held-out output positions the promotion gate needs over the judged workloads.")
+    gate_confidence: float = Field(0.95, gt=0, lt=1, description="Coverage of the gain's bootstrap interval; its lower bound must be above 0 to promote.")
     loss: LossName = Field("forward_kl", description="Divergence: forward_kl, reverse_kl, jsd or tv (trainer.losses).")
     weighting: WeightingName = Field("all", description="Positions trained: all, rejected, upweight_rejected.")
     lora_r: int = Field(16, ge=1, description="LoRA rank.")
@@ -520,5 +523,8 @@ def service_config(s: Settings) -> "ServiceConfig":
         min_workload_samples=t.min_workload_samples,
         promote_margin=t.promote_margin,
         regress_margin=t.regress_margin,
+        min_eval_requests=t.min_eval_requests,
+        min_eval_positions=t.min_eval_positions,
+        confidence=t.gate_confidence,
         work_dir=str(s.state_dir / "trainer"),
     )

@@ -15,8 +15,11 @@ A round (``TrainerService.run_round_now`` or the scheduler):
    stays promoted (its weights do not change), and a promoted candidate's own evaluation seeds
    the cache, so each round evaluates the promoted adapter only on newly held-out samples.
 4. Gate (``gate``): promote only if the candidate's alpha, pooled over the workloads it trained
-   on, beats the promoted adapter's by ``promote_margin``, and no workload with at least
-   ``min_eval_samples`` held-out samples drops by more than ``regress_margin``.
+   on and paired per held-out position with the promoted adapter's, rises by ``promote_margin``
+   with the lower bound of its cluster-bootstrap interval above 0 over at least
+   ``min_eval_requests`` held-out requests and ``min_eval_positions`` positions
+   (``trainer.gate``), and no workload with at least ``min_eval_samples`` held-out samples drops
+   by more than ``regress_margin``.
 5. Register every finite candidate (promoted or rejected, with the numbers and the reason), then
    XACK the round's entries. A crash before the registration leaves the entries pending, so they
    are redelivered (to this consumer on restart, or reclaimed by another one); a crash between
@@ -37,9 +40,12 @@ that workload's pointer, and decoders route that workload's requests to it
 (``decoder.adapters``); workloads without an adapter of their own, and unseen ones, keep the
 shared adapter. Each scope keeps its own training candidate and optimiser state across rounds.
 
-A candidate that is not promoted is not thrown away: the next round keeps training it (the
-promoted snapshot is kept separately for evaluation), so small gains can accumulate past the
-margin. A non-finite round is rolled back inside the Distiller and never registered; its
+A candidate the gate found inconclusive (not enough evidence, or a gain whose interval reaches
+0) is not thrown away: the next round keeps training it (the promoted snapshot is kept
+separately for evaluation), so small gains can accumulate until they are measurable. A
+candidate measured *worse* (a negative paired gain, or a workload regressed) is discarded:
+training restarts from the serving weights with a fresh optimiser, and the round's samples do
+not enter the replay pool. A non-finite round is rolled back inside the Distiller and never registered; its
 entries are acked (retrying the same data would fail the same way) and the round is reported.
 If the registry's active version changes behind our back (operator promote or rollback), the
 next round restarts training from the newly active adapter. An active adapter that cannot be
@@ -81,6 +87,7 @@ from store.errors import RegistryError
 from store.registry import AdapterMeta, check_scope
 from store.schema import VerifiedSample
 from trainer.distill import BASE, AdapterState, Distiller, EvalResult, RoundResult, TrainerError
+from trainer.gate import PairedGain, counts_by_record, paired_gain
 from trainer.publish import adapter_meta, publish
 
 log = structlog.get_logger(__name__)
@@ -106,8 +113,15 @@ class ServiceConfig:
     # when they come again; in memory, so a restart forgets it), keeping at least one prompt of
     # the workload's round in training, until min_eval_samples are held out.
     heldout_topup: bool = True
-    promote_margin: float = 0.005  # candidate alpha must beat the promoted one by this much
+    promote_margin: float = 0.005  # candidate alpha must beat the promoted one by this much (point estimate)
     regress_margin: float = 0.01  # and may drop by at most this much on any workload
+    # The evidence a promotion needs (trainer.gate.paired_gain): the gain paired per held-out
+    # position, the lower bound of its ``confidence`` cluster-bootstrap interval above 0, over at
+    # least ``min_eval_requests`` held-out requests (prompts) and ``min_eval_positions`` positions
+    # of the judged workloads. 14 samples and +0.005 promoted a version that decoded worse.
+    min_eval_requests: int = 8
+    min_eval_positions: int = 256
+    confidence: float = 0.95
     # Replay against forgetting: the most recent trained samples of each workload are kept (in
     # memory) and a round that trains on a shifted workload mixes in up to as many replayed
     # samples of the *other* workloads as it has new ones, so the gate's "no workload drops by
@@ -139,6 +153,7 @@ class RoundReport:
     version: int | None = None  # registered candidate version
     parent: int = 0  # promoted version it was compared with (0 = base draft)
     result: RoundResult | None = None
+    evidence: dict | None = None  # trainer.gate.PairedGain.to_dict(): the paired gain and its interval
     before: dict | None = None  # EvalResult.to_dict() of the promoted adapter
     after: dict | None = None  # EvalResult.to_dict() of the candidate
     acked: int = 0
@@ -164,6 +179,7 @@ class ScopeReport:
     alpha_before: float = float("nan")  # held-out alpha of ``parent`` on this workload
     alpha_after: float = float("nan")  # ... of the candidate
     steps: int = 0
+    evidence: dict | None = None  # trainer.gate.PairedGain.to_dict()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -230,34 +246,59 @@ def replay_mix(new: list[VerifiedSample], kept: dict[str, Any], ratio: float = 1
     return out
 
 
-def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceConfig) -> tuple[bool, str]:
-    """The promotion decision and its reason (pure).
+@dataclass(frozen=True)
+class Verdict:
+    """The gate's decision: ``promote``, why, the paired evidence (None when no workload could be
+    judged), and ``worse``: the candidate measured below the serving version (a negative pooled
+    gain, or a workload regressed past ``regress_margin``), so its weights and the round's
+    samples must not be trained on further."""
 
-    Promote iff alpha pooled over the trained workloads that have >= ``min_eval_samples``
-    held-out samples rises by >= ``promote_margin``, and no workload with that many held-out
-    samples loses more than ``regress_margin``.
+    promote: bool
+    reason: str
+    evidence: PairedGain | None = None
+    worse: bool = False
+
+
+def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceConfig,
+         clusters: dict[str, str] | None = None) -> Verdict:
+    """The promotion decision, its reason and its evidence (pure).
+
+    Judged: the trained workloads with >= ``min_eval_samples`` held-out samples. Promote iff, on
+    their held-out records paired per position (``trainer.gate.paired_gain``, clusters = the
+    records' prompts, record id -> key), there are >= ``min_eval_requests`` requests and
+    >= ``min_eval_positions`` positions, the pooled α gain is >= ``promote_margin``, the lower
+    bound of its ``confidence`` interval is above 0, and no workload with ``min_eval_samples``
+    held-out samples loses more than ``regress_margin`` (point estimate). The evidence is None
+    when no workload could be judged.
     """
     enough = {w for w, c in after.per_workload.items() if c.samples >= cfg.min_eval_samples}
     judged = sorted(trained & enough)
     if not judged:
         have = {w: c.samples for w, c in sorted(after.per_workload.items())}
-        return False, (
-            f"not enough held-out samples on the trained workloads {sorted(trained)} "
-            f"(held out: {have}; need min_eval_samples={cfg.min_eval_samples})"
-        )
+        return Verdict(False, f"not enough held-out samples on the trained workloads {sorted(trained)} "
+                              f"(held out: {have}; need min_eval_samples={cfg.min_eval_samples})")
+    pg = paired_gain(counts_by_record(before.per_sample, set(judged)), counts_by_record(after.per_sample, set(judged)),
+                     clusters, cfg.confidence)
     b, a = before.pooled(judged), after.pooled(judged)
-    gain = a.alpha - b.alpha
+    head = f"on {judged}: {pg.describe()}; greedy {b.greedy:.3f} -> {a.greedy:.3f}"
     regressed = [
         f"{w} {before.per_workload[w].alpha:.4f} -> {after.per_workload[w].alpha:.4f}"
         for w in sorted(enough)
-        if before.per_workload[w].alpha - after.per_workload[w].alpha > cfg.regress_margin
+        if w in before.per_workload and before.per_workload[w].alpha - after.per_workload[w].alpha > cfg.regress_margin
     ]
-    head = f"alpha on {judged}: {b.alpha:.4f} -> {a.alpha:.4f} ({gain:+.4f}; greedy {b.greedy:.3f} -> {a.greedy:.3f})"
-    if not gain >= cfg.promote_margin:
-        return False, f"{head} is below promote_margin {cfg.promote_margin}"
+    worse = bool(regressed) or not pg.gain >= 0
     if regressed:
-        return False, f"{head}, but regressed more than regress_margin {cfg.regress_margin}: {'; '.join(regressed)}"
-    return True, f"{head} >= promote_margin {cfg.promote_margin}; no workload regressed > {cfg.regress_margin}"
+        return Verdict(False, f"{head}, but regressed more than regress_margin {cfg.regress_margin}: "
+                              f"{'; '.join(regressed)}", pg, True)
+    if pg.clusters < cfg.min_eval_requests or pg.positions < cfg.min_eval_positions:
+        return Verdict(False, f"not enough evidence {head}: need min_eval_requests={cfg.min_eval_requests} and "
+                              f"min_eval_positions={cfg.min_eval_positions}", pg, worse)
+    if not pg.gain >= cfg.promote_margin:
+        return Verdict(False, f"{head}: the gain is below promote_margin {cfg.promote_margin}", pg, worse)
+    if not pg.low > 0:
+        return Verdict(False, f"{head}: the interval's lower bound is not above 0", pg, worse)
+    return Verdict(True, f"{head}: gain >= promote_margin {cfg.promote_margin}, lower bound > 0; "
+                         f"no workload regressed > {cfg.regress_margin}", pg)
 
 
 def group_lag(client: Any, store_config: Any, group: str) -> int:
@@ -689,16 +730,17 @@ class TrainerService:
         replay = replay_mix(new, self._replay, cfg.replay_ratio) if cfg.replay_per_workload else []
         report.replayed = len(replay)
         result = self.distiller.train_round(new + replay)
-        if cfg.replay_per_workload:
-            for smp in new:
-                self._replay.setdefault(smp.workload, deque(maxlen=cfg.replay_per_workload)).append(_lean(smp))
         report.result = result
         report.before = before.to_dict()
+        worse = True
         if not result.finite:
             report.decision, report.reason = "non_finite", f"round rolled back, not registered: {result.reason}"
             log.error("trainer_round_non_finite", reason=result.reason, samples=len(train))
         else:
-            self._judge_shared(report, train, heldout, before, result)
+            worse = self._judge_shared(report, train, heldout, before, result)
+        if cfg.replay_per_workload and not worse:  # a round that made the draft worse leaves no samples behind
+            for smp in new:
+                self._replay.setdefault(smp.workload, deque(maxlen=cfg.replay_per_workload)).append(_lean(smp))
         if cfg.per_workload:
             by_w: dict[str, list[VerifiedSample]] = {}
             for e in train:
@@ -712,16 +754,24 @@ class TrainerService:
         report.acked = self.reader.ack(entries)
 
     def _judge_shared(self, report: RoundReport, train: list[Any], heldout: list[VerifiedSample],
-                      before: EvalResult, result: RoundResult) -> None:
+                      before: EvalResult, result: RoundResult) -> bool:
+        """Evaluate, gate and register the shared candidate; True when it measured worse than
+        the serving version (then training restarts from the serving weights: a candidate the
+        gate found worse is never trained on; an inconclusive one trains on next round)."""
         after = self.distiller.evaluate(heldout)
         report.after = after.to_dict()
         trained = {e.sample.workload for e in train}
-        promote, reason = gate(before, after, trained, self.config)
+        v = gate(before, after, trained, self.config, {s.record_id: split_key(s) for s in heldout})
+        report.evidence = v.evidence.to_dict() if v.evidence is not None else None
         meta = adapter_meta(self._promoted_version, before, after, result.samples, result.tokens, result.loss_last)
-        report.version, report.decision = self._publish(meta, promote, reason, after)
-        report.reason = reason
-        if promote:
+        report.version, report.decision = self._publish(meta, v.promote, v.reason, after)
+        report.reason = v.reason
+        if v.promote:
             self._promoted_version, self._promoted_state = report.version, self.distiller.adapter_state()
+        elif v.worse:
+            self.distiller.start_from(self._promoted_state)
+            log.info("trainer_candidate_discarded", version=report.version, why="measured worse than the serving version")
+        return v.worse
 
     def _publish(self, meta: AdapterMeta, promote: bool, reason: str, after: EvalResult) -> tuple[int, str]:
         """Register the distiller's adapter with ``meta``, then promote it in its scope (its
@@ -769,13 +819,17 @@ class TrainerService:
                 return rep
             after = self.distiller.evaluate(held)
             rep.alpha_after = after.alpha
-            promote, reason = gate(before, after, {workload}, cfg)
+            v = gate(before, after, {workload}, cfg, {s.record_id: split_key(s) for s in held})
+            rep.evidence = v.evidence.to_dict() if v.evidence is not None else None
             meta = adapter_meta(parent, before, after, result.samples, result.tokens, result.loss_last, scope=workload)
-            rep.version, rep.decision = self._publish(meta, promote, reason, after)
-            rep.reason = reason
-            if promote:
+            rep.version, rep.decision = self._publish(meta, v.promote, v.reason, after)
+            rep.reason = v.reason
+            if v.promote:
                 sc.version, sc.state = rep.version, self.distiller.adapter_state()
-            sc.context, sc.context_from = self.distiller.training_context(), (rep.version if promote else parent)
+            if v.worse:  # never trained on further: the next turn starts from what serves the workload
+                sc.context, sc.context_from = None, -1
+            else:
+                sc.context, sc.context_from = self.distiller.training_context(), (rep.version if v.promote else parent)
         finally:
             self.distiller.load_training_context(shared_ctx)
         log.info("trainer_workload_round", workload=workload, decision=rep.decision, version=rep.version,

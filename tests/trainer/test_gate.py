@@ -1,0 +1,123 @@
+"""The promotion gate's evidence (trainer.gate.paired_gain) and the gate that reads it
+(trainer.service.gate), on hand-worked numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trainer.distill import EvalCounts, EvalResult
+from trainer.gate import paired_gain, paired_ratio_gain
+from trainer.service import ServiceConfig, gate
+
+
+def test_paired_gain_two_clusters_enumerated():
+    # Cluster A = records r1, r2; cluster B = r3. Per cluster: A: Σ(after - before) = (5 - 3) + (1 - 1) = 2
+    # over 15 positions; B: 3 - 4 = -1 over 10. Pooled: before (3 + 1 + 4) / 25 = 0.32, after 0.36,
+    # gain 1 / 25 = 0.04. Resampling 2 clusters with replacement: AA (p 1/4) gives 4/30 = 0.1333,
+    # AB or BA (1/2) gives 0.04, BB (1/4) gives -2/20 = -0.1; the 95 % percentile interval's ends
+    # fall inside the BB and AA masses: [-0.1, 0.1333].
+    before = {"r1": (3.0, 10), "r2": (1.0, 5), "r3": (4.0, 10)}
+    after = {"r1": (5.0, 10), "r2": (1.0, 5), "r3": (3.0, 10)}
+    pg = paired_gain(before, after, {"r1": "A", "r2": "A", "r3": "B"})
+    assert (pg.clusters, pg.samples, pg.positions) == (2, 3, 25)
+    assert pg.before == pytest.approx(0.32) and pg.after == pytest.approx(0.36) and pg.gain == pytest.approx(0.04)
+    assert pg.low == pytest.approx(-0.1) and pg.high == pytest.approx(4 / 30)
+    # The same records, each its own cluster: 3 clusters, and the interval is no longer the 2-cluster one.
+    pg3 = paired_gain(before, after)
+    assert pg3.clusters == 3 and pg3.gain == pytest.approx(0.04)
+    assert pg3.low == pytest.approx(-0.1) and pg3.high == pytest.approx(0.2)  # r1 alone: 2 / 10
+
+
+def test_paired_gain_pairs_only_comparable_records():
+    before = {"a": (2.0, 4), "b": (1.0, 4), "only_before": (4.0, 4), "z": (0.0, 0)}
+    after = {"a": (3.0, 4), "b": (1.0, 5), "only_after": (0.0, 4), "z": (0.0, 0)}
+    pg = paired_gain(before, after)
+    # b was scored on other positions, z on none: only "a" pairs. One cluster: the interval is the point.
+    assert (pg.clusters, pg.samples, pg.positions) == (1, 1, 4)
+    assert pg.gain == pytest.approx(0.25) and pg.low == pytest.approx(0.25) and pg.high == pytest.approx(0.25)
+
+
+def test_paired_gain_same_ratio_everywhere_has_no_spread():
+    # Every cluster gains 0.1 per position: every resample's Δ is 0.1.
+    before = {f"r{i}": (0.5 * (i + 1), i + 1) for i in range(6)}
+    after = {f"r{i}": (0.6 * (i + 1), i + 1) for i in range(6)}
+    pg = paired_gain(before, after)
+    assert pg.gain == pytest.approx(0.1) and pg.low == pytest.approx(0.1) and pg.high == pytest.approx(0.1)
+
+
+def test_paired_gain_empty_and_bad_arguments():
+    pg = paired_gain({}, {})
+    assert pg.positions == 0 and all(math.isnan(x) for x in (pg.gain, pg.low, pg.high, pg.before))
+    with pytest.raises(ValueError, match="confidence=1.5"):
+        paired_gain({}, {}, confidence=1.5)
+    with pytest.raises(ValueError, match="resamples=10"):
+        paired_gain({}, {}, resamples=10)
+
+
+def _eval(per: dict[str, list[float]], positions: int = 10) -> EvalResult:
+    """One record (and prompt) per listed α, ``positions`` positions each."""
+    r = EvalResult()
+    for w, alphas in per.items():
+        for i, a in enumerate(alphas):
+            r.add_sample(f"{w}-{i}", w, EvalCounts(1, positions, a * positions, 0))
+    return r
+
+
+def test_gate_needs_evidence_and_a_positive_lower_bound():
+    cfg = ServiceConfig(min_eval_samples=4, min_eval_requests=8, min_eval_positions=80, promote_margin=0.01,
+                        regress_margin=0.02)
+    before = _eval({"prose": [0.5] * 10, "code": [0.6] * 10})
+    # +0.05 on every prose request: the interval is [0.05, 0.05]: promoted.
+    v = gate(before, _eval({"prose": [0.55] * 10, "code": [0.59] * 10}), {"prose"}, cfg)
+    assert v.promote and not v.worse, v.reason
+    assert v.evidence.gain == pytest.approx(0.05) and v.evidence.low == pytest.approx(0.05)
+    assert "95 % CI [+0.0500, +0.0500]" in v.reason
+    # The same mean gain carried by one request of ten: +0.5 on one, 0 on the rest. The point gain
+    # is 0.05 but 0.9^10 = 35 % of resamples miss that request, so the lower bound is 0: rejected.
+    v = gate(before, _eval({"prose": [1.0] + [0.5] * 9, "code": [0.6] * 10}), {"prose"}, cfg)
+    assert not v.promote and not v.worse and v.evidence.gain == pytest.approx(0.05)
+    assert v.evidence.low == pytest.approx(0.0) and "lower bound is not above 0" in v.reason
+    # A real gain on too few requests: not enough evidence, whatever its size.
+    few = ServiceConfig(min_eval_samples=4, min_eval_requests=12, min_eval_positions=80)
+    v = gate(before, _eval({"prose": [0.9] * 10, "code": [0.6] * 10}), {"prose"}, few)
+    assert not v.promote and "not enough evidence" in v.reason and "min_eval_requests=12" in v.reason
+    # Below the margin (point estimate).
+    v = gate(before, _eval({"prose": [0.505] * 10, "code": [0.6] * 10}), {"prose"}, cfg)
+    assert not v.promote and not v.worse and "below promote_margin 0.01" in v.reason
+
+
+def test_gate_marks_worse_candidates():
+    cfg = ServiceConfig(min_eval_samples=4, min_eval_requests=8, min_eval_positions=80, regress_margin=0.02)
+    before = _eval({"prose": [0.5] * 10, "code": [0.6] * 10})
+    v = gate(before, _eval({"prose": [0.45] * 10, "code": [0.6] * 10}), {"prose"}, cfg)
+    assert not v.promote and v.worse and v.evidence.gain == pytest.approx(-0.05)
+    # Prose gains, code (not trained this round) drops 0.1 > 0.02: worse.
+    v = gate(before, _eval({"prose": [0.7] * 10, "code": [0.5] * 10}), {"prose"}, cfg)
+    assert not v.promote and v.worse and "code 0.6000 -> 0.5000" in v.reason
+    # Too few held-out samples on the trained workload: nothing judged, nothing worse.
+    v = gate(before, _eval({"prose": [0.9] * 3, "code": [0.6] * 10}), {"prose"}, cfg)
+    assert not v.promote and not v.worse and v.evidence is None and "not enough held-out samples" in v.reason
+
+
+def test_gate_pairs_records_by_prompt():
+    """Two records of one prompt (a prefill and a decode record) are one request to the interval."""
+    cfg = ServiceConfig(min_eval_samples=2, min_eval_requests=3, min_eval_positions=10)
+    before = _eval({"prose": [0.5] * 4})
+    after = _eval({"prose": [0.6] * 4})
+    clusters = {"prose-0": "p0", "prose-1": "p0", "prose-2": "p1", "prose-3": "p1"}
+    v = gate(before, after, {"prose"}, cfg, clusters)
+    assert v.evidence.clusters == 2 and not v.promote and "min_eval_requests=3" in v.reason
+    assert gate(before, after, {"prose"}, cfg).promote  # four prompts: enough
+
+
+def test_paired_ratio_gain_enumerated():
+    # Two prompts. P1: v0 accepts 2 of 8 proposals, adapted 6 of 8; P2: v0 3 of 4, adapted 2 of 4.
+    # Pooled: v0 5/12, adapted 8/12, gain 0.25. Resamples: P1P1 (1/4): 6/8 - 2/8 = 0.5; P1P2 (1/2):
+    # 0.25; P2P2 (1/4): 2/4 - 3/4 = -0.25. Interval: [-0.25, 0.5].
+    pg = paired_ratio_gain({"p1": (2, 8, 6, 8), "p2": (3, 4, 2, 4), "none": (0, 0, 1, 2)})
+    assert pg.clusters == 2 and pg.positions == 12
+    assert pg.before == pytest.approx(5 / 12) and pg.after == pytest.approx(8 / 12) and pg.gain == pytest.approx(0.25)
+    assert pg.low == pytest.approx(-0.25) and pg.high == pytest.approx(0.5)
+    assert math.isnan(paired_ratio_gain({}).gain)

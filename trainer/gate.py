@@ -1,0 +1,167 @@
+"""The promotion gate's evidence: a candidate's held-out gain over the serving version, paired
+per request, with a bootstrap confidence interval.
+
+A gain measured as the difference of two pooled rates on a few held-out requests is mostly the
+requests' own variance: the same request is easy or hard for both versions. Pairing removes it:
+both versions are scored on the very same held-out positions, and the statistic is
+
+    Δ = Σ_i (A_i - B_i) / Σ_i n_i
+
+over held-out requests (clusters) i, where A_i and B_i are the candidate's and the serving
+version's summed per-position α (Σ_b min(p_b, q_b), Leviathan et al. 2023, §3.1: α = E[1 - TV(p, q)])
+and n_i the request's positions; Δ is the difference of the pooled α, the rate the decoder
+sees. Positions inside one request are correlated (one prompt, one topic), so the interval
+resamples whole requests: the cluster (or "paired") bootstrap, percentile interval (Efron &
+Tibshirani 1993, ch. 13; Davison & Hinkley 1997, §3.8 for clustered data).
+
+A record's cluster is its prompt (``trainer.service.split_key``): a request's prefill and decode
+records, and a prompt served twice, form one cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PairedGain:
+    """The candidate's held-out α against the serving version's, paired per position.
+
+    ``gain`` = ``after`` - ``before`` (pooled over positions); ``low`` / ``high``: the
+    percentile bootstrap interval of ``gain`` at ``confidence`` over ``clusters`` resampled
+    whole (NaN when there are no positions; equal to ``gain`` with one cluster, which says
+    nothing about the spread: the gate's ``min_clusters`` refuses that).
+    """
+
+    clusters: int  # held-out requests (prompts) both versions were scored on
+    samples: int  # records
+    positions: int  # output positions
+    before: float  # pooled α of the serving version
+    after: float  # pooled α of the candidate
+    gain: float
+    low: float
+    high: float
+    confidence: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        pct = round(self.confidence * 100)
+        return (f"α {self.before:.4f} -> {self.after:.4f} ({self.gain:+.4f}, {pct} % CI [{self.low:+.4f}, "
+                f"{self.high:+.4f}]) on {self.positions} positions of {self.clusters} held-out requests")
+
+
+def paired_gain(
+    before: Mapping[str, tuple[float, int]],
+    after: Mapping[str, tuple[float, int]],
+    clusters: Mapping[str, str] | None = None,
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> PairedGain:
+    """Paired held-out gain of ``after`` over ``before`` with a cluster-bootstrap interval.
+
+    Args:
+        before, after: record id -> (α summed over the record's positions, positions), for the
+            serving version and the candidate. Only records in both, with the same positions
+            count, are paired (a record scored on different positions is not comparable).
+        clusters: record id -> cluster key (its prompt); a record absent from it is its own
+            cluster. None: every record its own cluster.
+        confidence: two-sided coverage of the interval, in (0, 1).
+        resamples: bootstrap resamples (>= 100).
+        seed: the resampling generator's seed (the interval is a deterministic function of the
+            data and the seed).
+
+    Returns:
+        A :class:`PairedGain`; with no paired positions its rates and bounds are NaN.
+
+    Raises:
+        ValueError: ``confidence`` outside (0, 1) or ``resamples`` < 100.
+    """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence!r}: must lie in (0, 1), e.g. 0.95")
+    if resamples < 100:
+        raise ValueError(f"resamples={resamples!r}: need >= 100 bootstrap resamples (2000 is the default)")
+    clusters = clusters or {}
+    index: dict[str, int] = {}
+    d: list[float] = []  # per cluster: Σ (A - B)
+    b: list[float] = []  # per cluster: Σ B
+    n: list[int] = []  # per cluster: Σ positions
+    samples = 0
+    for rid in sorted(before.keys() & after.keys()):
+        (sb, nb), (sa, na) = before[rid], after[rid]
+        if nb != na or nb <= 0:
+            continue
+        key = clusters.get(rid, "record:" + rid)
+        if key not in index:
+            index[key] = len(d)
+            d.append(0.0), b.append(0.0), n.append(0)
+        j = index[key]
+        d[j] += sa - sb
+        b[j] += sb
+        n[j] += nb
+        samples += 1
+    total = sum(n)
+    nan = float("nan")
+    if not total:
+        return PairedGain(0, 0, 0, nan, nan, nan, nan, nan, confidence)
+    dv, nv = np.asarray(d), np.asarray(n, dtype=np.float64)  # (G,), (G,)
+    gain = float(dv.sum() / total)
+    before_rate = float(sum(b) / total)
+    g = len(dv)
+    rng = np.random.default_rng(seed)
+    w = rng.multinomial(g, np.full(g, 1.0 / g), size=resamples).astype(np.float64)  # (R, G): cluster counts
+    stats = (w @ dv) / (w @ nv)  # (R,) the resampled Δ; every resample has >= 1 cluster, so > 0 positions
+    tail = (1.0 - confidence) / 2.0
+    low, high = np.quantile(stats, [tail, 1.0 - tail])
+    return PairedGain(g, samples, total, before_rate, before_rate + gain, gain, float(low), float(high), confidence)
+
+
+def paired_ratio_gain(rows: Mapping[str, tuple[float, float, float, float]], confidence: float = 0.95,
+                      resamples: int = 2000, seed: int = 0) -> PairedGain:
+    """The gain of one pooled rate over another measured on the same units (e.g. decoded α of the
+    adapted draft against the frozen v0 on the same never-served prompts), with the percentile
+    interval of a bootstrap over units.
+
+    Args:
+        rows: unit (a prompt) -> (before numerator, before denominator, after numerator, after
+            denominator); e.g. (Σ α over the v0's proposals, its proposals, the same for the
+            adapted draft). Units with a zero denominator on either side are left out.
+        confidence, resamples, seed: as in :func:`paired_gain`.
+
+    Returns:
+        A :class:`PairedGain`: ``before`` = Σ bn / Σ bd, ``after`` = Σ an / Σ ad, ``gain`` their
+        difference, ``clusters`` the units, ``positions`` Σ ad (the after side's denominator).
+
+    Raises:
+        ValueError: ``confidence`` outside (0, 1) or ``resamples`` < 100.
+    """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence!r}: must lie in (0, 1), e.g. 0.95")
+    if resamples < 100:
+        raise ValueError(f"resamples={resamples!r}: need >= 100 bootstrap resamples (2000 is the default)")
+    kept = [rows[k] for k in sorted(rows) if rows[k][1] > 0 and rows[k][3] > 0]
+    nan = float("nan")
+    if not kept:
+        return PairedGain(0, 0, 0, nan, nan, nan, nan, nan, confidence)
+    m = np.asarray(kept, dtype=np.float64)  # (G, 4)
+    before, after = m[:, 0].sum() / m[:, 1].sum(), m[:, 2].sum() / m[:, 3].sum()
+    g = len(m)
+    w = np.random.default_rng(seed).multinomial(g, np.full(g, 1.0 / g), size=resamples).astype(np.float64)  # (R, G)
+    stats = (w @ m[:, 2]) / (w @ m[:, 3]) - (w @ m[:, 0]) / (w @ m[:, 1])  # (R,)
+    tail = (1.0 - confidence) / 2.0
+    low, high = np.quantile(stats, [tail, 1.0 - tail])
+    return PairedGain(g, g, int(m[:, 3].sum()), float(before), float(after), float(after - before), float(low),
+                      float(high), confidence)
+
+
+def counts_by_record(per_sample: Mapping[str, tuple[str, object]], workloads: set[str] | None = None
+                     ) -> dict[str, tuple[float, int]]:
+    """``EvalResult.per_sample`` (record id -> (workload, EvalCounts)) as record id -> (α sum,
+    positions), only the records of ``workloads`` (None: all)."""
+    return {rid: (float(c.alpha_sum), int(c.positions)) for rid, (w, c) in per_sample.items()
+            if workloads is None or w in workloads}
