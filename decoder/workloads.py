@@ -2,9 +2,12 @@
 
 Built in (present on every Python install):
 
-- ``prose``: English technical prose, the opening of topics in ``pydoc_data.topics``;
+- ``prose``: English technical prose, docstrings of the standard library (read with ``ast``);
 - ``code``: Python source, the opening of functions from standard-library modules;
-- ``math``: grade-school word problems written for this project (used when GSM8K is absent).
+- ``math``: grade-school word problems (GSM8K when present, else generated from templates);
+- ``extract``: copy-heavy chat requests: reproduce a given passage.
+
+Each has hundreds to thousands of distinct prompts, so a demo phase never repeats one.
 
 From ``../shared/data`` when present (never copied into the repository): ``gsm8k``
 (``gsm8k_test.jsonl``) and ``humaneval`` (``humaneval.jsonl.gz``). Any JSONL file of
@@ -14,6 +17,7 @@ From ``../shared/data`` when present (never copied into the repository): ``gsm8k
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import inspect
 import json
@@ -37,9 +41,6 @@ class Prompt:
         return chat_format(tokenizer, self.text, raw=not self.chat)
 
 
-_CODE_MODULES = ("textwrap", "json.encoder", "shlex", "fractions", "heapq", "bisect", "statistics",
-                 "difflib", "csv", "string", "calendar", "ipaddress", "colorsys", "base64")
-
 _MATH = (
     "Tom has 3 boxes with 12 apples each. He gives away 7 apples. How many apples does he have left?",
     "A train travels 60 miles per hour for 2.5 hours. How far does it travel?",
@@ -52,38 +53,104 @@ _MATH = (
 )
 
 
-def prose_prompts(n: int = 8, chars: int = 400) -> list[Prompt]:
-    """Openings of pydoc topics (English technical prose), deterministic order."""
-    from pydoc_data.topics import topics
+def _module_name(root: Path, path: Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
 
+
+_SKIP_DIRS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "ensurepip", "lib2to3", "site-packages",
+              "__pycache__", "pydoc_data"}
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_texts() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """(docstrings, (module, function opening source)) read from this Python's own standard
+    library with ``ast`` (nothing is imported), each list in a fixed pseudo-random order (seeded),
+    so any slice of it is a sample of the whole library, not of its first modules.
+
+    Docstrings: of modules, classes and functions, whitespace-normalised, >= 300 characters,
+    mostly words (no doctests). Functions: top-level and methods of >= 12 lines, dedented."""
+    import random
+    import sysconfig
+    import textwrap
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for d, dirs, fs in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("config-"))
+        files += [Path(d) / f for f in sorted(fs) if f.endswith(".py")]
+    docs: dict[str, None] = {}
+    fns: dict[str, str] = {}
+    for path in files:
+        try:
+            src = path.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = src.splitlines()
+        module = _module_name(root, path)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and ">>>" not in doc:
+                    text = " ".join(doc.split())
+                    words = sum(c.isalpha() or c == " " for c in text)
+                    if len(text) >= 300 and words >= 0.85 * len(text):
+                        docs.setdefault(text)
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno >= 12:
+                body = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.lineno - 1 + 12]))
+                fns.setdefault(body, module)
+    rng = random.Random(20261203)
+    doc_list, fn_list = list(docs), [(m, b) for b, m in fns.items()]
+    rng.shuffle(doc_list)
+    rng.shuffle(fn_list)
+    return tuple(doc_list), tuple(fn_list)
+
+
+def _cut(text: str, chars: int) -> str:
+    return text[:chars].rsplit(" ", 1)[0] if len(text) > chars else text
+
+
+def prose_prompts(n: int = 8, chars: int = 400) -> list[Prompt]:
+    """English technical prose: docstrings of the standard library (even positions of the
+    shuffled list; ``extract`` takes the odd ones), cut to ``chars`` at a word. About 600
+    distinct prompts, so a phase never repeats one. Not the bootstrap's prose corpus (pydoc
+    topics): served prose is text the v0 never saw."""
+    docs = _stdlib_texts()[0][0::2]
+    return [Prompt("prose", _cut(t, chars)) for t in docs[:n]]
+
+
+def code_prompts(n: int = 8, lines: int = 12) -> list[Prompt]:
+    """Function openings (signature, docstring, first lines; ``lines`` lines at most) from the
+    standard library's modules, except the code corpus's (``_CODE_CORPUS_MODULES``), so served
+    code is never bootstrap text. About 3,000 distinct prompts in a fixed shuffled order."""
     out = []
-    for key in sorted(topics):
-        body = " ".join(topics[key].split())
-        if len(body) >= chars:
-            out.append(Prompt("prose", body[:chars].rsplit(" ", 1)[0]))
+    for module, body in _stdlib_texts()[1]:
+        if module in _CODE_CORPUS_MODULES:
+            continue
+        out.append(Prompt("code", "\n".join(body.splitlines()[:lines])))
         if len(out) == n:
             break
     return out
 
 
-def code_prompts(n: int = 8, lines: int = 12, per_module: int = 6) -> list[Prompt]:
-    """Function openings (signature, docstring, first lines) from standard-library modules:
-    the first long-enough top-level function of each module, then the second of each, and so on
-    (up to ``per_module`` per module), so the first prompts are one per module."""
-    import importlib
+EXTRACT_INSTRUCTIONS = (
+    "Copy the following text exactly, word for word:",
+    "Repeat this paragraph without changing it:",
+    "Rewrite the text below with the same words, keeping every sentence:",
+    "Return the following passage unchanged:",
+)
 
-    per: list[list[Prompt]] = []
-    for name in _CODE_MODULES:
-        try:
-            src = inspect.getsource(importlib.import_module(name))
-        except (OSError, TypeError, ImportError):
-            continue
-        src_lines = src.splitlines()
-        fns = [node for node in ast.parse(src).body
-               if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno >= lines]
-        per.append([Prompt("code", "\n".join(src_lines[f.lineno - 1 : f.lineno - 1 + lines])) for f in fns[:per_module]])
-    out = [mod[i] for i in range(per_module) for mod in per if i < len(mod)]
-    return out[:n]
+
+def extract_prompts(n: int = 8, chars: int = 300) -> list[Prompt]:
+    """A copy-heavy workload, as production sees in extraction and editing requests: a chat
+    instruction to reproduce a given passage (a standard-library docstring, odd positions of the
+    shuffled list, cut to ``chars``), so the answer copies its input and prompt lookup can
+    propose it. About 600 distinct prompts."""
+    docs = _stdlib_texts()[0][1::2]
+    return [Prompt("extract", f"{EXTRACT_INSTRUCTIONS[i % len(EXTRACT_INSTRUCTIONS)]}\n\n{_cut(t, chars)}", chat=True)
+            for i, t in enumerate(docs[:n])]
 
 
 def shared_data_dir() -> Path | None:
@@ -106,7 +173,41 @@ def math_prompts(n: int = 8) -> list[Prompt]:
                 if len(rows) == n:
                     break
         return rows
-    return [Prompt("math", q, chat=True) for q in _MATH[:n]]
+    out = [Prompt("math", q, chat=True) for q in _MATH[:n]]
+    return out + [Prompt("math", q, chat=True) for q in generated_math(n - len(out))]
+
+
+_NAMES = ("Tom", "Sara", "Mike", "Anna", "Liam", "Priya", "Omar", "Mei", "Lucas", "Zoe", "Ravi", "Elena", "Kofi",
+          "Hana", "Diego", "Nora")
+_ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells", "cards", "balloons")
+_MATH_TEMPLATES = (
+    "{a} has {x} {i}. {b} gives {a} {y} more, and then {a} gives away {z}. How many {i} does {a} have now?",
+    "{a} buys {x} packs of {i} with {y} {i} in each pack. {a} uses {z} of them. How many {i} are left?",
+    "A shop sells {i} at ${p} each. {a} buys {x} and pays with a ${m} bill. How much change does {a} get?",
+    "{a} reads {x} pages a day for {y} days, then {z} pages on the last day. How many pages does {a} read in all?",
+    "{a} and {b} share {t} {i} so that {a} gets {x} more than {b}. How many {i} does {b} get?",
+    "A train travels {x} miles per hour for {y} hours and then {z} miles more. How far does it travel in total?",
+    "{a} saves ${x} a week for {y} weeks and spends ${z} on a gift. How much money does {a} have left?",
+    "A garden has {x} rows of {y} plants. {z} plants die. How many plants are still growing?",
+)
+
+
+def generated_math(n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct grade-school word problems from templates with seeded names and numbers
+    (the math workload where GSM8K is absent): thousands before any repeats."""
+    import random
+
+    rng = random.Random(seed)
+    out: dict[str, None] = {}
+    while len(out) < max(0, n):
+        a, b = rng.sample(_NAMES, 2)
+        x, y = rng.randint(3, 60), rng.randint(2, 12)
+        z = rng.randint(1, max(1, x * y // 3))
+        p = rng.randint(2, 9)
+        q = rng.choice(_MATH_TEMPLATES).format(a=a, b=b, i=rng.choice(_ITEMS), x=x, y=y, z=z, p=p,
+                                               m=((x * p) // 10 + 1) * 10, t=2 * y + x)
+        out.setdefault(q)
+    return list(out)
 
 
 def humaneval_prompts(n: int = 8) -> list[Prompt]:
@@ -158,7 +259,8 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
     return out
 
 
-BUILTIN = {"prose": prose_prompts, "code": code_prompts, "math": math_prompts, "humaneval": humaneval_prompts}
+BUILTIN = {"prose": prose_prompts, "code": code_prompts, "math": math_prompts, "extract": extract_prompts,
+           "humaneval": humaneval_prompts}
 
 
 def get_workload(name: str, n: int = 8) -> list[Prompt]:
@@ -190,7 +292,7 @@ def chat_format(tokenizer, text: str, raw: bool = False) -> list[int]:
 
 
 # ---- corpora: whole documents of each workload, for teacher-forced distillation ----------------
-# The code corpus is standard-library source of modules that are *not* in _CODE_MODULES, so code
+# The code corpus is standard-library source of these modules; code_prompts skips them, so code
 # prompts (served and evaluated) never appear in it.
 _CODE_CORPUS_MODULES = (
     "argparse", "ast", "configparser", "dataclasses", "datetime", "enum", "functools", "gettext",

@@ -138,9 +138,7 @@ def test_corpora_exist_and_split_by_document():
     prose = documents("prose")
     code = documents("code")
     assert len(prose) > 50 and len(code) > 10
-    from decoder.workloads import _CODE_MODULES
-
-    assert not {k for k, _ in code} & set(_CODE_MODULES)  # code prompts never in the corpus
+    # code prompts never in the corpus: tests/decoder/test_workloads.py::test_served_code_is_never_bootstrap_text
     tr, he = split_documents(prose, 0.2)
     assert not {k for k, _ in tr} & {k for k, _ in he}
     chars = lambda ds: sum(len(t) for _, t in ds)  # noqa: E731
