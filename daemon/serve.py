@@ -789,6 +789,22 @@ def _eagle_head(path, target):
         raise ModelLoadError(f"serve.eagle_head: {e}") from e
 
 
+def _cached_v0(settings, fp, registry, tokenizer) -> None:
+    """An empty registry gets this pair's cached bootstrap as v0 (daemon.warm_start.promote_cached_v0):
+    serve started alone serves v0 once the loop has swapped it in, never waiting for a bootstrap."""
+    from daemon.settings import distill_config, draft_vocab_ids, warm_start_config
+    from daemon.warm_start import promote_cached_v0
+
+    try:
+        ws = promote_cached_v0(fp, registry, warm_start_config(settings), distill_config(settings),
+                               draft_vocab_ids(settings, tokenizer))
+    except Exception as e:  # noqa: BLE001 - serving goes on from what the registry serves
+        log.warning("serve_cached_v0_failed", error=f"{type(e).__name__}: {e}")
+        return
+    if ws is not None:
+        log.info("serve_promoted_cached_v0", version=ws.version, reason=ws.reason)
+
+
 def run_serve(settings, console=None) -> int:
     """``daemonctl serve``: load the pair, wire the loop, serve until SIGTERM/SIGINT, drain."""
     from contextlib import ExitStack
@@ -822,6 +838,8 @@ def run_serve(settings, console=None) -> int:
             stack.enter_context(torch_threads_for(engines.target))
         fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
         registry = AdapterRegistry(rh.client, settings.adapter_dir, scfg) if sv.follow_adapters else None
+        if registry is not None:
+            _cached_v0(settings, fp, registry, pair.tokenizer)
         follow_heads = "eagle" in sv.proposers and sv.eagle_head is None and sv.follow_heads
         heads = AdapterRegistry(rh.client, settings.head_dir, scfg, kind="head") if follow_heads else None
         loop = build_serving_loop(

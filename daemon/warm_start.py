@@ -248,6 +248,39 @@ def ensure_v0(pair: Any, fingerprint: Any, registry: Any, distiller: Any, cfg: W
         raise
 
 
+def promote_cached_v0(fingerprint: Any, registry: Any, cfg: WarmStartConfig, distill_config: Any, vocab: Any = None
+                      ) -> WarmStart | None:
+    """What ``serve`` does at start when no trainer has run yet: promote the cached bootstrap of
+    this pair into an empty registry (the serving loop then hot-swaps it in between requests), so a
+    serve started alone serves v0, never the untrained draft, and never waits for a bootstrap.
+
+    Args:
+        fingerprint: ``store.schema.PairFingerprint`` of the served pair.
+        registry: ``store.registry.AdapterRegistry`` the serving loop follows.
+        cfg, distill_config, vocab: what the trainer would bootstrap with (``warm_start_config``,
+            ``distill_config`` and ``draft_vocab_ids`` of the same settings), which make the cache key.
+
+    Returns:
+        The WarmStart of the promotion; None when bootstrap is disabled, the registry already has
+        history, or no usable cache entry exists (a trainer's first start bootstraps it). Registry
+        errors propagate.
+    """
+    if not cfg.enabled or _history(registry) is not None:
+        return None
+    key = cache_key(fingerprint.key(), cfg, distill_config, vocab)
+    d = bootstrap_cache_root() / key
+    if not (d / "meta.json").exists():
+        return None
+    with _key_lock(d):
+        if _history(registry) is not None:
+            return None
+        meta, why = _read_cache(d, None)
+        if meta is None or not (d / "adapter").is_dir():
+            log.info("serve_no_cached_v0", cache=str(d), why=why or "the cached bootstrap has no adapter (no gain)")
+            return None
+        return _promote(d, key, meta, registry, "cache")
+
+
 def _history(registry: Any) -> WarmStart | None:
     """A WarmStart("registry") when the registry has history, else None."""
     recs = [r for r in registry.list() if r.state != "candidate"]
@@ -343,7 +376,8 @@ def _read_cache(d: Path, distiller: Any) -> tuple[dict | None, str]:
     """(meta, "") for a usable cache entry, else (None, why). Usable: ``meta.json`` of this
     format with numbers where numbers belong, an adapter exactly when α rose, its registry
     record shared (no scope); the adapter is then loaded into ``distiller`` (shapes and
-    vocabulary checked, as the trainer will continue from it; reset again if that fails)."""
+    vocabulary checked, as the trainer will continue from it; reset again if that fails). With
+    ``distiller`` None (serve, which trains nothing) the adapter's files are checked to exist."""
     import math
 
     from store.registry import AdapterMeta
@@ -368,7 +402,11 @@ def _read_cache(d: Path, distiller: Any) -> tuple[dict | None, str]:
         has = (d / "adapter").exists()
         if rose != has:
             return None, ("held-out α rose but the adapter is missing" if rose else "an adapter beside a result without gain")
-        if has:
+        if has and distiller is None:
+            missing = [f for f in ("adapter_config.json", "adapter_model.safetensors") if not (d / "adapter" / f).is_file()]
+            if missing:
+                return None, f"the cached adapter lacks {missing}"
+        elif has:
             try:
                 distiller.load_adapter_weights(d / "adapter")
             except BaseException:

@@ -214,3 +214,31 @@ def test_an_unwritable_cache_costs_the_cache_not_v0(pair, tmp_path, redis_client
     r = ensure_v0(pair, FP, reg, Distiller(pair.draft, DCFG), CFG, "fp32", progress=lines.append)
     assert r.source == "trained" and r.version == 1 and reg.active_version() == 1, r.reason
     assert any("cannot be cached" in m for m in lines), lines
+
+
+def test_serve_alone_promotes_the_cached_v0_and_never_bootstraps(pair, cache, redis_client, key_prefix, tmp_path, monkeypatch):
+    """issue 34: `serve` started without `run` served the untrained draft although the bootstrap
+    was cached. promote_cached_v0 (what serve calls at start) promotes the cache into an empty
+    registry; with no cache it does nothing (it never trains: the first request never waits)."""
+    from daemon.warm_start import promote_cached_v0
+
+    monkeypatch.setattr("daemon.warm_start.train_v0", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("trained")))
+    empty = _registry(redis_client, key_prefix + "nocache:", tmp_path)
+    assert promote_cached_v0(FP, empty, CFG, DCFG) is None and empty.list() == []
+    monkeypatch.undo()
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(cache.parent))
+    trained = ensure_v0(pair, FP, _registry(redis_client, key_prefix + "trainer:", tmp_path), Distiller(pair.draft, DCFG),
+                        CFG, "fp32")
+    assert trained.source == "trained" and trained.version == 1, trained.reason
+    reg = _registry(redis_client, key_prefix + "serve:", tmp_path)
+    ws = promote_cached_v0(FP, reg, CFG, DCFG)
+    assert ws is not None and ws.source == "cache" and reg.active_version() == 1
+    cached = Path(trained.cache_dir) / "adapter" / "adapter_model.safetensors"
+    assert (reg.fetch(1) / "adapter_model.safetensors").read_bytes() == cached.read_bytes()
+    assert promote_cached_v0(FP, reg, CFG, DCFG) is None and len(reg.list()) == 1  # history: left alone
+    # another pair's serve finds no cache of its own
+    other = PairFingerprint(target="other-t", draft="tiny-d", tokenizer_hash="chars")
+    assert promote_cached_v0(other, _registry(redis_client, key_prefix + "other:", tmp_path), CFG, DCFG) is None
+    # a damaged cache entry is not served
+    (Path(trained.cache_dir) / "adapter" / "adapter_model.safetensors").unlink()
+    assert promote_cached_v0(FP, _registry(redis_client, key_prefix + "damaged:", tmp_path), CFG, DCFG) is None
