@@ -11,8 +11,9 @@ served traffic -> buffer -> training -> hot-swap -> acceptance per workload -> r
    per workload x sampling bucket x adapter version, flushed to the store's history, with a
    Page-Hinkley shift detector), the rollback monitor, and the goodput controller (γ per
    workload, 0 = plain decoding when speculation does not pay).
-4. Traffic in phases: English prose (pydoc topics) -> Python code (standard-library source) ->
-   math word problems (GSM8K from ../shared/data, else built in).
+4. Traffic in phases: English prose (standard-library docstrings) -> Python code
+   (standard-library functions) -> math word problems (GSM8K from ../shared/data, else
+   generated) -> extract (copy-heavy: reproduce a given passage); no prompt repeats in a phase.
 5. At the end, on prompts never served: frozen draft vs adapted draft vs plain decoding per
    phase (α, τ, tokens/s, speedup), a JSON report and a PNG of acceptance over time with the
    shifts and swaps marked.
@@ -43,10 +44,14 @@ from store.jsonsafe import jsonable as _jsonable, nan_none
 class DemoConfig:
     """Sizes of the demo. ``quick`` fits ~6.5 minutes on 2 cores (phases are time-bounded, so a slower host serves fewer requests), the default ~20."""
 
-    phases: tuple[str, ...] = ("prose", "code", "math")
-    phase_seconds: float = 255.0  # serving time per phase (3 x 255 s + evaluation: ~19 min on 2 cores)
+    # prose -> code -> math -> extract (copy-heavy); each has hundreds of distinct prompts
+    # (decoder.workloads), so no prompt repeats within a phase
+    phases: tuple[str, ...] = ("prose", "code", "math", "extract")
+    phase_seconds: float = 255.0  # serving time per phase
     max_new_tokens: int = 32
-    eval_prompts: int = 5  # per phase, never served, for the frozen-vs-adapted table
+    eval_prompts: int = 12  # per phase, never served, for the frozen-vs-adapted table (paired per prompt)
+    eval_new_tokens: int = 64  # tokens decoded per evaluation prompt
+    confidence: float = 0.95  # of the paired bootstrap intervals in the report (trainer.gate)
     eval_gamma: int = 3  # γ of the frozen-vs-adapted draft rows; the "adapted" row takes the controller's pick
     proposers: tuple[str, ...] = ("ngram", "draft")  # what the goodput controller chooses among
     train_interval_s: float = 30.0
@@ -64,7 +69,7 @@ class DemoConfig:
 
     @classmethod
     def quick(cls, **kw) -> "DemoConfig":
-        base = dict(phase_seconds=75.0, eval_prompts=3, train_interval_s=15.0, train_min_new_samples=4,
+        base = dict(phase_seconds=90.0, eval_prompts=8, train_interval_s=15.0, train_min_new_samples=4,
                     round_steps=20, round_seconds=20.0)
         base.update(kw)
         return cls(**base)
@@ -237,8 +242,8 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
         reader, registry, distiller,
         ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
                       check_interval_s=2.0, max_samples_per_round=64, holdout_fraction=0.25,
-                      holdout_per_workload=24, min_eval_samples=3, promote_margin=0.005,
-                      regress_margin=0.05, replay_per_workload=64, replay_ratio=2.0, work_dir=str(out_dir / "work" / run_id)),
+                      holdout_per_workload=48, min_eval_samples=6, min_eval_requests=8, min_eval_positions=256,
+                      confidence=cfg.confidence, promote_margin=0.0, regress_margin=0.05, replay_per_workload=64, replay_ratio=2.0, work_dir=str(out_dir / "work" / run_id)),
         backlog=lambda: sum(g.lag or 0 for g in group_info(client, scfg) if g.name == "trainer"),
         heads=heads,
     )
@@ -522,12 +527,15 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
             row["controller_pick"] = {"proposer": pick_p, "gamma": pick_g, "why": pick.get("why")}
             ps = _prompts(phase, cfg.eval_prompts)
             runs = (("plain", decoder, 0, None), ("frozen", frozen, cfg.eval_gamma, "draft"),
-                    ("adapted_draft", decoder, cfg.eval_gamma, "draft"), ("adapted", decoder, pick_g, pick_p))
+                    ("adapted_draft", decoder, cfg.eval_gamma, "draft"))
+            if pick_g:  # a plain pick is the plain run itself (no second measurement of the same thing)
+                runs += (("adapted", decoder, pick_g, pick_p),)
             if frozen_head is not None and decoder.eagle_head is not None:
                 runs += (("frozen_head", decoder, cfg.head_gamma, "eagle"), ("adapted_head", decoder, cfg.head_gamma, "eagle"))
             console.log(f"evaluating {phase} on {len(ps)} prompts never served: plain, frozen, adapted draft, "
                         + (f"the pick ({pick_p} γ={pick_g})" if pick_g else "the pick (plain: speculation off)"))
             tot = {name: [AcceptanceCounts(), 0.0] for name, *_ in runs}
+            per_prompt: dict[str, list] = {name: [] for name, *_ in runs}  # (counts, ms) per prompt, paired
             for i, p in enumerate(ps):
                 ids = p.token_ids(tok)[-256:]
                 if i == 0:  # warm-up (caches, allocator), not counted, against a throwaway history copy
@@ -540,18 +548,22 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                     decoder.ngram_gate = served_gate.copy() if served_gate is not None else None
                     with (_frozen_lora(decoder if dec is frozen else None, v0_version, registry),
                           _swapped_head(decoder, frozen_head if name == "frozen_head" else None)):
-                        r = dec.generate(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True,
+                        r = dec.generate(DecodeRequest(ids, params, cfg.eval_new_tokens, gamma=g, ignore_eos=True,
                                                        workload=phase, proposer=prop))
                     tot[name][0].merge(r.counts)
                     tot[name][1] += r.latency_ms
+                    per_prompt[name].append((r.counts, r.latency_ms))
             for name, _, g, prop in runs:
                 c, ms = tot[name]
                 row[name] = {"proposer": prop, "gamma": g, "alpha": _nn(c.alpha),
                              "tau": _nn(c.mean_accepted_length), "acceptance_rate": _nn(c.acceptance_rate),
                              "tokens_per_s": round(c.num_emitted_tokens / ms * 1e3, 3)}
+            if "adapted" not in row:
+                row["adapted"] = {**row["plain"], "same_run_as": "plain"}
             for name in ("frozen", "adapted_draft", "adapted", "frozen_head", "adapted_head"):
                 if name in row:
                     row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
+            row.update(_paired_intervals(per_prompt, cfg.confidence))
             if "adapted_head" in row:
                 row["final_head"] = decoder.head_version
                 row["head_alpha_gain"] = _nn((row["adapted_head"]["alpha"] or 0) - (row["frozen_head"]["alpha"] or 0))
@@ -570,6 +582,37 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
     finally:
         decoder.ngram_history, decoder.ngram_gate = served_history, served_gate
     return rows
+
+
+def _paired_intervals(per_prompt: dict[str, list], confidence: float) -> dict[str, Any]:
+    """The evaluation's paired evidence (trainer.gate.paired_ratio_gain, a bootstrap over the
+    prompts): ``alpha_gain_ci``, the adapted draft's decoded α over the frozen v0's (Σ α over
+    proposals / proposals, same prompts); ``head_alpha_gain_ci`` likewise for the head; and
+    ``speed_vs_plain_ci``: per run, tokens per ms against plain decoding's on the same prompts, as
+    a ratio with its interval."""
+    from trainer.gate import paired_ratio_gain
+
+    def alpha_rows(a: str, b: str) -> dict:
+        return {str(i): (x.alpha_sum, x.num_draft_tokens, y.alpha_sum, y.num_draft_tokens)
+                for i, ((x, _), (y, _)) in enumerate(zip(per_prompt[a], per_prompt[b]))}
+
+    out: dict[str, Any] = {"eval_prompts": len(per_prompt.get("plain", []))}
+    if "frozen" in per_prompt and "adapted_draft" in per_prompt:
+        out["alpha_gain_ci"] = _jsonable(paired_ratio_gain(alpha_rows("frozen", "adapted_draft"), confidence).to_dict())
+    if "frozen_head" in per_prompt and "adapted_head" in per_prompt:
+        out["head_alpha_gain_ci"] = _jsonable(paired_ratio_gain(alpha_rows("frozen_head", "adapted_head"), confidence).to_dict())
+    speed = {}
+    for name, runs in per_prompt.items():
+        if name == "plain":
+            continue
+        rows = {str(i): (p.num_emitted_tokens, pms, x.num_emitted_tokens, xms)
+                for i, ((p, pms), (x, xms)) in enumerate(zip(per_prompt["plain"], runs))}
+        g = paired_ratio_gain(rows, confidence)
+        if g.before and g.before == g.before:  # tokens per ms of plain decoding; NaN or 0: nothing to divide by
+            speed[name] = {"ratio": round(g.after / g.before, 4), "low": round(1 + g.low / g.before, 4),
+                           "high": round(1 + g.high / g.before, 4), "prompts": g.clusters}
+    out["speed_vs_plain_ci"] = speed
+    return out
 
 
 @contextlib.contextmanager
@@ -726,15 +769,24 @@ def print_report(report: dict, console) -> None:
                   f"{f(ha.get('phase_end'))} (v{r['adapter_at_phase_end']})", f"{f(ha.get('final'))} (v{r['final_adapter']})")
     console.print(h)
     t = Table(title="decoded on prompts never served (greedy): frozen v0 draft vs adapted draft vs the controller's pick")
-    for c in ("phase", "plain tok/s", "frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain",
-              "pick", "pick α", "pick τ", "pick ×plain", "live α first→last third"):
+    pct = round(100 * (report.get("config") or {}).get("confidence", 0.95))
+    for c in ("phase", "prompts", "plain tok/s", "frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain",
+              f"α gain [{pct} % CI]", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]", "live α first→last third"):
         t.add_column(c)
+
+    def ci(d: dict | None, key_lo: str = "low", key_hi: str = "high") -> str:
+        if not d or d.get(key_lo) is None:
+            return "-"
+        return f"[{d[key_lo]:+.3f}, {d[key_hi]:+.3f}]" if key_lo == "low" and "gain" in d else f"[{d[key_lo]:.2f}, {d[key_hi]:.2f}]"
+
     for r in report["phases"]:
         pk = r["adapted"]
-        t.add_row(r["workload"], f(r["plain"]["tokens_per_s"]), f(r["frozen"]["alpha"]), f(r["frozen"]["speedup_vs_plain"]),
-                  f(r["adapted_draft"]["alpha"]), f(r["adapted_draft"]["speedup_vs_plain"]),
-                  f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
-                  f(pk["alpha"]), f(pk["tau"]), f(pk["speedup_vs_plain"]),
+        g = r.get("alpha_gain_ci") or {}
+        sp = (r.get("speed_vs_plain_ci") or {}).get("adapted")
+        t.add_row(r["workload"], str(r.get("eval_prompts", "-")), f(r["plain"]["tokens_per_s"]), f(r["frozen"]["alpha"]),
+                  f(r["frozen"]["speedup_vs_plain"]), f(r["adapted_draft"]["alpha"]), f(r["adapted_draft"]["speedup_vs_plain"]),
+                  f"{f(g.get('gain'))} {ci(g)}", f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
+                  f(pk["alpha"]), f(pk["tau"]), f"{f(pk['speedup_vs_plain'])} {ci(sp)}" if sp else f(pk["speedup_vs_plain"]),
                   f"{f(r['live_first_third']['alpha'])} → {f(r['live_last_third']['alpha'])}")
     console.print(t)
     if any("adapted_head" in r for r in report["phases"]):
@@ -810,7 +862,7 @@ def register(app) -> None:
                                                  "records with hidden states")] = False,
         config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")] = None,
     ) -> None:
-        """The main job: serve a shifting workload (prose -> code -> math) while the trainer adapts
+        """The main job: serve a shifting workload (prose -> code -> math -> extract) while the trainer adapts
         the draft in the background; live progress, then a frozen-vs-adapted table per phase and a
         PNG of acceptance over time. --quick takes about 7 minutes on 2 cores once v0 is cached, the default about 20."""
         from daemon.logging import configure
@@ -849,4 +901,6 @@ def register(app) -> None:
         summary = {k: report.get(k) for k in keep}
         summary["report"] = str(Path(cfg.out_dir) / "report.json")
         summary["alpha_gain"] = {r["workload"]: r["alpha_gain"] for r in report["phases"]}
+        summary["alpha_gain_ci"] = {r["workload"]: [(r.get("alpha_gain_ci") or {}).get(k) for k in ("low", "high")]
+                                    for r in report["phases"]}
         print(json.dumps(summary))

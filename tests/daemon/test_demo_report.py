@@ -24,3 +24,27 @@ def test_repeated_prompts_are_reported_per_phase():
     text = out.getvalue()
     assert "prose: 73 of 142 served requests repeated a prompt" in text and "(69 distinct prompts served)" in text
     assert "math: 0 of" not in text and "math:" in text  # no repeats: no line about them
+
+
+def test_paired_intervals_of_the_evaluation():
+    """The table's evidence, by hand: two prompts; v0 accepts 2 of 8 and 3 of 4 proposals, the
+    adapted draft 6 of 8 and 2 of 4 (gain 8/12 - 5/12 = 0.25, interval over the prompts [-0.25,
+    0.5]); plain decodes 10 tokens in 100 ms on each, the pick 10 in 50 ms and 10 in 100 ms."""
+    from daemon.demo import _paired_intervals
+    from decoder.metrics import AcceptanceCounts
+
+    def c(acc, prop, emitted=10):
+        return AcceptanceCounts(num_draft_tokens=prop, alpha_sum=float(acc), num_emitted_tokens=emitted)
+
+    per = {"plain": [(c(0, 0), 100.0), (c(0, 0), 100.0)],
+           "frozen": [(c(2, 8), 100.0), (c(3, 4), 100.0)],
+           "adapted_draft": [(c(6, 8), 100.0), (c(2, 4), 100.0)],
+           "adapted": [(c(0, 0), 50.0), (c(0, 0), 100.0)]}
+    out = _paired_intervals(per, 0.95)
+    g = out["alpha_gain_ci"]
+    assert out["eval_prompts"] == 2 and g["clusters"] == 2
+    assert abs(g["gain"] - 0.25) < 1e-9 and abs(g["low"] + 0.25) < 1e-9 and abs(g["high"] - 0.5) < 1e-9
+    # the pick: 20 tokens in 150 ms against 20 in 200 ms: 4/3 of plain's rate
+    sp = out["speed_vs_plain_ci"]["adapted"]
+    assert sp["ratio"] == round(4 / 3, 4) and sp["prompts"] == 2
+    assert sp["low"] == 1.0 and sp["high"] == 2.0  # resamples of only the second / only the first prompt
