@@ -703,29 +703,40 @@ def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
     return t
 
 
+def _rolling(ys: list[float], k: int = 8) -> list[float]:
+    return [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
+
+
 def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
-    """Per-request α (dots) and its rolling mean per workload over time, shifts (dashed) and
-    adapter swaps (dotted, labelled) marked."""
+    """Top: per-request greedy α and its rolling mean (8 requests) per proposer (the draft model,
+    the n-gram proposer, the head: what each learnt, apart), shifts (dashed) and adapter swaps
+    (dotted, labelled) marked. Bottom: tokens/s, rolling per workload, against the plain-decoding
+    requests' rate (grey: what speculation must beat)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 8), sharex=True, height_ratios=(3, 2))
-    colors = {}
-    for w in dict.fromkeys(r["workload"] for r in timeline):
-        xs = [r["t"] for r in timeline if r["workload"] == w and r["alpha"] is not None]
-        ys = [r["alpha"] for r in timeline if r["workload"] == w and r["alpha"] is not None]
-        if not xs:
-            continue
-        sc = ax.scatter(xs, ys, s=8, alpha=0.35, label=f"{w} (per request)")
-        colors[w] = tuple(sc.get_facecolor()[0][:3])  # opaque, for the lines
-        k = 8
-        roll = [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
-        ax.plot(xs, roll, color=colors[w], lw=2, label=f"{w} (rolling mean of {k})")
+    styles = {"draft": ("tab:blue", "o"), "ngram": ("tab:orange", "^"), "eagle": ("tab:green", "s")}
+    labelled: set = set()
+    for prop in dict.fromkeys(r.get("proposer") for r in timeline if r.get("gamma") and r["alpha"] is not None):
+        color, marker = styles.get(prop, ("tab:purple", "D"))
+        part = [r for r in timeline if r.get("proposer") == prop and r.get("gamma") and r["alpha"] is not None]
+        xs, ys = [r["t"] for r in part], [r["alpha"] for r in part]
+        ax.scatter(xs, ys, s=10, alpha=0.3, color=color, marker=marker)
+        # the rolling mean restarts at each shift, so the dip after a shift and the recovery show
+        for i, s in enumerate(shifts):
+            end = shifts[i + 1]["t"] if i + 1 < len(shifts) else float("inf")
+            seg = [(x, y) for x, y in zip(xs, ys) if s["t"] <= x < end]
+            if seg:
+                label = f"{prop} (rolling mean of 8)" if prop not in labelled else None
+                labelled.add(prop)
+                ax.plot([x for x, _ in seg], _rolling([y for _, y in seg]), color=color, lw=2, label=label)
     for s in shifts[1:]:
         ax.axvline(s["t"], ls="--", color="k", lw=1)
-        ax.text(s["t"], 0.97, f" shift → {s['workload']}", fontsize=8, va="top", transform=ax.get_xaxis_transform())
+    for s in shifts:
+        ax.text(s["t"], 0.97, f" {s['workload']}", fontsize=8, va="top", transform=ax.get_xaxis_transform())
     prev = 0
     for r in timeline:
         if r["adapter_version"] != prev:
@@ -733,22 +744,24 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
             ax.text(r["t"], 0.88, f" v{r['adapter_version']}", color="tab:red", fontsize=8,
                     transform=ax.get_xaxis_transform())
             prev = r["adapter_version"]
-    for w in dict.fromkeys(r["workload"] for r in timeline):  # goodput: does speculation pay?
-        part = [r for r in timeline if r["workload"] == w and r.get("tokens_per_s") is not None]
-        if part:
-            ys = [r["tokens_per_s"] for r in part]
-            roll = [sum(ys[max(0, i - 7): i + 1]) / len(ys[max(0, i - 7): i + 1]) for i in range(len(ys))]
-            ax2.plot([r["t"] for r in part], roll, color=colors.get(w), lw=2, label=w)
-            spec = [r for r in part if r.get("gamma")]
-            ax2.scatter([r["t"] for r in spec], [r["tokens_per_s"] for r in spec], s=6, color=colors.get(w), alpha=0.4)
+    for w in dict.fromkeys(r["workload"] for r in timeline):
+        spec = [r for r in timeline if r["workload"] == w and r.get("gamma") and r.get("tokens_per_s") is not None]
+        plain = [r for r in timeline if r["workload"] == w and not r.get("gamma") and r.get("tokens_per_s") is not None]
+        if spec:
+            ax2.plot([r["t"] for r in spec], _rolling([r["tokens_per_s"] for r in spec]), color="tab:blue", lw=2,
+                     label="speculating requests" if w == timeline[0]["workload"] else None)
+        if plain:
+            ax2.plot([r["t"] for r in plain], _rolling([r["tokens_per_s"] for r in plain]), color="grey", lw=2,
+                     label="plain-decoding requests" if w == timeline[0]["workload"] else None)
     for s in shifts[1:]:
         ax2.axvline(s["t"], ls="--", color="k", lw=1)
-    ax2.set_ylabel("tokens/s (rolling mean of 8;\ndots: requests that speculated)")
+    ax2.set_ylabel("tokens/s (rolling mean of 8)")
     ax2.set_xlabel("seconds since serving started")
+    ax2.legend(fontsize=7, loc="lower right")
     ax.set_ylabel("α (greedy: share of proposals the target accepts)")
     ax.set_ylim(-0.02, 1.0)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.03), ncol=6)  # below the axes: no swap label hidden
-    ax.set_title("draftd: acceptance per workload (dashed: shift, dotted: adapter swap; α only on requests that speculated)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.03), ncol=4)
+    ax.set_title("draftd: acceptance per proposer (dashed: workload shift, dotted: adapter swap)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -48,3 +48,21 @@ def test_paired_intervals_of_the_evaluation():
     sp = out["speed_vs_plain_ci"]["adapted"]
     assert sp["ratio"] == round(4 / 3, 4) and sp["prompts"] == 2
     assert sp["low"] == 1.0 and sp["high"] == 2.0  # resamples of only the second / only the first prompt
+
+
+def test_plot_timeline_draws_each_proposer_and_the_plain_rate(tmp_path):
+    import random
+
+    from daemon.demo import plot_timeline
+
+    rng = random.Random(0)
+    timeline, t = [], 0.0
+    for w in ("prose", "code"):
+        for i in range(30):
+            t += 1.0
+            prop, g = [("draft", 3), ("ngram", 2), (None, 0)][i % 3]
+            timeline.append({"t": t, "workload": w, "adapter_version": 1 if t > 20 else 0, "proposer": prop, "gamma": g,
+                             "alpha": rng.random() if g else None, "tokens_per_s": 20 + rng.random() * 10})
+    path = tmp_path / "a.png"
+    plot_timeline(timeline, [{"t": 0.0, "workload": "prose"}, {"t": 30.5, "workload": "code"}], path)
+    assert path.stat().st_size > 10_000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
