@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         trainer = _start_trainer(stack, settings, cfg, store, models, out_dir, run_id, console)
         loop, oai = _start_serving(stack, settings, cfg, store, models, trainer, console)
         params = SamplingParams()  # greedy: α per position = agreement with the target's argmax
-        traffic = _serve_phases(cfg, oai, loop, models.tok, settings.models.target, trainer.svc, params, console)
+        traffic = _serve_phases(cfg, oai, loop, models.tok, settings.models.target, trainer.svc, params, console, trainer)
         _finish_serving(trainer, loop, console)
         table = evaluate_phases(cfg, trainer.heldout, traffic.phase_end_version, traffic.timeline, trainer.distiller,
                                 trainer.registry, loop.decoder, frozen_draft=_v0_draft(models, trainer),
@@ -160,6 +161,8 @@ class _Trainer:
     v0: Any = None  # daemon.warm_start.WarmStart: the bootstrapped v0 (version None: the base draft)
     head_registry: Any = None  # --heads: the head registry (kind "head")
     head_v0: Any = None  # --heads: daemon.warm_start.WarmStart of the head's v0
+    ready: Any = None  # threading.Event: v0 (and head v0) settled and the trainer's schedule started
+    ready_at: float | None = None  # time.time() when ``ready`` was set
 
 
 @dataclass
@@ -229,26 +232,44 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
     dcfg = distill_config(settings)
     dcfg = dataclasses.replace(dcfg, max_steps=cfg.round_steps, max_seconds=cfg.round_seconds)
     distiller = Distiller(derive_draft(models.pair.target, models.layers), dcfg, vocab=models.vocab)
-    v0 = _warm_start(settings, models, registry, distiller, console)
-    head_registry = head_v0 = heads = None
+    trainer = _Trainer(registry, distiller, None, {}, None, ready=threading.Event())
     if cfg.heads:
         from daemon.heads import head_trainer
 
-        head_registry = AdapterRegistry(client, out_dir / "heads" / run_id, scfg, kind="head")
-        head_v0 = _head_warm_start(settings, models, head_registry, console)
+        trainer.head_registry = AdapterRegistry(client, out_dir / "heads" / run_id, scfg, kind="head")
         heads = head_trainer(settings, client, models.pair, scfg, head_dir=out_dir / "heads" / run_id,
                              work_dir=out_dir / "work" / run_id, steps=cfg.head_steps)
+    else:
+        heads = None
     svc = TrainerService(
         reader, registry, distiller,
         ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
                       check_interval_s=2.0, max_samples_per_round=64, holdout_fraction=0.25,
                       holdout_per_workload=48, min_eval_samples=6, min_eval_requests=8, min_eval_positions=256,
-                      confidence=cfg.confidence, promote_margin=0.0, regress_margin=0.05, replay_per_workload=64, replay_ratio=2.0, work_dir=str(out_dir / "work" / run_id)),
+                      confidence=cfg.confidence, promote_margin=0.0, regress_margin=0.05,
+                      replay_per_workload=64, replay_ratio=2.0, work_dir=str(out_dir / "work" / run_id)),
         backlog=lambda: sum(g.lag or 0 for g in group_info(client, scfg) if g.name == "trainer"),
         heads=heads,
     )
-    svc.start()
+    trainer.svc = svc
+
+    def warm_then_train() -> None:
+        """v0 (cached: a second; the first run on a pair: minutes), then the trainer's schedule.
+        Serving does not wait for it: the first requests go to the base draft and the n-gram
+        proposer, and the serving loop hot-swaps v0 in once it is promoted."""
+        try:
+            trainer.v0 = _warm_start(settings, models, registry, distiller, console)
+            if cfg.heads:
+                trainer.head_v0 = _head_warm_start(settings, models, trainer.head_registry, console)
+            svc.start()
+        finally:
+            trainer.ready_at = time.time()
+            trainer.ready.set()
+
+    warm = threading.Thread(target=warm_then_train, name="demo-warm-start", daemon=True)
+    warm.start()
     stack.callback(svc.stop)
+    stack.callback(warm.join)  # the ExitStack runs these in reverse: the warm start ends before svc.stop
 
     heldout: dict[str, list] = {}  # the trainer's own held-out split, kept for the final table
 
@@ -256,7 +277,8 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
         if is_heldout(split_key(sample), svc.config.holdout_fraction):
             heldout.setdefault(sample.workload, []).append(sample)
 
-    return _Trainer(registry, distiller, svc, heldout, keep_heldout, v0, head_registry, head_v0)
+    trainer.heldout, trainer.keep_heldout = heldout, keep_heldout
+    return trainer
 
 
 def _warm_start(settings, models: _Models, registry, distiller, console):
@@ -268,7 +290,7 @@ def _warm_start(settings, models: _Models, registry, distiller, console):
     from daemon.warm_start import WarmStart, ensure_v0
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))  # nothing is served yet: the bootstrap takes every core
+    torch.set_num_threads(max(1, os.cpu_count() or 1))  # the bootstrap's torch work takes every core (serving runs on llama.cpp's threads)
     try:
         v0 = ensure_v0(models.pair, models.fp, registry, distiller, warm_start_config(settings), settings.trainer.precision,
                        progress=console.log)
@@ -349,11 +371,8 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
         engine=models.engines.target, draft_engine=models.engines.draft, **head_kw)
     loop.start()
     stack.callback(loop.close)
-    if trainer.v0 is not None and trainer.v0.version:  # the first request is served by v0, not the base draft
-        if not loop.manager.wait_prepared(trainer.v0.version, 120):
-            console.log(f"[yellow]v0 (v{trainer.v0.version}) was not installed within 120 s; serving starts without it[/]")
-    if trainer.head_v0 is not None and trainer.head_v0.version and not loop.heads.wait_prepared(trainer.head_v0.version, 120):
-        console.log(f"[yellow]head v0 (v{trainer.head_v0.version}) was not installed within 120 s[/]")
+    # No wait for v0: the first requests are served at once (the base draft, the n-gram proposer),
+    # and the adapter manager hot-swaps v0 in between requests once the warm start promotes it.
     model_name = settings.models.target
     service = InferenceService(loop, tok, model_name, context_len=getattr(pair.target.config, "max_position_embeddings", None))
     server = stack.enter_context(ServeServer(service, "127.0.0.1", 0))
@@ -362,7 +381,7 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
     return loop, oai
 
 
-def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params, console) -> _Traffic:
+def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params, console, trainer=None) -> _Traffic:
     """Each phase's workload for ``cfg.phase_seconds``, a request at a time through the API (its
     first ``eval_prompts`` prompts kept back for the evaluation), the live table after each."""
     from rich.live import Live
@@ -371,12 +390,19 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
     timeline, shifts = traffic.timeline, traffic.shifts
     t0 = time.time()
     with Live(console=console, refresh_per_second=2, transient=False) as live:
-        for phase in cfg.phases:
+        for k, phase in enumerate(cfg.phases):
             shifts.append({"t": time.time() - t0, "request": len(timeline), "workload": phase})
-            prompts = _prompts(phase, 400, skip=cfg.eval_prompts)
+            prompts = _prompts(phase, 1000, skip=cfg.eval_prompts)  # every distinct prompt there is (hundreds)
             end = time.time() + cfg.phase_seconds
             i = 0
-            while time.time() < end:
+            while True:
+                if k == 0 and trainer is not None:  # the first phase serves from the first second and
+                    if not trainer.ready.is_set():  # lasts phase_seconds past v0 (a bootstrap takes minutes)
+                        end = max(end, time.time() + 1.0)
+                    elif trainer.ready_at is not None:
+                        end = max(end, trainer.ready_at + cfg.phase_seconds)
+                if time.time() >= end:
+                    break
                 p = prompts[i % len(prompts)]
                 row = _serve_one(oai, loop, tok, model_name, phase, p, cfg.max_new_tokens, t0)
                 row["repeat"] = i >= len(prompts)  # served before in this phase: its output is in the n-gram history
@@ -418,6 +444,7 @@ def _finish_serving(trainer: _Trainer, loop, console) -> None:
     """Stop the trainer and the adapter manager with the last promoted adapter installed, so the
     decoder runs one fixed adapter through the evaluation."""
     decoder, manager = loop.decoder, loop.manager
+    trainer.ready.wait()  # the warm start has settled (the first phase waited for it) and started the schedule
     trainer.svc.stop()  # a running round finishes first
     # A version promoted by that last round is swapped in now, and the watcher stopped, so the
     # "final adapter" evaluated below is the one the decoder runs (no swap mid-evaluation).
