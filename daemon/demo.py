@@ -591,6 +591,8 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                 if name in row:
                     row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
             row.update(_paired_intervals(per_prompt, cfg.confidence))
+            row["versions"] = _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_version,
+                                              timeline, per_prompt)
             if "adapted_head" in row:
                 row["final_head"] = decoder.head_version
                 row["head_alpha_gain"] = _nn((row["adapted_head"]["alpha"] or 0) - (row["frozen_head"]["alpha"] or 0))
@@ -609,6 +611,47 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
     finally:
         decoder.ngram_history, decoder.ngram_gate = served_history, served_gate
     return rows
+
+
+_VERSIONS_CHECKED = 4  # adapter versions decoded per phase besides v0 and the final one, at most
+
+
+def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_version, timeline, per_prompt) -> list[dict]:
+    """Did any promotion lower decoded α on the phase's never-served prompts? Each adapter version
+    that served the phase (in order of first use, from v0 to the final one) decoded on the same
+    prompts at γ = ``eval_gamma``, paired against the version before it (``paired_ratio_gain``):
+    a row per step with its gain, interval and ``lowered`` (the gain below 0). v0's and the final
+    version's runs are the table's ``frozen`` and ``adapted_draft``; at most ``_VERSIONS_CHECKED``
+    others are decoded. Only on an engine whose draft swaps LoRAs (llama.cpp): [] otherwise."""
+    from decoder.speculative import DecodeRequest
+    from trainer.gate import paired_ratio_gain
+
+    if not hasattr(getattr(decoder, "draft_engine", None), "set_lora"):
+        return []
+    final = decoder.adapter_version
+    served = [r["adapter_version"] for r in timeline if r["workload"] == phase]
+    chain = list(dict.fromkeys([v0_version, *served, final]))
+    runs = {v0_version: per_prompt["frozen"], final: per_prompt["adapted_draft"]}
+    middle = [v for v in chain if v not in runs][:_VERSIONS_CHECKED]
+    chain = [v for v in chain if v in runs or v in middle]
+    history = decoder.ngram_history
+    for v in middle:
+        runs[v] = []
+        with _frozen_lora(decoder, v, registry):
+            for p in ps:
+                decoder.ngram_history = history.copy()
+                r = frozen.generate(DecodeRequest(p.token_ids(tok)[-256:], params, cfg.eval_new_tokens, gamma=cfg.eval_gamma,
+                                                  ignore_eos=True, workload=phase, proposer="draft"))
+                runs[v].append((r.counts, r.latency_ms))
+    decoder.ngram_history = history
+    out = []
+    for prev, v in zip(chain, chain[1:]):
+        rows = {str(i): (a.alpha_sum, a.num_draft_tokens, b.alpha_sum, b.num_draft_tokens)
+                for i, ((a, _), (b, _)) in enumerate(zip(runs[prev], runs[v]))}
+        g = paired_ratio_gain(rows, cfg.confidence)
+        out.append({"version": v, "parent": prev, "alpha_before": _nn(g.before), "alpha_after": _nn(g.after),
+                    "gain": _nn(g.gain), "low": _nn(g.low), "high": _nn(g.high), "lowered": bool(g.gain < 0)})
+    return out
 
 
 def _paired_intervals(per_prompt: dict[str, list], confidence: float) -> dict[str, Any]:
@@ -841,6 +884,10 @@ def print_report(report: dict, console) -> None:
         console.print(th)
     for r in report["phases"]:
         console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}")
+        for v in r.get("versions") or []:
+            verdict = "LOWERED decoded α" if v["lowered"] else "did not lower decoded α"
+            console.print(f"  {r['workload']}: v{v['parent']} -> v{v['version']} {verdict}: {f(v['alpha_before'])} -> "
+                          f"{f(v['alpha_after'])} ({f(v['gain'])}, CI [{f(v['low'])}, {f(v['high'])}])")
         sv = r.get("served") or {}
         if sv.get("repeats"):
             console.print(f"  {r['workload']}: {sv['repeats']} of {sv['requests']} served requests repeated a prompt "
@@ -943,4 +990,7 @@ def register(app) -> None:
         summary["alpha_gain"] = {r["workload"]: r["alpha_gain"] for r in report["phases"]}
         summary["alpha_gain_ci"] = {r["workload"]: [(r.get("alpha_gain_ci") or {}).get(k) for k in ("low", "high")]
                                     for r in report["phases"]}
+        summary["promotions_that_lowered_decoded_alpha"] = [f"{r['workload']}: v{v['parent']} -> v{v['version']}"
+                                                            for r in report["phases"] for v in r.get("versions") or []
+                                                            if v["lowered"]]
         print(json.dumps(summary))
