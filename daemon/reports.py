@@ -119,6 +119,10 @@ def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", stor
     # the feature-level proposer's heads (trainer.heads, serve.follow_heads): the same layout
     out["head"] = adapter_section(AdapterRegistry(redis.client, settings.head_dir, store_config, kind="head"))
     out["acceptance"], out["speculation"] = acceptance_sections(history, out["adapter"], now)
+    if not registry.list() and not out["acceptance"]:
+        hint = other_prefixes_hint(redis.client, store_config.key_prefix)
+        if hint:
+            warnings.append(hint)
     from store.heartbeat import read_heartbeats
 
     out["serving"] = [hb | {"last_seen_s": round(now - float(hb.get("ts") or now), 1)}
@@ -203,17 +207,44 @@ def acceptance_sections(history: AcceptanceHistory, adapter: dict, now: float) -
             "previous": None if w_previous is None else row_summary(sum_rows(prev, w, w_previous)) | {"version": w_previous},
             "recent": row_summary(rs),
         }
-        spec[w] = speculation_state(recent, rs)
+        spec[w] = speculation_state(recent, rs, max(r.ts for r in wr) if wr else None, now)
     return acc, spec
 
 
-def speculation_state(recent: list[HistoryRow], rs: HistoryRow) -> dict:
-    """On when recent verification steps drafted (γ > 0), off when all were plain, None without traffic."""
+def speculation_state(recent: list[HistoryRow], rs: HistoryRow, last_ts: float | None = None, now: float | None = None) -> dict:
+    """On when recent verification steps drafted (γ > 0), off when all were plain, None without
+    traffic (then when the workload's last request was recorded, ``last_ts``, if known)."""
     if not recent or rs.num_steps == 0:
-        return {"on": None, "why": f"no requests recorded in the last {RECENT_WINDOW_S:.0f} s"}
+        why = f"no requests recorded in the last {RECENT_WINDOW_S:.0f} s"
+        if last_ts is not None and now is not None:
+            why += f"; the last was recorded {_ago(now - last_ts)} ago (its rates are in 'now' and 'previous')"
+        return {"on": None, "why": why}
     if rs.num_drafts > 0:
         return {"on": True, "why": f"{rs.num_drafts} of {rs.num_steps} verification steps drafted in the last {RECENT_WINDOW_S:.0f} s"}
     return {"on": False, "why": f"all {rs.num_steps} steps in the last {RECENT_WINDOW_S:.0f} s were plain (gamma = 0)"}
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def other_prefixes_hint(client: Any, key_prefix: str) -> str | None:
+    """When nothing is registered under ``key_prefix`` but a demo left data under
+    ``<key_prefix>demo:`` (``daemonctl demo`` keeps its own namespace), the export that shows it."""
+    demo = f"{key_prefix}demo:"
+    try:
+        found = next(iter(client.scan_iter(match=demo.replace("*", r"\*") + "*", count=1000)), None)
+    except Exception:  # noqa: BLE001 - a hint only
+        return None
+    if found is None:
+        return None
+    return (f"nothing is registered under {key_prefix!r}, but `daemonctl demo` left its run under {demo!r}: "
+            f"export DRAFTD_STORE__KEY_PREFIX={demo} to see it")
 
 
 # -- history ---------------------------------------------------------------------------------------
