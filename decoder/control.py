@@ -527,6 +527,14 @@ class ControllerConfig:
         draft's probes back off (1, 2, 4, ... ``probe_every`` requests apart) up to one every this
         many requests of a key (each probe serves a request slower than plain; it re-measures the
         costs, which the host's load or a cheaper draft can change); a multiple of ``probe_every``.
+    ceiling_reprobe_s: ... and once this many seconds have passed since the draft's last probe, the
+        next probe slot probes it and the back-off restarts: a verdict measured under a transient
+        load (a minute of CPU contention made the draft "122.5 ms per token") does not stand for
+        hundreds of requests.
+    half_life_s: estimates age: a measurement that arrives this many seconds after the estimate's
+        last one weighs at least 1/2 (2 half-lives: 3/4, ...) whatever ``ewma`` says, so a key
+        idle for minutes takes its first new measurements nearly at face value instead of
+        keeping the figures it last saw.
     """
 
     gamma_max: int = 8
@@ -538,6 +546,8 @@ class ControllerConfig:
     min_steps: int = 8
     proposers: tuple[str, ...] = ("draft",)
     ceiling_probe_every: int = 100
+    ceiling_reprobe_s: float = 60.0
+    half_life_s: float = 60.0
 
     def __post_init__(self):
         from decoder.proposers import REQUEST_PROPOSERS
@@ -554,6 +564,10 @@ class ControllerConfig:
             raise ValueError(f"ewma={self.ewma} must lie in (0, 1]")
         if self.probe_every < 1 or self.min_steps < 1:  # min_steps 0 trusted estimates that do not exist yet
             raise ValueError(f"probe_every={self.probe_every} and min_steps={self.min_steps} must be >= 1")
+        for name in ("ceiling_reprobe_s", "half_life_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:  # NaN too
+                raise ValueError(f"{name}={v!r} must be a number of seconds > 0 (math.inf: never)")
         if (not isinstance(self.ceiling_probe_every, int) or isinstance(self.ceiling_probe_every, bool)
                 or self.ceiling_probe_every < 1
                 or self.ceiling_probe_every % self.probe_every):
@@ -562,16 +576,23 @@ class ControllerConfig:
 
 
 class _Ewma:
-    __slots__ = ("value", "n")
+    """Exponentially weighted mean; with ``now`` and ``half_life`` (seconds) a measurement after a
+    gap weighs at least 1 - 2^(-gap / half_life): the old value ages."""
+
+    __slots__ = ("value", "n", "t")
 
     def __init__(self):
-        self.value, self.n = math.nan, 0
+        self.value, self.n, self.t = math.nan, 0, None
 
-    def add(self, x: float, w: float) -> None:
+    def add(self, x: float, w: float, now: float | None = None, half_life: float | None = None) -> None:
         if not math.isfinite(x):  # a broken clock reading must not poison the estimate for good
             return
+        if now is not None and half_life and self.t is not None and now > self.t:
+            w = max(w, 1.0 - 0.5 ** ((now - self.t) / half_life))
         self.value = x if self.n == 0 else (1 - w) * self.value + w * x
         self.n += 1
+        if now is not None:
+            self.t = now
 
 
 @dataclass
@@ -587,6 +608,7 @@ class _KeyState:
     lengths: dict[str, "_LengthModel"] = field(default_factory=dict)  # proposer -> accepted-length model
     ceiling_probes: int = 0  # draft probes in a row while its ceiling was below plain (the back-off's exponent)
     last_ceiling_probe: int = 0  # the request that made the last of them
+    last_ceiling_probe_t: float | None = None  # and when (the controller's clock)
 
 
 @dataclass
@@ -718,11 +740,11 @@ class GoodputController:
         by all proposers."""
         if step_ms is not None:
             self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms)
-        w = self.config.ewma
+        w, now, hl = self.config.ewma, self.clock(), self.config.half_life_s
         with self._lock:
             s = self._state(key)
             g = step.proposed
-            s.verify_ms.setdefault(g, _Ewma()).add(step.verify_ms, w)
+            s.verify_ms.setdefault(g, _Ewma()).add(step.verify_ms, w, now, hl)
             if proposer != "draft":
                 asked = g if asked is None else asked
                 if asked:
@@ -731,7 +753,7 @@ class GoodputController:
                 return
             if g:
                 s.alpha.add(step.alpha_sum / g, w)
-                s.draft_ms_per_token.add(step.draft_ms / g, w)
+                s.draft_ms_per_token.add(step.draft_ms / g, w, now, hl)
 
     def _verify_cost(self, s: _KeyState, g: int) -> float:
         """t_verify(γ): the per-γ EWMA, else a line through the measured points vs γ + 1."""
@@ -788,11 +810,13 @@ class GoodputController:
         stays hopeless is probed ever more rarely). The back-off restarts whenever the ceiling is
         above plain again (:meth:`_hopeless`)."""
         c = self.config
+        now = self.clock()
+        stale = s.last_ceiling_probe_t is not None and now - s.last_ceiling_probe_t >= c.ceiling_reprobe_s
         spacing = min(c.probe_every * 2 ** min(s.ceiling_probes, 30), c.ceiling_probe_every)
-        if s.requests - s.last_ceiling_probe < spacing:
+        if not stale and s.requests - s.last_ceiling_probe < spacing:
             return False
-        s.ceiling_probes += 1
-        s.last_ceiling_probe = s.requests
+        s.ceiling_probes = 1 if stale else s.ceiling_probes + 1  # an old verdict: the back-off restarts
+        s.last_ceiling_probe, s.last_ceiling_probe_t = s.requests, now
         return True
 
     def _hopeless(self, s: _KeyState, ev: dict[str, Any]) -> bool:
@@ -809,7 +833,7 @@ class GoodputController:
         return (f"the draft cannot pay on this engine: at α = 1 its best, γ={g}, is {top:.3f} tok/ms = "
                 f"{top / plain:.2f}x plain (draft {ev['t_draft']:.2f} ms per token, a verification of {g + 1} rows "
                 f"{ev['t_verify'][g]:.2f} ms, a plain step {ev['t_plain']:.2f} ms); probed ever more rarely, "
-                f"at most every {self.config.ceiling_probe_every} requests")
+                f"at most every {self.config.ceiling_probe_every} requests or {self.config.ceiling_reprobe_s:g} s")
 
     # ---- the decision ----------------------------------------------------------------------
     def _begin_request(self, key: Key) -> _KeyState:

@@ -314,7 +314,7 @@ def test_a_draft_whose_alpha_one_ceiling_is_below_plain_is_probed_only_every_cei
     d = ctl.decision(key)
     assert d["draft_ceiling_gamma"] == 1 and d["draft_ceiling_tokens_per_ms"] == pytest.approx(2 / 24, rel=1e-4)
     assert "the draft cannot pay on this engine: at α = 1 its best, γ=1, is 0.083 tok/ms = 0.83x plain" in d["why"]
-    assert d["why"].endswith("probed ever more rarely, at most every 20 requests")
+    assert d["why"].endswith("probed ever more rarely, at most every 20 requests or 60 s")
     gammas = [ctl.policy_for(key).gamma() for _ in range(60)]
     assert [i + 1 for i, g in enumerate(gammas) if g] == [5, 15, 35, 55]
     # a cheap draft, off at α = 0.2 (γ=1: 1.2 / 13 < 0.1) but whose ceiling (2 / 13) beats plain, keeps the old cadence
@@ -518,3 +518,38 @@ def test_eagle_is_offered_only_while_a_head_serves_warms_up_at_its_own_gamma_and
 def test_eagle_gamma_init_outside_the_range_is_refused():
     with pytest.raises(ValueError, match="eagle_gamma_init=0 must lie in 1..gamma_max=8"):
         ControllerConfig(eagle_gamma_init=0)
+
+
+def test_estimates_age_and_a_stale_hopeless_verdict_is_reprobed():
+    """issue 37, item 9: a minute of CPU contention made the draft '122.5 ms per token', and the
+    verdict it gave (the draft cannot pay) stood while the probes backed off to every 100 requests.
+    Now a hopeless draft is re-probed at the first probe slot 60 s after its last probe, and a
+    measurement after an idle gap weighs 1 - 2^(-gap / half-life) at least."""
+    t = [0.0]
+    cfg = ControllerConfig(gamma_max=2, gamma_init=1, probe_every=5, min_steps=2, ceiling_probe_every=100,
+                           ceiling_reprobe_s=60.0, half_life_s=60.0)
+    ctl = GoodputController(cfg, clock=lambda: t[0])
+    key = ("prose", "greedy")
+    _draft_steps(ctl, key, 122.5, {1: 20.0, 2: 28.0}, alpha=0.9)  # contention: the draft looks hopeless
+    assert "cannot pay" in ctl.decision(key)["why"]
+    gammas = [ctl.policy_for(key).gamma() for _ in range(40)]  # same second: the back-off (5, 15, 35)
+    assert [i + 1 for i, g in enumerate(gammas) if g] == [5, 15, 35]
+    t[0] = 61.0  # a minute later, at the next probe slot (request 45), the draft is probed again
+    gammas = [ctl.policy_for(key).gamma() for _ in range(10)]
+    assert [41 + i for i, g in enumerate(gammas) if g] == [45]
+    # that probe measures 4 ms a token, 61 s after the last: weight 1 - 2^(-61/60) = 0.506, not ewma = 0.1
+    before = ctl.decision(key)["t_draft_ms"]
+    ctl.observe(key, StepStats(1, 1, 2, -1, 0.9, 4.0, 20.0))
+    w = 1 - 0.5 ** (61 / 60)
+    assert ctl.decision(key)["t_draft_ms"] == pytest.approx((1 - w) * before + w * 4.0, rel=1e-4)
+    # within the same second the weight is ewma again
+    after = ctl.decision(key)["t_draft_ms"]
+    ctl.observe(key, StepStats(1, 1, 2, -1, 0.9, 4.0, 20.0))
+    assert ctl.decision(key)["t_draft_ms"] == pytest.approx(0.9 * after + 0.1 * 4.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("field", ["ceiling_reprobe_s", "half_life_s"])
+def test_ageing_settings_are_checked(field):
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match=f"{field}="):
+            ControllerConfig(**{field: bad})
