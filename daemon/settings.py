@@ -160,6 +160,8 @@ class TrainerSettings(_Group):
     min_eval_requests: int = Field(8, ge=2, description="Held-out requests (prompts) the promotion gate's paired interval needs (trainer.gate).")
     min_eval_positions: int = Field(256, ge=1, description="Held-out output positions the promotion gate needs over the judged workloads.")
     gate_confidence: float = Field(0.95, gt=0, lt=1, description="Coverage of the gain's bootstrap interval; its lower bound must be above 0 to promote.")
+    gate_on: Literal["decode", "all"] = Field("decode", description="The gate judges each workload on its held-out decode records "
+                                              "(what the draft proposes for while serving) when it has min_eval_samples of them; 'all' adds the prompts' prefill records.")
     loss: LossName = Field("forward_kl", description="Divergence: forward_kl, reverse_kl, jsd or tv (trainer.losses).")
     weighting: WeightingName = Field("all", description="Positions trained: all, rejected, upweight_rejected.")
     lora_r: int = Field(16, ge=1, description="LoRA rank.")
@@ -526,5 +528,6 @@ def service_config(s: Settings) -> "ServiceConfig":
         min_eval_requests=t.min_eval_requests,
         min_eval_positions=t.min_eval_positions,
         confidence=t.gate_confidence,
+        gate_on=t.gate_on,
         work_dir=str(s.state_dir / "trainer"),
     )

@@ -122,6 +122,11 @@ class ServiceConfig:
     min_eval_requests: int = 8
     min_eval_positions: int = 256
     confidence: float = 0.95
+    # What the gate judges on: "decode" = per workload, its held-out decode records (the target's
+    # distributions at the positions the draft proposes for while serving) when it has at least
+    # min_eval_samples of them, else all its held-out records; "all" = every held-out record (the
+    # prompts' prefill records too, whose text the target did not write).
+    gate_on: str = "decode"
     # Replay against forgetting: the most recent trained samples of each workload are kept (in
     # memory) and a round that trains on a shifted workload mixes in up to as many replayed
     # samples of the *other* workloads as it has new ones, so the gate's "no workload drops by
@@ -133,6 +138,13 @@ class ServiceConfig:
     per_workload: bool = False
     min_workload_samples: int = 16
     work_dir: str | None = None  # where candidates are written before registration (temp if None)
+
+    def __post_init__(self) -> None:
+        if self.gate_on not in ("decode", "all"):
+            raise ValueError(f"ServiceConfig.gate_on={self.gate_on!r}; choose 'decode' or 'all'")
+        if self.min_eval_requests < 2 or self.min_eval_positions < 1 or not 0 < self.confidence < 1:
+            raise ValueError(f"min_eval_requests={self.min_eval_requests} (>= 2), min_eval_positions="
+                             f"{self.min_eval_positions} (>= 1) and confidence={self.confidence} (in (0, 1)) are out of range")
 
 
 @dataclass
@@ -299,6 +311,17 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
         return Verdict(False, f"{head}: the interval's lower bound is not above 0", pg, worse)
     return Verdict(True, f"{head}: gain >= promote_margin {cfg.promote_margin}, lower bound > 0; "
                          f"no workload regressed > {cfg.regress_margin}", pg)
+
+
+def gate_slice(heldout: list[VerifiedSample], cfg: ServiceConfig) -> list[VerifiedSample]:
+    """The held-out records the gate judges on (``ServiceConfig.gate_on``), in their order."""
+    if cfg.gate_on == "all":
+        return heldout
+    by_w: dict[str, int] = {}
+    for s in heldout:
+        if s.source == "decode":
+            by_w[s.workload] = by_w.get(s.workload, 0) + 1
+    return [s for s in heldout if s.source == "decode" or by_w.get(s.workload, 0) < cfg.min_eval_samples]
 
 
 def group_lag(client: Any, store_config: Any, group: str) -> int:
@@ -724,7 +747,7 @@ class TrainerService:
             report.decision, report.reason = "idle", "no new training samples"
             report.acked = self.reader.ack(heldout_entries)  # kept in memory; nothing to register
             return
-        heldout = [s for d in self._heldout.values() for s in d]
+        heldout = gate_slice([s for d in self._heldout.values() for s in d], cfg)
         before = self._evaluate_served(heldout, self._promoted_version, self._promoted_state)
         new = [e.sample for e in train]
         replay = replay_mix(new, self._replay, cfg.replay_ratio) if cfg.replay_per_workload else []
@@ -793,7 +816,7 @@ class TrainerService:
         except ValueError as e:
             rep.reason = f"no adapter of its own: {e}"
             return rep
-        held = list(self._heldout.get(workload, ()))
+        held = gate_slice(list(self._heldout.get(workload, ())), cfg)
         if len(held) < cfg.min_eval_samples:
             rep.reason = (f"{len(held)} held-out {workload} samples, fewer than min_eval_samples="
                           f"{cfg.min_eval_samples}: nothing to judge its own adapter on")

@@ -121,3 +121,22 @@ def test_paired_ratio_gain_enumerated():
     assert pg.before == pytest.approx(5 / 12) and pg.after == pytest.approx(8 / 12) and pg.gain == pytest.approx(0.25)
     assert pg.low == pytest.approx(-0.25) and pg.high == pytest.approx(0.5)
     assert math.isnan(paired_ratio_gain({}).gain)
+
+
+def test_gate_slice_prefers_decode_records_per_workload():
+    from types import SimpleNamespace
+
+    from trainer.service import gate_slice
+
+    def rec(w, source, i):
+        return SimpleNamespace(workload=w, source=source, record_id=f"{w}-{source}-{i}")
+
+    held = ([rec("prose", "prefill", i) for i in range(5)] + [rec("prose", "decode", i) for i in range(3)]
+            + [rec("code", "prefill", i) for i in range(4)] + [rec("code", "decode", i) for i in range(1)])
+    cfg = ServiceConfig(min_eval_samples=3)
+    got = [r.record_id for r in gate_slice(held, cfg)]
+    # prose has 3 decode records (enough): those alone; code has 1 (too few): all of code's
+    assert got == [f"prose-decode-{i}" for i in range(3)] + [f"code-prefill-{i}" for i in range(4)] + ["code-decode-0"]
+    assert gate_slice(held, ServiceConfig(min_eval_samples=3, gate_on="all")) == held
+    with pytest.raises(ValueError, match="gate_on='prompt'"):
+        ServiceConfig(gate_on="prompt")
