@@ -20,6 +20,7 @@ records, and a prompt served twice, form one cluster.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
@@ -82,43 +83,22 @@ def paired_gain(
     Raises:
         ValueError: ``confidence`` outside (0, 1) or ``resamples`` < 100.
     """
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence={confidence!r}: must lie in (0, 1), e.g. 0.95")
-    if resamples < 100:
-        raise ValueError(f"resamples={resamples!r}: need >= 100 bootstrap resamples (2000 is the default)")
     clusters = clusters or {}
-    index: dict[str, int] = {}
-    d: list[float] = []  # per cluster: Σ (A - B)
-    b: list[float] = []  # per cluster: Σ B
-    n: list[int] = []  # per cluster: Σ positions
+    per: dict[str, list[float]] = {}  # cluster -> [Σ B, positions, Σ A, positions]
     samples = 0
     for rid in sorted(before.keys() & after.keys()):
         (sb, nb), (sa, na) = before[rid], after[rid]
         if nb != na or nb <= 0:
             continue
-        key = clusters.get(rid, "record:" + rid)
-        if key not in index:
-            index[key] = len(d)
-            d.append(0.0), b.append(0.0), n.append(0)
-        j = index[key]
-        d[j] += sa - sb
-        b[j] += sb
-        n[j] += nb
+        row = per.setdefault(clusters.get(rid, "record:" + rid), [0.0, 0, 0.0, 0])
+        row[0] += sb
+        row[1] += nb
+        row[2] += sa
+        row[3] += nb
         samples += 1
-    total = sum(n)
-    nan = float("nan")
-    if not total:
-        return PairedGain(0, 0, 0, nan, nan, nan, nan, nan, confidence)
-    dv, nv = np.asarray(d), np.asarray(n, dtype=np.float64)  # (G,), (G,)
-    gain = float(dv.sum() / total)
-    before_rate = float(sum(b) / total)
-    g = len(dv)
-    rng = np.random.default_rng(seed)
-    w = rng.multinomial(g, np.full(g, 1.0 / g), size=resamples).astype(np.float64)  # (R, G): cluster counts
-    stats = (w @ dv) / (w @ nv)  # (R,) the resampled Δ; every resample has >= 1 cluster, so > 0 positions
-    tail = (1.0 - confidence) / 2.0
-    low, high = np.quantile(stats, [tail, 1.0 - tail])
-    return PairedGain(g, samples, total, before_rate, before_rate + gain, gain, float(low), float(high), confidence)
+    # Σ A / Σ n - Σ B / Σ n over resampled clusters = Σ (A - B) / Σ n: the ratio form with one denominator
+    return dataclasses.replace(paired_ratio_gain({k: tuple(v) for k, v in per.items()}, confidence, resamples, seed),
+                               samples=samples)
 
 
 def paired_ratio_gain(rows: Mapping[str, tuple[float, float, float, float]], confidence: float = 0.95,
