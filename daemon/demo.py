@@ -941,7 +941,7 @@ def register(app) -> None:
 
     @app.command("demo")
     def demo(
-        quick: Annotated[bool, typer.Option(help="a ~7-minute run once v0 is cached (75 s per phase)")] = False,
+        quick: Annotated[bool, typer.Option(help="a ~7-minute run once v0 is cached (90 s per phase, 4 phases)")] = False,
         phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase (overrides the preset)")] = None,
         out: Annotated[Path, typer.Option(help="directory for report.json and acceptance.png")] = Path("out/demo"),
         heads: Annotated[bool, typer.Option(help="also serve and adapt the feature-level head (the 'eagle' proposer): "
