@@ -347,9 +347,9 @@ def bootstrap_documents(workload: str, reserved: int = EVAL_RESERVED_PROMPTS) ->
     The demo evaluates on the first prompts of each workload (never served); a draft bootstrapped
     on text that holds them would be judged on text it was trained on. A document is dropped when
     it shares any run of 8 words with any of the first ``reserved`` prompts of ``workload``
-    (prose: their pydoc topics, and the topics that quote them, e.g. "compound" quotes "async"
-    and "class"; math: their GSM8K rows; code: none, its corpus modules are disjoint from the
-    prompts' already).
+    (math: their GSM8K rows; code: a corpus module that a prompt quotes, e.g. ``inspect``, whose
+    ``cleandoc`` docstring pydoc's ``_getdoc`` repeats; prose: normally none, the prompts are
+    standard-library docstrings and the corpus is pydoc's topics).
 
     Raises:
         ValueError: a workload without a built-in corpus, or ``reserved`` < 0.

@@ -48,7 +48,7 @@ def _runs(text: str, n: int = 8) -> set:
     return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
 
 
-@pytest.mark.parametrize("workload", ["prose", "math"])
+@pytest.mark.parametrize("workload", ["prose", "code", "math"])
 def test_bootstrap_documents_never_hold_an_evaluation_prompt(workload):
     docs, kept = documents(workload), bootstrap_documents(workload)
     if not docs:
@@ -57,15 +57,23 @@ def test_bootstrap_documents_never_hold_an_evaluation_prompt(workload):
     held = set().union(*(_runs(p.text) for p in prompts))
     assert not any(_runs(t) & held for _, t in kept)  # not one 8-word run of any reserved prompt
     dropped = {k for k, _ in docs} - {k for k, _ in kept}
-    assert len(kept) == len(docs) - len(dropped) and len(dropped) >= EVAL_RESERVED_PROMPTS
-    if workload == "prose":  # pydoc's "compound" topic quotes "async" and "class" (eval prompts): it goes too
-        assert "compound" in dropped and "async" in dropped
-    else:
+    assert dropped == {k for k, t in docs if _runs(t) & held}  # and only those go: the rest still trains
+    assert [k for k, _ in kept] == [k for k, _ in docs if k not in dropped]  # in the corpus's order
+    if workload == "math":
         assert len(dropped) == EVAL_RESERVED_PROMPTS  # GSM8K rows stand alone
+    if workload == "code":  # pydoc's _getdoc (a code prompt) quotes inspect's cleandoc docstring
+        assert "inspect" in dropped and len(kept) >= len(docs) - 4
 
 
-def test_bootstrap_documents_of_code_are_its_corpus_and_reserved_is_checked():
-    assert bootstrap_documents("code") == documents("code")  # the code corpus's modules are not the prompts' modules
+def test_bootstrap_documents_drop_a_document_that_quotes_a_reserved_prompt(monkeypatch):
+    reserved = get_workload("prose", EVAL_RESERVED_PROMPTS)
+    other = get_workload("prose", EVAL_RESERVED_PROMPTS + 1)[-1]  # the first prompt that may be served
+    planted = [("clean", "a document about nothing the evaluation asks " * 3),
+               ("quotes", "intro words here " + " ".join(reserved[3].text.split()[5:14]) + " and more"),
+               ("served", other.text)]
+    monkeypatch.setattr("decoder.workloads.documents", lambda w: planted)
+    assert [k for k, _ in bootstrap_documents("prose")] == ["clean", "served"]
+    assert [k for k, _ in bootstrap_documents("prose", reserved=0)] == ["clean", "quotes", "served"]
     with pytest.raises(ValueError, match="reserved=-1"):
         bootstrap_documents("prose", reserved=-1)
 
