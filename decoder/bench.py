@@ -81,7 +81,7 @@ class LlamaCppPeer:
 
         self.threads = int(threads or os.cpu_count() or 1)
         kw = dict(model_path=str(gguf), n_ctx=n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
-                  flash_attn=True, verbose=False)  # the setting decoder.engine.LlamaCppEngine runs
+                  flash_attn=True, verbose=False)  # flash attention as ours; V cache at llama.cpp's f16 (users' default)
         self.llm = Llama(**kw)
         split = self.llm.metadata.get(SPLIT_KEY)
         if split:  # a split Q4_1 file (decoder.gguf_export.q4_1_split_gguf): with its offset adapter, as ours runs it

@@ -384,6 +384,9 @@ class LlamaCppSequence:
             self.length = length
 
 
+KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml.h's enum ggml_type (llama_cpp exports no BF16 name)
+
+
 class LlamaCppEngine:
     """A GGUF model in llama.cpp.
 
@@ -401,15 +404,26 @@ class LlamaCppEngine:
             token for token; with it off, batched and one-token logits differ by up to 0.99 and
             near-ties flip. It is also ~5-10 % faster per step here. The bench's peer
             (``Llama(flash_attn=True)``) runs the same setting.
+        v_cache: element type of the V cache, one of :data:`KV_CACHE_TYPES` (K stays f16).
+            ``"bf16"`` (the default) keeps a row's logits bit-identical whether it is verified in
+            a block or decoded alone at every cache length: with f16 K and f16 V, llama.cpp's CPU
+            flash attention decodes a one-row query over a KV view of 512 cells or more (from the
+            257th cached token) with the cache split across threads and the partial softmaxes
+            merged, a different summation order than the block's, so near-ties could flip and a
+            served greedy output differ from plain decoding; with V in another type than K that
+            one-row path is not taken. ``"f16"`` is llama.cpp's (and the bench peer's) default.
 
     Raises:
         EngineError: llama-cpp-python missing, or the file does not load.
+        ValueError: ``v_cache`` not one of :data:`KV_CACHE_TYPES`.
     """
 
     name = "llamacpp"
 
     def __init__(self, path: str | Path, n_ctx: int | None = None, threads: int | None = None,
-                 n_batch: int = 512, embeddings: bool = False, flash_attn: bool = True):
+                 n_batch: int = 512, embeddings: bool = False, flash_attn: bool = True, v_cache: str = "bf16"):
+        if v_cache not in KV_CACHE_TYPES:
+            raise ValueError(f"v_cache={v_cache!r}: use one of {sorted(KV_CACHE_TYPES)}")
         L = self.L = _llama()
         self.path = Path(path)
         if not self.path.is_file():
@@ -435,6 +449,8 @@ class LlamaCppEngine:
         cp.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token hidden states
         cp.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
         self.flash_attn = bool(flash_attn)
+        cp.type_v = KV_CACHE_TYPES[v_cache]
+        self.v_cache = v_cache
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             L.llama_model_free(self.model)
@@ -613,7 +629,8 @@ class LlamaCppEngine:
 
     def describe(self) -> dict:
         return {"engine": self.name, "model": self.path.name, "device": "cpu", "threads": self.threads,
-                "n_ctx": self.context_length, "lora": self.lora, "extra_buffer_types": self.extra_bufts}
+                "n_ctx": self.context_length, "v_cache": self.v_cache, "lora": self.lora,
+                "extra_buffer_types": self.extra_bufts}
 
     def close(self) -> None:
         with self._busy:
