@@ -261,48 +261,48 @@ def corpus_main(args) -> None:
     print(f"{info}", flush=True)
     rows = []
     best = None
-    for loss in args.losses.split(","):
-        for weighting in args.weightings.split(","):
-            cfg = DistillConfig(loss=loss, weighting=weighting, lr=args.lr, batch_size=args.batch_size,
-                                lora_r=args.lora_r, lora_alpha=2 * args.lora_r, max_steps=args.round_steps,
-                                max_seconds=1e9, max_epochs=10**6, precision=args.precision)
-            dist = Distiller(fresh_draft(), cfg, vocab=vocab)
-            base = {"decoded": dist.evaluate(held_dec, adapter=BASE), "teacher_forced": dist.evaluate(held_tf, adapter=BASE)}
-            curve, steps, train_s = [], 0, 0.0
-            pick = None  # (alpha_decoded, steps, adapter_state): the best held-out checkpoint so far
-            cpu0 = time.process_time()
-            while steps < args.steps and train_s < 60 * args.minutes:
-                dist.config = dataclasses.replace(cfg, max_steps=min(args.round_steps, args.steps - steps),
-                                                  max_seconds=60 * args.minutes - train_s)
-                if args.lr_decay == "cosine":  # per round, by the share of the budget (time or steps) spent
-                    done = max(train_s / (60 * args.minutes), steps / args.steps)
-                    dist.set_lr(args.lr_min + 0.5 * (args.lr - args.lr_min) * (1 + math.cos(math.pi * min(done, 1.0))))
-                t0 = time.perf_counter()
-                res = dist.train_round(train)
-                train_s += time.perf_counter() - t0
-                steps += res.steps
-                if not res.finite or res.steps == 0:
-                    print(f"{loss} {weighting}: round failed: {res.reason}", flush=True)
-                    break
-                ed, et = dist.evaluate(held_dec), dist.evaluate(held_tf)
-                curve.append({"steps": steps, "train_seconds": round(train_s, 1), "lr": dist.config.lr, "alpha_decoded": ed.alpha,
-                              "greedy_decoded": ed.greedy, "alpha_teacher_forced": et.alpha,
-                              "greedy_teacher_forced": et.greedy, "loss": res.loss_last})
-                if pick is None or ed.alpha > pick[0]:
-                    pick = (ed.alpha, steps, dist.adapter_state())
-                print(f"{loss:>10} {weighting:>8} step {steps:4d} {train_s:6.0f} s: held-out decoded alpha "
-                      f"{base['decoded'].alpha:.3f} -> {ed.alpha:.3f} (greedy {base['decoded'].greedy:.3f} -> "
-                      f"{ed.greedy:.3f}); teacher-forced alpha {base['teacher_forced'].alpha:.3f} -> {et.alpha:.3f}",
-                      flush=True)
-            row = {"loss": loss, "weighting": weighting, "steps": steps, "train_seconds": train_s,
-                   "cpu_seconds": time.process_time() - cpu0,
-                   "base": {k: v.to_dict() for k, v in base.items()}, "curve": curve,
-                   "picked": None if pick is None else next(p for p in curve if p["steps"] == pick[1])}
-            if args.per_workload_steps:
-                row["per_workload"] = per_workload_compare(dist, cfg, train, held_dec, held_tf, args.per_workload_steps)
-            rows.append(row)
-            if pick is not None and (best is None or pick[0] > best[0]):
-                best = (pick[0], loss, weighting, dist, pick)
+    for loss, weighting, temp in _configs(args):
+        cfg = DistillConfig(loss=loss, weighting=weighting, lr=args.lr, batch_size=args.batch_size,
+                            lora_r=args.lora_r, lora_alpha=2 * args.lora_r, max_steps=args.round_steps,
+                            max_seconds=1e9, max_epochs=10**6, precision=args.precision, teacher_temperature=temp)
+        loss = _label(loss, temp)
+        dist = Distiller(fresh_draft(), cfg, vocab=vocab)
+        base = {"decoded": dist.evaluate(held_dec, adapter=BASE), "teacher_forced": dist.evaluate(held_tf, adapter=BASE)}
+        curve, steps, train_s = [], 0, 0.0
+        pick = None  # (alpha_decoded, steps, adapter_state): the best held-out checkpoint so far
+        cpu0 = time.process_time()
+        while steps < args.steps and train_s < 60 * args.minutes:
+            dist.config = dataclasses.replace(cfg, max_steps=min(args.round_steps, args.steps - steps),
+                                              max_seconds=60 * args.minutes - train_s)
+            if args.lr_decay == "cosine":  # per round, by the share of the budget (time or steps) spent
+                done = max(train_s / (60 * args.minutes), steps / args.steps)
+                dist.set_lr(args.lr_min + 0.5 * (args.lr - args.lr_min) * (1 + math.cos(math.pi * min(done, 1.0))))
+            t0 = time.perf_counter()
+            res = dist.train_round(train)
+            train_s += time.perf_counter() - t0
+            steps += res.steps
+            if not res.finite or res.steps == 0:
+                print(f"{loss} {weighting}: round failed: {res.reason}", flush=True)
+                break
+            ed, et = dist.evaluate(held_dec), dist.evaluate(held_tf)
+            curve.append({"steps": steps, "train_seconds": round(train_s, 1), "lr": dist.config.lr, "alpha_decoded": ed.alpha,
+                          "greedy_decoded": ed.greedy, "alpha_teacher_forced": et.alpha,
+                          "greedy_teacher_forced": et.greedy, "loss": res.loss_last})
+            if pick is None or ed.alpha > pick[0]:
+                pick = (ed.alpha, steps, dist.adapter_state())
+            print(f"{loss:>10} {weighting:>8} step {steps:4d} {train_s:6.0f} s: held-out decoded alpha "
+                  f"{base['decoded'].alpha:.3f} -> {ed.alpha:.3f} (greedy {base['decoded'].greedy:.3f} -> "
+                  f"{ed.greedy:.3f}); teacher-forced alpha {base['teacher_forced'].alpha:.3f} -> {et.alpha:.3f}",
+                  flush=True)
+        row = {"loss": loss, "weighting": weighting, "steps": steps, "train_seconds": train_s,
+               "cpu_seconds": time.process_time() - cpu0,
+               "base": {k: v.to_dict() for k, v in base.items()}, "curve": curve,
+               "picked": None if pick is None else next(p for p in curve if p["steps"] == pick[1])}
+        if args.per_workload_steps:
+            row["per_workload"] = per_workload_compare(dist, cfg, train, held_dec, held_tf, args.per_workload_steps)
+        rows.append(row)
+        if pick is not None and (best is None or pick[0] > best[0]):
+            best = (pick[0], loss, weighting, dist, pick)
     bench = None
     if best is not None and args.decode_bench:
         import tempfile
@@ -360,6 +360,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=32)
     ap.add_argument("--losses", default="forward_kl,reverse_kl,jsd,tv")
     ap.add_argument("--weightings", default="all,upweight_rejected,rejected")
+    ap.add_argument("--teacher-temperatures", default="1",
+                    help="temperatures the teacher is distilled at (DistillConfig.teacher_temperature; 0 = its top-1)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--round-steps", type=int, default=50)
     ap.add_argument("--minutes", type=float, default=15.0, help="training budget per configuration")
@@ -435,34 +437,45 @@ def main() -> None:
     samples_main(args)
 
 
+def _configs(args) -> list[tuple[str, str, float]]:
+    """Every (loss, weighting, teacher temperature) the arguments ask for."""
+    return [(loss, w, float(t)) for loss in args.losses.split(",") for w in args.weightings.split(",")
+            for t in args.teacher_temperatures.split(",")]
+
+
+def _label(loss: str, temperature: float) -> str:
+    """The row's loss name: ``forward_kl`` at T = 1, ``forward_kl@T0.25`` otherwise."""
+    return loss if temperature == 1.0 else f"{loss}@T{temperature:g}"
+
+
 def samples_main(args) -> None:
     """--pair tiny, or --data decode: every loss x weighting bootstrapped on one sample set."""
     samples, fresh_draft, info = (tiny_setup if args.pair == "tiny" else smollm2_setup)(args)
     print(f"{info}; {len(samples)} samples, {sum(s.num_tokens for s in samples)} tokens", flush=True)
     rows = []
-    for loss in args.losses.split(","):
-        for weighting in args.weightings.split(","):
-            cfg = DistillConfig(loss=loss, weighting=weighting, lr=args.lr, batch_size=args.batch_size, lora_r=args.lora_r,
-                                lora_alpha=2 * args.lora_r, precision=args.precision)
-            dist = Distiller(fresh_draft(), cfg)
-            cpu0 = time.process_time()
-            try:
-                res = bootstrap(samples, dist, None, BootstrapConfig(max_steps=args.steps, round_steps=args.round_steps,
-                                                                     max_seconds=60 * args.minutes, holdout_fraction=args.holdout))
-            except Exception as e:  # noqa: BLE001 - one failing configuration is a row, not the end
-                print(f"{loss:>10} {weighting:>17}: failed: {e}", flush=True)
-                rows.append({"loss": loss, "weighting": weighting, "error": str(e)})
-                continue
-            cpu = time.process_time() - cpu0
-            curve = " ".join(f"{p.steps}:{p.alpha:.3f}" for p in res.curve)
-            print(f"{loss:>10} {weighting:>17}: alpha {res.base.alpha:.3f} -> {res.after.alpha:.3f}, greedy "
-                  f"{res.base.greedy:.3f} -> {res.after.greedy:.3f}, {res.steps} steps in {res.train_seconds:.1f} s "
-                  f"train wall ({cpu / 60:.2f} CPU min incl. eval) | {curve}", flush=True)
-            rows.append({
-                "loss": loss, "weighting": weighting, "steps": res.steps, "train_seconds": res.train_seconds,
-                "cpu_seconds": cpu, "base": res.base.to_dict(), "after": res.after.to_dict(),
-                "curve": [p.__dict__ for p in res.curve],
-            })
+    for loss, weighting, temp in _configs(args):
+        cfg = DistillConfig(loss=loss, weighting=weighting, lr=args.lr, batch_size=args.batch_size, lora_r=args.lora_r,
+                            lora_alpha=2 * args.lora_r, precision=args.precision, teacher_temperature=temp)
+        loss = _label(loss, temp)
+        dist = Distiller(fresh_draft(), cfg)
+        cpu0 = time.process_time()
+        try:
+            res = bootstrap(samples, dist, None, BootstrapConfig(max_steps=args.steps, round_steps=args.round_steps,
+                                                                 max_seconds=60 * args.minutes, holdout_fraction=args.holdout))
+        except Exception as e:  # noqa: BLE001 - one failing configuration is a row, not the end
+            print(f"{loss:>10} {weighting:>17}: failed: {e}", flush=True)
+            rows.append({"loss": loss, "weighting": weighting, "error": str(e)})
+            continue
+        cpu = time.process_time() - cpu0
+        curve = " ".join(f"{p.steps}:{p.alpha:.3f}" for p in res.curve)
+        print(f"{loss:>10} {weighting:>17}: alpha {res.base.alpha:.3f} -> {res.after.alpha:.3f}, greedy "
+              f"{res.base.greedy:.3f} -> {res.after.greedy:.3f}, {res.steps} steps in {res.train_seconds:.1f} s "
+              f"train wall ({cpu / 60:.2f} CPU min incl. eval) | {curve}", flush=True)
+        rows.append({
+            "loss": loss, "weighting": weighting, "steps": res.steps, "train_seconds": res.train_seconds,
+            "cpu_seconds": cpu, "base": res.base.to_dict(), "after": res.after.to_dict(),
+            "curve": [p.__dict__ for p in res.curve],
+        })
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"info": info, "args": vars(args), "rows": rows}, indent=1))

@@ -506,7 +506,9 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
 
     - ``heldout_alpha``: α = Σ min(p, q) at temperature 1 over the stored top-k support, on the
       phase's held-out samples (served requests the trainer never trained on; Distiller.evaluate),
-      for v0 (frozen), the adapter active when the phase ended, and the final one.
+      for v0 (frozen), the adapter active when the phase ended, and the final one;
+      ``heldout_served``: the same records' acceptance as served (greedy agreement on these
+      greedy requests: ``EvalCounts.served``), the rate the promotion gate judges.
     - decoded, on ``eval_prompts`` prompts never served, greedy, ``max_new_tokens`` each:
       ``plain`` (γ = 0); ``frozen`` (v0) and ``adapted_draft`` (the final adapter)
       at γ = ``eval_gamma``; ``adapted``: what the goodput controller picks for the phase's
@@ -543,11 +545,11 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
             held = heldout.get(phase, [])
             row["heldout_samples"] = len(held)
             if held:
-                row["heldout_alpha"] = {
-                    "frozen": _nn(distiller.evaluate(held, adapter=v0_state).alpha),
-                    "phase_end": _nn(distiller.evaluate(held, adapter=state_of(row["adapter_at_phase_end"])).alpha),
-                    "final": _nn(distiller.evaluate(held, adapter=final_state).alpha),
-                }
+                ev = {"frozen": distiller.evaluate(held, adapter=v0_state),
+                      "phase_end": distiller.evaluate(held, adapter=state_of(row["adapter_at_phase_end"])),
+                      "final": distiller.evaluate(held, adapter=final_state)}
+                row["heldout_alpha"] = {k: _nn(e.alpha) for k, e in ev.items()}
+                row["heldout_served"] = {k: _nn(e.served) for k, e in ev.items()}  # what the gate judges
             pick = controller.decision((phase, params.bucket())) if controller is not None else {}
             pick_g = int(pick.get("gamma") or 0)
             pick_p = pick.get("proposer") if pick_g else None

@@ -111,6 +111,9 @@ class DistillConfig:
     # bucket scales with q, which is ~0 where the target puts its mass. TV (= 1 - alpha) is the
     # natural fine-tuning objective once the draft is close; re-measure on the real pair.
     loss: str = "forward_kl"
+    # The temperature the teacher is distilled at (``losses.at_temperature``): 1 = the target's own
+    # p; 0 = greedy decoding's target (its top-1, as greedy acceptance counts it).
+    teacher_temperature: float = 1.0
     # beta of the generalised JSD (GKD): weight of the target in the mixture m = beta p + (1-beta) q.
     jsd_beta: float = 0.5
     # Which output positions count: "all"; "rejected" = only where the draft was wrong (OSD), i.e.
@@ -149,6 +152,9 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if self.loss not in L.LOSSES:
             raise ValueError(f"DistillConfig.loss={self.loss!r}; choose one of {L.LOSSES}")
+        if not (self.teacher_temperature >= 0 and math.isfinite(self.teacher_temperature)):
+            raise ValueError(f"DistillConfig.teacher_temperature={self.teacher_temperature!r}; use a finite value >= 0 "
+                             "(0 = greedy decoding's target, 1 = the target's own distribution)")
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"DistillConfig.weighting={self.weighting!r}; choose one of {WEIGHTINGS}")
         if self.loss == "jsd" and not 0.0 < self.jsd_beta < 1.0:
@@ -183,6 +189,9 @@ class EvalCounts:
     positions: int = 0
     alpha_sum: float = 0.0  # sum over positions of sum_b min(p_b, q_b) (top-k + tail buckets)
     greedy_matches: int = 0  # positions where the draft's argmax == the target's top-1 id
+    # sum over positions of the acceptance as each record was served: its greedy match when the
+    # request was greedy (temperature 0), sum_b min(p_T, q_T) at the request's temperature T else
+    served_sum: float = 0.0
 
     @property
     def alpha(self) -> float:
@@ -194,14 +203,21 @@ class EvalCounts:
         """Greedy agreement = greedy_matches / positions (nan when no positions)."""
         return self.greedy_matches / self.positions if self.positions else float("nan")
 
+    @property
+    def served(self) -> float:
+        """Acceptance as served = served_sum / positions (nan when no positions): what the
+        decoder's α will be on these records' requests, greedy or sampled."""
+        return self.served_sum / self.positions if self.positions else float("nan")
+
     def add(self, other: EvalCounts) -> None:
         self.samples += other.samples
         self.positions += other.positions
         self.alpha_sum += other.alpha_sum
         self.greedy_matches += other.greedy_matches
+        self.served_sum += other.served_sum
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "alpha": self.alpha, "greedy": self.greedy}
+        return {**asdict(self), "alpha": self.alpha, "greedy": self.greedy, "served": self.served}
 
 
 @dataclass
@@ -226,6 +242,10 @@ class EvalResult:
     @property
     def greedy(self) -> float:
         return self.overall.greedy
+
+    @property
+    def served(self) -> float:
+        return self.overall.served
 
     def pooled(self, workloads: Sequence[str]) -> EvalCounts:
         """Counts pooled over the given workloads (positions-weighted, not a mean of means)."""
@@ -523,6 +543,7 @@ class Distiller:
         else:
             p = L.teacher_on_vocab(batch.p, present)  # (M, k+1)
             weights = weights * (p.sum(-1) > 0.5)  # a row with all its mass outside S has no target on S
+        p = L.at_temperature(p, self.config.teacher_temperature)
         per_pos = L.per_position_loss(self.config.loss, p, logq_b, self.config.jsd_beta)  # (M,)
         return L.weighted_mean(per_pos, weights)
 
@@ -652,13 +673,18 @@ class Distiller:
     def evaluate(
         self, samples: Sequence[VerifiedSample], adapter: AdapterState | str | None = None, batch_size: int | None = None
     ) -> EvalResult:
-        """Held-out alpha and greedy agreement, overall and per workload, over all output positions.
+        """Held-out alpha, greedy agreement and acceptance as served, overall and per workload,
+        over all output positions.
 
         alpha per position = sum_b min(p_b, q_b) over the stored support (target's top-k ids and
         the tail bucket); greedy agreement = draft argmax over its full vocabulary equals the
         target's most probable id. Both are pooled over positions. With a restricted vocabulary
         S (the ``vocab`` argument) both are the served FR-Spec draft's: q = 0 outside S, so a
-        top-k id outside S adds nothing to alpha, and the argmax runs over S.
+        top-k id outside S adds nothing to alpha, and the argmax runs over S. Acceptance as
+        served (``EvalCounts.served``) is, per record, its greedy agreement when it was decoded
+        greedily and alpha between p and q both at its temperature T (``losses.at_temperature``;
+        the request's top-k / top-p cuts are not applied) when sampled: the acceptance rate the
+        decoder sees on such requests (Leviathan et al. 2023, §3.1 with the processed p and q).
 
         Args:
             samples: samples never trained on.
@@ -682,9 +708,18 @@ class Distiller:
                     if self._vocab is not None:
                         pred = self._vocab[pred]
                     match = (pred == top1).cpu().numpy()  # (M,)
+                    at_t = {}  # temperature -> (M,) alpha at that temperature, for sampled records
                     for b, s in enumerate(chunk):
                         rows = batch.row_sample == b
-                        c = EvalCounts(1, int(rows.sum()), float(a[rows].sum()), int(match[rows].sum()))
+                        t = float(s.sampling.temperature)
+                        if t == 0.0:
+                            served = float(match[rows].sum())
+                        else:
+                            if t not in at_t:
+                                at_t[t] = a if t == 1.0 else L.alpha(
+                                    L.at_temperature(batch.p, t), self._bucket_logq(logits.float() / t, batch)[0]).cpu().numpy()
+                            served = float(at_t[t][rows].sum())
+                        c = EvalCounts(1, int(rows.sum()), float(a[rows].sum()), int(match[rows].sum()), served)
                         res.add_sample(s.record_id, s.workload, c)
         finally:
             self.model.train(was_training)

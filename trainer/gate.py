@@ -139,9 +139,21 @@ def paired_ratio_gain(rows: Mapping[str, tuple[float, float, float, float]], con
                       float(high), confidence)
 
 
-def counts_by_record(per_sample: Mapping[str, tuple[str, object]], workloads: set[str] | None = None
-                     ) -> dict[str, tuple[float, int]]:
-    """``EvalResult.per_sample`` (record id -> (workload, EvalCounts)) as record id -> (α sum,
-    positions), only the records of ``workloads`` (None: all)."""
-    return {rid: (float(c.alpha_sum), int(c.positions)) for rid, (w, c) in per_sample.items()
+def counts_by_record(per_sample: Mapping[str, tuple[str, object]], workloads: set[str] | None = None,
+                     metric: str = "served") -> dict[str, tuple[float, int]]:
+    """``EvalResult.per_sample`` (record id -> (workload, EvalCounts)) as record id -> (sum of the
+    metric over the record's positions, positions), only the records of ``workloads`` (None: all).
+
+    ``metric``: ``"served"`` (default), the acceptance each record's request saw as served
+    (``EvalCounts.served_sum``: greedy agreement for greedy requests, α at the request's
+    temperature for sampled ones), so the gate judges the rate the decoder will see; ``"alpha"``,
+    α at temperature 1 whatever the request was.
+
+    Raises:
+        ValueError: an unknown ``metric``.
+    """
+    if metric not in ("served", "alpha"):
+        raise ValueError(f"metric={metric!r}: use 'served' or 'alpha'")
+    field = "served_sum" if metric == "served" else "alpha_sum"
+    return {rid: (float(getattr(c, field)), int(c.positions)) for rid, (w, c) in per_sample.items()
             if workloads is None or w in workloads}

@@ -68,6 +68,41 @@ def teacher_on_vocab(p: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
     return q / q.sum(dim=-1, keepdim=True).clamp_min(P_FLOOR)
 
 
+def at_temperature(p: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The teacher's buckets as a request at ``temperature`` samples them: p_T ∝ p^(1/T).
+
+    Acceptance is measured on the processed distributions (Leviathan et al. 2023, §3.1 apply
+    the same transform to p and q), so a draft serving greedy requests is accepted where its
+    argmax is the target's, not where its T = 1 distribution overlaps the target's: distilling
+    towards p at the served temperature spends the draft's capacity on that (DistillSpec, Zhou
+    et al. 2023, §4: the best divergence depends on the decoding strategy). T = 1 returns ``p``;
+    T = 0 is greedy decoding's target, one-hot at the most probable top-k bucket (forward KL then
+    is the cross-entropy on the target's top-1). The tail bucket is sharpened as one bucket, an
+    upper bound of its share (it holds many tokens, each below the k-th).
+
+    Args:
+        p: (N, k + 1) teacher buckets from ``teacher_buckets``; the last column is the tail.
+        temperature: T >= 0.
+
+    Returns:
+        (N, k + 1) float32, rows summing to 1 (a row with no mass stays 0).
+
+    Raises:
+        ValueError: ``temperature`` negative or not finite.
+    """
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature={temperature!r}: use a finite T >= 0 (0 = greedy, 1 = the model's own p)")
+    if temperature == 1.0:
+        return p
+    if temperature == 0.0:
+        top = p[:, :-1].argmax(dim=-1, keepdim=True)  # (N, 1)
+        out = torch.zeros_like(p).scatter_(-1, top, 1.0)
+        return out * (p.sum(-1, keepdim=True) > 0)
+    logp = torch.log(p.clamp_min(P_FLOOR)) / temperature
+    out = torch.softmax(logp, dim=-1) * (p > 0)
+    return out / out.sum(dim=-1, keepdim=True).clamp_min(P_FLOOR)
+
+
 def student_bucket_logprobs(
     logits: torch.Tensor, topk_ids: torch.Tensor, present: torch.Tensor | None = None
 ) -> torch.Tensor:

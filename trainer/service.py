@@ -278,10 +278,12 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     Judged: the trained workloads with >= ``min_eval_samples`` held-out samples. Promote iff, on
     their held-out records paired per position (``trainer.gate.paired_gain``, clusters = the
     records' prompts, record id -> key), there are >= ``min_eval_requests`` requests and
-    >= ``min_eval_positions`` positions, the pooled α gain is >= ``promote_margin``, the lower
-    bound of its ``confidence`` interval is above 0, and no workload with ``min_eval_samples``
-    held-out samples loses more than ``regress_margin`` (point estimate). The evidence is None
-    when no workload could be judged.
+    >= ``min_eval_positions`` positions, the pooled gain of acceptance as served
+    (``EvalCounts.served``: greedy agreement on greedy requests, α at the request's temperature on
+    sampled ones; what the decoder will see) is >= ``promote_margin``, the lower bound of its
+    ``confidence`` interval is above 0, and no workload with ``min_eval_samples`` held-out samples
+    loses more than ``regress_margin`` of it (point estimate). The evidence is None when no
+    workload could be judged.
     """
     enough = {w for w, c in after.per_workload.items() if c.samples >= cfg.min_eval_samples}
     judged = sorted(trained & enough)
@@ -292,11 +294,11 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     pg = paired_gain(counts_by_record(before.per_sample, set(judged)), counts_by_record(after.per_sample, set(judged)),
                      clusters, cfg.confidence)
     b, a = before.pooled(judged), after.pooled(judged)
-    head = f"on {judged}: {pg.describe()}; greedy {b.greedy:.3f} -> {a.greedy:.3f}"
+    head = f"on {judged}: {pg.describe()} (acceptance as served); α at T=1 {b.alpha:.3f} -> {a.alpha:.3f}"
     regressed = [
-        f"{w} {before.per_workload[w].alpha:.4f} -> {after.per_workload[w].alpha:.4f}"
+        f"{w} {before.per_workload[w].served:.4f} -> {after.per_workload[w].served:.4f}"
         for w in sorted(enough)
-        if w in before.per_workload and before.per_workload[w].alpha - after.per_workload[w].alpha > cfg.regress_margin
+        if w in before.per_workload and before.per_workload[w].served - after.per_workload[w].served > cfg.regress_margin
     ]
     worse = bool(regressed) or not pg.gain >= 0
     if regressed:

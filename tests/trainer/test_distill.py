@@ -334,3 +334,51 @@ def test_an_adapter_remembers_its_draft_vocabulary(tmp_path, train_samples, held
     full_path = full.save(tmp_path / "full")
     assert not (full_path / VOCAB_FILE).exists()
     Distiller(tiny_draft(), DistillConfig(**FAST), vocab=s_even).load_adapter_weights(full_path)
+
+
+def test_acceptance_as_served_is_greedy_agreement_or_alpha_at_the_requests_temperature(target, heldout_samples):
+    """EvalCounts.served per record: greedy agreement for a greedy record, α between p and q both
+    sharpened to the record's temperature for a sampled one; computed here from the full forward."""
+    import dataclasses as dc
+
+    from store.schema import SamplingSettings
+    from trainer import losses as Lo
+    from trainer.distill import _build_batch
+
+    dist = Distiller(tiny_draft(), DistillConfig(**FAST))
+    temps = [0.0, 0.5, 1.0]
+    samples = [dc.replace(s, sampling=SamplingSettings(temperature=temps[i % 3])) for i, s in enumerate(heldout_samples)]
+    got = dist.evaluate(samples)
+    batch = _build_batch(samples, dist.config, dist.device)
+    with torch.no_grad():
+        rows = dist.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[batch.rows_b, batch.rows_t]
+    ids, p = batch.topk_ids, batch.p
+    top1 = ids.gather(-1, p[:, :-1].argmax(-1, keepdim=True)).squeeze(-1)
+    want = 0.0
+    for b, s in enumerate(samples):
+        m = torch.from_numpy(batch.row_sample == b)
+        t = s.sampling.temperature
+        if t == 0:
+            want += (rows[m].argmax(-1) == top1[m]).float().sum().item()
+        else:
+            q = torch.softmax(rows[m] / t, -1)
+            q_top = q.gather(-1, ids[m])
+            pt = Lo.at_temperature(p[m], t)
+            want += (torch.minimum(pt[:, :-1], q_top).sum(-1) + torch.minimum(pt[:, -1], 1 - q_top.sum(-1))).sum().item()
+    assert got.overall.served_sum == pytest.approx(want, abs=1e-3)
+    assert got.served == pytest.approx(want / got.overall.positions, abs=1e-6)
+    greedy_only = dist.evaluate([dc.replace(s, sampling=SamplingSettings()) for s in heldout_samples])
+    assert greedy_only.served == pytest.approx(greedy_only.greedy)
+    t1 = dist.evaluate([dc.replace(s, sampling=SamplingSettings(temperature=1.0)) for s in heldout_samples])
+    assert t1.served == pytest.approx(t1.alpha)
+
+
+def test_distilling_the_greedy_target_raises_greedy_agreement(train_samples, heldout_samples):
+    """teacher_temperature = 0 distils the target's top-1 (cross-entropy), the target of greedy
+    acceptance: it must learn it; a bad temperature is refused."""
+    dist = Distiller(tiny_draft(), DistillConfig(**dict(FAST, max_steps=40), teacher_temperature=0.0))
+    base = dist.evaluate(heldout_samples)
+    dist.train_round(train_samples)
+    assert dist.evaluate(heldout_samples).greedy > base.greedy + 0.2
+    with pytest.raises(ValueError, match="teacher_temperature=-1"):
+        DistillConfig(teacher_temperature=-1)

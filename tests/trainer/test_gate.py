@@ -8,7 +8,7 @@ import math
 import pytest
 
 from trainer.distill import EvalCounts, EvalResult
-from trainer.gate import paired_gain, paired_ratio_gain
+from trainer.gate import counts_by_record, paired_gain, paired_ratio_gain
 from trainer.service import ServiceConfig, gate
 
 
@@ -56,13 +56,32 @@ def test_paired_gain_empty_and_bad_arguments():
         paired_gain({}, {}, resamples=10)
 
 
-def _eval(per: dict[str, list[float]], positions: int = 10) -> EvalResult:
-    """One record (and prompt) per listed α, ``positions`` positions each."""
+def _eval(per: dict[str, list[float]], positions: int = 10, alpha_t1: dict[str, list[float]] | None = None) -> EvalResult:
+    """One record (and prompt) per listed acceptance as served, ``positions`` positions each; α at
+    T = 1 the same unless ``alpha_t1`` gives it."""
     r = EvalResult()
-    for w, alphas in per.items():
-        for i, a in enumerate(alphas):
-            r.add_sample(f"{w}-{i}", w, EvalCounts(1, positions, a * positions, 0))
+    for w, served in per.items():
+        for i, a in enumerate(served):
+            a1 = (alpha_t1 or {}).get(w, served)[i]
+            r.add_sample(f"{w}-{i}", w, EvalCounts(1, positions, a1 * positions, 0, a * positions))
     return r
+
+
+def test_gate_judges_acceptance_as_served_not_alpha_at_temperature_one():
+    """Greedy traffic accepts where the argmaxes agree: a candidate whose T = 1 overlap rises while
+    its greedy agreement falls is worse, and one whose agreement rises is promoted even if its
+    T = 1 overlap falls."""
+    cfg = ServiceConfig(min_eval_samples=4, min_eval_requests=8, min_eval_positions=80, regress_margin=0.02)
+    before = _eval({"prose": [0.40] * 10}, alpha_t1={"prose": [0.50] * 10})
+    v = gate(before, _eval({"prose": [0.35] * 10}, alpha_t1={"prose": [0.60] * 10}), {"prose"}, cfg)
+    assert not v.promote and v.worse and v.evidence.gain == pytest.approx(-0.05)
+    assert "prose 0.4000 -> 0.3500" in v.reason and "α at T=1 0.500 -> 0.600" in v.reason
+    v = gate(before, _eval({"prose": [0.45] * 10}, alpha_t1={"prose": [0.48] * 10}), {"prose"}, cfg)
+    assert v.promote and v.evidence.gain == pytest.approx(0.05), v.reason
+    with pytest.raises(ValueError, match="metric='x'"):
+        counts_by_record({}, metric="x")
+    assert counts_by_record(before.per_sample, metric="alpha")["prose-0"] == pytest.approx((5.0, 10))
+    assert counts_by_record(before.per_sample)["prose-0"] == pytest.approx((4.0, 10))
 
 
 def test_gate_needs_evidence_and_a_positive_lower_bound():

@@ -231,3 +231,28 @@ def test_restricted_vocab_gradients_finite_when_p_equals_q(name):
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
     assert loss.item() == pytest.approx(0.0, abs=1e-5)
+
+
+def test_teacher_at_temperature_by_hand():
+    # buckets (0.5, 0.3, 0.2 tail): T = 0.5 squares them: 0.25, 0.09, 0.04 over 0.38
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.0, 0.0, 0.0]])
+    got = L.at_temperature(p, 0.5)
+    assert torch.allclose(got[0], torch.tensor([0.25, 0.09, 0.04]) / 0.38, atol=1e-6)
+    assert torch.equal(got[1], torch.zeros(3))  # no mass stays no mass
+    # T = 0: one-hot at the most probable top-k bucket, never the tail (greedy picks a token)
+    tail_heavy = torch.tensor([[0.1, 0.3, 0.6], [0.4, 0.4, 0.2]])
+    assert torch.equal(L.at_temperature(tail_heavy, 0.0), torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    assert L.at_temperature(p, 1.0) is p
+    # T = 2: square roots
+    r = torch.tensor([0.5, 0.3, 0.2]).sqrt()
+    assert torch.allclose(L.at_temperature(p[:1], 2.0)[0], r / r.sum(), atol=1e-6)
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature="):
+            L.at_temperature(p, bad)
+
+
+def test_forward_kl_at_temperature_zero_is_cross_entropy_on_the_top1():
+    p = torch.tensor([[0.2, 0.5, 0.3]])
+    logq = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
+    ce = -math.log(0.6)
+    assert L.forward_kl(L.at_temperature(p, 0.0), logq).item() == pytest.approx(ce, abs=1e-6)
