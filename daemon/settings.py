@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
@@ -164,9 +164,9 @@ class TrainerSettings(_Group):
                                               "(what the draft proposes for while serving) when it has min_eval_samples of them; 'all' adds the prompts' prefill records.")
     loss: LossName = Field("forward_kl", description="Divergence: forward_kl, reverse_kl, jsd or tv (trainer.losses).")
     weighting: WeightingName = Field("all", description="Positions trained: all, rejected, upweight_rejected.")
-    teacher_temperature: float = Field(1.0, ge=0, allow_inf_nan=False,
-                                       description="Temperature the target's distribution is distilled at (trainer.losses.at_temperature): "
-                                                   "1 = its own p; 0 = its top-1, greedy acceptance's target.")
+    teacher_temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["served"] = Field(
+        1.0, description="Temperature the target's distribution is distilled at (trainer.losses.at_temperature): "
+                         "1 = its own p; 0 = its top-1, greedy acceptance's target; 'served' = each record's request temperature.")
     lora_r: int = Field(16, ge=1, description="LoRA rank.")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling alpha.")
     lr: float = Field(5e-3, gt=0, description="AdamW learning rate (5e-3: fastest early gain on the real pair, bench/train_bench.py).")

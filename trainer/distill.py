@@ -112,8 +112,9 @@ class DistillConfig:
     # natural fine-tuning objective once the draft is close; re-measure on the real pair.
     loss: str = "forward_kl"
     # The temperature the teacher is distilled at (``losses.at_temperature``): 1 = the target's own
-    # p; 0 = greedy decoding's target (its top-1, as greedy acceptance counts it).
-    teacher_temperature: float = 1.0
+    # p; 0 = greedy decoding's target (its top-1, as greedy acceptance counts it); "served" = each
+    # record's own request temperature (greedy records at 0), the acceptance the gate judges.
+    teacher_temperature: float | str = 1.0
     # beta of the generalised JSD (GKD): weight of the target in the mixture m = beta p + (1-beta) q.
     jsd_beta: float = 0.5
     # Which output positions count: "all"; "rejected" = only where the draft was wrong (OSD), i.e.
@@ -152,9 +153,10 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if self.loss not in L.LOSSES:
             raise ValueError(f"DistillConfig.loss={self.loss!r}; choose one of {L.LOSSES}")
-        if not (self.teacher_temperature >= 0 and math.isfinite(self.teacher_temperature)):
-            raise ValueError(f"DistillConfig.teacher_temperature={self.teacher_temperature!r}; use a finite value >= 0 "
-                             "(0 = greedy decoding's target, 1 = the target's own distribution)")
+        t = self.teacher_temperature
+        if t != "served" and not (isinstance(t, numbers.Real) and t >= 0 and math.isfinite(t)):
+            raise ValueError(f"DistillConfig.teacher_temperature={t!r}; use a finite value >= 0 (0 = greedy decoding's "
+                             "target, 1 = the target's own distribution) or 'served' (each record's own)")
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"DistillConfig.weighting={self.weighting!r}; choose one of {WEIGHTINGS}")
         if self.loss == "jsd" and not 0.0 < self.jsd_beta < 1.0:
@@ -308,6 +310,7 @@ class _Batch:
     p: torch.Tensor  # (M, k+1) teacher buckets, float32
     weights: torch.Tensor  # (M,) float32
     row_sample: np.ndarray  # (M,) index into the batch's samples
+    temperature: torch.Tensor  # (M,) float32, the sampling temperature of each row's request (0 = greedy)
 
 
 def _build_batch(
@@ -316,7 +319,7 @@ def _build_batch(
     ks = {s.topk_ids.shape[1] for s in samples}
     if len(ks) != 1:
         raise TrainerError(f"samples in one batch have different top-k widths {sorted(ks)}; the decoder's k must be fixed")
-    seqs, rows_b, rows_t, ids, probs, tails, weights, row_sample = [], [], [], [], [], [], [], []
+    seqs, rows_b, rows_t, ids, probs, tails, weights, row_sample, temps = [], [], [], [], [], [], [], [], []
     L_max = cfg.max_seq_len
     for b, s in enumerate(samples):
         n = min(s.num_tokens, L_max)  # kept output positions (>= 1 prompt token must remain)
@@ -333,6 +336,7 @@ def _build_batch(
         tails.append(s.tail_mass[:n])
         weights.append(position_weights(s, weighting, cfg.rejected_weight)[:n])
         row_sample.append(np.full(n, b))
+        temps.append(np.full(n, float(s.sampling.temperature), dtype=np.float32))
     T = max(len(x) for x in seqs)
     input_ids = np.zeros((len(seqs), T), dtype=np.int64)
     mask = np.zeros((len(seqs), T), dtype=np.int64)
@@ -349,6 +353,7 @@ def _build_batch(
         p=p.to(device),
         weights=torch.from_numpy(np.concatenate(weights)).to(device),
         row_sample=np.concatenate(row_sample),
+        temperature=torch.from_numpy(np.concatenate(temps)).to(device),
     )
 
 
@@ -543,7 +548,8 @@ class Distiller:
         else:
             p = L.teacher_on_vocab(batch.p, present)  # (M, k+1)
             weights = weights * (p.sum(-1) > 0.5)  # a row with all its mass outside S has no target on S
-        p = L.at_temperature(p, self.config.teacher_temperature)
+        t = self.config.teacher_temperature
+        p = L.at_temperature(p, batch.temperature if t == "served" else float(t))
         per_pos = L.per_position_loss(self.config.loss, p, logq_b, self.config.jsd_beta)  # (M,)
         return L.weighted_mean(per_pos, weights)
 

@@ -68,7 +68,7 @@ def teacher_on_vocab(p: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
     return q / q.sum(dim=-1, keepdim=True).clamp_min(P_FLOOR)
 
 
-def at_temperature(p: torch.Tensor, temperature: float) -> torch.Tensor:
+def at_temperature(p: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """The teacher's buckets as a request at ``temperature`` samples them: p_T ∝ p^(1/T).
 
     Acceptance is measured on the processed distributions (Leviathan et al. 2023, §3.1 apply
@@ -82,14 +82,25 @@ def at_temperature(p: torch.Tensor, temperature: float) -> torch.Tensor:
 
     Args:
         p: (N, k + 1) teacher buckets from ``teacher_buckets``; the last column is the tail.
-        temperature: T >= 0.
+        temperature: T >= 0, one for all rows or (N,) one per row (each record's own).
 
     Returns:
         (N, k + 1) float32, rows summing to 1 (a row with no mass stays 0).
 
     Raises:
-        ValueError: ``temperature`` negative or not finite.
+        ValueError: a temperature negative or not finite.
     """
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.to(p.dtype).reshape(-1, 1)  # (N, 1)
+        if not bool(torch.all(torch.isfinite(t) & (t >= 0))):
+            raise ValueError(f"temperature={t.flatten().tolist()[:8]}: use finite temperatures >= 0")
+        if bool(torch.all(t == 1.0)):
+            return p
+        greedy = at_temperature(p, 0.0)
+        logp = torch.log(p.clamp_min(P_FLOOR)) / t.clamp_min(1e-6)
+        soft = torch.softmax(logp, dim=-1) * (p > 0)
+        soft = soft / soft.sum(dim=-1, keepdim=True).clamp_min(P_FLOOR)
+        return torch.where(t == 0, greedy, torch.where(t == 1.0, p, soft))
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature={temperature!r}: use a finite T >= 0 (0 = greedy, 1 = the model's own p)")
     if temperature == 1.0:

@@ -382,3 +382,35 @@ def test_distilling_the_greedy_target_raises_greedy_agreement(train_samples, hel
     assert dist.evaluate(heldout_samples).greedy > base.greedy + 0.2
     with pytest.raises(ValueError, match="teacher_temperature=-1"):
         DistillConfig(teacher_temperature=-1)
+
+
+def test_served_teacher_temperature_distils_each_record_at_its_own(train_samples):
+    """'served': a greedy record's loss is forward KL to its top-1, a T = 1 record's to p itself;
+    a batch mixing them equals the per-record losses computed at fixed temperatures."""
+    import dataclasses as dc
+
+    from store.schema import SamplingSettings
+
+    greedy = [dc.replace(s, sampling=SamplingSettings(temperature=0.0)) for s in train_samples[:2]]
+    sampled = [dc.replace(s, sampling=SamplingSettings(temperature=1.0)) for s in train_samples[2:4]]
+    draft = tiny_draft()
+    served = Distiller(draft, DistillConfig(**FAST, teacher_temperature="served"))
+    from trainer.distill import _build_batch
+
+    def loss(d, samples):
+        with torch.no_grad():
+            return d._batch_loss(_build_batch(samples, d.config, d.device)).item()
+
+    at0 = dc.replace(served.config, teacher_temperature=0.0)
+    at1 = dc.replace(served.config, teacher_temperature=1.0)
+    n0 = sum(s.num_tokens for s in greedy)
+    n1 = sum(s.num_tokens for s in sampled)
+    served.config = at0
+    l0 = loss(served, greedy)
+    served.config = at1
+    l1 = loss(served, sampled)
+    served.config = dc.replace(at1, teacher_temperature="served")
+    assert loss(served, greedy + sampled) == pytest.approx((l0 * n0 + l1 * n1) / (n0 + n1), rel=1e-4)
+    assert l0 != pytest.approx(l1)
+    with pytest.raises(ValueError, match="'hot'"):
+        DistillConfig(teacher_temperature="hot")

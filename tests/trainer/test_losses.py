@@ -256,3 +256,13 @@ def test_forward_kl_at_temperature_zero_is_cross_entropy_on_the_top1():
     logq = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
     ce = -math.log(0.6)
     assert L.forward_kl(L.at_temperature(p, 0.0), logq).item() == pytest.approx(ce, abs=1e-6)
+
+
+def test_teacher_at_each_rows_own_temperature():
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2], [0.1, 0.3, 0.6]])
+    got = L.at_temperature(p, torch.tensor([0.0, 0.5, 1.0]))
+    assert torch.allclose(got[0], torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.allclose(got[1], torch.tensor([0.25, 0.09, 0.04]) / 0.38, atol=1e-6)
+    assert torch.allclose(got[2], p[2])
+    with pytest.raises(ValueError, match="temperature="):
+        L.at_temperature(p, torch.tensor([0.0, -1.0, 1.0]))
