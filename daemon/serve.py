@@ -911,9 +911,16 @@ def register(app) -> None:
         from decoder.engine import EngineError
         from decoder.models import ModelLoadError
 
+        from daemon.redis_embed import EmbeddedRedisError
+        from store.errors import StoreError
+
         try:
             rc = run_serve(s, console)
         except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
             console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from e
+        except (StoreError, EmbeddedRedisError) as e:  # no Redis (or too old): one line, the URL's password masked
+            console.print(f"[red]error:[/] {e}; set DRAFTD_REDIS__URL to a reachable Redis >= 6.2 (or unset it for the "
+                          f"embedded one)", soft_wrap=True)
             raise typer.Exit(2) from e
         raise typer.Exit(rc)
