@@ -42,7 +42,9 @@ def configure(fmt: Literal["auto", "json", "console"] = "auto", level: str = "in
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=tty)
+    # tracebacks without their frames' locals: a local may hold a secret (a Redis URL, a token)
+    renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(
+        colors=tty, exception_formatter=_exception_formatter())
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -65,6 +67,15 @@ def configure(fmt: Literal["auto", "json", "console"] = "auto", level: str = "in
     for noisy in ("apscheduler", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     _configured = True
+
+
+def _exception_formatter():
+    """rich's traceback (as structlog's default) but never with locals; plain text without rich."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return structlog.dev.plain_traceback
+    return structlog.dev.RichTracebackFormatter(show_locals=False)
 
 
 def console(stderr: bool = False, width: int = 200):

@@ -254,6 +254,70 @@ def _prompt_ids(body: dict, tokenizer, vocab: int) -> list[int]:
     raise _bad("prompt", f"{p!r}: give a string or a list of token ids", "invalid_type")
 
 
+MAX_JSON_DEPTH = 32  # a request body nests a few levels (messages[i].content[j].text); more is refused
+
+
+def _json_path(path: tuple) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "body"
+
+
+def check_json(body: Any) -> None:
+    """Refuse what no field of a request can hold, before any field is read: a string with a lone
+    UTF-16 surrogate (e.g. ``"\\ud800"``: valid JSON, but not text any tokenizer can encode) and
+    nesting deeper than :data:`MAX_JSON_DEPTH`. Iterative: a deep body cannot exhaust the stack.
+
+    Raises:
+        ApiError: 400 naming the field (``messages[0].content``).
+    """
+    stack: list[tuple[tuple, Any]] = [((), body)]
+    while stack:
+        path, v = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise ApiError(400, f"{_json_path(path[:1])}: nested more than {MAX_JSON_DEPTH} levels deep; no request "
+                                f"field nests like that", param=_json_path(path[:1]), code="invalid_json")
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                where = _json_path(path)
+                raise ApiError(400, f"{where}: character {e.start} is a lone UTF-16 surrogate "
+                                    f"({v[e.start]!r}), which is not text: send valid Unicode (pair a high surrogate "
+                                    f"\\ud800-\\udbff with a low one \\udc00-\\udfff)", param=where,
+                               code="invalid_value") from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if isinstance(k, str):
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise ApiError(400, f"{_json_path(path) if path else 'body'}: a key holds a lone UTF-16 "
+                                            f"surrogate; send valid Unicode", param=_json_path(path) if path else None,
+                                       code="invalid_value") from None
+                stack.append(((*path, k), x))
+        elif isinstance(v, list):
+            stack.extend(((*path, i), x) for i, x in enumerate(v))
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The request body as JSON, checked by :func:`check_json`; 400 for anything else.
+
+    Raises:
+        ApiError: not JSON, nested too deeply for the parser, or see :func:`check_json`.
+    """
+    try:
+        body = json.loads(raw or b"null")
+    except RecursionError:
+        raise ApiError(400, f"the request body nests too deeply to parse; no request field nests more than "
+                            f"{MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not JSON: {e}", code="invalid_json") from e
+    check_json(body)
+    return body
+
+
 def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_len: int | None, vocab: int,
                   max_tokens_default: int, header_workload: str | None = None) -> Parsed:
     """Validate an OpenAI completions (``kind="completion"``) or chat request.
@@ -536,11 +600,7 @@ class InferenceService:
             return self.status()
 
         async def handle(request: Request, kind: str):
-            raw = await request.body()
-            try:
-                body = json.loads(raw or b"null")
-            except ValueError as e:
-                raise ApiError(400, f"the request body is not JSON: {e}", code="invalid_json") from e
+            body = parse_json_body(await request.body())
             p = self.parse(body, kind, request.headers.get(WORKLOAD_HEADER))
             return await self._serve(request, p, StreamingResponse)
 
@@ -911,9 +971,16 @@ def register(app) -> None:
         from decoder.engine import EngineError
         from decoder.models import ModelLoadError
 
+        from daemon.redis_embed import EmbeddedRedisError
+        from store.errors import StoreError
+
         try:
             rc = run_serve(s, console)
         except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
             console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from e
+        except (StoreError, EmbeddedRedisError) as e:  # no Redis (or too old): one line, the URL's password masked
+            console.print(f"[red]error:[/] {e}; set DRAFTD_REDIS__URL to a reachable Redis >= 6.2 (or unset it for the "
+                          f"embedded one)", soft_wrap=True)
             raise typer.Exit(2) from e
         raise typer.Exit(rc)

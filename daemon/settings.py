@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from store.config import BufferConfig, HistoryConfig, StoreConfig
+from store.masking import mask_url
 
 if TYPE_CHECKING:  # torch-free at import time: the CLI must start fast
     import torch
@@ -83,8 +84,12 @@ class RedisSettings(_Group):
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"{v!r} is not a Redis URL: use redis://host:port/db, rediss://... or unix:///path")
+            raise ValueError(f"{mask_url(v)!r} is not a Redis URL: use redis://host:port/db, rediss://... or unix:///path")
         return v
+
+    def __repr_args__(self):  # repr() and rich (tracebacks' locals) show the URLs with their password masked
+        for k, v in super().__repr_args__():
+            yield k, (mask_url(v) if k in ("url", "default_url") and isinstance(v, str) else v)
 
 
 class StoreSettings(_Group):
@@ -405,7 +410,12 @@ def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} (from --config or {CONFIG_ENV}) is not valid TOML: {e}") from e
     except ValidationError as e:
-        raise ConfigError(f"invalid draftd configuration ({'file ' + str(path) if path else 'environment/defaults'}):\n{e}") from e
+        text = str(e)
+        for err in e.errors():  # pydantic quotes the input: a rejected Redis URL may carry a password
+            if err.get("loc", ())[:1] == ("redis",) and isinstance(err.get("input"), str) and err["input"]:
+                text = text.replace(err["input"], mask_url(err["input"]))
+        raise ConfigError(f"invalid draftd configuration ({'file ' + str(path) if path else 'environment/defaults'}):\n"
+                          f"{text}") from None
     except SettingsError as e:  # e.g. a list setting given as `a,b` instead of JSON `["a", "b"]`
         raise ConfigError(f"invalid draftd configuration: {e} (list settings take JSON, e.g. "
                           f"DRAFTD_SERVE__PROPOSERS='[\"ngram\", \"draft\"]')") from e
@@ -426,8 +436,6 @@ def env_keys(model: type[BaseModel] = Settings, prefix: str = ENV_PREFIX) -> set
 def effective(settings: Settings) -> dict[str, Any]:
     """The effective configuration as JSON-ready data, secrets masked: SecretStr as ``**********``,
     the password of every Redis URL as ``***``."""
-    from daemon.redis_embed import mask_url
-
     data = settings.model_dump(mode="json")  # SecretStr dumps as '**********'
     for k in ("url", "default_url"):
         if data["redis"][k]:

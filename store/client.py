@@ -22,6 +22,7 @@ from store.errors import (  # re-exported: the package's exception hierarchy
     StoreUnavailableError,
     UnknownVersionError,
 )
+from store.masking import mask_url  # re-exported
 
 MIN_REDIS_VERSION = (6, 2, 0)
 
@@ -39,6 +40,7 @@ def unavailable(what: str) -> Iterator[None]:
 __all__ = [
     "MIN_REDIS_VERSION",
     "connect",
+    "mask_url",
     "check_server_version",
     "parse_version",
     "StoreError",
@@ -123,7 +125,7 @@ def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: fl
         info = client.info("server")
     except (redis.ConnectionError, redis.TimeoutError) as e:
         client.close()
-        raise StoreUnavailableError(f"cannot reach Redis at {url!r}: {e}. Is redis-server running there?") from e
+        raise StoreUnavailableError(f"cannot reach Redis at {mask_url(url)!r}: {e}. Is redis-server running there?") from e
     try:
         check_server_version(info)
     except RedisVersionError:

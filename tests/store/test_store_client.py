@@ -52,3 +52,76 @@ def test_connect_to_nothing_raises_unavailable():
     port = free_port()
     with pytest.raises(StoreUnavailableError, match=str(port)):
         connect(f"redis://127.0.0.1:{port}/0", socket_connect_timeout=0.5)
+
+
+SECRET = "s3cret-Pa55"
+
+
+def _whole(e: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(e))
+
+
+def test_an_unreachable_redis_is_named_with_its_password_masked():
+    """Issue 37 item 3: the message (and the chained traceback) of a failed connect never carries
+    the URL's password, in the userinfo or in a ``password=`` query parameter."""
+    port = free_port()
+    for url in (f"redis://:{SECRET}@127.0.0.1:{port}/0", f"redis://bob:{SECRET}@127.0.0.1:{port}/0",
+                f"redis://127.0.0.1:{port}/0?password={SECRET}"):
+        with pytest.raises(StoreUnavailableError) as ei:
+            connect(url, socket_connect_timeout=0.5)
+        assert SECRET not in _whole(ei.value), url
+        assert "***" in str(ei.value) and str(port) in str(ei.value)
+
+
+def test_a_wrong_password_is_named_with_its_password_masked(tmp_path):
+    import shutil
+    import subprocess
+    import time
+
+    import redis
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on PATH")
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
+                             "--save", "", "--requirepass", "the-right-one"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 10
+        while True:
+            try:
+                redis.Redis(port=port, password="the-right-one", socket_connect_timeout=0.2).ping()
+                break
+            except redis.ConnectionError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+        with pytest.raises(StoreUnavailableError) as ei:
+            connect(f"redis://:{SECRET}@127.0.0.1:{port}/0")
+        assert SECRET not in _whole(ei.value)
+        assert "***" in str(ei.value)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("url,want", [
+    ("redis://:pw@h:1/0", "redis://:***@h:1/0"),
+    ("redis://u:pw@h:1/0", "redis://u:***@h:1/0"),
+    ("rediss://h:1/0", "rediss://h:1/0"),
+    ("unix:///run/r.sock?password=pw&db=1", "unix:///run/r.sock?password=***&db=1"),
+    ("redis://:pw@h:notaport/0", "redis://:***@h:notaport/0"),
+])
+def test_mask_url(url, want):
+    from store.client import mask_url
+
+    assert mask_url(url) == want
+
+
+def test_mask_url_of_a_typo_hides_what_precedes_the_at():
+    from store.client import mask_url
+
+    assert mask_url("redis//:pw@h:1/0") == "***@h:1/0"
+    assert mask_url("unix:///run/a@b.sock") == "unix:///run/a@b.sock"
