@@ -170,8 +170,9 @@ class TrainerSettings(_Group):
     loss: LossName = Field("forward_kl", description="Divergence: forward_kl, reverse_kl, jsd or tv (trainer.losses).")
     weighting: WeightingName = Field("all", description="Positions trained: all, rejected, upweight_rejected.")
     teacher_temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["served"] = Field(
-        1.0, description="Temperature the target's distribution is distilled at (trainer.losses.at_temperature): "
-                         "1 = its own p; 0 = its top-1, greedy acceptance's target; 'served' = each record's request temperature.")
+        "served", description="Temperature the target's distribution is distilled at (trainer.losses.at_temperature): "
+                              "1 = its own p; 0 = its top-1, greedy acceptance's target; 'served' (default) = each record's "
+                              "request temperature, the acceptance the gate judges (bench/RESULTS.md, 'Distilling at the served temperature').")
     lora_r: int = Field(16, ge=1, description="LoRA rank.")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling alpha.")
     lr: float = Field(5e-3, gt=0, description="AdamW learning rate (5e-3: fastest early gain on the real pair, bench/train_bench.py).")

@@ -51,7 +51,8 @@ def head_batch(items: list[dict], col: torch.Tensor | None, noise: float = 0.0,
 
     Returns tensors: feats (B, L-2, H), tokens (B, L-2), next_feats (B, L-2, H), topk (B, L-2, k)
     column ids, present (B, L-2, k) bool, p (B, L-2, k+1) teacher buckets (restricted to the
-    head's vocabulary: ``trainer.losses.teacher_on_vocab``).
+    head's vocabulary: ``trainer.losses.teacher_on_vocab``), top1 (B, L-2) the column of the
+    target's most probable id before that restriction (-1 outside the vocabulary).
     """
     feats = torch.stack([it["feats"][:-2] for it in items]).float()
     if noise > 0:  # EAGLE §3.3: features at decode time are the head's own, so train on noisy ones
@@ -63,15 +64,17 @@ def head_batch(items: list[dict], col: torch.Tensor | None, noise: float = 0.0,
     tail = torch.stack([it["tail"][1:-1] for it in items])
     B, T, k = ti.shape
     p = teacher_buckets(tp.reshape(-1, k), tail.reshape(-1))
+    top1 = ti.gather(-1, tp.float().argmax(-1, keepdim=True)).squeeze(-1)  # (B, T): the target's own top-1 id
     if col is not None:
         cols = col[ti]
         present = cols >= 0
         p = teacher_on_vocab(p, present.reshape(-1, k))
         cols = cols.clamp_min(0)
+        top1 = col[top1]  # its column, -1 outside the head's vocabulary
     else:
         cols, present = ti, torch.ones_like(ti, dtype=torch.bool)
     return {"feats": feats, "tokens": tokens, "next_feats": next_feats, "topk": cols, "present": present,
-            "p": p.view(B, T, k + 1)}
+            "p": p.view(B, T, k + 1), "top1": top1}
 
 
 def _unrolled(head, batch: dict, depth: int):
@@ -117,12 +120,17 @@ def head_loss(head, batch: dict, feature_weight: float = 1.0, unroll: int = 1) -
 
 
 @torch.no_grad()
-def chained_alpha(head, batch: dict, depth: int = 2) -> list[float]:
+def chained_alpha(head, batch: dict, depth: int = 2, greedy: bool = False) -> list[float]:
     """Teacher-forced α at proposal depths 1 .. ``depth`` (:func:`_unrolled`; tokens are the
-    text's). α = Σ min(p, q) over the stored buckets (Leviathan et al. 2023, §3.1). Returns one
-    mean per depth."""
+    text's). α = Σ min(p, q) over the stored buckets (Leviathan et al. 2023, §3.1), p and q at
+    temperature 1; with ``greedy``, greedy agreement instead (the head's argmax is the target's
+    top-1: the acceptance a greedy request sees, which T = 1 α overstates on flat
+    distributions). Returns one mean per depth."""
     out = []
     for _, logits, _, rows in _unrolled(head, batch, depth):
+        if greedy:  # the target's own top-1 (-1 outside the head's vocabulary: never matched)
+            out.append(float((logits[:, rows].argmax(-1) == batch["top1"][:, rows]).float().mean()))
+            continue
         logq, p = _bucket_logq(logits, batch, rows)
         out.append(float(alpha(p, logq).mean()))
     return out
@@ -176,14 +184,15 @@ def groups(items: list[dict], size: int = 8) -> list[list[dict]]:
     return [g[i : i + size] for g in by.values() for i in range(0, len(g), size)]
 
 
-def heldout_alpha(head, batches: list[dict], depth: int = 3) -> list[float]:
-    """Teacher-forced α at proposal depths 1 .. ``depth`` (:func:`chained_alpha`), the
-    mean over batches weighted by their rows. Returns ``depth`` floats (NaN without batches)."""
+def heldout_alpha(head, batches: list[dict], depth: int = 3, greedy: bool = False) -> list[float]:
+    """Teacher-forced α (``greedy``: greedy agreement) at proposal depths 1 .. ``depth``
+    (:func:`chained_alpha`), the mean over batches weighted by their rows. Returns ``depth``
+    floats (NaN without batches)."""
     was = head.training
     head.eval()
     try:
         n = [b["tokens"].numel() for b in batches]
-        per = [chained_alpha(head, b, depth) for b in batches]
+        per = [chained_alpha(head, b, depth, greedy) for b in batches]
     finally:
         head.train(was)
     if not n:
@@ -265,16 +274,19 @@ def learning_curve(dist: HeadDistiller, held_batches: dict[str, list[dict]], *, 
 
     Returns the points: ``steps``, ``train_s`` (s), ``cpu_min`` (process CPU minutes since
     ``cpu_start``, a ``time.process_time()``), ``loss`` (the last step's; not at step 0 or the
-    final point), ``alpha_depth_1_2_3`` (mean over workloads) and ``per_workload``. ``log`` gets
+    final point), ``alpha_depth_1_2_3`` (mean over workloads), ``greedy_depth_1_2_3`` (greedy
+    agreement, likewise) and ``per_workload``. ``log`` gets
     each point as JSON text."""
     import json
     import statistics
 
     def point(**extra) -> dict:
         per = {w: [round(a, 4) for a in heldout_alpha(dist.head, bs, depth)] for w, bs in held_batches.items()}
+        gr = {w: [round(a, 4) for a in heldout_alpha(dist.head, bs, depth, greedy=True)] for w, bs in held_batches.items()}
         p = {"steps": dist.steps, "train_s": round(dist.train_s, 1),
              "cpu_min": round((time.process_time() - cpu_start) / 60, 2), **extra,
              "alpha_depth_1_2_3": [round(statistics.mean(v[i] for v in per.values()), 4) for i in range(depth)],
+             "greedy_depth_1_2_3": [round(statistics.mean(v[i] for v in gr.values()), 4) for i in range(depth)],
              "per_workload": per}
         if log is not None:
             log(json.dumps(p))

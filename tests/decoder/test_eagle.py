@@ -5,6 +5,7 @@ chi-square)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from decoder.eagle import EagleHead, EagleProposer, score_features
@@ -92,6 +93,29 @@ def test_training_raises_heldout_alpha(target):
     after = chained_alpha(head, hb, 2)
     assert after[0] > before[0] + 0.05, (before, after)
     assert after[1] > before[1], (before, after)
+
+
+def test_greedy_agreement_at_depth_one_by_hand(target):
+    """chained_alpha(greedy=True)[0]: the head's argmax on the target's features equals the
+    target's top-1 (a top-1 outside the head's vocabulary never matches), computed here from the
+    head's logits and the stored rows."""
+    torch.manual_seed(1)
+    wins = [torch.randint(2, 40, (16,)).tolist() for _ in range(6)]
+    scored = score_features(target, wins, k=8)
+    col = column_map(torch.arange(0, 30), target.config.vocab_size)
+    head = EagleHead.from_target(target, torch.arange(0, 30)).eval()
+    b = head_batch(scored, col)
+    with torch.no_grad():
+        logits, _, _ = head(b["feats"], b["tokens"])
+    match = total = 0
+    for it_i, it in enumerate(scored):
+        for j in range(b["tokens"].shape[1]):
+            ids, probs = it["topk_ids"][j + 1], it["topk_probs"][j + 1]
+            top1 = int(ids[int(probs.float().argmax())])
+            pred = int(logits[it_i, j].argmax())  # a column: ids 0..29 are their own columns
+            match += int(top1 < 30 and pred == top1)
+            total += 1
+    assert chained_alpha(head, b, 1, greedy=True)[0] == pytest.approx(match / total)
 
 
 def _decoder(target, tok):
