@@ -26,6 +26,7 @@ import asyncio
 import json
 import math
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -515,11 +516,14 @@ class InferenceService:
         context_len: the target's context window (None: unchecked).
         max_tokens_default: max_tokens of a request that gives none (capped at the context left).
         speculation: False serves every request with γ = 0 (a plain-decoding baseline).
+        api_key: every request but ``GET /health`` must send ``Authorization: Bearer <api_key>``
+            (401 otherwise, before its body is read); None = no authentication.
     """
 
     def __init__(self, loop, tokenizer, model: str, *, context_len: int | None, max_tokens_default: int = 256,
-                 speculation: bool = True, server_id: str | None = None):
+                 speculation: bool = True, server_id: str | None = None, api_key: str | None = None):
         self.loop, self.tokenizer, self.model = loop, tokenizer, model
+        self.api_key = api_key or None  # None: no authentication (serve.api_key unset)
         self.context_len = context_len
         self.max_tokens_default = max_tokens_default
         self.speculation = speculation
@@ -566,6 +570,20 @@ class InferenceService:
         async def _http_error(_req, e):
             kind = "not_found" if e.status_code == 404 else "invalid_request_error"
             return error(ApiError(e.status_code, str(e.detail), code=kind))
+
+        @app.middleware("http")
+        async def api_key_before_body(request: Request, call_next):  # noqa: ANN202
+            """With serve.api_key every route but /health needs the bearer token, checked before the body
+            is read: an unauthenticated request is neither parsed nor served nor recorded."""
+            if self.api_key is not None and request.url.path != "/health":
+                scheme, _, cred = request.headers.get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not secrets.compare_digest(cred.strip().encode(), self.api_key.encode()):
+                    log.warning("serve_unauthorized", has_credentials=bool(cred), path=request.url.path)
+                    return error(ApiError(
+                        401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the OpenAI client's api_key) "
+                             "with the key in the server's serve.api_key", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"}))
+            return await call_next(request)
 
         @app.exception_handler(Exception)
         async def _server_error(_req, e):
@@ -914,13 +932,19 @@ def run_serve(settings, console=None) -> int:
         ctx = loop.decoder.engine.context_length
         service = InferenceService(loop, pair.tokenizer, sv.model_name or m.target, context_len=ctx,
                                    max_tokens_default=sv.max_tokens_default, speculation=sv.speculation,
-                                   server_id=sv.server_id)
+                                   server_id=sv.server_id,
+                                   api_key=sv.api_key.get_secret_value() if sv.api_key is not None else None)
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,
+                 authenticated=sv.api_key is not None,
                  streams_steps=loop.streams_steps, proposers=list(sv.proposers),
                  eagle_head=str(sv.eagle_head) if sv.eagle_head else ("registry" if heads is not None else None),
                  record_hidden=sv.record_hidden)
+        if sv.remote and sv.api_key is None:
+            log.warning("serve_exposed_unauthenticated", host=sv.host,
+                        why="serve.allow_remote without serve.api_key: anyone who reaches the port is served and their "
+                            "requests go into the training buffer; set DRAFTD_SERVE__API_KEY")
         if heads is not None and not heads.active_versions().get(""):
             log.warning("eagle_waits_for_a_head", head_dir=str(settings.head_dir),
                         why="'eagle' is offered only once the trainer promotes a head (trainer.heads=true on the daemon, "
@@ -942,6 +966,9 @@ def register(app) -> None:
         host: Annotated[str | None, typer.Option(help="bind address (overrides serve.host; default 127.0.0.1)")] = None,
         port: Annotated[int | None, typer.Option(help="TCP port (overrides serve.port; default 8000)")] = None,
         no_spec: Annotated[bool, typer.Option("--no-spec", help="plain decoding for every request (baseline)")] = False,
+        api_key: Annotated[str | None, typer.Option("--api-key", help="bearer token clients must send (overrides "
+                                                    "serve.api_key / DRAFTD_SERVE__API_KEY; prefer the variable: "
+                                                    "a command line is visible to other users)")] = None,
         config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")] = None,
     ) -> None:
         """Serve the configured pair over an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
@@ -962,8 +989,18 @@ def register(app) -> None:
                 upd["port"] = port
             if no_spec:
                 upd["speculation"] = False
-            if upd:
-                s = s.model_copy(update={"serve": s.serve.model_copy(update=upd)})
+            if api_key is not None:
+                upd["api_key"] = api_key
+            if upd:  # validated again: --host 0.0.0.0 without a key is refused like DRAFTD_SERVE__HOST
+                from pydantic import ValidationError
+
+                from daemon.settings import ServeSettings, validation_text
+
+                try:
+                    sv = ServeSettings.model_validate({**s.serve.model_dump(), **upd})
+                except ValidationError as e:
+                    raise ConfigError(f"invalid serve options:\n{validation_text(e)}") from None
+                s = s.model_copy(update={"serve": sv})
         except ConfigError as e:
             console.print(f"[red]config error:[/] {e}")
             raise typer.Exit(2) from e
