@@ -179,9 +179,11 @@ def _workload(body: dict, header: str | None) -> str:
         w, param = header, WORKLOAD_HEADER
     if w is None:
         return "default"
-    if not isinstance(w, str) or not w or len(w) > 64 or "@" in w or not w.isprintable() or w.strip() != w:
-        raise _bad(param, f"{w!r}: a workload is a name of 1-64 printable characters, no '@' and no surrounding "
-                          f"spaces, e.g. 'code'")
+    from store.schema import WORKLOAD_RULE, workload_problem  # the store's rule: a served workload is a valid record's
+
+    why = workload_problem(w, untagged_ok=False)
+    if why is not None:
+        raise _bad(param, f"{w!r:.80}: {why}; {WORKLOAD_RULE}")
     return w
 
 
