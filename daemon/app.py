@@ -112,12 +112,15 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
                 log.exception("head_v0_failed")
         return res
 
+    svc_cfg = service_config(settings)
     service = TrainerService(
         reader,
         registry,
         distiller,
-        service_config(settings),
-        backlog=lambda: group_lag(handle.client, scfg, group),
+        svc_cfg,
+        # new entries and a dead consumer's reclaimable ones both pull a round forward
+        backlog=lambda: group_lag(handle.client, scfg, group, consumer=consumer,
+                                  reclaim_min_idle_ms=svc_cfg.reclaim_min_idle_ms),
         warm_start=warm_start if ws_cfg.enabled else None,
         heads=heads,
     )

@@ -26,6 +26,7 @@ import asyncio
 import json
 import math
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -178,9 +179,11 @@ def _workload(body: dict, header: str | None) -> str:
         w, param = header, WORKLOAD_HEADER
     if w is None:
         return "default"
-    if not isinstance(w, str) or not w or len(w) > 64 or "@" in w or not w.isprintable() or w.strip() != w:
-        raise _bad(param, f"{w!r}: a workload is a name of 1-64 printable characters, no '@' and no surrounding "
-                          f"spaces, e.g. 'code'")
+    from store.schema import WORKLOAD_RULE, workload_problem  # the store's rule: a served workload is a valid record's
+
+    why = workload_problem(w, untagged_ok=False)
+    if why is not None:
+        raise _bad(param, f"{w!r:.80}: {why}; {WORKLOAD_RULE}")
     return w
 
 
@@ -318,9 +321,37 @@ def parse_json_body(raw: bytes) -> Any:
     return body
 
 
+def _prompt_chars(body: dict, kind: str) -> int:
+    """Characters of the prompt text (0 for token ids or malformed input: the parser names those)."""
+    if kind == "completion":
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1:
+            p = p[0]
+        return len(p) if isinstance(p, str) else 0
+    n = 0
+    for m in body.get("messages") or ():
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            n += len(c)
+        elif isinstance(c, list):
+            n += sum(len(x.get("text")) for x in c if isinstance(x, dict) and isinstance(x.get("text"), str))
+    return n
+
+
+def _prompt_too_long(where: str, n: int, limit: int, what: str = "tokens") -> ApiError:
+    return ApiError(400, f"{where}: {n} {what}; this server admits prompts of at most {limit} tokens "
+                         f"(serve.max_prompt_tokens): shorten the {where}, or raise DRAFTD_SERVE__MAX_PROMPT_TOKENS",
+                    param=where, code="prompt_too_long")
+
+
 def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_len: int | None, vocab: int,
-                  max_tokens_default: int, header_workload: str | None = None) -> Parsed:
+                  max_tokens_default: int, header_workload: str | None = None, max_prompt_tokens: int | None = None,
+                  max_token_chars: int | None = None) -> Parsed:
     """Validate an OpenAI completions (``kind="completion"``) or chat request.
+
+    ``max_prompt_tokens`` caps the prompt (chat: the templated messages); ``max_token_chars``, the
+    longest text one token stands for, lets a prompt with more than ``max_prompt_tokens *
+    max_token_chars`` characters be refused before it is tokenised (it cannot fit).
 
     Raises:
         ApiError: 400 naming the first bad parameter and the fix; 404 for an unknown model.
@@ -334,8 +365,14 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
     if model not in models:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {sorted(models)} (GET /v1/models)",
                        param="model", code="model_not_found")
-    ids = _prompt_ids(body, tokenizer, vocab) if kind == "completion" else _messages_ids(body, tokenizer)
     where = "prompt" if kind == "completion" else "messages"
+    if max_prompt_tokens and max_token_chars:
+        chars = _prompt_chars(body, kind)
+        if chars > max_prompt_tokens * max_token_chars:  # more tokens than admitted, whatever they are: not tokenised
+            raise _prompt_too_long(where, chars, max_prompt_tokens, "characters")
+    ids = _prompt_ids(body, tokenizer, vocab) if kind == "completion" else _messages_ids(body, tokenizer)
+    if max_prompt_tokens and len(ids) > max_prompt_tokens:
+        raise _prompt_too_long(where, len(ids), max_prompt_tokens)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, None, lo=1)
     if context_len:
@@ -371,6 +408,16 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
         top_k=0 if top_k == -1 else top_k, seed=seed, stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
         gamma=gamma, workload=_workload(body, header_workload), stream=stream, include_usage=include_usage,
     )
+
+
+def _max_token_chars(tokenizer) -> int | None:
+    """The most characters one token's text can hold (an upper bound: a vocabulary entry is at least
+    as long as the text it decodes to), so ``chars / this`` is a lower bound on a text's tokens."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(1, max(len(t) for t in vocab)) if vocab else None
+    except Exception:  # noqa: BLE001 - no vocabulary to read: tokenise and count instead
+        return None
 
 
 # ---- text out --------------------------------------------------------------------------------------
@@ -515,11 +562,27 @@ class InferenceService:
         context_len: the target's context window (None: unchecked).
         max_tokens_default: max_tokens of a request that gives none (capped at the context left).
         speculation: False serves every request with γ = 0 (a plain-decoding baseline).
+        api_key: every request but ``GET /health`` must send ``Authorization: Bearer <api_key>``
+            (401 otherwise, before its body is read); None = no authentication.
+        max_prompt_tokens: longer prompts get a 400 (``prompt_too_long``); None = the context only.
+        request_timeout_s: a request not finished this long after it arrived gets a 408
+            (``request_timeout``; streaming: an error event) and is cancelled: dropped from the
+            queue, or stopped at its next verification step; None = no budget.
     """
 
     def __init__(self, loop, tokenizer, model: str, *, context_len: int | None, max_tokens_default: int = 256,
-                 speculation: bool = True, server_id: str | None = None):
+                 speculation: bool = True, server_id: str | None = None, api_key: str | None = None,
+                 max_prompt_tokens: int | None = None, request_timeout_s: float | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.loop, self.tokenizer, self.model = loop, tokenizer, model
+        self.max_prompt_tokens, self.request_timeout_s = max_prompt_tokens, request_timeout_s
+        self.max_token_chars = _max_token_chars(tokenizer)
+        # requests are parsed (tokenised: a 1 MB prompt takes seconds) off the event loop, one at a
+        # time: /health and streaming stay responsive, and the tokenizer is never used by two
+        # parsing threads at once
+        self._parse_pool = ThreadPoolExecutor(1, thread_name_prefix="draftd-parse")
+        self.api_key = api_key or None  # None: no authentication (serve.api_key unset)
         self.context_len = context_len
         self.max_tokens_default = max_tokens_default
         self.speculation = speculation
@@ -537,7 +600,8 @@ class InferenceService:
 
     def parse(self, body: Any, kind: str, header_workload: str | None = None) -> Parsed:
         return parse_request(body, kind, self.tokenizer, models={self.model}, context_len=self.context_len,
-                             vocab=self.vocab, max_tokens_default=self.max_tokens_default, header_workload=header_workload)
+                             vocab=self.vocab, max_tokens_default=self.max_tokens_default, header_workload=header_workload,
+                             max_prompt_tokens=self.max_prompt_tokens, max_token_chars=self.max_token_chars)
 
     def request_of(self, p: Parsed):
         from decoder.sampling import SamplingParams
@@ -566,6 +630,20 @@ class InferenceService:
         async def _http_error(_req, e):
             kind = "not_found" if e.status_code == 404 else "invalid_request_error"
             return error(ApiError(e.status_code, str(e.detail), code=kind))
+
+        @app.middleware("http")
+        async def api_key_before_body(request: Request, call_next):  # noqa: ANN202
+            """With serve.api_key every route but /health needs the bearer token, checked before the body
+            is read: an unauthenticated request is neither parsed nor served nor recorded."""
+            if self.api_key is not None and request.url.path != "/health":
+                scheme, _, cred = request.headers.get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not secrets.compare_digest(cred.strip().encode(), self.api_key.encode()):
+                    log.warning("serve_unauthorized", has_credentials=bool(cred), path=request.url.path)
+                    return error(ApiError(
+                        401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the OpenAI client's api_key) "
+                             "with the key in the server's serve.api_key", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"}))
+            return await call_next(request)
 
         @app.exception_handler(Exception)
         async def _server_error(_req, e):
@@ -600,9 +678,12 @@ class InferenceService:
             return self.status()
 
         async def handle(request: Request, kind: str):
-            body = parse_json_body(await request.body())
-            p = self.parse(body, kind, request.headers.get(WORKLOAD_HEADER))
-            return await self._serve(request, p, StreamingResponse)
+            arrived = time.monotonic()
+            raw = await request.body()
+            aloop = asyncio.get_running_loop()
+            p = await aloop.run_in_executor(self._parse_pool, self._parse_raw, raw, kind,
+                                            request.headers.get(WORKLOAD_HEADER))
+            return await self._serve(request, p, StreamingResponse, arrived)
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -614,11 +695,23 @@ class InferenceService:
 
         return app
 
+    def _parse_raw(self, raw: bytes, kind: str, header_workload: str | None) -> Parsed:
+        return self.parse(parse_json_body(raw), kind, header_workload)
+
+    def _timeout(self, ticket) -> ApiError:
+        ticket.cancel()  # dropped from the queue, or stopped at its next verification step
+        where = "queued" if ticket.started_at is None else "decoding"
+        log.warning("serve_request_timeout", request_id=ticket.request.request_id, where=where,
+                    budget_s=self.request_timeout_s)
+        return ApiError(408, f"the request ran out of its time budget of {self.request_timeout_s:g} s "
+                             f"(serve.request_timeout_s) while {where}; lower max_tokens, shorten the prompt, or "
+                             f"retry when the server is less busy", code="request_timeout", type_="timeout_error")
+
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "draftd",
                 "root": self.model, "parent": None, "max_model_len": self.context_len}
 
-    async def _serve(self, request, p: Parsed, StreamingResponse):
+    async def _serve(self, request, p: Parsed, StreamingResponse, arrived: float | None = None):
         from decoder.loop import Cancelled, Draining, QueueFull
 
         aloop = asyncio.get_running_loop()
@@ -639,9 +732,13 @@ class InferenceService:
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" noise
         rid = ("cmpl-" if p.kind == "completion" else "chatcmpl-") + req.request_id
         created = int(time.time())
+        deadline = None if self.request_timeout_s is None else (arrived or time.monotonic()) + self.request_timeout_s
         if not p.stream:
             while not fut.done():
-                done, _ = await asyncio.wait({fut}, timeout=0.25)
+                wait = 0.25 if deadline is None else max(0.0, min(0.25, deadline - time.monotonic()))
+                done, _ = await asyncio.wait({fut}, timeout=wait)
+                if not done and deadline is not None and time.monotonic() >= deadline:
+                    raise self._timeout(ticket)  # answered now; the ticket stops on its own
                 if not done and await request.is_disconnected():
                     ticket.cancel()
                     try:
@@ -658,7 +755,7 @@ class InferenceService:
             ts = TextStream(self.tokenizer, p.stop)
             ts.feed(res.output_ids)
             return self._full_response(p, rid, created, ts.text(), res, ticket)
-        return StreamingResponse(self._stream(p, rid, created, ticket, fut, events), media_type="text/event-stream",
+        return StreamingResponse(self._stream(p, rid, created, ticket, fut, events, deadline), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def _usage(self, res) -> dict[str, int]:
@@ -692,7 +789,8 @@ class InferenceService:
             obj = "chat.completion.chunk"
         return {"id": rid, "object": obj, "created": created, "model": self.model, "choices": [choice]}
 
-    async def _stream(self, p: Parsed, rid: str, created: int, ticket, fut, events: asyncio.Queue):
+    async def _stream(self, p: Parsed, rid: str, created: int, ticket, fut, events: asyncio.Queue,
+                      deadline: float | None = None):
         from decoder.loop import Cancelled
 
         def sse(obj) -> str:
@@ -704,7 +802,13 @@ class InferenceService:
                 yield sse(self._chunk(p, rid, created, "", role=True))
             while True:
                 getter = asyncio.ensure_future(events.get())
-                done, _ = await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, _ = await asyncio.wait({getter, fut}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if not done:  # out of time: the headers are sent, so the 408 is an error event
+                    getter.cancel()
+                    yield sse(self._timeout(ticket).body())
+                    yield "data: [DONE]\n\n"
+                    return
                 if getter in done:
                     delta = ts.feed(getter.result())
                     if delta:
@@ -914,13 +1018,20 @@ def run_serve(settings, console=None) -> int:
         ctx = loop.decoder.engine.context_length
         service = InferenceService(loop, pair.tokenizer, sv.model_name or m.target, context_len=ctx,
                                    max_tokens_default=sv.max_tokens_default, speculation=sv.speculation,
-                                   server_id=sv.server_id)
+                                   server_id=sv.server_id,
+                                   api_key=sv.api_key.get_secret_value() if sv.api_key is not None else None,
+                                   max_prompt_tokens=sv.max_prompt_tokens, request_timeout_s=sv.request_timeout_s)
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,
+                 authenticated=sv.api_key is not None,
                  streams_steps=loop.streams_steps, proposers=list(sv.proposers),
                  eagle_head=str(sv.eagle_head) if sv.eagle_head else ("registry" if heads is not None else None),
                  record_hidden=sv.record_hidden)
+        if sv.remote and sv.api_key is None:
+            log.warning("serve_exposed_unauthenticated", host=sv.host,
+                        why="serve.allow_remote without serve.api_key: anyone who reaches the port is served and their "
+                            "requests go into the training buffer; set DRAFTD_SERVE__API_KEY")
         if heads is not None and not heads.active_versions().get(""):
             log.warning("eagle_waits_for_a_head", head_dir=str(settings.head_dir),
                         why="'eagle' is offered only once the trainer promotes a head (trainer.heads=true on the daemon, "
@@ -942,6 +1053,9 @@ def register(app) -> None:
         host: Annotated[str | None, typer.Option(help="bind address (overrides serve.host; default 127.0.0.1)")] = None,
         port: Annotated[int | None, typer.Option(help="TCP port (overrides serve.port; default 8000)")] = None,
         no_spec: Annotated[bool, typer.Option("--no-spec", help="plain decoding for every request (baseline)")] = False,
+        api_key: Annotated[str | None, typer.Option("--api-key", help="bearer token clients must send (overrides "
+                                                    "serve.api_key / DRAFTD_SERVE__API_KEY; prefer the variable: "
+                                                    "a command line is visible to other users)")] = None,
         config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")] = None,
     ) -> None:
         """Serve the configured pair over an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
@@ -962,8 +1076,18 @@ def register(app) -> None:
                 upd["port"] = port
             if no_spec:
                 upd["speculation"] = False
-            if upd:
-                s = s.model_copy(update={"serve": s.serve.model_copy(update=upd)})
+            if api_key is not None:
+                upd["api_key"] = api_key
+            if upd:  # validated again: --host 0.0.0.0 without a key is refused like DRAFTD_SERVE__HOST
+                from pydantic import ValidationError
+
+                from daemon.settings import ServeSettings, validation_text
+
+                try:
+                    sv = ServeSettings.model_validate({**s.serve.model_dump(), **upd})
+                except ValidationError as e:
+                    raise ConfigError(f"invalid serve options:\n{validation_text(e)}") from None
+                s = s.model_copy(update={"serve": sv})
         except ConfigError as e:
             console.print(f"[red]config error:[/] {e}")
             raise typer.Exit(2) from e

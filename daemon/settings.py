@@ -259,11 +259,27 @@ def is_loopback(host: str) -> bool:
 class ServeSettings(_Group):
     """`daemonctl serve`: the OpenAI-compatible inference service with the adaptive loop inside."""
 
-    host: str = Field("127.0.0.1", description="Bind address of the inference API (loopback by default).")
+    host: str = Field("127.0.0.1", description="Bind address of the inference API (loopback by default; another "
+                      "address needs serve.api_key or serve.allow_remote).")
     port: int = Field(8000, ge=0, lt=65536, description="TCP port of the inference API.")
+    api_key: SecretStr | None = Field(None, description="Bearer token every request must send (`Authorization: Bearer "
+                                      "<key>`, as the OpenAI client sends its api_key) except GET /health; 401 without "
+                                      "it. Unset = no authentication (then only a loopback bind is allowed, unless "
+                                      "serve.allow_remote).")
+    allow_remote: bool = Field(False, description="Allow a non-loopback serve.host without serve.api_key: anyone who "
+                               "reaches the port is served and their requests go into the training buffer. Refused "
+                               "unless set; warned in the log when set.")
     model_name: str | None = Field(None, description="Model id clients send and /v1/models lists; unset = models.target.")
     queue_size: int = Field(64, ge=1, description="Requests that may wait besides the one decoding; beyond it 429 with Retry-After.")
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none (capped at the context left).")
+    max_prompt_tokens: int | None = Field(4096, ge=1, description="Longest prompt admitted, in tokens (chat: the templated "
+                                          "messages); longer gets a 400 (prompt_too_long), and a prompt too long to fit "
+                                          "is refused before it is tokenised. Prefill is not interruptible, so this bounds "
+                                          "how long one request can hold the others back. null = the context length only.")
+    request_timeout_s: float | None = Field(300.0, gt=0, description="Time budget of a request from its arrival: past it "
+                                            "the client gets a 408 (request_timeout; a stream: an error event) and the "
+                                            "request is dropped from the queue or stopped at its next verification step. "
+                                            "null = none.")
     drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM in-flight and queued requests get this long to finish; new ones get 503.")
     heartbeat_s: float = Field(5.0, gt=0, description="How often the server writes its heartbeat to Redis (daemonctl status lists it).")
     speculation: bool = Field(True, description="false = plain decoding for every request (the baseline serve_bench compares with).")
@@ -300,6 +316,33 @@ class ServeSettings(_Group):
     @classmethod
     def _empty_is_unset(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _key_not_blank(cls, v):
+        raw = v.get_secret_value() if isinstance(v, SecretStr) else v
+        if isinstance(raw, str) and raw != raw.strip():
+            raise ValueError("serve.api_key has leading or trailing spaces: a client cannot send them in a bearer token; "
+                             "trim it")
+        if isinstance(raw, str) and not raw:
+            return None
+        return v
+
+    @property
+    def remote(self) -> bool:
+        """The bind address is not loopback-only."""
+        return not is_loopback(self.host)
+
+    @model_validator(mode="after")
+    def _loopback_unless_keyed_or_allowed(self) -> "ServeSettings":
+        if self.remote and self.api_key is None and not self.allow_remote:
+            raise ValueError(
+                f"serve.host={self.host!r} is not a loopback address and serve.api_key is unset: anyone who reaches the "
+                f"port would be served, and their requests would go into the training buffer. Set an API key "
+                f"(--api-key or DRAFTD_SERVE__API_KEY; clients send it as their api_key), bind 127.0.0.1, or set "
+                f"serve.allow_remote = true (DRAFTD_SERVE__ALLOW_REMOTE=true) to serve the network unauthenticated on purpose"
+            )
+        return self
 
     @model_validator(mode="after")
     def _eagle_needs_a_head(self) -> "ServeSettings":
@@ -411,15 +454,31 @@ def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} (from --config or {CONFIG_ENV}) is not valid TOML: {e}") from e
     except ValidationError as e:
-        text = str(e)
-        for err in e.errors():  # pydantic quotes the input: a rejected Redis URL may carry a password
-            if err.get("loc", ())[:1] == ("redis",) and isinstance(err.get("input"), str) and err["input"]:
-                text = text.replace(err["input"], mask_url(err["input"]))
         raise ConfigError(f"invalid draftd configuration ({'file ' + str(path) if path else 'environment/defaults'}):\n"
-                          f"{text}") from None
+                          f"{validation_text(e)}") from None
     except SettingsError as e:  # e.g. a list setting given as `a,b` instead of JSON `["a", "b"]`
         raise ConfigError(f"invalid draftd configuration: {e} (list settings take JSON, e.g. "
                           f"DRAFTD_SERVE__PROPOSERS='[\"ngram\", \"draft\"]')") from e
+
+
+def validation_text(e) -> str:
+    """A pydantic ValidationError as text with the secrets it quotes masked: pydantic shows each
+    rejected input, and a Redis URL may carry a password, an API key or token is one."""
+    text = str(e)
+    for err in e.errors():
+        stack = [(tuple(err.get("loc", ())), err.get("input"))]
+        while stack:  # the input of a model-level error is the group's dict: look inside it
+            loc, raw = stack.pop()
+            if isinstance(raw, dict):
+                stack.extend(((*loc, k), v) for k, v in raw.items())
+            elif isinstance(raw, SecretStr):
+                stack.append((loc, raw.get_secret_value()))
+            elif isinstance(raw, str) and raw:
+                if loc[-1:] in (("api_key",), ("token",)):
+                    text = text.replace(raw, "**********")
+                elif loc[-1:] in (("url",), ("default_url",)) or loc[:1] == ("redis",):
+                    text = text.replace(raw, mask_url(raw))
+    return text
 
 
 def env_keys(model: type[BaseModel] = Settings, prefix: str = ENV_PREFIX) -> set[str]:

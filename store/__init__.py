@@ -16,7 +16,7 @@ from typing import Any
 # (PEP 562), so `import store.config` (the settings need it) does not load redis and numpy.
 _EXPORTS = {
     "store.buffer": ("DeadLetter", "Entry", "GroupInfo", "SampleReader", "SampleWriter", "WriterStats",
-                     "dead_letter_count", "group_info", "list_dead_letters", "stream_depth"),
+                     "dead_letter_count", "group_info", "list_dead_letters", "reclaimable_count", "stream_depth"),
     "store.client": ("connect",),
     "store.config": ("BufferConfig", "HistoryConfig", "StoreConfig"),
     "store.errors": ("ArtifactMissingError", "IntegrityError", "InvalidTransitionError", "RedisVersionError",

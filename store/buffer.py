@@ -415,6 +415,23 @@ class ReaderStats:
     duplicates: int = 0  # record id already acked, or already held under another entry id
     trimmed: int = 0  # pending entries the caps deleted before they were acked
     reclaimed: int = 0  # entries XAUTOCLAIM moved to this consumer
+    consumers_removed: int = 0  # dead consumers prune_consumers() removed from the group
+
+
+# XINFO CONSUMERS and XGROUP DELCONSUMER in one step, so no entry is delivered to a consumer
+# between the check (no pending entries) and its removal. KEYS[1] stream; ARGV group, own name, min idle ms.
+_PRUNE_CONSUMERS = """
+local removed = {}
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local f = {}
+  for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
+  if f['name'] ~= ARGV[2] and tonumber(f['pending']) == 0 and tonumber(f['idle']) >= tonumber(ARGV[3]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], f['name'])
+    removed[#removed + 1] = f['name']
+  end
+end
+return removed
+"""
 
 
 class SampleReader:
@@ -515,7 +532,27 @@ class SampleReader:
                 out.extend(self._process(raw))
                 if cursor in (b"0-0", "0-0"):
                     break
+        self.prune_consumers(min_idle_ms)  # the dead consumers, their entries now ours
         return out
+
+    def prune_consumers(self, min_idle_ms: int) -> list[str]:
+        """Remove the group's other consumers that hold no pending entry and were idle for at least
+        ``min_idle_ms`` ms (a dead trainer's name after its entries were reclaimed), atomically: a
+        consumer with pending entries is never removed (XGROUP DELCONSUMER would drop them), and a
+        live one that was removed is re-created by its next read. Returns the names removed."""
+        with _unavailable(f"pruning consumers of {self.group!r} on {self._key!r}"):
+            try:
+                removed = self._client.eval(_PRUNE_CONSUMERS, 1, self._key, self.group, self.consumer, int(min_idle_ms))
+            except redis.ResponseError as e:
+                if "no such key" in str(e).lower() or "nogroup" in str(e).lower():
+                    return []
+                raise
+        names = [_s(n) for n in removed or ()]
+        if names:
+            self.stats.consumers_removed += len(names)
+            log.info("consumers_removed", group=self.group, consumers=names, why="no pending entries, idle "
+                     f">= {min_idle_ms} ms (their entries were reclaimed)")
+        return names
 
     def ack(self, entries: Iterable[Entry | bytes | str]) -> int:
         """XACK ``entries`` (Entry objects or stream ids) and remember their record ids as
@@ -714,6 +751,21 @@ def group_info(client: redis.Redis, config: StoreConfig) -> list[GroupInfo]:
             )
         )
     return out
+
+
+def reclaimable_count(client: redis.Redis, config: StoreConfig, group: str, min_idle_ms: int,
+                      exclude_consumer: str | None = None, limit: int = 10_000) -> int:
+    """Pending entries of ``group`` idle for at least ``min_idle_ms`` ms and held by a consumer other
+    than ``exclude_consumer``: what :meth:`SampleReader.reclaim` would take over (a dead consumer's),
+    counted up to ``limit`` (XPENDING IDLE)."""
+    with _unavailable("XPENDING"):
+        try:
+            rows = client.xpending_range(config.keys.stream, group, min="-", max="+", count=limit, idle=int(min_idle_ms))
+        except redis.ResponseError as e:
+            if "no such key" in str(e).lower() or "nogroup" in str(e).lower():
+                return 0
+            raise
+    return sum(1 for r in rows if exclude_consumer is None or _s(r.get("consumer", b"")) != exclude_consumer)
 
 
 def dead_letter_count(client: redis.Redis, config: StoreConfig) -> int:

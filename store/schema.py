@@ -62,23 +62,66 @@ class SchemaError(StoreError, ValueError):
         self.reason = reason
 
 
-MAX_WORKLOAD_LEN = 128  # characters of a workload tag (the same bound as an adapter scope's)
+MAX_WORKLOAD_LEN = 64  # characters of a workload tag
+WORKLOAD_RULE = (f"a workload is a name of 1-{MAX_WORKLOAD_LEN} printable characters (at most {MAX_WORKLOAD_LEN} "
+                 f"characters), no '@' and no surrounding spaces, e.g. 'code'")
+
+
+def workload_problem(tag: object, *, untagged_ok: bool = True) -> str | None:
+    """Why ``tag`` is not a workload name, or None: the one rule ``serve`` applies to a request's
+    ``workload`` (``untagged_ok=False``) and the store to a record's (where "" = untagged). At most
+    :data:`MAX_WORKLOAD_LEN` printable characters (no control characters, newlines or lone
+    surrogates), no '@' (it separates a workload from its sampling bucket in the controller's
+    keys) and no surrounding spaces."""
+    if not isinstance(tag, str):
+        return f"{tag!r:.80} is a {type(tag).__name__}, not a string"
+    if not tag:
+        return None if untagged_ok else "it is empty"
+    if len(tag) > MAX_WORKLOAD_LEN:
+        return f"longer than {MAX_WORKLOAD_LEN} characters"
+    if not tag.isprintable():
+        return "it holds a control character, a newline or a lone surrogate"
+    if "@" in tag:
+        return "it holds '@', which separates a workload from its sampling bucket"
+    if tag.strip() != tag:
+        return "it has surrounding spaces"
+    return None
 
 
 def check_workload(tag: object) -> str:
-    """``tag`` if it is a usable workload tag: a str of at most ``MAX_WORKLOAD_LEN`` characters
-    without control characters ("" = untagged). Raises SchemaError (a ValueError) naming it.
+    """``tag`` if it is a usable workload tag (:func:`workload_problem`; "" = untagged). Raises
+    SchemaError (a ValueError) naming it.
 
     Checked where tags enter: :func:`encode` (the writer drops such a record, counted in
     ``dropped_error``), :func:`decode` (the reader dead-letters it) and the decoder's JSONL loader."""
-    if not isinstance(tag, str):
-        raise SchemaError(f"workload tag {tag!r:.80} must be a str, e.g. 'prose'")
-    if len(tag) > MAX_WORKLOAD_LEN or not tag.isprintable():
-        raise SchemaError(
-            f"workload tag {tag[:MAX_WORKLOAD_LEN]!r}{'...' if len(tag) > MAX_WORKLOAD_LEN else ''} ({len(tag)} characters) "
-            f"is not usable: at most {MAX_WORKLOAD_LEN} characters, no control characters or newlines; e.g. 'code'"
-        )
+    why = workload_problem(tag)
+    if why is not None:
+        if isinstance(tag, str):
+            shown = repr(tag[: MAX_WORKLOAD_LEN + 8]) + ("..." if len(tag) > MAX_WORKLOAD_LEN + 8 else "")
+            shown += f" ({len(tag)} characters)"
+        else:
+            shown = repr(tag)[:80]
+        raise SchemaError(f"workload tag {shown} is not usable: {why}; {WORKLOAD_RULE}")
     return tag
+
+
+PROB_TOLERANCE = 1e-2  # float16 rows of a real distribution sum to 1 - tail within ~1e-3
+
+
+def distribution_problem(topk_probs: np.ndarray) -> str | None:
+    """Why the top-k rows are not a distribution's top k, or None: each row's mass must be > 0 and
+    <= 1 (within :data:`PROB_TOLERANCE`). A record whose rows sum to 32 or to 0 decodes but
+    would teach the draft an impossible target; the reader dead-letters it with this reason.
+    Rows of width 0 (no top-k recorded) carry no mass and pass."""
+    if topk_probs.ndim != 2 or topk_probs.shape[1] == 0 or topk_probs.shape[0] == 0:
+        return None
+    sums = topk_probs.astype(np.float64).sum(axis=1)
+    off = np.flatnonzero(~((sums > 0.0) & (sums <= 1.0 + PROB_TOLERANCE)))
+    if off.size:
+        i = int(off[0])
+        return (f"field 'topk_probs': row {i} sums to {sums[i]:.4g} ({off.size} of {sums.size} rows off): a "
+                f"distribution's top-k mass is > 0 and <= 1 (tolerance {PROB_TOLERANCE})")
+    return None
 
 
 @dataclass(frozen=True)
@@ -301,6 +344,9 @@ def _check_arrays(a: dict[str, np.ndarray]) -> None:
         raise SchemaError(f"field 'tail_mass' outside [0, 1] (min {tail.min()}, max {tail.max()})")
     if a["proposal_lens"].size and int(a["proposal_lens"].min()) < 0:
         raise SchemaError("field 'proposal_lens' has a negative γ")
+    why = distribution_problem(a["topk_probs"])
+    if why is not None:
+        raise SchemaError(why)
 
 
 def _check_hidden(h: np.ndarray, n: int) -> None:

@@ -326,12 +326,20 @@ def gate_slice(heldout: list[VerifiedSample], cfg: ServiceConfig) -> list[Verifi
     return [s for s in heldout if s.source == "decode" or by_w.get(s.workload, 0) < cfg.min_eval_samples]
 
 
-def group_lag(client: Any, store_config: Any, group: str) -> int:
-    """Entries not yet delivered to ``group`` (XINFO GROUPS lag; 0 if unknown) - the check job's input."""
+def group_lag(client: Any, store_config: Any, group: str, *, reclaim_min_idle_ms: int | None = None,
+              consumer: str | None = None) -> int:
+    """Entries waiting for ``group``, the check job's input: those not yet delivered (XINFO GROUPS
+    lag; 0 if unknown), plus, with ``reclaim_min_idle_ms``, the pending entries another consumer
+    than ``consumer`` has held that long (a dead trainer's: the next round reclaims them)."""
+    lag = 0
     for g in group_info(client, store_config):
         if g.name == group:
-            return int(g.lag or 0)
-    return 0
+            lag = int(g.lag or 0)
+    if reclaim_min_idle_ms is not None:
+        from store.buffer import reclaimable_count
+
+        lag += reclaimable_count(client, store_config, group, reclaim_min_idle_ms, consumer)
+    return lag
 
 
 class TrainerService:

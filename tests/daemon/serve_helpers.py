@@ -59,12 +59,14 @@ class Served:
 
         kw.setdefault("max_retries", 0)
         kw.setdefault("timeout", 120)
-        return openai.OpenAI(base_url=self.base_url, api_key="unused", **kw)
+        kw.setdefault("api_key", getattr(self.service, "api_key", None) or "unused")
+        return openai.OpenAI(base_url=self.base_url, **kw)
 
 
 @contextmanager
 def serving(redis_client, key_prefix: str, *, target=None, draft=None, registry=None, queue_size: int = 64,
-            record_prompt: bool = False, speculation: bool = True, heartbeat_s: float | None = None):
+            record_prompt: bool = False, speculation: bool = True, heartbeat_s: float | None = None,
+            api_key: str | None = None, **service_kw):
     from daemon.serve import Heartbeat, InferenceService, ServeServer
     from decoder.loop import LoopConfig, build_serving_loop
     from decoder.speculative import DecoderConfig
@@ -82,7 +84,8 @@ def serving(redis_client, key_prefix: str, *, target=None, draft=None, registry=
         config=LoopConfig(queue_size=queue_size), poll_interval_s=0.2, history_flush_s=0.5)
     loop.start()
     service = InferenceService(loop, tok, MODEL, context_len=target.config.max_position_embeddings,
-                               max_tokens_default=16, speculation=speculation, server_id=f"test-{os.getpid()}-{id(loop)}")
+                               max_tokens_default=16, speculation=speculation, server_id=f"test-{os.getpid()}-{id(loop)}",
+                               api_key=api_key, **service_kw)
     hb = Heartbeat(service, redis_client, scfg, heartbeat_s) if heartbeat_s else None
     try:
         if hb:

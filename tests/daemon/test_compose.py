@@ -45,7 +45,8 @@ def test_compose_services_env_keys_and_healthchecks(monkeypatch):
     assert dec["command"] == ["daemonctl", "serve"]  # the inference service beside the daemon and Redis
     port = dec["environment"]["DRAFTD_SERVE__PORT"]
     assert dec["ports"] == [f"127.0.0.1:{port}:{port}"] and dec["environment"]["DRAFTD_SERVE__HOST"] == "0.0.0.0"
-    assert f"127.0.0.1:{port}/health" in " ".join(dec["healthcheck"]["test"])
+    assert f"127.0.0.1:{port}/health" in " ".join(dec["healthcheck"]["test"])  # /health is open with an API key
+    assert dec["environment"]["DRAFTD_SERVE__API_KEY"].startswith("${DRAFTD_SERVE_API_KEY:?")  # issue 37 item 1
 
 
 def test_env_keys_cover_every_field():

@@ -304,3 +304,38 @@ def test_writer_queue_is_bounded_in_bytes_while_redis_is_down(sample_factory):
         assert st.dropped_redis_down + st.dropped_queue_full == 50 - st.queued - st.in_flight >= 30
     finally:
         w.close(timeout=0.5)
+
+
+def _consumers(client, cfg, group: str) -> dict[str, int]:
+    return {c["name"].decode(): int(c["pending"]) for c in client.xinfo_consumers(cfg.keys.stream, group)}
+
+
+def test_a_dead_consumer_is_counted_reclaimed_and_removed(client, cfg, sample_factory):
+    """Issue 37 item 8: a dead consumer's pending entries count as backlog (the trigger pulls the
+    round forward), are reclaimed, and the dead consumer leaves the group; one that still holds
+    entries, or was active recently, stays."""
+    from store.buffer import reclaimable_count
+    from trainer.service import group_lag
+
+    write_all(client, cfg, [sample_factory(seed=i, n_tokens=4) for i in range(10)])
+    assert len(SampleReader(client, cfg, "g", "dead").read(count=6)) == 6  # then the process died
+    assert group_lag(client, cfg, "g") == 4  # undelivered only: the 6 held by the dead consumer are missed
+    time.sleep(0.06)
+    assert reclaimable_count(client, cfg, "g", 50) == 6
+    assert reclaimable_count(client, cfg, "g", 60_000) == 0  # not idle long enough
+    assert group_lag(client, cfg, "g", reclaim_min_idle_ms=50, consumer="new") == 10
+    new = SampleReader(client, cfg, "g", "new")
+    got = new.reclaim(min_idle_ms=50)
+    assert len(got) == 6 and "dead" not in _consumers(client, cfg, "g")
+    assert new.stats.consumers_removed == 1
+    assert reclaimable_count(client, cfg, "g", 0, exclude_consumer="new") == 0  # its own are not "reclaimable"
+    assert group_lag(client, cfg, "g", reclaim_min_idle_ms=0, consumer="new") == 4
+    new.ack(got)
+    busy = SampleReader(client, cfg, "g", "busy")
+    assert len(busy.read(count=2)) == 2  # holds entries: never removed
+    client.xgroup_createconsumer(cfg.keys.stream, "g", "idle")  # registered, holds nothing
+    new.prune_consumers(60_000)
+    assert {"new", "busy", "idle"} <= set(_consumers(client, cfg, "g"))
+    time.sleep(0.06)
+    assert new.prune_consumers(50) == ["idle"]
+    assert set(_consumers(client, cfg, "g")) == {"new", "busy"}
