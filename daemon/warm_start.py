@@ -327,7 +327,8 @@ def _ensure_locked(d: Path, key: str, pair, fingerprint, registry, distiller, cf
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         res, stats = train_v0(pair, fingerprint, distiller, cfg, precision, progress,
-                              on_round=lambda pt: progress(f"bootstrap: {pt.steps} steps, held-out α {pt.alpha:.3f}"),
+                              on_round=lambda pt: progress(f"bootstrap: {pt.steps} steps, held-out α {pt.alpha:.3f}, "
+                                                           f"greedy agreement {pt.greedy:.3f}"),
                               engine=engine)
     except Exception as e:  # noqa: BLE001 - no corpus text, a non-finite round, a damaged corpus file: start from the base
         distiller.reset_adapter()
@@ -335,10 +336,11 @@ def _ensure_locked(d: Path, key: str, pair, fingerprint, registry, distiller, cf
         log.warning("bootstrap_failed", error=f"{type(e).__name__}: {e}")
         return WarmStart("no data" if why == "skipped" else "failed", None,
                          f"bootstrap {why} ({type(e).__name__}: {e}); adaptation starts from the base draft")
-    gain = res.after.alpha - res.base.alpha
+    gain = res.after.served - res.base.served  # as trainer.bootstrap promoted: acceptance as served
     meta = {
         "format": FORMAT, "key": key, "pair": fingerprint.key(), "config": dataclasses.asdict(cfg),
-        "created_at": time.time(), "alpha_base": res.base.alpha, "alpha_after": res.after.alpha, "gain": gain,
+        "created_at": time.time(), "alpha_base": res.base.alpha, "alpha_after": res.after.alpha,
+        "served_base": res.base.served, "served_after": res.after.served, "gain": gain,
         "alpha_base_by_workload": {w: c.alpha for w, c in sorted(res.base.per_workload.items())},
         "alpha_after_by_workload": {w: c.alpha for w, c in sorted(res.after.per_workload.items())},
         "steps": res.steps, "train_seconds": res.train_seconds, "samples_trained": res.samples_trained,

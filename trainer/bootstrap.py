@@ -135,11 +135,12 @@ def bootstrap(
                 on_round(point)
     finally:
         distiller.config = orig
-    gain = after.alpha - base.alpha
+    gain = after.served - base.served  # acceptance as served, as the promotion gate judges (greedy records: agreement)
     promoted = config.promote and gain > 0
     reason = (
-        f"bootstrap: held-out alpha {base.alpha:.4f} -> {after.alpha:.4f} ({gain:+.4f}), greedy "
-        f"{base.greedy:.3f} -> {after.greedy:.3f}, {steps} steps, {seconds:.0f} s, {len(train)} samples"
+        f"bootstrap: held-out alpha {base.alpha:.4f} -> {after.alpha:.4f}, acceptance as served "
+        f"{base.served:.4f} -> {after.served:.4f} ({gain:+.4f}; greedy {base.greedy:.3f} -> {after.greedy:.3f}), "
+        f"{steps} steps, {seconds:.0f} s, {len(train)} samples"
     )
     version = None
     if registry is not None:
