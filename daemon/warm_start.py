@@ -376,7 +376,7 @@ def _remove(p: Path) -> None:
 
 def _read_cache(d: Path, distiller: Any) -> tuple[dict | None, str]:
     """(meta, "") for a usable cache entry, else (None, why). Usable: ``meta.json`` of this
-    format with numbers where numbers belong, an adapter exactly when α rose, its registry
+    format with numbers where numbers belong, an adapter exactly when its gain is positive, its registry
     record shared (no scope); the adapter is then loaded into ``distiller`` (shapes and
     vocabulary checked, as the trainer will continue from it; reset again if that fails). With
     ``distiller`` None (serve, which trains nothing) the adapter's files are checked to exist."""
@@ -388,7 +388,7 @@ def _read_cache(d: Path, distiller: Any) -> tuple[dict | None, str]:
         meta = json.loads((d / "meta.json").read_text())
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             return None, f"meta.json is not a format-{FORMAT} record"
-        for k in ("alpha_base", "alpha_after", "cpu_seconds"):
+        for k in ("alpha_base", "alpha_after", "gain", "cpu_seconds"):
             v = meta.get(k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 return None, f"meta.json {k}={v!r} is not a finite number"
@@ -400,7 +400,7 @@ def _read_cache(d: Path, distiller: Any) -> tuple[dict | None, str]:
         rec = AdapterMeta(**{k: v for k, v in am.items() if k in AdapterMeta.__dataclass_fields__})
         if rec.scope or not isinstance(rec.samples_trained, int) or not isinstance(rec.tokens_trained, int):
             return None, "meta.json adapter_meta is not a shared adapter's record"
-        rose = meta["alpha_after"] > meta["alpha_base"]
+        rose = meta["gain"] > 0  # what the bootstrap promoted on (acceptance as served)
         has = (d / "adapter").exists()
         if rose != has:
             return None, ("held-out α rose but the adapter is missing" if rose else "an adapter beside a result without gain")

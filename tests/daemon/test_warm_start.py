@@ -89,6 +89,7 @@ def test_first_start_trains_v0_caches_it_and_promotes_it_then_later_starts_take_
     assert d.parent == cache and d.name == cache_key(FP.key(), CFG, DCFG, None)
     meta = json.loads((d / "meta.json").read_text())
     assert meta["alpha_after"] > meta["alpha_base"] + 0.01, meta  # the point of v0: a floor above the base draft (0.29 -> 0.31 here)
+    assert meta["gain"] == pytest.approx(meta["served_after"] - meta["served_base"]) and meta["gain"] > 0, meta
     assert [p["steps"] for p in meta["curve"]] == [20, 40] and meta["heldout_samples"] > 0
     assert meta["scoring"]["workloads"]["prose"]["train_positions"] >= 1000
     assert any("bootstrapping v0" in m for m in lines)
