@@ -70,8 +70,8 @@ class DemoConfig:
 
     @classmethod
     def quick(cls, **kw) -> "DemoConfig":
-        base = dict(phase_seconds=90.0, eval_prompts=8, train_interval_s=15.0, train_min_new_samples=4,
-                    round_steps=20, round_seconds=20.0)
+        base = dict(phase_seconds=120.0, eval_prompts=8, train_interval_s=15.0, train_min_new_samples=4,
+                    round_steps=30, round_seconds=30.0)
         base.update(kw)
         return cls(**base)
 
@@ -631,7 +631,8 @@ def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_v
     if not hasattr(getattr(decoder, "draft_engine", None), "set_lora"):
         return []
     final = decoder.adapter_version
-    served = [r["adapter_version"] for r in timeline if r["workload"] == phase]
+    # the base draft (0) that served before v0 was ready is no promotion after v0: not in the chain
+    served = [r["adapter_version"] for r in timeline if r["workload"] == phase and (r["adapter_version"] or not v0_version)]
     chain = list(dict.fromkeys([v0_version, *served, final]))
     runs = {v0_version: per_prompt["frozen"], final: per_prompt["adapted_draft"]}
     middle = [v for v in chain if v not in runs][:_VERSIONS_CHECKED]
@@ -943,7 +944,7 @@ def register(app) -> None:
 
     @app.command("demo")
     def demo(
-        quick: Annotated[bool, typer.Option(help="a ~7-minute run once v0 is cached (90 s per phase, 4 phases)")] = False,
+        quick: Annotated[bool, typer.Option(help="a shorter run (120 s per phase, 4 phases, then the evaluation)")] = False,
         phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase (overrides the preset)")] = None,
         out: Annotated[Path, typer.Option(help="directory for report.json and acceptance.png")] = Path("out/demo"),
         heads: Annotated[bool, typer.Option(help="also serve and adapt the feature-level head (the 'eagle' proposer): "

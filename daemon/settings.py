@@ -176,6 +176,8 @@ class TrainerSettings(_Group):
     lora_r: int = Field(16, ge=1, description="LoRA rank.")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling alpha.")
     lr: float = Field(5e-3, gt=0, description="AdamW learning rate (5e-3: fastest early gain on the real pair, bench/train_bench.py).")
+    warmup_steps: int = Field(10, ge=0, description="Linear lr warm-up over each new optimiser's first steps (trainer.distill.DistillConfig."
+                                                   "warmup_steps): a fresh AdamW moves every weight by about lr per step at first.")
     max_steps: int = Field(64, ge=1, description="Optimiser steps per round, at most.")
     max_seconds: float = Field(120.0, gt=0, description="Training seconds per round, at most (checked before each step).")
     batch_size: int = Field(8, ge=1, description="Sequences per optimiser step.")
@@ -532,6 +534,7 @@ def distill_config(s: Settings) -> "DistillConfig":
         lora_r=t.lora_r,
         lora_alpha=t.lora_alpha,
         lr=t.lr,
+        warmup_steps=t.warmup_steps,
         max_steps=t.max_steps,
         max_seconds=t.max_seconds,
         batch_size=t.batch_size,

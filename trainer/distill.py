@@ -134,6 +134,11 @@ class DistillConfig:
     weight_decay: float = 0.0
     # Gradient clipping by global L2 norm (0 disables).
     grad_clip: float = 1.0
+    # Linear learning-rate warm-up over the first N steps of each new optimiser (0 disables). A
+    # fresh AdamW moves every weight by about lr on its first steps whatever the gradient's size
+    # (m / sqrt(v) = ±1 at step 1): from trained weights (a rejected round restarts from the
+    # serving adapter with a new optimiser) that is a jump, not a step.
+    warmup_steps: int = 0
     # Bounds of one round: optimiser steps, wall seconds (checked before each step, so a round may
     # overrun by one step), and passes over the round's samples.
     max_steps: int = 64
@@ -163,6 +168,8 @@ class DistillConfig:
             raise ValueError(f"DistillConfig.jsd_beta={self.jsd_beta} must lie strictly between 0 and 1")
         if self.precision not in PRECISIONS:
             raise ValueError(f"DistillConfig.precision={self.precision!r}; choose one of {PRECISIONS}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"DistillConfig.warmup_steps={self.warmup_steps!r}; use an integer >= 0 (0 = no warm-up)")
         if self.batch_size < 1 or self.max_seq_len < 2:
             raise ValueError(
                 f"DistillConfig batch_size={self.batch_size} must be >= 1 and max_seq_len={self.max_seq_len} >= 2"
@@ -447,6 +454,12 @@ class Distiller:
         for group in self.optimizer.param_groups:
             group["lr"] = float(lr)
 
+    @property
+    def optimizer_steps(self) -> int:
+        """Steps the current optimiser has taken (0 after a new one; restored with its state)."""
+        st = self.optimizer.state.get(self._params[0], {}) if self._params else {}
+        return int(st.get("step", 0))
+
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self._params, lr=self.config.lr, weight_decay=self.config.weight_decay)
 
@@ -637,6 +650,10 @@ class Distiller:
                     loss.backward()
                     if cfg.grad_clip > 0:
                         torch.nn.utils.clip_grad_norm_(self._params, cfg.grad_clip)
+                    if cfg.warmup_steps:
+                        scale = min(1.0, (self.optimizer_steps + 1) / cfg.warmup_steps)
+                        for group in self.optimizer.param_groups:
+                            group["lr"] = cfg.lr * scale
                     self.optimizer.step()
                     if not self._weights_finite():
                         return rollback(f"non-finite adapter weights after step {steps} (lr={cfg.lr})")

@@ -66,3 +66,23 @@ def test_plot_timeline_draws_each_proposer_and_the_plain_rate(tmp_path):
     path = tmp_path / "a.png"
     plot_timeline(timeline, [{"t": 0.0, "workload": "prose"}, {"t": 30.5, "workload": "code"}], path)
     assert path.stat().st_size > 10_000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_promotion_check_leaves_out_the_base_draft_that_served_before_v0():
+    """Requests served by the base draft (version 0) while v0 (here version 1) was bootstrapping
+    are no promotion after v0: the chain is v0 -> the final version, one pair, by hand: v0 accepts
+    2 of 8 and 3 of 4 proposals, v5 6 of 8 and 2 of 4 (gain 0.25, interval [-0.25, 0.5])."""
+    from types import SimpleNamespace
+
+    from daemon.demo import DemoConfig, _versions_check
+    from decoder.metrics import AcceptanceCounts
+
+    def c(acc, prop):
+        return AcceptanceCounts(num_draft_tokens=prop, alpha_sum=float(acc), num_emitted_tokens=10)
+
+    decoder = SimpleNamespace(adapter_version=5, draft_engine=SimpleNamespace(set_lora=None), ngram_history=None)
+    timeline = [{"workload": "prose", "adapter_version": v} for v in (0, 0, 1, 5)]
+    per = {"frozen": [(c(2, 8), 1.0), (c(3, 4), 1.0)], "adapted_draft": [(c(6, 8), 1.0), (c(2, 4), 1.0)]}
+    rows = _versions_check(DemoConfig.quick(), "prose", [], None, None, decoder, None, None, 1, timeline, per)
+    assert [(r["parent"], r["version"]) for r in rows] == [(1, 5)]
+    assert abs(rows[0]["gain"] - 0.25) < 1e-9 and abs(rows[0]["low"] + 0.25) < 1e-9 and rows[0]["lowered"] is False

@@ -414,3 +414,24 @@ def test_served_teacher_temperature_distils_each_record_at_its_own(train_samples
     assert l0 != pytest.approx(l1)
     with pytest.raises(ValueError, match="'hot'"):
         DistillConfig(teacher_temperature="hot")
+
+
+def test_warmup_scales_the_first_steps_of_each_new_optimiser(train_samples):
+    """warmup_steps = 4: the lr of steps 1..4 is lr/4, 2 lr/4, 3 lr/4, lr, then lr; a new
+    optimiser (start_from) warms up again; a rolled-back round restores the count."""
+    seen = []
+    dist = Distiller(tiny_draft(), DistillConfig(**dict(FAST, max_steps=6), warmup_steps=4))
+    orig = dist.optimizer.step
+
+    def spy(*a, **kw):
+        seen.append(dist.optimizer.param_groups[0]["lr"])
+        return orig(*a, **kw)
+
+    dist.optimizer.step = spy
+    dist.train_round(train_samples)
+    lr = FAST["lr"]
+    assert seen == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr, lr, lr]) and dist.optimizer_steps == 6
+    dist.start_from(dist.adapter_state())
+    assert dist.optimizer_steps == 0
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        DistillConfig(warmup_steps=-1)
