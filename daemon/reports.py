@@ -127,7 +127,24 @@ def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", stor
 
     out["serving"] = [hb | {"last_seen_s": round(now - float(hb.get("ts") or now), 1)}
                       for hb in read_heartbeats(redis.client, store_config)]  # `daemonctl serve` instances
+    warnings.extend(folding_warnings(out["serving"]))
     out.update(healthy=not problems, problems=problems, warnings=warnings)
+    return out
+
+
+def folding_warnings(serving: list[dict]) -> list[str]:
+    """A warning per serve heartbeat whose clients sent more distinct workloads or sampling buckets
+    than it keeps (``serve.max_workloads`` / ``serve.max_sampling_buckets``: the rest is folded into
+    'other')."""
+    out = []
+    for hb in serving:
+        for key, c in (hb.get("cardinality") or {}).items():
+            if isinstance(c, dict) and c.get("folded_requests"):
+                setting = "serve.max_workloads" if key == "workload" else "serve.max_sampling_buckets"
+                more = "+" if c.get("folded_values", 0) >= 10 * c.get("limit", 0) else ""
+                out.append(f"serve {hb.get('server_id')}: {c['folded_requests']} requests with {c.get('folded_values')}{more} "
+                           f"new {key} values past {setting}={c.get('limit')} were served under 'other'; raise it if "
+                           f"they are real, else look for a client inventing {key}s")
     return out
 
 

@@ -459,6 +459,45 @@ class TextStream:
         return self._full()[0]
 
 
+# ---- bounded client-chosen keys ----------------------------------------------------------------------
+
+OTHER = "other"  # the one key every value past a bound is folded into
+
+
+class Bounded:
+    """A bound on the distinct values of one client-chosen key (``workload``, sampling bucket):
+    the first ``limit`` values are kept as they are, every later one is folded into ``"other"``
+    and counted. What grows with them (Prometheus series, the controller's keys, the heartbeat,
+    ``daemonctl status``, Redis history keys) is bounded by it. Thread-safe."""
+
+    def __init__(self, name: str, limit: int, always: tuple[str, ...] = ()):
+        self.name, self.limit = name, limit
+        self._always = set(always) | {OTHER}  # never counted against the limit
+        self._seen: set[str] = set()
+        self._folded_values: set[str] = set()
+        self.folded = 0  # requests whose value was folded
+        self._lock = threading.Lock()
+
+    def admit(self, value: str) -> str:
+        if value in self._always:
+            return value
+        with self._lock:
+            if value in self._seen:
+                return value
+            if len(self._seen) < self.limit:
+                self._seen.add(value)
+                return value
+            self.folded += 1
+            if len(self._folded_values) < 10 * self.limit:  # how many distinct ones, roughly (bounded too)
+                self._folded_values.add(value)
+        return OTHER
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {"distinct": len(self._seen), "limit": self.limit, "folded_requests": self.folded,
+                    "folded_values": len(self._folded_values)}
+
+
 # ---- metrics ---------------------------------------------------------------------------------------
 
 
@@ -472,7 +511,7 @@ class ServeMetrics:
     submission), and queue gauges.
     """
 
-    def __init__(self, loop):
+    def __init__(self, loop, bounds: tuple["Bounded", ...] = ()):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -499,6 +538,12 @@ class ServeMetrics:
         Gauge(P + "queue_size", "Capacity of the request queue", registry=r).set(loop.config.queue_size)
         Gauge(P + "buffer_samples_dropped", "Verified samples the buffer writer dropped (Redis down, queue full)",
               registry=r).set_function(lambda: (loop.status().get("buffer") or {}).get("dropped", 0))
+        folded = Gauge(P + "folded_requests", "Requests whose workload or sampling bucket was folded into 'other' "
+                       "(serve.max_workloads, serve.max_sampling_buckets)", ["key"], registry=r)
+        distinct = Gauge(P + "distinct_keys", "Distinct workloads / sampling buckets kept as they are", ["key"], registry=r)
+        for b in bounds:
+            folded.labels(b.name).set_function(lambda b=b: b.folded)
+            distinct.labels(b.name).set_function(lambda b=b: b.status()["distinct"])
         loop.observers.append(self.observe)
 
     def observe(self, t, res) -> None:
@@ -565,6 +610,8 @@ class InferenceService:
         api_key: every request but ``GET /health`` must send ``Authorization: Bearer <api_key>``
             (401 otherwise, before its body is read); None = no authentication.
         max_prompt_tokens: longer prompts get a 400 (``prompt_too_long``); None = the context only.
+        max_workloads / max_sampling_buckets: distinct workloads / sampling buckets kept as they
+            are; later ones are folded into ``"other"`` (:class:`Bounded`).
         request_timeout_s: a request not finished this long after it arrived gets a 408
             (``request_timeout``; streaming: an error event) and is cancelled: dropped from the
             queue, or stopped at its next verification step; None = no budget.
@@ -572,7 +619,8 @@ class InferenceService:
 
     def __init__(self, loop, tokenizer, model: str, *, context_len: int | None, max_tokens_default: int = 256,
                  speculation: bool = True, server_id: str | None = None, api_key: str | None = None,
-                 max_prompt_tokens: int | None = None, request_timeout_s: float | None = None):
+                 max_prompt_tokens: int | None = None, request_timeout_s: float | None = None,
+                 max_workloads: int = 64, max_sampling_buckets: int = 32):
         from concurrent.futures import ThreadPoolExecutor
 
         self.loop, self.tokenizer, self.model = loop, tokenizer, model
@@ -589,14 +637,17 @@ class InferenceService:
         self.server_id = server_id or f"{socket.gethostname()}-{os.getpid()}"
         self.created = int(time.time())
         self.vocab = loop.decoder.vocab_p
-        self.metrics = ServeMetrics(loop)
+        self.workloads = Bounded("workload", max_workloads, always=("default",))
+        self.buckets = Bounded("sampling_bucket", max_sampling_buckets, always=("greedy",))
+        self.metrics = ServeMetrics(loop, (self.workloads, self.buckets))
 
     def status(self) -> dict[str, Any]:
         from decoder.loop import speculation_by_workload
 
         st = self.loop.status()
         return {"server_id": self.server_id, "model": self.model, "speculation_enabled": self.speculation,
-                "speculation_by_workload": speculation_by_workload(st["speculation"]), **st, "ts": time.time()}
+                "speculation_by_workload": speculation_by_workload(st["speculation"]), **st,
+                "cardinality": {b.name: b.status() for b in (self.workloads, self.buckets)}, "ts": time.time()}
 
     def parse(self, body: Any, kind: str, header_workload: str | None = None) -> Parsed:
         return parse_request(body, kind, self.tokenizer, models={self.model}, context_len=self.context_len,
@@ -608,8 +659,10 @@ class InferenceService:
         from decoder.speculative import DecodeRequest
 
         gamma = 0 if not self.speculation else p.gamma
-        return DecodeRequest(p.prompt_ids, SamplingParams(p.temperature, p.top_p, p.top_k, p.seed), p.max_tokens,
-                             gamma=gamma, stop=p.stop, ignore_eos=p.ignore_eos, workload=p.workload)
+        params = SamplingParams(p.temperature, p.top_p, p.top_k, p.seed)
+        return DecodeRequest(p.prompt_ids, params, p.max_tokens, gamma=gamma, stop=p.stop, ignore_eos=p.ignore_eos,
+                             workload=self.workloads.admit(p.workload),
+                             sampling_bucket=self.buckets.admit(params.bucket()))
 
     # ---- the app ---------------------------------------------------------------------------
     def app(self):
@@ -895,7 +948,7 @@ class Heartbeat:
 
         st = self.service.status()
         keep = ("server_id", "model", "adapter_version", "adapter_by_workload", "requests_served", "requests_failed",
-                "queue_depth", "queue_size", "draining", "speculation_enabled", "speculation_by_workload", "ts")
+                "queue_depth", "queue_size", "draining", "speculation_enabled", "speculation_by_workload", "cardinality", "ts")
         try:
             write_heartbeat(self.client, self.store_config, self.service.server_id, {k: st.get(k) for k in keep},
                             ttl_s=3 * self.interval_s)
@@ -1020,7 +1073,8 @@ def run_serve(settings, console=None) -> int:
                                    max_tokens_default=sv.max_tokens_default, speculation=sv.speculation,
                                    server_id=sv.server_id,
                                    api_key=sv.api_key.get_secret_value() if sv.api_key is not None else None,
-                                   max_prompt_tokens=sv.max_prompt_tokens, request_timeout_s=sv.request_timeout_s)
+                                   max_prompt_tokens=sv.max_prompt_tokens, request_timeout_s=sv.request_timeout_s,
+                                   max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets)
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,

@@ -278,6 +278,14 @@ class ServeSettings(_Group):
                                           "messages); longer gets a 400 (prompt_too_long), and a prompt too long to fit "
                                           "is refused before it is tokenised. Prefill is not interruptible, so this bounds "
                                           "how long one request can hold the others back. null = the context length only.")
+    max_workloads: int = Field(64, ge=1, description="Distinct workloads (request field or X-Draftd-Workload) kept as "
+                               "they are; later ones are served under 'other' and counted (draftd:folded_requests, "
+                               "daemonctl status warns), so clients cannot grow metrics, controller keys, the "
+                               "heartbeat and Redis without bound. 'default' does not count.")
+    max_sampling_buckets: int = Field(32, ge=1, description="Distinct sampling buckets (temperature / top_p / top_k "
+                                      "classes) the controller keeps estimates for; later ones fold into 'other' "
+                                      "(sampling is unchanged: only the key its acceptance is kept under). 'greedy' "
+                                      "does not count.")
     request_timeout_s: float | None = Field(300.0, gt=0, description="Time budget of a request from its arrival: past it "
                                             "the client gets a 408 (request_timeout; a stream: an error event) and the "
                                             "request is dropped from the queue or stopped at its next verification step. "

@@ -40,7 +40,7 @@ Key = tuple[str, str]  # (workload, sampling bucket)
 
 def key_of(req) -> Key:
     """(workload, sampling bucket) of a :class:`decoder.speculative.DecodeRequest`."""
-    return (req.workload, req.params.bucket())
+    return (req.workload, getattr(req, "sampling_bucket", None) or req.params.bucket())
 
 
 # ---- (a) acceptance windows --------------------------------------------------------------------

@@ -101,6 +101,8 @@ class DecodeRequest:
     ngram_history: the n-gram proposer also looks up the workload's past requests (default);
         False: the request's own tokens only, so its proposals, and the random draws a seed feeds,
         do not change with what was served before (the serving loop sets it for seeded requests).
+    sampling_bucket: the key its acceptance is kept under; None = ``params.bucket()`` (a server
+        folds the buckets past its bound into one, ``daemon.serve``).
     """
 
     prompt_ids: Sequence[int]
@@ -113,6 +115,7 @@ class DecodeRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     proposer: str | None = None
     ngram_history: bool = True
+    sampling_bucket: str | None = None
 
     def __post_init__(self):
         if len(self.prompt_ids) == 0:
@@ -781,7 +784,7 @@ class SpeculativeDecoder:
             latency_ms=latency_ms,
             peak_memory_bytes=peak,
             adapter_version=self.adapter_version,
-            sampling_bucket=req.params.bucket(),
+            sampling_bucket=req.sampling_bucket or req.params.bucket(),
             policy=policy.describe() if hasattr(policy, "describe") else type(policy).__name__,
             proposer=proposer,
             engine=self.engine.name,

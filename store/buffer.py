@@ -5,7 +5,7 @@ One stream, workload as a field
 All workloads share one stream (``P samples``); the workload travels in the clear ``w`` field of
 each entry. Reasons: the trainer distils every workload into the same draft adapter and reads
 them in one XREADGROUP, so one consumer group and one pending list cover everything; the caps
-(MAXLEN by count, lowered to ``max_bytes`` / the mean entry size; MINID by age) bound the
+(MAXLEN by count, lowered to the newest entries that fit in ``max_bytes``; MINID by age) bound the
 buffer's memory with one number instead of one per workload; and new workload names need no
 discovery step. Per-workload mixing or filtering is the trainer's decision and reads the ``w``
 field without decoding the body.
@@ -136,6 +136,11 @@ class SampleWriter:
         self._cfg = config.buffer
         self._key = config.keys.stream
         self._mean_bytes: float | None = None  # running mean entry size (maxlen)
+        # sizes of the newest entries this writer wrote that fit in max_bytes together, oldest first,
+        # and their sum; _fits_full once older ones had to leave (then len() is the MAXLEN)
+        self._fits: collections.deque[int] = collections.deque()
+        self._fits_sum = 0
+        self._fits_full = False
         self._clock = clock
         self._q: collections.deque[VerifiedSample] = collections.deque()
         self._q_bytes = 0  # array bytes of the queued samples (queue_max_bytes)
@@ -273,15 +278,28 @@ class SampleWriter:
         return out
 
     def maxlen(self, entries: list[dict[bytes, bytes]] = ()) -> int:
-        """The MAXLEN the next XADDs carry: ``maxlen``, lowered so that that many entries of the
-        running mean size (bytes of field names and values, an exponential mean over the entries
-        written so far, ``entries`` included) fit in ``max_bytes``. Never below 1."""
+        """The MAXLEN the next XADDs carry: ``maxlen``, lowered to the number of newest entries
+        (``entries`` included) whose bytes (field names and values) fit in ``max_bytes``
+        together, counted on the sizes this writer wrote, so the cap holds when sizes shift
+        (large records, then small ones: a mean would follow the small new ones while the large
+        old ones are still in the stream). Until this writer has written ``max_bytes``, entries
+        written before it started are unknown: they are taken at the running mean size. Never
+        below 1."""
+        max_bytes = self._cfg.max_bytes
         for fields in entries:
             n = sum(len(k) + len(v) for k, v in fields.items())
             self._mean_bytes = n if self._mean_bytes is None else 0.98 * self._mean_bytes + 0.02 * n
+            if max_bytes is None:
+                continue
+            self._fits.append(n)
+            self._fits_sum += n
+            while len(self._fits) > 1 and (self._fits_sum > max_bytes or len(self._fits) > self._cfg.maxlen):
+                self._fits_sum -= self._fits.popleft()
+                self._fits_full = True
         cap = self._cfg.maxlen
-        if self._cfg.max_bytes is not None and self._mean_bytes:
-            cap = min(cap, max(1, int(self._cfg.max_bytes // self._mean_bytes)))
+        if max_bytes is not None and self._mean_bytes:
+            fit = len(self._fits) if self._fits_full else max(len(self._fits), int(max_bytes // self._mean_bytes))
+            cap = min(cap, max(1, fit))
         return cap
 
     def _write(self, entries: list[dict[bytes, bytes]]) -> None:

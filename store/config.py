@@ -40,8 +40,8 @@ class BufferConfig(BaseModel):
 
     stream: str = "samples"  # stream key suffix; the dead-letter stream is f"{stream}:dead"
     maxlen: int = Field(100_000, gt=0)  # approximate cap on entries (XADD MAXLEN ~)
-    # approximate cap on the entries' bytes: the writer lowers MAXLEN to max_bytes / its running
-    # mean entry size, so records that carry hidden states (6.9x a schema 1 record's rows for
+    # approximate cap on the entries' bytes: the writer lowers MAXLEN to the number of its newest
+    # entries that fit in max_bytes (whatever their sizes), so records that carry hidden states (6.9x a schema 1 record's rows for
     # SmolLM2-135M) keep the same memory bound, in fewer entries; None = the count cap only
     max_bytes: int | None = Field(1 << 30, gt=0)
     max_age_s: float | None = Field(24 * 3600.0, gt=0)  # entries older than this are trimmed (XTRIM MINID ~); None = no age cap

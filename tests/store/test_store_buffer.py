@@ -339,3 +339,32 @@ def test_a_dead_consumer_is_counted_reclaimed_and_removed(client, cfg, sample_fa
     time.sleep(0.06)
     assert new.prune_consumers(50) == ["idle"]
     assert set(_consumers(client, cfg, "g")) == {"new", "busy"}
+
+
+def _stream_bytes(client, cfg) -> int:
+    return sum(sum(len(k) + len(v) for k, v in f.items()) for _, f in client.xrange(cfg.keys.stream))
+
+
+def test_the_byte_cap_holds_when_record_sizes_shift(client, prefix, sample_factory):
+    """Issue 37 item 7: large records, then small ones. A MAXLEN from the mean entry size let the
+    stream reach 2.29x the cap (the mean follows the small new records while the large old ones are
+    still in the stream); the cap now counts the newest entries that fit, whatever their sizes."""
+    big = sample_factory(n_tokens=32, prompt_len=16, hidden_size=576)
+    small = sample_factory(n_tokens=8, prompt_len=8, k=8)
+    b_big = sum(len(k) + len(v) for k, v in encode(big).items())
+    b_small = sum(len(k) + len(v) for k, v in encode(small).items())
+    assert b_big > 20 * b_small
+    max_bytes = 40 * b_big
+    cfg = StoreConfig(key_prefix=f"{prefix}shift:", buffer=BufferConfig(maxlen=100_000, max_bytes=max_bytes, batch_size=20))
+    peak = 0.0
+    with SampleWriter(client, cfg) as w:
+        for s, n in ((big, 120), (small, 1500), (big, 60)):
+            for i in range(0, n, 20):
+                for _ in range(20):
+                    w.submit(s)
+                assert w.flush(20)
+                peak = max(peak, _stream_bytes(client, cfg) / max_bytes)
+    # approximate MAXLEN trims whole macro-nodes (<= 100 entries, <= 4 KB unless one entry is larger)
+    slack = (100 * b_small + 2 * b_big) / max_bytes
+    print(f"peak {peak:.3f}x the cap")
+    assert peak <= 1.0 + slack, (peak, slack)
