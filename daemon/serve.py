@@ -45,6 +45,7 @@ log = structlog.get_logger("daemon.serve")
 WORKLOAD_HEADER = "X-Draftd-Workload"
 MAX_STOP = 16
 MAX_GAMMA = 64
+MAX_LOGPROBS = 20  # decoder.sampling.MAX_LOGPROBS: top_logprobs at most (OpenAI's bound)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
 
 # fields accepted (and acted on) besides the prompt; everything else is refused by name
@@ -95,6 +96,7 @@ class Parsed:
     stream: bool
     include_usage: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    logprobs: int | None = None  # None: none; n: each token's logprob and its n most probable alternatives
 
 
 def _number(body: dict, name: str, default: float, lo: float | None = None, hi: float | None = None,
@@ -160,13 +162,8 @@ def _unsupported(body: dict, kind: str) -> None:
         ("tool_choice", lambda v: v in (None, "none"), "tool calling is not supported"),
         ("parallel_tool_calls", lambda v: v in (None, False, True) and not body.get("tools"), "tool calling is not supported"),
         ("response_format", lambda v: v is None or v == {"type": "text"}, "only response_format {\"type\": \"text\"} is served"),
-        ("top_logprobs", lambda v: v in (None, 0), "logprobs are not supported"),
         ("store", lambda v: v in (None, False), "stored completions are not supported"),
     ]
-    if kind == "completion":
-        checks.append(("logprobs", lambda v: v is None, "logprobs are not supported"))
-    else:
-        checks.append(("logprobs", lambda v: v in (None, False), "logprobs are not supported"))
     for name, ok, why in checks:
         if name in body and not ok(body[name]):
             raise _bad(name, f"{body[name]!r}: {why}", "unsupported_parameter")
@@ -399,6 +396,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
             raise _bad("stream_options", f"{so!r}: only {{\"include_usage\": true|false}} is supported")
         include_usage = _bool(so, "include_usage", False)
     top_k = _int(body, "top_k", 0, lo=-1)
+    logprobs = _logprobs(body, kind)
     gamma = _int(body, "gamma", None, lo=0, hi=MAX_GAMMA)
     seed = _int(body, "seed", None, lo=-(2**63), hi=2**63 - 1)
     return Parsed(
@@ -407,7 +405,23 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
         top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         top_k=0 if top_k == -1 else top_k, seed=seed, stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
         gamma=gamma, workload=_workload(body, header_workload), stream=stream, include_usage=include_usage,
+        logprobs=logprobs,
     )
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """The alternatives per position a request asks for, None for no logprobs: completions take
+    ``logprobs: n`` (0..5, OpenAI's bound there); chat ``logprobs: true`` with ``top_logprobs: n``
+    (0..20; ``top_logprobs`` alone is an error, as OpenAI's)."""
+    if kind == "completion":
+        if "top_logprobs" in body and body["top_logprobs"] is not None:
+            raise _bad("top_logprobs", "is a chat parameter; completions take logprobs: <0..5> instead")
+        return _int(body, "logprobs", None, lo=0, hi=5)
+    on = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not on:
+        raise _bad("top_logprobs", f"{top}: needs logprobs: true")
+    return (top or 0) if on else None
 
 
 def _max_token_chars(tokenizer) -> int | None:
@@ -662,7 +676,37 @@ class InferenceService:
         params = SamplingParams(p.temperature, p.top_p, p.top_k, p.seed)
         return DecodeRequest(p.prompt_ids, params, p.max_tokens, gamma=gamma, stop=p.stop, ignore_eos=p.ignore_eos,
                              workload=self.workloads.admit(p.workload),
-                             sampling_bucket=self.buckets.admit(params.bucket()))
+                             sampling_bucket=self.buckets.admit(params.bucket()), logprobs=p.logprobs)
+
+    def _logprobs(self, p: Parsed, lps: list, offset: int = 0) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` object for tokens' :class:`~decoder.sampling.TokenLogprob`: chat's
+        ``{"content": [{token, logprob, bytes, top_logprobs}]}``, or the completions' legacy
+        ``{tokens, token_logprobs, top_logprobs, text_offset}`` (``offset``: characters of the
+        completion before these tokens). A log-probability of -inf (a token a top-k / top-p cut
+        removed) is written -9999.0, as OpenAI does: JSON has no infinity."""
+        if p.logprobs is None:
+            return None
+
+        def text(t: int) -> str:
+            return self.tokenizer.decode([t])
+
+        def num(x: float) -> float:
+            return x if math.isfinite(x) else -9999.0
+
+        if p.kind == "chat":
+            def entry(t: int, lp: float) -> dict[str, Any]:
+                s = text(t)
+                return {"token": s, "logprob": num(lp), "bytes": list(s.encode("utf-8"))}
+
+            return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(a, b) for a, b in x.top]}
+                                for x in lps], "refusal": None}
+        toks = [text(x.token) for x in lps]
+        offsets = []
+        for s_ in toks:
+            offsets.append(offset)
+            offset += len(s_)
+        return {"tokens": toks, "token_logprobs": [num(x.logprob) for x in lps],
+                "top_logprobs": [{text(a): num(b) for a, b in x.top} for x in lps], "text_offset": offsets}
 
     # ---- the app ---------------------------------------------------------------------------
     def app(self):
@@ -817,20 +861,21 @@ class InferenceService:
 
     def _full_response(self, p: Parsed, rid: str, created: int, text: str, res, ticket) -> dict[str, Any]:
         fr = FINISH.get(res.finish_reason, res.finish_reason)
+        lp = self._logprobs(p, res.logprobs or [])
         if p.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr, "stop_reason": None}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": fr, "stop_reason": None}
             obj = "text_completion"
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": fr, "stop_reason": None}
             obj = "chat.completion"
         return {"id": rid, "object": obj, "created": created, "model": self.model, "choices": [choice],
                 "usage": self._usage(res), "draftd": measurement(res, ticket, speculation=self.speculation)}
 
     def _chunk(self, p: Parsed, rid: str, created: int, delta: str | None, finish: str | None = None,
-               role: bool = False) -> dict[str, Any]:
+               role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if p.kind == "completion":
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
             obj = "text_completion"
         else:
             d: dict[str, Any] = {}
@@ -838,7 +883,7 @@ class InferenceService:
                 d["role"] = "assistant"
             if delta is not None:
                 d["content"] = delta
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
         return {"id": rid, "object": obj, "created": created, "model": self.model, "choices": [choice]}
 
@@ -850,6 +895,22 @@ class InferenceService:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         ts = TextStream(self.tokenizer, p.stop)
+        seen = [0, 0]  # tokens whose logprobs went out, characters of their text (completions' text_offset)
+
+        def chunk(ids: list[int]):
+            """The chunk for newly emitted ``ids``: their text delta and, when asked, their logprobs
+            (ticket.logprobs was extended before the ids were queued); None when there is nothing."""
+            delta = ts.feed(ids)
+            lp = None
+            if p.logprobs is not None and ids:
+                mine = ticket.logprobs[seen[0]: seen[0] + len(ids)]
+                lp = self._logprobs(p, mine, seen[1])
+                seen[0] += len(ids)
+                seen[1] += sum(len(self.tokenizer.decode([x.token])) for x in mine)
+            if not delta and lp is None:
+                return None
+            return self._chunk(p, rid, created, delta or "", logprobs=lp)
+
         try:
             if p.kind == "chat":
                 yield sse(self._chunk(p, rid, created, "", role=True))
@@ -863,16 +924,16 @@ class InferenceService:
                     yield "data: [DONE]\n\n"
                     return
                 if getter in done:
-                    delta = ts.feed(getter.result())
-                    if delta:
-                        yield sse(self._chunk(p, rid, created, delta))
+                    c = chunk(getter.result())
+                    if c is not None:
+                        yield sse(c)
                     continue
                 getter.cancel()
                 break
             while not events.empty():  # tokens queued before the result (FIFO callbacks)
-                delta = ts.feed(events.get_nowait())
-                if delta:
-                    yield sse(self._chunk(p, rid, created, delta))
+                c = chunk(events.get_nowait())
+                if c is not None:
+                    yield sse(c)
             try:
                 res = fut.result()
             except (Cancelled, ValueError) as e:

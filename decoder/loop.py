@@ -104,6 +104,8 @@ class Ticket:
         cancelled mid-request), or raises :class:`Cancelled` (cancelled while queued) or the
         decoder's error (e.g. ValueError for a prompt beyond the context).
     tokens: ids emitted so far (appended on the worker thread before ``on_tokens`` is called).
+    logprobs: with ``request.logprobs`` set, each of ``tokens``' :class:`~decoder.sampling.TokenLogprob`
+        (appended with them).
     times: loop clock (seconds) at submission, start, first token, each emission, finish.
     decision: the goodput controller's decision for this request (None with a fixed γ).
     """
@@ -113,6 +115,7 @@ class Ticket:
     on_tokens: Callable[[list[int]], Any] | None = None
     future: Future = field(default_factory=Future)
     tokens: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
     submitted_at: float = 0.0
     started_at: float | None = None
     first_token_at: float | None = None
@@ -355,6 +358,8 @@ class ServingLoop:
             if t.first_token_at is None:
                 t.first_token_at = now
             t.emitted_at.append(now)
+            if t.request.logprobs is not None:  # the decoder's for the tokens given so far, then these
+                t.logprobs.extend(getattr(self.decoder, "streamed_logprobs", [])[len(t.tokens): len(t.tokens) + len(ids)])
             t.tokens.extend(ids)
             if t.on_tokens is not None:
                 try:
@@ -386,6 +391,7 @@ class ServingLoop:
             t.future.set_exception(e)
             return
         if not self.streams_steps and res.output_ids:
+            self.decoder.streamed_logprobs = res.logprobs or []
             self._on_step(t, res.output_ids)  # one chunk: the decoder has no step hook
         every = self.config.check_plain_every
         if every and req.params.greedy and res.finish_reason != "cancelled" and next(self._greedy_seen) % every == 0:

@@ -23,6 +23,7 @@ exactly as sampling from p alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,63 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+MAX_LOGPROBS = 20  # alternatives per position at most (OpenAI's top_logprobs bound)
+
+
+def served_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities of the distribution a request is served from (vLLM's
+    ``processed_logprobs``): for a sampled request, log of :func:`process_logits` (temperature,
+    top-k, top-p; ``-inf`` where a cut removed a token); for a greedy one, the model's own
+    log-softmax (greedy decoding applies no temperature, and its one-hot says nothing).
+
+    Args:
+        logits: (..., V) raw target logits.
+        params: the request's sampling policy.
+
+    Returns:
+        (..., V) float32 log-probabilities (nats).
+    """
+    if params.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log(process_logits(logits, params))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the served distribution (nats), and the
+    ``top`` most probable tokens there as (id, log-probability), most probable first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """The emitted ``tokens``' log-probabilities from the rows that emitted them.
+
+    Args:
+        logits: (N, V) raw target logits; row j is the distribution that emitted ``tokens[j]``.
+        params: the request's sampling policy (:func:`served_logprobs`).
+        tokens: (N,) the emitted ids.
+        top: alternatives per position, 0..``MAX_LOGPROBS``.
+
+    Raises:
+        ValueError: ``top`` outside 0..MAX_LOGPROBS, or fewer rows than tokens.
+    """
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise ValueError(f"top={top!r}: ask for 0 to {MAX_LOGPROBS} alternatives per position")
+    if logits.shape[0] < len(tokens):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(tokens)} tokens: one row per emitted token")
+    lp = served_logprobs(logits[: len(tokens)], params)  # (N, V)
+    chosen = lp.gather(-1, torch.tensor(list(tokens), dtype=torch.long).unsqueeze(-1)).squeeze(-1).tolist()
+    if top:
+        vals, idx = torch.topk(lp, top, dim=-1)
+        alts = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    else:
+        alts = [()] * len(tokens)
+    return [TokenLogprob(int(t), float(c), a) for t, c, a in zip(tokens, chosen, alts)]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

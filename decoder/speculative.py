@@ -35,7 +35,7 @@ from decoder.metrics import AcceptanceCounts, StepStats
 from store.jsonsafe import nan_none
 from decoder.proposers import (REQUEST_PROPOSERS, DraftModelProposer, NgramGate, NgramHistory, NgramProposer, NgramShadow,
                                Proposer, StepCost, crop_to)
-from decoder.sampling import SamplingParams, alpha, process_logits, verify
+from decoder.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob, alpha, process_logits, token_logprobs, verify
 
 log = structlog.get_logger("decoder.speculative")
 
@@ -103,6 +103,9 @@ class DecodeRequest:
         do not change with what was served before (the serving loop sets it for seeded requests).
     sampling_bucket: the key its acceptance is kept under; None = ``params.bucket()`` (a server
         folds the buckets past its bound into one, ``daemon.serve``).
+    logprobs: None (default) computes none; n in 0..20 gives every emitted token its
+        log-probability under the served distribution and the n most probable alternatives
+        (:func:`decoder.sampling.token_logprobs`), in ``DecodeResult.logprobs``.
     """
 
     prompt_ids: Sequence[int]
@@ -116,6 +119,7 @@ class DecodeRequest:
     proposer: str | None = None
     ngram_history: bool = True
     sampling_bucket: str | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         if len(self.prompt_ids) == 0:
@@ -124,6 +128,8 @@ class DecodeRequest:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
         if self.gamma is not None and self.gamma < 0:
             raise ValueError(f"gamma={self.gamma}: must be >= 0 (0 = plain decoding)")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={self.logprobs!r}: use None or 0..{MAX_LOGPROBS} alternatives per position")
         if self.proposer is not None and self.proposer not in REQUEST_PROPOSERS:
             raise ValueError(f"proposer={self.proposer!r}: use one of {REQUEST_PROPOSERS} (or None: the policy's choice)")
 
@@ -162,6 +168,7 @@ class DecodeResult:
     head_version: int = 0  # the feature-level head that served (decoder.heads; 0 = none or one given at build)
     matches_plain: bool | None = None
     first_diff_index: int | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per output id when the request asked (DecodeRequest.logprobs)
 
     @property
     def tokens_per_s(self) -> float:
@@ -396,6 +403,7 @@ class SpeculativeDecoder:
                                "to a torch draft only (lossless either way; an adapter trained on the restricted head "
                                "is served with the full one)")
         self.ngram_min_n = self.config.ngram_min_n or (1 if torch_target else min(2, self.config.ngram_max_n))
+        self.streamed_logprobs: list[TokenLogprob] = []  # the running request's (DecodeRequest.logprobs)
         self.ngram_history = NgramHistory(self.config.ngram_max_n, self.ngram_min_n,
                                           self.config.ngram_history_tokens)
         # what a step costs by verified rows (steps that ran no draft model), and the n-gram
@@ -607,6 +615,8 @@ class SpeculativeDecoder:
         ``on_step(new_ids)`` is called after every verification step with the tokens it added to
         the output (already cut at EOS, stop strings and length; never empty); returning False
         cancels the request there (``finish_reason="cancelled"``; streaming, client disconnects).
+        With ``req.logprobs`` set, ``self.streamed_logprobs`` holds the request's
+        :class:`~decoder.sampling.TokenLogprob` for every token ``on_step`` has been given.
 
         Raises:
             ValueError: a prompt token id outside the target's vocabulary, or prompt +
@@ -640,6 +650,7 @@ class SpeculativeDecoder:
 
         ids = self._checked_prompt(req)
         prompt_len = len(ids)
+        self.streamed_logprobs = []  # this request's, appended before on_step sees their tokens
         tcache = self.engine.start()
         counts = AcceptanceCounts(num_requests=1)
         steps: list[StepStats] = []
@@ -703,6 +714,8 @@ class SpeculativeDecoder:
             # 3. stop conditions inside the block: EOS, stop strings, length
             cut, reason = self._truncate(out, block, req)
             block = block[:cut]
+            if req.logprobs is not None and block:  # row j emitted block[j], as plain decoding's would
+                self.streamed_logprobs.extend(token_logprobs(logits[: len(block)], params, block, req.logprobs))
             if k_rec and block:
                 topk_rows.append(_topk_rows(logits[: len(block)], k_rec))
                 if rec_hidden:  # row j: the state whose distribution emitted block[j]
@@ -738,6 +751,8 @@ class SpeculativeDecoder:
         self.ngram_history.add(req.workload, ids)
         result = self._result(req, policy, out, finish, steps, counts, (clock() - t_start) * 1e3,
                               name if any(s.proposed for s in steps) or speculate else "none")
+        if req.logprobs is not None:
+            result.logprobs = list(self.streamed_logprobs)
         if self.sink is not None and out:
             if prompt_rows is not None:
                 self._emit_prefill(req, result, prompt_rows, started_wall)

@@ -59,6 +59,66 @@ def test_chat_greedy_equals_plain_decoding_of_the_chat_template(srv):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def _target_logprobs(target, prompt_ids, output_ids):
+    """(N, V) log-softmax of the target's raw logits at each output position, teacher-forced."""
+    import torch
+
+    with torch.no_grad():
+        logits = target(torch.tensor([list(prompt_ids) + list(output_ids[:-1])])).logits[0, len(prompt_ids) - 1:]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def test_logprobs_are_the_targets_scores_in_chat_and_completions_streamed_or_not(srv):
+    """Greedy, speculating (γ = 3): every token's logprob and its top alternatives equal the
+    target's own log-softmax at that position (a teacher-forced forward here), in the completions'
+    legacy shape and chat's, streamed and not; the streamed chunks carry the same values."""
+    import torch
+
+    target, draft = tiny_pair()
+    oc = srv.openai()
+    prompt = "the cat sat on"
+    ids = srv.tokenizer(prompt).input_ids
+    want_text, plain = plain_text(srv.tokenizer, target, draft, ids, 10)
+    lp = _target_logprobs(target, ids, plain.output_ids)
+    chosen = [lp[j, t].item() for j, t in enumerate(plain.output_ids)]
+    top2 = torch.topk(lp, 2, -1)
+    tok = srv.tokenizer
+    r = oc.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
+                              extra_body={"gamma": 3})
+    got = r.choices[0].logprobs
+    assert r.choices[0].text == want_text
+    assert got.tokens == [tok.decode([t]) for t in plain.output_ids]
+    assert got.token_logprobs == pytest.approx(chosen, abs=1e-4)
+    assert [list(d.values()) for d in got.top_logprobs] == [pytest.approx(v, abs=1e-4) for v in top2.values.tolist()]
+    assert got.text_offset == [sum(len(s) for s in got.tokens[:j]) for j in range(len(got.tokens))]
+    chunks = list(oc.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
+                                        stream=True, extra_body={"gamma": 3}))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(chosen, abs=1e-4)
+    assert [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] \
+        == got.text_offset
+    # chat: the chat template's prompt
+    msgs = [{"role": "user", "content": "what is 2+2?"}]
+    cids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    cids = list(cids["input_ids"] if hasattr(cids, "keys") else cids)
+    _, cplain = plain_text(tok, target, draft, cids, 8)
+    clp = _target_logprobs(target, cids, cplain.output_ids)
+    cwant = [clp[j, t].item() for j, t in enumerate(cplain.output_ids)]
+    c = oc.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = c.choices[0].logprobs.content
+    assert [e.logprob for e in content] == pytest.approx(cwant, abs=1e-4)
+    assert [e.token for e in content] == [tok.decode([t]) for t in cplain.output_ids]
+    assert all(e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 3 for e in content)
+    assert [a.logprob for e in content for a in e.top_logprobs] == \
+        pytest.approx(torch.topk(clp, 3, -1).values.flatten().tolist(), abs=1e-4)
+    s = list(oc.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, logprobs=True,
+                                        stream=True))
+    assert [e.logprob for ch in s if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content] \
+        == pytest.approx(cwant, abs=1e-4)
+    no = oc.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
+    assert no.choices[0].logprobs is None
+
+
 def test_stop_strings_are_cut_like_openai_and_workload_from_header(srv):
     oc = srv.openai()
     full = oc.completions.create(model=MODEL, prompt="abc", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
@@ -86,7 +146,6 @@ def test_a_seed_reproduces_a_sampled_completion(srv):
 
 BAD = [
     ("completion", dict(n=2), "n"),
-    ("completion", dict(logprobs=2), "logprobs"),
     ("completion", dict(echo=True), "echo"),
     ("completion", dict(best_of=3), "best_of"),
     ("completion", dict(max_tokens=0), "max_tokens"),
@@ -113,7 +172,10 @@ BAD = [
     ("completion", dict(prompt=[1, 2, 999]), "prompt"),
     ("completion", dict(prompt="x" * 600), "prompt"),
     ("chat", dict(n=3), "n"),
-    ("chat", dict(logprobs=True), "logprobs"),
+    ("chat", dict(top_logprobs=3), "top_logprobs"),
+    ("chat", dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("chat", dict(logprobs="yes"), "logprobs"),
+    ("completion", dict(logprobs=6), "logprobs"),
     ("chat", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
     ("chat", dict(response_format={"type": "json_object"}), "response_format"),
     ("chat", dict(max_completion_tokens=0), "max_completion_tokens"),

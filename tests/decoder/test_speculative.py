@@ -267,3 +267,49 @@ def test_small_m_head_equals_the_models_own_logits(target):
         assert small_m_head(target) is None
     finally:
         target.config.model_type = saved
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "t0.8_k20_p0.9"])
+def test_logprobs_are_the_targets_own_scores_under_any_proposer(target, derived, tok, sampling):
+    """Each emitted token's logprob and top alternatives equal those computed here independently
+    from one teacher-forced target forward over prompt + output (log-softmax of the raw logits
+    for greedy; of the processed distribution, T then top-k then top-p, for sampled), and do not
+    depend on what was proposed: plain, the draft at γ = 1 and 4, the n-gram proposer."""
+    from decoder.sampling import token_logprobs
+
+    params = SamplingParams() if sampling == "greedy" else SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    dec = SpeculativeDecoder(target, derived, tok)
+    ids = enc(tok, "the quick brown fox")
+    runs = [dec.generate(DecodeRequest(ids, params, max_new_tokens=16, gamma=g, proposer=prop, ignore_eos=True, logprobs=3))
+            for g, prop in ((0, None), (1, "draft"), (4, "draft"), (3, "ngram"))]
+    plain = runs[0]
+    with torch.no_grad():
+        logits = target(torch.tensor([ids + plain.output_ids[:-1]])).logits[0, len(ids) - 1:].float()  # (N, V)
+    if params.greedy:
+        lp = torch.log_softmax(logits, -1)
+    else:
+        z = logits / 0.8
+        z = z.masked_fill(z < torch.topk(z, 20, -1).values[:, -1:], float("-inf"))
+        pr = torch.softmax(z, -1)
+        srt, order = torch.sort(pr, -1, descending=True)
+        drop = torch.zeros_like(srt, dtype=torch.bool).scatter(-1, order, (srt.cumsum(-1) - srt) >= 0.9)
+        pr = pr.masked_fill(drop, 0.0)
+        lp = torch.log(pr / pr.sum(-1, keepdim=True))
+    want = [lp[j, t].item() for j, t in enumerate(plain.output_ids)]
+    assert [x.token for x in plain.logprobs] == plain.output_ids
+    assert [x.logprob for x in plain.logprobs] == pytest.approx(want, abs=1e-4)
+    top = torch.topk(lp, 3, -1)
+    assert [[a for a, _ in x.top] for x in plain.logprobs] == top.indices.tolist()
+    assert [b for x in plain.logprobs for _, b in x.top] == pytest.approx(top.values.flatten().tolist(), abs=1e-4)
+    for r in runs[1:]:  # the same tokens (greedy: lossless; sampled: the same seed and rows) and scores
+        if params.greedy:
+            assert r.output_ids == plain.output_ids
+        n = min(len(r.output_ids), len(plain.output_ids))
+        same = next((j for j in range(n) if r.output_ids[j] != plain.output_ids[j]), n)
+        assert [x.logprob for x in r.logprobs[:same]] == pytest.approx(want[:same], abs=1e-4)
+    assert DecodeRequest(ids).logprobs is None and dec.generate(DecodeRequest(ids, max_new_tokens=2)).logprobs is None
+    for bad in (-1, 21, True):
+        with pytest.raises(ValueError, match="logprobs="):
+            DecodeRequest(ids, logprobs=bad)
+    with pytest.raises(ValueError, match="top=21"):
+        token_logprobs(logits, params, plain.output_ids, 21)
