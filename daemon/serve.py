@@ -628,7 +628,7 @@ class InferenceService:
             are; later ones are folded into ``"other"`` (:class:`Bounded`).
         request_timeout_s: a request not finished this long after it arrived gets a 408
             (``request_timeout``; streaming: an error event) and is cancelled: dropped from the
-            queue, or stopped at its next verification step; None = no budget.
+            queue, or stopped at its next verification step or prefill chunk; None = no budget.
     """
 
     def __init__(self, loop, tokenizer, model: str, *, context_len: int | None, max_tokens_default: int = 256,

@@ -276,8 +276,9 @@ class ServeSettings(_Group):
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none (capped at the context left).")
     max_prompt_tokens: int | None = Field(4096, ge=1, description="Longest prompt admitted, in tokens (chat: the templated "
                                           "messages); longer gets a 400 (prompt_too_long), and a prompt too long to fit "
-                                          "is refused before it is tokenised. Prefill is not interruptible, so this bounds "
-                                          "how long one request can hold the others back. null = the context length only.")
+                                          "is refused before it is tokenised. Other requests wait for a prompt's whole prefill "
+                                          "(it stops early only when cancelled, between chunks of 512 tokens), so this "
+                                          "bounds how long one request can hold them back. null = the context length only.")
     max_workloads: int = Field(64, ge=1, description="Distinct workloads (request field or X-Draftd-Workload) kept as "
                                "they are; later ones are served under 'other' and counted (draftd:folded_requests, "
                                "daemonctl status warns), so clients cannot grow metrics, controller keys, the "
@@ -288,8 +289,8 @@ class ServeSettings(_Group):
                                       "does not count.")
     request_timeout_s: float | None = Field(300.0, gt=0, description="Time budget of a request from its arrival: past it "
                                             "the client gets a 408 (request_timeout; a stream: an error event) and the "
-                                            "request is dropped from the queue or stopped at its next verification step. "
-                                            "null = none.")
+                                            "request is dropped from the queue or stopped at its next verification step "
+                                            "(in a prefill: its next 512-token chunk). null = none.")
     drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM in-flight and queued requests get this long to finish; new ones get 503.")
     heartbeat_s: float = Field(5.0, gt=0, description="How often the server writes its heartbeat to Redis (daemonctl status lists it).")
     speculation: bool = Field(True, description="false = plain decoding for every request (the baseline serve_bench compares with).")

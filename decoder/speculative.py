@@ -615,8 +615,10 @@ class SpeculativeDecoder:
         ``on_step(new_ids)`` is called after every verification step with the tokens it added to
         the output (already cut at EOS, stop strings and length; never empty); returning False
         cancels the request there (``finish_reason="cancelled"``; streaming, client disconnects).
-        With ``req.logprobs`` set, ``self.streamed_logprobs`` holds the request's
-        :class:`~decoder.sampling.TokenLogprob` for every token ``on_step`` has been given.
+        During a prefill longer than ``PREFILL_CHUNK`` tokens it is also called with ``[]``
+        between chunks (a poll: nothing was emitted); False cancels before decoding starts (no
+        output, no record). With ``req.logprobs`` set, ``self.streamed_logprobs`` holds the
+        request's :class:`~decoder.sampling.TokenLogprob` for every token ``on_step`` has been given.
 
         Raises:
             ValueError: a prompt token id outside the target's vocabulary, or prompt +
@@ -668,24 +670,36 @@ class SpeculativeDecoder:
         # position: the prompt's here, each verification's below
         features = getattr(proposer, "needs_features", False)
         prompt_rows = None
+        cancelled = False
         if prompt_len > 1:
             if features or (rec_hidden and self.config.record_prompt):
                 prompt_rows = self._prompt_features(ids, tcache, k_rec if self.config.record_prompt else 0,
                                                     proposer if features else None, rec_hidden)
-            elif k_rec and self.config.record_prompt:
-                prompt_rows = self._prompt_topk(ids[:-1], tcache, k_rec)
-            else:
-                self._target_logits(ids[:-1], tcache, 1)
-        proposer.start(ids, speculate)
-        shadow = self._shadow(req)
-        if shadow is not None:
-            shadow.start(ids)
+            else:  # in chunks: a cancelled request (on_step([]) is False) stops at the next one
+                rows = []
+                for i in range(0, prompt_len - 1, PREFILL_CHUNK):
+                    if i and on_step is not None and on_step([]) is False:
+                        cancelled = True
+                        break
+                    seg = ids[i: min(i + PREFILL_CHUNK, prompt_len - 1)]
+                    if k_rec and self.config.record_prompt:
+                        rows.append(self._prompt_topk(seg, tcache, k_rec))
+                    else:
+                        self._target_logits(seg, tcache, 1)
+                if rows and not cancelled:
+                    prompt_rows = rows[0] if len(rows) == 1 else tuple(torch.cat([r[j] for r in rows]) for j in range(3))
+        shadow = None
+        if not cancelled:
+            proposer.start(ids, speculate)
+            shadow = self._shadow(req)
+            if shadow is not None:
+                shadow.start(ids)
         counts.prefill_ms = (clock() - t0) * 1e3
 
         out: list[int] = []
-        finish = "length"
+        finish = "cancelled" if cancelled else "length"
         decode_t0 = clock()
-        while len(out) < req.max_new_tokens:
+        while not cancelled and len(out) < req.max_new_tokens:
             remaining = req.max_new_tokens - len(out)
             g = max(0, min(policy.gamma(), remaining - 1))
             # 1. proposal
@@ -891,6 +905,10 @@ def _replace(req: DecodeRequest, **kw) -> DecodeRequest:
 
 
 _PROMPT_CHUNK = 256  # rows of prompt logits materialised at once when recording the prompt
+# prompt tokens per prefill call; between two, a cancelled request stops (issue 37 item 2: a
+# request past serve.request_timeout_s, or whose client left, no longer holds the decoder for the
+# rest of a long prompt's prefill). Prompts up to it prefill in one call, as before.
+PREFILL_CHUNK = 512
 _PLAIN_HEAD_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
 
 

@@ -499,3 +499,20 @@ def test_a_candidate_measured_worse_is_discarded(env, train_samples, heldout_sam
     assert {w: len(d) for w, d in svc._replay.items()} == replay_before
     assert not any(s.record_id.startswith("bad-") for d in svc._replay.values() for s in d)
     assert registry.active_version() == first.version and registry.get(rep.version).state == "rejected"
+
+
+def test_a_candidate_rejected_for_want_of_evidence_trains_on(env, train_samples):
+    """Issue 37 item 5, the other half: a candidate rejected only because its gain is not yet
+    measurable (below promote_margin, not worse) is kept on purpose: the next round trains on from
+    its weights, and its samples enter the replay pool, so small gains accumulate until they are
+    measurable (docs/reliability.md). Only a candidate measured worse is discarded (above)."""
+    client, cfg, registry, _ = env
+    write(client, cfg, train_samples)
+    svc = make_service(env, promote_margin=2.0, replay_per_workload=64)  # alpha cannot rise by 2
+    start = {n: t.clone() for n, t in svc.distiller.adapter_state().items()}
+    rep = svc.run_round_now()
+    assert rep.decision == "rejected" and "below promote_margin" in rep.reason and rep.evidence["gain"] >= 0, rep.reason
+    now = svc.distiller.adapter_state()
+    assert any(not torch.equal(start[n], now[n]) for n in start)  # the candidate's weights, not the serving ones
+    assert sum(len(d) for d in svc._replay.values()) == min(rep.trained_on, 64 * len(svc._replay))
+    assert registry.active_version() == 0 and registry.get(rep.version).state == "rejected"
