@@ -244,10 +244,10 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
     svc = TrainerService(
         reader, registry, distiller,
         ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
-                      check_interval_s=2.0, max_samples_per_round=64, holdout_fraction=0.25,
+                      check_interval_s=2.0, max_samples_per_round=256, holdout_fraction=0.25,
                       holdout_per_workload=48, min_eval_samples=6, min_eval_requests=8, min_eval_positions=256,
                       confidence=cfg.confidence, promote_margin=0.0, regress_margin=0.05,
-                      replay_per_workload=64, replay_ratio=2.0, work_dir=str(out_dir / "work" / run_id)),
+                      replay_per_workload=64, replay_ratio=0.5, work_dir=str(out_dir / "work" / run_id)),
         backlog=lambda: sum(g.lag or 0 for g in group_info(client, scfg) if g.name == "trainer"),
         heads=heads,
     )
