@@ -103,6 +103,9 @@ class DecodeRequest:
         do not change with what was served before (the serving loop sets it for seeded requests).
     sampling_bucket: the key its acceptance is kept under; None = ``params.bucket()`` (a server
         folds the buckets past its bound into one, ``daemon.serve``).
+    constraint: constrained output (:class:`decoder.constrain.JsonObjectConstraint`): the
+        target's logits are masked at every verified row, so the output follows it and stays
+        lossless against the constrained distribution; None = unconstrained.
     """
 
     prompt_ids: Sequence[int]
@@ -116,6 +119,7 @@ class DecodeRequest:
     proposer: str | None = None
     ngram_history: bool = True
     sampling_bucket: str | None = None
+    constraint: Any = None
 
     def __post_init__(self):
         if len(self.prompt_ids) == 0:
@@ -686,6 +690,8 @@ class SpeculativeDecoder:
                 shadow.start(ids)
         counts.prefill_ms = (clock() - t0) * 1e3
 
+        constraint = req.constraint
+        cstate = constraint.start() if constraint is not None else None
         out: list[int] = []
         finish = "cancelled" if cancelled else "length"
         decode_t0 = clock()
@@ -707,7 +713,9 @@ class SpeculativeDecoder:
                 logits, hid = tcache.forward([ids[-1]] + proposals, g + 1, hidden=True)  # (g+1, V), (g+1, H)
             else:
                 logits = self._target_logits([ids[-1]] + proposals, tcache, g + 1)  # (g+1, V)
-            p = process_logits(logits, params)
+            # constrained output: p restricted to what keeps the output valid (the records keep `logits`)
+            p = process_logits(logits if cstate is None else constraint.constrain(logits, cstate, proposals, self.eos_ids),
+                               params)
             q = prop.q.to(p.dtype) if g else p.new_zeros((0, p.shape[-1]))
             v = verify(torch.tensor(proposals, dtype=torch.long), q, p, params.greedy, gen)
             verify_ms = (clock() - tv) * 1e3
@@ -726,6 +734,9 @@ class SpeculativeDecoder:
                 proposer.features(hid[: len(block)], block)
             out.extend(block)
             ids.extend(block)
+            if cstate is not None:
+                for t in block:
+                    cstate = constraint.advance(cstate, t, self.eos_ids) or cstate
             if shadow is not None:
                 shadow.settle(ids)
             # a proposal after the cut was never used: the accepted prefix counts up to the cut only
