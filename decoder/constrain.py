@@ -30,6 +30,7 @@ _WS = " \t\n\r"
 _LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
 
 State = tuple  # (stack: str of 'o'/'a', mode: str, extra: str|int|bool)
+MAX_CACHED_MASKS = 1024  # per constraint; a mask is one bool per token (49 KB for SmolLM2), the oldest goes first
 
 
 def _after_value(stack: str) -> State:
@@ -184,6 +185,8 @@ class JsonObjectConstraint:
                 if e < self.vocab:
                     m[e] = True
         with self._lock:
+            if len(self._masks) >= MAX_CACHED_MASKS:  # bounded: a deeply nested output visits new states
+                self._masks.pop(next(iter(self._masks)))
             self._masks[key] = m
         return m
 
