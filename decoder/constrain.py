@@ -30,7 +30,7 @@ _WS = " \t\n\r"
 _LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
 
 State = tuple  # (stack: str of 'o'/'a', mode: str, extra: str|int|bool)
-MAX_CACHED_MASKS = 1024  # per constraint; a mask is one bool per token (49 KB for SmolLM2), the oldest goes first
+MAX_CACHED_MASKS = 256  # per constraint; a mask is one float per token (196 KB for SmolLM2), the oldest goes first
 
 
 def _after_value(stack: str) -> State:
@@ -145,7 +145,12 @@ class JsonObjectConstraint:
     def __init__(self, token_texts: list[str | None], vocab: int | None = None):
         self.texts = token_texts
         self.vocab = max(vocab or 0, len(token_texts))
-        self._masks: dict[State, torch.Tensor] = {}
+        # token ids by their text's first character: a state rejects most first characters at once
+        self._by_first: dict[str, list[tuple[int, str]]] = {}
+        for i, text in enumerate(token_texts):
+            if text:
+                self._by_first.setdefault(text[0], []).append((i, text[1:]))
+        self._masks: dict[tuple, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -169,21 +174,28 @@ class JsonObjectConstraint:
         text = self.texts[token] if token < len(self.texts) else None
         return feed(state, text) if text else None
 
+    def allowed(self, state: State, eos_ids: Iterable[int] = ()) -> list[int]:
+        """The token ids allowed next. End of sequence only once the object is closed."""
+        ok = []
+        for first, toks in self._by_first.items():
+            s1 = step(state, first)
+            if s1 is None:
+                continue
+            ok.extend(i for i, rest in toks if not rest or feed(s1, rest) is not None)
+        if self.done(state) or not ok:  # closed (or, in theory, stuck): end of sequence
+            ok.extend(e for e in eos_ids if e < self.vocab)
+        return ok
+
     def mask(self, state: State, eos_ids: Iterable[int] = ()) -> torch.Tensor:
-        """(vocab,) bool: the tokens allowed next. End of sequence only once the object is closed."""
+        """(vocab,) float32: 0 where a token is allowed next, -inf elsewhere (an additive mask: bool
+        kernels are slow on some CPU builds of torch). Cached per state."""
         key = (state, frozenset(eos_ids))
         with self._lock:
             m = self._masks.get(key)
         if m is not None:
             return m
-        m = torch.zeros(self.vocab, dtype=torch.bool)
-        for i, text in enumerate(self.texts):
-            if text and feed(state, text) is not None:
-                m[i] = True
-        if self.done(state) or not m.any():  # closed (or, in theory, stuck): end of sequence
-            for e in key[1]:
-                if e < self.vocab:
-                    m[e] = True
+        m = torch.full((self.vocab,), float("-inf"))
+        m[torch.tensor(self.allowed(state, key[1]), dtype=torch.long)] = 0.0
         with self._lock:
             if len(self._masks) >= MAX_CACHED_MASKS:  # bounded: a deeply nested output visits new states
                 self._masks.pop(next(iter(self._masks)))
@@ -204,7 +216,10 @@ class JsonObjectConstraint:
                     rows.extend([rows[-1]] * (logits.shape[0] - i - 1))
                     break
                 s = nxt
-        m = torch.stack(rows).to(logits.device)
-        if m.shape[1] < logits.shape[1]:
-            m = torch.nn.functional.pad(m, (0, logits.shape[1] - m.shape[1]))
-        return logits.masked_fill(~m[:, : logits.shape[1]], float("-inf"))
+        out = logits.float().clone()
+        n = min(out.shape[1], self.vocab)
+        for i, m in enumerate(rows):
+            out[i, :n] += m[:n].to(out.device)
+            if out.shape[1] > n:  # padded ids beyond the tokenizer: never
+                out[i, n:] = float("-inf")
+        return out
