@@ -118,7 +118,7 @@ def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", stor
     out["adapter"] = adapter_section(registry)
     # the feature-level proposer's heads (trainer.heads, serve.follow_heads): the same layout
     out["head"] = adapter_section(AdapterRegistry(redis.client, settings.head_dir, store_config, kind="head"))
-    out["acceptance"], out["speculation"] = acceptance_sections(history, out["adapter"], now)
+    out["acceptance"], out["speculation"] = acceptance_sections(history, out["adapter"], now, warnings)
     if not registry.list() and not out["acceptance"]:
         hint = other_prefixes_hint(redis.client, store_config.key_prefix)
         if hint:
@@ -205,14 +205,32 @@ def adapter_section(registry: AdapterRegistry) -> dict:
             "registered": len(registry.list()), "workloads": own}
 
 
-def acceptance_sections(history: AcceptanceHistory, adapter: dict, now: float) -> tuple[dict, dict]:
+STATUS_WORKLOADS = 50  # workloads `daemonctl status` lists (those with the most requests); a warning counts the rest
+
+
+def acceptance_sections(history: AcceptanceHistory, adapter: dict, now: float,
+                        warnings: list[str] | None = None) -> tuple[dict, dict]:
     """Per workload: the adapter serving it (its own, else the shared one) vs the one before it,
-    and the recent window; and whether speculation is on there, with why."""
+    and the recent window; and whether speculation is on there, with why. At most
+    :data:`STATUS_WORKLOADS` workloads, those with the most requests: the history may hold
+    thousands (clients invent them; servers fold them into 'other' only past their bound), and
+    the rest are counted in ``warnings``."""
     own = adapter["workloads"]
     rows = history.read()
+    by_w: dict[str, list[HistoryRow]] = {}
+    for r in rows:
+        by_w.setdefault(r.workload, []).append(r)
+    shown = sorted(by_w)
+    if len(shown) > STATUS_WORKLOADS:
+        top = sorted(by_w, key=lambda w: (-sum(r.requests for r in by_w[w]), w))[:STATUS_WORKLOADS]
+        if warnings is not None:
+            warnings.append(f"{len(by_w) - STATUS_WORKLOADS} more workloads in the acceptance history than the "
+                            f"{STATUS_WORKLOADS} with the most requests shown here (clients sending new workload names? "
+                            f"serve.max_workloads bounds them per server)")
+        shown = sorted(top)
     acc, spec = {}, {}
-    for w in sorted({r.workload for r in rows}):
-        wr = [r for r in rows if r.workload == w]
+    for w in shown:
+        wr = by_w[w]
         src = own.get(w, adapter)
         w_active, w_since, w_previous = src["active"], src["since"], src["previous"]
         cur = [r for r in wr if r.version == w_active and (w_since is None or r.ts + history.bucket_s > w_since)]

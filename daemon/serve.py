@@ -95,6 +95,7 @@ class Parsed:
     workload: str
     stream: bool
     include_usage: bool = False
+    json_mode: bool = False  # response_format {"type": "json_object"}: the output is one JSON object
     extra: dict[str, Any] = field(default_factory=dict)
     logprobs: int | None = None  # None: none; n: each token's logprob and its n most probable alternatives
 
@@ -161,7 +162,9 @@ def _unsupported(body: dict, kind: str) -> None:
         ("function_call", lambda v: v in (None, "none"), "function calling is not supported"),
         ("tool_choice", lambda v: v in (None, "none"), "tool calling is not supported"),
         ("parallel_tool_calls", lambda v: v in (None, False, True) and not body.get("tools"), "tool calling is not supported"),
-        ("response_format", lambda v: v is None or v == {"type": "text"}, "only response_format {\"type\": \"text\"} is served"),
+        ("response_format", lambda v: v is None or v in ({"type": "text"}, {"type": "json_object"}),
+         "response_format {\"type\": \"text\"} and {\"type\": \"json_object\"} (JSON mode) are served; json_schema "
+         "and grammars are not"),
         ("store", lambda v: v in (None, False), "stored completions are not supported"),
     ]
     for name, ok, why in checks:
@@ -406,6 +409,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
         top_k=0 if top_k == -1 else top_k, seed=seed, stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
         gamma=gamma, workload=_workload(body, header_workload), stream=stream, include_usage=include_usage,
         logprobs=logprobs,
+        json_mode=body.get("response_format") == {"type": "json_object"},
     )
 
 
@@ -645,6 +649,7 @@ class InferenceService:
         # parsing threads at once
         self._parse_pool = ThreadPoolExecutor(1, thread_name_prefix="draftd-parse")
         self.api_key = api_key or None  # None: no authentication (serve.api_key unset)
+        self._json, self._json_lock = None, threading.Lock()
         self.context_len = context_len
         self.max_tokens_default = max_tokens_default
         self.speculation = speculation
@@ -664,9 +669,22 @@ class InferenceService:
                 "cardinality": {b.name: b.status() for b in (self.workloads, self.buckets)}, "ts": time.time()}
 
     def parse(self, body: Any, kind: str, header_workload: str | None = None) -> Parsed:
-        return parse_request(body, kind, self.tokenizer, models={self.model}, context_len=self.context_len,
-                             vocab=self.vocab, max_tokens_default=self.max_tokens_default, header_workload=header_workload,
-                             max_prompt_tokens=self.max_prompt_tokens, max_token_chars=self.max_token_chars)
+        p = parse_request(body, kind, self.tokenizer, models={self.model}, context_len=self.context_len,
+                          vocab=self.vocab, max_tokens_default=self.max_tokens_default, header_workload=header_workload,
+                          max_prompt_tokens=self.max_prompt_tokens, max_token_chars=self.max_token_chars)
+        if p.json_mode:
+            self.json_constraint()  # built here, off the event loop, on the first JSON-mode request
+        return p
+
+    def json_constraint(self):
+        """JSON mode's constraint for this tokenizer (decoder.constrain), built once (a pass over the
+        vocabulary) and shared by every request: its masks are cached per automaton state."""
+        with self._json_lock:
+            if self._json is None:
+                from decoder.constrain import JsonObjectConstraint
+
+                self._json = JsonObjectConstraint.for_tokenizer(self.tokenizer, self.vocab)
+            return self._json
 
     def request_of(self, p: Parsed):
         from decoder.sampling import SamplingParams
@@ -676,7 +694,8 @@ class InferenceService:
         params = SamplingParams(p.temperature, p.top_p, p.top_k, p.seed)
         return DecodeRequest(p.prompt_ids, params, p.max_tokens, gamma=gamma, stop=p.stop, ignore_eos=p.ignore_eos,
                              workload=self.workloads.admit(p.workload),
-                             sampling_bucket=self.buckets.admit(params.bucket()), logprobs=p.logprobs)
+                             sampling_bucket=self.buckets.admit(params.bucket()), logprobs=p.logprobs,
+                             constraint=self.json_constraint() if p.json_mode else None)
 
     def _logprobs(self, p: Parsed, lps: list, offset: int = 0) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` object for tokens' :class:`~decoder.sampling.TokenLogprob`: chat's

@@ -106,6 +106,9 @@ class DecodeRequest:
     logprobs: None (default) computes none; n in 0..20 gives every emitted token its
         log-probability under the served distribution and the n most probable alternatives
         (:func:`decoder.sampling.token_logprobs`), in ``DecodeResult.logprobs``.
+    constraint: constrained output (:class:`decoder.constrain.JsonObjectConstraint`): the
+        target's logits are masked at every verified row, so the output follows it and stays
+        lossless against the constrained distribution; None = unconstrained.
     """
 
     prompt_ids: Sequence[int]
@@ -120,6 +123,7 @@ class DecodeRequest:
     ngram_history: bool = True
     sampling_bucket: str | None = None
     logprobs: int | None = None
+    constraint: Any = None
 
     def __post_init__(self):
         if len(self.prompt_ids) == 0:
@@ -696,6 +700,8 @@ class SpeculativeDecoder:
                 shadow.start(ids)
         counts.prefill_ms = (clock() - t0) * 1e3
 
+        constraint = req.constraint
+        cstate = constraint.start() if constraint is not None else None
         out: list[int] = []
         finish = "cancelled" if cancelled else "length"
         decode_t0 = clock()
@@ -717,7 +723,9 @@ class SpeculativeDecoder:
                 logits, hid = tcache.forward([ids[-1]] + proposals, g + 1, hidden=True)  # (g+1, V), (g+1, H)
             else:
                 logits = self._target_logits([ids[-1]] + proposals, tcache, g + 1)  # (g+1, V)
-            p = process_logits(logits, params)
+            # constrained output: p restricted to what keeps the output valid (the records keep `logits`)
+            served = logits if cstate is None else constraint.constrain(logits, cstate, proposals, self.eos_ids)
+            p = process_logits(served, params)
             q = prop.q.to(p.dtype) if g else p.new_zeros((0, p.shape[-1]))
             v = verify(torch.tensor(proposals, dtype=torch.long), q, p, params.greedy, gen)
             verify_ms = (clock() - tv) * 1e3
@@ -729,7 +737,7 @@ class SpeculativeDecoder:
             cut, reason = self._truncate(out, block, req)
             block = block[:cut]
             if req.logprobs is not None and block:  # row j emitted block[j], as plain decoding's would
-                self.streamed_logprobs.extend(token_logprobs(logits[: len(block)], params, block, req.logprobs))
+                self.streamed_logprobs.extend(token_logprobs(served[: len(block)], params, block, req.logprobs))
             if k_rec and block:
                 topk_rows.append(_topk_rows(logits[: len(block)], k_rec))
                 if rec_hidden:  # row j: the state whose distribution emitted block[j]
@@ -738,6 +746,9 @@ class SpeculativeDecoder:
                 proposer.features(hid[: len(block)], block)
             out.extend(block)
             ids.extend(block)
+            if cstate is not None:
+                for t in block:
+                    cstate = constraint.advance(cstate, t, self.eos_ids) or cstate
             if shadow is not None:
                 shadow.settle(ids)
             # a proposal after the cut was never used: the accepted prefix counts up to the cut only

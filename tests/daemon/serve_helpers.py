@@ -22,8 +22,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 MODEL = "tiny"
 
 
-def tokenizer():
-    tok = char_tokenizer()
+def tokenizer(chars=None):
+    tok = char_tokenizer(chars) if chars else char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -66,7 +66,7 @@ class Served:
 @contextmanager
 def serving(redis_client, key_prefix: str, *, target=None, draft=None, registry=None, queue_size: int = 64,
             record_prompt: bool = False, speculation: bool = True, heartbeat_s: float | None = None,
-            api_key: str | None = None, **service_kw):
+            api_key: str | None = None, chars=None, **service_kw):
     from daemon.serve import Heartbeat, InferenceService, ServeServer
     from decoder.loop import LoopConfig, build_serving_loop
     from decoder.speculative import DecoderConfig
@@ -75,7 +75,7 @@ def serving(redis_client, key_prefix: str, *, target=None, draft=None, registry=
 
     t, d = tiny_pair()
     target, draft = target or t, draft or d
-    tok = tokenizer()
+    tok = tokenizer(chars)
     scfg = StoreConfig(key_prefix=key_prefix)
     loop = build_serving_loop(
         target, draft, tok, client=redis_client, store_config=scfg, registry=registry,

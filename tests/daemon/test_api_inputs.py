@@ -44,3 +44,27 @@ def test_promote_bad_versions(api):
     r = client.post("/v1/adapters/77/promote", headers=h)
     assert r.status_code == 404 and "v77" in r.json()["detail"]
     assert client.post("/v1/adapters/77/promote").status_code == 401
+
+
+
+def test_metrics_export_at_most_64_workloads_the_rest_summed_as_other(tmp_path, key_prefix, monkeypatch):
+    """Issue 37 item 4: the daemon's /metrics exports a label per workload of the acceptance
+    history; with 100 invented names, the 63 busiest keep theirs and the rest are summed."""
+    import re
+
+    from daemon.metrics import METRICS_WORKLOADS
+
+    for k in [k for k in os.environ if k.startswith("DRAFTD_")]:
+        monkeypatch.delenv(k)
+    s = load_settings(state_dir=tmp_path / "state", redis={"url": REDIS_URL}, store={"key_prefix": key_prefix},
+                      models={"enabled": False}, api={"enabled": False})
+    d = Daemon(s)
+    with d.started():
+        for i in range(100):
+            d.history.record(f"w{i:03d}", 0, {"requests": 1 + (i < 10) * 100, "num_steps": 1})
+        text = TestClient(create_app(d)).get("/metrics").text
+    labels = set(re.findall(r'draftd:requests_total\{workload="([^"]+)"\}', text))
+    assert len(labels) == METRICS_WORKLOADS == 64 and "other" in labels
+    assert {f"w{i:03d}" for i in range(10)} <= labels
+    total = sum(float(v) for v in re.findall(r'draftd:requests_total\{workload="[^"]+"\} (\S+)', text))
+    assert total == 100 + 10 * 100

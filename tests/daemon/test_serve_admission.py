@@ -105,3 +105,30 @@ def test_a_streamed_request_past_its_budget_ends_with_a_timeout_event(redis_clie
         datas = [ln[len("data: "):] for ln in text.splitlines() if ln.startswith("data: ")]
         assert datas[-1] == "[DONE]"
         assert json.loads(datas[-2])["error"]["code"] == "request_timeout"
+
+
+def test_a_timed_out_prefill_stops_at_the_next_chunk(redis_client, key_prefix, monkeypatch):
+    """The 408 of a request whose prompt is still being prefilled frees the decoder at the next
+    prefill chunk, not at the end of the prompt (the probe: 137 s of prefill nobody could stop)."""
+    import decoder.speculative as spec
+
+    monkeypatch.setattr(spec, "PREFILL_CHUNK", 16)
+    with serving(redis_client, key_prefix, request_timeout_s=1.0) as s:
+        dec = s.loop.decoder
+        real = dec._target_logits
+        chunks = []
+
+        def slow(tokens, seq, keep):  # 0.2 s a chunk: 25 chunks = 5 s of prefill
+            chunks.append(len(tokens))
+            time.sleep(0.2)
+            return real(tokens, seq, keep)
+
+        monkeypatch.setattr(dec, "_target_logits", slow)
+        code, body, took = post(s, "/completions", {"model": MODEL, "prompt": "x" * 401, "max_tokens": 2})
+        assert code == 408 and "while decoding" in body["error"]["message"], body
+        deadline = time.time() + 3
+        while s.loop.busy:
+            assert time.time() < deadline, f"the prefill ran on: {len(chunks)} chunks"
+            time.sleep(0.02)
+        assert len(chunks) < 12, chunks  # stopped after ~1 s of 5
+        assert s.loop.status()["requests_cancelled"] == 1
