@@ -30,6 +30,10 @@ from store.history import sum_rows
 log = structlog.get_logger(__name__)
 
 P = "draftd:"
+# the acceptance history's families: named apart from serve's live draftd:spec_decode_* (one
+# Prometheus scraping both must not get two series of one name that disagree: serve's count this
+# process's requests by adapter version, these the history's buckets, which expire)
+H = P + "history_"
 
 
 # workload labels the daemon's /metrics exports from the acceptance history (issue 37 item 4: it
@@ -71,15 +75,15 @@ class DraftdCollector:
             by_w["other"] = by_w.get("other", []) + rest
         workloads = sorted(by_w)
         fams = {
-            "num_drafts": CounterMetricFamily(P + "spec_decode_num_drafts", "Verification steps with a draft proposal (gamma > 0)", labels=["workload"]),
-            "num_draft_tokens": CounterMetricFamily(P + "spec_decode_num_draft_tokens", "Tokens proposed by the draft", labels=["workload"]),
-            "num_accepted_tokens": CounterMetricFamily(P + "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", labels=["workload"]),
-            "num_emitted_tokens": CounterMetricFamily(P + "spec_decode_num_emitted_tokens", "Tokens emitted (accepted + corrections + bonus)", labels=["workload"]),
-            "requests": CounterMetricFamily(P + "requests", "Requests recorded in the acceptance history", labels=["workload"]),
+            "num_drafts": CounterMetricFamily(H + "spec_decode_num_drafts", "Verification steps with a draft proposal (gamma > 0)", labels=["workload"]),
+            "num_draft_tokens": CounterMetricFamily(H + "spec_decode_num_draft_tokens", "Tokens proposed by the draft", labels=["workload"]),
+            "num_accepted_tokens": CounterMetricFamily(H + "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", labels=["workload"]),
+            "num_emitted_tokens": CounterMetricFamily(H + "spec_decode_num_emitted_tokens", "Tokens emitted (accepted + corrections + bonus)", labels=["workload"]),
+            "requests": CounterMetricFamily(H + "requests", "Requests recorded in the acceptance history", labels=["workload"]),
         }
-        rate = GaugeMetricFamily(P + "spec_decode_acceptance_rate", f"Accepted / drafted tokens over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
-        alpha = GaugeMetricFamily(P + "spec_decode_alpha", f"Mean per-request alpha over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
-        tau = GaugeMetricFamily(P + "spec_decode_mean_accepted_length", f"Emitted tokens per verification step (tau) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        rate = GaugeMetricFamily(H + "spec_decode_acceptance_rate", f"Accepted / drafted tokens over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        alpha = GaugeMetricFamily(H + "alpha_request_mean", f"Mean of the per-request alpha over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        tau = GaugeMetricFamily(H + "spec_decode_mean_accepted_length", f"Emitted tokens per verification step (tau) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
         for w in workloads:
             wr = by_w[w]
             tot = sum_rows(wr, w)
