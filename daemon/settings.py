@@ -59,7 +59,9 @@ class RedisSettings(_Group):
 
     url: str | None = Field(
         None,
-        description="Redis URL, e.g. redis://redis:6379/0. When set it is used as is (no probing, no embedded server).",
+        description=("Redis URL, e.g. redis://redis:6379/0, or a Redis Cluster's nodes, "
+                     "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS; hash-tagged key names). "
+                     "When set it is used as is (no probing, no embedded server)."),
     )
     default_url: str = Field(
         "redis://127.0.0.1:6379/0",
@@ -83,8 +85,9 @@ class RedisSettings(_Group):
     @field_validator("url", "default_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"{mask_url(v)!r} is not a Redis URL: use redis://host:port/db, rediss://... or unix:///path")
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
+            raise ValueError(f"{mask_url(v)!r} is not a Redis URL: use redis://host:port/db, rediss://..., unix:///path "
+                             f"or, for a Redis Cluster, redis+cluster://host:port[,host:port...]")
         return v
 
     def __repr_args__(self):  # repr() and rich (tracebacks' locals) show the URLs with their password masked
@@ -519,8 +522,10 @@ def effective(settings: Settings) -> dict[str, Any]:
 
 def store_config(s: Settings) -> StoreConfig:
     st = s.store
+    cluster = bool(s.redis.url) and s.redis.url.split("://", 1)[0].lower() in ("redis+cluster", "rediss+cluster")
     return StoreConfig(
         key_prefix=st.key_prefix,
+        hash_tags=True if cluster else None,  # None: decided by the client (a single node: the plain names)
         buffer=BufferConfig(
             stream=st.stream,
             maxlen=st.buffer_maxlen,

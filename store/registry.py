@@ -66,7 +66,7 @@ import numpy as np
 import redis
 
 from store.client import unavailable as _unavailable
-from store.config import StoreConfig
+from store.config import StoreConfig, resolve_config
 from store.errors import ArtifactInvalidError, ArtifactMissingError, IntegrityError, InvalidTransitionError, RegistryError, UnknownVersionError
 
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -308,7 +308,7 @@ class AdapterRegistry:
         self.kind = kind
         self._client = client
         self.artifact_dir = Path(artifact_dir)
-        self._keys = dataclasses.replace(config.keys, kind=kind)
+        self._keys = dataclasses.replace(resolve_config(config, client).keys, kind=kind)
         self._clock = clock
         self._promote = client.register_script(_PROMOTE)
         self._rollback = client.register_script(_ROLLBACK)
@@ -609,7 +609,7 @@ class AdapterRegistry:
         with _unavailable("rollback"):
             res = self._rollback(
                 keys=[k.active_in(scope), k.active_stack_in(scope), k.promotions],
-                args=[f"{k.prefix}{k.kind}:v:", reason, repr(float(now)), k.events_channel, scope,
+                args=[k.adapter_root, reason, repr(float(now)), k.events_channel, scope,
                       json.dumps(bad)],
             )
         if res[0].decode() == "none":
