@@ -20,6 +20,7 @@ Key names (``P`` = ``key_prefix``, default ``"draftd:"``)::
     P adapter:active_stack:w:{workload}  that scope's rollback stack
     P adapter:scopes                   set of workload scopes that ever had an adapter registered
     P adapter:promotions               stream, the promotion log (promote and rollback events)
+    P adapter:fence                    int, the highest fencing token a registry write carried (store.lease)
     P adapter:events                   pub/sub channel, JSON {event, version, previous, reason, ts, scope}
     P hist:index                       zset "{bucket}|{version}|{workload}" -> bucket start (s)
     P hist:{version}:{bucket}:{workload}   hash of counts for one (workload, version, bucket)
@@ -176,6 +177,11 @@ class Keys:
     @property
     def promotions(self) -> str:
         return f"{self._root(self.kind)}:promotions"
+
+    @property
+    def fence(self) -> str:
+        """The highest fencing token a registry write carried (store.lease); lower ones are refused."""
+        return f"{self._root(self.kind)}:fence"
 
     @property
     def adapter_root(self) -> str:

@@ -163,6 +163,25 @@ def test_history_and_heartbeats(cclient, ccfg):
     assert [h["server_id"] for h in read_heartbeats(cclient, ccfg)] == ["replica-a", "replica-b", "replica-c"]
 
 
+def test_lease_and_fencing_on_the_cluster(cclient, ccfg, tmp_path):
+    from store.errors import FencedError
+    from store.lease import Lease, lease_keys
+
+    assert len({key_slot(x.encode()) for x in lease_keys(ccfg, "trainer")}) == 1
+    a, b = Lease(cclient, ccfg, "a", ttl_s=0.3), Lease(cclient, ccfg, "b", ttl_s=0.3)
+    ta = a.try_acquire()
+    assert ta and b.try_acquire() == 0
+    time.sleep(0.45)
+    tb = b.try_acquire()
+    assert tb > ta and not a.renew()
+    reg_a, reg_b = AdapterRegistry(cclient, tmp_path / "art", ccfg), AdapterRegistry(cclient, tmp_path / "art", ccfg)
+    reg_a.fencing_token, reg_b.fencing_token = ta, tb
+    reg_b.fence(tb)
+    with pytest.raises(FencedError):
+        reg_a.register(peft_dir(tmp_path / "x", 1), AdapterMeta())
+    assert reg_b.register(peft_dir(tmp_path / "y", 2), AdapterMeta()) >= 1
+
+
 @pytest.mark.slow
 def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp_path):
     """Kill the master holding the stream (and the registry) after its replica caught up; the
