@@ -195,6 +195,12 @@ class TrainerSettings(_Group):
                         "and cached, as the draft's is (daemon.heads). serve follows it with serve.follow_heads.")
     head_steps: int = Field(150, ge=1, description="Optimiser steps of the head per round (0.1-0.3 s each on 2 CPU cores).")
     start_paused: bool = Field(False, description="Start with scheduled rounds paused (train-now still works).")
+    lease_ttl_s: float = Field(
+        10.0, ge=0,
+        description="One trainer at a time: the daemons on one Redis share a lease (store.lease); its holder trains, the "
+        "others stand by and take over within lease_ttl_s + lease_ttl_s/3 of the holder's death. Registry writes carry "
+        "its fencing token, so a stale holder is refused. 0: no lease (a single daemon, as before).",
+    )
     shutdown_grace_s: float = Field(
         300.0, ge=0,
         description="On SIGTERM/SIGINT wait this long for a running round to finish; past it the round is abandoned "
