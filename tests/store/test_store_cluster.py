@@ -182,6 +182,45 @@ def test_lease_and_fencing_on_the_cluster(cclient, ccfg, tmp_path):
     assert reg_b.register(peft_dir(tmp_path / "y", 2), AdapterMeta()) >= 1
 
 
+def test_three_serving_replicas_write_one_buffer_follow_one_registry_and_report_apart(cclient, ccfg, tmp_path,
+                                                                                   redis_cluster):
+    """Issue 36 item 2 at the store's level: three replicas, each with its own client, writer,
+    history writer, heartbeat and registry subscription, on the cluster."""
+    replicas = []
+    for i in range(3):
+        c = connect(redis_cluster.url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        reg = AdapterRegistry(c, tmp_path / f"art{i}", ccfg)
+        replicas.append({"id": f"replica-{i}", "client": c, "writer": SampleWriter(c, ccfg),
+                         "hist": AcceptanceHistory(c, ccfg, clock=lambda: 200_000.0), "reg": reg, "ps": reg.subscribe()})
+    sent = []
+    for i, rp in enumerate(replicas):
+        for j in range(30):
+            s = make_sample(n_tokens=4, seed=10_000 + 100 * i + j, workload=("chat", "code")[j % 2])
+            sent.append(s.record_id)
+            rp["writer"].submit(s)
+            rp["hist"].record(s.workload, 0, {"num_draft_tokens": 4, "num_accepted_tokens": 2, "requests": 1})
+        write_heartbeat(rp["client"], ccfg, rp["id"], {"server_id": rp["id"], "requests_served": 30}, ttl_s=30)
+    for rp in replicas:
+        assert rp["writer"].close().written == 30
+    trainer = AdapterRegistry(cclient, tmp_path / "trainer-art", ccfg)
+    v = trainer.register(peft_dir(tmp_path / "t1", 1), AdapterMeta(), store_bytes=True)
+    trainer.promote(v, "for every replica")
+    for rp in replicas:  # each follows the promotion: the event, the pointer, the bytes
+        assert next_event(rp["ps"])["version"] == v and rp["reg"].active_version() == v
+        assert rp["reg"].fetch(v).is_dir()
+        rp["ps"].close()
+    r = SampleReader(cclient, ccfg, "trainer", "t1")
+    got = []
+    while batch := r.read(count=50):
+        got += [e.sample.record_id for e in batch]
+    assert sorted(got) == sorted(sent) and len(set(got)) == 90  # 0 lost, 0 duplicated
+    t = replicas[0]["hist"].totals(version=0)
+    assert (t.requests, t.num_draft_tokens, t.num_accepted_tokens) == (90, 360, 180)  # every replica, once
+    assert [h["server_id"] for h in read_heartbeats(cclient, ccfg)] == ["replica-0", "replica-1", "replica-2"]
+    for rp in replicas:
+        rp["client"].close()
+
+
 @pytest.mark.slow
 def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp_path):
     """Kill the master holding the stream (and the registry) after its replica caught up; the
