@@ -584,13 +584,16 @@ class SpeculativeDecoder:
         parts = [_topk_rows(self._target_head(h[i : i + _PROMPT_CHUNK]), k) for i in range(0, h.shape[0], _PROMPT_CHUNK)]
         return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
 
-    def _prompt_features(self, ids: list[int], seq, k: int, proposer, keep_hidden: bool = False):
+    def _prompt_features(self, ids: list[int], seq, k: int, proposer, keep_hidden: bool = False, poll=None):
         """Prefill ``ids[:-1]`` with the target's hidden states, in chunks, feeding them to a
         feature-level ``proposer`` if one is given (row j: f_j with token ids[j + 1]); returns the
         prompt's top-k rows as :meth:`_prompt_topk` does when ``k`` > 0, with the hidden states
-        (P - 1, H) float16 as a fourth element when ``keep_hidden``; else None."""
+        (P - 1, H) float16 as a fourth element when ``keep_hidden``; else None. ``poll([])``
+        returning False between two chunks raises :class:`_PrefillCancelled`."""
         parts, hids = [], []
         for i in range(0, len(ids) - 1, _PROMPT_CHUNK):
+            if i and poll is not None and poll([]) is False:
+                raise _PrefillCancelled
             chunk = ids[i : min(i + _PROMPT_CHUNK, len(ids) - 1)]
             logits, hid = seq.forward(chunk, len(chunk), hidden=True)
             if proposer is not None:
@@ -677,8 +680,11 @@ class SpeculativeDecoder:
         cancelled = False
         if prompt_len > 1:
             if features or (rec_hidden and self.config.record_prompt):
-                prompt_rows = self._prompt_features(ids, tcache, k_rec if self.config.record_prompt else 0,
-                                                    proposer if features else None, rec_hidden)
+                try:  # in chunks of _PROMPT_CHUNK, polled as below
+                    prompt_rows = self._prompt_features(ids, tcache, k_rec if self.config.record_prompt else 0,
+                                                        proposer if features else None, rec_hidden, poll=on_step)
+                except _PrefillCancelled:
+                    cancelled = True
             else:  # in chunks: a cancelled request (on_step([]) is False) stops at the next one
                 rows = []
                 for i in range(0, prompt_len - 1, PREFILL_CHUNK):
@@ -913,6 +919,10 @@ def _replace(req: DecodeRequest, **kw) -> DecodeRequest:
     from dataclasses import replace
 
     return replace(req, **kw)
+
+
+class _PrefillCancelled(Exception):
+    """A request was cancelled between two chunks of its prompt's prefill."""
 
 
 _PROMPT_CHUNK = 256  # rows of prompt logits materialised at once when recording the prompt

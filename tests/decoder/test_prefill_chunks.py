@@ -48,3 +48,18 @@ def test_a_request_cancelled_during_prefill_stops_at_the_next_chunk(target, othe
     assert polls == [[], [], []] and got == []  # no output, no record
     again = dec.generate(DecodeRequest(ids, max_new_tokens=12, gamma=3, ignore_eos=True))  # the decoder serves on
     assert again.output_ids == reference_greedy(target, ids, 12)
+
+
+def test_the_hidden_state_prefill_is_cancelled_between_its_chunks_too(target, other_draft, tok, monkeypatch):
+    """With hidden states recorded (serve.record_hidden) the prompt goes through _prompt_features,
+    in chunks of _PROMPT_CHUNK: polled the same way."""
+    monkeypatch.setattr(spec, "_PROMPT_CHUNK", 16)
+    ids = tok(PROMPT).input_ids
+    got, polls = [], []
+    dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=4, record_prompt=True, record_hidden=True),
+                             sink=got.append, pair_fingerprint=PairFingerprint("t", "d", "c"))
+    res = dec.generate(DecodeRequest(ids, max_new_tokens=12, gamma=3, ignore_eos=True),
+                       on_step=lambda new: polls.append(new) or len(polls) < 2)
+    assert res.finish_reason == "cancelled" and res.output_ids == [] and polls == [[], []] and got == []
+    full = dec.generate(DecodeRequest(ids, max_new_tokens=12, gamma=3, ignore_eos=True), on_step=lambda new: True)
+    assert full.output_ids == reference_greedy(target, ids, 12) and len(got) == 2 and got[0].hidden is not None
