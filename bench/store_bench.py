@@ -25,6 +25,12 @@ record, write and read rates).
 
 Usage: ``.venv/bin/python bench/store_bench.py [--url redis://127.0.0.1:6379/0] [--n 5000] [--hidden-size 576]``.
 Keys live under a unique ``bench:store:<hex>:`` prefix and are deleted at the end.
+
+Side by side (issue 36): ``--url`` may be given several times (``redis+cluster://host:port,...``
+for a Redis Cluster), and ``--local-cluster`` also starts a 3-master, 3-replica Redis Cluster of
+redis-server processes on free loopback ports (tests/store/store_helpers.LocalCluster), measures
+it and stops it; the JSON then holds one object per target under ``targets``, keyed by URL
+(password masked).
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ import numpy as np
 
 from store.buffer import SampleReader, SampleWriter
 from store.synthetic import synthetic_sample
-from store.client import connect
-from store.config import BufferConfig, StoreConfig
+from store.client import connect, mask_url
+from store.config import BufferConfig, StoreConfig, resolve_config
 from store.schema import PairFingerprint, SamplingSettings, VerifiedSample, encode
 
 PAIR = PairFingerprint("google/gemma-3-4b-it", "google/gemma-3-270m-it", "bench-tokenizer")
@@ -59,7 +65,9 @@ def realistic_sample(rng: np.random.Generator, n_tokens: int = 128, k: int = 32,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--url", action="append", help="Redis URL (repeatable); default redis://127.0.0.1:6379/0")
+    ap.add_argument("--local-cluster", action="store_true",
+                    help="also start a local 3-master, 3-replica Redis Cluster and measure it (redis-server on PATH)")
     ap.add_argument("--n", type=int, default=5000, help="records to write and read")
     ap.add_argument("--decode-ms", type=float, default=8000.0, help="latency of one decode to compare against, ms")
     ap.add_argument("--hidden-size", type=int, default=576, help="H of the records with hidden states (0: skip that run)")
@@ -67,14 +75,37 @@ def main() -> None:
     args = ap.parse_args()
     if args.n < 1 or args.n_hidden < 1 or args.hidden_size < 0:
         ap.error(f"--n {args.n} and --n-hidden {args.n_hidden} must be >= 1, --hidden-size {args.hidden_size} >= 0")
+    urls = args.url or ["redis://127.0.0.1:6379/0"]
+    cluster = None
+    if args.local_cluster:
+        import sys
+        import tempfile
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "store"))
+        from store_helpers import LocalCluster
+
+        cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="draftd-bench-cluster-")), masters=3, replicas=1)
+        cluster.start()
+        urls.append(cluster.url)
+    try:
+        out = {mask_url(u): runs_for(args, u) for u in urls}
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    print(json.dumps(next(iter(out.values())) if len(out) == 1 else {"targets": out}, indent=2))
+
+
+def runs_for(args, url: str) -> dict:
+    args = argparse.Namespace(**{**vars(args), "url": url})
     runs = {"without_hidden": measure(args, args.n, 0)}
     if args.hidden_size:
         runs["with_hidden"] = measure(args, args.n_hidden, args.hidden_size)
         a, b = runs["without_hidden"], runs["with_hidden"]
-        runs["hidden_growth"] = {k: round(b[k] / a[k], 2) for k in
+        runs["hidden_growth"] = {k: round(b[k] / a[k], 2) if a[k] else None for k in
                                  ("bytes_per_record", "redis_bytes_per_record", "write_records_per_s",
                                   "read_decode_records_per_s", "overhead_pct_upper_bound")}
-    print(json.dumps(runs, indent=2))
+    return runs
 
 
 def measure(args, n: int, hidden_size: int) -> dict:
@@ -93,6 +124,7 @@ def measure(args, n: int, hidden_size: int) -> dict:
     cfg = StoreConfig(key_prefix=prefix, buffer=BufferConfig(maxlen=max(n, 1000), max_bytes=None,
                                                              queue_size=max(n, 10_000)))
     try:
+        key = resolve_config(cfg, client).keys.stream
         w = SampleWriter(client, cfg)
         lat = np.empty(n, dtype=np.int64)
         t0 = time.perf_counter()
@@ -105,7 +137,11 @@ def measure(args, n: int, hidden_size: int) -> dict:
         write_s = time.perf_counter() - t0
         st = w.close()
         write_rate = st.written / write_s
-        redis_bytes = client.memory_usage(cfg.keys.stream, samples=0) or 0
+        if hasattr(client, "get_node_from_key"):  # a cluster: ask the node holding the stream
+            redis_bytes = client.execute_command("MEMORY USAGE", key, "SAMPLES", 0,
+                                                 target_nodes=client.get_node_from_key(key)) or 0
+        else:
+            redis_bytes = client.memory_usage(key, samples=0) or 0
 
         r = SampleReader(client, cfg, "bench", "c1", expected_fingerprint=PAIR)
         got = 0

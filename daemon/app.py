@@ -26,7 +26,7 @@ import structlog
 
 from daemon.api import create_app
 from daemon.client import read_token  # noqa: F401 - re-exported: it lived here
-from daemon.errors import DaemonError, TrainerDisabledError
+from daemon.errors import DaemonError, TrainerDisabledError, TrainerStandbyError
 from daemon.redis_embed import RedisHandle, open_redis
 from daemon.reports import RECENT_WINDOW_S, adapter_dict, adapters_list, by_workload, history_report, jsonable, status_report  # noqa: F401
 from daemon.settings import Settings, distill_config, draft_vocab_ids, service_config, store_config, warm_start_config
@@ -112,6 +112,17 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
                 log.exception("head_v0_failed")
         return res
 
+    leadership = None
+    if settings.trainer.lease_ttl_s > 0:  # one trainer at a time (store.lease)
+        from store.lease import Lease, Leadership
+
+        def acquired(token: int) -> None:  # announce the token before the first fenced write
+            for reg in (registry, heads.registry if heads is not None else None):
+                if reg is not None:
+                    reg.fencing_token = token
+                    reg.fence(token)
+
+        leadership = Leadership(Lease(handle.client, scfg, consumer, ttl_s=settings.trainer.lease_ttl_s), acquired)
     svc_cfg = service_config(settings)
     service = TrainerService(
         reader,
@@ -123,10 +134,15 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
                                   reclaim_min_idle_ms=svc_cfg.reclaim_min_idle_ms),
         warm_start=warm_start if ws_cfg.enabled else None,
         heads=heads,
+        leadership=leadership,
     )
     service.fingerprint = fingerprint.key()  # shown in status
     if settings.trainer.start_paused:
         service.pause()
+    if leadership is not None:
+        leadership.start()
+        if not leadership.leading:
+            log.info("trainer_standby", consumer=consumer, lease=leadership.status())
     service.start()
     log.info("trainer_started", consumer=consumer, interval_s=settings.trainer.interval_s, paused=settings.trainer.start_paused)
     try:
@@ -138,6 +154,8 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
             service.stop(wait=False)
         except SchedulerNotRunningError:  # already stopped by Daemon._stop_rounds' waiter thread
             pass
+        if leadership is not None:
+            leadership.stop(release=True)  # a standby takes over at its next poll
 
 
 class ApiServer:
@@ -290,6 +308,12 @@ class Daemon:
         svc = self._need_trainer()
         if self._stop.is_set():
             raise DaemonError("the daemon is shutting down; no new rounds")
+        if not svc.leading:
+            st = svc.leadership.status()
+            raise TrainerStandbyError(
+                f"this daemon's trainer ({st['holder']}) stands by: {st['lease_holder'] or 'another daemon'} holds the "
+                f"trainer lease; run train-now there, or stop that daemon and this one takes over within "
+                f"{st['ttl_s'] * 4 / 3:.0f} s")
         busy = svc.status()["running"]
         fut = self._rounds.submit(svc.run_round_now, "manual")
         log.info("train_now_requested", queued_behind_running_round=busy, wait=wait)

@@ -9,3 +9,7 @@ class DaemonError(Exception):
 
 class TrainerDisabledError(DaemonError):
     """An operation needs the trainer, which is not running (models.enabled = false)."""
+
+
+class TrainerStandbyError(DaemonError):
+    """A round was asked of a daemon whose trainer stands by (another holds the trainer lease)."""

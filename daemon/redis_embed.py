@@ -24,7 +24,7 @@ import redis
 import structlog
 
 from daemon.settings import RedisSettings
-from store.client import StoreUnavailableError, connect, mask_url  # mask_url: re-exported
+from store.client import REDIS_DOWN, StoreUnavailableError, connect, mask_url  # mask_url: re-exported
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +49,17 @@ class RedisHandle:
         """Mode, URL, server version and memory, as ``status`` shows them."""
         out = {"mode": self.mode, "url": self.url, "data_dir": self.data_dir, "socket": self.socket}
         try:
-            info = self.client.info()
+            from store.config import is_cluster_client
+
+            if is_cluster_client(self.client):  # one INFO per master, memory summed
+                per = self.client.info(target_nodes=self.client.PRIMARIES)
+                per = per if per and all(isinstance(v, dict) for v in per.values()) else {"?": per}
+                info = dict(next(iter(per.values())))
+                info["used_memory"] = sum(int(i.get("used_memory", 0)) for i in per.values())
+                info["used_memory_human"] = f"{info['used_memory'] / 2**20:.2f}M (all masters)"
+                out["cluster_masters"] = sorted(per)
+            else:
+                info = self.client.info()
             out.update(
                 up=True,
                 version=_s(info.get("redis_version")),
@@ -57,7 +67,7 @@ class RedisHandle:
                 used_memory_human=_s(info.get("used_memory_human")),
                 aof_enabled=bool(int(info.get("aof_enabled", 0))),
             )
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+        except REDIS_DOWN as e:
             out.update(up=False, error=str(e))
         return out
 

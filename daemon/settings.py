@@ -59,7 +59,9 @@ class RedisSettings(_Group):
 
     url: str | None = Field(
         None,
-        description="Redis URL, e.g. redis://redis:6379/0. When set it is used as is (no probing, no embedded server).",
+        description=("Redis URL, e.g. redis://redis:6379/0, or a Redis Cluster's nodes, "
+                     "redis+cluster://host:port[,host:port...] (rediss+cluster:// for TLS; hash-tagged key names). "
+                     "When set it is used as is (no probing, no embedded server)."),
     )
     default_url: str = Field(
         "redis://127.0.0.1:6379/0",
@@ -83,8 +85,9 @@ class RedisSettings(_Group):
     @field_validator("url", "default_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"{mask_url(v)!r} is not a Redis URL: use redis://host:port/db, rediss://... or unix:///path")
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
+            raise ValueError(f"{mask_url(v)!r} is not a Redis URL: use redis://host:port/db, rediss://..., unix:///path "
+                             f"or, for a Redis Cluster, redis+cluster://host:port[,host:port...]")
         return v
 
     def __repr_args__(self):  # repr() and rich (tracebacks' locals) show the URLs with their password masked
@@ -192,6 +195,12 @@ class TrainerSettings(_Group):
                         "and cached, as the draft's is (daemon.heads). serve follows it with serve.follow_heads.")
     head_steps: int = Field(150, ge=1, description="Optimiser steps of the head per round (0.1-0.3 s each on 2 CPU cores).")
     start_paused: bool = Field(False, description="Start with scheduled rounds paused (train-now still works).")
+    lease_ttl_s: float = Field(
+        10.0, ge=0,
+        description="One trainer at a time: the daemons on one Redis share a lease (store.lease); its holder trains, the "
+        "others stand by and take over within lease_ttl_s + lease_ttl_s/3 of the holder's death. Registry writes carry "
+        "its fencing token, so a stale holder is refused. 0: no lease (a single daemon, as before).",
+    )
     shutdown_grace_s: float = Field(
         300.0, ge=0,
         description="On SIGTERM/SIGINT wait this long for a running round to finish; past it the round is abandoned "
@@ -519,8 +528,10 @@ def effective(settings: Settings) -> dict[str, Any]:
 
 def store_config(s: Settings) -> StoreConfig:
     st = s.store
+    cluster = bool(s.redis.url) and s.redis.url.split("://", 1)[0].lower() in ("redis+cluster", "rediss+cluster")
     return StoreConfig(
         key_prefix=st.key_prefix,
+        hash_tags=True if cluster else None,  # None: decided by the client (a single node: the plain names)
         buffer=BufferConfig(
             stream=st.stream,
             maxlen=st.buffer_maxlen,

@@ -19,9 +19,10 @@ _EXPORTS = {
                      "dead_letter_count", "group_info", "list_dead_letters", "reclaimable_count", "stream_depth"),
     "store.client": ("connect",),
     "store.config": ("BufferConfig", "HistoryConfig", "StoreConfig"),
-    "store.errors": ("ArtifactMissingError", "IntegrityError", "InvalidTransitionError", "RedisVersionError",
+    "store.errors": ("ArtifactMissingError", "FencedError", "IntegrityError", "InvalidTransitionError", "RedisVersionError",
                      "RegistryError", "StoreError", "StoreUnavailableError", "UnknownVersionError"),
     "store.history": ("AcceptanceHistory", "HistoryRow"),
+    "store.lease": ("Lease", "Leadership"),
     "store.registry": ("AdapterMeta", "AdapterRecord", "AdapterRegistry", "check_scope", "parse_event"),
     "store.schema": ("PairFingerprint", "SamplingSettings", "SchemaError", "VerifiedSample", "decode", "encode"),
 }

@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass
 import redis
 import structlog
 
-from store.config import StoreConfig
+from store.config import StoreConfig, resolve_config
 from store.client import REDIS_DOWN as _REDIS_DOWN
 from store.client import unavailable as _unavailable
 from store.schema import F_FINGERPRINT, F_RECORD_ID, PairFingerprint, SchemaError, VerifiedSample, decode, encode
@@ -133,6 +133,7 @@ class SampleWriter:
 
     def __init__(self, client: redis.Redis, config: StoreConfig, *, clock: Callable[[], float] = time.time):
         self._client = client
+        config = resolve_config(config, client)
         self._cfg = config.buffer
         self._key = config.keys.stream
         self._mean_bytes: float | None = None  # running mean entry size (maxlen)
@@ -480,6 +481,7 @@ class SampleReader:
         clock: Callable[[], float] = time.time,
     ):
         self._client = client
+        config = resolve_config(config, client)
         self._cfg = config
         self._keys = config.keys
         self._key = self._keys.stream
@@ -738,7 +740,7 @@ class SampleReader:
 def stream_depth(client: redis.Redis, config: StoreConfig) -> int:
     """Entries in the buffer stream now (XLEN), acked or not."""
     with _unavailable("XLEN"):
-        return int(client.xlen(config.keys.stream))
+        return int(client.xlen(resolve_config(config, client).keys.stream))
 
 
 def _s(v: object) -> str:
@@ -749,7 +751,7 @@ def group_info(client: redis.Redis, config: StoreConfig) -> list[GroupInfo]:
     """Consumer groups of the buffer stream with pending count and lag (XINFO GROUPS)."""
     with _unavailable("XINFO GROUPS"):
         try:
-            groups = client.xinfo_groups(config.keys.stream)
+            groups = client.xinfo_groups(resolve_config(config, client).keys.stream)
         except redis.ResponseError as e:
             if "no such key" in str(e).lower():
                 return []
@@ -778,7 +780,7 @@ def reclaimable_count(client: redis.Redis, config: StoreConfig, group: str, min_
     counted up to ``limit`` (XPENDING IDLE)."""
     with _unavailable("XPENDING"):
         try:
-            rows = client.xpending_range(config.keys.stream, group, min="-", max="+", count=limit, idle=int(min_idle_ms))
+            rows = client.xpending_range(resolve_config(config, client).keys.stream, group, min="-", max="+", count=limit, idle=int(min_idle_ms))
         except redis.ResponseError as e:
             if "no such key" in str(e).lower() or "nogroup" in str(e).lower():
                 return 0
@@ -789,13 +791,13 @@ def reclaimable_count(client: redis.Redis, config: StoreConfig, group: str, min_
 def dead_letter_count(client: redis.Redis, config: StoreConfig) -> int:
     """Entries in the dead-letter stream now (XLEN)."""
     with _unavailable("XLEN dead-letter"):
-        return int(client.xlen(config.keys.dead_letter))
+        return int(client.xlen(resolve_config(config, client).keys.dead_letter))
 
 
 def list_dead_letters(client: redis.Redis, config: StoreConfig, count: int = 100, start: str = "-") -> list[DeadLetter]:
     """Up to ``count`` dead-letter entries from stream id ``start`` on, oldest first."""
     with _unavailable("XRANGE dead-letter"):
-        raw = client.xrange(config.keys.dead_letter, min=start, max="+", count=count)
+        raw = client.xrange(resolve_config(config, client).keys.dead_letter, min=start, max="+", count=count)
     out = []
     for eid, f in raw:
         out.append(

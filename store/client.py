@@ -26,7 +26,11 @@ from store.masking import mask_url  # re-exported
 
 MIN_REDIS_VERSION = (6, 2, 0)
 
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # errors that mean "Redis unreachable"
+# errors that mean "Redis unreachable"; with a cluster also "the slot's master is down or moving"
+# (CLUSTERDOWN, MASTERDOWN, TRYAGAIN during a failover, no node reachable at all)
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError,
+              redis.exceptions.TryAgainError, redis.exceptions.RedisClusterException)
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 
 @contextmanager
@@ -40,6 +44,8 @@ def unavailable(what: str) -> Iterator[None]:
 __all__ = [
     "MIN_REDIS_VERSION",
     "connect",
+    "is_cluster_url",
+    "parse_cluster_url",
     "mask_url",
     "check_server_version",
     "parse_version",
@@ -103,8 +109,96 @@ def check_server_version(info: Mapping[str, Any]) -> tuple[int, int, int]:
     return found
 
 
+def is_cluster_url(url: str) -> bool:
+    """True for ``redis+cluster://`` and ``rediss+cluster://`` URLs (a Redis Cluster)."""
+    return url.split("://", 1)[0].lower() in CLUSTER_SCHEMES
+
+
+def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """``redis+cluster://[user:password@]host:port[,host:port...][/0]`` -> the startup nodes and
+    the client options (``username``, ``password``, ``ssl`` for ``rediss+cluster``). Any node of
+    the cluster will do as a startup node; several let the client start while one is down.
+
+    Raises:
+        ValueError: no host, a port that is not a number, or a database other than 0 (a cluster
+            has only database 0); the message masks the password.
+    """
+    from urllib.parse import unquote
+
+    scheme, _, rest = url.partition("://")
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    opts: dict[str, Any] = {"ssl": scheme.lower() == "rediss+cluster"}
+    if "@" in netloc:
+        auth, netloc = netloc.rsplit("@", 1)
+        user, colon, password = auth.partition(":")
+        if colon:
+            opts["password"] = unquote(password)
+            if user:
+                opts["username"] = unquote(user)
+        elif user:
+            opts["password"] = unquote(user)  # redis://secret@host: the password alone
+    if path.strip("/") not in ("", "0"):
+        raise ValueError(f"{mask_url(url)!r}: a Redis Cluster has only database 0; drop '/{path}' from the URL")
+    nodes = []
+    for part in filter(None, netloc.split(",")):
+        host, _, port = part.rpartition(":") if part.rsplit(":", 1)[-1].isdigit() else (part, "", "6379")
+        host = host.strip("[]")
+        if not host or not port.isdigit():
+            raise ValueError(f"{mask_url(url)!r}: cannot read node {part!r}; write host:port, e.g. "
+                             f"redis+cluster://10.0.0.1:7000,10.0.0.2:7000")
+        nodes.append((host, int(port)))
+    if not nodes:
+        raise ValueError(f"{mask_url(url)!r} names no node; write redis+cluster://host:port[,host:port...]")
+    return nodes, opts
+
+
+def _connect_cluster(url: str, socket_timeout: float, socket_connect_timeout: float, **kwargs: Any) -> Any:
+    from redis.cluster import ClusterNode, RedisCluster
+
+    nodes, opts = parse_cluster_url(url)
+    try:
+        client = RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in nodes],
+            decode_responses=False,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_connect_timeout,
+            **opts,
+            **kwargs,
+        )
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
+        raise StoreUnavailableError(
+            f"cannot reach the Redis Cluster at {mask_url(url)!r}: {type(e).__name__}: {_masked(e, opts)}. "
+            f"Are its nodes running, and is it a cluster (cluster-enabled yes; a single node takes redis://)?"
+        ) from None
+    try:
+        infos = client.info("server", target_nodes=RedisCluster.ALL_NODES)
+    except REDIS_DOWN as e:
+        client.close()
+        raise StoreUnavailableError(f"cannot reach every node of the Redis Cluster at {mask_url(url)!r}: "
+                                    f"{_masked(e, opts)}. Check the nodes `redis-cli cluster nodes` lists") from None
+    try:
+        per_node = infos.values() if infos and all(isinstance(v, dict) for v in infos.values()) else [infos]
+        for info in per_node:
+            check_server_version(info)
+    except RedisVersionError:
+        client.close()
+        raise
+    return client
+
+
+def _masked(e: BaseException, opts: dict[str, Any]) -> str:
+    text = str(e)
+    pw = opts.get("password")
+    return text.replace(pw, "***") if pw else text
+
+
 def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: float = 2.0, **kwargs: Any) -> redis.Redis:
     """Open a client for ``url`` (e.g. ``"redis://127.0.0.1:6379/0"``) and check the server version.
+
+    A ``redis+cluster://host:port[,host:port...]`` URL (``rediss+cluster://`` for TLS) opens
+    redis-py's ``RedisCluster`` instead (every node's version is checked); the store's components
+    then use hash-tagged key names (:func:`store.config.resolve_config`).
 
     The client returns bytes (``decode_responses=False``): stream fields are binary.
     ``socket_timeout`` / ``socket_connect_timeout`` are seconds; extra ``kwargs`` go to
@@ -114,6 +208,8 @@ def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: fl
         StoreUnavailableError: the server cannot be reached (cause chained).
         RedisVersionError: the server is older than 6.2.
     """
+    if is_cluster_url(url):
+        return _connect_cluster(url, socket_timeout, socket_connect_timeout, **kwargs)
     client = redis.Redis.from_url(
         url,
         decode_responses=False,

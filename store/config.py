@@ -20,12 +20,24 @@ Key names (``P`` = ``key_prefix``, default ``"draftd:"``)::
     P adapter:active_stack:w:{workload}  that scope's rollback stack
     P adapter:scopes                   set of workload scopes that ever had an adapter registered
     P adapter:promotions               stream, the promotion log (promote and rollback events)
+    P adapter:fence                    int, the highest fencing token a registry write carried (store.lease)
     P adapter:events                   pub/sub channel, JSON {event, version, previous, reason, ts, scope}
     P hist:index                       zset "{bucket}|{version}|{workload}" -> bucket start (s)
     P hist:{version}:{bucket}:{workload}   hash of counts for one (workload, version, bucket)
     P head:*                           the head registry: the adapter:* layout under ``head:``
     P head:hist:index, P head:hist:{version}:{bucket}:{workload}
                                        the head history: the requests the head proposed for, by head version
+
+Hash tags (Redis Cluster): with ``hash_tags`` on, each group of keys that a Lua script or a
+MULTI/EXEC touches together carries one hash tag right after the prefix, so the group lives in
+one cluster slot: ``P{samples}``, ``P{samples}:dead``, ``P{samples}:processed:{group}`` (the
+stream's name is the tag: another ``buffer.stream`` lands on another slot); ``P{adapter}:...`` and
+``P{head}:...`` (every registry key of a kind: the promote/rollback scripts reach a version's hash
+by name); ``P{hist}:...`` and ``P{head:hist}:...`` (a history's buckets, index and applied marks).
+Pub/sub channels are not keys and keep their names. Off by default (single node: the names above,
+exactly as older builds wrote them); ``None`` = on when the client is a ``RedisCluster``
+(:func:`resolve_config`), which is how ``redis+cluster://`` URLs get it. The tagged names are
+valid single-node names too (``hash_tags=True`` on a single node works, under other names).
 """
 
 from __future__ import annotations
@@ -70,10 +82,36 @@ class StoreConfig(BaseModel):
     key_prefix: str = "draftd:"  # prefix of every key and channel; tests use a unique one
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     history: HistoryConfig = Field(default_factory=HistoryConfig)
+    # hash-tagged key names (see the module docstring): True for Redis Cluster; None = decide by
+    # the client (resolve_config: on for a RedisCluster); False = the single-node names
+    hash_tags: bool | None = None
 
     @property
     def keys(self) -> "Keys":
-        return Keys(self.key_prefix, self.buffer.stream)
+        return Keys(self.key_prefix, self.buffer.stream, tagged=bool(self.hash_tags))
+
+
+def is_cluster_client(client: object) -> bool:
+    """True for redis-py's ``RedisCluster`` (without importing redis when it is not loaded)."""
+    return any(c.__name__ == "RedisCluster" for c in type(client).__mro__)
+
+
+def resolve_config(config: StoreConfig, client: object) -> StoreConfig:
+    """``config`` with ``hash_tags`` decided for ``client``: unset -> on for a cluster client.
+
+    Raises:
+        ValueError: ``hash_tags=False`` with a cluster client (scripts and MULTI blocks would touch
+            several slots and fail with CROSSSLOT).
+    """
+    cluster = is_cluster_client(client)
+    if config.hash_tags is None:
+        return config.model_copy(update={"hash_tags": cluster})
+    if cluster and not config.hash_tags:
+        raise ValueError(
+            "store.hash_tags is false but the client is a Redis Cluster: the registry's and history's scripts "
+            "touch several keys, which must share a slot. Leave store.hash_tags unset (or true) for a cluster"
+        )
+    return config
 
 
 @dataclass(frozen=True)
@@ -85,65 +123,80 @@ class Keys:
     # what the registry keys hold: "adapter" (LoRA adapters of the draft) or "head" (the
     # feature-level proposer's heads, ``P head:...``: the same layout, versions and scopes)
     kind: str = "adapter"
+    tagged: bool = False  # hash tags for Redis Cluster (module docstring)
+
+    def _root(self, group: str) -> str:
+        """``P group`` or, tagged, ``P{group}``: every key of ``group`` starts with it."""
+        return f"{self.prefix}{{{group}}}" if self.tagged else f"{self.prefix}{group}"
 
     @property
     def stream(self) -> str:
-        return f"{self.prefix}{self.stream_name}"
+        return self._root(self.stream_name)
 
     @property
     def dead_letter(self) -> str:
-        return f"{self.prefix}{self.stream_name}:dead"
+        return f"{self.stream}:dead"
 
     def processed(self, group: str) -> str:
-        return f"{self.prefix}{self.stream_name}:processed:{group}"
+        return f"{self.stream}:processed:{group}"
 
     @property
     def adapter_counter(self) -> str:
-        return f"{self.prefix}{self.kind}:next_version"
+        return f"{self._root(self.kind)}:next_version"
 
     @property
     def adapter_versions(self) -> str:
-        return f"{self.prefix}{self.kind}:versions"
+        return f"{self._root(self.kind)}:versions"
 
     def adapter(self, version: int) -> str:
-        return f"{self.prefix}{self.kind}:v:{version}"
+        return f"{self._root(self.kind)}:v:{version}"
 
     def adapter_blob(self, version: int) -> str:
-        return f"{self.prefix}{self.kind}:blob:{version}"
+        return f"{self._root(self.kind)}:blob:{version}"
 
     @property
     def active(self) -> str:
-        return f"{self.prefix}{self.kind}:active"
+        return f"{self._root(self.kind)}:active"
 
     @property
     def active_stack(self) -> str:
-        return f"{self.prefix}{self.kind}:active_stack"
+        return f"{self._root(self.kind)}:active_stack"
 
     def active_in(self, scope: str) -> str:
         """The active-version key of ``scope`` ("" = shared: :attr:`active`)."""
-        return self.active if not scope else f"{self.prefix}{self.kind}:active:w:{scope}"
+        return self.active if not scope else f"{self._root(self.kind)}:active:w:{scope}"
 
     def active_stack_in(self, scope: str) -> str:
         """The rollback stack of ``scope`` ("" = shared: :attr:`active_stack`)."""
-        return self.active_stack if not scope else f"{self.prefix}{self.kind}:active_stack:w:{scope}"
+        return self.active_stack if not scope else f"{self._root(self.kind)}:active_stack:w:{scope}"
 
     @property
     def adapter_scopes(self) -> str:
-        return f"{self.prefix}{self.kind}:scopes"
+        return f"{self._root(self.kind)}:scopes"
 
     @property
     def promotions(self) -> str:
-        return f"{self.prefix}{self.kind}:promotions"
+        return f"{self._root(self.kind)}:promotions"
 
     @property
-    def events_channel(self) -> str:
+    def fence(self) -> str:
+        """The highest fencing token a registry write carried (store.lease); lower ones are refused."""
+        return f"{self._root(self.kind)}:fence"
+
+    @property
+    def adapter_root(self) -> str:
+        """The prefix of a version's hash name (``adapter(N) == adapter_root + str(N)``)."""
+        return f"{self._root(self.kind)}:v:"
+
+    @property
+    def events_channel(self) -> str:  # a channel, not a key: never tagged
         return f"{self.prefix}{self.kind}:events"
 
     @property
     def _hist(self) -> str:
         """The acceptance history's key root: ``P hist:`` for adapter versions (the keys older
         builds wrote), ``P head:hist:`` for head versions (``AcceptanceHistory(kind="head")``)."""
-        return f"{self.prefix}hist:" if self.kind == "adapter" else f"{self.prefix}{self.kind}:hist:"
+        return f"{self._root('hist')}:" if self.kind == "adapter" else f"{self._root(self.kind + ':hist')}:"
 
     @property
     def history_index(self) -> str:

@@ -51,3 +51,8 @@ class ArtifactMissingError(RegistryError):
 
 class IntegrityError(RegistryError):
     """An artifact file's sha256 differs from the one recorded at registration."""
+
+
+class FencedError(RegistryError):
+    """A registry write carried a fencing token older than one the registry has seen: the writer
+    lost its lease (store.lease) to a newer holder and must stop writing."""

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import redis
 
 from store.client import unavailable as _unavailable
-from store.config import StoreConfig
+from store.config import StoreConfig, resolve_config
 
 INT_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_steps", "alpha_count", "requests")
 FLOAT_COUNTS = ("alpha_sum", "wall_ms")
@@ -142,6 +142,7 @@ class AcceptanceHistory:
         if kind not in ("adapter", "head"):
             raise ValueError(f"history kind {kind!r}: use 'adapter' or 'head'")
         self._client = client
+        config = resolve_config(config, client)
         self._config = config
         self.kind = kind
         self._keys = dataclasses.replace(config.keys, kind=kind)

@@ -66,8 +66,8 @@ import numpy as np
 import redis
 
 from store.client import unavailable as _unavailable
-from store.config import StoreConfig
-from store.errors import ArtifactInvalidError, ArtifactMissingError, IntegrityError, InvalidTransitionError, RegistryError, UnknownVersionError
+from store.config import StoreConfig, resolve_config
+from store.errors import ArtifactInvalidError, ArtifactMissingError, FencedError, IntegrityError, InvalidTransitionError, RegistryError, UnknownVersionError
 
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
 HEAD_FILE = "head.safetensors"  # decoder.eagle.save_head's file: a registered head's one artifact
@@ -75,7 +75,14 @@ HEAD_FILE = "head.safetensors"  # decoder.eagle.save_head's file: a registered h
 ARTIFACT_FILES = {"adapter": REQUIRED_FILES, "head": (HEAD_FILE,)}
 STATES = ("candidate", "promoted", "rejected", "rolled_back")
 
+# Every write script starts with the fencing check (store.lease): KEYS[fence] holds the highest
+# fencing token a write carried; a write with a lower one is refused ({'fenced', highest}); token 0
+# is an unfenced write (an operator's, a single trainer without a lease) and always passes.
 _PROMOTE = """
+local fence = tonumber(redis.call('GET', KEYS[5]) or '0')
+local tok = tonumber(ARGV[6])
+if tok > 0 and tok < fence then return {'fenced', fence} end
+if tok > fence then redis.call('SET', KEYS[5], tok) end
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {'unknown'} end
 if state == 'rejected' then return {'state', state} end
@@ -92,6 +99,10 @@ return {'ok', prev}
 """
 
 _ROLLBACK = """
+local fence = tonumber(redis.call('GET', KEYS[4]) or '0')
+local tok = tonumber(ARGV[7])
+if tok > 0 and tok < fence then return {'fenced', fence} end
+if tok > fence then redis.call('SET', KEYS[4], tok) end
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur == 0 then return {'none'} end
 local top = redis.call('LINDEX', KEYS[2], -1)
@@ -122,12 +133,44 @@ return {'ok', new, cur, unpack(skipped)}
 """
 
 _SET_STATE = """
+local fence = tonumber(redis.call('GET', KEYS[4]) or '0')
+local tok = tonumber(ARGV[6])
+if tok > 0 and tok < fence then return {'fenced', fence} end
+if tok > fence then redis.call('SET', KEYS[4], tok) end
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {'unknown'} end
 if tonumber(redis.call('GET', KEYS[2]) or '0') == tonumber(ARGV[1]) then return {'active', state} end
 redis.call('HSET', KEYS[1], 'state', ARGV[2], 'reason', ARGV[3], 'state_changed_at', ARGV[4])
 redis.call('XADD', KEYS[3], '*', 'event', 'set_state', 'version', ARGV[1], 'state', ARGV[2], 'reason', ARGV[3], 'ts', ARGV[4], 'scope', ARGV[5])
 return {'ok', state}
+"""
+
+
+# register()'s record: KEYS version hash, versions zset, scopes set, fence, blob hash. ARGV token,
+# version, scope, n, then n field/value pairs of the record, then the blob's file/bytes pairs.
+_RECORD_VERSION = """
+local fence = tonumber(redis.call('GET', KEYS[4]) or '0')
+local tok = tonumber(ARGV[1])
+if tok > 0 and tok < fence then return {'fenced', fence} end
+if tok > fence then redis.call('SET', KEYS[4], tok) end
+local n = tonumber(ARGV[4])
+local h = {}
+for i = 5, 4 + 2 * n do h[#h + 1] = ARGV[i] end
+local b = {}
+for i = 5 + 2 * n, #ARGV do b[#b + 1] = ARGV[i] end
+if #b > 0 then redis.call('HSET', KEYS[5], unpack(b)) end
+redis.call('HSET', KEYS[1], unpack(h))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[2])
+if ARGV[3] ~= '' then redis.call('SADD', KEYS[3], ARGV[3]) end
+return {'ok'}
+"""
+
+# fence(): raise the highest token seen to ARGV[1] (never lower it). Returns the highest now.
+_FENCE = """
+local fence = tonumber(redis.call('GET', KEYS[1]) or '0')
+local tok = tonumber(ARGV[1])
+if tok > fence then redis.call('SET', KEYS[1], tok) return tok end
+return fence
 """
 
 
@@ -308,11 +351,29 @@ class AdapterRegistry:
         self.kind = kind
         self._client = client
         self.artifact_dir = Path(artifact_dir)
-        self._keys = dataclasses.replace(config.keys, kind=kind)
+        self._keys = dataclasses.replace(resolve_config(config, client).keys, kind=kind)
         self._clock = clock
         self._promote = client.register_script(_PROMOTE)
         self._rollback = client.register_script(_ROLLBACK)
         self._set_state = client.register_script(_SET_STATE)
+        self._record_version = client.register_script(_RECORD_VERSION)
+        self._fence = client.register_script(_FENCE)
+        # the fencing token this registry's writes carry (store.lease); 0 = unfenced
+        self.fencing_token = 0
+
+    def fence(self, token: int) -> int:
+        """Announce fencing token ``token`` (a new lease holder's): from now on writes carrying a
+        lower token are refused. Returns the highest token the registry has seen."""
+        with _unavailable(f"fencing the {self.kind} registry"):
+            return int(self._fence(keys=[self._keys.fence], args=[int(token)]))
+
+    def _check_fenced(self, res: list, what: str) -> None:
+        if res and res[0] in (b"fenced", "fenced"):
+            raise FencedError(
+                f"cannot {what}: this writer's fencing token {self.fencing_token} is older than {int(res[1])}, which a "
+                f"newer holder of the trainer lease announced; this process lost its lease and must stop writing "
+                f"the {self.kind} registry (it stands by; the new leader trains)"
+            )
 
     @property
     def events_channel(self) -> str:
@@ -377,15 +438,19 @@ class AdapterRegistry:
             "has_bytes": int(store_bytes),
             "scope": scope,
         }
+        k = self._keys
+        args: list = [int(self.fencing_token), version, scope, len(mapping)]
+        for name, value in mapping.items():
+            args += [name, value]
+        if store_bytes:
+            for name in digests:
+                args += [name, (dest / name).read_bytes()]
         with _unavailable(f"recording {self.kind} v{version}"):
-            pipe = self._client.pipeline(transaction=True)
-            if store_bytes:
-                pipe.hset(self._keys.adapter_blob(version), mapping={n: (dest / n).read_bytes() for n in digests})
-            pipe.hset(self._keys.adapter(version), mapping=mapping)
-            pipe.zadd(self._keys.adapter_versions, {str(version): version})
-            if scope:
-                pipe.sadd(self._keys.adapter_scopes, scope)
-            pipe.execute()
+            res = self._record_version(keys=[k.adapter(version), k.adapter_versions, k.adapter_scopes, k.fence,
+                                             k.adapter_blob(version)], args=args)
+        if res and res[0] in (b"fenced", "fenced"):
+            shutil.rmtree(dest, ignore_errors=True)  # never recorded: nothing names it
+        self._check_fenced(res, f"register {self.kind} v{version}")
         return version
 
     def fetch(self, version: int, dest: str | os.PathLike | None = None) -> Path:
@@ -534,9 +599,10 @@ class AdapterRegistry:
             )
         with _unavailable(f"promoting v{version}"):
             res = self._promote(
-                keys=[k.adapter(version), k.active_in(scope), k.active_stack_in(scope), k.promotions],
-                args=[int(version), reason, repr(float(now)), k.events_channel, scope],
+                keys=[k.adapter(version), k.active_in(scope), k.active_stack_in(scope), k.promotions, k.fence],
+                args=[int(version), reason, repr(float(now)), k.events_channel, scope, int(self.fencing_token)],
             )
+        self._check_fenced(res, f"promote v{version}")
         code = res[0].decode()
         if code == "unknown":
             raise UnknownVersionError(f"cannot promote v{version}: no such {self.kind} version; list the registered ones with `daemonctl {self.kind}s list` (AdapterRegistry.list())")
@@ -608,10 +674,11 @@ class AdapterRegistry:
         k = self._keys
         with _unavailable("rollback"):
             res = self._rollback(
-                keys=[k.active_in(scope), k.active_stack_in(scope), k.promotions],
-                args=[f"{k.prefix}{k.kind}:v:", reason, repr(float(now)), k.events_channel, scope,
-                      json.dumps(bad)],
+                keys=[k.active_in(scope), k.active_stack_in(scope), k.promotions, k.fence],
+                args=[k.adapter_root, reason, repr(float(now)), k.events_channel, scope,
+                      json.dumps(bad), int(self.fencing_token)],
             )
+        self._check_fenced(res, f"roll back {scope or 'the shared scope'}")
         if res[0].decode() == "none":
             if scope:
                 own = sorted(w for w, v in self.active_versions().items() if w and v)
@@ -646,9 +713,10 @@ class AdapterRegistry:
             raise UnknownVersionError(f"cannot set state of v{version}: no such {self.kind} version")
         with _unavailable(f"set_state v{version}"):
             res = self._set_state(
-                keys=[k.adapter(version), k.active_in(scope), k.promotions],
-                args=[int(version), state, reason, repr(float(self._clock())), scope],
+                keys=[k.adapter(version), k.active_in(scope), k.promotions, k.fence],
+                args=[int(version), state, reason, repr(float(self._clock())), scope, int(self.fencing_token)],
             )
+        self._check_fenced(res, f"set v{version} {state}")
         code = res[0].decode()
         if code == "unknown":
             raise UnknownVersionError(f"cannot set state of v{version}: no such {self.kind} version")

@@ -215,6 +215,10 @@ def _plain(x: Any) -> Any:
     return x
 
 
+class StandbyError(RuntimeError):
+    """A round was asked of a trainer that does not hold the trainer lease."""
+
+
 def is_heldout(key: str, fraction: float) -> bool:
     """Deterministic split: the first 8 hex digits of sha256(key) as a fraction of 2^32."""
     h = int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:8], 16)
@@ -366,8 +370,12 @@ class TrainerService:
         backlog: Callable[[], int] | None = None,
         warm_start: Callable[[], Any] | None = None,
         heads: Any = None,
+        leadership: Any = None,
     ):
         self.reader = reader
+        # store.lease.Leadership (several daemons on one Redis): scheduled rounds run only while it
+        # leads; its fencing token rides on the registry writes (set by its on_acquire). None: always
+        self.leadership = leadership
         # trainer.heads.HeadTrainer: each round also distils the feature-level head on the same
         # split (records with hidden states), judged and published through its own registry
         self.heads = heads
@@ -442,7 +450,7 @@ class TrainerService:
 
     def _check(self) -> None:
         """Cheap job: pull the round forward when enough new entries wait."""
-        if self._paused or self._lock.locked() or self._scheduler is None:
+        if self._paused or self._lock.locked() or self._scheduler is None or not self.leading:
             return
         try:
             waiting = self.backlog() if self.backlog else 0
@@ -456,12 +464,17 @@ class TrainerService:
 
     def _scheduled(self) -> None:
         trigger, self._next_trigger = self._next_trigger, "interval"
-        if self._paused:
+        if self._paused or not self.leading:  # a standby: the lease's holder trains
             return
         try:
             self.run_round_now(trigger)
         except Exception as e:  # noqa: BLE001 - reported in status, entries stay pending
             log.exception("trainer_round_failed", error=str(e))
+
+    @property
+    def leading(self) -> bool:
+        """This trainer may train: it holds the trainer lease (or runs without one)."""
+        return self.leadership is None or self.leadership.leading
 
     def status(self) -> dict:
         job = self._scheduler.get_job("round") if self._scheduler is not None else None
@@ -482,12 +495,24 @@ class TrainerService:
             "sync_error": self.sync_error,
             "last_round": self._last.to_dict() if self._last else None,
             "heads": self.heads.status() if self.heads is not None else None,
+            "lease": self.leadership.status() if self.leadership is not None else None,
         }
 
     # ---- the round ---------------------------------------------------------------------------
 
     def run_round_now(self, trigger: str = "manual") -> RoundReport:
-        """Run one round synchronously (waits for a running one to finish first)."""
+        """Run one round synchronously (waits for a running one to finish first).
+
+        Raises:
+            StandbyError: another trainer holds the lease (this one stands by).
+        """
+        if not self.leading:
+            st = self.leadership.status()
+            raise StandbyError(
+                f"this trainer ({st['holder']}) stands by: {st['lease_holder'] or 'another trainer'} holds the trainer "
+                f"lease (token {st['lease_token']}); run train-now on that daemon, or stop it and this one takes "
+                f"over within {st['ttl_s']:.0f} s"
+            )
         with self._lock:
             self._run_warm_start()
             report = RoundReport(trigger=trigger, started_at=self.clock())

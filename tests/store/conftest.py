@@ -11,7 +11,7 @@ import pytest
 
 from store.client import connect
 from store.config import StoreConfig
-from store_helpers import SHARED_URL, PrivateRedis, make_sample
+from store_helpers import SHARED_URL, LocalCluster, PrivateRedis, make_sample
 
 
 @pytest.fixture
@@ -48,3 +48,17 @@ def private_redis(tmp_path: Path):
 @pytest.fixture
 def sample_factory():
     return make_sample
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """A Redis Cluster of our own (3 masters, 1 replica each) on free loopback ports, for the
+    tests of one module; killed afterwards (store_helpers.LocalCluster)."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server / redis-cli not on PATH")
+    c = LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=1)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()

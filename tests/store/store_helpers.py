@@ -86,3 +86,112 @@ def make_sample(
         started_at=1_732_870_000.0 + seed, finished_at=1_732_870_008.25 + seed,
     )
 
+
+
+def free_cluster_port() -> int:
+    """A free port P whose cluster bus port P + 10000 is free too (both below 65536)."""
+    import random
+
+    for _ in range(200):
+        p = random.randint(20_000, 55_000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 10_000))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair (P, P + 10000) for a cluster node")
+
+
+class LocalCluster:
+    """A Redis Cluster of our own: ``masters`` redis-server processes in cluster mode (plus
+    ``replicas`` per master) on free loopback ports, each in its own directory under ``workdir``;
+    ``start()`` creates the cluster with ``redis-cli --cluster create`` and waits for
+    ``cluster_state:ok`` on every node; ``stop()`` kills them all."""
+
+    def __init__(self, workdir: Path, masters: int = 3, replicas: int = 1, password: str | None = None):
+        self.workdir = workdir
+        self.masters = masters
+        self.replicas = replicas
+        self.password = password
+        self.ports: list[int] = []
+        while len(self.ports) < masters * (1 + replicas):
+            p = free_cluster_port()
+            if p not in self.ports:
+                self.ports.append(p)
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return "redis+cluster://" + auth + ",".join(f"127.0.0.1:{p}" for p in self.ports[: self.masters])
+
+    def node(self, port: int) -> redis.Redis:
+        return redis.Redis(port=port, password=self.password, socket_connect_timeout=0.5, socket_timeout=2.0)
+
+    def start_node(self, port: int) -> None:
+        d = self.workdir / str(port)
+        d.mkdir(parents=True, exist_ok=True)
+        args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "",
+                "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", "2000"]
+        if self.password:
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        self.procs[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                self.node(port).ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server (cluster mode) on port {port} did not start")
+
+    def start(self, timeout: float = 60.0) -> None:
+        for p in self.ports:
+            self.start_node(p)
+        cmd = ["redis-cli"] + (["-a", self.password, "--no-auth-warning"] if self.password else [])
+        cmd += ["--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
+                "--cluster-replicas", str(self.replicas), "--cluster-yes"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed ({out.returncode}): {out.stdout[-2000:]} {out.stderr[-2000:]}")
+        self.wait_ok(timeout)
+
+    def wait_ok(self, timeout: float = 60.0, ports: list[int] | None = None) -> None:
+        deadline = time.time() + timeout
+        ports = ports or list(self.procs)
+        while time.time() < deadline:
+            try:
+                if all(b"cluster_state:ok" in self.node(p).execute_command("CLUSTER", "INFO") for p in ports):
+                    # and every replica has its master's link up
+                    if all(self._replica_synced(p) for p in ports):
+                        return
+            except redis.RedisError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"cluster on ports {ports} not ok within {timeout} s")
+
+    def _replica_synced(self, port: int) -> bool:
+        info = self.node(port).info("replication")
+        return info.get("role") != "slave" or info.get("master_link_status") == "up"
+
+    def master_of_slot(self, slot: int) -> int:
+        for p in self.procs:
+            try:
+                for lo, hi, master, *_ in self.node(p).execute_command("CLUSTER", "SLOTS"):
+                    if lo <= slot <= hi:
+                        return int(master[1])
+            except redis.RedisError:
+                continue
+        raise RuntimeError(f"no node serves slot {slot}")
+
+    def kill(self, port: int) -> None:
+        proc = self.procs.pop(port)
+        proc.kill()
+        proc.wait(10)
+
+    def stop(self) -> None:
+        for p in list(self.procs):
+            self.kill(p)
