@@ -286,8 +286,9 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     (``EvalCounts.served``: greedy agreement on greedy requests, α at the request's temperature on
     sampled ones; what the decoder will see) is >= ``promote_margin``, the lower bound of its
     ``confidence`` interval is above 0, and no workload with ``min_eval_samples`` held-out samples
-    loses more than ``regress_margin`` of it (point estimate). The evidence is None when no
-    workload could be judged.
+    loses more than ``regress_margin`` of it (point estimate; the candidate is then *worse*) or
+    measurably loses any (its own paired interval entirely below 0: refused, trained on). The
+    evidence is None when no workload could be judged.
     """
     enough = {w for w, c in after.per_workload.items() if c.samples >= cfg.min_eval_samples}
     judged = sorted(trained & enough)
@@ -308,6 +309,14 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     if regressed:
         return Verdict(False, f"{head}, but regressed more than regress_margin {cfg.regress_margin}: "
                               f"{'; '.join(regressed)}", pg, True)
+    lost = []  # a loss measured on any workload with enough held-out samples: its whole interval below 0
+    for w in sorted(enough):
+        pw = paired_gain(counts_by_record(before.per_sample, {w}), counts_by_record(after.per_sample, {w}),
+                         clusters, cfg.confidence)
+        if pw.clusters >= 2 and pw.high < 0:
+            lost.append(f"{w} {pw.gain:+.4f} ({round(pw.confidence * 100)} % CI [{pw.low:+.4f}, {pw.high:+.4f}])")
+    if lost:
+        return Verdict(False, f"{head}, but a workload measurably lost: {'; '.join(lost)}", pg, worse)
     if pg.clusters < cfg.min_eval_requests or pg.positions < cfg.min_eval_positions:
         return Verdict(False, f"not enough evidence {head}: need min_eval_requests={cfg.min_eval_requests} and "
                               f"min_eval_positions={cfg.min_eval_positions}", pg, worse)

@@ -89,7 +89,7 @@ def test_gate_needs_evidence_and_a_positive_lower_bound():
                         regress_margin=0.02)
     before = _eval({"prose": [0.5] * 10, "code": [0.6] * 10})
     # +0.05 on every prose request: the interval is [0.05, 0.05]: promoted.
-    v = gate(before, _eval({"prose": [0.55] * 10, "code": [0.59] * 10}), {"prose"}, cfg)
+    v = gate(before, _eval({"prose": [0.55] * 10, "code": [0.6] * 10}), {"prose"}, cfg)
     assert v.promote and not v.worse, v.reason
     assert v.evidence.gain == pytest.approx(0.05) and v.evidence.low == pytest.approx(0.05)
     assert "95 % CI [+0.0500, +0.0500]" in v.reason
@@ -159,3 +159,16 @@ def test_gate_slice_prefers_decode_records_per_workload():
     assert gate_slice(held, ServiceConfig(min_eval_samples=3, gate_on="all")) == held
     with pytest.raises(ValueError, match="gate_on='prompt'"):
         ServiceConfig(gate_on="prompt")
+
+
+def test_a_measured_loss_on_any_workload_blocks_promotion():
+    """Prose gains +0.05 everywhere; code (not trained this round) loses 0.01 on every request: under
+    regress_margin, but its interval is [-0.01, -0.01], a measured loss: not promoted, and not
+    marked worse (the pooled gain is positive: training goes on from the candidate)."""
+    cfg = ServiceConfig(min_eval_samples=4, min_eval_requests=8, min_eval_positions=80, regress_margin=0.02)
+    before = _eval({"prose": [0.5] * 10, "code": [0.6] * 10})
+    v = gate(before, _eval({"prose": [0.55] * 10, "code": [0.59] * 10}), {"prose"}, cfg)
+    assert not v.promote and not v.worse and "code -0.0100" in v.reason and "measurably lost" in v.reason
+    # the same loss on one code request of ten: its interval reaches 0, so it is noise: promoted
+    v = gate(before, _eval({"prose": [0.55] * 10, "code": [0.5] + [0.6] * 9}), {"prose"}, cfg)
+    assert v.promote, v.reason
