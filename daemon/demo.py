@@ -593,8 +593,19 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                 if name in row:
                     row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
             row.update(_paired_intervals(per_prompt, cfg.confidence))
+            runs: dict = {}
             row["versions"] = _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_version,
-                                              timeline, per_prompt)
+                                              timeline, per_prompt, runs)
+            # what the learner had made of this workload when its phase ended (before later phases
+            # trained the shared adapter on other traffic), against v0 on the same prompts
+            end = next((r["adapter_version"] for r in reversed(timeline) if r["workload"] == phase), None)
+            if end in runs and v0_version in runs:
+                from trainer.gate import paired_ratio_gain
+
+                g = paired_ratio_gain({str(i): (a.alpha_sum, a.num_draft_tokens, b.alpha_sum, b.num_draft_tokens)
+                                       for i, ((a, _), (b, _)) in enumerate(zip(runs[v0_version], runs[end]))},
+                                      cfg.confidence)
+                row["phase_end_gain_ci"] = {"version": end, **_jsonable(g.to_dict())}
             if "adapted_head" in row:
                 row["final_head"] = decoder.head_version
                 row["head_alpha_gain"] = _nn((row["adapted_head"]["alpha"] or 0) - (row["frozen_head"]["alpha"] or 0))
@@ -618,13 +629,16 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
 _VERSIONS_CHECKED = 4  # adapter versions decoded per phase besides v0 and the final one, at most
 
 
-def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_version, timeline, per_prompt) -> list[dict]:
+def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_version, timeline, per_prompt,
+                    runs_out: dict | None = None) -> list[dict]:
     """Did any promotion lower decoded α on the phase's never-served prompts? Each adapter version
     that served the phase (in order of first use, from v0 to the final one) decoded on the same
     prompts at γ = ``eval_gamma``, paired against the version before it (``paired_ratio_gain``):
     a row per step with its gain, interval and ``lowered`` (the gain below 0). v0's and the final
     version's runs are the table's ``frozen`` and ``adapted_draft``; at most ``_VERSIONS_CHECKED``
-    others are decoded. Only on an engine whose draft swaps LoRAs (llama.cpp): [] otherwise."""
+    others are decoded (the phase's last one always among them). Only on an engine whose draft
+    swaps LoRAs (llama.cpp): [] otherwise. ``runs_out`` receives each decoded version's per-prompt
+    (counts, ms)."""
     from decoder.speculative import DecodeRequest
     from trainer.gate import paired_ratio_gain
 
@@ -635,7 +649,9 @@ def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_v
     served = [r["adapter_version"] for r in timeline if r["workload"] == phase and (r["adapter_version"] or not v0_version)]
     chain = list(dict.fromkeys([v0_version, *served, final]))
     runs = {v0_version: per_prompt["frozen"], final: per_prompt["adapted_draft"]}
-    middle = [v for v in chain if v not in runs][:_VERSIONS_CHECKED]
+    middle = [v for v in chain if v not in runs]
+    if len(middle) > _VERSIONS_CHECKED:  # the first ones and the one that served the phase's end
+        middle = middle[: _VERSIONS_CHECKED - 1] + middle[-1:]
     chain = [v for v in chain if v in runs or v in middle]
     history = decoder.ngram_history
     for v in middle:
@@ -647,6 +663,8 @@ def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_v
                                                   ignore_eos=True, workload=phase, proposer="draft"))
                 runs[v].append((r.counts, r.latency_ms))
     decoder.ngram_history = history
+    if runs_out is not None:
+        runs_out.update(runs)
     out = []
     for prev, v in zip(chain, chain[1:]):
         rows = {str(i): (a.alpha_sum, a.num_draft_tokens, b.alpha_sum, b.num_draft_tokens)
@@ -887,6 +905,11 @@ def print_report(report: dict, console) -> None:
         console.print(th)
     for r in report["phases"]:
         console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}")
+        pe = r.get("phase_end_gain_ci")
+        if pe:
+            console.print(f"  {r['workload']}: at its phase's end the learner (v{pe['version']}) had raised decoded α "
+                          f"{f(pe['before'])} -> {f(pe['after'])} ({f(pe['gain'])}, CI [{f(pe['low'])}, {f(pe['high'])}]); "
+                          f"the table's adapted row is the final adapter, after the later phases")
         for v in r.get("versions") or []:
             verdict = "LOWERED decoded α" if v["lowered"] else "did not lower decoded α"
             console.print(f"  {r['workload']}: v{v['parent']} -> v{v['version']} {verdict}: {f(v['alpha_before'])} -> "
@@ -993,6 +1016,8 @@ def register(app) -> None:
         summary["alpha_gain"] = {r["workload"]: r["alpha_gain"] for r in report["phases"]}
         summary["alpha_gain_ci"] = {r["workload"]: [(r.get("alpha_gain_ci") or {}).get(k) for k in ("low", "high")]
                                     for r in report["phases"]}
+        summary["phase_end_gain"] = {r["workload"]: [(r.get("phase_end_gain_ci") or {}).get(k) for k in ("gain", "low", "high")]
+                                     for r in report["phases"]}
         summary["promotions_that_lowered_decoded_alpha"] = [f"{r['workload']}: v{v['parent']} -> v{v['version']}"
                                                             for r in report["phases"] for v in r.get("versions") or []
                                                             if v["lowered"]]

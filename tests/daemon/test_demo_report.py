@@ -86,3 +86,29 @@ def test_the_promotion_check_leaves_out_the_base_draft_that_served_before_v0():
     rows = _versions_check(DemoConfig.quick(), "prose", [], None, None, decoder, None, None, 1, timeline, per)
     assert [(r["parent"], r["version"]) for r in rows] == [(1, 5)]
     assert abs(rows[0]["gain"] - 0.25) < 1e-9 and abs(rows[0]["low"] + 0.25) < 1e-9 and rows[0]["lowered"] is False
+
+
+def test_the_phase_end_learner_is_measured_against_v0_and_reported():
+    """The version that served a phase's last request (v3 here) decoded on the phase's prompts:
+    runs_out carries every decoded version's per-prompt counts, so the phase-end gain is paired
+    against v0's; the printed report names it."""
+    from types import SimpleNamespace
+
+    from daemon.demo import DemoConfig, _versions_check
+    from decoder.metrics import AcceptanceCounts
+
+    def c(acc, prop):
+        return AcceptanceCounts(num_draft_tokens=prop, alpha_sum=float(acc), num_emitted_tokens=10)
+
+    decoder = SimpleNamespace(adapter_version=5, draft_engine=SimpleNamespace(set_lora=None), ngram_history=None)
+    timeline = [{"workload": "prose", "adapter_version": v} for v in (1, 5)]
+    per = {"frozen": [(c(2, 8), 1.0)], "adapted_draft": [(c(6, 8), 1.0)]}
+    runs: dict = {}
+    _versions_check(DemoConfig.quick(), "prose", [], None, None, decoder, None, None, 1, timeline, per, runs)
+    assert set(runs) == {1, 5} and runs[5] == per["adapted_draft"]
+    phase = _phase("prose", 10, 0)
+    phase["phase_end_gain_ci"] = {"version": 3, "before": 0.2, "after": 0.3, "gain": 0.1, "low": 0.05, "high": 0.15}
+    out = io.StringIO()
+    print_report({"phases": [phase], "adapters": [], "recovery": [], "requests": 10, "active_adapter": 5, "seconds": 1.0,
+                  "key_prefix": "draftd:demo:"}, Console(file=out, width=250))
+    assert "at its phase's end the learner (v3) had raised decoded α" in out.getvalue()
