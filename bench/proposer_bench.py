@@ -52,7 +52,7 @@ import torch  # noqa: E402
 
 from decoder.bench import SAMPLING, machine_info  # noqa: E402
 from decoder.metrics import AcceptanceCounts  # noqa: E402
-from decoder.models import load_pair  # noqa: E402
+from decoder.models.loading import load_pair  # noqa: E402
 from decoder.proposers import NgramGate  # noqa: E402
 from decoder.sampling import predicted_speedup  # noqa: E402
 from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder  # noqa: E402
@@ -134,7 +134,7 @@ def main(argv=None) -> dict:
     if a.threads:
         torch.set_num_threads(a.threads)
     from decoder.bench import LlamaCppPeer
-    from decoder.engine import choose_engine, torch_threads_for
+    from decoder.engines.registry import choose_engine, torch_threads_for
     from decoder.proposers import NgramHistory
 
     pair = load_pair(a.target, a.draft)

@@ -620,7 +620,8 @@ def _bootstrap_inputs(workloads: str, source: str, prompts: int) -> tuple[list[s
 
 def _load_pair(s) -> Any:
     """The configured model pair, with a spinner; exit 1 when it cannot be loaded."""
-    from decoder.models import ModelLoadError, load_pair
+    from decoder.models.loading import load_pair
+    from decoder.models.packaged import ModelLoadError
 
     m = s.models
     try:

@@ -253,7 +253,7 @@ def score_features(target: nn.Module, windows: list[list[int]], k: int = 32, bat
 
 @torch.inference_mode()
 def score_features_engine(engine, windows: list[list[int]], k: int = 32) -> list[dict]:
-    """:func:`score_features` on a serving engine (``decoder.engine``; llama.cpp with
+    """:func:`score_features` on a serving engine (``decoder.engines``; llama.cpp with
     ``embeddings=True``): the features and distributions the head sees when it proposes."""
     from decoder.speculative import _topk_rows
 

@@ -495,8 +495,8 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
       called first, e.g. to keep a held-out split) and the acceptance history; None: neither.
     - ``registry``: an AdapterManager following its promotions and rollbacks (per-workload
       routing) and a RollbackMonitor; None: the draft is served as it is.
-    - ``engine`` / ``draft_engine``: the target's (and the draft's) :mod:`decoder.engine` engines
-      (``decoder.engine.choose_engine``); None: transformers on ``target`` / ``draft``.
+    - ``engine`` / ``draft_engine``: the target's (and the draft's) :mod:`decoder.engines` engines
+      (``decoder.engines.registry.choose_engine``); None: transformers on ``target`` / ``draft``.
     - ``controller``: a GoodputController (default: one following the decoder's adapter version,
       choosing among ``proposers``, see :class:`decoder.control.ControllerConfig`).
     - ``eagle_head``: the feature-level head (``decoder.eagle.EagleHead``, e.g. ``load_head(...)

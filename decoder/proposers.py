@@ -664,7 +664,7 @@ class NgramShadow:
 
 def crop_to(cache, length: int) -> None:
     """Drop cached positions beyond ``length``: an engine sequence's ``truncate`` (see
-    :mod:`decoder.engine`), or a transformers cache (transformers 5: ``crop(-n)`` removes n)."""
+    :mod:`decoder.engines`), or a transformers cache (transformers 5: ``crop(-n)`` removes n)."""
     if hasattr(cache, "truncate"):
         cache.truncate(length)
         return

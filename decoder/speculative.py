@@ -28,7 +28,8 @@ import structlog
 import torch
 from transformers import DynamicCache
 
-from decoder.engine import Engine, TorchEngine
+from decoder.engines.base import Engine
+from decoder.engines.torch_engine import TorchEngine
 from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_linear
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
 from decoder.metrics import AcceptanceCounts, StepStats
@@ -323,9 +324,9 @@ class SpeculativeDecoder:
             ``SampleWriter.submit``, which never blocks); None disables streaming.
         pair_fingerprint: :class:`store.schema.PairFingerprint` put in each record.
         clock: monotonic clock in seconds (injected for tests).
-        engine: the target's :class:`decoder.engine.Engine` (default: a
-            :class:`decoder.engine.TorchEngine` over ``target``); e.g. a
-            :class:`decoder.engine.LlamaCppEngine` on the target's GGUF. ``target`` stays the
+        engine: the target's :class:`decoder.engines.base.Engine` (default: a
+            :class:`decoder.engines.torch_engine.TorchEngine` over ``target``); e.g. a
+            :class:`decoder.engines.llamacpp.LlamaCppEngine` on the target's GGUF. ``target`` stays the
             torch module of the same weights (its config and tokenizer; the trainer's teacher).
         draft_engine: the draft on an engine of its own (the derived draft's GGUF on llama.cpp);
             None: the draft proposes in torch (``draft``, through its serving copy).
@@ -371,8 +372,8 @@ class SpeculativeDecoder:
         self.vocab_p = self.engine.vocab_size
         self.vocab_q = (draft_engine.vocab_size if draft_engine is not None
                         else draft.get_output_embeddings().weight.shape[0])
-        torch_target = isinstance(self.engine, TorchEngine)
-        if self.config.record_hidden and getattr(self.engine, "embeddings", True) is False:
+        torch_target = self.engine.capabilities.torch_module
+        if self.config.record_hidden and not self.engine.capabilities.hidden_states:
             raise ValueError(f"DecoderConfig.record_hidden needs the target's hidden states, and engine "
                              f"{self.engine.name} was built without them: LlamaCppEngine(embeddings=True) "
                              f"(choose_engine(..., embeddings=True))")
@@ -494,7 +495,7 @@ class SpeculativeDecoder:
         if head is None and need_head:
             raise ValueError("proposer 'eagle' needs a head: set SpeculativeDecoder.eagle_head "
                              "(decoder.eagle.EagleHead.from_target, then trained)")
-        if getattr(self.engine, "embeddings", True) is False:
+        if not self.engine.capabilities.hidden_states:
             raise ValueError(f"proposer 'eagle' needs the target's hidden states, and engine {self.engine.name} "
                              f"was built without them: LlamaCppEngine(embeddings=True) "
                              f"(choose_engine(..., embeddings=True))")

@@ -139,7 +139,7 @@ def score_windows_engine(
     request_prefix: str = "corpus",
     on_batch: Callable[[int], None] | None = None,
 ) -> Iterator:
-    """:func:`score_windows` on an engine (``decoder.engine``: llama.cpp on CPU), one window per forward.
+    """:func:`score_windows` on an engine (``decoder.engines``: llama.cpp on CPU), one window per forward.
 
     The served target itself scores the text (llama.cpp's kernels on the GGUF, not the torch copy
     dequantised from it), with logits kept at every position: a window of L tokens in, logits
@@ -147,7 +147,7 @@ def score_windows_engine(
 
     Raises:
         ValueError: a window shorter than 2 tokens or ``k < 1``.
-        decoder.engine.EngineError: a window longer than the engine's context.
+        decoder.engines.base.EngineError: a window longer than the engine's context.
     """
     from decoder.speculative import _topk_rows
     from store.schema import VerifiedSample
