@@ -1,15 +1,14 @@
 """Prometheus metrics, read from Redis and the trainer at scrape time (a custom collector).
 
-Names follow vLLM's speculative-decoding metrics with the ``draftd:`` prefix, labelled by
-workload. The ``spec_decode_*`` counters are sums of store's acceptance history
-(``AcceptanceHistory``) over its retention window, so written by every decoder that records
-history, not only this process; a bucket expiring after ``history_retention_s`` lowers them
-(Prometheus treats that like a counter reset).
+Names carry the ``draftd:`` prefix, labelled by workload. The acceptance metrics are
+``draftd:history_*``: sums of store's acceptance history (``AcceptanceHistory``) over its
+retention window, written by every decoder that records history, not only this process. They are
+gauges, since a bucket expiring after ``history_retention_s`` lowers them, and named apart from
+``serve``'s live ``draftd:spec_decode_*`` counters (by adapter version, this process's requests
+only), so one Prometheus scraping both gets no clashing series.
 
-``draftd:spec_decode_num_accepted_tokens_per_pos`` is not exported: the history stores no
-per-position counts (a store schema change).
+The history stores no per-position counts (a store schema change), so no per-position series.
 """
-
 from __future__ import annotations
 
 import math
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 P = "draftd:"
+H = P + "history_"  # the acceptance history's metrics (serve exports the live draftd:spec_decode_*)
 
 
 class DraftdCollector:
@@ -59,16 +59,17 @@ class DraftdCollector:
         now = d.clock()
         rows = d.history.read()
         workloads = sorted({r.workload for r in rows})
-        fams = {
-            "num_drafts": CounterMetricFamily(P + "spec_decode_num_drafts", "Verification steps with a draft proposal (gamma > 0)", labels=["workload"]),
-            "num_draft_tokens": CounterMetricFamily(P + "spec_decode_num_draft_tokens", "Tokens proposed by the draft", labels=["workload"]),
-            "num_accepted_tokens": CounterMetricFamily(P + "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", labels=["workload"]),
-            "num_emitted_tokens": CounterMetricFamily(P + "spec_decode_num_emitted_tokens", "Tokens emitted (accepted + corrections + bonus)", labels=["workload"]),
-            "requests": CounterMetricFamily(P + "requests", "Requests recorded in the acceptance history", labels=["workload"]),
+        fams = {  # H + name: sums over the retention window (gauges: an expiring bucket lowers them)
+            "num_drafts": GaugeMetricFamily(H + "num_drafts", "Verification steps with a draft proposal (gamma > 0), over the history's retention", labels=["workload"]),
+            "num_draft_tokens": GaugeMetricFamily(H + "num_draft_tokens", "Tokens proposed, over the history's retention", labels=["workload"]),
+            "num_accepted_tokens": GaugeMetricFamily(H + "num_accepted_tokens", "Proposed tokens the target accepted, over the history's retention", labels=["workload"]),
+            "num_emitted_tokens": GaugeMetricFamily(H + "num_emitted_tokens", "Tokens emitted (accepted + corrections + bonus), over the history's retention", labels=["workload"]),
+            "requests": GaugeMetricFamily(H + "requests", "Requests recorded in the acceptance history, over its retention", labels=["workload"]),
         }
-        rate = GaugeMetricFamily(P + "spec_decode_acceptance_rate", f"Accepted / drafted tokens over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
-        alpha = GaugeMetricFamily(P + "spec_decode_alpha", f"Mean per-request alpha over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
-        tau = GaugeMetricFamily(P + "spec_decode_mean_accepted_length", f"Emitted tokens per verification step (tau) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        # pooled rate (accepted / drafted tokens) and per-request mean α, named apart
+        rate = GaugeMetricFamily(H + "acceptance_rate", f"Accepted / drafted tokens (pooled) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        alpha = GaugeMetricFamily(H + "request_alpha_mean", f"Mean per-request alpha over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        tau = GaugeMetricFamily(H + "mean_accepted_length", f"Emitted tokens per verification step (tau) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
         for w in workloads:
             wr = [r for r in rows if r.workload == w]
             tot = sum_rows(wr, w)
