@@ -97,7 +97,7 @@ def ceiling(ratio: dict[int, float]) -> dict:
     of a verification of γ + 1 rows measured instead of assumed to be one step). Below 1.3 at
     every γ, no proposer reaches a 1.3x target here. ``best_ceiling``: the best γ up to the
     controller's ``gamma_max`` (8)."""
-    from decoder.proposers import speculation_ceiling
+    from decoder.proposers.cost import speculation_ceiling
 
     every = speculation_ceiling(ratio, max(ratio) - 1)
     best = speculation_ceiling(ratio, GAMMA_MAX)  # what the controller can pick

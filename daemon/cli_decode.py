@@ -99,7 +99,7 @@ def _check_proposers(text: str) -> tuple[str, ...]:
     Raises:
         ValueError: an unknown, empty or repeated name (names it).
     """
-    from decoder.proposers import PROPOSERS
+    from decoder.proposers.registry import PROPOSERS
 
     names = tuple(x.strip() for x in text.split(","))
     bad = [x for x in names if x not in PROPOSERS]

@@ -38,7 +38,7 @@ from decoder.engines.llamacpp_lib import llama_call
 from decoder.engines.registry import torch_threads_for
 from decoder.metrics import AcceptanceCounts
 from decoder.sampling import SamplingParams, predicted_speedup
-from decoder.proposers import PROPOSERS
+from decoder.proposers.registry import DEFAULT_PROPOSER, PROPOSERS
 from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
 from decoder.workloads import Prompt
 from store.jsonsafe import nan_none
@@ -57,7 +57,7 @@ class BenchConfig:
     max_new_tokens: int = 64
     hf: bool = True  # include transformers' plain and assisted generation
     seed: int = 0
-    proposers: tuple[str, ...] = ("draft",)
+    proposers: tuple[str, ...] = (DEFAULT_PROPOSER,)
     llamacpp: str | None = None  # a GGUF path: add llama-cpp-python's plain generation as a peer
     threads: int | None = None  # the peer's threads (default: the target engine's, else os.cpu_count())
     near_tie_positions: int = 8  # greedy: batched-vs-one-token logit differences over this many positions per prompt

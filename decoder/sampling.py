@@ -240,3 +240,17 @@ def expected_tokens_per_step(a: float, gamma: int) -> float:
     if a >= 1.0 - 1e-12:
         return float(gamma + 1)
     return (1 - a ** (gamma + 1)) / (1 - a)
+
+
+def seeded_sampling(params: SamplingParams) -> bool:
+    """A sampled request with a seed: its completion must follow from the seed alone, so nothing
+    timing- or traffic-dependent (the n-gram gate) may choose its γ."""
+    return not params.greedy and params.seed is not None
+
+
+def topk_rows(logits: torch.Tensor, k: int):
+    """Target's temperature-1 top-k per row: ids (n, k) int32, probs (n, k), tail mass (n,)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    tail = (1.0 - top.values.sum(-1)).clamp_min(0.0)
+    return top.indices.to(torch.int32).cpu(), top.values.cpu(), tail.cpu()

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from decoder.eagle import EagleHead, EagleProposer, score_features
+from decoder.eagle import EagleHead, score_features
+from decoder.proposers.eagle import EagleProposer
 from trainer.head import chained_alpha, column_map, head_batch, head_loss
 from decoder.sampling import SamplingParams, process_logits
 from decoder.speculative import DecodeRequest, SpeculativeDecoder
