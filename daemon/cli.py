@@ -142,7 +142,8 @@ def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
 
 def _offline_status(s) -> dict:
     """What can be known with the daemon down: Redis (URL or default address) and the store."""
-    from daemon.redis_embed import RedisHandle, answers, mask_url
+    from daemon.redis_embed import RedisHandle, answers
+    from store.client import mask_url
     from daemon.reports import status_report
     from store.client import StoreError, connect
     from store.history import AcceptanceHistory

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -23,9 +23,6 @@ from daemon.reports import RECENT_WINDOW_S
 from store.buffer import dead_letter_count, group_info, stream_depth
 from store.client import StoreUnavailableError
 from store.history import sum_rows
-
-if TYPE_CHECKING:
-    from daemon.app import Daemon
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +33,7 @@ H = P + "history_"  # the acceptance history's metrics (serve exports the live d
 class DraftdCollector:
     """Collects on every scrape; a Redis outage gives ``draftd:redis_up 0`` and no store metrics."""
 
-    def __init__(self, daemon: "Daemon"):
+    def __init__(self, daemon: Any):  # a daemon.app.Daemon (app imports this module, not back)
         self.daemon = daemon
 
     def collect(self) -> Iterator[Metric]:
@@ -116,7 +113,7 @@ class DraftdCollector:
             states.add_metric([st], counts.get(st, 0))
         yield states
 
-    def _trainer_metrics(self, d: "Daemon") -> Iterator[Metric]:
+    def _trainer_metrics(self, d: Any) -> Iterator[Metric]:
         enabled = GaugeMetricFamily(P + "trainer_enabled", "1 when the trainer runs in this daemon")
         enabled.add_metric([], 0 if d.trainer is None else 1)
         yield enabled

@@ -19,13 +19,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import structlog
 
 from daemon.settings import RedisSettings
-from store.client import StoreUnavailableError, connect
+from store.client import StoreUnavailableError, connect, mask_url
 
 log = structlog.get_logger(__name__)
 
@@ -65,20 +64,6 @@ class RedisHandle:
 
 def _s(v: object) -> str | None:
     return v.decode() if isinstance(v, bytes) else (None if v is None else str(v))
-
-
-def mask_url(url: str) -> str:
-    """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``; a ``password=``
-    query parameter is masked too (``unix:///run/redis.sock?password=secret``)."""
-    parts = urlsplit(url)
-    if parts.password is not None:
-        netloc = parts.netloc.rsplit("@", 1)
-        url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{netloc[1]}"))
-    if parts.query:
-        head, _, query = url.partition("?")  # not urlunsplit: it drops the empty netloc of unix:///path
-        q = [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(query, keep_blank_values=True)]
-        url = f"{head}?{urlencode(q, safe='*')}"
-    return url
 
 
 def answers(url: str, timeout: float = 0.5) -> bool:

@@ -423,7 +423,7 @@ def env_keys(model: type[BaseModel] = Settings, prefix: str = ENV_PREFIX) -> set
 def effective(settings: Settings) -> dict[str, Any]:
     """The effective configuration as JSON-ready data, secrets masked: SecretStr as ``**********``,
     the password of every Redis URL as ``***``."""
-    from daemon.redis_embed import mask_url
+    from store.client import mask_url
 
     data = settings.model_dump(mode="json")  # SecretStr dumps as '**********'
     for k in ("url", "default_url"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Mapping
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 
@@ -130,3 +131,17 @@ def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: fl
         client.close()
         raise
     return client
+
+
+def mask_url(url: str) -> str:
+    """``redis://user:secret@host:6379/0`` -> ``redis://user:***@host:6379/0``; a ``password=``
+    query parameter is masked too (``unix:///run/redis.sock?password=secret``)."""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        netloc = parts.netloc.rsplit("@", 1)
+        url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{netloc[1]}"))
+    if parts.query:
+        head, _, query = url.partition("?")  # not urlunsplit: it drops the empty netloc of unix:///path
+        q = [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(query, keep_blank_values=True)]
+        url = f"{head}?{urlencode(q, safe='*')}"
+    return url

@@ -23,3 +23,97 @@ def _loaded(modules: str, prefixes: tuple[str, ...]) -> list[str]:
 ])
 def test_imports_run_one_way(modules, forbidden):
     assert _loaded(modules, forbidden) == []
+
+
+# ---- read from the source: every import, function-local and TYPE_CHECKING ones included ----------
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+PACKAGES = ("store", "decoder", "trainer", "daemon")
+# who may import whom: daemon -> {decoder, trainer} -> store; decoder and trainer apart
+ALLOWED = {"store": {"store"}, "decoder": {"decoder", "store"}, "trainer": {"trainer", "store"},
+           "daemon": {"daemon", "decoder", "trainer", "store"}}
+
+
+def _modules() -> dict[str, "__import__('pathlib').Path"]:
+    mods = {}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = f
+    return mods
+
+
+def _imports(mods) -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its source (a ``from pkg import mod``
+    of a submodule counts as importing that submodule)."""
+    import ast
+
+    edges: dict[str, set[str]] = {}
+    for name, f in mods.items():
+        is_pkg = f.name == "__init__.py"
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - node.level + 1]
+                    base = ".".join(pkg + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    out.add(t)
+        edges[name] = out
+    return edges
+
+
+def test_no_import_circle_among_the_projects_modules():
+    """No module reaches itself through imports, counting imports inside functions and under
+    TYPE_CHECKING: each circle would make the modules one unit that can only be read together."""
+    edges = _imports(_modules())
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    import sys
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert circles == [], circles
+
+
+def test_layers_import_one_way_in_the_source():
+    """daemon -> {decoder, trainer} -> store, read from every import in the source (function-local
+    ones too): store imports no other package, decoder and trainer never import each other."""
+    bad = sorted(f"{m} -> {t}" for m, ts in _imports(_modules()).items() for t in ts
+                 if t.split(".")[0] not in ALLOWED[m.split(".")[0]])
+    assert bad == []
