@@ -54,7 +54,7 @@ def main() -> None:
 
     from daemon.settings import Settings, distill_config, draft_vocab_ids
     from daemon.warm_start import WarmStartConfig, scoring_engine, train_v0
-    from decoder.models import load_pair
+    from decoder.models.loading import load_pair
     from store.schema import PairFingerprint
     from trainer.distill import Distiller, cpu_has_native_bf16
 

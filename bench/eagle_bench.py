@@ -63,7 +63,7 @@ def main() -> None:
 
     from daemon.bootstrap_data import TOPK, WINDOW_TOKENS
     from decoder.eagle import EagleHead, score_features
-    from decoder.models import load_model
+    from decoder.models.loading import load_model
     from decoder.teacher import corpus_windows
     from decoder.vocab import frequent_token_ids
     from decoder.workloads import bootstrap_documents, split_documents
@@ -112,8 +112,8 @@ def main() -> None:
                            round_steps=args.round_steps, cpu_start=c_start, log=log, final=False)
     steps = dist.steps
     # the same held-out windows scored by the served engine: the features the head proposes from
-    from decoder.engine import LlamaCppEngine
-    from decoder.models import packaged_target
+    from decoder.engines.llamacpp import LlamaCppEngine
+    from decoder.models.loading import packaged_target
     from decoder.eagle import score_features_engine
 
     gguf = packaged_target(args.target)
@@ -139,8 +139,8 @@ def step_costs(head, target, target_ref: str, ctx: int = 256, reps: int = 30) ->
     llama.cpp (the served engine) and on torch, same context."""
     import torch
 
-    from decoder.engine import LlamaCppEngine
-    from decoder.models import packaged_target
+    from decoder.engines.llamacpp import LlamaCppEngine
+    from decoder.models.loading import packaged_target
 
     head.eval()
     H = head.hidden_size

@@ -344,7 +344,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
-    from decoder.models import load_pair
+    from decoder.models.loading import load_pair
     from store.buffer import SampleWriter, dead_letter_count, group_info
     from store.client import connect
     from store.config import StoreConfig

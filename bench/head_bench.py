@@ -53,7 +53,7 @@ def main() -> None:
     from transformers import DynamicCache
 
     from decoder.fastpath import small_m_linear
-    from decoder.models import load_model
+    from decoder.models.loading import load_model
     from decoder.speculative import small_m_head
 
     model, _ = load_model(args.target)
@@ -107,7 +107,7 @@ def draft_steps(target, layers: str, ctx: torch.Tensor, reps: int) -> dict:
     from transformers import DynamicCache
 
     from decoder.fastpath import small_m_linear
-    from decoder.models import derive_draft
+    from decoder.models.loading import derive_draft
     from decoder.draft_weights import ServingDraft
 
     def one(model):

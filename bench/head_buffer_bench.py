@@ -114,8 +114,8 @@ def main(argv=None) -> dict:
     from daemon.logging import configure
     from decoder.bench import SAMPLING, machine_info
     from decoder.eagle import EagleHead
-    from decoder.engine import choose_engine, torch_threads_for
-    from decoder.models import load_pair
+    from decoder.engines.registry import choose_engine, torch_threads_for
+    from decoder.models.loading import load_pair
     from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
     from decoder.vocab import frequent_token_ids
     from decoder.workloads import get_workload

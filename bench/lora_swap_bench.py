@@ -1,6 +1,6 @@
 """LoRA hot-swap on the llama.cpp draft: conversion, load and swap-pause costs, in one run. JSON out.
 
-What a version costs on the llama.cpp engine (decoder/engine.py, decoder/gguf_export.py):
+What a version costs on the llama.cpp engine (decoder/engines/, decoder/models/gguf_export.py):
 
 - ``convert_ms``: peft adapter -> GGUF LoRA (``lora_to_gguf``; the first call per base also parses
   the base's metadata), and a cached call (``lora_gguf_cached`` hit: the adapter's sha256);
@@ -41,9 +41,10 @@ def main() -> None:
 
     import torch
 
-    from decoder.engine import LlamaCppEngine
-    from decoder.gguf_export import derived_draft_gguf, lora_gguf_cached, lora_to_gguf
-    from decoder.models import derive_draft, load_model, packaged_gguf
+    from decoder.engines.llamacpp import LlamaCppEngine
+    from decoder.models.gguf_export import derived_draft_gguf, lora_gguf_cached, lora_to_gguf
+    from decoder.models.loading import derive_draft, load_model
+    from decoder.models.packaged import packaged_gguf
     from trainer.distill import DistillConfig, Distiller
 
     target, tok = load_model("smollm2-135m")

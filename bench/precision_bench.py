@@ -48,7 +48,7 @@ def main() -> None:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     torch.set_num_threads(args.threads)
 
-    from decoder.models import derive_draft, load_pair
+    from decoder.models.loading import derive_draft, load_pair
     from decoder.teacher import corpus_windows, score_windows
     from decoder.workloads import documents, split_documents
     from store.schema import PairFingerprint

@@ -4,7 +4,7 @@ draft, beside llama.cpp's own plain generation.
 For each workload: the decoder first serves ``--serve`` of the workload's prompts with the gated
 n-gram proposer at γ = ``--serve-gamma`` (0: plain decoding), as a server does once speculation
 is on: every served request is indexed into the history, and every verification of a proposal
-teaches the gate (``decoder.proposers.NgramGate``) which kinds of match pay on this engine. Then,
+teaches the gate (``decoder.proposers.ngram.NgramGate``) which kinds of match pay on this engine. Then,
 on ``--prompts`` other prompts of the workload that were never served, back to back per prompt
 (paired):
 
@@ -52,8 +52,8 @@ import torch  # noqa: E402
 
 from decoder.bench import SAMPLING, machine_info  # noqa: E402
 from decoder.metrics import AcceptanceCounts  # noqa: E402
-from decoder.models import load_pair  # noqa: E402
-from decoder.proposers import NgramGate  # noqa: E402
+from decoder.models.loading import load_pair  # noqa: E402
+from decoder.proposers.ngram import NgramGate  # noqa: E402
 from decoder.sampling import predicted_speedup  # noqa: E402
 from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder  # noqa: E402
 from decoder.workloads import get_workload  # noqa: E402
@@ -134,8 +134,8 @@ def main(argv=None) -> dict:
     if a.threads:
         torch.set_num_threads(a.threads)
     from decoder.bench import LlamaCppPeer
-    from decoder.engine import choose_engine, torch_threads_for
-    from decoder.proposers import NgramHistory
+    from decoder.engines.registry import choose_engine, torch_threads_for
+    from decoder.proposers.ngram import NgramHistory
 
     pair = load_pair(a.target, a.draft)
     tok = pair.tokenizer

@@ -102,7 +102,7 @@ def load_pair(name: str):
         from tiny import char_tokenizer, tiny_llama, tiny_target
 
         return tiny_target(), tiny_llama(7, layers=2, hidden=32, head_scale=20.0), char_tokenizer(), "tiny"
-    from decoder.models import load_pair as lp
+    from decoder.models.loading import load_pair as lp
 
     p = lp("smollm2-135m", "layers:0-3")
     return p.target, p.draft, p.tokenizer, "smollm2-135m"

@@ -34,7 +34,7 @@ Samples:
   shared adapter and at equal training steps, the shared adapter trained on for N steps per
   workload on the mixed data against one adapter per workload trained N steps on its own data
   (``ServiceConfig.per_workload``), by held-out alpha per workload.
-- ``smollm2 --data decode``: ``decoder.models.load_pair`` (target + layer-derived draft) and
+- ``smollm2 --data decode``: ``decoder.models.loading.load_pair`` (target + layer-derived draft) and
   ``decoder.speculative.SpeculativeDecoder`` at gamma = 4, greedy, with the untrained draft, over
   ``decoder.workloads`` prompts; its sink yields the VerifiedSamples (greedy speculative output
   equals the target's greedy output, and the rejection positions feed the OSD weightings).
@@ -75,7 +75,7 @@ def tiny_setup(args):
 
 
 def smollm2_setup(args):
-    from decoder.models import derive_draft, load_pair
+    from decoder.models.loading import derive_draft, load_pair
     from decoder.sampling import SamplingParams
     from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
     from decoder.workloads import get_workload
@@ -123,7 +123,7 @@ def doc_prompts(workload: str, docs: list[tuple[str, str]], n: int, chars: int =
 
 def corpus_setup(args):
     """Teacher-forced training windows + decoded and teacher-forced held-out samples."""
-    from decoder.models import derive_draft, load_pair
+    from decoder.models.loading import derive_draft, load_pair
     from decoder.sampling import SamplingParams
     from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
     from decoder.teacher import continue_windows, corpus_windows, score_windows

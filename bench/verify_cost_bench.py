@@ -5,10 +5,10 @@
    count; ``prefill_ms``: the 100 tokens as one prompt (median of 3). On a weight-bandwidth-bound engine the ratio stays near 1; on a compute-bound one it grows
    with n. Where the llama.cpp build has the AMX path (a CPU with AMX), measured twice, each in a
    process of its own: with llama.cpp's extra (AMX) weight buffers and without
-   (``DRAFTD_LLAMA_EXTRA_BUFTS``; ``decoder.engine.llama_extra_buffers``); each on the main thread
+   (``DRAFTD_LLAMA_EXTRA_BUFTS``; ``decoder.engines.llamacpp_lib.llama_extra_buffers``); each on the main thread
    and on a thread of its own (where the serving loop decodes).
 2. ``formats`` (``--formats Q4_0,BF16,...``): the same measurement (2 threads, main thread) on the
-   packaged GGUF requantised by llama.cpp itself (``decoder.gguf_export.requantised_gguf``, written once under
+   packaged GGUF requantised by llama.cpp itself (``decoder.models.gguf_export.requantised_gguf``, written once under
    ``$DRAFTD_CACHE_DIR/requant``): which weight formats make a verification cheap on this CPU. A
    requantised file is a different model (Q4_0 of the Q4_1 weights loses more; BF16 rounds them), so
    this says where speculation can pay, not what to serve (``fidelity_to_packaged``: mean KL from the
@@ -16,7 +16,7 @@
    positions of the three workloads, up to 256 each); ``break_even_a1`` is the first-token
    acceptance above which γ = 1 beats plain decoding of the same file (t(2) / t(1) - 1), and
    ``ms_vs_packaged`` a step of n rows against a plain step of the packaged file; ``Q4_1S`` is the
-   packaged Q4_1 weights split into Q4_0 blocks and an offset adapter (``decoder.gguf_export.
+   packaged Q4_1 weights split into Q4_0 blocks and an offset adapter (``decoder.models.gguf_export.
    q4_1_split_gguf``: the same weights, Q4_0's batched kernels); ``--threads 1,2`` measures each
    file at each thread count. Every row has ``ceiling_at_alpha_1``: the speedup over plain decoding
    of the same file at each γ if every proposal were accepted at no cost (:func:`ceiling`).
@@ -59,7 +59,7 @@ def verify_cost(gguf, threads: int, reps: int, worker: bool = False, cached: int
         t.start()
         t.join()
         return dict(box["r"], thread="worker")
-    from decoder.engine import LlamaCppEngine
+    from decoder.engines.llamacpp import LlamaCppEngine
 
     eng = LlamaCppEngine(gguf, n_ctx=n_ctx, threads=threads)
     seq = eng.start()
@@ -97,7 +97,7 @@ def ceiling(ratio: dict[int, float]) -> dict:
     of a verification of γ + 1 rows measured instead of assumed to be one step). Below 1.3 at
     every γ, no proposer reaches a 1.3x target here. ``best_ceiling``: the best γ up to the
     controller's ``gamma_max`` (8)."""
-    from decoder.proposers import speculation_ceiling
+    from decoder.proposers.cost import speculation_ceiling
 
     every = speculation_ceiling(ratio, max(ratio) - 1)
     best = speculation_ceiling(ratio, GAMMA_MAX)  # what the controller can pick
@@ -118,7 +118,7 @@ def fidelity_logits(gguf, out) -> None:
     import llama_cpp
     import numpy as np
 
-    from decoder.engine import LlamaCppEngine
+    from decoder.engines.llamacpp import LlamaCppEngine
     from decoder.workloads import get_workload
 
     vocab = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
@@ -175,7 +175,7 @@ def formats_cost(gguf, formats: list[str], reps: int, cached: int = 100, n_ctx: 
 def _formats_rows(gguf, formats, reps, cached, n_ctx, tmp, threads=(2,)) -> list[dict]:
     """One row per format; a format llama.cpp cannot write or a child that fails is an error row
     (the other formats' measurements are kept)."""
-    from decoder.gguf_export import SPLIT_FORMAT, q4_1_split_gguf, requantised_gguf
+    from decoder.models.gguf_export import SPLIT_FORMAT, q4_1_split_gguf, requantised_gguf
 
     rows = []
     for fmt in ["packaged", *dict.fromkeys(f.upper() for f in formats)]:
@@ -202,7 +202,7 @@ def _formats_rows(gguf, formats, reps, cached, n_ctx, tmp, threads=(2,)) -> list
 
 
 def ngram_min_n(pair, engine, prompts: int, max_new: int) -> list[dict]:
-    from decoder.engine import torch_threads_for
+    from decoder.engines.registry import torch_threads_for
     from decoder.speculative import DecoderConfig, SpeculativeDecoder
 
     decs = {k: SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(topk_record=0, ngram_min_n=k),
@@ -255,7 +255,7 @@ def _training_load(stop, ready, pair=None) -> None:
     torch.set_num_threads(1)
     if pair is None:
         from daemon.logging import configure
-        from decoder.models import load_pair
+        from decoder.models.loading import load_pair
 
         configure("auto", "warning", stream=sys.stderr)
         pair = load_pair("smollm2-135m", "layers:0-3")
@@ -279,7 +279,7 @@ def beside_trainer(gguf, modes: list[str], reps: int, cached: int = 200) -> list
     import multiprocessing as mp
     import threading
 
-    from decoder.models import load_pair
+    from decoder.models.loading import load_pair
 
     pair = load_pair("smollm2-135m", "layers:0-3")
     rows = []
@@ -326,8 +326,9 @@ def main() -> None:
 
     configure("auto", "warning", stream=sys.stderr)  # stdout carries only the JSON
 
-    from decoder.engine import LlamaCppEngine
-    from decoder.models import load_pair, packaged_gguf
+    from decoder.engines.llamacpp import LlamaCppEngine
+    from decoder.models.loading import load_pair
+    from decoder.models.packaged import packaged_gguf
 
     gguf = packaged_gguf("smollm2-135m")
     if a.verify_only and a.gguf:  # the child of a --formats run: one file, 2 threads, main thread
@@ -351,9 +352,9 @@ def main() -> None:
                  "tokens, at 1 and 2 threads)")
     if a.formats:
         fmts = [f.strip() for f in a.formats.split(",") if f.strip()]
-        from decoder.gguf_export import weight_formats
+        from decoder.models.gguf_export import weight_formats
 
-        from decoder.gguf_export import SPLIT_FORMAT
+        from decoder.models.gguf_export import SPLIT_FORMAT
 
         known = [*weight_formats(), SPLIT_FORMAT]
         for f in fmts:  # refuse a bad name before any quantising
@@ -371,9 +372,9 @@ def main() -> None:
         print(json.dumps({"gguf": gguf.name, "cached": a.cached, "n_ctx": a.n_ctx,
                           "formats": formats_cost(gguf, fmts, a.reps, a.cached, a.n_ctx, threads)}, indent=1))
         return
-    from decoder.llamacpp_lib import bindings as _llama
+    from decoder.engines.llamacpp_lib import bindings
 
-    info = _llama().llama_print_system_info().decode(errors="replace")
+    info = bindings().llama_print_system_info().decode(errors="replace")
     settings = ("1", "0") if "AMX_INT8 = 1" in info else (None,)
     out = {"gguf": gguf.name, "llama_system_info": info.strip(), "verify_cost": []}
     for env in settings:

@@ -30,12 +30,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
 
-from daemon.errors import DaemonError, TrainerDisabledError, TrainerStandbyError
+from daemon.errors import DaemonError, TrainerDisabledError
 from daemon.metrics import DraftdCollector
 from store.registry import check_scope
 from store.errors import InvalidTransitionError, StoreUnavailableError, UnknownVersionError
-
-# the daemon (daemon.app.Daemon) is typed Any here: app imports this module, not the reverse
 
 log = structlog.get_logger(__name__)
 
@@ -55,7 +53,7 @@ def _answer(status: int):
     return handler
 
 
-def create_app(daemon: Any) -> FastAPI:
+def create_app(daemon: Any) -> FastAPI:  # daemon: a daemon.app.Daemon (app imports this module, not back)
     app = FastAPI(title="draftd control API", version="1", description=__doc__)
     bearer = HTTPBearer(auto_error=False)
     metrics_registry = CollectorRegistry(auto_describe=False)
@@ -87,7 +85,7 @@ def create_app(daemon: Any) -> FastAPI:
             )
 
     # the most specific class wins (Starlette looks handlers up along the exception's MRO)
-    for exc, code in ((UnknownVersionError, 404), (InvalidTransitionError, 409), (TrainerDisabledError, 409), (TrainerStandbyError, 409),
+    for exc, code in ((UnknownVersionError, 404), (InvalidTransitionError, 409), (TrainerDisabledError, 409),
                       (DaemonError, 503), (StoreUnavailableError, 503)):
         app.add_exception_handler(exc, _answer(code))
 

@@ -73,7 +73,7 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
         return
     import torch
 
-    from decoder.models import load_pair
+    from decoder.models.loading import load_pair
     from store.buffer import SampleReader
     from store.schema import PairFingerprint
     from trainer.distill import Distiller

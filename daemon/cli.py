@@ -142,7 +142,8 @@ def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
 
 def _offline_status(s) -> dict:
     """What can be known with the daemon down: Redis (URL or default address) and the store."""
-    from daemon.redis_embed import RedisHandle, answers, mask_url
+    from daemon.redis_embed import RedisHandle, answers
+    from store.client import mask_url
     from daemon.reports import status_report
     from store.client import StoreError, connect
     from store.history import AcceptanceHistory
@@ -620,7 +621,8 @@ def _bootstrap_inputs(workloads: str, source: str, prompts: int) -> tuple[list[s
 
 def _load_pair(s) -> Any:
     """The configured model pair, with a spinner; exit 1 when it cannot be loaded."""
-    from decoder.models import ModelLoadError, load_pair
+    from decoder.models.loading import load_pair
+    from decoder.models.packaged import ModelLoadError
 
     m = s.models
     try:

@@ -13,14 +13,15 @@ from rich.console import Console
 from rich.table import Table
 
 from daemon.logging import configure, console
+from decoder.engines.base import supports
 
 err = console(stderr=True)
 
 
 def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int, engine: str = "auto",
           threads: int | None = None):
-    from decoder.engine import choose_engine
-    from decoder.models import load_pair
+    from decoder.engines.registry import choose_engine
+    from decoder.models.loading import load_pair
 
     configure("auto", "warning", stream=sys.stderr)  # stdout carries only the text / the JSON
 
@@ -70,9 +71,9 @@ def apply_adapter(pair, choice, path: Path) -> str:
         check_compatible(pair.draft, path)
     except AdapterError as e:
         raise ValueError(f"--adapter {str(path)!r}: {e}") from e
-    if choice is not None and choice.draft is not None and hasattr(choice.draft, "set_lora"):
-        from decoder.gguf_export import lora_gguf_cached
-        from decoder.models import cache_root
+    if choice is not None and supports(choice.draft, "lora"):
+        from decoder.models.gguf_export import lora_gguf_cached
+        from decoder.models.packaged import cache_root
 
         gguf = lora_gguf_cached(path, cache_root() / "gguf" / "lora", choice.draft.path)
         choice.draft.load_lora("bench", gguf)
@@ -85,7 +86,7 @@ def apply_adapter(pair, choice, path: Path) -> str:
 
 
 def _check_engine(engine: str) -> str:
-    from decoder.engine import ENGINES
+    from decoder.engines.registry import ENGINES
 
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
@@ -98,7 +99,7 @@ def _check_proposers(text: str) -> tuple[str, ...]:
     Raises:
         ValueError: an unknown, empty or repeated name (names it).
     """
-    from decoder.proposers import PROPOSERS
+    from decoder.proposers.registry import PROPOSERS
 
     names = tuple(x.strip() for x in text.split(","))
     bad = [x for x in names if x not in PROPOSERS]
@@ -199,7 +200,7 @@ def generate(
     try:
         req = DecodeRequest(ids, params, max_new_tokens, gamma=0 if no_spec else gamma, stop=tuple(stop or ()),
                             proposer=proposer)
-        from decoder.engine import torch_threads_for
+        from decoder.engines.registry import torch_threads_for
 
         with torch_threads_for(dec.engine):
             res = dec.generate(req)
@@ -270,7 +271,7 @@ def bench(
         _check_precision(draft_precision)
         _check_engine(engine)
         if llamacpp_peer:
-            from decoder.engine import target_gguf
+            from decoder.engines.registry import target_gguf
 
             if target_gguf(target) is None:
                 raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), "
@@ -284,7 +285,7 @@ def bench(
             err.log(f"adapter {adapter}: {adapter_note}")
         dec = _decoder(pair, dv, draft_precision, choice)
         if llamacpp_peer or (llamacpp_peer is None and choice.name == "llamacpp"):
-            from decoder.engine import target_gguf
+            from decoder.engines.registry import target_gguf
 
             gguf = target_gguf(target)
             if gguf is None:

@@ -38,6 +38,7 @@ from typing import Annotated, Any
 
 import typer
 
+from decoder.engines.base import supports
 from store.jsonsafe import jsonable as _jsonable, nan_none
 
 
@@ -138,8 +139,8 @@ class _Store:
 class _Models:
     """The loaded pair, the engines it runs on, and what the trainer and the serving loop share."""
 
-    pair: Any  # decoder.models.ModelPair
-    engines: Any  # decoder.engine.EngineChoice
+    pair: Any  # decoder.models.loading.ModelPair
+    engines: Any  # decoder.engines.registry.EngineChoice
     layers: str  # the derived draft's blocks (models.draft = 'layers:<spec>')
     vocab: Any  # FR-Spec draft vocabulary ids (None = full vocabulary)
     fp: Any  # store.schema.PairFingerprint
@@ -194,12 +195,12 @@ def _open_store(stack, settings, console) -> _Store:
 def _load_models(settings, console, embeddings: bool = False) -> _Models:
     """The configured pair (converted and cached on first use) and the engines it runs on."""
     from daemon.settings import draft_vocab_ids
-    from decoder.models import load_pair
+    from decoder.models.loading import load_pair
     from store.schema import PairFingerprint
 
     with console.status("loading the model pair (first run: GGUF conversion, ~30 s)"):
         pair = load_pair(settings.models.target, settings.models.draft, progress=console.log)
-        from decoder.engine import choose_engine
+        from decoder.engines.registry import choose_engine
 
         m = settings.models  # the decoder's engine gets one core, the trainer the other (unless told)
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1, embeddings=embeddings)
@@ -219,7 +220,7 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
                    run_id: str, console) -> _Trainer:
     """The TrainerService on a second, private copy of the derived draft, started (stopped by ``stack``)."""
     from daemon.settings import distill_config
-    from decoder.models import derive_draft
+    from decoder.models.loading import derive_draft
     from store import AdapterRegistry, SampleReader
     from store.buffer import group_info
     from trainer.distill import Distiller
@@ -331,7 +332,7 @@ def _v0_head(loop, trainer: _Trainer):
 
 def _v0_draft(models: _Models, trainer: _Trainer):
     """A torch copy of the frozen v0 draft: the derived draft with the bootstrapped adapter merged in."""
-    from decoder.models import derive_draft
+    from decoder.models.loading import derive_draft
 
     draft = derive_draft(models.pair.target, models.layers)
     if trainer.v0 is not None and trainer.v0.version:
@@ -642,7 +643,7 @@ def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_v
     from decoder.speculative import DecodeRequest
     from trainer.gate import paired_ratio_gain
 
-    if not hasattr(getattr(decoder, "draft_engine", None), "set_lora"):
+    if not supports(getattr(decoder, "draft_engine", None), "lora"):
         return []
     final = decoder.adapter_version
     # the base draft (0) that served before v0 was ready is no promotion after v0: not in the chain
@@ -730,14 +731,14 @@ def _frozen_lora(decoder, v0_version: int = 0, registry=None):
 
     eng = getattr(decoder, "draft_engine", None) if decoder is not None else None
     want = adapter_name(v0_version) if v0_version else None
-    if eng is None or not hasattr(eng, "set_lora") or eng.lora == want:
+    if not supports(eng, "lora") or eng.lora == want:
         yield
         return
     with decoder._lock:  # no request runs meanwhile
         was = eng.lora
         if want is not None and want not in eng.loras:
-            from decoder.gguf_export import lora_gguf_cached
-            from decoder.models import cache_root
+            from decoder.models.gguf_export import lora_gguf_cached
+            from decoder.models.packaged import cache_root
 
             eng.load_lora(want, lora_gguf_cached(Path(registry.fetch(v0_version)), cache_root() / "gguf" / "lora", eng.path))
         eng.set_lora(want)
@@ -1001,8 +1002,8 @@ def register(app) -> None:
             cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)
         if heads:
             cfg = dataclasses.replace(cfg, heads=True)
-        from decoder.engine import EngineError
-        from decoder.models import ModelLoadError
+        from decoder.engines.base import EngineError
+        from decoder.models.packaged import ModelLoadError
 
         try:
             report = run_demo(settings, cfg, console)

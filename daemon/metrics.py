@@ -1,15 +1,14 @@
 """Prometheus metrics, read from Redis and the trainer at scrape time (a custom collector).
 
-Names follow vLLM's speculative-decoding metrics with the ``draftd:`` prefix, labelled by
-workload. The ``spec_decode_*`` counters are sums of store's acceptance history
-(``AcceptanceHistory``) over its retention window, so written by every decoder that records
-history, not only this process; a bucket expiring after ``history_retention_s`` lowers them
-(Prometheus treats that like a counter reset).
+Names carry the ``draftd:`` prefix, labelled by workload. The acceptance metrics are
+``draftd:history_*``: sums of store's acceptance history (``AcceptanceHistory``) over its
+retention window, written by every decoder that records history, not only this process. They are
+gauges, since a bucket expiring after ``history_retention_s`` lowers them, and named apart from
+``serve``'s live ``draftd:spec_decode_*`` counters (by adapter version, this process's requests
+only), so one Prometheus scraping both gets no clashing series.
 
-``draftd:spec_decode_num_accepted_tokens_per_pos`` is not exported: the history stores no
-per-position counts (a store schema change).
+The history stores no per-position counts (a store schema change), so no per-position series.
 """
-
 from __future__ import annotations
 
 import math
@@ -25,25 +24,16 @@ from store.buffer import dead_letter_count, group_info, stream_depth
 from store.client import StoreUnavailableError
 from store.history import sum_rows
 
-# the daemon (daemon.app.Daemon) is typed Any here: app imports this module, not the reverse
-
 log = structlog.get_logger(__name__)
 
 P = "draftd:"
-# the acceptance history's families: named apart from serve's live draftd:spec_decode_* (one
-# Prometheus scraping both must not get two series of one name that disagree: serve's count this
-# process's requests by adapter version, these the history's buckets, which expire)
-H = P + "history_"
+H = P + "history_"  # the acceptance history's metrics (serve exports the live draftd:spec_decode_*)
 
-
-# workload labels the daemon's /metrics exports from the acceptance history (issue 37 item 4: it
-# held 2,000 invented names); the ones with the most requests, the rest summed under "other"
-METRICS_WORKLOADS = 64
 
 class DraftdCollector:
     """Collects on every scrape; a Redis outage gives ``draftd:redis_up 0`` and no store metrics."""
 
-    def __init__(self, daemon: Any):
+    def __init__(self, daemon: Any):  # a daemon.app.Daemon (app imports this module, not back)
         self.daemon = daemon
 
     def collect(self) -> Iterator[Metric]:
@@ -65,27 +55,20 @@ class DraftdCollector:
         c, cfg = d.redis.client, d.store_config
         now = d.clock()
         rows = d.history.read()
-        by_w: dict[str, list] = {}
-        for r in rows:
-            by_w.setdefault(r.workload, []).append(r)
-        if len(by_w) > METRICS_WORKLOADS:  # the busiest keep their label; the rest are summed under "other"
-            top = set(sorted(by_w, key=lambda w: (-sum(r.requests for r in by_w[w]), w))[:METRICS_WORKLOADS - 1])
-            rest = [r for w, wr in by_w.items() if w not in top for r in wr]
-            by_w = {w: by_w[w] for w in top}
-            by_w["other"] = by_w.get("other", []) + rest
-        workloads = sorted(by_w)
-        fams = {
-            "num_drafts": CounterMetricFamily(H + "spec_decode_num_drafts", "Verification steps with a draft proposal (gamma > 0)", labels=["workload"]),
-            "num_draft_tokens": CounterMetricFamily(H + "spec_decode_num_draft_tokens", "Tokens proposed by the draft", labels=["workload"]),
-            "num_accepted_tokens": CounterMetricFamily(H + "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", labels=["workload"]),
-            "num_emitted_tokens": CounterMetricFamily(H + "spec_decode_num_emitted_tokens", "Tokens emitted (accepted + corrections + bonus)", labels=["workload"]),
-            "requests": CounterMetricFamily(H + "requests", "Requests recorded in the acceptance history", labels=["workload"]),
+        workloads = sorted({r.workload for r in rows})
+        fams = {  # H + name: sums over the retention window (gauges: an expiring bucket lowers them)
+            "num_drafts": GaugeMetricFamily(H + "num_drafts", "Verification steps with a draft proposal (gamma > 0), over the history's retention", labels=["workload"]),
+            "num_draft_tokens": GaugeMetricFamily(H + "num_draft_tokens", "Tokens proposed, over the history's retention", labels=["workload"]),
+            "num_accepted_tokens": GaugeMetricFamily(H + "num_accepted_tokens", "Proposed tokens the target accepted, over the history's retention", labels=["workload"]),
+            "num_emitted_tokens": GaugeMetricFamily(H + "num_emitted_tokens", "Tokens emitted (accepted + corrections + bonus), over the history's retention", labels=["workload"]),
+            "requests": GaugeMetricFamily(H + "requests", "Requests recorded in the acceptance history, over its retention", labels=["workload"]),
         }
-        rate = GaugeMetricFamily(H + "spec_decode_acceptance_rate", f"Accepted / drafted tokens over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
-        alpha = GaugeMetricFamily(H + "alpha_request_mean", f"Mean of the per-request alpha over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
-        tau = GaugeMetricFamily(H + "spec_decode_mean_accepted_length", f"Emitted tokens per verification step (tau) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        # pooled rate (accepted / drafted tokens) and per-request mean α, named apart
+        rate = GaugeMetricFamily(H + "acceptance_rate", f"Accepted / drafted tokens (pooled) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        alpha = GaugeMetricFamily(H + "request_alpha_mean", f"Mean per-request alpha over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        tau = GaugeMetricFamily(H + "mean_accepted_length", f"Emitted tokens per verification step (tau) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
         for w in workloads:
-            wr = by_w[w]
+            wr = [r for r in rows if r.workload == w]
             tot = sum_rows(wr, w)
             for name, fam in fams.items():
                 fam.add_metric([w], getattr(tot, name))

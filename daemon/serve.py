@@ -1078,7 +1078,7 @@ def _eagle_head(path, target):
     if path is None:
         return None
     from decoder.eagle import load_head
-    from decoder.models import ModelLoadError
+    from decoder.models.packaged import ModelLoadError
 
     try:
         return load_head(target, Path(path).expanduser()).serving_copy(head_dtype())
@@ -1109,7 +1109,7 @@ def run_serve(settings, console=None) -> int:
     from daemon.redis_embed import open_redis
     from daemon.settings import draft_vocab_ids, store_config
     from decoder.loop import LoopConfig, build_serving_loop
-    from decoder.models import load_pair
+    from decoder.models.loading import load_pair
     from decoder.speculative import DecoderConfig
     from store import AdapterRegistry
     from store.schema import PairFingerprint
@@ -1126,7 +1126,7 @@ def run_serve(settings, console=None) -> int:
 
             torch.set_num_threads(m.torch_threads)
         pair = load_pair(m.target, m.draft, device=m.device)
-        from decoder.engine import choose_engine, torch_threads_for
+        from decoder.engines.registry import choose_engine, torch_threads_for
 
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads,
                                 embeddings=sv.record_hidden or "eagle" in sv.proposers)
@@ -1226,8 +1226,8 @@ def register(app) -> None:
             console.print(f"[red]config error:[/] {e}")
             raise typer.Exit(2) from e
         configure(s.log_format, s.log_level)
-        from decoder.engine import EngineError
-        from decoder.models import ModelLoadError
+        from decoder.engines.base import EngineError
+        from decoder.models.packaged import ModelLoadError
 
         from daemon.redis_embed import EmbeddedRedisError
         from store.errors import StoreError

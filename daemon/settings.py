@@ -117,7 +117,7 @@ class StoreSettings(_Group):
 
 
 class ModelSettings(_Group):
-    """The target/draft pair the trainer distils into (decoder.models.load_pair)."""
+    """The target/draft pair the trainer distils into (decoder.models.loading.load_pair)."""
 
     enabled: bool = Field(
         True, description="Load the model pair and run the trainer. false = bookkeeping, API and metrics only."

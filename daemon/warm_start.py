@@ -95,7 +95,7 @@ class WarmStart:
 
 def bootstrap_cache_root() -> Path:
     """``bootstrap/`` in the model cache (``$DRAFTD_CACHE_DIR`` or ``~/.cache/draftd/models``)."""
-    from decoder.models import cache_root
+    from decoder.models.packaged import cache_root
 
     return cache_root() / "bootstrap"
 
@@ -116,9 +116,11 @@ def scoring_engine(choice: str, target: str, device: str = "cpu", threads: int |
     ``models.engine`` would serve the target on llama.cpp; else None (the torch target scores).
 
     Raises:
-        decoder.engine.EngineError: ``choice`` is ``llamacpp`` and llama.cpp cannot load the target.
+        decoder.engines.base.EngineError: ``choice`` is ``llamacpp`` and llama.cpp cannot load the target.
     """
-    from decoder.engine import LlamaCppEngine, llamacpp_available, target_gguf
+    from decoder.engines.llamacpp import LlamaCppEngine
+    from decoder.engines.llamacpp_lib import llamacpp_available
+    from decoder.engines.registry import target_gguf
 
     gguf = target_gguf(target) if choice != "torch" and device == "cpu" else None
     if gguf is None or not llamacpp_available():
@@ -135,7 +137,7 @@ def score_corpora(pair: Any, fingerprint: Any, cfg: WarmStartConfig, precision: 
                   progress: Callable[[str], None] = lambda m: None, engine: Any = None) -> tuple[list, list, dict]:
     """The target's teacher-forced top-k on each workload's bootstrap documents.
 
-    ``engine``: the served target's engine (``decoder.engine``), which then scores the windows
+    ``engine``: the served target's engine (``decoder.engines``), which then scores the windows
     (``decoder.teacher.score_windows_engine``); None: the torch target (``score_windows``, bf16
     autocast per ``precision``).
 
@@ -206,7 +208,7 @@ def ensure_v0(pair: Any, fingerprint: Any, registry: Any, distiller: Any, cfg: W
     """Make the bootstrapped v0 the active shared version of an empty registry (trained once per cache key).
 
     Args:
-        pair: ``decoder.models.ModelPair`` (its torch target scores the corpora on a cache miss).
+        pair: ``decoder.models.loading.ModelPair`` (its torch target scores the corpora on a cache miss).
         fingerprint: ``store.schema.PairFingerprint`` of the pair.
         registry: ``store.registry.AdapterRegistry``.
         distiller: ``trainer.distill.Distiller`` on the draft; on a cache miss its adapter is trained

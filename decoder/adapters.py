@@ -63,6 +63,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
+from decoder.engines.base import supports
 from decoder.registry_follow import RegistryFollower
 from store import AdapterRegistry, StoreUnavailableError
 
@@ -336,19 +337,19 @@ class AdapterManager(RegistryFollower):
 
     def _load_on_engine(self, version: int, name: str, path) -> None:
         """A draft on llama.cpp (``decoder.draft_engine``): the version as a GGUF LoRA
-        (:func:`decoder.gguf_export.lora_gguf_cached`, converted once per artifact), loaded on
+        (:func:`decoder.models.gguf_export.lora_gguf_cached`, converted once per artifact), loaded on
         the draft's context, not yet applied. On failure peft's copy is unloaded too.
 
         Raises:
             IncompatibleAdapterError: the conversion or llama.cpp refused the adapter.
         """
         eng = getattr(self.decoder, "draft_engine", None)
-        if eng is None or not hasattr(eng, "load_lora") or name in eng.loras:
+        if not supports(eng, "lora") or name in eng.loras:
             return
         try:
-            from decoder.engine import EngineError
-            from decoder.gguf_export import lora_gguf_cached
-            from decoder.models import cache_root
+            from decoder.engines.base import EngineError
+            from decoder.models.gguf_export import lora_gguf_cached
+            from decoder.models.packaged import cache_root
 
             t0 = self.clock()
             cache = cache_root() / "gguf" / "lora"
@@ -441,7 +442,7 @@ class AdapterManager(RegistryFollower):
                 return
             try:
                 eng = getattr(dec, "draft_engine", None)
-                if eng is not None and hasattr(eng, "set_lora"):  # the draft on llama.cpp
+                if supports(eng, "lora"):  # the draft on llama.cpp
                     eng.set_lora(adapter_name(want) if want else None)
                 if dec.serving is not None:  # first: a version it lacks fails before peft moves
                     dec.serving.use(want)
@@ -465,7 +466,7 @@ class AdapterManager(RegistryFollower):
                     except KeyError:
                         pass  # old's weights are gone: the fallback below routes to a loaded one
                 eng = getattr(dec, "draft_engine", None)
-                if eng is not None and hasattr(eng, "set_lora"):
+                if supports(eng, "lora"):
                     try:
                         eng.set_lora(adapter_name(old) if old and adapter_name(old) in eng.loras else None)
                     except Exception:  # noqa: BLE001

@@ -34,10 +34,11 @@ from pathlib import Path
 
 import torch
 
-from decoder.engine import llama_call, torch_threads_for
+from decoder.engines.llamacpp_lib import llama_call
+from decoder.engines.registry import torch_threads_for
 from decoder.metrics import AcceptanceCounts
 from decoder.sampling import SamplingParams, predicted_speedup
-from decoder.proposers import PROPOSERS
+from decoder.proposers.registry import DEFAULT_PROPOSER, PROPOSERS
 from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder
 from decoder.workloads import Prompt
 from store.jsonsafe import nan_none
@@ -56,7 +57,7 @@ class BenchConfig:
     max_new_tokens: int = 64
     hf: bool = True  # include transformers' plain and assisted generation
     seed: int = 0
-    proposers: tuple[str, ...] = ("draft",)
+    proposers: tuple[str, ...] = (DEFAULT_PROPOSER,)
     llamacpp: str | None = None  # a GGUF path: add llama-cpp-python's plain generation as a peer
     threads: int | None = None  # the peer's threads (default: the target engine's, else os.cpu_count())
     near_tie_positions: int = 8  # greedy: batched-vs-one-token logit differences over this many positions per prompt
@@ -66,27 +67,27 @@ class LlamaCppPeer:
     """llama-cpp-python's high-level generation (``Llama.create_completion``) on a GGUF file.
 
     Raises:
-        decoder.engine.EngineError: llama-cpp-python is missing.
+        decoder.engines.base.EngineError: llama-cpp-python is missing.
     """
 
     def __init__(self, gguf: str, threads: int | None = None, n_ctx: int = 4096):
         import os
 
-        from decoder.engine import llama_extra_buffers
+        from decoder.engines.llamacpp_lib import llama_extra_buffers
 
         llama_extra_buffers(gguf)  # logging off, backend initialised, the same weight buffers as ours
         from llama_cpp import Llama
 
-        from decoder.gguf_export import SPLIT_KEY
+        from decoder.models.gguf_export import SPLIT_KEY
 
         self.threads = int(threads or os.cpu_count() or 1)
         kw = dict(model_path=str(gguf), n_ctx=n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
                   flash_attn=True, verbose=False)  # flash attention as ours; V cache at llama.cpp's f16 (users' default)
         self.llm = Llama(**kw)
         split = self.llm.metadata.get(SPLIT_KEY)
-        if split:  # a split Q4_1 file (decoder.gguf_export.q4_1_split_gguf): with its offset adapter, as ours runs it
+        if split:  # a split Q4_1 file (decoder.models.gguf_export.q4_1_split_gguf): with its offset adapter, as ours runs it
             self.llm.close()
-            from decoder.engine import LlamaCppEngine
+            from decoder.engines.llamacpp import LlamaCppEngine
 
             # our engine checks the adapter (present, loadable, this model's): llama-cpp-python
             # does not, and a refused adapter crashed it at the first decode

@@ -28,10 +28,14 @@ import redis
 import structlog
 
 from decoder.metrics import AcceptanceCounts, StepStats, line_at
+from decoder.proposers.registry import DEFAULT_PROPOSER, REQUEST_PROPOSERS, alpha_modelled, versioned_by
 from decoder.sampling import expected_tokens_per_step  # noqa: F401 - re-exported
 from decoder.shift import ShiftAlarm, ShiftDetector, key_str  # key_str re-exported: "{workload}@{bucket}"
 from store import AcceptanceHistory, AdapterRegistry, InvalidTransitionError, StoreError, UnknownVersionError
 from store.jsonsafe import nan_none
+
+DRAFT = alpha_modelled()  # the proposer modelled by α: the key's α, its rates by γ, the speculation ceiling
+HEAD = versioned_by("head")  # the proposer whose versions are heads (the head registry)
 
 log = structlog.get_logger("decoder.control")
 
@@ -167,11 +171,11 @@ class AcceptanceTracker:
         k = (w, result.sampling_bucket, int(result.adapter_version))
         with self._lock:
             self._totals.setdefault(k, Window()).add(result.counts)
-            proposer = getattr(result, "proposer", None) or "draft"  # DecodeResult's default
-            if proposer == "draft" and result.counts.num_draft_tokens:
+            proposer = getattr(result, "proposer", None) or DEFAULT_PROPOSER  # DecodeResult's default
+            if proposer == DRAFT and result.counts.num_draft_tokens:
                 self._draft.setdefault(k, Window()).add(result.counts)
             head_v = int(getattr(result, "head_version", 0) or 0)
-            if proposer == "eagle" and head_v > 0 and result.counts.num_draft_tokens:
+            if proposer == HEAD and head_v > 0 and result.counts.num_draft_tokens:
                 hk = (*k[:2], head_v)
                 self._heads.setdefault(hk, Window()).add(result.counts)
                 if self.head_history is not None:  # nowhere to flush them otherwise
@@ -286,9 +290,9 @@ class AcceptanceTracker:
     def _source(self, proposer: str | None, draft_only: bool) -> dict:
         if proposer is None:
             return self._draft if draft_only else self._totals
-        if proposer == "draft":
+        if proposer == DRAFT:
             return self._draft
-        if proposer == "eagle":
+        if proposer == HEAD:
             return self._heads
         raise ValueError(f"proposer={proposer!r}: windows are kept for 'draft' and 'eagle' (None: all requests)")
 
@@ -389,14 +393,14 @@ class RollbackMonitor:
         margin: float = 0.1,
         metric: str = "alpha",
         clock: Callable[[], float] = time.time,
-        proposer: str = "draft",
+        proposer: str = DRAFT,
     ):
         if metric not in ("alpha", "acceptance_rate"):
             raise ValueError(f"metric={metric!r}: use 'alpha' or 'acceptance_rate'")
-        if proposer not in ("draft", "eagle"):
+        if proposer not in (DRAFT, HEAD):
             raise ValueError(f"proposer={proposer!r}: the monitor judges 'draft' (adapters) or 'eagle' (heads)")
         self.proposer = proposer
-        self.kind = "head" if proposer == "eagle" else "adapter"
+        self.kind = "head" if proposer == HEAD else "adapter"
         if getattr(registry, "kind", self.kind) != self.kind:
             raise ValueError(f"proposer={proposer!r} judges {self.kind}s, but the registry holds {registry.kind}s; "
                              f"pass AdapterRegistry(..., kind={self.kind!r})")
@@ -544,14 +548,12 @@ class ControllerConfig:
     probe_every: int = 10
     useless_alpha: float = 0.1
     min_steps: int = 8
-    proposers: tuple[str, ...] = ("draft",)
+    proposers: tuple[str, ...] = (DRAFT,)
     ceiling_probe_every: int = 100
     ceiling_reprobe_s: float = 60.0
     half_life_s: float = 60.0
 
     def __post_init__(self):
-        from decoder.proposers import REQUEST_PROPOSERS
-
         self.proposers = (self.proposers,) if isinstance(self.proposers, str) else tuple(self.proposers)
         bad = [p for p in self.proposers if p not in REQUEST_PROPOSERS]
         if not self.proposers or bad or len(set(self.proposers)) != len(self.proposers):
@@ -732,7 +734,7 @@ class GoodputController:
         with self._lock:
             self._state(key).overhead_ms.add(max(0.0, ms), self.config.ewma)
 
-    def observe(self, key: Key, step: StepStats, step_ms: float | None = None, *, proposer: str = "draft",
+    def observe(self, key: Key, step: StepStats, step_ms: float | None = None, *, proposer: str = DRAFT,
                 asked: int | None = None) -> None:
         """Fold one verification step of ``key`` into the estimates; ``step_ms``, its wall time
         when known, also feeds :meth:`observe_overhead`. ``proposer`` served the step, asked for
@@ -745,7 +747,7 @@ class GoodputController:
             s = self._state(key)
             g = step.proposed
             s.verify_ms.setdefault(g, _Ewma()).add(step.verify_ms, w, now, hl)
-            if proposer != "draft":
+            if proposer != DRAFT:
                 asked = g if asked is None else asked
                 if asked:
                     s.lengths.setdefault(proposer, _LengthModel()).observe(
@@ -822,7 +824,7 @@ class GoodputController:
     def _hopeless(self, s: _KeyState, ev: dict[str, Any]) -> bool:
         """Whether the draft is a candidate whose ceiling is below plain; otherwise the probe
         back-off restarts."""
-        hopeless = "draft" in self.config.proposers and self._draft_cannot_pay(ev)
+        hopeless = DRAFT in self.config.proposers and self._draft_cannot_pay(ev)
         if not hopeless:
             s.ceiling_probes = 0
         return hopeless
@@ -848,7 +850,7 @@ class GoodputController:
         if self._head_version is not None:
             h = self._head_version()
             if s.head_version is not None and h != s.head_version:
-                s.lengths.pop("eagle", None)  # a new head: its accepted lengths are unknown
+                s.lengths.pop(HEAD, None)  # a new head: its accepted lengths are unknown
             s.head_version = h
         s.requests += 1
         return s
@@ -861,7 +863,7 @@ class GoodputController:
 
     def _choose(self, key: Key) -> tuple[int, dict[str, Any]]:
         """γ for the next request of ``key`` and the decision record (called once per request)."""
-        if self.config.proposers != ("draft",):
+        if self.config.proposers != (DRAFT,):
             return self._choose_among(key)
         c = self.config
         with self._lock:
@@ -907,7 +909,7 @@ class GoodputController:
                 **_estimates(s, ev),
                 "tokens_per_ms": {g: nan_none(r, 5) for g, r in sorted(ev["rate"].items())},
                 "why": why,
-                "proposer": "draft",
+                "proposer": DRAFT,
             }
             s.last = decision
             return gamma, decision
@@ -940,9 +942,9 @@ class GoodputController:
                 if s.requests % c.probe_every == 0:
                     others = [("plain", 0)] + [best_of[n] for n in c.proposers if best_of[n] is not None]
                     others = [o for o in others if o != best and o[0] != best[0]]
-                    drafts = [o for o in others if o[0] == "draft"]
+                    drafts = [o for o in others if o[0] == DRAFT]
                     if drafts and hopeless:  # the draft only when its back-off is due, and then the draft
-                        others = drafts if self._ceiling_probe_due(s) else [o for o in others if o[0] != "draft"]
+                        others = drafts if self._ceiling_probe_due(s) else [o for o in others if o[0] != DRAFT]
                     if others:
                         choice = others[(s.requests // c.probe_every) % len(others)]
                         probe = True
@@ -973,14 +975,14 @@ class GoodputController:
         every candidate is measured."""
         c = self.config
         for name in self.offered():
-            if name == "draft":
+            if name == DRAFT:
                 steps = s.alpha.n and sum(e.n for g, e in s.verify_ms.items() if g > 0)
                 cold = s.alpha.n == 0 or steps < c.min_steps
             else:
                 m = s.lengths.get(name)
                 cold = m is None or m.steps < c.min_steps
             if cold:
-                g = c.eagle_gamma_init if name == "eagle" else c.gamma_init
+                g = c.eagle_gamma_init if name == HEAD else c.gamma_init
                 return (name, g), f"warm-up: measuring {name} at γ={g}"
         if (s.verify_ms[0].n if 0 in s.verify_ms else 0) < c.min_steps:
             return ("plain", 0), "warm-up: measuring plain decoding"
@@ -992,8 +994,8 @@ class GoodputController:
         if 0 in ev["rate"]:
             cands[("plain", 0)] = ev["rate"][0]
         offered = self.offered()
-        if "draft" in offered:
-            cands.update({("draft", g): r for g, r in ev["rate"].items() if g > 0})
+        if DRAFT in offered:
+            cands.update({(DRAFT, g): r for g, r in ev["rate"].items() if g > 0})
         for name, rates in ev["others"].items():
             if name in offered:
                 cands.update({(name, g): r for g, r in rates.items()})
@@ -1037,7 +1039,7 @@ class GoodputController:
                 return {"key": key_str(*key), "gamma": None, "why": "no requests yet"}
             ev = self._evaluate(s)
             rate = ev["rate"]
-            if self.config.proposers != ("draft",):
+            if self.config.proposers != (DRAFT,):
                 cands = self._candidates(ev)
                 warm = self._warm_up(s)
                 best = max(cands, key=cands.get) if cands and warm is None else None
@@ -1049,7 +1051,7 @@ class GoodputController:
                     "tokens_per_ms_by_proposer": {n: {g: nan_none(r, 5) for g, r in sorted(rs.items())}
                                                   for n, rs in ev["others"].items()},
                     "why": (self._why_among(cands, best, ev)
-                            + ("; " + self._ceiling_why(ev) if "draft" in self.config.proposers
+                            + ("; " + self._ceiling_why(ev) if DRAFT in self.config.proposers
                                and self._draft_cannot_pay(ev) else "")
                             if best is not None else (warm[1] if warm else "warm-up: no estimate yet")),
                     "last": dict(s.last),
@@ -1100,7 +1102,7 @@ class ControlledGamma:
 
     def update(self, step: StepStats) -> None:
         self._modelled = step.draft_ms + step.verify_ms
-        self.controller.observe(self.key, step, proposer=self.proposer_name() or "draft",
+        self.controller.observe(self.key, step, proposer=self.proposer_name() or DEFAULT_PROPOSER,
                                 asked=step.asked if step.asked is not None else self._gamma)
 
     def describe(self) -> str:

@@ -230,7 +230,7 @@ def score_features(target: nn.Module, windows: list[list[int]], k: int = 32, bat
     next-token distribution at each position as top-k: ``topk_ids`` (L, k) int64, ``topk_probs``
     (L, k) float32, ``tail`` (L,) float32 (row j is p(. | ids[: j + 1]), temperature 1).
     Windows of equal length are batched (no padding)."""
-    from decoder.sampling import topk_rows as _topk_rows
+    from decoder.sampling import topk_rows
 
     device = next(target.parameters()).device
     by_len: dict[int, list[list[int]]] = {}
@@ -243,7 +243,7 @@ def score_features(target: nn.Module, windows: list[list[int]], k: int = 32, bat
             x = torch.tensor(group[i : i + batch_size], device=device)
             with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 o = target(input_ids=x, output_hidden_states=True)
-            ti, tp, tail = _topk_rows(o.logits.float(), k)
+            ti, tp, tail = topk_rows(o.logits.float(), k)
             hs = o.hidden_states[-1].float()
             for b in range(x.shape[0]):
                 out.append({"ids": x[b].cpu(), "feats": hs[b].half().cpu(), "topk_ids": ti[b].cpu(),
@@ -253,89 +253,19 @@ def score_features(target: nn.Module, windows: list[list[int]], k: int = 32, bat
 
 @torch.inference_mode()
 def score_features_engine(engine, windows: list[list[int]], k: int = 32) -> list[dict]:
-    """:func:`score_features` on a serving engine (``decoder.engine``; llama.cpp with
+    """:func:`score_features` on a serving engine (``decoder.engines``; llama.cpp with
     ``embeddings=True``): the features and distributions the head sees when it proposes."""
-    from decoder.sampling import topk_rows as _topk_rows
+    from decoder.sampling import topk_rows
 
     out = []
     for w in windows:
         if len(w) < 3:
             continue
         logits, hid = engine.start().forward(list(w), len(w), hidden=True)
-        ti, tp, tail = _topk_rows(logits.float(), k)
+        ti, tp, tail = topk_rows(logits.float(), k)
         out.append({"ids": torch.tensor(w), "feats": hid.float().half(), "topk_ids": ti.long(),
                     "topk_probs": tp.float(), "tail": tail.float()})
     return out
-
-
-class EagleProposer:
-    """Proposals from an :class:`EagleHead` (``"eagle"``), one head row per draft token.
-
-    The decoder feeds it the target's features: after the prefill, the prompt's (row j:
-    (f_j, x_{j+1})), and after each verification those of the input token and the accepted
-    proposals, each with the token that followed it (the accepted ones, then the bonus token):
-    :meth:`features`. Those rows are the head's committed cache; the first proposal of a step
-    runs them (the last of them gives q for x_1), then the head continues on its own features g
-    for x_2 .. x_γ. Speculative rows are never committed, so a rollback needs no crop.
-
-    Args:
-        head: the head (eval mode; its ``vocab_ids`` map its columns to token ids).
-        vocab_size: V_p, the target's vocabulary: q has this width, 0 outside the head's ids.
-    """
-
-    name = "eagle"
-    needs_features = True
-
-    def __init__(self, head: EagleHead, vocab_size: int):
-        self.head = head
-        self.vocab_size = vocab_size
-        self.cache: KVCache | None = None
-        self.length = 0  # committed head rows
-        self._feats: list[torch.Tensor] = []
-        self._next: list[int] = []
-
-    def start(self, ids: list[int], prefill: bool) -> None:
-        pass  # the prompt's features arrive through features()
-
-    def features(self, feats: torch.Tensor, next_tokens: list[int]) -> None:
-        """Queue committed rows: ``feats`` (m, H) target features, ``next_tokens`` (m,) the token
-        after each. Raises ValueError if the two lengths differ."""
-        if feats.shape[0] != len(next_tokens):
-            raise ValueError(f"features: {feats.shape[0]} feature rows for {len(next_tokens)} tokens")
-        if len(next_tokens):
-            self._feats.append(feats.float())
-            self._next.extend(int(t) for t in next_tokens)
-
-    def _q(self, logits: torch.Tensor, params):
-        from decoder.sampling import process_logits
-        return process_logits(self.head.full_logits(logits.float(), self.vocab_size), params)
-
-    def propose(self, ids: list[int], gamma: int, params, gen: torch.Generator):
-        from decoder.proposers import Proposal
-        from decoder.sampling import sample
-
-        if not self._next:  # a one-token prompt: no feature yet; the plain step brings its own
-            return Proposal([], torch.zeros((0, self.vocab_size)))
-        dev = self.head.embed.device
-        f = torch.cat(self._feats).to(dev)[None]  # (1, m, H)
-        x = torch.tensor([self._next], device=dev)
-        logits, g, self.cache = self.head(f, x, self.length, self.cache, last_only=True)
-        self.length += x.shape[1]
-        self._feats, self._next = [], []
-        tokens, qs = [], []
-        cache, g_last, logit = self.cache, g[:, -1:], logits[0, -1]
-        for i in range(gamma):
-            q_i = self._q(logit, params)
-            t = int(q_i.argmax()) if params.greedy else int(sample(q_i, gen))
-            tokens.append(t)
-            qs.append(q_i)
-            if i + 1 < gamma:
-                lg, g_last, cache = self.head(g_last, torch.tensor([[t]], device=dev), self.length + i, cache)
-                logit = lg[0, -1]
-        return Proposal(tokens, torch.stack(qs) if qs else torch.zeros((0, self.vocab_size)))
-
-    def rollback(self, length: int) -> None:
-        pass  # speculative rows were never committed
 
 
 def target_digest(target: nn.Module) -> str:

@@ -144,7 +144,7 @@ def small_m_linear(model: nn.Module, max_rows: int = SMALL_M, pad_one_row: bool 
     one row as a 2-column GEMM.
 
     Idempotent; subclasses of ``nn.Linear`` (quantised or LoRA layers) are left alone, and a
-    deep copy (``decoder.models.derive_draft``) keeps the class. Returns the number of modules
+    deep copy (``decoder.models.loading.derive_draft``) keeps the class. Returns the number of modules
     switched by this call.
 
     Raises:

@@ -42,7 +42,9 @@ from typing import Any
 
 import structlog
 
-from decoder.control import AcceptanceTracker, ControllerConfig, GoodputController, RollbackMonitor, key_of, key_str
+from decoder.control import (HEAD, AcceptanceTracker, ControllerConfig, GoodputController, RollbackMonitor, key_of,
+                             key_str)
+from decoder.proposers.registry import DEFAULT_PROPOSER
 from decoder.speculative import DecodeRequest, DecodeResult, FixedGamma, GammaPolicy
 
 log = structlog.get_logger("decoder.loop")
@@ -141,7 +143,7 @@ class _ObservedGamma(FixedGamma):
     """A fixed γ (a request's own, or a seeded request's) whose steps still feed the goodput
     controller's estimates, proposed by ``proposer``."""
 
-    def __init__(self, controller: GoodputController, key, value: int, proposer: str = "draft", why: str = "seeded"):
+    def __init__(self, controller: GoodputController, key, value: int, proposer: str = DEFAULT_PROPOSER, why: str = "seeded"):
         super().__init__(value)
         self.controller, self.key, self.proposer, self.why = controller, key, proposer, why
 
@@ -345,7 +347,7 @@ class ServingLoop:
         # a client's fixed γ (or a seeded request's) runs the first configured proposer that can
         # propose now (serve.proposers; "eagle" only while a head serves), else the draft model
         offered = self.controller.offered() if hasattr(self.controller, "offered") else self.controller.config.proposers
-        first = offered[0] if offered else "draft"
+        first = offered[0] if offered else DEFAULT_PROPOSER
         if req.gamma is not None:
             return _ObservedGamma(self.controller, key_of(req), req.gamma, first, "the request's gamma")
         if req.params.seed is not None and not req.params.greedy:
@@ -426,7 +428,7 @@ class ServingLoop:
                 self.monitor.check(res.adapter_version, res.workload if self.config.rollback_per_workload else None)
             except Exception:  # noqa: BLE001
                 log.exception("rollback_check_failed", request_id=res.request_id)
-        if self.head_monitor is not None and res.proposer == "eagle" and res.head_version:
+        if self.head_monitor is not None and res.proposer == HEAD and res.head_version:
             try:
                 self.head_monitor.check(res.head_version, res.workload if self.config.rollback_per_workload else None)
             except Exception:  # noqa: BLE001
@@ -492,7 +494,7 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                        decoder_config=None, pair_fingerprint=None, tap: Callable[[Any], Any] | None = None,
                        config: LoopConfig | None = None, controller=None, poll_interval_s: float = 1.0,
                        rollback_min_requests: int = 20, rollback_margin: float = 0.1,
-                       history_flush_s: float = 5.0, proposers: tuple[str, ...] = ("draft",),
+                       history_flush_s: float = 5.0, proposers: tuple[str, ...] = (DEFAULT_PROPOSER,),
                        engine=None, draft_engine=None, eagle_head=None, head_registry=None,
                        head_dtype=None) -> ServingLoop:
     """Wire the decoder and the adaptive loop once (what ``serve`` and an in-process driver share).
@@ -501,8 +503,8 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
       called first, e.g. to keep a held-out split) and the acceptance history; None: neither.
     - ``registry``: an AdapterManager following its promotions and rollbacks (per-workload
       routing) and a RollbackMonitor; None: the draft is served as it is.
-    - ``engine`` / ``draft_engine``: the target's (and the draft's) :mod:`decoder.engine` engines
-      (``decoder.engine.choose_engine``); None: transformers on ``target`` / ``draft``.
+    - ``engine`` / ``draft_engine``: the target's (and the draft's) :mod:`decoder.engines` engines
+      (``decoder.engines.registry.choose_engine``); None: transformers on ``target`` / ``draft``.
     - ``controller``: a GoodputController (default: one following the decoder's adapter version,
       choosing among ``proposers``, see :class:`decoder.control.ControllerConfig`).
     - ``eagle_head``: the feature-level head (``decoder.eagle.EagleHead``, e.g. ``load_head(...)
@@ -543,7 +545,7 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                 except Exception:  # noqa: BLE001 - a tap never fails the buffer
                     log.exception("sample_tap_failed")
             return writer.submit(sample)
-    if "eagle" in proposers and eagle_head is None and head_registry is None:
+    if HEAD in proposers and eagle_head is None and head_registry is None:
         raise ValueError(f"proposers={tuple(proposers)!r} include 'eagle', which needs a head: pass eagle_head= "
                          f"(decoder.eagle.load_head(target, path), trained by bench/head_buffer_bench.py --save) "
                          f"or head_registry= (heads the trainer promotes: trainer.heads)")
@@ -553,7 +555,7 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
         if eagle_head is not None:
             decoder.eagle_head = eagle_head
             decoder.check_eagle_head()  # a head this target cannot feed fails here, not on the first request
-        elif head_registry is not None and "eagle" in proposers:
+        elif head_registry is not None and HEAD in proposers:
             decoder.check_eagle_head(need_head=False)  # an engine without hidden states fails here
     except Exception:
         if writer is not None:  # its thread started above: nothing else will close it
@@ -573,12 +575,12 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
     monitor = (RollbackMonitor(registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin)
                if registry is not None else None)
     head_monitor = (RollbackMonitor(head_registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin,
-                                    proposer="eagle") if head_registry is not None else None)
+                                    proposer=HEAD) if head_registry is not None else None)
     if controller is None:
         controller = GoodputController(ControllerConfig(proposers=tuple(proposers)),
                                        adapter_version=lambda: decoder.adapter_version,
                                        head_version=lambda: decoder.head_version,
-                                       proposer_available=lambda n: n != "eagle" or decoder.eagle_head is not None)
+                                       proposer_available=lambda n: n != HEAD or decoder.eagle_head is not None)
     return ServingLoop(decoder, manager=manager, controller=controller, tracker=tracker, monitor=monitor,
                        writer=writer, config=config, heads=heads, head_monitor=head_monitor)
 

@@ -312,3 +312,9 @@ def expected_tokens_per_step(a: float, gamma: int) -> float:
     if a >= 1.0 - 1e-12:
         return float(gamma + 1)
     return (1 - a ** (gamma + 1)) / (1 - a)
+
+
+def seeded_sampling(params: SamplingParams) -> bool:
+    """A sampled request with a seed: its completion must follow from the seed alone, so nothing
+    timing- or traffic-dependent (the n-gram gate) may choose its γ."""
+    return not params.greedy and params.seed is not None

@@ -26,18 +26,21 @@ from typing import Any, Protocol
 import numpy as np
 import structlog
 import torch
-from transformers import DynamicCache
 
-from decoder.engine import Engine, TorchEngine
+from decoder.engines.base import Engine
+from decoder.engines.torch_engine import TorchEngine
 from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_linear
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
 from decoder.metrics import AcceptanceCounts, StepStats
 from store.jsonsafe import nan_none
-from decoder.proposers import (REQUEST_PROPOSERS, DraftModelProposer, NgramGate, NgramHistory, NgramProposer, NgramShadow,
-                               Proposer, StepCost, crop_to)
-from decoder.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob, alpha, process_logits, token_logprobs, verify
-from decoder.sampling import topk_rows as _topk_rows
+from decoder.proposers.base import Proposer, crop_to
+from decoder.proposers.cost import StepCost
+from decoder.proposers.ngram import NgramGate, NgramHistory, NgramShadow
+from decoder.proposers.registry import DEFAULT_PROPOSER, REQUEST_PROPOSERS, spec as proposer_spec, versioned_by
+from decoder.sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, alpha, process_logits, seeded_sampling, token_logprobs,
+                              topk_rows, verify)
 
+HEAD = versioned_by("head")  # the proposer whose versions are heads: a result names the head that served
 log = structlog.get_logger("decoder.speculative")
 
 
@@ -168,7 +171,7 @@ class DecodeResult:
     adapter_version: int
     sampling_bucket: str
     policy: str
-    proposer: str = "draft"
+    proposer: str = DEFAULT_PROPOSER
     engine: str = "torch"
     head_version: int = 0  # the feature-level head that served (decoder.heads; 0 = none or one given at build)
     matches_plain: bool | None = None
@@ -262,7 +265,7 @@ class DecoderConfig:
         ``bench/verify_cost_bench.py``).
     ngram_history_tokens: tokens of past requests the n-gram proposer indexes per workload.
     ngram_gate: the n-gram proposer proposes, at each step, only as many matched tokens as are
-        expected to pay (:class:`decoder.proposers.NgramGate`: acceptance estimates per kind of
+        expected to pay (:class:`decoder.proposers.ngram.NgramGate`: acceptance estimates per kind of
         match, learnt from every verification, against the engine's measured step cost per
         verified row count, ``SpeculativeDecoder.step_cost``), so γ is the most it proposes and
         a match unlikely to pay costs a plain step, not a verification (default). False proposes
@@ -321,12 +324,6 @@ class DecoderConfig:
                              f"a head distils the target's distributions beside its hidden states")
 
 
-def _seeded_sampling(params: SamplingParams) -> bool:
-    """A sampled request with a seed: its completion must follow from the seed alone, so nothing
-    timing- or traffic-dependent (the n-gram gate) may choose its γ."""
-    return not params.greedy and params.seed is not None
-
-
 class SpeculativeDecoder:
     """Speculative decoding of a target with a draft sharing its tokenizer.
 
@@ -338,9 +335,9 @@ class SpeculativeDecoder:
             ``SampleWriter.submit``, which never blocks); None disables streaming.
         pair_fingerprint: :class:`store.schema.PairFingerprint` put in each record.
         clock: monotonic clock in seconds (injected for tests).
-        engine: the target's :class:`decoder.engine.Engine` (default: a
-            :class:`decoder.engine.TorchEngine` over ``target``); e.g. a
-            :class:`decoder.engine.LlamaCppEngine` on the target's GGUF. ``target`` stays the
+        engine: the target's :class:`decoder.engines.base.Engine` (default: a
+            :class:`decoder.engines.torch_engine.TorchEngine` over ``target``); e.g. a
+            :class:`decoder.engines.llamacpp.LlamaCppEngine` on the target's GGUF. ``target`` stays the
             torch module of the same weights (its config and tokenizer; the trainer's teacher).
         draft_engine: the draft on an engine of its own (the derived draft's GGUF on llama.cpp);
             None: the draft proposes in torch (``draft``, through its serving copy).
@@ -386,8 +383,8 @@ class SpeculativeDecoder:
         self.vocab_p = self.engine.vocab_size
         self.vocab_q = (draft_engine.vocab_size if draft_engine is not None
                         else draft.get_output_embeddings().weight.shape[0])
-        torch_target = isinstance(self.engine, TorchEngine)
-        if self.config.record_hidden and getattr(self.engine, "embeddings", True) is False:
+        torch_target = self.engine.capabilities.torch_module
+        if self.config.record_hidden and not self.engine.capabilities.hidden_states:
             raise ValueError(f"DecoderConfig.record_hidden needs the target's hidden states, and engine "
                              f"{self.engine.name} was built without them: LlamaCppEngine(embeddings=True) "
                              f"(choose_engine(..., embeddings=True))")
@@ -481,25 +478,7 @@ class SpeculativeDecoder:
         Raises:
             ValueError: an unknown name, or ``"eagle"`` without ``eagle_head``.
         """
-        if name == "draft":
-            if self.draft_engine is not None:
-                return DraftModelProposer(self._engine_draft_logits, self.draft_engine.start)
-            return DraftModelProposer(self._draft_logits, lambda: DynamicCache(config=self.draft.config))
-        if name == "eagle":
-            self.check_eagle_head()
-            from decoder.eagle import EagleProposer
-            return EagleProposer(self.eagle_head, self.vocab_p)
-        if name == "ngram":
-            history = self.ngram_history if req.ngram_history else NgramHistory(
-                self.config.ngram_max_n, self.ngram_min_n, 1)  # empty: the request's own tokens only
-            gate = self.ngram_gate
-            if gate is not None and _seeded_sampling(req.params):
-                gate = None  # γ per step would follow step timings, and the seed would not reproduce the completion
-            elif gate is not None and not req.ngram_history:
-                gate = NgramGate()  # no past traffic: no past acceptance either
-            return NgramProposer(history, req.workload, self.vocab_p, self.device, gate=gate,
-                                 cost=self.step_cost if gate is not None else None)
-        raise ValueError(f"proposer {name!r}: use one of {REQUEST_PROPOSERS}")
+        return proposer_spec(name).build(self, req)
 
     def check_eagle_head(self, need_head: bool = True, head=None) -> None:
         """Raises ValueError unless ``eagle_head`` (or ``head``, a candidate, checked without
@@ -510,7 +489,7 @@ class SpeculativeDecoder:
         if head is None and need_head:
             raise ValueError("proposer 'eagle' needs a head: set SpeculativeDecoder.eagle_head "
                              "(decoder.eagle.EagleHead.from_target, then trained)")
-        if getattr(self.engine, "embeddings", True) is False:
+        if not self.engine.capabilities.hidden_states:
             raise ValueError(f"proposer 'eagle' needs the target's hidden states, and engine {self.engine.name} "
                              f"was built without them: LlamaCppEngine(embeddings=True) "
                              f"(choose_engine(..., embeddings=True))")
@@ -526,9 +505,9 @@ class SpeculativeDecoder:
 
     def _shadow(self, req: DecodeRequest) -> NgramShadow | None:
         """What teaches the shared n-gram gate from this request's steps that propose nothing
-        (:class:`decoder.proposers.NgramShadow`); None without a gate, for a request decoded
+        (:class:`decoder.proposers.ngram.NgramShadow`); None without a gate, for a request decoded
         without the served history, and for a seeded sampled one (which runs without the gate)."""
-        if self.ngram_gate is None or not req.ngram_history or _seeded_sampling(req.params):
+        if self.ngram_gate is None or not req.ngram_history or seeded_sampling(req.params):
             return None
         return NgramShadow(self.ngram_history, req.workload, self.ngram_gate, self.vocab_p)
 
@@ -576,13 +555,13 @@ class SpeculativeDecoder:
         with a 49k vocabulary would otherwise hold 0.8 GB of logits); a model type without a known
         plain head falls back to transformers' full logits."""
         if self._target_head is None:  # another engine, or an unknown head: logits chunk by chunk
-            parts = [_topk_rows(self._target_logits(tokens[i : i + _PROMPT_CHUNK], cache,
+            parts = [topk_rows(self._target_logits(tokens[i : i + _PROMPT_CHUNK], cache,
                                                     len(tokens[i : i + _PROMPT_CHUNK])), k)
                      for i in range(0, len(tokens), _PROMPT_CHUNK)]
             return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
         x = torch.tensor([tokens], device=self.device)
         h = self.target.get_decoder()(input_ids=x, cache=cache.cache, use_cache=True).last_hidden_state[0]  # (P-1, H)
-        parts = [_topk_rows(self._target_head(h[i : i + _PROMPT_CHUNK]), k) for i in range(0, h.shape[0], _PROMPT_CHUNK)]
+        parts = [topk_rows(self._target_head(h[i : i + _PROMPT_CHUNK]), k) for i in range(0, h.shape[0], _PROMPT_CHUNK)]
         return tuple(torch.cat([p[j] for p in parts]) for j in range(3))
 
     def _prompt_features(self, ids: list[int], seq, k: int, proposer, keep_hidden: bool = False, poll=None):
@@ -600,7 +579,7 @@ class SpeculativeDecoder:
             if proposer is not None:
                 proposer.features(hid, ids[i + 1 : i + 1 + len(chunk)])
             if k:
-                parts.append(_topk_rows(logits, k))
+                parts.append(topk_rows(logits, k))
                 if keep_hidden:
                     hids.append(hid.detach().to("cpu", torch.float16))
         if not k:
@@ -664,7 +643,7 @@ class SpeculativeDecoder:
         tcache = self.engine.start()
         counts = AcceptanceCounts(num_requests=1)
         steps: list[StepStats] = []
-        topk_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        rec_topk: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         k_rec = self.config.topk_record if self.sink is not None else 0
         rec_hidden = bool(k_rec) and self.config.record_hidden  # the records carry hidden states
         hid_rows: list[torch.Tensor] = []
@@ -672,11 +651,11 @@ class SpeculativeDecoder:
         # is going to be used; otherwise it catches up lazily on its first proposal).
         t0 = clock()
         speculate = policy.gamma() > 0  # the policy's first call: a controller decides here
-        name = req.proposer or (policy.proposer_name() if hasattr(policy, "proposer_name") else None) or "draft"
+        name = req.proposer or (policy.proposer_name() if hasattr(policy, "proposer_name") else None) or DEFAULT_PROPOSER
         proposer = self.make_proposer(name, req)
         # a feature-level proposer (decoder.eagle) learns the target's hidden state at every
         # position: the prompt's here, each verification's below
-        features = getattr(proposer, "needs_features", False)
+        features = proposer_spec(name).needs_features
         prompt_rows = None
         cancelled = False
         if prompt_len > 1:
@@ -746,7 +725,7 @@ class SpeculativeDecoder:
             if req.logprobs is not None and block:  # row j emitted block[j], as plain decoding's would
                 self.streamed_logprobs.extend(token_logprobs(served[: len(block)], params, block, req.logprobs))
             if k_rec and block:
-                topk_rows.append(_topk_rows(logits[: len(block)], k_rec))
+                rec_topk.append(topk_rows(logits[: len(block)], k_rec))
                 if rec_hidden:  # row j: the state whose distribution emitted block[j]
                     hid_rows.append(hid[: len(block)].detach().to("cpu", torch.float16))
             if features and block:  # the input token and the accepted proposals, each with its successor
@@ -761,7 +740,7 @@ class SpeculativeDecoder:
             # a proposal after the cut was never used: the accepted prefix counts up to the cut only
             st = StepStats(g, min(v.num_accepted, len(block)), len(block), v.rejected_at, a_sum, draft_ms, verify_ms,
                            asked)
-            if g == 0 or name == "ngram":  # what a step of g + 1 rows costs with no draft model in it
+            if g == 0 or proposer_spec(name).model_free:  # what a step of g + 1 rows costs with no model in it
                 self.step_cost.add(g + 1, (clock() - td) * 1e3)
             policy.update(st)
             steps.append(st)
@@ -788,7 +767,7 @@ class SpeculativeDecoder:
         if self.sink is not None and out:
             if prompt_rows is not None:
                 self._emit_prefill(req, result, prompt_rows, started_wall)
-            self._emit(req, result, topk_rows, started_wall, hid_rows if rec_hidden else None)
+            self._emit(req, result, rec_topk, started_wall, hid_rows if rec_hidden else None)
         return result
 
     def _checked_prompt(self, req: DecodeRequest) -> list[int]:
@@ -835,7 +814,7 @@ class SpeculativeDecoder:
             policy=policy.describe() if hasattr(policy, "describe") else type(policy).__name__,
             proposer=proposer,
             engine=self.engine.name,
-            head_version=self.head_version if proposer == "eagle" else 0,
+            head_version=self.head_version if proposer == HEAD else 0,
         )
 
     def _truncate(self, out: list[int], block: list[int], req: DecodeRequest) -> tuple[int, str | None]:

@@ -91,7 +91,7 @@ def score_windows(
     Raises:
         ValueError: a window shorter than 2 tokens or ``k < 1``.
     """
-    from decoder.sampling import topk_rows as _topk_rows
+    from decoder.sampling import topk_rows
     from store.schema import VerifiedSample
 
     if k < 1:
@@ -107,7 +107,7 @@ def score_windows(
             x = torch.tensor([w for _, w in chunk], device=device)
             with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                 logits = target(input_ids=x).logits[:, :-1]
-            top_ids, top_p, tail = _topk_rows(logits.float(), k)  # (B, L - 1, k), (B, L - 1)
+            top_ids, top_p, tail = topk_rows(logits.float(), k)  # (B, L - 1, k), (B, L - 1)
             for b in range(x.shape[0]):
                 n += 1
                 yield VerifiedSample(
@@ -139,7 +139,7 @@ def score_windows_engine(
     request_prefix: str = "corpus",
     on_batch: Callable[[int], None] | None = None,
 ) -> Iterator:
-    """:func:`score_windows` on an engine (``decoder.engine``: llama.cpp on CPU), one window per forward.
+    """:func:`score_windows` on an engine (``decoder.engines``: llama.cpp on CPU), one window per forward.
 
     The served target itself scores the text (llama.cpp's kernels on the GGUF, not the torch copy
     dequantised from it), with logits kept at every position: a window of L tokens in, logits
@@ -147,9 +147,9 @@ def score_windows_engine(
 
     Raises:
         ValueError: a window shorter than 2 tokens or ``k < 1``.
-        decoder.engine.EngineError: a window longer than the engine's context.
+        decoder.engines.base.EngineError: a window longer than the engine's context.
     """
-    from decoder.sampling import topk_rows as _topk_rows
+    from decoder.sampling import topk_rows
     from store.schema import VerifiedSample
 
     if k < 1:
@@ -160,7 +160,7 @@ def score_windows_engine(
         t0 = time.time()
         seq = engine.start()
         logits = seq.forward(list(w), keep=len(w))  # (L, V)
-        top_ids, top_p, tail = _topk_rows(logits[:-1].float(), k)  # (L - 1, k), (L - 1,)
+        top_ids, top_p, tail = topk_rows(logits[:-1].float(), k)  # (L - 1, k), (L - 1,)
         x = np.asarray(w)
         yield VerifiedSample(
             request_id=f"{request_prefix}:{workload}:{key}", workload=workload, adapter_version=0, pair=pair_fingerprint,

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Mapping
 
+
 import redis
 
 from store.errors import (  # re-exported: the package's exception hierarchy
@@ -228,3 +229,4 @@ def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: fl
         client.close()
         raise
     return client
+

@@ -1,48 +1,91 @@
-"""The house's layering, read from the source: no import circle among the project's modules
-(function-local and type-only imports included), and imports point one way, daemon -> {decoder,
-trainer} -> store, with decoder and trainer apart (trainer.head and the decoder's heads meet in
-daemon/, not in each other)."""
+"""Dependencies point one way (docs/architecture.md): daemon -> {trainer, decoder} -> store, and
+inside daemon/ the report builders, metrics and API never import the Daemon or the CLI."""
 
-from __future__ import annotations
+import subprocess
+import sys
 
-import ast
-from pathlib import Path
+import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+
+def _loaded(modules: str, prefixes: tuple[str, ...]) -> list[str]:
+    code = (f"import sys, {modules}; "
+            f"print(sorted({{m.split('.')[0] + '.' + m.split('.')[1] if '.' in m else m for m in sys.modules "
+            f"if m.startswith({prefixes!r})}}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return eval(r.stdout)  # a printed list of str
+
+
+@pytest.mark.parametrize("modules, forbidden", [
+    ("daemon.reports, daemon.metrics, daemon.api, daemon.errors", ("daemon.app", "daemon.cli", "daemon.demo")),
+    ("store.buffer, store.registry, store.history, store.jsonsafe", ("torch", "decoder", "trainer", "daemon")),
+    ("trainer.service, trainer.bootstrap, trainer.publish, trainer.head", ("decoder", "daemon")),
+    ("decoder.control, decoder.bench, decoder.adapters, decoder.eagle", ("trainer", "daemon")),
+])
+def test_imports_run_one_way(modules, forbidden):
+    assert _loaded(modules, forbidden) == []
+
+
+# ---- read from the source: every import, function-local and TYPE_CHECKING ones included ----------
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 PACKAGES = ("store", "decoder", "trainer", "daemon")
-LAYER = {"store": 0, "decoder": 1, "trainer": 1, "daemon": 2}
+# who may import whom: daemon -> {decoder, trainer} -> store; decoder and trainer apart
+ALLOWED = {"store": {"store"}, "decoder": {"decoder", "store"}, "trainer": {"trainer", "store"},
+           "daemon": {"daemon", "decoder", "trainer", "store"}}
 
 
-def _graph() -> dict[str, set[str]]:
-    """module -> the project modules it imports anywhere in its file."""
+def _modules() -> dict[str, "__import__('pathlib').Path"]:
     mods = {}
     for pkg in PACKAGES:
         for f in sorted((ROOT / pkg).rglob("*.py")):
-            rel = f.relative_to(ROOT).with_suffix("")
-            parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
+            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
             mods[".".join(parts)] = f
-    g: dict[str, set[str]] = {m: set() for m in mods}
-    for m, f in mods.items():
-        for n in ast.walk(ast.parse(f.read_text())):
-            names = []
-            if isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
-                names = [n.module] + [f"{n.module}.{a.name}" for a in n.names]
-            elif isinstance(n, ast.Import):
-                names = [a.name for a in n.names]
-            g[m] |= {x for x in names if x in mods and x != m}
-    return g
+    return mods
 
 
-def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan)."""
-    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+def _imports(mods) -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its source (a ``from pkg import mod``
+    of a submodule counts as importing that submodule)."""
+    import ast
 
-    def visit(v):
-        index[v] = low[v] = n[0]
-        n[0] += 1
+    edges: dict[str, set[str]] = {}
+    for name, f in mods.items():
+        is_pkg = f.name == "__init__.py"
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - node.level + 1]
+                    base = ".".join(pkg + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    out.add(t)
+        edges[name] = out
+    return edges
+
+
+def test_no_import_circle_among_the_projects_modules():
+    """No module reaches itself through imports, counting imports inside functions and under
+    TYPE_CHECKING: each circle would make the modules one unit that can only be read together."""
+    edges = _imports(_modules())
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
         stack.append(v)
         on.add(v)
-        for w in sorted(g[v]):
+        for w in edges.get(v, ()):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -57,29 +100,20 @@ def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
                 if w == v:
                     break
             if len(comp) > 1:
-                out.append(sorted(comp))
+                circles.append(sorted(comp))
 
-    for v in sorted(g):
+    import sys
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(edges):
         if v not in index:
             visit(v)
-    return out
+    assert circles == [], circles
 
 
-def test_the_cycle_finder_finds_a_planted_circle():
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert _cycles({"a": {"b"}, "b": set()}) == []
-
-
-def test_no_import_circle_among_the_projects_modules():
-    assert _cycles(_graph()) == []
-
-
-def test_imports_point_from_daemon_to_decoder_and_trainer_to_store():
-    wrong = []
-    for m, deps in _graph().items():
-        a = m.split(".")[0]
-        for d in deps:
-            b = d.split(".")[0]
-            if a != b and (LAYER[b] > LAYER[a] or LAYER[a] == LAYER[b]):
-                wrong.append(f"{m} -> {d}")
-    assert wrong == []
+def test_layers_import_one_way_in_the_source():
+    """daemon -> {decoder, trainer} -> store, read from every import in the source (function-local
+    ones too): store imports no other package, decoder and trainer never import each other."""
+    bad = sorted(f"{m} -> {t}" for m, ts in _imports(_modules()).items() for t in ts
+                 if t.split(".")[0] not in ALLOWED[m.split(".")[0]])
+    assert bad == []

@@ -130,7 +130,7 @@ def test_serve_eagle_proposer_takes_a_head_file_or_follows_the_trainers_heads(mo
 
 def test_serve_eagle_head_empty_is_unset_and_a_bad_file_is_a_load_error(monkeypatch, tmp_path):
     from daemon.serve import _eagle_head
-    from decoder.models import ModelLoadError
+    from decoder.models.packaged import ModelLoadError
 
     monkeypatch.setenv("DRAFTD_SERVE__EAGLE_HEAD", "")
     assert load_settings(None).serve.eagle_head is None

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def fingerprint() -> PairFingerprint:
     from transformers import AutoTokenizer
 
-    from decoder.models import resolve_model_dir, tokenizer_hash
+    from decoder.models.loading import resolve_model_dir, tokenizer_hash
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m")))
     from daemon.settings import ModelSettings

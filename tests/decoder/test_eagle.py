@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder.eagle import EagleHead, EagleProposer, score_features
+from decoder.eagle import EagleHead, score_features
+from decoder.proposers.eagle import EagleProposer
 from trainer.head import chained_alpha, column_map, head_batch, head_loss
 from decoder.sampling import SamplingParams, process_logits
 from decoder.speculative import DecodeRequest, SpeculativeDecoder
@@ -273,7 +274,7 @@ def test_records_carry_the_targets_hidden_states_row_for_row(target, other_draft
     a full teacher-forced recomputation (transformers' output_hidden_states), over steps that
     accepted some proposals and rejected others; they survive the
     buffer's encoding; without the flag records stay schema 1."""
-    from decoder.models import derive_draft
+    from decoder.models.loading import derive_draft
     from decoder.speculative import DecoderConfig
     from store.schema import PairFingerprint, decode, encode
 
@@ -313,8 +314,11 @@ def test_record_hidden_refuses_what_cannot_record(target, tok):
     with pytest.raises(ValueError, match="record_hidden='yes'"):
         DecoderConfig(record_hidden="yes")
 
+    from decoder.engines.base import Capabilities
+
     class NoHidden:  # an engine built without hidden-state extraction (LlamaCppEngine(embeddings=False))
         name, embeddings, vocab_size, hidden_size, context_length = "llama.cpp", False, 64, 48, 512
+        capabilities = Capabilities(hidden_states=False, lora=True, batch=False, torch_module=False, own_threads=True)
 
     with pytest.raises(ValueError, match=r"record_hidden needs the target's hidden states.*embeddings=True"):
         SpeculativeDecoder(target, target, tok, DecoderConfig(record_hidden=True), engine=NoHidden())

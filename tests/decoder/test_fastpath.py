@@ -132,7 +132,7 @@ def test_calibrate_small_m_times_every_distinct_weight_both_ways():
 
 def test_int8_quantisation_still_applies_after_the_switch():
     from decoder.fastpath import plain_linear
-    from decoder.models import quantize_draft_int8
+    from decoder.models.loading import quantize_draft_int8
 
     m = tiny_llama(5, layers=2)
     small_m_linear(m)

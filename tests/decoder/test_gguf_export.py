@@ -1,4 +1,4 @@
-"""decoder.gguf_export: the derived draft as a GGUF, and peft LoRA adapters as llama.cpp adapters.
+"""decoder.models.gguf_export: the derived draft as a GGUF, and peft LoRA adapters as llama.cpp adapters.
 
 Two levels. The fast tests build a tiny random Llama in torch and write it as an F32 GGUF the way
 llama.cpp's convert_hf_to_gguf.py does (q/k rows permuted per head), so llama.cpp and torch agree
@@ -32,9 +32,9 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from decoder import gguf_export as ge  # noqa: E402
-from decoder.gguf_export import derived_draft_gguf, layer_spec, lora_gguf_cached, lora_to_gguf  # noqa: E402
-from decoder.models import derive_draft  # noqa: E402
+from decoder.models import gguf_export as ge  # noqa: E402
+from decoder.models.gguf_export import derived_draft_gguf, layer_spec, lora_gguf_cached, lora_to_gguf  # noqa: E402
+from decoder.models.loading import derive_draft  # noqa: E402
 
 # ---- a tiny Llama, written as convert_hf_to_gguf.py would -----------------------------------
 
@@ -139,7 +139,7 @@ def llama_logits(model_path: Path, ids: list[int], lora: Path | None = None, n_c
     or llama.cpp's default F16 with ``f32_kv=False``)."""
     if llama_cpp is None:
         pytest.skip("llama-cpp-python is not importable (pip install llama-cpp-python)")
-    from decoder.engine import llama_call, llama_extra_buffers
+    from decoder.engines.llamacpp_lib import llama_call, llama_extra_buffers
 
     llama_extra_buffers(model_path)  # the engine's weight-buffer policy (a miscompiled AMX path faults)
     kw = {"lora_path": str(lora)} if lora else {}
@@ -447,7 +447,8 @@ REAL_TEXT = ("The quick brown fox jumps over the lazy dog. Speculative decoding 
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    from decoder.models import load_pair, packaged_gguf
+    from decoder.models.loading import load_pair
+    from decoder.models.packaged import packaged_gguf
 
     src = packaged_gguf("smollm2-135m")
     t0 = time.perf_counter()
@@ -547,7 +548,7 @@ def test_requantised_gguf_rounds_each_weight_as_bf16_and_is_cached(tmp_path):
     the cached file untouched; an unknown format is refused by name."""
     if llama_cpp is None:
         pytest.skip("llama-cpp-python is not importable (pip install llama-cpp-python)")
-    from decoder.gguf_export import requantised_gguf
+    from decoder.models.gguf_export import requantised_gguf
 
     src = write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf")
     out = requantised_gguf(src, "bf16", cache_dir=tmp_path / "requant")
@@ -626,8 +627,10 @@ def test_real_q4_1_split_serves_the_packaged_model_with_its_offsets(tmp_path):
         pytest.skip("llama-cpp-python is not importable (pip install llama-cpp-python)")
     import shutil
 
-    from decoder.engine import EngineError, LlamaCppEngine
-    from decoder.models import load_pair, packaged_gguf
+    from decoder.engines.base import EngineError
+    from decoder.engines.llamacpp import LlamaCppEngine
+    from decoder.models.loading import load_pair
+    from decoder.models.packaged import packaged_gguf
 
     src = packaged_gguf("smollm2-135m")
     out = ge.q4_1_split_gguf(src, cache_dir=tmp_path / "split")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from decoder.models import ModelLoadError, resolve_model_dir
+from decoder.models.loading import resolve_model_dir
+from decoder.models.packaged import ModelLoadError
 
 
 def test_directory_without_config(tmp_path):
@@ -60,13 +61,14 @@ def test_a_built_in_name_at_a_format_is_its_file_requantised(tmp_path, monkeypat
     pytest.importorskip("llama_cpp")
     import gguf
 
-    import decoder.models as M
-    from decoder.engine import target_gguf
+    import decoder.models.loading as M
+    from decoder.models.packaged import PackagedModel
+    from decoder.engines.registry import target_gguf
     from test_gguf_export import tiny_model, write_tiny_gguf
 
     monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "cache"))
     src = write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf", extra=False)
-    monkeypatch.setitem(M.PACKAGED, "tiny-pkg", M.PackagedModel("tiny-pkg", "tiny_pkg", "pip install tiny-pkg"))
+    monkeypatch.setitem(M.PACKAGED, "tiny-pkg", PackagedModel("tiny-pkg", "tiny_pkg", "pip install tiny-pkg"))
     monkeypatch.setattr(M, "packaged_gguf", lambda name: src if name == "tiny-pkg" else None)
     g = M.packaged_target("tiny-pkg@bf16")
     assert g.parent == tmp_path / "cache" / "requant" and g.name.endswith("-BF16.gguf")
@@ -92,15 +94,16 @@ def test_a_split_reference_trains_on_its_source_and_a_split_file_is_refused_by_t
     pytest.importorskip("llama_cpp")
     import gguf
 
-    import decoder.models as M
-    from decoder.gguf_export import requantised_gguf
+    import decoder.models.loading as M
+    from decoder.models.packaged import PackagedModel
+    from decoder.models.gguf_export import requantised_gguf
     from test_gguf_export import tiny_model, write_tiny_gguf
 
     monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "cache"))
     q41 = requantised_gguf(write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf", extra=False), "Q4_1",
                            cache_dir=tmp_path / "q41")
     assert gguf.GGMLQuantizationType.Q4_1 in {t.tensor_type for t in gguf.GGUFReader(q41).tensors}
-    monkeypatch.setitem(M.PACKAGED, "tiny-pkg", M.PackagedModel("tiny-pkg", "tiny_pkg", "pip install tiny-pkg"))
+    monkeypatch.setitem(M.PACKAGED, "tiny-pkg", PackagedModel("tiny-pkg", "tiny_pkg", "pip install tiny-pkg"))
     monkeypatch.setattr(M, "packaged_gguf", lambda name: q41 if name == "tiny-pkg" else None)
     split = M.packaged_target("tiny-pkg@q4_1s")
     assert split.name.endswith("-Q4_1S-v3.gguf") and M.canonical_ref("tiny-pkg@q4_1s") == "tiny-pkg@Q4_1S"

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from decoder.models import derive_draft, parse_layers
+from decoder.models.loading import derive_draft, parse_layers
 
 
 def test_parse_layers():

@@ -1,4 +1,4 @@
-"""The n-gram proposer's per-step length (decoder/proposers.py: StepCost, NgramGate): the step
+"""The n-gram proposer's per-step length (decoder/proposers/: StepCost, NgramGate): the step
 cost's median and line by hand, the gate's acceptance estimates and choices on hand-computed
 goodputs, forgetting, exploration, the proposer feeding it each verification, the shadow, bad
 arguments refused, and the decoder with it: greedy still equals plain, a gate that learnt that
@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from decoder.proposers import NgramGate, NgramHistory, NgramProposer, NgramShadow, StepCost, match_class
+from decoder.proposers.cost import StepCost
+from decoder.proposers.ngram import NgramGate, NgramHistory, NgramProposer, NgramShadow, match_class
 from decoder.sampling import SamplingParams
 from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
 from tiny import reference_greedy

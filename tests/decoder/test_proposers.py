@@ -1,4 +1,4 @@
-"""Proposers (decoder/proposers.py): the n-gram lookup by hand, lossless decoding with it
+"""Proposers (decoder/proposers/): the n-gram lookup by hand, lossless decoding with it
 (greedy equals plain token for token; T = 1 first-token chi-square), the decoder's on_step
 hook, the accepted count at an EOS cut, and the goodput controller choosing among proposers
 on hand-computed rates."""
@@ -12,7 +12,7 @@ import torch
 
 from decoder.control import ControllerConfig, GoodputController
 from decoder.metrics import StepStats
-from decoder.proposers import NgramHistory, NgramProposer
+from decoder.proposers.ngram import NgramHistory, NgramProposer
 from decoder.sampling import SamplingParams, process_logits
 from decoder.speculative import DecodeRequest, DecoderConfig, FixedGamma, SpeculativeDecoder
 from test_speculative import _chi2_crit_001, _chi_square
@@ -274,3 +274,21 @@ def test_a_requests_own_gamma_runs_the_first_configured_proposer(target, other_d
     assert r.proposer == "ngram" and r.output_ids == reference_greedy(target, ids, 8)
     assert "the request's gamma" in r.policy
     assert ctl._keys[("w", "greedy")].lengths["ngram"].steps >= 1  # its steps fed the controller
+
+
+def test_every_registered_proposer_is_built_from_its_spec(target, other_draft, tok):
+    """decoder/proposers/registry.py is the one list: the decoder builds each registered proposer
+    from its spec, the CLI's list and a request's list come from the specs, and an unknown name
+    is refused naming the known ones."""
+    from decoder.eagle import EagleHead
+    from decoder.proposers.registry import PROPOSERS, REQUEST_PROPOSERS, SPECS, spec
+
+    dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig())
+    dec.eagle_head = EagleHead.from_target(target)
+    req = DecodeRequest(enc(tok, "hello"), GREEDY, 4)
+    for name, s in SPECS.items():
+        assert spec(name) is s and dec.make_proposer(name, req).name == name
+        assert getattr(dec.make_proposer(name, req), "needs_features", False) == s.needs_features
+    assert PROPOSERS == ("draft", "ngram") and REQUEST_PROPOSERS == ("draft", "ngram", "eagle")
+    with pytest.raises(ValueError, match=r"proposer 'nope': use one of \('draft', 'ngram', 'eagle'\)"):
+        dec.make_proposer("nope", req)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from decoder.models import load_pair
+from decoder.models.loading import load_pair
 from decoder.sampling import SamplingParams, process_logits, verify
 from decoder.speculative import DecodeRequest, SpeculativeDecoder
 from decoder.workloads import get_workload

@@ -129,7 +129,7 @@ def test_an_fp32_serving_view_shares_the_drafts_tensors_and_merges_in_the_copy_o
 
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_bf16_proposals_keep_greedy_output_identical_to_plain(target, other_draft, tok, gamma):
-    from decoder.models import derive_draft
+    from decoder.models.loading import derive_draft
 
     for draft in (derive_draft(target, "0-1"), other_draft):
         dec = SpeculativeDecoder(target, draft, tok, DecoderConfig(draft_precision="bf16"))
@@ -173,7 +173,7 @@ def test_auto_takes_bf16_only_where_the_calibration_says_it_is_faster(target, ot
 
 
 def test_int8_draft_and_bad_values_are_refused_with_the_fix(target, tok):
-    from decoder.models import quantize_draft_int8
+    from decoder.models.loading import quantize_draft_int8
 
     q = quantize_draft_int8(tiny_llama(33, layers=1, hidden=32))
     dq = SpeculativeDecoder(target, q, tok)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from decoder.models import derive_draft
+from decoder.models.loading import derive_draft
 from decoder.sampling import SamplingParams, process_logits
 from decoder.speculative import DecodeRequest, DecoderConfig, FixedGamma, HeuristicGamma, SpeculativeDecoder
 from store.schema import PairFingerprint
@@ -137,7 +137,7 @@ def _chi2_crit_001(df):
 
 
 def test_padded_draft_vocab_is_lossless(target, tok):
-    from decoder.models import check_pair
+    from decoder.models.loading import check_pair
 
     padded = tiny_llama(11, layers=2, hidden=32, vocab=target.config.vocab_size + 16, head_scale=20.0)
     check_pair(tok, tok, target.config.vocab_size, padded.config.vocab_size)  # allowed: padded tail
@@ -148,7 +148,7 @@ def test_padded_draft_vocab_is_lossless(target, tok):
 
 
 def test_different_tokenizer_refused(tok):
-    from decoder.models import TokenizerMismatchError, check_pair
+    from decoder.models.loading import TokenizerMismatchError, check_pair
     from tiny import char_tokenizer
 
     with pytest.raises(TokenizerMismatchError, match="64.*64"):

@@ -30,12 +30,12 @@ def _args(**kw):
 @pytest.fixture
 def no_model(monkeypatch):
     """Fail loudly if the setup gets as far as loading the model."""
-    import decoder.models
+    import decoder.models.loading
 
     def boom(*a, **k):
         raise AssertionError("load_pair was called before the prompt checks")
 
-    monkeypatch.setattr(decoder.models, "load_pair", boom)
+    monkeypatch.setattr(decoder.models.loading, "load_pair", boom)
 
 
 @pytest.mark.parametrize("kw, match", [({"prompts": 0}, "--prompts 0"), ({"bench_prompts": 0}, "--bench-prompts 0"),

@@ -1,120 +1,26 @@
-"""Proposers: what suggests the γ tokens that the target verifies.
-
-A proposer turns the request's tokens so far into a :class:`Proposal`: up to γ token ids and the
-distributions q they were drawn from. Verification (:func:`decoder.sampling.verify`) is lossless
-for any q, so a proposer only moves acceptance and cost, never the output distribution.
-
-- :class:`DraftModelProposer` (``"draft"``): a small causal LM (the derived draft, its LoRA
-  adapters merged), autoregressive over its own KV cache; q is its processed distribution.
-- :class:`NgramProposer` (``"ngram"``): prompt-lookup / suffix decoding (Saxena 2023, "Prompt
-  Lookup Decoding"; Oliaro et al. 2024, "SuffixDecoding"): the continuation of the longest
-  recent match of the context's last n tokens, looked up in the request itself and in the
-  workload's own past requests (:class:`NgramHistory`). It runs no model (c ≈ 0), and adapts as
-  fast as traffic arrives: every finished request is indexed at once. Its proposals are
-  deterministic, so q is one-hot and a proposal x is accepted with probability p(x)
-  (min(1, p/q) with q(x) = 1), the residual being p with x removed; α = E[p(x)].
-  With an :class:`NgramGate` it proposes, at each step, only as many of the matched tokens as
-  pay: the length that maximises expected tokens per ms, from online acceptance estimates per
-  kind of match and the engine's measured step cost per verified row count (:class:`StepCost`),
-  and none where a plain step is expected to be faster.
-
-Adding a proposer is one class with ``name``, ``start``, ``propose`` and ``rollback`` (see
-:class:`Proposer`); the decoder builds one per request (``SpeculativeDecoder.make_proposer``)
-and indexes every finished request into its :class:`NgramHistory` itself.
+"""Prompt lookup as a proposer (``"ngram"``): Saxena 2023, "Prompt Lookup Decoding"; Oliaro et al.
+2024, "SuffixDecoding". The continuation of the longest recent match of the context's last n
+tokens, looked up in the request itself and in the workload's own past requests
+(:class:`NgramHistory`). It runs no model (c ≈ 0), and adapts as fast as traffic arrives: every
+finished request is indexed at once. Its proposals are deterministic, so q is one-hot and a
+proposal x is accepted with probability p(x) (min(1, p/q) with q(x) = 1), the residual being p
+with x removed; α = E[p(x)]. With an :class:`NgramGate` it proposes, at each step, only as many of
+the matched tokens as pay: the length that maximises expected tokens per ms, from online
+acceptance estimates per kind of match and the engine's measured step cost per verified row
+count (:class:`decoder.proposers.cost.StepCost`), and none where a plain step is expected to be
+faster. :class:`NgramShadow` teaches the gate from the steps that proposed nothing.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 import threading
-import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from decoder.metrics import line_at
-from decoder.sampling import SamplingParams, process_logits, sample
-
-PROPOSERS = ("draft", "ngram")  # what serve, the CLI, the controller and the bench choose among
-# every proposer a request may name: "eagle" (decoder.eagle.EagleProposer) needs a trained head on
-# the decoder (SpeculativeDecoder.eagle_head), which nothing in serve builds yet
-REQUEST_PROPOSERS = PROPOSERS + ("eagle",)
-
-
-@dataclass
-class Proposal:
-    """γ' <= γ proposed tokens.
-
-    tokens: (γ',) token ids x_1..x_γ'.
-    q: (γ', V) processed distributions each x_i was drawn from (a one-hot row for a
-        deterministic proposer); verification and α use exactly these.
-    """
-
-    tokens: list[int]
-    q: torch.Tensor
-
-
-class Proposer(Protocol):
-    """One request's proposer (built per request; the decoder holds its lock meanwhile)."""
-
-    name: str
-
-    def start(self, ids: list[int], prefill: bool) -> None:
-        """The prompt is ``ids`` (P tokens); the last one is the pending token. ``prefill``: the
-        request will speculate (a model-based proposer may prefill now, inside prefill ms)."""
-
-    def propose(self, ids: list[int], gamma: int, params: SamplingParams, gen: torch.Generator) -> Proposal:
-        """Up to ``gamma`` proposals continuing ``ids`` (all tokens so far, pending one last)."""
-
-    def rollback(self, length: int) -> None:
-        """Only ``ids[:length]`` survived verification: forget any state beyond it."""
-
-    # optional: ``verified(accepted: int)``, called after each verification of a proposal with its
-    # accepted prefix (before any cut at a stop), for a proposer that learns from it
-
-
-class DraftModelProposer:
-    """Proposals from the draft model through the decoder's draft call.
-
-    ``draft_logits(tokens, cache) -> (V,)`` runs the draft on ``tokens`` appended to ``cache``
-    and returns the logits at the last position, in the target's vocabulary (the decoder's
-    ``_draft_logits``: serving copy, FR-Spec head). The cache holds a prefix of the request's
-    tokens and catches up lazily, so a request that never speculates never runs the draft.
-    """
-
-    name = "draft"
-
-    def __init__(self, draft_logits, new_cache):
-        self._logits = draft_logits
-        self.cache = new_cache()
-        self.length = 0  # tokens in the cache
-
-    def start(self, ids: list[int], prefill: bool) -> None:
-        if prefill and len(ids) > 1:
-            self._logits(ids[:-1], self.cache)
-            self.length = len(ids) - 1
-
-    def propose(self, ids: list[int], gamma: int, params: SamplingParams, gen: torch.Generator) -> Proposal:
-        feed = ids[self.length:]
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        for _ in range(gamma):
-            q_i = process_logits(self._logits(feed, self.cache), params)  # (V,)
-            x = int(q_i.argmax()) if params.greedy else int(sample(q_i, gen))
-            tokens.append(x)
-            qs.append(q_i)
-            feed = [x]
-        if gamma:
-            self.length = len(ids) + gamma - 1
-        return Proposal(tokens, torch.stack(qs) if qs else torch.zeros((0, 0)))
-
-    def rollback(self, length: int) -> None:
-        if self.length > length:
-            crop_to(self.cache, length)
-            self.length = length
+from decoder.proposers.base import Proposal, ProposerSpec, is_int
+from decoder.proposers.cost import StepCost
+from decoder.sampling import SamplingParams, seeded_sampling
 
 
 class _PerWorkload:
@@ -253,10 +159,6 @@ def _match_len(a, a_end: int, b, b_end: int, n: int, max_len: int) -> int:
 
 
 # ---- the n-gram proposal's length: expected goodput per step -----------------------------------
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 9, 17)  # a match of m tokens falls in the last bucket whose bound <= m
 POSITION_BUCKETS = 4  # conditional acceptance of proposal j: j = 1, 2, 3-4, >= 5
 
@@ -270,139 +172,6 @@ def match_class(source: str, match_len: int) -> tuple[str, int]:
 
 def _pos_bucket(j: int) -> int:
     return 0 if j == 1 else 1 if j == 2 else 2 if j <= 4 else 3
-
-
-class StepCost:
-    """Measured wall ms of one decoding step (proposal, verification, acceptance test; not the
-    cache crop after it, which costs microseconds) by the rows it verified, n = proposals + 1
-    (n = 1: a plain step). Fed by the decoder from the steps that ran no draft model (the n-gram
-    proposer's and plain ones).
-
-    - t(1): the median of the last ``window`` plain steps (a median, not a mean: one step stalled
-      by another process, a page fault or a graph rebuild must not make proposals look expensive
-      for the next dozens).
-    - t(n), n > 1, paired in time: each step of n rows counts as its ratio to the plain steps of
-      its own time (the median of the last ``ref_steps`` plain steps of the ``ref_max_age_s``
-      seconds before it; with none that recent, to t(1) when read), and t(n) = t(1) x the
-      median ratio of its last ``window`` steps, never below t(1) (a verification is never
-      cheaper than a plain step; before any plain step, the median of its ms). Beside a
-      trainer that runs in rounds every step costs more during a round, and proposals are tried
-      at other times than plain steps run, so unpaired medians mixed a busy core's multi-row
-      steps with an idle core's plain ones.
-    - an unmeasured n is read off a least-squares line through the measured ones (slope clamped
-      at >= 0; flat through a single point, so before any proposal is measured a proposal looks
-      as cheap as a plain step, and the first ones measure what it really costs).
-
-    Raises: ValueError for a ``window`` or ``ref_steps`` that is not an int >= 1, or a
-    ``ref_max_age_s`` (seconds) that is not a number >= 0.
-    """
-
-    def __init__(self, window: int = 33, *, ref_steps: int = 9, ref_max_age_s: float = 5.0,
-                 clock=time.monotonic):
-        if not _is_int(window) or window < 1:
-            raise ValueError(f"StepCost: window={window!r} must be an int >= 1")
-        if not _is_int(ref_steps) or ref_steps < 1:
-            raise ValueError(f"StepCost: ref_steps={ref_steps!r} must be an int >= 1")
-        if not isinstance(ref_max_age_s, (int, float)) or not ref_max_age_s >= 0:
-            raise ValueError(f"StepCost: ref_max_age_s={ref_max_age_s!r} must be a number of seconds >= 0")
-        self.window, self.ref_steps, self.ref_max_age_s = window, ref_steps, float(ref_max_age_s)
-        self._clock = clock
-        self._plain: deque[tuple[float, float]] = deque(maxlen=window)  # (ms, clock)
-        self._rows: dict[int, deque[tuple[float, float | None]]] = {}  # rows > 1 -> (ms, ratio to its time's plain steps)
-        self._est: dict[int, float] | None = None  # t(n), computed on the first read after an add
-        self._lock = threading.Lock()
-
-    def add(self, rows: int, ms: float) -> None:
-        """One step of ``rows`` (an int >= 1) verified rows took ``ms``; a non-finite reading is
-        ignored, a negative one counts as 0.
-
-        Raises:
-            ValueError: ``rows`` is not an int >= 1.
-        """
-        if not _is_int(rows) or rows < 1:
-            raise ValueError(f"StepCost.add: rows={rows!r} must be an int >= 1 (proposals + 1)")
-        ms = float(ms)
-        if not math.isfinite(ms):  # a broken clock reading must not poison the estimate
-            return
-        rows, ms = int(rows), max(0.0, ms)
-        with self._lock:
-            now = self._clock()
-            self._est = None
-            if rows == 1:
-                self._plain.append((ms, now))
-                return
-            recent = [m for m, t in self._plain if 0 <= now - t <= self.ref_max_age_s][-self.ref_steps:]
-            ref = statistics.median(recent) if recent else 0.0
-            self._rows.setdefault(rows, deque(maxlen=self.window)).append((ms, ms / ref if ref > 0 else None))
-
-    def _estimates(self) -> dict[int, float]:
-        """t(n) per measured n (lock held)."""
-        if self._est is not None:
-            return self._est
-        if not self._plain:  # no plain step yet: the raw medians
-            est = {r: statistics.median(m for m, _ in d) for r, d in self._rows.items()}
-        else:
-            t1 = statistics.median(m for m, _ in self._plain)
-            est = {1: t1}
-            for r, d in self._rows.items():
-                if t1 > 0:  # a step with no plain steps of its time is read against t(1) now
-                    est[r] = t1 * max(1.0, statistics.median(q if q is not None else m / t1 for m, q in d))
-                else:
-                    est[r] = statistics.median(m for m, _ in d)
-        self._est = est
-        return est
-
-    def ms(self, rows: int) -> float:
-        """Estimated ms of a step verifying ``rows`` tokens (NaN before any step is measured)."""
-        with self._lock:
-            est = self._estimates()
-        if rows in est:
-            return est[rows]
-        return line_at(list(est.items()), rows)
-
-    def status(self) -> dict[int, float]:
-        """t(n) in ms per verified row count measured so far (t(1) x the paired median ratio for
-        n > 1; see the class)."""
-        with self._lock:
-            return {k: round(v, 4) for k, v in sorted(self._estimates().items())}
-
-    def ceiling(self, gamma_max: int = 8) -> dict | None:
-        """What this engine lets any proposer buy: the speedup over plain decoding at γ if every
-        proposed token were accepted and proposing cost nothing, (γ + 1) t(1) / t(γ + 1), for
-        each measured γ <= ``gamma_max`` (Leviathan et al. 2023, Theorem 3.8's speedup with α = 1
-        and c = 0, a verification's measured cost in place of one step). A proposer with real α
-        and cost gets less; where the best is near 1, no proposer can pay here.
-
-        Returns: {"by_gamma": {γ: speedup}, "gamma": best γ, "speedup": best} or None while
-        plain steps or proposals are unmeasured.
-
-        Raises: ValueError: ``gamma_max`` is not an int >= 1."""
-        with self._lock:
-            med = self._estimates()
-        return speculation_ceiling(med, gamma_max)
-
-
-def speculation_ceiling(ms_by_rows: dict[int, float], gamma_max: int = 8) -> dict | None:
-    """(γ + 1) t(1) / t(γ + 1) for each γ <= ``gamma_max`` whose t(γ + 1) is in ``ms_by_rows``
-    (ms, or any unit, by verified rows; see :meth:`StepCost.ceiling`), and the best of them.
-
-    A t(γ + 1) below t(1) (noise, or a broken clock's near-zero reading) counts as t(1): a
-    verification is never cheaper than a plain step, so no γ reads above γ + 1.
-
-    Returns: {"by_gamma": {γ: speedup}, "gamma": best γ, "speedup": best} (rounded to 3 places),
-    or None without t(1) > 0 and one more row count.
-
-    Raises: ValueError: ``gamma_max`` is not an int >= 1."""
-    if not _is_int(gamma_max) or gamma_max < 1:
-        raise ValueError(f"StepCost.ceiling: gamma_max={gamma_max!r} must be an int >= 1")
-    med = {int(r): float(t) for r, t in ms_by_rows.items()}
-    if med.get(1, 0) <= 0:
-        return None
-    by = {r - 1: (r * med[1] / max(med[r], med[1])) for r in med if 1 < r <= gamma_max + 1 and med[r] > 0}
-    if not by:
-        return None
-    g = max(by, key=by.get)
-    return {"by_gamma": {k: round(v, 3) for k, v in sorted(by.items())}, "gamma": g, "speedup": round(by[g], 3)}
 
 
 class NgramGate(_PerWorkload):
@@ -427,7 +196,7 @@ class NgramGate(_PerWorkload):
     def __init__(self, decay: float = 0.97, explore_tries: int = 3, explore_every: int = 16,
                  max_workloads: int = 64):
         ints = (explore_tries, explore_every, max_workloads)
-        if (not isinstance(decay, (int, float)) or not 0 < decay <= 1 or not all(_is_int(v) for v in ints)
+        if (not isinstance(decay, (int, float)) or not 0 < decay <= 1 or not all(is_int(v) for v in ints)
                 or explore_tries < 0 or explore_every < 1 or max_workloads < 1):
             raise ValueError(f"NgramGate: need 0 < decay={decay!r} <= 1 and the ints explore_tries={explore_tries!r} "
                              f">= 0, explore_every={explore_every!r} >= 1, max_workloads={max_workloads!r} >= 1")
@@ -619,7 +388,7 @@ class NgramShadow:
     """
 
     def __init__(self, history: NgramHistory, workload: str, gate: NgramGate, vocab_size: int, tokens: int = 8):
-        if not _is_int(tokens) or tokens < 1:
+        if not is_int(tokens) or tokens < 1:
             raise ValueError(f"NgramShadow: tokens={tokens!r} must be an int >= 1")
         self.matcher = NgramProposer(history, workload, vocab_size)
         self.gate, self.workload, self.tokens = gate, workload, tokens
@@ -662,12 +431,19 @@ class NgramShadow:
             self._open = None
 
 
-def crop_to(cache, length: int) -> None:
-    """Drop cached positions beyond ``length``: an engine sequence's ``truncate`` (see
-    :mod:`decoder.engine`), or a transformers cache (transformers 5: ``crop(-n)`` removes n)."""
-    if hasattr(cache, "truncate"):
-        cache.truncate(length)
-        return
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+def build(decoder, req) -> NgramProposer:
+    """``decoder``'s n-gram proposer for ``req``: the served history and gate, or the request's own
+    tokens only (``req.ngram_history`` off); no gate for a seeded sampled request."""
+    history = decoder.ngram_history if req.ngram_history else NgramHistory(
+        decoder.config.ngram_max_n, decoder.ngram_min_n, 1)  # empty: the request's own tokens only
+    gate = decoder.ngram_gate
+    if gate is not None and seeded_sampling(req.params):
+        gate = None  # γ per step would follow step timings, and the seed would not reproduce the completion
+    elif gate is not None and not req.ngram_history:
+        gate = NgramGate()  # no past traffic: no past acceptance either
+    return NgramProposer(history, req.workload, decoder.vocab_p, decoder.device, gate=gate,
+                         cost=decoder.step_cost if gate is not None else None)
+
+
+SPEC = ProposerSpec("ngram", modelled_by="lengths", versioned_by=None, needs_features=False, model_free=True,
+                    cli=True, build=build)

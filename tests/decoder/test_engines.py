@@ -1,4 +1,4 @@
-"""The engine seam (decoder/engine.py): choosing one, the llama.cpp engine against llama-cpp-python's
+"""The engine seam (decoder/engines/): choosing one, the llama.cpp engine against llama-cpp-python's
 own high-level API on the packaged GGUF, and the decoder on it (greedy equals plain; T = 1 and
 T = 0.7 / top-p 0.9 first-token chi-square with a planted proposal, accepted and rejected)."""
 
@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from decoder.engine import (KV_CACHE_TYPES, EngineError, LlamaCppEngine, TorchEngine, choose_engine, llama_call,
-                            llamacpp_available)
+from decoder.engines.base import EngineError
+from decoder.engines.llamacpp import KV_CACHE_TYPES, LlamaCppEngine
+from decoder.engines.llamacpp_lib import llama_call, llamacpp_available
+from decoder.engines.registry import choose_engine
+from decoder.engines.torch_engine import TorchEngine
 from decoder.sampling import SamplingParams, process_logits
 from decoder.speculative import DecodeRequest, SpeculativeDecoder
 from test_proposers import assert_planted_first_token_is_lossless
@@ -64,7 +67,7 @@ def tiny_gguf(tmp_path):
 def test_extra_buffers_follow_the_amx_probe_and_the_override(monkeypatch):
     """A build with the AMX path is probed (a miscompiled one faults on its first batched matmul);
     one without it is not; DRAFTD_LLAMA_EXTRA_BUFTS overrides both."""
-    from decoder.engine import extra_buffer_policy
+    from decoder.engines.llamacpp_lib import extra_buffer_policy
 
     monkeypatch.delenv("DRAFTD_LLAMA_EXTRA_BUFTS", raising=False)
     amx = "CPU : SSE3 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 1 | REPACK = 1 | "
@@ -89,7 +92,7 @@ def test_extra_buffers_follow_the_amx_probe_and_the_override(monkeypatch):
 
 
 def test_extra_buffers_refuse_an_unknown_override(monkeypatch):
-    from decoder.engine import extra_buffer_policy
+    from decoder.engines.llamacpp_lib import extra_buffer_policy
 
     for bad in ("yes", "2", "off", "true"):
         monkeypatch.setenv("DRAFTD_LLAMA_EXTRA_BUFTS", bad)
@@ -109,11 +112,11 @@ def test_only_a_fault_or_a_decoded_batch_is_kept_as_the_builds_answer(tmp_path, 
     import json
     import subprocess
 
-    import decoder.engine as E
+    import decoder.engines.llamacpp_lib as E
 
     monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, rc, b"", b""))
-    from decoder.models import packaged_gguf
+    from decoder.models.packaged import packaged_gguf
 
     got, detail = E._probe_extra_buffers(packaged_gguf("smollm2-135m"))
     assert got is ok, detail
@@ -130,8 +133,8 @@ def test_a_probe_on_a_model_other_than_the_packaged_one_proves_nothing(tmp_path,
     never reaches the AMX matmul): its success is not taken for the build's."""
     import subprocess
 
-    import decoder.engine as E
-    import decoder.models as M
+    import decoder.engines.llamacpp_lib as E
+    import decoder.models.packaged as M
 
     monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, b"", b""))
@@ -152,7 +155,8 @@ def run_child_ok(script: str, *args) -> None:
 
 _CLOSE_DURING_DECODE = """
 import sys, threading
-from decoder.engine import EngineError, LlamaCppEngine
+from decoder.engines.base import EngineError
+from decoder.engines.llamacpp import LlamaCppEngine
 eng = LlamaCppEngine(sys.argv[1], n_ctx=256, threads=1)
 seq = eng.start()
 errors = []
@@ -181,7 +185,7 @@ def test_close_from_another_thread_waits_for_the_running_decode(tiny_gguf):
 
 @needs_llamacpp
 def test_llama_call_hands_back_errors_and_keeps_serving(monkeypatch):
-    import decoder.engine as E
+    import decoder.engines.llamacpp_lib as E
 
     monkeypatch.setattr(E, "_route", True)
     with pytest.raises(ZeroDivisionError):
@@ -196,7 +200,7 @@ def test_every_llama_cpp_model_in_the_process_follows_the_extra_buffer_decision(
     the process, and a batched forward runs (on a miscompiled AMX build it faulted)."""
     import llama_cpp.llama_cpp as L
 
-    from decoder.engine import llama_extra_buffers
+    from decoder.engines.llamacpp_lib import llama_extra_buffers
 
     use, why = llama_extra_buffers(tiny_gguf)
     assert why and bool(L.llama_model_default_params().use_extra_bufts) is use
@@ -211,9 +215,9 @@ def test_the_llama_cpp_build_is_the_one_scripts_install_makes():
     """scripts/install builds llama.cpp without OpenMP: with it, a decode on any thread but the
     main one (the serving loop's) ran 2.5-5x slower at 2 threads (bench/verify_cost_bench.py
     measures both threads). A failure here means another build is installed: rerun scripts/install."""
-    from decoder.llamacpp_lib import bindings as _llama
+    from decoder.engines.llamacpp_lib import bindings
 
-    info = _llama().llama_print_system_info().decode()
+    info = bindings().llama_print_system_info().decode()
     assert "OPENMP = 1" not in info, info
 
 
@@ -223,7 +227,7 @@ def test_decoding_on_llama_cpp_runs_torch_single_threaded_and_restores_it(tiny_g
     llama.cpp's pool (our plain decoding at half llama.cpp's speed); torch_threads_for sets one
     thread while decoding on llama.cpp, restores the count after (an error included), and leaves
     the transformers engine alone."""
-    from decoder.engine import torch_threads_for
+    from decoder.engines.registry import torch_threads_for
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -244,7 +248,7 @@ def test_decoding_on_llama_cpp_runs_torch_single_threaded_and_restores_it(tiny_g
 
 _TORCH_BF16_BETWEEN_DECODES = """
 import sys, torch
-from decoder.engine import LlamaCppEngine
+from decoder.engines.llamacpp import LlamaCppEngine
 engine = LlamaCppEngine(sys.argv[1], n_ctx=256, threads=2)
 seq = engine.start()
 first = seq.forward(list(range(10, 40)), 4)
@@ -319,7 +323,7 @@ def test_a_damaged_cached_lora_gguf_is_converted_again(tiny_gguf, tmp_path, monk
 
     from test_gguf_export import random_lora, tiny_model
 
-    from decoder import gguf_export as ge
+    from decoder.models import gguf_export as ge
     from decoder.adapters import AdapterManager
 
     monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "cache"))
@@ -355,7 +359,7 @@ def test_the_draft_cannot_share_the_targets_engine(tiny_gguf, tok):
 # ---- the packaged GGUF on llama.cpp --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gguf():
-    from decoder.models import packaged_gguf
+    from decoder.models.packaged import packaged_gguf
 
     return packaged_gguf("smollm2-135m")
 
@@ -371,7 +375,7 @@ def engine(gguf):
 
 @pytest.fixture(scope="module")
 def real(gguf):
-    from decoder.models import load_pair
+    from decoder.models.loading import load_pair
 
     return load_pair("smollm2-135m", "layers:0-3")
 
@@ -455,7 +459,7 @@ def test_adapter_versions_hot_swap_on_the_llamacpp_draft(reg, tmp_path):
     from adapt_helpers import random_lora
 
     from decoder.adapters import AdapterManager
-    from decoder.models import load_pair
+    from decoder.models.loading import load_pair
 
     pair = load_pair("smollm2-135m", "layers:0-3")  # its own copy: the manager injects peft layers in place
     choice = choose_engine("llamacpp", "smollm2-135m", "cpu", "layers:0-3", threads=2)

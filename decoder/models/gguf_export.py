@@ -2,7 +2,7 @@
 target's weights requantised (:func:`requantised_gguf`, for measuring what a weight format does to
 the cost of a verification).
 
-The torch derived draft (:func:`decoder.models.derive_draft`) is the target's first k decoder
+The torch derived draft (:func:`decoder.models.loading.derive_draft`) is the target's first k decoder
 layers with the target's embeddings, final norm and LM head. :func:`derived_draft_gguf` writes
 the same model as a GGUF file llama.cpp loads: the selected ``blk.N.*`` tensors of the target's
 GGUF, renumbered, copied byte for byte (quantised types unchanged), with every non-block tensor
@@ -71,7 +71,7 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 def file_digest16(path: Path) -> str:
     """First 16 hex of sha256(file size, first 16 MiB): the cheap file identity
-    :func:`decoder.models.resolve_model_dir` keys its cache by."""
+    :func:`decoder.models.loading.resolve_model_dir` keys its cache by."""
     h = hashlib.sha256(f"{Path(path).stat().st_size}".encode())
     with open(path, "rb") as f:
         h.update(f.read(1 << 24))
@@ -191,13 +191,13 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
     """A GGUF of the derived draft: the blocks ``layers`` of the model in ``src``, renumbered.
 
     The file holds ``blk.{layers[n]}.*`` of ``src`` renamed ``blk.{n}.*`` for n = 0..L-1 (in the
-    order given; :func:`decoder.models.derive_draft` uses sorted indices), every non-block tensor
+    order given; :func:`decoder.models.loading.derive_draft` uses sorted indices), every non-block tensor
     (``token_embd``, ``output_norm``, ``output`` when present, ``rope_freqs``...), and all of
     ``src``'s metadata except ``{arch}.block_count``, set to L. Per-layer metadata arrays
     (``{arch}.*`` arrays of length block_count, e.g. per-layer head counts) are cut to the
     selected layers. Tensor data are copied byte for byte with their types (Q4_1 stays Q4_1).
 
-    Written once: ``cache_dir`` (default ``decoder.models.cache_root() / "gguf"``) /
+    Written once: ``cache_dir`` (default ``decoder.models.packaged.cache_root() / "gguf"``) /
     ``{src.stem}-{digest16}-layers-{spec}.gguf``, where digest16 is :func:`file_digest16` of
     ``src`` and spec is :func:`layer_spec` of ``layers`` (e.g. ``"0-3"``). Later calls return
     the cached file (of a split ``src``, with its offset adapter beside it; a cached split draft
@@ -208,7 +208,7 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
     layers then changes those layers' behaviour. A prefix (``[0..k-1]``) is always faithful.
 
     Args:
-        src: the source GGUF (e.g. ``decoder.models.packaged_gguf("smollm2-135m")``).
+        src: the source GGUF (e.g. ``decoder.models.packaged.packaged_gguf("smollm2-135m")``).
         layers: block indices of ``src``, non-empty, unique, each in ``0..block_count-1``.
         cache_dir: directory of the cached files (created if missing).
 
@@ -225,7 +225,7 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
 
     src = Path(src)
     if cache_dir is None:
-        from decoder.cache import cache_root
+        from decoder.models.packaged import cache_root
 
         cache_dir = cache_root() / "gguf"
     cache_dir = Path(cache_dir)
@@ -290,9 +290,9 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
 def weight_formats() -> dict[str, int]:
     """llama.cpp's file types by name (``"BF16"`` -> ``LLAMA_FTYPE_MOSTLY_BF16``), what
     :func:`requantised_gguf` takes. Raises EngineError without llama-cpp-python."""
-    from decoder.llamacpp_lib import bindings as _llama
+    from decoder.engines.llamacpp_lib import bindings
 
-    ll = _llama()
+    ll = bindings()
     return {k.removeprefix("LLAMA_FTYPE_MOSTLY_"): getattr(ll, k) for k in sorted(dir(ll))
             if k.startswith("LLAMA_FTYPE_MOSTLY_")}
 
@@ -307,9 +307,9 @@ def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path
     (requantising Q4_1 to Q4_0 loses more; BF16 rounds a Q4_1 weight d * q + m to 8 significant
     bits): ``bench/verify_cost_bench.py --formats`` uses it to measure how the weight format
     moves the cost of a verification of n rows (bench/RESULTS.md), and a ``name@FORMAT`` model
-    reference (:func:`decoder.models.packaged_target`) to serve a built-in model so.
+    reference (:func:`decoder.models.loading.packaged_target`) to serve a built-in model so.
 
-    Cached as ``cache_dir`` (default ``decoder.models.cache_root() / "requant"``) /
+    Cached as ``cache_dir`` (default ``decoder.models.packaged.cache_root() / "requant"``) /
     ``{src.stem}-{digest16}-{FMT}.gguf`` (:func:`file_digest16`), written to a temporary file and
     renamed into place.
 
@@ -320,11 +320,11 @@ def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path
     """
     import ctypes
 
-    from decoder.llamacpp_lib import bindings as _llama
-    from decoder.cache import cache_root
+    from decoder.engines.llamacpp_lib import bindings
+    from decoder.models.packaged import cache_root
 
     src = Path(src)
-    ll = _llama()
+    ll = bindings()
     name = str(fmt).strip().upper()
     formats = weight_formats()
     ftype = formats.get(name)
@@ -354,10 +354,10 @@ def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path
 # Metadata key of a split file: the file name (same directory) of the offset adapter it needs.
 # LlamaCppEngine reads it and applies that adapter under every forward; without it the file's
 # weights are d * (q - 8) only, a broken model (KL 15 nats from the packaged one).
+SPLIT_KEY = "draftd.q4_1_split.offset_lora"
 # In a split model and its offset adapter alike: the pair's identity (source digest, format, layers),
 # so an adapter of another model, or of another layer selection, is refused at load.
-from decoder.llamacpp_lib import SPLIT_ID_KEY, SPLIT_KEY  # noqa: E402 - the keys, defined beside the bindings
-
+SPLIT_ID_KEY = "draftd.q4_1_split.id"
 SPLIT_FORMAT = "Q4_1S"
 SPLIT_FORMAT_VERSION = 3  # in the file name: bumped when the bytes written for the same source change
 _Q4_1_BYTES, _Q4_0_BYTES = 20, 18  # per 32-weight block: (d f16, m f16, 16 nibble bytes) / (d f16, 16 nibble bytes)
@@ -470,9 +470,9 @@ def q4_1_split_gguf(src: Path, cache_dir: Path | None = None) -> Path:
     about 0.005 nats from the packaged file, the same argmax at 95-96 % of teacher-forced
     positions (BF16 of the same weights: 0.0043, 96.6 %), bench/RESULTS.md. Other tensors are
     copied byte for byte, all metadata kept, and :data:`SPLIT_KEY` names the adapter, which
-    :class:`decoder.engine.LlamaCppEngine` applies under every forward.
+    :class:`decoder.engines.llamacpp.LlamaCppEngine` applies under every forward.
 
-    Written once: ``cache_dir`` (default ``decoder.models.cache_root() / "requant"``) /
+    Written once: ``cache_dir`` (default ``decoder.models.packaged.cache_root() / "requant"``) /
     ``{src.stem}-{digest16}-Q4_1S-v{SPLIT_FORMAT_VERSION}.gguf`` and its ``.offset-lora.gguf`` beside it (the adapter
     first, so a model file never exists without its adapter).
 
@@ -482,7 +482,7 @@ def q4_1_split_gguf(src: Path, cache_dir: Path | None = None) -> Path:
     """
     import gguf
 
-    from decoder.cache import cache_root
+    from decoder.models.packaged import cache_root
 
     src = Path(src)
     out = (Path(cache_dir or cache_root() / "requant")

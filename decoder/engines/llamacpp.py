@@ -1,0 +1,326 @@
+"""The llama.cpp engine (``"llamacpp"``): a GGUF file in llama.cpp through llama-cpp-python's
+low-level bindings (``llama_decode`` with per-token output flags, ``llama_get_logits``,
+``llama_get_embeddings_ith``, ``llama_memory_seq_rm``), the engine CPU users already run.
+LoRA adapters (GGUF, :func:`decoder.models.gguf_export.lora_to_gguf`) are set per context with
+``llama_set_adapters_lora`` (:meth:`LlamaCppEngine.set_lora`). The process-wide plumbing
+(bindings, the compute thread, extra buffer types) is :mod:`decoder.engines.llamacpp_lib`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from decoder.engines.base import Capabilities, EngineError
+from decoder.engines.llamacpp_lib import bindings, llama_call, llama_extra_buffers
+from decoder.models.gguf_export import SPLIT_ID_KEY, SPLIT_KEY
+
+log = structlog.get_logger("decoder.engines.llamacpp")
+
+
+class LlamaCppSequence:
+    """A request's slot (sequence 0) in a :class:`LlamaCppEngine`'s context."""
+
+    def __init__(self, engine: "LlamaCppEngine"):
+        self.engine = engine
+        self.length = 0
+
+    def forward(self, tokens: list[int], keep: int, hidden: bool = False):
+        return self.engine._decode(self, tokens, keep, hidden)
+
+    def truncate(self, length: int) -> None:
+        if self.length > length:
+            e = self.engine
+            e._check_open()
+            if not e.L.llama_memory_seq_rm(e.mem, 0, length, -1):
+                raise EngineError(f"llama.cpp could not drop positions >= {length} of the sequence")
+            self.length = length
+
+
+KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml.h's enum ggml_type (llama_cpp exports no BF16 name)
+
+
+class LlamaCppEngine:
+    """A GGUF model in llama.cpp.
+
+    Args:
+        path: the GGUF file (the packaged target, or the derived draft of
+            :func:`decoder.models.gguf_export.derived_draft_gguf`).
+        n_ctx: KV-cache size in tokens (default: the model's training context, at most 8192).
+        threads: CPU threads for decode and batch (default: ``os.cpu_count()``).
+        n_batch: most tokens fed per ``llama_decode`` (longer inputs go in chunks).
+        embeddings: also extract final hidden states (llama.h: "extract embeddings (together with
+            logits)"); needed for ``forward(..., hidden=True)``.
+        flash_attn: llama.cpp's flash attention (on by default). Measured on the packaged GGUF:
+            with it on, a token's logits are bit-identical whether it is fed alone (plain decoding)
+            or inside a batch (verification), so greedy speculation equals plain greedy decoding
+            token for token; with it off, batched and one-token logits differ by up to 0.99 and
+            near-ties flip. It is also ~5-10 % faster per step here. The bench's peer
+            (``Llama(flash_attn=True)``) runs the same setting.
+        v_cache: element type of the V cache, one of :data:`KV_CACHE_TYPES` (K stays f16).
+            ``"bf16"`` (the default) keeps a row's logits bit-identical whether it is verified in
+            a block or decoded alone at every cache length: with f16 K and f16 V, llama.cpp's CPU
+            flash attention decodes a one-row query over a KV view of 512 cells or more (from the
+            257th cached token) with the cache split across threads and the partial softmaxes
+            merged, a different summation order than the block's, so near-ties could flip and a
+            served greedy output differ from plain decoding; with V in another type than K that
+            one-row path is not taken. ``"f16"`` is llama.cpp's (and the bench peer's) default.
+
+    Raises:
+        EngineError: llama-cpp-python missing, or the file does not load.
+        ValueError: ``v_cache`` not one of :data:`KV_CACHE_TYPES`.
+    """
+
+    name = "llamacpp"
+
+    def __init__(self, path: str | Path, n_ctx: int | None = None, threads: int | None = None,
+                 n_batch: int = 512, embeddings: bool = False, flash_attn: bool = True, v_cache: str = "bf16"):
+        if v_cache not in KV_CACHE_TYPES:
+            raise ValueError(f"v_cache={v_cache!r}: use one of {sorted(KV_CACHE_TYPES)}")
+        L = self.L = bindings()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise EngineError(f"GGUF file {str(path)!r} does not exist")
+        self.extra_bufts, _ = llama_extra_buffers(self.path)
+        mp = L.llama_model_default_params()
+        mp.use_extra_bufts = self.extra_bufts
+        self.model = L.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self.model:
+            raise EngineError(f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?)")
+        train_ctx = int(L.llama_model_n_ctx_train(self.model))
+        self.context_length = int(n_ctx or min(train_ctx, 8192))
+        self.threads = int(threads or os.cpu_count() or 1)
+        self.n_batch = int(n_batch)
+        self.embeddings = bool(embeddings)
+        self._emb_on = self.embeddings  # hidden-state extraction on the context now (llama_set_embeddings)
+        cp = L.llama_context_default_params()
+        cp.n_ctx = self.context_length
+        cp.n_batch = cp.n_ubatch = self.n_batch
+        cp.n_seq_max = 1
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.embeddings = self.embeddings
+        cp.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token hidden states
+        cp.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
+        self.flash_attn = bool(flash_attn)
+        cp.type_v = KV_CACHE_TYPES[v_cache]
+        self.v_cache = v_cache
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise EngineError(f"llama.cpp could not create a context of {self.context_length} tokens for {path}")
+        self.mem = L.llama_get_memory(self.ctx)
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.vocab_size = int(L.llama_vocab_n_tokens(self.vocab))
+        self.hidden_size = int(L.llama_model_n_embd(self.model))
+        eos = {int(L.llama_vocab_eos(self.vocab)), int(L.llama_vocab_eot(self.vocab))}
+        self.eos_ids = frozenset(t for t in eos if t >= 0)
+        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self._loras: dict[str, object] = {}
+        self.lora: str | None = None  # the adapter key now set on the context
+        self._closed = False
+        self._busy = threading.Lock()  # held by a decode; close() waits for it
+        self._offset_lora = None  # a split Q4_1 file's offset adapter, under every forward
+        self.offset_lora: Path | None = None
+        split = self._meta_str(SPLIT_KEY)
+        if split is not None:
+            self._apply_offset_lora(self.path.parent / split)
+
+    def _meta_str(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = self.L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    def _apply_offset_lora(self, path: Path) -> None:
+        """A split Q4_1 model (:func:`decoder.models.gguf_export.q4_1_split_gguf`) is Q4_0 blocks plus
+        the per-block offsets as a LoRA adapter; without the adapter its weights are wrong, so a
+        missing or refused one fails the load."""
+        if not path.is_file():
+            self.close()
+            raise EngineError(f"{self.path.name} is a split Q4_1 model and needs its offset adapter {path}, which is "
+                              f"missing; delete {self.path} so it is written again")
+        ad = self.L.llama_adapter_lora_init(self.model, str(path).encode())
+        if not ad:
+            self.close()
+            raise EngineError(f"llama.cpp refused the offset adapter {path} of the split model {self.path.name}; "
+                              f"delete both so they are written again")
+        want, buf = self._meta_str(SPLIT_ID_KEY), ctypes.create_string_buffer(4096)
+        n = self.L.llama_adapter_meta_val_str(ad, SPLIT_ID_KEY.encode(), buf, len(buf))
+        got = buf.value.decode("utf-8", "replace") if n >= 0 else None
+        if want is None or got != want:
+            self.L.llama_adapter_lora_free(ad)
+            self.close()
+            raise EngineError(f"the offset adapter {path} belongs to split {got!r}, not to {self.path.name} "
+                              f"({want!r}); delete both so they are written again")
+        self._offset_lora, self.offset_lora = ad, path
+        self._set_adapters(None, 1.0)
+
+    def _check_open(self) -> None:
+        """Every call into the context goes through here: after :meth:`close` its pointers are
+        freed, and llama.cpp would read freed memory (a segfault), so refuse instead."""
+        if self._closed:
+            raise EngineError(f"the llama.cpp engine for {self.path.name} is closed")
+
+    def start(self) -> LlamaCppSequence:
+        self._check_open()
+        # Metadata only with flash attention (zeroing the buffers cost 19 ms a request at 8192 tokens;
+        # masked cells never reach its softmax); without it a stale cell holding inf/NaN (an f16
+        # overflow) turned a later request's logits to NaN (QA), so the buffers are zeroed there.
+        self.L.llama_memory_clear(self.mem, not self.flash_attn)
+        return LlamaCppSequence(self)
+
+    def _decode(self, seq: LlamaCppSequence, tokens: list[int], keep: int, hidden: bool):
+        with self._busy:  # a close() from another thread waits for this decode instead of freeing under it
+            return self._decode_locked(seq, tokens, keep, hidden)
+
+    def _decode_locked(self, seq: LlamaCppSequence, tokens: list[int], keep: int, hidden: bool):
+        self._check_open()
+        L, n = self.L, len(tokens)
+        if n < 1 or not 1 <= keep <= n:
+            raise ValueError(f"forward: need 1 <= keep={keep} <= len(tokens)={n}")
+        if seq.length + n > self.context_length:
+            raise EngineError(f"{seq.length + n} tokens exceed the llama.cpp context of {self.context_length}: "
+                              f"shorten the request (LlamaCppEngine(n_ctx=...) sets the context; serve runs the "
+                              f"model's own, at most 8192)")
+        if hidden and not self.embeddings:
+            raise EngineError("hidden states need LlamaCppEngine(embeddings=True)")
+        if self.embeddings and hidden != self._emb_on:
+            # with extraction on, llama.cpp outputs every row of a batch (logits included), so a
+            # prefill or a plain step that wants no hidden state would pay a full-vocabulary head
+            # per row: it is on only for the calls that ask for hidden states
+            L.llama_set_embeddings(self.ctx, hidden)
+            self._emb_on = hidden
+        rows, hs = [], []
+        for c0 in range(0, n, self.n_batch):  # chunks of n_batch; outputs only in the last `keep`
+            chunk = tokens[c0 : c0 + self.n_batch]
+            b = self._batch
+            b.n_tokens = len(chunk)
+            first_out = n - keep
+            outs = 0
+            for i, t in enumerate(chunk):
+                b.token[i] = int(t)
+                b.pos[i] = seq.length + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                out = c0 + i >= first_out
+                b.logits[i] = 1 if out else 0
+                outs += out
+            rc = llama_call(L.llama_decode, self.ctx, b)
+            if rc != 0:
+                raise EngineError(f"llama_decode returned {rc} (1: no KV slot; <0: error) at position {seq.length}")
+            seq.length += len(chunk)
+            if outs:
+                if self._emb_on:
+                    # llama.cpp then outputs every token of the batch, whatever b.logits says
+                    # (llama-batch.cpp: "embeddings required but some input tokens were not marked
+                    # as outputs -> overriding"), so llama_get_logits holds len(chunk) rows: pick
+                    # the wanted ones by their batch position, as llama_get_embeddings_ith does.
+                    want = range(len(chunk) - outs, len(chunk))
+                    rows.append(np.stack([self._row(L.llama_get_logits_ith(self.ctx, i), self.vocab_size, i)
+                                          for i in want]))
+                    if hidden:
+                        hs.append(np.stack([self._row(L.llama_get_embeddings_ith(self.ctx, i), self.hidden_size, i)
+                                            for i in want]))
+                else:
+                    rows.append(np.ctypeslib.as_array(L.llama_get_logits(self.ctx),
+                                                      shape=(outs, self.vocab_size)).copy())
+        logits = torch.from_numpy(rows[0] if len(rows) == 1 else np.concatenate(rows))
+        if hidden:
+            return logits, torch.from_numpy(np.concatenate(hs))
+        return logits
+
+    @staticmethod
+    def _row(ptr, width: int, i: int) -> np.ndarray:
+        if not ptr:
+            raise EngineError(f"llama.cpp returned no output for batch position {i}")
+        return np.ctypeslib.as_array(ptr, shape=(width,)).copy()
+
+    # ---- LoRA adapters (GGUF) ----------------------------------------------------------------
+    def load_lora(self, key: str, path: str | Path) -> None:
+        """Load a GGUF LoRA adapter under ``key`` (not yet applied). Raises EngineError."""
+        self._check_open()
+        if key in self._loras:
+            return
+        ad = self.L.llama_adapter_lora_init(self.model, str(path).encode())
+        if not ad:
+            raise EngineError(f"llama.cpp refused the LoRA adapter {str(path)!r} for {self.path.name}")
+        self._loras[key] = ad
+
+    def set_lora(self, key: str | None, scale: float = 1.0) -> None:
+        """Apply the adapter ``key`` (None: none) to every following forward. Call between
+        requests only (the decoder's between-request hook)."""
+        self._check_open()
+        if key is not None and key not in self._loras:
+            raise EngineError(f"LoRA adapter {key!r} is not loaded (loaded: {self.loras}); load_lora it first")
+        self._set_adapters(key, scale)
+        self.lora = key
+
+    def _set_adapters(self, key: str | None, scale: float) -> None:
+        """The context's adapters: a split model's offsets (scale 1) and the adapter ``key``."""
+        L = self.L
+        ads = ([(self._offset_lora, 1.0)] if self._offset_lora is not None else []) + \
+              ([(self._loras[key], float(scale))] if key is not None else [])
+        if not ads:
+            rc = L.llama_set_adapters_lora(self.ctx, None, 0, None)
+        else:
+            arr = (L.llama_adapter_lora_p_ctypes * len(ads))(*(a for a, _ in ads))
+            rc = L.llama_set_adapters_lora(self.ctx, arr, len(ads), (ctypes.c_float * len(ads))(*(x for _, x in ads)))
+        if rc != 0:
+            raise EngineError(f"llama_set_adapters_lora({key!r}) returned {rc}")
+
+    def drop_lora(self, key: str) -> None:
+        """Free an adapter that is not applied."""
+        if key == self.lora:
+            raise EngineError(f"adapter {key!r} is in use; set another first")
+        self._check_open()
+        ad = self._loras.pop(key, None)
+        if ad:
+            self.L.llama_adapter_lora_free(ad)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Hidden states only when built with ``embeddings=True``; LoRA per context; computes on
+        llama.cpp's own thread pool."""
+        return Capabilities(hidden_states=self.embeddings, lora=True, batch=False, torch_module=False,
+                            own_threads=True)
+
+    @property
+    def loras(self) -> list[str]:
+        return list(self._loras)
+
+    def describe(self) -> dict:
+        return {"engine": self.name, "model": self.path.name, "device": "cpu", "threads": self.threads,
+                "n_ctx": self.context_length, "v_cache": self.v_cache, "lora": self.lora,
+                "extra_buffer_types": self.extra_bufts}
+
+    def close(self) -> None:
+        with self._busy:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        L = self.L
+        L.llama_batch_free(self._batch)
+        L.llama_free(self.ctx)
+        for ad in self._loras.values():
+            L.llama_adapter_lora_free(ad)
+        self._loras.clear()
+        if self._offset_lora is not None:
+            L.llama_adapter_lora_free(self._offset_lora)
+            self._offset_lora = None
+        L.llama_model_free(self.model)
+
+    def __del__(self):  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+

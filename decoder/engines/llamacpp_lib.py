@@ -1,0 +1,254 @@
+"""llama.cpp's C plumbing, shared by every llama.cpp user in the process: llama-cpp-python's
+low-level :func:`bindings` (initialised once), :func:`llama_call` (the one thread llama.cpp
+computes on while AMX tiles are in use), and :func:`llama_extra_buffers` (whether weights go to
+llama.cpp's extra buffer types, probed once per build)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from pathlib import Path
+
+import structlog
+
+from decoder.engines.base import EngineError
+
+log = structlog.get_logger("decoder.engines.llamacpp_lib")
+
+
+def llamacpp_available() -> bool:
+    """True when llama-cpp-python can be imported (it is a dependency; a broken build may lack it)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+_init_lock = threading.Lock()
+_initialised = False
+_log_cb = None  # the ctypes log callback must outlive every call into llama.cpp
+
+
+def bindings():
+    """llama-cpp-python's low-level bindings, initialised once, with llama.cpp's logging off
+    (``DRAFTD_LLAMA_LOG=1`` keeps it). Load models after :func:`llama_extra_buffers`."""
+    global _initialised, _log_cb
+    try:
+        import llama_cpp.llama_cpp as L
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise EngineError(f"the llama.cpp engine needs llama-cpp-python ({e}); run scripts/install, "
+                          f"or use --engine torch") from e
+    with _init_lock:
+        if not _initialised:
+            if os.environ.get("DRAFTD_LLAMA_LOG") != "1":
+                _log_cb = L.llama_log_callback(lambda level, text, data: None)
+                L.llama_log_set(_log_cb, None)
+            L.llama_backend_init()
+            _initialised = True
+    return L
+
+
+_extra: tuple[bool, str] | None = None  # this process's decision (llama_extra_buffers)
+_route = False  # llama_call runs llama.cpp's compute on its own thread (AMX tiles in use)
+_llama_q = None  # the llama.cpp thread's work queue (_llama_queue)
+_llama_ident: int | None = None
+
+
+def llama_call(fn, *args):
+    """``fn(*args)`` for a llama.cpp call that computes (``llama_decode``, ``Llama.eval``,
+    ``Llama.create_completion``): on the process's one llama.cpp thread while AMX tiles are in use
+    (:func:`llama_extra_buffers`), directly otherwise.
+
+    Why: ggml configures a thread's AMX tiles once (a thread-local flag), and oneDNN, which torch's
+    bf16 matmuls run on, releases the tiles after each of its AMX kernels. On a thread that ran
+    both, ggml's next tile instruction found no configuration and the process died of SIGILL
+    (measured: a torch bf16 matmul between two batched decodes on one thread). The calling thread
+    is thread 0 of ggml's compute (its other threads are ggml's own), so llama.cpp's compute
+    calls run on a thread that runs nothing else; measured no slower (7.07 vs 7.10 ms a step at
+    2 threads) in the build scripts/install makes (GGML_OPENMP=OFF: with OpenMP, any thread but
+    the main one decoded 2.5-5x slower).
+    """
+    if not _route or threading.get_ident() == _llama_ident:
+        return fn(*args)
+    import concurrent.futures
+
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    _llama_queue().put((fut, fn, args))
+    try:
+        return fut.result()
+    except BaseException:
+        # interrupted (Ctrl-C) while llama.cpp still computes on our context: wait it out, or a
+        # close() in the caller's cleanup would free the context under the running decode
+        while not fut.done():
+            try:
+                concurrent.futures.wait([fut])
+            except BaseException:  # noqa: BLE001 - a second interrupt: keep waiting all the same
+                pass
+        raise
+
+
+def _llama_queue():
+    """The llama.cpp thread's work queue, its daemon thread started on first use (a daemon:
+    concurrent.futures' executors stop taking work once the main thread returns, and a serving
+    thread may still be decoding then)."""
+    global _llama_q
+    with _init_lock:
+        if _llama_q is None:
+            import queue
+
+            q: queue.SimpleQueue = queue.SimpleQueue()
+
+            def run():
+                global _llama_ident
+                _llama_ident = threading.get_ident()
+                while True:
+                    fut, fn, args = q.get()
+                    if not fut.set_running_or_notify_cancel():
+                        continue
+                    try:
+                        fut.set_result(fn(*args))
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+
+            threading.Thread(target=run, name="llama.cpp", daemon=True).start()
+            _llama_q = q
+    return _llama_q
+
+# Loads a GGUF with llama.cpp's extra buffer types and decodes one 8-token batch: the call whose
+# AMX matmul faults in a miscompiled build. Run in a child process (a fault must not kill ours).
+_PROBE = """
+import sys
+import llama_cpp.llama_cpp as L
+L.llama_backend_init()
+mp = L.llama_model_default_params()
+mp.use_extra_bufts = True
+m = L.llama_model_load_from_file(sys.argv[1].encode(), mp)
+if not m:
+    sys.exit(3)
+cp = L.llama_context_default_params()
+cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 64, 16, 16, 1, 1
+ctx = L.llama_init_from_model(m, cp)
+toks = (L.llama_token * 8)(*range(1, 9))
+sys.exit(0 if ctx and L.llama_decode(ctx, L.llama_batch_get_one(toks, 8)) == 0 else 3)
+"""
+
+
+def extra_buffer_policy(system_info: str, probe) -> tuple[bool, str]:
+    """Whether llama.cpp may put weights in its extra CPU buffer types (AMX tiles, repacked
+    layouts), and why: the rule of :func:`llama_extra_buffers`, with the probe passed in.
+
+    probe: () -> (ok, detail), run only for a build with the AMX path (``AMX_INT8 = 1``); ok is
+        None when the probe could not tell (its model did not load).
+    """
+    env = os.environ.get("DRAFTD_LLAMA_EXTRA_BUFTS", "").strip()
+    if env in ("0", "1"):
+        return env == "1", f"DRAFTD_LLAMA_EXTRA_BUFTS={env}"
+    if env:
+        raise EngineError(f"DRAFTD_LLAMA_EXTRA_BUFTS={env!r}: use 1 (llama.cpp's extra/AMX weight buffers on), "
+                          f"0 (off), or leave it unset (probed)")
+    if "AMX_INT8 = 1" not in system_info:
+        return True, "no AMX path in this llama.cpp build"
+    ok, detail = probe()
+    if ok:
+        return True, f"the AMX path works in this build ({detail})"
+    if ok is None:
+        return False, f"the AMX path of this llama.cpp build is unprobed ({detail}): the AVX-512 kernels run"
+    return False, (f"the AMX matmul of this llama.cpp build faults ({detail}): the AVX-512 kernels run instead; "
+                   f"scripts/install builds llama-cpp-python with the fix (-fno-dse -fno-tree-dse)")
+
+
+def llama_extra_buffers(gguf: str | Path) -> tuple[bool, str]:
+    """Decide, once per process, whether llama.cpp loads weights into its extra buffer types, and
+    make every later load follow it (ours and ``llama_cpp.Llama``'s, whose defaults are patched).
+
+    On a CPU with AMX, llama.cpp keeps Q4_0/Q4_1/Q8_0/K-quant weights in AMX tiles: measured on
+    a Xeon with AMX (2 threads, SmolLM2-135M Q4_1), a one-token step takes 6.7 ms against 12.3 ms
+    on the AVX-512 kernels. But GCC 12 at -O3 drops the stores that fill the tile configuration
+    in ``ggml_tile_config_init`` (it does not see ``_tile_loadconfig`` read them), so the first
+    batched matmul dies with a general-protection fault (ggml-org/llama.cpp#20824 reads like it).
+    Whether this build has that bug is probed once in a child process on ``gguf`` (about a second)
+    and cached per library file under :func:`decoder.models.packaged.cache_root`; a build without the AMX
+    path is not probed. ``DRAFTD_LLAMA_EXTRA_BUFTS`` = ``1`` / ``0`` overrides.
+
+    Returns:
+        (use_extra_bufts, reason), logged once.
+    """
+    global _extra, _route
+    L = bindings()
+    with _init_lock:
+        if _extra is None:
+            info = L.llama_print_system_info().decode(errors="replace")
+            probed: list[tuple[bool | None, str]] = []
+            decided = extra_buffer_policy(info, lambda: probed.append(_probe_extra_buffers(Path(gguf))) or probed[0])
+            if probed and probed[0][0] is None:
+                return decided  # the probe could not tell: this load runs without them, the next probes again
+            _extra = decided
+            use = _extra[0]
+            _route = use and "AMX_INT8 = 1" in info
+            defaults = getattr(L.llama_model_default_params, "_draftd_defaults", L.llama_model_default_params)
+
+            def model_params():
+                p = defaults()
+                p.use_extra_bufts = use
+                return p
+
+            model_params._draftd_defaults = defaults
+            L.llama_model_default_params = model_params  # what llama_cpp.Llama calls too
+            log.info("llama.cpp extra buffer types", use=use, reason=_extra[1])
+        return _extra
+
+
+def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
+    """(ok, detail) of :data:`_PROBE`, cached per llama.cpp CPU library file; ok None: unknown.
+
+    The probe loads the packaged SmolLM2 GGUF when it is installed (Q4_1 weights, which the AMX
+    path takes), else ``gguf``; a model of other weight types (F32) would not reach the AMX
+    matmul, so its "ok" is not cached."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import llama_cpp
+
+    from decoder.models.packaged import cache_root, packaged_gguf
+
+    libdir = Path(llama_cpp.__file__).parent / "lib"
+    libs = sorted({p.resolve() for p in libdir.glob("libggml-cpu*")} or {p.resolve() for p in libdir.glob("*")})
+    key = ";".join(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in libs if p.is_file())
+    cache = cache_root() / "llama-extra-buffers.json"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key) if isinstance(known, dict) else None
+    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], bool):
+        return entry[0], f"{entry[1]}, cached"
+    packaged = None
+    try:
+        packaged = packaged_gguf("smollm2-135m")
+    except Exception:  # noqa: BLE001 - not installed: probe on the model at hand
+        pass
+    model = packaged if packaged is not None and Path(packaged).is_file() else gguf
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, str(model)], capture_output=True, timeout=120)
+        faults = {-int(signal.SIGSEGV), -int(signal.SIGILL), -int(signal.SIGBUS)}
+        ok = True if r.returncode == 0 else False if r.returncode in faults else None
+        detail = (f"probe on {Path(model).name} decoded a batch" if r.returncode == 0 else
+                  f"probe on {Path(model).name} killed by signal {-r.returncode}" if r.returncode < 0 else
+                  f"probe on {Path(model).name} exited {r.returncode}")
+    except subprocess.TimeoutExpired:
+        ok, detail = None, "probe timed out"
+    if ok and model != packaged:  # its weights may never reach the AMX matmul: proves nothing
+        return None, f"{detail}, but the packaged model is not installed to probe the AMX matmul with"
+    if ok is not None:  # a clear answer about the build (a fault, or the packaged model decoding), kept
+        # (an interrupt, a kill or an abort says nothing about the build: retried next start)
+        known = known if isinstance(known, dict) else {}
+        known[key] = [ok, detail]
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(known))
+            os.replace(tmp, cache)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return ok, detail
+
