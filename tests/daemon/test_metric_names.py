@@ -22,6 +22,6 @@ def _names(path: Path, prefixes: dict[str, str]) -> set[str]:
 def test_serve_and_daemon_metric_names_are_disjoint():
     serve = _names(ROOT / "daemon" / "serve.py", {"P": "draftd:"})
     daemon = _names(ROOT / "daemon" / "metrics.py", {"P": "draftd:", "H": "draftd:history_"})
-    assert "draftd:spec_decode_num_drafts" in serve and "draftd:history_spec_decode_num_drafts" in daemon
+    assert "draftd:spec_decode_num_drafts" in serve and "draftd:history_num_drafts" in daemon
     assert len(serve) >= 10 and len(daemon) >= 15
     assert serve & daemon == set()
