@@ -236,12 +236,20 @@ def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp
     for s in first:
         w.submit(s)
     assert w.flush(10)
+    bad = encode(make_sample(n_tokens=4, seed=7777))
+    bad[b"v"] = b"999"
+    client.xadd(k.stream, bad)
+    pre = SampleReader(client, ccfg, "audit", "a1")  # another group: dead-letters the bad entry
+    while pre.read(count=100):
+        pass
+    hist = AcceptanceHistory(client, ccfg, clock=lambda: 300_000.0)
+    hist.record("chat", v, {"num_draft_tokens": 8, "num_accepted_tokens": 5, "requests": 1})
     victim = redis_cluster.master_of_slot(key_slot(k.stream.encode()))
     # async replication: wait until the victim's replica holds what the victim acknowledged
     assert redis_cluster.node(victim).execute_command("WAIT", 1, 5000) >= 1
     reg_master = redis_cluster.master_of_slot(key_slot(k.active.encode()))
-    if reg_master != victim:
-        redis_cluster.node(reg_master).execute_command("WAIT", 1, 5000)
+    for other in {reg_master, redis_cluster.master_of_slot(key_slot(k.history_index.encode()))} - {victim}:
+        redis_cluster.node(other).execute_command("WAIT", 1, 5000)
     t0 = time.time()
     redis_cluster.kill(victim)
     second = [make_sample(n_tokens=4, seed=1000 + i) for i in range(50)]
@@ -259,5 +267,9 @@ def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp
         ids += [e.sample.record_id for e in batch]
     assert sorted(ids) == sorted(s.record_id for s in first + second)  # none lost, none twice
     assert reg.active_version() == v and reg.get(v).state == "promoted"
+    # the dead letter written before the failover survived it; "trainer" dead-lettered the same entry again
+    assert dead_letter_count(client, ccfg) == 2 and r.stats.dead_lettered == 1
+    assert [d.group for d in list_dead_letters(client, ccfg)] == ["audit", "trainer"]
+    assert hist.totals(version=v).requests == 1
     print(f"failover: writes resumed {took:.1f} s after the master was killed")
     client.close()
