@@ -115,6 +115,7 @@ def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", stor
         return out
     out["buffer"] = buffer_section(redis.client, store_config, settings.store.consumer_group, warnings)
     out["trainer"] = trainer_section(trainer, problems)
+    out["trainer_lease"] = lease_section(redis.client, store_config)
     out["adapter"] = adapter_section(registry)
     # the feature-level proposer's heads (trainer.heads, serve.follow_heads): the same layout
     out["head"] = adapter_section(AdapterRegistry(redis.client, settings.head_dir, store_config, kind="head"))
@@ -130,6 +131,15 @@ def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", stor
     warnings.extend(folding_warnings(out["serving"]))
     out.update(healthy=not problems, problems=problems, warnings=warnings)
     return out
+
+
+def lease_section(client: Any, store_config: "StoreConfig") -> dict | None:
+    """Who holds the trainer lease (store.lease): the daemon that trains when several run on one
+    Redis; None when no daemon holds it (none runs, or all run with trainer.lease_ttl_s = 0)."""
+    from store.lease import Lease
+
+    cur = Lease(client, store_config, "status-reader").current()
+    return None if cur is None else {"holder": cur.holder, "token": cur.token, "expires_in_s": round(cur.ttl_ms / 1000, 1)}
 
 
 def folding_warnings(serving: list[dict]) -> list[str]:
