@@ -221,9 +221,8 @@ def test_three_serving_replicas_write_one_buffer_follow_one_registry_and_report_
         rp["client"].close()
 
 
-@pytest.mark.slow
 def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp_path):
-    """Kill the master holding the stream (and the registry) after its replica caught up; the
+    """(About 8 s: the failover takes 4.) Kill the master holding the stream (and the registry) after its replica caught up; the
     replica is promoted, the writer retries through the failover, the registry keeps its active
     version; every record the writer counted as written is read once (by id)."""
     client = connect(redis_cluster.url, socket_timeout=1.0, socket_connect_timeout=0.5)
