@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -122,7 +123,9 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
                     reg.fencing_token = token
                     reg.fence(token)
 
-        leadership = Leadership(Lease(handle.client, scfg, consumer, ttl_s=settings.trainer.lease_ttl_s), acquired)
+        # one holder per daemon instance (two in one process, or a restart under the same pid, are two holders)
+        holder = f"{consumer}-{uuid.uuid4().hex[:6]}"
+        leadership = Leadership(Lease(handle.client, scfg, holder, ttl_s=settings.trainer.lease_ttl_s), acquired)
     svc_cfg = service_config(settings)
     service = TrainerService(
         reader,
