@@ -270,5 +270,22 @@ def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp
     assert dead_letter_count(client, ccfg) == 2 and r.stats.dead_lettered == 1
     assert [d.group for d in list_dead_letters(client, ccfg)] == ["audit", "trainer"]
     assert hist.totals(version=v).requests == 1
+    # a second failover, of the registry's master: its pointer, stack and log survive, and its
+    # scripts run on the promoted replica (redis-py reloads one it lacks: NOSCRIPT)
+    reg_master = redis_cluster.master_of_slot(key_slot(k.active.encode()))
+    assert redis_cluster.node(reg_master).execute_command("WAIT", 1, 5000) >= 1
+    redis_cluster.kill(reg_master)
+    deadline = time.time() + 30
+    src2 = peft_dir(tmp_path / "a2", 2)
+    while True:
+        try:
+            v2 = reg.register(src2, AdapterMeta())
+            break
+        except StoreUnavailableError:
+            assert time.time() < deadline, "the registry's slot did not come back"
+            time.sleep(0.2)
+    assert reg.active_version() == v and [e["event"] for e in reg.promotion_log()] == ["promote"]
+    assert reg.promote(v2, "after the failover") == v and reg.rollback("and back") == v
+    assert hist.record("chat", v, {"requests": 1}) and hist.totals(version=v).requests == 2
     print(f"failover: writes resumed {took:.1f} s after the master was killed")
     client.close()
