@@ -73,6 +73,10 @@ def test_cluster_url_parsing_and_masking():
     with pytest.raises(ValueError, match=r"\*\*\*.*only database 0") as e:
         parse_cluster_url("redis+cluster://:hunter2@h:1/3")
     assert "hunter2" not in str(e.value)
+    from store.masking import mask_url
+
+    assert mask_url("redis+cluster://u:hunter2@h1:7000,h2:7001/0") == "redis+cluster://u:***@h1:7000,h2:7001/0"
+    assert mask_url("rediss+cluster://:hunter2@h1:7000") == "rediss+cluster://:***@h1:7000"
 
 
 def test_an_unreachable_cluster_is_named_with_its_password_masked():
