@@ -193,6 +193,7 @@ def trainer_section(trainer: Any, problems: list[str]) -> dict:
         "heldout": st["heldout"],
         "warm_start": st.get("warm_start"),  # v0's bootstrap (daemon.warm_start): "pending", its result, or "failed: ..."
         "heads": st.get("heads"),  # trainer.heads: the head it trains from, its pools and its last turn (None: off)
+        "lease": st.get("lease"),  # store.lease: "leader" or "standby", its token, who holds the lease (None: no lease)
         "last_round": None if last is None else {
             k: last.get(k) for k in ("trigger", "started_at", "seconds", "decision", "reason", "version", "read", "trained_on",
                                      "acked", "scopes")
