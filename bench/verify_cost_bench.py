@@ -371,7 +371,7 @@ def main() -> None:
         print(json.dumps({"gguf": gguf.name, "cached": a.cached, "n_ctx": a.n_ctx,
                           "formats": formats_cost(gguf, fmts, a.reps, a.cached, a.n_ctx, threads)}, indent=1))
         return
-    from decoder.engine import _llama
+    from decoder.llamacpp_lib import bindings as _llama
 
     info = _llama().llama_print_system_info().decode(errors="replace")
     settings = ("1", "0") if "AMX_INT8 = 1" in info else (None,)

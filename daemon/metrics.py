@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -25,12 +25,15 @@ from store.buffer import dead_letter_count, group_info, stream_depth
 from store.client import StoreUnavailableError
 from store.history import sum_rows
 
-if TYPE_CHECKING:
-    from daemon.app import Daemon
+# the daemon (daemon.app.Daemon) is typed Any here: app imports this module, not the reverse
 
 log = structlog.get_logger(__name__)
 
 P = "draftd:"
+# the acceptance history's families: named apart from serve's live draftd:spec_decode_* (one
+# Prometheus scraping both must not get two series of one name that disagree: serve's count this
+# process's requests by adapter version, these the history's buckets, which expire)
+H = P + "history_"
 
 
 # workload labels the daemon's /metrics exports from the acceptance history (issue 37 item 4: it
@@ -40,7 +43,7 @@ METRICS_WORKLOADS = 64
 class DraftdCollector:
     """Collects on every scrape; a Redis outage gives ``draftd:redis_up 0`` and no store metrics."""
 
-    def __init__(self, daemon: "Daemon"):
+    def __init__(self, daemon: Any):
         self.daemon = daemon
 
     def collect(self) -> Iterator[Metric]:
@@ -72,15 +75,15 @@ class DraftdCollector:
             by_w["other"] = by_w.get("other", []) + rest
         workloads = sorted(by_w)
         fams = {
-            "num_drafts": CounterMetricFamily(P + "spec_decode_num_drafts", "Verification steps with a draft proposal (gamma > 0)", labels=["workload"]),
-            "num_draft_tokens": CounterMetricFamily(P + "spec_decode_num_draft_tokens", "Tokens proposed by the draft", labels=["workload"]),
-            "num_accepted_tokens": CounterMetricFamily(P + "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", labels=["workload"]),
-            "num_emitted_tokens": CounterMetricFamily(P + "spec_decode_num_emitted_tokens", "Tokens emitted (accepted + corrections + bonus)", labels=["workload"]),
-            "requests": CounterMetricFamily(P + "requests", "Requests recorded in the acceptance history", labels=["workload"]),
+            "num_drafts": CounterMetricFamily(H + "spec_decode_num_drafts", "Verification steps with a draft proposal (gamma > 0)", labels=["workload"]),
+            "num_draft_tokens": CounterMetricFamily(H + "spec_decode_num_draft_tokens", "Tokens proposed by the draft", labels=["workload"]),
+            "num_accepted_tokens": CounterMetricFamily(H + "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", labels=["workload"]),
+            "num_emitted_tokens": CounterMetricFamily(H + "spec_decode_num_emitted_tokens", "Tokens emitted (accepted + corrections + bonus)", labels=["workload"]),
+            "requests": CounterMetricFamily(H + "requests", "Requests recorded in the acceptance history", labels=["workload"]),
         }
-        rate = GaugeMetricFamily(P + "spec_decode_acceptance_rate", f"Accepted / drafted tokens over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
-        alpha = GaugeMetricFamily(P + "spec_decode_alpha", f"Mean per-request alpha over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
-        tau = GaugeMetricFamily(P + "spec_decode_mean_accepted_length", f"Emitted tokens per verification step (tau) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        rate = GaugeMetricFamily(H + "spec_decode_acceptance_rate", f"Accepted / drafted tokens over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        alpha = GaugeMetricFamily(H + "alpha_request_mean", f"Mean of the per-request alpha over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
+        tau = GaugeMetricFamily(H + "spec_decode_mean_accepted_length", f"Emitted tokens per verification step (tau) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
         for w in workloads:
             wr = by_w[w]
             tot = sum_rows(wr, w)
@@ -127,7 +130,7 @@ class DraftdCollector:
             states.add_metric([st], counts.get(st, 0))
         yield states
 
-    def _trainer_metrics(self, d: "Daemon") -> Iterator[Metric]:
+    def _trainer_metrics(self, d: Any) -> Iterator[Metric]:
         enabled = GaugeMetricFamily(P + "trainer_enabled", "1 when the trainer runs in this daemon")
         enabled.add_metric([], 0 if d.trainer is None else 1)
         yield enabled

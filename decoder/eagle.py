@@ -230,7 +230,7 @@ def score_features(target: nn.Module, windows: list[list[int]], k: int = 32, bat
     next-token distribution at each position as top-k: ``topk_ids`` (L, k) int64, ``topk_probs``
     (L, k) float32, ``tail`` (L,) float32 (row j is p(. | ids[: j + 1]), temperature 1).
     Windows of equal length are batched (no padding)."""
-    from decoder.speculative import _topk_rows
+    from decoder.sampling import topk_rows as _topk_rows
 
     device = next(target.parameters()).device
     by_len: dict[int, list[list[int]]] = {}
@@ -255,7 +255,7 @@ def score_features(target: nn.Module, windows: list[list[int]], k: int = 32, bat
 def score_features_engine(engine, windows: list[list[int]], k: int = 32) -> list[dict]:
     """:func:`score_features` on a serving engine (``decoder.engine``; llama.cpp with
     ``embeddings=True``): the features and distributions the head sees when it proposes."""
-    from decoder.speculative import _topk_rows
+    from decoder.sampling import topk_rows as _topk_rows
 
     out = []
     for w in windows:

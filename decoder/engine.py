@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.util
 import os
 import threading
 from dataclasses import dataclass
@@ -37,14 +36,12 @@ import numpy as np
 import structlog
 import torch
 
-from decoder.gguf_export import SPLIT_ID_KEY, SPLIT_KEY
+from decoder.llamacpp_lib import SPLIT_ID_KEY, SPLIT_KEY, EngineError, bindings, llamacpp_available
+
+_llama = bindings  # this module's name for it
 
 ENGINES = ("auto", "torch", "llamacpp")
 log = structlog.get_logger("decoder.engine")
-
-
-class EngineError(RuntimeError):
-    """An engine cannot be built or run as asked; the message says what to change."""
 
 
 class Sequence(Protocol):
@@ -129,35 +126,7 @@ class TorchEngine:
 
 
 # ---- llama.cpp -----------------------------------------------------------------------------------
-def llamacpp_available() -> bool:
-    """True when llama-cpp-python can be imported (it is a dependency; a broken build may lack it)."""
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-_init_lock = threading.Lock()
-_initialised = False
-_log_cb = None  # the ctypes log callback must outlive every call into llama.cpp
-
-
-def _llama():
-    """llama-cpp-python's low-level bindings, initialised once, with llama.cpp's logging off
-    (``DRAFTD_LLAMA_LOG=1`` keeps it). Load models after :func:`llama_extra_buffers`."""
-    global _initialised, _log_cb
-    try:
-        import llama_cpp.llama_cpp as L
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise EngineError(f"the llama.cpp engine needs llama-cpp-python ({e}); run scripts/install, "
-                          f"or use --engine torch") from e
-    with _init_lock:
-        if not _initialised:
-            if os.environ.get("DRAFTD_LLAMA_LOG") != "1":
-                _log_cb = L.llama_log_callback(lambda level, text, data: None)
-                L.llama_log_set(_log_cb, None)
-            L.llama_backend_init()
-            _initialised = True
-    return L
-
-
+_init_lock = threading.Lock()  # the AMX decision and the llama.cpp thread, made once
 _extra: tuple[bool, str] | None = None  # this process's decision (llama_extra_buffers)
 _route = False  # llama_call runs llama.cpp's compute on its own thread (AMX tiles in use)
 _llama_q = None  # the llama.cpp thread's work queue (_llama_queue)

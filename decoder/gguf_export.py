@@ -225,7 +225,7 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
 
     src = Path(src)
     if cache_dir is None:
-        from decoder.models import cache_root
+        from decoder.cache import cache_root
 
         cache_dir = cache_root() / "gguf"
     cache_dir = Path(cache_dir)
@@ -290,7 +290,7 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
 def weight_formats() -> dict[str, int]:
     """llama.cpp's file types by name (``"BF16"`` -> ``LLAMA_FTYPE_MOSTLY_BF16``), what
     :func:`requantised_gguf` takes. Raises EngineError without llama-cpp-python."""
-    from decoder.engine import _llama
+    from decoder.llamacpp_lib import bindings as _llama
 
     ll = _llama()
     return {k.removeprefix("LLAMA_FTYPE_MOSTLY_"): getattr(ll, k) for k in sorted(dir(ll))
@@ -320,8 +320,8 @@ def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path
     """
     import ctypes
 
-    from decoder.engine import _llama
-    from decoder.models import cache_root
+    from decoder.llamacpp_lib import bindings as _llama
+    from decoder.cache import cache_root
 
     src = Path(src)
     ll = _llama()
@@ -354,10 +354,10 @@ def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path
 # Metadata key of a split file: the file name (same directory) of the offset adapter it needs.
 # LlamaCppEngine reads it and applies that adapter under every forward; without it the file's
 # weights are d * (q - 8) only, a broken model (KL 15 nats from the packaged one).
-SPLIT_KEY = "draftd.q4_1_split.offset_lora"
 # In a split model and its offset adapter alike: the pair's identity (source digest, format, layers),
 # so an adapter of another model, or of another layer selection, is refused at load.
-SPLIT_ID_KEY = "draftd.q4_1_split.id"
+from decoder.llamacpp_lib import SPLIT_ID_KEY, SPLIT_KEY  # noqa: E402 - the keys, defined beside the bindings
+
 SPLIT_FORMAT = "Q4_1S"
 SPLIT_FORMAT_VERSION = 3  # in the file name: bumped when the bytes written for the same source change
 _Q4_1_BYTES, _Q4_0_BYTES = 20, 18  # per 32-weight block: (d f16, m f16, 16 nibble bytes) / (d f16, 16 nibble bytes)
@@ -482,7 +482,7 @@ def q4_1_split_gguf(src: Path, cache_dir: Path | None = None) -> Path:
     """
     import gguf
 
-    from decoder.models import cache_root
+    from decoder.cache import cache_root
 
     src = Path(src)
     out = (Path(cache_dir or cache_root() / "requant")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from decoder.cache import cache_root  # noqa: F401 - re-exported: models.cache_root is where callers look
 
 
 class ModelLoadError(RuntimeError):
@@ -57,12 +58,6 @@ PACKAGED: dict[str, PackagedModel] = {
     ),
 }
 DEFAULT_TARGET = "smollm2-135m"
-
-
-def cache_root() -> Path:
-    """Directory for converted models: ``$DRAFTD_CACHE_DIR`` or ``~/.cache/draftd/models``."""
-    root = os.environ.get("DRAFTD_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "draftd" / "models"
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:

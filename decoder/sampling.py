@@ -101,6 +101,20 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
+def topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's temperature-1 top-k per row, as records store it: ids (n, k) int32, probs
+    (n, k) float32, tail mass (n,) = 1 - their sum (clamped at 0), all on the CPU.
+
+    Args:
+        logits: (..., V) raw logits.
+        k: ids kept per row (at most V).
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    tail = (1.0 - top.values.sum(-1)).clamp_min(0.0)
+    return top.indices.to(torch.int32).cpu(), top.values.cpu(), tail.cpu()
+
+
 MAX_LOGPROBS = 20  # alternatives per position at most (OpenAI's top_logprobs bound)
 
 

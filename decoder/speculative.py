@@ -36,6 +36,7 @@ from store.jsonsafe import nan_none
 from decoder.proposers import (REQUEST_PROPOSERS, DraftModelProposer, NgramGate, NgramHistory, NgramProposer, NgramShadow,
                                Proposer, StepCost, crop_to)
 from decoder.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob, alpha, process_logits, token_logprobs, verify
+from decoder.sampling import topk_rows as _topk_rows
 
 log = structlog.get_logger("decoder.speculative")
 
@@ -964,14 +965,6 @@ def _finite_or_none(hidden: torch.Tensor):
         return hidden.numpy()
     log.warning("hidden_states_not_recorded", reason="NaN or beyond float16's range", rows=int(hidden.shape[0]))
     return None
-
-
-def _topk_rows(logits: torch.Tensor, k: int):
-    """Target's temperature-1 top-k per row: ids (n, k) int32, probs (n, k), tail mass (n,)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-    tail = (1.0 - top.values.sum(-1)).clamp_min(0.0)
-    return top.indices.to(torch.int32).cpu(), top.values.cpu(), tail.cpu()
 
 
 def _is_quantized(model: torch.nn.Module) -> bool:

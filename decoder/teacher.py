@@ -91,7 +91,7 @@ def score_windows(
     Raises:
         ValueError: a window shorter than 2 tokens or ``k < 1``.
     """
-    from decoder.speculative import _topk_rows
+    from decoder.sampling import topk_rows as _topk_rows
     from store.schema import VerifiedSample
 
     if k < 1:
@@ -149,7 +149,7 @@ def score_windows_engine(
         ValueError: a window shorter than 2 tokens or ``k < 1``.
         decoder.engine.EngineError: a window longer than the engine's context.
     """
-    from decoder.speculative import _topk_rows
+    from decoder.sampling import topk_rows as _topk_rows
     from store.schema import VerifiedSample
 
     if k < 1:

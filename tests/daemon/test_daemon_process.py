@@ -65,10 +65,10 @@ def test_status_json_and_metrics_report_real_values(url_daemon, redis_client, ke
     with urllib.request.urlopen(d.url + "/metrics") as resp:
         text = resp.read().decode()
     metrics = dict(re.findall(r'^(draftd:[^ ]+) ([0-9.e+-]+)$', text, re.M))
-    assert float(metrics['draftd:spec_decode_num_drafts_total{workload="prose"}']) == 10
-    assert float(metrics['draftd:spec_decode_num_draft_tokens_total{workload="prose"}']) == 40
-    assert float(metrics['draftd:spec_decode_num_accepted_tokens_total{workload="prose"}']) == 30
-    assert float(metrics['draftd:spec_decode_acceptance_rate{workload="prose"}']) == pytest.approx(0.75)
+    assert float(metrics['draftd:history_spec_decode_num_drafts_total{workload="prose"}']) == 10
+    assert float(metrics['draftd:history_spec_decode_num_draft_tokens_total{workload="prose"}']) == 40
+    assert float(metrics['draftd:history_spec_decode_num_accepted_tokens_total{workload="prose"}']) == 30
+    assert float(metrics['draftd:history_spec_decode_acceptance_rate{workload="prose"}']) == pytest.approx(0.75)
     assert float(metrics["draftd:buffer_depth"]) == 5
     assert float(metrics['draftd:adapter_active_version{scope=""}']) == 0
     assert float(metrics["draftd:redis_up"]) == 1

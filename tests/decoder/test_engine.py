@@ -211,7 +211,7 @@ def test_the_llama_cpp_build_is_the_one_scripts_install_makes():
     """scripts/install builds llama.cpp without OpenMP: with it, a decode on any thread but the
     main one (the serving loop's) ran 2.5-5x slower at 2 threads (bench/verify_cost_bench.py
     measures both threads). A failure here means another build is installed: rerun scripts/install."""
-    from decoder.engine import _llama
+    from decoder.llamacpp_lib import bindings as _llama
 
     info = _llama().llama_print_system_info().decode()
     assert "OPENMP = 1" not in info, info
