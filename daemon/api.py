@@ -33,7 +33,7 @@ from pydantic import BaseModel, Field
 from daemon.errors import DaemonError, TrainerDisabledError, TrainerStandbyError
 from daemon.metrics import DraftdCollector
 from store.registry import check_scope
-from store.errors import InvalidTransitionError, StoreUnavailableError, UnknownVersionError
+from store.errors import FencedError, InvalidTransitionError, StoreUnavailableError, UnknownVersionError
 
 # the daemon (daemon.app.Daemon) is typed Any here: app imports this module, not the reverse
 
@@ -88,7 +88,7 @@ def create_app(daemon: Any) -> FastAPI:
 
     # the most specific class wins (Starlette looks handlers up along the exception's MRO)
     for exc, code in ((UnknownVersionError, 404), (InvalidTransitionError, 409), (TrainerDisabledError, 409), (TrainerStandbyError, 409),
-                      (DaemonError, 503), (StoreUnavailableError, 503)):
+                      (FencedError, 409), (DaemonError, 503), (StoreUnavailableError, 503)):
         app.add_exception_handler(exc, _answer(code))
 
     # FastAPI runs plain `def` endpoints in a worker thread: the Redis calls and a waited-for
