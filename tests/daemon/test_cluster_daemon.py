@@ -17,7 +17,7 @@ from store.config import StoreConfig
 from store.registry import AdapterRegistry
 from test_shutdown import fingerprint, make_sample  # noqa: F401 - the fixture
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "store"))
 from store_helpers import LocalCluster  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -4,12 +4,10 @@ history and heartbeats behave as on one node; a master's failover loses no ackno
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
 import pytest
-import redis
 from redis.cluster import key_slot
 
 from store.buffer import SampleReader, SampleWriter, dead_letter_count, list_dead_letters, stream_depth
@@ -17,7 +15,7 @@ from store.client import StoreUnavailableError, connect, parse_cluster_url
 from store.config import BufferConfig, StoreConfig, resolve_config
 from store.heartbeat import read_heartbeats, write_heartbeat
 from store.history import AcceptanceHistory
-from store.registry import AdapterMeta, AdapterRegistry, parse_event
+from store.registry import AdapterMeta, AdapterRegistry
 from store.schema import encode
 from store_helpers import PAIR, make_sample
 from test_store_registry import next_event, peft_dir
