@@ -35,6 +35,11 @@ def lease_of(d) -> dict:
 def test_one_daemon_trains_the_other_stands_by_and_takes_over(daemon_factory, key_prefix, tmp_path):
     a = daemon_factory(env_for(key_prefix), state_dir=tmp_path / "a")
     assert lease_of(a)["role"] == "leader"
+    import urllib.request
+
+    with urllib.request.urlopen(a.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert "draftd:trainer_lease_leader 1.0" in text, [l for l in text.splitlines() if "lease" in l]
     b = daemon_factory(env_for(key_prefix), state_dir=tmp_path / "b")
     lb = lease_of(b)
     assert lb["role"] == "standby" and lb["lease_holder"] == lease_of(a)["holder"]
