@@ -8,6 +8,7 @@ import time
 import uuid
 
 import pytest
+import redis
 from redis.cluster import key_slot
 
 from store.buffer import SampleReader, SampleWriter, dead_letter_count, list_dead_letters, stream_depth
@@ -228,6 +229,11 @@ def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp
     replica is promoted, the writer retries through the failover, the registry keeps its active
     version; every record the writer counted as written is read once (by id)."""
     client = connect(redis_cluster.url, socket_timeout=1.0, socket_connect_timeout=0.5)
+    # a prefix whose events channel lives on the registry's master, so the second failover also
+    # kills the node a follower's subscription is on
+    reg_slot_master = redis_cluster.master_of_slot(key_slot(ccfg.keys.active.encode()))
+    while redis_cluster.master_of_slot(key_slot(ccfg.keys.events_channel.encode())) != reg_slot_master:
+        ccfg = ccfg.model_copy(update={"key_prefix": f"test:cluster:{uuid.uuid4().hex[:8]}:"})
     k = ccfg.keys
     reg = AdapterRegistry(client, tmp_path / "art", ccfg)
     v = reg.register(peft_dir(tmp_path / "a1", 1), AdapterMeta())
@@ -275,8 +281,14 @@ def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp
     # a second failover, of the registry's master: its pointer, stack and log survive, and its
     # scripts run on the promoted replica (redis-py reloads one it lacks: NOSCRIPT)
     reg_master = redis_cluster.master_of_slot(key_slot(k.active.encode()))
+    follower = AdapterRegistry(connect(redis_cluster.url, socket_timeout=1.0, socket_connect_timeout=0.5),
+                               tmp_path / "follower", ccfg)
+    ps = follower.subscribe()
     assert redis_cluster.node(reg_master).execute_command("WAIT", 1, 5000) >= 1
     redis_cluster.kill(reg_master)
+    with pytest.raises(redis.ConnectionError):  # the subscription's node is gone
+        for _ in range(20):
+            ps.get_message(timeout=0.1)
     deadline = time.time() + 30
     src2 = peft_dir(tmp_path / "a2", 2)
     while True:
@@ -287,7 +299,10 @@ def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp
             assert time.time() < deadline, "the registry's slot did not come back"
             time.sleep(0.2)
     assert reg.active_version() == v and [e["event"] for e in reg.promotion_log()] == ["promote"]
+    ps = follower.subscribe()  # what the serve replicas' watcher does on an error: a new subscription
     assert reg.promote(v2, "after the failover") == v and reg.rollback("and back") == v
+    assert [next_event(ps)["version"] for _ in range(2)] == [v2, v]  # the follower hears both
+    ps.close()
     assert hist.record("chat", v, {"requests": 1}) and hist.totals(version=v).requests == 2
     print(f"failover: writes resumed {took:.1f} s after the master was killed")
     client.close()
