@@ -30,10 +30,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
 
-from daemon.errors import DaemonError, TrainerDisabledError
+from daemon.errors import DaemonError, TrainerDisabledError, TrainerStandbyError
 from daemon.metrics import DraftdCollector
 from store.registry import check_scope
-from store.errors import InvalidTransitionError, StoreUnavailableError, UnknownVersionError
+from store.errors import FencedError, InvalidTransitionError, StoreUnavailableError, UnknownVersionError
 
 log = structlog.get_logger(__name__)
 
@@ -85,8 +85,8 @@ def create_app(daemon: Any) -> FastAPI:  # daemon: a daemon.app.Daemon (app impo
             )
 
     # the most specific class wins (Starlette looks handlers up along the exception's MRO)
-    for exc, code in ((UnknownVersionError, 404), (InvalidTransitionError, 409), (TrainerDisabledError, 409),
-                      (DaemonError, 503), (StoreUnavailableError, 503)):
+    for exc, code in ((UnknownVersionError, 404), (InvalidTransitionError, 409), (TrainerDisabledError, 409), (TrainerStandbyError, 409),
+                      (FencedError, 409), (DaemonError, 503), (StoreUnavailableError, 503)):
         app.add_exception_handler(exc, _answer(code))
 
     # FastAPI runs plain `def` endpoints in a worker thread: the Redis calls and a waited-for

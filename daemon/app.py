@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -95,6 +96,11 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
     distiller = Distiller(pair.draft, distill_config(settings), vocab=draft_vocab_ids(settings, pair.tokenizer))
     ws_cfg = warm_start_config(settings)
     heads = head_trainer(settings, handle.client, pair, scfg) if settings.trainer.heads else None
+    if settings.trainer.lease_ttl_s > 0:
+        # the trainer writes through a registry of its own, which carries the lease's fencing token;
+        # the control API's (an operator's promote or rollback) stays unfenced, so it keeps working on
+        # a daemon that lost the lease while a stale round of it is still refused
+        registry = AdapterRegistry(handle.client, registry.artifact_dir, scfg)
 
     def warm_start():  # the trainer's first job: v0 bootstrapped (first start on this pair) or taken from the cache
         from daemon.warm_start import ensure_v0
@@ -122,7 +128,9 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
                     reg.fencing_token = token
                     reg.fence(token)
 
-        leadership = Leadership(Lease(handle.client, scfg, consumer, ttl_s=settings.trainer.lease_ttl_s), acquired)
+        # one holder per daemon instance (two in one process, or a restart under the same pid, are two holders)
+        holder = f"{consumer}-{uuid.uuid4().hex[:6]}"
+        leadership = Leadership(Lease(handle.client, scfg, holder, ttl_s=settings.trainer.lease_ttl_s), acquired)
     svc_cfg = service_config(settings)
     service = TrainerService(
         reader,

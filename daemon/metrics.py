@@ -129,6 +129,14 @@ class DraftdCollector:
         g = GaugeMetricFamily(P + "trainer_round_running", "1 while a round runs")
         g.add_metric([], int(st["running"]))
         yield g
+        lease = st.get("lease")
+        if lease is not None:  # several daemons on one Redis (store.lease): exactly one should read 1
+            g = GaugeMetricFamily(P + "trainer_lease_leader", "1 while this daemon holds the trainer lease (trains), 0 standing by")
+            g.add_metric([], int(lease["role"] == "leader"))
+            yield g
+            g = GaugeMetricFamily(P + "trainer_lease_token", "The fencing token of this daemon's lease (0 standing by)")
+            g.add_metric([], lease["token"])
+            yield g
         last = st.get("last_round")
         if last:
             g = GaugeMetricFamily(P + "trainer_last_round_timestamp_seconds", "Start of the last round", labels=["decision"])

@@ -115,6 +115,7 @@ def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", stor
         return out
     out["buffer"] = buffer_section(redis.client, store_config, settings.store.consumer_group, warnings)
     out["trainer"] = trainer_section(trainer, problems)
+    out["trainer_lease"] = lease_section(redis.client, store_config)
     out["adapter"] = adapter_section(registry)
     # the feature-level proposer's heads (trainer.heads, serve.follow_heads): the same layout
     out["head"] = adapter_section(AdapterRegistry(redis.client, settings.head_dir, store_config, kind="head"))
@@ -130,6 +131,15 @@ def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", stor
     warnings.extend(folding_warnings(out["serving"]))
     out.update(healthy=not problems, problems=problems, warnings=warnings)
     return out
+
+
+def lease_section(client: Any, store_config: "StoreConfig") -> dict | None:
+    """Who holds the trainer lease (store.lease): the daemon that trains when several run on one
+    Redis; None when no daemon holds it (none runs, or all run with trainer.lease_ttl_s = 0)."""
+    from store.lease import Lease
+
+    cur = Lease(client, store_config, "status-reader").current()
+    return None if cur is None else {"holder": cur.holder, "token": cur.token, "expires_in_s": round(cur.ttl_ms / 1000, 1)}
 
 
 def folding_warnings(serving: list[dict]) -> list[str]:
@@ -183,6 +193,7 @@ def trainer_section(trainer: Any, problems: list[str]) -> dict:
         "heldout": st["heldout"],
         "warm_start": st.get("warm_start"),  # v0's bootstrap (daemon.warm_start): "pending", its result, or "failed: ..."
         "heads": st.get("heads"),  # trainer.heads: the head it trains from, its pools and its last turn (None: off)
+        "lease": st.get("lease"),  # store.lease: "leader" or "standby", its token, who holds the lease (None: no lease)
         "last_round": None if last is None else {
             k: last.get(k) for k in ("trigger", "started_at", "seconds", "decision", "reason", "version", "read", "trained_on",
                                      "acked", "scopes")

@@ -29,8 +29,10 @@ MIN_REDIS_VERSION = (6, 2, 0)
 
 # errors that mean "Redis unreachable"; with a cluster also "the slot's master is down or moving"
 # (CLUSTERDOWN, MASTERDOWN, TRYAGAIN during a failover, no node reachable at all)
+# (not every RedisClusterException: CROSSSLOT and "no key to route by" are programming errors)
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError,
-              redis.exceptions.TryAgainError, redis.exceptions.RedisClusterException)
+              redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError,
+              redis.exceptions.RedisClusterUnreachableError)
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 

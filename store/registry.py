@@ -381,10 +381,28 @@ class AdapterRegistry:
         return self._keys.events_channel
 
     def subscribe(self) -> redis.client.PubSub:
-        """A PubSub already subscribed to :attr:`events_channel`; parse messages with :func:`parse_event`."""
+        """A PubSub already subscribed to :attr:`events_channel`; parse messages with :func:`parse_event`.
+
+        On a Redis Cluster the subscription lives on the node serving the channel's slot; when that
+        node died, redis-py keeps routing there until its slot map is refreshed, so a failed
+        SUBSCRIBE refreshes it (``nodes_manager.initialize()``) and tries once more."""
+        from store.client import REDIS_DOWN
+        from store.config import is_cluster_client
+
         ps = self._client.pubsub(ignore_subscribe_messages=True)
         with _unavailable("SUBSCRIBE"):
-            ps.subscribe(self.events_channel)
+            try:
+                ps.subscribe(self.events_channel)
+            except REDIS_DOWN:
+                if not is_cluster_client(self._client):
+                    raise
+                try:
+                    ps.close()
+                except Exception:  # noqa: BLE001 - a broken connection may fail to close
+                    pass
+                self._client.nodes_manager.initialize()  # after a failover: the slot's new master
+                ps = self._client.pubsub(ignore_subscribe_messages=True)
+                ps.subscribe(self.events_channel)
         return ps
 
     # -- registration and artifacts ------------------------------------------------------------

@@ -4,7 +4,6 @@ history and heartbeats behave as on one node; a master's failover loses no ackno
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
@@ -17,7 +16,7 @@ from store.client import StoreUnavailableError, connect, parse_cluster_url
 from store.config import BufferConfig, StoreConfig, resolve_config
 from store.heartbeat import read_heartbeats, write_heartbeat
 from store.history import AcceptanceHistory
-from store.registry import AdapterMeta, AdapterRegistry, parse_event
+from store.registry import AdapterMeta, AdapterRegistry
 from store.schema import encode
 from store_helpers import PAIR, make_sample
 from test_store_registry import next_event, peft_dir
@@ -73,6 +72,10 @@ def test_cluster_url_parsing_and_masking():
     with pytest.raises(ValueError, match=r"\*\*\*.*only database 0") as e:
         parse_cluster_url("redis+cluster://:hunter2@h:1/3")
     assert "hunter2" not in str(e.value)
+    from store.masking import mask_url
+
+    assert mask_url("redis+cluster://u:hunter2@h1:7000,h2:7001/0") == "redis+cluster://u:***@h1:7000,h2:7001/0"
+    assert mask_url("rediss+cluster://:hunter2@h1:7000") == "rediss+cluster://:***@h1:7000"
 
 
 def test_an_unreachable_cluster_is_named_with_its_password_masked():
@@ -221,12 +224,16 @@ def test_three_serving_replicas_write_one_buffer_follow_one_registry_and_report_
         rp["client"].close()
 
 
-@pytest.mark.slow
 def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp_path):
-    """Kill the master holding the stream (and the registry) after its replica caught up; the
+    """(About 8 s: the failover takes 4.) Kill the master holding the stream (and the registry) after its replica caught up; the
     replica is promoted, the writer retries through the failover, the registry keeps its active
     version; every record the writer counted as written is read once (by id)."""
     client = connect(redis_cluster.url, socket_timeout=1.0, socket_connect_timeout=0.5)
+    # a prefix whose events channel lives on the registry's master, so the second failover also
+    # kills the node a follower's subscription is on
+    reg_slot_master = redis_cluster.master_of_slot(key_slot(ccfg.keys.active.encode()))
+    while redis_cluster.master_of_slot(key_slot(ccfg.keys.events_channel.encode())) != reg_slot_master:
+        ccfg = ccfg.model_copy(update={"key_prefix": f"test:cluster:{uuid.uuid4().hex[:8]}:"})
     k = ccfg.keys
     reg = AdapterRegistry(client, tmp_path / "art", ccfg)
     v = reg.register(peft_dir(tmp_path / "a1", 1), AdapterMeta())
@@ -236,12 +243,20 @@ def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp
     for s in first:
         w.submit(s)
     assert w.flush(10)
+    bad = encode(make_sample(n_tokens=4, seed=7777))
+    bad[b"v"] = b"999"
+    client.xadd(k.stream, bad)
+    pre = SampleReader(client, ccfg, "audit", "a1")  # another group: dead-letters the bad entry
+    while pre.read(count=100):
+        pass
+    hist = AcceptanceHistory(client, ccfg, clock=lambda: 300_000.0)
+    hist.record("chat", v, {"num_draft_tokens": 8, "num_accepted_tokens": 5, "requests": 1})
     victim = redis_cluster.master_of_slot(key_slot(k.stream.encode()))
     # async replication: wait until the victim's replica holds what the victim acknowledged
     assert redis_cluster.node(victim).execute_command("WAIT", 1, 5000) >= 1
     reg_master = redis_cluster.master_of_slot(key_slot(k.active.encode()))
-    if reg_master != victim:
-        redis_cluster.node(reg_master).execute_command("WAIT", 1, 5000)
+    for other in {reg_master, redis_cluster.master_of_slot(key_slot(k.history_index.encode()))} - {victim}:
+        redis_cluster.node(other).execute_command("WAIT", 1, 5000)
     t0 = time.time()
     redis_cluster.kill(victim)
     second = [make_sample(n_tokens=4, seed=1000 + i) for i in range(50)]
@@ -259,5 +274,35 @@ def test_a_master_failover_loses_no_acknowledged_record(redis_cluster, ccfg, tmp
         ids += [e.sample.record_id for e in batch]
     assert sorted(ids) == sorted(s.record_id for s in first + second)  # none lost, none twice
     assert reg.active_version() == v and reg.get(v).state == "promoted"
+    # the dead letter written before the failover survived it; "trainer" dead-lettered the same entry again
+    assert dead_letter_count(client, ccfg) == 2 and r.stats.dead_lettered == 1
+    assert [d.group for d in list_dead_letters(client, ccfg)] == ["audit", "trainer"]
+    assert hist.totals(version=v).requests == 1
+    # a second failover, of the registry's master: its pointer, stack and log survive, and its
+    # scripts run on the promoted replica (redis-py reloads one it lacks: NOSCRIPT)
+    reg_master = redis_cluster.master_of_slot(key_slot(k.active.encode()))
+    follower = AdapterRegistry(connect(redis_cluster.url, socket_timeout=1.0, socket_connect_timeout=0.5),
+                               tmp_path / "follower", ccfg)
+    ps = follower.subscribe()
+    assert redis_cluster.node(reg_master).execute_command("WAIT", 1, 5000) >= 1
+    redis_cluster.kill(reg_master)
+    with pytest.raises(redis.ConnectionError):  # the subscription's node is gone
+        for _ in range(20):
+            ps.get_message(timeout=0.1)
+    deadline = time.time() + 30
+    src2 = peft_dir(tmp_path / "a2", 2)
+    while True:
+        try:
+            v2 = reg.register(src2, AdapterMeta())
+            break
+        except StoreUnavailableError:
+            assert time.time() < deadline, "the registry's slot did not come back"
+            time.sleep(0.2)
+    assert reg.active_version() == v and [e["event"] for e in reg.promotion_log()] == ["promote"]
+    ps = follower.subscribe()  # what the serve replicas' watcher does on an error: a new subscription
+    assert reg.promote(v2, "after the failover") == v and reg.rollback("and back") == v
+    assert [next_event(ps)["version"] for _ in range(2)] == [v2, v]  # the follower hears both
+    ps.close()
+    assert hist.record("chat", v, {"requests": 1}) and hist.totals(version=v).requests == 2
     print(f"failover: writes resumed {took:.1f} s after the master was killed")
     client.close()

@@ -150,3 +150,63 @@ def test_a_standby_takes_over_within_the_lease_ttl_and_the_stale_leader_is_fence
     versions = [r.version for r in b.registry.list()]
     assert versions == sorted(set(versions)) and set(a.rounds + b.rounds) <= set(versions)
     print(f"takeover {takeover:.2f} s with ttl {ttl} s")
+
+
+def test_two_trainer_processes_one_killed_the_other_takes_over(client, cfg, tmp_path):
+    """Real processes, a real SIGKILL: the standby takes over within ttl + ttl/3, and the
+    promotion log never interleaves two holders (its tokens never go down)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from store_helpers import SHARED_URL
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    ttl = 1.0
+
+    def spawn(name):
+        return subprocess.Popen([sys.executable, str(here / "lease_child.py"), SHARED_URL, cfg.key_prefix, name,
+                                 str(tmp_path), str(ttl)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True, env=env)
+
+    def leading_line(p):  # the child's log lines (structlog, on stdout) come first
+        for line in p.stdout:
+            if line.startswith("LEADING"):
+                return line
+        raise AssertionError("the child exited without leading")
+
+    a = spawn("trainer-a")
+    try:
+        leading_line(a)
+        b = spawn("trainer-b")
+        reg = AdapterRegistry(client, tmp_path / "registry", cfg)
+        deadline = time.time() + 20
+        while len(reg.list()) < 5:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        killed_at = time.time()
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait(10)
+        line = leading_line(b)
+        took = float(line.split()[2]) - killed_at
+        assert took <= ttl + ttl / 3 + 0.5
+        n = len(reg.list())
+        while len(reg.list()) < n + 5:
+            assert time.time() < deadline + 10
+            time.sleep(0.05)
+    finally:
+        for p in (a, locals().get("b")):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+    log = [e for e in reg.promotion_log(count=1000) if e["event"] == "promote"]
+    tokens = [int(e["reason"].rsplit(" ", 1)[1]) for e in log]
+    holders = [e["reason"].split()[0] for e in log]
+    assert tokens == sorted(tokens) and holders[0] == "trainer-a" and holders[-1] == "trainer-b"
+    assert holders == sorted(holders)  # all of a's, then all of b's: never interleaved
+    versions = [r.version for r in reg.list()]
+    assert len(versions) == len(set(versions))
+    print(f"takeover after SIGKILL: {took:.2f} s (ttl {ttl} s)")
