@@ -349,10 +349,12 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
 
     from daemon.serve import InferenceService, ServeServer
     from decoder.loop import LoopConfig, build_serving_loop
+    from decoder.proposers.registry import versioned_by
     from decoder.speculative import DecoderConfig
 
     pair, tok, vocab = models.pair, models.tok, models.vocab
-    proposers = tuple(cfg.proposers) + (("eagle",) if cfg.heads and "eagle" not in cfg.proposers else ())
+    head = versioned_by("head")  # the proposer the heads serve
+    proposers = tuple(cfg.proposers) + ((head,) if cfg.heads and head not in cfg.proposers else ())
     head_kw = {}
     if cfg.heads:
         from daemon.serve import head_dtype

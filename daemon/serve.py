@@ -1127,9 +1127,10 @@ def run_serve(settings, console=None) -> int:
             torch.set_num_threads(m.torch_threads)
         pair = load_pair(m.target, m.draft, device=m.device)
         from decoder.engines.registry import choose_engine, torch_threads_for
+        from decoder.proposers.registry import spec as proposer_spec, versioned_by
 
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads,
-                                embeddings=sv.record_hidden or "eagle" in sv.proposers)
+                                embeddings=sv.record_hidden or any(proposer_spec(n).needs_features for n in sv.proposers))
         log.info("engine", engine=engines.name, reason=engines.reason)
         if not m.torch_threads:  # on llama.cpp the decoder's torch work is per-row vector math: one thread
             stack.enter_context(torch_threads_for(engines.target))
@@ -1137,7 +1138,7 @@ def run_serve(settings, console=None) -> int:
         registry = AdapterRegistry(rh.client, settings.adapter_dir, scfg) if sv.follow_adapters else None
         if registry is not None:
             _cached_v0(settings, fp, registry, pair.tokenizer)
-        follow_heads = "eagle" in sv.proposers and sv.eagle_head is None and sv.follow_heads
+        follow_heads = versioned_by("head") in sv.proposers and sv.eagle_head is None and sv.follow_heads
         heads = AdapterRegistry(rh.client, settings.head_dir, scfg, kind="head") if follow_heads else None
         loop = build_serving_loop(
             pair.target, pair.draft, pair.tokenizer, client=rh.client, store_config=scfg, registry=registry,

@@ -292,3 +292,19 @@ def test_every_registered_proposer_is_built_from_its_spec(target, other_draft, t
     assert PROPOSERS == ("draft", "ngram") and REQUEST_PROPOSERS == ("draft", "ngram", "eagle")
     with pytest.raises(ValueError, match=r"proposer 'nope': use one of \('draft', 'ngram', 'eagle'\)"):
         dec.make_proposer("nope", req)
+
+
+def test_proposer_names_are_literals_only_in_the_proposers_package():
+    """decoder/ asks the registry and the specs, it does not match proposer names: outside
+    decoder/proposers/ no string constant is a proposer's name (messages that mention one are
+    sentences, not names)."""
+    import ast
+    from pathlib import Path
+
+    from decoder.proposers.registry import SPECS
+
+    root = Path(__file__).resolve().parents[2] / "decoder"
+    found = [f"{f.relative_to(root.parent)}:{n.lineno} {n.value!r}"
+             for f in sorted(root.rglob("*.py")) if "proposers" not in f.relative_to(root).parts
+             for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Constant) and n.value in SPECS]
+    assert found == []

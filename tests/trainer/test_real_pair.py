@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_scheduled_round_on_real_pair_beats_untrained_draft(redis_client, key_prefix, tmp_path):
-    models = pytest.importorskip("decoder.models")
+    models = pytest.importorskip("decoder.models.loading")
     from decoder.sampling import SamplingParams
     from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
     from decoder.workloads import get_workload
