@@ -29,6 +29,10 @@ log = structlog.get_logger(__name__)
 P = "draftd:"
 H = P + "history_"  # the acceptance history's metrics (serve exports the live draftd:spec_decode_*)
 
+# workload labels the daemon's /metrics exports from the acceptance history (issue 37 item 4: it
+# held 2,000 invented names); the ones with the most requests, the rest summed under "other"
+METRICS_WORKLOADS = 64
+
 
 class DraftdCollector:
     """Collects on every scrape; a Redis outage gives ``draftd:redis_up 0`` and no store metrics."""
@@ -55,7 +59,15 @@ class DraftdCollector:
         c, cfg = d.redis.client, d.store_config
         now = d.clock()
         rows = d.history.read()
-        workloads = sorted({r.workload for r in rows})
+        by_w: dict[str, list] = {}
+        for r in rows:
+            by_w.setdefault(r.workload, []).append(r)
+        if len(by_w) > METRICS_WORKLOADS:  # the busiest keep their label; the rest are summed under "other"
+            top = set(sorted(by_w, key=lambda w: (-sum(r.requests for r in by_w[w]), w))[:METRICS_WORKLOADS - 1])
+            rest = [r for w, wr in by_w.items() if w not in top for r in wr]
+            by_w = {w: by_w[w] for w in top}
+            by_w["other"] = by_w.get("other", []) + rest
+        workloads = sorted(by_w)
         fams = {  # H + name: sums over the retention window (gauges: an expiring bucket lowers them)
             "num_drafts": GaugeMetricFamily(H + "num_drafts", "Verification steps with a draft proposal (gamma > 0), over the history's retention", labels=["workload"]),
             "num_draft_tokens": GaugeMetricFamily(H + "num_draft_tokens", "Tokens proposed, over the history's retention", labels=["workload"]),
@@ -68,7 +80,7 @@ class DraftdCollector:
         alpha = GaugeMetricFamily(H + "request_alpha_mean", f"Mean per-request alpha over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
         tau = GaugeMetricFamily(H + "mean_accepted_length", f"Emitted tokens per verification step (tau) over the last {RECENT_WINDOW_S:.0f} s", labels=["workload"])
         for w in workloads:
-            wr = [r for r in rows if r.workload == w]
+            wr = by_w[w]
             tot = sum_rows(wr, w)
             for name, fam in fams.items():
                 fam.add_metric([w], getattr(tot, name))

@@ -63,8 +63,8 @@ def test_metrics_export_at_most_64_workloads_the_rest_summed_as_other(tmp_path, 
         for i in range(100):
             d.history.record(f"w{i:03d}", 0, {"requests": 1 + (i < 10) * 100, "num_steps": 1})
         text = TestClient(create_app(d)).get("/metrics").text
-    labels = set(re.findall(r'draftd:history_requests_total\{workload="([^"]+)"\}', text))
+    labels = set(re.findall(r'draftd:history_requests\{workload="([^"]+)"\}', text))
     assert len(labels) == METRICS_WORKLOADS == 64 and "other" in labels
     assert {f"w{i:03d}" for i in range(10)} <= labels
-    total = sum(float(v) for v in re.findall(r'draftd:history_requests_total\{workload="[^"]+"\} (\S+)', text))
+    total = sum(float(v) for v in re.findall(r'draftd:history_requests\{workload="[^"]+"\} (\S+)', text))
     assert total == 100 + 10 * 100
