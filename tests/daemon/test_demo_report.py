@@ -80,7 +80,7 @@ def test_the_promotion_check_leaves_out_the_base_draft_that_served_before_v0():
     def c(acc, prop):
         return AcceptanceCounts(num_draft_tokens=prop, alpha_sum=float(acc), num_emitted_tokens=10)
 
-    decoder = SimpleNamespace(adapter_version=5, draft_engine=SimpleNamespace(set_lora=None), ngram_history=None)
+    decoder = SimpleNamespace(adapter_version=5, draft_engine=SimpleNamespace(set_lora=None, capabilities=SimpleNamespace(lora=True)), ngram_history=None)
     timeline = [{"workload": "prose", "adapter_version": v} for v in (0, 0, 1, 5)]
     per = {"frozen": [(c(2, 8), 1.0), (c(3, 4), 1.0)], "adapted_draft": [(c(6, 8), 1.0), (c(2, 4), 1.0)]}
     rows = _versions_check(DemoConfig.quick(), "prose", [], None, None, decoder, None, None, 1, timeline, per)
@@ -100,7 +100,7 @@ def test_the_phase_end_learner_is_measured_against_v0_and_reported():
     def c(acc, prop):
         return AcceptanceCounts(num_draft_tokens=prop, alpha_sum=float(acc), num_emitted_tokens=10)
 
-    decoder = SimpleNamespace(adapter_version=5, draft_engine=SimpleNamespace(set_lora=None), ngram_history=None)
+    decoder = SimpleNamespace(adapter_version=5, draft_engine=SimpleNamespace(set_lora=None, capabilities=SimpleNamespace(lora=True)), ngram_history=None)
     timeline = [{"workload": "prose", "adapter_version": v} for v in (1, 5)]
     per = {"frozen": [(c(2, 8), 1.0)], "adapted_draft": [(c(6, 8), 1.0)]}
     runs: dict = {}
