@@ -9,14 +9,13 @@ import urllib.request
 
 import pytest
 
+from conftest import REDIS_URL  # at import: in a whole-suite run the name conftest is rebound to later dirs' files
 from serve_helpers import MODEL, serving
 
 
 @pytest.fixture(scope="module")
 def srv(request):
     import redis
-
-    from conftest import REDIS_URL
 
     client = redis.Redis.from_url(REDIS_URL)
     prefix = f"test:inputs:{id(request)}:"
