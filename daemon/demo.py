@@ -637,7 +637,8 @@ def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_v
     """Did any promotion lower decoded α on the phase's never-served prompts? Each adapter version
     that served the phase (in order of first use, from v0 to the final one) decoded on the same
     prompts at γ = ``eval_gamma``, paired against the version before it (``paired_ratio_gain``):
-    a row per step with its gain, interval and ``lowered`` (the gain below 0). v0's and the final
+    a row per step with its gain, interval and ``lowered`` (a measured loss: the whole interval below
+    0; a negative point estimate whose interval reaches 0 is noise on these prompts). v0's and the final
     version's runs are the table's ``frozen`` and ``adapted_draft``; at most ``_VERSIONS_CHECKED``
     others are decoded (the phase's last one always among them). Only on an engine whose draft
     swaps LoRAs (llama.cpp): [] otherwise. ``runs_out`` receives each decoded version's per-prompt
@@ -674,7 +675,7 @@ def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_v
                 for i, ((a, _), (b, _)) in enumerate(zip(runs[prev], runs[v]))}
         g = paired_ratio_gain(rows, cfg.confidence)
         out.append({"version": v, "parent": prev, "alpha_before": _nn(g.before), "alpha_after": _nn(g.after),
-                    "gain": _nn(g.gain), "low": _nn(g.low), "high": _nn(g.high), "lowered": bool(g.gain < 0)})
+                    "gain": _nn(g.gain), "low": _nn(g.low), "high": _nn(g.high), "lowered": bool(g.high < 0)})
     return out
 
 
@@ -914,7 +915,8 @@ def print_report(report: dict, console) -> None:
                           f"{f(pe['before'])} -> {f(pe['after'])} ({f(pe['gain'])}, CI [{f(pe['low'])}, {f(pe['high'])}]); "
                           f"the table's adapted row is the final adapter, after the later phases")
         for v in r.get("versions") or []:
-            verdict = "LOWERED decoded α" if v["lowered"] else "did not lower decoded α"
+            verdict = ("LOWERED decoded α" if v["lowered"] else
+                       "no measured change in decoded α" if v["low"] is not None and v["low"] <= 0 else "raised decoded α")
             console.print(f"  {r['workload']}: v{v['parent']} -> v{v['version']} {verdict}: {f(v['alpha_before'])} -> "
                           f"{f(v['alpha_after'])} ({f(v['gain'])}, CI [{f(v['low'])}, {f(v['high'])}])")
         sv = r.get("served") or {}
