@@ -925,7 +925,8 @@ class InferenceService:
                 mine = ticket.logprobs[seen[0]: seen[0] + len(ids)]
                 lp = self._logprobs(p, mine, seen[1])
                 seen[0] += len(ids)
-                seen[1] += sum(len(self.tokenizer.decode([x.token])) for x in mine)
+                if p.kind == "completion":  # text_offset: the characters of the tokens already sent
+                    seen[1] += sum(len(t) for t in lp["tokens"])
             if not delta and lp is None:
                 return None
             return self._chunk(p, rid, created, delta or "", logprobs=lp)
