@@ -399,11 +399,14 @@ class SpeculativeDecoder:
         if self.config.draft_vocab is not None:
             self._restrict_draft_head(self.config.draft_vocab)
         # every finished request's tokens, per workload, for the n-gram proposer (fed whatever served it)
+        # FR-Spec on a GGUF draft: its engine computes the full head, and the rows outside the
+        # restricted vocabulary are masked to -inf, so q is the restricted head's softmax, the q the
+        # trainer fits and judges (decoder.vocab; an adapter trained on it proposes what was judged)
+        self._draft_vocab_off = None
         if draft_engine is not None and self.config.draft_vocab is not None:
-            log.warning("draft_vocab_not_applied", engine=draft_engine.name,
-                        reason="a GGUF draft proposes over its full head: DecoderConfig.draft_vocab (FR-Spec) applies "
-                               "to a torch draft only (lossless either way; an adapter trained on the restricted head "
-                               "is served with the full one)")
+            off = torch.ones(self.vocab_p, dtype=torch.bool)
+            off[self._draft_vocab_ids.cpu()] = False
+            self._draft_vocab_off = off  # (V_p,) True outside the restricted vocabulary
         self.ngram_min_n = self.config.ngram_min_n or (1 if torch_target else min(2, self.config.ngram_max_n))
         self.streamed_logprobs: list[TokenLogprob] = []  # the running request's (DecodeRequest.logprobs)
         self.ngram_history = NgramHistory(self.config.ngram_max_n, self.ngram_min_n,
@@ -540,7 +543,10 @@ class SpeculativeDecoder:
         logits = seq.forward(tokens, 1)[0]
         if self.vocab_q < self.vocab_p:
             logits = torch.cat([logits, logits.new_full((self.vocab_p - self.vocab_q,), float("-inf"))])
-        return logits[: self.vocab_p]
+        logits = logits[: self.vocab_p]
+        if self._draft_vocab_off is not None:  # FR-Spec (DecoderConfig.draft_vocab): q = 0 outside it
+            logits = logits.masked_fill(self._draft_vocab_off, float("-inf"))
+        return logits
 
     def _target_logits(self, tokens: list[int], seq, keep: int) -> torch.Tensor:
         """Target logits at the last ``keep`` fed positions: (keep, V_p), from the target's engine

@@ -688,3 +688,43 @@ def test_long_served_prompts_greedy_equals_plain_whatever_is_proposed(gguf, real
         assert history_accepted >= 32
     finally:
         e.close()
+
+
+@needs_llamacpp
+def test_fr_spec_on_the_gguf_draft_masks_its_full_head_to_the_restricted_vocabulary():
+    """DecoderConfig.draft_vocab with the draft on llama.cpp (its GGUF holds the full head): q is
+    the full head's logits on the restricted ids and -inf elsewhere, the q the trainer fits; the
+    draft proposes only those ids and greedy output stays plain decoding's."""
+    from decoder.models.loading import load_pair
+    from decoder.vocab import frequent_token_ids
+
+    pair = load_pair("smollm2-135m", "layers:0-3")
+    choice = choose_engine("llamacpp", "smollm2-135m", "cpu", "layers:0-3", threads=2)
+    subset = frequent_token_ids(pair.tokenizer, 2048)
+    try:
+        dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(draft_vocab=subset),
+                                 engine=choice.target, draft_engine=choice.draft)
+        x = pair.tokenizer("The capital of France is")["input_ids"]
+        full = choice.draft.start().forward(x, 1)[0]  # (V,) the GGUF draft's own head
+        q = dec._engine_draft_logits(x, choice.draft.start())
+        inside = torch.zeros(q.shape[0], dtype=torch.bool)
+        inside[subset] = True
+        assert torch.isinf(q[~inside]).all()
+        torch.testing.assert_close(q[inside], full[: q.shape[0]][inside], rtol=0, atol=0)
+        ids = pair.tokenizer(PROMPT)["input_ids"]
+        plain = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=0, ignore_eos=True)).output_ids
+        proposed = []
+        orig = dec._engine_draft_logits
+
+        def spy(tokens, seq):
+            out = orig(tokens, seq)
+            proposed.append(int(out.argmax()))
+            return out
+
+        dec._engine_draft_logits = spy
+        r = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=3, ignore_eos=True, proposer="draft"))
+        assert r.output_ids == plain and r.counts.num_draft_tokens > 0
+        assert proposed and all(inside[t] for t in proposed)
+    finally:
+        choice.target.close()
+        choice.draft.close()
