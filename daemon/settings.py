@@ -163,6 +163,10 @@ class TrainerSettings(_Group):
         False, description="Also train one adapter per workload tag, served to that workload only (the shared one serves the rest)."
     )
     min_workload_samples: int = Field(16, ge=1, description="New training samples of a workload in a round before its own adapter trains.")
+    shared_turn: bool = Field(True, description="With per_workload: the shared adapter also trains on the samples of workloads that "
+                              "take their own turn. false: it trains only on the rest (untagged, or below min_workload_samples), "
+                              "so a round costs one turn per workload and no new workload pulls the shared adapter off the "
+                              "others (trainer.service.ServiceConfig.shared_turn).")
     promote_margin: float = Field(0.005, allow_inf_nan=False, description="Held-out alpha must rise by at least this much to promote.")
     regress_margin: float = Field(0.01, ge=0, allow_inf_nan=False, description="... and may drop by at most this much on any workload.")
     min_eval_requests: int = Field(8, ge=2, description="Held-out requests (prompts) the promotion gate's paired interval needs (trainer.gate).")
@@ -206,6 +210,13 @@ class TrainerSettings(_Group):
         description="On SIGTERM/SIGINT wait this long for a running round to finish; past it the round is abandoned "
         "(its entries stay pending and are redelivered; nothing is registered).",
     )
+
+    @model_validator(mode="after")
+    def _shared_turn_needs_workload_turns(self) -> "TrainerSettings":
+        if not self.shared_turn and not self.per_workload:
+            raise ValueError("trainer.shared_turn=false without trainer.per_workload=true: tagged traffic would train "
+                             "nothing; set DRAFTD_TRAINER__PER_WORKLOAD=true or leave shared_turn on")
+        return self
 
 
 class BootstrapSettings(_Group):
@@ -618,6 +629,7 @@ def service_config(s: Settings) -> "ServiceConfig":
         heldout_topup=t.heldout_topup,
         per_workload=t.per_workload,
         min_workload_samples=t.min_workload_samples,
+        shared_turn=t.shared_turn,
         promote_margin=t.promote_margin,
         regress_margin=t.regress_margin,
         min_eval_requests=t.min_eval_requests,

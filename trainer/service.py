@@ -137,6 +137,13 @@ class ServiceConfig:
     # in a round where that workload brought at least ``min_workload_samples`` new training samples.
     per_workload: bool = False
     min_workload_samples: int = 16
+    # With per_workload, whether the shared adapter also trains on the samples of workloads that
+    # take their own turn this round (True: every sample trains it). False: it trains only on the
+    # rest (untagged samples, workloads below min_workload_samples in the round), and a round whose
+    # samples all went to workload turns has no shared turn: one turn per workload, not two, and
+    # no shared adapter pulled towards each new workload in turn (what made the gate refuse every
+    # candidate of a shifted workload for the forgetting it caused on the others: bench/RESULTS.md).
+    shared_turn: bool = True
     work_dir: str | None = None  # where candidates are written before registration (temp if None)
 
     def __post_init__(self) -> None:
@@ -145,6 +152,9 @@ class ServiceConfig:
         if self.min_eval_requests < 2 or self.min_eval_positions < 1 or not 0 < self.confidence < 1:
             raise ValueError(f"min_eval_requests={self.min_eval_requests} (>= 2), min_eval_positions="
                              f"{self.min_eval_positions} (>= 1) and confidence={self.confidence} (in (0, 1)) are out of range")
+        if not self.shared_turn and not self.per_workload:
+            raise ValueError("ServiceConfig.shared_turn=False without per_workload=True: nothing would train; turn "
+                             "per_workload on (DRAFTD_TRAINER__PER_WORKLOAD=true) or leave shared_turn on")
 
 
 @dataclass
@@ -791,6 +801,28 @@ class TrainerService:
             report.decision, report.reason = "idle", "no new training samples"
             report.acked = self.reader.ack(heldout_entries)  # kept in memory; nothing to register
             return
+        own: dict[str, list[VerifiedSample]] = {}  # per_workload: the workloads taking their own turn
+        if cfg.per_workload:
+            by_w: dict[str, list[VerifiedSample]] = {}
+            for e in train:
+                by_w.setdefault(e.sample.workload, []).append(e.sample)
+            own = {w: smp for w, smp in sorted(by_w.items()) if w and len(smp) >= cfg.min_workload_samples}
+        shared_train = train if cfg.shared_turn else [e for e in train if e.sample.workload not in own]
+        if shared_train:
+            self._shared_turn(report, shared_train)
+        else:
+            report.decision, report.reason = "idle", (f"no shared turn (trainer.shared_turn off): every sample went "
+                                                      f"to its workload's own turn ({', '.join(own)})")
+        for w, smp in own.items():
+            report.scopes[w] = self._workload_turn(w, smp).to_dict()
+        if self.heads is not None:  # never raises: its report says what went wrong
+            report.head = self.heads.turn([e.sample for e in train], [e.sample for e in heldout_entries]).to_dict()
+        self._prune_eval_cache()
+        report.acked = self.reader.ack(entries)
+
+    def _shared_turn(self, report: RoundReport, train: list[Any]) -> None:
+        """Train the shared adapter on ``train`` (entries) plus replay, judge and register it."""
+        cfg = self.config
         heldout = gate_slice([s for d in self._heldout.values() for s in d], cfg)
         before = self._evaluate_served(heldout, self._promoted_version, self._promoted_state)
         new = [e.sample for e in train]
@@ -808,17 +840,6 @@ class TrainerService:
         if cfg.replay_per_workload and not worse:  # a round that made the draft worse leaves no samples behind
             for smp in new:
                 self._replay.setdefault(smp.workload, deque(maxlen=cfg.replay_per_workload)).append(_lean(smp))
-        if cfg.per_workload:
-            by_w: dict[str, list[VerifiedSample]] = {}
-            for e in train:
-                by_w.setdefault(e.sample.workload, []).append(e.sample)
-            for w, smp in sorted(by_w.items()):
-                if w and len(smp) >= cfg.min_workload_samples:  # "" (untagged) is the shared scope's alone
-                    report.scopes[w] = self._workload_turn(w, smp).to_dict()
-        if self.heads is not None:  # never raises: its report says what went wrong
-            report.head = self.heads.turn([e.sample for e in train], [e.sample for e in heldout_entries]).to_dict()
-        self._prune_eval_cache()
-        report.acked = self.reader.ack(entries)
 
     def _judge_shared(self, report: RoundReport, train: list[Any], heldout: list[VerifiedSample],
                       before: EvalResult, result: RoundResult) -> bool:

@@ -138,3 +138,14 @@ def test_serve_eagle_head_empty_is_unset_and_a_bad_file_is_a_load_error(monkeypa
     junk.write_bytes(b"not a safetensors file at all")
     with pytest.raises(ModelLoadError, match=r"serve.eagle_head: head file .*junk.bin.* cannot be read"):
         _eagle_head(junk, None)
+
+
+def test_shared_turn_off_needs_workload_turns(monkeypatch):
+    monkeypatch.setenv("DRAFTD_TRAINER__SHARED_TURN", "false")
+    with pytest.raises(ConfigError, match="shared_turn=false without trainer.per_workload=true.*DRAFTD_TRAINER__PER_WORKLOAD"):
+        load_settings(None)
+    monkeypatch.setenv("DRAFTD_TRAINER__PER_WORKLOAD", "true")
+    from daemon.settings import service_config
+
+    cfg = service_config(load_settings(None))
+    assert (cfg.per_workload, cfg.shared_turn) == (True, False)

@@ -17,7 +17,7 @@ from store.buffer import SampleReader
 from store.config import StoreConfig
 from store.registry import AdapterMeta, AdapterRegistry
 from tiny_pair import PAIR, make_samples, tiny_draft
-from trainer.distill import DistillConfig, Distiller
+from trainer.distill import BASE, DistillConfig, Distiller
 from trainer.service import ServiceConfig, TrainerService, group_lag, is_heldout, replay_mix, split_key
 from service_helpers import pending, write  # noqa: E402
 
@@ -356,6 +356,35 @@ def test_per_workload_round_trains_each_workload_its_own_adapter(env, train_samp
     assert rep3.scopes["code"]["parent"] == (back or registry.active_version())
     want = rep3.scopes["code"]["version"] if rep3.scopes["code"]["decision"] == "promoted" else back
     assert svc.status()["workload_versions"]["code"] == want == registry.active_version("code")
+
+
+def test_without_the_shared_turn_each_workload_trains_only_its_own_adapter(env, train_samples, heldout_samples, target):
+    """trainer.shared_turn off: samples of a workload taking its own turn do not train the shared
+    adapter (it stays the base draft: nothing of the shared scope is registered), each workload's
+    adapter starts from what serves it and is judged on its own slice; the samples of a workload
+    below min_workload_samples train the shared adapter instead; every entry is acked."""
+    client, cfg, registry, tmp = env
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
+    rep = svc.run_round_now()
+    assert rep.decision == "idle" and "shared_turn" in rep.reason and rep.result is None
+    assert set(rep.scopes) == {"prose", "code"}
+    assert all(r.scope != "" for r in registry.list()) and registry.active_version() == 0
+    independent = Distiller(tiny_draft(), FAST)
+    for w, sr in rep.scopes.items():
+        rec = registry.get(sr["version"])
+        assert (rec.scope, rec.parent) == (w, 0)  # from the base draft: the shared scope never trained
+        independent.start_from(BASE)
+        assert independent.evaluate(list(svc._heldout[w])).alpha == pytest.approx(sr["alpha_before"], abs=1e-5)
+    assert any(sr["decision"] == "promoted" for sr in rep.scopes.values()), rep.scopes
+    assert pending(client, cfg) == 0
+    # a workload with too few samples for its own turn trains the shared adapter
+    write(client, cfg, make_samples(target, 6, "code", seed=95))
+    rep2 = svc.run_round_now()
+    assert rep2.scopes == {} and rep2.result is not None and rep2.result.samples >= rep2.trained_on > 0
+    assert rep2.decision in ("promoted", "rejected") and registry.get(rep2.version).scope == ""
+    with pytest.raises(ValueError, match="shared_turn=False without per_workload=True"):
+        ServiceConfig(shared_turn=False)
 
 
 def test_per_workload_skips_a_workload_without_enough_samples_or_a_usable_tag(env, train_samples, target):
