@@ -60,6 +60,15 @@ class DemoConfig:
     train_min_new_samples: int = 8
     round_steps: int = 40
     round_seconds: float = 60.0
+    # one adapter per workload (trainer.per_workload, shared_turn off): each phase trains and is
+    # judged on its own traffic, so learning math cannot cost prose (bench/RESULTS.md: one shared
+    # adapter's candidates for a new workload were refused for the loss they caused on the others)
+    per_workload: bool = True
+    min_workload_samples: int = 8  # new training samples of a workload in a round before its turn
+    # FR-Spec (models.draft_vocab): the draft's head restricted to the N most frequent tokens, trained
+    # and served alike; steps at 40 % of the full head's cost at the same gain per step
+    # (docs/training.md). None: models.draft_vocab when set, else 8192; 0: the full vocabulary
+    draft_vocab: int | None = None
     # --heads: the feature-level head as a third proposer: v0 bootstrapped on the corpora (cached),
     # records carry hidden states, each round also distils the head (head_steps steps) and the
     # serving loop hot-swaps the promoted heads; the table adds frozen-v0 and adapted head rows
@@ -75,6 +84,17 @@ class DemoConfig:
                     round_steps=30, round_seconds=30.0)
         base.update(kw)
         return cls(**base)
+
+
+DEMO_DRAFT_VOCAB = 8192  # DemoConfig.draft_vocab's default
+
+
+def demo_settings(settings, cfg: DemoConfig):
+    """``settings`` with the demo's restricted draft head (``cfg.draft_vocab``; None: ``models.draft_vocab``
+    when set, else :data:`DEMO_DRAFT_VOCAB`), which the bootstrap's cache key, the trainer and the
+    decoder all read from them."""
+    dv = cfg.draft_vocab if cfg.draft_vocab is not None else (settings.models.draft_vocab or DEMO_DRAFT_VOCAB)
+    return settings.model_copy(update={"models": settings.models.model_copy(update={"draft_vocab": dv})})
 
 
 def _prompts(workload: str, n: int, skip: int = 0):
@@ -98,12 +118,16 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
+    settings = demo_settings(settings, cfg)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     with ExitStack() as stack:
         models = _load_models(settings, console, embeddings=cfg.heads)  # first: a pair that cannot load leaves the last run's state alone
+        if cfg.per_workload and not supports(models.engines.draft, "lora"):  # the evaluation sets each workload's LoRA
+            console.log("one shared adapter: per-workload adapters are evaluated on a draft engine with LoRA (llama.cpp)")
+            cfg = dataclasses.replace(cfg, per_workload=False)
         store = _open_store(stack, settings, console)
         trainer = _start_trainer(stack, settings, cfg, store, models, out_dir, run_id, console)
         loop, oai = _start_serving(stack, settings, cfg, store, models, trainer, console)
@@ -248,7 +272,9 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
                       check_interval_s=2.0, max_samples_per_round=256, holdout_fraction=0.25,
                       holdout_per_workload=48, min_eval_samples=6, min_eval_requests=8, min_eval_positions=256,
                       confidence=cfg.confidence, promote_margin=0.0, regress_margin=0.05,
-                      replay_per_workload=64, replay_ratio=0.5, work_dir=str(out_dir / "work" / run_id)),
+                      replay_per_workload=64, replay_ratio=0.5, work_dir=str(out_dir / "work" / run_id),
+                      per_workload=cfg.per_workload, shared_turn=not cfg.per_workload,
+                      min_workload_samples=cfg.min_workload_samples),
         backlog=lambda: sum(g.lag or 0 for g in group_info(client, scfg) if g.name == "trainer"),
         heads=heads,
     )
@@ -484,6 +510,7 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()},
         "seconds": round(time.time() - t_start, 1), "requests": len(timeline),
         "active_adapter": decoder.adapter_version,
+        "workload_adapters": {w: v for w, v in trainer.registry.active_versions().items() if w},  # per_workload
         "adapters": [_adapter_row(r) for r in trainer.registry.list()],
         "heads": ([_adapter_row(r) for r in trainer.head_registry.list()] if trainer.head_registry is not None else None),
         "head_v0": trainer.head_v0.__dict__ if trainer.head_v0 is not None else None,
@@ -534,7 +561,6 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
         return distiller.adapter_state()
 
     v0_state = state_of(v0_version)
-    final_state = state_of(decoder.adapter_version)
     served_history, served_gate = decoder.ngram_history, decoder.ngram_gate
     # the same head as the adapted draft (FR-Spec or not), so the rows differ by training only
     # on llama.cpp the frozen draft is the draft's own context with v0's LoRA set (see _frozen_lora)
@@ -543,8 +569,11 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
     rows = []
     try:
         for phase in cfg.phases:
+            # the version serving the phase's workload now: its own scope's (per_workload), else the shared one
+            final = registry.resolve(phase) if cfg.per_workload else decoder.adapter_version
+            final_state = state_of(final)
             row: dict[str, Any] = {"workload": phase, "adapter_at_phase_end": phase_end_version.get(phase, 0),
-                                   "final_adapter": decoder.adapter_version}
+                                   "final_adapter": final}
             held = heldout.get(phase, [])
             row["heldout_samples"] = len(held)
             if held:
@@ -578,7 +607,10 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                     # the history and gate as serving left them, the same for every row (evaluation teaches neither)
                     decoder.ngram_history = served_history.copy()
                     decoder.ngram_gate = served_gate.copy() if served_gate is not None else None
-                    with (_frozen_lora(decoder if dec is frozen else None, v0_version, registry),
+                    # v0's LoRA for the frozen rows; the workload's own final version for the decoder's rows
+                    # (per_workload: the adapter manager is closed, so no route switches it per request)
+                    lora = (v0_version if dec is frozen else final) if dec is frozen or cfg.per_workload else None
+                    with (_frozen_lora(decoder if lora is not None else None, lora or 0, registry),
                           _swapped_head(decoder, frozen_head if name == "frozen_head" else None)):
                         r = dec.generate(DecodeRequest(ids, params, cfg.eval_new_tokens, gamma=g, ignore_eos=True,
                                                        workload=phase, proposer=prop))
@@ -598,7 +630,7 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
             row.update(_paired_intervals(per_prompt, cfg.confidence))
             runs: dict = {}
             row["versions"] = _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_version,
-                                              timeline, per_prompt, runs)
+                                              timeline, per_prompt, runs, final)
             # what the learner had made of this workload when its phase ended (before later phases
             # trained the shared adapter on other traffic), against v0 on the same prompts
             end = next((r["adapter_version"] for r in reversed(timeline) if r["workload"] == phase), None)
@@ -633,7 +665,7 @@ _VERSIONS_CHECKED = 4  # adapter versions decoded per phase besides v0 and the f
 
 
 def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_version, timeline, per_prompt,
-                    runs_out: dict | None = None) -> list[dict]:
+                    runs_out: dict | None = None, final: int | None = None) -> list[dict]:
     """Did any promotion lower decoded α on the phase's never-served prompts? Each adapter version
     that served the phase (in order of first use, from v0 to the final one) decoded on the same
     prompts at γ = ``eval_gamma``, paired against the version before it (``paired_ratio_gain``):
@@ -648,7 +680,7 @@ def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_v
 
     if not supports(getattr(decoder, "draft_engine", None), "lora"):
         return []
-    final = decoder.adapter_version
+    final = decoder.adapter_version if final is None else final  # the version the adapted rows ran
     # the base draft (0) that served before v0 was ready is no promotion after v0: not in the chain
     served = [r["adapter_version"] for r in timeline if r["workload"] == phase and (r["adapter_version"] or not v0_version)]
     chain = list(dict.fromkeys([v0_version, *served, final]))
@@ -789,12 +821,19 @@ def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
     t.add_row("rolling α (last 12)", f"{sum(alphas) / len(alphas):.3f}" if alphas else "-")
     t.add_row("rolling τ", f"{sum(taus) / len(taus):.2f}" if taus else "-")
     t.add_row("rolling tokens/s", f"{sum(tps) / len(tps):.2f}" if tps else "-")
-    t.add_row("active adapter", f"v{manager.status().get('active_version', 0)}")
+    routes = {w: v for w, v in (manager.status().get("routes") or {}).items() if w and v}
+    t.add_row("active adapter", f"v{manager.status().get('active_version', 0)}"
+              + (f" ({', '.join(f'{w} v{v}' for w, v in sorted(routes.items()))})" if routes else ""))
     if heads is not None:
         h = (st.get("heads") or {}).get("last") or {}
         t.add_row("head (eagle)", f"v{heads.route(phase)}; last turn: {h.get('decision', '-')} {str(h.get('reason', ''))[:50]}")
     t.add_row("speculation", controller.decision(key).get("why", "-"))
-    t.add_row("trainer", f"rounds {st.get('rounds', 0)}, last: {last.get('decision', '-')} {last.get('reason', '')[:60]}")
+    turns = last.get("scopes") or {}  # per_workload: each workload's own turn
+    if turns and last.get("decision") == "idle":
+        what = "; ".join(f"{w} {sr.get('decision', '-')} {str(sr.get('reason', ''))[:50]}" for w, sr in sorted(turns.items()))
+    else:
+        what = f"{last.get('decision', '-')} {last.get('reason', '')[:60]}"
+    t.add_row("trainer", f"rounds {st.get('rounds', 0)}, last: {what}")
     return t
 
 
@@ -956,8 +995,10 @@ def print_report(report: dict, console) -> None:
                       f"{ceil['speedup']:.2f}x plain (γ={ceil['gamma']})"
                       + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else "")
                       + " (step_cost_ms, beside the trainer)")
-    console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}, "
-                  f"seconds: {report['seconds']}, plot: {report.get('plot')}")
+    own = report.get("workload_adapters") or {}
+    console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}"
+                  + (f" (per workload: {', '.join(f'{w} v{v}' for w, v in sorted(own.items()) if v) or 'none promoted'})" if own else "")
+                  + f", seconds: {report['seconds']}, plot: {report.get('plot')}")
     console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; .venv/bin/daemonctl status; "
                   f".venv/bin/daemonctl history --plot {Path(report.get('plot') or 'out/demo/acceptance.png').with_name('history.png')}"
                   + ("; .venv/bin/daemonctl heads list" if report.get("heads") else ""))
@@ -978,6 +1019,11 @@ def register(app) -> None:
         heads: Annotated[bool, typer.Option(help="also serve and adapt the feature-level head (the 'eagle' proposer): "
                                                  "v0 bootstrapped once per pair (cached), distilled each round from "
                                                  "records with hidden states")] = False,
+        shared_adapter: Annotated[bool, typer.Option(help="one shared adapter for every workload instead of one per "
+                                                          "workload (trainer.per_workload)")] = False,
+        draft_vocab: Annotated[int | None, typer.Option(help="FR-Spec: the draft's head restricted to the N most frequent "
+                                                             "tokens, trained and served alike; 0 = the full vocabulary "
+                                                             f"(default: models.draft_vocab when set, else {DEMO_DRAFT_VOCAB})")] = None,
         config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")] = None,
     ) -> None:
         """The main job: serve a shifting workload (prose -> code -> math -> extract) while the trainer adapts
@@ -1006,6 +1052,10 @@ def register(app) -> None:
             cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)
         if heads:
             cfg = dataclasses.replace(cfg, heads=True)
+        if draft_vocab is not None and draft_vocab < 0:
+            console.print(f"[red]error:[/] --draft-vocab={draft_vocab}: must be >= 0 (0 = the full vocabulary)")
+            raise typer.Exit(2)
+        cfg = dataclasses.replace(cfg, per_workload=not shared_adapter, draft_vocab=draft_vocab)
         from decoder.engines.base import EngineError
         from decoder.models.packaged import ModelLoadError
 

@@ -111,3 +111,26 @@ def test_demo_with_a_target_that_cannot_load_says_so_and_keeps_the_last_runs_sta
         assert client.get(f"{prefix}demo:last-run") == b"kept"
     finally:
         client.delete(f"{prefix}demo:last-run")
+
+
+def test_demo_refuses_a_negative_draft_vocab_before_loading(monkeypatch):
+    r = CliRunner().invoke(app, ["demo", "--quick", "--draft-vocab", "-5"])
+    assert r.exit_code == 2, r.output
+    assert "--draft-vocab=-5: must be >= 0 (0 = the full vocabulary)" in " ".join(r.output.split()), r.output
+
+
+def test_the_demo_trains_and_serves_the_restricted_head_it_is_given():
+    """DemoConfig.draft_vocab: None takes models.draft_vocab when set, else 8192; 0 the full
+    vocabulary; the demo's settings (what the bootstrap's cache key, the trainer and the decoder
+    read) carry it."""
+    from daemon.demo import DemoConfig, demo_settings
+    from daemon.settings import Settings
+
+    def effective(cfg, configured):
+        return demo_settings(Settings(models={"draft_vocab": configured}), cfg).models.draft_vocab
+
+    assert effective(DemoConfig.quick(), 0) == 8192
+    assert effective(DemoConfig.quick(), 4096) == 4096
+    assert effective(DemoConfig.quick(draft_vocab=0), 4096) == 0
+    assert effective(DemoConfig.quick(draft_vocab=1024), 0) == 1024
+    assert DemoConfig.quick().per_workload is True
