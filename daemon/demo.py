@@ -1046,7 +1046,7 @@ def register(app) -> None:
         # by design); the live table shows the trainer's state, so these warnings are noise here.
         import logging
 
-        logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
+        logging.getLogger("apscheduler").setLevel(logging.ERROR)  # its scheduler and executors
         cfg = DemoConfig.quick(out_dir=out) if quick else DemoConfig(out_dir=out)
         if phase_seconds is not None:
             cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)
