@@ -747,19 +747,35 @@ class InferenceService:
             kind = "not_found" if e.status_code == 404 else "invalid_request_error"
             return error(ApiError(e.status_code, str(e.detail), code=kind))
 
-        @app.middleware("http")
-        async def api_key_before_body(request: Request, call_next):  # noqa: ANN202
+        service = self
+
+        class ApiKeyBeforeBody:
             """With serve.api_key every route but /health needs the bearer token, checked before the body
-            is read: an unauthenticated request is neither parsed nor served nor recorded."""
-            if self.api_key is not None and request.url.path != "/health":
-                scheme, _, cred = request.headers.get("authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not secrets.compare_digest(cred.strip().encode(), self.api_key.encode()):
-                    log.warning("serve_unauthorized", has_credentials=bool(cred), path=request.url.path)
-                    return error(ApiError(
-                        401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the OpenAI client's api_key) "
-                             "with the key in the server's serve.api_key", code="invalid_api_key",
-                        headers={"WWW-Authenticate": "Bearer"}))
-            return await call_next(request)
+            is read: an unauthenticated request is neither parsed nor served nor recorded. A plain ASGI
+            middleware, not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware wraps ``receive``
+            so that ``request.is_disconnected()`` never sees a client that went away, and a non-streamed
+            request would decode to its end for nobody."""
+
+            def __init__(self, inner):
+                self.inner = inner
+
+            async def __call__(self, scope, receive, send):
+                if scope["type"] == "http" and service.api_key is not None and scope.get("path") != "/health":
+                    from starlette.datastructures import Headers
+
+                    scheme, _, cred = Headers(scope=scope).get("authorization", "").partition(" ")
+                    if scheme.lower() != "bearer" or not secrets.compare_digest(cred.strip().encode(),
+                                                                                 service.api_key.encode()):
+                        log.warning("serve_unauthorized", has_credentials=bool(cred), path=scope.get("path"))
+                        resp = error(ApiError(
+                            401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the OpenAI client's "
+                                 "api_key) with the key in the server's serve.api_key", code="invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"}))
+                        await resp(scope, receive, send)
+                        return
+                await self.inner(scope, receive, send)
+
+        app.add_middleware(ApiKeyBeforeBody)
 
         @app.exception_handler(Exception)
         async def _server_error(_req, e):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -289,6 +290,34 @@ def test_streaming_sends_each_verification_step_and_a_disconnect_cancels(srv):
     while not done:
         threading.Event().wait(0.02)
     assert done[-1].finish_reason == "cancelled" and len(done[-1].output_ids) < 400
+
+
+def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(srv, monkeypatch):
+    """A non-streamed client that times out (or disconnects) stops its request at the next step: the
+    slot frees at once instead of decoding for nobody (Starlette's BaseHTTPMiddleware hid the
+    disconnect from request.is_disconnected(), so it ran to max_tokens)."""
+    if not srv.loop.streams_steps:
+        pytest.skip("SpeculativeDecoder.generate has no on_step hook: a request cannot stop mid-way")
+    real = srv.loop._on_step
+
+    def slow(t, ids):  # 50 ms a step: 400 tokens at gamma 1 would take about 20 s
+        threading.Event().wait(0.05)
+        return real(t, ids)
+
+    monkeypatch.setattr(srv.loop, "_on_step", slow)
+    done = []
+    srv.loop.observers.append(lambda t, res: done.append(res))
+    with pytest.raises(openai.APITimeoutError):
+        srv.openai(timeout=1.0).completions.create(model=MODEL, prompt="abc", max_tokens=400, temperature=0,
+                                                   extra_body={"gamma": 1, "ignore_eos": True})
+    gone = time.monotonic()
+    while not done:
+        assert time.monotonic() - gone < 10, "the request kept decoding after its client went away"
+        time.sleep(0.02)
+    assert done[-1].finish_reason == "cancelled" and len(done[-1].output_ids) < 400
+    assert not srv.loop.busy
+    r = srv.openai().completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0)  # the slot is free
+    assert r.choices[0].finish_reason == "length"
 
 
 def test_metrics_spec_decode_counters_latencies_and_queue(srv):
