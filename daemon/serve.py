@@ -304,6 +304,53 @@ def check_json(body: Any) -> None:
             stack.extend(((*path, i), x) for i, x in enumerate(v))
 
 
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # serve.max_request_bytes
+
+
+def _too_large(size: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body is {size}; this server accepts at most {limit} bytes "
+                         f"(serve.max_request_bytes): send a shorter prompt, or raise DRAFTD_SERVE__MAX_REQUEST_BYTES",
+                    code="request_too_large")
+
+
+DRAIN_MAX_BYTES = 64 * 1024 * 1024  # an oversized body up to this is read (and dropped) before the 413
+
+
+async def read_body(request, limit: int | None) -> bytes:
+    """The request body, at most ``limit`` bytes, else a 413. The body of a refused request is read
+    to its end and dropped (never held), so that its client, still sending, gets the 413 rather
+    than a broken pipe; one past :data:`DRAIN_MAX_BYTES` (declared or read) is not read on, and its
+    client may see the connection close instead. A body without a Content-Length (chunked) is
+    counted as it arrives.
+
+    Raises:
+        ApiError: 413 naming the size, the limit and the setting; 400 for a malformed Content-Length.
+    """
+    if limit is None:
+        return await request.body()
+    declared = request.headers.get("content-length")
+    n_declared = None
+    if declared is not None:
+        try:
+            n_declared = int(declared)
+        except ValueError:
+            raise ApiError(400, f"Content-Length {declared!r:.40} is not a number of bytes", code="invalid_request") from None
+        if n_declared > max(limit, DRAIN_MAX_BYTES):
+            raise _too_large(f"{n_declared} bytes (Content-Length)", limit)
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            chunks = []  # too large: drop what was read, drain the rest for the client's sake
+            if n > max(limit, DRAIN_MAX_BYTES):
+                break
+            continue
+        chunks.append(chunk)
+    if n > limit:
+        raise _too_large(f"{n_declared} bytes" if n_declared is not None else f"more than {limit} bytes", limit)
+    return b"".join(chunks)
+
+
 def parse_json_body(raw: bytes) -> Any:
     """The request body as JSON, checked by :func:`check_json`; 400 for anything else.
 
@@ -630,6 +677,8 @@ class InferenceService:
         max_prompt_tokens: longer prompts get a 400 (``prompt_too_long``); None = the context only.
         max_workloads / max_sampling_buckets: distinct workloads / sampling buckets kept as they
             are; later ones are folded into ``"other"`` (:class:`Bounded`).
+        max_request_bytes: a larger request body gets a 413 (``request_too_large``), refused on its
+            Content-Length before it is read, else as soon as the bytes read pass it; None = no limit.
         request_timeout_s: a request not finished this long after it arrived gets a 408
             (``request_timeout``; streaming: an error event) and is cancelled: dropped from the
             queue, or stopped at its next verification step or prefill chunk; None = no budget.
@@ -638,11 +687,13 @@ class InferenceService:
     def __init__(self, loop, tokenizer, model: str, *, context_len: int | None, max_tokens_default: int = 256,
                  speculation: bool = True, server_id: str | None = None, api_key: str | None = None,
                  max_prompt_tokens: int | None = None, request_timeout_s: float | None = None,
-                 max_workloads: int = 64, max_sampling_buckets: int = 32):
+                 max_workloads: int = 64, max_sampling_buckets: int = 32,
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES):
         from concurrent.futures import ThreadPoolExecutor
 
         self.loop, self.tokenizer, self.model = loop, tokenizer, model
         self.max_prompt_tokens, self.request_timeout_s = max_prompt_tokens, request_timeout_s
+        self.max_request_bytes = max_request_bytes
         self.max_token_chars = _max_token_chars(tokenizer)
         # requests are parsed (tokenised: a 1 MB prompt takes seconds) off the event loop, one at a
         # time: /health and streaming stay responsive, and the tokenizer is never used by two
@@ -811,7 +862,7 @@ class InferenceService:
 
         async def handle(request: Request, kind: str):
             arrived = time.monotonic()
-            raw = await request.body()
+            raw = await read_body(request, self.max_request_bytes)
             aloop = asyncio.get_running_loop()
             p = await aloop.run_in_executor(self._parse_pool, self._parse_raw, raw, kind,
                                             request.headers.get(WORKLOAD_HEADER))
@@ -1172,7 +1223,8 @@ def run_serve(settings, console=None) -> int:
                                    server_id=sv.server_id,
                                    api_key=sv.api_key.get_secret_value() if sv.api_key is not None else None,
                                    max_prompt_tokens=sv.max_prompt_tokens, request_timeout_s=sv.request_timeout_s,
-                                   max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets)
+                                   max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets,
+                                   max_request_bytes=sv.max_request_bytes)
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,

@@ -74,3 +74,56 @@ def test_the_server_still_serves_after_them(srv):
     oc = srv.openai()
     r = oc.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+# issue 37 leftover: no request body size limit (serve.max_request_bytes)
+
+
+def test_the_default_body_limit_is_4_mib():
+    from daemon.serve import DEFAULT_MAX_REQUEST_BYTES
+    from daemon.settings import ServeSettings
+
+    assert ServeSettings().max_request_bytes == DEFAULT_MAX_REQUEST_BYTES == 4 * 1024 * 1024
+
+
+def _chunked(srv, path: str, parts: list[bytes]) -> tuple[int, dict]:
+    """POST without a Content-Length (Transfer-Encoding: chunked): the limit must hold on the bytes read."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server.port, timeout=60)
+    try:
+        conn.request("POST", "/v1" + path, body=iter(parts), headers={"Content-Type": "application/json"},
+                     encode_chunked=True)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("how", ["content-length", "chunked"])
+def test_a_body_past_max_request_bytes_is_a_413_naming_the_limit_and_the_setting(redis_client, key_prefix, how):
+    with serving(redis_client, key_prefix, max_request_bytes=2048) as s:
+        big = json.dumps({"model": MODEL, "prompt": "x" * 3000, "max_tokens": 2}).encode()
+        if how == "content-length":
+            code, body = post(s, "/completions", big)
+        else:
+            code, body = _chunked(s, "/completions", [big[i:i + 500] for i in range(0, len(big), 500)])
+        assert code == 413, body
+        err = body["error"]
+        assert err["code"] == "request_too_large" and "2048 bytes" in err["message"], err
+        assert "serve.max_request_bytes" in err["message"] and "DRAFTD_SERVE__MAX_REQUEST_BYTES" in err["message"]
+        small = json.dumps({"model": MODEL, "prompt": "x" * 100, "max_tokens": 2}).encode()
+        assert post(s, "/completions", small)[0] == 200  # under the limit, and the server still serves
+        if how == "chunked":
+            assert _chunked(s, "/completions", [small[:50], small[50:]])[0] == 200
+
+
+def test_a_multi_megabyte_body_gets_a_413_its_client_can_read(srv):
+    """5 MiB against the default 4 MiB, from the openai client: a 413 naming the limit (the body is
+    drained, not held, so the client, still sending, reads the answer instead of a broken pipe)."""
+    import openai
+
+    with pytest.raises(openai.APIStatusError) as ei:
+        srv.openai().completions.create(model=MODEL, prompt="x" * (5 << 20), max_tokens=2)
+    assert ei.value.status_code == 413, ei.value
+    assert ei.value.body["code"] == "request_too_large" and str(4 * 1024 * 1024) in ei.value.body["message"]
