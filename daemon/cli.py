@@ -526,12 +526,14 @@ def bootstrap(
     max_steps: Annotated[int, typer.Option(min=1, help="optimiser steps in total")] = 200,
     max_seconds: Annotated[float, typer.Option(min=1.0, max=7 * 24 * 3600.0, help="training seconds in total")] = 600.0,
     round_steps: Annotated[int, typer.Option(min=1, help="steps between held-out evaluations")] = 25,
-    no_promote: Annotated[bool, typer.Option("--no-promote", help="register v1 but do not promote it")] = False,
+    no_promote: Annotated[bool, typer.Option("--no-promote", help="register the adapter but do not promote it")] = False,
 ) -> None:
-    """Adapter v1 from scratch: the target's distributions on built-in text go into the buffer
-    (teacher-forced corpus windows, or its own generations at gamma = 0), the trainer distils them
-    into the draft, v1 is registered and promoted if held-out alpha rose (held out: whole
-    documents or prompts, by a hash of the request id)."""
+    """The v0 adapter from the built-in corpora, promoted if held-out alpha rose: the target's
+    distributions on built-in text go into the buffer (teacher-forced corpus windows, or its own
+    generations at gamma = 0), the trainer distils them into the base draft, and the adapter is
+    registered under the registry's next version number (v1 in an empty registry: version 0 is
+    the base draft itself) and promoted if held-out alpha rose over the base draft's (held out:
+    whole documents or prompts, by a hash of the request id)."""
     s = _settings(config)
     configure(s.log_format, "warning", stream=sys.stderr)
     names, prompts_all, corpora = _bootstrap_inputs(workloads, source, prompts)
