@@ -315,7 +315,9 @@ def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(srv, monkeyp
         assert time.monotonic() - gone < 10, "the request kept decoding after its client went away"
         time.sleep(0.02)
     assert done[-1].finish_reason == "cancelled" and len(done[-1].output_ids) < 400
-    assert not srv.loop.busy
+    while srv.loop.busy:  # observers run just before the worker lets go of the ticket
+        assert time.monotonic() - gone < 10
+        time.sleep(0.02)
     r = srv.openai().completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0)  # the slot is free
     assert r.choices[0].finish_reason == "length"
 
