@@ -701,6 +701,8 @@ class InferenceService:
         self._parse_pool = ThreadPoolExecutor(1, thread_name_prefix="draftd-parse")
         self.api_key = api_key or None  # None: no authentication (serve.api_key unset)
         self._json, self._json_lock = None, threading.Lock()
+        self._abandoned = threading.Event()  # shutting down past the drain grace: waiting handlers answer now
+        self.drain_grace_s: float | None = None
         self.context_len = context_len
         self.max_tokens_default = max_tokens_default
         self.speculation = speculation
@@ -718,6 +720,22 @@ class InferenceService:
         return {"server_id": self.server_id, "model": self.model, "speculation_enabled": self.speculation,
                 "speculation_by_workload": speculation_by_workload(st["speculation"]), **st,
                 "cardinality": {b.name: b.status() for b in (self.workloads, self.buckets)}, "ts": time.time()}
+
+    def abandon(self, grace_s: float | None = None) -> None:
+        """Shutting down past the drain grace (the loop has cancelled what was left): every handler
+        still waiting for a ticket answers at once (503 ``draining``; a stream: an error event)
+        instead of waiting for the decoder to reach its next step, so the HTTP server closes its
+        connections within its own graceful timeout rather than cancelling the handlers (uvicorn's
+        ASGI CancelledError traceback, and a 500 to the client)."""
+        self.drain_grace_s = grace_s
+        self._abandoned.set()
+
+    def _abandoned_error(self, ticket) -> ApiError:
+        ticket.cancel()
+        grace = "" if self.drain_grace_s is None else f" = {self.drain_grace_s:g} s"
+        return ApiError(503, f"the server shut down before this request finished: it was cancelled after the drain "
+                             f"grace (serve.drain_grace_s{grace}, DRAFTD_SERVE__DRAIN_GRACE_S); retry it on another "
+                             f"instance", code="draining", type_="service_unavailable")
 
     def parse(self, body: Any, kind: str, header_workload: str | None = None) -> Parsed:
         p = parse_request(body, kind, self.tokenizer, models={self.model}, context_len=self.context_len,
@@ -922,6 +940,8 @@ class InferenceService:
                 done, _ = await asyncio.wait({fut}, timeout=wait)
                 if not done and deadline is not None and time.monotonic() >= deadline:
                     raise self._timeout(ticket)  # answered now; the ticket stops on its own
+                if not done and self._abandoned.is_set():
+                    raise self._abandoned_error(ticket)
                 if not done and await request.is_disconnected():
                     ticket.cancel()
                     try:
@@ -1003,13 +1023,22 @@ class InferenceService:
                 yield sse(self._chunk(p, rid, created, "", role=True))
             while True:
                 getter = asyncio.ensure_future(events.get())
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                done, _ = await asyncio.wait({getter, fut}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                if not done:  # out of time: the headers are sent, so the 408 is an error event
-                    getter.cancel()
-                    yield sse(self._timeout(ticket).body())
-                    yield "data: [DONE]\n\n"
-                    return
+                while True:  # polled: a shutdown past the drain grace must end the stream too
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    done, _ = await asyncio.wait({getter, fut}, timeout=0.25 if left is None else min(0.25, left),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if done:
+                        break
+                    if deadline is not None and time.monotonic() >= deadline:
+                        getter.cancel()  # out of time: the headers are sent, so the 408 is an error event
+                        yield sse(self._timeout(ticket).body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    if self._abandoned.is_set():
+                        getter.cancel()
+                        yield sse(self._abandoned_error(ticket).body())
+                        yield "data: [DONE]\n\n"
+                        return
                 if getter in done:
                     c = chunk(getter.result())
                     if c is not None:
@@ -1245,9 +1274,22 @@ def run_serve(settings, console=None) -> int:
         while not stop.wait(0.5):
             pass
         log.info("serve_draining", grace_s=sv.drain_grace_s, queued=loop.queue_depth)
-        drained = loop.drain(sv.drain_grace_s)
+        drained = loop.drain(sv.drain_grace_s)  # past the grace it cancels what is left (at its next step)
+        if not drained:
+            _settle(loop, 1.0)  # a cancelled request usually stops within a step: its client gets what it has
+            service.abandon(sv.drain_grace_s)  # whoever still waits is answered now, not cancelled by uvicorn
+            if not _settle(loop, 30.0):
+                log.warning("serve_decoder_still_busy", waited_s=30.0)
         log.info("serve_drained", complete=drained)
     return 0
+
+
+def _settle(loop, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``loop`` to finish its current request; True when idle."""
+    deadline = time.monotonic() + timeout_s
+    while loop.busy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not loop.busy
 
 
 def register(app) -> None:

@@ -271,6 +271,46 @@ def test_sigterm_style_drain_finishes_in_flight_and_refuses_new_with_503(redis_c
         assert drained == [True] and len(results) == 1 and results[0].choices[0].text is not None
 
 
+def test_past_the_drain_grace_waiting_clients_are_answered_at_once_streamed_or_not(redis_client, key_prefix):
+    """What `serve` does once the drain grace is spent (service.abandon): a client still waiting for a
+    decoder that has not stopped yet gets a 503 naming serve.drain_grace_s (a stream: the error
+    event, then [DONE]) at once, so uvicorn's graceful shutdown never has to cancel a handler."""
+    with serving(redis_client, key_prefix) as s:
+        block = Blocker()
+        s.loop.decoder.between_requests.append(block)
+        oc = s.openai()
+        got: dict = {}
+
+        def plain():
+            try:
+                oc.completions.create(model=MODEL, prompt="a", max_tokens=4)
+            except openai.APIStatusError as e:
+                got["plain"] = e
+
+        def streamed():
+            try:
+                list(oc.completions.create(model=MODEL, prompt="b", max_tokens=4, stream=True))
+            except openai.APIError as e:
+                got["stream"] = e
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        assert block.entered.wait(60)
+        while s.loop.queue_depth < 1:  # one decoding (held), one queued
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        s.service.abandon(2.0)
+        for t in threads:
+            t.join(10)
+        assert time.monotonic() - t0 < 3, "a waiting client was not answered at once"
+        e = got["plain"]
+        assert e.status_code == 503 and e.body["code"] == "draining", e.body
+        assert "serve.drain_grace_s = 2 s" in e.body["message"]
+        assert "serve.drain_grace_s" in str(got["stream"])
+        block.release.set()
+
+
 def test_streaming_sends_each_verification_step_and_a_disconnect_cancels(srv):
     if not srv.loop.streams_steps:
         pytest.skip("SpeculativeDecoder.generate has no on_step hook yet: tokens arrive in one chunk at the end")
