@@ -64,8 +64,8 @@ class SchemaError(StoreError, ValueError):
 
 MAX_WORKLOAD_LEN = 64  # characters of a workload tag
 WORKLOAD_PATTERN = rf"[^\s@]{{1,{MAX_WORKLOAD_LEN}}}"  # and printable: what `serve`, the store and adapter scopes accept
-WORKLOAD_RULE = (f"a workload is a name of 1-{MAX_WORKLOAD_LEN} printable characters without whitespace or '@' "
-                 f"(the pattern {WORKLOAD_PATTERN}), e.g. 'code' or 'customer-42'")
+WORKLOAD_RULE = (f"a workload is a name of printable characters (at most {MAX_WORKLOAD_LEN} characters) without "
+                 f"whitespace or '@' (the pattern {WORKLOAD_PATTERN}), e.g. 'code' or 'customer-42'")
 
 
 def workload_problem(tag: object, *, untagged_ok: bool = True) -> str | None:
