@@ -180,11 +180,27 @@ def _offline_status(s) -> dict:
     return st
 
 
+def _activated(a: dict, own: str = "") -> str:
+    """How a scope's active version became active, its reason told as that event's: "v3 active since
+    T, promoted: <why> (previous v2)" or "v2 active since T, after v3 was rolled back: <why>". (It was
+    "(previous v2: <why>)", which put v3's promotion reason beside v2 as if it were v2's.)"""
+    s = f"v{a['active']}{own} active" + (f" since {_when(a['since'])}" if a.get("since") is not None else "")
+    prev, reason, how = a.get("previous"), a.get("reason"), a.get("how")
+    if prev is None:
+        return s
+    why = f": {reason}" if reason else ""
+    if how == "rollback":
+        return f"{s}, after v{prev} was rolled back{why}"
+    if how == "promote":
+        return f"{s}, promoted{why} (previous v{prev})"
+    return f"{s} (previous v{prev}){'; why: ' + reason if reason else ''}"  # an older daemon's report: no 'how'
+
+
 def render_status(st: dict) -> None:
     d, r = st["daemon"], st.get("redis", {})
     t = Table(title="draftd status", show_header=False, title_justify="left")
-    t.add_column("", style="bold")
-    t.add_column("")
+    t.add_column("", style="bold", no_wrap=True)
+    t.add_column("", overflow="fold")  # reasons wrap (a long path or key folds), never cut
     up = "[green]up[/]" if d.get("up") else "[red]down[/]"
     t.add_row("daemon", f"{up}  {d.get('api', '')}" + (f"  pid {d['pid']}  uptime {d['uptime_s']:.0f} s" if d.get("up") else ""))
     if r.get("up"):
@@ -222,19 +238,14 @@ def render_status(st: dict) -> None:
                                                                    f"({sr['trained_on']} samples): {sr['reason']}"))
     a = st.get("adapter")
     if a:
-        t.add_row("adapter", f"v{a['active']} active since {_when(a['since'])}"
-                  + (f" (previous v{a['previous']}: {a['reason']})" if a["previous"] is not None else "")
-                  + f"; {a['registered']} registered")
+        t.add_row("adapter", escape(f"{_activated(a)}; {a['registered']} registered"))
         for w, wa in (a.get("workloads") or {}).items():
-            t.add_row(escape(f"adapter ({w})"), f"v{wa['active']} (its own) active since {_when(wa['since'])}"
-                      + escape(f" (previous v{wa['previous']}: {wa['reason']})" if wa["previous"] is not None else ""))
+            t.add_row(escape(f"adapter ({w})"), escape(_activated(wa, " (its own)")))
     hd = st.get("head")
     if hd and (hd.get("registered") or hd.get("active")):  # trainer.heads: the feature-level head's registry
-        t.add_row("head (eagle)", escape(f"v{hd['active']} active since {_when(hd['since'])}"
-                                         + (f" (previous v{hd['previous']}: {hd['reason']})" if hd["previous"] is not None else "")
-                                         + f"; {hd['registered']} registered"))
+        t.add_row("head (eagle)", escape(f"{_activated(hd)}; {hd['registered']} registered"))
         for w, wa in (hd.get("workloads") or {}).items():
-            t.add_row(escape(f"head ({w})"), f"v{wa['active']} (its own) active since {_when(wa['since'])}")
+            t.add_row(escape(f"head ({w})"), escape(_activated(wa, " (its own)")))
     for hb in st.get("serving") or []:
         spec = ", ".join(f"{w} {'on' if on else 'off'}" for w, on in (hb.get("speculation_by_workload") or {}).items()) or "-"
         t.add_row("serving", escape(f"{hb.get('server_id')}: adapter v{hb.get('adapter_version')}, {hb.get('requests_served')} "
@@ -250,8 +261,9 @@ def render_status(st: dict) -> None:
     if acc:
         at = Table(title="acceptance per workload, active adapter vs the previous one (rate = accepted/drafted, "
                    "tau = tokens/step, alpha = mean per request, goodput = tokens/ms)", title_justify="left")
-        for col in ("workload", "adapter", "req", "rate", "tau", "alpha", "goodput", "previous: rate/tau/alpha/goodput", "speculation"):
-            at.add_column(col)
+        for col in ("workload", "adapter", "req", "rate", "tau", "alpha", "goodput", "previous: rate/tau/alpha/goodput"):
+            at.add_column(col, overflow="fold")  # figures fold whole onto a second line, never cut
+        at.add_column("speculation", overflow="fold")  # the reason takes the room left
         for w, v in acc.items():
             n, p = v["now"], v.get("previous")
             sp = (st.get("speculation") or {}).get(w, {})
@@ -346,8 +358,9 @@ def history(
         print(json.dumps(h, indent=2))
     else:
         t = Table(title="adapter history (alpha = held-out, per position; live = acceptance rate while active)", title_justify="left")
-        for col in ("version", "parent", "created", "samples", "alpha before", "alpha after", "live acceptance", "state", "reason"):
-            t.add_column(col)
+        for col in ("version", "parent", "created", "samples", "alpha before", "alpha after", "live acceptance", "state"):
+            t.add_column(col, overflow="fold")
+        t.add_column("reason", overflow="fold")  # wraps, never cut
         t.add_row("v0 (base)", "-", "-", "-", "-", "-", _live(h["base_live"]), "active" if h["active"] == 0 else "", "")
         for a in h["adapters"]:
             state = a["state"] + (" [green](active)[/]" if a["active"] else "")
@@ -369,8 +382,9 @@ def _versions_table(kind: str, rows: list[dict], trained: str) -> Table:
     t = Table(title=f"{kind} (* = active in its scope; scope '-' = shared)")
     live = any("live" in a for a in rows)  # heads: the requests each proposed for (the head history)
     for col in ("version", "scope", "parent", "created", "state", "alpha before", "alpha after", trained,
-                *(("live alpha, mean per request (requests)",) if live else ()), "reason"):
-        t.add_column(col)
+                *(("live alpha, mean per request (requests)",) if live else ())):
+        t.add_column(col, overflow="fold")  # a value folds whole onto a second line, never cut
+    t.add_column("reason", overflow="fold")  # the reason wraps in the room left, never cut
     for a in rows:
         lv = a.get("live") or {}
         t.add_row(f"v{a['version']}" + (" *" if a["active"] else ""), a.get("scope") or "-", f"v{a['parent']}",
@@ -526,12 +540,14 @@ def bootstrap(
     max_steps: Annotated[int, typer.Option(min=1, help="optimiser steps in total")] = 200,
     max_seconds: Annotated[float, typer.Option(min=1.0, max=7 * 24 * 3600.0, help="training seconds in total")] = 600.0,
     round_steps: Annotated[int, typer.Option(min=1, help="steps between held-out evaluations")] = 25,
-    no_promote: Annotated[bool, typer.Option("--no-promote", help="register v1 but do not promote it")] = False,
+    no_promote: Annotated[bool, typer.Option("--no-promote", help="register the adapter but do not promote it")] = False,
 ) -> None:
-    """Adapter v1 from scratch: the target's distributions on built-in text go into the buffer
-    (teacher-forced corpus windows, or its own generations at gamma = 0), the trainer distils them
-    into the draft, v1 is registered and promoted if held-out alpha rose (held out: whole
-    documents or prompts, by a hash of the request id)."""
+    """The v0 adapter from the built-in corpora, promoted if held-out alpha rose: the target's
+    distributions on built-in text go into the buffer (teacher-forced corpus windows, or its own
+    generations at gamma = 0), the trainer distils them into the base draft, and the adapter is
+    registered under the registry's next version number (v1 in an empty registry: version 0 is
+    the base draft itself) and promoted if held-out alpha rose over the base draft's (held out:
+    whole documents or prompts, by a hash of the request id)."""
     s = _settings(config)
     configure(s.log_format, "warning", stream=sys.stderr)
     names, prompts_all, corpora = _bootstrap_inputs(workloads, source, prompts)

@@ -34,6 +34,8 @@ def configure(fmt: Literal["auto", "json", "console"] = "auto", level: str = "in
         # peft asks transformers 5 a deprecated attribute on every adapter wrap
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     stream = stream or sys.stdout
+    if stream is sys.stdout or stream is sys.stderr:  # looked up at each write (see _Std)
+        stream = _Std("stdout" if stream is sys.stdout else "stderr")
     tty = hasattr(stream, "isatty") and stream.isatty()
     use_json = fmt == "json" or (fmt == "auto" and not tty)
     shared = [
@@ -67,6 +69,30 @@ def configure(fmt: Literal["auto", "json", "console"] = "auto", level: str = "in
     for noisy in ("apscheduler", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     _configured = True
+
+
+class _Std:
+    """``sys.stdout`` / ``sys.stderr`` as they are at each write, not as they were when logging was
+    configured: rich's ``Live`` (``daemonctl demo``'s live table, progress bars) swaps them for
+    proxies that print above its display on the same console, so a log line (a structlog warning, a
+    library's stdlib one) is routed through that console instead of tearing the live table."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @property
+    def _stream(self):
+        return getattr(sys, self.name)
+
+    def write(self, s: str) -> int:
+        return self._stream.write(s)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        s = self._stream
+        return hasattr(s, "isatty") and s.isatty()
 
 
 def _exception_formatter():

@@ -87,11 +87,26 @@ def heads_list(registry: AdapterRegistry, history: AcceptanceHistory) -> list[di
 def active_since(log_events: list[dict], active: int, scope: str = "") -> tuple[float | None, int | None, str | None]:
     """When ``active`` became ``scope``'s active version, the version before it and the reason,
     from the promotion log."""
+    ev = activation(log_events, active, scope)
+    return (None, None, None) if ev is None else (float(ev["ts"]), int(ev["previous"]), ev.get("reason"))
+
+
+def activation(log_events: list[dict], active: int, scope: str = "") -> dict | None:
+    """The promotion-log event that made ``active`` ``scope``'s active version (``event`` "promote"
+    or "rollback"), None when the log holds none. Its ``reason`` is that event's: why ``active`` was
+    promoted, or why ``previous`` (then a newer version) was rolled back."""
     for ev in reversed(log_events):
         if (ev.get("event") in ("promote", "rollback") and ev.get("scope", "") == scope
                 and int(ev.get("version", -1)) == active):
-            return float(ev["ts"]), int(ev["previous"]), ev.get("reason")
-    return None, None, None
+            return ev
+    return None
+
+
+def _activation_fields(events: list[dict], active: int, scope: str = "") -> dict:
+    ev = activation(events, active, scope)
+    if ev is None:
+        return {"since": None, "previous": None, "reason": None, "how": None}
+    return {"since": float(ev["ts"]), "previous": int(ev["previous"]), "reason": ev.get("reason"), "how": ev["event"]}
 
 
 # -- status ----------------------------------------------------------------------------------------
@@ -202,18 +217,17 @@ def trainer_section(trainer: Any, problems: list[str]) -> dict:
 
 
 def adapter_section(registry: AdapterRegistry) -> dict:
-    """The shared active adapter and each workload's own, with when and why each became active."""
+    """The shared active adapter and each workload's own, with when and how each became active:
+    ``how`` "promote" (``reason``: why it was promoted over ``previous``) or "rollback"
+    (``reason``: why ``previous`` was rolled back), None when the promotion log does not say."""
     actives = registry.active_versions()
     active = actives[""]
     events = registry.promotion_log(1000)
-    since, previous, reason = active_since(events, active)
     own = {}
     for w, v in actives.items():
         if w and v:
-            w_since, w_prev, w_reason = active_since(events, v, w)
-            own[w] = {"active": v, "since": w_since, "previous": w_prev, "reason": w_reason}
-    return {"active": active, "since": since, "previous": previous, "reason": reason,
-            "registered": len(registry.list()), "workloads": own}
+            own[w] = {"active": v, **_activation_fields(events, v, w)}
+    return {"active": active, **_activation_fields(events, active), "registered": len(registry.list()), "workloads": own}
 
 
 STATUS_WORKLOADS = 50  # workloads `daemonctl status` lists (those with the most requests); a warning counts the rest

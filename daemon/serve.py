@@ -304,6 +304,53 @@ def check_json(body: Any) -> None:
             stack.extend(((*path, i), x) for i, x in enumerate(v))
 
 
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # serve.max_request_bytes
+
+
+def _too_large(size: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body is {size}; this server accepts at most {limit} bytes "
+                         f"(serve.max_request_bytes): send a shorter prompt, or raise DRAFTD_SERVE__MAX_REQUEST_BYTES",
+                    code="request_too_large")
+
+
+DRAIN_MAX_BYTES = 64 * 1024 * 1024  # an oversized body up to this is read (and dropped) before the 413
+
+
+async def read_body(request, limit: int | None) -> bytes:
+    """The request body, at most ``limit`` bytes, else a 413. The body of a refused request is read
+    to its end and dropped (never held), so that its client, still sending, gets the 413 rather
+    than a broken pipe; one past :data:`DRAIN_MAX_BYTES` (declared or read) is not read on, and its
+    client may see the connection close instead. A body without a Content-Length (chunked) is
+    counted as it arrives.
+
+    Raises:
+        ApiError: 413 naming the size, the limit and the setting; 400 for a malformed Content-Length.
+    """
+    if limit is None:
+        return await request.body()
+    declared = request.headers.get("content-length")
+    n_declared = None
+    if declared is not None:
+        try:
+            n_declared = int(declared)
+        except ValueError:
+            raise ApiError(400, f"Content-Length {declared!r:.40} is not a number of bytes", code="invalid_request") from None
+        if n_declared > max(limit, DRAIN_MAX_BYTES):
+            raise _too_large(f"{n_declared} bytes (Content-Length)", limit)
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            chunks = []  # too large: drop what was read, drain the rest for the client's sake
+            if n > max(limit, DRAIN_MAX_BYTES):
+                break
+            continue
+        chunks.append(chunk)
+    if n > limit:
+        raise _too_large(f"{n_declared} bytes" if n_declared is not None else f"more than {limit} bytes", limit)
+    return b"".join(chunks)
+
+
 def parse_json_body(raw: bytes) -> Any:
     """The request body as JSON, checked by :func:`check_json`; 400 for anything else.
 
@@ -630,6 +677,8 @@ class InferenceService:
         max_prompt_tokens: longer prompts get a 400 (``prompt_too_long``); None = the context only.
         max_workloads / max_sampling_buckets: distinct workloads / sampling buckets kept as they
             are; later ones are folded into ``"other"`` (:class:`Bounded`).
+        max_request_bytes: a larger request body gets a 413 (``request_too_large``), refused on its
+            Content-Length before it is read, else as soon as the bytes read pass it; None = no limit.
         request_timeout_s: a request not finished this long after it arrived gets a 408
             (``request_timeout``; streaming: an error event) and is cancelled: dropped from the
             queue, or stopped at its next verification step or prefill chunk; None = no budget.
@@ -638,11 +687,13 @@ class InferenceService:
     def __init__(self, loop, tokenizer, model: str, *, context_len: int | None, max_tokens_default: int = 256,
                  speculation: bool = True, server_id: str | None = None, api_key: str | None = None,
                  max_prompt_tokens: int | None = None, request_timeout_s: float | None = None,
-                 max_workloads: int = 64, max_sampling_buckets: int = 32):
+                 max_workloads: int = 64, max_sampling_buckets: int = 32,
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES):
         from concurrent.futures import ThreadPoolExecutor
 
         self.loop, self.tokenizer, self.model = loop, tokenizer, model
         self.max_prompt_tokens, self.request_timeout_s = max_prompt_tokens, request_timeout_s
+        self.max_request_bytes = max_request_bytes
         self.max_token_chars = _max_token_chars(tokenizer)
         # requests are parsed (tokenised: a 1 MB prompt takes seconds) off the event loop, one at a
         # time: /health and streaming stay responsive, and the tokenizer is never used by two
@@ -650,6 +701,8 @@ class InferenceService:
         self._parse_pool = ThreadPoolExecutor(1, thread_name_prefix="draftd-parse")
         self.api_key = api_key or None  # None: no authentication (serve.api_key unset)
         self._json, self._json_lock = None, threading.Lock()
+        self._abandoned = threading.Event()  # shutting down past the drain grace: waiting handlers answer now
+        self.drain_grace_s: float | None = None
         self.context_len = context_len
         self.max_tokens_default = max_tokens_default
         self.speculation = speculation
@@ -667,6 +720,22 @@ class InferenceService:
         return {"server_id": self.server_id, "model": self.model, "speculation_enabled": self.speculation,
                 "speculation_by_workload": speculation_by_workload(st["speculation"]), **st,
                 "cardinality": {b.name: b.status() for b in (self.workloads, self.buckets)}, "ts": time.time()}
+
+    def abandon(self, grace_s: float | None = None) -> None:
+        """Shutting down past the drain grace (the loop has cancelled what was left): every handler
+        still waiting for a ticket answers at once (503 ``draining``; a stream: an error event)
+        instead of waiting for the decoder to reach its next step, so the HTTP server closes its
+        connections within its own graceful timeout rather than cancelling the handlers (uvicorn's
+        ASGI CancelledError traceback, and a 500 to the client)."""
+        self.drain_grace_s = grace_s
+        self._abandoned.set()
+
+    def _abandoned_error(self, ticket) -> ApiError:
+        ticket.cancel()
+        grace = "" if self.drain_grace_s is None else f" = {self.drain_grace_s:g} s"
+        return ApiError(503, f"the server shut down before this request finished: it was cancelled after the drain "
+                             f"grace (serve.drain_grace_s{grace}, DRAFTD_SERVE__DRAIN_GRACE_S); retry it on another "
+                             f"instance", code="draining", type_="service_unavailable")
 
     def parse(self, body: Any, kind: str, header_workload: str | None = None) -> Parsed:
         p = parse_request(body, kind, self.tokenizer, models={self.model}, context_len=self.context_len,
@@ -747,19 +816,35 @@ class InferenceService:
             kind = "not_found" if e.status_code == 404 else "invalid_request_error"
             return error(ApiError(e.status_code, str(e.detail), code=kind))
 
-        @app.middleware("http")
-        async def api_key_before_body(request: Request, call_next):  # noqa: ANN202
+        service = self
+
+        class ApiKeyBeforeBody:
             """With serve.api_key every route but /health needs the bearer token, checked before the body
-            is read: an unauthenticated request is neither parsed nor served nor recorded."""
-            if self.api_key is not None and request.url.path != "/health":
-                scheme, _, cred = request.headers.get("authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not secrets.compare_digest(cred.strip().encode(), self.api_key.encode()):
-                    log.warning("serve_unauthorized", has_credentials=bool(cred), path=request.url.path)
-                    return error(ApiError(
-                        401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the OpenAI client's api_key) "
-                             "with the key in the server's serve.api_key", code="invalid_api_key",
-                        headers={"WWW-Authenticate": "Bearer"}))
-            return await call_next(request)
+            is read: an unauthenticated request is neither parsed nor served nor recorded. A plain ASGI
+            middleware, not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware wraps ``receive``
+            so that ``request.is_disconnected()`` never sees a client that went away, and a non-streamed
+            request would decode to its end for nobody."""
+
+            def __init__(self, inner):
+                self.inner = inner
+
+            async def __call__(self, scope, receive, send):
+                if scope["type"] == "http" and service.api_key is not None and scope.get("path") != "/health":
+                    from starlette.datastructures import Headers
+
+                    scheme, _, cred = Headers(scope=scope).get("authorization", "").partition(" ")
+                    if scheme.lower() != "bearer" or not secrets.compare_digest(cred.strip().encode(),
+                                                                                 service.api_key.encode()):
+                        log.warning("serve_unauthorized", has_credentials=bool(cred), path=scope.get("path"))
+                        resp = error(ApiError(
+                            401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the OpenAI client's "
+                                 "api_key) with the key in the server's serve.api_key", code="invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"}))
+                        await resp(scope, receive, send)
+                        return
+                await self.inner(scope, receive, send)
+
+        app.add_middleware(ApiKeyBeforeBody)
 
         @app.exception_handler(Exception)
         async def _server_error(_req, e):
@@ -795,7 +880,7 @@ class InferenceService:
 
         async def handle(request: Request, kind: str):
             arrived = time.monotonic()
-            raw = await request.body()
+            raw = await read_body(request, self.max_request_bytes)
             aloop = asyncio.get_running_loop()
             p = await aloop.run_in_executor(self._parse_pool, self._parse_raw, raw, kind,
                                             request.headers.get(WORKLOAD_HEADER))
@@ -855,6 +940,8 @@ class InferenceService:
                 done, _ = await asyncio.wait({fut}, timeout=wait)
                 if not done and deadline is not None and time.monotonic() >= deadline:
                     raise self._timeout(ticket)  # answered now; the ticket stops on its own
+                if not done and self._abandoned.is_set():
+                    raise self._abandoned_error(ticket)
                 if not done and await request.is_disconnected():
                     ticket.cancel()
                     try:
@@ -936,13 +1023,22 @@ class InferenceService:
                 yield sse(self._chunk(p, rid, created, "", role=True))
             while True:
                 getter = asyncio.ensure_future(events.get())
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                done, _ = await asyncio.wait({getter, fut}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                if not done:  # out of time: the headers are sent, so the 408 is an error event
-                    getter.cancel()
-                    yield sse(self._timeout(ticket).body())
-                    yield "data: [DONE]\n\n"
-                    return
+                while True:  # polled: a shutdown past the drain grace must end the stream too
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    done, _ = await asyncio.wait({getter, fut}, timeout=0.25 if left is None else min(0.25, left),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if done:
+                        break
+                    if deadline is not None and time.monotonic() >= deadline:
+                        getter.cancel()  # out of time: the headers are sent, so the 408 is an error event
+                        yield sse(self._timeout(ticket).body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    if self._abandoned.is_set():
+                        getter.cancel()
+                        yield sse(self._abandoned_error(ticket).body())
+                        yield "data: [DONE]\n\n"
+                        return
                 if getter in done:
                     c = chunk(getter.result())
                     if c is not None:
@@ -1156,7 +1252,8 @@ def run_serve(settings, console=None) -> int:
                                    server_id=sv.server_id,
                                    api_key=sv.api_key.get_secret_value() if sv.api_key is not None else None,
                                    max_prompt_tokens=sv.max_prompt_tokens, request_timeout_s=sv.request_timeout_s,
-                                   max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets)
+                                   max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets,
+                                   max_request_bytes=sv.max_request_bytes)
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,
@@ -1177,9 +1274,22 @@ def run_serve(settings, console=None) -> int:
         while not stop.wait(0.5):
             pass
         log.info("serve_draining", grace_s=sv.drain_grace_s, queued=loop.queue_depth)
-        drained = loop.drain(sv.drain_grace_s)
+        drained = loop.drain(sv.drain_grace_s)  # past the grace it cancels what is left (at its next step)
+        if not drained:
+            _settle(loop, 1.0)  # a cancelled request usually stops within a step: its client gets what it has
+            service.abandon(sv.drain_grace_s)  # whoever still waits is answered now, not cancelled by uvicorn
+            if not _settle(loop, 30.0):
+                log.warning("serve_decoder_still_busy", waited_s=30.0)
         log.info("serve_drained", complete=drained)
     return 0
+
+
+def _settle(loop, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``loop`` to finish its current request; True when idle."""
+    deadline = time.monotonic() + timeout_s
+    while loop.busy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not loop.busy
 
 
 def register(app) -> None:

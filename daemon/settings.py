@@ -311,7 +311,13 @@ class ServeSettings(_Group):
                                             "the client gets a 408 (request_timeout; a stream: an error event) and the "
                                             "request is dropped from the queue or stopped at its next verification step "
                                             "(in a prefill: its next 512-token chunk). null = none.")
-    drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM in-flight and queued requests get this long to finish; new ones get 503.")
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body admitted, in bytes "
+                                   "(default 4 MiB); a larger one gets a 413 (request_too_large) naming it, and is never "
+                                   "parsed nor held in memory (its bytes are read and dropped up to 64 MiB, so the client "
+                                   "reads the 413).")
+    drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM in-flight and queued requests get this long to finish "
+                                 "(new ones get 503); then what is left is cancelled, a client still waiting gets its "
+                                 "partial completion (finish_reason abort) or a 503 naming this setting, and serve exits.")
     heartbeat_s: float = Field(5.0, gt=0, description="How often the server writes its heartbeat to Redis (daemonctl status lists it).")
     speculation: bool = Field(True, description="false = plain decoding for every request (the baseline serve_bench compares with).")
     check_plain_every: int = Field(0, ge=0, description="Also decode every N-th greedy request plainly to report matches_plain (0 = never).")

@@ -67,6 +67,7 @@ import redis
 
 from store.client import unavailable as _unavailable
 from store.config import StoreConfig, resolve_config
+from store.schema import MAX_WORKLOAD_LEN, WORKLOAD_RULE, workload_problem
 from store.errors import ArtifactInvalidError, ArtifactMissingError, FencedError, IntegrityError, InvalidTransitionError, RegistryError, UnknownVersionError
 
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -216,19 +217,19 @@ class AdapterRecord:
     scope: str = ""  # "" = shared; else the workload it serves (records from before scopes: "")
 
 
-MAX_SCOPE_LEN = 128
+MAX_SCOPE_LEN = MAX_WORKLOAD_LEN  # a scope is a workload name
 
 
 def check_scope(scope: str) -> str:
-    """``scope`` if it is a valid adapter scope: "" (shared) or a workload tag of 1..128
-    characters without whitespace or control characters. Raises ValueError naming it."""
+    """``scope`` if it is a valid adapter scope: "" (shared) or a workload name as ``serve``
+    accepts it (:func:`store.schema.workload_problem`, the one rule: a served workload can have
+    an adapter of its own). Raises ValueError naming it, why, and the rule."""
     if not isinstance(scope, str):
         raise ValueError(f"adapter scope {scope!r} must be a str: '' (shared) or a workload tag")
-    if len(scope) > MAX_SCOPE_LEN or any(c.isspace() or not c.isprintable() for c in scope):
-        raise ValueError(
-            f"adapter scope {scope[:MAX_SCOPE_LEN + 8]!r} is not a usable workload tag: at most {MAX_SCOPE_LEN} "
-            f"characters, no whitespace or control characters; '' is the shared scope"
-        )
+    why = workload_problem(scope, untagged_ok=True)
+    if why is not None:
+        raise ValueError(f"adapter scope {scope[:MAX_SCOPE_LEN + 8]!r} is not a usable workload tag: {why}; "
+                         f"{WORKLOAD_RULE}; '' is the shared scope")
     return scope
 
 

@@ -63,16 +63,19 @@ class SchemaError(StoreError, ValueError):
 
 
 MAX_WORKLOAD_LEN = 64  # characters of a workload tag
-WORKLOAD_RULE = (f"a workload is a name of 1-{MAX_WORKLOAD_LEN} printable characters (at most {MAX_WORKLOAD_LEN} "
-                 f"characters), no '@' and no surrounding spaces, e.g. 'code'")
+WORKLOAD_PATTERN = rf"[^\s@]{{1,{MAX_WORKLOAD_LEN}}}"  # and printable: what `serve`, the store and adapter scopes accept
+WORKLOAD_RULE = (f"a workload is a name of printable characters (at most {MAX_WORKLOAD_LEN} characters) without "
+                 f"whitespace or '@' (the pattern {WORKLOAD_PATTERN}), e.g. 'code' or 'customer-42'")
 
 
 def workload_problem(tag: object, *, untagged_ok: bool = True) -> str | None:
     """Why ``tag`` is not a workload name, or None: the one rule ``serve`` applies to a request's
-    ``workload`` (``untagged_ok=False``) and the store to a record's (where "" = untagged). At most
-    :data:`MAX_WORKLOAD_LEN` printable characters (no control characters, newlines or lone
-    surrogates), no '@' (it separates a workload from its sampling bucket in the controller's
-    keys) and no surrounding spaces."""
+    ``workload`` (``untagged_ok=False``), the store to a record's (where "" = untagged) and the
+    registries to an adapter or head scope (:func:`store.registry.check_scope`, "" = shared), so a
+    workload that is served can have an adapter of its own. At most :data:`MAX_WORKLOAD_LEN`
+    printable characters (no control characters, newlines or lone surrogates), no '@' (it
+    separates a workload from its sampling bucket in the controller's keys) and no whitespace
+    (:data:`WORKLOAD_PATTERN`)."""
     if not isinstance(tag, str):
         return f"{tag!r:.80} is a {type(tag).__name__}, not a string"
     if not tag:
@@ -85,6 +88,9 @@ def workload_problem(tag: object, *, untagged_ok: bool = True) -> str | None:
         return "it holds '@', which separates a workload from its sampling bucket"
     if tag.strip() != tag:
         return "it has surrounding spaces"
+    space = next((i for i, c in enumerate(tag) if c.isspace()), None)
+    if space is not None:
+        return f"it holds whitespace ({tag[space]!r} at character {space})"
     return None
 
 

@@ -51,7 +51,7 @@ def test_status_json_and_metrics_report_real_values(url_daemon, redis_client, ke
     assert st["redis"]["version"].startswith("7.") and st["redis"]["used_memory"] > 0
     assert st["buffer"]["depth"] == 5 and st["buffer"]["dead_letters"] == 0 and st["buffer"]["stream"] == key_prefix + "samples"
     assert st["trainer"]["enabled"] is False
-    assert st["adapter"] == {"active": 0, "since": None, "previous": None, "reason": None, "registered": 0, "workloads": {}}
+    assert st["adapter"] == {"active": 0, "since": None, "previous": None, "reason": None, "how": None, "registered": 0, "workloads": {}}
     now = st["acceptance"]["prose"]["now"]
     assert now["version"] == 0 and now["requests"] == 2
     assert now["acceptance_rate"] == pytest.approx(30 / 40) and now["tau"] == pytest.approx(40 / 10)
@@ -93,6 +93,7 @@ def test_promote_rollback_round_trip(url_daemon, redis_client, key_prefix, tmp_p
     hist.record("prose", 1, V1)
     st = json.loads(ctl(d, "status", "--json").stdout)
     assert st["adapter"]["active"] == 1 and st["adapter"]["previous"] == 0 and st["adapter"]["reason"] == "test promote v1"
+    assert st["adapter"]["how"] == "promote"
     acc = st["acceptance"]["prose"]
     assert acc["now"]["version"] == 1 and acc["now"]["acceptance_rate"] == pytest.approx(18 / 20)
     assert acc["previous"]["version"] == 0 and acc["previous"]["acceptance_rate"] == pytest.approx(30 / 40)

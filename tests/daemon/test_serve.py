@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -270,6 +271,46 @@ def test_sigterm_style_drain_finishes_in_flight_and_refuses_new_with_503(redis_c
         assert drained == [True] and len(results) == 1 and results[0].choices[0].text is not None
 
 
+def test_past_the_drain_grace_waiting_clients_are_answered_at_once_streamed_or_not(redis_client, key_prefix):
+    """What `serve` does once the drain grace is spent (service.abandon): a client still waiting for a
+    decoder that has not stopped yet gets a 503 naming serve.drain_grace_s (a stream: the error
+    event, then [DONE]) at once, so uvicorn's graceful shutdown never has to cancel a handler."""
+    with serving(redis_client, key_prefix) as s:
+        block = Blocker()
+        s.loop.decoder.between_requests.append(block)
+        oc = s.openai()
+        got: dict = {}
+
+        def plain():
+            try:
+                oc.completions.create(model=MODEL, prompt="a", max_tokens=4)
+            except openai.APIStatusError as e:
+                got["plain"] = e
+
+        def streamed():
+            try:
+                list(oc.completions.create(model=MODEL, prompt="b", max_tokens=4, stream=True))
+            except openai.APIError as e:
+                got["stream"] = e
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        assert block.entered.wait(60)
+        while s.loop.queue_depth < 1:  # one decoding (held), one queued
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        s.service.abandon(2.0)
+        for t in threads:
+            t.join(10)
+        assert time.monotonic() - t0 < 3, "a waiting client was not answered at once"
+        e = got["plain"]
+        assert e.status_code == 503 and e.body["code"] == "draining", e.body
+        assert "serve.drain_grace_s = 2 s" in e.body["message"]
+        assert "serve.drain_grace_s" in str(got["stream"])
+        block.release.set()
+
+
 def test_streaming_sends_each_verification_step_and_a_disconnect_cancels(srv):
     if not srv.loop.streams_steps:
         pytest.skip("SpeculativeDecoder.generate has no on_step hook yet: tokens arrive in one chunk at the end")
@@ -289,6 +330,36 @@ def test_streaming_sends_each_verification_step_and_a_disconnect_cancels(srv):
     while not done:
         threading.Event().wait(0.02)
     assert done[-1].finish_reason == "cancelled" and len(done[-1].output_ids) < 400
+
+
+def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(srv, monkeypatch):
+    """A non-streamed client that times out (or disconnects) stops its request at the next step: the
+    slot frees at once instead of decoding for nobody (Starlette's BaseHTTPMiddleware hid the
+    disconnect from request.is_disconnected(), so it ran to max_tokens)."""
+    if not srv.loop.streams_steps:
+        pytest.skip("SpeculativeDecoder.generate has no on_step hook: a request cannot stop mid-way")
+    real = srv.loop._on_step
+
+    def slow(t, ids):  # 50 ms a step: 400 tokens at gamma 1 would take about 20 s
+        threading.Event().wait(0.05)
+        return real(t, ids)
+
+    monkeypatch.setattr(srv.loop, "_on_step", slow)
+    done = []
+    srv.loop.observers.append(lambda t, res: done.append(res))
+    with pytest.raises(openai.APITimeoutError):
+        srv.openai(timeout=1.0).completions.create(model=MODEL, prompt="abc", max_tokens=400, temperature=0,
+                                                   extra_body={"gamma": 1, "ignore_eos": True})
+    gone = time.monotonic()
+    while not done:
+        assert time.monotonic() - gone < 10, "the request kept decoding after its client went away"
+        time.sleep(0.02)
+    assert done[-1].finish_reason == "cancelled" and len(done[-1].output_ids) < 400
+    while srv.loop.busy:  # observers run just before the worker lets go of the ticket
+        assert time.monotonic() - gone < 10
+        time.sleep(0.02)
+    r = srv.openai().completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0)  # the slot is free
+    assert r.choices[0].finish_reason == "length"
 
 
 def test_metrics_spec_decode_counters_latencies_and_queue(srv):

@@ -55,3 +55,94 @@ def test_serve_greedy_equals_generate_no_spec_and_sigterm_drains(tmp_path, key_p
     assert rc == 0, (tmp_path / "serve.log").read_text()[-3000:]
     st = json.loads(ctl(env, "status", "--json").stdout)
     assert st.get("serving") == []  # the heartbeat is removed on a clean exit
+
+
+# a decoder that sees a cancel late: the walkthrough's SIGTERM came during a long prompt's prefill,
+# whose current 512-token chunk ran on for seconds after the drain grace cancelled it
+LATE_CANCEL = """
+import sys, time
+import decoder.speculative as sp
+_real = sp.SpeculativeDecoder.generate
+def generate(self, req, policy=None, on_step=None):
+    if on_step is None:
+        return _real(self, req, policy)
+    def late(ids):
+        go_on = on_step(ids)
+        if go_on is False:
+            time.sleep(8.0)  # longer than uvicorn's graceful shutdown (5 s)
+        return go_on
+    return _real(self, req, policy, on_step=late)
+sp.SpeculativeDecoder.generate = generate
+from daemon.cli import app
+sys.argv = ["daemonctl", "serve", "--port", sys.argv[1]]
+app()
+"""
+
+
+@pytest.mark.parametrize("late_cancel", [False, True], ids=["prompt-cancel", "late-cancel"])
+def test_sigterm_during_a_long_non_streamed_request_drains_within_the_grace_and_exits_cleanly(tmp_path, key_prefix,
+                                                                                              late_cancel):
+    """SIGTERM while a long non-streamed request decodes: the request gets serve.drain_grace_s, is then
+    cancelled, its client is answered (its partial completion, or a 503 naming the setting when the
+    decoder is slow to stop) rather than a 500, and serve exits 0 without a traceback. It took 35 s
+    and printed uvicorn's ASGI CancelledError traceback: the handler waited for the decoder past
+    uvicorn's 5 s graceful shutdown, which cancelled it."""
+    import sys
+    import threading
+
+    grace = 2.0
+    port = free_port()
+    env = base_env(tmp_path / "state", free_port(), DRAFTD_REDIS__URL=REDIS_URL, DRAFTD_STORE__KEY_PREFIX=key_prefix,
+                   DRAFTD_SERVE__DRAIN_GRACE_S=str(grace), DRAFTD_SERVE__HEARTBEAT_S="0.5")
+    cmd = [sys.executable, "-c", LATE_CANCEL, str(port)] if late_cancel else [DAEMONCTL, "serve", "--port", str(port)]
+    out_path, err_path = tmp_path / "serve.out", tmp_path / "serve.err"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=REPO)
+    logs = lambda: out_path.read_text()[-3000:] + err_path.read_text()[-3000:]  # noqa: E731
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, logs()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "serve did not answer /health"
+                time.sleep(0.5)
+        oc = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        got: dict = {}
+
+        def long_request():
+            try:
+                got["r"] = oc.completions.create(model="smollm2-135m", prompt="def fibonacci(n):", max_tokens=4000,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+            except openai.APIStatusError as e:
+                got["e"] = e
+
+        client = threading.Thread(target=long_request)
+        client.start()
+        while not json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/draftd/status", timeout=10).read())["decoding"]:
+            assert time.monotonic() < deadline and client.is_alive(), logs()
+            time.sleep(0.1)
+        time.sleep(0.5)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(120)
+        took = time.monotonic() - sent
+        client.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = out_path.read_text() + err_path.read_text()
+    assert rc == 0, logs()
+    assert "Traceback" not in text and "Exception in ASGI application" not in text, logs()
+    # the grace, the decoder's late stop (8 s when late), model and Redis teardown; was grace + 5 s + a traceback
+    assert took < grace + (8 if late_cancel else 0) + 12, (took, logs())
+    if "r" in got:  # stopped in time: the partial completion, finish_reason abort
+        assert got["r"].choices[0].finish_reason == "abort" and got["r"].usage.completion_tokens < 4000
+    else:
+        e = got["e"]
+        assert e.status_code == 503 and e.body["code"] == "draining" and "serve.drain_grace_s" in e.body["message"], e
+    if late_cancel:
+        assert "e" in got, got  # answered at the grace, not after the decoder's late stop

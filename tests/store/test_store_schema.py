@@ -46,7 +46,7 @@ def test_round_trip_64k_tokens(sample_factory):
 
 
 def test_non_ascii_workload_round_trips(sample_factory):
-    name = "код/編碼 — ünïcødé 🚀"
+    name = "код/編碼—ünïcødé🚀"  # no spaces: a workload name holds none (store.schema.WORKLOAD_PATTERN)
     s = sample_factory(workload=name, n_tokens=16)
     fields = encode(s)
     assert fields[F_WORKLOAD] == name.encode("utf-8")

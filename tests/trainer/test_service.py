@@ -399,8 +399,9 @@ def test_per_workload_skips_a_workload_without_enough_samples_or_a_usable_tag(en
     svc = make_service(env, per_workload=True, min_workload_samples=30)
     rep = svc.run_round_now()
     assert rep.decision in ("promoted", "rejected")
-    assert set(rep.scopes) == {"two words"}  # prose brought < 30 new samples; "" is skipped
-    assert rep.scopes["two words"]["decision"] == "skipped" and "adapter scope" in rep.scopes["two words"]["reason"]
+    # prose brought < 30 new samples; "" is skipped; "two words" is no workload name (store.schema.workload_problem,
+    # the rule serve and the adapter scopes share): the writer refuses its records, so no round ever sees it
+    assert set(rep.scopes) == set()
     assert all(r.scope == "" for r in registry.list()) and pending(client, cfg) == 0
 
 

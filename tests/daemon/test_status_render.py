@@ -1,0 +1,114 @@
+"""`daemonctl status` / `adapters list` / `history` as a person reads them: each reason is told as
+the event's it is (never beside the previous version as if it were that version's), and no reason
+or figure is cut with an ellipsis on a narrow terminal (the columns fold instead)."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+from rich.console import Console
+
+import daemon.cli as cli
+from daemon.reports import adapter_section
+
+HASH = "3f9a2c1d8e7b6a5f4e3d2c1b0a9f8e7d6c5b4a39"  # a cache key: one long word
+
+
+class FakeRegistry:
+    def __init__(self, actives: dict[str, int], events: list[dict], n: int):
+        self._actives, self._events, self._n = actives, events, n
+
+    def active_versions(self) -> dict[str, int]:
+        return dict(self._actives)
+
+    def promotion_log(self, count: int = 1000) -> list[dict]:
+        return list(self._events)
+
+    def list(self) -> list:
+        return [None] * self._n
+
+
+def ev(event: str, version: int, previous: int, reason: str, scope: str = "") -> dict:
+    return {"event": event, "version": str(version), "previous": str(previous), "reason": reason,
+            "ts": str(time.time()), "scope": scope}
+
+
+@pytest.fixture
+def screen(monkeypatch):
+    def make(width: int = 100) -> io.StringIO:
+        buf = io.StringIO()
+        monkeypatch.setattr(cli, "out", Console(file=buf, width=width, force_terminal=False, color_system=None))
+        return buf
+    return make
+
+
+def _status(adapter: dict, **more) -> dict:
+    return {"daemon": {"up": True, "api": "http://127.0.0.1:8787", "pid": 1, "uptime_s": 5.0},
+            "redis": {"up": True, "mode": "url", "url": "redis://127.0.0.1:6379/0", "version": "7.2",
+                      "used_memory_human": "1M"},
+            "adapter": adapter, "problems": [], "warnings": [], **more}
+
+
+def _flat(text: str) -> str:
+    return "".join(text.split())
+
+
+def test_a_promotion_reason_is_the_active_versions_not_the_previous_ones(screen):
+    reg = FakeRegistry({"": 2, "code": 3}, [
+        ev("promote", 1, 0, "v0 bootstrap: held-out alpha 0.18 -> 0.33"),
+        ev("promote", 2, 1, "paired gain +0.031 over v1"),
+        ev("promote", 3, 0, "code: paired gain +0.05", scope="code"),
+    ], 3)
+    a = adapter_section(reg)
+    assert (a["active"], a["previous"], a["how"]) == (2, 1, "promote")
+    buf = screen(200)
+    cli.render_status(_status(a))
+    text = buf.getvalue()
+    assert "previous v1: paired gain" not in text  # v2's reason read as v1's
+    assert "v2 active since" in text and "promoted: paired gain +0.031 over v1 (previous v1)" in text, text
+    assert "v3 (its own) active since" in text and "promoted: code: paired gain +0.05 (previous v0)" in text, text
+
+
+def test_a_rollback_says_which_version_was_rolled_back_and_why(screen):
+    reg = FakeRegistry({"": 2}, [
+        ev("promote", 2, 1, "paired gain +0.031"),
+        ev("promote", 3, 2, "paired gain +0.002"),
+        ev("rollback", 2, 3, "rollback monitor: live acceptance fell 0.41 -> 0.22"),
+    ], 3)
+    a = adapter_section(reg)
+    assert (a["active"], a["previous"], a["how"]) == (2, 3, "rollback")
+    buf = screen(200)
+    cli.render_status(_status(a))
+    text = buf.getvalue()
+    assert "after v3 was rolled back: rollback monitor: live acceptance fell 0.41 -> 0.22" in text, text
+    assert "previous v3: rollback monitor" not in text
+
+
+@pytest.mark.parametrize("width", [80, 100, 140])
+def test_reasons_and_figures_wrap_rather_than_truncate(screen, width):
+    reason = f"v0 bootstrap (cached, {HASH}): held-out α 0.179 -> 0.327 in 45 steps, 13.8 CPU minutes"
+    rows = [dict(version=1, active=True, scope="", parent=0, created_at=time.time(), state="promoted", alpha_before=0.179,
+                 alpha_after=0.327, samples_trained=1234, reason=reason)]
+    buf = screen(width)
+    cli.out.print(cli._versions_table("adapters", rows, "samples"))
+    heads = [r | {"live": {"alpha": 0.41, "requests": 12}} for r in rows]
+    cli.out.print(cli._versions_table("heads", heads, "records"))
+    cli.render_status(_status(
+        {"active": 1, "since": time.time(), "previous": 0, "reason": reason, "how": "promote", "registered": 1,
+         "workloads": {}},
+        acceptance={"code": {"now": {"version": 1, "requests": 5, "acceptance_rate": 0.5, "tau": 2.0, "alpha": 0.4,
+                                     "goodput_tokens_per_ms": 0.05},
+                             "previous": {"version": 0, "requests": 9, "acceptance_rate": 0.25, "tau": 1.5, "alpha": 0.2,
+                                          "goodput_tokens_per_ms": 0.0312}}},
+        speculation={"code": {"on": None, "why": "no requests recorded in the last 300 s; the last was recorded "
+                                                 "12 min ago (its rates are in 'now' and 'previous')"}}))
+    text = buf.getvalue()
+    assert "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= width, text  # nothing cropped at the right edge either
+    # the long word folds onto several lines of its column; read column-wise, it is whole
+    reason_cells = "".join(line.split("│")[-2] for line in text.splitlines() if line.count("│") >= 3)
+    assert HASH in _flat(reason_cells), text
+    assert "0.250/1.50/0.200/0.0312" in _flat("".join(line.split("│")[-3] for line in text.splitlines()
+                                                      if line.count("│") >= 9)), text
