@@ -826,13 +826,13 @@ def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
               + (f" ({', '.join(f'{w} v{v}' for w, v in sorted(routes.items()))})" if routes else ""))
     if heads is not None:
         h = (st.get("heads") or {}).get("last") or {}
-        t.add_row("head (eagle)", f"v{heads.route(phase)}; last turn: {h.get('decision', '-')} {str(h.get('reason', ''))[:50]}")
+        t.add_row("head (eagle)", f"v{heads.route(phase)}; last turn: {h.get('decision', '-')} {str(h.get('reason', ''))[:160]}")
     t.add_row("speculation", controller.decision(key).get("why", "-"))
     turns = last.get("scopes") or {}  # per_workload: each workload's own turn
     if turns and last.get("decision") == "idle":
-        what = "; ".join(f"{w} {sr.get('decision', '-')} {str(sr.get('reason', ''))[:50]}" for w, sr in sorted(turns.items()))
+        what = "; ".join(f"{w} {sr.get('decision', '-')} {str(sr.get('reason', ''))[:160]}" for w, sr in sorted(turns.items()))
     else:
-        what = f"{last.get('decision', '-')} {last.get('reason', '')[:60]}"
+        what = f"{last.get('decision', '-')} {last.get('reason', '')[:160]}"
     t.add_row("trainer", f"rounds {st.get('rounds', 0)}, last: {what}")
     return t
 
@@ -965,11 +965,12 @@ def print_report(report: dict, console) -> None:
                           f"the n-gram proposer copies a repeat's earlier output, so live α and the controller's "
                           f"pick reflect repeated traffic; the table's rows are on prompts never served")
     a = Table(title="adapters")
-    for c in ("version", "state", "α before", "α after", "samples", "reason"):
+    for c in ("version", "scope", "state", "α before", "α after", "samples"):
         a.add_column(c)
+    a.add_column("reason", overflow="fold")  # wrapped, never cut: the reason is the point
     for r in report["adapters"]:
-        a.add_row(str(r.get("version")), str(r.get("state")), f(r.get("alpha_before")), f(r.get("alpha_after")),
-                  str(r.get("samples_trained")), str(r.get("reason", ""))[:90])
+        a.add_row(str(r.get("version")), r.get("scope") or "shared", str(r.get("state")), f(r.get("alpha_before")),
+                  f(r.get("alpha_after")), str(r.get("samples_trained")), str(r.get("reason", "")))
     console.print(a)
     if report.get("heads"):
         hd = Table(title="heads")
@@ -977,7 +978,7 @@ def print_report(report: dict, console) -> None:
             hd.add_column(c)
         for r in report["heads"]:
             hd.add_row(str(r.get("version")), str(r.get("state")), f(r.get("alpha_before")), f(r.get("alpha_after")),
-                       str(r.get("samples_trained")), str(r.get("reason", ""))[:90])
+                       str(r.get("samples_trained")), str(r.get("reason", "")))
         console.print(hd)
     rc = Table(title="recovery after each shift (greedy α of the last 5 speculating requests back to 90 % of pre-shift)",
                caption="- : not recovered within the phase, or too few requests speculated to tell")
