@@ -607,9 +607,15 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                     # the history and gate as serving left them, the same for every row (evaluation teaches neither)
                     decoder.ngram_history = served_history.copy()
                     decoder.ngram_gate = served_gate.copy() if served_gate is not None else None
-                    # v0's LoRA for the frozen rows; the workload's own final version for the decoder's rows
-                    # (per_workload: the adapter manager is closed, so no route switches it per request)
-                    lora = (v0_version if dec is frozen else final) if dec is frozen or cfg.per_workload else None
+                    # v0's LoRA for the frozen rows; per_workload, the workload's own final version for the
+                    # draft's rows, decoded by ``frozen`` (it shares the draft's engine; the adapter manager is
+                    # closed, so nothing routes per request, and _frozen_lora holds ``decoder``'s lock)
+                    if dec is frozen:
+                        lora = v0_version
+                    elif cfg.per_workload and prop == "draft":
+                        dec, lora = frozen, final
+                    else:
+                        lora = None
                     with (_frozen_lora(decoder if lora is not None else None, lora or 0, registry),
                           _swapped_head(decoder, frozen_head if name == "frozen_head" else None)):
                         r = dec.generate(DecodeRequest(ids, params, cfg.eval_new_tokens, gamma=g, ignore_eos=True,
