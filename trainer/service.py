@@ -739,28 +739,33 @@ class TrainerService:
 
     def _topup(self, keyed: list[tuple[Any, str]], held: set[str]) -> set[str]:
         """The split keys the held-out top-up adds this round (``ServiceConfig.heldout_topup``):
-        per workload short of ``min_eval_samples`` held out (kept, plus this round's), whole
-        prompts in arrival order that were never trained on, until it has enough, never the
-        workload's last prompt in training this round."""
+        per workload short of ``min_eval_samples`` held out (kept, plus this round's) or of
+        ``min_eval_requests`` held-out prompts (what the gate's interval needs), whole prompts in
+        arrival order that were never trained on, until it has enough, never the workload's last
+        prompt in training this round."""
         cfg = self.config
         by_w: dict[str, dict[str, int]] = {}  # workload -> this round's training keys -> records
         have: dict[str, int] = {}
+        have_keys: dict[str, set[str]] = {}
         for e, k in keyed:
             w = e.sample.workload
             if k in held:
                 have[w] = have.get(w, 0) + 1
+                have_keys.setdefault(w, set()).add(k)
             else:
                 by_w.setdefault(w, {})
                 by_w[w][k] = by_w[w].get(k, 0) + 1
         added: set[str] = set()
         for w, keys in by_w.items():
             n = len(self._heldout.get(w, ())) + have.get(w, 0)
+            prompts = have_keys.get(w, set()) | {split_key(s) for s in self._heldout.get(w, ())}
             trained = self._trained_keys.get(w, {})
             fresh = [k for k in keys if k not in trained]
             left = len(keys)  # this round's training prompts of w
-            while n < cfg.min_eval_samples and fresh and left > 1:
+            while (n < cfg.min_eval_samples or len(prompts) < cfg.min_eval_requests) and fresh and left > 1:
                 k = fresh.pop(0)
                 added.add(k)
+                prompts.add(k)
                 n += keys[k]
                 left -= 1
         for k in added:

@@ -217,7 +217,7 @@ def test_a_workload_the_hash_holds_nothing_out_of_is_topped_up_with_untrained_pr
     prose = [s for s in train_samples if s.workload == "prose"][:24]
     assert len({split_key(s) for s in prose}) == 24  # one record per prompt
     write(client, cfg, prose[:12])
-    svc = make_service(env, holdout_fraction=0.0)
+    svc = make_service(env, holdout_fraction=0.0, min_eval_requests=4)
     rep = svc.run_round_now()
     assert (rep.heldout_added, rep.heldout_topped_up, rep.trained_on) == (4, 4, 8)
     assert "not enough held-out" not in rep.reason and rep.decision in ("promoted", "rejected"), rep.reason
@@ -230,6 +230,18 @@ def test_a_workload_the_hash_holds_nothing_out_of_is_topped_up_with_untrained_pr
     rep2 = svc.run_round_now()
     assert rep2.heldout_added == 1 and rep2.heldout_topped_up == 1 and rep2.trained_on == 5
     assert "again-0" in {s.record_id for s in svc._heldout["prose"]}
+
+
+def test_the_top_up_holds_out_as_many_prompts_as_the_gates_interval_needs(env, train_samples):
+    """min_eval_samples 4 but min_eval_requests 8 (the gate's paired interval is over held-out
+    prompts): the top-up holds out 8 whole prompts, not 4, so the round is judged instead of
+    refused for 'not enough evidence'."""
+    client, cfg, registry, _ = env
+    prose = [s for s in train_samples if s.workload == "prose"][:12]
+    write(client, cfg, prose)
+    rep = make_service(env, holdout_fraction=0.0, min_eval_requests=8, min_eval_positions=1).run_round_now()
+    assert (rep.heldout_added, rep.heldout_topped_up, rep.trained_on) == (8, 8, 4)
+    assert "not enough" not in rep.reason and rep.evidence["clusters"] == 8, rep.reason
 
 
 def test_without_the_top_up_such_a_workload_blocks_the_gate(env, train_samples):
