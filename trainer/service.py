@@ -138,9 +138,10 @@ class ServiceConfig:
     per_workload: bool = False
     min_workload_samples: int = 16
     # With per_workload, whether the shared adapter also trains on the samples of workloads that
-    # take their own turn this round (True: every sample trains it). False: it trains only on the
-    # rest (untagged samples, workloads below min_workload_samples in the round), and a round whose
-    # samples all went to workload turns has no shared turn: one turn per workload, not two, and
+    # take their own turn this round (True: every sample trains it). False: it trains only on
+    # untagged samples; a workload's samples below min_workload_samples in a round wait, unacked,
+    # for the next rounds (at most _DEFER_ROUNDS, then they train the shared adapter), and a
+    # round whose samples all went to workload turns has no shared turn: one turn per workload, not two, and
     # no shared adapter pulled towards each new workload in turn (what made the gate refuse every
     # candidate of a shifted workload for the forgetting it caused on the others: bench/RESULTS.md).
     shared_turn: bool = True
@@ -179,6 +180,7 @@ class RoundReport:
     before: dict | None = None  # EvalResult.to_dict() of the promoted adapter
     after: dict | None = None  # EvalResult.to_dict() of the candidate
     acked: int = 0
+    deferred: int = 0  # shared_turn off: training samples of workloads below min_workload_samples, kept for the next round (unacked)
     dead_lettered: int = 0  # records of this round that could not train, moved to the dead-letter stream with their reasons
     # per_workload: workload -> ScopeReport.to_dict() of its own adapter's turn this round
     scopes: dict[str, dict] = field(default_factory=dict)
@@ -246,6 +248,10 @@ def split_key(sample) -> str:
     return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i4").tobytes()).hexdigest()
 
 
+# shared_turn off: rounds a workload's training sample may wait for its workload to gather
+# min_workload_samples; past them it trains the shared adapter (a workload that stopped sending
+# traffic never strands its last samples)
+_DEFER_ROUNDS = 3
 _TRAINED_KEYS_KEPT = 65536  # split keys remembered per workload (trained) and in all (topped-up held out)
 
 
@@ -412,7 +418,8 @@ class TrainerService:
         # split keys (prompts) trained on, and those the top-up holds out, per workload; bounded
         self._trained_keys: dict[str, OrderedDict[str, None]] = {}
         self._topup_keys: OrderedDict[str, None] = OrderedDict()
-        self._carry: list[Any] = []  # entries read beyond max_samples_per_round, for the next round
+        self._carry: list[Any] = []  # entries read beyond max_samples_per_round, or deferred, for the next round
+        self._deferred: dict[str, int] = {}  # record id -> rounds it has waited (ServiceConfig.shared_turn off)
         self._promoted_version = -1  # unknown until the first sync (and again after a failed one)
         self.sync_error: str | None = None  # why the registry's active adapter could not be loaded
         self._promoted_state: AdapterState | str = BASE
@@ -812,18 +819,35 @@ class TrainerService:
             for e in train:
                 by_w.setdefault(e.sample.workload, []).append(e.sample)
             own = {w: smp for w, smp in sorted(by_w.items()) if w and len(smp) >= cfg.min_workload_samples}
-        shared_train = train if cfg.shared_turn else [e for e in train if e.sample.workload not in own]
+        deferred: list[Any] = []  # shared turn off: a workload's samples wait (unacked) for enough to train its own
+        if not cfg.shared_turn:
+            for e in train:
+                rid = e.sample.record_id
+                if e.sample.workload and e.sample.workload not in own and self._deferred.get(rid, 0) < _DEFER_ROUNDS:
+                    self._deferred[rid] = self._deferred.get(rid, 0) + 1
+                    deferred.append(e)
+        later = {id(e) for e in deferred}
+        report.deferred = len(deferred)
+        report.trained_on -= len(deferred)
+        shared_train = train if cfg.shared_turn else [e for e in train if e.sample.workload not in own and id(e) not in later]
         if shared_train:
             self._shared_turn(report, shared_train)
         else:
-            report.decision, report.reason = "idle", (f"no shared turn (trainer.shared_turn off): every sample went "
-                                                      f"to its workload's own turn ({', '.join(own)})")
+            report.decision, report.reason = "idle", (
+                "no shared turn (trainer.shared_turn off): "
+                + (f"{', '.join(own)} took their own turns" if own else "no workload had its own turn")
+                + (f"; {len(deferred)} samples of workloads below min_workload_samples={cfg.min_workload_samples} "
+                   f"wait for the next round" if deferred else ""))
         for w, smp in own.items():
             report.scopes[w] = self._workload_turn(w, smp).to_dict()
         if self.heads is not None:  # never raises: its report says what went wrong
             report.head = self.heads.turn([e.sample for e in train], [e.sample for e in heldout_entries]).to_dict()
         self._prune_eval_cache()
-        report.acked = self.reader.ack(entries)
+        done = [e for e in entries if id(e) not in later]
+        for e in done:
+            self._deferred.pop(e.sample.record_id, None)
+        self._carry = deferred + self._carry  # pending in the group, ours: taken first next round
+        report.acked = self.reader.ack(done)
 
     def _shared_turn(self, report: RoundReport, train: list[Any]) -> None:
         """Train the shared adapter on ``train`` (entries) plus replay, judge and register it."""

@@ -374,7 +374,8 @@ def test_without_the_shared_turn_each_workload_trains_only_its_own_adapter(env, 
     """trainer.shared_turn off: samples of a workload taking its own turn do not train the shared
     adapter (it stays the base draft: nothing of the shared scope is registered), each workload's
     adapter starts from what serves it and is judged on its own slice; the samples of a workload
-    below min_workload_samples train the shared adapter instead; every entry is acked."""
+    below min_workload_samples wait unacked for more (three rounds at most, then they train the
+    shared adapter, so a workload gone quiet strands nothing); every entry is acked in the end."""
     client, cfg, registry, tmp = env
     write(client, cfg, train_samples + heldout_samples)
     svc = make_service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
@@ -390,13 +391,34 @@ def test_without_the_shared_turn_each_workload_trains_only_its_own_adapter(env, 
         assert independent.evaluate(list(svc._heldout[w])).alpha == pytest.approx(sr["alpha_before"], abs=1e-5)
     assert any(sr["decision"] == "promoted" for sr in rep.scopes.values()), rep.scopes
     assert pending(client, cfg) == 0
-    # a workload with too few samples for its own turn trains the shared adapter
+    # a workload with too few samples for its own turn: they wait, pending, round after round
     write(client, cfg, make_samples(target, 6, "code", seed=95))
+    waits = [svc.run_round_now() for _ in range(3)]
+    n = waits[0].deferred
+    assert n > 0 and all(r.deferred == n and r.trained_on == 0 and r.scopes == {} and r.result is None for r in waits)
+    assert "wait for the next round" in waits[0].reason and pending(client, cfg) == n
+    # ... until the fourth round trains the shared adapter on them and acks them
     rep2 = svc.run_round_now()
-    assert rep2.scopes == {} and rep2.result is not None and rep2.result.samples >= rep2.trained_on > 0
+    assert rep2.deferred == 0 and rep2.trained_on == n and rep2.result is not None
     assert rep2.decision in ("promoted", "rejected") and registry.get(rep2.version).scope == ""
+    assert pending(client, cfg) == 0
     with pytest.raises(ValueError, match="shared_turn=False without per_workload=True"):
         ServiceConfig(shared_turn=False)
+
+
+def test_deferred_samples_join_their_workloads_own_turn_when_enough_have_come(env, train_samples, heldout_samples, target):
+    client, cfg, registry, tmp = env
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
+    svc.run_round_now()
+    first = make_samples(target, 5, "code", seed=96)
+    write(client, cfg, first)
+    r1 = svc.run_round_now()
+    assert r1.deferred > 0 and r1.scopes == {}
+    write(client, cfg, make_samples(target, 12, "code", seed=97))
+    r2 = svc.run_round_now()
+    assert r2.deferred == 0 and r2.scopes["code"]["trained_on"] == r2.trained_on >= r1.deferred + 8
+    assert pending(client, cfg) == 0
 
 
 def test_per_workload_skips_a_workload_without_enough_samples_or_a_usable_tag(env, train_samples, target):
