@@ -52,6 +52,14 @@ PRIOR_ALPHA: dict[str, float] = {"ngram": 0.66, "draft": 0.20}
   demos (adapted 0.10-0.26, v0 0.09-0.36: issue 34's table, bench/RESULTS.md).
 """
 
+DRAFT = "__draft__"  # the derived draft's engine among the measured ones
+NOISE_MAX = 0.3
+"""A format whose typical repeat (median) is more than this much slower than its fastest one, at
+any row count, was measured on a busy host: it is left out of the choice (the packaged file then
+serves if it is the packaged file's own measurement), and the measurement is not cached, so the
+next start measures again. On the 2-core host of bench/RESULTS.md, 1 thread: 0.01-0.1; 2 threads
+beside other jobs: 0.5 and more, with costs 5-10x the 1-thread ones."""
+
 MARGIN = 0.05
 """A requantised format serves only if its expected goodput is at least this much (relative)
 above the packaged file's plain step: the measurement is a few hundred ms on a possibly shared
@@ -68,6 +76,7 @@ class FormatCost:
     rows_identical: bool | None = None  # an n-row verification's logits == the same rows one at a time
     row_max_abs_diff: float | None = None  # max |logit| difference between the two
     error: str | None = None  # why it was not measured (the quantiser failed, the file did not load)
+    noise: float | None = None  # max over n of median / fastest - 1: how much host load moved the repeats
 
 
 @dataclass
@@ -178,9 +187,12 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
     measured ``draft_ms``) and γ (:func:`speculative_goodput`), plain decoding of the file
     included. Left out: a format that failed to measure, or whose n-row verification's logits
     differ from its one-row steps (greedy speculation could then leave plain decoding's output:
-    BF16 on an AMX Xeon, 0.15). The best format serves if it is the packaged file, or if its
-    goodput is above the packaged file's plain step by ``margin`` (relative); else the packaged
-    file serves. ``paths``: each format's file (default: the measured file names, no directory).
+    BF16 on an AMX Xeon, 0.15), or whose repeats were noisy (``noise`` above :data:`NOISE_MAX`).
+    The best format serves if it is the packaged file, or if its goodput is above the packaged
+    file's plain step by ``margin`` (relative); else the packaged file serves, as it does when the
+    packaged file's own measurement was noisy. Costs are taken non-decreasing in n (a verification
+    of n rows costs at least one of fewer rows; a lower median is noise). ``paths``: each format's
+    file (default: the measured file names, no directory).
     """
     alphas = PRIOR_ALPHA if alphas is None else alphas
     fm = measurement.formats
@@ -194,22 +206,29 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
         if cost.error:
             rows.append(dict(row, eligible=False, why_not=cost.error))
             continue
-        gp, prop, gamma = 1.0 / cost.ms[1], None, 0
+        ms, running = {}, 0.0
+        for n in sorted(cost.ms):
+            running = ms[n] = max(running, cost.ms[n])
+        gp, prop, gamma = 1.0 / ms[1], None, 0
         for p in proposers:
             a = alphas.get(p)
             c = 0.0 if p == "ngram" else (measurement.draft_ms if p == "draft" else None)
             if a is None or c is None:
                 continue
-            g_gp, g = speculative_goodput(cost.ms, a, c)
+            g_gp, g = speculative_goodput(ms, a, c)
             if g > 0 and g_gp > gp:
                 gp, prop, gamma = g_gp, p, g
         row.update(ms={str(n): round(t, 3) for n, t in sorted(cost.ms.items())}, rows_identical=cost.rows_identical,
+                   noise=cost.noise,
                    best={"proposer": prop, "gamma": gamma, "alpha": alphas.get(prop) if prop else None,
                          "tokens_per_ms": round(gp, 5), "vs_packaged_plain": round(gp / base, 3)})
         if name != PACKAGED and cost.rows_identical is False:
             row.update(eligible=False, why_not=f"its {max(cost.ms)}-row verification's logits differ from its one-row "
                                                f"steps (max {cost.row_max_abs_diff:.3g}): greedy speculation could "
                                                f"leave plain decoding's output")
+        elif name != PACKAGED and cost.noise is not None and cost.noise > NOISE_MAX:
+            row.update(eligible=False, why_not=f"its measurement was noisy (a typical repeat {1 + cost.noise:.2f}x the "
+                                               f"fastest: the host was busy)")
         else:
             row["eligible"] = True
             if best is None or gp > best[1]:
@@ -219,8 +238,12 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
     pk_plain = f"the packaged file's plain step ({pk.file}, {pk.ms[1]:.2f} ms)"
     how = f"{prop} γ={gamma} at α {alphas[prop]:.2f}" if prop else "plain decoding"
     others = "; ".join(f"{r['format']} {r['best']['vs_packaged_plain']:.2f}x" if r.get("eligible")
-                       else f"{r['format']} left out ({r['why_not'][:90]})" for r in rows if r["format"] != name)
-    if name != PACKAGED and gp >= base * (1.0 + margin):
+                       else f"{r['format']} left out ({r['why_not']})" for r in rows if r["format"] != name)
+    if pk.noise is not None and pk.noise > NOISE_MAX:
+        chosen = PACKAGED
+        reason = (f"measured on a busy host: the packaged file's repeats were noisy (a typical one {1 + pk.noise:.2f}x the "
+                  f"fastest), so no format is judged against it; measured again at the next start")
+    elif name != PACKAGED and gp >= base * (1.0 + margin):
         reason = (f"measured: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x {pk_plain}; {others}")
         chosen = name
     else:
@@ -263,23 +286,24 @@ def _cache_file(key: dict[str, Any], cache_dir: Path) -> Path:
 
 def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[str] = CANDIDATES,
                     reps: int = 5, cached: int = 300, n_ctx: int = 1024, draft_layers: str | None = None,
-                    cache_dir: Path | None = None, use_cache: bool = True, progress=None) -> FormatMeasurement:
+                    cache_dir: Path | None = None, use_cache: bool = True, progress=None,
+                    max_seconds: float | None = 20.0) -> FormatMeasurement:
     """Step costs of ``gguf`` (a packaged file) in each of ``formats`` on this host, cached.
 
     Each format's file (``"packaged"``: ``gguf``; others :func:`decoder.models.gguf_export.requantised_gguf`,
     written once) is loaded in llama.cpp at ``threads`` (default ``os.cpu_count()``, what the
     engine runs) with ``cached`` tokens in the cache (above 256, where llama.cpp's one-row flash
-    attention path changes), one file at a time (:func:`_time_rows`): per repeat one ``llama_decode``
-    of each of n = 1..8 rows with logits at all n, truncated back. Reported:
-    the median ms per n over ``reps`` (after one warm-up repeat); whether the 8-row logits equal the
+    attention path changes), all open at once and interleaved within each repeat (:func:`_time_rows`):
+    one ``llama_decode`` of each of n = 1..8 rows with logits at all n, truncated back. Reported:
+    the median ms per n over ``reps`` (after one warm-up repeat; fewer where the repeats pass
+    ``max_seconds``, on a busy host); whether the 8-row logits equal the
     same rows decoded one at a time (``rows_identical``); with ``draft_layers`` (``"0-3"``) the
     derived draft's plain step (``draft_ms``), the cost c of a proposed token. About
     reps x (1 + 2 + ... + 8) x 4 steps: 0.5-2 s on 2 cores, plus 2 s per format quantised once.
 
     Cached as JSON in ``cache_dir`` (default ``cache_root() / "formats"``) keyed by the packaged
     file's digest, the CPU model and flags, the threads, the formats and the draft layers; delete
-    it to measure again. The files are measured one after another, so a change of host load
-    during the measurement (other jobs on shared cores) falls on some formats more than others.
+    it to measure again. A measurement with a format over :data:`NOISE_MAX` is not cached.
     """
     from decoder.engines.llamacpp import LlamaCppEngine
     from decoder.models.gguf_export import derived_draft_gguf, file_digest16, requantised_gguf
@@ -302,36 +326,38 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
             pass
     t0 = time.perf_counter()
     costs: dict[str, FormatCost] = {}
-    for f in fmts:
-        try:
-            path = gguf if f == PACKAGED else requantised_gguf(gguf, f)
-        except Exception as e:  # noqa: BLE001 - one format's failure leaves the others measured
-            costs[f] = FormatCost(f, "", error=f"{type(e).__name__}: {e}"[:300])
-            continue
-        if progress:
-            progress(f"measuring {f} ({path.name}) at {threads} threads")
-        costs[f] = FormatCost(f, path.name)
-        try:
-            costs[f].ms, costs[f].rows_identical, costs[f].row_max_abs_diff = _time_rows(
-                LlamaCppEngine(path, n_ctx=n_ctx, threads=threads), ROWS, reps, cached)
-        except Exception as e:  # noqa: BLE001
-            costs[f].error = f"{type(e).__name__}: {e}"[:300]
-    if costs.get(PACKAGED) is None or costs[PACKAGED].error:
-        raise RuntimeError(f"the packaged file {gguf.name} could not be measured: {costs[PACKAGED].error}")
-    draft_ms = None
-    if draft_layers:
-        from decoder.models.loading import parse_layers
+    engines: dict[str, tuple[Any, Sequence[int]]] = {}
+    try:
+        for f in fmts:
+            try:
+                path = gguf if f == PACKAGED else requantised_gguf(gguf, f)
+                costs[f] = FormatCost(f, path.name)
+                engines[f] = (LlamaCppEngine(path, n_ctx=n_ctx, threads=threads), ROWS)
+            except Exception as e:  # noqa: BLE001 - one format's failure leaves the others measured
+                costs[f] = FormatCost(f, costs[f].file if f in costs else "", error=f"{type(e).__name__}: {e}"[:300])
+        if PACKAGED not in engines:
+            raise RuntimeError(f"the packaged file {gguf.name} could not be loaded: {costs[PACKAGED].error}")
+        if draft_layers:
+            from decoder.models.loading import parse_layers
 
-        pk = LlamaCppEngine(gguf, n_ctx=64, threads=1)
-        try:
-            n_layer = int(pk.L.llama_model_n_layer(pk.model))
-        finally:
-            pk.close()
-        dpath = derived_draft_gguf(gguf, parse_layers(draft_layers, n_layer))
-        draft_ms = _time_rows(LlamaCppEngine(dpath, n_ctx=n_ctx, threads=threads), (1,), reps, cached,
-                              identity=False)[0][1]
+            pk = engines[PACKAGED][0]
+            layers = parse_layers(draft_layers, int(pk.L.llama_model_n_layer(pk.model)))
+            engines[DRAFT] = (LlamaCppEngine(derived_draft_gguf(gguf, layers), n_ctx=n_ctx, threads=threads), (1,))
+        if progress:
+            progress(f"measuring the target's weight formats ({', '.join(f for f in engines if f != DRAFT)}) at "
+                     f"{threads} threads, once on this host (models.format=auto)")
+        timed = _time_rows(engines, reps, cached, max_seconds)
+    finally:
+        for eng, _ in engines.values():
+            eng.close()
+    for f, t in timed.items():
+        if f in costs:
+            costs[f].ms, costs[f].noise = t["ms"], t["noise"]
+            costs[f].rows_identical, costs[f].row_max_abs_diff = t["rows_identical"], t["row_max_abs_diff"]
+    draft_ms = timed[DRAFT]["ms"][1] if DRAFT in timed else None
+    noisy = [f for f, c in costs.items() if c.noise is not None and c.noise > NOISE_MAX]
     m = FormatMeasurement(key, costs, draft_ms, reps, cached, round(time.perf_counter() - t0, 2), time.time(), str(cfile))
-    if use_cache:
+    if use_cache and not noisy:  # a noisy measurement is taken again at the next start
         try:
             cdir.mkdir(parents=True, exist_ok=True)
             tmp = cfile.with_suffix(f".{os.getpid()}.tmp")
@@ -345,42 +371,53 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
 # ---- the setting resolved ---------------------------------------------------------------------------
 
 
-def _time_rows(engine, rows: Sequence[int], reps: int, cached: int,
-               identity: bool = True) -> tuple[dict[int, float], bool | None, float | None]:
-    """Median ms of one ``llama_decode`` of n rows (logits at all n) for each n in ``rows``, after
-    ``cached`` tokens, over ``reps`` repeats (one more first, dropped: warm-up); and whether
-    ``max(rows)`` rows in one call give the logits of the same rows one at a time (their max
-    absolute difference). Closes ``engine``.
-
-    One engine open at a time: llama.cpp contexts left open beside the one decoding kept their
-    threads busy and made a step 10-100x slower on 2 cores."""
+def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached: int,
+               max_seconds: float | None = None) -> dict[str, dict[str, Any]]:
+    """Per engine (name -> (engine, row counts)): the median ms of one ``llama_decode`` of n rows
+    (logits at all n) for each n, after ``cached`` tokens, over ``reps`` repeats (one more first,
+    dropped: warm-up), the engines interleaved within each repeat so that a change of host load
+    falls on every file alike; ``noise``, max over n of median / fastest - 1; and whether
+    ``max(rows)`` rows in one call give the logits of the same rows one at a time
+    (``rows_identical``, their ``row_max_abs_diff``; None for an engine timed at one row only).
+    Past ``max_seconds`` (from the first timed repeat) no further repeat starts: a busy host
+    gets fewer repeats, not a longer start."""
     import numpy as np
 
-    try:
-        vocab = engine.vocab_size
-        seq = engine.start()
-        seq.forward([(100 + i) % vocab for i in range(cached)], 1)
-        toks = [(5 + 7 * j) % vocab for j in range(max(rows))]
-        same = diff = None
-        if identity and max(rows) > 1:
-            block = seq.forward(toks, len(toks)).numpy()
-            seq.truncate(cached)
-            single = np.stack([seq.forward([t], 1).numpy()[0] for t in toks])
-            seq.truncate(cached)
+    seqs, toks, out = {}, {}, {}
+    for name, (eng, rows) in engines.items():
+        vocab = eng.vocab_size
+        seqs[name] = eng.start()
+        seqs[name].forward([(100 + i) % vocab for i in range(cached)], 1)
+        toks[name] = [(5 + 7 * j) % vocab for j in range(max(rows))]
+        out[name] = {"rows_identical": None, "row_max_abs_diff": None}
+        if max(rows) > 1:
+            s, t = seqs[name], toks[name]
+            block = s.forward(t, len(t)).numpy()
+            s.truncate(cached)
+            single = np.stack([s.forward([x], 1).numpy()[0] for x in t])
+            s.truncate(cached)
             diff = float(np.abs(block - single).max())
-            same = diff == 0.0
-        times: dict[int, list[float]] = {n: [] for n in rows}
-        for rep in range(reps + 1):
+            out[name].update(rows_identical=diff == 0.0, row_max_abs_diff=diff)
+    times = {name: {n: [] for n in rows} for name, (_, rows) in engines.items()}
+    start = None
+    for rep in range(reps + 1):
+        if rep == 1:
+            start = time.perf_counter()
+        elif rep > 1 and max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
+        for name, (_, rows) in engines.items():
+            s = seqs[name]
             for n in rows:
-                t = time.perf_counter()
-                seq.forward(toks[:n], n)
-                dt = (time.perf_counter() - t) * 1e3
-                seq.truncate(cached)
+                t0 = time.perf_counter()
+                s.forward(toks[name][:n], n)
+                dt = (time.perf_counter() - t0) * 1e3
+                s.truncate(cached)
                 if rep:
-                    times[n].append(dt)
-        return {n: round(statistics.median(v), 4) for n, v in times.items()}, same, diff
-    finally:
-        engine.close()
+                    times[name][n].append(dt)
+    for name, by_n in times.items():
+        out[name]["ms"] = {n: round(statistics.median(v), 4) for n, v in by_n.items()}
+        out[name]["noise"] = round(max(statistics.median(v) / min(v) - 1.0 for v in by_n.values()), 4)
+    return out
 
 
 def resolve_format(setting: str, target: str, threads: int | None = None, draft: str | None = None,

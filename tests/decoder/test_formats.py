@@ -79,6 +79,25 @@ def test_a_model_proposer_pays_gamma_c_and_formats_whose_rows_differ_are_left_ou
     assert choose_format(m, alphas={"draft": 0.8}, proposers=("draft",)).format == "packaged"
 
 
+def test_a_noisy_measurement_is_left_out_and_costs_never_fall_with_rows():
+    """A busy host: a format whose typical repeat is 1.5x its fastest is left out; a noisy packaged
+    measurement keeps the packaged file. A median that falls with n is noise: F16 at 13, 25, 14 ms
+    for 1, 2, 3 rows is priced 13, 25, 25 (α 0.6: 1 / 13 = 0.0769 plain, γ = 1 1.6 / 25 = 0.064,
+    γ = 2 1.96 / 25 = 0.0784; at 14 ms it would have been 1.96 / 14 = 0.14)."""
+    m = table(packaged=PACKAGED_10, F16=F16_CHEAP)
+    m.formats["F16"].noise = 0.5
+    c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert c.format == "packaged" and "F16 left out (its measurement was noisy (a typical repeat 1.50x" in c.reason
+    m.formats["F16"].noise, m.formats["packaged"].noise = 0.0, 0.8
+    c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert c.format == "packaged" and c.reason.startswith("measured on a busy host")
+    dips = choose_format(table(packaged=PACKAGED_10, F16={1: 13.0, 2: 25.0, 3: 14.0}), alphas={"ngram": 0.6},
+                         proposers=("ngram",), margin=0.0)
+    f16 = {r["format"]: r for r in dips.costs}["F16"]
+    assert f16["best"]["gamma"] == 2 and f16["best"]["tokens_per_ms"] == pytest.approx(1.96 / 25, abs=1e-5)
+    assert dips.format == "packaged" and f16["ms"]["3"] == 14.0  # shown as measured
+
+
 def test_a_format_that_failed_to_measure_is_left_out_with_its_error():
     m = table(packaged=PACKAGED_10, F16=F16_CHEAP)
     m.formats["Q8_0"] = FormatCost("Q8_0", "", error="RuntimeError: llama_model_quantize returned 1")
@@ -155,10 +174,10 @@ def test_the_measurement_is_cached_per_file_cpu_and_threads(tiny_pkg, tmp_path, 
     no timing in a test."""
     calls = []
 
-    def fake(engine, rows, reps, cached, identity=True):
-        calls.append((engine.path.name, engine.threads))
-        engine.close()
-        return {n: 10.0 + n for n in rows}, (True if identity else None), (0.0 if identity else None)
+    def fake(engines, reps, cached, max_seconds=None):
+        calls.extend((eng.path.name, eng.threads) for eng, _ in engines.values())
+        return {name: {"ms": {n: 10.0 + n for n in rows}, "noise": 0.01, "rows_identical": True if max(rows) > 1 else None,
+                       "row_max_abs_diff": 0.0 if max(rows) > 1 else None} for name, (_, rows) in engines.items()}
 
     monkeypatch.setattr(F, "_time_rows", fake)
     cache = tmp_path / "fmt-cache"
@@ -174,6 +193,12 @@ def test_the_measurement_is_cached_per_file_cpu_and_threads(tiny_pkg, tmp_path, 
     assert not F.measure_formats(tiny_pkg, threads=1, **kw).from_cache and len(calls) == 6
     with_draft = F.measure_formats(tiny_pkg, threads=1, draft_layers="0-0", **kw)  # its own key: the draft's step too
     assert not with_draft.from_cache and with_draft.draft_ms == 11.0 and len(calls) == 9
+    noise = 0.5  # a busy host: not cached, measured again at the next start
+    real_fake = F._time_rows
+    monkeypatch.setattr(F, "_time_rows", lambda *a, **k: {n: dict(v, noise=noise) for n, v in real_fake(*a, **k).items()})
+    busy = dict(kw, formats=("packaged", "Q8_0"))
+    assert not F.measure_formats(tiny_pkg, threads=1, **busy).from_cache
+    assert not F.measure_formats(tiny_pkg, threads=1, **busy).from_cache and len(calls) == 13
     # auto: measured (here: the fake) and chosen; 1 ms a row is cheap, so F16 serves
     monkeypatch.setattr(F, "measure_formats", lambda *a, **k: F.FormatMeasurement(
         {"model": "m"}, {"packaged": FormatCost("packaged", tiny_pkg.name, {n: 10.0 + 8 * (n - 1) for n in range(1, 9)}, True, 0.0),
