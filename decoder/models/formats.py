@@ -57,8 +57,11 @@ NOISE_MAX = 0.3
 """A format whose typical repeat (median) is more than this much slower than its fastest one, at
 any row count, was measured on a busy host: it is left out of the choice (the packaged file then
 serves if it is the packaged file's own measurement), and the measurement is not cached, so the
-next start measures again. On the 2-core host of bench/RESULTS.md, 1 thread: 0.01-0.1; 2 threads
+next start measures again; so is one with fewer than :data:`MIN_REPEATS` repeats (the time budget
+ran out: its noise cannot be told). On the 2-core host of bench/RESULTS.md, 1 thread: 0.01-0.1; 2 threads
 beside other jobs: 0.5 and more, with costs 5-10x the 1-thread ones."""
+
+MIN_REPEATS = 3
 
 MARGIN = 0.05
 """A requantised format serves only if its expected goodput is at least this much (relative)
@@ -77,6 +80,7 @@ class FormatCost:
     row_max_abs_diff: float | None = None  # max |logit| difference between the two
     error: str | None = None  # why it was not measured (the quantiser failed, the file did not load)
     noise: float | None = None  # max over n of median / fastest - 1: how much host load moved the repeats
+    repeats: int | None = None  # timed repeats per row count (fewer than asked where max_seconds ran out)
 
 
 @dataclass
@@ -177,6 +181,16 @@ def speculative_goodput(ms: dict[int, float], alpha: float, c_ms: float = 0.0) -
     return best
 
 
+def _noisy(cost: FormatCost, reps: int | None = None) -> str | None:
+    """Why ``cost`` cannot be trusted (host load), or None: noise above :data:`NOISE_MAX`, or fewer
+    than :data:`MIN_REPEATS` repeats (fewer than asked for, when ``reps`` is given)."""
+    if cost.noise is not None and cost.noise > NOISE_MAX:
+        return f"the measurement was noisy (a typical repeat {1 + cost.noise:.2f}x the fastest: the host was busy)"
+    if cost.repeats is not None and cost.repeats < min(MIN_REPEATS, reps or MIN_REPEATS):
+        return f"only {cost.repeats} repeat(s) fit in the measurement's time budget (the host was busy)"
+    return None
+
+
 def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | None = None,
                   proposers: Sequence[str] = ("ngram", "draft"), margin: float = MARGIN,
                   paths: dict[str, Path] | None = None) -> FormatChoice:
@@ -219,16 +233,15 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
             if g > 0 and g_gp > gp:
                 gp, prop, gamma = g_gp, p, g
         row.update(ms={str(n): round(t, 3) for n, t in sorted(cost.ms.items())}, rows_identical=cost.rows_identical,
-                   noise=cost.noise,
+                   noise=cost.noise, repeats=cost.repeats,
                    best={"proposer": prop, "gamma": gamma, "alpha": alphas.get(prop) if prop else None,
                          "tokens_per_ms": round(gp, 5), "vs_packaged_plain": round(gp / base, 3)})
         if name != PACKAGED and cost.rows_identical is False:
             row.update(eligible=False, why_not=f"its {max(cost.ms)}-row verification's logits differ from its one-row "
                                                f"steps (max {cost.row_max_abs_diff:.3g}): greedy speculation could "
                                                f"leave plain decoding's output")
-        elif name != PACKAGED and cost.noise is not None and cost.noise > NOISE_MAX:
-            row.update(eligible=False, why_not=f"its measurement was noisy (a typical repeat {1 + cost.noise:.2f}x the "
-                                               f"fastest: the host was busy)")
+        elif name != PACKAGED and _noisy(cost, measurement.reps):
+            row.update(eligible=False, why_not=_noisy(cost, measurement.reps))
         else:
             row["eligible"] = True
             if best is None or gp > best[1]:
@@ -239,10 +252,10 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
     how = f"{prop} γ={gamma} at α {alphas[prop]:.2f}" if prop else "plain decoding"
     others = "; ".join(f"{r['format']} {r['best']['vs_packaged_plain']:.2f}x" if r.get("eligible")
                        else f"{r['format']} left out ({r['why_not']})" for r in rows if r["format"] != name)
-    if pk.noise is not None and pk.noise > NOISE_MAX:
+    if _noisy(pk, measurement.reps):
         chosen = PACKAGED
-        reason = (f"measured on a busy host: the packaged file's repeats were noisy (a typical one {1 + pk.noise:.2f}x the "
-                  f"fastest), so no format is judged against it; measured again at the next start")
+        reason = (f"measured on a busy host (the packaged file: {_noisy(pk, measurement.reps)}), so no format is judged "
+                  f"against it; measured again at the next start")
     elif name != PACKAGED and gp >= base * (1.0 + margin):
         reason = (f"measured: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x {pk_plain}; {others}")
         chosen = name
@@ -352,10 +365,10 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
             eng.close()
     for f, t in timed.items():
         if f in costs:
-            costs[f].ms, costs[f].noise = t["ms"], t["noise"]
+            costs[f].ms, costs[f].noise, costs[f].repeats = t["ms"], t["noise"], t.get("repeats")
             costs[f].rows_identical, costs[f].row_max_abs_diff = t["rows_identical"], t["row_max_abs_diff"]
     draft_ms = timed[DRAFT]["ms"][1] if DRAFT in timed else None
-    noisy = [f for f, c in costs.items() if c.noise is not None and c.noise > NOISE_MAX]
+    noisy = [f for f, c in costs.items() if _noisy(c, reps)]
     m = FormatMeasurement(key, costs, draft_ms, reps, cached, round(time.perf_counter() - t0, 2), time.time(), str(cfile))
     if use_cache and not noisy:  # a noisy measurement is taken again at the next start
         try:
@@ -417,6 +430,7 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
     for name, by_n in times.items():
         out[name]["ms"] = {n: round(statistics.median(v), 4) for n, v in by_n.items()}
         out[name]["noise"] = round(max(statistics.median(v) / min(v) - 1.0 for v in by_n.values()), 4)
+        out[name]["repeats"] = min(len(v) for v in by_n.values())
     return out
 
 

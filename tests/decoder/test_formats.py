@@ -87,10 +87,13 @@ def test_a_noisy_measurement_is_left_out_and_costs_never_fall_with_rows():
     m = table(packaged=PACKAGED_10, F16=F16_CHEAP)
     m.formats["F16"].noise = 0.5
     c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
-    assert c.format == "packaged" and "F16 left out (its measurement was noisy (a typical repeat 1.50x" in c.reason
+    assert c.format == "packaged" and "F16 left out (the measurement was noisy (a typical repeat 1.50x" in c.reason
     m.formats["F16"].noise, m.formats["packaged"].noise = 0.0, 0.8
     c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
-    assert c.format == "packaged" and c.reason.startswith("measured on a busy host")
+    assert c.format == "packaged" and c.reason.startswith("measured on a busy host (the packaged file: the measurement was noisy")
+    m.formats["packaged"].noise, m.formats["F16"].repeats, m.reps = 0.0, 1, 5  # the time budget ran out after 1 repeat
+    c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert c.format == "packaged" and "F16 left out (only 1 repeat(s) fit in the measurement's time budget" in c.reason
     dips = choose_format(table(packaged=PACKAGED_10, F16={1: 13.0, 2: 25.0, 3: 14.0}), alphas={"ngram": 0.6},
                          proposers=("ngram",), margin=0.0)
     f16 = {r["format"]: r for r in dips.costs}["F16"]
@@ -209,7 +212,7 @@ def test_the_measurement_is_cached_per_file_cpu_and_threads(tiny_pkg, tmp_path, 
 
 def test_one_real_measurement_has_every_row_count(tiny_pkg, tmp_path):
     """A real (tiny) measurement: structure only, never its numbers."""
-    m = F.measure_formats(tiny_pkg, threads=1, formats=("packaged", "F16"), reps=1, cached=8, n_ctx=64,
+    m = F.measure_formats(tiny_pkg, threads=1, formats=("packaged", "F16"), reps=3, cached=8, n_ctx=64,
                           draft_layers="0-0", cache_dir=tmp_path / "c")
     assert set(m.formats) == {"packaged", "F16"} and m.draft_ms > 0 and m.seconds > 0
     for cost in m.formats.values():
