@@ -370,7 +370,9 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     draft_ms = timed[DRAFT]["ms"][1] if DRAFT in timed else None
     noisy = [f for f, c in costs.items() if _noisy(c, reps)]
     m = FormatMeasurement(key, costs, draft_ms, reps, cached, round(time.perf_counter() - t0, 2), time.time(), str(cfile))
-    if use_cache and not noisy:  # a noisy measurement is taken again at the next start
+    if not use_cache or noisy:  # a noisy measurement is taken again at the next start
+        m.cache_file = None
+    else:
         try:
             cdir.mkdir(parents=True, exist_ok=True)
             tmp = cfile.with_suffix(f".{os.getpid()}.tmp")
