@@ -308,8 +308,8 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     engine runs) with ``cached`` tokens in the cache (above 256, where llama.cpp's one-row flash
     attention path changes), all open at once and interleaved within each repeat (:func:`_time_rows`):
     one ``llama_decode`` of each of n = 1..8 rows with logits at all n, truncated back. Reported:
-    the median ms per n over ``reps`` (after one warm-up repeat; fewer where the repeats pass
-    ``max_seconds``, on a busy host); whether the 8-row logits equal the
+    the median ms per n over ``reps`` (fewer where the repeats pass ``max_seconds``, on a busy
+    host); whether the 8-row logits equal the
     same rows decoded one at a time (``rows_identical``); with ``draft_layers`` (``"0-3"``) the
     derived draft's plain step (``draft_ms``), the cost c of a proposed token. About
     reps x (1 + 2 + ... + 8) x 4 steps: 0.5-2 s on 2 cores, plus 2 s per format quantised once.
@@ -389,16 +389,17 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
 def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached: int,
                max_seconds: float | None = None) -> dict[str, dict[str, Any]]:
     """Per engine (name -> (engine, row counts)): the median ms of one ``llama_decode`` of n rows
-    (logits at all n) for each n, after ``cached`` tokens, over ``reps`` repeats (one more first,
-    dropped: warm-up), the engines interleaved within each repeat so that a change of host load
+    (logits at all n) for each n, after ``cached`` tokens, over ``reps`` repeats (the row identity
+    check before them is the warm-up), the engines interleaved within each repeat so that a change of host load
     falls on every file alike; ``noise``, max over n of median / fastest - 1; and whether
     ``max(rows)`` rows in one call give the logits of the same rows one at a time
     (``rows_identical``, their ``row_max_abs_diff``; None for an engine timed at one row only).
-    Past ``max_seconds`` (from the first timed repeat) no further repeat starts: a busy host
-    gets fewer repeats, not a longer start."""
+    Past ``max_seconds`` (from the first prefill) no further repeat starts (the first always
+    runs): a busy host gets fewer repeats, not a longer start."""
     import numpy as np
 
     seqs, toks, out = {}, {}, {}
+    start = time.perf_counter()
     for name, (eng, rows) in engines.items():
         vocab = eng.vocab_size
         seqs[name] = eng.start()
@@ -414,11 +415,8 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
             diff = float(np.abs(block - single).max())
             out[name].update(rows_identical=diff == 0.0, row_max_abs_diff=diff)
     times = {name: {n: [] for n in rows} for name, (_, rows) in engines.items()}
-    start = None
-    for rep in range(reps + 1):
-        if rep == 1:
-            start = time.perf_counter()
-        elif rep > 1 and max_seconds is not None and time.perf_counter() - start > max_seconds:
+    for rep in range(reps):  # the identity check (and the prefill) warmed every engine up
+        if rep and max_seconds is not None and time.perf_counter() - start > max_seconds:
             break
         for name, (_, rows) in engines.items():
             s = seqs[name]
@@ -427,8 +425,7 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
                 s.forward(toks[name][:n], n)
                 dt = (time.perf_counter() - t0) * 1e3
                 s.truncate(cached)
-                if rep:
-                    times[name][n].append(dt)
+                times[name][n].append(dt)
     for name, by_n in times.items():
         out[name]["ms"] = {n: round(statistics.median(v), 4) for n, v in by_n.items()}
         out[name]["noise"] = round(max(statistics.median(v) / min(v) - 1.0 for v in by_n.values()), 4)
