@@ -211,8 +211,15 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
     alphas = PRIOR_ALPHA if alphas is None else alphas
     fm = measurement.formats
     pk = fm.get(PACKAGED)
-    if pk is None or pk.error or 1 not in pk.ms:
+    if pk is None:
         raise ValueError("the measurement has no plain step of the packaged file")
+    files = paths or {}
+    meas = {k: getattr(measurement, k) for k in ("key", "draft_ms", "reps", "cached_tokens", "seconds", "measured_at",
+                                                 "cache_file", "from_cache")}
+    if pk.error or 1 not in pk.ms:
+        return FormatChoice(PACKAGED, Path(files.get(PACKAGED) or pk.file),
+                            f"the packaged file's measurement failed ({pk.error}), so no format is judged against it; "
+                            f"measured again at the next start", AUTO, [asdict(pk)], meas)
     base = 1.0 / pk.ms[1]
     rows, best = [], None
     for name, cost in fm.items():
@@ -240,6 +247,8 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
             row.update(eligible=False, why_not=f"its {max(cost.ms)}-row verification's logits differ from its one-row "
                                                f"steps (max {cost.row_max_abs_diff:.3g}): greedy speculation could "
                                                f"leave plain decoding's output")
+        elif name != PACKAGED and cost.rows_identical is None:
+            row.update(eligible=False, why_not="its verification rows were not checked against one-row steps")
         elif name != PACKAGED and _noisy(cost, measurement.reps):
             row.update(eligible=False, why_not=_noisy(cost, measurement.reps))
         else:
@@ -266,10 +275,7 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
         else:
             reason = (f"measured: no format beats {pk_plain} by {margin:.0%} (best {name}: {gp / base:.2f}x with "
                       f"{how}); {others}")
-    files = paths or {}
     path = Path(files.get(chosen) or fm[chosen].file)
-    meas = {k: getattr(measurement, k) for k in ("key", "draft_ms", "reps", "cached_tokens", "seconds", "measured_at",
-                                                 "cache_file", "from_cache")}
     return FormatChoice(chosen, path, reason, AUTO, rows, meas)
 
 
@@ -367,8 +373,11 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
         if f in costs:
             costs[f].ms, costs[f].noise, costs[f].repeats = t["ms"], t["noise"], t.get("repeats")
             costs[f].rows_identical, costs[f].row_max_abs_diff = t["rows_identical"], t["row_max_abs_diff"]
-    draft_ms = timed[DRAFT]["ms"][1] if DRAFT in timed else None
-    noisy = [f for f, c in costs.items() if _noisy(c, reps)]
+            if set(t["ms"]) != set(ROWS):
+                costs[f].error = (f"not measured within {max_seconds} s (rows {sorted(t['ms'])} of 1-{max(ROWS)}): "
+                                  f"the host was busy")
+    draft_ms = timed[DRAFT]["ms"].get(1) if DRAFT in timed else None
+    noisy = [f for f, c in costs.items() if _noisy(c, reps) or (c.error and "not measured within" in c.error)]
     m = FormatMeasurement(key, costs, draft_ms, reps, cached, round(time.perf_counter() - t0, 2), time.time(), str(cfile))
     if not use_cache or noisy:  # a noisy measurement is taken again at the next start
         m.cache_file = None
@@ -390,23 +399,27 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
                max_seconds: float | None = None) -> dict[str, dict[str, Any]]:
     """Per engine (name -> (engine, row counts)): the median ms of one ``llama_decode`` of n rows
     (logits at all n) for each n, after ``cached`` tokens, over ``reps`` repeats (the row identity
-    check before them is the warm-up), the engines interleaved within each repeat so that a change of host load
-    falls on every file alike; ``noise``, max over n of median / fastest - 1; and whether
+    check before them is the warm-up), the engines interleaved within each repeat so that a change
+    of host load falls on every file alike; ``noise``, max over n of median / fastest - 1; whether
     ``max(rows)`` rows in one call give the logits of the same rows one at a time
-    (``rows_identical``, their ``row_max_abs_diff``; None for an engine timed at one row only).
-    Past ``max_seconds`` (from the first prefill) no further repeat starts (the first always
-    runs): a busy host gets fewer repeats, not a longer start."""
+    (``rows_identical``, their ``row_max_abs_diff``; None when not checked); ``repeats``.
+
+    ``max_seconds`` bounds it all from the first prefill: past it no further step runs, so on a
+    busy host (2 llama.cpp threads on 2 cores shared with other jobs took 3 s a step) a start
+    gets fewer repeats, or an incomplete measurement (``ms`` without some row counts), not minutes
+    of measuring."""
     import numpy as np
 
+    deadline = time.perf_counter() + max_seconds if max_seconds is not None else float("inf")
     seqs, toks, out = {}, {}, {}
-    start = time.perf_counter()
     for name, (eng, rows) in engines.items():
         vocab = eng.vocab_size
         seqs[name] = eng.start()
         seqs[name].forward([(100 + i) % vocab for i in range(cached)], 1)
         toks[name] = [(5 + 7 * j) % vocab for j in range(max(rows))]
         out[name] = {"rows_identical": None, "row_max_abs_diff": None}
-        if max(rows) > 1:
+    for name, (eng, rows) in engines.items():
+        if max(rows) > 1 and time.perf_counter() < deadline:
             s, t = seqs[name], toks[name]
             block = s.forward(t, len(t)).numpy()
             s.truncate(cached)
@@ -415,20 +428,21 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
             diff = float(np.abs(block - single).max())
             out[name].update(rows_identical=diff == 0.0, row_max_abs_diff=diff)
     times = {name: {n: [] for n in rows} for name, (_, rows) in engines.items()}
-    for rep in range(reps):  # the identity check (and the prefill) warmed every engine up
-        if rep and max_seconds is not None and time.perf_counter() - start > max_seconds:
-            break
+    for _ in range(reps):  # the identity check (and the prefill) warmed every engine up
         for name, (_, rows) in engines.items():
             s = seqs[name]
             for n in rows:
+                if time.perf_counter() > deadline:
+                    break
                 t0 = time.perf_counter()
                 s.forward(toks[name][:n], n)
                 dt = (time.perf_counter() - t0) * 1e3
                 s.truncate(cached)
                 times[name][n].append(dt)
     for name, by_n in times.items():
-        out[name]["ms"] = {n: round(statistics.median(v), 4) for n, v in by_n.items()}
-        out[name]["noise"] = round(max(statistics.median(v) / min(v) - 1.0 for v in by_n.values()), 4)
+        done = {n: v for n, v in by_n.items() if v}
+        out[name]["ms"] = {n: round(statistics.median(v), 4) for n, v in done.items()}
+        out[name]["noise"] = round(max((statistics.median(v) / min(v) - 1.0 for v in done.values()), default=0.0), 4)
         out[name]["repeats"] = min(len(v) for v in by_n.values())
     return out
 

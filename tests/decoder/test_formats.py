@@ -224,6 +224,18 @@ def test_one_real_measurement_has_every_row_count(tiny_pkg, tmp_path):
     assert c.format in ("packaged", "F16") and {r["format"] for r in c.costs} == {"packaged", "F16"}
 
 
+def test_a_measurement_past_its_time_budget_keeps_the_packaged_file_and_is_not_cached(tiny_pkg, tmp_path):
+    """A busy host: nothing fits in the budget (0 s here, by construction, not by timing), so every
+    format is incomplete, nothing is cached, and the packaged file serves, saying why."""
+    m = F.measure_formats(tiny_pkg, threads=1, formats=("packaged", "F16"), reps=3, cached=8, n_ctx=64,
+                          cache_dir=tmp_path / "c", max_seconds=0.0)
+    assert m.cache_file is None and not (tmp_path / "c").exists()
+    assert all(c.error.startswith("not measured within 0.0 s") and c.rows_identical is None for c in m.formats.values())
+    c = choose_format(m)
+    assert c.format == "packaged" and c.path.name == tiny_pkg.name
+    assert c.reason.startswith("the packaged file's measurement failed (not measured within 0.0 s")
+
+
 # ---- records, and greedy on the served copy -------------------------------------------------------
 
 
