@@ -479,5 +479,6 @@ def resolve_format(setting: str, target: str, threads: int | None = None, draft:
     src = packaged_gguf(base)
     layers = draft.split(":", 1)[1] if draft and draft.startswith("layers:") else None
     m = measure_formats(src, threads, draft_layers=layers, progress=progress)
-    paths = {f: (src if f == PACKAGED else packaged_target(f"{base}@{f}")) for f, c in m.formats.items() if not c.error}
+    paths = {f: packaged_target(f"{base}@{f}") for f, c in m.formats.items() if f != PACKAGED and not c.error}
+    paths[PACKAGED] = src  # served whenever nothing else is, measured or not
     return choose_format(m, proposers=proposers, paths=paths)

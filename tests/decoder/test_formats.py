@@ -208,6 +208,10 @@ def test_the_measurement_is_cached_per_file_cpu_and_threads(tiny_pkg, tmp_path, 
                          "F16": FormatCost("F16", "x-F16.gguf", dict(F16_CHEAP), True, 0.0)}))
     auto = F.resolve_format("auto", "tiny-pkg", threads=1, proposers=("ngram",))
     assert auto.format == "F16" and auto.path.name.endswith("-F16.gguf") and auto.path.is_file()
+    monkeypatch.setattr(F, "measure_formats", lambda *a, **k: F.FormatMeasurement(
+        {"model": "m"}, {"packaged": FormatCost("packaged", tiny_pkg.name, {}, None, None, "not measured within 20 s")}))
+    busy = F.resolve_format("auto", "tiny-pkg", threads=1)  # the packaged file, with its directory: served as is
+    assert busy.format == "packaged" and busy.path == tiny_pkg and "measurement failed" in busy.reason
 
 
 def test_one_real_measurement_has_every_row_count(tiny_pkg, tmp_path):
