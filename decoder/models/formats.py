@@ -58,8 +58,8 @@ NOISE_MAX = 0.3
 any row count, was measured on a busy host: it is left out of the choice (the packaged file then
 serves if it is the packaged file's own measurement), and the measurement is not cached, so the
 next start measures again; so is one with fewer than :data:`MIN_REPEATS` repeats (the time budget
-ran out: its noise cannot be told). On the 2-core host of bench/RESULTS.md, 1 thread: 0.01-0.1; 2 threads
-beside other jobs: 0.5 and more, with costs 5-10x the 1-thread ones."""
+ran out: its noise cannot be told). On the 2-core AMX Xeon of bench/RESULTS.md, shared with other
+jobs: 0.08-0.26 at 1 thread; at 2 threads steps of 0.1-3 s and one repeat in the 20 s budget."""
 
 MIN_REPEATS = 3
 
