@@ -4,7 +4,8 @@ Per thread count: :func:`decoder.models.formats.measure_formats` on the packaged
 packaged file, F16, BF16, Q8_0: median ms of a plain step and of a verification of 2-8 rows, whether
 the rows of a verification equal one-row steps, the derived draft's step), measured afresh (no
 cache), and :func:`decoder.models.formats.choose_format`'s choice with the prior α
-(``decoder.models.formats.PRIOR_ALPHA``) for the n-gram proposer and the draft.
+(``decoder.models.formats.prior_alphas``: each proposer's ``ProposerSpec.prior_alpha``) for the
+n-gram proposer and the draft.
 
 Usage: ``.venv/bin/python bench/served_format_bench.py [--threads 1,2] [--reps 5] [--target smollm2-135m]``
 (run it alone on the cores). Results: bench/RESULTS.md.

@@ -73,7 +73,7 @@ def target_gguf(target: str) -> Path | None:
 
 def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "layers:0-3",
                   threads: int | None = None, embeddings: bool = False, target_format: str = "packaged",
-                  proposers: Sequence[str] = ("ngram", "draft"), progress=None) -> EngineChoice:
+                  proposers: Sequence[str] | None = None, progress=None) -> EngineChoice:
     """Resolve ``models.engine`` for a target.
 
     ``auto``: llama.cpp when the target is a GGUF (a built-in name or a ``.gguf`` path), the
@@ -85,7 +85,7 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
     ``target_format`` (``models.format``) picks the weight format a built-in target is served in on
     llama.cpp (:func:`decoder.models.formats.resolve_format`): ``"packaged"`` (this function's
     default: no measurement), ``"auto"`` (measured once per host and cached, then chosen by expected
-    goodput for ``proposers``) or a pinned llama.cpp format; :attr:`EngineChoice.served` says which
+    goodput for ``proposers``, default every proposer with a prior α) or a pinned llama.cpp format; :attr:`EngineChoice.served` says which
     and why. A derived draft stays derived from the packaged file (the trainer's weights).
 
     Raises:

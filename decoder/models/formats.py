@@ -40,17 +40,28 @@ AUTO = "auto"
 ROWS = tuple(range(1, 9))  # a plain step (n = 1) and verifications of γ = 1..7
 MEASURE_VERSION = 1  # in the cache file: bumped when the measurement changes
 
-PRIOR_ALPHA: dict[str, float] = {"ngram": 0.66, "draft": 0.20}
-"""Expected per-token acceptance α per proposer before any traffic (Leviathan et al. 2023's α):
 
-- ``ngram``: 0.66, the mean over prose / code / math (0.84 / 0.67 / 0.48) of the n-gram
-  proposer's accepted share of proposed tokens at ``ngram_min_n = 2`` on never-served prompts,
-  greedy, history empty (bench/RESULTS.md, "Consequence for the n-gram proposer"). The proposer
-  proposes only on a match; steps without one are plain steps of the served format, which this
-  prior does not price.
-- ``draft``: 0.20, the derived draft's decoded greedy α on never-served prompts in the quick
-  demos (adapted 0.10-0.26, v0 0.09-0.36: issue 34's table, bench/RESULTS.md).
-"""
+def prior_alphas() -> dict[str, float]:
+    """Expected per-token acceptance α per proposer before any traffic (Leviathan et al. 2023's α),
+    as each proposer's spec declares it (``ProposerSpec.prior_alpha``, its source beside the SPEC):
+    the n-gram proposer 0.66 (the mean accepted share of proposed tokens at ``ngram_min_n = 2`` on
+    never-served prose / code / math: 0.84 / 0.67 / 0.48, bench/RESULTS.md, "Consequence for the
+    n-gram proposer"; it proposes only on a match, and steps without one, plain steps of the served
+    format, are not priced), the derived draft 0.20 (the quick demos' decoded greedy α)."""
+    from decoder.proposers.registry import SPECS
+
+    return {name: s.prior_alpha for name, s in SPECS.items() if s.prior_alpha is not None}
+
+
+def _cost_per_token(name: str, draft_ms: float | None) -> float | None:
+    """ms a proposer spends per proposed token: 0 for a model-free one, the derived draft's step
+    for the adapter-versioned draft model, None (not priced) for anything else."""
+    from decoder.proposers.registry import spec
+
+    s = spec(name)
+    if s.model_free:
+        return 0.0
+    return draft_ms if s.versioned_by == "adapter" and not s.needs_features else None
 
 DRAFT = "__draft__"  # the derived draft's engine among the measured ones
 NOISE_MAX = 0.3
@@ -192,13 +203,13 @@ def _noisy(cost: FormatCost, reps: int | None = None) -> str | None:
 
 
 def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | None = None,
-                  proposers: Sequence[str] = ("ngram", "draft"), margin: float = MARGIN,
+                  proposers: Sequence[str] | None = None, margin: float = MARGIN,
                   paths: dict[str, Path] | None = None) -> FormatChoice:
     """The format to serve, from measured costs (no timing here).
 
-    Per format, its best expected goodput over ``proposers`` (each with its α from ``alphas``,
-    default :data:`PRIOR_ALPHA`; a proposer without an α is left out, the draft also without a
-    measured ``draft_ms``) and γ (:func:`speculative_goodput`), plain decoding of the file
+    Per format, its best expected goodput over ``proposers`` (default: every proposer with a prior
+    α; each with its α from ``alphas``, default :func:`prior_alphas`; a proposer without an α is
+    left out, the draft model also without a measured ``draft_ms``) and γ (:func:`speculative_goodput`), plain decoding of the file
     included. Left out: a format that failed to measure, or whose n-row verification's logits
     differ from its one-row steps (greedy speculation could then leave plain decoding's output:
     BF16 on an AMX Xeon, 0.15), or whose repeats were noisy (``noise`` above :data:`NOISE_MAX`).
@@ -208,7 +219,8 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
     of n rows costs at least one of fewer rows; a lower median is noise). ``paths``: each format's
     file (default: the measured file names, no directory).
     """
-    alphas = PRIOR_ALPHA if alphas is None else alphas
+    alphas = prior_alphas() if alphas is None else alphas
+    proposers = tuple(alphas) if proposers is None else tuple(proposers)
     fm = measurement.formats
     pk = fm.get(PACKAGED)
     if pk is None:
@@ -233,7 +245,7 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
         gp, prop, gamma = 1.0 / ms[1], None, 0
         for p in proposers:
             a = alphas.get(p)
-            c = 0.0 if p == "ngram" else (measurement.draft_ms if p == "draft" else None)
+            c = _cost_per_token(p, measurement.draft_ms) if a is not None else None
             if a is None or c is None:
                 continue
             g_gp, g = speculative_goodput(ms, a, c)
@@ -448,13 +460,13 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
 
 
 def resolve_format(setting: str, target: str, threads: int | None = None, draft: str | None = None,
-                   proposers: Sequence[str] = ("ngram", "draft"), progress=None) -> FormatChoice | None:
+                   proposers: Sequence[str] | None = None, progress=None) -> FormatChoice | None:
     """What ``models.format`` serves for ``target``; None when the target is not a built-in name
     (a ``.gguf`` path, a directory: served as given).
 
     A built-in ``name@FORMAT`` serves that format (the setting does not apply). ``packaged``: the
     packaged file. A llama.cpp format: that format, requantised once (pinned). ``auto``:
-    :func:`measure_formats` (cached) then :func:`choose_format` with :data:`PRIOR_ALPHA`; the draft's
+    :func:`measure_formats` (cached) then :func:`choose_format` with :func:`prior_alphas`; the draft's
     cost is measured when ``draft`` is ``layers:<spec>``.
 
     Raises:

@@ -113,8 +113,10 @@ def test_a_format_that_failed_to_measure_is_left_out_with_its_error():
 def test_the_prior_alpha_is_documented_and_the_measurement_round_trips_json():
     import inspect
 
-    assert F.PRIOR_ALPHA == {"ngram": 0.66, "draft": 0.20}
-    assert '"Consequence for the n-gram proposer"' in inspect.getsource(F)  # where the n-gram prior comes from
+    import decoder.proposers.ngram as ngram
+
+    assert F.prior_alphas() == {"ngram": 0.66, "draft": 0.20}  # eagle: not priced
+    assert '"Consequence for the n-gram proposer"' in inspect.getsource(ngram)  # where the n-gram prior comes from
     m = table(packaged=PACKAGED_10, F16=F16_CHEAP, draft_ms=2.0)
     back = FormatMeasurement.from_json(json.loads(json.dumps(m.to_json())))
     assert back.formats["F16"].ms == F16_CHEAP and back.draft_ms == 2.0
