@@ -252,6 +252,10 @@ def render_status(st: dict) -> None:
                                     f"served, queue {hb.get('queue_depth')}/{hb.get('queue_size')}"
                                     f"{', draining' if hb.get('draining') else ''}; speculation {spec}; "
                                     f"last seen {hb.get('last_seen_s')} s ago"))
+        sf = hb.get("served_format")
+        if sf:  # decoder.models.formats: the target's weight format and why
+            t.add_row("served format", escape(f"{hb.get('server_id')}: {sf.get('format')} ({sf.get('file')}; "
+                                              f"models.format={sf.get('setting')}): {sf.get('reason')}"))
     for p in st.get("problems", []):
         t.add_row("[red]problem[/]", p)
     for w in st.get("warnings", []):

@@ -19,7 +19,7 @@ err = console(stderr=True)
 
 
 def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int, engine: str = "auto",
-          threads: int | None = None):
+          threads: int | None = None, target_format: str = "packaged"):
     from decoder.engines.registry import choose_engine
     from decoder.models.loading import load_pair
 
@@ -27,7 +27,8 @@ def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int, en
 
     with err.status(f"loading {target} (+ draft {draft}); the first run converts the GGUF (~30 s)"):
         pair = load_pair(target, draft, device=device, int8_draft=int8, progress=lambda s: err.log(s))
-        choice = choose_engine(engine, target, device, draft, threads)
+        choice = choose_engine(engine, target, device, draft, threads, target_format=target_format,
+                               progress=lambda s: err.log(s))
     err.log(f"engine: {choice.name} ({choice.reason})")
     dv = None
     if draft_vocab:
@@ -177,6 +178,9 @@ def generate(
     engine: EngineOpt = "auto",
     proposer: ProposerOpt = "draft",
     json_out: Annotated[bool, typer.Option("--json", help="print only the JSON record")] = False,
+    target_format: Annotated[str, typer.Option("--format", help="llama.cpp: the weight format a built-in target is "
+                                               "decoded in (models.format: packaged, auto, F16, Q8_0, ...; "
+                                               "`daemonctl status` shows what serve serves)")] = "packaged",
 ):
     """Generate text for one prompt and print it with its measurement record."""
     from decoder.sampling import SamplingParams
@@ -191,7 +195,7 @@ def generate(
             raise ValueError(f"--proposer {proposer!r}: one request runs one proposer; give one of draft, ngram "
                              f"(bench --proposers takes a list)")
         _check_engine(engine)
-        pair, dv, choice = _load(target, draft, device, int8_draft, draft_vocab, engine)
+        pair, dv, choice = _load(target, draft, device, int8_draft, draft_vocab, engine, target_format=target_format)
         dec = _decoder(pair, dv, draft_precision, choice)
     except (ValueError, RuntimeError) as e:
         err.print(f"[red]error:[/] {e}")
@@ -209,7 +213,8 @@ def generate(
         raise typer.Exit(2) from e
     if check and params.greedy and not no_spec:
         dec.check_against_plain(req, res)
-    rec = {**res.record(), "draft_precision": dec.draft_precision, "engine_reason": choice.reason}
+    rec = {**res.record(), "draft_precision": dec.draft_precision, "engine_reason": choice.reason,
+           "served_format": choice.served_format}
     if json_out:
         print(json.dumps({"text": res.text, **rec}))
         return

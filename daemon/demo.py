@@ -227,7 +227,8 @@ def _load_models(settings, console, embeddings: bool = False) -> _Models:
         from decoder.engines.registry import choose_engine
 
         m = settings.models  # the decoder's engine gets one core, the trainer the other (unless told)
-        engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1, embeddings=embeddings)
+        engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1, embeddings=embeddings,
+                                target_format=m.format, progress=console.log)
     console.log(f"engine: {engines.name} ({engines.reason})")
     layers = settings.models.draft.split(":", 1)[1] if settings.models.draft.startswith("layers:") else None
     if layers is None:
@@ -393,7 +394,8 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
     # (from the prefill it runs anyway), ~3x the trainer's data per request.
     loop = build_serving_loop(
         pair.target, pair.draft, tok, client=store.client, store_config=store.config, registry=trainer.registry,
-        decoder_config=DecoderConfig(topk_record=32, record_prompt=True, draft_vocab=vocab, record_hidden=cfg.heads),
+        decoder_config=DecoderConfig(topk_record=32, record_prompt=True, draft_vocab=vocab, record_hidden=cfg.heads,
+                                     target_format=models.engines.served_format),
         pair_fingerprint=models.fp,
         tap=trainer.keep_heldout, config=LoopConfig(rollback_per_workload=False), poll_interval_s=1.0,
         rollback_min_requests=6, rollback_margin=0.15, proposers=proposers,
@@ -520,6 +522,7 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "shift_alarms": [a.__dict__ for a in loop.tracker.alarms], "shifts": shifts,
         "serving": loop.status(), "ngram_history_tokens": decoder.ngram_history.status(),
         "ngram_gate": decoder.ngram_gate.status() if decoder.ngram_gate is not None else None,
+        "served_format": models.engines.served.describe() if models.engines.served is not None else None,
         "step_cost_ms": decoder.step_cost.status(),
         "engine_ceiling": decoder.step_cost.ceiling(controller.config.gamma_max),
         "controller": _jsonable(controller.status()),

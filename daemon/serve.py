@@ -688,10 +688,11 @@ class InferenceService:
                  speculation: bool = True, server_id: str | None = None, api_key: str | None = None,
                  max_prompt_tokens: int | None = None, request_timeout_s: float | None = None,
                  max_workloads: int = 64, max_sampling_buckets: int = 32,
-                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES):
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, served_format: dict | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
         self.loop, self.tokenizer, self.model = loop, tokenizer, model
+        self.served_format = served_format  # decoder.models.formats.FormatChoice.describe(): the target's format and why
         self.max_prompt_tokens, self.request_timeout_s = max_prompt_tokens, request_timeout_s
         self.max_request_bytes = max_request_bytes
         self.max_token_chars = _max_token_chars(tokenizer)
@@ -717,7 +718,8 @@ class InferenceService:
         from decoder.loop import speculation_by_workload
 
         st = self.loop.status()
-        return {"server_id": self.server_id, "model": self.model, "speculation_enabled": self.speculation,
+        return {"server_id": self.server_id, "model": self.model, "served_format": self.served_format,
+                "speculation_enabled": self.speculation,
                 "speculation_by_workload": speculation_by_workload(st["speculation"]), **st,
                 "cardinality": {b.name: b.status() for b in (self.workloads, self.buckets)}, "ts": time.time()}
 
@@ -1126,8 +1128,11 @@ class Heartbeat:
         st = self.service.status()
         keep = ("server_id", "model", "adapter_version", "adapter_by_workload", "requests_served", "requests_failed",
                 "queue_depth", "queue_size", "draining", "speculation_enabled", "speculation_by_workload", "cardinality", "ts")
+        hb = {k: st.get(k) for k in keep}
+        if st.get("served_format"):  # the format, file and why; the cost table stays in serve's own status
+            hb["served_format"] = {k: st["served_format"].get(k) for k in ("format", "file", "setting", "reason")}
         try:
-            write_heartbeat(self.client, self.store_config, self.service.server_id, {k: st.get(k) for k in keep},
+            write_heartbeat(self.client, self.store_config, self.service.server_id, hb,
                             ttl_s=3 * self.interval_s)
             return True
         except Exception as e:  # noqa: BLE001 - Redis down: serving goes on
@@ -1227,8 +1232,10 @@ def run_serve(settings, console=None) -> int:
         from decoder.proposers.registry import spec as proposer_spec, versioned_by
 
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads,
-                                embeddings=sv.record_hidden or any(proposer_spec(n).needs_features for n in sv.proposers))
-        log.info("engine", engine=engines.name, reason=engines.reason)
+                                embeddings=sv.record_hidden or any(proposer_spec(n).needs_features for n in sv.proposers),
+                                target_format=m.format, proposers=tuple(sv.proposers),
+                                progress=lambda msg: log.info("served_format_measuring", what=msg))
+        log.info("engine", engine=engines.name, reason=engines.reason, served_format=engines.served_format)
         if not m.torch_threads:  # on llama.cpp the decoder's torch work is per-row vector math: one thread
             stack.enter_context(torch_threads_for(engines.target))
         fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
@@ -1240,7 +1247,8 @@ def run_serve(settings, console=None) -> int:
         loop = build_serving_loop(
             pair.target, pair.draft, pair.tokenizer, client=rh.client, store_config=scfg, registry=registry,
             decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
-                                         ngram_gate=sv.ngram_gate, record_hidden=sv.record_hidden),
+                                         ngram_gate=sv.ngram_gate, record_hidden=sv.record_hidden,
+                                         target_format=engines.served_format),
             pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every),
             proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft,
             eagle_head=_eagle_head(sv.eagle_head, pair.target), head_registry=heads, head_dtype=head_dtype())
@@ -1253,7 +1261,8 @@ def run_serve(settings, console=None) -> int:
                                    api_key=sv.api_key.get_secret_value() if sv.api_key is not None else None,
                                    max_prompt_tokens=sv.max_prompt_tokens, request_timeout_s=sv.request_timeout_s,
                                    max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets,
-                                   max_request_bytes=sv.max_request_bytes)
+                                   max_request_bytes=sv.max_request_bytes,
+                                   served_format=engines.served.describe() if engines.served is not None else None)
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,

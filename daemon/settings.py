@@ -119,6 +119,13 @@ class StoreSettings(_Group):
 class ModelSettings(_Group):
     """The target/draft pair the trainer distils into (decoder.models.loading.load_pair)."""
 
+    @field_validator("format")
+    @classmethod
+    def _format(cls, v: str) -> str:
+        from decoder.models.formats import format_setting  # llama.cpp's names only for a pinned format
+
+        return format_setting(v)
+
     enabled: bool = Field(
         True, description="Load the model pair and run the trainer. false = bookkeeping, API and metrics only."
     )
@@ -133,6 +140,12 @@ class ModelSettings(_Group):
                             "(a GGUF target on CPU, llama-cpp-python), torch (transformers: GPU, any hub id or local "
                             "path), or auto (llamacpp for a GGUF target on CPU when installed, else torch).")
     engine_threads: int | None = Field(None, ge=1, description="llama.cpp threads for decoding; unset = all cores.")
+    format: str = Field(
+        "auto", description="Weight format a built-in target (a name without '@') is served in on llama.cpp: auto = "
+                            "measured at the first start on this CPU (the packaged file, F16, BF16, Q8_0: a plain step "
+                            "and verifications of 2-8 rows, cached) and chosen by expected goodput against plain decoding "
+                            "of the packaged file (decoder.models.formats); packaged = the file the package ships; or a "
+                            "llama.cpp format pinned (F16, Q8_0, ...). The draft stays derived from the packaged file.")
     draft_vocab: int = Field(
         0, ge=0,
         description="FR-Spec: the draft's LM head restricted to the N most frequent tokens (decoder.vocab; 0 = the full "

@@ -281,6 +281,9 @@ class DecoderConfig:
         by 10 %; "auto" stays fp32 off the CPU, for a draft that is the target itself (which
         then proposes as it is, every proposal accepted; "bf16" proposes with a bf16 copy of
         it), and for an int8-quantised draft ("bf16" is refused there).
+    target_format: the weight format the target engine serves (``"packaged"``, ``"F16"``, ...:
+        ``decoder.engines.registry.EngineChoice.served_format``), put in every record
+        (``VerifiedSample.target_format``); None = not stated.
     """
 
     topk_record: int = 32
@@ -289,6 +292,7 @@ class DecoderConfig:
     draft_vocab: torch.Tensor | None = None
     small_m_linear: bool | str = "auto"
     draft_precision: str = "auto"
+    target_format: str | None = None
     ngram_max_n: int = 4
     ngram_min_n: int | None = None
     ngram_history_tokens: int = 65536
@@ -879,6 +883,7 @@ class SpeculativeDecoder:
             sampling=SamplingSettings(req.params.temperature, req.params.top_p, req.params.top_k, req.params.seed),
             started_at=started_wall,
             finished_at=time.time(),
+            target_format=self.config.target_format,
             **arrays,
         )
         try:

@@ -183,6 +183,11 @@ class VerifiedSample:
 
     ``adapter_version`` is the draft adapter that proposed the tokens (0 = the base draft).
 
+    ``target_format`` is the weight format the target was served in (``"packaged"``, ``"F16"``,
+    ...: ``decoder.models.formats``, ``models.format``): the rows are that file's distributions.
+    None when the decoder did not say (torch, a path target, records written before it existed).
+    An optional body field, like ``source``: written only when set, so the schema version stays.
+
     ``source`` says where the rows come from:
 
     - ``"decode"``: a decoded request; ``output_ids`` were emitted by speculative (or plain)
@@ -216,6 +221,7 @@ class VerifiedSample:
     schema_version: int = SCHEMA_VERSION
     source: str = "decode"
     hidden: np.ndarray | None = None
+    target_format: str | None = None
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -405,6 +411,8 @@ def encode(sample: VerifiedSample) -> dict[bytes, bytes]:
         body[name] = _pack_array(getattr(sample, name))
     if sample.hidden is not None:
         body["hidden"] = _pack_array(sample.hidden)
+    if sample.target_format is not None:
+        body["target_format"] = str(sample.target_format)
     return {
         F_VERSION: str(sample.schema_version).encode(),
         F_RECORD_ID: sample.record_id.encode(),
@@ -459,6 +467,10 @@ def decode(fields: dict[bytes, bytes]) -> VerifiedSample:
         source = body.get("source", "decode")
         if source not in SOURCES:
             raise SchemaError(f"body field 'source' is {repr(source)[:64]}, expected one of {SOURCES}")
+        target_format = body.get("target_format")
+        if target_format is not None and not (isinstance(target_format, str) and 0 < len(target_format) <= 64):
+            raise SchemaError(f"body field 'target_format' is {repr(target_format)[:64]}, expected a format name "
+                              f"(e.g. 'F16') of 1-64 characters")
         sample = VerifiedSample(
             request_id=body["request_id"],
             workload=workload,
@@ -471,6 +483,7 @@ def decode(fields: dict[bytes, bytes]) -> VerifiedSample:
             schema_version=version,
             source=source,
             hidden=hidden,
+            target_format=target_format,
             **arrays,
         )
     except SchemaError:

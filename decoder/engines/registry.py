@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
@@ -27,6 +28,12 @@ class EngineChoice:
     reason: str
     target: Engine | None = None  # None: the decoder wraps its torch target itself
     draft: Engine | None = None  # the draft on llama.cpp (the derived draft's GGUF), else None
+    served: Any = None  # decoder.models.formats.FormatChoice: the target's weight format on llama.cpp, else None
+
+    @property
+    def served_format(self) -> str | None:
+        """The served weight format's name (``"packaged"``, ``"F16"``, ...), what records carry; None off llama.cpp."""
+        return self.served.format if self.served is not None else None
 
 
 @contextlib.contextmanager
@@ -65,7 +72,8 @@ def target_gguf(target: str) -> Path | None:
 
 
 def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "layers:0-3",
-                  threads: int | None = None, embeddings: bool = False) -> EngineChoice:
+                  threads: int | None = None, embeddings: bool = False, target_format: str = "packaged",
+                  proposers: Sequence[str] | None = None, progress=None) -> EngineChoice:
     """Resolve ``models.engine`` for a target.
 
     ``auto``: llama.cpp when the target is a GGUF (a built-in name or a ``.gguf`` path), the
@@ -73,6 +81,12 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
     raises where it cannot); ``torch`` never builds a llama.cpp context. On llama.cpp a derived
     draft (``layers:<spec>``) runs there too, from a GGUF of those blocks
     (:func:`decoder.models.gguf_export.derived_draft_gguf`, written once and cached).
+
+    ``target_format`` (``models.format``) picks the weight format a built-in target is served in on
+    llama.cpp (:func:`decoder.models.formats.resolve_format`): ``"packaged"`` (this function's
+    default: no measurement), ``"auto"`` (measured once per host and cached, then chosen by expected
+    goodput for ``proposers``, default every proposer with a prior α) or a pinned llama.cpp format; :attr:`EngineChoice.served` says which
+    and why. A derived draft stays derived from the packaged file (the trainer's weights).
 
     Raises:
         EngineError: ``llamacpp`` asked for a non-GGUF target, a GPU device, or without
@@ -94,7 +108,15 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
         if choice == "llamacpp":
             raise EngineError(f"--engine llamacpp: {why_not}; use --engine torch or auto")
         return EngineChoice("torch", f"auto: {why_not}")
-    tgt = LlamaCppEngine(gguf, threads=threads, embeddings=embeddings)
+    served = None
+    if target_format is not None:
+        from decoder.models.formats import resolve_format
+
+        try:
+            served = resolve_format(target_format, target, threads, draft, proposers, progress=progress)
+        except ValueError as e:  # the setting's value: the message names it and the valid ones
+            raise EngineError(str(e)) from e
+    tgt = LlamaCppEngine(served.path if served is not None else gguf, threads=threads, embeddings=embeddings)
     dr = None
     if draft.startswith("layers:"):
         from decoder.models.gguf_export import derived_draft_gguf
@@ -103,10 +125,12 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
         layers = parse_layers(draft.split(":", 1)[1], _block_count(tgt))
         dr = LlamaCppEngine(derived_draft_gguf(gguf, layers), n_ctx=tgt.context_length, threads=threads)
     elif draft == "self":  # its own context: one sequence per context
-        dr = LlamaCppEngine(gguf, n_ctx=tgt.context_length, threads=threads)
+        dr = LlamaCppEngine(tgt.path, n_ctx=tgt.context_length, threads=threads)
     reason = ("asked for (models.engine=llamacpp)" if choice == "llamacpp"
               else f"auto: GGUF target {gguf.name} on CPU, llama-cpp-python installed")
-    return EngineChoice("llamacpp", reason, tgt, dr)
+    if served is not None and (served.setting != "packaged" or Path(served.path) != gguf):
+        reason += f"; serving {served.format} ({Path(served.path).name}): {served.reason}"
+    return EngineChoice("llamacpp", reason, tgt, dr, served)
 
 
 def _block_count(engine: LlamaCppEngine) -> int:

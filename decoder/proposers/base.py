@@ -69,6 +69,9 @@ class ProposerSpec:
     - ``cli``: offered by the CLI and the bench (``registry.PROPOSERS``); every registered
       proposer may be named by a request or configured in serve.
     - ``build(decoder, request)``: the proposer for one request of a ``SpeculativeDecoder``.
+    - ``prior_alpha``: the per-token acceptance α (Leviathan et al. 2023) expected before any
+      traffic, from a measurement its SPEC names; what :mod:`decoder.models.formats` prices a
+      served weight format with. None: not priced there.
     """
 
     name: str
@@ -78,6 +81,7 @@ class ProposerSpec:
     model_free: bool
     cli: bool
     build: Callable[[Any, Any], Proposer]
+    prior_alpha: float | None = None
 
 
 def crop_to(cache, length: int) -> None:

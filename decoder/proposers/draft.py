@@ -60,5 +60,7 @@ def build(decoder, req) -> DraftModelProposer:
     return DraftModelProposer(decoder._draft_logits, lambda: DynamicCache(config=decoder.draft.config))
 
 
+# prior_alpha 0.20: the derived draft's decoded greedy α on never-served prompts in the quick demos
+# (adapted 0.10-0.26, v0 0.09-0.36: issue 34's table, bench/RESULTS.md).
 SPEC = ProposerSpec("draft", modelled_by="alpha", versioned_by="adapter", needs_features=False, model_free=False,
-                    cli=True, build=build)
+                    cli=True, build=build, prior_alpha=0.20)

@@ -1,5 +1,6 @@
 """`daemonctl serve` as a user runs it, with the real packaged model (SmolLM2-135M): greedy
-served text equals `daemonctl generate --no-spec`; SIGTERM drains and exits 0."""
+served text equals `daemonctl generate --no-spec` on the weight format serve chose (models.format);
+SIGTERM drains and exits 0."""
 
 from __future__ import annotations
 
@@ -41,9 +42,15 @@ def test_serve_greedy_equals_generate_no_spec_and_sigterm_drains(tmp_path, key_p
                                        max_tokens=12, temperature=0)
         s = "".join(ch.choices[0].text for ch in oc.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=16,
                                                                        temperature=0, stream=True))
-        g = ctl(env, "generate", "-p", prompt, "--no-spec", "--max-new-tokens", "16", "--json", timeout=300)
+        # plain decoding of the format serve chose (models.format=auto: measured on this host, cached)
+        served = json.loads(ctl(env, "status", "--json").stdout)["serving"][0]["served_format"]
+        assert served["setting"] == "auto" and served["format"] and served["reason"], served
+        fmt = ["--format", served["format"]]
+        g = ctl(env, "generate", "-p", prompt, "--no-spec", "--max-new-tokens", "16", "--json", *fmt, timeout=300)
         assert g.returncode == 0, g.stderr
-        gc = ctl(env, "generate", "-p", "Name a color.", "--chat", "--no-spec", "--max-new-tokens", "12", "--json", timeout=300)
+        assert json.loads(g.stdout)["served_format"] == served["format"]
+        gc = ctl(env, "generate", "-p", "Name a color.", "--chat", "--no-spec", "--max-new-tokens", "12", "--json", *fmt,
+                 timeout=300)
         assert gc.returncode == 0, gc.stderr
         assert r.choices[0].text == s == json.loads(g.stdout)["text"]
         assert c.choices[0].message.content == json.loads(gc.stdout)["text"]

@@ -48,3 +48,22 @@ def test_status_lists_serving_decoders_and_history_adapters_read_redis_without_a
         assert "read from Redis directly" in a.stderr
     st = json.loads(ctl(env, "status", "--json").stdout)
     assert all(h["server_id"] != s.service.server_id for h in st.get("serving", []))  # removed on close
+
+
+def test_status_names_the_served_weight_format_and_why(redis_client, key_prefix, tmp_path):
+    """models.format: serve's status carries the choice with its cost table; the heartbeat, and so
+    `daemonctl status`, the format, file, setting and reason."""
+    env = base_env(tmp_path / "state", free_port(), DRAFTD_REDIS__URL=REDIS_URL, DRAFTD_STORE__KEY_PREFIX=key_prefix)
+    served = {"format": "F16", "file": "m-F16.gguf", "setting": "auto", "reason": "measured: F16 expects 0.1360 tokens/ms",
+              "costs": [{"format": "F16", "ms": {"1": 13.0}}], "measurement": {"reps": 5}}
+    with serving(redis_client, key_prefix, heartbeat_s=0.2, served_format=served) as s:
+        assert s.service.status()["served_format"] == served
+        hb = None
+        for _ in range(200):
+            st = json.loads(ctl(env, "status", "--json").stdout)
+            hb = next((h for h in st.get("serving", []) if h["server_id"] == s.service.server_id), None)
+            if hb:
+                break
+        assert hb is not None and hb["served_format"] == {k: served[k] for k in ("format", "file", "setting", "reason")}
+        text = " ".join(ctl(env, "status").stdout.split())
+        assert "served format" in text and "F16 (m-F16.gguf; models.format=auto): measured: F16 expects" in text

@@ -1,0 +1,496 @@
+"""The served weight format of a built-in target, chosen by measurement (``models.format``, issue 34).
+
+On a CPU a verification of n rows on the packaged Q4_1 file costs nearly n plain steps, so
+speculation there has a low ceiling; llama.cpp's batched kernels make extra rows much cheaper on
+F16 / Q8_0 weights (bench/RESULTS.md, "Weight formats and the cost of a verification"). So at the
+first start on a host, :func:`measure_formats` times the candidate formats of the target's weights
+(the packaged file, and the packaged file requantised to F16, BF16 and Q8_0 by llama.cpp,
+:func:`decoder.models.gguf_export.requantised_gguf`, written once) for a plain step and a
+verification of n = 2..8 rows, and caches the measurement per (packaged file, CPU model and flags,
+threads) under ``cache_root() / "formats"``. :func:`choose_format` then serves the format with the
+best expected goodput for the proposers' expected acceptance, and only where that beats plain
+decoding of the packaged file (:func:`expected_tokens`, :func:`speculative_goodput`).
+
+``models.format``: ``"auto"`` (measure and choose), ``"packaged"`` (the file the package ships) or
+a llama.cpp weight format (``"F16"``, ``"Q8_0"``, ...: pinned). A requantised copy is a slightly
+different model (F16 of the Q4_1 weights: KL 0.004 nats from the packaged file, bench/RESULTS.md);
+the decoder is lossless against the format it serves, so greedy output equals plain decoding of
+the served file. The draft (``layers:<spec>``) stays derived from the packaged file, as the
+trainer's weights are, and records carry the served format (``VerifiedSample.target_format``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+CANDIDATES = ("packaged", "F16", "BF16", "Q8_0")
+"""What ``auto`` measures: the packaged file and the three formats whose verification rows are
+cheap on llama.cpp's CPU kernels (bench/RESULTS.md)."""
+
+PACKAGED = "packaged"
+AUTO = "auto"
+ROWS = tuple(range(1, 9))  # a plain step (n = 1) and verifications of γ = 1..7
+MEASURE_VERSION = 1  # in the cache file: bumped when the measurement changes
+
+
+def prior_alphas() -> dict[str, float]:
+    """Expected per-token acceptance α per proposer before any traffic (Leviathan et al. 2023's α),
+    as each proposer's spec declares it (``ProposerSpec.prior_alpha``, its source beside the SPEC):
+    the n-gram proposer 0.66 (the mean accepted share of proposed tokens at ``ngram_min_n = 2`` on
+    never-served prose / code / math: 0.84 / 0.67 / 0.48, bench/RESULTS.md, "Consequence for the
+    n-gram proposer"; it proposes only on a match, and steps without one, plain steps of the served
+    format, are not priced), the derived draft 0.20 (the quick demos' decoded greedy α)."""
+    from decoder.proposers.registry import SPECS
+
+    return {name: s.prior_alpha for name, s in SPECS.items() if s.prior_alpha is not None}
+
+
+def _cost_per_token(name: str, draft_ms: float | None) -> float | None:
+    """ms a proposer spends per proposed token: 0 for a model-free one, the derived draft's step
+    for the adapter-versioned draft model, None (not priced) for anything else."""
+    from decoder.proposers.registry import spec
+
+    s = spec(name)
+    if s.model_free:
+        return 0.0
+    return draft_ms if s.versioned_by == "adapter" and not s.needs_features else None
+
+DRAFT = "__draft__"  # the derived draft's engine among the measured ones
+NOISE_MAX = 0.3
+"""A format whose typical repeat (median) is more than this much slower than its fastest one, at
+any row count, was measured on a busy host: it is left out of the choice (the packaged file then
+serves if it is the packaged file's own measurement), and the measurement is not cached, so the
+next start measures again; so is one with fewer than :data:`MIN_REPEATS` repeats (the time budget
+ran out: its noise cannot be told). On the 2-core AMX Xeon of bench/RESULTS.md, shared with other
+jobs: 0.08-0.26 at 1 thread; at 2 threads steps of 0.1-3 s and one repeat in the 20 s budget."""
+
+MIN_REPEATS = 3
+
+MARGIN = 0.05
+"""A requantised format serves only if its expected goodput is at least this much (relative)
+above the packaged file's plain step: the measurement is a few hundred ms on a possibly shared
+host, and the copy is not bit for bit the packaged model."""
+
+
+@dataclass
+class FormatCost:
+    """One file's measured step costs (ms, median over repeats) by rows per ``llama_decode``."""
+
+    format: str  # "packaged" or a llama.cpp format name
+    file: str  # the GGUF's file name
+    ms: dict[int, float] = field(default_factory=dict)  # n rows -> median ms (n = 1: a plain step)
+    rows_identical: bool | None = None  # an n-row verification's logits == the same rows one at a time
+    row_max_abs_diff: float | None = None  # max |logit| difference between the two
+    error: str | None = None  # why it was not measured (the quantiser failed, the file did not load)
+    noise: float | None = None  # max over n of median / fastest - 1: how much host load moved the repeats
+    repeats: int | None = None  # timed repeats per row count (fewer than asked where max_seconds ran out)
+
+
+@dataclass
+class FormatMeasurement:
+    """:func:`measure_formats`' result, cached as JSON."""
+
+    key: dict[str, Any]  # what the cache is keyed by: packaged file digest, CPU model and flags, threads, draft
+    formats: dict[str, FormatCost]
+    draft_ms: float | None = None  # the derived draft's plain step (ms), its cost per proposed token
+    reps: int = 0
+    cached_tokens: int = 0
+    seconds: float = 0.0  # the measurement's wall time
+    measured_at: float = 0.0  # epoch seconds
+    cache_file: str | None = None
+    from_cache: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["formats"] = {k: dict(v, ms={str(n): t for n, t in v["ms"].items()}) for k, v in d["formats"].items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "FormatMeasurement":
+        fm = {k: FormatCost(**dict(v, ms={int(n): float(t) for n, t in v["ms"].items()})) for k, v in d["formats"].items()}
+        return cls(**dict(d, formats=fm))
+
+
+@dataclass
+class FormatChoice:
+    """The format a target is served in, the file, and why (shown by ``daemonctl status`` and the demo)."""
+
+    format: str  # "packaged" or a llama.cpp format name
+    path: Path
+    reason: str
+    setting: str = AUTO  # models.format as given (canonical)
+    costs: list[dict[str, Any]] = field(default_factory=list)  # per format: ms by rows, best expected goodput
+    measurement: dict[str, Any] | None = None  # the cache key, file, reps, wall time
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready: the format, file, setting, reason and the cost table."""
+        return {"format": self.format, "file": self.path.name, "setting": self.setting, "reason": self.reason,
+                "costs": self.costs, "measurement": self.measurement}
+
+
+# ---- the setting ------------------------------------------------------------------------------------
+
+
+def format_setting(value: str) -> str:
+    """``models.format`` in canonical form: ``"auto"``, ``"packaged"`` or a llama.cpp weight format
+    as llama.cpp spells it (``"f16"`` -> ``"F16"``).
+
+    Raises:
+        ValueError: not one of those; the message names the value and the valid ones (the
+            llama.cpp formats are listed only when llama-cpp-python is installed).
+    """
+    v = str(value).strip()
+    if v.lower() in (AUTO, PACKAGED):
+        return v.lower()
+    try:
+        from decoder.models.gguf_export import weight_formats
+
+        known = list(weight_formats())
+    except Exception as e:  # noqa: BLE001 - no llama-cpp-python: a pinned format cannot be served
+        raise ValueError(f"models.format {value!r}: a weight format needs llama-cpp-python ({e}); use 'auto' or "
+                         f"'packaged'") from e
+    if v.upper() not in known:
+        raise ValueError(f"models.format {value!r} is not a weight format: use 'auto' (measured), 'packaged' or one "
+                         f"of llama.cpp's: {', '.join(known)}")
+    return v.upper()
+
+
+# ---- the cost model ---------------------------------------------------------------------------------
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens emitted by one verification of γ proposals with per-token acceptance α:
+    (1 - α^(γ+1)) / (1 - α) (Leviathan et al. 2023, eq. 1); γ + 1 at α = 1, 1 at γ = 0."""
+    if gamma <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def speculative_goodput(ms: dict[int, float], alpha: float, c_ms: float = 0.0) -> tuple[float, int]:
+    """Best expected goodput (tokens per ms) and its γ on a file whose n-row step costs ``ms[n]`` ms:
+    max over γ of :func:`expected_tokens` / (``ms[γ + 1]`` + γ ``c_ms``), where ``c_ms`` is the
+    proposer's ms per proposed token (0 for the model-free n-gram proposer, the draft's step for a
+    model proposer); γ = 0 (plain decoding of the file, 1 / ``ms[1]``) when nothing beats it."""
+    best = (1.0 / ms[1], 0)
+    for n in sorted(ms):
+        if n < 2:
+            continue
+        g = n - 1
+        gp = expected_tokens(alpha, g) / (ms[n] + g * c_ms)
+        if gp > best[0]:
+            best = (gp, g)
+    return best
+
+
+def _noisy(cost: FormatCost, reps: int | None = None) -> str | None:
+    """Why ``cost`` cannot be trusted (host load), or None: noise above :data:`NOISE_MAX`, or fewer
+    than :data:`MIN_REPEATS` repeats (fewer than asked for, when ``reps`` is given)."""
+    if cost.noise is not None and cost.noise > NOISE_MAX:
+        return f"the measurement was noisy (a typical repeat {1 + cost.noise:.2f}x the fastest: the host was busy)"
+    if cost.repeats is not None and cost.repeats < min(MIN_REPEATS, reps or MIN_REPEATS):
+        return f"only {cost.repeats} repeat(s) fit in the measurement's time budget (the host was busy)"
+    return None
+
+
+def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | None = None,
+                  proposers: Sequence[str] | None = None, margin: float = MARGIN,
+                  paths: dict[str, Path] | None = None) -> FormatChoice:
+    """The format to serve, from measured costs (no timing here).
+
+    Per format, its best expected goodput over ``proposers`` (default: every proposer with a prior
+    α; each with its α from ``alphas``, default :func:`prior_alphas`; a proposer without an α is
+    left out, the draft model also without a measured ``draft_ms``) and γ (:func:`speculative_goodput`), plain decoding of the file
+    included. Left out: a format that failed to measure, or whose n-row verification's logits
+    differ from its one-row steps (greedy speculation could then leave plain decoding's output:
+    BF16 on an AMX Xeon, 0.15), or whose repeats were noisy (``noise`` above :data:`NOISE_MAX`).
+    The best format serves if it is the packaged file, or if its goodput is above the packaged
+    file's plain step by ``margin`` (relative); else the packaged file serves, as it does when the
+    packaged file's own measurement was noisy. Costs are taken non-decreasing in n (a verification
+    of n rows costs at least one of fewer rows; a lower median is noise). ``paths``: each format's
+    file (default: the measured file names, no directory).
+    """
+    alphas = prior_alphas() if alphas is None else alphas
+    proposers = tuple(alphas) if proposers is None else tuple(proposers)
+    fm = measurement.formats
+    pk = fm.get(PACKAGED)
+    if pk is None:
+        raise ValueError("the measurement has no plain step of the packaged file")
+    files = paths or {}
+    meas = {k: getattr(measurement, k) for k in ("key", "draft_ms", "reps", "cached_tokens", "seconds", "measured_at",
+                                                 "cache_file", "from_cache")}
+    if pk.error or 1 not in pk.ms:
+        return FormatChoice(PACKAGED, Path(files.get(PACKAGED) or pk.file),
+                            f"the packaged file's measurement failed ({pk.error}), so no format is judged against it; "
+                            f"measured again at the next start", AUTO, [asdict(pk)], meas)
+    base = 1.0 / pk.ms[1]
+    rows, best = [], None
+    for name, cost in fm.items():
+        row: dict[str, Any] = {"format": name, "file": cost.file}
+        if cost.error:
+            rows.append(dict(row, eligible=False, why_not=cost.error))
+            continue
+        ms, running = {}, 0.0
+        for n in sorted(cost.ms):
+            running = ms[n] = max(running, cost.ms[n])
+        gp, prop, gamma = 1.0 / ms[1], None, 0
+        for p in proposers:
+            a = alphas.get(p)
+            c = _cost_per_token(p, measurement.draft_ms) if a is not None else None
+            if a is None or c is None:
+                continue
+            g_gp, g = speculative_goodput(ms, a, c)
+            if g > 0 and g_gp > gp:
+                gp, prop, gamma = g_gp, p, g
+        row.update(ms={str(n): round(t, 3) for n, t in sorted(cost.ms.items())}, rows_identical=cost.rows_identical,
+                   noise=cost.noise, repeats=cost.repeats,
+                   best={"proposer": prop, "gamma": gamma, "alpha": alphas.get(prop) if prop else None,
+                         "tokens_per_ms": round(gp, 5), "vs_packaged_plain": round(gp / base, 3)})
+        if name != PACKAGED and cost.rows_identical is False:
+            row.update(eligible=False, why_not=f"its {max(cost.ms)}-row verification's logits differ from its one-row "
+                                               f"steps (max {cost.row_max_abs_diff:.3g}): greedy speculation could "
+                                               f"leave plain decoding's output")
+        elif name != PACKAGED and cost.rows_identical is None:
+            row.update(eligible=False, why_not="its verification rows were not checked against one-row steps")
+        elif name != PACKAGED and _noisy(cost, measurement.reps):
+            row.update(eligible=False, why_not=_noisy(cost, measurement.reps))
+        else:
+            row["eligible"] = True
+            if best is None or gp > best[1]:
+                best = (name, gp, prop, gamma)
+        rows.append(row)
+    name, gp, prop, gamma = best
+    pk_plain = f"the packaged file's plain step ({pk.file}, {pk.ms[1]:.2f} ms)"
+    how = f"{prop} γ={gamma} at α {alphas[prop]:.2f}" if prop else "plain decoding"
+    others = "; ".join(f"{r['format']} {r['best']['vs_packaged_plain']:.2f}x" if r.get("eligible")
+                       else f"{r['format']} left out ({r['why_not']})" for r in rows if r["format"] != name)
+    if _noisy(pk, measurement.reps):
+        chosen = PACKAGED
+        reason = (f"measured on a busy host (the packaged file: {_noisy(pk, measurement.reps)}), so no format is judged "
+                  f"against it; measured again at the next start")
+    elif name != PACKAGED and gp >= base * (1.0 + margin):
+        reason = (f"measured: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x {pk_plain}; {others}")
+        chosen = name
+    else:
+        chosen = PACKAGED
+        if name == PACKAGED:
+            reason = f"measured: the packaged file is the best ({how}, {gp / base:.2f}x its plain step); {others}"
+        else:
+            reason = (f"measured: no format beats {pk_plain} by {margin:.0%} (best {name}: {gp / base:.2f}x with "
+                      f"{how}); {others}")
+    path = Path(files.get(chosen) or fm[chosen].file)
+    return FormatChoice(chosen, path, reason, AUTO, rows, meas)
+
+
+# ---- the measurement --------------------------------------------------------------------------------
+
+
+def cpu_key(threads: int) -> dict[str, Any]:
+    """The host part of the cache key: CPU model name, a digest of its flags (Linux /proc/cpuinfo;
+    ``platform.processor()`` elsewhere) and the thread count."""
+    model, flags = None, ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            k, _, v = line.partition(":")
+            if k.strip() == "model name" and model is None:
+                model = v.strip()
+            elif k.strip() in ("flags", "Features") and not flags:
+                flags = " ".join(sorted(v.split()))
+    except OSError:
+        pass
+    return {"cpu": model or platform.processor() or platform.machine(), "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:12], "threads": int(threads)}
+
+
+def _cache_file(key: dict[str, Any], cache_dir: Path) -> Path:
+    h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir / f"{key['model']}-t{key['threads']}-{h}.json"
+
+
+def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[str] = CANDIDATES,
+                    reps: int = 5, cached: int = 300, n_ctx: int = 1024, draft_layers: str | None = None,
+                    cache_dir: Path | None = None, use_cache: bool = True, progress=None,
+                    max_seconds: float | None = 20.0) -> FormatMeasurement:
+    """Step costs of ``gguf`` (a packaged file) in each of ``formats`` on this host, cached.
+
+    Each format's file (``"packaged"``: ``gguf``; others :func:`decoder.models.gguf_export.requantised_gguf`,
+    written once) is loaded in llama.cpp at ``threads`` (default ``os.cpu_count()``, what the
+    engine runs) with ``cached`` tokens in the cache (above 256, where llama.cpp's one-row flash
+    attention path changes), all open at once and interleaved within each repeat (:func:`_time_rows`):
+    one ``llama_decode`` of each of n = 1..8 rows with logits at all n, truncated back. Reported:
+    the median ms per n over ``reps`` (fewer where the repeats pass ``max_seconds``, on a busy
+    host); whether the 8-row logits equal the
+    same rows decoded one at a time (``rows_identical``); with ``draft_layers`` (``"0-3"``) the
+    derived draft's plain step (``draft_ms``), the cost c of a proposed token. About
+    reps x (1 + 2 + ... + 8) x 4 steps: 0.5-2 s on 2 cores, plus 2 s per format quantised once.
+
+    Cached as JSON in ``cache_dir`` (default ``cache_root() / "formats"``) keyed by the packaged
+    file's digest, the CPU model and flags, the threads, the formats and the draft layers; delete
+    it to measure again. A measurement with a format over :data:`NOISE_MAX` is not cached.
+    """
+    from decoder.engines.llamacpp import LlamaCppEngine
+    from decoder.models.gguf_export import derived_draft_gguf, file_digest16, requantised_gguf
+    from decoder.models.packaged import cache_root
+
+    gguf = Path(gguf)
+    threads = int(threads or os.cpu_count() or 1)
+    fmts = list(dict.fromkeys(f if f == PACKAGED else f.upper() for f in formats))
+    key = {"model": f"{gguf.stem}-{file_digest16(gguf)}", **cpu_key(threads), "formats": fmts,
+           "draft_layers": draft_layers, "version": MEASURE_VERSION}
+    cdir = Path(cache_dir or cache_root() / "formats")
+    cfile = _cache_file(key, cdir)
+    if use_cache and cfile.exists():
+        try:
+            m = FormatMeasurement.from_json(json.loads(cfile.read_text()))
+            if m.key == key:
+                m.from_cache, m.cache_file = True, str(cfile)
+                return m
+        except (ValueError, TypeError, KeyError):  # damaged: measured again below
+            pass
+    t0 = time.perf_counter()
+    costs: dict[str, FormatCost] = {}
+    engines: dict[str, tuple[Any, Sequence[int]]] = {}
+    try:
+        for f in fmts:
+            try:
+                path = gguf if f == PACKAGED else requantised_gguf(gguf, f)
+                costs[f] = FormatCost(f, path.name)
+                engines[f] = (LlamaCppEngine(path, n_ctx=n_ctx, threads=threads), ROWS)
+            except Exception as e:  # noqa: BLE001 - one format's failure leaves the others measured
+                costs[f] = FormatCost(f, costs[f].file if f in costs else "", error=f"{type(e).__name__}: {e}"[:300])
+        if PACKAGED not in engines:
+            raise RuntimeError(f"the packaged file {gguf.name} could not be loaded: {costs[PACKAGED].error}")
+        if draft_layers:
+            from decoder.models.loading import parse_layers
+
+            pk = engines[PACKAGED][0]
+            layers = parse_layers(draft_layers, int(pk.L.llama_model_n_layer(pk.model)))
+            engines[DRAFT] = (LlamaCppEngine(derived_draft_gguf(gguf, layers), n_ctx=n_ctx, threads=threads), (1,))
+        if progress:
+            progress(f"measuring the target's weight formats ({', '.join(f for f in engines if f != DRAFT)}) at "
+                     f"{threads} threads, once on this host (models.format=auto)")
+        timed = _time_rows(engines, reps, cached, max_seconds)
+    finally:
+        for eng, _ in engines.values():
+            eng.close()
+    for f, t in timed.items():
+        if f in costs:
+            costs[f].ms, costs[f].noise, costs[f].repeats = t["ms"], t["noise"], t.get("repeats")
+            costs[f].rows_identical, costs[f].row_max_abs_diff = t["rows_identical"], t["row_max_abs_diff"]
+            if set(t["ms"]) != set(ROWS):
+                costs[f].error = (f"not measured within {max_seconds} s (rows {sorted(t['ms'])} of 1-{max(ROWS)}): "
+                                  f"the host was busy")
+    draft_ms = timed[DRAFT]["ms"].get(1) if DRAFT in timed else None
+    noisy = [f for f, c in costs.items() if _noisy(c, reps) or (c.error and "not measured within" in c.error)]
+    m = FormatMeasurement(key, costs, draft_ms, reps, cached, round(time.perf_counter() - t0, 2), time.time(), str(cfile))
+    if not use_cache or noisy:  # a noisy measurement is taken again at the next start
+        m.cache_file = None
+    else:
+        try:
+            cdir.mkdir(parents=True, exist_ok=True)
+            tmp = cfile.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(m.to_json(), indent=1))
+            os.replace(tmp, cfile)
+        except OSError:  # an unwritable cache: measured again next start
+            m.cache_file = None
+    return m
+
+
+# ---- the setting resolved ---------------------------------------------------------------------------
+
+
+def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached: int,
+               max_seconds: float | None = None) -> dict[str, dict[str, Any]]:
+    """Per engine (name -> (engine, row counts)): the median ms of one ``llama_decode`` of n rows
+    (logits at all n) for each n, after ``cached`` tokens, over ``reps`` repeats (the row identity
+    check before them is the warm-up), the engines interleaved within each repeat so that a change
+    of host load falls on every file alike; ``noise``, max over n of median / fastest - 1; whether
+    ``max(rows)`` rows in one call give the logits of the same rows one at a time
+    (``rows_identical``, their ``row_max_abs_diff``; None when not checked); ``repeats``.
+
+    ``max_seconds`` bounds it all from the first prefill: past it no further step runs, so on a
+    busy host (2 llama.cpp threads on 2 cores shared with other jobs took 3 s a step) a start
+    gets fewer repeats, or an incomplete measurement (``ms`` without some row counts), not minutes
+    of measuring."""
+    import numpy as np
+
+    deadline = time.perf_counter() + max_seconds if max_seconds is not None else float("inf")
+    seqs, toks, out = {}, {}, {}
+    for name, (eng, rows) in engines.items():
+        vocab = eng.vocab_size
+        seqs[name] = eng.start()
+        seqs[name].forward([(100 + i) % vocab for i in range(cached)], 1)
+        toks[name] = [(5 + 7 * j) % vocab for j in range(max(rows))]
+        out[name] = {"rows_identical": None, "row_max_abs_diff": None}
+    for name, (eng, rows) in engines.items():
+        if max(rows) > 1 and time.perf_counter() < deadline:
+            s, t = seqs[name], toks[name]
+            block = s.forward(t, len(t)).numpy()
+            s.truncate(cached)
+            single = np.stack([s.forward([x], 1).numpy()[0] for x in t])
+            s.truncate(cached)
+            diff = float(np.abs(block - single).max())
+            out[name].update(rows_identical=diff == 0.0, row_max_abs_diff=diff)
+    times = {name: {n: [] for n in rows} for name, (_, rows) in engines.items()}
+    for _ in range(reps):  # the identity check (and the prefill) warmed every engine up
+        for name, (_, rows) in engines.items():
+            s = seqs[name]
+            for n in rows:
+                if time.perf_counter() > deadline:
+                    break
+                t0 = time.perf_counter()
+                s.forward(toks[name][:n], n)
+                dt = (time.perf_counter() - t0) * 1e3
+                s.truncate(cached)
+                times[name][n].append(dt)
+    for name, by_n in times.items():
+        done = {n: v for n, v in by_n.items() if v}
+        out[name]["ms"] = {n: round(statistics.median(v), 4) for n, v in done.items()}
+        out[name]["noise"] = round(max((statistics.median(v) / min(v) - 1.0 for v in done.values()), default=0.0), 4)
+        out[name]["repeats"] = min(len(v) for v in by_n.values())
+    return out
+
+
+def resolve_format(setting: str, target: str, threads: int | None = None, draft: str | None = None,
+                   proposers: Sequence[str] | None = None, progress=None) -> FormatChoice | None:
+    """What ``models.format`` serves for ``target``; None when the target is not a built-in name
+    (a ``.gguf`` path, a directory: served as given).
+
+    A built-in ``name@FORMAT`` serves that format (the setting does not apply). ``packaged``: the
+    packaged file. A llama.cpp format: that format, requantised once (pinned). ``auto``:
+    :func:`measure_formats` (cached) then :func:`choose_format` with :func:`prior_alphas`; the draft's
+    cost is measured when ``draft`` is ``layers:<spec>``.
+
+    Raises:
+        ValueError: ``setting`` is not a valid value (:func:`format_setting`).
+        ModelLoadError: the package is missing or the format cannot be written.
+    """
+    from decoder.models.loading import packaged_target
+    from decoder.models.packaged import PACKAGED as BUILT_IN, packaged_gguf
+
+    canon = format_setting(setting)
+    base, sep, fmt = target.partition("@")
+    if base not in BUILT_IN:
+        return None
+    if sep:
+        path = packaged_target(target)
+        return FormatChoice(fmt.strip().upper(), path, f"named in models.target ({target}); models.format does not apply",
+                            canon)
+    if canon == PACKAGED:
+        return FormatChoice(PACKAGED, packaged_gguf(base), "pinned (models.format=packaged)", canon)
+    if canon != AUTO:
+        return FormatChoice(canon, packaged_target(f"{base}@{canon}"), f"pinned (models.format={canon})", canon)
+    src = packaged_gguf(base)
+    layers = draft.split(":", 1)[1] if draft and draft.startswith("layers:") else None
+    m = measure_formats(src, threads, draft_layers=layers, progress=progress)
+    paths = {f: packaged_target(f"{base}@{f}") for f, c in m.formats.items() if f != PACKAGED and not c.error}
+    paths[PACKAGED] = src  # served whenever nothing else is, measured or not
+    return choose_format(m, proposers=proposers, paths=paths)

@@ -1,0 +1,299 @@
+"""The served weight format (decoder/models/formats.py, ``models.format``): the choice from hand-made
+cost tables (expected goodput computed by hand from Leviathan et al.'s eq. 1), the measurement's
+cache, the pin, a bad value, one real measurement on a tiny GGUF (structure only: nothing here is
+timed), records naming the format, and greedy speculation on a served F16 copy equal to plain
+decoding of that copy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from decoder.engines.llamacpp_lib import llamacpp_available
+from decoder.models import formats as F
+from decoder.models.formats import FormatCost, FormatMeasurement, choose_format, expected_tokens, speculative_goodput
+
+needs_llamacpp = pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")
+
+
+def table(**ms) -> FormatMeasurement:
+    """A measurement from {format: {n: ms}}; ``draft_ms`` and row identity through keywords."""
+    draft_ms = ms.pop("draft_ms", None)
+    differ = ms.pop("differ", ())
+    fm = {f: FormatCost(f, f"{f}.gguf", dict(v), f not in differ, 0.15 if f in differ else 0.0) for f, v in ms.items()}
+    return FormatMeasurement({"model": "m"}, fm, draft_ms)
+
+
+PACKAGED_10 = {n: 10.0 + 8.0 * (n - 1) for n in range(1, 9)}  # a verified row costs 0.8 of a 10 ms step
+F16_CHEAP = {n: 12.0 + n for n in range(1, 9)}  # 13 ms a step, 1 ms a row
+
+
+def test_expected_tokens_is_leviathans_eq_1():
+    assert expected_tokens(0.5, 3) == pytest.approx((1 - 0.5 ** 4) / 0.5) == pytest.approx(1.875)
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.3, 0) == 1
+    # the packaged file: α 0.6, nothing beats its plain step (γ = 1: 1.6 / 18 = 0.0889 < 0.1)
+    assert speculative_goodput(PACKAGED_10, 0.6) == (pytest.approx(0.1), 0)
+
+
+def test_a_format_with_cheap_rows_serves_at_its_best_gamma():
+    """F16: 13 ms a step, 1 ms per extra row, α 0.6: E/t = 1.6/14, 1.96/15, 2.176/16, 2.3056/17, ...
+    -> γ = 3 at 0.136 tokens/ms, 1.36x the packaged file's 10 ms plain step."""
+    c = choose_format(table(packaged=PACKAGED_10, F16=F16_CHEAP), alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert c.format == "F16" and c.path.name == "F16.gguf" and c.setting == "auto"
+    row = {r["format"]: r for r in c.costs}
+    assert row["F16"]["best"]["gamma"] == 3 and row["F16"]["best"]["tokens_per_ms"] == pytest.approx(2.176 / 16, abs=1e-5)
+    assert row["F16"]["best"]["vs_packaged_plain"] == pytest.approx(1.36, abs=1e-3)
+    assert row["packaged"]["best"]["gamma"] == 0 and row["packaged"]["best"]["tokens_per_ms"] == pytest.approx(0.1)
+    assert "F16 expects 0.1360 tokens/ms (ngram γ=3 at α 0.60), 1.36x the packaged file's plain step" in c.reason
+
+
+def test_the_packaged_file_serves_unless_a_format_beats_its_plain_step_by_the_margin():
+    """F16 at 12 ms a step, 15.5 ms for 2 rows, α 0.6: 1.6 / 15.5 = 0.1032 tokens/ms, 1.032x the
+    packaged plain step: under the 5 % margin the packaged file serves; with no margin F16 does."""
+    m = table(packaged={1: 10.0, 2: 18.0}, F16={1: 12.0, 2: 15.5})
+    c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert c.format == "packaged" and c.path.name == "packaged.gguf"
+    assert "no format beats the packaged file's plain step" in c.reason and "best F16: 1.03x" in c.reason
+    assert choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",), margin=0.0).format == "F16"
+    # slower rows everywhere: plain decoding of the packaged file is the best there is
+    slow = choose_format(table(packaged=PACKAGED_10, F16={n: 19.0 + n for n in range(1, 9)}), alphas={"ngram": 0.6},
+                         proposers=("ngram",))
+    assert slow.format == "packaged" and {r["format"]: r for r in slow.costs}["F16"]["best"]["tokens_per_ms"] == \
+        pytest.approx(2.3056 / 24, abs=1e-5)  # γ = 4, 0.961x
+
+
+def test_a_model_proposer_pays_gamma_c_and_formats_whose_rows_differ_are_left_out():
+    """Draft at α 0.8 and c = 2 ms on F16_CHEAP: E / (13 + γ + 2γ) = 1.8/16, 2.44/19, 2.952/22,
+    3.3616/25, 3.68928/28 -> γ = 4. BF16, cheaper still, is left out: its batched rows differ."""
+    m = table(packaged=PACKAGED_10, F16=F16_CHEAP, BF16={n: 5.0 + n for n in range(1, 9)}, draft_ms=2.0, differ=("BF16",))
+    c = choose_format(m, alphas={"draft": 0.8}, proposers=("draft", "eagle"))  # no α for eagle: not priced
+    row = {r["format"]: r for r in c.costs}
+    assert c.format == "F16" and row["F16"]["best"] == {"proposer": "draft", "gamma": 4, "alpha": 0.8,
+                                                        "tokens_per_ms": pytest.approx(3.3616 / 25, abs=1e-5),
+                                                        "vs_packaged_plain": pytest.approx(1.345, abs=1e-3)}
+    assert row["BF16"]["eligible"] is False and "differ from its one-row steps" in row["BF16"]["why_not"]
+    assert "BF16 left out" in c.reason
+    # without a measured draft step the draft is not priced: F16's plain step alone loses
+    m.draft_ms = None
+    assert choose_format(m, alphas={"draft": 0.8}, proposers=("draft",)).format == "packaged"
+
+
+def test_a_noisy_measurement_is_left_out_and_costs_never_fall_with_rows():
+    """A busy host: a format whose typical repeat is 1.5x its fastest is left out; a noisy packaged
+    measurement keeps the packaged file. A median that falls with n is noise: F16 at 13, 25, 14 ms
+    for 1, 2, 3 rows is priced 13, 25, 25 (α 0.6: 1 / 13 = 0.0769 plain, γ = 1 1.6 / 25 = 0.064,
+    γ = 2 1.96 / 25 = 0.0784; at 14 ms it would have been 1.96 / 14 = 0.14)."""
+    m = table(packaged=PACKAGED_10, F16=F16_CHEAP)
+    m.formats["F16"].noise = 0.5
+    c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert c.format == "packaged" and "F16 left out (the measurement was noisy (a typical repeat 1.50x" in c.reason
+    m.formats["F16"].noise, m.formats["packaged"].noise = 0.0, 0.8
+    c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert c.format == "packaged" and c.reason.startswith("measured on a busy host (the packaged file: the measurement was noisy")
+    m.formats["packaged"].noise, m.formats["F16"].repeats, m.reps = 0.0, 1, 5  # the time budget ran out after 1 repeat
+    c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert c.format == "packaged" and "F16 left out (only 1 repeat(s) fit in the measurement's time budget" in c.reason
+    dips = choose_format(table(packaged=PACKAGED_10, F16={1: 13.0, 2: 25.0, 3: 14.0}), alphas={"ngram": 0.6},
+                         proposers=("ngram",), margin=0.0)
+    f16 = {r["format"]: r for r in dips.costs}["F16"]
+    assert f16["best"]["gamma"] == 2 and f16["best"]["tokens_per_ms"] == pytest.approx(1.96 / 25, abs=1e-5)
+    assert dips.format == "packaged" and f16["ms"]["3"] == 14.0  # shown as measured
+
+
+def test_a_format_that_failed_to_measure_is_left_out_with_its_error():
+    m = table(packaged=PACKAGED_10, F16=F16_CHEAP)
+    m.formats["Q8_0"] = FormatCost("Q8_0", "", error="RuntimeError: llama_model_quantize returned 1")
+    c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert c.format == "F16" and "Q8_0 left out (RuntimeError: llama_model_quantize returned 1)" in c.reason
+    with pytest.raises(ValueError, match="no plain step of the packaged file"):
+        choose_format(table(F16=F16_CHEAP))
+
+
+def test_the_prior_alpha_is_documented_and_the_measurement_round_trips_json():
+    import inspect
+
+    import decoder.proposers.ngram as ngram
+
+    assert F.prior_alphas() == {"ngram": 0.66, "draft": 0.20}  # eagle: not priced
+    assert '"Consequence for the n-gram proposer"' in inspect.getsource(ngram)  # where the n-gram prior comes from
+    m = table(packaged=PACKAGED_10, F16=F16_CHEAP, draft_ms=2.0)
+    back = FormatMeasurement.from_json(json.loads(json.dumps(m.to_json())))
+    assert back.formats["F16"].ms == F16_CHEAP and back.draft_ms == 2.0
+
+
+# ---- the setting --------------------------------------------------------------------------------
+
+
+@needs_llamacpp
+def test_a_bad_format_names_the_value_and_the_valid_ones():
+    from pydantic import ValidationError
+
+    from daemon.settings import ModelSettings
+    from decoder.engines.base import EngineError
+    from decoder.engines.registry import choose_engine
+
+    assert F.format_setting(" f16") == "F16" and F.format_setting("AUTO") == "auto" and F.format_setting("Packaged") == "packaged"
+    with pytest.raises(ValueError, match=r"models.format 'q9' is not a weight format: use 'auto' \(measured\), "
+                                         r"'packaged' or one of llama.cpp's: .*F16.*Q8_0"):
+        F.format_setting("q9")
+    with pytest.raises(ValidationError, match=r"models.format 'q9' is not a weight format"):
+        ModelSettings(format="q9")
+    assert ModelSettings().format == "auto" and ModelSettings(format="q8_0").format == "Q8_0"
+    with pytest.raises(EngineError, match="'q9' is not a weight format"):
+        choose_engine("llamacpp", "smollm2-135m", target_format="q9")
+
+
+@pytest.fixture
+def tiny_pkg(tmp_path, monkeypatch):
+    """A tiny F32 GGUF registered as the built-in ``tiny-pkg``, the cache under tmp_path."""
+    if not llamacpp_available():
+        pytest.skip("llama-cpp-python is not installed")
+    import decoder.models.loading as M
+    import decoder.models.packaged as P
+    from decoder.models.packaged import PackagedModel
+    from test_gguf_export import tiny_model, write_tiny_gguf
+
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "cache"))
+    src = write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf", extra=False)
+    monkeypatch.setitem(P.PACKAGED, "tiny-pkg", PackagedModel("tiny-pkg", "tiny_pkg", "pip install tiny-pkg"))
+    monkeypatch.setattr(M, "packaged_gguf", lambda name: src)
+    monkeypatch.setattr(P, "packaged_gguf", lambda name: src)
+    return src
+
+
+def test_a_pinned_format_is_served_without_measuring(tiny_pkg, monkeypatch):
+    monkeypatch.setattr(F, "measure_formats", lambda *a, **k: pytest.fail("a pinned format is not measured"))
+    c = F.resolve_format("f16", "tiny-pkg")
+    assert c.format == "F16" and c.setting == "F16" and c.path.name.endswith("-F16.gguf") and "pinned" in c.reason
+    p = F.resolve_format("packaged", "tiny-pkg")
+    assert p.format == "packaged" and p.path == tiny_pkg
+    named = F.resolve_format("auto", "tiny-pkg@bf16")  # the reference names its format: the setting does not apply
+    assert named.format == "BF16" and named.path.name.endswith("-BF16.gguf") and "named in models.target" in named.reason
+    assert F.resolve_format("auto", str(tiny_pkg)) is None  # a path: served as given
+
+
+def test_the_measurement_is_cached_per_file_cpu_and_threads(tiny_pkg, tmp_path, monkeypatch):
+    """Timed once per (file, CPU, threads, formats, draft): the second start reads the cache; another
+    thread count measures again; a damaged cache file is measured again. ``_time_rows`` is faked:
+    no timing in a test."""
+    calls = []
+
+    def fake(engines, reps, cached, max_seconds=None):
+        calls.extend((eng.path.name, eng.threads) for eng, _ in engines.values())
+        return {name: {"ms": {n: 10.0 + n for n in rows}, "noise": 0.01, "rows_identical": True if max(rows) > 1 else None,
+                       "row_max_abs_diff": 0.0 if max(rows) > 1 else None} for name, (_, rows) in engines.items()}
+
+    monkeypatch.setattr(F, "_time_rows", fake)
+    cache = tmp_path / "fmt-cache"
+    kw = dict(formats=("packaged", "F16"), cache_dir=cache, n_ctx=64, cached=8)
+    m = F.measure_formats(tiny_pkg, threads=1, **kw)
+    assert not m.from_cache and len(calls) == 2 and m.key["threads"] == 1 and m.key["cpu"]
+    assert m.formats["F16"].ms[8] == 18.0 and list(cache.glob("*.json")) == [cache / m.cache_file.split("/")[-1]]
+    again = F.measure_formats(tiny_pkg, threads=1, **kw)
+    assert again.from_cache and len(calls) == 2 and again.formats["F16"].ms == m.formats["F16"].ms
+    F.measure_formats(tiny_pkg, threads=2, **kw)
+    assert len(calls) == 4 and len(list(cache.glob("*.json"))) == 2
+    (cache / m.cache_file.split("/")[-1]).write_text("{not json")
+    assert not F.measure_formats(tiny_pkg, threads=1, **kw).from_cache and len(calls) == 6
+    with_draft = F.measure_formats(tiny_pkg, threads=1, draft_layers="0-0", **kw)  # its own key: the draft's step too
+    assert not with_draft.from_cache and with_draft.draft_ms == 11.0 and len(calls) == 9
+    noise = 0.5  # a busy host: not cached, measured again at the next start
+    real_fake = F._time_rows
+    monkeypatch.setattr(F, "_time_rows", lambda *a, **k: {n: dict(v, noise=noise) for n, v in real_fake(*a, **k).items()})
+    busy = dict(kw, formats=("packaged", "Q8_0"))
+    assert not F.measure_formats(tiny_pkg, threads=1, **busy).from_cache
+    assert not F.measure_formats(tiny_pkg, threads=1, **busy).from_cache and len(calls) == 13
+    # auto: measured (here: the fake) and chosen; 1 ms a row is cheap, so F16 serves
+    monkeypatch.setattr(F, "measure_formats", lambda *a, **k: F.FormatMeasurement(
+        {"model": "m"}, {"packaged": FormatCost("packaged", tiny_pkg.name, {n: 10.0 + 8 * (n - 1) for n in range(1, 9)}, True, 0.0),
+                         "F16": FormatCost("F16", "x-F16.gguf", dict(F16_CHEAP), True, 0.0)}))
+    auto = F.resolve_format("auto", "tiny-pkg", threads=1, proposers=("ngram",))
+    assert auto.format == "F16" and auto.path.name.endswith("-F16.gguf") and auto.path.is_file()
+    monkeypatch.setattr(F, "measure_formats", lambda *a, **k: F.FormatMeasurement(
+        {"model": "m"}, {"packaged": FormatCost("packaged", tiny_pkg.name, {}, None, None, "not measured within 20 s")}))
+    busy = F.resolve_format("auto", "tiny-pkg", threads=1)  # the packaged file, with its directory: served as is
+    assert busy.format == "packaged" and busy.path == tiny_pkg and "measurement failed" in busy.reason
+
+
+def test_one_real_measurement_has_every_row_count(tiny_pkg, tmp_path):
+    """A real (tiny) measurement: structure only, never its numbers."""
+    m = F.measure_formats(tiny_pkg, threads=1, formats=("packaged", "F16"), reps=3, cached=8, n_ctx=64,
+                          draft_layers="0-0", cache_dir=tmp_path / "c")
+    assert set(m.formats) == {"packaged", "F16"} and m.draft_ms > 0 and m.seconds > 0
+    for cost in m.formats.values():
+        assert cost.error is None and sorted(cost.ms) == list(range(1, 9)) and all(t > 0 for t in cost.ms.values())
+        assert isinstance(cost.rows_identical, bool) and cost.row_max_abs_diff >= 0
+        assert cost.noise >= 0 and cost.repeats == 3
+    assert m.key["threads"] == 1 and (m.cache_file is None or json.loads(open(m.cache_file).read())["key"] == m.key)
+    c = choose_format(m)
+    assert c.format in ("packaged", "F16") and {r["format"] for r in c.costs} == {"packaged", "F16"}
+
+
+def test_a_measurement_past_its_time_budget_keeps_the_packaged_file_and_is_not_cached(tiny_pkg, tmp_path):
+    """A busy host: nothing fits in the budget (0 s here, by construction, not by timing), so every
+    format is incomplete, nothing is cached, and the packaged file serves, saying why."""
+    m = F.measure_formats(tiny_pkg, threads=1, formats=("packaged", "F16"), reps=3, cached=8, n_ctx=64,
+                          cache_dir=tmp_path / "c", max_seconds=0.0)
+    assert m.cache_file is None and not (tmp_path / "c").exists()
+    assert all(c.error.startswith("not measured within 0.0 s") and c.rows_identical is None for c in m.formats.values())
+    c = choose_format(m)
+    assert c.format == "packaged" and c.path.name == tiny_pkg.name
+    assert c.reason.startswith("the packaged file's measurement failed (not measured within 0.0 s")
+
+
+# ---- records, and greedy on the served copy -------------------------------------------------------
+
+
+def test_records_carry_the_served_format_and_older_records_decode_without_it():
+    import numpy as np
+
+    from store.schema import PairFingerprint, SchemaError, VerifiedSample, decode, encode
+
+    def sample(**kw):
+        z = np.zeros(0)
+        return VerifiedSample("r", "prose", 0, PairFingerprint("smollm2-135m", "layers:0-3", "t"), np.array([1], np.int32),
+                              np.array([2], np.int32), z.astype(np.int16), z.astype(np.int16),
+                              np.zeros((1, 2), np.int32), np.full((1, 2), 0.4, np.float16), np.array([0.2], np.float32), **kw)
+
+    f16 = encode(sample(target_format="F16"))
+    assert decode(f16).target_format == "F16" and f16[b"v"] == b"1"  # no schema bump: an optional body field
+    assert decode(encode(sample())).target_format is None
+    import msgpack
+
+    body = msgpack.unpackb(f16[b"body"], raw=False)
+    body["target_format"] = 3
+    with pytest.raises(SchemaError, match="target_format"):
+        decode({**f16, b"body": msgpack.packb(body, use_bin_type=True)})
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_serving_the_chosen_f16_copy_greedy_equals_plain_decoding_of_that_copy():
+    """``models.format`` = F16 (what auto picks where its rows are cheap): the engine serves the F16
+    copy, the draft stays derived from the packaged file, greedy speculation (n-gram and the draft)
+    emits plain decoding's tokens on that copy, and every record names F16."""
+    from decoder.engines.registry import choose_engine
+    from decoder.models.loading import load_pair
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
+    from decoder.models.packaged import packaged_gguf
+
+    real = load_pair("smollm2-135m", "layers:0-3")
+    ch = choose_engine("llamacpp", "smollm2-135m", draft="layers:0-3", threads=2, target_format="F16")
+    try:
+        assert ch.served_format == "F16" and ch.target.path.name.endswith("-F16.gguf") and "serving F16" in ch.reason
+        assert packaged_gguf("smollm2-135m").stem in ch.draft.path.name and "F16" not in ch.draft.path.name
+        records = []
+        dec = SpeculativeDecoder(real.target, real.draft, real.tokenizer, DecoderConfig(target_format=ch.served_format),
+                                 engine=ch.target, draft_engine=ch.draft, sink=records.append)
+        prompt = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+        ids = real.tokenizer(prompt)["input_ids"]
+        plain = dec.generate(DecodeRequest(ids, SamplingParams(), 32, gamma=0, ignore_eos=True))
+        for proposer, gamma in (("ngram", 3), ("draft", 2)):
+            spec = dec.generate(DecodeRequest(ids, SamplingParams(), 32, gamma=gamma, ignore_eos=True, proposer=proposer))
+            assert spec.counts.num_draft_tokens > 0 and spec.output_ids == plain.output_ids, proposer
+        assert records and {r.target_format for r in records} == {"F16"}
+    finally:
+        ch.target.close()
+        ch.draft.close()
