@@ -1131,7 +1131,8 @@ def run_serve(settings, console=None) -> int:
         from decoder.proposers.registry import spec as proposer_spec, versioned_by
 
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads,
-                                embeddings=sv.record_hidden or any(proposer_spec(n).needs_features for n in sv.proposers))
+                                embeddings=sv.record_hidden or any(proposer_spec(n).needs_features for n in sv.proposers),
+                                n_seq=sv.max_batch)
         log.info("engine", engine=engines.name, reason=engines.reason)
         if not m.torch_threads:  # on llama.cpp the decoder's torch work is per-row vector math: one thread
             stack.enter_context(torch_threads_for(engines.target))
@@ -1145,7 +1146,8 @@ def run_serve(settings, console=None) -> int:
             pair.target, pair.draft, pair.tokenizer, client=rh.client, store_config=scfg, registry=registry,
             decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
                                          ngram_gate=sv.ngram_gate, record_hidden=sv.record_hidden),
-            pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every),
+            pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every,
+                                                   max_batch=sv.max_batch),
             proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft,
             eagle_head=_eagle_head(sv.eagle_head, pair.target), head_registry=heads, head_dtype=head_dtype())
         loop.start()
