@@ -201,13 +201,16 @@ def test_a_batched_row_equals_the_same_row_decoded_alone_at_every_cache_length(g
     sequence's logits are the same bits as the same rows decoded alone in a one-sequence engine."""
     from decoder.engines.llamacpp import LlamaCppEngine
 
-    ids = _ids(real, 1400)
-    alone = LlamaCppEngine(gguf, n_ctx=1024, threads=2)
+    ids = _ids(real, 1500)
     be = LlamaCppEngine(gguf, n_ctx=1024, threads=2, n_seq=4)
+    alone = [LlamaCppEngine(gguf, n_ctx=1024, threads=2) for _ in range(4)]  # each sequence decoded alone
     try:
-        starts, cached = [0, 350, 700, 1050], [100, 300, 37, 250]
+        starts, cached = [0, 300, 600, 900], [100, 300, 37, 250]
         seqs = [be.start() for _ in range(4)]
+        refs = [a.start() for a in alone]
         be.forward_batch([(seqs[i], ids[starts[i]: starts[i] + cached[i]], 1) for i in range(4)])
+        for i, r in enumerate(refs):
+            r.forward(ids[starts[i]: starts[i] + cached[i]], 1)
         compared = 0
         for step, gammas in enumerate([(0, 0, 0, 0), (3, 0, 5, 1), (1, 1, 1, 1), (5, 2, 0, 3)] * 3):
             items = []
@@ -216,20 +219,21 @@ def test_a_batched_row_equals_the_same_row_decoded_alone_at_every_cache_length(g
                 items.append((s, ids[c: c + gammas[i] + 1], gammas[i] + 1))
             outs = be.forward_batch(items)
             for i, (s, block, _) in enumerate(items):
-                ref = alone.start()
-                ref.forward(ids[starts[i]: starts[i] + s.length - len(block)], 1)
-                want = ref.forward(block, len(block))
+                want = refs[i].forward(block, len(block))
                 assert torch.equal(outs[i], want), (step, i, float((outs[i] - want).abs().max()))
                 compared += 1
             for i, s in enumerate(seqs):  # reject part of each block, as a verification does
                 s.truncate(s.length - gammas[i] // 2)
+                refs[i].truncate(s.length)
             if step == 5:  # and grow past the 512-cell view
-                be.forward_batch([(s, ids[starts[i] + s.length: starts[i] + s.length + 150], 1)
-                                  for i, s in enumerate(seqs)])
+                grow = [ids[starts[i] + s.length: starts[i] + s.length + 250] for i, s in enumerate(seqs)]
+                be.forward_batch([(s, grow[i], 1) for i, s in enumerate(seqs)])
+                for i, r in enumerate(refs):
+                    r.forward(grow[i], 1)
         assert compared == 48 and max(s.length for s in seqs) > 512
     finally:
-        alone.close()
-        be.close()
+        for e in alone + [be]:
+            e.close()
 
 
 # ---- the serving loop ----------------------------------------------------------------------
