@@ -1029,7 +1029,7 @@ class Heartbeat:
 
         st = self.service.status()
         keep = ("server_id", "model", "adapter_version", "adapter_by_workload", "requests_served", "requests_failed",
-                "queue_depth", "queue_size", "draining", "speculation_enabled", "speculation_by_workload", "cardinality", "ts")
+                "queue_depth", "queue_size", "draining", "speculation_enabled", "speculation_by_workload", "cardinality", "batch", "ts")
         try:
             write_heartbeat(self.client, self.store_config, self.service.server_id, {k: st.get(k) for k in keep},
                             ttl_s=3 * self.interval_s)
