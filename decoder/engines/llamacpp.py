@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ class LlamaCppSequence:
         self.seq_id = seq_id
         self.length = 0
         self.released = False
+        self._free_slot = None  # set by a multi-sequence engine's start()
 
     def forward(self, tokens: list[int], keep: int, hidden: bool = False):
         router = forward_router() if self.engine.n_seq > 1 else None
@@ -51,7 +53,8 @@ class LlamaCppSequence:
         """Give the slot back (idempotent); its cells are cleared when the slot is next started."""
         if not self.released:
             self.released = True
-            self.engine._release(self.seq_id)
+            if self._free_slot is not None:
+                self._free_slot()  # a weakref.finalize: runs once, then never again at garbage collection
 
 
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml.h's enum ggml_type (llama_cpp exports no BF16 name)
@@ -151,7 +154,7 @@ class LlamaCppEngine:
         self._closed = False
         self._busy = threading.Lock()  # held by a decode; close() waits for it
         self._free = list(range(self.n_seq))  # free sequence ids (n_seq > 1)
-        self._slots = threading.Lock()
+        self._slots = threading.RLock()  # RLock: a sequence's finalizer may run inside start() (GC)
         self._offset_lora = None  # a split Q4_1 file's offset adapter, under every forward
         self.offset_lora: Path | None = None
         split = self._meta_str(SPLIT_KEY)
@@ -219,10 +222,13 @@ class LlamaCppEngine:
             self._check_open()
             self.L.llama_memory_seq_rm(self.mem, sid, -1, -1)  # flash attention: masked cells never reach the softmax
         seq = LlamaCppSequence(self, sid)
+        seq._free_slot = weakref.finalize(seq, self._release, sid)  # dropped without release(): freed at GC
         track(seq)
         return seq
 
     def _release(self, seq_id: int) -> None:
+        if self._closed:
+            return
         with self._slots:
             if seq_id not in self._free and self.n_seq > 1:
                 self._free.append(seq_id)

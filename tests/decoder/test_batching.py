@@ -332,3 +332,25 @@ def test_a_batch_mate_that_joins_or_leaves_does_not_change_a_request(real):
             assert t.result(600).output_ids == want, (n_mates, mate_len)
             for m in mates:
                 m.result(600)
+
+
+@needs_llamacpp
+def test_a_sequence_dropped_without_release_frees_its_slot_once(gguf):
+    import gc
+
+    from decoder.engines.llamacpp import LlamaCppEngine
+
+    e = LlamaCppEngine(gguf, n_ctx=256, threads=2, n_seq=2)
+    try:
+        a = e.start()
+        a.release()
+        b = e.start()  # slot 0 again
+        assert b.seq_id == 0
+        del a
+        gc.collect()  # a's finalizer already ran in release(): slot 0 stays b's
+        assert e.free_sequences == 1
+        del b
+        gc.collect()
+        assert e.free_sequences == 2
+    finally:
+        e.close()
