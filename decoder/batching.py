@@ -52,6 +52,7 @@ class Member:
         self.name = name
         self.payload = payload  # the caller's (the serving loop's Ticket)
         self.thread: threading.Thread | None = None
+        self.go = threading.Event()  # set when the baton reaches this member
         self.done = False
         self.batch_size = 1  # sequences in the fused forward that served this member's last call
 
@@ -68,7 +69,9 @@ class StepScheduler:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
-        self._cv = threading.Condition()
+        self._mu = threading.Lock()  # guards the state below; each thread is woken by its own event
+        self._idle = threading.Event()  # no member holds the baton and none is ready: a step boundary
+        self._idle.set()
         self._current: Member | None = None  # the member holding the baton
         self._ready: deque[Member] = deque()
         self._pending: list[_Call] = []
@@ -82,7 +85,7 @@ class StepScheduler:
     # ---- members -----------------------------------------------------------------------------
     @property
     def members(self) -> list[Member]:
-        with self._cv:
+        with self._mu:
             return list(self._members)
 
     def spawn(self, fn: Callable[[], Any], name: str, payload: Any = None) -> Member:
@@ -92,21 +95,21 @@ class StepScheduler:
 
         def run():
             self._local.member = m
-            with self._cv:
-                self._cv.wait_for(lambda: self._current is m)
+            m.go.wait()
+            m.go.clear()
             try:
                 with route_forwards(self):
                     fn()
             except BaseException:  # noqa: BLE001 - fn reports its own errors; the baton must move on
                 log.exception("batch_member_failed", member=name)
             finally:
-                with self._cv:
+                with self._mu:
                     m.done = True
                     self._members.remove(m)
                     self._pass()
 
         m.thread = threading.Thread(target=run, name=f"draftd-batch-{name}", daemon=True)
-        with self._cv:
+        with self._mu:
             self._members.append(m)
             self._ready.append(m)
             if self._current is None:
@@ -115,9 +118,14 @@ class StepScheduler:
         return m
 
     def _pass(self) -> None:
-        """Hand the baton to the next ready member, or to nobody (the driver's step boundary)."""
-        self._current = self._ready.popleft() if self._ready else None
-        self._cv.notify_all()
+        """Hand the baton to the next ready member, or to nobody (the driver's step boundary);
+        called with ``_mu`` held. Wakes exactly the thread that goes on."""
+        nxt = self._current = self._ready.popleft() if self._ready else None
+        if nxt is None:
+            self._idle.set()
+        else:
+            self._idle.clear()
+            nxt.go.set()
 
     def call(self, engine, seq, tokens: list[int], keep: int, hidden: bool = False):
         """A member's forward (``Sequence.forward``'s arguments): queued for the next
@@ -126,10 +134,11 @@ class StepScheduler:
         if m is None:  # not a member's thread (a routed thread outside spawn): decode at once
             return engine.forward_batch([(seq, tokens, keep)], hidden)[0]
         c = _Call(m, engine, seq, tokens, keep, hidden)
-        with self._cv:
+        with self._mu:
             self._pending.append(c)
             self._pass()
-            self._cv.wait_for(lambda: self._current is m)
+        m.go.wait()
+        m.go.clear()
         if c.error is not None:
             raise c.error
         return c.result
@@ -142,18 +151,17 @@ class StepScheduler:
     # ---- the driver --------------------------------------------------------------------------
     def wait_boundary(self, timeout: float | None = None) -> bool:
         """Block until no member runs (each waits on a forward, or there are none); True then."""
-        with self._cv:
-            return self._cv.wait_for(lambda: self._current is None and not self._ready, timeout)
+        return self._idle.wait(timeout)
 
     @property
     def pending(self) -> int:
-        with self._cv:
+        with self._mu:
             return len(self._pending)
 
     def fire(self) -> int:
         """Run every waiting forward, one fused call per (engine, hidden), then let the members
         go on in sequence-id order. Call at a step boundary only. Returns the rows decoded."""
-        with self._cv:
+        with self._mu:
             calls, self._pending = self._pending, []
         if not calls:
             return 0
@@ -184,7 +192,7 @@ class StepScheduler:
         self.decode_ms += (self.clock() - t0) * 1e3
         self.fired += 1
         self.rows += rows
-        with self._cv:
+        with self._mu:
             order = sorted({id(c.member): c for c in calls}.values(), key=lambda c: getattr(c.seq, "seq_id", 0))
             self._ready.extend(c.member for c in order)
             if self._current is None:
