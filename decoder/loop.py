@@ -356,14 +356,15 @@ class ServingLoop:
         dec = self.decoder
         if not self.streams_steps or not hasattr(dec, "generate_batched"):
             return None, "the decoder has no per-step hook: one request at a time"
-        for role, eng in (("target", getattr(dec, "engine", None)), ("draft", getattr(dec, "draft_engine", None))):
-            if eng is None and role == "draft":
-                continue
+        engines = [("the target's", getattr(dec, "engine", None))]
+        if getattr(dec, "draft_engine", None) is not None:
+            engines.append(("the draft model's", dec.draft_engine))
+        for role, eng in engines:
             if not supports(eng, "batch"):
-                return None, f"the {role}'s engine ({getattr(eng, 'name', None)}) decodes one sequence at a time"
+                return None, f"{role} engine ({getattr(eng, 'name', None)}) decodes one sequence at a time"
             n = getattr(eng.capabilities, "max_sequences", 1)
             if n < mb:
-                return None, f"the {role}'s engine holds {n} sequences, fewer than max_batch = {mb}"
+                return None, f"{role} engine holds {n} sequences, fewer than max_batch = {mb}"
         return StepScheduler(self.clock), f"continuous batching of up to {mb} requests"
 
     # ---- the worker --------------------------------------------------------------------------
