@@ -1127,7 +1127,7 @@ class Heartbeat:
 
         st = self.service.status()
         keep = ("server_id", "model", "adapter_version", "adapter_by_workload", "requests_served", "requests_failed",
-                "queue_depth", "queue_size", "draining", "speculation_enabled", "speculation_by_workload", "cardinality", "ts")
+                "queue_depth", "queue_size", "draining", "speculation_enabled", "speculation_by_workload", "cardinality", "batch", "ts")
         hb = {k: st.get(k) for k in keep}
         if st.get("served_format"):  # the format, file and why; the cost table stays in serve's own status
             hb["served_format"] = {k: st["served_format"].get(k) for k in ("format", "file", "setting", "reason")}
@@ -1234,7 +1234,7 @@ def run_serve(settings, console=None) -> int:
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads,
                                 embeddings=sv.record_hidden or any(proposer_spec(n).needs_features for n in sv.proposers),
                                 target_format=m.format, proposers=tuple(sv.proposers),
-                                progress=lambda msg: log.info("served_format_measuring", what=msg))
+                                progress=lambda msg: log.info("served_format_measuring", what=msg), n_seq=sv.max_batch)
         log.info("engine", engine=engines.name, reason=engines.reason, served_format=engines.served_format)
         if not m.torch_threads:  # on llama.cpp the decoder's torch work is per-row vector math: one thread
             stack.enter_context(torch_threads_for(engines.target))
@@ -1249,7 +1249,8 @@ def run_serve(settings, console=None) -> int:
             decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
                                          ngram_gate=sv.ngram_gate, record_hidden=sv.record_hidden,
                                          target_format=engines.served_format),
-            pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every),
+            pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every,
+                                                   max_batch=sv.max_batch),
             proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft,
             eagle_head=_eagle_head(sv.eagle_head, pair.target), head_registry=heads, head_dtype=head_dtype())
         loop.start()

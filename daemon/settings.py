@@ -305,7 +305,10 @@ class ServeSettings(_Group):
                                "reaches the port is served and their requests go into the training buffer. Refused "
                                "unless set; warned in the log when set.")
     model_name: str | None = Field(None, description="Model id clients send and /v1/models lists; unset = models.target.")
-    queue_size: int = Field(64, ge=1, description="Requests that may wait besides the one decoding; beyond it 429 with Retry-After.")
+    queue_size: int = Field(64, ge=1, description="Requests that may wait besides the ones decoding; beyond it 429 with Retry-After.")
+    max_batch: int = Field(4, ge=1, description="Requests decoded at once (continuous batching: their steps fused into one "
+                           "llama_decode per step, each keeping its own proposer and γ); the llama.cpp KV cache holds this many "
+                           "sequences of the context length each. 1 = one request at a time; the torch engine always runs 1.")
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none (capped at the context left).")
     max_prompt_tokens: int | None = Field(4096, ge=1, description="Longest prompt admitted, in tokens (chat: the templated "
                                           "messages); longer gets a 400 (prompt_too_long), and a prompt too long to fit "

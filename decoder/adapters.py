@@ -426,6 +426,11 @@ class AdapterManager(RegistryFollower):
                 self._loaded = [(v, m) for v, m in self._loaded if m != n]
 
     # ---- the switch (under the decoder's lock) -------------------------------------------
+    def wants_switch(self, dec, req=None) -> bool:
+        """Whether the hook would swap the adapter for ``req`` (its workload's route is not the
+        version serving now): a batched loop admits such a request only into an empty batch."""
+        return self.route(getattr(req, "workload", None)) != dec.adapter_version
+
     def _between_requests(self, dec, req=None) -> None:
         seq = self._boundaries
         self._boundaries += 1

@@ -208,6 +208,11 @@ class HeadManager(RegistryFollower):
                 del self._heads[v]
 
     # ---- the switch (decoder's lock held) ----------------------------------------------------
+    def wants_switch(self, dec, req=None) -> bool:
+        """Whether the hook would swap the head for ``req`` (a batched loop admits such a request
+        only into an empty batch)."""
+        return self.route(getattr(req, "workload", None)) != int(getattr(dec, "head_version", 0))
+
     def _between_requests(self, dec, req=None) -> None:
         seq = self._boundaries
         self._boundaries += 1

@@ -10,9 +10,16 @@
 
 :class:`ServingLoop` is what ``daemonctl serve`` (``daemon/serve.py``) puts behind HTTP, and what
 an in-process driver (the demo) calls directly: ``loop.generate(req)`` blocks for one request,
-``loop.submit(req, on_tokens=...)`` returns a :class:`Ticket` at once. Requests are decoded one at
-a time (batch 1: the decoder holds a lock per request); the queue is where a batched engine would
-take several at once.
+``loop.submit(req, on_tokens=...)`` returns a :class:`Ticket` at once.
+
+Batch 1 (``LoopConfig.max_batch = 1``, or an engine without ``Capabilities.batch``): requests are
+decoded one at a time (the decoder holds a lock per request). Continuous batching
+(``max_batch`` > 1 on an engine that holds that many sequences, the draft's engine too if it has
+one): up to ``max_batch`` requests decode together, each on its own thread with its own proposer,
+γ, stop strings, seed, streaming, cancellation and record, their forwards fused into one per
+engine and step (:mod:`decoder.batching`); waiting requests are admitted and finished ones
+retired at step boundaries. A request whose workload would swap the adapter or head joins only an
+empty batch (the batch drains first; the requests behind it wait with it, in order).
 
 Per-step streaming and cancellation need the decoder's step hook:
 ``SpeculativeDecoder.generate(req, policy, on_step=fn)``, ``fn(new_ids) -> bool | None`` called
@@ -42,8 +49,10 @@ from typing import Any
 
 import structlog
 
+from decoder.batching import StepScheduler
 from decoder.control import (HEAD, AcceptanceTracker, ControllerConfig, GoodputController, RollbackMonitor, key_of,
                              key_str)
+from decoder.engines.base import supports
 from decoder.proposers.registry import DEFAULT_PROPOSER
 from decoder.speculative import DecodeRequest, DecodeResult, FixedGamma, GammaPolicy
 
@@ -82,14 +91,21 @@ class LoopConfig:
         step, so a seed reproduces a completion only under the same γ schedule; the goodput
         controller's γ changes as it learns, so such requests get this fixed γ instead (their
         steps still feed the controller's estimates).
+    max_batch: requests decoded at once (continuous batching, module docstring); 1 = one at a
+        time. Above 1 only on an engine that declares ``Capabilities.batch`` with at least this
+        many sequences (and the same of the draft's engine, if any); otherwise batch 1, and
+        :meth:`ServingLoop.status` says why.
     """
 
     queue_size: int = 64
     check_plain_every: int = 0
     rollback_per_workload: bool = True
     seeded_gamma: int = 4
+    max_batch: int = 1
 
     def __post_init__(self):
+        if not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"max_batch={self.max_batch!r}: must be an int >= 1 (1 = one request at a time)")
         if self.queue_size < 1:
             raise ValueError(f"queue_size={self.queue_size}: must be >= 1")
         if self.seeded_gamma < 0:
@@ -214,6 +230,8 @@ class ServingLoop:
         self._q: queue.Queue[Ticket | None] = queue.Queue(maxsize=self.config.queue_size)
         self._cv = threading.Condition()
         self._active: Ticket | None = None
+        self._running: list[Ticket] = []  # decoding in the batch (continuous batching)
+        self.batching, self.batch_why = self._batch_plan()
         self._draining = False
         self._thread: threading.Thread | None = None
         self._greedy_seen = itertools.count(1)
@@ -230,7 +248,8 @@ class ServingLoop:
                 self.heads.start()
             if self.tracker is not None:
                 self.tracker.start()
-            self._thread = threading.Thread(target=self._run, name="draftd-serving", daemon=True)
+            self._thread = threading.Thread(target=self._run_batched if self.batching is not None else self._run,
+                                            name="draftd-serving", daemon=True)
             self._thread.start()
         return self
 
@@ -250,7 +269,8 @@ class ServingLoop:
         step). Returns True when everything finished within the grace period."""
         with self._cv:
             self._draining = True
-            done = self._cv.wait_for(lambda: self._q.empty() and self._active is None, timeout=max(0.0, grace_s))
+            done = self._cv.wait_for(lambda: self._q.empty() and self._active is None and not self._running,
+                                     timeout=max(0.0, grace_s))
         if not done:
             log.warning("drain_grace_exceeded", grace_s=grace_s, queued=self._q.qsize())
             self._cancel_all()
@@ -277,6 +297,8 @@ class ServingLoop:
         with self._cv:
             if self._active is not None:
                 self._active.cancel()
+            for t in list(self._running):
+                t.cancel()
             for t in list(self._q.queue):
                 if t is not None:
                     t.cancel()
@@ -319,7 +341,31 @@ class ServingLoop:
 
     @property
     def busy(self) -> bool:
-        return self._active is not None
+        return self._active is not None or bool(self._running)
+
+    @property
+    def running(self) -> int:
+        """Requests decoding now (at most ``config.max_batch``)."""
+        return len(self._running) + (self._active is not None)
+
+    def _batch_plan(self) -> tuple[StepScheduler | None, str]:
+        """The step scheduler when requests can be batched, and why (or why not)."""
+        mb = self.config.max_batch
+        if mb <= 1:
+            return None, "max_batch = 1: one request at a time"
+        dec = self.decoder
+        if not self.streams_steps or not hasattr(dec, "generate_batched"):
+            return None, "the decoder has no per-step hook: one request at a time"
+        engines = [("the target's", getattr(dec, "engine", None))]
+        if getattr(dec, "draft_engine", None) is not None:
+            engines.append(("the draft model's", dec.draft_engine))
+        for role, eng in engines:
+            if not supports(eng, "batch"):
+                return None, f"{role} engine ({getattr(eng, 'name', None)}) decodes one sequence at a time"
+            n = getattr(eng.capabilities, "max_sequences", 1)
+            if n < mb:
+                return None, f"{role} engine holds {n} sequences, fewer than max_batch = {mb}"
+        return StepScheduler(self.clock), f"continuous batching of up to {mb} requests"
 
     # ---- the worker --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -339,6 +385,78 @@ class ServingLoop:
                 with self._cv:
                     self._active = None
                     self._cv.notify_all()
+
+    def _run_batched(self) -> None:
+        """The driver of continuous batching: at every step boundary (no member running), admit
+        waiting requests up to ``max_batch`` (running the decoder's between-request hooks for
+        each; the decoder's lock is held while the batch is not empty), then fire the waiting
+        forwards."""
+        sched, dec, cap = self.batching, self.decoder, self.config.max_batch
+        held: list[Ticket] = []  # taken from the queue, waiting for an empty batch (an adapter/head swap)
+        stopping = locked = False
+        while True:
+            sched.wait_boundary()
+            n = len(sched.members)
+            if n == 0 and locked:
+                dec._lock.release()  # idle: the managers' idle swaps may run
+                locked = False
+            admitted = 0
+            while n < cap:
+                if held:
+                    t = held.pop(0)
+                elif stopping:
+                    break
+                else:
+                    try:
+                        t = self._q.get() if n == 0 and not sched.pending else self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if t is None:
+                        stopping = True
+                        continue
+                if t.cancelled:
+                    self._serve(t)  # resolves it as cancelled while queued
+                    continue
+                if n and dec.wants_switch(t.request):
+                    held.insert(0, t)  # joins once the batch has drained
+                    break
+                if not locked:
+                    dec._lock.acquire()
+                    locked = True
+                try:
+                    for hook in dec.between_requests:
+                        hook(dec, t.request)
+                except Exception as e:  # noqa: BLE001 - as batch 1: the request fails with it
+                    with self._cv:
+                        self._n["failed"] += 1
+                    t.finished_at = self.clock()
+                    t.future.set_exception(e)
+                    continue
+                with self._cv:
+                    self._running.append(t)
+                sched.spawn(lambda t=t: self._member(t), t.request.request_id, t)
+                n += 1
+                admitted += 1
+            if admitted:
+                continue  # the new members run up to their first forward, then this step fires
+            if sched.pending:
+                sched.fire()
+            elif n == 0 and stopping and not held:
+                if locked:
+                    dec._lock.release()
+                return
+
+    def _member(self, t: Ticket) -> None:
+        try:
+            self._serve(t, batched=True)
+        except BaseException as e:  # noqa: BLE001 - a member must always leave the batch
+            log.exception("serving_failed", request_id=t.request.request_id)
+            if not t.future.done():
+                t.future.set_exception(e)
+        finally:
+            with self._cv:
+                self._running.remove(t)
+                self._cv.notify_all()
 
     def _policy(self, t: Ticket) -> GammaPolicy:
         if t.policy is not None:
@@ -370,7 +488,7 @@ class ServingLoop:
                     log.exception("on_tokens_failed", request_id=t.request.request_id)
         return not t.cancelled
 
-    def _serve(self, t: Ticket) -> None:
+    def _serve(self, t: Ticket, batched: bool = False) -> None:
         req = t.request
         if t.cancelled:
             with self._cv:
@@ -385,7 +503,7 @@ class ServingLoop:
             # before: the n-gram proposer looks up this request's own tokens only
             req = dataclasses.replace(req, ngram_history=False)
         try:
-            res = self.decoder.generate(req, policy, **kw)
+            res = (self.decoder.generate_batched if batched else self.decoder.generate)(req, policy, **kw)
         except Exception as e:  # noqa: BLE001 - the submitter gets it (ValueError: context, vocab)
             with self._cv:
                 self._n["failed"] += 1
@@ -398,7 +516,7 @@ class ServingLoop:
         every = self.config.check_plain_every
         if every and req.params.greedy and res.finish_reason != "cancelled" and next(self._greedy_seen) % every == 0:
             try:
-                self.decoder.check_against_plain(req, res)
+                self.decoder.check_against_plain(req, res, **({"batched": True} if batched else {}))
             except Exception:  # noqa: BLE001 - a failed check leaves matches_plain None
                 log.exception("check_against_plain_failed", request_id=req.request_id)
         t.finished_at = self.clock()
@@ -448,7 +566,8 @@ class ServingLoop:
             n = dict(self._n)
             by_w = dict(self._by_workload)
             versions = dict(self._workload_versions)
-            active = self._active is not None
+            active = self._active is not None or bool(self._running)
+            running = len(self._running) + (self._active is not None)
         st: dict[str, Any] = {
             "requests_served": n.get("served", 0),
             "requests_failed": n.get("failed", 0),
@@ -462,6 +581,9 @@ class ServingLoop:
             "queue_depth": self.queue_depth,
             "queue_size": self.config.queue_size,
             "decoding": active,
+            # continuous batching: the cap, how many decode now, why (not), and the fused forwards
+            "batch": {"max_batch": self.config.max_batch if self.batching is not None else 1, "running": running,
+                      "why": self.batch_why, **(self.batching.status() if self.batching is not None else {})},
             "draining": self._draining,
             "streams_steps": self.streams_steps,
             "speculation": self.speculation(),

@@ -27,7 +27,7 @@ import numpy as np
 import structlog
 import torch
 
-from decoder.engines.base import Engine
+from decoder.engines.base import Engine, forward_router, sequence_scope
 from decoder.engines.torch_engine import TorchEngine
 from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_linear
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
@@ -412,7 +412,7 @@ class SpeculativeDecoder:
             off[self._draft_vocab_ids.cpu()] = False
             self._draft_vocab_off = off  # (V_p,) True outside the restricted vocabulary
         self.ngram_min_n = self.config.ngram_min_n or (1 if torch_target else min(2, self.config.ngram_max_n))
-        self.streamed_logprobs: list[TokenLogprob] = []  # the running request's (DecodeRequest.logprobs)
+        self._per_thread = threading.local()  # the running request's state (several run at once when batched)
         self.ngram_history = NgramHistory(self.config.ngram_max_n, self.ngram_min_n,
                                           self.config.ngram_history_tokens)
         # what a step costs by verified rows (steps that ran no draft model), and the n-gram
@@ -517,6 +517,19 @@ class SpeculativeDecoder:
         if self.ngram_gate is None or not req.ngram_history or seeded_sampling(req.params):
             return None
         return NgramShadow(self.ngram_history, req.workload, self.ngram_gate, self.vocab_p)
+
+    @property
+    def streamed_logprobs(self) -> list[TokenLogprob]:
+        """The running request's :class:`~decoder.sampling.TokenLogprob` (``DecodeRequest.logprobs``),
+        per thread: requests decoded in one batch each run on a thread of their own."""
+        lp = getattr(self._per_thread, "logprobs", None)
+        if lp is None:
+            lp = self._per_thread.logprobs = []
+        return lp
+
+    @streamed_logprobs.setter
+    def streamed_logprobs(self, value: list[TokenLogprob]) -> None:
+        self._per_thread.logprobs = value
 
     @property
     def proposer(self) -> torch.nn.Module:
@@ -626,6 +639,26 @@ class SpeculativeDecoder:
                 hook(self, req)
             return self._generate(req, policy, on_step)
 
+    def generate_batched(self, req: DecodeRequest, policy: GammaPolicy | None = None,
+                         on_step: Callable[[list[int]], bool | None] | None = None) -> DecodeResult:
+        """:meth:`generate` for a request decoded beside others (continuous batching,
+        :mod:`decoder.batching`): on a member thread of a step scheduler, whose driver holds the
+        decoder's lock and has run the ``between_requests`` hooks for ``req``; its target (and
+        draft) forwards are fused with its batch mates'. Same output, records and hooks as
+        :meth:`generate`."""
+        return self._generate(req, policy, on_step)
+
+    def wants_switch(self, req: DecodeRequest) -> bool:
+        """Whether the ``between_requests`` hooks would change what serves ``req`` (an adapter or
+        head swap) from what serves now; True for a hook that cannot say (then ``req`` may join a
+        batch only when it is empty)."""
+        for hook in self.between_requests:
+            owner = getattr(hook, "__self__", None)
+            ask = getattr(owner, "wants_switch", None)
+            if ask is None or ask(self, req):
+                return True
+        return False
+
     def run_between_requests(self) -> None:
         """Run the between-request hooks now, with no request (e.g. apply a prepared swap of the
         shared adapter while idle)."""
@@ -633,8 +666,12 @@ class SpeculativeDecoder:
             for hook in self.between_requests:
                 hook(self, None)
 
-    @torch.inference_mode()
     def _generate(self, req: DecodeRequest, policy: GammaPolicy | None, on_step=None) -> DecodeResult:
+        with sequence_scope():  # the engine sequences this request starts are released at its end
+            return self._generate_one(req, policy, on_step)
+
+    @torch.inference_mode()
+    def _generate_one(self, req: DecodeRequest, policy: GammaPolicy | None, on_step=None) -> DecodeResult:
         if policy is None:
             policy = FixedGamma(4 if req.gamma is None else req.gamma)
         params = req.params
@@ -750,7 +787,9 @@ class SpeculativeDecoder:
             # a proposal after the cut was never used: the accepted prefix counts up to the cut only
             st = StepStats(g, min(v.num_accepted, len(block)), len(block), v.rejected_at, a_sum, draft_ms, verify_ms,
                            asked)
-            if g == 0 or proposer_spec(name).model_free:  # what a step of g + 1 rows costs with no model in it
+            # what a step of g + 1 rows costs with no model in it (a step fused with batch mates'
+            # rows measures theirs too: not counted)
+            if (g == 0 or proposer_spec(name).model_free) and not _shared_step():
                 self.step_cost.add(g + 1, (clock() - td) * 1e3)
             policy.update(st)
             steps.append(st)
@@ -891,12 +930,14 @@ class SpeculativeDecoder:
         except Exception:  # noqa: BLE001 - the buffer must never fail a request
             pass
 
-    def check_against_plain(self, req: DecodeRequest, result: DecodeResult) -> DecodeResult:
+    def check_against_plain(self, req: DecodeRequest, result: DecodeResult, batched: bool = False) -> DecodeResult:
         """Fill ``matches_plain`` / ``first_diff_index`` by decoding the same request plainly
-        (γ = 0, greedy only: sampled outputs are equal in distribution, not token by token)."""
+        (γ = 0, greedy only: sampled outputs are equal in distribution, not token by token);
+        ``batched``: from a batch member's thread (:meth:`generate_batched`)."""
         if not req.params.greedy:
             return result
-        plain = self.generate(_replace(req, gamma=0), FixedGamma(0))
+        run = self.generate_batched if batched else self.generate
+        plain = run(_replace(req, gamma=0), FixedGamma(0))
         a, b = result.output_ids, plain.output_ids
         diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if diff is None and len(a) != len(b):
@@ -910,6 +951,12 @@ def _replace(req: DecodeRequest, **kw) -> DecodeRequest:
     from dataclasses import replace
 
     return replace(req, **kw)
+
+
+def _shared_step() -> bool:
+    """Whether this thread's last forward was fused with other requests' (continuous batching)."""
+    router = forward_router()
+    return router is not None and router.last_batch_size() > 1
 
 
 class _PrefillCancelled(Exception):

@@ -7,12 +7,20 @@ position beyond n*. Speculative sampling, acceptance accounting and the records 
 decoder (:mod:`decoder.speculative`); only the forward passes move. What else an engine can do
 (hidden states, LoRA adapters, batches, ...) it declares in :class:`Capabilities`.
 
-One sequence per engine at a time: the decoder serves requests one at a time under its lock,
-and :meth:`Engine.start` begins a request with an empty cache.
+One sequence per engine at a time unless the engine declares ``Capabilities.batch``: the decoder
+serves requests one at a time under its lock, and :meth:`Engine.start` begins a request with an
+empty cache. A batched engine (``batch=True``, ``max_sequences`` > 1) holds up to
+``max_sequences`` sequences at once, each :meth:`Engine.start` taking a free one, and runs the rows
+of several sequences in one forward (``forward_batch``); a sequence a request no longer needs is
+given back with ``release()`` (:func:`sequence_scope` releases those a request started), and a
+forward on a thread that a step scheduler drives (:func:`route_forwards`) is queued there and run
+in the next batched forward (:mod:`decoder.batching`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,9 +35,10 @@ class Capabilities:
 
     hidden_states: bool  # forward(..., hidden=True) returns the final hidden states (keep, H)
     lora: bool  # GGUF LoRA adapters set per context (load_lora / set_lora / loras / lora)
-    batch: bool  # several sequences at once (no engine yet: one sequence per engine)
+    batch: bool  # several sequences at once (forward_batch; llama.cpp built with n_seq > 1)
     torch_module: bool  # its forwards run the decoder's own torch target (the decoder's kernels apply)
     own_threads: bool  # computes on its own thread pool (torch's intra-op threads held at 1 meanwhile)
+    max_sequences: int = 1  # sequences it holds at once (> 1 only with batch)
 
 
 class Sequence(Protocol):
@@ -59,6 +68,51 @@ class Engine(Protocol):
 
     def describe(self) -> dict:
         """What runs, for records and status: engine, model, threads, dtype."""
+
+
+_local = threading.local()  # per thread: the sequences a request started, and its forward router
+
+
+def track(seq) -> None:
+    """Called by an engine's ``start()``: ``seq`` is released when the enclosing
+    :func:`sequence_scope` on this thread ends (nothing without one)."""
+    seqs = getattr(_local, "seqs", None)
+    if seqs is not None:
+        seqs.append(seq)
+
+
+@contextlib.contextmanager
+def sequence_scope():
+    """Every sequence an engine starts on this thread inside the block is released at its end
+    (a request's target sequence and its draft's: their slots in a batched engine are free again)."""
+    prev = getattr(_local, "seqs", None)
+    _local.seqs = []
+    try:
+        yield
+    finally:
+        seqs, _local.seqs = _local.seqs, prev
+        for s in seqs:
+            release = getattr(s, "release", None)
+            if release is not None:
+                release()
+
+
+@contextlib.contextmanager
+def route_forwards(router):
+    """Inside the block, a batched engine's ``Sequence.forward`` on this thread calls
+    ``router.call(engine, seq, tokens, keep, hidden)`` instead of decoding at once (the step
+    scheduler of :mod:`decoder.batching` fuses the calls of several requests into one forward)."""
+    prev = getattr(_local, "router", None)
+    _local.router = router
+    try:
+        yield
+    finally:
+        _local.router = prev
+
+
+def forward_router():
+    """The router :func:`route_forwards` set on this thread, or None."""
+    return getattr(_local, "router", None)
 
 
 def supports(engine, capability: str) -> bool:

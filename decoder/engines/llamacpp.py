@@ -11,13 +11,14 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
 import structlog
 import torch
 
-from decoder.engines.base import Capabilities, EngineError
+from decoder.engines.base import Capabilities, EngineError, forward_router, track
 from decoder.engines.llamacpp_lib import bindings, llama_call, llama_extra_buffers
 from decoder.models.gguf_export import SPLIT_ID_KEY, SPLIT_KEY
 
@@ -25,22 +26,35 @@ log = structlog.get_logger("decoder.engines.llamacpp")
 
 
 class LlamaCppSequence:
-    """A request's slot (sequence 0) in a :class:`LlamaCppEngine`'s context."""
+    """A request's slot (llama.cpp sequence ``seq_id``) in a :class:`LlamaCppEngine`'s context."""
 
-    def __init__(self, engine: "LlamaCppEngine"):
+    def __init__(self, engine: "LlamaCppEngine", seq_id: int = 0):
         self.engine = engine
+        self.seq_id = seq_id
         self.length = 0
+        self.released = False
+        self._free_slot = None  # set by a multi-sequence engine's start()
 
     def forward(self, tokens: list[int], keep: int, hidden: bool = False):
+        router = forward_router() if self.engine.n_seq > 1 else None
+        if router is not None:  # a step scheduler fuses this with other requests' rows
+            return router.call(self.engine, self, tokens, keep, hidden)
         return self.engine._decode(self, tokens, keep, hidden)
 
     def truncate(self, length: int) -> None:
         if self.length > length:
             e = self.engine
             e._check_open()
-            if not e.L.llama_memory_seq_rm(e.mem, 0, length, -1):
+            if not e.L.llama_memory_seq_rm(e.mem, self.seq_id, length, -1):
                 raise EngineError(f"llama.cpp could not drop positions >= {length} of the sequence")
             self.length = length
+
+    def release(self) -> None:
+        """Give the slot back (idempotent); its cells are cleared when the slot is next started."""
+        if not self.released:
+            self.released = True
+            if self._free_slot is not None:
+                self._free_slot()  # a weakref.finalize: runs once, then never again at garbage collection
 
 
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml.h's enum ggml_type (llama_cpp exports no BF16 name)
@@ -71,18 +85,31 @@ class LlamaCppEngine:
             merged, a different summation order than the block's, so near-ties could flip and a
             served greedy output differ from plain decoding; with V in another type than K that
             one-row path is not taken. ``"f16"`` is llama.cpp's (and the bench peer's) default.
+        n_seq: sequences held at once (llama.cpp's ``n_seq_max``; serve's ``serve.max_batch``).
+            1 (default): one sequence, :meth:`start` clears the cache, as before. > 1: the KV
+            cache holds ``n_seq`` streams of ``n_ctx`` tokens each (``kv_unified`` off, so a
+            sequence's cells stay in position order as when decoded alone, whatever its batch
+            mates did), :meth:`start` takes a free one, and :meth:`forward_batch` decodes the
+            rows of several in one ``llama_decode``. Needs ``flash_attn``.
 
     Raises:
         EngineError: llama-cpp-python missing, or the file does not load.
-        ValueError: ``v_cache`` not one of :data:`KV_CACHE_TYPES`.
+        ValueError: ``v_cache`` not one of :data:`KV_CACHE_TYPES`, or ``n_seq`` < 1, or
+            ``n_seq`` > 1 without ``flash_attn``.
     """
 
     name = "llamacpp"
 
     def __init__(self, path: str | Path, n_ctx: int | None = None, threads: int | None = None,
-                 n_batch: int = 512, embeddings: bool = False, flash_attn: bool = True, v_cache: str = "bf16"):
+                 n_batch: int = 512, embeddings: bool = False, flash_attn: bool = True, v_cache: str = "bf16",
+                 n_seq: int = 1):
         if v_cache not in KV_CACHE_TYPES:
             raise ValueError(f"v_cache={v_cache!r}: use one of {sorted(KV_CACHE_TYPES)}")
+        if int(n_seq) < 1:
+            raise ValueError(f"n_seq={n_seq!r}: must be >= 1")
+        if n_seq > 1 and not flash_attn:
+            raise ValueError("n_seq > 1 needs flash_attn=True (a started sequence's cells are not zeroed without it)")
+        self.n_seq = int(n_seq)
         L = self.L = bindings()
         self.path = Path(path)
         if not self.path.is_file():
@@ -100,9 +127,10 @@ class LlamaCppEngine:
         self.embeddings = bool(embeddings)
         self._emb_on = self.embeddings  # hidden-state extraction on the context now (llama_set_embeddings)
         cp = L.llama_context_default_params()
-        cp.n_ctx = self.context_length
+        cp.n_ctx = self.context_length * self.n_seq  # n_ctx per sequence = n_ctx / n_seq_max (not unified)
         cp.n_batch = cp.n_ubatch = self.n_batch
-        cp.n_seq_max = 1
+        cp.n_seq_max = self.n_seq
+        cp.kv_unified = False
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.embeddings = self.embeddings
         cp.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token hidden states
@@ -125,6 +153,8 @@ class LlamaCppEngine:
         self.lora: str | None = None  # the adapter key now set on the context
         self._closed = False
         self._busy = threading.Lock()  # held by a decode; close() waits for it
+        self._free = list(range(self.n_seq))  # free sequence ids (n_seq > 1)
+        self._slots = threading.RLock()  # RLock: a sequence's finalizer may run inside start() (GC)
         self._offset_lora = None  # a split Q4_1 file's offset adapter, under every forward
         self.offset_lora: Path | None = None
         split = self._meta_str(SPLIT_KEY)
@@ -167,12 +197,46 @@ class LlamaCppEngine:
             raise EngineError(f"the llama.cpp engine for {self.path.name} is closed")
 
     def start(self) -> LlamaCppSequence:
+        """A new sequence with an empty cache. n_seq = 1: the one sequence (any earlier one is
+        invalid). n_seq > 1: the lowest free sequence id, cleared.
+
+        Raises:
+            EngineError: closed, or (n_seq > 1) all ``n_seq`` sequences in use.
+        """
         self._check_open()
-        # Metadata only with flash attention (zeroing the buffers cost 19 ms a request at 8192 tokens;
-        # masked cells never reach its softmax); without it a stale cell holding inf/NaN (an f16
-        # overflow) turned a later request's logits to NaN (QA), so the buffers are zeroed there.
-        self.L.llama_memory_clear(self.mem, not self.flash_attn)
-        return LlamaCppSequence(self)
+        if self.n_seq == 1:
+            # Metadata only with flash attention (zeroing the buffers cost 19 ms a request at 8192 tokens;
+            # masked cells never reach its softmax); without it a stale cell holding inf/NaN (an f16
+            # overflow) turned a later request's logits to NaN (QA), so the buffers are zeroed there.
+            self.L.llama_memory_clear(self.mem, not self.flash_attn)
+            seq = LlamaCppSequence(self, 0)
+            track(seq)
+            return seq
+        with self._slots:
+            if not self._free:
+                raise EngineError(f"all {self.n_seq} sequences of the llama.cpp context are in use: release one "
+                                  f"(LlamaCppSequence.release) or build the engine with a larger n_seq")
+            self._free.sort()
+            sid = self._free.pop(0)
+        with self._busy:
+            self._check_open()
+            self.L.llama_memory_seq_rm(self.mem, sid, -1, -1)  # flash attention: masked cells never reach the softmax
+        seq = LlamaCppSequence(self, sid)
+        seq._free_slot = weakref.finalize(seq, self._release, sid)  # dropped without release(): freed at GC
+        track(seq)
+        return seq
+
+    def _release(self, seq_id: int) -> None:
+        if self._closed:
+            return
+        with self._slots:
+            if seq_id not in self._free and self.n_seq > 1:
+                self._free.append(seq_id)
+
+    @property
+    def free_sequences(self) -> int:
+        """Sequences :meth:`start` can still hand out (n_seq > 1; 1 for a one-sequence engine)."""
+        return len(self._free) if self.n_seq > 1 else 1
 
     def _decode(self, seq: LlamaCppSequence, tokens: list[int], keep: int, hidden: bool):
         with self._busy:  # a close() from another thread waits for this decode instead of freeing under it
@@ -181,6 +245,8 @@ class LlamaCppEngine:
     def _decode_locked(self, seq: LlamaCppSequence, tokens: list[int], keep: int, hidden: bool):
         self._check_open()
         L, n = self.L, len(tokens)
+        if seq.released:
+            raise EngineError(f"sequence {seq.seq_id} was released: start() a new one")
         if n < 1 or not 1 <= keep <= n:
             raise ValueError(f"forward: need 1 <= keep={keep} <= len(tokens)={n}")
         if seq.length + n > self.context_length:
@@ -206,7 +272,7 @@ class LlamaCppEngine:
                 b.token[i] = int(t)
                 b.pos[i] = seq.length + i
                 b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
+                b.seq_id[i][0] = seq.seq_id
                 out = c0 + i >= first_out
                 b.logits[i] = 1 if out else 0
                 outs += out
@@ -233,6 +299,94 @@ class LlamaCppEngine:
         if hidden:
             return logits, torch.from_numpy(np.concatenate(hs))
         return logits
+
+    def forward_batch(self, items: list[tuple[LlamaCppSequence, list[int], int]], hidden: bool = False) -> list:
+        """Several sequences' rows in as few ``llama_decode`` calls as fit: each item
+        ``(seq, tokens, keep)`` appends ``tokens`` (n >= 1) to its own sequence (each sequence at
+        most once per call) and gets back what :meth:`LlamaCppSequence.forward` would return for
+        it, logits (keep, V) float32 (with ``hidden``: (logits, hidden (keep, H))), in the order of
+        ``items``. Items are laid out by sequence id and packed into decodes of at most
+        ``n_batch`` tokens; an item longer than ``n_batch`` is decoded alone, in chunks.
+
+        Raises:
+            ValueError: a ``keep`` out of 1..n, or a sequence twice.
+            EngineError: a sequence not of this engine or released, past the context, hidden
+                states without ``embeddings``, or a failing ``llama_decode``.
+        """
+        with self._busy:
+            return self._forward_batch_locked(items, hidden)
+
+    def _forward_batch_locked(self, items, hidden: bool) -> list:
+        self._check_open()
+        L = self.L
+        seen = set()
+        for seq, tokens, keep in items:
+            n = len(tokens)
+            if seq.engine is not self or seq.released:
+                raise EngineError(f"forward_batch: sequence {seq.seq_id} is not a live sequence of this engine")
+            if seq.seq_id in seen:
+                raise ValueError(f"forward_batch: sequence {seq.seq_id} appears twice")
+            seen.add(seq.seq_id)
+            if n < 1 or not 1 <= keep <= n:
+                raise ValueError(f"forward_batch: need 1 <= keep={keep} <= len(tokens)={n}")
+            if seq.length + n > self.context_length:
+                raise EngineError(f"{seq.length + n} tokens exceed the llama.cpp context of {self.context_length} "
+                                  f"per sequence: shorten the request")
+        if hidden and not self.embeddings:
+            raise EngineError("hidden states need LlamaCppEngine(embeddings=True)")
+        if self.embeddings and hidden != self._emb_on:
+            L.llama_set_embeddings(self.ctx, hidden)
+            self._emb_on = hidden
+        out: list = [None] * len(items)
+        order = sorted(range(len(items)), key=lambda j: items[j][0].seq_id)  # consecutive ids share a ubatch
+        groups: list[list[int]] = []
+        size = 0
+        for j in order:
+            n = len(items[j][1])
+            if n > self.n_batch:  # alone, chunked as a single forward is
+                seq, tokens, keep = items[j]
+                out[j] = self._decode_locked(seq, tokens, keep, hidden)
+                continue
+            if not groups or size + n > self.n_batch:
+                groups.append([])
+                size = 0
+            groups[-1].append(j)
+            size += n
+        b = self._batch
+        for g in groups:
+            i = 0
+            outs: list[tuple[int, list[int]]] = []
+            for j in g:
+                seq, tokens, keep = items[j]
+                rows = []
+                for k, t in enumerate(tokens):
+                    b.token[i] = int(t)
+                    b.pos[i] = seq.length + k
+                    b.n_seq_id[i] = 1
+                    b.seq_id[i][0] = seq.seq_id
+                    wanted = k >= len(tokens) - keep
+                    b.logits[i] = 1 if wanted else 0
+                    if wanted:
+                        rows.append(i)
+                    i += 1
+                outs.append((j, rows))
+            b.n_tokens = i
+            rc = llama_call(L.llama_decode, self.ctx, b)
+            if rc != 0:
+                raise EngineError(f"llama_decode returned {rc} (1: no KV slot; <0: error) for a batch of "
+                                  f"{len(g)} sequences, {i} tokens")
+            for j, rows in outs:
+                seq, tokens, keep = items[j]
+                seq.length += len(tokens)
+                logits = torch.from_numpy(np.stack([self._row(L.llama_get_logits_ith(self.ctx, r), self.vocab_size, r)
+                                                    for r in rows]))
+                if hidden:
+                    hid = torch.from_numpy(np.stack([self._row(L.llama_get_embeddings_ith(self.ctx, r),
+                                                               self.hidden_size, r) for r in rows]))
+                    out[j] = (logits, hid)
+                else:
+                    out[j] = logits
+        return out
 
     @staticmethod
     def _row(ptr, width: int, i: int) -> np.ndarray:
@@ -286,8 +440,8 @@ class LlamaCppEngine:
     def capabilities(self) -> Capabilities:
         """Hidden states only when built with ``embeddings=True``; LoRA per context; computes on
         llama.cpp's own thread pool."""
-        return Capabilities(hidden_states=self.embeddings, lora=True, batch=False, torch_module=False,
-                            own_threads=True)
+        return Capabilities(hidden_states=self.embeddings, lora=True, batch=self.n_seq > 1, torch_module=False,
+                            own_threads=True, max_sequences=self.n_seq)
 
     @property
     def loras(self) -> list[str]:
@@ -295,7 +449,7 @@ class LlamaCppEngine:
 
     def describe(self) -> dict:
         return {"engine": self.name, "model": self.path.name, "device": "cpu", "threads": self.threads,
-                "n_ctx": self.context_length, "v_cache": self.v_cache, "lora": self.lora,
+                "n_ctx": self.context_length, "n_seq": self.n_seq, "v_cache": self.v_cache, "lora": self.lora,
                 "extra_buffer_types": self.extra_bufts}
 
     def close(self) -> None:

@@ -73,14 +73,16 @@ def target_gguf(target: str) -> Path | None:
 
 def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "layers:0-3",
                   threads: int | None = None, embeddings: bool = False, target_format: str = "packaged",
-                  proposers: Sequence[str] | None = None, progress=None) -> EngineChoice:
+                  proposers: Sequence[str] | None = None, progress=None, n_seq: int = 1) -> EngineChoice:
     """Resolve ``models.engine`` for a target.
 
     ``auto``: llama.cpp when the target is a GGUF (a built-in name or a ``.gguf`` path), the
     device is the CPU and llama-cpp-python imports; torch otherwise. ``llamacpp`` insists (and
     raises where it cannot); ``torch`` never builds a llama.cpp context. On llama.cpp a derived
     draft (``layers:<spec>``) runs there too, from a GGUF of those blocks
-    (:func:`decoder.models.gguf_export.derived_draft_gguf`, written once and cached).
+    (:func:`decoder.models.gguf_export.derived_draft_gguf`, written once and cached). ``n_seq``:
+    sequences each llama.cpp engine holds at once (``LlamaCppEngine(n_seq=...)``, serve's
+    ``serve.max_batch``); a torch choice ignores it.
 
     ``target_format`` (``models.format``) picks the weight format a built-in target is served in on
     llama.cpp (:func:`decoder.models.formats.resolve_format`): ``"packaged"`` (this function's
@@ -116,16 +118,16 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
             served = resolve_format(target_format, target, threads, draft, proposers, progress=progress)
         except ValueError as e:  # the setting's value: the message names it and the valid ones
             raise EngineError(str(e)) from e
-    tgt = LlamaCppEngine(served.path if served is not None else gguf, threads=threads, embeddings=embeddings)
+    tgt = LlamaCppEngine(served.path if served is not None else gguf, threads=threads, embeddings=embeddings, n_seq=n_seq)
     dr = None
     if draft.startswith("layers:"):
         from decoder.models.gguf_export import derived_draft_gguf
         from decoder.models.loading import parse_layers
 
         layers = parse_layers(draft.split(":", 1)[1], _block_count(tgt))
-        dr = LlamaCppEngine(derived_draft_gguf(gguf, layers), n_ctx=tgt.context_length, threads=threads)
+        dr = LlamaCppEngine(derived_draft_gguf(gguf, layers), n_ctx=tgt.context_length, threads=threads, n_seq=n_seq)
     elif draft == "self":  # its own context: one sequence per context
-        dr = LlamaCppEngine(tgt.path, n_ctx=tgt.context_length, threads=threads)
+        dr = LlamaCppEngine(tgt.path, n_ctx=tgt.context_length, threads=threads, n_seq=n_seq)
     reason = ("asked for (models.engine=llamacpp)" if choice == "llamacpp"
               else f"auto: GGUF target {gguf.name} on CPU, llama-cpp-python installed")
     if served is not None and (served.setting != "packaged" or Path(served.path) != gguf):

@@ -1,0 +1,356 @@
+"""Continuous batching (issue 35 item 1): several sequences in one llama_decode, and the serving
+loop's step scheduler. Every batched row is compared with the same row decoded alone, and every
+request served in a batch with the same request served alone (greedy also with plain decoding)."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+
+from decoder.batching import StepScheduler
+from decoder.engines.base import Capabilities, EngineError, route_forwards, sequence_scope
+from decoder.engines.llamacpp_lib import llamacpp_available
+
+needs_llamacpp = pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")
+
+
+# ---- the step scheduler, on a fake engine (no model) -----------------------------------------
+class _Seq:
+    def __init__(self, engine, sid):
+        self.engine, self.seq_id, self.length = engine, sid, 0
+
+    def forward(self, tokens, keep, hidden=False):
+        from decoder.engines.base import forward_router
+
+        r = forward_router()
+        if r is not None:
+            return r.call(self.engine, self, tokens, keep, hidden)
+        return self.engine.forward_batch([(self, tokens, keep)], hidden)[0]
+
+
+class _FakeEngine:
+    """Row r of a forward is [seq_id, position]; a token -1 fails its forward."""
+
+    capabilities = Capabilities(False, False, True, False, True, max_sequences=8)
+
+    def __init__(self):
+        self.calls: list[list[int]] = []  # seq ids per forward_batch
+
+    def forward_batch(self, items, hidden=False):
+        self.calls.append([s.seq_id for s, _, _ in items])
+        if any(-1 in toks for _, toks, _ in items):
+            raise ValueError("token -1")
+        out = []
+        for s, toks, keep in items:
+            pos = torch.arange(s.length, s.length + len(toks))[-keep:]
+            out.append(torch.stack([torch.full_like(pos, s.seq_id), pos], 1))
+            s.length += len(toks)
+        return out
+
+
+def _drive(sched: StepScheduler):
+    while True:
+        sched.wait_boundary()
+        if sched.pending:
+            sched.fire()
+        elif not sched.members:
+            return
+
+
+def test_the_scheduler_fuses_every_waiting_forward_and_hands_each_member_its_rows():
+    eng = _FakeEngine()
+    sched = StepScheduler()
+    got: dict[int, list] = {}
+    order: list[int] = []
+
+    def member(sid, steps):
+        s = _Seq(eng, sid)
+        rows = []
+        for k in range(steps):
+            order.append(sid)
+            rows.append(s.forward([1] * (k + 1), k + 1).tolist())
+        got[sid] = rows
+
+    for sid, steps in ((0, 3), (1, 3), (2, 2)):
+        sched.spawn(lambda sid=sid, steps=steps: member(sid, steps), f"m{sid}")
+    _drive(sched)
+    # each member's k-th forward fed k + 1 tokens after its earlier ones: rows at their own positions
+    for sid, steps in ((0, 3), (1, 3), (2, 2)):
+        pos = 0
+        for k in range(steps):
+            assert got[sid][k] == [[sid, p] for p in range(pos, pos + k + 1)]
+            pos += k + 1
+    assert eng.calls == [[0, 1, 2], [0, 1, 2], [0, 1]]  # one fused forward per step
+    assert sched.status()["by_sequences"] == {"2": 1, "3": 2}
+    # members ran one at a time, in sequence order, each up to its next forward
+    assert order == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+def test_a_forward_that_fails_in_a_fused_call_fails_only_its_own_member():
+    eng = _FakeEngine()
+    sched = StepScheduler()
+    res: dict[int, object] = {}
+
+    def member(sid, tok):
+        try:
+            res[sid] = _Seq(eng, sid).forward([tok], 1).tolist()
+        except ValueError as e:
+            res[sid] = str(e)
+
+    for sid, tok in ((0, 5), (1, -1), (2, 5)):
+        sched.spawn(lambda sid=sid, tok=tok: member(sid, tok), f"m{sid}")
+    _drive(sched)
+    assert res == {0: [[0, 0]], 1: "token -1", 2: [[2, 0]]}
+
+
+def test_sequence_scope_releases_what_a_request_started():
+    released = []
+
+    class S:
+        def release(self):
+            released.append(self)
+
+    from decoder.engines.base import track
+
+    with sequence_scope():
+        a, b = S(), S()
+        track(a)
+        track(b)
+    assert released == [a, b]
+    track(S())  # outside a scope: nothing kept
+    assert len(released) == 2
+
+
+def test_a_loop_on_an_engine_without_batch_stays_at_batch_one():
+    from decoder.control import GoodputController
+    from decoder.loop import LoopConfig, ServingLoop
+
+    def generate(req, policy=None, on_step=None):
+        raise AssertionError("not called")
+
+    dec = types.SimpleNamespace(engine=types.SimpleNamespace(name="torch", capabilities=Capabilities(
+        False, False, False, True, False)), draft_engine=None, adapter_version=0, generate=generate,
+        generate_batched=generate)
+    loop = ServingLoop(dec, controller=GoodputController(), config=LoopConfig(max_batch=4))
+    assert loop.batching is None and "one sequence at a time" in loop.batch_why
+    with pytest.raises(ValueError, match="max_batch"):
+        LoopConfig(max_batch=0)
+
+
+# ---- the llama.cpp engine ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gguf():
+    from decoder.models.packaged import packaged_gguf
+
+    return packaged_gguf("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def real(gguf):
+    from decoder.models.loading import load_pair
+
+    return load_pair("smollm2-135m", "layers:0-3")
+
+
+def _ids(real, n: int) -> list[int]:
+    from decoder.workloads import prose_prompts
+
+    ids: list[int] = []
+    for p in prose_prompts(12, chars=2000):
+        ids += real.tokenizer(p.text)["input_ids"]
+    assert len(ids) >= n
+    return ids[:n]
+
+
+@needs_llamacpp
+def test_sequences_are_slots_started_released_and_checked(gguf):
+    from decoder.engines.llamacpp import LlamaCppEngine
+
+    e = LlamaCppEngine(gguf, n_ctx=256, threads=2, n_seq=2)
+    try:
+        assert e.capabilities.batch and e.capabilities.max_sequences == 2
+        a, b = e.start(), e.start()
+        assert (a.seq_id, b.seq_id) == (0, 1) and e.free_sequences == 0
+        with pytest.raises(EngineError, match="all 2 sequences"):
+            e.start()
+        with pytest.raises(ValueError, match="twice"):
+            e.forward_batch([(a, [1], 1), (a, [2], 1)])
+        fresh = e.forward_batch([(a, [1, 2, 3], 1)])[0]
+        a.forward([4, 5], 2)
+        a.release()
+        with pytest.raises(EngineError, match="released"):
+            a.forward([1], 1)
+        c = e.start()  # the released slot, cleared
+        assert c.seq_id == 0 and c.length == 0
+        assert torch.equal(c.forward([1, 2, 3], 1), fresh)
+        with pytest.raises(ValueError, match="flash_attn"):
+            LlamaCppEngine(gguf, n_seq=2, flash_attn=False)
+    finally:
+        e.close()
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_a_batched_row_equals_the_same_row_decoded_alone_at_every_cache_length(gguf, real):
+    """Losslessness under batching rests on this: four sequences at different cache lengths (past
+    the 256- and 512-cell KV views), prefilled together, then verified together with different
+    block sizes (plain rows beside γ + 1 blocks) and rolled back by different amounts; every
+    sequence's logits are the same bits as the same rows decoded alone in a one-sequence engine."""
+    from decoder.engines.llamacpp import LlamaCppEngine
+
+    ids = _ids(real, 1500)
+    be = LlamaCppEngine(gguf, n_ctx=1024, threads=2, n_seq=4)
+    alone = [LlamaCppEngine(gguf, n_ctx=1024, threads=2) for _ in range(4)]  # each sequence decoded alone
+    try:
+        starts, cached = [0, 300, 600, 900], [100, 300, 37, 250]
+        seqs = [be.start() for _ in range(4)]
+        refs = [a.start() for a in alone]
+        be.forward_batch([(seqs[i], ids[starts[i]: starts[i] + cached[i]], 1) for i in range(4)])
+        for i, r in enumerate(refs):
+            r.forward(ids[starts[i]: starts[i] + cached[i]], 1)
+        compared = 0
+        for step, gammas in enumerate([(0, 0, 0, 0), (3, 0, 5, 1), (1, 1, 1, 1), (5, 2, 0, 3)] * 3):
+            items = []
+            for i, s in enumerate(seqs):
+                c = starts[i] + s.length
+                items.append((s, ids[c: c + gammas[i] + 1], gammas[i] + 1))
+            outs = be.forward_batch(items)
+            for i, (s, block, _) in enumerate(items):
+                want = refs[i].forward(block, len(block))
+                assert torch.equal(outs[i], want), (step, i, float((outs[i] - want).abs().max()))
+                compared += 1
+            for i, s in enumerate(seqs):  # reject part of each block, as a verification does
+                s.truncate(s.length - gammas[i] // 2)
+                refs[i].truncate(s.length)
+            if step == 5:  # and grow past the 512-cell view
+                grow = [ids[starts[i] + s.length: starts[i] + s.length + 250] for i, s in enumerate(seqs)]
+                be.forward_batch([(s, grow[i], 1) for i, s in enumerate(seqs)])
+                for i, r in enumerate(refs):
+                    r.forward(grow[i], 1)
+        assert compared == 48 and max(s.length for s in seqs) > 512
+    finally:
+        for e in alone + [be]:
+            e.close()
+
+
+# ---- the serving loop ----------------------------------------------------------------------
+@needs_llamacpp
+@pytest.mark.slow
+def test_requests_served_together_each_equal_their_output_served_alone(real):
+    """Five requests at once on a loop of max_batch 4 (one waits and joins when a slot frees):
+    greedy with the n-gram proposer, the draft, plain decoding and the controller's pick, a seeded
+    sampled one, a stop string, different lengths, and one cancelled mid-way. Each greedy output
+    equals plain decoding of its prompt, each request's output equals its output served alone
+    (the seeded sampled one too), the cancelled one stops with a prefix of its own, and the
+    forwards were fused (some fused forwards held several sequences)."""
+    from decoder.engines.registry import choose_engine
+    from decoder.loop import LoopConfig, build_serving_loop
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest, FixedGamma
+
+    tok = real.tokenizer
+    ch = choose_engine("llamacpp", "smollm2-135m", draft="layers:0-3", threads=2, n_seq=4)
+    loop = build_serving_loop(real.target, real.draft, tok, engine=ch.target, draft_engine=ch.draft,
+                              config=LoopConfig(max_batch=4), proposers=("ngram", "draft"))
+    assert loop.batching is not None, loop.batch_why
+
+    def reqs():
+        p = lambda s: tok(s)["input_ids"]  # noqa: E731
+        return [
+            DecodeRequest(p("def fibonacci(n):"), SamplingParams(), 28, gamma=3, proposer="ngram", request_id="ngram"),
+            DecodeRequest(p("The capital of France is"), SamplingParams(), 16, gamma=4, proposer="draft",
+                          request_id="draft"),
+            DecodeRequest(p("Once upon a time,"), SamplingParams(temperature=0.8, seed=7), 20, gamma=2,
+                          proposer="draft", request_id="sampled"),
+            DecodeRequest(p("1, 2, 3, 4,"), SamplingParams(), 24, gamma=0, request_id="plain"),
+            DecodeRequest(p("Write a sentence about the sea."), SamplingParams(), 40, stop=["."], request_id="stop"),
+            DecodeRequest(p("List three colors:"), SamplingParams(), 40, gamma=2, proposer="ngram", ignore_eos=True,
+                          request_id="cancelled"),
+        ]
+
+    with loop:
+        alone = {r.request_id: loop.generate(r, timeout=600) for r in reqs()}
+        plain = {r.request_id: loop.decoder.generate(r, FixedGamma(0)) for r in reqs() if r.params.greedy}
+        tickets: dict[str, object] = {}
+
+        def cancel_after_4(ids):
+            t = tickets["cancelled"]
+            if len(t.tokens) >= 4:
+                t.cancel()
+
+        for r in reqs():
+            tickets[r.request_id] = loop.submit(r, on_tokens=cancel_after_4 if r.request_id == "cancelled" else None)
+        together = {k: t.result(600) for k, t in tickets.items()}
+        st = loop.status()["batch"]
+    for k, res in together.items():
+        if k == "cancelled":
+            assert res.finish_reason == "cancelled" and 4 <= len(res.output_ids) < 40
+            assert res.output_ids == alone[k].output_ids[: len(res.output_ids)]
+            continue
+        assert res.output_ids == alone[k].output_ids, k
+        assert res.text == alone[k].text and res.finish_reason == alone[k].finish_reason, k
+        if k in plain:
+            assert res.output_ids == plain[k].output_ids, k
+    assert together["stop"].finish_reason in ("stop", "eos") and together["sampled"].steps
+    assert any(int(n) >= 3 for n in st["by_sequences"]), st
+    assert st["running"] == 0
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_a_batch_mate_that_joins_or_leaves_does_not_change_a_request(real):
+    """The same long greedy request decoded while other requests join and leave at different
+    steps (three arrival patterns) equals its plain decoding each time."""
+    from decoder.engines.registry import choose_engine
+    from decoder.loop import LoopConfig, build_serving_loop
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest, FixedGamma
+
+    tok = real.tokenizer
+    ch = choose_engine("llamacpp", "smollm2-135m", draft="layers:0-3", threads=2, n_seq=3)
+    loop = build_serving_loop(real.target, real.draft, tok, engine=ch.target, draft_engine=ch.draft,
+                              config=LoopConfig(max_batch=3), proposers=("ngram", "draft"))
+    main = DecodeRequest(tok("Explain how a bicycle works.")["input_ids"], SamplingParams(), 48, gamma=3,
+                         proposer="draft", ignore_eos=True)
+    with loop:
+        want = loop.decoder.generate(main, FixedGamma(0)).output_ids
+        for n_mates, mate_len in ((1, 5), (2, 17), (2, 40)):
+            gate = threading.Event()
+            mates = []
+
+            def join(ids, n_mates=n_mates, mate_len=mate_len):
+                if len(ids) and not gate.is_set():
+                    gate.set()
+                    for j in range(n_mates):
+                        mates.append(loop.submit(DecodeRequest(tok(f"Count to {j + 5}:")["input_ids"], SamplingParams(),
+                                                               mate_len + 7 * j, gamma=j, proposer="ngram")))
+
+            t = loop.submit(main, on_tokens=join)
+            assert t.result(600).output_ids == want, (n_mates, mate_len)
+            for m in mates:
+                m.result(600)
+
+
+@needs_llamacpp
+def test_a_sequence_dropped_without_release_frees_its_slot_once(gguf):
+    import gc
+
+    from decoder.engines.llamacpp import LlamaCppEngine
+
+    e = LlamaCppEngine(gguf, n_ctx=256, threads=2, n_seq=2)
+    try:
+        a = e.start()
+        a.release()
+        b = e.start()  # slot 0 again
+        assert b.seq_id == 0
+        del a
+        gc.collect()  # a's finalizer already ran in release(): slot 0 stays b's
+        assert e.free_sequences == 1
+        del b
+        gc.collect()
+        assert e.free_sequences == 2
+    finally:
+        e.close()
