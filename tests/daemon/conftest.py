@@ -43,6 +43,20 @@ def base_env(state_dir: Path, port: int, **extra: str) -> dict[str, str]:
     return env
 
 
+def wait_healthy(proc: subprocess.Popen, port: int, logs, timeout_s: float = 300.0) -> None:
+    """Until the `daemonctl serve` process ``proc`` answers /health on ``port``; fails with
+    ``logs()`` (its log's tail) if it exits first, or after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, logs()
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return
+        except OSError:
+            assert time.monotonic() < deadline, "serve did not answer /health"
+            time.sleep(0.5)
+
+
 @dataclass
 class DaemonProc:
     proc: subprocess.Popen

@@ -9,13 +9,12 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from conftest import DAEMONCTL, REDIS_URL, REPO, base_env, ctl, free_port  # noqa: E402
+from conftest import DAEMONCTL, REDIS_URL, REPO, base_env, ctl, free_port, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,15 +30,7 @@ def test_concurrent_streamed_requests_complete_and_equal_their_output_served_alo
     proc = subprocess.Popen([DAEMONCTL, "serve", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
                             cwd=REPO)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "serve did not answer /health"
-                time.sleep(0.5)
+        wait_healthy(proc, port, lambda: (tmp_path / "serve.log").read_text()[-3000:])
         oc = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
 
         def stream(prompt: str, i: int) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from conftest import DAEMONCTL, REDIS_URL, REPO, base_env, ctl, free_port  # noqa: E402
+from conftest import DAEMONCTL, REDIS_URL, REPO, base_env, ctl, free_port, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +26,7 @@ def test_serve_greedy_equals_generate_no_spec_and_sigterm_drains(tmp_path, key_p
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([DAEMONCTL, "serve", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "serve did not answer /health"
-                time.sleep(0.5)
+        wait_healthy(proc, port, lambda: (tmp_path / "serve.log").read_text()[-3000:])
         oc = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
         prompt = "def fibonacci(n):"
         r = oc.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=16, temperature=0)
@@ -107,15 +99,8 @@ def test_sigterm_during_a_long_non_streamed_request_drains_within_the_grace_and_
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=REPO)
     logs = lambda: out_path.read_text()[-3000:] + err_path.read_text()[-3000:]  # noqa: E731
     try:
+        wait_healthy(proc, port, logs)
         deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, logs()
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "serve did not answer /health"
-                time.sleep(0.5)
         oc = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
         got: dict = {}
 

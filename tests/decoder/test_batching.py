@@ -156,13 +156,9 @@ def real(gguf):
 
 
 def _ids(real, n: int) -> list[int]:
-    from decoder.workloads import prose_prompts
+    from test_engines import _long_ids  # the first n tokens of the workloads' prose
 
-    ids: list[int] = []
-    for p in prose_prompts(12, chars=2000):
-        ids += real.tokenizer(p.text)["input_ids"]
-    assert len(ids) >= n
-    return ids[:n]
+    return _long_ids(real, n)
 
 
 @needs_llamacpp
