@@ -841,7 +841,8 @@ class TrainerService:
         for w, smp in own.items():
             report.scopes[w] = self._workload_turn(w, smp).to_dict()
         if self.heads is not None:  # never raises: its report says what went wrong
-            report.head = self.heads.turn([e.sample for e in train], [e.sample for e in heldout_entries]).to_dict()
+            report.head = self.heads.turn([e.sample for e in train if id(e) not in later],
+                                          [e.sample for e in heldout_entries]).to_dict()
         self._prune_eval_cache()
         done = [e for e in entries if id(e) not in later]
         for e in done:
