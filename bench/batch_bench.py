@@ -15,6 +15,12 @@ Usage::
 
     .venv/bin/python bench/batch_bench.py --requests 2 --max-tokens 32 --rounds 1   # a smoke run, minutes on 2 cores
     .venv/bin/python bench/batch_bench.py --proposer ngram --gamma 3                # speculation per request inside the batch
+    .venv/bin/python bench/batch_bench.py --long-prompt 4000 --rounds 0             # a short request behind a long prompt
+
+``--long-prompt N``: on each side, a request with an N-token prompt (4 output tokens), and 0.3 s
+later a 4-token request; the short one's latency (seconds from its submission) and the long
+one's, per side. At batch 1 the short request waits for the whole prefill; batched, it joins at
+the next step boundary (a 512-token prefill chunk).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ def main(argv=None) -> int:
                     help="plain: γ = 0 (the batching gain alone); else that proposer at --gamma")
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
+    ap.add_argument("--long-prompt", type=int, default=0, help="also time a short request behind an N-token prompt (0: off)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
 
@@ -112,6 +119,29 @@ def main(argv=None) -> int:
             for n in clients:
                 order = ["batch1", "batched"] if rnd % 2 == 0 else ["batched", "batch1"]
                 rounds.append({s: cell(s, n) for s in order} | {"round": rnd, "clients": n})
+    behind = {}
+    if args.long_prompt:
+        from decoder.workloads import prose_prompts
+
+        long_ids: list[int] = []
+        for p in prose_prompts(64, chars=4000):
+            long_ids += tok(p.text)["input_ids"]
+            if len(long_ids) >= args.long_prompt:
+                break
+        long_ids = long_ids[: args.long_prompt]
+        with torch_threads_for(sides["batch1"][1].target):
+            for side in ("batch1", "batched"):
+                loop = sides[side][0]
+                t0 = time.perf_counter()
+                lt = loop.submit(DecodeRequest(long_ids, SamplingParams(), 4, gamma=0, ignore_eos=True, request_id=f"long-{side}"))
+                time.sleep(0.3)
+                t1 = time.perf_counter()
+                short = loop.generate(DecodeRequest(tok("hi")["input_ids"], SamplingParams(), 4, gamma=0, ignore_eos=True,
+                                                    request_id=f"short-{side}"), timeout=1800)
+                t2 = time.perf_counter()
+                lt.result(timeout=1800)
+                behind[side] = {"long_prompt_tokens": len(long_ids), "short_s": round(t2 - t1, 3),
+                                "long_s": round(time.perf_counter() - t0, 3), "short_tokens": len(short.output_ids)}
     out_cells, ratios, equal = [], {}, True
     for r in rounds:
         b1, bb = r["batch1"], r["batched"]
@@ -127,7 +157,7 @@ def main(argv=None) -> int:
         "bench": "batch_bench", "host": platform.node(), "cpu_threads": args.threads, "proposer": args.proposer,
         "gamma": gamma, "max_batch": args.max_batch, "requests_per_client": args.requests,
         "max_tokens": args.max_tokens, "rounds": args.rounds, "cells": out_cells,
-        "batched_over_batch1_by_clients": ratios, "greedy_outputs_equal": equal,
+        "batched_over_batch1_by_clients": ratios, "greedy_outputs_equal": equal, "short_behind_long": behind,
     }, indent=1))
     return 0
 
