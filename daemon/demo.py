@@ -497,7 +497,10 @@ def _finish_serving(trainer: _Trainer, loop, console) -> None:
         decoder.run_between_requests()
         loop.heads.close()
         console.log(f"final head v{decoder.head_version}")
-    console.log(f"serving done (final adapter v{decoder.adapter_version}); evaluating frozen vs adapted drafts")
+    own = {w: v for w, v in trainer.registry.active_versions().items() if w and v}  # per-workload adapters
+    console.log(f"serving done (shared adapter v{decoder.adapter_version}"
+                + (f"; per workload: {', '.join(f'{w} v{v}' for w, v in sorted(own.items()))}" if own else "")
+                + "); evaluating frozen vs adapted drafts")
 
 
 def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models: _Models, trainer: _Trainer, loop,
@@ -959,9 +962,11 @@ def print_report(report: dict, console) -> None:
         console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}")
         pe = r.get("phase_end_gain_ci")
         if pe:
-            console.print(f"  {r['workload']}: at its phase's end the learner (v{pe['version']}) had raised decoded α "
+            moved = ("lowered" if pe.get("high") is not None and pe["high"] < 0 else
+                     "raised" if pe.get("low") is not None and pe["low"] > 0 else "did not measurably change")
+            console.print(f"  {r['workload']}: at its phase's end the learner (v{pe['version']}) had {moved} decoded α "
                           f"{f(pe['before'])} -> {f(pe['after'])} ({f(pe['gain'])}, CI [{f(pe['low'])}, {f(pe['high'])}]); "
-                          f"the table's adapted row is the final adapter, after the later phases")
+                          f"the table's adapted row is the final adapter serving the workload")
         for v in r.get("versions") or []:
             verdict = ("LOWERED decoded α" if v["lowered"] else
                        "no measured change in decoded α" if v["low"] is not None and v["low"] <= 0 else "raised decoded α")
