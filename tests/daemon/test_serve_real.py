@@ -61,17 +61,19 @@ def test_serve_greedy_equals_generate_no_spec_and_sigterm_drains(tmp_path, key_p
 LATE_CANCEL = """
 import sys, time
 import decoder.speculative as sp
-_real = sp.SpeculativeDecoder.generate
-def generate(self, req, policy=None, on_step=None):
-    if on_step is None:
-        return _real(self, req, policy)
-    def late(ids):
-        go_on = on_step(ids)
-        if go_on is False:
-            time.sleep(8.0)  # longer than uvicorn's graceful shutdown (5 s)
-        return go_on
-    return _real(self, req, policy, on_step=late)
-sp.SpeculativeDecoder.generate = generate
+def slow_to_stop(real):  # batch 1 (generate) and continuous batching (generate_batched) alike
+    def generate(self, req, policy=None, on_step=None):
+        if on_step is None:
+            return real(self, req, policy)
+        def late(ids):
+            go_on = on_step(ids)
+            if go_on is False:
+                time.sleep(8.0)  # longer than uvicorn's graceful shutdown (5 s)
+            return go_on
+        return real(self, req, policy, on_step=late)
+    return generate
+sp.SpeculativeDecoder.generate = slow_to_stop(sp.SpeculativeDecoder.generate)
+sp.SpeculativeDecoder.generate_batched = slow_to_stop(sp.SpeculativeDecoder.generate_batched)
 from daemon.cli import app
 sys.argv = ["daemonctl", "serve", "--port", sys.argv[1]]
 app()
