@@ -833,8 +833,9 @@ def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
     t.add_row("rolling α (last 12)", f"{sum(alphas) / len(alphas):.3f}" if alphas else "-")
     t.add_row("rolling τ", f"{sum(taus) / len(taus):.2f}" if taus else "-")
     t.add_row("rolling tokens/s", f"{sum(tps) / len(tps):.2f}" if tps else "-")
-    routes = {w: v for w, v in (manager.status().get("routes") or {}).items() if w and v}
-    t.add_row("active adapter", f"v{manager.status().get('active_version', 0)}"
+    ms = manager.status()
+    routes = {w: v for w, v in (ms.get("routes") or {}).items() if w and v}
+    t.add_row("active adapter", f"v{ms.get('active_version', 0)}"
               + (f" ({', '.join(f'{w} v{v}' for w, v in sorted(routes.items()))})" if routes else ""))
     if heads is not None:
         h = (st.get("heads") or {}).get("last") or {}
