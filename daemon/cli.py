@@ -192,6 +192,8 @@ def _activated(a: dict, own: str = "") -> str:
     if how == "rollback":
         return f"{s}, after v{prev} was rolled back{why}"
     if how == "promote":
+        if own and not prev:  # a workload's first own version: the shared adapter served it before
+            return f"{s}, promoted{why} (before it: the shared adapter)"
         return f"{s}, promoted{why} (previous v{prev})"
     return f"{s} (previous v{prev}){'; why: ' + reason if reason else ''}"  # an older daemon's report: no 'how'
 

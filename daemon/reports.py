@@ -256,8 +256,12 @@ def acceptance_sections(history: AcceptanceHistory, adapter: dict, now: float,
     acc, spec = {}, {}
     for w in shown:
         wr = by_w[w]
-        src = own.get(w, adapter)
+        # The history's names are "workload@sampling bucket" (decoder.shift.key_str); a workload
+        # with its own adapter (trainer.per_workload) is served by it, the rest by the shared one.
+        src = own.get(w.split("@", 1)[0], adapter)
         w_active, w_since, w_previous = src["active"], src["since"], src["previous"]
+        if src is not adapter and not w_previous:  # its first own version: the shared adapter served it before
+            w_previous = adapter["active"]
         cur = [r for r in wr if r.version == w_active and (w_since is None or r.ts + history.bucket_s > w_since)]
         prev = [r for r in wr if w_previous is not None and r.version == w_previous]
         recent = [r for r in wr if r.ts >= now - RECENT_WINDOW_S]
