@@ -415,14 +415,14 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
 def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params, console, trainer=None) -> _Traffic:
     """Each phase's workload for ``cfg.phase_seconds``, a request at a time through the API (its
     first ``eval_prompts`` prompts kept back for the evaluation), the live table after each."""
-    from rich.live import Live
-
     traffic = _Traffic()
     timeline, shifts = traffic.timeline, traffic.shifts
     t0 = time.time()
-    with Live(console=console, refresh_per_second=2, transient=False) as live:
+    with _live(console) as live:
         for k, phase in enumerate(cfg.phases):
             shifts.append({"t": time.time() - t0, "request": len(timeline), "workload": phase})
+            console.log(f"phase {k + 1}/{len(cfg.phases)}: {phase} traffic for {cfg.phase_seconds:.0f} s"
+                        + (" past v0" if k == 0 and trainer is not None else ""))
             prompts = _prompts(phase, 1000, skip=cfg.eval_prompts)  # every distinct prompt there is (hundreds)
             end = time.time() + cfg.phase_seconds
             i = 0
@@ -445,6 +445,34 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
             if loop.heads is not None:
                 traffic.phase_end_head[phase] = loop.heads.route(phase)
     return traffic
+
+
+class _Snapshots:
+    """The live table where rich's ``Live`` cannot redraw (a log file or a pipe: it would print
+    nothing until the end): the table printed whole at the first update, then at most once every
+    ``every_s`` seconds (wall)."""
+
+    def __init__(self, console, every_s: float = 60.0):
+        self.console, self.every_s = console, every_s
+        self._last = float("-inf")
+
+    def update(self, table) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self.console.print(table)
+            self._last = now
+
+
+@contextlib.contextmanager
+def _live(console, every_s: float = 60.0):
+    """rich's ``Live`` on a terminal, else :class:`_Snapshots`; yields an object with ``update(table)``."""
+    if console.is_terminal:
+        from rich.live import Live
+
+        with Live(console=console, refresh_per_second=2, transient=False) as live:
+            yield live
+    else:
+        yield _Snapshots(console, every_s)
 
 
 def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: int, t0: float) -> dict:

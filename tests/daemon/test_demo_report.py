@@ -112,3 +112,23 @@ def test_the_phase_end_learner_is_measured_against_v0_and_reported():
     print_report({"phases": [phase], "adapters": [], "recovery": [], "requests": 10, "active_adapter": 5, "seconds": 1.0,
                   "key_prefix": "draftd:demo:"}, Console(file=out, width=250))
     assert "at its phase's end the learner (v3) had raised decoded α" in out.getvalue()
+
+
+def test_the_live_table_is_printed_in_snapshots_when_output_is_not_a_terminal(monkeypatch):
+    """A demo whose output went to a file or a pipe printed nothing for the serving phases (rich's
+    Live redraws only on a terminal): it prints the table at the first update, then at most once a
+    minute."""
+    from rich.table import Table
+
+    import daemon.demo as demo
+
+    clock = iter([0.0, 10.0, 59.0, 61.0, 62.0])
+    monkeypatch.setattr(demo.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    console = Console(file=out, width=100)  # a StringIO: not a terminal
+    with demo._live(console, every_s=60.0) as live:
+        for i in range(5):
+            t = Table(title=f"snapshot {i}")
+            live.update(t)
+    text = out.getvalue()
+    assert [i for i in range(5) if f"snapshot {i}" in text] == [0, 3]
