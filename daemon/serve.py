@@ -1217,9 +1217,15 @@ def run_serve(settings, console=None) -> int:
     from store.schema import PairFingerprint
 
     sv, m = settings.serve, settings.models
-    stop = threading.Event()
+    stop, cut = threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:  # the first drains for serve.drain_grace_s; a second cuts the grace short
+        if stop.is_set():
+            cut.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     with ExitStack() as stack:
         rh = stack.enter_context(open_redis(settings.redis, settings.redis_dir))
         scfg = store_config(settings)
@@ -1280,11 +1286,11 @@ def run_serve(settings, console=None) -> int:
                         why="'eagle' is offered only once the trainer promotes a head (trainer.heads=true on the daemon, "
                             "serve.record_hidden=true here); `daemonctl heads list` shows them")
         if console is not None:
-            console.print(f"serving {service.model} at {server.url}/v1 (redis {rh.mode}); SIGTERM drains")
+            console.print(f"serving {service.model} at {server.url}/v1 (redis {rh.mode}); SIGTERM drains, a second one cuts the grace short")
         while not stop.wait(0.5):
             pass
         log.info("serve_draining", grace_s=sv.drain_grace_s, queued=loop.queue_depth)
-        drained = loop.drain(sv.drain_grace_s)  # past the grace it cancels what is left (at its next step)
+        drained = loop.drain(sv.drain_grace_s, cut)  # past the grace (or a second signal) it cancels what is left
         if not drained:
             _settle(loop, 1.0)  # a cancelled request usually stops within a step: its client gets what it has
             service.abandon(sv.drain_grace_s)  # whoever still waits is answered now, not cancelled by uvicorn

@@ -263,14 +263,19 @@ class ServingLoop:
     def draining(self) -> bool:
         return self._draining
 
-    def drain(self, grace_s: float) -> bool:
+    def drain(self, grace_s: float, cut: threading.Event | None = None) -> bool:
         """Stop taking requests (``submit`` raises :class:`Draining`), let the queued and the
-        running ones finish for up to ``grace_s`` seconds, then cancel what is left (at its next
-        step). Returns True when everything finished within the grace period."""
+        running ones finish for up to ``grace_s`` seconds, or until ``cut`` is set (an operator's
+        second SIGTERM), then cancel what is left (at its next step). Returns True when everything
+        finished first."""
+        deadline = time.monotonic() + max(0.0, grace_s)
         with self._cv:
             self._draining = True
-            done = self._cv.wait_for(lambda: self._q.empty() and self._active is None and not self._running,
-                                     timeout=max(0.0, grace_s))
+            while not (done := self._q.empty() and self._active is None and not self._running):
+                left = deadline - time.monotonic()
+                if left <= 0 or (cut is not None and cut.is_set()):
+                    break
+                self._cv.wait(min(left, 0.2))
         if not done:
             log.warning("drain_grace_exceeded", grace_s=grace_s, queued=self._q.qsize())
             self._cancel_all()

@@ -73,6 +73,38 @@ def test_bounded_queue_cancel_while_queued_and_drain(tok, target, other_draft):
         loop.close()
 
 
+def test_a_second_signal_cuts_the_drain_grace_short(tok, target, other_draft):
+    """`serve`'s second SIGTERM sets ``cut``: drain stops waiting for the running request (held
+    here) long before its 600 s grace and cancels it."""
+    dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(**CFG))
+    hold = Hold()
+    dec.between_requests.append(hold)
+    loop = ServingLoop(dec).start()
+    try:
+        running = loop.submit(DecodeRequest(tok("ab").input_ids, SamplingParams(), 4))
+        queued = loop.submit(DecodeRequest(tok("cd").input_ids, SamplingParams(), 4))
+        assert hold.entered.wait(60)
+        cut, drained = threading.Event(), []
+        t = threading.Thread(target=lambda: drained.append(loop.drain(600, cut)))
+        t.start()
+        while not loop.draining:
+            threading.Event().wait(0.01)
+        assert drained == []  # still waiting inside its grace
+        cut.set()
+        t.join(60)
+        assert drained == [False] and not t.is_alive()
+        hold.release.set()
+        with pytest.raises(Cancelled):
+            queued.result(30)
+        try:  # cancelled at its next step: it answers with what it has, or Cancelled
+            running.result(30)
+        except Cancelled:
+            pass
+    finally:
+        hold.release.set()
+        loop.close()
+
+
 def test_a_seed_reproduces_a_sampled_completion_whatever_was_served_before(tok, target, other_draft):
     """Seeded sampled requests run on the n-gram proposer (the first configured) over their own
     tokens only: the same prompt and seed give the same text before and after the workload's
