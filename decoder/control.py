@@ -32,6 +32,7 @@ from decoder.proposers.registry import DEFAULT_PROPOSER, REQUEST_PROPOSERS, alph
 from decoder.sampling import expected_tokens_per_step  # noqa: F401 - re-exported
 from decoder.shift import ShiftAlarm, ShiftDetector, key_str  # key_str re-exported: "{workload}@{bucket}"
 from store import AcceptanceHistory, AdapterRegistry, InvalidTransitionError, StoreError, UnknownVersionError
+from store.history import sum_rows
 from store.jsonsafe import nan_none
 
 DRAFT = alpha_modelled()  # the proposer modelled by α: the key's α, its rates by γ, the speculation ceiling
@@ -88,6 +89,7 @@ class Window:
             "requests": c.num_requests,
             "alpha_sum": self.request_alpha_sum,
             "alpha_count": self.request_alpha_count,
+            "overlap_sum": c.alpha_sum,  # Σ over proposed positions of Σ min(p, q): pooled α on read
             # a broken clock's reading (inf, NaN) loses the time, not the window's counts
             "wall_ms": c.decode_ms if math.isfinite(c.decode_ms) else 0.0,
         }
@@ -124,6 +126,10 @@ class AcceptanceTracker:
         head_history: where the requests the feature-level head proposed for are flushed,
             keyed by head version (``AcceptanceHistory(kind="head")``; None: kept in memory only).
             They go to ``history`` too, under the adapter version, as every request does.
+        draft_history: where the requests the draft model proposed for are flushed, keyed by
+            adapter version (``AcceptanceHistory(kind="draft")``; None: kept in memory only): the
+            windows a :class:`RollbackMonitor` with ``merged`` judges an adapter on, every
+            replica's summed.
         recent: per-key requests kept for the rolling α.
         clock: seconds since the epoch (history bucket times).
     """
@@ -138,9 +144,11 @@ class AcceptanceTracker:
         recent: int = 50,
         clock: Callable[[], float] = time.time,
         head_history: AcceptanceHistory | None = None,
+        draft_history: AcceptanceHistory | None = None,
     ):
         self.history = history
         self.head_history = head_history
+        self.draft_history = draft_history
         self.detector = detector
         self.flush_interval_s = flush_interval_s
         self.history_name = history_name
@@ -152,6 +160,7 @@ class AcceptanceTracker:
         # the requests the feature-level head proposed for, keyed (workload, bucket, head version)
         self._heads: dict[tuple[str, str, int], Window] = {}
         self._unflushed_heads: dict[tuple[str, str, int], Window] = {}
+        self._unflushed_draft: dict[tuple[str, str, int], Window] = {}
         self._retry: dict[str, list] = {}  # per unflushed attr: failed writes (key, window, ts, (writer, seq)), oldest first
         self._flush_lock = threading.Lock()
         self._recent: dict[Key, deque[float]] = {}
@@ -174,6 +183,8 @@ class AcceptanceTracker:
             proposer = getattr(result, "proposer", None) or DEFAULT_PROPOSER  # DecodeResult's default
             if proposer == DRAFT and result.counts.num_draft_tokens:
                 self._draft.setdefault(k, Window()).add(result.counts)
+                if self.draft_history is not None:
+                    self._unflushed_draft.setdefault(k, Window()).add(result.counts)
             head_v = int(getattr(result, "head_version", 0) or 0)
             if proposer == HEAD and head_v > 0 and result.counts.num_draft_tokens:
                 hk = (*k[:2], head_v)
@@ -203,9 +214,22 @@ class AcceptanceTracker:
             written += self._flush_into(self.history, "_unflushed")
         if self.head_history is not None:
             written += self._flush_into(self.head_history, "_unflushed_heads")
-        if self.history is not None or self.head_history is not None:
+        if self.draft_history is not None:
+            written += self._flush_into(self.draft_history, "_unflushed_draft")
+        if self.history is not None or self.head_history is not None or self.draft_history is not None:
             self.flushes += 1
         return written
+
+    def unflushed(self, proposer: str) -> dict[tuple[str, str, int], Window]:
+        """Copies of the windows of ``proposer``'s requests ("draft": by adapter version, "eagle":
+        by head version) not yet in the store: unflushed, or held after a failed write. A reader
+        of the merged history adds them to see this replica's latest requests too."""
+        attr = {DRAFT: "_unflushed_draft", HEAD: "_unflushed_heads"}[proposer]
+        out: dict[tuple[str, str, int], Window] = {}
+        with self._lock:
+            for k, win in list(getattr(self, attr).items()) + [(k, w) for k, w, _, _ in self._retry.get(attr, [])]:
+                out.setdefault(k, Window()).merge(win)
+        return out
 
     def _flush_into(self, history: AcceptanceHistory, attr: str) -> int:
         # A write that failed is retried with its own counts, time and seq, before any newer one,
@@ -382,6 +406,13 @@ class RollbackMonitor:
 
     metric: ``"alpha"`` (pooled α = 1 - TV over proposed positions; informative even with few
         acceptances) or ``"acceptance_rate"`` (accepted / proposed tokens).
+    merged: the store's history of the judged proposer's requests (``AcceptanceHistory(kind=
+        "draft")`` for adapters, ``kind="head"`` for heads), which every serving replica's
+        tracker flushes into. Given, a version is judged on every replica's requests (the
+        history's buckets within its retention, plus this replica's not yet flushed), so N
+        replicas reach ``min_requests`` N times sooner and all judge the same evidence; the
+        first to decide rolls back, the others find the version no longer active. While Redis
+        cannot be read, this replica's own windows are judged. None: this replica's only.
     """
 
     def __init__(
@@ -394,6 +425,7 @@ class RollbackMonitor:
         metric: str = "alpha",
         clock: Callable[[], float] = time.time,
         proposer: str = DRAFT,
+        merged: AcceptanceHistory | None = None,
     ):
         if metric not in ("alpha", "acceptance_rate"):
             raise ValueError(f"metric={metric!r}: use 'alpha' or 'acceptance_rate'")
@@ -404,8 +436,9 @@ class RollbackMonitor:
         if getattr(registry, "kind", self.kind) != self.kind:
             raise ValueError(f"proposer={proposer!r} judges {self.kind}s, but the registry holds {registry.kind}s; "
                              f"pass AdapterRegistry(..., kind={self.kind!r})")
-        self.registry, self.tracker = registry, tracker
+        self.registry, self.tracker, self.merged = registry, tracker, merged
         self.min_requests, self.margin, self.metric = min_requests, margin, metric
+        self.merged_read_errors = 0  # reads of ``merged`` that failed (this replica's windows judged instead)
         self.clock = clock
         self.decisions: list[RollbackDecision] = []
         # per workload (None = all keys): [current version, previous version]
@@ -436,20 +469,14 @@ class RollbackMonitor:
             return None  # a fallback to the shared adapter (or two workloads' versions interleaved)
         worst, judged = None, []
         done = self._judged_keys.setdefault((v, workload), set())
-        for w, b, ver in self.tracker.keys(self.proposer):
-            if ver != v or (workload is not None and w != workload) or key_str(w, b) in done:
+        for key, (n_new, x_new), (n_old, x_old) in self._evidence(v, u, workload):
+            if key in done or n_new < self.min_requests or n_old < self.min_requests:
                 continue
-            new, old = (self.tracker.window(w, b, v, proposer=self.proposer),
-                        self.tracker.window(w, b, u, proposer=self.proposer))
-            n_new, n_old = new.counts.num_requests, old.counts.num_requests
-            if n_new < self.min_requests or n_old < self.min_requests:
-                continue
-            x_new, x_old = getattr(new.counts, self.metric), getattr(old.counts, self.metric)
             if x_new != x_new or x_old != x_old:
                 continue
-            judged.append(key_str(w, b))
+            judged.append(key)
             if worst is None or x_new - x_old < worst[1] - worst[2]:
-                worst = (key_str(w, b), x_new, x_old, n_new, n_old)
+                worst = (key, x_new, x_old, n_new, n_old)
         if worst is None:
             return None
         key, x_new, x_old, n_new, n_old = worst
@@ -476,6 +503,45 @@ class RollbackMonitor:
         log.warning(event, version=v, previous=u, rolled_back=rolled[0], reason=reason) if bad else \
             log.info(event, version=v, previous=u, rolled_back=False, reason=reason)
         return d
+
+    def _evidence(self, v: int, u: int, workload: str | None):
+        """(key, (requests, metric) under ``v``, (requests, metric) under ``u``) for every key
+        "workload@bucket" of ``workload`` (None: all) where ``v`` served the judged proposer: from
+        the merged history plus this replica's unflushed windows when ``merged`` is set and
+        readable, else from this replica's tracker."""
+        local = [(w, b) for w, b, ver in self.tracker.keys(self.proposer)
+                 if ver == v and (workload is None or w == workload)]
+        if self.merged is not None:
+            try:
+                rows = {ver: self.merged.read(version=ver) for ver in (v, u)}
+            except (StoreError, redis.RedisError, OSError) as e:
+                self.merged_read_errors += 1
+                log.warning("rollback_merged_history_unreadable", kind=self.kind, error=str(e))
+            else:
+                pending = self.tracker.unflushed(self.proposer)
+                names = {key_str(w, b) for w, b in local} | {
+                    r.workload for r in rows[v] if workload is None or r.workload.split("@", 1)[0] == workload}
+                out = []
+                for name in sorted(names):
+                    w, _, b = name.partition("@")
+                    sides = []
+                    for ver in (v, u):
+                        mine = pending.get((w, b, ver), Window()).counts
+                        theirs = sum_rows([r for r in rows[ver] if r.workload == name])
+                        n = theirs.requests + mine.num_requests
+                        drafted = theirs.num_draft_tokens + mine.num_draft_tokens
+                        top = (theirs.overlap_sum + mine.alpha_sum if self.metric == "alpha"
+                               else theirs.num_accepted_tokens + mine.num_accepted_tokens)
+                        sides.append((n, top / drafted if drafted else float("nan")))
+                    out.append((name, *sides))
+                return out
+        out = []
+        for w, b in local:
+            new, old = (self.tracker.window(w, b, v, proposer=self.proposer),
+                        self.tracker.window(w, b, u, proposer=self.proposer))
+            out.append((key_str(w, b), (new.counts.num_requests, getattr(new.counts, self.metric)),
+                        (old.counts.num_requests, getattr(old.counts, self.metric))))
+        return out
 
     def _scope(self, version: int) -> str | None:
         """``version``'s scope ("" = shared; None while the registry cannot say)."""

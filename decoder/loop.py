@@ -698,11 +698,14 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
         heads = HeadManager(decoder, head_registry, poll_interval_s=poll_interval_s,
                             load=serving_head_loader(decoder, head_dtype or torch.float32))
     head_history = history.of_kind("head") if history is not None and head_registry is not None else None
-    tracker = AcceptanceTracker(history, ShiftDetector(), flush_interval_s=history_flush_s, head_history=head_history)
-    monitor = (RollbackMonitor(registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin)
-               if registry is not None else None)
+    # the draft-proposed requests by adapter version, every replica's: what a rollback is judged on
+    draft_history = history.of_kind("draft") if history is not None and registry is not None else None
+    tracker = AcceptanceTracker(history, ShiftDetector(), flush_interval_s=history_flush_s, head_history=head_history,
+                                draft_history=draft_history)
+    monitor = (RollbackMonitor(registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin,
+                               merged=draft_history) if registry is not None else None)
     head_monitor = (RollbackMonitor(head_registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin,
-                                    proposer=HEAD) if head_registry is not None else None)
+                                    proposer=HEAD, merged=head_history) if head_registry is not None else None)
     if controller is None:
         controller = GoodputController(ControllerConfig(proposers=tuple(proposers)),
                                        adapter_version=lambda: decoder.adapter_version,

@@ -27,6 +27,7 @@ Key names (``P`` = ``key_prefix``, default ``"draftd:"``)::
     P head:*                           the head registry: the adapter:* layout under ``head:``
     P head:hist:index, P head:hist:{version}:{bucket}:{workload}
                                        the head history: the requests the head proposed for, by head version
+    P draft:hist:...                   the same for the requests the draft model proposed for, by adapter version
 
 Hash tags (Redis Cluster): with ``hash_tags`` on, each group of keys that a Lua script or a
 MULTI/EXEC touches together carries one hash tag right after the prefix, so the group lives in
@@ -195,7 +196,8 @@ class Keys:
     @property
     def _hist(self) -> str:
         """The acceptance history's key root: ``P hist:`` for adapter versions (the keys older
-        builds wrote), ``P head:hist:`` for head versions (``AcceptanceHistory(kind="head")``)."""
+        builds wrote), ``P head:hist:`` for head versions (``AcceptanceHistory(kind="head")``),
+        ``P draft:hist:`` for the draft-proposed requests by adapter version (``kind="draft"``)."""
         return f"{self._root('hist')}:" if self.kind == "adapter" else f"{self._root(self.kind + ':hist')}:"
 
     @property

@@ -1,6 +1,8 @@
 """Acceptance history: time-bucketed counts per (workload, adapter version), and apart from it
 per (workload, head version) for the requests the feature-level head proposed for
-(``AcceptanceHistory(kind="head")``: keys ``P head:hist:...``, the same layout).
+(``AcceptanceHistory(kind="head")``: keys ``P head:hist:...``, the same layout), and per
+(workload, adapter version) for the requests the draft model proposed for (``kind="draft"``: keys
+``P draft:hist:...``; the windows an adapter's rollback is judged on, summed over every replica).
 
 Counts are stored, rates are derived on read (each rate's definition is on the property that
 computes it; NaN when its denominator is 0). Counter names follow vLLM's spec-decode metrics:
@@ -11,6 +13,8 @@ computes it; NaN when its denominator is 0). Counter names follow vLLM's spec-de
 - ``num_emitted_tokens``: tokens emitted (accepted + corrections + bonus tokens)
 - ``num_steps``: verification steps (target forwards)
 - ``alpha_sum``, ``alpha_count``: sum and number of per-request α values (float), for mean α
+- ``overlap_sum``: Σ over proposed positions of Σ_x min(p, q) (float), for α pooled over positions
+  (``pooled_alpha``; rows written by builds before it read 0)
 - ``wall_ms``: decode wall time, milliseconds (float)
 - ``requests``: requests (or chunks) recorded
 
@@ -42,8 +46,9 @@ from store.client import unavailable as _unavailable
 from store.config import StoreConfig, resolve_config
 
 INT_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_steps", "alpha_count", "requests")
-FLOAT_COUNTS = ("alpha_sum", "wall_ms")
+FLOAT_COUNTS = ("alpha_sum", "wall_ms", "overlap_sum")
 COUNTS = INT_COUNTS + FLOAT_COUNTS
+KINDS = ("adapter", "head", "draft")
 
 # KEYS: bucket hash, index, the writer's applied hash. ARGV: retention_s, index member, bucket,
 # trim-before, applied field, seq, then (i|f, counter, value) triples. Returns 1 if applied, 0 if
@@ -94,6 +99,7 @@ class HistoryRow:
     requests: int = 0
     alpha_sum: float = 0.0
     wall_ms: float = 0.0
+    overlap_sum: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -110,6 +116,13 @@ class HistoryRow:
     def alpha(self) -> float:
         """α = alpha_sum / alpha_count: mean of the per-request α values recorded."""
         return _ratio(self.alpha_sum, self.alpha_count)
+
+    @property
+    def pooled_alpha(self) -> float:
+        """α pooled over proposed positions = overlap_sum / num_draft_tokens, the mean over
+        positions of Σ_x min(p(x), q(x)) = 1 - TV(p, q) (Leviathan et al. 2023, §3.1 and Definition
+        3.1); :class:`decoder.metrics.AcceptanceCounts`'s ``alpha``."""
+        return _ratio(self.overlap_sum, self.num_draft_tokens)
 
     @property
     def goodput(self) -> float:
@@ -129,9 +142,10 @@ class AcceptanceHistory:
         config: ``config.history.bucket_s`` (bucket width, s) and ``retention_s``.
         clock: seconds since the epoch, the default ``ts`` of :meth:`record` and the retention cut.
         kind: what ``version`` counts: ``"adapter"`` (the draft's LoRA version; every request is
-            recorded under the one that served it) or ``"head"`` (the feature-level head's
-            version; only the requests it proposed for). The two are kept apart, so a reader
-            summing one kind's rows never counts a request twice.
+            recorded under the one that served it), ``"head"`` (the feature-level head's
+            version; only the requests it proposed for) or ``"draft"`` (the adapter version; only
+            the requests the draft model proposed for, which an adapter changes). The kinds are
+            kept apart, so a reader summing one kind's rows never counts a request twice.
 
     Raises (any method): StoreUnavailableError when Redis is unreachable; ValueError for an
     unknown ``kind``.
@@ -139,8 +153,8 @@ class AcceptanceHistory:
 
     def __init__(self, client: redis.Redis, config: StoreConfig, *, clock: Callable[[], float] = time.time,
                  kind: str = "adapter"):
-        if kind not in ("adapter", "head"):
-            raise ValueError(f"history kind {kind!r}: use 'adapter' or 'head'")
+        if kind not in KINDS:
+            raise ValueError(f"history kind {kind!r}: use one of {KINDS}")
         self._client = client
         config = resolve_config(config, client)
         self._config = config

@@ -553,3 +553,55 @@ def test_ageing_settings_are_checked(field):
     for bad in (0, -1.0, float("nan"), True):
         with pytest.raises(ValueError, match=f"{field}="):
             ControllerConfig(**{field: bad})
+
+
+def test_a_version_is_judged_on_every_replicas_requests(pair, reg, tmp_path):
+    """Two serving replicas, each with its tracker flushing the draft-proposed requests into the
+    store's draft history. Under v0 each serves 2 prose requests at α 0.6; under v1 each serves 2
+    at 0.1. With min_requests 3 neither replica alone has the evidence; judged on the merged
+    history (4 + 4 requests, one of them still unflushed on replica A) v1 is rolled back, with the
+    pooled α of both replicas' requests."""
+    _, draft, _ = pair
+    base = AcceptanceHistory(reg.client, reg.config)
+    a = AcceptanceTracker(base, draft_history=base.of_kind("draft"))
+    b = AcceptanceTracker(AcceptanceHistory(reg.client, reg.config), draft_history=base.of_kind("draft"))
+    local = RollbackMonitor(reg.registry, a, min_requests=3, margin=0.1)
+    merged = RollbackMonitor(reg.registry, a, min_requests=3, margin=0.1, merged=base.of_kind("draft"))
+    for t in (a, b):
+        for _ in range(2):
+            t.observe(_result(0, "draft", 0.6))
+        t.observe(_result(0, "ngram", 0.9))  # not the draft's: never judged
+    for m in (local, merged):
+        m.check(0)
+    v1 = reg.register(random_lora(draft, tmp_path / "v1", scale=0.1, seed=1))
+    reg.registry.promote(v1, "trained")
+    b.observe(_result(v1, "draft", 0.1))
+    b.observe(_result(v1, "draft", 0.1))
+    a.observe(_result(v1, "draft", 0.1))
+    a.flush(), b.flush()
+    row = base.of_kind("draft").totals(workload="prose@greedy", version=0)
+    assert row.requests == 4 and row.pooled_alpha == pytest.approx(0.6)  # the n-gram requests are not in it
+    a.observe(_result(v1, "draft", 0.1))  # replica A's latest, not flushed yet
+    assert local.check(v1) is None  # 2 requests of v1 here: not enough
+    d = merged.check(v1)
+    assert d is not None and d.rolled_back and (d.version, d.previous) == (v1, 0)
+    assert (d.new_requests, d.previous_requests) == (4, 4)
+    assert d.new_value == pytest.approx(0.1) and d.previous_value == pytest.approx(0.6)
+    assert reg.registry.active_version() == 0
+
+
+def test_the_merged_monitor_judges_its_own_windows_while_redis_is_down(pair, reg, tmp_path):
+    _, draft, _ = pair
+    dead = AcceptanceHistory(redis.Redis(port=1, socket_connect_timeout=0.2), reg.config, kind="draft")
+    tracker = AcceptanceTracker()
+    monitor = RollbackMonitor(reg.registry, tracker, min_requests=3, margin=0.1, merged=dead)
+    for _ in range(3):
+        tracker.observe(_result(0, "draft", 0.6))
+    monitor.check(0)
+    v1 = reg.register(random_lora(draft, tmp_path / "v1", scale=0.1, seed=1))
+    reg.registry.promote(v1, "trained")
+    for _ in range(3):
+        tracker.observe(_result(v1, "draft", 0.1))
+    d = monitor.check(v1)
+    assert d is not None and d.rolled_back and (d.new_requests, d.previous_requests) == (3, 3)
+    assert monitor.merged_read_errors == 1
