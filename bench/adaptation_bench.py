@@ -43,7 +43,8 @@ sys.path.insert(0, str(REPO / "tests" / "decoder"))
 
 from adapt_helpers import RedisRegistry, exact_draft, fixing_lora, perturb, random_lora, shallow_target  # noqa: E402
 from decoder.adapters import AdapterManager, summarize_ms  # noqa: E402
-from decoder.control import ControllerConfig, GoodputController, key_of  # noqa: E402
+from decoder.control import ControllerConfig, GoodputController  # noqa: E402
+from decoder.tracking import key_of  # noqa: E402
 from decoder.speculative import DecodeRequest, FixedGamma, HeuristicGamma, SpeculativeDecoder  # noqa: E402
 from tiny import char_tokenizer  # noqa: E402
 

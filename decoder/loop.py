@@ -50,8 +50,11 @@ from typing import Any
 import structlog
 
 from decoder.batching import StepScheduler
-from decoder.control import (HEAD, AcceptanceTracker, ControllerConfig, GoodputController, RollbackMonitor, key_of,
-                             key_str)
+from decoder.control import ControllerConfig, GoodputController
+from decoder.rollback import RollbackMonitor
+from decoder.shift import key_str
+from decoder.tracking import HEAD, AcceptanceTracker, key_of
+from store.history import DRAFT_KIND
 from decoder.engines.base import supports
 from decoder.proposers.registry import DEFAULT_PROPOSER
 from decoder.speculative import DecodeRequest, DecodeResult, FixedGamma, GammaPolicy
@@ -699,7 +702,7 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                             load=serving_head_loader(decoder, head_dtype or torch.float32))
     head_history = history.of_kind("head") if history is not None and head_registry is not None else None
     # the draft-proposed requests by adapter version, every replica's: what a rollback is judged on
-    draft_history = history.of_kind("draft") if history is not None and registry is not None else None
+    draft_history = history.of_kind(DRAFT_KIND) if history is not None and registry is not None else None
     tracker = AcceptanceTracker(history, ShiftDetector(), flush_interval_s=history_flush_s, head_history=head_history,
                                 draft_history=draft_history)
     monitor = (RollbackMonitor(registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin,

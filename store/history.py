@@ -48,7 +48,8 @@ from store.config import StoreConfig, resolve_config
 INT_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "num_steps", "alpha_count", "requests")
 FLOAT_COUNTS = ("alpha_sum", "wall_ms", "overlap_sum")
 COUNTS = INT_COUNTS + FLOAT_COUNTS
-KINDS = ("adapter", "head", "draft")
+DRAFT_KIND = "draft"  # the kind of the requests the draft model proposed for
+KINDS = ("adapter", "head", DRAFT_KIND)
 
 # KEYS: bucket hash, index, the writer's applied hash. ARGV: retention_s, index member, bucket,
 # trim-before, applied field, seq, then (i|f, counter, value) triples. Returns 1 if applied, 0 if

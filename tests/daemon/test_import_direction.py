@@ -19,7 +19,7 @@ def _loaded(modules: str, prefixes: tuple[str, ...]) -> list[str]:
     ("daemon.reports, daemon.metrics, daemon.api, daemon.errors", ("daemon.app", "daemon.cli", "daemon.demo")),
     ("store.buffer, store.registry, store.history, store.jsonsafe", ("torch", "decoder", "trainer", "daemon")),
     ("trainer.service, trainer.bootstrap, trainer.publish, trainer.head", ("decoder", "daemon")),
-    ("decoder.control, decoder.bench, decoder.adapters, decoder.eagle", ("trainer", "daemon")),
+    ("decoder.control, decoder.tracking, decoder.rollback, decoder.bench, decoder.adapters, decoder.eagle", ("trainer", "daemon")),
 ])
 def test_imports_run_one_way(modules, forbidden):
     assert _loaded(modules, forbidden) == []

@@ -9,14 +9,9 @@ import redis
 
 from adapt_helpers import exact_draft, fixing_lora, perturb, random_lora, shallow_target
 from decoder.adapters import AdapterManager
-from decoder.control import (
-    AcceptanceTracker,
-    ControllerConfig,
-    GoodputController,
-    RollbackMonitor,
-    expected_tokens_per_step,
-    key_of,
-)
+from decoder.control import ControllerConfig, GoodputController, expected_tokens_per_step
+from decoder.rollback import RollbackMonitor
+from decoder.tracking import AcceptanceTracker, key_of
 from decoder.metrics import StepStats
 from decoder.shift import ShiftConfig, ShiftDetector
 from decoder.speculative import DecodeRequest, FixedGamma, SpeculativeDecoder

@@ -421,7 +421,8 @@ def test_a_promoted_head_that_regresses_live_is_rolled_back_on_the_requests_it_p
     its own requests, is kept. The adapter monitor never sees a head version."""
     import pytest
 
-    from decoder.control import AcceptanceTracker, RollbackMonitor
+    from decoder.rollback import RollbackMonitor
+    from decoder.tracking import AcceptanceTracker
 
     cfg = StoreConfig(key_prefix=key_prefix)
     heads = AdapterRegistry(redis_client, tmp_path / "heads", cfg, kind="head")
@@ -467,7 +468,7 @@ def test_the_head_history_is_kept_by_head_version_apart_from_the_adapter_history
     """Every request goes to the adapter history under its adapter version (here 7: 5 requests,
     20 proposed tokens); only the head's 3 go to the head history, under head versions 2 and 3,
     so summing either kind counts each request once."""
-    from decoder.control import AcceptanceTracker
+    from decoder.tracking import AcceptanceTracker
     from store import AcceptanceHistory
 
     cfg = StoreConfig(key_prefix=key_prefix)
@@ -503,7 +504,7 @@ def test_found_by_review_a_broken_clock_loses_the_time_not_the_counts(redis_clie
 
     import pytest
 
-    from decoder.control import AcceptanceTracker
+    from decoder.tracking import AcceptanceTracker
     from store import AcceptanceHistory
 
     cfg = StoreConfig(key_prefix=key_prefix)

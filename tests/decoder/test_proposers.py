@@ -191,7 +191,7 @@ def test_controller_warms_up_each_proposer_then_plain():
 
 
 def test_decoder_follows_the_controllers_proposer(target, other_draft, tok):
-    from decoder.control import key_of
+    from decoder.tracking import key_of
 
     dec = SpeculativeDecoder(target, other_draft, tok)
     ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=3, min_steps=1, proposers=("ngram", "draft")))
