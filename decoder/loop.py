@@ -54,10 +54,10 @@ from decoder.control import ControllerConfig, GoodputController
 from decoder.rollback import RollbackMonitor
 from decoder.shift import key_str
 from decoder.tracking import HEAD, AcceptanceTracker, key_of
-from store.history import DRAFT_KIND
 from decoder.engines.base import supports
 from decoder.proposers.registry import DEFAULT_PROPOSER
 from decoder.speculative import DecodeRequest, DecodeResult, FixedGamma, GammaPolicy
+from store.history import DRAFT_KIND
 
 log = structlog.get_logger("decoder.loop")
 
