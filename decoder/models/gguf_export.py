@@ -675,10 +675,27 @@ def lora_to_gguf(adapter_dir: Path, out: Path, base_gguf: Path) -> Path:
             its lora_B; shapes that do not fit the base tensor; non-finite weights; an
             unsupported architecture.
     """
-    import gguf
+    adapter_dir, out, base_gguf = Path(adapter_dir), Path(out), Path(base_gguf)
+    cfg, tensors, w_path = _read_peft_lora(adapter_dir)
+    st = base_gguf.stat()
+    arch, n_blocks, n_head, n_head_kv, base_ne = _base_info(str(base_gguf), st.st_size, st.st_mtime_ns)
+    pairs = _lora_pairs(tensors, w_path, base_gguf, n_blocks)
+    alpha = float(cfg["lora_alpha"])
+    order = list(HF_TO_GGUF.values())
+    written: list[tuple[str, np.ndarray]] = []
+    for (layer, gname) in sorted(pairs, key=lambda k: (k[0], order.index(k[1]))):
+        A, B = _lora_pair_for_llamacpp(pairs[(layer, gname)], f"blk.{layer}.{gname}.weight", gname, cfg, w_path,
+                                       base_gguf, base_ne, arch, n_head, n_head_kv)
+        written.append((f"blk.{layer}.{gname}.weight.lora_a", A))
+        written.append((f"blk.{layer}.{gname}.weight.lora_b", B))
+    _write_lora_gguf(out, arch, alpha, adapter_dir.name or "lora", written)
+    return out
+
+
+def _read_peft_lora(adapter_dir: Path) -> tuple[dict, dict, Path]:
+    """(config, tensors by name, weights path) of a peft LoRA directory; ValueError naming what is wrong."""
     from safetensors.torch import load_file
 
-    adapter_dir, out, base_gguf = Path(adapter_dir), Path(out), Path(base_gguf)
     cfg_path, w_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
     for p in (cfg_path, w_path):
         if not p.is_file():
@@ -688,15 +705,16 @@ def lora_to_gguf(adapter_dir: Path, out: Path, base_gguf: Path) -> Path:
     except ValueError as e:
         raise ValueError(f"{cfg_path} is not JSON: {e}") from e
     _check_lora_config(cfg, cfg_path)
-    alpha = float(cfg["lora_alpha"])
     try:
         tensors = load_file(str(w_path))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise ValueError(f"{w_path} is not a readable safetensors file: {e}") from e
+    return cfg, tensors, w_path
 
-    st = base_gguf.stat()
-    arch, n_blocks, n_head, n_head_kv, base_ne = _base_info(str(base_gguf), st.st_size, st.st_mtime_ns)
 
+def _lora_pairs(tensors: dict, w_path: Path, base_gguf: Path, n_blocks: int) -> dict[tuple[int, str], dict[str, Any]]:
+    """{(layer, gguf module): {"hf": peft module name, "A": (r, in), "B": (out, r)}} (float32
+    numpy), every name, layer, rank and value checked."""
     pairs: dict[tuple[int, str], dict[str, Any]] = {}
     for key, t in tensors.items():
         m = _LORA_KEY.match(key)
@@ -717,53 +735,59 @@ def lora_to_gguf(adapter_dir: Path, out: Path, base_gguf: Path) -> Path:
         pairs.setdefault((layer, HF_TO_GGUF[(m.group(2), m.group(3))]), {"hf": hf})[m.group(4)] = a
     if not pairs:
         raise ValueError(f"{w_path}: no LoRA tensors")
+    return pairs
 
-    order = list(HF_TO_GGUF.values())
-    written: list[tuple[str, np.ndarray]] = []
-    for (layer, gname) in sorted(pairs, key=lambda k: (k[0], order.index(k[1]))):
-        p = pairs[(layer, gname)]
-        base = f"blk.{layer}.{gname}.weight"
-        if "A" not in p or "B" not in p:
-            have, lack = ("A", "B") if "A" in p else ("B", "A")
-            raise ValueError(f"{w_path}: {p['hf']} has lora_{have} but no lora_{lack}")
-        A, B = p["A"], p["B"]
-        ne = base_ne.get(base)
-        if ne is None:
-            raise ValueError(f"{w_path}: {p['hf']} maps to {base}, which {base_gguf.name} does not have")
-        r = A.shape[0]
-        if len(ne) != 2 or A.shape != (r, ne[0]) or B.shape != (ne[1], r):
-            raise ValueError(
-                f"{w_path}: {p['hf']} has lora_A {A.shape} and lora_B {B.shape}; {base} has ggml shape "
-                f"{list(ne)} ([in, out]), so it needs ({r}, in) and (out, {r})")
-        r_cfg = _pattern_value(cfg.get("rank_pattern"), p["hf"], cfg.get("r"))
-        if r_cfg != r:
-            raise ValueError(f"{w_path}: {p['hf']} has rank {r}, its config says r={r_cfg!r}")
-        alpha_m = float(_pattern_value(cfg.get("alpha_pattern"), p["hf"], alpha))
-        peft_scale = alpha_m / math.sqrt(r) if cfg.get("use_rslora") else alpha_m / r
-        fold = peft_scale / (alpha / r)  # llama.cpp applies alpha / r
-        if fold != 1.0:
-            B = B * np.float32(fold)
-        if _QK_PERMUTED[arch] and gname == "attn_q":
-            B = _permute_rows(B, n_head)
-        elif _QK_PERMUTED[arch] and gname == "attn_k":
-            B = _permute_rows(B, n_head_kv)
-        written.append((base + ".lora_a", np.ascontiguousarray(A, dtype=np.float32)))
-        written.append((base + ".lora_b", np.ascontiguousarray(B, dtype=np.float32)))
+
+def _lora_pair_for_llamacpp(p: dict[str, Any], base: str, gname: str, cfg: dict, w_path: Path, base_gguf: Path,
+                            base_ne: dict, arch: str, n_head: int, n_head_kv: int) -> tuple[np.ndarray, np.ndarray]:
+    """One module's (lora_a, lora_b) as llama.cpp applies them to ``base``: shapes checked against
+    the base tensor, peft's scale folded into lora_b where it is not alpha / r, q / k rows permuted
+    as convert_hf_to_gguf.py permutes the base's."""
+    if "A" not in p or "B" not in p:
+        have, lack = ("A", "B") if "A" in p else ("B", "A")
+        raise ValueError(f"{w_path}: {p['hf']} has lora_{have} but no lora_{lack}")
+    A, B = p["A"], p["B"]
+    ne = base_ne.get(base)
+    if ne is None:
+        raise ValueError(f"{w_path}: {p['hf']} maps to {base}, which {base_gguf.name} does not have")
+    r = A.shape[0]
+    if len(ne) != 2 or A.shape != (r, ne[0]) or B.shape != (ne[1], r):
+        raise ValueError(
+            f"{w_path}: {p['hf']} has lora_A {A.shape} and lora_B {B.shape}; {base} has ggml shape "
+            f"{list(ne)} ([in, out]), so it needs ({r}, in) and (out, {r})")
+    r_cfg = _pattern_value(cfg.get("rank_pattern"), p["hf"], cfg.get("r"))
+    if r_cfg != r:
+        raise ValueError(f"{w_path}: {p['hf']} has rank {r}, its config says r={r_cfg!r}")
+    alpha = float(cfg["lora_alpha"])
+    alpha_m = float(_pattern_value(cfg.get("alpha_pattern"), p["hf"], alpha))
+    peft_scale = alpha_m / math.sqrt(r) if cfg.get("use_rslora") else alpha_m / r
+    fold = peft_scale / (alpha / r)  # llama.cpp applies alpha / r
+    if fold != 1.0:
+        B = B * np.float32(fold)
+    if _QK_PERMUTED[arch] and gname == "attn_q":
+        B = _permute_rows(B, n_head)
+    elif _QK_PERMUTED[arch] and gname == "attn_k":
+        B = _permute_rows(B, n_head_kv)
+    return np.ascontiguousarray(A, dtype=np.float32), np.ascontiguousarray(B, dtype=np.float32)
+
+
+def _write_lora_gguf(out: Path, arch: str, alpha: float, name: str, written: list[tuple[str, np.ndarray]]) -> None:
+    """The adapter GGUF as convert_lora_to_gguf.py writes it (atomically)."""
+    import gguf
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with _atomic_writer(out, arch) as writer:
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-        writer.add_name(adapter_dir.name or "lora")
+        writer.add_name(name)
         writer.add_file_type(gguf.LlamaFileType.ALL_F32)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for name, arr in written:
-            writer.add_tensor(name, arr)
+        for tname, arr in written:
+            writer.add_tensor(tname, arr)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-    return out
 
 
 def adapter_sha256(adapter_dir: Path) -> str:
