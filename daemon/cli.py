@@ -263,6 +263,11 @@ def render_status(st: dict) -> None:
     for w in st.get("warnings", []):
         t.add_row("[yellow]warning[/]", w)
     out.print(t)
+    _render_acceptance(st, out)
+
+
+def _render_acceptance(st: dict, out) -> None:
+    """The status's acceptance table: per workload, the adapter serving it against the one before it."""
     acc = st.get("acceptance") or {}
     if acc:
         at = Table(title="acceptance per workload, active adapter vs the previous one (rate = accepted/drafted, "
@@ -590,14 +595,10 @@ def bootstrap(
                 task = prog.add_task(description, total=total)
                 return lambda n: prog.advance(task, n)
 
-            def on_empty(w: str) -> None:
-                why = " (GSM8K needs ../shared/data)" if w in ("math", "gsm8k") else ""
-                err.print(f"[yellow]no corpus text for {w!r}{why}; skipped[/]")
-
             if source == "decode":
                 decode_prompts(pair, fp, prompts_all, max_new_tokens, sink, progress)
             else:
-                score_corpora(pair, fp, corpora, corpus_tokens, s.trainer.precision, sink, progress, on_empty)
+                score_corpora(pair, fp, corpora, corpus_tokens, s.trainer.precision, sink, progress, _no_corpus_text)
             writer.flush(30)
             dcfg = dataclasses.replace(distill_config(s), weighting="all")
             distiller = Distiller(pair.draft, dcfg, vocab=vocab)
@@ -612,12 +613,17 @@ def bootstrap(
             except TrainerError as e:
                 err.print(f"[red]bootstrap failed:[/] {e}")
                 if isinstance(e, NotEnoughSamples):
-                    more = "--corpus-tokens" if source == "corpus" else "--prompts"
-                    err.print(f"more data: raise {more} (now {corpus_tokens if source == 'corpus' else prompts} per "
-                              f"workload); the samples scored so far stay in {scfg.keys.stream}")
+                    more, now = ("--corpus-tokens", corpus_tokens) if source == "corpus" else ("--prompts", prompts)
+                    err.print(f"more data: raise {more} (now {now} per workload); the samples scored so far "
+                              f"stay in {scfg.keys.stream}")
                 raise typer.Exit(1) from e
     out.print(f"{len(samples)} samples into {scfg.keys.stream}; v{res.version} "
               f"{'promoted' if res.promoted else 'registered, not promoted'}: {res.reason}")
+
+
+def _no_corpus_text(w: str) -> None:
+    why = " (GSM8K needs ../shared/data)" if w in ("math", "gsm8k") else ""
+    err.print(f"[yellow]no corpus text for {w!r}{why}; skipped[/]")
 
 
 def _bootstrap_inputs(workloads: str, source: str, prompts: int) -> tuple[list[str], list, dict]:
