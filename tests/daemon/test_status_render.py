@@ -68,7 +68,7 @@ def test_a_promotion_reason_is_the_active_versions_not_the_previous_ones(screen)
     text = buf.getvalue()
     assert "previous v1: paired gain" not in text  # v2's reason read as v1's
     assert "v2 active since" in text and "promoted: paired gain +0.031 over v1 (previous v1)" in text, text
-    assert "v3 (its own) active since" in text and "promoted: code: paired gain +0.05 (previous v0)" in text, text
+    assert "v3 (its own) active since" in text and "promoted: code: paired gain +0.05 (before it: the shared adapter)" in text, text
 
 
 def test_a_rollback_says_which_version_was_rolled_back_and_why(screen):
