@@ -245,7 +245,31 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
     cache_dir.mkdir(parents=True, exist_ok=True)
 
     new_of_old = {old: new for new, old in enumerate(sel)}
-    plain, blocks = [], [[] for _ in sel]
+    split = _field(reader, SPLIT_KEY)  # a split Q4_1 source: the draft needs the offsets of its blocks
+    derived_id = f"{_field(reader, SPLIT_ID_KEY)}-layers-{layer_spec(sel)}" if split else None
+    lora_name = _derived_offset_lora(src, split, new_of_old, out, arch, derived_id) if split else None
+    renamed = {SPLIT_KEY: lora_name.encode() if split else None, SPLIT_ID_KEY: derived_id.encode() if split else None,
+               bc_key: len(sel)}
+    with _atomic_writer(out, arch, endianess=reader.endianess) as writer:
+        writer.data_alignment = reader.alignment
+        for field in reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue  # the writer adds the architecture; GGUF.* are the reader's header fields
+            value, vtype, sub = _copy_value(field)
+            if field.name in renamed:
+                value = renamed[field.name]
+            elif (field.name.startswith(f"{arch}.") and vtype == gguf.GGUFValueType.ARRAY
+                  and sub != gguf.GGUFValueType.STRING and len(value) == n_blocks and n_blocks > 1):
+                value = [value[i] for i in sel]  # per-layer hyperparameters
+            writer.add_key_value(field.name, value, vtype, sub_type=sub)
+        _write_tensors(writer, _selected_tensors(reader, new_of_old), reader.endianess)
+    return out
+
+
+def _selected_tensors(reader, new_of_old: dict[int, int]) -> list[tuple[str, Any]]:
+    """(name in the derived file, reader tensor): every non-block tensor, then the selected blocks
+    renumbered ``blk.{new}.*`` in their new order."""
+    plain, blocks = [], [[] for _ in new_of_old]
     for t in reader.tensors:
         m = _BLOCK.match(t.name)
         if m is None:
@@ -253,35 +277,18 @@ def derived_draft_gguf(src: Path, layers: list[int], cache_dir: Path | None = No
         elif int(m.group(1)) in new_of_old:
             new = new_of_old[int(m.group(1))]
             blocks[new].append((f"blk.{new}.{m.group(2)}", t))
-    tensors = plain + [x for blk in blocks for x in blk]
+    return plain + [x for blk in blocks for x in blk]
 
-    split = _field(reader, SPLIT_KEY)  # a split Q4_1 source: the draft needs the offsets of its blocks
-    derived_id = f"{_field(reader, SPLIT_ID_KEY)}-layers-{layer_spec(sel)}" if split else None
-    lora_name = _derived_offset_lora(src, split, new_of_old, out, arch, derived_id) if split else None
-    with _atomic_writer(out, arch, endianess=reader.endianess) as writer:
-        writer.data_alignment = reader.alignment
-        for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-                continue  # the writer adds the architecture; GGUF.* are the reader's header fields
-            value, vtype, sub = _copy_value(field)
-            if field.name == SPLIT_KEY:
-                value = lora_name.encode()
-            elif field.name == SPLIT_ID_KEY:
-                value = derived_id.encode()
-            elif field.name == bc_key:
-                value = len(sel)
-            elif (field.name.startswith(f"{arch}.") and vtype == gguf.GGUFValueType.ARRAY
-                  and sub != gguf.GGUFValueType.STRING and len(value) == n_blocks and n_blocks > 1):
-                value = [value[i] for i in sel]  # per-layer hyperparameters
-            writer.add_key_value(field.name, value, vtype, sub_type=sub)
-        for name, t in tensors:
-            writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for _, t in tensors:
-            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-    return out
+
+def _write_tensors(writer, tensors: list[tuple[str, Any]], endianess) -> None:
+    """The header, the metadata already added, the tensor infos and the tensors' bytes, as read."""
+    for name, t in tensors:
+        writer.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, t in tensors:
+        writer.write_tensor_data(t.data, tensor_endianess=endianess)
 
 
 # ---- requantised weights ---------------------------------------------------------------------
