@@ -235,38 +235,9 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
     base = 1.0 / pk.ms[1]
     rows, best = [], None
     for name, cost in fm.items():
-        row: dict[str, Any] = {"format": name, "file": cost.file}
-        if cost.error:
-            rows.append(dict(row, eligible=False, why_not=cost.error))
-            continue
-        ms, running = {}, 0.0
-        for n in sorted(cost.ms):
-            running = ms[n] = max(running, cost.ms[n])
-        gp, prop, gamma = 1.0 / ms[1], None, 0
-        for p in proposers:
-            a = alphas.get(p)
-            c = _cost_per_token(p, measurement.draft_ms) if a is not None else None
-            if a is None or c is None:
-                continue
-            g_gp, g = speculative_goodput(ms, a, c)
-            if g > 0 and g_gp > gp:
-                gp, prop, gamma = g_gp, p, g
-        row.update(ms={str(n): round(t, 3) for n, t in sorted(cost.ms.items())}, rows_identical=cost.rows_identical,
-                   noise=cost.noise, repeats=cost.repeats,
-                   best={"proposer": prop, "gamma": gamma, "alpha": alphas.get(prop) if prop else None,
-                         "tokens_per_ms": round(gp, 5), "vs_packaged_plain": round(gp / base, 3)})
-        if name != PACKAGED and cost.rows_identical is False:
-            row.update(eligible=False, why_not=f"its {max(cost.ms)}-row verification's logits differ from its one-row "
-                                               f"steps (max {cost.row_max_abs_diff:.3g}): greedy speculation could "
-                                               f"leave plain decoding's output")
-        elif name != PACKAGED and cost.rows_identical is None:
-            row.update(eligible=False, why_not="its verification rows were not checked against one-row steps")
-        elif name != PACKAGED and _noisy(cost, measurement.reps):
-            row.update(eligible=False, why_not=_noisy(cost, measurement.reps))
-        else:
-            row["eligible"] = True
-            if best is None or gp > best[1]:
-                best = (name, gp, prop, gamma)
+        row, gp, prop, gamma = _judge_format(name, cost, measurement, alphas, proposers)
+        if row["eligible"] and (best is None or gp > best[1]):
+            best = (name, gp, prop, gamma)
         rows.append(row)
     name, gp, prop, gamma = best
     pk_plain = f"the packaged file's plain step ({pk.file}, {pk.ms[1]:.2f} ms)"
@@ -292,6 +263,43 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
 
 
 # ---- the measurement --------------------------------------------------------------------------------
+
+def _judge_format(name: str, cost, measurement: FormatMeasurement, alphas: dict[str, float],
+                  proposers: tuple[str, ...]) -> tuple[dict[str, Any], float, str | None, int]:
+    """One format's row of :func:`choose_format` (``eligible``, else ``why_not``), its best
+    expected goodput (tokens/ms), and the proposer and γ that give it (None, 0: plain decoding)."""
+    row: dict[str, Any] = {"format": name, "file": cost.file}
+    if cost.error:
+        return dict(row, eligible=False, why_not=cost.error), 0.0, None, 0
+    ms, running = {}, 0.0
+    for n in sorted(cost.ms):
+        running = ms[n] = max(running, cost.ms[n])
+    gp, prop, gamma = 1.0 / ms[1], None, 0
+    for p in proposers:
+        a = alphas.get(p)
+        c = _cost_per_token(p, measurement.draft_ms) if a is not None else None
+        if a is None or c is None:
+            continue
+        g_gp, g = speculative_goodput(ms, a, c)
+        if g > 0 and g_gp > gp:
+            gp, prop, gamma = g_gp, p, g
+    base = 1.0 / measurement.formats[PACKAGED].ms[1]
+    row.update(ms={str(n): round(t, 3) for n, t in sorted(cost.ms.items())}, rows_identical=cost.rows_identical,
+               noise=cost.noise, repeats=cost.repeats,
+               best={"proposer": prop, "gamma": gamma, "alpha": alphas.get(prop) if prop else None,
+                     "tokens_per_ms": round(gp, 5), "vs_packaged_plain": round(gp / base, 3)})
+    if name != PACKAGED and cost.rows_identical is False:
+        row.update(eligible=False, why_not=f"its {max(cost.ms)}-row verification's logits differ from its one-row "
+                                           f"steps (max {cost.row_max_abs_diff:.3g}): greedy speculation could "
+                                           f"leave plain decoding's output")
+    elif name != PACKAGED and cost.rows_identical is None:
+        row.update(eligible=False, why_not="its verification rows were not checked against one-row steps")
+    elif name != PACKAGED and _noisy(cost, measurement.reps):
+        row.update(eligible=False, why_not=_noisy(cost, measurement.reps))
+    else:
+        row["eligible"] = True
+    return row, gp, prop, gamma
+
 
 
 def cpu_key(threads: int) -> dict[str, Any]:
