@@ -102,35 +102,8 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
         # a daemon that lost the lease while a stale round of it is still refused
         registry = AdapterRegistry(handle.client, registry.artifact_dir, scfg)
 
-    def warm_start():  # the trainer's first job: v0 bootstrapped (first start on this pair) or taken from the cache
-        from daemon.warm_start import ensure_v0
-
-        progress = lambda msg: log.info("bootstrap_progress", msg=msg)  # noqa: E731
-        res = ensure_v0(pair, fingerprint, registry, distiller, ws_cfg, settings.trainer.precision, progress=progress)
-        if heads is not None:  # trainer.heads: the head's v0 the same way (daemon.heads.ensure_head_v0)
-            from daemon.heads import HeadBootstrapConfig, ensure_head_v0
-
-            try:  # the head's v0 failing never undoes the draft's
-                hv0 = ensure_head_v0(pair, fingerprint, heads.registry, HeadBootstrapConfig(),
-                                     settings.trainer.precision, progress=progress)
-                log.info("head_v0", source=hv0.source, version=hv0.version, reason=hv0.reason)
-            except Exception:  # noqa: BLE001 - e.g. Redis refused it: the rounds start from a fresh head
-                log.exception("head_v0_failed")
-        return res
-
-    leadership = None
-    if settings.trainer.lease_ttl_s > 0:  # one trainer at a time (store.lease)
-        from store.lease import Lease, Leadership
-
-        def acquired(token: int) -> None:  # announce the token before the first fenced write
-            for reg in (registry, heads.registry if heads is not None else None):
-                if reg is not None:
-                    reg.fencing_token = token
-                    reg.fence(token)
-
-        # one holder per daemon instance (two in one process, or a restart under the same pid, are two holders)
-        holder = f"{consumer}-{uuid.uuid4().hex[:6]}"
-        leadership = Leadership(Lease(handle.client, scfg, holder, ttl_s=settings.trainer.lease_ttl_s), acquired)
+    warm_start = _warm_start_job(pair, fingerprint, registry, distiller, ws_cfg, heads, settings.trainer.precision)
+    leadership = _leadership(settings, handle, scfg, consumer, registry, heads) if settings.trainer.lease_ttl_s > 0 else None
     svc_cfg = service_config(settings)
     service = TrainerService(
         reader,
@@ -164,6 +137,44 @@ def trainer_component(settings: Settings, handle: RedisHandle, registry: Adapter
             pass
         if leadership is not None:
             leadership.stop(release=True)  # a standby takes over at its next poll
+
+
+def _warm_start_job(pair, fingerprint, registry, distiller, ws_cfg, heads, precision: str):
+    """The trainer's first job: v0 bootstrapped (first start on this pair) or taken from the cache,
+    and with ``trainer.heads`` the head's v0 the same way (its failure never undoes the draft's)."""
+
+    def warm_start():
+        from daemon.warm_start import ensure_v0
+
+        progress = lambda msg: log.info("bootstrap_progress", msg=msg)  # noqa: E731
+        res = ensure_v0(pair, fingerprint, registry, distiller, ws_cfg, precision, progress=progress)
+        if heads is not None:  # trainer.heads: the head's v0 the same way (daemon.heads.ensure_head_v0)
+            from daemon.heads import HeadBootstrapConfig, ensure_head_v0
+
+            try:  # the head's v0 failing never undoes the draft's
+                hv0 = ensure_head_v0(pair, fingerprint, heads.registry, HeadBootstrapConfig(), precision, progress=progress)
+                log.info("head_v0", source=hv0.source, version=hv0.version, reason=hv0.reason)
+            except Exception:  # noqa: BLE001 - e.g. Redis refused it: the rounds start from a fresh head
+                log.exception("head_v0_failed")
+        return res
+
+    return warm_start
+
+
+def _leadership(settings: Settings, handle: RedisHandle, scfg, consumer: str, registry: AdapterRegistry, heads):
+    """One trainer at a time (store.lease): this daemon's Leadership, which announces its fencing
+    token to the trainer's registries before their first fenced write."""
+    from store.lease import Lease, Leadership
+
+    def acquired(token: int) -> None:  # announce the token before the first fenced write
+        for reg in (registry, heads.registry if heads is not None else None):
+            if reg is not None:
+                reg.fencing_token = token
+                reg.fence(token)
+
+    # one holder per daemon instance (two in one process, or a restart under the same pid, are two holders)
+    holder = f"{consumer}-{uuid.uuid4().hex[:6]}"
+    return Leadership(Lease(handle.client, scfg, holder, ttl_s=settings.trainer.lease_ttl_s), acquired)
 
 
 class ApiServer:
