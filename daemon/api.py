@@ -55,9 +55,31 @@ def _answer(status: int):
 
 def create_app(daemon: Any) -> FastAPI:  # daemon: a daemon.app.Daemon (app imports this module, not back)
     app = FastAPI(title="draftd control API", version="1", description=__doc__)
-    bearer = HTTPBearer(auto_error=False)
     metrics_registry = CollectorRegistry(auto_describe=False)
     metrics_registry.register(DraftdCollector(daemon))
+    require_token = _authenticate(app, daemon)
+    # the most specific class wins (Starlette looks handlers up along the exception's MRO)
+    for exc, code in ((UnknownVersionError, 404), (InvalidTransitionError, 409), (TrainerDisabledError, 409), (TrainerStandbyError, 409),
+                      (FencedError, 409), (DaemonError, 503), (StoreUnavailableError, 503)):
+        app.add_exception_handler(exc, _answer(code))
+
+    # FastAPI runs plain `def` endpoints in a worker thread: the Redis calls and a waited-for
+    # round never block the event loop.
+
+    _read_routes(app, daemon)
+    _operate_routes(app, daemon, require_token)
+
+    @app.get("/metrics", tags=["read"])
+    def metrics() -> Response:
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _authenticate(app: FastAPI, daemon: Any):
+    """The bearer-token check on every mutating request (a middleware, before the body is read),
+    and the dependency that documents it in OpenAPI; returns the dependency."""
+    bearer = HTTPBearer(auto_error=False)
 
     @app.middleware("http")
     async def token_before_body(request: Request, call_next):  # noqa: ANN001, ANN202
@@ -84,14 +106,10 @@ def create_app(daemon: Any) -> FastAPI:  # daemon: a daemon.app.Daemon (app impo
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    # the most specific class wins (Starlette looks handlers up along the exception's MRO)
-    for exc, code in ((UnknownVersionError, 404), (InvalidTransitionError, 409), (TrainerDisabledError, 409), (TrainerStandbyError, 409),
-                      (FencedError, 409), (DaemonError, 503), (StoreUnavailableError, 503)):
-        app.add_exception_handler(exc, _answer(code))
+    return require_token
 
-    # FastAPI runs plain `def` endpoints in a worker thread: the Redis calls and a waited-for
-    # round never block the event loop.
 
+def _read_routes(app: FastAPI, daemon: Any) -> None:
     @app.get("/healthz", tags=["read"])
     def healthz() -> dict[str, Any]:
         return {"ok": True}
@@ -114,6 +132,8 @@ def create_app(daemon: Any) -> FastAPI:  # daemon: a daemon.app.Daemon (app impo
     def adapter(version: int) -> dict[str, Any]:
         return daemon.adapter(version)
 
+
+def _operate_routes(app: FastAPI, daemon: Any, require_token) -> None:
     @app.post("/v1/adapters/{version}/promote", tags=["operate"], dependencies=[Depends(require_token)])
     def promote(version: int, body: ReasonBody | None = None) -> dict[str, Any]:
         return daemon.promote(version, (body or ReasonBody()).reason)
@@ -138,9 +158,3 @@ def create_app(daemon: Any) -> FastAPI:  # daemon: a daemon.app.Daemon (app impo
     @app.post("/v1/resume", tags=["operate"], dependencies=[Depends(require_token)])
     def resume() -> dict[str, Any]:
         return daemon.resume()
-
-    @app.get("/metrics", tags=["read"])
-    def metrics() -> Response:
-        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
