@@ -251,36 +251,17 @@ def bench(
     Prints a table to stderr and the JSON to stdout.
     """
     from decoder.bench import BenchConfig, run_bench
-    from decoder.workloads import get_workload
 
     if quick:
         workloads, prompts, gammas, sampling, max_new_tokens = "prose,code", 1, "2,4", "greedy", 32
     try:
-        if prompts < 1:
-            raise ValueError(f"--prompts {prompts}: must be >= 1")
-        if max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
-        props = _check_proposers(proposers)
         cfg = BenchConfig(parse_gammas(gammas), tuple(s.strip() for s in sampling.split(",")), max_new_tokens, hf,
-                          proposers=props)
-        bad = [s for s in cfg.sampling if s not in ("greedy", "t0.7-p0.9", "t1.0")]
-        if bad:
-            raise ValueError(f"unknown sampling {bad}: use greedy, t0.7-p0.9, t1.0")
-        ps = []
-        for w in workloads.split(","):
-            got = get_workload(w.strip(), prompts)
-            if not got:
-                raise ValueError(f"workload {w.strip()!r} has no prompts (humaneval needs ../shared/data/humaneval.jsonl.gz; "
-                                 f"a JSONL file needs at least one row)")
-            ps.extend(got)
+                          proposers=_check_proposers(proposers))
+        ps = _bench_prompts(cfg, workloads, prompts, max_new_tokens)
         _check_precision(draft_precision)
         _check_engine(engine)
         if llamacpp_peer:
-            from decoder.engines.registry import target_gguf
-
-            if target_gguf(target) is None:
-                raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), "
-                                 f"not {target!r}")
+            _peer_gguf(target)
         if adapter is not None and not (adapter / "adapter_config.json").is_file():
             raise ValueError(f"--adapter {str(adapter)!r}: no adapter_config.json there; pass a LoRA adapter "
                              f"directory (a registry artifact, e.g. out/demo/adapters/<run>/v3)")
@@ -290,13 +271,7 @@ def bench(
             err.log(f"adapter {adapter}: {adapter_note}")
         dec = _decoder(pair, dv, draft_precision, choice)
         if llamacpp_peer or (llamacpp_peer is None and choice.name == "llamacpp"):
-            from decoder.engines.registry import target_gguf
-
-            gguf = target_gguf(target)
-            if gguf is None:
-                raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), "
-                                 f"not {target!r}")
-            cfg.llamacpp = str(gguf)
+            cfg.llamacpp = str(_peer_gguf(target))
     except (ValueError, RuntimeError) as e:
         err.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e
@@ -324,6 +299,37 @@ def bench(
     print(text)
     if out:
         out.write_text(text)
+
+
+def _bench_prompts(cfg, workloads: str, prompts: int, max_new_tokens: int) -> list:
+    """The bench's prompts, ``prompts`` per workload; ValueError naming a bad option."""
+    from decoder.workloads import get_workload
+
+    if prompts < 1:
+        raise ValueError(f"--prompts {prompts}: must be >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+    bad = [s for s in cfg.sampling if s not in ("greedy", "t0.7-p0.9", "t1.0")]
+    if bad:
+        raise ValueError(f"unknown sampling {bad}: use greedy, t0.7-p0.9, t1.0")
+    ps = []
+    for w in workloads.split(","):
+        got = get_workload(w.strip(), prompts)
+        if not got:
+            raise ValueError(f"workload {w.strip()!r} has no prompts (humaneval needs ../shared/data/humaneval.jsonl.gz; "
+                             f"a JSONL file needs at least one row)")
+        ps.extend(got)
+    return ps
+
+
+def _peer_gguf(target: str) -> Path:
+    """The GGUF llama-cpp-python's own plain generation runs on; ValueError for a non-GGUF target."""
+    from decoder.engines.registry import target_gguf
+
+    gguf = target_gguf(target)
+    if gguf is None:
+        raise ValueError(f"--llamacpp-peer needs a GGUF target (a built-in name or a .gguf path), not {target!r}")
+    return gguf
 
 
 def print_table(result: dict, console: Console) -> None:
