@@ -355,14 +355,9 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
            "draft_layers": draft_layers, "version": MEASURE_VERSION}
     cdir = Path(cache_dir or cache_root() / "formats")
     cfile = _cache_file(key, cdir)
-    if use_cache and cfile.exists():
-        try:
-            m = FormatMeasurement.from_json(json.loads(cfile.read_text()))
-            if m.key == key:
-                m.from_cache, m.cache_file = True, str(cfile)
-                return m
-        except (ValueError, TypeError, KeyError):  # damaged: measured again below
-            pass
+    cached_m = _cached_measurement(cfile, key) if use_cache else None
+    if cached_m is not None:
+        return cached_m
     t0 = time.perf_counter()
     costs: dict[str, FormatCost] = {}
     engines: dict[str, tuple[Any, Sequence[int]]] = {}
@@ -399,17 +394,35 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     draft_ms = timed[DRAFT]["ms"].get(1) if DRAFT in timed else None
     noisy = [f for f, c in costs.items() if _noisy(c, reps) or (c.error and "not measured within" in c.error)]
     m = FormatMeasurement(key, costs, draft_ms, reps, cached, round(time.perf_counter() - t0, 2), time.time(), str(cfile))
-    if not use_cache or noisy:  # a noisy measurement is taken again at the next start
+    if not use_cache or noisy or not _write_cache(m, cfile):  # a noisy measurement is taken again at the next start
         m.cache_file = None
-    else:
-        try:
-            cdir.mkdir(parents=True, exist_ok=True)
-            tmp = cfile.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(m.to_json(), indent=1))
-            os.replace(tmp, cfile)
-        except OSError:  # an unwritable cache: measured again next start
-            m.cache_file = None
     return m
+
+
+def _cached_measurement(cfile: Path, key: dict) -> FormatMeasurement | None:
+    """The measurement cached in ``cfile`` under ``key``; None when absent, damaged or another key's."""
+    if not cfile.exists():
+        return None
+    try:
+        m = FormatMeasurement.from_json(json.loads(cfile.read_text()))
+    except (ValueError, TypeError, KeyError):  # damaged: measured again
+        return None
+    if m.key != key:
+        return None
+    m.from_cache, m.cache_file = True, str(cfile)
+    return m
+
+
+def _write_cache(m: FormatMeasurement, cfile: Path) -> bool:
+    """``m`` written to ``cfile`` atomically; False when the cache cannot be written (measured again next start)."""
+    try:
+        cfile.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cfile.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(m.to_json(), indent=1))
+        os.replace(tmp, cfile)
+        return True
+    except OSError:
+        return False
 
 
 # ---- the setting resolved ---------------------------------------------------------------------------
