@@ -660,21 +660,7 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
     from decoder.shift import ShiftDetector
     from decoder.speculative import SpeculativeDecoder
 
-    writer = history = None
-    sink = None
-    if client is not None:
-        from store import AcceptanceHistory, SampleWriter
-
-        writer = SampleWriter(client, store_config)
-        history = AcceptanceHistory(client, store_config)
-
-        def sink(sample):
-            if tap is not None:
-                try:
-                    tap(sample)
-                except Exception:  # noqa: BLE001 - a tap never fails the buffer
-                    log.exception("sample_tap_failed")
-            return writer.submit(sample)
+    writer, history, sink = _store_sink(client, store_config, tap) if client is not None else (None, None, None)
     if HEAD in proposers and eagle_head is None and head_registry is None:
         raise ValueError(f"proposers={tuple(proposers)!r} include 'eagle', which needs a head: pass eagle_head= "
                          f"(decoder.eagle.load_head(target, path), trained by bench/head_buffer_bench.py --save) "
@@ -692,14 +678,7 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
             writer.close()
         raise
     manager = AdapterManager(decoder, registry, poll_interval_s=poll_interval_s) if registry is not None else None
-    heads = None
-    if head_registry is not None:
-        import torch
-
-        from decoder.heads import HeadManager, serving_head_loader
-
-        heads = HeadManager(decoder, head_registry, poll_interval_s=poll_interval_s,
-                            load=serving_head_loader(decoder, head_dtype or torch.float32))
+    heads = _head_manager(decoder, head_registry, poll_interval_s, head_dtype) if head_registry is not None else None
     head_history = history.of_kind("head") if history is not None and head_registry is not None else None
     # the draft-proposed requests by adapter version, every replica's: what a rollback is judged on
     draft_history = history.of_kind(DRAFT_KIND) if history is not None and registry is not None else None
@@ -716,6 +695,35 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                                        proposer_available=lambda n: n != HEAD or decoder.eagle_head is not None)
     return ServingLoop(decoder, manager=manager, controller=controller, tracker=tracker, monitor=monitor,
                        writer=writer, config=config, heads=heads, head_monitor=head_monitor)
+
+
+def _head_manager(decoder, head_registry, poll_interval_s: float, head_dtype):
+    """The HeadManager keeping ``decoder``'s head on ``head_registry``'s promoted one (float32 copies by default)."""
+    import torch
+
+    from decoder.heads import HeadManager, serving_head_loader
+
+    return HeadManager(decoder, head_registry, poll_interval_s=poll_interval_s,
+                       load=serving_head_loader(decoder, head_dtype or torch.float32))
+
+
+def _store_sink(client, store_config, tap: Callable[[Any], Any] | None):
+    """(SampleWriter, AcceptanceHistory, the decoder's sink): each verified sample to ``tap``
+    (whose failure never fails the buffer), then to the writer."""
+    from store import AcceptanceHistory, SampleWriter
+
+    writer = SampleWriter(client, store_config)
+    history = AcceptanceHistory(client, store_config)
+
+    def sink(sample):
+        if tap is not None:
+            try:
+                tap(sample)
+            except Exception:  # noqa: BLE001 - a tap never fails the buffer
+                log.exception("sample_tap_failed")
+        return writer.submit(sample)
+
+    return writer, history, sink
 
 
 def speculation_by_workload(speculation: dict[str, dict[str, Any]]) -> dict[str, bool]:
