@@ -272,19 +272,6 @@ class AdapterManager(RegistryFollower):
         decoder.between_requests.append(self._between_requests)
 
     # ---- preparation (background, outside the decoder's lock) ------------------------------
-    def poll_once(self, version: int | None = None, scope: str = "") -> int:
-        """Synchronously prepare ``version`` for ``scope`` (default: the registry's active
-        versions of every scope) and evict unused adapters; returns the version prepared or
-        kept for ``scope``. The switch itself still happens at the next request boundary.
-        Raises StoreUnavailableError when Redis is unreachable."""
-        if version is None:
-            for sc, v in self.registry.active_versions().items():
-                self._prepare(v, "manual", sc)
-        else:
-            self._prepare(int(version), "manual", scope)
-        self._evict()
-        return self._routes.get(scope, 0)
-
     def _prepare(self, version: int, source: str, scope: str = "") -> None:
         with self._prep_lock:
             if version == self._routes.get(scope, 0):

@@ -129,18 +129,6 @@ class HeadManager(RegistryFollower):
         decoder.between_requests.append(self._between_requests)
 
     # ---- preparation (watcher thread) --------------------------------------------------------
-    def poll_once(self, version: int | None = None, scope: str = "") -> int:
-        """Synchronously prepare ``version`` for ``scope`` (default: every scope's active
-        version); the switch still happens at the next request boundary. Returns the version
-        routed for ``scope``. Raises StoreUnavailableError when Redis is unreachable."""
-        if version is None:
-            for sc, v in self.registry.active_versions().items():
-                self._prepare(v, "manual", sc)
-        else:
-            self._prepare(int(version), "manual", scope)
-        self._evict()
-        return self._routes.get(scope, 0)
-
     def _prepare(self, version: int, source: str, scope: str = "") -> None:
         with self._prep_lock:
             if version == self._routes.get(scope, 0):

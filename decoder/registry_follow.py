@@ -125,6 +125,19 @@ class RegistryFollower:
         watch_registry(self.registry, self._prepare, self._stop, poll_interval_s=self.poll_interval_s,
                        clock=self.clock, after=self._evict, name=self._watch_name)
 
+    def poll_once(self, version: int | None = None, scope: str = "") -> int:
+        """Synchronously prepare ``version`` for ``scope`` (default: the registry's active
+        versions of every scope) and evict unused ones; returns the version prepared or kept for
+        ``scope``. The switch itself still happens at the next request boundary.
+        Raises StoreUnavailableError when Redis is unreachable."""
+        if version is None:
+            for sc, v in self.registry.active_versions().items():
+                self._prepare(v, "manual", sc)
+        else:
+            self._prepare(int(version), "manual", scope)
+        self._evict()
+        return self._routes.get(scope, 0)
+
     def route(self, workload: str | None) -> int:
         """The prepared version a request of ``workload`` runs with: its scope's route, else
         the shared one (None = an idle boundary: the shared one)."""

@@ -43,6 +43,19 @@ def base_env(state_dir: Path, port: int, **extra: str) -> dict[str, str]:
     return env
 
 
+def paused_trainer_env(key_prefix: str, **extra: str) -> dict[str, str]:
+    """The settings of a daemon on the shared Redis under ``key_prefix`` whose trainer waits
+    (paused, no scheduled round within the test), on one torch thread; ``extra`` added."""
+    return {
+        "DRAFTD_REDIS__URL": REDIS_URL,
+        "DRAFTD_STORE__KEY_PREFIX": key_prefix,
+        "DRAFTD_MODELS__TORCH_THREADS": "1",
+        "DRAFTD_TRAINER__START_PAUSED": "true",
+        "DRAFTD_TRAINER__INTERVAL_S": "3600",
+        **extra,
+    }
+
+
 def wait_healthy(proc: subprocess.Popen, port: int, logs, timeout_s: float = 300.0) -> None:
     """Until the `daemonctl serve` process ``proc`` answers /health on ``port``; fails with
     ``logs()`` (its log's tail) if it exits first, or after ``timeout_s`` seconds."""

@@ -13,13 +13,18 @@ from daemon.app import Daemon
 from daemon.settings import load_settings
 
 
-@pytest.fixture
-def api(tmp_path, key_prefix, monkeypatch):
+def _daemon(tmp_path, key_prefix, monkeypatch) -> Daemon:
+    """A daemon on the shared Redis under ``key_prefix``, without models or its own API server."""
     for k in [k for k in os.environ if k.startswith("DRAFTD_")]:
         monkeypatch.delenv(k)
     s = load_settings(state_dir=tmp_path / "state", redis={"url": REDIS_URL}, store={"key_prefix": key_prefix},
                       models={"enabled": False}, api={"enabled": False})
-    d = Daemon(s)
+    return Daemon(s)
+
+
+@pytest.fixture
+def api(tmp_path, key_prefix, monkeypatch):
+    d = _daemon(tmp_path, key_prefix, monkeypatch)
     with d.started():
         yield TestClient(create_app(d)), d.token
 
@@ -54,11 +59,7 @@ def test_metrics_export_at_most_64_workloads_the_rest_summed_as_other(tmp_path, 
 
     from daemon.metrics import METRICS_WORKLOADS
 
-    for k in [k for k in os.environ if k.startswith("DRAFTD_")]:
-        monkeypatch.delenv(k)
-    s = load_settings(state_dir=tmp_path / "state", redis={"url": REDIS_URL}, store={"key_prefix": key_prefix},
-                      models={"enabled": False}, api={"enabled": False})
-    d = Daemon(s)
+    d = _daemon(tmp_path, key_prefix, monkeypatch)
     with d.started():
         for i in range(100):
             d.history.record(f"w{i:03d}", 0, {"requests": 1 + (i < 10) * 100, "num_steps": 1})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REDIS_URL, http
+from conftest import http, paused_trainer_env
 from helpers import make_sample
 from store.buffer import SampleWriter, group_info
 from store.config import StoreConfig
@@ -33,18 +33,9 @@ def fingerprint() -> PairFingerprint:
 
 
 def env_for(key_prefix: str, grace: float) -> dict[str, str]:
-    return {
-        "DRAFTD_REDIS__URL": REDIS_URL,
-        "DRAFTD_STORE__KEY_PREFIX": key_prefix,
-        "DRAFTD_MODELS__TORCH_THREADS": "1",
-        "DRAFTD_TRAINER__START_PAUSED": "true",
-        "DRAFTD_TRAINER__INTERVAL_S": "3600",
-        "DRAFTD_TRAINER__MAX_STEPS": "4",
-        "DRAFTD_TRAINER__BATCH_SIZE": "2",
-        "DRAFTD_TRAINER__MAX_SEQ_LEN": "64",
-        "DRAFTD_TRAINER__MIN_EVAL_SAMPLES": "1",
-        "DRAFTD_TRAINER__SHUTDOWN_GRACE_S": str(grace),
-    }
+    return paused_trainer_env(key_prefix, DRAFTD_TRAINER__MAX_STEPS="4", DRAFTD_TRAINER__BATCH_SIZE="2",
+                              DRAFTD_TRAINER__MAX_SEQ_LEN="64", DRAFTD_TRAINER__MIN_EVAL_SAMPLES="1",
+                              DRAFTD_TRAINER__SHUTDOWN_GRACE_S=str(grace))
 
 
 def start_round_then_sigterm(d) -> dict:

@@ -9,21 +9,14 @@ import time
 
 import pytest
 
-from conftest import REDIS_URL, http
+from conftest import http, paused_trainer_env
 
 pytestmark = pytest.mark.slow
 TTL = 2.0
 
 
 def env_for(key_prefix: str) -> dict[str, str]:
-    return {
-        "DRAFTD_REDIS__URL": REDIS_URL,
-        "DRAFTD_STORE__KEY_PREFIX": key_prefix,
-        "DRAFTD_MODELS__TORCH_THREADS": "1",
-        "DRAFTD_TRAINER__START_PAUSED": "true",
-        "DRAFTD_TRAINER__INTERVAL_S": "3600",
-        "DRAFTD_TRAINER__LEASE_TTL_S": str(TTL),
-    }
+    return paused_trainer_env(key_prefix, DRAFTD_TRAINER__LEASE_TTL_S=str(TTL))
 
 
 def lease_of(d) -> dict:
