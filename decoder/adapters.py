@@ -274,10 +274,8 @@ class AdapterManager(RegistryFollower):
     # ---- preparation (background, outside the decoder's lock) ------------------------------
     def _prepare(self, version: int, source: str, scope: str = "") -> None:
         with self._prep_lock:
-            if version == self._routes.get(scope, 0):
+            if self._nothing_to_prepare(version, source, scope):
                 return
-            if version in self._failed and source == "poll":
-                return  # already failed; a new event (or poll_once) retries it
             t0 = self.clock()
             try:
                 if version != 0:

@@ -131,10 +131,8 @@ class HeadManager(RegistryFollower):
     # ---- preparation (watcher thread) --------------------------------------------------------
     def _prepare(self, version: int, source: str, scope: str = "") -> None:
         with self._prep_lock:
-            if version == self._routes.get(scope, 0):
+            if self._nothing_to_prepare(version, source, scope):
                 return
-            if version in self._failed and source == "poll":
-                return  # already failed; an event or poll_once retries it
             t0 = self.clock()
             if version and version not in self._heads:
                 try:

@@ -138,6 +138,11 @@ class RegistryFollower:
         self._evict()
         return self._routes.get(scope, 0)
 
+    def _nothing_to_prepare(self, version: int, source: str, scope: str) -> bool:
+        """``version`` already routes ``scope``, or failed before and only a poll asks again (a
+        new event or :meth:`poll_once` retries it)."""
+        return version == self._routes.get(scope, 0) or (version in self._failed and source == "poll")
+
     def route(self, workload: str | None) -> int:
         """The prepared version a request of ``workload`` runs with: its scope's route, else
         the shared one (None = an idle boundary: the shared one)."""
