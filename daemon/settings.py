@@ -185,6 +185,9 @@ class TrainerSettings(_Group):
     min_eval_requests: int = Field(8, ge=2, description="Held-out requests (prompts) the promotion gate's paired interval needs (trainer.gate).")
     min_eval_positions: int = Field(256, ge=1, description="Held-out output positions the promotion gate needs over the judged workloads.")
     gate_confidence: float = Field(0.95, gt=0, lt=1, description="Coverage of the gain's bootstrap interval; its lower bound must be above 0 to promote.")
+    adapter_bytes_in_redis: bool = Field(False, description="Register every adapter's files in Redis too (P adapter:blob:N, "
+                                         "about 2.6 MB a version at r = 16), so a `serve` on another host, without this "
+                                         "daemon's state_dir, can load it (every version's, rejected ones too: an operator may promote one).")
     gate_on: Literal["decode", "all"] = Field("decode", description="The gate judges each workload on its held-out decode records "
                                               "(what the draft proposes for while serving) when it has min_eval_samples of them; 'all' adds the prompts' prefill records.")
     loss: LossName = Field("forward_kl", description="Divergence: forward_kl, reverse_kl, jsd or tv (trainer.losses).")
@@ -659,4 +662,5 @@ def service_config(s: Settings) -> "ServiceConfig":
         confidence=t.gate_confidence,
         gate_on=t.gate_on,
         work_dir=str(s.state_dir / "trainer"),
+        store_bytes=t.adapter_bytes_in_redis,
     )

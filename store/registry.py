@@ -505,7 +505,7 @@ class AdapterRegistry:
                 raise ArtifactMissingError(
                     f"{self.kind} v{version}: {what} and its bytes are not in Redis; "
                     f"copy the directory from the host that registered it ({rec.artifact_path}) "
-                    f"or register with store_bytes=True"
+                    f"or register with store_bytes=True (daemonctl run: trainer.adapter_bytes_in_redis=true)"
                 )
             with _unavailable(f"HGETALL {self.kind} v{version} bytes"):
                 blobs = self._client.hgetall(self._keys.adapter_blob(version))

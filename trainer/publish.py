@@ -27,14 +27,14 @@ def adapter_meta(parent: int, before: EvalResult, after: EvalResult, samples: in
 
 
 def publish(registry: Any, distiller: Distiller, meta: AdapterMeta, promote: bool, reason: str,
-            work_dir: Path | None = None) -> int:
+            work_dir: Path | None = None, store_bytes: bool = False) -> int:
     """Save the distiller's adapter (in a temporary directory under ``work_dir``), register it
-    with ``meta``, then promote it in its scope or mark it rejected, with ``reason``. Returns the
-    registered version."""
+    with ``meta`` (its files also in Redis with ``store_bytes``, for decoders on other hosts), then
+    promote it in its scope or mark it rejected, with ``reason``. Returns the registered version."""
     out = Path(tempfile.mkdtemp(dir=work_dir, prefix="draftd-publish-"))
     try:
         distiller.save(out / "adapter")
-        version = registry.register(out / "adapter", meta)
+        version = registry.register(out / "adapter", meta, store_bytes=store_bytes)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     if promote:

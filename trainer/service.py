@@ -146,6 +146,8 @@ class ServiceConfig:
     # candidate of a shifted workload for the forgetting it caused on the others: bench/RESULTS.md).
     shared_turn: bool = True
     work_dir: str | None = None  # where candidates are written before registration (temp if None)
+    # register each adapter's files in Redis too, for decoders on other hosts (AdapterRegistry.register's store_bytes)
+    store_bytes: bool = False
 
     def __post_init__(self) -> None:
         if self.gate_on not in ("decode", "all"):
@@ -895,7 +897,8 @@ class TrainerService:
         """Register the distiller's adapter with ``meta``, then promote it in its scope (its
         evaluation ``after`` seeds the served-adapter cache) or mark it rejected, with ``reason``.
         Returns (version, "promoted" | "rejected")."""
-        version = publish(self.registry, self.distiller, meta, promote, reason, self._work)
+        version = publish(self.registry, self.distiller, meta, promote, reason, self._work,
+                          store_bytes=self.config.store_bytes)
         if promote:
             self._eval_cache[version] = dict(after.per_sample)  # the candidate's evaluation, reused
             return version, "promoted"

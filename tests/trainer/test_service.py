@@ -64,6 +64,31 @@ def test_round_registers_promotes_and_acks(env, train_samples, heldout_samples):
     assert st["rounds"] == 2 and st["promoted_version"] == 1 and sum(st["heldout"].values()) == rep.heldout_added
 
 
+def test_with_store_bytes_a_decoder_on_another_host_fetches_the_promoted_adapter(env, train_samples, heldout_samples,
+                                                                                  tmp_path):
+    """trainer.adapter_bytes_in_redis: the round registers the adapter's files in Redis too; a
+    registry on another artifact dir (another host, without the daemon's state_dir) materialises
+    them byte for byte. Without it, that registry cannot (the files live on the daemon's host)."""
+    from store.registry import ArtifactMissingError
+
+    client, cfg, registry, _ = env
+    write(client, cfg, train_samples + heldout_samples)
+    rep = make_service(env, store_bytes=True).run_round_now()
+    assert rep.decision == "promoted", rep.reason
+    assert registry.get(rep.version).has_bytes
+    elsewhere = AdapterRegistry(client, tmp_path / "other-host", cfg)
+    got = Path(elsewhere.fetch(rep.version))
+    src = Path(registry.get(rep.version).artifact_path)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (got / name).read_bytes() == (src / name).read_bytes()
+    from store.registry import AdapterMeta
+
+    v2 = registry.register(src, AdapterMeta(parent=rep.version))  # the default: files on this host only
+    assert not registry.get(v2).has_bytes
+    with pytest.raises(ArtifactMissingError, match="adapter_bytes_in_redis"):
+        AdapterRegistry(client, tmp_path / "third-host", cfg).fetch(v2)
+
+
 def test_rejected_candidate_is_registered_with_reason(env, train_samples):
     client, cfg, registry, _ = env
     write(client, cfg, train_samples)
