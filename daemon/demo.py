@@ -75,6 +75,11 @@ class DemoConfig:
     heads: bool = False
     head_steps: int = 60
     head_gamma: int = 1  # γ of the frozen-vs-adapted head rows (on 2 CPU cores γ = 1 is the head's best)
+    # the copy channel's ablation rows on the same prompts (store.copy_channel): the final LoRA
+    # without its gate ("adapted_nogate": what the gate adds), and v0 with the untrained fixed gate
+    # FIXED_COPY_GATE ("frozen_fixedgate": λ = 1 where the match is >= 3 tokens: the heuristic the
+    # learnt gate competes with)
+    copy_ablation: bool = True
     seed: int = 0
     out_dir: Path = field(default_factory=lambda: Path("out/demo"))
 
@@ -87,6 +92,9 @@ class DemoConfig:
 
 
 DEMO_DRAFT_VOCAB = 8192  # DemoConfig.draft_vocab's default
+# An untrained copy gate for the ablation row: z = 800 ℓ/8 - 250, so z = -50 at ℓ = 2 and +50 at
+# ℓ = 3: λ = 0 below a 3-token match and 1 (in float64) from it on (store.copy_channel.FEATURES order)
+FIXED_COPY_GATE = (-250.0, 800.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def demo_settings(settings, cfg: DemoConfig):
@@ -596,6 +604,7 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
 
     v0_state = state_of(v0_version)
     served_history, served_gate = decoder.ngram_history, decoder.ngram_gate
+    gate_of = _gate_loader(registry)
     # the same head as the adapted draft (FR-Spec or not), so the rows differ by training only
     # on llama.cpp the frozen draft is the draft's own context with v0's LoRA set (see _frozen_lora)
     frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok, DecoderConfig(draft_vocab=decoder.config.draft_vocab),
@@ -623,6 +632,8 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
             ps = _prompts(phase, cfg.eval_prompts)
             runs = (("plain", decoder, 0, None), ("frozen", frozen, cfg.eval_gamma, "draft"),
                     ("adapted_draft", decoder, cfg.eval_gamma, "draft"))
+            if cfg.copy_ablation:  # what the copy gate adds, and what a fixed, untrained one gives
+                runs += (("adapted_nogate", decoder, cfg.eval_gamma, "draft"), ("frozen_fixedgate", frozen, cfg.eval_gamma, "draft"))
             if pick_g:  # a plain pick is the plain run itself (no second measurement of the same thing)
                 runs += (("adapted", decoder, pick_g, pick_p),)
             if frozen_head is not None and decoder.eagle_head is not None:
@@ -650,13 +661,19 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                         dec, lora = frozen, final
                     else:
                         lora = None
+                    # each draft row proposes with its version's copy gate (none for v0 unless it has one);
+                    # the ablation rows: the final LoRA without its gate, v0 with the fixed gate
+                    gate = {"frozen": gate_of(v0_version), "adapted_nogate": None,
+                            "frozen_fixedgate": FIXED_COPY_GATE}.get(name, gate_of(final))
                     with (_frozen_lora(decoder if lora is not None else None, lora or 0, registry),
-                          _swapped_head(decoder, frozen_head if name == "frozen_head" else None)):
+                          _swapped_head(decoder, frozen_head if name == "frozen_head" else None),
+                          _copy_gate(dec, gate)):
                         r = dec.generate(DecodeRequest(ids, params, cfg.eval_new_tokens, gamma=g, ignore_eos=True,
                                                        workload=phase, proposer=prop))
                     tot[name][0].merge(r.counts)
                     tot[name][1] += r.latency_ms
                     per_prompt[name].append((r.counts, r.latency_ms))
+            row["copy_gate"] = {"v0": _gate_list(gate_of(v0_version)), "final": _gate_list(gate_of(final))}
             for name, _, g, prop in runs:
                 c, ms = tot[name]
                 row[name] = {"proposer": prop, "gamma": g, "alpha": _nn(c.alpha),
@@ -664,7 +681,8 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                              "tokens_per_s": round(c.num_emitted_tokens / ms * 1e3, 3)}
             if "adapted" not in row:
                 row["adapted"] = {**row["plain"], "same_run_as": "plain"}
-            for name in ("frozen", "adapted_draft", "adapted", "frozen_head", "adapted_head"):
+            for name in ("frozen", "adapted_draft", "adapted", "frozen_head", "adapted_head", "adapted_nogate",
+                         "frozen_fixedgate"):
                 if name in row:
                     row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
             row.update(_paired_intervals(per_prompt, cfg.confidence))
@@ -730,9 +748,10 @@ def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_v
         middle = middle[: _VERSIONS_CHECKED - 1] + middle[-1:]
     chain = [v for v in chain if v in runs or v in middle]
     history = decoder.ngram_history
+    gate_of = _gate_loader(registry)
     for v in middle:
         runs[v] = []
-        with _frozen_lora(decoder, v, registry):
+        with _frozen_lora(decoder, v, registry), _copy_gate(frozen, gate_of(v)):
             for p in ps:
                 decoder.ngram_history = history.copy()
                 r = frozen.generate(DecodeRequest(p.token_ids(tok)[-256:], params, cfg.eval_new_tokens, gamma=cfg.eval_gamma,
@@ -766,6 +785,11 @@ def _paired_intervals(per_prompt: dict[str, list], confidence: float) -> dict[st
     out: dict[str, Any] = {"eval_prompts": len(per_prompt.get("plain", []))}
     if "frozen" in per_prompt and "adapted_draft" in per_prompt:
         out["alpha_gain_ci"] = _jsonable(paired_ratio_gain(alpha_rows("frozen", "adapted_draft"), confidence).to_dict())
+    for key, (a, b) in {"nogate_alpha_gain_ci": ("frozen", "adapted_nogate"),  # the LoRA alone over v0
+                        "gate_alpha_gain_ci": ("adapted_nogate", "adapted_draft"),  # what the learnt gate adds
+                        "fixedgate_alpha_gain_ci": ("frozen", "frozen_fixedgate")}.items():  # a fixed gate on v0
+        if a in per_prompt and b in per_prompt:
+            out[key] = _jsonable(paired_ratio_gain(alpha_rows(a, b), confidence).to_dict())
     if "frozen_head" in per_prompt and "adapted_head" in per_prompt:
         out["head_alpha_gain_ci"] = _jsonable(paired_ratio_gain(alpha_rows("frozen_head", "adapted_head"), confidence).to_dict())
     speed = {}
@@ -780,6 +804,39 @@ def _paired_intervals(per_prompt: dict[str, list], confidence: float) -> dict[st
                            "high": round(1 + g.high / g.before, 4), "prompts": g.clusters}
     out["speed_vs_plain_ci"] = speed
     return out
+
+
+def _gate_loader(registry):
+    """version -> its copy gate's weights (store.copy_channel.load_gate; None for version 0 and an
+    adapter without a gate), each version's file read once."""
+    from store.copy_channel import load_gate
+
+    cache: dict[int, Any] = {}
+
+    def gate_of(version: int):
+        if not version:
+            return None
+        if version not in cache:
+            cache[version] = load_gate(registry.fetch(version))
+        return cache[version]
+
+    return gate_of
+
+
+def _gate_list(gate) -> list[float] | None:
+    return None if gate is None else [round(float(x), 4) for x in gate]
+
+
+@contextlib.contextmanager
+def _copy_gate(decoder, gate):
+    """``decoder.copy_gate`` = ``gate`` for the block, put back after (the adapter manager is
+    closed by the evaluation, so nothing switches it meanwhile)."""
+    was = decoder.copy_gate
+    decoder.copy_gate = gate
+    try:
+        yield
+    finally:
+        decoder.copy_gate = was
 
 
 @contextlib.contextmanager
@@ -977,6 +1034,22 @@ def print_report(report: dict, console) -> None:
                   f(pk["alpha"]), f(pk["tau"]), f"{f(pk['speedup_vs_plain'])} {ci(sp)}" if sp else f(pk["speedup_vs_plain"]),
                   f"{f(r['live_first_third']['alpha'])} → {f(r['live_last_third']['alpha'])}")
     console.print(t)
+    if any("adapted_nogate" in r for r in report["phases"]):
+        tc = Table(title="the copy channel on the same prompts (draft γ=" + str((report.get("config") or {}).get("eval_gamma"))
+                         + f"): decoded greedy α, gains paired per prompt [{pct} % CI]")
+        for c in ("phase", "v0 α", "adapted (LoRA + gate) α", "gain over v0", "adapted LoRA, no gate α", "gain over v0",
+                  "the gate adds", "v0 + fixed gate (λ=1 at ℓ≥3) α", "gain over v0", "final gate w"):
+            tc.add_column(c)
+        for r in report["phases"]:
+            if "adapted_nogate" not in r:
+                continue
+            g = lambda k: (r.get(k) or {})  # noqa: E731
+            cell = lambda k: f"{f(g(k).get('gain'))} {ci(g(k))}"  # noqa: E731
+            tc.add_row(r["workload"], f(r["frozen"]["alpha"]), f(r["adapted_draft"]["alpha"]), cell("alpha_gain_ci"),
+                       f(r["adapted_nogate"]["alpha"]), cell("nogate_alpha_gain_ci"), cell("gate_alpha_gain_ci"),
+                       f(r["frozen_fixedgate"]["alpha"]), cell("fixedgate_alpha_gain_ci"),
+                       str((r.get("copy_gate") or {}).get("final")))
+        console.print(tc)
     if any("adapted_head" in r for r in report["phases"]):
         th = Table(title=f"the feature-level head on the same prompts (eagle γ={report['config'].get('head_gamma')}): "
                          f"frozen v0 head vs the final head")

@@ -201,6 +201,13 @@ class TrainerSettings(_Group):
     lr: float = Field(5e-3, gt=0, description="AdamW learning rate (5e-3: fastest early gain on the real pair, bench/train_bench.py).")
     warmup_steps: int = Field(10, ge=0, description="Linear lr warm-up over each new optimiser's first steps (trainer.distill.DistillConfig."
                                                    "warmup_steps): a fresh AdamW moves every weight by about lr per step at first.")
+    copy_gate: bool = Field(True, description="The draft's copy channel (store.copy_channel): each adapter trains, jointly with its "
+                            "LoRA, a 6-weight gate λ = sigmoid(w · f) that mixes the copy candidate (the token after the most "
+                            "recent earlier occurrence of the context's longest suffix, up to 8 tokens) into the draft's q, "
+                            "q_mix = (1 - λ) q + λ 1[x = c], in the loss, the gate's evaluation and the proposals "
+                            "(docs/training.md, 'The copy channel'). false: no gate is trained, and adapters serve without one.")
+    copy_gate_lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="AdamW learning rate of the copy gate's weights (their own: "
+                                "the LoRA's would move them ~0.3 in a round).")
     max_steps: int = Field(64, ge=1, description="Optimiser steps per round, at most.")
     max_seconds: float = Field(120.0, gt=0, description="Training seconds per round, at most (checked before each step).")
     batch_size: int = Field(8, ge=1, description="Sequences per optimiser step.")
@@ -596,6 +603,8 @@ def distill_config(s: Settings) -> "DistillConfig":
         batch_size=t.batch_size,
         max_seq_len=t.max_seq_len,
         precision=t.precision,
+        copy_gate=t.copy_gate,
+        copy_gate_lr=t.copy_gate_lr,
     )
 
 

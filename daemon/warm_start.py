@@ -103,7 +103,7 @@ def bootstrap_cache_root() -> Path:
 def cache_key(fingerprint_key: str, cfg: WarmStartConfig, distill_config: Any, vocab: Any) -> str:
     """16 hex digits of sha256 over everything that shapes the bootstrapped adapter."""
     dc = {k: v for k, v in dataclasses.asdict(distill_config).items()
-          if k not in ("max_steps", "max_seconds", "max_epochs", "weighting")}
+          if k not in ("max_steps", "max_seconds", "max_epochs", "weighting", "copy_gate", "copy_gate_lr", "copy_gate_init")}
     ids = [] if vocab is None else [int(x) for x in (vocab.tolist() if hasattr(vocab, "tolist") else vocab)]
     blob = json.dumps({"format": FORMAT, "pair": fingerprint_key, "config": dataclasses.asdict(cfg), "distill": dc,
                        "vocab": hashlib.sha256(json.dumps(ids).encode()).hexdigest()}, sort_keys=True, default=str)
@@ -192,7 +192,9 @@ def train_v0(pair: Any, fingerprint: Any, distiller: Any, cfg: WarmStartConfig, 
 
     train, held, stats = score_corpora(pair, fingerprint, cfg, precision, progress, engine)
     orig = distiller.config
-    distiller.config = dataclasses.replace(orig, weighting="all")
+    # v0 carries no copy gate (λ = 0): the gate is learnt per workload by the rounds from served
+    # traffic (trainer.distill.DistillConfig.copy_gate), so the cache key leaves its settings out
+    distiller.config = dataclasses.replace(orig, weighting="all", copy_gate=False)
     try:
         res = bootstrap(train, distiller, None,
                         BootstrapConfig(max_steps=cfg.max_steps, max_seconds=cfg.max_seconds, round_steps=cfg.round_steps,

@@ -25,6 +25,12 @@ the request's workload (its scope's, else the shared one: :meth:`AdapterRegistry
    ``keep_loaded - 1`` most recent such (with one scope: the previous version stays loaded, so a
    rollback is a pure switch).
 
+An adapter may carry a copy gate (``store.copy_channel.GATE_FILE``, trained with it:
+``trainer.distill.DistillConfig.copy_gate``): *prepare* reads it (a malformed one makes the
+version incompatible), *switch* sets ``decoder.copy_gate`` with ``decoder.adapter_version``
+(None for an adapter without one and for version 0), and the draft proposer mixes the copy
+channel in with it (:mod:`decoder.proposers.draft`).
+
 A separate, unquantised draft proposes through a serving copy
 (:class:`decoder.draft_weights.ServingDraft`, in the dtype ``DecoderConfig.draft_precision`` chose), so
 the LoRA forward above is what the manager keeps in step, not what proposals run: *prepare* also
@@ -66,6 +72,7 @@ from safetensors.torch import load_file
 from decoder.engines.base import supports
 from decoder.registry_follow import RegistryFollower
 from store import AdapterRegistry, StoreUnavailableError
+from store.copy_channel import CopyGateError, load_gate
 
 log = structlog.get_logger("decoder.adapters")
 
@@ -260,6 +267,7 @@ class AdapterManager(RegistryFollower):
         self.last_source: str | None = None  # "event" | "poll" | "manual": how the last target was learnt
         self._peft: PeftModel | None = None
         self._loaded: list[tuple[int, str]] = []  # (version, name), oldest first
+        self._gates: dict[int, Any] = {}  # version -> its copy gate's weights (store.copy_channel), None: none
         self._disabled = False  # adapter layers disabled (version 0 after an adapter)
         # scope -> version prepared for it ("" = shared; a workload's 0 = use the shared route)
         self._routes: dict[str, int] = {"": decoder.adapter_version}
@@ -305,6 +313,10 @@ class AdapterManager(RegistryFollower):
             return name
         path = self.registry.fetch(version)  # sha256 of every file checked
         cfg = check_compatible(self.draft, path, max_rank=self.max_rank, expected_base=self.expected_base)
+        try:  # the copy gate it was trained with (store.copy_channel.GATE_FILE), switched in with it
+            self._gates[version] = load_gate(path)
+        except CopyGateError as e:
+            raise IncompatibleAdapterError(str(e)) from e
         with self._model_lock:
             if self._peft is None:
                 # peft's layers, carrying a zero adapter: bit-identical outputs (B = 0).
@@ -408,6 +420,7 @@ class AdapterManager(RegistryFollower):
                 eng = getattr(self.decoder, "draft_engine", None)
                 if eng is not None and n in getattr(eng, "loras", ()) and eng.lora != n:
                     eng.drop_lora(n)
+                self._gates.pop(next((v for v, m in self._loaded if m == n), -1), None)
                 self._loaded = [(v, m) for v, m in self._loaded if m != n]
 
     # ---- the switch (under the decoder's lock) -------------------------------------------
@@ -446,6 +459,7 @@ class AdapterManager(RegistryFollower):
                         self._peft.base_model.enable_adapter_layers()
                         self._disabled = False
                 dec.adapter_version = want
+                dec.copy_gate = self._gates.get(want) if want else None
                 ok = True
             except Exception as e:  # noqa: BLE001 - keep serving the old adapter
                 ok = False

@@ -365,6 +365,9 @@ class SpeculativeDecoder:
         self.pair_fingerprint = pair_fingerprint
         self.clock = clock
         self.adapter_version = 0  # the draft adapter in use (0 = the base draft); set by the adapter manager
+        # the copy gate of that adapter (store.copy_channel: (6,) weights, mixed into the draft
+        # proposer's q; decoder.proposers.draft), None = none (λ = 0); set with adapter_version
+        self.copy_gate = None
         # Requests run one at a time per decoder; between two requests (a step boundary) the
         # hooks run under the same lock, so an adapter swap never lands inside a request. A hook
         # is called as hook(decoder, request): the request about to run, or None when idle.

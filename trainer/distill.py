@@ -36,6 +36,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
+from store import copy_channel as CC
 from store.schema import VerifiedSample
 from trainer import losses as L
 
@@ -154,8 +155,24 @@ class DistillConfig:
     # natively, see autocast_dtype), "fp32" or "bf16". The adapter's weights, the optimiser and
     # the loss stay fp32, and evaluation always runs in fp32, as the decoder serves the draft.
     precision: str = "auto"
+    # The copy channel (``store.copy_channel``): the draft's q is mixed with the copy candidate,
+    # q_mix = (1 - λ) q + λ 1[x = c], λ = sigmoid(w · f), in the loss and the held-out evaluation;
+    # w (6 floats) trains jointly with the LoRA, at its own AdamW learning rate ``copy_gate_lr``
+    # (the LoRA's 5e-3 would move it ~0.3 in a 64-step round), from ``copy_gate_init`` (the bias;
+    # the other weights start at 0) the first time an adapter without a gate is trained on, and is
+    # saved beside the adapter (``store.copy_channel.GATE_FILE``). False: no gate is trained, mixed
+    # or saved (λ = 0, the draft alone).
+    copy_gate: bool = True
+    copy_gate_lr: float = 0.1
+    copy_gate_init: float = -3.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.copy_gate, bool):
+            raise ValueError(f"DistillConfig.copy_gate={self.copy_gate!r}; use True or False")
+        for name in ("copy_gate_lr", "copy_gate_init"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or (name == "copy_gate_lr" and v <= 0):
+                raise ValueError(f"DistillConfig.{name}={v!r}; use a finite number" + (" > 0" if name == "copy_gate_lr" else ""))
         if self.loss not in L.LOSSES:
             raise ValueError(f"DistillConfig.loss={self.loss!r}; choose one of {L.LOSSES}")
         t = self.teacher_temperature
@@ -271,8 +288,10 @@ class EvalResult:
         }
 
 
-# The adapter's trainable tensors, by parameter name (a snapshot, detached and cloned).
+# The adapter's trainable tensors, by parameter name (a snapshot, detached and cloned), with the
+# copy gate's weights under GATE_W and whether the adapter carries a gate under GATE_ON.
 AdapterState = dict[str, torch.Tensor]
+GATE_W, GATE_ON = "copy_gate.w", "copy_gate.on"
 # Sentinel for ``evaluate(adapter=BASE)``: the draft with the adapter disabled.
 BASE = "base"
 
@@ -318,6 +337,8 @@ class _Batch:
     weights: torch.Tensor  # (M,) float32
     row_sample: np.ndarray  # (M,) index into the batch's samples
     temperature: torch.Tensor  # (M,) float32, the sampling temperature of each row's request (0 = greedy)
+    copy_c: torch.Tensor | None = None  # (M,) int64 copy candidate per row (-1: none); None without the copy channel
+    copy_len: torch.Tensor | None = None  # (M,) int64 its matched length ℓ (0: none)
 
 
 def _build_batch(
@@ -327,6 +348,7 @@ def _build_batch(
     if len(ks) != 1:
         raise TrainerError(f"samples in one batch have different top-k widths {sorted(ks)}; the decoder's k must be fixed")
     seqs, rows_b, rows_t, ids, probs, tails, weights, row_sample, temps = [], [], [], [], [], [], [], [], []
+    cands, lens = [], []
     L_max = cfg.max_seq_len
     for b, s in enumerate(samples):
         n = min(s.num_tokens, L_max)  # kept output positions (>= 1 prompt token must remain)
@@ -344,6 +366,10 @@ def _build_batch(
         weights.append(position_weights(s, weighting, cfg.rejected_weight)[:n])
         row_sample.append(np.full(n, b))
         temps.append(np.full(n, float(s.sampling.temperature), dtype=np.float32))
+        if cfg.copy_gate:
+            c, ln = _record_candidates(s)
+            cands.append(c[:n])
+            lens.append(ln[:n])
     T = max(len(x) for x in seqs)
     input_ids = np.zeros((len(seqs), T), dtype=np.int64)
     mask = np.zeros((len(seqs), T), dtype=np.int64)
@@ -361,7 +387,55 @@ def _build_batch(
         weights=torch.from_numpy(np.concatenate(weights)).to(device),
         row_sample=np.concatenate(row_sample),
         temperature=torch.from_numpy(np.concatenate(temps)).to(device),
+        copy_c=torch.from_numpy(np.concatenate(cands)).to(device) if cfg.copy_gate else None,
+        copy_len=torch.from_numpy(np.concatenate(lens)).to(device) if cfg.copy_gate else None,
     )
+
+
+_CANDIDATES: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}  # record -> its rows' candidates
+_CANDIDATES_KEPT = 4096
+
+
+def _record_candidates(s: VerifiedSample) -> tuple[np.ndarray, np.ndarray]:
+    """The copy candidate and matched length at each output position j of ``s`` (N,), N = its
+    output positions: ``store.copy_channel.copy_candidate`` on the whole record (prompt + output),
+    context = prompt + output[:j], as the decoder computes it when proposing output[j] (the
+    prompt is never cut here, unlike the draft's input at ``max_seq_len``). Cached per record (a
+    held-out record is evaluated every round)."""
+    key = (s.record_id, len(s.prompt_ids), s.num_tokens)
+    got = _CANDIDATES.get(key)
+    if got is None:
+        seq = np.concatenate([np.asarray(s.prompt_ids, dtype=np.int64), np.asarray(s.output_ids, dtype=np.int64)])
+        got = CC.copy_candidates(seq, len(s.prompt_ids) - 1 + np.arange(s.num_tokens))
+        if len(_CANDIDATES) >= _CANDIDATES_KEPT:
+            _CANDIDATES.pop(next(iter(_CANDIDATES)))
+        _CANDIDATES[key] = got
+    return got
+
+
+@dataclass
+class _CopyMix:
+    """The copy channel at M rows of a batch (``Distiller._copy_mix``)."""
+
+    c: torch.Tensor  # (M,) int64 candidate id (-1: none)
+    has: torch.Tensor  # (M,) bool
+    c_bucket: torch.Tensor  # (M,) int64 the candidate's bucket: its top-k column, else k (the tail)
+    z: torch.Tensor  # (M,) gate logits w · f (differentiable in w)
+    in_topk: torch.Tensor  # (M, k) bool, the top-k column holding the candidate
+    q_c: torch.Tensor  # (M,) the draft's temperature-1 q(c), detached
+    q_max: torch.Tensor  # (M,) its largest probability
+    top: torch.Tensor  # (M,) its argmax id
+
+    def __call__(self, logq: torch.Tensor) -> torch.Tensor:
+        """(M, k+1) bucket log q -> log q_mix (``losses.mix_copy_logq``)."""
+        return L.mix_copy_logq(logq, self.c_bucket, self.z, self.has)
+
+    def argmax(self) -> torch.Tensor:
+        """(M,) argmax of q_mix per row (``store.copy_channel.mix_argmax``, as the decoder proposes)."""
+        lam = torch.where(self.has, torch.sigmoid(self.z.detach().double()), torch.zeros_like(self.z, dtype=torch.float64))
+        rows = zip(self.top.tolist(), self.q_max.tolist(), self.c.tolist(), self.q_c.tolist(), lam.tolist())
+        return torch.tensor([CC.mix_argmax(t, qm, c, qc, la) for t, qm, c, qc, la in rows], dtype=torch.long,
+                            device=self.top.device)
 
 
 class Distiller:
@@ -408,6 +482,10 @@ class Distiller:
         self._vocab, self._vocab_pos = self._check_vocab(vocab)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        # the copy channel's gate weights w (store.copy_channel.FEATURES), part of the adapter's
+        # state; ``_gate_on`` False = an adapter without a gate (λ = 0: v0, the base draft)
+        self.gate_w = torch.nn.Parameter(self._gate_init())
+        self._gate_on = False
         self.optimizer = self._new_optimizer()
         self._rounds = 0
         self._initial = self.adapter_state()  # peft's init: LoRA B = 0, so the adapter is a no-op
@@ -452,7 +530,7 @@ class Distiller:
             raise ValueError(f"lr={lr!r}: need a finite learning rate > 0, e.g. 1e-3")
         self.config = dataclasses.replace(self.config, lr=lr)
         for group in self.optimizer.param_groups:
-            group["lr"] = float(lr)
+            group["lr"] = self._group_lr(group)
 
     @property
     def optimizer_steps(self) -> int:
@@ -461,19 +539,51 @@ class Distiller:
         return int(st.get("step", 0))
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self._params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+        return torch.optim.AdamW([{"params": self._params},
+                                  {"params": [self.gate_w], "copy_gate": True, "lr": self.config.copy_gate_lr,
+                                   "weight_decay": 0.0}],
+                                 lr=self.config.lr, weight_decay=self.config.weight_decay)
+
+    def _group_lr(self, group: dict) -> float:
+        """The configured learning rate of an optimiser group: the gate's or the LoRA's."""
+        return self.config.copy_gate_lr if group.get("copy_gate") else self.config.lr
+
+    def _gate_init(self) -> torch.Tensor:
+        w = torch.zeros(len(CC.FEATURES), device=self.device)
+        w[0] = float(self.config.copy_gate_init)
+        return w
+
+    @property
+    def gate_active(self) -> bool:
+        """The copy channel mixes into q now: the config has it and the adapter carries a gate."""
+        return bool(self.config.copy_gate and self._gate_on)
+
+    @property
+    def copy_gate(self) -> np.ndarray | None:
+        """The current adapter's gate weights (6,) float64, or None when it carries no gate."""
+        return self.gate_w.detach().cpu().double().numpy().copy() if self.gate_active else None
 
     # ---- adapter state ---------------------------------------------------------------------
 
     def adapter_state(self) -> AdapterState:
-        """A detached copy of the adapter's trainable tensors (small: LoRA A and B only)."""
-        return {n: p.detach().clone() for n, p in zip(self._names, self._params)}
+        """A detached copy of the adapter's trainable tensors (small: LoRA A and B), with the copy
+        gate's weights (``GATE_W``, (6,)) and whether it carries one (``GATE_ON``, () 0/1)."""
+        state = {n: p.detach().clone() for n, p in zip(self._names, self._params)}
+        state[GATE_W] = self.gate_w.detach().clone()
+        state[GATE_ON] = torch.tensor(1.0 if self._gate_on else 0.0)
+        return state
 
     def load_adapter_state(self, state: AdapterState) -> None:
-        """Copy a snapshot from ``adapter_state`` back into the adapter."""
+        """Copy a snapshot from ``adapter_state`` back into the adapter (a snapshot without the
+        gate's entries: no gate)."""
         with torch.no_grad():
             for n, p in zip(self._names, self._params):
                 p.copy_(state[n])
+            if GATE_W in state:
+                self.gate_w.copy_(state[GATE_W])
+            else:
+                self.gate_w.copy_(self._gate_init())
+        self._gate_on = bool(state.get(GATE_ON, torch.tensor(0.0)).item())
 
     def reset_adapter(self) -> None:
         """Back to the freshly initialised adapter (a no-op on the draft) with a new optimiser."""
@@ -504,7 +614,7 @@ class Distiller:
         self._rounds = rounds
 
     def _weights_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self._params)
+        return all(bool(torch.isfinite(p).all()) for p in self._params) and bool(torch.isfinite(self.gate_w).all())
 
     @property
     def weights_finite(self) -> bool:
@@ -555,6 +665,11 @@ class Distiller:
         with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             logits = self._row_logits(batch)  # (M, V) or (M, V')
         logq_b, present = self._bucket_logq(logits, batch)  # (M, k+1), one pass over the vocabulary
+        gate = self._copy_mix(logits, batch)
+        if gate is not None:  # q_mix: the candidate's bucket is reachable even outside S
+            logq_b = gate(logq_b)
+            if present is not None:
+                present = present | gate.in_topk
         weights = batch.weights
         if present is None:
             p = batch.p
@@ -565,6 +680,39 @@ class Distiller:
         p = L.at_temperature(p, batch.temperature if t == "served" else float(t))
         per_pos = L.per_position_loss(self.config.loss, p, logq_b, self.config.jsd_beta)  # (M,)
         return L.weighted_mean(per_pos, weights)
+
+    def _copy_mix(self, logits: torch.Tensor, batch: _Batch) -> "_CopyMix | None":
+        """The copy channel at the batch's rows (None when the gate is not active): the
+        candidates' buckets, the gate's λ from ``store.copy_channel.copy_features`` (the draft's
+        temperature-1 q(c) and max q over its vocabulary, detached: the gate learns when to trust
+        the candidate, the LoRA what to propose) and the mixture to apply to bucket log q."""
+        if not self.gate_active or batch.copy_c is None:
+            return None
+        with torch.no_grad():
+            x = logits.detach().float()
+            log_z = torch.logsumexp(x, dim=-1)  # (M,)
+            c = batch.copy_c
+            has = c >= 0
+            col = c.clamp_min(0)
+            if self._vocab_pos is not None:
+                col = self._vocab_pos[col]  # -1 outside S: q(c) = 0
+                inside = col >= 0
+                col = col.clamp_min(0)
+            else:
+                inside = torch.ones_like(has)
+            q_c = torch.where(inside, (x.gather(-1, col.unsqueeze(-1)).squeeze(-1) - log_z).exp(), torch.zeros_like(log_z))
+            q_max = (x.max(-1).values - log_z).exp()
+            top = x.argmax(-1)
+            if self._vocab is not None:
+                top = self._vocab[top]
+            feats = CC.copy_features(batch.copy_len.cpu().numpy(), q_c.cpu().numpy(), q_max.cpu().numpy())
+            match = (batch.topk_ids == c.unsqueeze(-1)) & has.unsqueeze(-1)  # (M, k)
+            in_topk = match.any(-1)
+            k = batch.topk_ids.shape[1]
+            c_bucket = torch.where(in_topk, match.float().argmax(-1), torch.full_like(c, k))
+        f = torch.as_tensor(feats, dtype=self.gate_w.dtype, device=self.device)
+        z = f @ self.gate_w  # (M,), differentiable in w
+        return _CopyMix(c, has, c_bucket, z, match, q_c, q_max, top)
 
     def _bucket_logq(self, logits: torch.Tensor, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(M, k+1) log q over the teacher's buckets, and the (M, k) in-vocabulary mask (None
@@ -615,7 +763,12 @@ class Distiller:
         snapshot = self.adapter_state()
         opt_snapshot = copy.deepcopy(self.optimizer.state_dict())
         for group in self.optimizer.param_groups:  # config.lr rules (set_lr, or a replaced config)
-            group["lr"] = cfg.lr
+            group["lr"] = self._group_lr(group)
+        if cfg.copy_gate and not self._gate_on:  # an adapter without a gate (v0) grows one, from the init
+            with torch.no_grad():
+                self.gate_w.copy_(self._gate_init())
+            self.optimizer.state.pop(self.gate_w, None)
+            self._gate_on = True
         gen = torch.Generator().manual_seed(cfg.seed + self._rounds)
         self._rounds += 1
         steps, used, tokens = 0, set(), 0
@@ -653,7 +806,7 @@ class Distiller:
                     if cfg.warmup_steps:
                         scale = min(1.0, (self.optimizer_steps + 1) / cfg.warmup_steps)
                         for group in self.optimizer.param_groups:
-                            group["lr"] = cfg.lr * scale
+                            group["lr"] = self._group_lr(group) * scale
                     self.optimizer.step()
                     if not self._weights_finite():
                         return rollback(f"non-finite adapter weights after step {steps} (lr={cfg.lr})")
@@ -682,8 +835,13 @@ class Distiller:
         elif isinstance(adapter, str):
             if adapter != BASE:
                 raise ValueError(f"adapter={adapter!r}; pass None, trainer.distill.BASE or an AdapterState")
-            with self.model.disable_adapter():
-                yield
+            on = self._gate_on
+            self._gate_on = False  # the base draft carries no gate
+            try:
+                with self.model.disable_adapter():
+                    yield
+            finally:
+                self._gate_on = on
         else:
             current = self.adapter_state()
             self.load_adapter_state(adapter)
@@ -708,6 +866,9 @@ class Distiller:
         greedily and alpha between p and q both at its temperature T (``losses.at_temperature``;
         the request's top-k / top-p cuts are not applied) when sampled: the acceptance rate the
         decoder sees on such requests (Leviathan et al. 2023, §3.1 with the processed p and q).
+        With the copy channel (an adapter carrying a gate, ``DistillConfig.copy_gate``) q is the
+        mixture q_mix = (1 - λ) q + λ 1[x = c] throughout (alpha, argmax, served), as the decoder
+        proposes and verifies with it.
 
         Args:
             samples: samples never trained on.
@@ -725,11 +886,16 @@ class Distiller:
                     chunk = samples[i : i + bs]
                     batch = _build_batch(chunk, self.config, self.device)
                     logits = self._row_logits(batch)  # (M, V) or (M, V'): buckets and argmax need no log_softmax
-                    a = L.alpha(batch.p, self._bucket_logq(logits, batch)[0]).cpu().numpy()  # (M,)
+                    gate = self._copy_mix(logits, batch)  # q_mix with the copy channel, as the decoder proposes
+                    logq = self._bucket_logq(logits, batch)[0]
+                    a = L.alpha(batch.p, gate(logq) if gate is not None else logq).cpu().numpy()  # (M,)
                     top1 = batch.topk_ids.gather(-1, batch.p[:, :-1].argmax(-1, keepdim=True)).squeeze(-1)  # (M,)
-                    pred = logits.argmax(-1)  # (M,)
-                    if self._vocab is not None:
-                        pred = self._vocab[pred]
+                    if gate is not None:
+                        pred = gate.argmax()
+                    else:
+                        pred = logits.argmax(-1)  # (M,)
+                        if self._vocab is not None:
+                            pred = self._vocab[pred]
                     match = (pred == top1).cpu().numpy()  # (M,)
                     at_t = {}  # temperature -> (M,) alpha at that temperature, for sampled records
                     for b, s in enumerate(chunk):
@@ -739,8 +905,9 @@ class Distiller:
                             served = float(match[rows].sum())
                         else:
                             if t not in at_t:
+                                lq = self._bucket_logq(logits.float() / t, batch)[0]
                                 at_t[t] = a if t == 1.0 else L.alpha(
-                                    L.at_temperature(batch.p, t), self._bucket_logq(logits.float() / t, batch)[0]).cpu().numpy()
+                                    L.at_temperature(batch.p, t), gate(lq) if gate is not None else lq).cpu().numpy()
                             served = float(at_t[t][rows].sum())
                         c = EvalCounts(1, int(rows.sum()), float(a[rows].sum()), int(match[rows].sum()), served)
                         res.add_sample(s.record_id, s.workload, c)
@@ -752,7 +919,8 @@ class Distiller:
 
     def save(self, directory: str | Path) -> Path:
         """Write the adapter in peft's layout (adapter_config.json + adapter_model.safetensors),
-        plus ``VOCAB_FILE`` with the restricted draft vocabulary's ids when it was trained on one.
+        plus ``VOCAB_FILE`` with the restricted draft vocabulary's ids when it was trained on one,
+        and ``store.copy_channel.GATE_FILE`` with the copy gate's weights when it carries one.
 
         ``directory`` must not exist or be empty; the files land directly in it (peft would nest
         a non-default adapter name in a sub-folder; we flatten it so any loader reads the dir).
@@ -770,6 +938,8 @@ class Distiller:
                 src = Path(tmp)
             for name in ("adapter_config.json", "adapter_model.safetensors"):
                 shutil.move(str(src / name), str(out / name))
+        if self.gate_active:
+            CC.save_gate(out, self.copy_gate)
         if self._vocab is not None:
             ids = self._vocab.cpu()
             (out / VOCAB_FILE).write_text(json.dumps({"size": ids.numel(), "sha256": _ids_sha256(ids), "ids": ids.tolist()}))
@@ -778,15 +948,16 @@ class Distiller:
     def load_adapter_weights(self, directory: str | Path) -> None:
         """Start from a saved adapter (e.g. the registry's promoted version).
 
-        The adapter's rank and target modules must match this Distiller's config, and so must
-        its restricted draft vocabulary (``VOCAB_FILE``): an adapter trained on S fits S's head only,
+        The adapter's copy gate (``store.copy_channel.GATE_FILE``) comes with it; one without has
+        none (λ = 0) until a round trains one. The adapter's rank and target modules must match
+        this Distiller's config, and so must its restricted draft vocabulary (``VOCAB_FILE``): an adapter trained on S fits S's head only,
         so it is refused by a full-vocabulary Distiller or one on other ids (a full-vocabulary
         adapter may start a restricted one). The optimiser state is reset: its moments belonged to
         other weights.
 
         Raises:
             AdapterMismatch: missing files, another rank, unknown or missing LoRA tensors,
-                non-finite weights, or another draft vocabulary.
+                non-finite weights, another draft vocabulary, or an unreadable copy gate file.
         """
         d = Path(directory)
         cfg_path, w_path = d / "adapter_config.json", d / "adapter_model.safetensors"
@@ -815,8 +986,15 @@ class Distiller:
         bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
         if bad:  # checked before anything is loaded, so the current weights stay as they are
             raise AdapterMismatch(f"adapter in {d} has non-finite weights (NaN or inf) in {len(bad)} tensors, e.g. {bad[:3]}")
+        try:
+            gate = CC.load_gate(d)
+        except CC.CopyGateError as e:
+            raise AdapterMismatch(f"adapter in {d}: {e}") from e
         before = self.adapter_state()
         try:
+            with torch.no_grad():  # its gate, or none (λ = 0 until a round trains one)
+                self.gate_w.copy_(torch.as_tensor(gate, dtype=self.gate_w.dtype) if gate is not None else self._gate_init())
+            self._gate_on = gate is not None
             result = set_peft_model_state_dict(self.model, tensors, adapter_name=ADAPTER_NAME)
             unexpected = list(getattr(result, "unexpected_keys", []) or [])
             if unexpected:

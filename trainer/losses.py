@@ -281,3 +281,30 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     if total <= 0:
         return (values * 0.0).sum()
     return (values * w).sum() / total
+
+
+def mix_copy_logq(logq: torch.Tensor, c_bucket: torch.Tensor, z: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
+    """The copy channel's mixture on the teacher's buckets, as log-probabilities.
+
+        q_mix = (1 - λ) q + λ · 1[b = b(c)],   λ = sigmoid(z)
+
+    (a pointer-generator mixture, See et al. 2017, eq. 9, with one pointer: the copy candidate c,
+    ``store.copy_channel``). The candidate adds λ to its own bucket: its top-k column, or the
+    tail bucket when the target's top-k does not hold it. log(1 - λ) = logsigmoid(-z) and
+    log λ = logsigmoid(z), so it is stable for any z. Rows without a candidate keep ``logq``.
+
+    Args:
+        logq: (N, B) the draft's bucket log-probabilities (``student_bucket_logprobs``).
+        c_bucket: (N,) int64 bucket index of the candidate in 0..B-1 (ignored where not ``has``).
+        z: (N,) gate logits w · f.
+        has: (N,) bool, True where the position has a candidate.
+
+    Returns:
+        (N, B) log q_mix, floored at ``LOGQ_FLOOR``.
+    """
+    z = z.to(logq.dtype)
+    out = logq + torch.nn.functional.logsigmoid(-z).unsqueeze(-1)  # (N, B): (1 - λ) q
+    idx = c_bucket.clamp(0, logq.shape[-1] - 1).unsqueeze(-1)  # (N, 1)
+    at_c = torch.logaddexp(out.gather(-1, idx), torch.nn.functional.logsigmoid(z).unsqueeze(-1))  # (N, 1): (1 - λ) q_c + λ
+    out = out.scatter(-1, idx, at_c)
+    return torch.where(has.unsqueeze(-1), out, logq).clamp_min(LOGQ_FLOOR)

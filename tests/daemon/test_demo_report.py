@@ -129,6 +129,46 @@ def test_the_live_table_is_printed_in_snapshots_when_output_is_not_a_terminal(mo
     with demo._live(console, every_s=60.0) as live:
         for i in range(5):
             t = Table(title=f"snapshot {i}")
+            t.add_column("requests")
+            t.add_row(str(i))
             live.update(t)
     text = out.getvalue()
     assert [i for i in range(5) if f"snapshot {i}" in text] == [0, 3]
+
+
+def test_copy_channel_ablation_intervals_and_table():
+    """The copy channel's rows, by hand on one prompt: v0 accepts 2 of 8, the adapted LoRA alone 3
+    of 8, with its gate 6 of 8, v0 with the fixed gate 4 of 8: gains 0.5 (LoRA + gate), 0.125 (LoRA
+    alone), 0.375 (what the gate adds) and 0.25 (fixed gate); the report prints them in its table."""
+    import io
+
+    from rich.console import Console
+
+    from daemon.demo import FIXED_COPY_GATE, _paired_intervals, print_report
+    from decoder.metrics import AcceptanceCounts
+    from store.copy_channel import copy_features, copy_lambda
+
+    def c(acc, prop):
+        return AcceptanceCounts(num_draft_tokens=prop, alpha_sum=float(acc), num_emitted_tokens=10)
+
+    per = {"plain": [(c(0, 0), 100.0)], "frozen": [(c(2, 8), 100.0)], "adapted_draft": [(c(6, 8), 100.0)],
+           "adapted_nogate": [(c(3, 8), 100.0)], "frozen_fixedgate": [(c(4, 8), 100.0)]}
+    out = _paired_intervals(per, 0.95)
+    assert [out[k]["gain"] for k in ("alpha_gain_ci", "nogate_alpha_gain_ci", "gate_alpha_gain_ci",
+                                     "fixedgate_alpha_gain_ci")] == [0.5, 0.125, 0.375, 0.25]
+    # the fixed gate: λ = 0 below a 3-token match, 1 from it on
+    lam = copy_lambda(FIXED_COPY_GATE, copy_features([1, 2, 3, 8], [0.0] * 4, [1.0] * 4), [1, 2, 3, 8])
+    assert (lam[:2] < 1e-20).all() and (lam[2:] == 1.0).all()  # z = -150, -50, +50, +550
+    row = {"workload": "extract", "heldout_samples": 0, "adapter_at_phase_end": 3, "final_adapter": 3, "eval_prompts": 1,
+           "plain": {"tokens_per_s": 10.0, "alpha": None},
+           **{k: {"alpha": v, "speedup_vs_plain": 1.0, "tokens_per_s": 10.0}
+              for k, v in (("frozen", 0.25), ("adapted_draft", 0.75), ("adapted_nogate", 0.375), ("frozen_fixedgate", 0.5))},
+           "adapted": {"proposer": "draft", "gamma": 3, "alpha": 0.75, "tau": 2.0, "speedup_vs_plain": 1.0},
+           "live_first_third": {"alpha": None}, "live_last_third": {"alpha": None},
+           "controller_pick": {"why": "test"}, "copy_gate": {"v0": None, "final": [1.0, 2, 3, 4, 5, 6]}, **out}
+    report = {"phases": [row], "config": {"confidence": 0.95, "eval_gamma": 3}, "adapters": [], "requests": 1,
+              "active_adapter": 3, "seconds": 1.0, "key_prefix": "x:"}
+    buf = io.StringIO()
+    print_report(report, Console(file=buf, width=250))
+    text = buf.getvalue()
+    assert "the copy channel on the same prompts" in text and "0.375" in text and "[1.0, 2, 3, 4, 5, 6]" in text

@@ -286,3 +286,37 @@ def test_a_failed_switch_falls_back_to_a_loaded_version_and_is_retried(tok, pair
     assert mgr.route(None) in {v for v in mgr.status()["loaded"]} | {0}
     mgr._prepare(reg.registry.active_version(), "poll")  # the watcher's next poll
     assert dec.generate(_req(tok, PROMPTS[0]), FixedGamma(3)).adapter_version == v3
+
+
+def test_an_adapters_copy_gate_is_switched_in_with_it(tok, pair, reg, tmp_path):
+    """An adapter saved with a copy gate (store.copy_channel.GATE_FILE) serves with it: the swap
+    sets decoder.copy_gate to its weights; one without a gate, and version 0, serve with none; a
+    malformed gate file makes the version incompatible and the old one keeps serving."""
+    from store.copy_channel import save_gate
+
+    target, draft, noise = pair
+    gated_dir = fixing_lora(draft, noise, tmp_path / "gated")
+    save_gate(gated_dir, [1.0, 2, 3, 4, 5, 6])
+    gated = reg.register(gated_dir)
+    plain = reg.register(random_lora(draft, tmp_path / "plain", scale=2.0, seed=1))
+    bad_dir = fixing_lora(draft, noise, tmp_path / "bad")
+    (bad_dir / "copy_gate.json").write_text('{"format": 1, "w": [1]}')
+    bad = reg.register(bad_dir)
+    dec = SpeculativeDecoder(target, draft, tok)
+    mgr = AdapterManager(dec, reg.registry, keep_loaded=2)
+    gates = []
+    for v in (gated, plain, gated, bad):
+        reg.registry.promote(v, "test")
+        mgr.poll_once()
+        r = dec.generate(_req(tok, PROMPTS[0]), FixedGamma(3))
+        assert r.output_ids == reference_greedy(target, tok(PROMPTS[0])["input_ids"], N_NEW)
+        gates.append((r.adapter_version, None if dec.copy_gate is None else dec.copy_gate.tolist()))
+    assert gates == [(gated, [1.0, 2, 3, 4, 5, 6]), (plain, None), (gated, [1.0, 2, 3, 4, 5, 6]),
+                     (gated, [1.0, 2, 3, 4, 5, 6])]
+    assert mgr.failures[-1].version == bad and mgr.failures[-1].kind == "incompatible"
+    reg.registry.rollback("test")
+    reg.registry.rollback("test")
+    reg.registry.rollback("test")
+    mgr.poll_once()
+    dec.generate(_req(tok, PROMPTS[0]), FixedGamma(3))
+    assert dec.adapter_version == 0 and dec.copy_gate is None

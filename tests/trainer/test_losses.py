@@ -266,3 +266,18 @@ def test_teacher_at_each_rows_own_temperature():
     assert torch.allclose(got[2], p[2])
     with pytest.raises(ValueError, match="temperature="):
         L.at_temperature(p, torch.tensor([0.0, -1.0, 1.0]))
+
+
+def test_copy_mixture_on_buckets_hand_worked():
+    """q = (0.5, 0.3 | tail 0.2). Row 0: candidate in top-k column 1, z = 0 (λ = 1/2):
+    (0.25, 0.15 + 0.5, 0.1). Row 1: candidate in the tail, z = log 3 (λ = 3/4):
+    (0.125, 0.075, 0.05 + 0.75). Row 2: no candidate: q unchanged."""
+    import math
+
+    from trainer.losses import mix_copy_logq
+
+    logq = torch.tensor([[0.5, 0.3, 0.2]] * 3).log()
+    out = mix_copy_logq(logq, torch.tensor([1, 2, 0]), torch.tensor([0.0, math.log(3.0), 5.0]),
+                        torch.tensor([True, True, False])).exp()
+    assert torch.allclose(out, torch.tensor([[0.25, 0.65, 0.1], [0.125, 0.075, 0.8], [0.5, 0.3, 0.2]]), atol=1e-6)
+    assert torch.allclose(out.sum(-1), torch.ones(3))
