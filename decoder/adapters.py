@@ -170,6 +170,13 @@ def check_compatible(draft: torch.nn.Module, adapter_dir: str | Path, *, max_ran
             f"{cfg_path}: modules_to_save={cfg['modules_to_save']!r}: full-module copies are not hot-swapped; "
             f"train LoRA layers only"
         )
+    _check_lora_tensors(draft, w_path, max_rank)
+    return cfg
+
+
+def _check_lora_tensors(draft: torch.nn.Module, w_path: Path, max_rank: int) -> None:
+    """Every tensor of ``w_path`` is a LoRA A/B weight of one of ``draft``'s linear modules, of
+    the shape that module needs and finite; IncompatibleAdapterError / AdapterError otherwise."""
     try:
         tensors = load_file(str(w_path))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
@@ -198,7 +205,6 @@ def check_compatible(draft: torch.nn.Module, adapter_dir: str | Path, *, max_ran
         n_lora += 1
     if n_lora == 0:
         raise IncompatibleAdapterError(f"{w_path}: no LoRA tensors")
-    return cfg
 
 
 def summarize_ms(values) -> dict[str, float | int | None]:
