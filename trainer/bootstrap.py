@@ -67,6 +67,24 @@ class BootstrapResult:
     curve: list[CurvePoint] = field(default_factory=list)
 
 
+def _split(samples: Iterable[VerifiedSample], heldout: Sequence[VerifiedSample] | None,
+           holdout_fraction: float) -> tuple[list[VerifiedSample], list[VerifiedSample]]:
+    """(training, held-out) samples: ``heldout`` as given, else by a hash of each record's text;
+    NotEnoughSamples when either is empty."""
+    train, held = [], []
+    if heldout is not None:
+        train, held = list(samples), list(heldout)
+    else:
+        for s in samples:
+            (held if is_heldout(split_key(s), holdout_fraction) else train).append(s)
+    if not train or not held:
+        raise NotEnoughSamples(
+            f"bootstrap needs training and held-out samples; got {len(train)} and {len(held)} "
+            f"(holdout_fraction={holdout_fraction}); generate more samples"
+        )
+    return train, held
+
+
 def bootstrap(
     samples: Iterable[VerifiedSample],
     distiller: Distiller,
@@ -93,17 +111,7 @@ def bootstrap(
         NotEnoughSamples: no training or no held-out samples.
         TrainerError: a round went non-finite.
     """
-    train, held = [], []
-    if heldout is not None:
-        train, held = list(samples), list(heldout)
-    else:
-        for s in samples:
-            (held if is_heldout(split_key(s), config.holdout_fraction) else train).append(s)
-    if not train or not held:
-        raise NotEnoughSamples(
-            f"bootstrap needs training and held-out samples; got {len(train)} and {len(held)} "
-            f"(holdout_fraction={config.holdout_fraction}); generate more samples"
-        )
+    train, held = _split(samples, heldout, config.holdout_fraction)
     base = distiller.evaluate(held, adapter=BASE)
     log.info("bootstrap_start", train=len(train), heldout=len(held), base_alpha=base.alpha, base_greedy=base.greedy)
     orig = distiller.config
