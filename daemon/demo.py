@@ -1000,40 +1000,71 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
 
 
 def print_report(report: dict, console) -> None:
-    from rich.table import Table
-
-    f = lambda x: "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))  # noqa: E731
+    """The demo's report as tables: held-out α, the decoded comparison (and the copy channel's and
+    the head's when measured), each phase's notes, adapters, recovery, the engine ceiling."""
     if not console.is_terminal:  # a log file or pipe: rich would wrap the tables at 80 columns
         console.width = max(console.width, 170)
+    pct = round(100 * (report.get("config") or {}).get("confidence", 0.95))
+    _heldout_table(report, console)
+    _decoded_table(report, console, pct)
+    _copy_table(report, console, pct)
+    _head_table(report, console)
+    _phase_notes(report, console)
+    _adapter_tables(report, console)
+    _recovery_and_footer(report, console)
+
+
+def _cell(x) -> str:
+    """A report cell: '-' for None, 3 decimals for a float."""
+    return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
+
+
+def _interval(d: dict | None, key_lo: str = "low", key_hi: str = "high") -> str:
+    """An interval cell: signed for a gain's interval, else 2 decimals; '-' when there is none."""
+    if not d or d.get(key_lo) is None:
+        return "-"
+    return f"[{d[key_lo]:+.3f}, {d[key_hi]:+.3f}]" if key_lo == "low" and "gain" in d else f"[{d[key_lo]:.2f}, {d[key_hi]:.2f}]"
+
+
+def _heldout_table(report: dict, console) -> None:
+    """Held-out α per phase: frozen v0, the adapter at the phase end, the final one."""
+    from rich.table import Table
+
     h = Table(title="held-out α (T=1, Σ min(p,q) on served requests never trained on)")
     for c in ("phase", "samples", "frozen", "adapter at phase end", "final adapter"):
         h.add_column(c)
     for r in report["phases"]:
         ha = r.get("heldout_alpha") or {}
-        h.add_row(r["workload"], str(r["heldout_samples"]), f(ha.get("frozen")),
-                  f"{f(ha.get('phase_end'))} (v{r['adapter_at_phase_end']})", f"{f(ha.get('final'))} (v{r['final_adapter']})")
+        h.add_row(r["workload"], str(r["heldout_samples"]), _cell(ha.get("frozen")),
+                  f"{_cell(ha.get('phase_end'))} (v{r['adapter_at_phase_end']})", f"{_cell(ha.get('final'))} (v{r['final_adapter']})")
     console.print(h)
+
+
+def _decoded_table(report: dict, console, pct: int) -> None:
+    """The decoded comparison on never-served prompts, with the paired intervals."""
+    from rich.table import Table
+
     t = Table(title="decoded on prompts never served (greedy): frozen v0 draft vs adapted draft vs the controller's pick")
-    pct = round(100 * (report.get("config") or {}).get("confidence", 0.95))
     for c in ("phase", "prompts", "plain tok/s", "frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain",
               f"α gain [{pct} % CI]", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]", "live α first→last third"):
         t.add_column(c)
-
-    def ci(d: dict | None, key_lo: str = "low", key_hi: str = "high") -> str:
-        if not d or d.get(key_lo) is None:
-            return "-"
-        return f"[{d[key_lo]:+.3f}, {d[key_hi]:+.3f}]" if key_lo == "low" and "gain" in d else f"[{d[key_lo]:.2f}, {d[key_hi]:.2f}]"
 
     for r in report["phases"]:
         pk = r["adapted"]
         g = r.get("alpha_gain_ci") or {}
         sp = (r.get("speed_vs_plain_ci") or {}).get("adapted")
-        t.add_row(r["workload"], str(r.get("eval_prompts", "-")), f(r["plain"]["tokens_per_s"]), f(r["frozen"]["alpha"]),
-                  f(r["frozen"]["speedup_vs_plain"]), f(r["adapted_draft"]["alpha"]), f(r["adapted_draft"]["speedup_vs_plain"]),
-                  f"{f(g.get('gain'))} {ci(g)}", f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
-                  f(pk["alpha"]), f(pk["tau"]), f"{f(pk['speedup_vs_plain'])} {ci(sp)}" if sp else f(pk["speedup_vs_plain"]),
-                  f"{f(r['live_first_third']['alpha'])} → {f(r['live_last_third']['alpha'])}")
+        t.add_row(r["workload"], str(r.get("eval_prompts", "-")), _cell(r["plain"]["tokens_per_s"]), _cell(r["frozen"]["alpha"]),
+                  _cell(r["frozen"]["speedup_vs_plain"]), _cell(r["adapted_draft"]["alpha"]), _cell(r["adapted_draft"]["speedup_vs_plain"]),
+                  f"{_cell(g.get('gain'))} {_interval(g)}", f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
+                  _cell(pk["alpha"]), _cell(pk["tau"]), f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp else _cell(pk["speedup_vs_plain"]),
+                  f"{_cell(r['live_first_third']['alpha'])} → {_cell(r['live_last_third']['alpha'])}")
     console.print(t)
+
+
+def _copy_table(report: dict, console, pct: int) -> None:
+    """The copy channel's ablation rows, when measured."""
+    from rich.table import Table
+
     if any("adapted_nogate" in r for r in report["phases"]):
         tc = Table(title="the copy channel on the same prompts (draft γ=" + str((report.get("config") or {}).get("eval_gamma"))
                          + f"): decoded greedy α, gains paired per prompt [{pct} % CI]")
@@ -1044,12 +1075,18 @@ def print_report(report: dict, console) -> None:
             if "adapted_nogate" not in r:
                 continue
             g = lambda k: (r.get(k) or {})  # noqa: E731
-            cell = lambda k: f"{f(g(k).get('gain'))} {ci(g(k))}"  # noqa: E731
-            tc.add_row(r["workload"], f(r["frozen"]["alpha"]), f(r["adapted_draft"]["alpha"]), cell("alpha_gain_ci"),
-                       f(r["adapted_nogate"]["alpha"]), cell("nogate_alpha_gain_ci"), cell("gate_alpha_gain_ci"),
-                       f(r["frozen_fixedgate"]["alpha"]), cell("fixedgate_alpha_gain_ci"),
+            cell = lambda k: f"{_cell(g(k).get('gain'))} {_interval(g(k))}"  # noqa: E731
+            tc.add_row(r["workload"], _cell(r["frozen"]["alpha"]), _cell(r["adapted_draft"]["alpha"]), cell("alpha_gain_ci"),
+                       _cell(r["adapted_nogate"]["alpha"]), cell("nogate_alpha_gain_ci"), cell("gate_alpha_gain_ci"),
+                       _cell(r["frozen_fixedgate"]["alpha"]), cell("fixedgate_alpha_gain_ci"),
                        str((r.get("copy_gate") or {}).get("final")))
         console.print(tc)
+
+
+def _head_table(report: dict, console) -> None:
+    """The feature-level head's rows, when measured."""
+    from rich.table import Table
+
     if any("adapted_head" in r for r in report["phases"]):
         th = Table(title=f"the feature-level head on the same prompts (eagle γ={report['config'].get('head_gamma')}): "
                          f"frozen v0 head vs the final head")
@@ -1057,9 +1094,13 @@ def print_report(report: dict, console) -> None:
             th.add_column(c)
         for r in report["phases"]:
             if "adapted_head" in r:
-                th.add_row(r["workload"], f(r["frozen_head"]["alpha"]), f(r["frozen_head"]["speedup_vs_plain"]),
-                           f(r["adapted_head"]["alpha"]), f(r["adapted_head"]["speedup_vs_plain"]), f"v{r['final_head']}")
+                th.add_row(r["workload"], _cell(r["frozen_head"]["alpha"]), _cell(r["frozen_head"]["speedup_vs_plain"]),
+                           _cell(r["adapted_head"]["alpha"]), _cell(r["adapted_head"]["speedup_vs_plain"]), f"v{r['final_head']}")
         console.print(th)
+
+
+def _phase_notes(report: dict, console) -> None:
+    """Per phase: the controller's reason, the learner at the phase end, each version's verdict, repeats."""
     for r in report["phases"]:
         console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}")
         pe = r.get("phase_end_gain_ci")
@@ -1067,42 +1108,54 @@ def print_report(report: dict, console) -> None:
             moved = ("lowered" if pe.get("high") is not None and pe["high"] < 0 else
                      "raised" if pe.get("low") is not None and pe["low"] > 0 else "did not measurably change")
             console.print(f"  {r['workload']}: at its phase's end the learner (v{pe['version']}) had {moved} decoded α "
-                          f"{f(pe['before'])} -> {f(pe['after'])} ({f(pe['gain'])}, CI [{f(pe['low'])}, {f(pe['high'])}]); "
+                          f"{_cell(pe['before'])} -> {_cell(pe['after'])} ({_cell(pe['gain'])}, CI [{_cell(pe['low'])}, {_cell(pe['high'])}]); "
                           f"the table's adapted row is the final adapter serving the workload")
         for v in r.get("versions") or []:
             verdict = ("LOWERED decoded α" if v["lowered"] else
                        "no measured change in decoded α" if v["low"] is not None and v["low"] <= 0 else "raised decoded α")
-            console.print(f"  {r['workload']}: v{v['parent']} -> v{v['version']} {verdict}: {f(v['alpha_before'])} -> "
-                          f"{f(v['alpha_after'])} ({f(v['gain'])}, CI [{f(v['low'])}, {f(v['high'])}])")
+            console.print(f"  {r['workload']}: v{v['parent']} -> v{v['version']} {verdict}: {_cell(v['alpha_before'])} -> "
+                          f"{_cell(v['alpha_after'])} ({_cell(v['gain'])}, CI [{_cell(v['low'])}, {_cell(v['high'])}])")
         sv = r.get("served") or {}
         if sv.get("repeats"):
             console.print(f"  {r['workload']}: {sv['repeats']} of {sv['requests']} served requests repeated a prompt "
                           f"served earlier in the phase ({sv['requests'] - sv['repeats']} distinct prompts served); "
                           f"the n-gram proposer copies a repeat's earlier output, so live α and the controller's "
                           f"pick reflect repeated traffic; the table's rows are on prompts never served")
+
+
+def _adapter_tables(report: dict, console) -> None:
+    """The adapters (and heads) registered in the run, with their reasons."""
+    from rich.table import Table
+
     a = Table(title="adapters")
     for c in ("version", "scope", "state", "α before", "α after", "samples"):
         a.add_column(c)
     a.add_column("reason", overflow="fold")  # wrapped, never cut: the reason is the point
     for r in report["adapters"]:
-        a.add_row(str(r.get("version")), r.get("scope") or "shared", str(r.get("state")), f(r.get("alpha_before")),
-                  f(r.get("alpha_after")), str(r.get("samples_trained")), str(r.get("reason", "")))
+        a.add_row(str(r.get("version")), r.get("scope") or "shared", str(r.get("state")), _cell(r.get("alpha_before")),
+                  _cell(r.get("alpha_after")), str(r.get("samples_trained")), str(r.get("reason", "")))
     console.print(a)
     if report.get("heads"):
         hd = Table(title="heads")
         for c in ("version", "state", "α before", "α after", "records", "reason"):
             hd.add_column(c)
         for r in report["heads"]:
-            hd.add_row(str(r.get("version")), str(r.get("state")), f(r.get("alpha_before")), f(r.get("alpha_after")),
+            hd.add_row(str(r.get("version")), str(r.get("state")), _cell(r.get("alpha_before")), _cell(r.get("alpha_after")),
                        str(r.get("samples_trained")), str(r.get("reason", "")))
         console.print(hd)
+
+
+def _recovery_and_footer(report: dict, console) -> None:
+    """Recovery after each shift, the engine ceiling, and how to inspect the run."""
+    from rich.table import Table
+
     rc = Table(title="recovery after each shift (greedy α of the last 5 speculating requests back to 90 % of pre-shift)",
                caption="- : not recovered within the phase, or too few requests speculated to tell")
     for c in ("shift", "pre-shift α", "requests", "seconds", "α then"):
         rc.add_column(c)
     for r in report.get("recovery", []):
-        rc.add_row(f"{r['from']} → {r['workload']}", f(r["pre_shift_alpha"]), f(r["requests"]), f(r["seconds"]),
-                   f(r["recovered_alpha"]))
+        rc.add_row(f"{r['from']} → {r['workload']}", _cell(r["pre_shift_alpha"]), _cell(r["requests"]), _cell(r["seconds"]),
+                   _cell(r["recovered_alpha"]))
     console.print(rc)
     ceil, cost = report.get("engine_ceiling"), report.get("step_cost_ms") or {}
     if ceil:
@@ -1119,6 +1172,7 @@ def print_report(report: dict, console) -> None:
     console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; .venv/bin/daemonctl status; "
                   f".venv/bin/daemonctl history --plot {Path(report.get('plot') or 'out/demo/acceptance.png').with_name('history.png')}"
                   + ("; .venv/bin/daemonctl heads list" if report.get("heads") else ""))
+
 
 
 
