@@ -384,9 +384,10 @@ def peer_main(a) -> None:
     prompts = peer_prompts(tok, workloads, per_workload)
     cells = cell_prompts(prompts, clients_list, a.requests)
 
-    binary = peers.llama_server_binary(say)
-    help_text = peers.server_help(binary)
-    types = peers.spec_types(help_text)
+    configs = [c for c in a.configs.split(",") if c]
+    llama = any(c.startswith("llama") for c in configs)
+    binary = peers.llama_server_binary(say) if llama else None
+    types = peers.spec_types(peers.server_help(binary)) if llama else []
     want = [t.strip() for t in a.ngram_types.split(",") if t.strip()] if a.ngram_types != "auto" else \
         [t for t in types if t.startswith("ngram") and t != "ngram-cache"]
     result = {"mode": "peer", "host": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
@@ -397,7 +398,7 @@ def peer_main(a) -> None:
               "prompts_per_workload": per_workload,
               "prompts_note": None if per_workload <= EVAL_RESERVED_PROMPTS else
               f"{per_workload} prompts per workload: beyond the first {EVAL_RESERVED_PROMPTS}, which no bootstrap corpus holds"}
-    if not types:
+    if llama and not types:
         result["skipped"]["llama_ngram"] = "this llama.cpp's llama-server has no --spec-type"
     missing = [t for t in want if t not in types]
     if missing:
@@ -416,7 +417,6 @@ def peer_main(a) -> None:
     denv = draftd_env(state, a.redis_url, prefix, fmt, a.threads, a.draftd_max_batch)
     result["commands"]["draftd"] = " ".join(dcmd) + f"  (DRAFTD_MODELS__FORMAT={fmt}" + \
         (f", DRAFTD_SERVE__MAX_BATCH={a.draftd_max_batch}" if a.draftd_max_batch else ", serve.max_batch default") + ")"
-    configs = [c for c in a.configs.split(",") if c]
     with contextlib.ExitStack() as stack:
         if "draftd" in configs:
             say(f"starting draftd serve on :{port} (loads the pair; a first start converts and measures)")
