@@ -449,6 +449,11 @@ def peer_main(a) -> None:
                     table[n][name] = {"error": str(e)[:1500]}
                 say(f"  {json.dumps({k: table[n][name].get(k) for k in ('tokens_per_s', 'failures', 'itl_ms', 'error')})}")
     if "draftd" in configs:
+        for line in (logs / "draftd.log").read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                ev = json.loads(line)
+                if ev.get("event") in ("engine", "serve_promoted_cached_v0"):
+                    result[f"draftd_{ev['event']}"] = {k: v for k, v in ev.items() if k not in ("level", "logger", "timestamp")}
         r = _redis.Redis.from_url(a.redis_url)
         for k in r.scan_iter(match=prefix + "*", count=1000):
             r.delete(k)
