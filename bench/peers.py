@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 # what the cached binary was built with, besides the sdist version and the CPU (the cache key)
 BUILD_TAG = "nodse-noomp-static"
 PROGRESS_EVERY_S = 20.0  # seconds between two progress lines of the build
-say = functools.partial(print, flush=True)  # progress lines, unbuffered (the build runs for minutes)
+say = functools.partial(print, file=sys.stderr, flush=True)  # progress lines on stderr, unbuffered (the build runs for minutes)
 
 
 def pinned_version(pyproject: Path = REPO / "pyproject.toml") -> str:

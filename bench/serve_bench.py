@@ -37,7 +37,8 @@ with a fixed ``max_tokens``, streamed ``/v1/completions``, a closed loop of N cl
 - ``llama_plain``: ``llama-server -np N -c N*ctx`` (N = the client count), no speculation;
 - ``llama_<type>``: the same with its own speculation ``--spec-type <type>`` for each n-gram type
   this llama.cpp lists (``--ngram-types``), llama.cpp's default parameters;
-- ``llama_draft``: the same with ``-md`` the 4-layer draft GGUF draftd derives from the packaged
+- ``llama_draft``: the same with ``-md`` (and ``--spec-type draft-simple``: ``-md`` alone does not turn
+  speculation on in this llama.cpp) the 4-layer draft GGUF draftd derives from the packaged
   file (``decoder.models.gguf_export.derived_draft_gguf``: the base draft, without draftd's
   adapters), when it is cached (serve writes it at its start); else skipped, with the reason.
 
@@ -433,7 +434,9 @@ def peer_main(a) -> None:
                 runs += [(f"llama_{t}", {"spec_type": t}) for t in want]
             if "llama_draft" in configs:
                 if draft.is_file():
-                    runs.append(("llama_draft", {"draft_model": draft}))
+                    # -md alone leaves --spec-type at none unless the draft GGUF names a type (this one does not)
+                    runs.append(("llama_draft", {"draft_model": draft,
+                                                 "spec_type": "draft-simple" if "draft-simple" in types else None}))
                 else:
                     result["skipped"]["llama_draft"] = (f"no derived draft GGUF cached at {draft} (daemonctl serve "
                                                         f"writes it at its first start on llama.cpp)")
