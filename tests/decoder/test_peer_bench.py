@@ -75,6 +75,11 @@ def test_spec_types_from_help():
                  "                                        comma-separated list of types (default: none)\n")
     assert peers.spec_types(help_text) == ["draft-simple", "draft-eagle3", "ngram-simple", "ngram-map-k", "ngram-mod",
                                            "ngram-cache"]
+    # the form 0.3.36's llama-server prints
+    real = ("--spec-type none,draft-simple,draft-eagle3,ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache\n"
+            "                                        comma-separated list of types of speculative decoding to use (default:\n")
+    assert peers.spec_types(real) == ["draft-simple", "draft-eagle3", "ngram-simple", "ngram-map-k", "ngram-map-k4v",
+                                      "ngram-mod", "ngram-cache"]
     assert peers.spec_types("-md FNAME\n--draft-max N\n") == []
 
 
