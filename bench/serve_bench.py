@@ -418,6 +418,11 @@ def peer_main(a) -> None:
     denv = draftd_env(state, a.redis_url, prefix, fmt, a.threads, a.draftd_max_batch)
     result["commands"]["draftd"] = " ".join(dcmd) + f"  (DRAFTD_MODELS__FORMAT={fmt}" + \
         (f", DRAFTD_SERVE__MAX_BATCH={a.draftd_max_batch}" if a.draftd_max_batch else ", serve.max_batch default") + ")"
+    def partial() -> None:  # the JSON so far, after every cell: a run stopped midway keeps what it measured
+        if a.out:
+            result["results"] = {str(n): table[n] for n in clients_list}
+            Path(a.out).write_text(json.dumps(result, indent=1))
+
     with contextlib.ExitStack() as stack:
         if "draftd" in configs:
             say(f"starting draftd serve on :{port} (loads the pair; a first start converts and measures)")
@@ -426,7 +431,8 @@ def peer_main(a) -> None:
             if "draftd" in configs:
                 say(f"{n} client(s): draftd")
                 table[n]["draftd"] = peer_load(durl, cells[n], a.max_tokens, draftd=True)
-                say(f"  {json.dumps({k: table[n]['draftd'].get(k) for k in ('tokens_per_s', 'failures', 'itl_ms')})}")
+                say(f"  {json.dumps({k: table[n]['draftd'].get(k) for k in ('tokens_per_s', 'failures', 'ttft_ms', 'itl_ms')})}")
+                partial()
             runs = []
             if "llama_plain" in configs:
                 runs.append(("llama_plain", {}))
@@ -450,7 +456,8 @@ def peer_main(a) -> None:
                         table[n][name] = peer_load(url + "/v1", cells[n], a.max_tokens, draftd=False)
                 except RuntimeError as e:
                     table[n][name] = {"error": str(e)[:1500]}
-                say(f"  {json.dumps({k: table[n][name].get(k) for k in ('tokens_per_s', 'failures', 'itl_ms', 'error')})}")
+                say(f"  {json.dumps({k: table[n][name].get(k) for k in ('tokens_per_s', 'failures', 'ttft_ms', 'itl_ms', 'error')})}")
+                partial()
     if "draftd" in configs:
         for line in (logs / "draftd.log").read_text(errors="replace").splitlines():
             with contextlib.suppress(ValueError):
@@ -464,6 +471,7 @@ def peer_main(a) -> None:
     result["results"] = {str(n): table[n] for n in clients_list}
     result["summary_tokens_per_s"] = {str(n): {c: v.get("tokens_per_s") for c, v in table[n].items()} for n in clients_list}
     result["checks"] = peer_checks(table)
+    partial()
     print(json.dumps(result, indent=1))
 
 
@@ -487,6 +495,7 @@ def main() -> None:
     ap.add_argument("--ctx-per-slot", type=int, default=2048, help="--peer: llama-server context per slot, tokens")
     ap.add_argument("--format", default="packaged", help="--peer: weight format on both sides (packaged: the Q4_1 "
                     "file; or a llama.cpp format the packaged file is requantised to, e.g. BF16)")
+    ap.add_argument("--out", default=None, help="--peer: also write the JSON here, after every cell (partial runs keep their cells)")
     ap.add_argument("--draftd-max-batch", type=int, default=None, help="--peer: serve.max_batch (default: serve's)")
     a = ap.parse_args()
     if a.peer:
