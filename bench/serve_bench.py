@@ -423,8 +423,18 @@ def peer_main(a) -> None:
             result["results"] = {str(n): table[n] for n in clients_list}
             Path(a.out).write_text(json.dumps(result, indent=1))
 
+    def drop_keys() -> None:
+        r = _redis.Redis.from_url(a.redis_url)
+        for k in r.scan_iter(match=prefix + "*", count=1000):
+            r.delete(k)
+        r.close()
+
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the servers, drops the keys
     with contextlib.ExitStack() as stack:
         if "draftd" in configs:
+            stack.callback(drop_keys)
             say(f"starting draftd serve on :{port} (loads the pair; a first start converts and measures)")
             durl = stack.enter_context(peers.running(dcmd, port, logs / "draftd.log", env=denv, timeout_s=900)) + "/v1"
         for n in clients_list:
@@ -464,10 +474,6 @@ def peer_main(a) -> None:
                 ev = json.loads(line)
                 if ev.get("event") in ("engine", "serve_promoted_cached_v0"):
                     result[f"draftd_{ev['event']}"] = {k: v for k, v in ev.items() if k not in ("level", "logger", "timestamp")}
-        r = _redis.Redis.from_url(a.redis_url)
-        for k in r.scan_iter(match=prefix + "*", count=1000):
-            r.delete(k)
-        r.close()
     result["results"] = {str(n): table[n] for n in clients_list}
     result["summary_tokens_per_s"] = {str(n): {c: v.get("tokens_per_s") for c, v in table[n].items()} for n in clients_list}
     result["checks"] = peer_checks(table)
