@@ -16,12 +16,48 @@ Without ``--url`` both servers run in this process, one after the other (the sam
 goodput controller each), on the Redis at ``--redis-url`` under a unique ``bench:serve:<hex>:``
 prefix deleted at the end. ``--pair tiny`` is a random 4-layer Llama target with a 2-layer draft
 (``tests/decoder/tiny.py``): it measures the serving path, not a speedup.
+
+``--peer``: draftd against llama-server, side by side in one run (``bench/peers.py`` builds
+llama-server once from the pinned llama-cpp-python sdist's vendored llama.cpp and caches it)::
+
+    .venv/bin/python bench/serve_bench.py --peer --peer-clients 1,2,4,8 --requests 2 --max-tokens 64
+
+Same GGUF (the packaged SmolLM2-135M Q4_1; ``--format`` another llama.cpp format of it, on both
+sides), same prompts (token ids, so both servers see the same tokens: the first prompts of the
+built-in workloads, which no bootstrap corpus holds, ``decoder.workloads.EVAL_RESERVED_PROMPTS``;
+disjoint sets per client count, the same set for every configuration at one count, so draftd's
+n-gram history never holds a prompt it is measured on), greedy (temperature 0), ``ignore_eos``
+with a fixed ``max_tokens``, streamed ``/v1/completions``, a closed loop of N clients on loopback
+(each sends its next request when the last one ended: at most N in flight). Configurations:
+
+- ``draftd``: ``daemonctl serve`` as a subprocess with its defaults (speculation on, proposers
+  n-gram and draft, continuous batching up to ``serve.max_batch``; ``--draftd-max-batch`` sets
+  it), a fresh state directory and a unique Redis key prefix (deleted at the end), one process
+  for the whole run;
+- ``llama_plain``: ``llama-server -np N -c N*ctx`` (N = the client count), no speculation;
+- ``llama_<type>``: the same with its own speculation ``--spec-type <type>`` for each n-gram type
+  this llama.cpp lists (``--ngram-types``), llama.cpp's default parameters;
+- ``llama_draft``: the same with ``-md`` (and ``--spec-type draft-simple``: ``-md`` alone does not turn
+  speculation on in this llama.cpp) the 4-layer draft GGUF draftd derives from the packaged
+  file (``decoder.models.gguf_export.derived_draft_gguf``: the base draft, without draftd's
+  adapters), when it is cached (serve writes it at its start); else skipped, with the reason.
+
+Client counts run in order; at each, draftd first, then every llama-server configuration (a
+fresh process per configuration and count, warmed by one short request). Per configuration and
+count: output tokens/s (all requests' output tokens over the wall time of the load), time to
+first token, inter-token latency (ITL: gaps between consecutive streamed chunks with text, as
+vLLM's benchmark_serving: a chunk of k speculated tokens is one gap) and time per output token
+(TPOT: (last chunk - first chunk) / (tokens - 1) per request), p50 and p99 in milliseconds,
+failed requests, proposed and accepted draft tokens, and the host's 1-minute load average
+around the cell. The summary checks issue 35's targets.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -132,18 +168,346 @@ def in_process_server(target, draft, tok, model: str, redis_url: str, prefix: st
         client.close()
 
 
+# ---- --peer: draftd serve against llama-server ----------------------------------------------------
+
+
+def peer_prompts(tokenizer, workloads: list[str], per_workload: int) -> list[tuple[str, list[int]]]:
+    """``(workload, token ids)`` of the first ``per_workload`` prompts of each workload, interleaved
+    (prose, code, math, prose, ...); chat prompts in the tokenizer's chat template."""
+    from decoder.workloads import get_workload
+
+    lists = [get_workload(w, per_workload) for w in workloads]
+    out = []
+    for i in range(per_workload):
+        for w, ps in zip(workloads, lists):
+            if i < len(ps):
+                out.append((w, list(ps[i].token_ids(tokenizer))))
+    return out
+
+
+def cell_prompts(prompts: list, clients_list: list[int], requests: int) -> dict[int, list[list]]:
+    """Per client count N, N lists (one per client) of ``requests`` prompts: disjoint sets for
+    different N (N * requests consecutive prompts each), so a server that learns from what it
+    served (draftd's n-gram history) never meets a prompt twice.
+
+    Raises:
+        ValueError: fewer prompts than sum(N) * requests.
+    """
+    need = sum(clients_list) * requests
+    if need > len(prompts):
+        raise ValueError(f"{need} prompts needed ({sum(clients_list)} clients x {requests} requests) but "
+                         f"{len(prompts)} available: lower --requests or add workloads")
+    out, k = {}, 0
+    for n in clients_list:
+        out[n] = [prompts[k + c * requests: k + (c + 1) * requests] for c in range(n)]
+        k += n * requests
+    return out
+
+
+def timeline_stats(timelines: list[dict], wall_s: float) -> dict:
+    """Aggregate client-side measurements of one load.
+
+    Args:
+        timelines: one per request: ``t0`` (send time, s), ``chunks`` (arrival times, s, of the
+            streamed chunks that carried text, in order), ``tokens`` (output tokens), ``error``
+            (None, or a text when the request failed); optional ``proposed``/``accepted`` draft tokens.
+        wall_s: seconds from the first request sent to the last one ended.
+
+    Returns:
+        ``tokens_per_s`` (output tokens of successful requests / ``wall_s``); ``ttft_ms``,
+        ``itl_ms`` (gaps between consecutive text chunks of a request, pooled), ``tpot_ms``
+        ((last chunk - first chunk) / (tokens - 1) per request), each ``{"p50", "p99"}`` in
+        milliseconds (None without samples); counts of requests, failures and tokens.
+    """
+    ok = [t for t in timelines if t.get("error") is None]
+    ttft = [t["chunks"][0] - t["t0"] for t in ok if t["chunks"]]
+    itl = [b - a for t in ok for a, b in zip(t["chunks"], t["chunks"][1:])]
+    tpot = [(t["chunks"][-1] - t["chunks"][0]) / (t["tokens"] - 1) for t in ok if t["chunks"] and t["tokens"] > 1]
+    tokens = sum(t["tokens"] for t in ok)
+    q = lambda xs: {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)}  # noqa: E731
+    fails = [t["error"] for t in timelines if t.get("error") is not None]
+    return {"requests": len(ok), "failures": len(fails), "failure_examples": fails[:3], "output_tokens": tokens,
+            "seconds": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
+            "ttft_ms": q(ttft), "itl_ms": q(itl), "tpot_ms": q(tpot),
+            "chunks_per_request": round(sum(len(t["chunks"]) for t in ok) / len(ok), 2) if ok else None,
+            "proposed_tokens": sum(t.get("proposed") or 0 for t in ok),
+            "accepted_tokens": sum(t.get("accepted") or 0 for t in ok)}
+
+
+def stream_once(oc, model: str, ids: list[int], max_tokens: int, extra_body: dict) -> dict:
+    """One streamed greedy completion of prompt ``ids``; its timeline (see :func:`timeline_stats`)."""
+    tl = {"t0": time.perf_counter(), "chunks": [], "tokens": 0, "error": None, "proposed": None, "accepted": None}
+    usage = last = None
+    try:
+        for ch in oc.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body=extra_body):
+            now = time.perf_counter()
+            if ch.choices and ch.choices[0].text:
+                tl["chunks"].append(now)
+            if getattr(ch, "usage", None) is not None:
+                usage = ch.usage
+            extra = ch.model_extra or {}
+            if "draftd" in extra or "timings" in extra:
+                last = extra
+        d, tm = (last or {}).get("draftd") or {}, (last or {}).get("timings") or {}
+        if usage is not None and usage.completion_tokens is not None:
+            tl["tokens"] = int(usage.completion_tokens)
+        else:
+            tl["tokens"] = int(d.get("output_tokens") or tm.get("predicted_n") or len(tl["chunks"]))
+        tl["proposed"] = d.get("proposed_tokens", tm.get("draft_n"))
+        tl["accepted"] = d.get("accepted_tokens", tm.get("draft_n_accepted"))
+        if "adapter_version" in d:
+            tl["adapter_version"] = d["adapter_version"]
+            tl["proposer"] = d.get("proposer")
+    except Exception as e:  # noqa: BLE001 - counted as a failure
+        tl["error"] = repr(e)[:300]
+    return tl
+
+
+def peer_load(base_url: str, per_client: list[list], max_tokens: int, draftd: bool) -> dict:
+    """Closed-loop load on ``base_url`` (``…/v1``): one thread per client, each streaming its
+    prompts one after another; :func:`timeline_stats` of it plus the load average around it."""
+    import openai
+
+    oc0 = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    model = oc0.models.list().data[0].id
+
+    def body(w: str) -> dict:
+        return {"ignore_eos": True, **({"workload": w} if draftd else {})}
+
+    warm = stream_once(oc0, model, [1, 2, 3, 4], 4, body("default"))  # first-request allocations, not measured
+    if warm["error"]:
+        return {"error": f"warm-up request failed: {warm['error']}"}
+    timelines: list[dict] = []
+    lock = threading.Lock()
+
+    def client(prompts: list) -> None:
+        oc = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+        for w, ids in prompts:
+            tl = stream_once(oc, model, ids, max_tokens, body(w))
+            with lock:
+                timelines.append(tl)
+
+    load0 = os.getloadavg()[0]
+    threads = [threading.Thread(target=client, args=(ps,)) for ps in per_client]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = timeline_stats(timelines, time.perf_counter() - t0)
+    out["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    if draftd:
+        out["adapter_versions"] = sorted({str(t.get("adapter_version")) for t in timelines if "adapter_version" in t})
+        out["proposers"] = sorted({str(t.get("proposer")) for t in timelines if "adapter_version" in t})
+    return out
+
+
+def draftd_env(state_dir: Path, redis_url: str, prefix: str, fmt: str, threads: int | None,
+               max_batch: int | None) -> dict:
+    """Environment for ``daemonctl serve`` in the peer bench: a fresh state directory, a Redis
+    key prefix of its own, the weight format pinned (the same file llama-server loads)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTD_") or k == "DRAFTD_CACHE_DIR"}
+    env.update({"DRAFTD_STATE_DIR": str(state_dir), "DRAFTD_REDIS__URL": redis_url, "DRAFTD_STORE__KEY_PREFIX": prefix,
+                "DRAFTD_MODELS__FORMAT": fmt, "DRAFTD_LOG_FORMAT": "json", "DRAFTD_API__ENABLED": "false",
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
+    if threads:
+        env["DRAFTD_MODELS__ENGINE_THREADS"] = str(threads)
+    if max_batch:
+        env["DRAFTD_SERVE__MAX_BATCH"] = str(max_batch)
+    return env
+
+
+def peer_checks(table: dict[int, dict[str, dict]]) -> dict:
+    """Issue 35's targets on ``table`` ({clients: {config: stats}}, see :func:`timeline_stats`):
+    at 1 client draftd's tokens/s >= every llama-server configuration's; at 4 and 8 clients
+    draftd's tokens/s >= llama_plain's and >= the best llama-server speculative configuration's,
+    draftd's p99 ITL <= 2x its 1-client p50 ITL, and 0 failed requests (draftd's)."""
+    def tps(n, c):
+        return ((table.get(n) or {}).get(c) or {}).get("tokens_per_s")
+
+    out = {}
+    one = table.get(1) or {}
+    d1 = tps(1, "draftd")
+    peers1 = {c: tps(1, c) for c in one if c != "draftd" and tps(1, c) is not None}
+    if d1 is not None and peers1:
+        best = max(peers1, key=peers1.get)
+        out["1_client"] = {"draftd_tokens_per_s": d1, "llama_best": best, "llama_best_tokens_per_s": peers1[best],
+                           "ratio": round(d1 / peers1[best], 3), "met": d1 >= peers1[best]}
+    p50_1 = ((one.get("draftd") or {}).get("itl_ms") or {}).get("p50")
+    for n in (4, 8):
+        row = table.get(n) or {}
+        d = tps(n, "draftd")
+        if d is None:
+            continue
+        plain = tps(n, "llama_plain")
+        spec = {c: tps(n, c) for c in row if c not in ("draftd", "llama_plain") and tps(n, c) is not None}
+        best = max(spec, key=spec.get) if spec else None
+        p99 = ((row.get("draftd") or {}).get("itl_ms") or {}).get("p99")
+        fails = (row.get("draftd") or {}).get("failures")
+        chk = {"draftd_tokens_per_s": d, "llama_plain_tokens_per_s": plain,
+               "vs_plain": round(d / plain, 3) if plain else None, "met_vs_plain": d >= plain if plain else None,
+               "llama_best_spec": best, "llama_best_spec_tokens_per_s": spec.get(best),
+               "vs_best_spec": round(d / spec[best], 3) if best else None, "met_vs_best_spec": d >= spec[best] if best else None,
+               "draftd_itl_p99_ms": p99, "itl_bound_ms": round(2 * p50_1, 2) if p50_1 is not None else None,
+               "met_itl": (p99 <= 2 * p50_1) if p99 is not None and p50_1 is not None else None,
+               "draftd_failures": fails, "met_failures": fails == 0}
+        chk["met"] = all(chk[k] is True for k in ("met_vs_plain", "met_vs_best_spec", "met_itl", "met_failures"))
+        out[f"{n}_clients"] = chk
+    return out
+
+
+def peer_main(a) -> None:
+    import tempfile
+    import platform
+
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "bench"))
+    import peers
+    from decoder.models.gguf_export import file_digest16
+    from decoder.models.loading import packaged_target, resolve_model_dir
+    from decoder.models.packaged import cache_root, packaged_gguf
+    from transformers import AutoTokenizer
+
+    say = peers.say
+    clients_list = [int(c) for c in a.peer_clients.split(",")]
+    threads = a.threads or os.cpu_count() or 2
+    fmt = a.format.strip()
+    target = packaged_gguf("smollm2-135m") if fmt.lower() == "packaged" else packaged_target(f"smollm2-135m@{fmt}")
+    base = packaged_gguf("smollm2-135m")
+    draft = cache_root() / "gguf" / f"{base.stem}-{file_digest16(base)}-layers-0-3.gguf"
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"), local_files_only=True)
+    workloads = [w.strip() for w in a.peer_workloads.split(",") if w.strip()]
+    need = sum(clients_list) * a.requests
+    from decoder.workloads import EVAL_RESERVED_PROMPTS
+
+    per_workload = -(-need // len(workloads))
+    prompts = peer_prompts(tok, workloads, per_workload)
+    cells = cell_prompts(prompts, clients_list, a.requests)
+
+    configs = [c for c in a.configs.split(",") if c]
+    llama = any(c.startswith("llama") for c in configs)
+    binary = peers.llama_server_binary(say) if llama else None
+    types = peers.spec_types(peers.server_help(binary)) if llama else []
+    want = [t.strip() for t in a.ngram_types.split(",") if t.strip()] if a.ngram_types != "auto" else \
+        [t for t in types if t.startswith("ngram") and t != "ngram-cache"]
+    result = {"mode": "peer", "host": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "threads": threads, "clients": clients_list, "requests_per_client": a.requests,
+              "max_tokens": a.max_tokens, "workloads": workloads, "greedy": True, "format": fmt,
+              "target_gguf": str(target), "llama_cpp_python": peers.pinned_version(), "llama_server": str(binary),
+              "llama_spec_types": types or None, "skipped": {}, "commands": {},
+              "prompts_per_workload": per_workload,
+              "prompts_note": None if per_workload <= EVAL_RESERVED_PROMPTS else
+              f"{per_workload} prompts per workload: beyond the first {EVAL_RESERVED_PROMPTS}, which no bootstrap corpus holds"}
+    if llama and not types:
+        result["skipped"]["llama_ngram"] = "this llama.cpp's llama-server has no --spec-type"
+    missing = [t for t in want if t not in types]
+    if missing:
+        result["skipped"].update({f"llama_{t}": f"--spec-type {t} is not in this llama-server's --help" for t in missing})
+    want = [t for t in want if t in types]
+    table: dict[int, dict[str, dict]] = {n: {} for n in clients_list}
+    logs = Path(tempfile.mkdtemp(prefix="serve_bench_peer."))
+    result["logs"] = str(logs)
+
+    import redis as _redis
+
+    prefix = f"bench:peer:{uuid.uuid4().hex[:8]}:"
+    state = Path(tempfile.mkdtemp(prefix="draftd-state.", dir=logs))
+    port = peers.free_port()
+    dcmd = [sys.executable, "-m", "daemon.cli", "serve", "--port", str(port)]
+    denv = draftd_env(state, a.redis_url, prefix, fmt, a.threads, a.draftd_max_batch)
+    result["commands"]["draftd"] = " ".join(dcmd) + f"  (DRAFTD_MODELS__FORMAT={fmt}" + \
+        (f", DRAFTD_SERVE__MAX_BATCH={a.draftd_max_batch}" if a.draftd_max_batch else ", serve.max_batch default") + ")"
+    def partial() -> None:  # the JSON so far, after every cell: a run stopped midway keeps what it measured
+        if a.out:
+            result["results"] = {str(n): table[n] for n in clients_list}
+            Path(a.out).write_text(json.dumps(result, indent=1))
+
+    def drop_keys() -> None:
+        r = _redis.Redis.from_url(a.redis_url)
+        for k in r.scan_iter(match=prefix + "*", count=1000):
+            r.delete(k)
+        r.close()
+
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the servers, drops the keys
+    with contextlib.ExitStack() as stack:
+        if "draftd" in configs:
+            stack.callback(drop_keys)
+            say(f"starting draftd serve on :{port} (loads the pair; a first start converts and measures)")
+            durl = stack.enter_context(peers.running(dcmd, port, logs / "draftd.log", env=denv, timeout_s=900)) + "/v1"
+        for n in clients_list:
+            if "draftd" in configs:
+                say(f"{n} client(s): draftd")
+                table[n]["draftd"] = peer_load(durl, cells[n], a.max_tokens, draftd=True)
+                say(f"  {json.dumps({k: table[n]['draftd'].get(k) for k in ('tokens_per_s', 'failures', 'ttft_ms', 'itl_ms')})}")
+                partial()
+            runs = []
+            if "llama_plain" in configs:
+                runs.append(("llama_plain", {}))
+            if "llama_ngram" in configs:
+                runs += [(f"llama_{t}", {"spec_type": t}) for t in want]
+            if "llama_draft" in configs:
+                if draft.is_file():
+                    # -md alone leaves --spec-type at none unless the draft GGUF names a type (this one does not)
+                    runs.append(("llama_draft", {"draft_model": draft,
+                                                 "spec_type": "draft-simple" if "draft-simple" in types else None}))
+                else:
+                    result["skipped"]["llama_draft"] = (f"no derived draft GGUF cached at {draft} (daemonctl serve "
+                                                        f"writes it at its first start on llama.cpp)")
+            for name, kw in runs:
+                p = peers.free_port()
+                cmd = peers.server_command(binary, target, p, n, a.ctx_per_slot, threads, **kw)
+                result["commands"].setdefault(name, " ".join(cmd[1:]).replace(str(p), "PORT"))
+                say(f"{n} client(s): {name}")
+                try:
+                    with peers.running(cmd, p, logs / f"{name}-{n}.log", timeout_s=300) as url:
+                        table[n][name] = peer_load(url + "/v1", cells[n], a.max_tokens, draftd=False)
+                except RuntimeError as e:
+                    table[n][name] = {"error": str(e)[:1500]}
+                say(f"  {json.dumps({k: table[n][name].get(k) for k in ('tokens_per_s', 'failures', 'ttft_ms', 'itl_ms', 'error')})}")
+                partial()
+    if "draftd" in configs:
+        for line in (logs / "draftd.log").read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                ev = json.loads(line)
+                if ev.get("event") in ("engine", "serve_promoted_cached_v0"):
+                    result[f"draftd_{ev['event']}"] = {k: v for k, v in ev.items() if k not in ("level", "logger", "timestamp")}
+    result["results"] = {str(n): table[n] for n in clients_list}
+    result["summary_tokens_per_s"] = {str(n): {c: v.get("tokens_per_s") for c, v in table[n].items()} for n in clients_list}
+    result["checks"] = peer_checks(table)
+    partial()
+    print(json.dumps(result, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=["tiny", "smollm2"], default="tiny")
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=25, help="per client")
+    ap.add_argument("--requests", type=int, default=None, help="per client (default 25; --peer: 2, per client count)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--url", help="a running server with speculation on (…/v1); skips the in-process servers")
     ap.add_argument("--url-off", help="the same server with speculation off (`daemonctl serve --no-spec`)")
     ap.add_argument("--model", default=None, help="model id with --url")
+    ap.add_argument("--peer", action="store_true", help="draftd serve against llama-server (module docstring)")
+    ap.add_argument("--peer-clients", default="1,2,4,8", help="--peer: concurrent client counts")
+    ap.add_argument("--peer-workloads", default="prose,code,math", help="--peer: built-in workloads of the prompts")
+    ap.add_argument("--configs", default="draftd,llama_plain,llama_ngram,llama_draft", help="--peer: which sides run")
+    ap.add_argument("--ngram-types", default="auto", help="--peer: llama-server --spec-type n-gram types "
+                    "(auto: every ngram-* its --help lists but ngram-cache, which wants a cache file)")
+    ap.add_argument("--ctx-per-slot", type=int, default=2048, help="--peer: llama-server context per slot, tokens")
+    ap.add_argument("--format", default="packaged", help="--peer: weight format on both sides (packaged: the Q4_1 "
+                    "file; or a llama.cpp format the packaged file is requantised to, e.g. BF16)")
+    ap.add_argument("--out", default=None, help="--peer: also write the JSON here, after every cell (partial runs keep their cells)")
+    ap.add_argument("--draftd-max-batch", type=int, default=None, help="--peer: serve.max_batch (default: serve's)")
     a = ap.parse_args()
+    if a.peer:
+        a.requests = a.requests or 2
+        return peer_main(a)
+    a.requests = a.requests or 25
     sys.path.insert(0, str(REPO))
     import platform
 

@@ -1,0 +1,132 @@
+"""bench/peers.py and serve_bench.py --peer: the pure parts (llama-server's command line and cache
+key, the speculation types read from --help, the latency statistics on a hand-made timeline,
+the prompt cells, the target checks). No binary, server or model is needed; nothing is timed."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[2] / "bench"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+peers = _load("peers")
+serve_bench = _load("serve_bench")
+
+
+def test_server_command_scales_context_with_slots_and_adds_speculation():
+    cmd = peers.server_command(Path("/x/llama-server"), Path("/m/t.gguf"), 8123, parallel=4, ctx_per_slot=1024, threads=2)
+    assert cmd[0] == "/x/llama-server"
+    a = dict(zip(cmd[1::1], cmd[2::1]))
+    assert a["-m"] == "/m/t.gguf" and a["--port"] == "8123" and a["--host"] == "127.0.0.1"
+    assert a["-np"] == "4" and a["-c"] == "4096"  # each of the 4 slots holds 1024 tokens
+    assert a["-t"] == "2" and a["-tb"] == "2"
+    assert "--no-kv-unified" in cmd and "--spec-type" not in cmd and "-md" not in cmd
+
+    ng = peers.server_command(Path("s"), Path("t"), 1, 1, 2048, 2, spec_type="ngram-simple")
+    assert ng[ng.index("--spec-type") + 1] == "ngram-simple" and ng[ng.index("-c") + 1] == "2048"
+    md = peers.server_command(Path("s"), Path("t"), 1, 8, 512, 2, draft_model=Path("/d.gguf"))
+    assert md[md.index("-md") + 1] == "/d.gguf" and md[md.index("-td") + 1] == "2" and md[md.index("-c") + 1] == "4096"
+    with pytest.raises(ValueError):
+        peers.server_command(Path("s"), Path("t"), 1, 0, 512, 2)
+
+
+def test_cmake_args_build_the_server_alone_on_cpu_without_downloads():
+    args = peers.cmake_configure_args(Path("/src"), Path("/b"), "Ninja")
+    assert args[:7] == ["cmake", "-S", "/src", "-B", "/b", "-G", "Ninja"]
+    for flag in ("-DLLAMA_BUILD_SERVER=ON", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                 "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_OPENMP=OFF", "-DGGML_CUDA=OFF", "-DBUILD_SHARED_LIBS=OFF"):
+        assert flag in args
+    assert "-DCMAKE_CXX_FLAGS=-fno-dse -fno-tree-dse" in args  # the wheel's AMX workaround, same kernels
+
+
+def test_cache_key_follows_version_cpu_flags_and_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path))
+    a = peers.cpu_key("processor : 0\nflags : sse avx2 fma\n")
+    assert a == peers.cpu_key("flags\t: fma avx2 sse sse\n")  # order and repeats do not matter
+    assert a != peers.cpu_key("flags : sse avx2 fma amx_tile\n")
+    p = peers.server_path("0.3.36", a)
+    assert p == tmp_path / "bin" / f"llama-server-0.3.36-{peers.BUILD_TAG}-cpu{a}" / "llama-server"
+    assert peers.server_path("0.3.37", a) != p
+    assert peers.llama_server_binary(build=False) is None  # nothing cached here, nothing built
+
+
+def test_pinned_version_reads_the_pyproject_pin(tmp_path):
+    f = tmp_path / "pyproject.toml"
+    f.write_text('dependencies = ["numpy", "llama-cpp-python==0.3.36", "x"]\n')
+    assert peers.pinned_version(f) == "0.3.36"
+    f.write_text("dependencies = []\n")
+    with pytest.raises(ValueError):
+        peers.pinned_version(f)
+
+
+def test_spec_types_from_help():
+    help_text = ("--spec-draft-model, -md FNAME  draft model\n"
+                 "--spec-type [none|draft-simple|draft-eagle3|ngram-simple|ngram-map-k|ngram-mod|ngram-cache]\n"
+                 "                                        comma-separated list of types (default: none)\n")
+    assert peers.spec_types(help_text) == ["draft-simple", "draft-eagle3", "ngram-simple", "ngram-map-k", "ngram-mod",
+                                           "ngram-cache"]
+    # the form 0.3.36's llama-server prints
+    real = ("--spec-type none,draft-simple,draft-eagle3,ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache\n"
+            "                                        comma-separated list of types of speculative decoding to use (default:\n")
+    assert peers.spec_types(real) == ["draft-simple", "draft-eagle3", "ngram-simple", "ngram-map-k", "ngram-map-k4v",
+                                      "ngram-mod", "ngram-cache"]
+    assert peers.spec_types("-md FNAME\n--draft-max N\n") == []
+
+
+def test_timeline_stats_on_a_hand_made_timeline():
+    """Two requests of 4 tokens: one streamed token by token (chunks 0.1 s apart after a 0.5 s
+    first token), one in two chunks of 2 tokens (a speculative server); and one failure."""
+    tls = [
+        {"t0": 10.0, "chunks": [10.5, 10.6, 10.7, 10.8], "tokens": 4, "error": None, "proposed": 0, "accepted": 0},
+        {"t0": 10.0, "chunks": [10.2, 10.6], "tokens": 4, "error": None, "proposed": 6, "accepted": 2},
+        {"t0": 10.0, "chunks": [], "tokens": 0, "error": "APIConnectionError()"},
+    ]
+    s = serve_bench.timeline_stats(tls, wall_s=2.0)
+    assert s["requests"] == 2 and s["failures"] == 1 and s["failure_examples"] == ["APIConnectionError()"]
+    assert s["output_tokens"] == 8 and s["tokens_per_s"] == 4.0
+    assert s["ttft_ms"] == {"p50": 500.0, "p99": 500.0}  # sorted [200, 500]: index int(0.5 * 2) = 1
+    assert s["itl_ms"]["p50"] == pytest.approx(100.0) and s["itl_ms"]["p99"] == pytest.approx(400.0)  # gaps: .1 .1 .1 .4
+    assert s["tpot_ms"]["p50"] == pytest.approx(133.33, abs=0.01)  # (10.6 - 10.2) / 3 and (10.8 - 10.5) / 3
+    assert s["chunks_per_request"] == 3.0 and s["proposed_tokens"] == 6 and s["accepted_tokens"] == 2
+    empty = serve_bench.timeline_stats([], wall_s=1.0)
+    assert empty["tokens_per_s"] == 0.0 and empty["itl_ms"] == {"p50": None, "p99": None}
+
+
+def test_cell_prompts_are_disjoint_across_client_counts():
+    prompts = [("prose", [i]) for i in range(30)]
+    cells = serve_bench.cell_prompts(prompts, [1, 2, 4, 8], 2)
+    assert [len(cells[n]) for n in (1, 2, 4, 8)] == [1, 2, 4, 8]
+    assert all(len(c) == 2 for n in cells for c in cells[n])
+    seen = [p[1][0] for n in cells for c in cells[n] for p in c]
+    assert len(seen) == len(set(seen)) == 30
+    with pytest.raises(ValueError, match="31 prompts needed|prompts needed"):
+        serve_bench.cell_prompts(prompts[:29], [1, 2, 4, 8], 2)
+
+
+def test_peer_checks_compare_against_the_peers():
+    def cell(tps, p50=10.0, p99=15.0, failures=0):
+        return {"tokens_per_s": tps, "itl_ms": {"p50": p50, "p99": p99}, "failures": failures}
+
+    table = {
+        1: {"draftd": cell(100.0, p50=10.0), "llama_plain": cell(90.0), "llama_ngram-mod": cell(110.0)},
+        4: {"draftd": cell(300.0, p99=19.0), "llama_plain": cell(250.0), "llama_ngram-mod": cell(280.0)},
+        8: {"draftd": cell(300.0, p99=25.0), "llama_plain": cell(320.0), "llama_ngram-mod": cell(200.0)},
+    }
+    c = serve_bench.peer_checks(table)
+    assert c["1_client"]["llama_best"] == "llama_ngram-mod" and c["1_client"]["met"] is False
+    assert c["4_clients"]["met"] is True and c["4_clients"]["itl_bound_ms"] == 20.0
+    eight = c["8_clients"]
+    assert eight["met_vs_plain"] is False and eight["met_vs_best_spec"] is True and eight["met_itl"] is False
+    assert eight["met"] is False
+    table[4]["draftd"]["failures"] = 1
+    assert serve_bench.peer_checks(table)["4_clients"]["met"] is False
