@@ -98,6 +98,9 @@ def schema_to_gbnf(schema: Any) -> str:
     except RecursionError:
         raise GrammarError("the schema nests too deeply (or its $refs loop) for the converter") from None
     except Exception as e:  # noqa: BLE001 - the converter raises AssertionError / ValueError / KeyError ...
+        if "remote schemas" in str(e):
+            raise GrammarError("a $ref to a remote schema: remote schemas are not fetched; put the referenced "
+                               "schema under $defs and refer to it as #/$defs/...") from None
         raise GrammarError(f"the schema cannot be converted to a grammar: {type(e).__name__}: {e}") from None
     check_gbnf(text)
     return text
