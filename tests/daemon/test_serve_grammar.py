@@ -56,13 +56,21 @@ def real_serving(redis_client, key_prefix: str):
 
 
 @pytest.fixture(scope="module")
-def oc(redis_client):
+def oc():
+    import redis
+
+    from conftest import REDIS_URL
+
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=False)
     prefix = f"test:daemon:{uuid.uuid4().hex[:8]}:"
-    with real_serving(redis_client, prefix) as client:
-        yield client
-    keys = list(redis_client.scan_iter(match=prefix + "*"))
-    if keys:
-        redis_client.delete(*keys)
+    try:
+        with real_serving(client, prefix) as oc_:
+            yield oc_
+    finally:
+        keys = list(client.scan_iter(match=prefix + "*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
 
 
 def _chat(oc, content: str, stream: bool = False, **kw):
