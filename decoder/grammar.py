@@ -13,13 +13,15 @@ target's p becomes p restricted to the allowed tokens (renormalised), and specul
 against it emits exactly that distribution: the drafts need no mask, and the records keep the
 unmasked rows.
 
-Cost: one ``llama_sampler_apply`` over SmolLM2's 49,152 tokens takes 4-12 ms where the grammar
-allows few tokens and 28-55 ms inside a JSON string, where it allows nearly all (2 threads, see
-bench/RESULTS.md). So a row is masked in full only where its distribution needs every token:
-greedy rows (and top-k rows) need only the best allowed tokens, found by checking the row's
-candidates best first, a few dozen per apply (exact: every token tied with the last one kept is
-checked too). Full masks (T > 0 without top-k, or logprobs) are cached per grammar state (the
-emitted token prefix: the grammar is deterministic) across the requests that share the grammar.
+Cost (bench/grammar_cost_bench.py, CPU time on a shared 2-core host): one
+``llama_sampler_apply`` over SmolLM2's 49,152 tokens, a full mask, takes 6 ms a row (median; 15
+ms at most). So a row is masked in full only where its distribution needs every token: greedy
+rows (and top-k rows) need only the best allowed tokens, found by checking the row's candidates
+best first, 32 (or 4 x top-k) per apply (exact: every token tied with the last one kept is checked
+too): 0.6 ms a greedy row; a top-k 40 row where the grammar allows fewer than 40 tokens (between
+keys) still needs the full mask to know there are no more. Full masks (T > 0 without top-k,
+logprobs, such top-k rows) are cached per grammar state (the emitted token prefix: the grammar is
+deterministic) across the requests that share the grammar.
 
 A grammar sampler is never given a token its apply refused (llama.cpp throws from accept, which
 would end the process), nor an end-of-sequence token: end of sequence is allowed once the grammar
@@ -46,8 +48,8 @@ MAX_GRAMMAR_CHARS = 64 * 1024  # GBNF text, given or generated from a schema
 MAX_NESTING = 1024  # parenthesised groups inside one another: llama.cpp's parser recurses (20,000 crash it)
 MAX_REPEAT = 1000  # minItems/maxItems/minLength/maxLength and {m,n} counts in schema patterns
 MAX_CACHED_MASKS = 64  # full masks per grammar (bool per token: 48 KB each for SmolLM2)
-FIRST_CHECK = 32  # a partial row checks its best candidates in chunks from this size, x8 each time
-PARTIAL_LIMIT = 4096  # past this many candidates a row is masked in full
+FIRST_CHECK = 32  # a partial row checks its best candidates in chunks from this size (4 x top-k if more), x16 each time
+PARTIAL_LIMIT = 512  # past this many candidates a row is masked in full (a state refusing its best 512 allows few)
 
 _DT = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
 
@@ -353,7 +355,7 @@ class GrammarConstraint:
         keep = None
         if top_k is not None and row is not None:
             vals = row[torch.from_numpy(cands)].float()
-            c = FIRST_CHECK
+            c = max(FIRST_CHECK, 4 * top_k)
             while c <= PARTIAL_LIMIT:
                 c_ = min(c, len(cands))
                 top = torch.topk(vals, c_).indices.numpy()  # best first
@@ -366,7 +368,7 @@ class GrammarConstraint:
                         found = tied[self._check(state, cands[tied])]
                     keep = cands[found]
                     break
-                c *= 8
+                c *= 16
         if keep is None:  # every token needed (or the best are mostly refused): the full mask
             keep = np.nonzero(self._full(state))[0]
             if eos:
