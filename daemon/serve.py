@@ -527,6 +527,22 @@ def _constrained(body: dict) -> dict[str, Any]:
     return out
 
 
+def _grammar_gguf(target: str, engine) -> str | None:
+    """The GGUF grammars compile against: the llama.cpp target's own; for a torch target, the
+    packaged GGUF it was converted from (the same token ids); None: schemas and grammars get a 400."""
+    if getattr(engine, "path", None) is not None:
+        return str(engine.path)
+    from decoder.models.packaged import PACKAGED, ModelLoadError, packaged_gguf
+
+    base = target.split("@")[0]  # a requantised built-in (name@FORMAT) has the same vocabulary
+    if base in PACKAGED:
+        try:
+            return str(packaged_gguf(base))
+        except ModelLoadError:
+            return None
+    return None
+
+
 def _logprobs(body: dict, kind: str) -> int | None:
     """The alternatives per position a request asks for, None for no logprobs: completions take
     ``logprobs: n`` (0..5, OpenAI's bound there); chat ``logprobs: true`` with ``top_logprobs: n``
@@ -1392,7 +1408,8 @@ def run_serve(settings, console=None) -> int:
                                    max_prompt_tokens=sv.max_prompt_tokens, request_timeout_s=sv.request_timeout_s,
                                    max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets,
                                    max_request_bytes=sv.max_request_bytes,
-                                   served_format=engines.served.describe() if engines.served is not None else None)
+                                   served_format=engines.served.describe() if engines.served is not None else None,
+                                   grammar_gguf=_grammar_gguf(m.target, engines.target))
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,

@@ -137,3 +137,16 @@ def test_bad_schemas_and_grammars_get_a_400_naming_the_field(oc, kw, param, says
     body = ei.value.body
     assert body["param"] == param and says in body["message"], body
     assert body["message"].startswith(param)
+
+
+def test_grammars_compile_against_the_targets_gguf_or_the_packaged_one_it_came_from():
+    from daemon.serve import _grammar_gguf
+    from decoder.models.packaged import packaged_gguf
+
+    class LlamaTarget:
+        path = "/models/t.gguf"
+
+    assert _grammar_gguf("anything", LlamaTarget()) == "/models/t.gguf"
+    packaged = str(packaged_gguf(MODEL))
+    assert _grammar_gguf(MODEL, object()) == packaged == _grammar_gguf(f"{MODEL}@bf16", object())  # a torch target
+    assert _grammar_gguf("HuggingFaceTB/SmolLM2-135M", object()) is None  # no GGUF: a 400 names the field
