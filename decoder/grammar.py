@@ -192,6 +192,11 @@ def _compile(vocab: GrammarVocab, text: str, root: str):
     """``llama_sampler_init_grammar`` with llama.cpp's parse error captured (it prints to stderr):
     (sampler or None, error line). Other threads' writes to stderr meanwhile are passed on."""
     L = vocab.L
+    try:
+        os.fstat(2)
+    except OSError:  # no stderr to capture (a detached process): compile, without the reason
+        smpl = L.llama_sampler_init_grammar(vocab.vocab, text.encode(), root.encode())
+        return (smpl or None), ""
     with _stderr_lock, tempfile.TemporaryFile() as tmp:
         saved = os.dup(2)
         try:
