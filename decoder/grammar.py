@@ -178,6 +178,8 @@ class GrammarVocab:
         self.eog_ids = np.array(eog, dtype=np.int32)
         # the ids a grammar may allow as text: control tokens never (their pieces are markup)
         self.text_ids = np.array([i for i in range(self.n_tokens) if i not in never], dtype=np.int64)
+        self.is_text = np.zeros(self.n_tokens, bool)
+        self.is_text[self.text_ids] = True
         self._finalizer = weakref.finalize(self, L.llama_model_free, self.model)
 
     def close(self) -> None:
@@ -273,15 +275,16 @@ class GrammarConstraint:
         return self._complete(state)
 
     def advance(self, state: GrammarState, token: int, eos_ids: Iterable[int] = ()) -> GrammarState | None:
-        """The state after ``token``, or None when the grammar does not allow it there. An
-        end-of-sequence token leaves the state as it is (allowed once the grammar is complete)."""
+        """The state after ``token``, or None when the grammar does not allow it there (a control
+        token never). An end-of-sequence token leaves the state as it is (allowed once the grammar
+        is complete, or when nothing else is)."""
         token = int(token)
         if token in eos_ids:
             return state if self._complete(state) or not self._any_text(state) else None
         child = state.children.get(token)
         if child is not None:
             return child
-        if not 0 <= token < self.vocab.n_tokens or not self._check(state, np.array([token]))[0]:
+        if not (0 <= token < self.vocab.n_tokens and self.vocab.is_text[token]) or not self._check(state, np.array([token]))[0]:
             return None
         smpl = self.L.llama_sampler_clone(state.smpl)
         self.L.llama_sampler_accept(smpl, token)  # allowed by apply: accept cannot throw
