@@ -26,12 +26,14 @@ import asyncio
 import json
 import math
 import os
+import re
 import secrets
 import signal
 import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -45,13 +47,14 @@ log = structlog.get_logger("daemon.serve")
 WORKLOAD_HEADER = "X-Draftd-Workload"
 MAX_STOP = 16
 MAX_GAMMA = 64
+MAX_GRAMMARS = 16  # compiled grammars an InferenceService keeps (by GBNF text), with their cached masks
 MAX_LOGPROBS = 20  # decoder.sampling.MAX_LOGPROBS: top_logprobs at most (OpenAI's bound)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
 
 # fields accepted (and acted on) besides the prompt; everything else is refused by name
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
            "top_k", "ignore_eos", "gamma", "workload", "presence_penalty", "frequency_penalty", "logit_bias",
-           "repetition_penalty", "min_tokens", "metadata"}
+           "repetition_penalty", "min_tokens", "metadata", "grammar"}
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                    "functions", "function_call", "parallel_tool_calls", "response_format", "store"}
@@ -96,6 +99,9 @@ class Parsed:
     stream: bool
     include_usage: bool = False
     json_mode: bool = False  # response_format {"type": "json_object"}: the output is one JSON object
+    grammar: str | None = None  # GBNF the output follows (response_format json_schema, or the grammar field)
+    grammar_param: str | None = None  # the field it came from, for errors
+    constraint: Any = None  # the compiled grammar (decoder.grammar.GrammarConstraint), set by InferenceService.parse
     extra: dict[str, Any] = field(default_factory=dict)
     logprobs: int | None = None  # None: none; n: each token's logprob and its n most probable alternatives
 
@@ -162,9 +168,6 @@ def _unsupported(body: dict, kind: str) -> None:
         ("function_call", lambda v: v in (None, "none"), "function calling is not supported"),
         ("tool_choice", lambda v: v in (None, "none"), "tool calling is not supported"),
         ("parallel_tool_calls", lambda v: v in (None, False, True) and not body.get("tools"), "tool calling is not supported"),
-        ("response_format", lambda v: v is None or v in ({"type": "text"}, {"type": "json_object"}),
-         "response_format {\"type\": \"text\"} and {\"type\": \"json_object\"} (JSON mode) are served; json_schema "
-         "and grammars are not"),
         ("store", lambda v: v in (None, False), "stored completions are not supported"),
     ]
     for name, ok, why in checks:
@@ -456,8 +459,88 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
         top_k=0 if top_k == -1 else top_k, seed=seed, stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
         gamma=gamma, workload=_workload(body, header_workload), stream=stream, include_usage=include_usage,
         logprobs=logprobs,
-        json_mode=body.get("response_format") == {"type": "json_object"},
+        **_constrained(body),
     )
+
+
+_RF_HELP = ('use {"type": "text"}, {"type": "json_object"} (JSON mode) or {"type": "json_schema", "json_schema": '
+            '{"name": "...", "schema": {...}, "strict": true}}')
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _constrained(body: dict) -> dict[str, Any]:
+    """Parsed's constrained-output fields from ``response_format`` (chat) and the ``grammar``
+    field (GBNF, as llama-server takes it): ``json_mode``, ``grammar`` (GBNF text, a JSON schema
+    converted) and ``grammar_param``.
+
+    Raises:
+        ApiError: 400 naming the field (``response_format``, ``response_format.json_schema[.x]``,
+            ``grammar``): malformed, a schema the converter refuses, or both a grammar and a JSON format.
+    """
+    from decoder.grammar import GrammarError, check_gbnf, schema_to_gbnf
+
+    rf, out = body.get("response_format"), {}
+    kind = None
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise _bad("response_format", f"{rf!r}: {_RF_HELP}", "invalid_value")
+        kind = rf["type"]
+        extra = sorted(set(rf) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
+        if extra:
+            raise _bad("response_format", f"{extra[0]!r} is not a field of a {kind!r} response_format; {_RF_HELP}")
+        out["json_mode"] = kind == "json_object"
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise _bad("response_format.json_schema", f"{js!r}: an object {{\"name\": ..., \"schema\": {{...}}}} "
+                                                          f"giving the JSON Schema the output must follow",
+                           "missing" if js is None else "invalid_type")
+            unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
+            if unknown:
+                raise _bad(f"response_format.json_schema.{unknown[0]}", "unknown field; name, schema, strict and "
+                                                                        "description are")
+            if "name" in js and not (isinstance(js["name"], str) and _SCHEMA_NAME.fullmatch(js["name"])):
+                raise _bad("response_format.json_schema.name", f"{js['name']!r}: 1-64 letters, digits, _ or -")
+            if js.get("strict") not in (None, True, False):
+                raise _bad("response_format.json_schema.strict", f"{js['strict']!r} is not a boolean", "invalid_type")
+            if "description" in js and not isinstance(js["description"], str):
+                raise _bad("response_format.json_schema.description", "must be a string", "invalid_type")
+            if js.get("schema") is None:
+                raise _bad("response_format.json_schema.schema", "missing: give the JSON Schema the output must "
+                           'follow, e.g. {"type": "object", "properties": {"answer": {"type": "string"}}, '
+                           '"required": ["answer"]}', "missing")
+            try:
+                out["grammar"] = schema_to_gbnf(js["schema"])
+            except GrammarError as e:
+                raise _bad("response_format.json_schema.schema", f"{e}; fix or simplify the schema, or send a GBNF "
+                                                                 f"grammar in the grammar field", "invalid_schema") from None
+            out["grammar_param"] = "response_format.json_schema.schema"
+    g = body.get("grammar")
+    if g is not None:
+        if kind in ("json_object", "json_schema"):
+            raise _bad("grammar", f"sent with a {kind!r} response_format: send one of them")
+        try:
+            check_gbnf(g)
+        except GrammarError as e:
+            raise _bad("grammar", f"{e}", "invalid_grammar") from None
+        out["grammar"], out["grammar_param"] = g, "grammar"
+    return out
+
+
+def _grammar_gguf(target: str, engine) -> str | None:
+    """The GGUF grammars compile against: the llama.cpp target's own; for a torch target, the
+    packaged GGUF it was converted from (the same token ids); None: schemas and grammars get a 400."""
+    if getattr(engine, "path", None) is not None:
+        return str(engine.path)
+    from decoder.models.packaged import PACKAGED, ModelLoadError, packaged_gguf
+
+    base = target.split("@")[0]  # a requantised built-in (name@FORMAT) has the same vocabulary
+    if base in PACKAGED:
+        try:
+            return str(packaged_gguf(base))
+        except ModelLoadError:
+            return None
+    return None
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -688,7 +771,8 @@ class InferenceService:
                  speculation: bool = True, server_id: str | None = None, api_key: str | None = None,
                  max_prompt_tokens: int | None = None, request_timeout_s: float | None = None,
                  max_workloads: int = 64, max_sampling_buckets: int = 32,
-                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, served_format: dict | None = None):
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, served_format: dict | None = None,
+                 grammar_gguf: str | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
         self.loop, self.tokenizer, self.model = loop, tokenizer, model
@@ -702,6 +786,9 @@ class InferenceService:
         self._parse_pool = ThreadPoolExecutor(1, thread_name_prefix="draftd-parse")
         self.api_key = api_key or None  # None: no authentication (serve.api_key unset)
         self._json, self._json_lock = None, threading.Lock()
+        self.grammar_gguf = grammar_gguf  # None: the target engine's GGUF (llama.cpp), if any
+        self._grammar_vocab = None
+        self._grammars: OrderedDict[str, Any] = OrderedDict()  # compiled grammars by GBNF text, most recent last
         self._abandoned = threading.Event()  # shutting down past the drain grace: waiting handlers answer now
         self.drain_grace_s: float | None = None
         self.context_len = context_len
@@ -745,7 +832,58 @@ class InferenceService:
                           max_prompt_tokens=self.max_prompt_tokens, max_token_chars=self.max_token_chars)
         if p.json_mode:
             self.json_constraint()  # built here, off the event loop, on the first JSON-mode request
+        if p.grammar is not None:  # compiled here, off the event loop: a bad grammar is a 400 before queueing
+            p.constraint = self.grammar_constraint(p.grammar, p.grammar_param or "grammar")
         return p
+
+    def grammar_constraint(self, gbnf: str, param: str = "grammar"):
+        """The compiled :class:`decoder.grammar.GrammarConstraint` of ``gbnf`` on the target's
+        vocabulary, shared by the requests that send the same grammar (the most recent
+        MAX_GRAMMARS are kept, with their cached masks).
+
+        Raises:
+            ApiError: 400 naming ``param``: llama.cpp does not parse the grammar, or the target has no
+                GGUF (grammars run on llama.cpp's grammar engine).
+        """
+        from decoder.grammar import GrammarConstraint, GrammarError
+
+        with self._json_lock:
+            c = self._grammars.get(gbnf)
+            if c is not None:
+                self._grammars.move_to_end(gbnf)
+                return c
+        vocab = self.grammar_vocab(param)
+        try:
+            c = GrammarConstraint(vocab, gbnf, width=self.vocab)
+        except GrammarError as e:
+            raise _bad(param, f"{e}", "invalid_grammar" if param == "grammar" else "invalid_schema") from None
+        with self._json_lock:
+            self._grammars[gbnf] = c
+            while len(self._grammars) > MAX_GRAMMARS:
+                self._grammars.popitem(last=False)
+        return c
+
+    def grammar_vocab(self, param: str = "grammar"):
+        """The target's vocabulary on llama.cpp (:class:`decoder.grammar.GrammarVocab`), loaded once.
+
+        Raises:
+            ApiError: 400 naming ``param``'s field (``response_format``, ``grammar``) when the target has
+                no GGUF to load it from; 500 when the GGUF does not load.
+        """
+        if self._grammar_vocab is None:
+            from decoder.grammar import GrammarError, GrammarVocab
+
+            path = self.grammar_gguf or getattr(self.loop.decoder.engine, "path", None)
+            if path is None:  # the field as a whole (response_format, grammar) is what this server cannot serve
+                raise _bad(param.split(".")[0], "JSON schemas and grammars run on llama.cpp's grammar engine, which needs the "
+                                  "target as a GGUF: serve with models.engine=llamacpp (DRAFTD_MODELS__ENGINE); "
+                                  "response_format {\"type\": \"json_object\"} (JSON mode) works on any engine",
+                           "unsupported_parameter")
+            try:
+                self._grammar_vocab = GrammarVocab(path)
+            except GrammarError as e:
+                raise ApiError(500, f"{param}: {e}", param=param, code="grammar_unavailable", type_="server_error") from None
+        return self._grammar_vocab
 
     def json_constraint(self):
         """JSON mode's constraint for this tokenizer (decoder.constrain), built once (a pass over the
@@ -766,7 +904,8 @@ class InferenceService:
         return DecodeRequest(p.prompt_ids, params, p.max_tokens, gamma=gamma, stop=p.stop, ignore_eos=p.ignore_eos,
                              workload=self.workloads.admit(p.workload),
                              sampling_bucket=self.buckets.admit(params.bucket()), logprobs=p.logprobs,
-                             constraint=self.json_constraint() if p.json_mode else None)
+                             constraint=p.constraint if p.constraint is not None
+                             else self.json_constraint() if p.json_mode else None)
 
     def _logprobs(self, p: Parsed, lps: list, offset: int = 0) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` object for tokens' :class:`~decoder.sampling.TokenLogprob`: chat's
@@ -1269,7 +1408,8 @@ def run_serve(settings, console=None) -> int:
                                    max_prompt_tokens=sv.max_prompt_tokens, request_timeout_s=sv.request_timeout_s,
                                    max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets,
                                    max_request_bytes=sv.max_request_bytes,
-                                   served_format=engines.served.describe() if engines.served is not None else None)
+                                   served_format=engines.served.describe() if engines.served is not None else None,
+                                   grammar_gguf=_grammar_gguf(m.target, engines.target))
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,

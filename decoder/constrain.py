@@ -202,10 +202,12 @@ class JsonObjectConstraint:
             self._masks[key] = m
         return m
 
-    def constrain(self, logits: torch.Tensor, state: State, proposals: list[int], eos_ids: Iterable[int]) -> torch.Tensor:
+    def constrain(self, logits: torch.Tensor, state: State, proposals: list[int], eos_ids: Iterable[int],
+                  top_k: int | None = None) -> torch.Tensor:
         """``logits`` (g + 1, V) with row i masked at the state after ``proposals[:i]`` (after an
         invalid proposal the rows keep the last valid state's mask: they are never used, the
-        invalid proposal being rejected)."""
+        invalid proposal being rejected). ``top_k`` (how many of a row's best tokens are used) is
+        ignored: the masks are cached per state and cheap."""
         eos = frozenset(eos_ids)
         rows, s = [], state
         for i in range(logits.shape[0]):

@@ -110,7 +110,8 @@ class DecodeRequest:
     logprobs: None (default) computes none; n in 0..20 gives every emitted token its
         log-probability under the served distribution and the n most probable alternatives
         (:func:`decoder.sampling.token_logprobs`), in ``DecodeResult.logprobs``.
-    constraint: constrained output (:class:`decoder.constrain.JsonObjectConstraint`): the
+    constraint: constrained output (:class:`decoder.constrain.JsonObjectConstraint`, or a
+        grammar's :class:`decoder.grammar.GrammarConstraint`): the
         target's logits are masked at every verified row, so the output follows it and stays
         lossless against the constrained distribution; None = unconstrained.
     """
@@ -760,7 +761,10 @@ class SpeculativeDecoder:
             else:
                 logits = self._target_logits([ids[-1]] + proposals, tcache, g + 1)  # (g+1, V)
             # constrained output: p restricted to what keeps the output valid (the records keep `logits`)
-            served = logits if cstate is None else constraint.constrain(logits, cstate, proposals, self.eos_ids)
+            # (top_k: the rows are used through their best 1 / top_k tokens only, so only those need checking)
+            served = logits if cstate is None else constraint.constrain(
+                logits, cstate, proposals, self.eos_ids,
+                top_k=None if req.logprobs is not None else 1 if params.greedy else params.top_k or None)
             p = process_logits(served, params)
             q = prop.q.to(p.dtype) if g else p.new_zeros((0, p.shape[-1]))
             v = verify(torch.tensor(proposals, dtype=torch.long), q, p, params.greedy, gen)

@@ -1,6 +1,6 @@
 """Issue 37 item 11: `response_format: {"type": "json_object"}` (JSON mode) is served: the completion
 is one JSON object (or, cut by max_tokens, a prefix of one), streamed or not, and greedy JSON mode
-gives the same text with speculation as without."""
+gives the same text with speculation as without. JSON schemas and grammars: test_serve_grammar.py."""
 
 from __future__ import annotations
 
@@ -41,10 +41,18 @@ def test_json_mode_serves_an_object_streamed_or_not_with_and_without_speculation
     print(texts)
 
 
-def test_json_schema_is_refused_naming_what_is_served(redis_client, key_prefix):
+def test_json_schema_and_grammars_on_a_torch_target_are_refused_naming_what_is_served(redis_client, key_prefix):
+    """Schemas and grammars run on llama.cpp's grammar engine (tests/daemon/test_serve_grammar.py):
+    a target with no GGUF gets a 400 naming the field, the fix, and JSON mode as what works."""
     with serving(redis_client, key_prefix, chars=JSON_CHARS) as s:
+        oc = s.openai()
+        msgs = [{"role": "user", "content": "x"}]
         with pytest.raises(openai.BadRequestError) as ei:
-            s.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                               response_format={"type": "json_schema",
-                                                                "json_schema": {"name": "x", "schema": {}}})
-        assert ei.value.body["param"] == "response_format" and "json_object" in ei.value.body["message"]
+            oc.chat.completions.create(model=MODEL, messages=msgs, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})
+        body = ei.value.body
+        assert body["param"] == "response_format" and "json_object" in body["message"]
+        assert "models.engine=llamacpp" in body["message"]
+        with pytest.raises(openai.BadRequestError) as ei:
+            oc.chat.completions.create(model=MODEL, messages=msgs, extra_body={"grammar": 'root ::= "yes" | "no"'})
+        assert ei.value.body["param"] == "grammar" and "llama.cpp" in ei.value.body["message"]

@@ -1,0 +1,161 @@
+"""Issue 37 item 11: constrained output by JSON schema and GBNF grammar on llama.cpp's grammar
+engine (decoder.grammar), on the packaged SmolLM2 GGUF. The output follows the grammar; greedy
+speculative decoding under it equals plain (γ = 0) decoding under it token for token, with the
+n-gram and the draft proposers; the partial masks (greedy / top-k rows) equal the full mask where
+the row is used; bad schemas and grammars are refused with the reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from decoder.engines.llamacpp_lib import llamacpp_available
+from decoder.grammar import GrammarConstraint, GrammarError, GrammarVocab, check_gbnf, schema_to_gbnf
+from decoder.sampling import SamplingParams, process_logits
+from decoder.speculative import DecodeRequest, SpeculativeDecoder
+
+pytestmark = [pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")]
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+          "required": ["name", "age", "city"]}
+YES_NO = 'root ::= ("yes" | "no")'
+
+
+def check_person(text: str) -> dict:
+    """The schema's checks by hand (the jsonschema package is not installed here)."""
+    obj = json.loads(text)
+    assert isinstance(obj, dict) and set(obj) == {"name", "age", "city"}, obj
+    assert isinstance(obj["name"], str) and isinstance(obj["age"], int) and not isinstance(obj["age"], bool)
+    assert obj["city"] in ("Paris", "Rome", "Oslo")
+    return obj
+
+
+# ---- refusals (no model) ---------------------------------------------------------------------------
+@pytest.mark.parametrize("schema, why", [
+    (5, "is a JSON object"),
+    ({"type": "foo"}, "Unrecognized schema"),
+    ({"$ref": "https://example.com/s.json"}, "remote schemas are not fetched"),
+    ({"type": "array", "minItems": 10**9}, "minItems"),
+    ({"type": "string", "pattern": "^a{99999}$"}, "pattern"),
+])
+def test_schemas_the_converter_cannot_serve_are_refused_with_the_reason(schema, why):
+    with pytest.raises(GrammarError, match=why):
+        schema_to_gbnf(schema)
+
+
+@pytest.mark.parametrize("text, why", [
+    ("", "empty"), ("   ", "empty"), (7, "string of GBNF"), ("root ::= " + "(" * 2000 + '"a"' + ")" * 2000, "nest"),
+    ("root ::= " + '"a" ' * 20000, "characters"),
+])
+def test_grammars_llama_cpp_should_not_see_are_refused_before_it_does(text, why):
+    with pytest.raises(GrammarError, match=why):
+        check_gbnf(text)
+
+
+def test_nesting_is_counted_outside_strings_classes_and_comments():
+    check_gbnf('root ::= "((((" [(] x # ((((((\nx ::= ("a")')
+
+
+# ---- the packaged GGUF -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gguf():
+    from decoder.models.packaged import packaged_gguf
+
+    return packaged_gguf("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def vocab(gguf):
+    return GrammarVocab(gguf)
+
+
+@pytest.fixture(scope="module")
+def engine(gguf):
+    from decoder.engines.llamacpp import LlamaCppEngine
+
+    e = LlamaCppEngine(gguf, n_ctx=512, threads=2)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def real():
+    from decoder.models.loading import load_pair
+
+    return load_pair("smollm2-135m", "layers:0-3")
+
+
+@pytest.fixture(scope="module")
+def dec(engine, real):
+    return SpeculativeDecoder(real.target, real.draft, real.tokenizer, engine=engine)
+
+
+def chat_ids(real, text: str) -> list[int]:
+    tok = real.tokenizer
+    return tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True))["input_ids"]
+
+
+@pytest.mark.parametrize("text, why", [
+    ("root ::= foo", "Undefined rule"), ('root ::= "a', "unexpected end"), ('x ::= "a"', "root"),
+    ("root ::= root \"a\"", "left recursion"), ('root ::= "a"{3000}', "repetitions"),
+])
+def test_grammars_llama_cpp_does_not_parse_are_refused_with_its_reason(vocab, text, why):
+    with pytest.raises(GrammarError, match=why):
+        GrammarConstraint(vocab, text)
+
+
+def test_a_yes_no_grammar_gives_exactly_one_of_them_greedy_and_sampled(dec, real, vocab):
+    g = GrammarConstraint(vocab, YES_NO, width=dec.vocab_p)
+    ids = chat_ids(real, "Is Paris in France? Answer yes or no.")
+    outs = []
+    for params, gamma in [(SamplingParams(), 0), (SamplingParams(), 3)] + [(SamplingParams(1.0, seed=s), 3)
+                                                                           for s in range(4)]:
+        r = dec.generate(DecodeRequest(ids, params, 8, gamma=gamma, proposer="ngram", constraint=g))
+        text = real.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        assert text in ("yes", "no") and r.finish_reason == "eos", (text, r.output_ids)
+        outs.append(text)
+    assert outs[0] == outs[1]
+    print(outs)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_greedy_under_a_schema_is_valid_and_speculation_equals_plain_token_for_token(dec, real, vocab, proposer):
+    g = GrammarConstraint(vocab, schema_to_gbnf(PERSON), width=dec.vocab_p)
+    for prompt in ("Describe Ann, 31, from Rome, as JSON.", "Bob lives in Oslo. Give his JSON record."):
+        ids = chat_ids(real, prompt)
+        plain = dec.generate(DecodeRequest(ids, SamplingParams(), 40, gamma=0, constraint=g))
+        spec = dec.generate(DecodeRequest(ids, SamplingParams(), 40, gamma=4, proposer=proposer, constraint=g))
+        assert spec.output_ids == plain.output_ids, prompt
+        assert plain.finish_reason == "eos", real.tokenizer.decode(plain.output_ids)
+        check_person(real.tokenizer.decode(plain.output_ids, skip_special_tokens=True))
+        assert spec.counts.num_draft_tokens > 0  # speculation ran under the mask
+
+
+def test_partial_rows_equal_the_full_mask_where_the_row_is_used(dec, real, vocab, engine):
+    """Greedy / top-k rows check only a row's best tokens: the processed distributions equal the
+    fully masked row's, at every position of a constrained output (inside strings, between keys,
+    at the end)."""
+    g = GrammarConstraint(vocab, schema_to_gbnf(PERSON), width=dec.vocab_p)
+    ids = chat_ids(real, "Describe Ann, 31, from Rome, as JSON.")
+    out = dec.generate(DecodeRequest(ids, SamplingParams(), 48, gamma=0, constraint=g)).output_ids
+    seq = engine.start()
+    try:
+        logits = seq.forward(ids + out[:-1], len(out))  # row j: the distribution that emitted out[j]
+    finally:
+        seq.release()
+    s = g.start()
+    for j, t in enumerate(out):
+        row = logits[j: j + 1]
+        full = g.constrain(row, s, [], dec.eos_ids, top_k=None)
+        for params, k in [(SamplingParams(), 1), (SamplingParams(0.8, top_k=5), 5), (SamplingParams(1.0, top_k=40), 40)]:
+            part = g.constrain(row, s, [], dec.eos_ids, top_k=k)
+            torch.testing.assert_close(process_logits(part, params), process_logits(full, params), rtol=0, atol=0)
+        assert int(full.argmax()) == t
+        s = g.advance(s, t, dec.eos_ids)
+        assert s is not None
+    assert g.done(s)
