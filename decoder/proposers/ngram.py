@@ -19,6 +19,7 @@ from collections import OrderedDict, deque
 import torch
 
 from decoder.proposers.base import Proposal, ProposerSpec, is_int
+from decoder.engines.base import routed_batch_size
 from decoder.proposers.cost import StepCost
 from decoder.sampling import SamplingParams, seeded_sampling
 
@@ -351,7 +352,9 @@ class NgramProposer:
         self.last_class = cls
         self._pending = None
         if self.gate is not None and tokens:
-            tokens = tokens[: self.gate.length(self.workload, cls, len(tokens), self.cost)]
+            # priced at the batch this step's rows are fused into (StepCost.fused_ms; 1 alone)
+            cost = self.cost.at_batch(routed_batch_size()) if hasattr(self.cost, "at_batch") else self.cost
+            tokens = tokens[: self.gate.length(self.workload, cls, len(tokens), cost)]
             if tokens:
                 self._pending = (cls, len(tokens))
         q = torch.zeros((len(tokens), self.vocab), device=self.device)
