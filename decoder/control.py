@@ -691,37 +691,50 @@ class GoodputController:
         return cap if g is None else g
 
     def _by_batch(self, s: _KeyState) -> dict[int, dict[str, Any]]:
-        """The decision at each of ``config.batch_sizes`` (lock held): the best (proposer, γ)
-        over the offered proposers, each proposer's own best γ (what a request it serves runs
-        at that size), the rates and the step cost factors ρ_B(r)."""
+        """What a request of this key runs at in a batch of each of ``config.batch_sizes`` (lock
+        held): the key's decision at batch 1 (proposer p, γ_1), then at B the best γ <= γ_1 of p
+        there (:meth:`batch_gamma`, as :class:`ControlledGamma` runs it), 0 where plain decoding
+        beats each; ``gamma_by_proposer`` the same for every offered proposer (capped by its own
+        best γ at batch 1); the rates per request and the step cost factors ρ_B(r)."""
         c = self.config
+        ev1 = self._evaluate(s, 1)
+        cands1 = self._candidates(ev1)
+        warm = self._warm_up(s) if c.proposers != (DRAFT,) else None
+        best1 = max(cands1, key=cands1.get) if cands1 and 0 in ev1["rate"] and warm is None else None
+        names = list(self.offered())
+        caps = {n: self._best_gamma_for(ev1, n, c.gamma_max) for n in names}
         out: dict[int, dict[str, Any]] = {}
-        names = [n for n in self.offered()]
         for b in c.batch_sizes:
-            ev = self._evaluate(s, b)
-            cands = self._candidates(ev)
+            ev = ev1 if b == 1 else self._evaluate(s, b)
             plain = ev["rate"].get(0, math.nan)
-            best = max(cands, key=cands.get) if cands else None
-            per = {n: self._best_gamma_for(ev, n, c.gamma_max) for n in names}
-            if best is None or plain != plain:
-                why = "warm-up: no estimate yet"
-            elif best[1] > 0:
-                why = (f"{best[0]} γ={best[1]}: {cands[best]:.4f} tok/ms per request vs plain {plain:.4f} "
-                       f"(a step of {best[1] + 1} rows x{ev['rho'][best[1] + 1]:.2f} its batch-1 cost)")
+            per = {n: (cap if not cap else self._best_gamma_for(ev, n, cap)) for n, cap in caps.items()}
+            rho = ev["rho"]
+            if best1 is None:
+                name, g, why = None, None, "warm-up: no estimate yet"
+            elif best1[1] == 0:
+                name, g, why = None, 0, "off at batch 1 already"
             else:
-                spec = [k for k in cands if k[1] > 0]
-                top = max(spec, key=cands.get) if spec else None
-                why = (f"off: plain {plain:.4f} tok/ms per request (a plain step x{ev['rho'][1]:.2f} its batch-1 cost)"
-                       + (f" beats every proposer (best {top[0]} γ={top[1]} {cands[top]:.4f}, its {top[1] + 1} rows "
-                          f"x{ev['rho'][top[1] + 1]:.2f})" if top else ""))
+                name, g = best1[0], per.get(best1[0])
+                if g is None:
+                    g = best1[1]
+                rates = ev["rate"] if name == DRAFT else ev["others"].get(name, {})
+                if g > 0:
+                    why = (f"{name} γ={g}: {rates[g]:.4f} tok/ms per request vs plain {plain:.4f} "
+                           f"(a step of {g + 1} rows x{rho[g + 1]:.2f} its batch-1 cost, a plain one x{rho[1]:.2f})")
+                else:
+                    top = max((k for k in rates if k <= best1[1]), key=rates.get, default=None)
+                    why = (f"off: plain {plain:.4f} tok/ms per request (a plain step x{rho[1]:.2f} its batch-1 cost)"
+                           + (f" beats {name} at every γ <= {best1[1]} (best γ={top} {rates[top]:.4f}, its {top + 1} "
+                              f"rows x{rho[top + 1]:.2f})" if top else ""))
             out[b] = {
-                "gamma": best[1] if best else None,
-                "proposer": best[0] if best and best[1] else None,
-                "speculate": bool(best and best[1]),
+                "gamma": g,
+                "proposer": name if g else None,
+                "speculate": bool(g),
                 "gamma_by_proposer": per,
-                "tokens_per_ms": nan_none(cands[best], 5) if best else None,
+                "tokens_per_ms": nan_none((ev["rate"] if name == DRAFT else ev["others"].get(name, {})).get(g, plain)
+                                          if g else plain, 5) if g is not None else None,
                 "plain_tokens_per_ms": nan_none(plain, 5),
-                "step_cost_factor": {r: round(ev["rho"][r], 3) for r in range(1, min(c.gamma_max + 1, 5) + 1)},
+                "step_cost_factor": {r: round(rho[r], 3) for r in range(1, min(c.gamma_max + 1, 5) + 1)},
                 "why": why,
             }
         return out
