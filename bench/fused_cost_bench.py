@@ -5,14 +5,16 @@ controller's γ per batch size from it (issue 35 item 2). JSON out.
    (B in ``--batches``), each appending r rows with logits at all r (a verification of γ = r - 1
    per sequence; ``--rows``), after ``--cached`` tokens cached per sequence, on one engine holding
    ``max(batches)`` sequences (``n_seq``, as serve builds it); median ms over ``--reps``, the
-   cells interleaved within each rep so a burst of load from other processes hits all alike.
+   cells interleaved within each rep (alternating direction) so a burst of load from other
+   processes hits all alike; each cell summarised twice, ``median`` and ``p10`` (the 10th
+   percentile: on a core shared with other jobs, the nearest to the cell's own cost).
    ``alone_ms``: one sequence of n rows on the same engine for n up to B x r (the batch-1 curve
    StepCost reads the fused model off). ``ratio_to_plain``: t_B(r) / t_1(1); ``per_request_row``:
    what each further row of every sequence costs, (t_B(r) - t_B(1)) / (B (r - 1)) / t_1(1);
    ``model_ms``: :meth:`decoder.proposers.cost.StepCost.fused_ms` with the batch-1 curve only
    (t(B x r), no fused readings), to show how far the model is from the measurement.
-2. ``decisions``: a :class:`decoder.control.GoodputController` whose key has the measured batch-1
-   costs as its verify ms (γ = 0..4), proposals free (draft ms 0: the n-gram proposer's case, the
+2. ``decisions``: a :class:`decoder.control.GoodputController` (γ_max = max rows) whose key has
+   the measured batch-1 costs as its verify ms (γ = 0..max rows), proposals free (draft ms 0: the n-gram proposer's case, the
    cheapest) and α in ``--alphas``, with the decoder's StepCost fed the measured table at batch 1
    and fused: its decision per batch size (``decision(key)["by_batch"]``: γ, rates per request,
    the step cost factor ρ_B(r) = t_B(r) / t(r)), once from the measured fused table
@@ -57,9 +59,15 @@ def measure(gguf, batches, rows, reps, threads, cached):
             if rep >= 2:
                 ms[(kind, b, r)].append(dt)
     eng.close()
-    med = {c: statistics.median(v) for c, v in ms.items()}
-    return ({(b, r): med[("fused", b, r)] for b in batches for r in rows},
-            {n: med[("alone", 1, n)] for n in alone_n})
+    # two summaries of each cell: the median, and the 10th percentile (on a core shared with
+    # other jobs a reading is the cell's own cost plus whatever preempted it; the low quantile
+    # is the nearest to the cell alone)
+    out = {}
+    for name, f in (("median", statistics.median), ("p10", lambda v: sorted(v)[len(v) // 10])):
+        m = {c: f(v) for c, v in ms.items()}
+        out[name] = ({(b, r): m[("fused", b, r)] for b in batches for r in rows},
+                     {n: m[("alone", 1, n)] for n in alone_n})
+    return out
 
 
 def decisions(fused, alone, batches, rows, alphas, use_fused: bool):
@@ -77,8 +85,10 @@ def decisions(fused, alone, batches, rows, alphas, use_fused: bool):
             for (b, r), t in fused.items():
                 if b > 1:
                     cost.add(r, t, batch=b)
-        ctl = GoodputController(ControllerConfig(min_steps=1, batch_sizes=tuple(batches)), step_cost=cost)
-        for g in range(0, max(rows)):
+        gmax = max(rows)  # γ up to the rows measured per sequence (its verify ms: alone[γ + 1], measured to max + 1)
+        ctl = GoodputController(ControllerConfig(min_steps=1, batch_sizes=tuple(batches), gamma_max=gmax, gamma_init=1),
+                                step_cost=cost)
+        for g in range(0, gmax + 1):
             ctl.observe(key, StepStats(g, 0, 1, -1 if g == 0 else 0, a * g, 0.0, alone[g + 1]))
         by = ctl.decision(key)["by_batch"]
         out[str(a)] = {b: {"gamma": d["gamma"], "tokens_per_ms_per_request": d["tokens_per_ms"],
@@ -109,27 +119,39 @@ def main(argv=None) -> int:
     alphas = [float(x) for x in a.alphas.split(",")]
     gguf = packaged_gguf("smollm2-135m")
     t0 = time.time()
-    fused, alone = measure(gguf, batches, rows, a.reps, a.threads, a.cached)
-    model = StepCost(clock=lambda: 0.0)
-    for n, t in alone.items():
-        model.add(n, t)
-    t11 = fused[(1, 1)]
-    res = {
-        "host": {"machine": platform.machine(), "processor": platform.processor(), "threads": a.threads,
-                 "load_avg_before": _load()},
-        "gguf": Path(gguf).name, "cached": a.cached, "reps": a.reps,
-        "fused_ms": {f"{b}x{r}": round(t, 3) for (b, r), t in fused.items()},
-        "ratio_to_plain": {f"{b}x{r}": round(t / t11, 3) for (b, r), t in fused.items()},
-        "per_request_row": {f"{b}x{r}": round((t - fused[(b, 1)]) / (b * (r - 1)) / t11, 3)
-                            for (b, r), t in fused.items() if r > 1},
-        "alone_ms": {n: round(t, 3) for n, t in alone.items()},
-        "model_ms": {f"{b}x{r}": round(model.fused_ms(b, r), 3) for (b, r) in fused},
-        "decisions": {"measured": decisions(fused, alone, batches, rows, alphas, True),
-                      "model": decisions(fused, alone, batches, rows, alphas, False)},
-        "seconds": round(time.time() - t0, 1), "load_avg_after": _load(),
-    }
+    load_before = _load()
+    summaries = measure(gguf, batches, rows, a.reps, a.threads, a.cached)
+    res = {"host": {"machine": platform.machine(), "processor": _cpu(), "threads": a.threads,
+                    "load_avg_before": load_before},
+           "gguf": Path(gguf).name, "cached": a.cached, "reps": a.reps}
+    for name, (fused, alone) in summaries.items():
+        model = StepCost(clock=lambda: 0.0)
+        for n, t in alone.items():
+            model.add(n, t)
+        t11 = fused[(1, 1)]
+        res[name] = {
+            "fused_ms": {f"{b}x{r}": round(t, 3) for (b, r), t in fused.items()},
+            "ratio_to_plain": {f"{b}x{r}": round(t / t11, 3) for (b, r), t in fused.items()},
+            "per_request_row": {f"{b}x{r}": round((t - fused[(b, 1)]) / (b * (r - 1)) / t11, 3)
+                                for (b, r), t in fused.items() if r > 1},
+            "alone_ms": {n: round(t, 3) for n, t in alone.items()},
+            "model_ms": {f"{b}x{r}": round(model.fused_ms(b, r), 3) for (b, r) in fused},
+            "decisions": {"measured": decisions(fused, alone, batches, rows, alphas, True),
+                          "model": decisions(fused, alone, batches, rows, alphas, False)},
+        }
+    res.update(seconds=round(time.time() - t0, 1), load_avg_after=_load())
     print(json.dumps(res, indent=1))
     return 0
+
+
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def _load():
