@@ -745,7 +745,13 @@ class GoodputController:
 
 
 class ControlledGamma:
-    """The :class:`decoder.speculative.GammaPolicy` of one request under a GoodputController."""
+    """The :class:`decoder.speculative.GammaPolicy` of one request under a GoodputController.
+
+    Inside a batch its γ per batch size is re-read from the controller every ``REFRESH_STEPS``
+    steps (an evaluation costs about as much as a fraction of a millisecond, and the estimates
+    it reads move by an EWMA)."""
+
+    REFRESH_STEPS = 16
 
     def __init__(self, controller: GoodputController, key: Key):
         self.controller, self.key = controller, key
@@ -753,6 +759,8 @@ class ControlledGamma:
         self._asked: float | None = None  # clock at the last gamma() call (a step starts there)
         self._modelled: float | None = None  # draft_ms + verify_ms of the step just updated
         self._batch = 1  # requests in the fused step of the step under way
+        self._steps = 0
+        self._by_batch: dict[int, tuple[int, int]] = {}  # batch size -> (γ there, step it was read at)
         self.decision: dict[str, Any] | None = None
         self.batch_size: Callable[[], int] = routed_batch_size  # requests decoding together now
 
@@ -769,8 +777,13 @@ class ControlledGamma:
             self.controller.observe_overhead(self.key, (now - self._asked) * 1e3 - self._modelled, self._batch)
         self._asked, self._modelled, self._batch = now, None, b
         g = self._gamma
+        self._steps += 1
         if b > 1 and g > 0 and not self.decision.get("probe"):
-            g = self.controller.batch_gamma(self.key, self.proposer_name() or DEFAULT_PROPOSER, b, g)
+            hit = self._by_batch.get(b)
+            if hit is None or self._steps - hit[1] >= self.REFRESH_STEPS:
+                hit = (self.controller.batch_gamma(self.key, self.proposer_name() or DEFAULT_PROPOSER, b, g), self._steps)
+                self._by_batch[b] = hit
+            g = hit[0]
         return g
 
     def proposer_name(self) -> str | None:

@@ -180,3 +180,16 @@ def test_status_reports_the_decision_per_batch_size(tok, target, other_draft):
     assert {b: (v["on"], v["gamma"]) for b, v in sp["by_batch"].items()} == {"1": (True, 4), "2": (True, 3),
                                                                            "4": (False, 0)}
     assert speculation_by_batch(loop.status()["speculation"]) == {"prose@greedy": {"1": 4, "2": 3, "4": 0}}
+
+
+def test_a_requests_gamma_at_a_batch_size_is_re_read_every_refresh_steps():
+    cost = cost_of(t_cheap_rows)
+    ctl = warmed(cost)
+    pol = ctl.policy_for(KEY)
+    pol.batch_size = lambda: 4
+    assert pol.gamma() == 2  # step 1: read
+    for _ in range(3):  # fused steps measured at batch 4 now say rows cost nearly a step there
+        for r in range(1, 6):
+            cost.add(r, 16.0 + 14.0 * (r - 1), batch=4)
+    seen = [pol.gamma() for _ in range(pol.REFRESH_STEPS)]  # steps 2..17: re-read at step 17
+    assert seen == [2] * (pol.REFRESH_STEPS - 1) + [0]
