@@ -18,7 +18,9 @@ controller's γ per batch size from it (issue 35 item 2). JSON out.
    cheapest) and α in ``--alphas``, with the decoder's StepCost fed the measured table at batch 1
    and fused: its decision per batch size (``decision(key)["by_batch"]``: γ, rates per request,
    the step cost factor ρ_B(r) = t_B(r) / t(r)), once from the measured fused table
-   (``measured``) and once from the model alone (``model``).
+   (``measured``) and once from the model alone (``model``). ``break_even_alpha``: per B and γ,
+   the α above which γ free proposals per request beat plain decoding in a batch of B,
+   E(α, γ) = t_B(γ + 1) / t_B(1).
 
 Usage: ``.venv/bin/python bench/fused_cost_bench.py [--reps 30] [--threads 2]`` (seconds on 2
 cores). Results: bench/RESULTS.md, the continuous batching section.
@@ -105,7 +107,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cached", type=int, default=100, help="tokens cached per sequence before the timed rows")
-    ap.add_argument("--alphas", default="0.6,0.8,0.9")
+    ap.add_argument("--alphas", default="0.4,0.5,0.6,0.8,0.9")
+    ap.add_argument("--from-json", default=None,
+                    help="recompute the decisions from this script's earlier JSON output (no measuring)")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from daemon.logging import configure
@@ -117,19 +121,32 @@ def main(argv=None) -> int:
     batches = [int(x) for x in a.batches.split(",")]
     rows = [int(x) for x in a.rows.split(",")]
     alphas = [float(x) for x in a.alphas.split(",")]
-    gguf = packaged_gguf("smollm2-135m")
+    gguf = packaged_gguf("smollm2-135m") if not a.from_json else None
     t0 = time.time()
     load_before = _load()
-    summaries = measure(gguf, batches, rows, a.reps, a.threads, a.cached)
-    res = {"host": {"machine": platform.machine(), "processor": _cpu(), "threads": a.threads,
-                    "load_avg_before": load_before},
-           "gguf": Path(gguf).name, "cached": a.cached, "reps": a.reps}
+    if a.from_json:
+        res = json.loads(Path(a.from_json).read_text())
+        summaries = {}
+        for name in ("median", "p10"):
+            x = res[name]
+            summaries[name] = ({tuple(int(v) for v in k.split("x")): t for k, t in x["fused_ms"].items()},
+                               {int(n): t for n, t in x["alone_ms"].items()})
+        batches = sorted({b for b, _ in summaries["median"][0]})
+        rows = sorted({r for _, r in summaries["median"][0]})
+    else:
+        summaries = measure(gguf, batches, rows, a.reps, a.threads, a.cached)
+        res = {"host": {"machine": platform.machine(), "processor": _cpu(), "threads": a.threads,
+                        "load_avg_before": load_before},
+               "gguf": Path(gguf).name, "cached": a.cached, "reps": a.reps}
     for name, (fused, alone) in summaries.items():
         model = StepCost(clock=lambda: 0.0)
         for n, t in alone.items():
             model.add(n, t)
         t11 = fused[(1, 1)]
+        t_b1 = {b: fused[(b, 1)] for b in batches}
+        res_break = {b: {r - 1: _break_even(fused[(b, r)] / t_b1[b], r - 1) for r in rows if r > 1} for b in batches}
         res[name] = {
+            "break_even_alpha": res_break,
             "fused_ms": {f"{b}x{r}": round(t, 3) for (b, r), t in fused.items()},
             "ratio_to_plain": {f"{b}x{r}": round(t / t11, 3) for (b, r), t in fused.items()},
             "per_request_row": {f"{b}x{r}": round((t - fused[(b, 1)]) / (b * (r - 1)) / t11, 3)
@@ -139,9 +156,24 @@ def main(argv=None) -> int:
             "decisions": {"measured": decisions(fused, alone, batches, rows, alphas, True),
                           "model": decisions(fused, alone, batches, rows, alphas, False)},
         }
-    res.update(seconds=round(time.time() - t0, 1), load_avg_after=_load())
+    if not a.from_json:
+        res.update(seconds=round(time.time() - t0, 1), load_avg_after=_load())
     print(json.dumps(res, indent=1))
     return 0
+
+
+def _break_even(ratio: float, g: int) -> float | None:
+    """The α at which γ = ``g`` free proposals per request pay at a step ``ratio`` x a plain one:
+    E(α, g) = (1 - α^(g+1)) / (1 - α) = ratio (Leviathan et al. 2023, eq. 1), by bisection; None
+    above g + 1 (no α pays)."""
+    if ratio >= g + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        e = sum(mid ** k for k in range(g + 1))
+        lo, hi = (mid, hi) if e < ratio else (lo, mid)
+    return round(hi, 3)
 
 
 def _cpu() -> str:
