@@ -193,3 +193,25 @@ def test_a_requests_gamma_at_a_batch_size_is_re_read_every_refresh_steps():
             cost.add(r, 16.0 + 14.0 * (r - 1), batch=4)
     seen = [pol.gamma() for _ in range(pol.REFRESH_STEPS)]  # steps 2..17: re-read at step 17
     assert seen == [2] * (pol.REFRESH_STEPS - 1) + [0]
+
+
+def test_with_several_proposers_a_request_keeps_its_proposer_and_takes_its_gamma_at_the_batch_size():
+    cfg = ControllerConfig(proposers=("ngram", DRAFT), min_steps=1, ewma=0.5, batch_sizes=(1, 2, 4, 8))
+    ctl = GoodputController(cfg, step_cost=cost_of(t_cheap_rows))
+    for i in range(20):  # the n-gram proposer: free proposals, accepted prefixes cycling 0..γ
+        for g in range(5):
+            acc = min(g, i % (g + 1))
+            ctl.observe(KEY, StepStats(g, acc, acc + 1, -1 if acc == g else acc, 0.0, 0.1, t_cheap_rows(g + 1)),
+                        proposer="ngram" if g else DRAFT, asked=g)
+        ctl.observe(KEY, StepStats(2, 1, 2, 1, 1.2, 3.0, t_cheap_rows(3)), proposer=DRAFT)
+    by = ctl.decision(KEY)["by_batch"]
+    assert by[1]["proposer"] == "ngram" and by[1]["gamma"] == ctl.decision(KEY)["gamma"]
+    for b in (2, 4, 8):
+        assert by[b]["proposer"] in ("ngram", None)
+        assert by[b]["gamma"] <= by[1]["gamma"]
+        assert all(by[b]["gamma_by_proposer"][n] <= by[1]["gamma_by_proposer"][n] for n in ("ngram", DRAFT))
+    pol = ctl.policy_for(KEY)
+    pol.batch_size = lambda: 4
+    g = pol.gamma()
+    assert pol.proposer_name() == "ngram" and not pol.decision["probe"]
+    assert g == by[4]["gamma"] < by[1]["gamma"]
