@@ -254,6 +254,9 @@ def render_status(st: dict) -> None:
                                     f"served, queue {hb.get('queue_depth')}/{hb.get('queue_size')}"
                                     f"{', draining' if hb.get('draining') else ''}; speculation {spec}; "
                                     f"last seen {hb.get('last_seen_s')} s ago"))
+        for k, by in (hb.get("speculation_by_batch") or {}).items():  # the controller's γ per batch size
+            t.add_row(escape(f"  γ by batch ({k})"), escape(", ".join(
+                f"{b}: {'?' if g is None else ('off' if g == 0 else f'γ={g}')}" for b, g in by.items())))
         sf = hb.get("served_format")
         if sf:  # decoder.models.formats: the target's weight format and why
             t.add_row("served format", escape(f"{hb.get('server_id')}: {sf.get('format')} ({sf.get('file')}; "

@@ -802,12 +802,14 @@ class InferenceService:
         self.metrics = ServeMetrics(loop, (self.workloads, self.buckets))
 
     def status(self) -> dict[str, Any]:
-        from decoder.loop import speculation_by_workload
+        from decoder.loop import speculation_by_batch, speculation_by_workload
 
         st = self.loop.status()
         return {"server_id": self.server_id, "model": self.model, "served_format": self.served_format,
                 "speculation_enabled": self.speculation,
-                "speculation_by_workload": speculation_by_workload(st["speculation"]), **st,
+                "speculation_by_workload": speculation_by_workload(st["speculation"]),
+                # γ per workload@bucket at each batch size (0: plain decoding in a batch that large)
+                "speculation_by_batch": speculation_by_batch(st["speculation"]), **st,
                 "cardinality": {b.name: b.status() for b in (self.workloads, self.buckets)}, "ts": time.time()}
 
     def abandon(self, grace_s: float | None = None) -> None:
@@ -1266,7 +1268,8 @@ class Heartbeat:
 
         st = self.service.status()
         keep = ("server_id", "model", "adapter_version", "adapter_by_workload", "requests_served", "requests_failed",
-                "queue_depth", "queue_size", "draining", "speculation_enabled", "speculation_by_workload", "cardinality", "batch", "ts")
+                "queue_depth", "queue_size", "draining", "speculation_enabled", "speculation_by_workload",
+                "speculation_by_batch", "cardinality", "batch", "ts")
         hb = {k: st.get(k) for k in keep}
         if st.get("served_format"):  # the format, file and why; the cost table stays in serve's own status
             hb["served_format"] = {k: st["served_format"].get(k) for k in ("format", "file", "setting", "reason")}

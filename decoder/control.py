@@ -20,6 +20,7 @@ from typing import Any
 
 import structlog
 
+from decoder.engines.base import last_fused_size, routed_batch_size
 from decoder.metrics import StepStats, line_at
 from decoder.proposers.registry import DEFAULT_PROPOSER, REQUEST_PROPOSERS
 from decoder.sampling import expected_tokens_per_step  # noqa: F401 - re-exported
@@ -64,6 +65,10 @@ class ControllerConfig:
         last one weighs at least 1/2 (2 half-lives: 3/4, ...) whatever ``ewma`` says, so a key
         idle for minutes takes its first new measurements nearly at face value instead of
         keeping the figures it last saw.
+    batch_sizes: the batch sizes (requests decoding together, continuous batching) for which
+        :meth:`GoodputController.decision` reports the decision (``"by_batch"``); a request
+        decides at whatever size it runs, these are only shown. ``build_serving_loop`` passes
+        :func:`batch_sizes_up_to` (``serve.max_batch``).
     """
 
     gamma_max: int = 8
@@ -77,8 +82,12 @@ class ControllerConfig:
     ceiling_probe_every: int = 100
     ceiling_reprobe_s: float = 60.0
     half_life_s: float = 60.0
+    batch_sizes: tuple[int, ...] = (1, 2, 4)
 
     def __post_init__(self):
+        self.batch_sizes = tuple(sorted({int(b) for b in self.batch_sizes}))
+        if not self.batch_sizes or self.batch_sizes[0] < 1:
+            raise ValueError(f"ControllerConfig.batch_sizes={self.batch_sizes!r}: a non-empty list of ints >= 1")
         self.proposers = (self.proposers,) if isinstance(self.proposers, str) else tuple(self.proposers)
         bad = [p for p in self.proposers if p not in REQUEST_PROPOSERS]
         if not self.proposers or bad or len(set(self.proposers)) != len(self.proposers):
@@ -100,6 +109,15 @@ class ControllerConfig:
                 or self.ceiling_probe_every % self.probe_every):
             raise ValueError(f"ceiling_probe_every={self.ceiling_probe_every!r} must be a multiple of "
                              f"probe_every={self.probe_every}")
+
+
+def batch_sizes_up_to(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to ``max_batch`` and ``max_batch`` itself: the sizes status reports."""
+    out, b = {max(1, int(max_batch))}, 1
+    while b <= max_batch:
+        out.add(b)
+        b *= 2
+    return tuple(sorted(out))
 
 
 class _Ewma:
@@ -220,6 +238,27 @@ class GoodputController:
     γ never measured. When the adapter version serving the key changes, α is reset and the next
     request re-measures it.
 
+    Inside a batch (continuous batching, :mod:`decoder.batching`): B requests' rows share one
+    fused forward, so a request's step costs what the fused step costs. With ``step_cost`` (the
+    decoder's :class:`decoder.proposers.cost.StepCost`, the one cost model of steps by verified
+    rows and batch size) every cost above is priced at batch B: a step verifying r rows costs its
+    batch-1 estimate x ρ_B(r) = t_B(r) / t(r) (:meth:`StepCost.batch_factor`; the target's
+    verification of γ + 1 rows at ρ_B(γ + 1), a plain step, the draft's per-token cost and the
+    overhead at ρ_B(1)), and
+
+        goodput_B(γ) = E(α, γ) / (ρ_B(1) (γ · t_draft + o) + ρ_B(γ + 1) t_verify(γ)),
+        goodput_B(0) = 1 / (ρ_B(1) (t_plain + o))
+
+    Each request keeps the proposer it was given; at every step its γ is the best γ of that
+    proposer at the batch size it runs in (:meth:`batch_gamma`, never above the request's own γ;
+    0, a plain step, where no γ beats plain decoding there). Where rows cost nearly a plain step
+    each (llama.cpp on CPU), ρ_B(γ + 1) grows with B·γ faster than E(α, γ), so γ shrinks as the
+    batch grows and speculation turns off where batching already uses the cheap rows (vLLM's
+    ``num_speculative_tokens_per_batch_size``, SGLang's adaptive speculative depth). Steps measured
+    inside a batch of B feed the batch-1 estimates divided by the same factor. The decision per
+    batch size (``config.batch_sizes``) is in :meth:`decision` under ``"by_batch"``. Without
+    ``step_cost`` ρ = 1: the batch is ignored.
+
     Args:
         config: :class:`ControllerConfig`.
         adapter_version: returns the decoder's adapter version (read at a request's first
@@ -231,14 +270,18 @@ class GoodputController:
             cannot propose (``"eagle"`` before the first head is promoted); such a proposer is
             neither warmed up nor chosen until it is.
         clock: monotonic seconds; a step's wall time runs from its gamma() call to the next one.
+        step_cost: the decoder's :class:`decoder.proposers.cost.StepCost` (steps by verified rows,
+            alone and fused with batch mates): prices a step by the rows verified across the
+            batch (above); None: every batch size is priced as batch 1.
     """
 
     def __init__(self, config: ControllerConfig | None = None, *, adapter_version: Callable[[], int] | None = None,
                  head_version: Callable[[], int] | None = None,
                  proposer_available: Callable[[str], bool] | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, step_cost=None):
         self.config = config or ControllerConfig()
         self.clock = clock
+        self.step_cost = step_cost
         self._version = adapter_version
         self._head_version = head_version
         self._available = proposer_available
@@ -253,34 +296,47 @@ class GoodputController:
     def _state(self, key: Key) -> _KeyState:
         return self._keys.setdefault(key, _KeyState())
 
-    def observe_overhead(self, key: Key, ms: float) -> None:
+    def batch_factor(self, batch: int, rows: int) -> float:
+        """ρ_B(r) = t_B(r) / t(r) from ``step_cost`` (:meth:`StepCost.batch_factor`); 1 without
+        one, at batch 1, and while unmeasured."""
+        if batch <= 1 or self.step_cost is None:
+            return 1.0
+        return self.step_cost.batch_factor(batch, rows)
+
+    def observe_overhead(self, key: Key, ms: float, batch: int = 1) -> None:
         """Fold one step's overhead (wall time - draft ms - verify ms: sampling, the acceptance
-        test, stop checks, cache crops), which every step pays, plain ones included."""
+        test, stop checks, cache crops), which every step pays, plain ones included; a step in a
+        batch of ``batch`` requests counts as ``ms`` / ρ_B(1)."""
+        ms = max(0.0, ms) / self.batch_factor(batch, 1)
         with self._lock:
-            self._state(key).overhead_ms.add(max(0.0, ms), self.config.ewma)
+            self._state(key).overhead_ms.add(ms, self.config.ewma)
 
     def observe(self, key: Key, step: StepStats, step_ms: float | None = None, *, proposer: str = DRAFT,
-                asked: int | None = None) -> None:
+                asked: int | None = None, batch: int = 1) -> None:
         """Fold one verification step of ``key`` into the estimates; ``step_ms``, its wall time
         when known, also feeds :meth:`observe_overhead`. ``proposer`` served the step, asked for
         ``asked`` proposals (default: ``step.proposed``); the target's verify cost per γ is shared
-        by all proposers."""
+        by all proposers. A step in a fused forward of ``batch`` requests counts at batch 1: its
+        verify ms / ρ_B(γ + 1), its draft ms / ρ_B(1) (class docstring); α and accepted lengths
+        do not depend on the batch."""
         if step_ms is not None:
-            self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms)
+            self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms, batch)
         w, now, hl = self.config.ewma, self.clock(), self.config.half_life_s
+        g = step.proposed
+        fv, fd = self.batch_factor(batch, g + 1), self.batch_factor(batch, 1)
+        verify_ms, draft_ms = step.verify_ms / fv, step.draft_ms / fd
         with self._lock:
             s = self._state(key)
-            g = step.proposed
-            s.verify_ms.setdefault(g, _Ewma()).add(step.verify_ms, w, now, hl)
+            s.verify_ms.setdefault(g, _Ewma()).add(verify_ms, w, now, hl)
             if proposer != DRAFT:
                 asked = g if asked is None else asked
                 if asked:
                     s.lengths.setdefault(proposer, _LengthModel()).observe(
-                        asked, step.accepted, step.draft_ms + step.verify_ms, step.draft_ms, w)
+                        asked, step.accepted, draft_ms + verify_ms, draft_ms, w)
                 return
             if g:
                 s.alpha.add(step.alpha_sum / g, w)
-                s.draft_ms_per_token.add(step.draft_ms / g, w, now, hl)
+                s.draft_ms_per_token.add(draft_ms / g, w, now, hl)
 
     def _verify_cost(self, s: _KeyState, g: int) -> float:
         """t_verify(γ): the per-γ EWMA, else a line through the measured points vs γ + 1."""
@@ -288,13 +344,16 @@ class GoodputController:
             return s.verify_ms[g].value
         return line_at([(k + 1, e.value) for k, e in s.verify_ms.items() if e.n], g + 1)
 
-    def _evaluate(self, s: _KeyState) -> dict[str, Any]:
+    def _evaluate(self, s: _KeyState, batch: int = 1) -> dict[str, Any]:
+        """The estimates and rates (tokens per ms per request) of one key at ``batch`` requests
+        per fused step (class docstring; lock held)."""
         c = self.config
         a = s.alpha.value
-        td = s.draft_ms_per_token.value
+        rho = {r: self.batch_factor(batch, r) for r in range(1, c.gamma_max + 2)}  # ρ_B(rows)
+        td = s.draft_ms_per_token.value * rho[1]
         o = s.overhead_ms.value if s.overhead_ms.n else 0.0
-        tplain = self._verify_cost(s, 0) + o if 0 in s.verify_ms else math.nan
-        tv = {g: self._verify_cost(s, g) + o for g in range(1, c.gamma_max + 1)}
+        tplain = (self._verify_cost(s, 0) + o) * rho[1] if 0 in s.verify_ms else math.nan
+        tv = {g: self._verify_cost(s, g) * rho[g + 1] + o * rho[1] for g in range(1, c.gamma_max + 1)}
         rate: dict[int, float] = {}
         if tplain == tplain:
             rate[0] = 1.0 / max(tplain, 1e-6)  # a zero reading (a coarse clock) must not divide by zero
@@ -314,15 +373,19 @@ class GoodputController:
                 continue
             r: dict[int, float] = {}
             for g in range(1, c.gamma_max + 1):
-                cost = m.step_ms[g].value + o if g in m.step_ms and m.step_ms[g].n else m.draft_ms.value + tv[g]
+                if g in m.step_ms and m.step_ms[g].n:  # its draft part at ρ_B(1), verification at ρ_B(γ + 1)
+                    d = min(m.draft_ms.value, m.step_ms[g].value) if m.draft_ms.n else 0.0
+                    cost = d * rho[1] + (m.step_ms[g].value - d) * rho[g + 1] + o * rho[1]
+                else:
+                    cost = m.draft_ms.value * rho[1] + tv[g]
                 if cost == cost:
                     r[g] = m.tokens_per_step(g) / max(cost, 1e-6)
             others[name] = r
         # the engine's ceiling: any proposer at α = 1 with free proposals, (γ + 1) / t_verify(γ)
         free = {g: (g + 1) / max(tv[g], 1e-6) for g in tv if tv[g] == tv[g] and g in s.verify_ms}
         engine = (max(free, key=free.get), max(free.values())) if free else (None, math.nan)
-        return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o,
-                "others": others, "ceiling": ceiling, "engine_ceiling": engine}
+        return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o * rho[1],
+                "others": others, "ceiling": ceiling, "engine_ceiling": engine, "batch": batch, "rho": rho}
 
     @staticmethod
     def _draft_cannot_pay(ev: dict[str, Any]) -> bool:
@@ -557,7 +620,10 @@ class GoodputController:
 
     def decision(self, key: Key) -> dict[str, Any]:
         """The inputs and outcome for ``key`` as they stand now (what the next non-probe request
-        would get), plus the last request's decision under ``"last"``; JSON-ready."""
+        would get), plus the last request's decision under ``"last"`` and the decision at each of
+        ``config.batch_sizes`` under ``"by_batch"`` ({B: {"gamma", "proposer", "speculate",
+        "gamma_by_proposer", "tokens_per_ms" (per request), "plain_tokens_per_ms",
+        "step_cost_factor" {rows: ρ_B(rows)}, "why"}}); JSON-ready."""
         with self._lock:
             s = self._keys.get(key)
             if s is None:
@@ -579,6 +645,7 @@ class GoodputController:
                             + ("; " + self._ceiling_why(ev) if DRAFT in self.config.proposers
                                and self._draft_cannot_pay(ev) else "")
                             if best is not None else (warm[1] if warm else "warm-up: no estimate yet")),
+                    "by_batch": self._by_batch(s),
                     "last": dict(s.last),
                 }
             best = max(rate, key=rate.get) if rate else None
@@ -593,8 +660,84 @@ class GoodputController:
                 **_estimates(s, ev),
                 "tokens_per_ms": {g: nan_none(r, 5) for g, r in sorted(rate.items())},
                 "why": why,
+                "by_batch": self._by_batch(s),
                 "last": dict(s.last),
             }
+
+    @staticmethod
+    def _best_gamma_for(ev: dict[str, Any], proposer: str, cap: int) -> int | None:
+        """The best γ in 1..``cap`` of ``proposer`` in an evaluation, 0 where plain decoding beats
+        each; None while either side is unestimated."""
+        plain = ev["rate"].get(0, math.nan)
+        rates = {g: r for g, r in ev["rate"].items() if g > 0} if proposer == DRAFT else ev["others"].get(proposer, {})
+        rates = {g: r for g, r in rates.items() if g <= cap and r == r}
+        if plain != plain or not rates:
+            return None
+        g = max(rates, key=rates.get)
+        return g if rates[g] > plain else 0
+
+    def batch_gamma(self, key: Key, proposer: str, batch: int, cap: int) -> int:
+        """γ for the next step of a request of ``key`` served by ``proposer`` in a fused step of
+        ``batch`` requests: the proposer's best γ <= ``cap`` (the request's own γ) at that batch
+        size, 0 (a plain step) where plain decoding beats every such γ there (class docstring);
+        ``cap`` while the key's estimates cannot say (warm-up)."""
+        if batch <= 1 or cap <= 0:
+            return cap
+        with self._lock:
+            s = self._keys.get(key)
+            if s is None:
+                return cap
+            g = self._best_gamma_for(self._evaluate(s, batch), proposer, cap)
+        return cap if g is None else g
+
+    def _by_batch(self, s: _KeyState) -> dict[int, dict[str, Any]]:
+        """What a request of this key runs at in a batch of each of ``config.batch_sizes`` (lock
+        held): the key's decision at batch 1 (proposer p, γ_1), then at B the best γ <= γ_1 of p
+        there (:meth:`batch_gamma`, as :class:`ControlledGamma` runs it), 0 where plain decoding
+        beats each; ``gamma_by_proposer`` the same for every offered proposer (capped by its own
+        best γ at batch 1); the rates per request and the step cost factors ρ_B(r)."""
+        c = self.config
+        ev1 = self._evaluate(s, 1)
+        cands1 = self._candidates(ev1)
+        warm = self._warm_up(s) if c.proposers != (DRAFT,) else None
+        best1 = max(cands1, key=cands1.get) if cands1 and 0 in ev1["rate"] and warm is None else None
+        names = list(self.offered())
+        caps = {n: self._best_gamma_for(ev1, n, c.gamma_max) for n in names}
+        out: dict[int, dict[str, Any]] = {}
+        for b in c.batch_sizes:
+            ev = ev1 if b == 1 else self._evaluate(s, b)
+            plain = ev["rate"].get(0, math.nan)
+            per = {n: (cap if not cap else self._best_gamma_for(ev, n, cap)) for n, cap in caps.items()}
+            rho = ev["rho"]
+            if best1 is None:
+                name, g, why = None, None, "warm-up: no estimate yet"
+            elif best1[1] == 0:
+                name, g, why = None, 0, "off at batch 1 already"
+            else:
+                name, g = best1[0], per.get(best1[0])
+                if g is None:
+                    g = best1[1]
+                rates = ev["rate"] if name == DRAFT else ev["others"].get(name, {})
+                if g > 0:
+                    why = (f"{name} γ={g}: {rates[g]:.4f} tok/ms per request vs plain {plain:.4f} "
+                           f"(a step of {g + 1} rows x{rho[g + 1]:.2f} its batch-1 cost, a plain one x{rho[1]:.2f})")
+                else:
+                    top = max((k for k in rates if k <= best1[1]), key=rates.get, default=None)
+                    why = (f"off: plain {plain:.4f} tok/ms per request (a plain step x{rho[1]:.2f} its batch-1 cost)"
+                           + (f" beats {name} at every γ <= {best1[1]} (best γ={top} {rates[top]:.4f}, its {top + 1} "
+                              f"rows x{rho[top + 1]:.2f})" if top else ""))
+            out[b] = {
+                "gamma": g,
+                "proposer": name if g else None,
+                "speculate": bool(g),
+                "gamma_by_proposer": per,
+                "tokens_per_ms": nan_none((ev["rate"] if name == DRAFT else ev["others"].get(name, {})).get(g, plain)
+                                          if g else plain, 5) if g is not None else None,
+                "plain_tokens_per_ms": nan_none(plain, 5),
+                "step_cost_factor": {r: round(rho[r], 3) for r in range(1, min(c.gamma_max + 1, 5) + 1)},
+                "why": why,
+            }
+        return out
 
     def status(self) -> dict[str, Any]:
         """decision() of every key seen, keyed ``"{workload}@{bucket}"``."""
@@ -602,24 +745,46 @@ class GoodputController:
 
 
 class ControlledGamma:
-    """The :class:`decoder.speculative.GammaPolicy` of one request under a GoodputController."""
+    """The :class:`decoder.speculative.GammaPolicy` of one request under a GoodputController.
+
+    Inside a batch its γ per batch size is re-read from the controller every ``REFRESH_STEPS``
+    steps (an evaluation costs about as much as a fraction of a millisecond, and the estimates
+    it reads move by an EWMA)."""
+
+    REFRESH_STEPS = 16
 
     def __init__(self, controller: GoodputController, key: Key):
         self.controller, self.key = controller, key
         self._gamma: int | None = None
         self._asked: float | None = None  # clock at the last gamma() call (a step starts there)
         self._modelled: float | None = None  # draft_ms + verify_ms of the step just updated
+        self._batch = 1  # requests in the fused step of the step under way
+        self._steps = 0
+        self._by_batch: dict[int, tuple[int, int]] = {}  # batch size -> (γ there, step it was read at)
         self.decision: dict[str, Any] | None = None
+        self.batch_size: Callable[[], int] = routed_batch_size  # requests decoding together now
 
     def gamma(self) -> int:
+        """γ of the next step: the request's γ (decided at its first call), or inside a batch of
+        B > 1 requests its proposer's best γ at B, at most the request's (a probe's and a
+        warm-up's γ stay: they measure); ``batch_size()`` says B."""
         if self._gamma is None:
             self._gamma, self.decision = self.controller._choose(self.key)
         now = self.controller.clock()
+        b = self.batch_size()
         if self._asked is not None and self._modelled is not None:
             # gamma() to gamma(): the whole previous step, loop bookkeeping and cache crops included
-            self.controller.observe_overhead(self.key, (now - self._asked) * 1e3 - self._modelled)
-        self._asked, self._modelled = now, None
-        return self._gamma
+            self.controller.observe_overhead(self.key, (now - self._asked) * 1e3 - self._modelled, self._batch)
+        self._asked, self._modelled, self._batch = now, None, b
+        g = self._gamma
+        self._steps += 1
+        if b > 1 and g > 0 and not self.decision.get("probe"):
+            hit = self._by_batch.get(b)
+            if hit is None or self._steps - hit[1] >= self.REFRESH_STEPS:
+                hit = (self.controller.batch_gamma(self.key, self.proposer_name() or DEFAULT_PROPOSER, b, g), self._steps)
+                self._by_batch[b] = hit
+            g = hit[0]
+        return g
 
     def proposer_name(self) -> str | None:
         """The proposer chosen for this request (after the first :meth:`gamma` call)."""
@@ -628,7 +793,8 @@ class ControlledGamma:
     def update(self, step: StepStats) -> None:
         self._modelled = step.draft_ms + step.verify_ms
         self.controller.observe(self.key, step, proposer=self.proposer_name() or DEFAULT_PROPOSER,
-                                asked=step.asked if step.asked is not None else self._gamma)
+                                asked=step.asked if step.asked is not None else self._gamma,
+                                batch=last_fused_size())
 
     def describe(self) -> str:
         return f"goodput γ={self.gamma()} ({self.decision['why']})" if self.decision else "goodput"

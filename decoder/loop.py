@@ -50,11 +50,11 @@ from typing import Any
 import structlog
 
 from decoder.batching import StepScheduler
-from decoder.control import ControllerConfig, GoodputController
+from decoder.control import ControllerConfig, GoodputController, batch_sizes_up_to
+from decoder.engines.base import last_fused_size, supports
 from decoder.rollback import RollbackMonitor
 from decoder.shift import key_str
 from decoder.tracking import HEAD, AcceptanceTracker, key_of
-from decoder.engines.base import supports
 from decoder.proposers.registry import DEFAULT_PROPOSER
 from decoder.speculative import DecodeRequest, DecodeResult, FixedGamma, GammaPolicy
 from store.history import DRAFT_KIND
@@ -171,7 +171,7 @@ class _ObservedGamma(FixedGamma):
 
     def update(self, step) -> None:
         self.controller.observe(self.key, step, proposer=self.proposer,
-                                asked=step.asked if step.asked is not None else self.value)
+                                asked=step.asked if step.asked is not None else self.value, batch=last_fused_size())
 
     def describe(self) -> str:
         if self.why == "seeded":
@@ -222,11 +222,15 @@ class ServingLoop:
         self.manager = manager
         self.heads = heads
         self.head_monitor = head_monitor
-        self.controller = controller or GoodputController(adapter_version=lambda: decoder.adapter_version)
+        self.config = config or LoopConfig()
+        self.controller = controller or GoodputController(
+            ControllerConfig(batch_sizes=batch_sizes_up_to(self.config.max_batch)),
+            adapter_version=lambda: decoder.adapter_version, step_cost=decoder.step_cost)
+        if getattr(self.controller, "step_cost", False) is None:  # a step's price at its batch size: the decoder's
+            self.controller.step_cost = getattr(decoder, "step_cost", None)
         self.tracker = tracker
         self.monitor = monitor
         self.writer = writer
-        self.config = config or LoopConfig()
         self.clock = clock
         self.streams_steps = supports_step_hook(decoder)
         self.observers: list[Callable[[Ticket, DecodeResult], Any]] = []
@@ -562,10 +566,17 @@ class ServingLoop:
 
     # ---- observation -------------------------------------------------------------------------
     def speculation(self) -> dict[str, dict[str, Any]]:
-        """Per (workload, sampling bucket) key: whether the controller speculates now, γ and why."""
+        """Per (workload, sampling bucket) key: whether the controller speculates now, γ and why,
+        and under ``"by_batch"`` the same at each batch size the controller reports
+        ({"B": {"on", "gamma", "proposer", "why"}}: what a request runs at when B requests decode
+        together; :meth:`GoodputController.decision`)."""
         out = {}
         for k, d in self.controller.status().items():
             out[k] = {"on": bool(d.get("speculate")), "gamma": d.get("gamma"), "why": d.get("why")}
+            if d.get("by_batch"):
+                out[k]["by_batch"] = {str(b): {"on": bool(v.get("speculate")), "gamma": v.get("gamma"),
+                                               "proposer": v.get("proposer"), "why": v.get("why")}
+                                      for b, v in d["by_batch"].items()}
         return out
 
     def status(self) -> dict[str, Any]:
@@ -689,7 +700,9 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
     head_monitor = (RollbackMonitor(head_registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin,
                                     proposer=HEAD, merged=head_history) if head_registry is not None else None)
     if controller is None:
-        controller = GoodputController(ControllerConfig(proposers=tuple(proposers)),
+        controller = GoodputController(ControllerConfig(proposers=tuple(proposers),
+                                                        batch_sizes=batch_sizes_up_to((config or LoopConfig()).max_batch)),
+                                       step_cost=decoder.step_cost,
                                        adapter_version=lambda: decoder.adapter_version,
                                        head_version=lambda: decoder.head_version,
                                        proposer_available=lambda n: n != HEAD or decoder.eagle_head is not None)
@@ -735,5 +748,12 @@ def speculation_by_workload(speculation: dict[str, dict[str, Any]]) -> dict[str,
     return out
 
 
+def speculation_by_batch(speculation: dict[str, dict[str, Any]]) -> dict[str, dict[str, int | None]]:
+    """``{"workload@bucket": {"B": γ}}`` from :meth:`ServingLoop.speculation`: the γ a request of
+    each key runs at when B requests decode together (0: plain decoding, None: warming up)."""
+    return {k: {b: d.get("gamma") for b, d in (v.get("by_batch") or {}).items()}
+            for k, v in speculation.items() if v.get("by_batch")}
+
+
 __all__ = ["build_serving_loop", "Cancelled", "Draining", "LoopConfig", "LoopError", "QueueFull", "ServingLoop", "Ticket", "key_str",
-           "speculation_by_workload", "supports_step_hook"]
+           "speculation_by_batch", "speculation_by_workload", "supports_step_hook"]

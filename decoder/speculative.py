@@ -27,7 +27,7 @@ import numpy as np
 import structlog
 import torch
 
-from decoder.engines.base import Engine, forward_router, sequence_scope
+from decoder.engines.base import Engine, last_fused_size, sequence_scope
 from decoder.engines.torch_engine import TorchEngine
 from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_linear
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
@@ -794,10 +794,10 @@ class SpeculativeDecoder:
             # a proposal after the cut was never used: the accepted prefix counts up to the cut only
             st = StepStats(g, min(v.num_accepted, len(block)), len(block), v.rejected_at, a_sum, draft_ms, verify_ms,
                            asked)
-            # what a step of g + 1 rows costs with no model in it (a step fused with batch mates'
-            # rows measures theirs too: not counted)
-            if (g == 0 or proposer_spec(name).model_free) and not _shared_step():
-                self.step_cost.add(g + 1, (clock() - td) * 1e3)
+            # what a step of g + 1 rows costs with no model in it, alone or in a fused forward of
+            # B sequences (keyed by B: StepCost.fused_ms)
+            if g == 0 or proposer_spec(name).model_free:
+                self.step_cost.add(g + 1, (clock() - td) * 1e3, last_fused_size())
             policy.update(st)
             steps.append(st)
             counts.add_step(st)
@@ -958,12 +958,6 @@ def _replace(req: DecodeRequest, **kw) -> DecodeRequest:
     from dataclasses import replace
 
     return replace(req, **kw)
-
-
-def _shared_step() -> bool:
-    """Whether this thread's last forward was fused with other requests' (continuous batching)."""
-    router = forward_router()
-    return router is not None and router.last_batch_size() > 1
 
 
 class _PrefillCancelled(Exception):

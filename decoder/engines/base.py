@@ -115,6 +115,25 @@ def forward_router():
     return getattr(_local, "router", None)
 
 
+def last_fused_size() -> int:
+    """Sequences in the fused forward that served this thread's last forward (continuous
+    batching; 1 alone)."""
+    router = forward_router()
+    return max(1, int(router.last_batch_size())) if router is not None else 1
+
+
+def routed_batch_size() -> int:
+    """Requests decoding together in the batch this thread's forwards are fused into (the step
+    scheduler's members, :mod:`decoder.batching`; the size of the next fused forward, give or
+    take a request joining or finishing at the boundary); 1 outside a batch."""
+    router = forward_router()
+    if router is None:
+        return 1
+    members = getattr(router, "members", None)
+    n = len(members) if members is not None else router.last_batch_size()
+    return max(1, int(n))
+
+
 def supports(engine, capability: str) -> bool:
     """Whether ``engine`` (None: no engine) declares ``capability`` (a :class:`Capabilities` field)."""
     caps = getattr(engine, "capabilities", None)

@@ -1,5 +1,6 @@
-"""The measured cost of a decoding step by the rows it verifies (:class:`StepCost`), shared by the
-n-gram gate and the goodput controller's ceiling (:func:`speculation_ceiling`)."""
+"""The measured cost of a decoding step by the rows it verifies (:class:`StepCost`), alone or fused
+with batch mates' rows (continuous batching), shared by the n-gram gate, the goodput controller's
+batch scaling (:meth:`StepCost.batch_factor`) and its ceiling (:func:`speculation_ceiling`)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ class StepCost:
     - an unmeasured n is read off a least-squares line through the measured ones (slope clamped
       at >= 0; flat through a single point, so before any proposal is measured a proposal looks
       as cheap as a plain step, and the first ones measure what it really costs).
+    - a step fused with batch mates' rows (continuous batching, :mod:`decoder.batching`): B
+      sequences of r rows each, t_B(r) (:meth:`fused_ms`). llama.cpp decodes all B x r rows of a
+      fused forward in one ubatch, the same matrix shapes as one sequence's forward of B x r rows,
+      so t_B(r) is modelled as t(B x r) off the batch-1 curve above, times a per-B correction
+      k_B = the median of measured t_B(r') / t(B x r') over the r' measured at B (each (B, r')
+      reading paired in time like n > 1 above; k_B = 1 before any), never below t(r) (a step with
+      batch mates never costs less than alone). A measured (B, r) is read as measured. A step's
+      readings at B are keyed by its own rows: its batch mates may verify other counts (mixed γ),
+      and its wall time includes their proposals and sampling, which run in turn (what a
+      request's step costs in that batch).
 
     Raises: ValueError for a ``window`` or ``ref_steps`` that is not an int >= 1, or a
     ``ref_max_age_s`` (seconds) that is not a number >= 0.
@@ -50,31 +61,39 @@ class StepCost:
         self._clock = clock
         self._plain: deque[tuple[float, float]] = deque(maxlen=window)  # (ms, clock)
         self._rows: dict[int, deque[tuple[float, float | None]]] = {}  # rows > 1 -> (ms, ratio to its time's plain steps)
+        # fused steps: (batch size B > 1, rows per sequence) -> (ms, ratio to its time's plain steps)
+        self._fused: dict[tuple[int, int], deque[tuple[float, float | None]]] = {}
         self._est: dict[int, float] | None = None  # t(n), computed on the first read after an add
+        self._fused_est: dict[tuple[int, int], float] | None = None  # t_B(r) as measured
         self._lock = threading.Lock()
 
-    def add(self, rows: int, ms: float) -> None:
-        """One step of ``rows`` (an int >= 1) verified rows took ``ms``; a non-finite reading is
-        ignored, a negative one counts as 0.
+    def add(self, rows: int, ms: float, batch: int = 1) -> None:
+        """One step of ``rows`` (an int >= 1) verified rows took ``ms``, in a fused forward of
+        ``batch`` sequences (an int >= 1; 1: alone); a non-finite reading is ignored, a negative
+        one counts as 0.
 
         Raises:
-            ValueError: ``rows`` is not an int >= 1.
+            ValueError: ``rows`` or ``batch`` is not an int >= 1.
         """
         if not is_int(rows) or rows < 1:
             raise ValueError(f"StepCost.add: rows={rows!r} must be an int >= 1 (proposals + 1)")
+        if not is_int(batch) or batch < 1:
+            raise ValueError(f"StepCost.add: batch={batch!r} must be an int >= 1 (sequences in the fused forward)")
         ms = float(ms)
         if not math.isfinite(ms):  # a broken clock reading must not poison the estimate
             return
-        rows, ms = int(rows), max(0.0, ms)
+        rows, batch, ms = int(rows), int(batch), max(0.0, ms)
         with self._lock:
             now = self._clock()
-            self._est = None
-            if rows == 1:
+            self._est = self._fused_est = None
+            if rows == 1 and batch == 1:
                 self._plain.append((ms, now))
                 return
             recent = [m for m, t in self._plain if 0 <= now - t <= self.ref_max_age_s][-self.ref_steps:]
             ref = statistics.median(recent) if recent else 0.0
-            self._rows.setdefault(rows, deque(maxlen=self.window)).append((ms, ms / ref if ref > 0 else None))
+            into = self._rows.setdefault(rows, deque(maxlen=self.window)) if batch == 1 else \
+                self._fused.setdefault((batch, rows), deque(maxlen=self.window))
+            into.append((ms, ms / ref if ref > 0 else None))
 
     def _estimates(self) -> dict[int, float]:
         """t(n) per measured n (lock held)."""
@@ -93,13 +112,76 @@ class StepCost:
         self._est = est
         return est
 
+    def _fused_estimates(self) -> dict[tuple[int, int], float]:
+        """t_B(r) per measured (B, r), B > 1 (lock held): t(1) x the median paired ratio, or the
+        raw median before any plain step."""
+        if self._fused_est is not None:
+            return self._fused_est
+        t1 = statistics.median(m for m, _ in self._plain) if self._plain else 0.0
+        est = {}
+        for k, d in self._fused.items():
+            if t1 > 0:
+                est[k] = t1 * statistics.median(q if q is not None else m / t1 for m, q in d)
+            else:
+                est[k] = statistics.median(m for m, _ in d)
+        self._fused_est = est
+        return est
+
     def ms(self, rows: int) -> float:
-        """Estimated ms of a step verifying ``rows`` tokens (NaN before any step is measured)."""
+        """Estimated ms of a step verifying ``rows`` tokens alone (batch 1; NaN before any step
+        is measured)."""
         with self._lock:
             est = self._estimates()
         if rows in est:
             return est[rows]
         return line_at(list(est.items()), rows)
+
+    def fused_ms(self, batch: int, rows: int) -> float:
+        """Estimated ms of one request's step in a fused forward of ``batch`` sequences that
+        verify ``rows`` rows each (B x r rows in all): t_B(r) of the class docstring, measured
+        where (B, r) was, else t(B x r) x k_B, never below t(r). ``batch`` <= 1: :meth:`ms`.
+        NaN before any step is measured."""
+        if batch <= 1:
+            return self.ms(rows)
+        with self._lock:
+            meas = {r: t for (b, r), t in self._fused_estimates().items() if b == batch}
+        alone = self.ms(rows)
+        if rows in meas:
+            return max(meas[rows], alone) if alone == alone else meas[rows]
+        model = {r: self.ms(batch * r) for r in {*meas, rows}}
+        ks = [meas[r] / model[r] for r in meas if model[r] == model[r] and model[r] > 0]
+        k = statistics.median(ks) if ks else 1.0
+        t = model[rows] * k
+        if t != t:  # no batch-1 curve yet: the measured points at this B, if any
+            return line_at(sorted(meas.items()), rows)
+        return max(t, alone)
+
+    def batch_factor(self, batch: int, rows: int) -> float:
+        """t_B(r) / t(r): how much dearer one request's step of ``rows`` verified rows is in a
+        fused forward of ``batch`` sequences than alone (>= 1; 1 for ``batch`` <= 1 and while
+        nothing is measured). What the goodput controller multiplies its batch-1 costs by."""
+        if batch <= 1:
+            return 1.0
+        alone, fused = self.ms(rows), self.fused_ms(batch, rows)
+        if not (alone == alone and fused == fused) or alone <= 0:
+            return 1.0
+        return max(1.0, fused / alone)
+
+    def at_batch(self, batch: int) -> "BatchView":
+        """This cost as seen by a step in a fused forward of ``batch`` sequences: an object whose
+        ``ms(rows)`` is :meth:`fused_ms` (``batch``, rows) (what the n-gram gate weighs its
+        proposals against)."""
+        return BatchView(self, batch)
+
+    def fused_status(self, batches=(2, 4), rows=(1, 2, 3, 4, 5)) -> dict[int, dict[int, float]]:
+        """{B: {r: t_B(r) ms}} for each of ``batches`` and ``rows`` (modelled where unmeasured;
+        see :meth:`fused_ms`), and under ``"measured"`` the (B, r) read from fused steps; JSON-ready
+        after str keys."""
+        with self._lock:
+            measured = sorted(self._fused_estimates())
+        out: dict = {b: {r: round(v, 4) for r in rows if (v := self.fused_ms(b, r)) == v} for b in batches}
+        out["measured"] = [f"{b}x{r}" for b, r in measured]
+        return out
 
     def status(self) -> dict[int, float]:
         """t(n) in ms per verified row count measured so far (t(1) x the paired median ratio for
@@ -121,6 +203,18 @@ class StepCost:
         with self._lock:
             med = self._estimates()
         return speculation_ceiling(med, gamma_max)
+
+
+class BatchView:
+    """:meth:`StepCost.at_batch`: ``ms(rows)`` = ``cost.fused_ms(batch, rows)``."""
+
+    __slots__ = ("cost", "batch")
+
+    def __init__(self, cost: StepCost, batch: int):
+        self.cost, self.batch = cost, max(1, int(batch))
+
+    def ms(self, rows: int) -> float:
+        return self.cost.fused_ms(self.batch, rows)
 
 
 def speculation_ceiling(ms_by_rows: dict[int, float], gamma_max: int = 8) -> dict | None:

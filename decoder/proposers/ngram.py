@@ -19,6 +19,7 @@ from collections import OrderedDict, deque
 import torch
 
 from decoder.proposers.base import Proposal, ProposerSpec, is_int
+from decoder.engines.base import routed_batch_size
 from decoder.proposers.cost import StepCost
 from decoder.sampling import SamplingParams, seeded_sampling
 
@@ -187,7 +188,9 @@ class NgramGate(_PerWorkload):
     proposal of g tokens is expected to emit E(g) = 1 + Σ_{k<=g} Π_{j<=k} a_j tokens (the accepted
     prefix plus the correction or bonus token; Leviathan et al. 2023, eq. (1), with
     position-dependent acceptance) at t(g + 1) ms; the gate picks the g in 0..available with the
-    most E(g) / t(g + 1), where E(0) / t(1) is a plain step. A kind tried fewer than
+    most E(g) / t(g + 1), where E(0) / t(1) is a plain step. Inside a batch of B requests (continuous
+    batching) t is the fused step's, t_B(g + 1) (:meth:`StepCost.fused_ms`, the proposer passes
+    ``cost.at_batch(B)``), so a batch that already fills the cheap rows proposes less. A kind tried fewer than
     ``explore_tries`` times is proposed at least one token, and every ``explore_every``-th match
     the gate turns down proposes one, so an estimate that turned pessimistic can recover.
     Thread-safe; bounded to ``max_workloads`` workloads (least recently used dropped).
@@ -351,7 +354,9 @@ class NgramProposer:
         self.last_class = cls
         self._pending = None
         if self.gate is not None and tokens:
-            tokens = tokens[: self.gate.length(self.workload, cls, len(tokens), self.cost)]
+            # priced at the batch this step's rows are fused into (StepCost.fused_ms; 1 alone)
+            cost = self.cost.at_batch(routed_batch_size()) if hasattr(self.cost, "at_batch") else self.cost
+            tokens = tokens[: self.gate.length(self.workload, cls, len(tokens), cost)]
             if tokens:
                 self._pending = (cls, len(tokens))
         q = torch.zeros((len(tokens), self.vocab), device=self.device)

@@ -36,8 +36,11 @@ def test_status_lists_serving_decoders_and_history_adapters_read_redis_without_a
         assert hb is not None and hb["requests_served"] == 2
         assert hb["adapter_version"] == 0 and hb["queue_depth"] == 0 and hb["model"] == MODEL
         assert set(hb["speculation_by_workload"]) == {"prose", "code"} and hb["last_seen_s"] >= 0
+        # the controller's γ per batch size, per workload@bucket (issue 35 item 2)
+        by_batch = hb["speculation_by_batch"]
+        assert {k.split("@")[0] for k in by_batch} == {"prose", "code"} and all("1" in v for v in by_batch.values())
         text = ctl(env, "status").stdout
-        assert "serving" in text and s.service.server_id in text
+        assert "serving" in text and s.service.server_id in text and "γ by batch" in text
         h = ctl(env, "history", "--json")
         assert h.returncode == 0, h.stderr
         hist = json.loads(h.stdout)

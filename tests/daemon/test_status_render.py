@@ -112,3 +112,14 @@ def test_reasons_and_figures_wrap_rather_than_truncate(screen, width):
     assert HASH in _flat(reason_cells), text
     assert "0.250/1.50/0.200/0.0312" in _flat("".join(line.split("│")[-3] for line in text.splitlines()
                                                       if line.count("│") >= 9)), text
+
+
+def test_the_serving_row_says_gamma_per_batch_size(screen):
+    buf = screen(120)
+    hb = {"server_id": "s1", "adapter_version": 0, "requests_served": 3, "queue_depth": 0, "queue_size": 64,
+          "speculation_by_workload": {"prose": True}, "last_seen_s": 1.0,
+          "speculation_by_batch": {"prose@greedy": {"1": 4, "2": 3, "4": 0}, "code@greedy": {"1": None}}}
+    cli.render_status(_status({"active": 0, "registered": 0}, serving=[hb]))
+    text = buf.getvalue()
+    assert "γ by batch (prose@greedy)" in text and "1: γ=4, 2: γ=3, 4: off" in text
+    assert "γ by batch (code@greedy)" in text and "1: ?" in text

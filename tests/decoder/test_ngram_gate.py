@@ -28,7 +28,7 @@ class FixedCost(StepCost):
         super().__init__()
         self.base, self.per_row = base, per_row
 
-    def add(self, rows, ms):
+    def add(self, rows, ms, batch=1):
         pass
 
     def ms(self, rows):
