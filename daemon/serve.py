@@ -453,7 +453,8 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
         kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, lo=0.0),
         top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=0 if top_k == -1 else top_k, seed=seed, stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
+        top_k=0 if top_k == -1 or top_k >= vocab else top_k, seed=seed,  # a k >= the vocabulary cuts nothing: off
+        stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
         gamma=gamma, workload=_workload(body, header_workload), stream=stream, include_usage=include_usage,
         logprobs=logprobs,
         json_mode=body.get("response_format") == {"type": "json_object"},

@@ -1,0 +1,41 @@
+"""Request parameters checked without a server (``daemon.serve.parse_request`` on the tiny
+tokenizer): values a client may send that are valid but reach places with narrower ranges."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serve_helpers import MODEL, tokenizer
+
+
+def parse(body: dict, kind: str = "completion"):
+    from daemon.serve import parse_request
+
+    tok = tokenizer()
+    base = {"model": MODEL, "max_tokens": 4}
+    base.update({"prompt": "ab"} if kind == "completion" else {"messages": [{"role": "user", "content": "ab"}]})
+    base.update(body)
+    return parse_request(base, kind, tok, models={MODEL}, context_len=512, vocab=len(tok.get_vocab()),
+                         max_tokens_default=16)
+
+
+@pytest.mark.parametrize("top_k", [10**30, 2**64, 10**12])
+def test_a_top_k_past_the_vocabulary_is_off_and_its_record_encodes(top_k):
+    """top_k 10**30 was accepted (200) and its verified record could not be packed (msgpack:
+    OverflowError, the record dropped: sample_encode_failed); a k at least the vocabulary cuts
+    nothing (decoder.sampling.process_logits), so it is served as off."""
+    from store.schema import PairFingerprint, SamplingSettings, decode, encode
+    from store.synthetic import synthetic_sample
+
+    p = parse({"top_k": top_k, "temperature": 1.0, "seed": 1})
+    assert p.top_k == 0
+    s = synthetic_sample(np.random.default_rng(0), n_tokens=4, k=4, prompt_len=4, request_id="r", workload="w",
+                         adapter_version=0, pair=PairFingerprint("t", "d", "h"),
+                         sampling=SamplingSettings(1.0, 1.0, p.top_k, p.seed))
+    assert decode(encode(s)).sampling.top_k == 0
+
+
+def test_a_top_k_inside_the_vocabulary_is_kept():
+    assert parse({"top_k": 5, "temperature": 1.0}).top_k == 5
+    assert parse({"top_k": -1, "temperature": 1.0}).top_k == 0
