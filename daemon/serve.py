@@ -408,7 +408,8 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
     _unsupported(body, kind)
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("model", f"missing; this server serves {sorted(models)}", "missing" if model is None else "invalid_type")
+        what = "missing" if model is None else f"{model!r:.80} is not a model name"
+        raise _bad("model", f"{what}; this server serves {sorted(models)}", "missing" if model is None else "invalid_type")
     if model not in models:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {sorted(models)} (GET /v1/models)",
                        param="model", code="model_not_found")

@@ -39,3 +39,23 @@ def test_a_top_k_past_the_vocabulary_is_off_and_its_record_encodes(top_k):
 def test_a_top_k_inside_the_vocabulary_is_kept():
     assert parse({"top_k": 5, "temperature": 1.0}).top_k == 5
     assert parse({"top_k": -1, "temperature": 1.0}).top_k == 0
+
+
+@pytest.mark.parametrize("model", [1, ["tiny"], ""])
+def test_a_model_that_is_not_a_name_is_not_called_missing(model):
+    """``"model": 1`` was answered 'model: missing' (code invalid_type): the field was there."""
+    from daemon.serve import ApiError
+
+    with pytest.raises(ApiError) as ei:
+        parse({"model": model})
+    e = ei.value
+    assert (e.status, e.param, e.code) == (400, "model", "invalid_type")
+    assert "missing" not in e.message and repr(model) in e.message
+
+
+def test_a_missing_model_is_called_missing():
+    from daemon.serve import ApiError
+
+    with pytest.raises(ApiError) as ei:
+        parse({"model": None})
+    assert (ei.value.param, ei.value.code) == ("model", "missing") and "missing" in ei.value.message
