@@ -1236,6 +1236,8 @@ def run_serve(settings, console=None) -> int:
 
             torch.set_num_threads(m.torch_threads)
         pair = load_pair(m.target, m.draft, device=m.device)
+        if _stopped_while_loading(stop, "the model pair"):
+            return 0
         from decoder.engines.registry import choose_engine, torch_threads_for
         from decoder.proposers.registry import spec as proposer_spec, versioned_by
 
@@ -1244,6 +1246,8 @@ def run_serve(settings, console=None) -> int:
                                 target_format=m.format, proposers=tuple(sv.proposers),
                                 progress=lambda msg: log.info("served_format_measuring", what=msg), n_seq=sv.max_batch)
         log.info("engine", engine=engines.name, reason=engines.reason, served_format=engines.served_format)
+        if _stopped_while_loading(stop, "the engines"):
+            return 0
         if not m.torch_threads:  # on llama.cpp the decoder's torch work is per-row vector math: one thread
             stack.enter_context(torch_threads_for(engines.target))
         fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
@@ -1272,6 +1276,8 @@ def run_serve(settings, console=None) -> int:
                                    max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets,
                                    max_request_bytes=sv.max_request_bytes,
                                    served_format=engines.served.describe() if engines.served is not None else None)
+        if _stopped_while_loading(stop, "the serving loop"):
+            return 0
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,
@@ -1300,6 +1306,16 @@ def run_serve(settings, console=None) -> int:
                 log.warning("serve_decoder_still_busy", waited_s=30.0)
         log.info("serve_drained", complete=drained)
     return 0
+
+
+def _stopped_while_loading(stop: threading.Event, loaded: str) -> bool:
+    """True when SIGTERM/SIGINT came while ``serve`` was still loading (it loaded ``loaded`` last):
+    it stops there, never listening nor serving (a signal used to wait for the whole load, then
+    bind the port, announce serving and drain at once)."""
+    if stop.is_set():
+        log.info("serve_stopped_while_loading", loaded=loaded)
+        return True
+    return False
 
 
 def _settle(loop, timeout_s: float) -> bool:

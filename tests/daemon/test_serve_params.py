@@ -59,3 +59,42 @@ def test_a_missing_model_is_called_missing():
     with pytest.raises(ApiError) as ei:
         parse({"model": None})
     assert (ei.value.param, ei.value.code) == ("model", "missing") and "missing" in ei.value.message
+
+
+def test_sigterm_while_loading_stops_serve_before_it_listens(tmp_path, monkeypatch, key_prefix):
+    """SIGTERM (twice) while the pair was loading waited for the whole load (minutes when the
+    served format is measured), then serve bound its port, announced serving and drained at once.
+    Now it stops after the stage it is in: nothing after the pair's load runs."""
+    import os
+    import signal
+    import types
+
+    from typer.testing import CliRunner
+
+    import decoder.engines.registry as engines_registry
+    import decoder.models.loading as loading
+    from conftest import REDIS_URL
+    from daemon.cli import app
+
+    for k, v in {"DRAFTD_STATE_DIR": str(tmp_path), "DRAFTD_REDIS__URL": REDIS_URL,
+                 "DRAFTD_STORE__KEY_PREFIX": key_prefix}.items():
+        monkeypatch.setenv(k, v)
+
+    def load_pair(*a, **kw):  # the operator's SIGTERM arrives while the pair loads
+        os.kill(os.getpid(), signal.SIGTERM)
+        return types.SimpleNamespace(target_name="t", draft_name="d", tokenizer_hash="h")
+
+    def choose_engine(*a, **kw):
+        raise AssertionError("serve went on loading after SIGTERM")
+
+    monkeypatch.setattr(loading, "load_pair", load_pair)
+    monkeypatch.setattr(engines_registry, "choose_engine", choose_engine)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        r = CliRunner().invoke(app, ["serve", "--port", "1"])
+    finally:  # run_serve installs its own handlers
+        for sig, h in saved.items():
+            signal.signal(sig, h)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 0, r.output
+    assert "serving" not in r.output
