@@ -445,7 +445,10 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
             raise _bad("stream_options", "only allowed with stream: true")
         if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
             raise _bad("stream_options", f"{so!r}: only {{\"include_usage\": true|false}} is supported")
-        include_usage = _bool(so, "include_usage", False)
+        v = so.get("include_usage")
+        if v is not None and not isinstance(v, bool):
+            raise _bad("stream_options.include_usage", f"{v!r} is not a boolean (true or false)", "invalid_type")
+        include_usage = bool(v)
     top_k = _int(body, "top_k", 0, lo=-1)
     logprobs = _logprobs(body, kind)
     gamma = _int(body, "gamma", None, lo=0, hi=MAX_GAMMA)

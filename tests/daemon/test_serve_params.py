@@ -98,3 +98,16 @@ def test_sigterm_while_loading_stops_serve_before_it_listens(tmp_path, monkeypat
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert r.exit_code == 0, r.output
     assert "serving" not in r.output
+
+
+def test_a_bad_include_usage_is_named_by_its_path():
+    """``stream_options: {"include_usage": "x"}`` was refused as param ``include_usage``, a field
+    the request does not have at its top level."""
+    from daemon.serve import ApiError
+
+    with pytest.raises(ApiError) as ei:
+        parse({"stream": True, "stream_options": {"include_usage": "x"}})
+    assert (ei.value.status, ei.value.param, ei.value.code) == (400, "stream_options.include_usage", "invalid_type")
+    assert ei.value.message.startswith("stream_options.include_usage: 'x'")
+    assert parse({"stream": True, "stream_options": {"include_usage": True}}).include_usage is True
+    assert parse({"stream": True, "stream_options": {}}).include_usage is False
