@@ -73,10 +73,10 @@ def test_sigterm_while_loading_stops_serve_before_it_listens(tmp_path, monkeypat
 
     import decoder.engines.registry as engines_registry
     import decoder.models.loading as loading
-    from conftest import REDIS_URL
     from daemon.cli import app
 
-    for k, v in {"DRAFTD_STATE_DIR": str(tmp_path), "DRAFTD_REDIS__URL": REDIS_URL,
+    redis_url = "redis://127.0.0.1:6379/0"  # tests/daemon/conftest.py's REDIS_URL (the key_prefix fixture's Redis)
+    for k, v in {"DRAFTD_STATE_DIR": str(tmp_path), "DRAFTD_REDIS__URL": redis_url,
                  "DRAFTD_STORE__KEY_PREFIX": key_prefix}.items():
         monkeypatch.setenv(k, v)
 
