@@ -411,7 +411,8 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
     _unsupported(body, kind)
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("model", f"missing; this server serves {sorted(models)}", "missing" if model is None else "invalid_type")
+        what = "missing" if model is None else f"{model!r:.80} is not a model name"
+        raise _bad("model", f"{what}; this server serves {sorted(models)}", "missing" if model is None else "invalid_type")
     if model not in models:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {sorted(models)} (GET /v1/models)",
                        param="model", code="model_not_found")
@@ -447,7 +448,10 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
             raise _bad("stream_options", "only allowed with stream: true")
         if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
             raise _bad("stream_options", f"{so!r}: only {{\"include_usage\": true|false}} is supported")
-        include_usage = _bool(so, "include_usage", False)
+        v = so.get("include_usage")
+        if v is not None and not isinstance(v, bool):
+            raise _bad("stream_options.include_usage", f"{v!r} is not a boolean (true or false)", "invalid_type")
+        include_usage = bool(v)
     top_k = _int(body, "top_k", 0, lo=-1)
     logprobs = _logprobs(body, kind)
     gamma = _int(body, "gamma", None, lo=0, hi=MAX_GAMMA)
@@ -456,7 +460,8 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
         kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, lo=0.0),
         top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=0 if top_k == -1 else top_k, seed=seed, stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
+        top_k=0 if top_k == -1 or top_k >= vocab else top_k, seed=seed,  # a k >= the vocabulary cuts nothing: off
+        stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
         gamma=gamma, workload=_workload(body, header_workload), stream=stream, include_usage=include_usage,
         logprobs=logprobs,
         **_constrained(body),
@@ -1376,6 +1381,8 @@ def run_serve(settings, console=None) -> int:
 
             torch.set_num_threads(m.torch_threads)
         pair = load_pair(m.target, m.draft, device=m.device)
+        if _stopped_while_loading(stop, "the model pair"):
+            return 0
         from decoder.engines.registry import choose_engine, torch_threads_for
         from decoder.proposers.registry import spec as proposer_spec, versioned_by
 
@@ -1384,6 +1391,8 @@ def run_serve(settings, console=None) -> int:
                                 target_format=m.format, proposers=tuple(sv.proposers),
                                 progress=lambda msg: log.info("served_format_measuring", what=msg), n_seq=sv.max_batch)
         log.info("engine", engine=engines.name, reason=engines.reason, served_format=engines.served_format)
+        if _stopped_while_loading(stop, "the engines"):
+            return 0
         if not m.torch_threads:  # on llama.cpp the decoder's torch work is per-row vector math: one thread
             stack.enter_context(torch_threads_for(engines.target))
         fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
@@ -1413,6 +1422,8 @@ def run_serve(settings, console=None) -> int:
                                    max_request_bytes=sv.max_request_bytes,
                                    served_format=engines.served.describe() if engines.served is not None else None,
                                    grammar_gguf=_grammar_gguf(m.target, engines.target))
+        if _stopped_while_loading(stop, "the serving loop"):
+            return 0
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
         log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,
@@ -1441,6 +1452,16 @@ def run_serve(settings, console=None) -> int:
                 log.warning("serve_decoder_still_busy", waited_s=30.0)
         log.info("serve_drained", complete=drained)
     return 0
+
+
+def _stopped_while_loading(stop: threading.Event, loaded: str) -> bool:
+    """True when SIGTERM/SIGINT came while ``serve`` was still loading (it loaded ``loaded`` last):
+    it stops there, never listening nor serving (a signal used to wait for the whole load, then
+    bind the port, announce serving and drain at once)."""
+    if stop.is_set():
+        log.info("serve_stopped_while_loading", loaded=loaded)
+        return True
+    return False
 
 
 def _settle(loop, timeout_s: float) -> bool:

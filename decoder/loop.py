@@ -238,6 +238,9 @@ class ServingLoop:
         self._cv = threading.Condition()
         self._active: Ticket | None = None
         self._running: list[Ticket] = []  # decoding in the batch (continuous batching)
+        # every submitted ticket not yet resolved, by id: queued, decoding, or in between (taken from
+        # the queue and held for an empty batch, or running the hooks that swap its adapter)
+        self._open: dict[int, Ticket] = {}
         self.batching, self.batch_why = self._batch_plan()
         self._draining = False
         self._thread: threading.Thread | None = None
@@ -278,7 +281,7 @@ class ServingLoop:
         deadline = time.monotonic() + max(0.0, grace_s)
         with self._cv:
             self._draining = True
-            while not (done := self._q.empty() and self._active is None and not self._running):
+            while not (done := not self._open and self._active is None and not self._running):
                 left = deadline - time.monotonic()
                 if left <= 0 or (cut is not None and cut.is_set()):
                     break
@@ -309,11 +312,16 @@ class ServingLoop:
         with self._cv:
             if self._active is not None:
                 self._active.cancel()
-            for t in list(self._running):
+            for t in list(self._running) + list(self._open.values()):  # the held and admitting ones too
                 t.cancel()
             for t in list(self._q.queue):
                 if t is not None:
                     t.cancel()
+
+    def _resolved(self, t: Ticket) -> None:
+        with self._cv:
+            self._open.pop(id(t), None)
+            self._cv.notify_all()
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, req: DecodeRequest, *, policy: GammaPolicy | None = None,
@@ -340,6 +348,8 @@ class ServingLoop:
                 self._n["refused_queue_full"] += 1
                 raise QueueFull(f"the request queue is full ({self.config.queue_size} waiting); retry later") from None
             self._n["submitted"] += 1
+            self._open[id(t)] = t
+        t.future.add_done_callback(lambda _f, t=t: self._resolved(t))
         return t
 
     def generate(self, req: DecodeRequest, policy: GammaPolicy | None = None, timeout: float | None = None) -> DecodeResult:
@@ -353,7 +363,9 @@ class ServingLoop:
 
     @property
     def busy(self) -> bool:
-        return self._active is not None or bool(self._running)
+        """A request is decoding, or taken from the queue and about to (held for an empty batch,
+        or in the hooks that swap its adapter)."""
+        return self._active is not None or bool(self._running) or len(self._open) > self._q.qsize()
 
     @property
     def running(self) -> int:

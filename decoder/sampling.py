@@ -31,6 +31,12 @@ import torch
 # Residual masses at or below this are treated as zero (p == q up to float rounding): sample from p.
 RESIDUAL_EPS = 1e-12
 
+# Below this temperature logits / T can overflow float32 (|logit| / T > 3.4e38; T itself may round
+# to 0 in float32), NaN after the softmax: the distribution is taken as its T -> 0 limit, uniform
+# over the maximal logits (float32 logits differ by far more than T there). At or above it |logit|
+# would have to pass 3.4e8 to overflow, and logits / T is used as is.
+LIMIT_BELOW_TEMPERATURE = 1e-30
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -86,7 +92,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    if params.temperature < LIMIT_BELOW_TEMPERATURE:  # a tiny temperature: logits / T would overflow
+        top = logits.amax(-1, keepdim=True)
+        logits = torch.where(logits == top, 0.0, float("-inf"))
+    else:
+        logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -94,7 +104,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # Drop a token when the mass strictly before it already reaches top_p (the top-1 stays).
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        # a top_p below float32's smallest normal would round to 0 and drop every token: keep the top-1
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= max(params.top_p, torch.finfo(torch.float32).tiny)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

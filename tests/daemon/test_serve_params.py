@@ -1,0 +1,113 @@
+"""Request parameters checked without a server (``daemon.serve.parse_request`` on the tiny
+tokenizer): values a client may send that are valid but reach places with narrower ranges."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serve_helpers import MODEL, tokenizer
+
+
+def parse(body: dict, kind: str = "completion"):
+    from daemon.serve import parse_request
+
+    tok = tokenizer()
+    base = {"model": MODEL, "max_tokens": 4}
+    base.update({"prompt": "ab"} if kind == "completion" else {"messages": [{"role": "user", "content": "ab"}]})
+    base.update(body)
+    return parse_request(base, kind, tok, models={MODEL}, context_len=512, vocab=len(tok.get_vocab()),
+                         max_tokens_default=16)
+
+
+@pytest.mark.parametrize("top_k", [10**30, 2**64, 10**12])
+def test_a_top_k_past_the_vocabulary_is_off_and_its_record_encodes(top_k):
+    """top_k 10**30 was accepted (200) and its verified record could not be packed (msgpack:
+    OverflowError, the record dropped: sample_encode_failed); a k at least the vocabulary cuts
+    nothing (decoder.sampling.process_logits), so it is served as off."""
+    from store.schema import PairFingerprint, SamplingSettings, decode, encode
+    from store.synthetic import synthetic_sample
+
+    p = parse({"top_k": top_k, "temperature": 1.0, "seed": 1})
+    assert p.top_k == 0
+    s = synthetic_sample(np.random.default_rng(0), n_tokens=4, k=4, prompt_len=4, request_id="r", workload="w",
+                         adapter_version=0, pair=PairFingerprint("t", "d", "h"),
+                         sampling=SamplingSettings(1.0, 1.0, p.top_k, p.seed))
+    assert decode(encode(s)).sampling.top_k == 0
+
+
+def test_a_top_k_inside_the_vocabulary_is_kept():
+    assert parse({"top_k": 5, "temperature": 1.0}).top_k == 5
+    assert parse({"top_k": -1, "temperature": 1.0}).top_k == 0
+
+
+@pytest.mark.parametrize("model", [1, ["tiny"], ""])
+def test_a_model_that_is_not_a_name_is_not_called_missing(model):
+    """``"model": 1`` was answered 'model: missing' (code invalid_type): the field was there."""
+    from daemon.serve import ApiError
+
+    with pytest.raises(ApiError) as ei:
+        parse({"model": model})
+    e = ei.value
+    assert (e.status, e.param, e.code) == (400, "model", "invalid_type")
+    assert "missing" not in e.message and repr(model) in e.message
+
+
+def test_a_missing_model_is_called_missing():
+    from daemon.serve import ApiError
+
+    with pytest.raises(ApiError) as ei:
+        parse({"model": None})
+    assert (ei.value.param, ei.value.code) == ("model", "missing") and "missing" in ei.value.message
+
+
+def test_sigterm_while_loading_stops_serve_before_it_listens(tmp_path, monkeypatch, key_prefix):
+    """SIGTERM (twice) while the pair was loading waited for the whole load (minutes when the
+    served format is measured), then serve bound its port, announced serving and drained at once.
+    Now it stops after the stage it is in: nothing after the pair's load runs."""
+    import os
+    import signal
+    import types
+
+    from typer.testing import CliRunner
+
+    import decoder.engines.registry as engines_registry
+    import decoder.models.loading as loading
+    from daemon.cli import app
+
+    redis_url = "redis://127.0.0.1:6379/0"  # tests/daemon/conftest.py's REDIS_URL (the key_prefix fixture's Redis)
+    for k, v in {"DRAFTD_STATE_DIR": str(tmp_path), "DRAFTD_REDIS__URL": redis_url,
+                 "DRAFTD_STORE__KEY_PREFIX": key_prefix}.items():
+        monkeypatch.setenv(k, v)
+
+    def load_pair(*a, **kw):  # the operator's SIGTERM arrives while the pair loads
+        os.kill(os.getpid(), signal.SIGTERM)
+        return types.SimpleNamespace(target_name="t", draft_name="d", tokenizer_hash="h")
+
+    def choose_engine(*a, **kw):
+        raise AssertionError("serve went on loading after SIGTERM")
+
+    monkeypatch.setattr(loading, "load_pair", load_pair)
+    monkeypatch.setattr(engines_registry, "choose_engine", choose_engine)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        r = CliRunner().invoke(app, ["serve", "--port", "1"])
+    finally:  # run_serve installs its own handlers
+        for sig, h in saved.items():
+            signal.signal(sig, h)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 0, r.output
+    assert "serving" not in r.output
+
+
+def test_a_bad_include_usage_is_named_by_its_path():
+    """``stream_options: {"include_usage": "x"}`` was refused as param ``include_usage``, a field
+    the request does not have at its top level."""
+    from daemon.serve import ApiError
+
+    with pytest.raises(ApiError) as ei:
+        parse({"stream": True, "stream_options": {"include_usage": "x"}})
+    assert (ei.value.status, ei.value.param, ei.value.code) == (400, "stream_options.include_usage", "invalid_type")
+    assert ei.value.message.startswith("stream_options.include_usage: 'x'")
+    assert parse({"stream": True, "stream_options": {"include_usage": True}}).include_usage is True
+    assert parse({"stream": True, "stream_options": {}}).include_usage is False
