@@ -186,6 +186,9 @@ def _activated(a: dict, own: str = "") -> str:
     "(previous v2: <why>)", which put v3's promotion reason beside v2 as if it were v2's.)"""
     s = f"v{a['active']}{own} active" + (f" since {_when(a['since'])}" if a.get("since") is not None else "")
     prev, reason, how = a.get("previous"), a.get("reason"), a.get("how")
+    if own and a["active"] == 0 and how == "rollback":  # a workload whose own adapter was rolled back
+        when = f" since {_when(a['since'])}" if a.get("since") is not None else ""
+        return f"none of its own{when}: v{prev} was rolled back{': ' + reason if reason else ''}; the shared adapter serves it"
     if prev is None:
         return s
     why = f": {reason}" if reason else ""

@@ -227,6 +227,8 @@ def adapter_section(registry: AdapterRegistry) -> dict:
     for w, v in actives.items():
         if w and v:
             own[w] = {"active": v, **_activation_fields(events, v, w)}
+        elif w and activation(events, 0, w) is not None:  # its own adapter was rolled back: the shared one serves it
+            own[w] = {"active": 0, **_activation_fields(events, 0, w)}
     return {"active": active, **_activation_fields(events, active), "registered": len(registry.list()), "workloads": own}
 
 
@@ -260,7 +262,9 @@ def acceptance_sections(history: AcceptanceHistory, adapter: dict, now: float,
         # with its own adapter (trainer.per_workload) is served by it, the rest by the shared one.
         src = own.get(w.split("@", 1)[0], adapter)
         w_active, w_since, w_previous = src["active"], src["since"], src["previous"]
-        if src is not adapter and not w_previous:  # its first own version: the shared adapter served it before
+        if src is not adapter and w_active == 0:  # its own adapter rolled back: the shared one serves it, compared with that one
+            w_active = adapter["active"]
+        elif src is not adapter and not w_previous:  # its first own version: the shared adapter served it before
             w_previous = adapter["active"]
         cur = [r for r in wr if r.version == w_active and (w_since is None or r.ts + history.bucket_s > w_since)]
         prev = [r for r in wr if w_previous is not None and r.version == w_previous]

@@ -76,3 +76,40 @@ def test_a_workloads_first_own_version_names_the_shared_adapter_before_it():
     first = {"active": 3, "since": None, "previous": 0, "reason": "held-out gain", "how": "promote"}
     assert _activated(first, " (its own)") == "v3 (its own) active, promoted: held-out gain (before it: the shared adapter)"
     assert _activated({**first, "previous": 2}, " (its own)").endswith("(previous v2)")
+
+
+def test_a_workload_whose_own_adapter_was_rolled_back_is_served_and_compared_as_such(redis_client, key_prefix, tmp_path):
+    """extract had its own v2; it was rolled back, so the shared v1 serves extract again. Status
+    said 'previous v0' (the shared scope's) and dropped the workload from the adapter section; it
+    now shows that extract has none of its own since the rollback, and compares the shared v1's
+    requests on extract with v2's."""
+    import time as _time
+
+    from daemon.cli import _activated
+    from daemon.reports import acceptance_sections, adapter_section
+    from helpers import make_adapter_dir
+    from store.config import StoreConfig
+    from store.history import AcceptanceHistory
+    from store.registry import AdapterMeta, AdapterRegistry
+
+    cfg = StoreConfig(key_prefix=key_prefix)
+    reg = AdapterRegistry(redis_client, tmp_path / "art", cfg)
+    v1 = reg.register(make_adapter_dir(tmp_path / "a1", 1), AdapterMeta(parent=0))
+    reg.promote(v1, "shared")
+    v2 = reg.register(make_adapter_dir(tmp_path / "a2", 2), AdapterMeta(parent=v1, scope="extract"))
+    reg.promote(v2, "extract's own")
+    reg.rollback("live acceptance fell", scope="extract")
+    a = adapter_section(reg)
+    ex = a["workloads"]["extract"]
+    assert (ex["active"], ex["previous"], ex["how"]) == (0, v2, "rollback")
+    assert _activated(ex, " (its own)").startswith("none of its own since ")
+    assert f"v{v2} was rolled back: live acceptance fell; the shared adapter serves it" in _activated(ex, " (its own)")
+    h = AcceptanceHistory(redis_client, cfg)
+    before = ex["since"] - 3 * h.bucket_s
+    h.record("extract@greedy", v2, {"requests": 3, "num_steps": 6, "num_draft_tokens": 30, "num_accepted_tokens": 3}, ts=before)
+    h.record("extract@greedy", v1, {"requests": 2, "num_steps": 4, "num_draft_tokens": 20, "num_accepted_tokens": 10},
+             ts=ex["since"] + 1)
+    acc, _ = acceptance_sections(h, a, _time.time())
+    row = acc["extract@greedy"]
+    assert row["now"]["version"] == v1 and row["now"]["acceptance_rate"] == 10 / 20
+    assert row["previous"]["version"] == v2 and row["previous"]["acceptance_rate"] == 3 / 30
