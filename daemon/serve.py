@@ -145,6 +145,11 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
+def _one_of(v, allowed: tuple) -> bool:
+    """``v`` equals one of ``allowed`` with the same JSON type (``true`` is not 1, ``0`` is not false)."""
+    return any(type(v) is type(x) and v == x for x in allowed)
+
+
 def _unsupported(body: dict, kind: str) -> None:
     """400 for values this server does not implement (never silently ignored)."""
     allowed = _COMPLETION if kind == "completion" else _CHAT
@@ -153,22 +158,22 @@ def _unsupported(body: dict, kind: str) -> None:
         raise _bad(unknown[0], f"unknown or unsupported field; supported fields: {', '.join(sorted(allowed))}",
                    "unsupported_parameter")
     checks = [
-        ("n", lambda v: v in (None, 1), "only n=1 is served; send several requests for several completions"),
-        ("best_of", lambda v: v in (None, 1), "only best_of=1 is served"),
-        ("echo", lambda v: v in (None, False), "echo is not supported; prepend the prompt yourself"),
-        ("suffix", lambda v: v in (None, ""), "suffix (insertion) is not supported"),
-        ("presence_penalty", lambda v: v in (None, 0, 0.0), "penalties are not supported (they would change the "
+        ("n", lambda v: _one_of(v, (None, 1)), "only n=1 is served; send several requests for several completions"),
+        ("best_of", lambda v: _one_of(v, (None, 1)), "only best_of=1 is served"),
+        ("echo", lambda v: _one_of(v, (None, False)), "echo is not supported; prepend the prompt yourself"),
+        ("suffix", lambda v: _one_of(v, (None, "")), "suffix (insertion) is not supported"),
+        ("presence_penalty", lambda v: _one_of(v, (None, 0, 0.0)), "penalties are not supported (they would change the "
                                                             "target's distribution); leave it 0"),
-        ("frequency_penalty", lambda v: v in (None, 0, 0.0), "penalties are not supported; leave it 0"),
-        ("repetition_penalty", lambda v: v in (None, 1, 1.0), "penalties are not supported; leave it 1"),
-        ("min_tokens", lambda v: v in (None, 0), "min_tokens is not supported; use ignore_eos"),
-        ("logit_bias", lambda v: v in (None, {}), "logit_bias is not supported"),
-        ("tools", lambda v: v in (None, []), "tool calling is not supported"),
-        ("functions", lambda v: v in (None, []), "function calling is not supported"),
-        ("function_call", lambda v: v in (None, "none"), "function calling is not supported"),
-        ("tool_choice", lambda v: v in (None, "none"), "tool calling is not supported"),
-        ("parallel_tool_calls", lambda v: v in (None, False, True) and not body.get("tools"), "tool calling is not supported"),
-        ("store", lambda v: v in (None, False), "stored completions are not supported"),
+        ("frequency_penalty", lambda v: _one_of(v, (None, 0, 0.0)), "penalties are not supported; leave it 0"),
+        ("repetition_penalty", lambda v: _one_of(v, (None, 1, 1.0)), "penalties are not supported; leave it 1"),
+        ("min_tokens", lambda v: _one_of(v, (None, 0)), "min_tokens is not supported; use ignore_eos"),
+        ("logit_bias", lambda v: _one_of(v, (None, {})), "logit_bias is not supported"),
+        ("tools", lambda v: _one_of(v, (None, [])), "tool calling is not supported"),
+        ("functions", lambda v: _one_of(v, (None, [])), "function calling is not supported"),
+        ("function_call", lambda v: _one_of(v, (None, "none")), "function calling is not supported"),
+        ("tool_choice", lambda v: _one_of(v, (None, "none")), "tool calling is not supported"),
+        ("parallel_tool_calls", lambda v: _one_of(v, (None, False, True)) and not body.get("tools"), "tool calling is not supported"),
+        ("store", lambda v: _one_of(v, (None, False)), "stored completions are not supported"),
     ]
     for name, ok, why in checks:
         if name in body and not ok(body[name]):

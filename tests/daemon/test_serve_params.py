@@ -111,3 +111,20 @@ def test_a_bad_include_usage_is_named_by_its_path():
     assert ei.value.message.startswith("stream_options.include_usage: 'x'")
     assert parse({"stream": True, "stream_options": {"include_usage": True}}).include_usage is True
     assert parse({"stream": True, "stream_options": {}}).include_usage is False
+
+
+@pytest.mark.parametrize("field, value, kind", [("n", True, "completion"), ("echo", 0, "completion"),
+                                                ("store", 0, "chat"), ("best_of", 1.0, "completion")])
+def test_a_value_of_another_json_type_is_refused_even_if_python_calls_it_equal(field, value, kind):
+    """`n: true`, `echo: 0` and `store: 0` passed the n=1 / echo=false / store=false checks (True == 1
+    and 0 == False in Python); the 400 names the field."""
+    from daemon.serve import ApiError
+
+    with pytest.raises(ApiError) as e:
+        parse({field: value}, kind)
+    assert e.value.status == 400 and e.value.param == field
+
+
+def test_the_values_served_still_pass():
+    parse({"n": 1, "echo": False, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0})
+    parse({"store": False, "n": 1}, "chat")
