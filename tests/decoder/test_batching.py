@@ -106,6 +106,100 @@ def test_a_forward_that_fails_in_a_fused_call_fails_only_its_own_member():
     assert res == {0: [[0, 0]], 1: "token -1", 2: [[2, 0]]}
 
 
+def test_a_step_token_budget_cuts_a_long_forward_only_while_a_short_one_shares_the_step():
+    """Budget 4: member 0's 10-token forward (keep 6: its rows span the pieces) goes in pieces of 4
+    while member 1 feeds one-row steps beside it, and whole when it is alone; member 0 still gets
+    the rows of its whole forward, at their positions, and member 1 a row every step."""
+    eng = _FakeEngine()
+    sched = StepScheduler(step_token_budget=4)
+    got: dict[int, list] = {}
+    fed: list[list[int]] = []
+    real_fb = eng.forward_batch
+
+    def forward_batch(items, hidden=False):
+        fed.append([len(t) for _, t, _ in items])
+        return real_fb(items, hidden)
+
+    eng.forward_batch = forward_batch
+
+    def long_member():
+        s = _Seq(eng, 0)
+        got[0] = [s.forward([1] * 10, 6).tolist(), s.forward([1] * 10, 1).tolist()]
+
+    def short_member():
+        s = _Seq(eng, 1)
+        got[1] = [s.forward([1], 1).tolist() for _ in range(3)]
+
+    sched.spawn(long_member, "long")
+    sched.spawn(short_member, "short")
+    _drive(sched)
+    assert got[0][0] == [[0, p] for p in range(4, 10)] and got[0][1] == [[0, 19]]
+    assert got[1] == [[[1, 0]], [[1, 1]], [[1, 2]]]
+    # three shared steps: 4 + 4 tokens of the long forward beside a row each, then its last 2 and the
+    # short member's last row; then the long member's second forward alone, whole
+    assert fed == [[4, 1], [4, 1], [2, 1], [10]]
+    assert sched.status()["budget_cut_pieces"] == 2 and sched.status()["step_token_budget"] == 4
+
+
+def test_without_a_short_forward_beside_them_long_forwards_go_whole():
+    eng = _FakeEngine()
+    fed: list[list[int]] = []
+    real_fb = eng.forward_batch
+    eng.forward_batch = lambda items, hidden=False: fed.append([len(t) for _, t, _ in items]) or real_fb(items, hidden)
+    sched = StepScheduler(step_token_budget=4)
+    got = {}
+
+    def member(sid, n):
+        got[sid] = _Seq(eng, sid).forward([1] * n, 1).tolist()
+
+    for sid, n in ((0, 9), (1, 7)):
+        sched.spawn(lambda sid=sid, n=n: member(sid, n), f"m{sid}")
+    _drive(sched)
+    assert fed == [[9, 7]] and got == {0: [[0, 8]], 1: [[1, 6]]} and sched.cut == 0
+
+
+def test_a_budgeted_forward_returns_its_hidden_states_joined_and_a_fault_fails_its_member():
+    class HiddenEngine(_FakeEngine):
+        def forward_batch(self, items, hidden=False):
+            rows = super().forward_batch(items, hidden)
+            return [(r, r * 10) for r in rows] if hidden else rows
+
+    eng = HiddenEngine()
+    sched = StepScheduler(step_token_budget=3)
+    got: dict[int, object] = {}
+
+    def long_member():
+        logits, hid = _Seq(eng, 0).forward([1] * 8, 8, hidden=True)
+        got[0] = (logits.tolist(), hid.tolist())
+
+    def short_member():
+        s = _Seq(eng, 1)
+        got[1] = [s.forward([1], 1, hidden=True)[0].tolist() for _ in range(2)]
+
+    def faulty_member():
+        try:
+            _Seq(eng, 2).forward([1] * 5 + [-1], 1, hidden=True)
+        except ValueError as e:
+            got[2] = str(e)
+
+    for sid, fn in enumerate((long_member, short_member, faulty_member)):
+        sched.spawn(fn, f"m{sid}")
+    _drive(sched)
+    assert got[0] == ([[0, p] for p in range(8)], [[0, 10 * p] for p in range(8)])
+    assert got[1] == [[[1, 0]], [[1, 1]]] and got[2] == "token -1"
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64"])
+def test_the_step_token_budget_is_validated(bad):
+    from decoder.loop import LoopConfig
+
+    with pytest.raises(ValueError, match="step_token_budget"):
+        StepScheduler(step_token_budget=bad)
+    with pytest.raises(ValueError, match="step_token_budget"):
+        LoopConfig(max_batch=4, step_token_budget=bad)
+    assert LoopConfig(max_batch=4, step_token_budget=None).step_token_budget is None
+
+
 def test_sequence_scope_releases_what_a_request_started():
     released = []
 
