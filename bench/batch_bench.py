@@ -17,16 +17,22 @@ Usage::
     .venv/bin/python bench/batch_bench.py --proposer ngram --gamma 3                # speculation per request inside the batch
     .venv/bin/python bench/batch_bench.py --long-prompt 4000 --rounds 0             # a short request behind a long prompt
 
-``--long-prompt N``: on each side, a request with an N-token prompt (4 output tokens), and 0.3 s
-later a 4-token request; the short one's latency (seconds from its submission) and the long
-one's, per side. At batch 1 the short request waits for the whole prefill; batched, it joins at
-the next step boundary (a 512-token prefill chunk).
+``--long-prompt N``: a request with an N-token prompt (4 output tokens), and 0.3 s later a
+4-token request, on each of: ``batch1``; ``batched`` with no step token budget; and
+``budget<B>`` for each B of ``--budgets`` (default: the shipped ``serve.step_token_budget``), the
+batched loop with that budget (``LoopConfig.step_token_budget``). Per side, in seconds from each
+request's submission: the short one's queue wait (until it started decoding), first token and
+last token; the long one's first token and total; and whether the outputs equal batch 1's. At
+batch 1 the short request waits for the whole prefill; batched, it joins at the next step
+boundary, and each of its steps carries a 512-token prefill chunk without a budget, B tokens of
+it with one. ``--rounds 0`` runs this part alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import threading
@@ -58,8 +64,13 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
     ap.add_argument("--long-prompt", type=int, default=0, help="also time a short request behind an N-token prompt (0: off)")
+    ap.add_argument("--budgets", default=None,
+                    help="step token budgets the --long-prompt part compares (comma-separated; default: the shipped one)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
+    from decoder.batching import STEP_TOKEN_BUDGET
+
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [STEP_TOKEN_BUDGET]
 
     from decoder.engines.registry import choose_engine, torch_threads_for
     from decoder.loop import LoopConfig, build_serving_loop
@@ -130,18 +141,36 @@ def main(argv=None) -> int:
                 break
         long_ids = long_ids[: args.long_prompt]
         with torch_threads_for(sides["batch1"][1].target):
-            for side in ("batch1", "batched"):
-                loop = sides[side][0]
+            plan = [("batch1", sides["batch1"][0])]
+            sides["batched"][0].close()  # the batched engines serve one loop per budget, one after another
+            for b in [None] + budgets:
+                plan.append(("batched" if b is None else f"budget{b}", lambda b=b: build_serving_loop(
+                    pair.target, pair.draft, tok, engine=sides["batched"][1].target, draft_engine=sides["batched"][1].draft,
+                    config=LoopConfig(max_batch=args.max_batch, queue_size=256, step_token_budget=b),
+                    proposers=("ngram", "draft")).start()))
+            outputs = {}
+            for side, loop in plan:
+                loop = loop if side == "batch1" else loop()
                 t0 = time.perf_counter()
                 lt = loop.submit(DecodeRequest(long_ids, SamplingParams(), 4, gamma=0, ignore_eos=True, request_id=f"long-{side}"))
                 time.sleep(0.3)
-                t1 = time.perf_counter()
-                short = loop.generate(DecodeRequest(tok("hi")["input_ids"], SamplingParams(), 4, gamma=0, ignore_eos=True,
-                                                    request_id=f"short-{side}"), timeout=1800)
-                t2 = time.perf_counter()
-                lt.result(timeout=1800)
-                behind[side] = {"long_prompt_tokens": len(long_ids), "short_s": round(t2 - t1, 3),
-                                "long_s": round(time.perf_counter() - t0, 3), "short_tokens": len(short.output_ids)}
+                st = loop.submit(DecodeRequest(tok("hi")["input_ids"], SamplingParams(), 4, gamma=0, ignore_eos=True,
+                                               request_id=f"short-{side}"))
+                short = st.result(timeout=1800)
+                long = lt.result(timeout=1800)
+                rel = lambda t, x: round(x - t.submitted_at, 3) if x is not None else None  # noqa: E731
+                batch = loop.status()["batch"]
+                behind[side] = {
+                    "long_prompt_tokens": len(long_ids), "short_tokens": len(short.output_ids),
+                    "short_queue_s": rel(st, st.started_at), "short_first_token_s": rel(st, st.first_token_at),
+                    "short_s": rel(st, st.finished_at), "long_first_token_s": rel(lt, lt.first_token_at),
+                    "long_s": rel(lt, lt.finished_at), "long_prefill_s": round(long.counts.prefill_ms / 1e3, 3),
+                    "budget_cut_pieces": batch.get("budget_cut_pieces"), "by_sequences": batch.get("by_sequences")}
+                outputs[side] = (long.output_ids, short.output_ids)
+                if side != "batch1":
+                    loop.close()
+            for side in behind:
+                behind[side]["outputs_equal_batch1"] = outputs[side] == outputs["batch1"]
     out_cells, ratios, equal = [], {}, True
     for r in rounds:
         b1, bb = r["batch1"], r["batched"]
@@ -149,13 +178,13 @@ def main(argv=None) -> int:
         out_cells += [b1, bb]
         ratios.setdefault(str(r["clients"]), []).append(round(bb["tokens_per_s"] / b1["tokens_per_s"], 3))
     for loop, ch in sides.values():
-        loop.close()
+        loop.close()  # again for the batched one after --long-prompt: a no-op then
         for e in (ch.target, ch.draft):
             if e is not None:
                 e.close()
     print(json.dumps({
         "bench": "batch_bench", "host": platform.node(), "cpu_threads": args.threads, "proposer": args.proposer,
-        "gamma": gamma, "max_batch": args.max_batch, "requests_per_client": args.requests,
+        "gamma": gamma, "max_batch": args.max_batch, "step_token_budget": STEP_TOKEN_BUDGET, "load_avg": os.getloadavg(), "requests_per_client": args.requests,
         "max_tokens": args.max_tokens, "rounds": args.rounds, "cells": out_cells,
         "batched_over_batch1_by_clients": ratios, "greedy_outputs_equal": equal, "short_behind_long": behind,
     }, indent=1))

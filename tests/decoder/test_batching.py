@@ -444,3 +444,49 @@ def test_a_sequence_dropped_without_release_frees_its_slot_once(gguf):
         assert e.free_sequences == 2
     finally:
         e.close()
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_a_long_prompt_prefilled_under_the_step_token_budget_and_its_batch_mates_equal_plain_decoding(real):
+    """A 1,100-token prompt (three 512-token prefill chunks; the draft model's own catch-up
+    forward of the whole prompt, too) with three short requests beside it on a loop with a small
+    budget (16 tokens: many cut points), so its prefill goes in 16-token pieces while they
+    decode: every greedy output equals plain decoding of its request (batch 1, no speculation),
+    and the budget did cut (``budget_cut_pieces``). Then the same long request cancelled while
+    its prefill is being cut stops at its next prefill chunk with no output, and the short ones
+    still equal plain decoding."""
+    from decoder.engines.registry import choose_engine
+    from decoder.loop import LoopConfig, build_serving_loop
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest, FixedGamma
+
+    tok = real.tokenizer
+    ch = choose_engine("llamacpp", "smollm2-135m", draft="layers:0-3", threads=2, n_seq=4)
+    loop = build_serving_loop(real.target, real.draft, tok, engine=ch.target, draft_engine=ch.draft,
+                              config=LoopConfig(max_batch=4, step_token_budget=16), proposers=("ngram", "draft"))
+    assert loop.batching is not None and loop.batching.step_token_budget == 16
+    long_ids = _ids(real, 1100)
+    p = lambda s: tok(s)["input_ids"]  # noqa: E731
+    long_req = DecodeRequest(long_ids, SamplingParams(), 12, gamma=3, proposer="draft", ignore_eos=True,
+                             request_id="long")
+    shorts = [DecodeRequest(p("The capital of France is"), SamplingParams(), 24, gamma=0, request_id="plain"),
+              DecodeRequest(p("def fibonacci(n):"), SamplingParams(), 20, gamma=2, proposer="ngram", request_id="ngram"),
+              DecodeRequest(p("List three colors:"), SamplingParams(), 16, gamma=2, proposer="draft", ignore_eos=True,
+                            request_id="draft")]
+    with loop:
+        plain = {r.request_id: loop.decoder.generate(r, FixedGamma(0)).output_ids for r in [long_req] + shorts}
+        tickets = {"long": loop.submit(long_req)} | {r.request_id: loop.submit(r) for r in shorts}
+        got = {k: t.result(900) for k, t in tickets.items()}
+        st = loop.status()["batch"]
+        for k, res in got.items():
+            assert res.output_ids == plain[k], k
+        assert st["budget_cut_pieces"] > 0 and st["step_token_budget"] == 16, st
+
+        tickets = {"long": loop.submit(long_req)}
+        cancel = lambda ids: tickets["long"].cancel()  # noqa: E731 - the first short tokens cancel the long one
+        tickets |= {r.request_id: loop.submit(r, on_tokens=cancel) for r in shorts}
+        got = {k: t.result(900) for k, t in tickets.items()}
+    assert got["long"].finish_reason == "cancelled" and got["long"].output_ids == []
+    for r in shorts:
+        assert got[r.request_id].output_ids == plain[r.request_id], r.request_id
