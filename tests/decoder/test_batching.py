@@ -326,6 +326,73 @@ def test_a_batched_row_equals_the_same_row_decoded_alone_at_every_cache_length(g
             e.close()
 
 
+def _prefill_then_decode(engine, seq, prompt: list[int], feed, n: int = 8) -> torch.Tensor:
+    """Prefill ``prompt[:-1]`` through ``feed(seq, tokens)`` as the decoder's 512-token chunks,
+    then greedy-decode ``n`` tokens one at a time: the (n + 1, V) logits."""
+    for i in range(0, len(prompt) - 1, 512):
+        feed(seq, prompt[i: min(i + 512, len(prompt) - 1)])
+    rows = [seq.forward(prompt[-1:], 1)[0]]
+    for _ in range(n):
+        rows.append(seq.forward([int(rows[-1].argmax())], 1)[0])
+    return torch.stack(rows)
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("model", ["tiny-f32", pytest.param("packaged", marks=pytest.mark.slow)])
+def test_a_prompt_prefilled_in_budget_pieces_beside_another_sequence_gives_the_same_logits(tmp_path, model):
+    """What the step token budget rests on: a 700-token prompt whose 512-token prefill chunks are
+    fed in pieces of 16 or 64 tokens (from its start, or from token 200 on: a short request that
+    arrives mid-prefill), each piece in one llama_decode with another sequence's plain row, then
+    decoded greedily, gives the same logits bits at every decoded position as the prompt
+    prefilled in whole chunks in a one-sequence engine (plain decoding)."""
+    from decoder.engines.llamacpp import LlamaCppEngine
+
+    if model == "packaged":
+        from decoder.models.loading import load_pair
+        from decoder.models.packaged import packaged_gguf
+        from decoder.workloads import prose_prompts
+
+        path, tok = packaged_gguf("smollm2-135m"), load_pair("smollm2-135m", "layers:0-3").tokenizer
+        ids = [t for p in prose_prompts(12, chars=2000) for t in tok(p.text)["input_ids"]][:800]
+    else:
+        from test_gguf_export import tiny_model, write_tiny_gguf
+
+        path = write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf")
+        ids = [int(x) for x in torch.randint(3, 200, (800,), generator=torch.Generator().manual_seed(0))]
+    prompt, mate = ids[:700], ids[700:]
+    alone = LlamaCppEngine(path, n_ctx=1024, threads=2)
+    try:
+        want = _prefill_then_decode(alone, alone.start(), prompt, lambda s, t: s.forward(t, 1))
+    finally:
+        alone.close()
+    be = LlamaCppEngine(path, n_ctx=1024, threads=2, n_seq=2)
+    try:
+        for piece, from_ in ((64, 0), (16, 200)):
+            a, b = be.start(), be.start()
+            b.forward(mate[:20], 1)
+            fed = [0]
+
+            def feed(s, chunk, piece=piece, from_=from_, b=b, fed=fed):
+                i = 0
+                while i < len(chunk):
+                    if fed[0] + i < from_:  # before the short request came: whole, alone
+                        n = min(len(chunk), from_ - fed[0]) - i
+                        s.forward(chunk[i: i + n], 1)
+                    else:
+                        n = min(piece, len(chunk) - i)
+                        be.forward_batch([(s, chunk[i: i + n], 1), (b, [mate[b.length % 100]], 1)])
+                    i += n
+                fed[0] += len(chunk)
+
+            got = _prefill_then_decode(be, a, prompt, feed)
+            assert torch.equal(got, want), (piece, from_, float((got - want).abs().max()),
+                                            int((got.argmax(1) != want.argmax(1)).sum()))
+            a.release()
+            b.release()
+    finally:
+        be.close()
+
+
 # ---- the serving loop ----------------------------------------------------------------------
 @needs_llamacpp
 @pytest.mark.slow
