@@ -26,6 +26,11 @@ last token; the long one's first token and total; and whether the outputs equal 
 batch 1 the short request waits for the whole prefill; batched, it joins at the next step
 boundary, and each of its steps carries a 512-token prefill chunk without a budget, B tokens of
 it with one. ``--rounds 0`` runs this part alone.
+
+``--piece-cost N``: what the budget costs a long prompt in the worst case (short requests decoding
+beside it for its whole prefill): the first N tokens of the long prompt prefilled alone on the
+batched target engine in the decoder's 512-token chunks, and in pieces of each budget, alternated
+over ``--piece-reps`` repetitions; seconds per run and the ratio to whole chunks.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ def main(argv=None) -> int:
     ap.add_argument("--long-prompt", type=int, default=0, help="also time a short request behind an N-token prompt (0: off)")
     ap.add_argument("--budgets", default=None,
                     help="step token budgets the --long-prompt part compares (comma-separated; default: the shipped one)")
+    ap.add_argument("--piece-cost", type=int, default=0,
+                    help="time an N-token prefill in 512-token chunks against --budgets pieces (0: off)")
+    ap.add_argument("--piece-reps", type=int, default=2)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from decoder.batching import STEP_TOKEN_BUDGET
@@ -130,15 +138,30 @@ def main(argv=None) -> int:
             for n in clients:
                 order = ["batch1", "batched"] if rnd % 2 == 0 else ["batched", "batch1"]
                 rounds.append({s: cell(s, n) for s in order} | {"round": rnd, "clients": n})
-    behind = {}
-    if args.long_prompt:
+    behind, piece_cost = {}, {}
+    if args.long_prompt or args.piece_cost:
         from decoder.workloads import prose_prompts
 
         long_ids: list[int] = []
         for p in prose_prompts(64, chars=4000):
             long_ids += tok(p.text)["input_ids"]
-            if len(long_ids) >= args.long_prompt:
+            if len(long_ids) >= max(args.long_prompt, args.piece_cost):
                 break
+    if args.piece_cost:
+        eng, ids = sides["batched"][1].target, long_ids[: args.piece_cost]
+        runs: dict[str, list[float]] = {}
+        with torch_threads_for(eng):
+            for rep in range(args.piece_reps):
+                for size in ([512] + budgets)[:: 1 if rep % 2 == 0 else -1]:
+                    seq = eng.start()
+                    t0 = time.perf_counter()
+                    for i in range(0, len(ids), size):
+                        seq.forward(ids[i: i + size], 1)
+                    runs.setdefault(str(size), []).append(round(time.perf_counter() - t0, 3))
+                    seq.release()
+        piece_cost = {"prompt_tokens": len(ids), "seconds_by_piece": runs,
+                      "ratio_to_512": {k: round(sum(v) / sum(runs["512"]), 3) for k, v in runs.items()}}
+    if args.long_prompt:
         long_ids = long_ids[: args.long_prompt]
         with torch_threads_for(sides["batch1"][1].target):
             plan = [("batch1", sides["batch1"][0])]
@@ -187,6 +210,7 @@ def main(argv=None) -> int:
         "gamma": gamma, "max_batch": args.max_batch, "step_token_budget": STEP_TOKEN_BUDGET, "load_avg": os.getloadavg(), "requests_per_client": args.requests,
         "max_tokens": args.max_tokens, "rounds": args.rounds, "cells": out_cells,
         "batched_over_batch1_by_clients": ratios, "greedy_outputs_equal": equal, "short_behind_long": behind,
+        "piece_cost": piece_cost,
     }, indent=1))
     return 0
 
