@@ -319,9 +319,10 @@ class ServeSettings(_Group):
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none (capped at the context left).")
     max_prompt_tokens: int | None = Field(4096, ge=1, description="Longest prompt admitted, in tokens (chat: the templated "
                                           "messages); longer gets a 400 (prompt_too_long), and a prompt too long to fit "
-                                          "is refused before it is tokenised. Other requests wait for a prompt's whole prefill "
-                                          "(it stops early only when cancelled, between chunks of 512 tokens), so this "
-                                          "bounds how long one request can hold them back. null = the context length only.")
+                                          "is refused before it is tokenised. At serve.max_batch = 1 other requests wait for a "
+                                          "prompt's whole prefill (it stops early only when cancelled, between chunks of 512 "
+                                          "tokens), so this bounds how long one request can hold them back; batched, they "
+                                          "decode beside it (serve.step_token_budget). null = the context length only.")
     max_workloads: int = Field(64, ge=1, description="Distinct workloads (request field or X-Draftd-Workload) kept as "
                                "they are; later ones are served under 'other' and counted (draftd:folded_requests, "
                                "daemonctl status warns), so clients cannot grow metrics, controller keys, the "
