@@ -1412,7 +1412,7 @@ def run_serve(settings, console=None) -> int:
                                          ngram_gate=sv.ngram_gate, record_hidden=sv.record_hidden,
                                          target_format=engines.served_format),
             pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every,
-                                                   max_batch=sv.max_batch),
+                                                   max_batch=sv.max_batch, step_token_budget=sv.step_token_budget),
             proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft,
             eagle_head=_eagle_head(sv.eagle_head, pair.target), head_registry=heads, head_dtype=head_dtype())
         loop.start()

@@ -319,12 +319,20 @@ class ServeSettings(_Group):
     max_batch: int = Field(4, ge=1, description="Requests decoded at once (continuous batching: their steps fused into one "
                            "llama_decode per step, each keeping its own proposer and γ); the llama.cpp KV cache holds this many "
                            "sequences of the context length each. 1 = one request at a time; the torch engine always runs 1.")
+    step_token_budget: int | None = Field(64, ge=1, description="Continuous batching: prompt tokens one request's "
+                                          "prefill (or any forward longer than this) feeds into a step that also "
+                                          "decodes other requests; the rest goes into the following steps, so a short "
+                                          "request behind a long prompt pays this many tokens a step instead of a "
+                                          "512-token chunk, while the long prefill still progresses every step (vLLM's "
+                                          "max_num_batched_tokens). A prefill alone goes in 512-token chunks. null = no "
+                                          "budget. Outputs do not depend on it (bench/RESULTS.md).")
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none (capped at the context left).")
     max_prompt_tokens: int | None = Field(4096, ge=1, description="Longest prompt admitted, in tokens (chat: the templated "
                                           "messages); longer gets a 400 (prompt_too_long), and a prompt too long to fit "
-                                          "is refused before it is tokenised. Other requests wait for a prompt's whole prefill "
-                                          "(it stops early only when cancelled, between chunks of 512 tokens), so this "
-                                          "bounds how long one request can hold them back. null = the context length only.")
+                                          "is refused before it is tokenised. At serve.max_batch = 1 other requests wait for a "
+                                          "prompt's whole prefill (it stops early only when cancelled, between chunks of 512 "
+                                          "tokens), so this bounds how long one request can hold them back; batched, they "
+                                          "decode beside it (serve.step_token_budget). null = the context length only.")
     max_workloads: int = Field(64, ge=1, description="Distinct workloads (request field or X-Draftd-Workload) kept as "
                                "they are; later ones are served under 'other' and counted (draftd:folded_requests, "
                                "daemonctl status warns), so clients cannot grow metrics, controller keys, the "

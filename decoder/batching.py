@@ -18,6 +18,21 @@ proposal rows together), and hands each member its own rows::
 
 A member's forward that fails in a fused call is retried alone, so only the request whose rows
 are at fault gets the error.
+
+A per-step token budget (``step_token_budget``; serve's ``serve.step_token_budget``, as vLLM's
+``max_num_batched_tokens`` with chunked prefill and llama-server's batch of decode rows plus prompt
+tokens) keeps the steps of short requests cheap while a long prompt prefills beside them: when a
+step holds a forward of at most ``budget`` tokens (a plain row, a verification block, a short
+prefill), every forward of another member longer than that feeds only its next ``budget`` tokens
+in this step and the rest in the following ones, its member waiting meanwhile (it gets its whole
+forward's rows at the end, as if fed at once)::
+
+    member A: prefill chunk of 512 ──┬─ first 64 ─ fire ─ next 64 ─ fire ─ ... ─ fire ─┐ A goes on
+    member B: plain row ─────────────┴───────────── fire ─ plain row ─ fire ─ ...      B goes on each step
+
+A step whose forwards are all longer than the budget (prefills only, or one member alone) feeds
+them whole, as without a budget. Cancellation is unchanged: the decoder polls between its own
+prefill chunks (``decoder.speculative.PREFILL_CHUNK``), which now take several steps each.
 """
 
 from __future__ import annotations
@@ -29,20 +44,59 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
+import torch
 
 from decoder.engines.base import route_forwards
 
 log = structlog.get_logger("decoder.batching")
 
+# The default step token budget (LoopConfig.step_token_budget, serve.step_token_budget), in tokens:
+# bench/RESULTS.md "A short request behind a long prompt" measures it against none.
+STEP_TOKEN_BUDGET = 64
+
 
 class _Call:
-    __slots__ = ("member", "engine", "seq", "tokens", "keep", "hidden", "result", "error")
+    __slots__ = ("member", "engine", "seq", "tokens", "keep", "hidden", "result", "error", "parts")
 
     def __init__(self, member, engine, seq, tokens, keep, hidden):
         self.member, self.engine, self.seq = member, engine, seq
-        self.tokens, self.keep, self.hidden = list(tokens), int(keep), bool(hidden)
+        self.tokens, self.keep, self.hidden = list(tokens), int(keep), bool(hidden)  # what is still to feed
         self.result: Any = None
         self.error: BaseException | None = None
+        self.parts: list = []  # the wanted rows of the pieces already fed (a forward cut by the budget)
+
+    def piece(self, budget: int | None) -> tuple[list[int], int, bool]:
+        """What this call feeds in the coming step: (tokens, keep, wanted), at most ``budget``
+        tokens (None: all). ``wanted`` is False when none of the piece's rows is among the
+        call's last ``keep`` (the piece then keeps one row, which is dropped)."""
+        n = len(self.tokens)
+        if budget is None or n <= budget:
+            return self.tokens, self.keep, True
+        rest = n - budget
+        if self.keep > rest:
+            return self.tokens[:budget], self.keep - rest, True
+        return self.tokens[:budget], 1, False
+
+    def fed(self, piece: tuple[list[int], int, bool], out: Any) -> bool:
+        """Record the output of ``piece``; True when the whole call is done (``result`` set)."""
+        toks, _, wanted = piece
+        if wanted:
+            self.parts.append(out)
+        rest = len(self.tokens) - len(toks)
+        if rest == 0:
+            self.result = _join(self.parts)
+            return True
+        self.tokens, self.keep = self.tokens[len(toks):], min(self.keep, rest)
+        return False
+
+
+def _join(parts: list):
+    """The rows of a forward fed in pieces, in order: logits, or (logits, hidden) tuples."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
+    return torch.cat(parts)
 
 
 class Member:
@@ -65,10 +119,24 @@ class StepScheduler:
     :meth:`fire` (the waiting forwards, one fused call per engine) in a loop.
     ``stats`` counts fused forwards by the number of sequences in them (``by_sequences``), rows
     and decode ms, for status.
+
+    Args:
+        clock: seconds, for ``decode_ms``.
+        step_token_budget: tokens (rows fed) a member's forward may put into a step that also
+            serves a forward of another member no longer than this (module docstring); the rest
+            goes into the following steps. None: forwards go in whole (no budget).
+
+    Raises:
+        ValueError: ``step_token_budget`` not None nor an int >= 1.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, step_token_budget: int | None = None):
+        if step_token_budget is not None and (isinstance(step_token_budget, bool) or not isinstance(step_token_budget, int)
+                                              or step_token_budget < 1):
+            raise ValueError(f"step_token_budget={step_token_budget!r}: must be an int >= 1 (tokens), or None for no budget")
         self.clock = clock
+        self.step_token_budget = step_token_budget
+        self.cut = 0  # forwards' pieces fed under the budget while the rest waited (steps a prefill was held back)
         self._mu = threading.Lock()  # guards the state below; each thread is woken by its own event
         self._idle = threading.Event()  # no member holds the baton and none is ready: a step boundary
         self._idle.set()
@@ -160,51 +228,70 @@ class StepScheduler:
 
     def fire(self) -> int:
         """Run every waiting forward, one fused call per (engine, hidden), then let the members
-        go on in sequence-id order. Call at a step boundary only. Returns the rows decoded."""
+        whose forwards are done go on in sequence-id order (a forward cut by the step token
+        budget stays waiting for the next call with its rest). Call at a step boundary only.
+        Returns the rows decoded."""
         with self._mu:
             calls, self._pending = self._pending, []
         if not calls:
             return 0
+        budget = self.step_token_budget
+        if budget is not None and not (len(calls) > 1 and any(len(c.tokens) <= budget for c in calls)):
+            budget = None  # nobody's short step waits on a long forward here: all go in whole
+        pieces = {id(c): c.piece(budget) for c in calls}
         groups: dict[tuple[int, bool], list[_Call]] = {}
         for c in calls:
             groups.setdefault((id(c.engine), c.hidden), []).append(c)
         rows = 0
+        done: list[_Call] = []
+        later: list[_Call] = []
         t0 = self.clock()
         for group in groups.values():
             eng = group[0].engine
+            outs: list[Any] = [None] * len(group)
+            errs: list[BaseException | None] = [None] * len(group)
             try:
-                outs = eng.forward_batch([(c.seq, c.tokens, c.keep) for c in group], group[0].hidden)
-                for c, o in zip(group, outs):
-                    c.result = o
+                outs = eng.forward_batch([(c.seq, *pieces[id(c)][:2]) for c in group], group[0].hidden)
             except BaseException as e:  # noqa: BLE001 - retried alone: only the faulty request fails
                 if len(group) == 1:
-                    group[0].error = e
+                    errs[0] = e
                 else:
-                    for c in group:
+                    for i, c in enumerate(group):
                         try:
-                            c.result = eng.forward_batch([(c.seq, c.tokens, c.keep)], c.hidden)[0]
+                            outs[i] = eng.forward_batch([(c.seq, *pieces[id(c)][:2])], c.hidden)[0]
                         except BaseException as e1:  # noqa: BLE001 - handed to the member
-                            c.error = e1
-            for c in group:
+                            errs[i] = e1
+            for c, o, e in zip(group, outs, errs):
                 c.member.batch_size = len(group)
-            rows += sum(len(c.tokens) for c in group)
+                if e is not None:
+                    c.error = e
+                    done.append(c)
+                elif c.fed(pieces[id(c)], o):
+                    done.append(c)
+                else:
+                    later.append(c)
+            rows += sum(len(pieces[id(c)][0]) for c in group)
             self.by_sequences[len(group)] += 1
         self.decode_ms += (self.clock() - t0) * 1e3
         self.fired += 1
         self.rows += rows
+        self.cut += len(later)
         with self._mu:
-            order = sorted({id(c.member): c for c in calls}.values(), key=lambda c: getattr(c.seq, "seq_id", 0))
+            self._pending[:0] = later  # before any call queued since (none: fire runs at a boundary)
+            order = sorted({id(c.member): c for c in done}.values(), key=lambda c: getattr(c.seq, "seq_id", 0))
             self._ready.extend(c.member for c in order)
             if self._current is None:
                 self._pass()
         return rows
 
     def status(self) -> dict[str, Any]:
-        """Fused forwards, by the sequences in each, rows and ms; JSON-ready."""
+        """Fused forwards, by the sequences in each, rows and ms, the step token budget and how many
+        forwards' pieces it held back a rest of (``budget_cut_pieces``); JSON-ready."""
         n = sum(self.by_sequences.values())
         return {"fused_forwards": n, "by_sequences": {str(k): v for k, v in sorted(self.by_sequences.items())},
                 "mean_sequences": round(sum(k * v for k, v in self.by_sequences.items()) / n, 3) if n else None,
-                "rows": self.rows, "decode_ms": round(self.decode_ms, 3)}
+                "rows": self.rows, "decode_ms": round(self.decode_ms, 3),
+                "step_token_budget": self.step_token_budget, "budget_cut_pieces": self.cut}
 
 
-__all__ = ["Member", "StepScheduler"]
+__all__ = ["STEP_TOKEN_BUDGET", "Member", "StepScheduler"]

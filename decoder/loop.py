@@ -49,7 +49,7 @@ from typing import Any
 
 import structlog
 
-from decoder.batching import StepScheduler
+from decoder.batching import STEP_TOKEN_BUDGET, StepScheduler
 from decoder.control import ControllerConfig, GoodputController, batch_sizes_up_to
 from decoder.engines.base import last_fused_size, supports
 from decoder.rollback import RollbackMonitor
@@ -98,6 +98,11 @@ class LoopConfig:
         time. Above 1 only on an engine that declares ``Capabilities.batch`` with at least this
         many sequences (and the same of the draft's engine, if any); otherwise batch 1, and
         :meth:`ServingLoop.status` says why.
+    step_token_budget: with continuous batching, tokens a request's forward (a prefill chunk,
+        a draft's catch-up) may feed into a step that other requests' decode or verification rows
+        share; the rest goes into the following steps, so their steps stay cheap while a long
+        prompt still progresses every step (:mod:`decoder.batching`). None: no budget (a 512-token
+        prefill chunk rides every step of its batch mates). Alone, a prefill goes in full chunks.
     """
 
     queue_size: int = 64
@@ -105,10 +110,14 @@ class LoopConfig:
     rollback_per_workload: bool = True
     seeded_gamma: int = 4
     max_batch: int = 1
+    step_token_budget: int | None = STEP_TOKEN_BUDGET
 
     def __post_init__(self):
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ValueError(f"max_batch={self.max_batch!r}: must be an int >= 1 (1 = one request at a time)")
+        b = self.step_token_budget
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"step_token_budget={b!r}: must be an int >= 1 (tokens per step), or None (no budget)")
         if self.queue_size < 1:
             raise ValueError(f"queue_size={self.queue_size}: must be >= 1")
         if self.seeded_gamma < 0:
@@ -389,7 +398,8 @@ class ServingLoop:
             n = getattr(eng.capabilities, "max_sequences", 1)
             if n < mb:
                 return None, f"{role} engine holds {n} sequences, fewer than max_batch = {mb}"
-        return StepScheduler(self.clock), f"continuous batching of up to {mb} requests"
+        return (StepScheduler(self.clock, self.config.step_token_budget),
+                f"continuous batching of up to {mb} requests")
 
     # ---- the worker --------------------------------------------------------------------------
     def _run(self) -> None:

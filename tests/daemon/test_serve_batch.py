@@ -58,9 +58,22 @@ def test_concurrent_streamed_requests_complete_and_equal_their_output_served_alo
         st = json.loads(ctl(env, "status", "--json").stdout)
         batch = next(h for h in st.get("serving", []) if h.get("requests_served", 0) >= len(PROMPTS))["batch"]
         assert batch["max_batch"] == 4 and any(int(k) >= 2 for k in batch["by_sequences"]), batch
+        assert batch["step_token_budget"] == 64, batch  # serve.step_token_budget's default reaches the loop
         for i, p in enumerate(PROMPTS):  # alone, one after another
             assert stream(p, i) == together[i], i
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(120)
     assert rc == 0, (tmp_path / "serve.log").read_text()[-3000:]
+
+
+def test_the_step_token_budget_setting_is_checked_and_defaults_to_the_loops():
+    from pydantic import ValidationError
+
+    from daemon.settings import Settings
+    from decoder.batching import STEP_TOKEN_BUDGET
+
+    assert Settings().serve.step_token_budget == STEP_TOKEN_BUDGET == 64
+    assert Settings(serve={"step_token_budget": None}).serve.step_token_budget is None
+    with pytest.raises(ValidationError, match="step_token_budget"):
+        Settings(serve={"step_token_budget": 0})

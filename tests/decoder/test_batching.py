@@ -106,6 +106,100 @@ def test_a_forward_that_fails_in_a_fused_call_fails_only_its_own_member():
     assert res == {0: [[0, 0]], 1: "token -1", 2: [[2, 0]]}
 
 
+def test_a_step_token_budget_cuts_a_long_forward_only_while_a_short_one_shares_the_step():
+    """Budget 4: member 0's 10-token forward (keep 6: its rows span the pieces) goes in pieces of 4
+    while member 1 feeds one-row steps beside it, and whole when it is alone; member 0 still gets
+    the rows of its whole forward, at their positions, and member 1 a row every step."""
+    eng = _FakeEngine()
+    sched = StepScheduler(step_token_budget=4)
+    got: dict[int, list] = {}
+    fed: list[list[int]] = []
+    real_fb = eng.forward_batch
+
+    def forward_batch(items, hidden=False):
+        fed.append([len(t) for _, t, _ in items])
+        return real_fb(items, hidden)
+
+    eng.forward_batch = forward_batch
+
+    def long_member():
+        s = _Seq(eng, 0)
+        got[0] = [s.forward([1] * 10, 6).tolist(), s.forward([1] * 10, 1).tolist()]
+
+    def short_member():
+        s = _Seq(eng, 1)
+        got[1] = [s.forward([1], 1).tolist() for _ in range(3)]
+
+    sched.spawn(long_member, "long")
+    sched.spawn(short_member, "short")
+    _drive(sched)
+    assert got[0][0] == [[0, p] for p in range(4, 10)] and got[0][1] == [[0, 19]]
+    assert got[1] == [[[1, 0]], [[1, 1]], [[1, 2]]]
+    # three shared steps: 4 + 4 tokens of the long forward beside a row each, then its last 2 and the
+    # short member's last row; then the long member's second forward alone, whole
+    assert fed == [[4, 1], [4, 1], [2, 1], [10]]
+    assert sched.status()["budget_cut_pieces"] == 2 and sched.status()["step_token_budget"] == 4
+
+
+def test_without_a_short_forward_beside_them_long_forwards_go_whole():
+    eng = _FakeEngine()
+    fed: list[list[int]] = []
+    real_fb = eng.forward_batch
+    eng.forward_batch = lambda items, hidden=False: fed.append([len(t) for _, t, _ in items]) or real_fb(items, hidden)
+    sched = StepScheduler(step_token_budget=4)
+    got = {}
+
+    def member(sid, n):
+        got[sid] = _Seq(eng, sid).forward([1] * n, 1).tolist()
+
+    for sid, n in ((0, 9), (1, 7)):
+        sched.spawn(lambda sid=sid, n=n: member(sid, n), f"m{sid}")
+    _drive(sched)
+    assert fed == [[9, 7]] and got == {0: [[0, 8]], 1: [[1, 6]]} and sched.cut == 0
+
+
+def test_a_budgeted_forward_returns_its_hidden_states_joined_and_a_fault_fails_its_member():
+    class HiddenEngine(_FakeEngine):
+        def forward_batch(self, items, hidden=False):
+            rows = super().forward_batch(items, hidden)
+            return [(r, r * 10) for r in rows] if hidden else rows
+
+    eng = HiddenEngine()
+    sched = StepScheduler(step_token_budget=3)
+    got: dict[int, object] = {}
+
+    def long_member():
+        logits, hid = _Seq(eng, 0).forward([1] * 8, 8, hidden=True)
+        got[0] = (logits.tolist(), hid.tolist())
+
+    def short_member():
+        s = _Seq(eng, 1)
+        got[1] = [s.forward([1], 1, hidden=True)[0].tolist() for _ in range(2)]
+
+    def faulty_member():
+        try:
+            _Seq(eng, 2).forward([1] * 5 + [-1], 1, hidden=True)
+        except ValueError as e:
+            got[2] = str(e)
+
+    for sid, fn in enumerate((long_member, short_member, faulty_member)):
+        sched.spawn(fn, f"m{sid}")
+    _drive(sched)
+    assert got[0] == ([[0, p] for p in range(8)], [[0, 10 * p] for p in range(8)])
+    assert got[1] == [[[1, 0]], [[1, 1]]] and got[2] == "token -1"
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64"])
+def test_the_step_token_budget_is_validated(bad):
+    from decoder.loop import LoopConfig
+
+    with pytest.raises(ValueError, match="step_token_budget"):
+        StepScheduler(step_token_budget=bad)
+    with pytest.raises(ValueError, match="step_token_budget"):
+        LoopConfig(max_batch=4, step_token_budget=bad)
+    assert LoopConfig(max_batch=4, step_token_budget=None).step_token_budget is None
+
+
 def test_sequence_scope_releases_what_a_request_started():
     released = []
 
@@ -232,6 +326,73 @@ def test_a_batched_row_equals_the_same_row_decoded_alone_at_every_cache_length(g
             e.close()
 
 
+def _prefill_then_decode(engine, seq, prompt: list[int], feed, n: int = 8) -> torch.Tensor:
+    """Prefill ``prompt[:-1]`` through ``feed(seq, tokens)`` as the decoder's 512-token chunks,
+    then greedy-decode ``n`` tokens one at a time: the (n + 1, V) logits."""
+    for i in range(0, len(prompt) - 1, 512):
+        feed(seq, prompt[i: min(i + 512, len(prompt) - 1)])
+    rows = [seq.forward(prompt[-1:], 1)[0]]
+    for _ in range(n):
+        rows.append(seq.forward([int(rows[-1].argmax())], 1)[0])
+    return torch.stack(rows)
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("model", ["tiny-f32", pytest.param("packaged", marks=pytest.mark.slow)])
+def test_a_prompt_prefilled_in_budget_pieces_beside_another_sequence_gives_the_same_logits(tmp_path, model):
+    """What the step token budget rests on: a 700-token prompt whose 512-token prefill chunks are
+    fed in pieces of 16 or 64 tokens (from its start, or from token 200 on: a short request that
+    arrives mid-prefill), each piece in one llama_decode with another sequence's plain row, then
+    decoded greedily, gives the same logits bits at every decoded position as the prompt
+    prefilled in whole chunks in a one-sequence engine (plain decoding)."""
+    from decoder.engines.llamacpp import LlamaCppEngine
+
+    if model == "packaged":
+        from decoder.models.loading import load_pair
+        from decoder.models.packaged import packaged_gguf
+        from decoder.workloads import prose_prompts
+
+        path, tok = packaged_gguf("smollm2-135m"), load_pair("smollm2-135m", "layers:0-3").tokenizer
+        ids = [t for p in prose_prompts(12, chars=2000) for t in tok(p.text)["input_ids"]][:800]
+    else:
+        from test_gguf_export import tiny_model, write_tiny_gguf
+
+        path = write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf")
+        ids = [int(x) for x in torch.randint(3, 200, (800,), generator=torch.Generator().manual_seed(0))]
+    prompt, mate = ids[:700], ids[700:]
+    alone = LlamaCppEngine(path, n_ctx=1024, threads=2)
+    try:
+        want = _prefill_then_decode(alone, alone.start(), prompt, lambda s, t: s.forward(t, 1))
+    finally:
+        alone.close()
+    be = LlamaCppEngine(path, n_ctx=1024, threads=2, n_seq=2)
+    try:
+        for piece, from_ in ((64, 0), (16, 200)):
+            a, b = be.start(), be.start()
+            b.forward(mate[:20], 1)
+            fed = [0]
+
+            def feed(s, chunk, piece=piece, from_=from_, b=b, fed=fed):
+                i = 0
+                while i < len(chunk):
+                    if fed[0] + i < from_:  # before the short request came: whole, alone
+                        n = min(len(chunk), from_ - fed[0]) - i
+                        s.forward(chunk[i: i + n], 1)
+                    else:
+                        n = min(piece, len(chunk) - i)
+                        be.forward_batch([(s, chunk[i: i + n], 1), (b, [mate[b.length % 100]], 1)])
+                    i += n
+                fed[0] += len(chunk)
+
+            got = _prefill_then_decode(be, a, prompt, feed)
+            assert torch.equal(got, want), (piece, from_, float((got - want).abs().max()),
+                                            int((got.argmax(1) != want.argmax(1)).sum()))
+            a.release()
+            b.release()
+    finally:
+        be.close()
+
+
 # ---- the serving loop ----------------------------------------------------------------------
 @needs_llamacpp
 @pytest.mark.slow
@@ -350,3 +511,49 @@ def test_a_sequence_dropped_without_release_frees_its_slot_once(gguf):
         assert e.free_sequences == 2
     finally:
         e.close()
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_a_long_prompt_prefilled_under_the_step_token_budget_and_its_batch_mates_equal_plain_decoding(real):
+    """A 1,100-token prompt (three 512-token prefill chunks; the draft model's own catch-up
+    forward of the whole prompt, too) with three short requests beside it on a loop with a small
+    budget (16 tokens: many cut points), so its prefill goes in 16-token pieces while they
+    decode: every greedy output equals plain decoding of its request (batch 1, no speculation),
+    and the budget did cut (``budget_cut_pieces``). Then the same long request cancelled while
+    its prefill is being cut stops at its next prefill chunk with no output, and the short ones
+    still equal plain decoding."""
+    from decoder.engines.registry import choose_engine
+    from decoder.loop import LoopConfig, build_serving_loop
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest, FixedGamma
+
+    tok = real.tokenizer
+    ch = choose_engine("llamacpp", "smollm2-135m", draft="layers:0-3", threads=2, n_seq=4)
+    loop = build_serving_loop(real.target, real.draft, tok, engine=ch.target, draft_engine=ch.draft,
+                              config=LoopConfig(max_batch=4, step_token_budget=16), proposers=("ngram", "draft"))
+    assert loop.batching is not None and loop.batching.step_token_budget == 16
+    long_ids = _ids(real, 1100)
+    p = lambda s: tok(s)["input_ids"]  # noqa: E731
+    long_req = DecodeRequest(long_ids, SamplingParams(), 12, gamma=3, proposer="draft", ignore_eos=True,
+                             request_id="long")
+    shorts = [DecodeRequest(p("The capital of France is"), SamplingParams(), 24, gamma=0, request_id="plain"),
+              DecodeRequest(p("def fibonacci(n):"), SamplingParams(), 20, gamma=2, proposer="ngram", request_id="ngram"),
+              DecodeRequest(p("List three colors:"), SamplingParams(), 16, gamma=2, proposer="draft", ignore_eos=True,
+                            request_id="draft")]
+    with loop:
+        plain = {r.request_id: loop.decoder.generate(r, FixedGamma(0)).output_ids for r in [long_req] + shorts}
+        tickets = {"long": loop.submit(long_req)} | {r.request_id: loop.submit(r) for r in shorts}
+        got = {k: t.result(900) for k, t in tickets.items()}
+        st = loop.status()["batch"]
+        for k, res in got.items():
+            assert res.output_ids == plain[k], k
+        assert st["budget_cut_pieces"] > 0 and st["step_token_budget"] == 16, st
+
+        tickets = {"long": loop.submit(long_req)}
+        cancel = lambda ids: tickets["long"].cancel()  # noqa: E731 - the first short tokens cancel the long one
+        tickets |= {r.request_id: loop.submit(r, on_tokens=cancel) for r in shorts}
+        got = {k: t.result(900) for k, t in tickets.items()}
+    assert got["long"].finish_reason == "cancelled" and got["long"].output_ids == []
+    for r in shorts:
+        assert got[r.request_id].output_ids == plain[r.request_id], r.request_id
