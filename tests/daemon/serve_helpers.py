@@ -122,3 +122,18 @@ class Blocker:
         if req is not None:
             self.entered.set()
             self.release.wait(60)
+
+
+def invoke_serve(app, *args: str):
+    """``daemonctl serve *args`` through typer's CliRunner, this process's SIGTERM / SIGINT handlers
+    restored afterwards (run_serve installs its own)."""
+    import signal
+
+    from typer.testing import CliRunner
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return CliRunner().invoke(app, ["serve", *args])
+    finally:
+        for sig, h in saved.items():
+            signal.signal(sig, h)

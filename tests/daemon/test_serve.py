@@ -383,22 +383,15 @@ def test_metrics_spec_decode_counters_latencies_and_queue(srv):
 def test_serve_with_a_pair_it_cannot_load_exits_2_with_the_reason(tmp_path, monkeypatch, key_prefix):
     """A bad models.target (or an engine that cannot run it) is one error line and exit 2, not a
     traceback."""
-    from typer.testing import CliRunner
-
     from daemon.cli import app
 
     redis_url = "redis://127.0.0.1:6379/0"  # tests/daemon/conftest.py's REDIS_URL
     for k, v in {"DRAFTD_STATE_DIR": str(tmp_path), "DRAFTD_REDIS__URL": redis_url, "DRAFTD_STORE__KEY_PREFIX": key_prefix,
                  "DRAFTD_MODELS__TARGET": "/nonexistent/draftd-qa-model"}.items():
         monkeypatch.setenv(k, v)
-    import signal
+    from serve_helpers import invoke_serve
 
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        r = CliRunner().invoke(app, ["serve", "--port", "1"])
-    finally:  # run_serve installs its own handlers
-        for sig, h in saved.items():
-            signal.signal(sig, h)
+    r = invoke_serve(app, "--port", "1")
     assert r.exit_code == 2, r.output
     out = " ".join(r.output.split())
     assert "error: model path '/nonexistent/draftd-qa-model' does not exist" in out and "Traceback" not in out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serve_helpers import MODEL, tokenizer
+from serve_helpers import MODEL, invoke_serve, tokenizer
 
 
 def parse(body: dict, kind: str = "completion"):
@@ -69,8 +69,6 @@ def test_sigterm_while_loading_stops_serve_before_it_listens(tmp_path, monkeypat
     import signal
     import types
 
-    from typer.testing import CliRunner
-
     import decoder.engines.registry as engines_registry
     import decoder.models.loading as loading
     from daemon.cli import app
@@ -89,12 +87,7 @@ def test_sigterm_while_loading_stops_serve_before_it_listens(tmp_path, monkeypat
 
     monkeypatch.setattr(loading, "load_pair", load_pair)
     monkeypatch.setattr(engines_registry, "choose_engine", choose_engine)
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        r = CliRunner().invoke(app, ["serve", "--port", "1"])
-    finally:  # run_serve installs its own handlers
-        for sig, h in saved.items():
-            signal.signal(sig, h)
+    r = invoke_serve(app, "--port", "1")
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert r.exit_code == 0, r.output
     assert "serving" not in r.output
