@@ -430,7 +430,8 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
         for k, phase in enumerate(cfg.phases):
             shifts.append({"t": time.time() - t0, "request": len(timeline), "workload": phase})
             console.log(f"phase {k + 1}/{len(cfg.phases)}: {phase} traffic for {cfg.phase_seconds:.0f} s"
-                        + (" past v0" if k == 0 and trainer is not None else ""))
+                        + (" once v0 is ready (the bootstrap runs first; served meanwhile)"
+                           if k == 0 and trainer is not None else ""))
             prompts = _prompts(phase, 1000, skip=cfg.eval_prompts)  # every distinct prompt there is (hundreds)
             end = time.time() + cfg.phase_seconds
             i = 0
@@ -903,6 +904,16 @@ def _nn(x):
     return nan_none(x, 4)
 
 
+def _brief(reason, n: int = 160) -> str:
+    """``reason`` cut to about ``n`` characters at its last clause or word boundary, marked "…"."""
+    text = str(reason or "")
+    if len(text) <= n:
+        return text
+    cut = max(text.rfind("; ", 0, n), text.rfind(", ", 0, n))
+    cut = cut if cut > n // 2 else text.rfind(" ", 0, n)
+    return text[: cut if cut > 0 else n].rstrip(" :;,") + " …"
+
+
 def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
     from rich.table import Table
 
@@ -924,13 +935,13 @@ def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
               + (f" ({', '.join(f'{w} v{v}' for w, v in sorted(routes.items()))})" if routes else ""))
     if heads is not None:
         h = (st.get("heads") or {}).get("last") or {}
-        t.add_row("head (eagle)", f"v{heads.route(phase)}; last turn: {h.get('decision', '-')} {str(h.get('reason', ''))[:160]}")
+        t.add_row("head (eagle)", f"v{heads.route(phase)}; last turn: {h.get('decision', '-')} {_brief(h.get('reason'))}")
     t.add_row("speculation", controller.decision(key).get("why", "-"))
     turns = last.get("scopes") or {}  # per_workload: each workload's own turn
     if turns and last.get("decision") == "idle":
-        what = "; ".join(f"{w} {sr.get('decision', '-')} {str(sr.get('reason', ''))[:160]}" for w, sr in sorted(turns.items()))
+        what = "; ".join(f"{w} {sr.get('decision', '-')} {_brief(sr.get('reason'))}" for w, sr in sorted(turns.items()))
     else:
-        what = f"{last.get('decision', '-')} {last.get('reason', '')[:160]}"
+        what = f"{last.get('decision', '-')} {_brief(last.get('reason'))}"
     t.add_row("trainer", f"rounds {st.get('rounds', 0)}, last: {what}")
     return t
 
@@ -969,13 +980,16 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
         ax.axvline(s["t"], ls="--", color="k", lw=1)
     for s in shifts:
         ax.text(s["t"], 0.97, f" {s['workload']}", fontsize=8, va="top", transform=ax.get_xaxis_transform())
-    prev = 0
+    prev, span = 0, max((r["t"] for r in timeline), default=1.0) or 1.0
+    last_x, row = float("-inf"), 0
     for r in timeline:
         if r["adapter_version"] != prev:
             ax.axvline(r["t"], ls=":", color="tab:red", lw=1)
-            ax.text(r["t"], 0.88, f" v{r['adapter_version']}", color="tab:red", fontsize=8,
+            # a label within 4 % of the axis of the previous one goes a row lower (swaps come in pairs at a shift)
+            row = (row + 1) % 3 if r["t"] - last_x < 0.04 * span else 0
+            ax.text(r["t"], 0.88 - 0.08 * row, f" v{r['adapter_version']}", color="tab:red", fontsize=8,
                     transform=ax.get_xaxis_transform())
-            prev = r["adapter_version"]
+            prev, last_x = r["adapter_version"], r["t"]
     for w in dict.fromkeys(r["workload"] for r in timeline):
         spec = [r for r in timeline if r["workload"] == w and r.get("gamma") and r.get("tokens_per_s") is not None]
         plain = [r for r in timeline if r["workload"] == w and not r.get("gamma") and r.get("tokens_per_s") is not None]
@@ -1106,7 +1120,7 @@ def _phase_notes(report: dict, console) -> None:
         pe = r.get("phase_end_gain_ci")
         if pe:
             moved = ("lowered" if pe.get("high") is not None and pe["high"] < 0 else
-                     "raised" if pe.get("low") is not None and pe["low"] > 0 else "did not measurably change")
+                     "raised" if pe.get("low") is not None and pe["low"] > 0 else "not measurably changed")
             console.print(f"  {r['workload']}: at its phase's end the learner (v{pe['version']}) had {moved} decoded α "
                           f"{_cell(pe['before'])} -> {_cell(pe['after'])} ({_cell(pe['gain'])}, CI [{_cell(pe['low'])}, {_cell(pe['high'])}]); "
                           f"the table's adapted row is the final adapter serving the workload")

@@ -317,7 +317,7 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     pg = paired_gain(counts_by_record(before.per_sample, set(judged)), counts_by_record(after.per_sample, set(judged)),
                      clusters, cfg.confidence)
     b, a = before.pooled(judged), after.pooled(judged)
-    head = f"on {judged}: {pg.describe()} (acceptance as served); α at T=1 {b.alpha:.3f} -> {a.alpha:.3f}"
+    head = f"on {', '.join(judged)}: {pg.describe()} (acceptance as served); α at T=1 {b.alpha:.3f} -> {a.alpha:.3f}"
     regressed = [
         f"{w} {before.per_workload[w].served:.4f} -> {after.per_workload[w].served:.4f}"
         for w in sorted(enough)

@@ -172,3 +172,13 @@ def test_copy_channel_ablation_intervals_and_table():
     print_report(report, Console(file=buf, width=250))
     text = buf.getvalue()
     assert "the copy channel on the same prompts" in text and "0.375" in text and "[1.0, 2, 3, 4, 5, 6]" in text
+
+
+def test_a_long_reason_is_cut_at_a_clause_or_word_never_mid_word():
+    """The live panel cut trainer reasons at 160 characters mid-word ('... 0.310: g')."""
+    from daemon.demo import _brief
+
+    reason = "on prose: gain +0.0312 [+0.0130, +0.0524] (acceptance as served); " + "word " * 40
+    assert _brief(reason, 80) == "on prose: gain +0.0312 [+0.0130, +0.0524] (acceptance as served) …"
+    assert _brief("x" * 10 + " " + "y" * 100, 50) == "x" * 10 + " …"
+    assert _brief("short", 80) == "short" and _brief(None) == ""
