@@ -14,6 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from conftest import REDIS_URL  # noqa: E402 - at import: a function-local import finds another package's conftest
 from decoder.engines.llamacpp_lib import llamacpp_available  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")]
@@ -58,8 +59,6 @@ def real_serving(redis_client, key_prefix: str):
 @pytest.fixture(scope="module")
 def oc():
     import redis
-
-    from conftest import REDIS_URL
 
     client = redis.Redis.from_url(REDIS_URL, decode_responses=False)
     prefix = f"test:daemon:{uuid.uuid4().hex[:8]}:"
