@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 import signal
+import sys
 import socket
 import threading
 import time
@@ -1369,6 +1370,11 @@ def run_serve(settings, console=None) -> int:
     from store.schema import PairFingerprint
 
     sv, m = settings.serve, settings.models
+    # Each decoding step hands the GIL between threads (the batch's members, its driver, uvicorn,
+    # the record writer): at CPython's default 5 ms switch interval a waiting thread sat up to 5 ms
+    # per hand-off while another ran Python, and a batched step took 10-18 ms against 5 ms of
+    # decoding (bench/RESULTS.md, "draftd serve against llama-server").
+    sys.setswitchinterval(sv.gil_switch_interval_ms / 1e3)
     stop, cut = threading.Event(), threading.Event()
 
     def on_signal(*_) -> None:  # the first drains for serve.drain_grace_s; a second cuts the grace short

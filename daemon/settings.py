@@ -365,6 +365,9 @@ class ServeSettings(_Group):
                              "false proposes every matched token up to γ.")
     follow_adapters: bool = Field(True, description="Follow promoted and rolled-back adapters from the registry (per workload).")
     server_id: str | None = Field(None, description="Id in the heartbeat; unset = <hostname>-<pid>.")
+    gil_switch_interval_ms: float = Field(0.5, gt=0, le=100, description="CPython's thread switch interval in serve "
+                                          "(sys.setswitchinterval, ms; CPython's default 5): each decoding step hands "
+                                          "the GIL between threads, and at 5 ms a batched step waited 5-13 ms for it.")
     proposers: list[Literal["ngram", "draft", "eagle"]] = Field(["ngram", "draft"], description="Proposers the goodput controller chooses among per "
                                  "workload x sampling bucket: ngram (prompt lookup over the request and the workload's past "
                                  "requests, no model), draft (the draft model with its adapters), eagle (the feature-level "
