@@ -643,6 +643,7 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                         + (f"the pick ({pick_p} γ={pick_g})" if pick_g else "the pick (plain: speculation off)"))
             tot = {name: [AcceptanceCounts(), 0.0] for name, *_ in runs}
             per_prompt: dict[str, list] = {name: [] for name, *_ in runs}  # (counts, ms) per prompt, paired
+            differs: dict[str, list[int]] = {name: [] for name, *_ in runs}  # prompts whose greedy output != plain's
             for i, p in enumerate(ps):
                 ids = p.token_ids(tok)[-256:]
                 if i == 0:  # warm-up (caches, allocator), not counted, against a throwaway history copy
@@ -674,12 +675,20 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                     tot[name][0].merge(r.counts)
                     tot[name][1] += r.latency_ms
                     per_prompt[name].append((r.counts, r.latency_ms))
+                    if name == "plain":
+                        plain_ids = list(r.output_ids)
+                    elif list(r.output_ids) != plain_ids:  # greedy: lossless means token-identical to plain decoding
+                        differs[name].append(i)
             row["copy_gate"] = {"v0": _gate_list(gate_of(v0_version)), "final": _gate_list(gate_of(final))}
             for name, _, g, prop in runs:
                 c, ms = tot[name]
                 row[name] = {"proposer": prop, "gamma": g, "alpha": _nn(c.alpha),
                              "tau": _nn(c.mean_accepted_length), "acceptance_rate": _nn(c.acceptance_rate),
                              "tokens_per_s": round(c.num_emitted_tokens / ms * 1e3, 3)}
+                if name != "plain":
+                    row[name]["matches_plain"] = f"{len(ps) - len(differs[name])}/{len(ps)}"
+                    if differs[name]:
+                        row[name]["differs_from_plain"] = differs[name]  # prompt indices
             if "adapted" not in row:
                 row["adapted"] = {**row["plain"], "same_run_as": "plain"}
             for name in ("frozen", "adapted_draft", "adapted", "frozen_head", "adapted_head", "adapted_nogate",
@@ -1159,6 +1168,25 @@ def _adapter_tables(report: dict, console) -> None:
         console.print(hd)
 
 
+def _lossless_summary(report: dict) -> str | None:
+    """One line: how many speculative greedy evaluation outputs were token-identical to plain
+    decoding of the served format on the same prompt (each row's ``matches_plain``), naming the
+    runs that were not; None when the report has no evaluation."""
+    same = total = 0
+    bad = []
+    for r in report.get("phases", []):
+        for name, v in r.items():
+            if isinstance(v, dict) and isinstance(v.get("matches_plain"), str) and not v.get("same_run_as"):
+                k, n = (int(x) for x in v["matches_plain"].split("/"))
+                same, total = same + k, total + n
+                if k < n:
+                    bad.append(f"{r['workload']} {name} (prompts {v.get('differs_from_plain')})")
+    if not total:
+        return None
+    return (f"greedy outputs equal to plain decoding: {same} of {total} speculative evaluation runs"
+            + (f"; NOT LOSSLESS: {'; '.join(bad)}" if bad else ""))
+
+
 def _recovery_and_footer(report: dict, console) -> None:
     """Recovery after each shift, the engine ceiling, and how to inspect the run."""
     from rich.table import Table
@@ -1179,6 +1207,9 @@ def _recovery_and_footer(report: dict, console) -> None:
                       f"{ceil['speedup']:.2f}x plain (γ={ceil['gamma']})"
                       + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else "")
                       + " (step_cost_ms, beside the trainer)")
+    lossless = _lossless_summary(report)
+    if lossless:
+        console.print(lossless)
     own = report.get("workload_adapters") or {}
     console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}"
                   + (f" (per workload: {', '.join(f'{w} v{v}' for w, v in sorted(own.items()) if v) or 'none promoted'})" if own else "")

@@ -182,3 +182,28 @@ def test_a_long_reason_is_cut_at_a_clause_or_word_never_mid_word():
     assert _brief(reason, 80) == "on prose: gain +0.0312 [+0.0130, +0.0524] (acceptance as served) …"
     assert _brief("x" * 10 + " " + "y" * 100, 50) == "x" * 10 + " …"
     assert _brief("short", 80) == "short" and _brief(None) == ""
+
+
+def test_the_report_counts_greedy_outputs_equal_to_plain_and_names_those_that_are_not():
+    """Each speculative evaluation run carries ``matches_plain`` ("k/n" prompts token-identical to
+    the plain run); the footer sums them, leaves out a pick that is the plain run itself, and names
+    a run and its prompts that differed."""
+    from daemon.demo import _lossless_summary
+
+    ok = _phase("prose", 10, 0)
+    ok["frozen"] = {**ok["frozen"], "matches_plain": "8/8"}
+    ok["adapted_draft"] = {**ok["adapted_draft"], "matches_plain": "8/8"}
+    ok["adapted"] = {**ok["plain"], "same_run_as": "plain"}
+    bad = _phase("code", 10, 0)
+    bad["frozen"] = {**bad["frozen"], "matches_plain": "8/8"}
+    bad["adapted_draft"] = {**bad["adapted_draft"], "matches_plain": "6/8", "differs_from_plain": [2, 5]}
+    assert _lossless_summary({"phases": [ok]}) == "greedy outputs equal to plain decoding: 16 of 16 speculative evaluation runs"
+    line = _lossless_summary({"phases": [ok, bad]})
+    assert line.startswith("greedy outputs equal to plain decoding: 30 of 32 ")
+    assert "NOT LOSSLESS: code adapted_draft (prompts [2, 5])" in line
+    assert _lossless_summary({"phases": [_phase("math", 3, 0)]}) is None  # no evaluation runs recorded
+    report = {"phases": [ok, bad], "adapters": [], "recovery": [], "requests": 20, "active_adapter": 0, "seconds": 1.0,
+              "key_prefix": "draftd:demo:"}
+    out = io.StringIO()
+    print_report(report, Console(file=out, width=250))
+    assert "30 of 32 speculative evaluation runs" in out.getvalue()
