@@ -145,7 +145,8 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         table = evaluate_phases(cfg, trainer.heldout, traffic.phase_end_version, traffic.timeline, trainer.distiller,
                                 trainer.registry, loop.decoder, frozen_draft=_v0_draft(models, trainer),
                                 tok=models.tok, params=params, console=console, controller=loop.controller,
-                                v0_version=trainer.v0.version or 0, frozen_head=_v0_head(loop, trainer))
+                                v0_version=trainer.v0.version or 0, frozen_head=_v0_head(loop, trainer),
+                                peer=_llamacpp_peer(settings, models, loop.decoder, console))
         loop.tracker.flush()
         report = _report(cfg, run_id, t_start, store, models, trainer, loop, traffic, table)
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
@@ -570,8 +571,23 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
     }
 
 
+def _llamacpp_peer(settings, models: _Models, decoder, console):
+    """llama-cpp-python's own plain generation on the packaged target file (``decoder.bench.LlamaCppPeer``),
+    at the decoder's thread count: what a user of llama.cpp gets without draftd. None off llama.cpp
+    or for a target that is not a GGUF file."""
+    from decoder.engines.registry import target_gguf
+
+    gguf = target_gguf(settings.models.target) if models.engines.name == "llamacpp" else None
+    if gguf is None:
+        return None
+    from decoder.bench import LlamaCppPeer
+
+    console.log(f"llama.cpp's own plain generation on {Path(gguf).name} joins the evaluation (the peer, paired per prompt)")
+    return LlamaCppPeer(str(gguf), threads=getattr(decoder.engine, "threads", 1))
+
+
 def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, frozen_draft, tok,
-                    params, console, controller=None, v0_version: int = 0, frozen_head=None) -> list[dict]:
+                    params, console, controller=None, v0_version: int = 0, frozen_head=None, peer=None) -> list[dict]:
     """The per-phase table: frozen v0 vs what adaptation built, on prompts never served.
 
     v0 is what served the first request: the bootstrapped adapter ``v0_version`` (daemon.warm_start)
@@ -591,6 +607,11 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
       of proposals accepted), τ, tokens/s and speedup vs plain, all measured.
     - with ``--heads`` (``frozen_head``: the head's v0 as it serves): ``frozen_head`` and
       ``adapted_head`` (the final head), the ``"eagle"`` proposer at γ = ``head_gamma``.
+    - ``llamacpp_plain`` (``peer``, a ``decoder.bench.LlamaCppPeer`` on the packaged file): llama.cpp's
+      own plain generation on the same prompts, back to back with the others; ``speed_vs_llamacpp_ci``:
+      plain decoding of the served format and the pick against it, paired per prompt.
+    - every speculative run's ``matches_plain``: "k/n" prompts whose greedy output is token-identical
+      to the plain run's (lossless), ``differs_from_plain`` the others' indices.
     - live: the phase's served requests, first and last third: greedy α and tokens/s.
     """
     from decoder.metrics import AcceptanceCounts
@@ -644,6 +665,7 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
             tot = {name: [AcceptanceCounts(), 0.0] for name, *_ in runs}
             per_prompt: dict[str, list] = {name: [] for name, *_ in runs}  # (counts, ms) per prompt, paired
             differs: dict[str, list[int]] = {name: [] for name, *_ in runs}  # prompts whose greedy output != plain's
+            peer_runs: list[tuple[int, float, bool]] = []  # llama.cpp plain: (tokens, ms, same tokens as our plain)
             for i, p in enumerate(ps):
                 ids = p.token_ids(tok)[-256:]
                 if i == 0:  # warm-up (caches, allocator), not counted, against a throwaway history copy
@@ -679,6 +701,9 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                         plain_ids = list(r.output_ids)
                     elif list(r.output_ids) != plain_ids:  # greedy: lossless means token-identical to plain decoding
                         differs[name].append(i)
+                if peer is not None:  # llama.cpp's own plain generation of the packaged file, the same prompt
+                    out, ms, n_out = peer.generate(ids, params, cfg.eval_new_tokens, cfg.seed + i)
+                    peer_runs.append((n_out, ms, out == plain_ids[:len(out)]))
             row["copy_gate"] = {"v0": _gate_list(gate_of(v0_version)), "final": _gate_list(gate_of(final))}
             for name, _, g, prop in runs:
                 c, ms = tot[name]
@@ -696,6 +721,10 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                 if name in row:
                     row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
             row.update(_paired_intervals(per_prompt, cfg.confidence))
+            if peer_runs:
+                row["llamacpp_plain"] = {"tokens_per_s": round(sum(n for n, _, _ in peer_runs) / sum(ms for _, ms, _ in peer_runs) * 1e3, 3),
+                                         "same_tokens_as_plain": f"{sum(s for *_, s in peer_runs)}/{len(peer_runs)}"}
+                row["speed_vs_llamacpp_ci"] = _speed_vs_peer(per_prompt, peer_runs, cfg.confidence)
             runs: dict = {}
             row["versions"] = _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_version,
                                               timeline, per_prompt, runs, final)
@@ -813,6 +842,24 @@ def _paired_intervals(per_prompt: dict[str, list], confidence: float) -> dict[st
             speed[name] = {"ratio": round(g.after / g.before, 4), "low": round(1 + g.low / g.before, 4),
                            "high": round(1 + g.high / g.before, 4), "prompts": g.clusters}
     out["speed_vs_plain_ci"] = speed
+    return out
+
+
+def _speed_vs_peer(per_prompt: dict[str, list], peer_runs: list[tuple[int, float, bool]], confidence: float) -> dict:
+    """Plain decoding of the served format (``plain``) and the controller's pick (``adapted``; the
+    plain run when the pick is plain decoding) against llama.cpp's own plain generation of the
+    packaged file: tokens per ms, the ratio of pooled rates and its paired bootstrap interval over
+    prompts (``trainer.gate.paired_ratio_gain``)."""
+    from trainer.gate import paired_ratio_gain
+
+    out = {}
+    for name in ("plain", "adapted"):
+        runs = per_prompt.get(name) or per_prompt["plain"]
+        rows = {str(i): (n, ms, x.num_emitted_tokens, xms) for i, ((n, ms, _), (x, xms)) in enumerate(zip(peer_runs, runs))}
+        g = paired_ratio_gain(rows, confidence)
+        if g.before and g.before == g.before:
+            out[name] = {"ratio": round(g.after / g.before, 4), "low": round(1 + g.low / g.before, 4),
+                         "high": round(1 + g.high / g.before, 4), "prompts": g.clusters}
     return out
 
 
@@ -1069,17 +1116,20 @@ def _decoded_table(report: dict, console, pct: int) -> None:
 
     t = Table(title="decoded on prompts never served (greedy): frozen v0 draft vs adapted draft vs the controller's pick")
     for c in ("phase", "prompts", "plain tok/s", "frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain",
-              f"α gain [{pct} % CI]", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]", "live α first→last third"):
+              f"α gain [{pct} % CI]", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]",
+              f"pick ×llama.cpp plain [{pct} % CI]", "live α first→last third"):
         t.add_column(c)
 
     for r in report["phases"]:
         pk = r["adapted"]
         g = r.get("alpha_gain_ci") or {}
         sp = (r.get("speed_vs_plain_ci") or {}).get("adapted")
+        lp = (r.get("speed_vs_llamacpp_ci") or {}).get("adapted")  # the pick against llama.cpp's own plain generation
         t.add_row(r["workload"], str(r.get("eval_prompts", "-")), _cell(r["plain"]["tokens_per_s"]), _cell(r["frozen"]["alpha"]),
                   _cell(r["frozen"]["speedup_vs_plain"]), _cell(r["adapted_draft"]["alpha"]), _cell(r["adapted_draft"]["speedup_vs_plain"]),
                   f"{_cell(g.get('gain'))} {_interval(g)}", f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
                   _cell(pk["alpha"]), _cell(pk["tau"]), f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp else _cell(pk["speedup_vs_plain"]),
+                  f"{_cell(lp['ratio'])} {_interval(lp)}" if lp else "-",
                   f"{_cell(r['live_first_third']['alpha'])} → {_cell(r['live_last_third']['alpha'])}")
     console.print(t)
 

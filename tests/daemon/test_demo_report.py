@@ -207,3 +207,23 @@ def test_the_report_counts_greedy_outputs_equal_to_plain_and_names_those_that_ar
     out = io.StringIO()
     print_report(report, Console(file=out, width=250))
     assert "30 of 32 speculative evaluation runs" in out.getvalue()
+
+
+def test_the_pick_against_llamacpp_plain_paired_per_prompt():
+    """By hand: llama.cpp plain decodes 10 tokens in 100 ms on both prompts; our plain run 10 in
+    100 and 10 in 125 ms; the pick 10 in 50 and 10 in 100 ms: pooled 20/150 over 20/200 = 1.333x
+    (plain: 20/225 over 20/200 = 0.889x); the interval's ends are the two prompts' own ratios,
+    the only bootstrap resamples of two units: 1.0x and 2.0x for the pick."""
+    from daemon.demo import _speed_vs_peer
+    from decoder.metrics import AcceptanceCounts
+
+    def c(emitted=10):
+        return AcceptanceCounts(num_emitted_tokens=emitted)
+
+    per = {"plain": [(c(), 100.0), (c(), 125.0)], "adapted": [(c(), 50.0), (c(), 100.0)]}
+    out = _speed_vs_peer(per, [(10, 100.0, True), (10, 100.0, True)], 0.95)
+    assert out["adapted"]["ratio"] == round((20 / 150) / (20 / 200), 4)
+    assert out["plain"]["ratio"] == round((20 / 225) / (20 / 200), 4)
+    assert out["adapted"]["low"] == 1.0 and out["adapted"]["high"] == 2.0 and out["adapted"]["prompts"] == 2
+    # a plain pick: the pick is the plain run itself
+    assert _speed_vs_peer({"plain": per["plain"]}, [(10, 100.0, True)] * 2, 0.95)["adapted"] == out["plain"]
