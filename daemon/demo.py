@@ -721,6 +721,9 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
                 if name in row:
                     row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
             row.update(_paired_intervals(per_prompt, cfg.confidence))
+            row["adapted_draft"]["prediction"] = leviathan_prediction(
+                tot["adapted_draft"][0], tot["plain"][0], decoder.step_cost.ms, gamma_max=controller.config.gamma_max
+                if controller is not None else 8)
             if peer_runs:
                 row["llamacpp_plain"] = {"tokens_per_s": round(sum(n for n, _, _ in peer_runs) / sum(ms for _, ms, _ in peer_runs) * 1e3, 3),
                                          "same_tokens_as_plain": f"{sum(s for *_, s in peer_runs)}/{len(peer_runs)}"}
@@ -843,6 +846,39 @@ def _paired_intervals(per_prompt: dict[str, list], confidence: float) -> dict[st
                            "high": round(1 + g.high / g.before, 4), "prompts": g.clusters}
     out["speed_vs_plain_ci"] = speed
     return out
+
+
+def leviathan_prediction(draft, plain, step_ms, gamma_max: int = 8) -> dict | None:
+    """The learner's measured α and c beside Leviathan et al. 2023's prediction (Theorem 3.8 /
+    eq. 1): expected tokens per step E(α, γ) = (1 - α^(γ+1)) / (1 - α); speedup over plain decoding
+    E / (γc + 1) when a verification costs one plain step, and E / (γc + t(γ+1) / t(1)) with this
+    engine's measured cost t(n) of a step verifying n rows; each at the γ that maximises it.
+
+    Args:
+        draft: the draft run's pooled ``AcceptanceCounts`` (α = alpha_sum / num_draft_tokens, c =
+            draft ms per proposed token over plain ms per step).
+        plain: the plain run's pooled counts (ms per step = decode_ms / num_steps).
+        step_ms: rows -> ms of a step verifying that many rows (``StepCost.ms``; NaN when unmeasured).
+        gamma_max: the largest γ considered.
+
+    Returns:
+        {alpha, c, tau, verify_cost_rows: {n: t(n) / t(1)}, one_step: {gamma, speedup}, this_engine:
+        {gamma, speedup}}, or None when the draft proposed nothing or plain ran no step.
+    """
+    from decoder.sampling import expected_tokens_per_step
+
+    if not draft.num_draft_tokens or not plain.num_steps or not plain.decode_ms:
+        return None
+    a = draft.alpha
+    c = draft.draft_ms / draft.num_draft_tokens / (plain.decode_ms / plain.num_steps)
+    t1 = step_ms(1)
+    ratio = {n: step_ms(n) / t1 for n in range(1, gamma_max + 2)} if t1 == t1 and t1 > 0 else {}
+    ratio = {n: r for n, r in ratio.items() if r == r}
+    one = {g: expected_tokens_per_step(a, g) / (g * c + 1) for g in range(1, gamma_max + 1)}
+    eng = {g: expected_tokens_per_step(a, g) / (g * c + ratio[g + 1]) for g in range(1, gamma_max + 1) if g + 1 in ratio}
+    best = (lambda d: {"gamma": max(d, key=d.get), "speedup": round(max(d.values()), 3)} if d else None)
+    return {"alpha": round(a, 4), "c": round(c, 4), "tau": _nn(draft.mean_accepted_length),
+            "verify_cost_rows": {n: round(r, 3) for n, r in ratio.items()}, "one_step": best(one), "this_engine": best(eng)}
 
 
 def _speed_vs_peer(per_prompt: dict[str, list], peer_runs: list[tuple[int, float, bool]], confidence: float) -> dict:
@@ -1078,6 +1114,7 @@ def print_report(report: dict, console) -> None:
     _heldout_table(report, console)
     _decoded_table(report, console, pct)
     _copy_table(report, console, pct)
+    _prediction_table(report, console)
     _head_table(report, console)
     _phase_notes(report, console)
     _adapter_tables(report, console)
@@ -1131,6 +1168,31 @@ def _decoded_table(report: dict, console, pct: int) -> None:
                   _cell(pk["alpha"]), _cell(pk["tau"]), f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp else _cell(pk["speedup_vs_plain"]),
                   f"{_cell(lp['ratio'])} {_interval(lp)}" if lp else "-",
                   f"{_cell(r['live_first_third']['alpha'])} → {_cell(r['live_last_third']['alpha'])}")
+    console.print(t)
+
+
+def _prediction_table(report: dict, console) -> None:
+    """The adapted draft's measured α, τ and c beside Leviathan et al.'s predicted speedup, with a
+    verification that costs one plain step and with this engine's measured verification cost."""
+    from rich.table import Table
+
+    rows = [(r["workload"], (r.get("adapted_draft") or {}).get("prediction")) for r in report["phases"]]
+    rows = [(w, p) for w, p in rows if p]
+    if not rows:
+        return
+    t = Table(title="the adapted draft beside Leviathan et al.'s prediction (best γ of each; the draft's cost c per "
+                    "proposed token in plain steps)",
+              caption="one-step verification: (1 - α^(γ+1)) / ((1 - α)(γc + 1)); this engine: a verification of n rows "
+                      "costs t(n)/t(1) plain steps (measured)")
+    for c in ("phase", "α", "τ", "c", "predicted, verification = 1 step", "predicted, this engine", "t(n)/t(1), n = 2..5"):
+        t.add_column(c)
+    for w, p in rows:
+        one, eng = p.get("one_step") or {}, p.get("this_engine") or {}
+        vc = p.get("verify_cost_rows") or {}
+        t.add_row(w, _cell(p["alpha"]), _cell(p["tau"]), _cell(p["c"]),
+                  f"{one['speedup']:.2f}x (γ={one['gamma']})" if one else "-",
+                  f"{eng['speedup']:.2f}x (γ={eng['gamma']})" if eng else "-",
+                  " ".join(f"{vc[k]:.2f}" for k in sorted(vc, key=int) if 2 <= int(k) <= 5) or "-")
     console.print(t)
 
 

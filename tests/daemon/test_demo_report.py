@@ -227,3 +227,24 @@ def test_the_pick_against_llamacpp_plain_paired_per_prompt():
     assert out["adapted"]["low"] == 1.0 and out["adapted"]["high"] == 2.0 and out["adapted"]["prompts"] == 2
     # a plain pick: the pick is the plain run itself
     assert _speed_vs_peer({"plain": per["plain"]}, [(10, 100.0, True)] * 2, 0.95)["adapted"] == out["plain"]
+
+
+def test_leviathan_prediction_by_hand():
+    """α = 0.5, c = 0.25 (1 ms of drafting per proposal against 4 ms a plain step), verification
+    of n rows costing 1 + 0.5 (n - 1) plain steps. E(0.5, γ) = 2 - 0.5^γ: γ = 1: 1.5, 2: 1.75,
+    3: 1.875. One-step verification: 1.5/1.25 = 1.2, 1.75/1.5 = 1.1667, 1.875/1.75 = 1.0714: best
+    γ = 1 at 1.2x. This engine: 1.5/(0.25 + 1.5) = 0.857, 1.75/(0.5 + 2) = 0.7, ...: best γ = 1 at 0.857x."""
+    from daemon.demo import leviathan_prediction
+    from decoder.metrics import AcceptanceCounts
+
+    draft = AcceptanceCounts(num_draft_tokens=10, alpha_sum=5.0, num_accepted_tokens=5, num_drafts=10, draft_ms=10.0)
+    plain = AcceptanceCounts(num_steps=5, decode_ms=20.0)
+    p = leviathan_prediction(draft, plain, lambda n: 4.0 * (1 + 0.5 * (n - 1)), gamma_max=3)
+    assert p["alpha"] == 0.5 and p["c"] == 0.25
+    assert p["verify_cost_rows"] == {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5}
+    assert p["one_step"] == {"gamma": 1, "speedup": 1.2}
+    assert p["this_engine"] == {"gamma": 1, "speedup": round(1.5 / 1.75, 3)}
+    assert leviathan_prediction(AcceptanceCounts(), plain, lambda n: 4.0) is None  # nothing proposed
+    # unmeasured step costs (NaN): the engine's prediction is left out, the one-step one stays
+    q = leviathan_prediction(draft, plain, lambda n: float("nan"), gamma_max=3)
+    assert q["this_engine"] is None and q["one_step"]["gamma"] == 1
