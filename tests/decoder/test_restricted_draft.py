@@ -226,3 +226,49 @@ def test_a_decoder_refuses_a_restricted_draft_with_other_ids(files):
     finally:
         tgt.close()
         dr.close()
+
+
+def test_q8_0_input_rows_are_ggmls_dequantisation():
+    """The engine's own Q8_0 path (the packaged draft's token_embd) gives gguf-py's dequantised rows
+    bit for bit (x = f32(d) * q per 32-weight block)."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from decoder.engines.llamacpp import LlamaCppEngine
+
+    w = np.random.default_rng(0).standard_normal((50, 64)).astype(np.float32)
+    table = quantize(w, GGMLQuantizationType.Q8_0)
+    eng = SimpleNamespace(_in_table=table, _in_type=GGMLQuantizationType.Q8_0, vocab_size=50, hidden_size=64)
+    got = LlamaCppEngine.input_embeddings(eng, [3, 49, 3, 0])
+    assert got.dtype == np.float32 and got.shape == (4, 64)
+    assert np.array_equal(got, dequantize(table[[3, 49, 3, 0]], GGMLQuantizationType.Q8_0).reshape(4, 64))
+    assert np.abs(got[0] - w[3]).max() < 0.02
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_packaged_restricted_draft_equals_the_full_one_on_its_ids(tmp_path):
+    """SmolLM2-135M's 4-layer draft (Q4_1 blocks, Q8_0 tied head), V' = 8192: the restricted file's
+    logits on the kept ids are the full draft's, bit for bit, over a prompt whose tokens are partly
+    outside V'."""
+    from decoder.engines.llamacpp import LlamaCppEngine
+    from decoder.models.loading import load_pair
+    from decoder.models.packaged import packaged_gguf
+    from decoder.vocab import frequent_token_ids
+
+    tok = load_pair("smollm2-135m", "layers:0-3").tokenizer
+    ids = frequent_token_ids(tok, 8192)
+    full_path = derived_draft_gguf(packaged_gguf("smollm2-135m"), [0, 1, 2, 3], tmp_path)
+    x = tok("Zygomorphic flowers: the quaternion's eigendecomposition, said Xochitl.")["input_ids"]
+    assert not torch.isin(torch.tensor(x), ids).all()
+    full = LlamaCppEngine(full_path, n_ctx=256, threads=1)
+    cut = LlamaCppEngine(restricted_draft_gguf(full_path, ids), n_ctx=256, threads=1)
+    try:
+        want, got = full.start().forward(x, len(x)), cut.start().forward(x, len(x))
+    finally:
+        full.close()
+        cut.close()
+    assert torch.equal(got[:, ids], want[:, ids])
+    assert torch.isinf(got[:, ~torch.isin(torch.arange(got.shape[1]), ids)]).all()
