@@ -66,8 +66,9 @@ class DemoConfig:
     per_workload: bool = True
     min_workload_samples: int = 8  # new training samples of a workload in a round before its turn
     # FR-Spec (models.draft_vocab): the draft's head restricted to the N most frequent tokens, trained
-    # and served alike; steps at 40 % of the full head's cost at the same gain per step
-    # (docs/training.md). None: models.draft_vocab when set, else 8192; 0: the full vocabulary
+    # and served alike (on llama.cpp as a restricted draft GGUF, gguf_export.restricted_draft_gguf);
+    # training steps at 40 % of the full head's cost at the same gain per step (docs/training.md).
+    # None: models.draft_vocab when set, else 8192; 0: the full vocabulary
     draft_vocab: int | None = None
     # --heads: the feature-level head as a third proposer: v0 bootstrapped on the corpora (cached),
     # records carry hidden states, each round also distils the head (head_steps steps) and the
