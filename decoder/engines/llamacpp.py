@@ -526,7 +526,8 @@ class LlamaCppEngine:
     def describe(self) -> dict:
         return {"engine": self.name, "model": self.path.name, "device": "cpu", "threads": self.threads,
                 "n_ctx": self.context_length, "n_seq": self.n_seq, "v_cache": self.v_cache, "lora": self.lora,
-                "extra_buffer_types": self.extra_bufts}
+                "extra_buffer_types": self.extra_bufts,
+                "head_rows": self.n_out}  # < vocab_size for a restricted (FR-Spec) draft
 
     def close(self) -> None:
         with self._busy:

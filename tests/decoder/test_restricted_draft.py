@@ -90,6 +90,7 @@ def test_its_logits_are_the_full_drafts_on_the_kept_ids_and_minus_inf_elsewhere(
     try:
         assert cut.vocab_size == full.vocab_size == VOCAB and cut.n_out == len(KEEP)
         assert torch.equal(cut.out_ids, torch.from_numpy(KEEP)) and cut.eos_ids == full.eos_ids == {1}
+        assert cut.describe()["head_rows"] == len(KEEP) and full.describe()["head_rows"] == VOCAB
         assert not set(PROMPT) <= set(KEEP.tolist())
         want = full.start().forward(PROMPT, len(PROMPT))
         got = cut.start().forward(PROMPT, len(PROMPT))
