@@ -27,14 +27,14 @@ def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int, en
 
     with err.status(f"loading {target} (+ draft {draft}); the first run converts the GGUF (~30 s)"):
         pair = load_pair(target, draft, device=device, int8_draft=int8, progress=lambda s: err.log(s))
-        choice = choose_engine(engine, target, device, draft, threads, target_format=target_format,
-                               progress=lambda s: err.log(s))
-    err.log(f"engine: {choice.name} ({choice.reason})")
-    dv = None
-    if draft_vocab:
-        from decoder.vocab import frequent_token_ids
+        dv = None
+        if draft_vocab:
+            from decoder.vocab import frequent_token_ids
 
-        dv = frequent_token_ids(pair.tokenizer, draft_vocab)
+            dv = frequent_token_ids(pair.tokenizer, draft_vocab)
+        choice = choose_engine(engine, target, device, draft, threads, target_format=target_format,
+                               progress=lambda s: err.log(s), draft_vocab=dv)
+    err.log(f"engine: {choice.name} ({choice.reason})")
     return pair, dv, choice
 
 

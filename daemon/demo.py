@@ -66,8 +66,9 @@ class DemoConfig:
     per_workload: bool = True
     min_workload_samples: int = 8  # new training samples of a workload in a round before its turn
     # FR-Spec (models.draft_vocab): the draft's head restricted to the N most frequent tokens, trained
-    # and served alike; steps at 40 % of the full head's cost at the same gain per step
-    # (docs/training.md). None: models.draft_vocab when set, else 8192; 0: the full vocabulary
+    # and served alike (on llama.cpp as a restricted draft GGUF, gguf_export.restricted_draft_gguf);
+    # training steps at 40 % of the full head's cost at the same gain per step (docs/training.md).
+    # None: models.draft_vocab when set, else 8192; 0: the full vocabulary
     draft_vocab: int | None = None
     # --heads: the feature-level head as a third proposer: v0 bootstrapped on the corpora (cached),
     # records carry hidden states, each round also distils the head (head_steps steps) and the
@@ -236,15 +237,15 @@ def _load_models(settings, console, embeddings: bool = False) -> _Models:
         from decoder.engines.registry import choose_engine
 
         m = settings.models  # the decoder's engine gets one core, the trainer the other (unless told)
+        vocab = draft_vocab_ids(settings, pair.tokenizer)  # FR-Spec: trained and served alike (None = full vocabulary)
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1, embeddings=embeddings,
-                                target_format=m.format, progress=console.log)
+                                target_format=m.format, progress=console.log, draft_vocab=vocab)
     console.log(f"engine: {engines.name} ({engines.reason})")
     layers = settings.models.draft.split(":", 1)[1] if settings.models.draft.startswith("layers:") else None
     if layers is None:
         raise ValueError(f"the demo trains a derived draft: set models.draft to 'layers:<spec>', not "
                          f"{settings.models.draft!r}")
     tok = pair.tokenizer
-    vocab = draft_vocab_ids(settings, tok)  # FR-Spec: trained and served alike (None = full vocabulary)
     fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
     console.log(f"pair: {pair.target_name} + {pair.draft_name} ({pair.load_seconds:.1f} s)")
     return _Models(pair, engines, layers, vocab, fp)

@@ -1400,7 +1400,8 @@ def run_serve(settings, console=None) -> int:
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads,
                                 embeddings=sv.record_hidden or any(proposer_spec(n).needs_features for n in sv.proposers),
                                 target_format=m.format, proposers=tuple(sv.proposers),
-                                progress=lambda msg: log.info("served_format_measuring", what=msg), n_seq=sv.max_batch)
+                                progress=lambda msg: log.info("served_format_measuring", what=msg), n_seq=sv.max_batch,
+                                draft_vocab=draft_vocab_ids(settings, pair.tokenizer))
         log.info("engine", engine=engines.name, reason=engines.reason, served_format=engines.served_format)
         if _stopped_while_loading(stop, "the engines"):
             return 0

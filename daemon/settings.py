@@ -150,7 +150,9 @@ class ModelSettings(_Group):
         0, ge=0,
         description="FR-Spec: the draft's LM head restricted to the N most frequent tokens (decoder.vocab; 0 = the full "
                     "vocabulary). The trainer trains and judges that head (about 3x faster steps at 8192 for a 4-layer "
-                    "SmolLM2 draft). Serve its adapters with the same ids (the demo does; DecoderConfig.draft_vocab).",
+                    "SmolLM2 draft). Serve its adapters with the same ids (the demo does; DecoderConfig.draft_vocab); "
+                    "on llama.cpp the served draft is then a GGUF of those rows only (a step at about half the "
+                    "full head's cost; bench/RESULTS.md).",
     )
 
 

@@ -407,11 +407,24 @@ class SpeculativeDecoder:
         if self.config.draft_vocab is not None:
             self._restrict_draft_head(self.config.draft_vocab)
         # every finished request's tokens, per workload, for the n-gram proposer (fed whatever served it)
-        # FR-Spec on a GGUF draft: its engine computes the full head, and the rows outside the
-        # restricted vocabulary are masked to -inf, so q is the restricted head's softmax, the q the
-        # trainer fits and judges (decoder.vocab; an adapter trained on it proposes what was judged)
+        # FR-Spec on a GGUF draft: a restricted draft GGUF (gguf_export.restricted_draft_gguf, what
+        # choose_engine(..., draft_vocab=...) builds) computes only the V' rows; a full one computes the
+        # full head, and the rows outside the restricted vocabulary are masked to -inf. Either way q is
+        # the restricted head's softmax, the q the trainer fits and judges (decoder.vocab; an adapter
+        # trained on it proposes what was judged)
         self._draft_vocab_off = None
-        if draft_engine is not None and self.config.draft_vocab is not None:
+        restricted = getattr(draft_engine, "out_ids", None)  # a restricted-vocabulary draft GGUF (V' head rows)
+        if restricted is not None:
+            # its logits are already -inf outside its rows: the same q as the mask below, at a V'-row
+            # head's cost; the restricted set must be the one the trainer fits (DecoderConfig.draft_vocab)
+            dv = self.config.draft_vocab
+            if dv is None or dv.numel() != restricted.numel() or not torch.equal(
+                    torch.sort(dv.cpu().long()).values, torch.sort(restricted).values):
+                raise ValueError(f"draft_engine {draft_engine.path.name} has a restricted vocabulary of "
+                                 f"{restricted.numel()} ids; set DecoderConfig.draft_vocab to the same ids "
+                                 f"(got {None if dv is None else dv.numel()} ids) so the draft is trained on the "
+                                 f"q it serves")
+        elif draft_engine is not None and self.config.draft_vocab is not None:
             off = torch.ones(self.vocab_p, dtype=torch.bool)
             off[self._draft_vocab_ids.cpu()] = False
             self._draft_vocab_off = off  # (V_p,) True outside the restricted vocabulary

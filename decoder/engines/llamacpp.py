@@ -20,7 +20,8 @@ import torch
 
 from decoder.engines.base import Capabilities, EngineError, forward_router, track
 from decoder.engines.llamacpp_lib import bindings, llama_call, llama_extra_buffers
-from decoder.models.gguf_export import SPLIT_ID_KEY, SPLIT_KEY
+from decoder.models.gguf_export import (RESTRICTED_EMBD_TYPE_KEY, RESTRICTED_FULL_VOCAB_KEY, RESTRICTED_IDS_KEY,
+                                        SPLIT_ID_KEY, SPLIT_KEY, ids_sha16, restricted_sidecars)
 
 log = structlog.get_logger("decoder.engines.llamacpp")
 
@@ -144,11 +145,20 @@ class LlamaCppEngine:
             raise EngineError(f"llama.cpp could not create a context of {self.context_length} tokens for {path}")
         self.mem = L.llama_get_memory(self.ctx)
         self.vocab = L.llama_model_get_vocab(self.model)
-        self.vocab_size = int(L.llama_vocab_n_tokens(self.vocab))
+        self.n_out = int(L.llama_vocab_n_tokens(self.vocab))  # logit rows llama.cpp computes per output
+        self.vocab_size = self.n_out  # the vocabulary forward's logits are in
         self.hidden_size = int(L.llama_model_n_embd(self.model))
+        # an FR-Spec restricted draft (gguf_export.restricted_draft_gguf): V' output rows, inputs fed as
+        # embeddings from the full table, logits scattered back to the full vocabulary
+        self.out_ids: torch.Tensor | None = None  # (V',) int64 full id of each output row
+        self._in_table = None  # (V, row bytes) the full token_embd, in its ggml type (memory-mapped)
+        full = self._meta_str(RESTRICTED_FULL_VOCAB_KEY)
+        if full is not None:
+            self._load_restricted(int(full))
         eos = {int(L.llama_vocab_eos(self.vocab)), int(L.llama_vocab_eot(self.vocab))}
-        self.eos_ids = frozenset(t for t in eos if t >= 0)
-        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        eos = {t for t in eos if 0 <= t < self.n_out}
+        self.eos_ids = frozenset(int(self.out_ids[t]) for t in eos) if self.out_ids is not None else frozenset(eos)
+        self._batch = L.llama_batch_init(self.n_batch, self.hidden_size if self.out_ids is not None else 0, 1)
         self._loras: dict[str, object] = {}
         self.lora: str | None = None  # the adapter key now set on the context
         self._closed = False
@@ -160,6 +170,72 @@ class LlamaCppEngine:
         split = self._meta_str(SPLIT_KEY)
         if split is not None:
             self._apply_offset_lora(self.path.parent / split)
+
+    def _load_restricted(self, full_vocab: int) -> None:
+        """The sidecars of a restricted draft (:func:`decoder.models.gguf_export.restricted_sidecars`):
+        its id list, checked against the file's hash, and the full input-embedding table."""
+        ids_file, embd_file = restricted_sidecars(self.path)
+        try:
+            ids = np.load(ids_file)
+            table = np.load(embd_file, mmap_mode="r")
+        except OSError as e:
+            self._free_model()
+            raise EngineError(f"{self.path.name} is a restricted-vocabulary draft and needs {ids_file.name} and "
+                              f"{embd_file.name} beside it ({e}); delete it so it is written again") from e
+        if (ids_sha16(ids) != self._meta_str(RESTRICTED_IDS_KEY) or ids.shape != (self.n_out,)
+                or table.shape[0] != full_vocab or int(ids.max()) >= full_vocab):
+            self._free_model()
+            raise EngineError(f"the sidecars of the restricted draft {self.path.name} do not match it; delete "
+                              f"the three files so they are written again")
+        from gguf import GGMLQuantizationType
+
+        self._in_type = GGMLQuantizationType(int(self._meta_str(RESTRICTED_EMBD_TYPE_KEY)))
+        self._in_table = table
+        self.out_ids = torch.from_numpy(ids.astype(np.int64))
+        self._out_np = self.out_ids.numpy()
+        self.vocab_size = full_vocab
+
+    def _free_model(self) -> None:
+        """Free the context and model of a construction that fails before the engine is complete."""
+        self.L.llama_free(self.ctx)
+        self.L.llama_model_free(self.model)
+
+    def input_embeddings(self, tokens) -> np.ndarray:
+        """(n, H) float32 input rows of full-vocabulary ``tokens`` (a restricted draft), dequantised
+        from the full table as llama.cpp's ``get_rows`` does. Raises EngineError for an id >= V."""
+        from gguf import GGMLQuantizationType
+
+        t = np.asarray(tokens, dtype=np.int64)
+        if t.size and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
+            raise EngineError(f"token ids must be in 0..{self.vocab_size - 1} (got {int(t.min())}..{int(t.max())})")
+        raw = self._in_table[t]
+        if self._in_type == GGMLQuantizationType.Q8_0:  # blocks of (d f16, 32 x int8): x = d * q, in f32 as ggml
+            blk = raw.reshape(len(t), -1, 34)
+            d = blk[..., :2].copy().view(np.float16).astype(np.float32)
+            out = blk[..., 2:].view(np.int8).astype(np.float32) * d  # 30 us a row here, gguf's dequantize 175
+        else:
+            from gguf.quants import dequantize
+
+            out = dequantize(raw, self._in_type)
+        return np.ascontiguousarray(out, dtype=np.float32).reshape(len(t), self.hidden_size)
+
+    def _fill_inputs(self, b, at: int, tokens) -> None:
+        """Batch positions ``at..at+len(tokens)-1``: token ids, or (restricted draft) their embeddings."""
+        if self._in_table is None:
+            for i, t in enumerate(tokens):
+                b.token[at + i] = int(t)
+            return
+        e = self.input_embeddings(tokens)
+        ctypes.memmove(ctypes.addressof(b.embd.contents) + at * self.hidden_size * 4, e.ctypes.data, e.nbytes)
+
+    def _full_logits(self, rows: np.ndarray) -> np.ndarray:
+        """(k, n_out) logits -> (k, vocab_size): a restricted draft's rows scattered to their full
+        ids, -inf elsewhere (q = 0 there); other models' rows as they are."""
+        if self.out_ids is None:
+            return rows
+        full = np.full((rows.shape[0], self.vocab_size), -np.inf, dtype=np.float32)
+        full[:, self._out_np] = rows
+        return full
 
     def _meta_str(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)
@@ -268,8 +344,8 @@ class LlamaCppEngine:
             b.n_tokens = len(chunk)
             first_out = n - keep
             outs = 0
+            self._fill_inputs(b, 0, chunk)
             for i, t in enumerate(chunk):
-                b.token[i] = int(t)
                 b.pos[i] = seq.length + i
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = seq.seq_id
@@ -287,15 +363,15 @@ class LlamaCppEngine:
                     # as outputs -> overriding"), so llama_get_logits holds len(chunk) rows: pick
                     # the wanted ones by their batch position, as llama_get_embeddings_ith does.
                     want = range(len(chunk) - outs, len(chunk))
-                    rows.append(np.stack([self._row(L.llama_get_logits_ith(self.ctx, i), self.vocab_size, i)
+                    rows.append(np.stack([self._row(L.llama_get_logits_ith(self.ctx, i), self.n_out, i)
                                           for i in want]))
                     if hidden:
                         hs.append(np.stack([self._row(L.llama_get_embeddings_ith(self.ctx, i), self.hidden_size, i)
                                             for i in want]))
                 else:
                     rows.append(np.ctypeslib.as_array(L.llama_get_logits(self.ctx),
-                                                      shape=(outs, self.vocab_size)).copy())
-        logits = torch.from_numpy(rows[0] if len(rows) == 1 else np.concatenate(rows))
+                                                      shape=(outs, self.n_out)).copy())
+        logits = torch.from_numpy(self._full_logits(rows[0] if len(rows) == 1 else np.concatenate(rows)))
         if hidden:
             return logits, torch.from_numpy(np.concatenate(hs))
         return logits
@@ -359,8 +435,8 @@ class LlamaCppEngine:
             for j in g:
                 seq, tokens, keep = items[j]
                 rows = []
+                self._fill_inputs(b, i, tokens)
                 for k, t in enumerate(tokens):
-                    b.token[i] = int(t)
                     b.pos[i] = seq.length + k
                     b.n_seq_id[i] = 1
                     b.seq_id[i][0] = seq.seq_id
@@ -378,8 +454,8 @@ class LlamaCppEngine:
             for j, rows in outs:
                 seq, tokens, keep = items[j]
                 seq.length += len(tokens)
-                logits = torch.from_numpy(np.stack([self._row(L.llama_get_logits_ith(self.ctx, r), self.vocab_size, r)
-                                                    for r in rows]))
+                logits = torch.from_numpy(self._full_logits(np.stack([self._row(L.llama_get_logits_ith(self.ctx, r),
+                                                                                self.n_out, r) for r in rows])))
                 if hidden:
                     hid = torch.from_numpy(np.stack([self._row(L.llama_get_embeddings_ith(self.ctx, r),
                                                                self.hidden_size, r) for r in rows]))
@@ -450,7 +526,8 @@ class LlamaCppEngine:
     def describe(self) -> dict:
         return {"engine": self.name, "model": self.path.name, "device": "cpu", "threads": self.threads,
                 "n_ctx": self.context_length, "n_seq": self.n_seq, "v_cache": self.v_cache, "lora": self.lora,
-                "extra_buffer_types": self.extra_bufts}
+                "extra_buffer_types": self.extra_bufts,
+                "head_rows": self.n_out}  # < vocab_size for a restricted (FR-Spec) draft
 
     def close(self) -> None:
         with self._busy:

@@ -73,7 +73,8 @@ def target_gguf(target: str) -> Path | None:
 
 def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "layers:0-3",
                   threads: int | None = None, embeddings: bool = False, target_format: str = "packaged",
-                  proposers: Sequence[str] | None = None, progress=None, n_seq: int = 1) -> EngineChoice:
+                  proposers: Sequence[str] | None = None, progress=None, n_seq: int = 1,
+                  draft_vocab=None) -> EngineChoice:
     """Resolve ``models.engine`` for a target.
 
     ``auto``: llama.cpp when the target is a GGUF (a built-in name or a ``.gguf`` path), the
@@ -82,7 +83,11 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
     draft (``layers:<spec>``) runs there too, from a GGUF of those blocks
     (:func:`decoder.models.gguf_export.derived_draft_gguf`, written once and cached). ``n_seq``:
     sequences each llama.cpp engine holds at once (``LlamaCppEngine(n_seq=...)``, serve's
-    ``serve.max_batch``); a torch choice ignores it.
+    ``serve.max_batch``); a torch choice ignores it. ``draft_vocab``: the FR-Spec restricted ids
+    ((V',) tensor, ``decoder.vocab.frequent_token_ids``; ``DecoderConfig.draft_vocab`` must be the
+    same) or None: a derived draft on llama.cpp is then the restricted GGUF of those ids
+    (:func:`decoder.models.gguf_export.restricted_draft_gguf`: a V'-row LM head, inputs fed as
+    embeddings), whose step costs a fraction of the full-head draft's (bench/RESULTS.md).
 
     ``target_format`` (``models.format``) picks the weight format a built-in target is served in on
     llama.cpp (:func:`decoder.models.formats.resolve_format`): ``"packaged"`` (this function's
@@ -125,7 +130,12 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
         from decoder.models.loading import parse_layers
 
         layers = parse_layers(draft.split(":", 1)[1], _block_count(tgt))
-        dr = LlamaCppEngine(derived_draft_gguf(gguf, layers), n_ctx=tgt.context_length, threads=threads, n_seq=n_seq)
+        path = derived_draft_gguf(gguf, layers)
+        if draft_vocab is not None:
+            from decoder.models.gguf_export import restricted_draft_gguf
+
+            path = restricted_draft_gguf(path, draft_vocab)
+        dr = LlamaCppEngine(path, n_ctx=tgt.context_length, threads=threads, n_seq=n_seq)
     elif draft == "self":  # its own context: one sequence per context
         dr = LlamaCppEngine(tgt.path, n_ctx=tgt.context_length, threads=threads, n_seq=n_seq)
     reason = ("asked for (models.engine=llamacpp)" if choice == "llamacpp"

@@ -829,3 +829,136 @@ def lora_gguf_cached(adapter_dir: Path, cache_dir: Path, base_gguf: Path) -> Pat
     if out.is_file():
         return out
     return lora_to_gguf(adapter_dir, out, base_gguf)
+
+
+# ---- FR-Spec restricted-vocabulary draft -------------------------------------------------------
+
+# Metadata of a restricted draft (restricted_draft_gguf); LlamaCppEngine reads them at load.
+RESTRICTED_FULL_VOCAB_KEY = "draftd.restricted.full_vocab"  # uint32: the full vocabulary V
+RESTRICTED_IDS_KEY = "draftd.restricted.ids_sha"  # str: sha256[:16] of the (V',) int64 id list's bytes
+RESTRICTED_EMBD_TYPE_KEY = "draftd.restricted.input_embd_type"  # uint32: ggml type of the sidecar table
+RESTRICTED_FORMAT_VERSION = 1  # in the file name: bumped when the bytes written for the same inputs change
+
+
+def restricted_sidecars(model_file: Path) -> tuple[Path, Path]:
+    """(ids file, input-embedding file) beside a restricted draft GGUF: ``{stem}.ids.npy``
+    ((V',) int64, the full-vocabulary id of each row) and ``{stem}.input-embd.npy`` ((V, row
+    bytes) uint8, the full ``token_embd`` of the draft it was cut from, in its ggml type)."""
+    model_file = Path(model_file)
+    return (model_file.with_name(model_file.stem + ".ids.npy"),
+            model_file.with_name(model_file.stem + ".input-embd.npy"))
+
+
+def ids_sha16(ids: np.ndarray) -> str:
+    """First 16 hex of sha256 of ``ids`` as little-endian int64 bytes (the restricted file's key)."""
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype="<i8").tobytes()).hexdigest()[:16]
+
+
+def restricted_draft_gguf(src: Path, ids, cache_dir: Path | None = None) -> Path:
+    """A draft GGUF whose vocabulary is the FR-Spec restricted ids (``decoder.vocab``): its
+    ``token_embd`` (and ``output`` when untied) hold only the rows ``ids`` of ``src``'s, in the
+    order of ``ids``, so llama.cpp's LM head computes V' logits instead of V.
+
+    llama.cpp's llama architecture creates ``token_embd`` and ``output`` with ``n_vocab`` rows, and
+    n_vocab is the length of ``tokenizer.ggml.tokens``: the tokenizer arrays (tokens, token types,
+    scores) are cut to ``ids`` too, and every ``tokenizer.ggml.*_token_id`` is renumbered to its
+    row in ``ids`` (dropped when that token is not kept); merges and everything else are copied.
+    The file's own vocabulary is not for tokenizing: the input of a row r's token is fed as an
+    embedding (``llama_batch.embd``), looked up from the full table of ``src``, which is written
+    beside the file (:func:`restricted_sidecars`) with the id list; :class:`decoder.engines.llamacpp.LlamaCppEngine`
+    finds both through the metadata :data:`RESTRICTED_FULL_VOCAB_KEY` / :data:`RESTRICTED_IDS_KEY`
+    and scatters row r's logit to id ``ids[r]`` (q = 0 elsewhere, as FR-Spec's mask).
+
+    Blocks, norms and their types are copied byte for byte, so a LoRA adapter of ``src``'s blocks
+    (:func:`lora_to_gguf`, which targets decoder layers only) applies unchanged. A split ``src``
+    keeps its offset-adapter keys: write the file in ``src``'s directory (the default) so the
+    adapter is found.
+
+    Written once: ``cache_dir`` (default: ``src``'s directory) /
+    ``{src.stem}-vocab{V'}-{ids_sha16}-r{RESTRICTED_FORMAT_VERSION}.gguf``, atomically.
+
+    Args:
+        src: a draft GGUF (:func:`derived_draft_gguf`), whose ``token_embd`` rows are whole blocks.
+        ids: (V',) distinct token ids of ``src``'s vocabulary (a torch tensor, numpy array or list).
+
+    Returns:
+        the restricted GGUF's path.
+
+    Raises:
+        ValueError: ids empty, repeated or out of range; ``src`` without ``token_embd`` or a
+            tokenizer token list.
+    """
+    import gguf
+
+    src = Path(src)
+    ids = np.asarray(ids.cpu().numpy() if hasattr(ids, "cpu") else ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0 or np.unique(ids).size != ids.size or ids.min() < 0:
+        raise ValueError(f"restricted_draft_gguf: need distinct non-negative token ids (got {ids.size} ids, "
+                         f"{ids.size - np.unique(ids).size} repeated)")
+    cache_dir = Path(cache_dir) if cache_dir is not None else src.parent
+    sha = ids_sha16(ids)
+    out = cache_dir / f"{src.stem}-vocab{ids.size}-{sha}-r{RESTRICTED_FORMAT_VERSION}.gguf"
+    ids_file, embd_file = restricted_sidecars(out)
+    if out.is_file() and ids_file.is_file() and embd_file.is_file():
+        return out
+    reader = gguf.GGUFReader(src, "r")
+    arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
+    tok_field = reader.get_field(gguf.Keys.Tokenizer.LIST)
+    tensors = {t.name: t for t in reader.tensors}
+    if tok_field is None or "token_embd.weight" not in tensors:
+        raise ValueError(f"{src}: need tokenizer.ggml.tokens and token_embd.weight to restrict the vocabulary")
+    n_vocab = len(tok_field.data)
+    if ids.max() >= n_vocab:
+        raise ValueError(f"restricted_draft_gguf: ids up to {int(ids.max())}, but {src.name} has {n_vocab} tokens")
+    emb = tensors["token_embd.weight"]
+    if emb.data.shape[0] != n_vocab:
+        raise ValueError(f"{src}: token_embd has {emb.data.shape[0]} rows, the vocabulary {n_vocab}")
+    pos = {int(t): r for r, t in enumerate(ids)}
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # sidecars first (the GGUF's presence is what the cache check trusts last)
+    for path, arr in ((ids_file, ids), (embd_file, np.ascontiguousarray(emb.data))):
+        tmp = _tmp_path(path)
+        try:
+            with open(tmp, "wb") as f:
+                np.save(f, arr)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    vocab_arrays = {gguf.Keys.Tokenizer.LIST, gguf.Keys.Tokenizer.TOKEN_TYPE, gguf.Keys.Tokenizer.SCORES}
+    vocab_size_key = gguf.Keys.LLM.VOCAB_SIZE.format(arch=arch)
+    with _atomic_writer(out, arch, endianess=reader.endianess) as writer:
+        writer.data_alignment = reader.alignment
+        for field in reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue
+            value, vtype, sub = _copy_value(field)
+            if field.name in vocab_arrays:
+                value = [value[i] for i in ids]
+            elif field.name.startswith("tokenizer.ggml.") and field.name.endswith("_token_id"):
+                if int(value) not in pos:
+                    continue  # a special token outside the kept ids: llama.cpp then uses none
+                value = pos[int(value)]
+            elif field.name == vocab_size_key:
+                value = int(ids.size)
+            writer.add_key_value(field.name, value, vtype, sub_type=sub)
+        writer.add_uint32(RESTRICTED_FULL_VOCAB_KEY, n_vocab)
+        writer.add_string(RESTRICTED_IDS_KEY, sha)
+        writer.add_uint32(RESTRICTED_EMBD_TYPE_KEY, int(emb.tensor_type))
+        cut = []
+        for name, t in tensors.items():
+            if name in ("token_embd.weight", "output.weight") and t.data.shape[0] == n_vocab:
+                cut.append((name, _Rows(t, ids)))
+            else:
+                cut.append((name, t))
+        _write_tensors(writer, cut, reader.endianess)
+    return out
+
+
+class _Rows:
+    """The rows ``ids`` of a GGUFReader tensor, shaped as :func:`_write_tensors` reads a tensor
+    (``data``: numpy rows, ``tensor_type``)."""
+
+    def __init__(self, t, ids: np.ndarray):
+        self.data = np.ascontiguousarray(t.data[ids])
+        self.tensor_type = t.tensor_type
