@@ -68,7 +68,7 @@ class DemoConfig:
     # FR-Spec (models.draft_vocab): the draft's head restricted to the N most frequent tokens, trained
     # and served alike (on llama.cpp as a restricted draft GGUF, gguf_export.restricted_draft_gguf);
     # training steps at 40 % of the full head's cost at the same gain per step (docs/training.md).
-    # None: models.draft_vocab when set, else 8192; 0: the full vocabulary
+    # None: models.draft_vocab when set (0: the full vocabulary), else 8192; 0: the full vocabulary
     draft_vocab: int | None = None
     # --heads: the feature-level head as a third proposer: v0 bootstrapped on the corpora (cached),
     # records carry hidden states, each round also distils the head (head_steps steps) and the
@@ -102,7 +102,8 @@ def demo_settings(settings, cfg: DemoConfig):
     """``settings`` with the demo's restricted draft head (``cfg.draft_vocab``; None: ``models.draft_vocab``
     when set, else :data:`DEMO_DRAFT_VOCAB`), which the bootstrap's cache key, the trainer and the
     decoder all read from them."""
-    dv = cfg.draft_vocab if cfg.draft_vocab is not None else (settings.models.draft_vocab or DEMO_DRAFT_VOCAB)
+    dv = cfg.draft_vocab if cfg.draft_vocab is not None else (
+        settings.models.draft_vocab if settings.models.draft_vocab is not None else DEMO_DRAFT_VOCAB)
     return settings.model_copy(update={"models": settings.models.model_copy(update={"draft_vocab": dv})})
 
 

@@ -48,6 +48,11 @@ LossName = Literal["forward_kl", "reverse_kl", "jsd", "tv"]
 WeightingName = Literal["all", "rejected", "upweight_rejected"]
 
 
+AUTO_DRAFT_VOCAB = 8192
+"""``models.draft_vocab`` unset: the draft's head restricted to this many most frequent tokens when
+the tokenizer has more than twice as many (:func:`effective_draft_vocab`)."""
+
+
 class _Group(BaseModel):
     """A settings group: unknown keys (a typo in the TOML or in DRAFTD_<GROUP>__<FIELD>) are errors."""
 
@@ -146,10 +151,11 @@ class ModelSettings(_Group):
                             "and verifications of 2-8 rows, cached) and chosen by expected goodput against plain decoding "
                             "of the packaged file (decoder.models.formats); packaged = the file the package ships; or a "
                             "llama.cpp format pinned (F16, Q8_0, ...). The draft stays derived from the packaged file.")
-    draft_vocab: int = Field(
-        0, ge=0,
+    draft_vocab: int | None = Field(
+        None, ge=0,
         description="FR-Spec: the draft's LM head restricted to the N most frequent tokens (decoder.vocab; 0 = the full "
-                    "vocabulary). The trainer trains and judges that head (about 3x faster steps at 8192 for a 4-layer "
+                    f"vocabulary; unset = {AUTO_DRAFT_VOCAB} when the tokenizer has more than {2 * AUTO_DRAFT_VOCAB} "
+                    "tokens, else the full vocabulary). The trainer trains and judges that head (about 3x faster steps at 8192 for a 4-layer "
                     "SmolLM2 draft). Serve its adapters with the same ids (the demo does; DecoderConfig.draft_vocab); "
                     "on llama.cpp the served draft is then a GGUF of those rows only (a step at about half the "
                     "full head's cost; bench/RESULTS.md).",
@@ -621,19 +627,31 @@ def distill_config(s: Settings) -> "DistillConfig":
     )
 
 
+def effective_draft_vocab(s: Settings, tokenizer: Any) -> int:
+    """``models.draft_vocab`` as served: the value when set; unset, :data:`AUTO_DRAFT_VOCAB` for a
+    tokenizer of more than twice as many tokens (SmolLM2's 49152: the draft's step at 0.15 of a
+    plain target step instead of 0.31, bench/RESULTS.md "The restricted draft GGUF"), else 0 (the
+    full vocabulary: a small vocabulary's head costs little)."""
+    if s.models.draft_vocab is not None:
+        return int(s.models.draft_vocab)
+    return AUTO_DRAFT_VOCAB if len(tokenizer) > 2 * AUTO_DRAFT_VOCAB else 0
+
+
 def draft_vocab_ids(s: Settings, tokenizer: Any) -> "torch.Tensor | None":
-    """The restricted draft vocabulary of ``models.draft_vocab`` (``decoder.vocab.frequent_token_ids``
-    over its built-in corpus, so ``daemonctl generate --draft-vocab N`` serves the same ids), or None.
+    """The restricted draft vocabulary of ``models.draft_vocab`` (:func:`effective_draft_vocab`;
+    ``decoder.vocab.frequent_token_ids`` over its built-in corpus, so ``daemonctl generate
+    --draft-vocab N`` serves the same ids), or None for the full vocabulary.
 
     Raises:
         ConfigError: ``models.draft_vocab`` exceeds the tokenizer's vocabulary.
     """
-    if not s.models.draft_vocab:
+    n = effective_draft_vocab(s, tokenizer)
+    if not n:
         return None
     from decoder.vocab import frequent_token_ids
 
     try:
-        return frequent_token_ids(tokenizer, s.models.draft_vocab)
+        return frequent_token_ids(tokenizer, n)
     except ValueError as e:  # checked before any counting
         raise ConfigError(f"models.draft_vocab (DRAFTD_MODELS__DRAFT_VOCAB): {e}; or 0 for the full vocabulary") from e
 

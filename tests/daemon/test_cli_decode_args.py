@@ -120,7 +120,7 @@ def test_demo_refuses_a_negative_draft_vocab_before_loading(monkeypatch):
 
 
 def test_the_demo_trains_and_serves_the_restricted_head_it_is_given():
-    """DemoConfig.draft_vocab: None takes models.draft_vocab when set, else 8192; 0 the full
+    """DemoConfig.draft_vocab: None takes models.draft_vocab when set (0 too), else 8192; 0 the full
     vocabulary; the demo's settings (what the bootstrap's cache key, the trainer and the decoder
     read) carry it."""
     from daemon.demo import DemoConfig, demo_settings
@@ -129,7 +129,8 @@ def test_the_demo_trains_and_serves_the_restricted_head_it_is_given():
     def effective(cfg, configured):
         return demo_settings(Settings(models={"draft_vocab": configured}), cfg).models.draft_vocab
 
-    assert effective(DemoConfig.quick(), 0) == 8192
+    assert effective(DemoConfig.quick(), None) == 8192
+    assert effective(DemoConfig.quick(), 0) == 0  # set to the full vocabulary
     assert effective(DemoConfig.quick(), 4096) == 4096
     assert effective(DemoConfig.quick(draft_vocab=0), 4096) == 0
     assert effective(DemoConfig.quick(draft_vocab=1024), 0) == 1024

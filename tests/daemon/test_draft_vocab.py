@@ -25,8 +25,28 @@ def _clean_env(monkeypatch):
             monkeypatch.delenv(k)
 
 
-def test_off_by_default():
-    assert draft_vocab_ids(load_settings(), char_tokenizer()) is None
+def test_unset_is_the_full_vocabulary_for_a_small_tokenizer_and_8192_for_a_large_one(monkeypatch):
+    from daemon.settings import AUTO_DRAFT_VOCAB, effective_draft_vocab
+
+    assert draft_vocab_ids(load_settings(), char_tokenizer()) is None  # 64 tokens: the full head
+    assert AUTO_DRAFT_VOCAB == 8192
+
+    class Sized:  # only its size is read
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+    s = load_settings()
+    assert s.models.draft_vocab is None
+    assert effective_draft_vocab(s, Sized(49152)) == 8192  # SmolLM2's vocabulary
+    assert effective_draft_vocab(s, Sized(16385)) == 8192
+    assert effective_draft_vocab(s, Sized(16384)) == 0  # not more than twice 8192
+    monkeypatch.setenv("DRAFTD_MODELS__DRAFT_VOCAB", "0")  # set: 0 is the full vocabulary, whatever the size
+    assert effective_draft_vocab(load_settings(), Sized(49152)) == 0
+    monkeypatch.setenv("DRAFTD_MODELS__DRAFT_VOCAB", "4096")
+    assert effective_draft_vocab(load_settings(), Sized(49152)) == 4096
 
 
 def test_ids_are_the_specials_and_the_most_frequent_characters(monkeypatch):
