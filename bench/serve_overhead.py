@@ -101,7 +101,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=10, help="prompts; each is served once per side")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--gamma", type=int, default=0, help="the requests' fixed γ (0: plain decoding)")
+    ap.add_argument("--gamma", type=int, default=0, help="the requests' fixed γ (0: plain decoding; -1: none, the "
+                    "goodput controller decides, from a cold start: its warm-up included)")
+    ap.add_argument("--sides", default="http,direct", help="which sides run (e.g. direct: the loop alone)")
     ap.add_argument("--workloads", default="prose,code,math")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -126,7 +128,7 @@ def main() -> None:
 
             def body(w: str, ids: list[int]) -> dict:
                 return {"prompt": ids, "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True,
-                        "gamma": a.gamma, "workload": w}
+                        "workload": w, **({"gamma": a.gamma} if a.gamma >= 0 else {})}
 
             def http(b: dict) -> dict:
                 c0 = time.process_time()
@@ -142,13 +144,17 @@ def main() -> None:
                 ticket = loop.submit(service.request_of(p), on_tokens=lambda ids: None)
                 res = ticket.result(timeout=600)
                 return {"tokens": len(res.output_ids), "wall_s": time.perf_counter() - t0,
-                        "cpu_s": time.process_time() - c0}
+                        "cpu_s": time.process_time() - c0, "proposer": res.proposer,
+                        "proposed": sum(st.proposed for st in res.steps), "steps": len(res.steps),
+                        "why": (ticket.decision or {}).get("why")}
 
-            http(body(workloads[0], [1, 2, 3, 4]))  # first-request allocations, both sides: not measured
-            direct(body(workloads[0], [1, 2, 3, 4]))
+            sides = [x for x in a.sides.split(",") if x]
+            if "http" in sides:  # first-request allocations, both sides: not measured
+                http(body("default", [1, 2, 3, 4]))
+            direct(body("default", [1, 2, 3, 4]))
             for i, (w, ids) in enumerate(prompts):
                 order = [("http", http), ("direct", direct)] if i % 2 == 0 else [("direct", direct), ("http", http)]
-                for name, fn in order:
+                for name, fn in [o for o in order if o[0] in sides]:
                     r = fn(body(w, ids))
                     r["load1"] = os.getloadavg()[0]
                     rows[name].append(r)
@@ -164,11 +170,12 @@ def main() -> None:
            "engine_threads": settings.models.engine_threads, "format": settings.models.format,
            "loadavg_1m": [round(min(r["load1"] for v in rows.values() for r in v), 2),
                           round(max(r["load1"] for v in rows.values() for r in v), 2)], "sides": {}}
-    for name, rs in rows.items():
-        out["sides"][name] = {"cpu_ms_per_token_median": round(statistics.median(1e3 * r["cpu_s"] / r["tokens"] for r in rs), 3),
+    for name, rs in [(k, v) for k, v in rows.items() if v]:
+        out["sides"][name] = {"cpu_ms_per_token_all": round(1e3 * sum(r["cpu_s"] for r in rs) / sum(r["tokens"] for r in rs), 3),
+                              "tokens_per_s_all": round(sum(r["tokens"] for r in rs) / sum(r["wall_s"] for r in rs), 2),"cpu_ms_per_token_median": round(statistics.median(1e3 * r["cpu_s"] / r["tokens"] for r in rs), 3),
                               "wall_ms_per_token_median": round(statistics.median(1e3 * r["wall_s"] / r["tokens"] for r in rs), 3),
                               "tokens_per_s_median": round(statistics.median(r["tokens"] / r["wall_s"] for r in rs), 1)}
-    for k in ("cpu_s", "wall_s"):
+    for k in ("cpu_s", "wall_s") if rows["http"] and rows["direct"] else ():
         d = [1e3 * (h[k] / h["tokens"] - g[k] / g["tokens"]) for h, g in zip(rows["http"], rows["direct"])]
         lo, hi = boot_ci(d)
         out[f"http_minus_direct_{k[:-2]}_ms_per_token"] = {"mean": round(statistics.fmean(d), 3),
