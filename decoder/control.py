@@ -47,6 +47,8 @@ class ControllerConfig:
         speculating, γ = the best speculative candidate when off, or a γ never measured.
     useless_alpha: below this α the "off" reason says the draft is useless.
     min_steps: steps of γ = 0 and of γ >= 1 measured before the choice is trusted (warm-up; >= 1).
+        A warm-up request runs what it measures for this many steps, then moves on
+        (:meth:`GoodputController.after_warm_up`), not for its whole length.
     proposers: the proposers the controller chooses among (:mod:`decoder.proposers`): "draft"
         (the draft model, modelled by α), "ngram" and "eagle" (the feature-level head,
         ``decoder.eagle``; the decoder needs one: ``build_serving_loop(eagle_head=...)``), both
