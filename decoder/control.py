@@ -700,8 +700,8 @@ class GoodputController:
                     return None  # still measuring what this request runs
                 if name == "plain" or (s.verify_ms[0].n if 0 in s.verify_ms else 0) < c.min_steps:
                     return 0, "then measuring plain decoding", True
-            if proposer is None:
-                return None
+            if proposer is None:  # a plain warm-up request (no proposer to return to): done measuring
+                return (0, "then plain decoding", False) if warm is None and gamma == 0 else None
             best = self._best_gamma_for(self._evaluate(s, 1), proposer, c.gamma_max)
             if best is None:
                 return None

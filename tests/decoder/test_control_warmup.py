@@ -95,3 +95,16 @@ def test_a_plain_warm_up_request_keeps_plain_until_it_is_measured():
     gammas = run(pol, clock, 5, useless_draft)
     assert gammas == [0, 0, 0, 0, 0]
     assert pol.decision["why"] == "warm-up: measuring plain decoding; then plain decoding, which beats draft"
+
+
+def test_a_plain_warm_up_request_without_a_proposer_stops_warming_once_plain_is_measured():
+    """Several proposers: plain's warm-up request has no proposer; once plain is measured it
+    stays plain and says so (no re-check every step)."""
+    clock = Clock()
+    ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=2, min_steps=2, proposers=("ngram",)),
+                            clock=clock)
+    run(ctl.policy_for(KEY), clock, 2, perfect_draft)  # ngram's 2 steps, nothing more
+    pol = ctl.policy_for(KEY)
+    assert run(pol, clock, 4, useless_draft) == [0, 0, 0, 0]
+    assert pol.decision["why"] == "warm-up: measuring plain decoding; then plain decoding"
+    assert pol._warming is False
