@@ -43,7 +43,8 @@ with a fixed ``max_tokens``, streamed ``/v1/completions``, a closed loop of N cl
   adapters), when it is cached (serve writes it at its start); else skipped, with the reason.
 
 Client counts run in order; at each, draftd first, then every llama-server configuration (a
-fresh process per configuration and count, warmed by one short request). Per configuration and
+fresh process per configuration and count, warmed by one short request, and by `--warmup` unmeasured
+prompts per workload: every server process alike, draftd once). Per configuration and
 count: output tokens/s (all requests' output tokens over the wall time of the load), time to
 first token, inter-token latency (ITL: gaps between consecutive streamed chunks with text, as
 vLLM's benchmark_serving: a chunk of k speculated tokens is one gap) and time per output token
@@ -264,9 +265,11 @@ def stream_once(oc, model: str, ids: list[int], max_tokens: int, extra_body: dic
     return tl
 
 
-def peer_load(base_url: str, per_client: list[list], max_tokens: int, draftd: bool) -> dict:
+def peer_load(base_url: str, per_client: list[list], max_tokens: int, draftd: bool, warm: list | None = None) -> dict:
     """Closed-loop load on ``base_url`` (``…/v1``): one thread per client, each streaming its
-    prompts one after another; :func:`timeline_stats` of it plus the load average around it."""
+    prompts one after another; :func:`timeline_stats` of it plus the load average around it.
+    ``warm``: ``(workload, ids)`` prompts streamed first, one at a time, with the same
+    ``max_tokens``, not measured (a server process's warm-up: the same for every side)."""
     import openai
 
     oc0 = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
@@ -275,9 +278,13 @@ def peer_load(base_url: str, per_client: list[list], max_tokens: int, draftd: bo
     def body(w: str) -> dict:
         return {"ignore_eos": True, **({"workload": w} if draftd else {})}
 
-    warm = stream_once(oc0, model, [1, 2, 3, 4], 4, body("default"))  # first-request allocations, not measured
+    warm_prompts, warm = warm, stream_once(oc0, model, [1, 2, 3, 4], 4, body("default"))  # first-request allocations, not measured
     if warm["error"]:
         return {"error": f"warm-up request failed: {warm['error']}"}
+    for w, ids in warm_prompts or []:
+        tl = stream_once(oc0, model, ids, max_tokens, body(w))
+        if tl["error"]:
+            return {"error": f"warm-up request failed: {tl['error']}"}
     timelines: list[dict] = []
     lock = threading.Lock()
 
@@ -382,8 +389,10 @@ def peer_main(a) -> None:
     from decoder.workloads import EVAL_RESERVED_PROMPTS
 
     per_workload = -(-need // len(workloads))
-    prompts = peer_prompts(tok, workloads, per_workload)
-    cells = cell_prompts(prompts, clients_list, a.requests)
+    prompts = peer_prompts(tok, workloads, per_workload + a.warmup)
+    # the warm-up prompts: the last a.warmup of each workload, after every measured one
+    warm = [p for p in prompts[len(workloads) * per_workload:]] if a.warmup else []
+    cells = cell_prompts(prompts[: len(workloads) * per_workload], clients_list, a.requests)
 
     configs = [c for c in a.configs.split(",") if c]
     llama = any(c.startswith("llama") for c in configs)
@@ -393,7 +402,11 @@ def peer_main(a) -> None:
         [t for t in types if t.startswith("ngram") and t != "ngram-cache"]
     result = {"mode": "peer", "host": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "threads": threads, "clients": clients_list, "requests_per_client": a.requests,
-              "max_tokens": a.max_tokens, "workloads": workloads, "greedy": True, "format": fmt,
+              "max_tokens": a.max_tokens, "workloads": workloads, "warmup_per_workload": a.warmup,
+              "warmup_note": "every server process streams the same warm-up prompts (--warmup per workload, "
+                             "max_tokens each, one at a time, unmeasured) before its first measured cell: "
+                             "draftd once (one process), each llama-server process (one per configuration "
+                             "and count) once", "greedy": True, "format": fmt,
               "target_gguf": str(target), "llama_cpp_python": peers.pinned_version(), "llama_server": str(binary),
               "llama_spec_types": types or None, "skipped": {}, "commands": {},
               "prompts_per_workload": per_workload,
@@ -440,7 +453,8 @@ def peer_main(a) -> None:
         for n in clients_list:
             if "draftd" in configs:
                 say(f"{n} client(s): draftd")
-                table[n]["draftd"] = peer_load(durl, cells[n], a.max_tokens, draftd=True)
+                table[n]["draftd"] = peer_load(durl, cells[n], a.max_tokens, draftd=True,
+                                               warm=warm if n == clients_list[0] else None)
                 say(f"  {json.dumps({k: table[n]['draftd'].get(k) for k in ('tokens_per_s', 'failures', 'ttft_ms', 'itl_ms')})}")
                 partial()
             runs = []
@@ -463,7 +477,7 @@ def peer_main(a) -> None:
                 say(f"{n} client(s): {name}")
                 try:
                     with peers.running(cmd, p, logs / f"{name}-{n}.log", timeout_s=300) as url:
-                        table[n][name] = peer_load(url + "/v1", cells[n], a.max_tokens, draftd=False)
+                        table[n][name] = peer_load(url + "/v1", cells[n], a.max_tokens, draftd=False, warm=warm)
                 except RuntimeError as e:
                     table[n][name] = {"error": str(e)[:1500]}
                 say(f"  {json.dumps({k: table[n][name].get(k) for k in ('tokens_per_s', 'failures', 'ttft_ms', 'itl_ms', 'error')})}")
@@ -502,6 +516,8 @@ def main() -> None:
     ap.add_argument("--format", default="packaged", help="--peer: weight format on both sides (packaged: the Q4_1 "
                     "file; or a llama.cpp format the packaged file is requantised to, e.g. BF16)")
     ap.add_argument("--out", default=None, help="--peer: also write the JSON here, after every cell (partial runs keep their cells)")
+    ap.add_argument("--warmup", type=int, default=0, help="--peer: unmeasured warm-up prompts per workload that "
+                    "every server process streams before it is measured (the same for every side)")
     ap.add_argument("--draftd-max-batch", type=int, default=None, help="--peer: serve.max_batch (default: serve's)")
     a = ap.parse_args()
     if a.peer:

@@ -1176,6 +1176,14 @@ class InferenceService:
             if p.kind == "chat":
                 yield sse(self._chunk(p, rid, created, "", role=True))
             while True:
+                if not events.empty():  # tokens already queued (several steps while this stream was
+                    # busy, or another's): one chunk for all of them, without a waiter task per step
+                    c = chunk(_drain(events, []))
+                    if c is not None:
+                        yield sse(c)
+                    continue
+                if fut.done():
+                    break
                 getter = asyncio.ensure_future(events.get())
                 while True:  # polled: a shutdown past the drain grace must end the stream too
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -1194,14 +1202,14 @@ class InferenceService:
                         yield "data: [DONE]\n\n"
                         return
                 if getter in done:
-                    c = chunk(getter.result())
+                    c = chunk(_drain(events, list(getter.result())))
                     if c is not None:
                         yield sse(c)
                     continue
                 getter.cancel()
                 break
-            while not events.empty():  # tokens queued before the result (FIFO callbacks)
-                c = chunk(events.get_nowait())
+            if not events.empty():  # tokens queued before the result (FIFO callbacks)
+                c = chunk(_drain(events, []))
                 if c is not None:
                     yield sse(c)
             try:
@@ -1223,6 +1231,13 @@ class InferenceService:
         finally:
             if not fut.done():
                 ticket.cancel()  # the client went away: stop at the next step
+
+
+def _drain(events: asyncio.Queue, ids: list[int]) -> list[int]:
+    """``ids`` extended by every id list already in ``events`` (emission order), without waiting."""
+    while not events.empty():
+        ids.extend(events.get_nowait())
+    return ids
 
 
 # ---- running it --------------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ class ControllerConfig:
         speculating, γ = the best speculative candidate when off, or a γ never measured.
     useless_alpha: below this α the "off" reason says the draft is useless.
     min_steps: steps of γ = 0 and of γ >= 1 measured before the choice is trusted (warm-up; >= 1).
+        A warm-up request runs what it measures for this many steps, then moves on
+        (:meth:`GoodputController.after_warm_up`), not for its whole length.
     proposers: the proposers the controller chooses among (:mod:`decoder.proposers`): "draft"
         (the draft model, modelled by α), "ngram" and "eagle" (the feature-level head,
         ``decoder.eagle``; the decoder needs one: ``build_serving_loop(eagle_head=...)``), both
@@ -676,6 +678,36 @@ class GoodputController:
         g = max(rates, key=rates.get)
         return g if rates[g] > plain else 0
 
+    def after_warm_up(self, key: Key, proposer: str | None, gamma: int) -> tuple[int, str, bool] | None:
+        """What the rest of a warm-up request of ``key`` runs at once the configuration it
+        measures (``proposer`` at ``gamma``, or plain decoding when ``gamma`` is 0) has its
+        ``min_steps`` steps: ``(γ, why, still_warming)`` (``why`` continues the warm-up's own
+        reason), or None to keep ``gamma``. A request
+        cannot change its proposer, so: plain decoding (γ = 0) while plain is still unmeasured
+        (``still_warming``: it measures); else ``proposer``'s best γ (0 where plain beats each)
+        once the estimates can say; else None. Without this, every warm-up configuration ran a
+        whole request: a base draft at γ = 4 that none of its proposals passed served 64 tokens at
+        about 0.4x plain (bench/RESULTS.md, "draftd serve against llama-server")."""
+        c = self.config
+        with self._lock:
+            s = self._keys.get(key)
+            if s is None:
+                return None
+            warm = self._warm_up(s)
+            if warm is not None:
+                (name, g), why = warm
+                if (name == "plain" and gamma == 0) or (name == proposer and g == gamma):
+                    return None  # still measuring what this request runs
+                if name == "plain" or (s.verify_ms[0].n if 0 in s.verify_ms else 0) < c.min_steps:
+                    return 0, "then measuring plain decoding", True
+            if proposer is None:  # a plain warm-up request (no proposer to return to): done measuring
+                return (0, "then plain decoding", False) if warm is None and gamma == 0 else None
+            best = self._best_gamma_for(self._evaluate(s, 1), proposer, c.gamma_max)
+            if best is None:
+                return None
+            return best, (f"then {proposer} γ={best}, its best" if best else
+                          f"then plain decoding, which beats {proposer}"), False
+
     def batch_gamma(self, key: Key, proposer: str, batch: int, cap: int) -> int:
         """γ for the next step of a request of ``key`` served by ``proposer`` in a fused step of
         ``batch`` requests: the proposer's best γ <= ``cap`` (the request's own γ) at that batch
@@ -761,6 +793,9 @@ class ControlledGamma:
         self._batch = 1  # requests in the fused step of the step under way
         self._steps = 0
         self._by_batch: dict[int, tuple[int, int]] = {}  # batch size -> (γ there, step it was read at)
+        self._warming = False  # a warm-up request: after min_steps steps it may move on (after_warm_up)
+        self._warm_proposer: str | None = None  # the proposer the request started with (it cannot change)
+        self._warm_why = ""  # the warm-up's own reason
         self.decision: dict[str, Any] | None = None
         self.batch_size: Callable[[], int] = routed_batch_size  # requests decoding together now
 
@@ -770,14 +805,26 @@ class ControlledGamma:
         warm-up's γ stay: they measure); ``batch_size()`` says B."""
         if self._gamma is None:
             self._gamma, self.decision = self.controller._choose(self.key)
+            self._warming = str(self.decision.get("why", "")).startswith("warm-up")
+            self._warm_proposer = self.decision.get("proposer")
+            self._warm_why = str(self.decision.get("why", ""))
         now = self.controller.clock()
         b = self.batch_size()
         if self._asked is not None and self._modelled is not None:
             # gamma() to gamma(): the whole previous step, loop bookkeeping and cache crops included
             self.controller.observe_overhead(self.key, (now - self._asked) * 1e3 - self._modelled, self._batch)
         self._asked, self._modelled, self._batch = now, None, b
-        g = self._gamma
         self._steps += 1
+        if self._warming and self._steps > self.controller.config.min_steps:
+            nxt = self.controller.after_warm_up(self.key, self.decision.get("proposer") or self._warm_proposer, self._gamma)
+            if nxt is not None:
+                g, why, self._warming = nxt
+                self._warm_proposer = self._warm_proposer or self.decision.get("proposer")
+                self._gamma = g
+                why = f"{self._warm_why}; {why}"  # still says it was a warm-up request, and what it ran after
+                self.decision = {**self.decision, "gamma": g, "speculate": g > 0, "probe": self._warming, "why": why,
+                                 "proposer": self._warm_proposer if g else None}
+        g = self._gamma
         if b > 1 and g > 0 and not self.decision.get("probe"):
             hit = self._by_batch.get(b)
             if hit is None or self._steps - hit[1] >= self.REFRESH_STEPS:

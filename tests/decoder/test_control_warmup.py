@@ -1,0 +1,110 @@
+"""A warm-up request moves on once what it measures has ``min_steps`` steps
+(:meth:`GoodputController.after_warm_up`): plain decoding while plain is unmeasured, then its
+proposer's best γ; it never switches proposer."""
+
+from __future__ import annotations
+
+from decoder.control import ControllerConfig, GoodputController
+from decoder.metrics import StepStats
+
+KEY = ("prose", "greedy")
+
+
+class Clock:
+    """A clock the test advances by each step's modelled time (no overhead outside the steps)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def run(pol, clock: Clock, steps: int, step_of) -> list[int]:
+    """γ of ``steps`` steps of one request; ``step_of(γ)`` is the StepStats each reports."""
+    gammas = []
+    for _ in range(steps):
+        g = pol.gamma()
+        gammas.append(g)
+        st = step_of(g)
+        clock.t += (st.draft_ms + st.verify_ms) / 1e3
+        pol.update(st)
+    return gammas
+
+
+def useless_draft(g: int) -> StepStats:
+    """A draft step of γ = g none of whose proposals pass (α = 0), 2 ms per proposal, verify
+    10 + g ms; γ = 0 is a 10 ms plain step."""
+    return StepStats(g, 0, 1, 0 if g else -1, 0.0, 2.0 * g, 10.0 + g)
+
+
+def perfect_draft(g: int) -> StepStats:
+    """Every proposal passes (α = 1), 0.5 ms per proposal, verify 10 + g ms."""
+    return StepStats(g, g, g + 1, -1, float(g), 0.5 * g, 10.0 + g)
+
+
+def test_a_useless_draft_warms_up_for_min_steps_then_plain_is_measured_then_plain_serves():
+    clock = Clock()
+    ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=3, min_steps=2), clock=clock)
+    pol = ctl.policy_for(KEY)
+    gammas = run(pol, clock, 8, useless_draft)
+    # 2 draft steps at gamma_init, 2 plain steps (plain unmeasured), then the draft's best γ at
+    # these costs: α = 0 so every γ > 0 is slower than plain -> 0
+    assert gammas == [3, 3, 0, 0, 0, 0, 0, 0]
+    assert pol.decision["why"] == ("warm-up: measuring α and draft cost at γ=3; "
+                                   "then plain decoding, which beats draft")
+    assert pol.decision["probe"] is False and pol.decision["speculate"] is False
+    # the key is warm: the next request is not a warm-up
+    nxt = ctl.policy_for(KEY)
+    assert nxt.gamma() == 0 and not nxt.decision["why"].startswith("warm-up")
+
+
+def test_a_perfect_draft_returns_to_its_best_gamma_after_plain_is_measured():
+    clock = Clock()
+    ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=3, min_steps=2), clock=clock)
+    pol = ctl.policy_for(KEY)
+    gammas = run(pol, clock, 7, perfect_draft)
+    assert gammas[:4] == [3, 3, 0, 0]
+    # then the draft again at its best γ <= gamma_max: α = 1, cost 0.5 g + 10 + g per g + 1 tokens
+    # (verify costs for γ it never ran come from the line through the measured (1, 10) and (4, 13))
+    rate = {g: (g + 1) / (0.5 * g + 10.0 + g) for g in range(1, 5)}
+    best = max(rate, key=rate.get)
+    assert gammas[4:] == [best] * 3 and best == 4
+    assert pol.decision["proposer"] == "draft" and pol.decision["why"].endswith(f"; then draft γ={best}, its best")
+
+
+def test_a_request_never_switches_proposer_mid_warm_up():
+    """ngram warms up first; once it has its steps and plain is measured, the request runs
+    ngram's best γ, not the draft (still cold: the next request measures it)."""
+    clock = Clock()
+    ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=2, min_steps=2, proposers=("ngram", "draft")),
+                            clock=clock)
+    pol = ctl.policy_for(KEY)
+    gammas = run(pol, clock, 6, perfect_draft)
+    assert gammas[:4] == [2, 2, 0, 0]
+    assert gammas[4] > 0 and pol.decision["proposer"] == "ngram"
+    nxt = ctl.policy_for(KEY)
+    assert nxt.gamma() == 2 and nxt.decision["why"] == "warm-up: measuring draft at γ=2"
+
+
+def test_a_plain_warm_up_request_keeps_plain_until_it_is_measured():
+    clock = Clock()
+    ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=3, min_steps=2), clock=clock)
+    run(ctl.policy_for(KEY), clock, 2, useless_draft)  # a short first request: the draft's 2 steps only
+    pol = ctl.policy_for(KEY)
+    gammas = run(pol, clock, 5, useless_draft)
+    assert gammas == [0, 0, 0, 0, 0]
+    assert pol.decision["why"] == "warm-up: measuring plain decoding; then plain decoding, which beats draft"
+
+
+def test_a_plain_warm_up_request_without_a_proposer_stops_warming_once_plain_is_measured():
+    """Several proposers: plain's warm-up request has no proposer; once plain is measured it
+    stays plain and says so (no re-check every step)."""
+    clock = Clock()
+    ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=2, min_steps=2, proposers=("ngram",)),
+                            clock=clock)
+    run(ctl.policy_for(KEY), clock, 2, perfect_draft)  # ngram's 2 steps, nothing more
+    pol = ctl.policy_for(KEY)
+    assert run(pol, clock, 4, useless_draft) == [0, 0, 0, 0]
+    assert pol.decision["why"] == "warm-up: measuring plain decoding; then plain decoding"
+    assert pol._warming is False
