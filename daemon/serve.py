@@ -121,7 +121,10 @@ def _number(body: dict, name: str, default: float, lo: float | None = None, hi: 
     return float(v)
 
 
-def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None,
+         what: str | None = None) -> int | None:
+    """``body[name]`` as an int (an integral float accepted), ``default`` when absent; a 400 naming
+    ``name`` when not an integer or outside [lo, hi] (``what`` names the range, both ends quoted)."""
     v = body.get(name)
     if v is None:
         return default
@@ -130,6 +133,8 @@ def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: 
             v = int(v)
         else:
             raise _bad(name, f"{v!r} is not an integer", "invalid_type")
+    if what is not None and not (lo <= v <= hi):
+        raise _bad(name, f"{v} is out of range: {what}, {lo} to {hi}")
     if lo is not None and v < lo:
         raise _bad(name, f"{v} must be >= {lo}")
     if hi is not None and v > hi:
@@ -461,7 +466,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
     top_k = _int(body, "top_k", 0, lo=-1)
     logprobs = _logprobs(body, kind)
     gamma = _int(body, "gamma", None, lo=0, hi=MAX_GAMMA)
-    seed = _int(body, "seed", None, lo=-(2**63), hi=2**63 - 1)
+    seed = _int(body, "seed", None, lo=-(2**63), hi=2**63 - 1, what="a signed 64-bit integer")
     return Parsed(
         kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, lo=0.0),
