@@ -559,6 +559,65 @@ def test_a_long_prompt_prefilled_under_the_step_token_budget_and_its_batch_mates
         assert got[r.request_id].output_ids == plain[r.request_id], r.request_id
 
 
+def _mates_running(loop, tok, stop: threading.Event, seed: int) -> threading.Thread:
+    """A client that keeps submitting greedy batch mates of changing lengths, γ and proposers
+    until ``stop``: each joins the running batch at a step boundary and leaves when done."""
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest
+
+    def run():
+        j = seed
+        while not stop.is_set():
+            ids = tok(f"Count from {j % 7 + 1} to {j % 7 + 9}:")["input_ids"]
+            loop.submit(DecodeRequest(ids, SamplingParams(), 3 + (5 * j) % 17, gamma=j % 4,
+                                      proposer=("ngram", "draft")[j % 2])).result(600)
+            j += 1
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_sampled_requests_whose_batch_mates_change_draw_exactly_their_batch_1_tokens(real):
+    """T = 1 with the draft (γ = 2), six seeds, each served alone (batch 1) and then again while two
+    clients keep batch mates joining and leaving (different lengths, γ and proposers) on a loop of
+    max_batch 3: every seed's tokens are the same, so the distribution of a request's tokens does
+    not depend on its batch mates (a T = 1 chi-square at 300 seeds took 9 s a request on this
+    2-core host, 45 minutes; the per-seed identity is the stronger check)."""
+    from decoder.engines.registry import choose_engine
+    from decoder.loop import LoopConfig, build_serving_loop
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest
+
+    tok = real.tokenizer
+    ch = choose_engine("llamacpp", "smollm2-135m", draft="layers:0-3", threads=2, n_seq=3)
+    loop = build_serving_loop(real.target, real.draft, tok, engine=ch.target, draft_engine=ch.draft,
+                              config=LoopConfig(max_batch=3), proposers=("ngram", "draft"))
+    assert loop.batching is not None, loop.batch_why
+    ids = tok("My favourite animal is the")["input_ids"]
+    req = lambda s: DecodeRequest(ids, SamplingParams(1.0, seed=s), 12, gamma=2, proposer="draft",  # noqa: E731
+                                  ignore_eos=True)
+    seeds = range(6)
+    with loop:
+        alone = {s: loop.generate(req(s), timeout=600).output_ids for s in seeds}
+        before = dict(loop.status()["batch"]["by_sequences"])
+        stop = threading.Event()
+        mates = [_mates_running(loop, tok, stop, k) for k in (0, 5)]
+        try:
+            together = {s: loop.generate(req(s), timeout=600).output_ids for s in seeds}
+        finally:
+            stop.set()
+            for m in mates:
+                m.join(600)
+        after = loop.status()["batch"]["by_sequences"]
+    assert together == alone
+    assert len({tuple(v) for v in alone.values()}) > 1  # the seeds drew differently: sampling ran
+    assert sum(int(after.get(k, 0)) - int(before.get(k, 0)) for k in after if int(k) >= 2) > 0, (before, after)
+
+
 @needs_llamacpp
 @pytest.mark.slow
 def test_logprobs_served_in_a_batch_are_the_engines_own_scores(real):
