@@ -121,7 +121,10 @@ def _number(body: dict, name: str, default: float, lo: float | None = None, hi: 
     return float(v)
 
 
-def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None,
+         what: str | None = None) -> int | None:
+    """``body[name]`` as an int (an integral float accepted), ``default`` when absent; a 400 naming
+    ``name`` when not an integer or outside [lo, hi] (``what`` names the range, both ends quoted)."""
     v = body.get(name)
     if v is None:
         return default
@@ -130,6 +133,8 @@ def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: 
             v = int(v)
         else:
             raise _bad(name, f"{v!r} is not an integer", "invalid_type")
+    if what is not None and not (lo <= v <= hi):
+        raise _bad(name, f"{v} is out of range: {what}, {lo} to {hi}")
     if lo is not None and v < lo:
         raise _bad(name, f"{v} must be >= {lo}")
     if hi is not None and v > hi:
@@ -461,7 +466,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
     top_k = _int(body, "top_k", 0, lo=-1)
     logprobs = _logprobs(body, kind)
     gamma = _int(body, "gamma", None, lo=0, hi=MAX_GAMMA)
-    seed = _int(body, "seed", None, lo=-(2**63), hi=2**63 - 1)
+    seed = _int(body, "seed", None, lo=-(2**63), hi=2**63 - 1, what="a signed 64-bit integer")
     return Parsed(
         kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, lo=0.0),
@@ -1062,6 +1067,21 @@ class InferenceService:
                              f"(serve.request_timeout_s) while {where}; lower max_tokens, shorten the prompt, or "
                              f"retry when the server is less busy", code="request_timeout", type_="timeout_error")
 
+    def _cancelled_error(self, ticket, deadline: float | None) -> ApiError:
+        """The error for a non-streamed request the server cancelled mid-decode (its result has
+        ``finish_reason == "cancelled"`` and partial text, never served as a 200): past its time
+        budget a 408 (:meth:`_timeout`), at shutdown a 503 ``draining``, otherwise a 503
+        ``cancelled``."""
+        if deadline is not None and time.monotonic() >= deadline:
+            return self._timeout(ticket)
+        if self.loop.draining or self._abandoned.is_set():
+            grace = "" if self.drain_grace_s is None else f" = {self.drain_grace_s:g} s"
+            return ApiError(503, f"the server shut down before this request finished: it was cancelled mid-decode "
+                                 f"after the drain grace (serve.drain_grace_s{grace}, DRAFTD_SERVE__DRAIN_GRACE_S); "
+                                 f"retry it on another instance", code="draining", type_="service_unavailable")
+        return ApiError(503, "the request was cancelled by the server before it finished; retry it",
+                        code="cancelled", type_="service_unavailable")
+
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "draftd",
                 "root": self.model, "parent": None, "max_model_len": self.context_len}
@@ -1109,6 +1129,8 @@ class InferenceService:
                 raise ApiError(503, str(e), code="cancelled", type_="service_unavailable") from e
             except ValueError as e:
                 raise ApiError(400, str(e), code="invalid_request") from e
+            if res.finish_reason == "cancelled":  # stopped mid-decode by the server: its text is not a completion
+                raise self._cancelled_error(ticket, deadline)
             ts = TextStream(self.tokenizer, p.stop)
             ts.feed(res.output_ids)
             return self._full_response(p, rid, created, ts.text(), res, ticket)
@@ -1217,6 +1239,10 @@ class InferenceService:
             except (Cancelled, ValueError) as e:
                 err = ApiError(400 if isinstance(e, ValueError) else 503, str(e))
                 yield sse(err.body())
+                yield "data: [DONE]\n\n"
+                return
+            if res.finish_reason == "cancelled":  # the text sent so far is not a completion: an error event ends it
+                yield sse(self._cancelled_error(ticket, deadline).body())
                 yield "data: [DONE]\n\n"
                 return
             rest = ts.finish()
@@ -1471,9 +1497,10 @@ def run_serve(settings, console=None) -> int:
         while not stop.wait(0.5):
             pass
         log.info("serve_draining", grace_s=sv.drain_grace_s, queued=loop.queue_depth)
+        service.drain_grace_s = sv.drain_grace_s  # named in the 503 of a request cancelled past it
         drained = loop.drain(sv.drain_grace_s, cut)  # past the grace (or a second signal) it cancels what is left
         if not drained:
-            _settle(loop, 1.0)  # a cancelled request usually stops within a step: its client gets what it has
+            _settle(loop, 1.0)  # a cancelled request usually stops within a step: its client gets its 503
             service.abandon(sv.drain_grace_s)  # whoever still waits is answered now, not cancelled by uvicorn
             if not _settle(loop, 30.0):
                 log.warning("serve_decoder_still_busy", waited_s=30.0)

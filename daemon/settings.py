@@ -359,7 +359,8 @@ class ServeSettings(_Group):
                                    "reads the 413).")
     drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM in-flight and queued requests get this long to finish "
                                  "(new ones get 503); then what is left is cancelled, a client still waiting gets its "
-                                 "partial completion (finish_reason abort) or a 503 naming this setting, and serve exits.")
+                                 "503 (draining) naming this setting (a stream: an error event after what it was sent), never "
+                                 "its partial text as a completion, and serve exits.")
     heartbeat_s: float = Field(5.0, gt=0, description="How often the server writes its heartbeat to Redis (daemonctl status lists it).")
     speculation: bool = Field(True, description="false = plain decoding for every request (the baseline serve_bench compares with).")
     check_plain_every: int = Field(0, ge=0, description="Also decode every N-th greedy request plainly to report matches_plain (0 = never).")

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 import torch
 
 # Residual masses at or below this are treated as zero (p == q up to float rounding): sample from p.
@@ -323,6 +325,39 @@ def expected_tokens_per_step(a: float, gamma: int) -> float:
     if a >= 1.0 - 1e-12:
         return float(gamma + 1)
     return (1 - a ** (gamma + 1)) / (1 - a)
+
+
+_STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState) in torch 2.x
+_MT_WORDS_AT = 24  # torch 2.x CPU generator state: u64 initial seed, i32 left, i32 seeded, u64 next, then u64 state[624]
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A CPU generator whose stream is a function of the whole signed 64-bit ``seed``.
+
+    torch's CPU generator (mt19937) keeps a seed's low 32 bits, so seeds equal modulo 2^32 (1 and
+    1 + 2^32; -1 and 2^63 - 1) drew alike. A seed in [0, 2^32) is seeded as torch seeds it (its
+    streams unchanged); any other is taken as its 64-bit two's complement, split into two 32-bit
+    words and fed to mt19937's ``init_by_array`` (as numpy's legacy ``RandomState`` seeds from an
+    array), and the generator's 624-word state set from it.
+
+    Raises ValueError for a seed outside [-2^63, 2^64).
+    """
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed={seed}: must be a 64-bit integer")
+    g = torch.Generator(device="cpu")
+    if 0 <= seed < 2**32:
+        g.manual_seed(seed)
+        return g
+    u = seed % 2**64
+    key = np.random.RandomState(np.array([u & 0xFFFFFFFF, u >> 32], dtype=np.uint32)).get_state()[1]  # (624,) uint32
+    g.manual_seed(u & 0xFFFFFFFF)  # a fresh state (left = 1, seeded, no cached normal), then its words replaced
+    st = g.get_state().numpy().copy()
+    if st.size != _STATE_BYTES:  # another torch's layout: refuse rather than draw from a garbled state
+        raise RuntimeError(f"torch {torch.__version__}: CPU generator state of {st.size} bytes, expected {_STATE_BYTES}")
+    st[:8] = np.frombuffer(np.uint64(u).tobytes(), dtype=np.uint8)  # initial_seed(): the seed as given (mod 2^64)
+    st[_MT_WORDS_AT:_MT_WORDS_AT + 624 * 8] = np.frombuffer(key.astype("<u8").tobytes(), dtype=np.uint8)
+    g.set_state(torch.from_numpy(st))
+    return g
 
 
 def seeded_sampling(params: SamplingParams) -> bool:

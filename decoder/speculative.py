@@ -37,7 +37,7 @@ from decoder.proposers.base import Proposer, crop_to
 from decoder.proposers.cost import StepCost
 from decoder.proposers.ngram import NgramGate, NgramHistory, NgramShadow
 from decoder.proposers.registry import DEFAULT_PROPOSER, REQUEST_PROPOSERS, spec as proposer_spec, versioned_by
-from decoder.sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, alpha, process_logits, seeded_sampling, token_logprobs,
+from decoder.sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, alpha, process_logits, seeded_generator, seeded_sampling, token_logprobs,
                               topk_rows, verify)
 
 HEAD = versioned_by("head")  # the proposer whose versions are heads: a result names the head that served
@@ -692,8 +692,7 @@ class SpeculativeDecoder:
         if policy is None:
             policy = FixedGamma(4 if req.gamma is None else req.gamma)
         params = req.params
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        gen = seeded_generator(params.seed if params.seed is not None else int(torch.randint(0, 2**32, (1,))))
         clock = self.clock
         cuda = self.device.type == "cuda"
         if cuda:

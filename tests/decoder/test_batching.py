@@ -557,3 +557,112 @@ def test_a_long_prompt_prefilled_under_the_step_token_budget_and_its_batch_mates
     assert got["long"].finish_reason == "cancelled" and got["long"].output_ids == []
     for r in shorts:
         assert got[r.request_id].output_ids == plain[r.request_id], r.request_id
+
+
+def _mates_running(loop, tok, stop: threading.Event, seed: int) -> threading.Thread:
+    """A client that keeps submitting greedy batch mates of changing lengths, γ and proposers
+    until ``stop``: each joins the running batch at a step boundary and leaves when done."""
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest
+
+    def run():
+        j = seed
+        while not stop.is_set():
+            ids = tok(f"Count from {j % 7 + 1} to {j % 7 + 9}:")["input_ids"]
+            loop.submit(DecodeRequest(ids, SamplingParams(), 3 + (5 * j) % 17, gamma=j % 4,
+                                      proposer=("ngram", "draft")[j % 2])).result(600)
+            j += 1
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_sampled_requests_whose_batch_mates_change_draw_exactly_their_batch_1_tokens(real):
+    """T = 1 with the draft (γ = 2), six seeds, each served alone (batch 1) and then again while two
+    clients keep batch mates joining and leaving (different lengths, γ and proposers) on a loop of
+    max_batch 3: every seed's tokens are the same, so the distribution of a request's tokens does
+    not depend on its batch mates (a T = 1 chi-square at 300 seeds took 9 s a request on this
+    2-core host, 45 minutes; the per-seed identity is the stronger check)."""
+    from decoder.engines.registry import choose_engine
+    from decoder.loop import LoopConfig, build_serving_loop
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest
+
+    tok = real.tokenizer
+    ch = choose_engine("llamacpp", "smollm2-135m", draft="layers:0-3", threads=2, n_seq=3)
+    loop = build_serving_loop(real.target, real.draft, tok, engine=ch.target, draft_engine=ch.draft,
+                              config=LoopConfig(max_batch=3), proposers=("ngram", "draft"))
+    assert loop.batching is not None, loop.batch_why
+    ids = tok("My favourite animal is the")["input_ids"]
+    req = lambda s: DecodeRequest(ids, SamplingParams(1.0, seed=s), 12, gamma=2, proposer="draft",  # noqa: E731
+                                  ignore_eos=True)
+    seeds = range(6)
+    with loop:
+        alone = {s: loop.generate(req(s), timeout=600).output_ids for s in seeds}
+        before = dict(loop.status()["batch"]["by_sequences"])
+        stop = threading.Event()
+        mates = [_mates_running(loop, tok, stop, k) for k in (0, 5)]
+        try:
+            together = {s: loop.generate(req(s), timeout=600).output_ids for s in seeds}
+        finally:
+            stop.set()
+            for m in mates:
+                m.join(600)
+        after = loop.status()["batch"]["by_sequences"]
+    assert together == alone
+    assert len({tuple(v) for v in alone.values()}) > 1  # the seeds drew differently: sampling ran
+    assert sum(int(after.get(k, 0)) - int(before.get(k, 0)) for k in after if int(k) >= 2) > 0, (before, after)
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_logprobs_served_in_a_batch_are_the_engines_own_scores(real):
+    """Requests asking for logprobs (greedy with the draft at γ = 3, the n-gram proposer at γ = 2,
+    plain, and sampled at T = 0.8) served together on a loop of max_batch 4: each emitted token's
+    logprob and top-3 equal the log-softmax of the engine's own rows (raw for greedy, divided by T
+    for sampled) from one forward of prompt + output on a sequence decoded alone."""
+    from decoder.engines.registry import choose_engine
+    from decoder.loop import LoopConfig, build_serving_loop
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import DecodeRequest
+
+    tok = real.tokenizer
+    ch = choose_engine("llamacpp", "smollm2-135m", draft="layers:0-3", threads=2, n_seq=4)
+    loop = build_serving_loop(real.target, real.draft, tok, engine=ch.target, draft_engine=ch.draft,
+                              config=LoopConfig(max_batch=4), proposers=("ngram", "draft"))
+    assert loop.batching is not None, loop.batch_why
+    p = lambda s: tok(s)["input_ids"]  # noqa: E731
+    reqs = [DecodeRequest(p("def fibonacci(n):"), SamplingParams(), 20, gamma=3, proposer="draft", logprobs=3,
+                          ignore_eos=True, request_id="draft"),
+            DecodeRequest(p("1, 2, 3, 4,"), SamplingParams(), 16, gamma=2, proposer="ngram", logprobs=3,
+                          ignore_eos=True, request_id="ngram"),
+            DecodeRequest(p("The capital of France is"), SamplingParams(), 12, gamma=0, logprobs=3, ignore_eos=True,
+                          request_id="plain"),
+            DecodeRequest(p("Once upon a time,"), SamplingParams(temperature=0.8, seed=3), 16, gamma=2,
+                          proposer="draft", logprobs=3, ignore_eos=True, request_id="sampled")]
+    with loop:
+        tickets = {r.request_id: loop.submit(r) for r in reqs}
+        got = {k: t.result(600) for k, t in tickets.items()}
+        st = loop.status()["batch"]
+        for r in reqs:
+            res = got[r.request_id]
+            out = res.output_ids
+            seq = ch.target.start()
+            try:
+                rows = seq.forward(list(r.prompt_ids) + out[:-1], len(out)).double()  # row j scored out[j]
+            finally:
+                seq.release()
+            lp = torch.log_softmax(rows / (1.0 if r.params.greedy else r.params.temperature), -1)
+            assert [x.token for x in res.logprobs] == out, r.request_id
+            assert [x.logprob for x in res.logprobs] == pytest.approx([lp[j, t].item() for j, t in enumerate(out)],
+                                                                      abs=1e-3), r.request_id
+            top = torch.topk(lp, 3, -1)
+            assert [b for x in res.logprobs for _, b in x.top] == pytest.approx(top.values.flatten().tolist(),
+                                                                                abs=1e-3), r.request_id
+            if r.params.greedy:
+                assert out == top.indices[:, 0].tolist(), r.request_id
+    assert any(int(k) >= 2 for k in st["by_sequences"]), st

@@ -90,3 +90,69 @@ def test_sampled_json_mode_has_the_plain_distribution(target, other_draft, jtok,
     noise = tv(plain_a, plain_b)
     assert tv(plain_a, spec) < noise + 0.1 and tv(plain_b, spec) < noise + 0.1, (noise, plain_a.most_common(5),
                                                                                   spec.most_common(5))
+
+
+def _allowed_by_hand(jtok, prefix: str, eos: int) -> list[int]:
+    """The tokens JSON mode allows after ``prefix`` (at most two characters of output here), by
+    JSON's grammar written out for these prefixes: before the object only whitespace or '{'; right
+    after '{' whitespace, '"' (a key) or '}'; inside a key any character but '"' and '\\' and
+    control characters, which leaves every one of the tiny vocabulary's characters; after '{}'
+    whitespace or the end."""
+    ids = lambda chars: [jtok.convert_tokens_to_ids(c) for c in chars]  # noqa: E731
+    core = prefix.strip(" ")
+    if core == "":
+        return ids(" {")
+    if core == "{":
+        return ids(' "}')
+    if core == "{}":
+        return ids(" ") + [eos]
+    assert prefix == '{"', prefix
+    return ids(JSON_CHARS)
+
+
+def test_sampled_json_mode_first_three_tokens_follow_the_masked_target_chi_square(target, other_draft, jtok, constraint):
+    """T = 1, γ = 2 with a draft that agrees little (its proposals are not masked: many fall outside
+    the mask and are rejected, the rest go through the acceptance test against the masked p, and a
+    rejection draws from the residual of the masked p): the
+    first three emitted tokens, jointly, against the product of the target's own distributions with
+    the mask applied and renormalised, each row computed here from the tiny target's logits and the
+    masks written out by hand (:func:`_allowed_by_hand`)."""
+    import math
+
+    import torch
+
+    from test_speculative import _chi2_crit_001, _chi_square
+
+    dec = SpeculativeDecoder(target, other_draft, jtok)
+    eos = 1
+    # '{' 0.81 / ' ' 0.19, then '"' 0.996 after '{', then a key's first character spread over the
+    # whole vocabulary (entropy 2.8 nats, none above 0.16): there the draft's proposals (q puts all
+    # its mass inside the mask) are decided by the acceptance test, not by the mask
+    ids = jtok("x").input_ids
+
+    def masked_logp(prefix_ids: list[int]) -> dict[int, float]:
+        with torch.inference_mode():
+            logits = target(input_ids=torch.tensor([ids + prefix_ids])).logits[0, -1].double()
+        allowed = _allowed_by_hand(jtok, jtok.decode(prefix_ids), eos)
+        z = torch.logsumexp(logits[allowed], 0)
+        return {t: float(logits[t] - z) for t in allowed}
+
+    joint: dict[tuple, float] = {}
+    for a, la in masked_logp([]).items():
+        for b, lb in masked_logp([a]).items():
+            for c, lc in masked_logp([a, b]).items():
+                joint[(a, b, c)] = math.exp(la + lb + lc)
+    assert abs(sum(joint.values()) - 1) < 1e-9
+    n, counts, rejected = 2000, Counter(), 0
+    for s in range(n):
+        r = dec.generate(DecodeRequest(ids, SamplingParams(temperature=1.0, seed=s), max_new_tokens=6, gamma=2,
+                                       constraint=constraint))  # 6: the third token is proposed, not only a bonus
+        assert len(r.output_ids) >= 3, r.output_ids  # the earliest end of sequence is the third ('{}' then eos)
+        counts[tuple(r.output_ids[:3])] += 1
+        rejected += r.counts.num_draft_tokens - r.counts.num_accepted_tokens
+    assert set(counts) <= set(joint), set(counts) - set(joint)  # never outside the mask
+    assert rejected > n // 2, rejected  # the draft's proposals were rejected often: the residual path ran
+    keys = sorted(joint)
+    chi2, df = _chi_square(torch.tensor([float(counts[k]) for k in keys]), torch.tensor([joint[k] for k in keys]), n)
+    assert df >= 8, df
+    assert chi2 < _chi2_crit_001(df), (chi2, df, counts.most_common(8))

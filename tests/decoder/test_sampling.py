@@ -146,3 +146,71 @@ def test_sample_names_a_bad_row_by_its_leading_index_and_takes_no_rows():
     for shape in [(0, 5), (2, 0, 5)]:
         out = sample(torch.ones(shape), torch.Generator().manual_seed(0))
         assert out.shape == shape[:-1] and out.dtype == torch.long
+
+
+# ---- seeds over the signed 64-bit range -----------------------------------------------------------
+def _mt_init_genrand(s: int) -> list[int]:
+    """mt19937's init_genrand (Matsumoto & Nishimura's reference code), 624 words."""
+    mt = [s & 0xFFFFFFFF]
+    for i in range(1, 624):
+        mt.append((1812433253 * (mt[-1] ^ (mt[-1] >> 30)) + i) & 0xFFFFFFFF)
+    return mt
+
+
+def _mt_init_by_array(key: list[int]) -> list[int]:
+    """mt19937's init_by_array (the reference code), 624 words."""
+    mt, n = _mt_init_genrand(19650218), 624
+    i, j = 1, 0
+    for _ in range(max(n, len(key))):
+        mt[i] = ((mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1664525)) + key[j] + j) & 0xFFFFFFFF
+        i, j = i + 1, j + 1
+        if i >= n:
+            mt[0], i = mt[n - 1], 1
+        if j >= len(key):
+            j = 0
+    for _ in range(n - 1):
+        mt[i] = ((mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1566083941)) - i) & 0xFFFFFFFF
+        i += 1
+        if i >= n:
+            mt[0], i = mt[n - 1], 1
+    mt[0] = 0x80000000
+    return mt
+
+
+def _mt_words(g: torch.Generator) -> list[int]:
+    import struct
+
+    return list(struct.unpack_from("<624Q", bytes(g.get_state().tolist()), 24))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 5, 2**32 - 1])
+def test_seeds_below_2_32_draw_as_torch_seeds_them(seed):
+    from decoder.sampling import seeded_generator
+
+    g = seeded_generator(seed)
+    assert _mt_words(g) == _mt_init_genrand(seed)  # also pins the state layout the generator writes into
+    assert torch.equal(torch.rand(64, generator=g), torch.rand(64, generator=torch.Generator().manual_seed(seed)))
+
+
+@pytest.mark.parametrize("seed", [1 + 2**32, -1, 2**63 - 1, -(2**63), 2**40 + 12345])
+def test_other_int64_seeds_get_mt19937_init_by_array_of_their_two_words(seed):
+    from decoder.sampling import seeded_generator
+
+    u = seed % 2**64
+    g = seeded_generator(seed)
+    assert _mt_words(g) == _mt_init_by_array([u & 0xFFFFFFFF, u >> 32])
+    assert g.initial_seed() == u
+    draws = torch.rand(20000, generator=g)
+    assert abs(float(draws.mean()) - 0.5) < 0.01  # a working stream (sd of the mean 0.002)
+    again = torch.rand(64, generator=seeded_generator(seed))
+    assert torch.equal(again, draws[:64])
+    low = torch.rand(64, generator=seeded_generator(u & 0xFFFFFFFF))  # the seed torch would have kept
+    assert not torch.equal(again, low)
+
+
+def test_a_seed_outside_64_bits_is_refused():
+    from decoder.sampling import seeded_generator
+
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match="64-bit"):
+            seeded_generator(seed)
