@@ -1,9 +1,14 @@
 """Plain decoding on llama.cpp with the bf16 V cache (the default: bit-identical rows alone or in a block)
 against an f16 V cache and llama-cpp-python's own generation (f16), same prompts back to back, 1 thread;
 prints total prefill ms and total ms per side. Usage: .venv/bin/python bench/vcache_bench.py"""
-import sys, time
-import torch; torch.set_num_threads(1)
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decoder.models.loading import load_pair
 from decoder.engines.registry import target_gguf
 from decoder.engines.llamacpp import LlamaCppEngine
