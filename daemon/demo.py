@@ -1173,6 +1173,11 @@ def _decoded_table(report: dict, console, pct: int) -> None:
     console.print(t)
 
 
+def _gate_cell(w) -> str:
+    """A copy gate's weights, two decimals each, in store.copy_channel.FEATURES order ('none': no gate)."""
+    return "none" if not w else " ".join(f"{x:+.2f}" for x in w)
+
+
 def _prediction_table(report: dict, console) -> None:
     """The adapted draft's measured α, τ and c beside Leviathan et al.'s predicted speedup, with a
     verification that costs one plain step and with this engine's measured verification cost."""
@@ -1206,7 +1211,7 @@ def _copy_table(report: dict, console, pct: int) -> None:
         tc = Table(title="the copy channel on the same prompts (draft γ=" + str((report.get("config") or {}).get("eval_gamma"))
                          + f"): decoded greedy α, gains paired per prompt [{pct} % CI]")
         for c in ("phase", "v0 α", "adapted (LoRA + gate) α", "gain over v0", "adapted LoRA, no gate α", "gain over v0",
-                  "the gate adds", "v0 + fixed gate (λ=1 at ℓ≥3) α", "gain over v0", "final gate w"):
+                  "the gate adds", "v0 + fixed gate (λ=1 at ℓ≥3) α", "gain over v0", "final gate weights (store.copy_channel.FEATURES)"):
             tc.add_column(c)
         for r in report["phases"]:
             if "adapted_nogate" not in r:
@@ -1216,7 +1221,7 @@ def _copy_table(report: dict, console, pct: int) -> None:
             tc.add_row(r["workload"], _cell(r["frozen"]["alpha"]), _cell(r["adapted_draft"]["alpha"]), cell("alpha_gain_ci"),
                        _cell(r["adapted_nogate"]["alpha"]), cell("nogate_alpha_gain_ci"), cell("gate_alpha_gain_ci"),
                        _cell(r["frozen_fixedgate"]["alpha"]), cell("fixedgate_alpha_gain_ci"),
-                       str((r.get("copy_gate") or {}).get("final")))
+                       _gate_cell((r.get("copy_gate") or {}).get("final")))
         console.print(tc)
 
 

@@ -171,7 +171,7 @@ def test_copy_channel_ablation_intervals_and_table():
     buf = io.StringIO()
     print_report(report, Console(file=buf, width=250))
     text = buf.getvalue()
-    assert "the copy channel on the same prompts" in text and "0.375" in text and "[1.0, 2, 3, 4, 5, 6]" in text
+    assert "the copy channel on the same prompts" in text and "0.375" in text and "+1.00 +2.00 +3.00 +4.00 +5.00 +6.00" in text
 
 
 def test_a_long_reason_is_cut_at_a_clause_or_word_never_mid_word():
