@@ -311,15 +311,29 @@ def test_past_the_drain_grace_waiting_clients_are_answered_at_once_streamed_or_n
         block.release.set()
 
 
-def test_streaming_sends_each_verification_step_and_a_disconnect_cancels(srv):
+def test_streaming_sends_each_verification_step_and_a_disconnect_cancels(srv, monkeypatch):
+    """A chunk per verification step while the client keeps up (a client that falls behind gets
+    every queued step in one chunk: on a busy host the tiny model's sub-millisecond steps can
+    outrun the event loop, so each step here takes 20 ms)."""
     if not srv.loop.streams_steps:
         pytest.skip("SpeculativeDecoder.generate has no on_step hook yet: tokens arrive in one chunk at the end")
+    real = srv.loop._on_step
+
+    def paced(t, ids):
+        threading.Event().wait(0.02)
+        return real(t, ids)
+
+    monkeypatch.setattr(srv.loop, "_on_step", paced)
     oc = srv.openai()
     chunks = list(oc.completions.create(model=MODEL, prompt="abc", max_tokens=24, temperature=0, stream=True,
                                         extra_body={"gamma": 1, "ignore_eos": True}))
     texts = [c.choices[0].text for c in chunks if c.choices[0].text]
     steps = chunks[-1].model_extra["draftd"]["steps"]
     assert len(texts) == steps > 1
+    whole = oc.completions.create(model=MODEL, prompt="abc", max_tokens=24, temperature=0,
+                                  extra_body={"gamma": 1, "ignore_eos": True})
+    assert "".join(texts) == whole.choices[0].text
+    monkeypatch.setattr(srv.loop, "_on_step", real)
     # a client that goes away after the first chunk: its request ends "cancelled" at the next step
     done = []
     srv.loop.observers.append(lambda t, res: done.append(res))
