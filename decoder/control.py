@@ -466,6 +466,7 @@ class GoodputController:
             best = max(rate, key=rate.get) if rate else None
             best_spec = max((g for g in rate if g > 0), key=rate.get, default=None)
             probe = False
+            warm_up = s.alpha.n == 0 or spec_steps < c.min_steps or plain_steps < c.min_steps
             if s.alpha.n == 0 or spec_steps < c.min_steps:
                 gamma, probe, why = c.gamma_init, True, f"warm-up: measuring α and draft cost at γ={c.gamma_init}"
             elif plain_steps < c.min_steps:
@@ -495,6 +496,7 @@ class GoodputController:
                 "gamma": gamma,
                 "speculate": gamma > 0,
                 "probe": probe,
+                "warm_up": warm_up,
                 "best_gamma": best,
                 **_estimates(s, ev),
                 "tokens_per_ms": {g: nan_none(r, 5) for g, r in sorted(ev["rate"].items())},
@@ -519,6 +521,7 @@ class GoodputController:
             cands = self._candidates(ev)
             probe, why = False, ""
             choice = self._warm_up(s)
+            warm_up = choice is not None
             if choice is not None:
                 choice, why = choice
                 probe = True
@@ -548,6 +551,7 @@ class GoodputController:
                 "proposer": name if gamma else None,
                 "speculate": gamma > 0,
                 "probe": probe,
+                "warm_up": warm_up,  # ControlledGamma moves a warm-up request on after min_steps (after_warm_up)
                 "best_gamma": best[1],
                 "best_proposer": best[0] if best[1] else None,
                 **_estimates(s, ev),
@@ -805,7 +809,7 @@ class ControlledGamma:
         warm-up's γ stay: they measure); ``batch_size()`` says B."""
         if self._gamma is None:
             self._gamma, self.decision = self.controller._choose(self.key)
-            self._warming = str(self.decision.get("why", "")).startswith("warm-up")
+            self._warming = bool(self.decision.get("warm_up"))
             self._warm_proposer = self.decision.get("proposer")
             self._warm_why = str(self.decision.get("why", ""))
         now = self.controller.clock()
