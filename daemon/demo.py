@@ -246,7 +246,6 @@ def _load_models(settings, console, embeddings: bool = False) -> _Models:
     if layers is None:
         raise ValueError(f"the demo trains a derived draft: set models.draft to 'layers:<spec>', not "
                          f"{settings.models.draft!r}")
-    tok = pair.tokenizer
     fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
     console.log(f"pair: {pair.target_name} + {pair.draft_name} ({pair.load_seconds:.1f} s)")
     return _Models(pair, engines, layers, vocab, fp)
@@ -840,12 +839,10 @@ def _paired_intervals(per_prompt: dict[str, list], confidence: float) -> dict[st
     for name, runs in per_prompt.items():
         if name == "plain":
             continue
-        rows = {str(i): (p.num_emitted_tokens, pms, x.num_emitted_tokens, xms)
-                for i, ((p, pms), (x, xms)) in enumerate(zip(per_prompt["plain"], runs))}
-        g = paired_ratio_gain(rows, confidence)
-        if g.before and g.before == g.before:  # tokens per ms of plain decoding; NaN or 0: nothing to divide by
-            speed[name] = {"ratio": round(g.after / g.before, 4), "low": round(1 + g.low / g.before, 4),
-                           "high": round(1 + g.high / g.before, 4), "prompts": g.clusters}
+        r = _speed_ratio({str(i): (p.num_emitted_tokens, pms, x.num_emitted_tokens, xms)
+                          for i, ((p, pms), (x, xms)) in enumerate(zip(per_prompt["plain"], runs))}, confidence)
+        if r is not None:
+            speed[name] = r
     out["speed_vs_plain_ci"] = speed
     return out
 
@@ -888,17 +885,27 @@ def _speed_vs_peer(per_prompt: dict[str, list], peer_runs: list[tuple[int, float
     plain run when the pick is plain decoding) against llama.cpp's own plain generation of the
     packaged file: tokens per ms, the ratio of pooled rates and its paired bootstrap interval over
     prompts (``trainer.gate.paired_ratio_gain``)."""
-    from trainer.gate import paired_ratio_gain
-
     out = {}
     for name in ("plain", "adapted"):
         runs = per_prompt.get(name) or per_prompt["plain"]
-        rows = {str(i): (n, ms, x.num_emitted_tokens, xms) for i, ((n, ms, _), (x, xms)) in enumerate(zip(peer_runs, runs))}
-        g = paired_ratio_gain(rows, confidence)
-        if g.before and g.before == g.before:
-            out[name] = {"ratio": round(g.after / g.before, 4), "low": round(1 + g.low / g.before, 4),
-                         "high": round(1 + g.high / g.before, 4), "prompts": g.clusters}
+        r = _speed_ratio({str(i): (n, ms, x.num_emitted_tokens, xms)
+                          for i, ((n, ms, _), (x, xms)) in enumerate(zip(peer_runs, runs))}, confidence)
+        if r is not None:
+            out[name] = r
     return out
+
+
+def _speed_ratio(rows: dict, confidence: float) -> dict | None:
+    """Tokens per ms after over before, pooled over prompts (``rows``: prompt -> (before tokens,
+    before ms, after tokens, after ms)), with the paired bootstrap interval of
+    ``trainer.gate.paired_ratio_gain`` as ratios; None when the before rate is 0 or NaN."""
+    from trainer.gate import paired_ratio_gain
+
+    g = paired_ratio_gain(rows, confidence)
+    if not (g.before and g.before == g.before):  # nothing to divide by
+        return None
+    return {"ratio": round(g.after / g.before, 4), "low": round(1 + g.low / g.before, 4),
+            "high": round(1 + g.high / g.before, 4), "prompts": g.clusters}
 
 
 def _gate_loader(registry):
