@@ -33,7 +33,6 @@ import sys
 import socket
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
