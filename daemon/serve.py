@@ -542,6 +542,14 @@ def _constrained(body: dict) -> dict[str, Any]:
     return out
 
 
+def _served_format(engines) -> dict | None:
+    """The served format's description (``FormatChoice.describe()``) with the target engine's V
+    cache type, which plain decoding must share to give the same greedy output; None off llama.cpp."""
+    if engines.served is None:
+        return None
+    return {**engines.served.describe(), "v_cache": getattr(engines.target, "v_cache", None)}
+
+
 def _grammar_gguf(target: str, engine) -> str | None:
     """The GGUF grammars compile against: the llama.cpp target's own; for a torch target, the
     packaged GGUF it was converted from (the same token ids); None: schemas and grammars get a 400."""
@@ -1323,7 +1331,8 @@ class Heartbeat:
                 "speculation_by_batch", "cardinality", "batch", "ts")
         hb = {k: st.get(k) for k in keep}
         if st.get("served_format"):  # the format, file and why; the cost table stays in serve's own status
-            hb["served_format"] = {k: st["served_format"].get(k) for k in ("format", "file", "setting", "reason")}
+            hb["served_format"] = {k: st["served_format"][k] for k in ("format", "file", "setting", "reason", "v_cache")
+                                   if k in st["served_format"]}
         try:
             write_heartbeat(self.client, self.store_config, self.service.server_id, hb,
                             ttl_s=3 * self.interval_s)
@@ -1441,8 +1450,9 @@ def run_serve(settings, console=None) -> int:
                                 embeddings=sv.record_hidden or any(proposer_spec(n).needs_features for n in sv.proposers),
                                 target_format=m.format, proposers=tuple(sv.proposers),
                                 progress=lambda msg: log.info("served_format_measuring", what=msg), n_seq=sv.max_batch,
-                                draft_vocab=draft_vocab_ids(settings, pair.tokenizer))
-        log.info("engine", engine=engines.name, reason=engines.reason, served_format=engines.served_format)
+                                draft_vocab=draft_vocab_ids(settings, pair.tokenizer), v_cache=m.v_cache)
+        log.info("engine", engine=engines.name, reason=engines.reason, served_format=engines.served_format,
+                 v_cache=getattr(engines.target, "v_cache", None))
         if _stopped_while_loading(stop, "the engines"):
             return 0
         if not m.torch_threads:  # on llama.cpp the decoder's torch work is per-row vector math: one thread
@@ -1472,7 +1482,7 @@ def run_serve(settings, console=None) -> int:
                                    max_prompt_tokens=sv.max_prompt_tokens, request_timeout_s=sv.request_timeout_s,
                                    max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets,
                                    max_request_bytes=sv.max_request_bytes,
-                                   served_format=engines.served.describe() if engines.served is not None else None,
+                                   served_format=_served_format(engines),
                                    grammar_gguf=_grammar_gguf(m.target, engines.target))
         if _stopped_while_loading(stop, "the serving loop"):
             return 0

@@ -145,6 +145,11 @@ class ModelSettings(_Group):
                             "(a GGUF target on CPU, llama-cpp-python), torch (transformers: GPU, any hub id or local "
                             "path), or auto (llamacpp for a GGUF target on CPU when installed, else torch).")
     engine_threads: int | None = Field(None, ge=1, description="llama.cpp threads for decoding; unset = all cores.")
+    v_cache: Literal["auto", "f16", "bf16"] = Field(
+        "auto", description="llama.cpp's V cache type: bf16 keeps a verified row the same bits as the row decoded alone "
+                            "whatever the threads and batch mates; f16 (llama.cpp's default, faster) does so only for "
+                            "one sequence at one thread; auto = f16 there (serve.max_batch 1 and engine_threads 1, the "
+                            "demo), bf16 elsewhere. Plain decoding to compare a served output with must run the same type.")
     format: str = Field(
         "auto", description="Weight format a built-in target (a name without '@') is served in on llama.cpp: auto = "
                             "measured at the first start on this CPU (the packaged file, F16, BF16, Q8_0: a plain step "

@@ -61,6 +61,13 @@ class LlamaCppSequence:
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml.h's enum ggml_type (llama_cpp exports no BF16 name)
 
 
+def auto_v_cache(n_seq: int, threads: int) -> str:
+    """The V cache type ``v_cache="auto"`` picks: ``"f16"`` (llama.cpp's default, faster) where a
+    verified row is the same bits as the row decoded alone with it, one sequence at one thread;
+    ``"bf16"`` wherever threads split the cache or sequences are fused (LlamaCppEngine's docstring)."""
+    return "f16" if int(n_seq) == 1 and int(threads) == 1 else "bf16"
+
+
 class LlamaCppEngine:
     """A GGUF model in llama.cpp.
 
@@ -78,14 +85,19 @@ class LlamaCppEngine:
             token for token; with it off, batched and one-token logits differ by up to 0.99 and
             near-ties flip. It is also ~5-10 % faster per step here. The bench's peer
             (``Llama(flash_attn=True)``) runs the same setting.
-        v_cache: element type of the V cache, one of :data:`KV_CACHE_TYPES` (K stays f16).
-            ``"bf16"`` (the default) keeps a row's logits bit-identical whether it is verified in
-            a block or decoded alone at every cache length: with f16 K and f16 V, llama.cpp's CPU
-            flash attention decodes a one-row query over a KV view of 512 cells or more (from the
-            257th cached token) with the cache split across threads and the partial softmaxes
-            merged, a different summation order than the block's, so near-ties could flip and a
-            served greedy output differ from plain decoding; with V in another type than K that
-            one-row path is not taken. ``"f16"`` is llama.cpp's (and the bench peer's) default.
+        v_cache: element type of the V cache, ``"auto"`` (the default) or one of
+            :data:`KV_CACHE_TYPES` (K stays f16). What losslessness needs is that a row's logits
+            are the same bits whether it is verified in a block or decoded alone, at every cache
+            length. ``"bf16"`` gives that everywhere: with f16 K and f16 V, llama.cpp's CPU flash
+            attention decodes a one-row query over a KV view of 512 cells or more (from the 257th
+            cached token) with the cache split across threads and the partial softmaxes merged, a
+            different summation order than the block's, and several sequences fused in one
+            ``llama_decode`` take another path again, so near-ties could flip and a served greedy
+            output differ from plain decoding; with V in another type than K neither path is
+            taken. ``"f16"`` is llama.cpp's (and the bench peer's) default and faster here (the
+            bf16 V cache's price: bench/RESULTS.md, "the bf16 V cache"); one sequence at one thread
+            has nothing to split or fuse, so f16 is exact there (tested). ``"auto"`` = f16 for
+            ``n_seq == 1`` and ``threads == 1``, bf16 otherwise.
         n_seq: sequences held at once (llama.cpp's ``n_seq_max``; serve's ``serve.max_batch``).
             1 (default): one sequence, :meth:`start` clears the cache, as before. > 1: the KV
             cache holds ``n_seq`` streams of ``n_ctx`` tokens each (``kv_unified`` off, so a
@@ -95,17 +107,17 @@ class LlamaCppEngine:
 
     Raises:
         EngineError: llama-cpp-python missing, or the file does not load.
-        ValueError: ``v_cache`` not one of :data:`KV_CACHE_TYPES`, or ``n_seq`` < 1, or
+        ValueError: ``v_cache`` not ``"auto"`` or one of :data:`KV_CACHE_TYPES`, or ``n_seq`` < 1, or
             ``n_seq`` > 1 without ``flash_attn``.
     """
 
     name = "llamacpp"
 
     def __init__(self, path: str | Path, n_ctx: int | None = None, threads: int | None = None,
-                 n_batch: int = 512, embeddings: bool = False, flash_attn: bool = True, v_cache: str = "bf16",
+                 n_batch: int = 512, embeddings: bool = False, flash_attn: bool = True, v_cache: str = "auto",
                  n_seq: int = 1):
-        if v_cache not in KV_CACHE_TYPES:
-            raise ValueError(f"v_cache={v_cache!r}: use one of {sorted(KV_CACHE_TYPES)}")
+        if v_cache != "auto" and v_cache not in KV_CACHE_TYPES:
+            raise ValueError(f"v_cache={v_cache!r}: use 'auto' or one of {sorted(KV_CACHE_TYPES)}")
         if int(n_seq) < 1:
             raise ValueError(f"n_seq={n_seq!r}: must be >= 1")
         if n_seq > 1 and not flash_attn:
@@ -137,6 +149,8 @@ class LlamaCppEngine:
         cp.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token hidden states
         cp.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
         self.flash_attn = bool(flash_attn)
+        if v_cache == "auto":
+            v_cache = auto_v_cache(self.n_seq, self.threads)
         cp.type_v = KV_CACHE_TYPES[v_cache]
         self.v_cache = v_cache
         self.ctx = L.llama_init_from_model(self.model, cp)

@@ -74,7 +74,7 @@ def target_gguf(target: str) -> Path | None:
 def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "layers:0-3",
                   threads: int | None = None, embeddings: bool = False, target_format: str = "packaged",
                   proposers: Sequence[str] | None = None, progress=None, n_seq: int = 1,
-                  draft_vocab=None) -> EngineChoice:
+                  draft_vocab=None, v_cache: str = "auto") -> EngineChoice:
     """Resolve ``models.engine`` for a target.
 
     ``auto``: llama.cpp when the target is a GGUF (a built-in name or a ``.gguf`` path), the
@@ -88,6 +88,7 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
     same) or None: a derived draft on llama.cpp is then the restricted GGUF of those ids
     (:func:`decoder.models.gguf_export.restricted_draft_gguf`: a V'-row LM head, inputs fed as
     embeddings), whose step costs a fraction of the full-head draft's (bench/RESULTS.md).
+    ``v_cache``: every llama.cpp engine's V cache type (``LlamaCppEngine(v_cache=...)``, ``models.v_cache``).
 
     ``target_format`` (``models.format``) picks the weight format a built-in target is served in on
     llama.cpp (:func:`decoder.models.formats.resolve_format`): ``"packaged"`` (this function's
@@ -123,7 +124,8 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
             served = resolve_format(target_format, target, threads, draft, proposers, progress=progress)
         except ValueError as e:  # the setting's value: the message names it and the valid ones
             raise EngineError(str(e)) from e
-    tgt = LlamaCppEngine(served.path if served is not None else gguf, threads=threads, embeddings=embeddings, n_seq=n_seq)
+    tgt = LlamaCppEngine(served.path if served is not None else gguf, threads=threads, embeddings=embeddings, n_seq=n_seq,
+                         v_cache=v_cache)
     dr = None
     if draft.startswith("layers:"):
         from decoder.models.gguf_export import derived_draft_gguf
@@ -135,9 +137,9 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
             from decoder.models.gguf_export import restricted_draft_gguf
 
             path = restricted_draft_gguf(path, draft_vocab)
-        dr = LlamaCppEngine(path, n_ctx=tgt.context_length, threads=threads, n_seq=n_seq)
+        dr = LlamaCppEngine(path, n_ctx=tgt.context_length, threads=threads, n_seq=n_seq, v_cache=v_cache)
     elif draft == "self":  # its own context: one sequence per context
-        dr = LlamaCppEngine(tgt.path, n_ctx=tgt.context_length, threads=threads, n_seq=n_seq)
+        dr = LlamaCppEngine(tgt.path, n_ctx=tgt.context_length, threads=threads, n_seq=n_seq, v_cache=v_cache)
     reason = ("asked for (models.engine=llamacpp)" if choice == "llamacpp"
               else f"auto: GGUF target {gguf.name} on CPU, llama-cpp-python installed")
     if served is not None and (served.setting != "packaged" or Path(served.path) != gguf):

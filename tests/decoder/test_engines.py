@@ -624,19 +624,22 @@ def _long_ids(real, n: int) -> list[int]:
 
 @needs_llamacpp
 @pytest.mark.slow
-@pytest.mark.parametrize("v_cache", ["bf16", pytest.param("f16", marks=pytest.mark.xfail(strict=True, reason=(
-    "llama.cpp's one-row flash attention over f16 K and f16 V splits a KV view of >= 512 cells across threads")))])
-def test_a_verified_row_equals_the_same_row_decoded_alone_at_every_cache_length(gguf, real, v_cache):
+@pytest.mark.parametrize("v_cache, threads", [
+    ("bf16", 2), ("f16", 1),
+    pytest.param("f16", 2, marks=pytest.mark.xfail(strict=True, reason=(
+        "llama.cpp's one-row flash attention over f16 K and f16 V splits a KV view of >= 512 cells across threads")))])
+def test_a_verified_row_equals_the_same_row_decoded_alone_at_every_cache_length(gguf, real, v_cache, threads):
     """Losslessness rests on this: the target's logits for a position are the same bits whether the
     position is verified inside a block of γ + 1 rows or decoded alone (plain decoding), from short
-    caches to caches past the 256 and 512-cell KV views, for γ = 1, 3 and 5."""
-    e = LlamaCppEngine(gguf, n_ctx=1024, threads=2, v_cache=v_cache)
+    caches to caches past the 256 and 512-cell KV views, for γ = 1, 3, 5 and 8 (serve's largest).
+    bf16 V at any thread count; f16 V (so ``auto`` there) for one sequence at one thread."""
+    e = LlamaCppEngine(gguf, n_ctx=1024, threads=threads, v_cache=v_cache)
     try:
-        ids = _long_ids(real, 460)
-        for cached in (100, 250, 300, 440):
+        ids = _long_ids(real, 960)
+        for cached in (100, 300, 600, 940):
             seq = e.start()
             seq.forward(ids[:cached], 1)
-            for gamma in (1, 3, 5):  # rolled back after each, as speculation does after a rejection
+            for gamma in (1, 3, 5, 8):  # rolled back after each, as speculation does after a rejection
                 block_in = ids[cached : cached + gamma + 1]
                 block = seq.forward(block_in, gamma + 1)  # (γ + 1, V): verification
                 seq.truncate(cached)
@@ -650,6 +653,23 @@ def test_a_verified_row_equals_the_same_row_decoded_alone_at_every_cache_length(
 def test_the_v_cache_type_is_checked_before_loading(tmp_path):
     with pytest.raises(ValueError, match="v_cache='q4'"):
         LlamaCppEngine(tmp_path / "missing.gguf", v_cache="q4")
+
+
+def test_auto_v_cache_takes_f16_only_for_one_sequence_at_one_thread():
+    from decoder.engines.llamacpp import auto_v_cache
+
+    assert auto_v_cache(1, 1) == "f16"
+    assert [auto_v_cache(n, t) for n, t in ((1, 2), (2, 1), (4, 2), (8, 1))] == ["bf16"] * 4
+
+
+@needs_llamacpp
+def test_auto_v_cache_is_what_the_engine_runs(tiny_gguf):
+    one = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1)
+    fused = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1, n_seq=2)
+    try:
+        assert (one.v_cache, fused.v_cache) == ("f16", "bf16")
+    finally:
+        one.close(), fused.close()
 
 
 @needs_llamacpp

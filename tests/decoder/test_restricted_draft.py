@@ -75,9 +75,11 @@ def test_bad_ids_are_refused(files, tmp_path, ids, needle):
 
 
 def _engine(path, **kw):
+    """One thread, bf16 V cache: one-sequence engines here are compared with fused ones, which
+    ``v_cache="auto"`` would run in another V type (f16 alone, bf16 fused)."""
     from decoder.engines.llamacpp import LlamaCppEngine
 
-    return LlamaCppEngine(path, n_ctx=128, threads=1, **kw)
+    return LlamaCppEngine(path, n_ctx=128, threads=1, v_cache="bf16", **kw)
 
 
 @needs_llamacpp
