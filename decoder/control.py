@@ -67,6 +67,12 @@ class ControllerConfig:
         last one weighs at least 1/2 (2 half-lives: 3/4, ...) whatever ``ewma`` says, so a key
         idle for minutes takes its first new measurements nearly at face value instead of
         keeping the figures it last saw.
+    min_gain: speculation is chosen only where its expected tokens per ms beat plain decoding's by
+        more than this fraction (0.05: 5 %); within it plain decoding serves. The estimates move
+        with the host's load and the traffic by a few per cent between measurements, so a
+        proposer "ahead" by less than that loses as often as it wins when measured paired (a pick
+        of 1.02x estimated measured 0.96x [0.90, 1.02] on never-served prompts, bench/RESULTS.md),
+        and plain decoding is the one configuration that is never worse than itself.
     batch_sizes: the batch sizes (requests decoding together, continuous batching) for which
         :meth:`GoodputController.decision` reports the decision (``"by_batch"``); a request
         decides at whatever size it runs, these are only shown. ``build_serving_loop`` passes
@@ -84,6 +90,7 @@ class ControllerConfig:
     ceiling_probe_every: int = 100
     ceiling_reprobe_s: float = 60.0
     half_life_s: float = 60.0
+    min_gain: float = 0.05
     batch_sizes: tuple[int, ...] = (1, 2, 4)
 
     def __post_init__(self):
@@ -102,6 +109,9 @@ class ControllerConfig:
             raise ValueError(f"ewma={self.ewma} must lie in (0, 1]")
         if self.probe_every < 1 or self.min_steps < 1:  # min_steps 0 trusted estimates that do not exist yet
             raise ValueError(f"probe_every={self.probe_every} and min_steps={self.min_steps} must be >= 1")
+        if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain < 1:
+            raise ValueError(f"min_gain={self.min_gain!r} must be a fraction in [0, 1) (0.05: speculate only "
+                             f"where it beats plain decoding by more than 5 %)")
         for name in ("ceiling_reprobe_s", "half_life_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:  # NaN too
@@ -463,7 +473,7 @@ class GoodputController:
             rate = ev["rate"]
             spec_steps = sum(e.n for g, e in s.verify_ms.items() if g > 0)
             plain_steps = s.verify_ms[0].n if 0 in s.verify_ms else 0
-            best = max(rate, key=rate.get) if rate else None
+            best = self._best(rate, 0)
             best_spec = max((g for g in rate if g > 0), key=rate.get, default=None)
             probe = False
             warm_up = s.alpha.n == 0 or spec_steps < c.min_steps or plain_steps < c.min_steps
@@ -527,7 +537,7 @@ class GoodputController:
                 probe = True
             best_of = {name: max(((n, g) for (n, g) in cands if n == name), key=cands.get, default=None)
                        for name in c.proposers}
-            best = max(cands, key=cands.get) if cands else ("plain", 0)
+            best = self._best(cands, ("plain", 0)) if cands else ("plain", 0)
             if choice is None:
                 choice, why = best, self._why_among(cands, best, ev)
                 if hopeless:
@@ -595,8 +605,7 @@ class GoodputController:
                 cands.update({(name, g): r for g, r in rates.items()})
         return cands
 
-    @staticmethod
-    def _why_among(cands: dict[tuple[str, int], float], best: tuple[str, int], ev: dict[str, Any]) -> str:
+    def _why_among(self, cands: dict[tuple[str, int], float], best: tuple[str, int], ev: dict[str, Any]) -> str:
         plain = cands.get(("plain", 0), math.nan)
         spec = [k for k in cands if k[1] > 0]
         if best[1] > 0:
@@ -606,7 +615,10 @@ class GoodputController:
         if not spec:
             return f"off: plain {plain:.3f} tok/ms (no speculative estimate)"
         top = max(spec, key=cands.get)
-        why = f"off: plain {plain:.3f} tok/ms beats every proposer (best {top[0]} γ={top[1]} {cands[top]:.3f})"
+        why = (f"off: plain {plain:.3f} tok/ms beats every proposer (best {top[0]} γ={top[1]} {cands[top]:.3f})"
+               if cands[top] <= plain else
+               f"off: the best, {top[0]} γ={top[1]} {cands[top]:.3f} tok/ms, is within {self._margin()} of plain "
+               f"{plain:.3f}")
         g, free = ev.get("engine_ceiling", (None, math.nan))
         if free == free and plain == plain and free < plain:
             why += (f"; no proposer can pay on this engine now: even accepted in full and free, its best, γ={g}, "
@@ -620,7 +632,9 @@ class GoodputController:
             return f"γ={best}: {rate[best]:.3f} tok/ms vs plain {rate[0]:.3f} (α={a:.2f})"
         if best_spec is None:
             return f"off: plain {rate[0]:.3f} tok/ms (no speculative estimate)"
-        label = f"draft useless (α={a:.2f})" if a < self.config.useless_alpha else f"α={a:.2f} too low for its cost"
+        label = (f"draft useless (α={a:.2f})" if a < self.config.useless_alpha else
+                 f"α={a:.2f} too low for its cost" if rate[best_spec] <= rate[0] else
+                 f"α={a:.2f}, within {self._margin()} of plain")
         why = f"off: {label}: plain {rate[0]:.3f} tok/ms vs best γ={best_spec} {rate[best_spec]:.3f}"
         return why + "; " + self._ceiling_why(ev) if self._draft_cannot_pay(ev) else why
 
@@ -639,7 +653,7 @@ class GoodputController:
             if self.config.proposers != (DRAFT,):
                 cands = self._candidates(ev)
                 warm = self._warm_up(s)
-                best = max(cands, key=cands.get) if cands and warm is None else None
+                best = self._best(cands, ("plain", 0)) if cands and warm is None else None
                 return {
                     "key": key_str(*key), "workload": key[0], "sampling": key[1],
                     "gamma": best[1] if best else None, "proposer": best[0] if best and best[1] else None,
@@ -654,7 +668,7 @@ class GoodputController:
                     "by_batch": self._by_batch(s),
                     "last": dict(s.last),
                 }
-            best = max(rate, key=rate.get) if rate else None
+            best = self._best(rate, 0)
             best_spec = max((g for g in rate if g > 0), key=rate.get, default=None)
             why = self._why(ev, best, best_spec) if best is not None and 0 in rate else "warm-up"
             return {
@@ -670,8 +684,26 @@ class GoodputController:
                 "last": dict(s.last),
             }
 
-    @staticmethod
-    def _best_gamma_for(ev: dict[str, Any], proposer: str, cap: int) -> int | None:
+    def _best(self, rates: dict, plain_key):
+        """The key of the highest rate in ``rates`` (tokens per ms; None when empty), except that
+        plain decoding (``plain_key``) stands unless the best beats it by more than
+        ``config.min_gain``."""
+        if not rates:
+            return None
+        best = max(rates, key=rates.get)
+        plain = rates.get(plain_key, math.nan)
+        if best != plain_key and plain == plain and not self._pays(rates[best], plain):
+            return plain_key
+        return best
+
+    def _margin(self) -> str:
+        return f"the {self.config.min_gain:.0%} margin (min_gain)"
+
+    def _pays(self, rate: float, plain: float) -> bool:
+        """``rate`` beats ``plain`` (tokens per ms) by more than ``config.min_gain``."""
+        return rate > plain * (1.0 + self.config.min_gain)
+
+    def _best_gamma_for(self, ev: dict[str, Any], proposer: str, cap: int) -> int | None:
         """The best γ in 1..``cap`` of ``proposer`` in an evaluation, 0 where plain decoding beats
         each; None while either side is unestimated."""
         plain = ev["rate"].get(0, math.nan)
@@ -680,7 +712,7 @@ class GoodputController:
         if plain != plain or not rates:
             return None
         g = max(rates, key=rates.get)
-        return g if rates[g] > plain else 0
+        return g if self._pays(rates[g], plain) else 0
 
     def after_warm_up(self, key: Key, proposer: str | None, gamma: int) -> tuple[int, str, bool] | None:
         """What the rest of a warm-up request of ``key`` runs at once the configuration it
@@ -736,7 +768,7 @@ class GoodputController:
         ev1 = self._evaluate(s, 1)
         cands1 = self._candidates(ev1)
         warm = self._warm_up(s) if c.proposers != (DRAFT,) else None
-        best1 = max(cands1, key=cands1.get) if cands1 and 0 in ev1["rate"] and warm is None else None
+        best1 = self._best(cands1, ("plain", 0)) if cands1 and 0 in ev1["rate"] and warm is None else None
         names = list(self.offered())
         caps = {n: self._best_gamma_for(ev1, n, c.gamma_max) for n in names}
         out: dict[int, dict[str, Any]] = {}

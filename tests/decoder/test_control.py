@@ -345,6 +345,44 @@ def test_off_says_when_no_proposer_could_pay_on_this_engine():
     assert "no proposer can pay" not in other.decision(key)["why"]
 
 
+def _ngram_at(cfg, verify_3_rows_ms: float):
+    """Plain 10 ms a step; the n-gram proposer at γ=2 with both proposals accepted every step (3
+    tokens) in a verification of 3 rows taking ``verify_3_rows_ms``."""
+    ctl = GoodputController(cfg)
+    key = ("extract", "greedy")
+    for _ in range(4):
+        ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
+        ctl.observe(key, StepStats(2, 2, 3, -1, 2.0, 0.0, verify_3_rows_ms), proposer="ngram", asked=2)
+    return ctl, key
+
+
+def test_speculation_must_beat_plain_by_more_than_min_gain():
+    """3 tokens per 29 ms (0.103 tok/ms) is 1.03x plain's 0.1: within the default 5 % margin, so
+    plain decoding serves and the decision says why; with min_gain 0 the n-gram proposer serves;
+    3 tokens per 27 ms (1.11x) clears the margin."""
+    cfg = ControllerConfig(gamma_max=2, gamma_init=2, min_steps=2, proposers=("ngram",))
+    ctl, key = _ngram_at(cfg, 29.0)
+    d = ctl.decision(key)
+    best = max(d["tokens_per_ms_by_proposer"]["ngram"].values())
+    assert 1.0 < best / d["tokens_per_ms"][0] < 1.05  # the construction: ahead, but by less than 5 %
+    assert d["gamma"] == 0 and not d["speculate"]
+    assert "within the 5% margin (min_gain) of plain 0.100" in d["why"], d["why"]
+    assert [ctl.policy_for(key).gamma() for _ in range(4)] == [0, 0, 0, 0]
+    assert ctl.batch_gamma(key, "ngram", 2, 2) == 0
+    eager, _ = _ngram_at(ControllerConfig(gamma_max=2, gamma_init=2, min_steps=2, proposers=("ngram",), min_gain=0.0), 29.0)
+    assert eager.decision(key)["gamma"] == 2 and eager.decision(key)["proposer"] == "ngram"
+    clear, _ = _ngram_at(cfg, 27.0)
+    d = clear.decision(key)
+    assert d["tokens_per_ms_by_proposer"]["ngram"][2] / d["tokens_per_ms"][0] > 1.05
+    assert d["gamma"] == 2 and d["why"].startswith("ngram γ=2:")
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, float("nan"), True, "5%"])
+def test_min_gain_is_checked(bad):
+    with pytest.raises(ValueError, match="min_gain"):
+        ControllerConfig(min_gain=bad)
+
+
 def test_among_proposers_a_hopeless_draft_drops_out_of_the_probe_rotation():
     """n-gram serves (3 tokens per 12 ms step against plain's 0.1 tok/ms); every probe_every
     requests one probes plain or the draft in turn, but a draft whose ceiling is below plain only
