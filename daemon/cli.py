@@ -263,7 +263,8 @@ def render_status(st: dict) -> None:
         sf = hb.get("served_format")
         if sf:  # decoder.models.formats: the target's weight format and why
             t.add_row("served format", escape(f"{hb.get('server_id')}: {sf.get('format')} ({sf.get('file')}; "
-                                              f"models.format={sf.get('setting')}): {sf.get('reason')}"))
+                                              f"models.format={sf.get('setting')}): {sf.get('reason')}"
+                                              + (f"; V cache {sf['v_cache']}" if sf.get("v_cache") else "")))
     for p in st.get("problems", []):
         t.add_row("[red]problem[/]", p)
     for w in st.get("warnings", []):
@@ -453,14 +454,6 @@ def adapters_rollback(
         out.print(f"v{r['active']} active (rolled back v{r['previous']})")
     for v, why in (r.get("skipped") or {}).items():
         out.print(f"skipped v{v}: its artifact fails the check: {why}")
-
-
-def _settings(config: Path | None):
-    try:
-        return load_settings(config)
-    except ConfigError as e:
-        err.print(f"[red]config error:[/] {e}")
-        raise typer.Exit(2) from e
 
 
 @heads_app.command("list")
