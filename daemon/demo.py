@@ -86,8 +86,9 @@ class DemoConfig:
 
     @classmethod
     def quick(cls, **kw) -> "DemoConfig":
+        # the ablation rows add two decoded runs per prompt (a third of the evaluation): --ablation
         base = dict(phase_seconds=120.0, eval_prompts=8, train_interval_s=15.0, train_min_new_samples=4,
-                    round_steps=30, round_seconds=30.0)
+                    round_steps=30, round_seconds=30.0, copy_ablation=False)
         base.update(kw)
         return cls(**base)
 
@@ -240,7 +241,7 @@ def _load_models(settings, console, embeddings: bool = False) -> _Models:
         m = settings.models  # the decoder's engine gets one core, the trainer the other (unless told)
         vocab = draft_vocab_ids(settings, pair.tokenizer)  # FR-Spec: trained and served alike (None = full vocabulary)
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1, embeddings=embeddings,
-                                target_format=m.format, progress=console.log, draft_vocab=vocab)
+                                target_format=m.format, progress=console.log, draft_vocab=vocab, v_cache=m.v_cache)
     console.log(f"engine: {engines.name} ({engines.reason})")
     layers = settings.models.draft.split(":", 1)[1] if settings.models.draft.startswith("layers:") else None
     if layers is None:
@@ -565,6 +566,7 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "serving": loop.status(), "ngram_history_tokens": decoder.ngram_history.status(),
         "ngram_gate": decoder.ngram_gate.status() if decoder.ngram_gate is not None else None,
         "served_format": models.engines.served.describe() if models.engines.served is not None else None,
+        "v_cache": getattr(models.engines.target, "v_cache", None),  # plain decoding's and every row's (llamacpp.py)
         "step_cost_ms": decoder.step_cost.status(),
         "engine_ceiling": decoder.step_cost.ceiling(controller.config.gamma_max),
         "controller": _jsonable(controller.status()),
@@ -1366,6 +1368,9 @@ def register(app) -> None:
         draft_vocab: Annotated[int | None, typer.Option(help="FR-Spec: the draft's head restricted to the N most frequent "
                                                              "tokens, trained and served alike; 0 = the full vocabulary "
                                                              f"(default: models.draft_vocab when set, else {DEMO_DRAFT_VOCAB})")] = None,
+        ablation: Annotated[bool | None, typer.Option(help="also decode the copy channel's ablation rows (the LoRA "
+                                                        "without its gate, v0 with a fixed gate) on the evaluation "
+                                                        "prompts (default: on, off with --quick)")] = None,
         config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file (else $DRAFTD_CONFIG)")] = None,
     ) -> None:
         """The main job: serve a shifting workload (prose -> code -> math -> extract) while the trainer adapts
@@ -1394,6 +1399,8 @@ def register(app) -> None:
             cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)
         if heads:
             cfg = dataclasses.replace(cfg, heads=True)
+        if ablation is not None:
+            cfg = dataclasses.replace(cfg, copy_ablation=ablation)
         if draft_vocab is not None and draft_vocab < 0:
             console.print(f"[red]error:[/] --draft-vocab={draft_vocab}: must be >= 0 (0 = the full vocabulary)")
             raise typer.Exit(2)

@@ -135,3 +135,12 @@ def test_the_demo_trains_and_serves_the_restricted_head_it_is_given():
     assert effective(DemoConfig.quick(draft_vocab=0), 4096) == 0
     assert effective(DemoConfig.quick(draft_vocab=1024), 0) == 1024
     assert DemoConfig.quick().per_workload is True
+
+
+def test_the_quick_demo_leaves_the_ablation_rows_out_unless_asked():
+    """The copy channel's two ablation rows are a third of the evaluation's decoding: --quick
+    leaves them out, the full demo keeps them, --ablation / --no-ablation override either."""
+    from daemon.demo import DemoConfig
+
+    assert DemoConfig.quick().copy_ablation is False and DemoConfig().copy_ablation is True
+    assert DemoConfig.quick(copy_ablation=True).copy_ablation is True

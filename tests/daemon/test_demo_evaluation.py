@@ -40,7 +40,8 @@ def test_evaluation_rows_are_checked_against_plain_decoding():
     target, draft = tiny_pair()
     tok = tokenizer()
     dec = SpeculativeDecoder(target, draft, tok)
-    cfg = DemoConfig.quick(phases=("prose", "extract"), eval_prompts=2, eval_new_tokens=8, per_workload=False)
+    cfg = DemoConfig.quick(phases=("prose", "extract"), eval_prompts=2, eval_new_tokens=8, per_workload=False,
+                            copy_ablation=True)
     rows = evaluate_phases(cfg, {}, {}, [], None, None, dec, frozen_draft=draft, tok=tok, params=SamplingParams(),
                            console=Console(file=io.StringIO()), peer=RecomputePeer(target))
     assert [r["workload"] for r in rows] == ["prose", "extract"]
