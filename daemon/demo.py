@@ -617,151 +617,238 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
       to the plain run's (lossless), ``differs_from_plain`` the others' indices.
     - live: the phase's served requests, first and last third: greedy α and tokens/s.
     """
-    from decoder.metrics import AcceptanceCounts
-    from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
-    from trainer.distill import BASE
+    from decoder.speculative import DecoderConfig, SpeculativeDecoder
 
-    def state_of(version: int):
-        if version == 0:
-            return BASE
-        distiller.load_adapter_weights(registry.fetch(version))
-        return distiller.adapter_state()
-
-    v0_state = state_of(v0_version)
-    served_history, served_gate = decoder.ngram_history, decoder.ngram_gate
-    gate_of = _gate_loader(registry)
+    ev = _PhaseEval(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, None, tok, params,
+                    console, controller, v0_version, frozen_head, peer)
+    ev.v0_state = ev.state_of(v0_version)
+    ev.served_history, ev.served_gate = decoder.ngram_history, decoder.ngram_gate
+    ev.gate_of = _gate_loader(registry)
     # the same head as the adapted draft (FR-Spec or not), so the rows differ by training only
     # on llama.cpp the frozen draft is the draft's own context with v0's LoRA set (see _frozen_lora)
-    frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok, DecoderConfig(draft_vocab=decoder.config.draft_vocab),
-                                engine=decoder.engine, draft_engine=decoder.draft_engine)
-    rows = []
+    ev.frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok, DecoderConfig(draft_vocab=decoder.config.draft_vocab),
+                                   engine=decoder.engine, draft_engine=decoder.draft_engine)
     try:
-        for phase in cfg.phases:
-            # the version serving the phase's workload now: its own scope's (per_workload), else the shared one
-            final = registry.resolve(phase) if cfg.per_workload else decoder.adapter_version
-            final_state = state_of(final)
-            row: dict[str, Any] = {"workload": phase, "adapter_at_phase_end": phase_end_version.get(phase, 0),
-                                   "final_adapter": final}
-            held = heldout.get(phase, [])
-            row["heldout_samples"] = len(held)
-            if held:
-                ev = {"frozen": distiller.evaluate(held, adapter=v0_state),
-                      "phase_end": distiller.evaluate(held, adapter=state_of(row["adapter_at_phase_end"])),
-                      "final": distiller.evaluate(held, adapter=final_state)}
-                row["heldout_alpha"] = {k: _nn(e.alpha) for k, e in ev.items()}
-                row["heldout_served"] = {k: _nn(e.served) for k, e in ev.items()}  # what the gate judges
-            pick = controller.decision((phase, params.bucket())) if controller is not None else {}
-            pick_g = int(pick.get("gamma") or 0)
-            pick_p = pick.get("proposer") if pick_g else None
-            row["controller_pick"] = {"proposer": pick_p, "gamma": pick_g, "why": pick.get("why")}
-            ps = _prompts(phase, cfg.eval_prompts)
-            runs = (("plain", decoder, 0, None), ("frozen", frozen, cfg.eval_gamma, "draft"),
-                    ("adapted_draft", decoder, cfg.eval_gamma, "draft"))
-            if cfg.copy_ablation:  # what the copy gate adds, and what a fixed, untrained one gives
-                runs += (("adapted_nogate", decoder, cfg.eval_gamma, "draft"), ("frozen_fixedgate", frozen, cfg.eval_gamma, "draft"))
-            if pick_g:  # a plain pick is the plain run itself (no second measurement of the same thing)
-                runs += (("adapted", decoder, pick_g, pick_p),)
-            if frozen_head is not None and decoder.eagle_head is not None:
-                runs += (("frozen_head", decoder, cfg.head_gamma, "eagle"), ("adapted_head", decoder, cfg.head_gamma, "eagle"))
-            console.log(f"evaluating {phase} on {len(ps)} prompts never served: plain, frozen, adapted draft, "
-                        + (f"the pick ({pick_p} γ={pick_g})" if pick_g else "the pick (plain: speculation off)"))
-            tot = {name: [AcceptanceCounts(), 0.0] for name, *_ in runs}
-            per_prompt: dict[str, list] = {name: [] for name, *_ in runs}  # (counts, ms) per prompt, paired
-            differs: dict[str, list[int]] = {name: [] for name, *_ in runs}  # prompts whose greedy output != plain's
-            peer_runs: list[tuple[int, float, bool]] = []  # llama.cpp plain: (tokens, ms, same tokens as our plain)
-            for i, p in enumerate(ps):
-                ids = p.token_ids(tok)[-256:]
-                if i == 0:  # warm-up (caches, allocator), not counted, against a throwaway history copy
-                    decoder.ngram_history = served_history.copy()
-                    decoder.ngram_gate = served_gate.copy() if served_gate is not None else None
-                    decoder.generate(DecodeRequest(ids, params, 4, gamma=0, ignore_eos=True, workload=phase))
-                for name, dec, g, prop in runs:  # back to back per prompt (paired): a slower host slows all alike
-                    # the history and gate as serving left them, the same for every row (evaluation teaches neither)
-                    decoder.ngram_history = served_history.copy()
-                    decoder.ngram_gate = served_gate.copy() if served_gate is not None else None
-                    # v0's LoRA for the frozen rows; per_workload, the workload's own final version for the
-                    # draft's rows, decoded by ``frozen`` (it shares the draft's engine; the adapter manager is
-                    # closed, so nothing routes per request, and _frozen_lora holds ``decoder``'s lock)
-                    if dec is frozen:
-                        lora = v0_version
-                    elif cfg.per_workload and prop == "draft":
-                        dec, lora = frozen, final
-                    else:
-                        lora = None
-                    # each draft row proposes with its version's copy gate (none for v0 unless it has one);
-                    # the ablation rows: the final LoRA without its gate, v0 with the fixed gate
-                    gate = {"frozen": gate_of(v0_version), "adapted_nogate": None,
-                            "frozen_fixedgate": FIXED_COPY_GATE}.get(name, gate_of(final))
-                    with (_frozen_lora(decoder if lora is not None else None, lora or 0, registry),
-                          _swapped_head(decoder, frozen_head if name == "frozen_head" else None),
-                          _copy_gate(dec, gate)):
-                        r = dec.generate(DecodeRequest(ids, params, cfg.eval_new_tokens, gamma=g, ignore_eos=True,
-                                                       workload=phase, proposer=prop))
-                    tot[name][0].merge(r.counts)
-                    tot[name][1] += r.latency_ms
-                    per_prompt[name].append((r.counts, r.latency_ms))
-                    if name == "plain":
-                        plain_ids = list(r.output_ids)
-                    elif list(r.output_ids) != plain_ids:  # greedy: lossless means token-identical to plain decoding
-                        differs[name].append(i)
-                if peer is not None:  # llama.cpp's own plain generation of the packaged file, the same prompt
-                    out, ms, n_out = peer.generate(ids, params, cfg.eval_new_tokens, cfg.seed + i)
-                    peer_runs.append((n_out, ms, out == plain_ids[:len(out)]))
-            row["copy_gate"] = {"v0": _gate_list(gate_of(v0_version)), "final": _gate_list(gate_of(final))}
-            for name, _, g, prop in runs:
-                c, ms = tot[name]
-                row[name] = {"proposer": prop, "gamma": g, "alpha": _nn(c.alpha),
-                             "tau": _nn(c.mean_accepted_length), "acceptance_rate": _nn(c.acceptance_rate),
-                             "tokens_per_s": round(c.num_emitted_tokens / ms * 1e3, 3)}
-                if name != "plain":
-                    row[name]["matches_plain"] = f"{len(ps) - len(differs[name])}/{len(ps)}"
-                    if differs[name]:
-                        row[name]["differs_from_plain"] = differs[name]  # prompt indices
-            if "adapted" not in row:
-                row["adapted"] = {**row["plain"], "same_run_as": "plain"}
-            for name in ("frozen", "adapted_draft", "adapted", "frozen_head", "adapted_head", "adapted_nogate",
-                         "frozen_fixedgate"):
-                if name in row:
-                    row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
-            row.update(_paired_intervals(per_prompt, cfg.confidence))
-            row["adapted_draft"]["prediction"] = leviathan_prediction(
-                tot["adapted_draft"][0], tot["plain"][0], decoder.step_cost.ms, gamma_max=controller.config.gamma_max
-                if controller is not None else 8)
-            if peer_runs:
-                row["llamacpp_plain"] = {"tokens_per_s": round(sum(n for n, _, _ in peer_runs) / sum(ms for _, ms, _ in peer_runs) * 1e3, 3),
-                                         "same_tokens_as_plain": f"{sum(s for *_, s in peer_runs)}/{len(peer_runs)}"}
-                row["speed_vs_llamacpp_ci"] = _speed_vs_peer(per_prompt, peer_runs, cfg.confidence)
-            runs: dict = {}
-            row["versions"] = _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_version,
-                                              timeline, per_prompt, runs, final)
-            # what the learner had made of this workload when its phase ended (before later phases
-            # trained the shared adapter on other traffic), against v0 on the same prompts
-            end = next((r["adapter_version"] for r in reversed(timeline) if r["workload"] == phase), None)
-            if end in runs and v0_version in runs:
-                from trainer.gate import paired_ratio_gain
-
-                g = paired_ratio_gain({str(i): (a.alpha_sum, a.num_draft_tokens, b.alpha_sum, b.num_draft_tokens)
-                                       for i, ((a, _), (b, _)) in enumerate(zip(runs[v0_version], runs[end]))},
-                                      cfg.confidence)
-                row["phase_end_gain_ci"] = {"version": end, **_jsonable(g.to_dict())}
-            if "adapted_head" in row:
-                row["final_head"] = decoder.head_version
-                row["head_alpha_gain"] = _nn((row["adapted_head"]["alpha"] or 0) - (row["frozen_head"]["alpha"] or 0))
-            # what training bought the draft: the adapted draft's α over the frozen v0's (the pick may be
-            # plain decoding, whose α is None, or the n-gram proposer, which is not trained)
-            row["alpha_gain"] = _nn((row["adapted_draft"]["alpha"] or 0) - (row["frozen"]["alpha"] or 0))
-            served = [r for r in timeline if r["workload"] == phase]
-            row["served"] = {"requests": len(served), "repeats": sum(bool(r.get("repeat")) for r in served)}
-            third = max(1, len(served) // 3)
-            for label, part in (("live_first_third", served[:third]), ("live_last_third", served[-third:])):
-                al = [r["alpha"] for r in part if r["alpha"] is not None]
-                tps = [r["tokens_per_s"] for r in part if r.get("tokens_per_s") is not None]
-                row[label] = {"requests": len(part), "alpha": _nn(sum(al) / len(al)) if al else None,
-                              "tokens_per_s": _nn(sum(tps) / len(tps)) if tps else None}
-            rows.append(row)
+        return [ev.phase_row(phase) for phase in cfg.phases]
     finally:
-        decoder.ngram_history, decoder.ngram_gate = served_history, served_gate
-    return rows
+        decoder.ngram_history, decoder.ngram_gate = ev.served_history, ev.served_gate
+
+
+@dataclass
+class _PhaseEval:
+    """What :func:`evaluate_phases` measures each phase with, and one method per measured side:
+    held-out α, the decoded runs (ours, v0, the pick, the heads, llama.cpp's plain), the adapter
+    versions, the live requests."""
+
+    cfg: Any
+    heldout: dict
+    phase_end_version: dict
+    timeline: list
+    distiller: Any
+    registry: Any
+    decoder: Any
+    frozen: Any  # the SpeculativeDecoder over the frozen v0 draft
+    tok: Any
+    params: Any
+    console: Any
+    controller: Any
+    v0_version: int
+    frozen_head: Any
+    peer: Any
+    v0_state: Any = None  # v0's adapter state (Distiller.adapter_state, or BASE)
+    served_history: Any = None  # the n-gram history and gate as serving left them
+    served_gate: Any = None
+    gate_of: Any = None  # version -> its copy gate (_gate_loader)
+
+    def state_of(self, version: int):
+        """The adapter state of ``version`` (0: the base draft)."""
+        from trainer.distill import BASE
+
+        if version == 0:
+            return BASE
+        self.distiller.load_adapter_weights(self.registry.fetch(version))
+        return self.distiller.adapter_state()
+
+    def phase_row(self, phase: str) -> dict[str, Any]:
+        """The table's row of ``phase``."""
+        cfg, decoder = self.cfg, self.decoder
+        # the version serving the phase's workload now: its own scope's (per_workload), else the shared one
+        final = self.registry.resolve(phase) if cfg.per_workload else decoder.adapter_version
+        final_state = self.state_of(final)
+        row: dict[str, Any] = {"workload": phase, "adapter_at_phase_end": self.phase_end_version.get(phase, 0),
+                               "final_adapter": final}
+        self.heldout_side(row, phase, final_state)
+        pick_g, pick_p = self.controller_pick(row, phase)
+        ps = _prompts(phase, cfg.eval_prompts)
+        runs = self.runs(pick_g, pick_p)
+        self.console.log(f"evaluating {phase} on {len(ps)} prompts never served: plain, frozen, adapted draft, "
+                         + (f"the pick ({pick_p} γ={pick_g})" if pick_g else "the pick (plain: speculation off)"))
+        tot, per_prompt, differs, peer_runs = self.decode_side(phase, ps, runs, final)
+        row["copy_gate"] = {"v0": _gate_list(self.gate_of(self.v0_version)), "final": _gate_list(self.gate_of(final))}
+        _decoded_rows(row, runs, tot, differs, len(ps))
+        row.update(_paired_intervals(per_prompt, cfg.confidence))
+        row["adapted_draft"]["prediction"] = leviathan_prediction(
+            tot["adapted_draft"][0], tot["plain"][0], decoder.step_cost.ms, gamma_max=self.controller.config.gamma_max
+            if self.controller is not None else 8)
+        if peer_runs:
+            row["llamacpp_plain"] = {"tokens_per_s": round(sum(n for n, _, _ in peer_runs) / sum(ms for _, ms, _ in peer_runs) * 1e3, 3),
+                                     "same_tokens_as_plain": f"{sum(s for *_, s in peer_runs)}/{len(peer_runs)}"}
+            row["speed_vs_llamacpp_ci"] = _speed_vs_peer(per_prompt, peer_runs, cfg.confidence)
+        self.versions_side(row, phase, ps, per_prompt, final)
+        if "adapted_head" in row:
+            row["final_head"] = decoder.head_version
+            row["head_alpha_gain"] = _nn((row["adapted_head"]["alpha"] or 0) - (row["frozen_head"]["alpha"] or 0))
+        # what training bought the draft: the adapted draft's α over the frozen v0's (the pick may be
+        # plain decoding, whose α is None, or the n-gram proposer, which is not trained)
+        row["alpha_gain"] = _nn((row["adapted_draft"]["alpha"] or 0) - (row["frozen"]["alpha"] or 0))
+        _live_side(row, self.timeline, phase)
+        return row
+
+    def heldout_side(self, row: dict, phase: str, final_state) -> None:
+        """Held-out α and served acceptance of v0, the phase-end adapter and the final one."""
+        held = self.heldout.get(phase, [])
+        row["heldout_samples"] = len(held)
+        if held:
+            d = self.distiller
+            ev = {"frozen": d.evaluate(held, adapter=self.v0_state),
+                  "phase_end": d.evaluate(held, adapter=self.state_of(row["adapter_at_phase_end"])),
+                  "final": d.evaluate(held, adapter=final_state)}
+            row["heldout_alpha"] = {k: _nn(e.alpha) for k, e in ev.items()}
+            row["heldout_served"] = {k: _nn(e.served) for k, e in ev.items()}  # what the gate judges
+
+    def controller_pick(self, row: dict, phase: str) -> tuple[int, str | None]:
+        """The controller's proposer and γ for the phase's workload now: (γ, proposer); (0, None) plain."""
+        pick = self.controller.decision((phase, self.params.bucket())) if self.controller is not None else {}
+        pick_g = int(pick.get("gamma") or 0)
+        pick_p = pick.get("proposer") if pick_g else None
+        row["controller_pick"] = {"proposer": pick_p, "gamma": pick_g, "why": pick.get("why")}
+        return pick_g, pick_p
+
+    def runs(self, pick_g: int, pick_p: str | None) -> tuple:
+        """The decoded rows: (name, decoder, γ, proposer) each."""
+        cfg, decoder, frozen = self.cfg, self.decoder, self.frozen
+        runs = (("plain", decoder, 0, None), ("frozen", frozen, cfg.eval_gamma, "draft"),
+                ("adapted_draft", decoder, cfg.eval_gamma, "draft"))
+        if cfg.copy_ablation:  # what the copy gate adds, and what a fixed, untrained one gives
+            runs += (("adapted_nogate", decoder, cfg.eval_gamma, "draft"), ("frozen_fixedgate", frozen, cfg.eval_gamma, "draft"))
+        if pick_g:  # a plain pick is the plain run itself (no second measurement of the same thing)
+            runs += (("adapted", decoder, pick_g, pick_p),)
+        if self.frozen_head is not None and decoder.eagle_head is not None:
+            runs += (("frozen_head", decoder, cfg.head_gamma, "eagle"), ("adapted_head", decoder, cfg.head_gamma, "eagle"))
+        return runs
+
+    def fresh_history(self) -> None:
+        """The n-gram history and gate as serving left them (evaluation teaches neither)."""
+        self.decoder.ngram_history = self.served_history.copy()
+        self.decoder.ngram_gate = self.served_gate.copy() if self.served_gate is not None else None
+
+    def decode_side(self, phase: str, ps, runs, final: int):
+        """Every run on every prompt, back to back per prompt (paired: a slower host slows all
+        alike), and llama.cpp's plain generation of the same prompt. Returns per run the pooled
+        (counts, ms), the per-prompt (counts, ms), the prompts whose greedy output differs from
+        plain's, and the peer's (tokens, ms, same tokens as our plain) per prompt."""
+        from decoder.metrics import AcceptanceCounts
+        from decoder.speculative import DecodeRequest
+
+        cfg, params = self.cfg, self.params
+        tot = {name: [AcceptanceCounts(), 0.0] for name, *_ in runs}
+        per_prompt: dict[str, list] = {name: [] for name, *_ in runs}  # (counts, ms) per prompt, paired
+        differs: dict[str, list[int]] = {name: [] for name, *_ in runs}  # prompts whose greedy output != plain's
+        peer_runs: list[tuple[int, float, bool]] = []  # llama.cpp plain: (tokens, ms, same tokens as our plain)
+        for i, p in enumerate(ps):
+            ids = p.token_ids(self.tok)[-256:]
+            if i == 0:  # warm-up (caches, allocator), not counted, against a throwaway history copy
+                self.fresh_history()
+                self.decoder.generate(DecodeRequest(ids, params, 4, gamma=0, ignore_eos=True, workload=phase))
+            for name, dec, g, prop in runs:
+                r = self.decode_run(name, dec, g, prop, ids, phase, final)
+                tot[name][0].merge(r.counts)
+                tot[name][1] += r.latency_ms
+                per_prompt[name].append((r.counts, r.latency_ms))
+                if name == "plain":
+                    plain_ids = list(r.output_ids)
+                elif list(r.output_ids) != plain_ids:  # greedy: lossless means token-identical to plain decoding
+                    differs[name].append(i)
+            if self.peer is not None:  # llama.cpp's own plain generation of the packaged file, the same prompt
+                out, ms, n_out = self.peer.generate(ids, params, cfg.eval_new_tokens, cfg.seed + i)
+                peer_runs.append((n_out, ms, out == plain_ids[:len(out)]))
+        return tot, per_prompt, differs, peer_runs
+
+    def decode_run(self, name: str, dec, g: int, prop: str | None, ids: list[int], phase: str, final: int):
+        """One run on one prompt, with the history and gate as serving left them, its version's
+        LoRA and copy gate (and v0's head for ``frozen_head``)."""
+        from decoder.speculative import DecodeRequest
+
+        cfg, decoder = self.cfg, self.decoder
+        self.fresh_history()
+        # v0's LoRA for the frozen rows; per_workload, the workload's own final version for the
+        # draft's rows, decoded by ``frozen`` (it shares the draft's engine; the adapter manager is
+        # closed, so nothing routes per request, and _frozen_lora holds ``decoder``'s lock)
+        if dec is self.frozen:
+            lora = self.v0_version
+        elif cfg.per_workload and prop == "draft":
+            dec, lora = self.frozen, final
+        else:
+            lora = None
+        # each draft row proposes with its version's copy gate (none for v0 unless it has one);
+        # the ablation rows: the final LoRA without its gate, v0 with the fixed gate
+        gate = {"frozen": self.gate_of(self.v0_version), "adapted_nogate": None,
+                "frozen_fixedgate": FIXED_COPY_GATE}.get(name, self.gate_of(final))
+        with (_frozen_lora(decoder if lora is not None else None, lora or 0, self.registry),
+              _swapped_head(decoder, self.frozen_head if name == "frozen_head" else None),
+              _copy_gate(dec, gate)):
+            return dec.generate(DecodeRequest(ids, self.params, cfg.eval_new_tokens, gamma=g, ignore_eos=True,
+                                              workload=phase, proposer=prop))
+
+    def versions_side(self, row: dict, phase: str, ps, per_prompt: dict, final: int) -> None:
+        """Each adapter version that served the phase against the one before it, and the phase-end
+        version against v0, paired on the same prompts."""
+        cfg, v0_version = self.cfg, self.v0_version
+        runs: dict = {}
+        row["versions"] = _versions_check(cfg, phase, ps, self.tok, self.params, self.decoder, self.frozen,
+                                          self.registry, v0_version, self.timeline, per_prompt, runs, final)
+        # what the learner had made of this workload when its phase ended (before later phases
+        # trained the shared adapter on other traffic), against v0 on the same prompts
+        end = next((r["adapter_version"] for r in reversed(self.timeline) if r["workload"] == phase), None)
+        if end in runs and v0_version in runs:
+            from trainer.gate import paired_ratio_gain
+
+            g = paired_ratio_gain({str(i): (a.alpha_sum, a.num_draft_tokens, b.alpha_sum, b.num_draft_tokens)
+                                   for i, ((a, _), (b, _)) in enumerate(zip(runs[v0_version], runs[end]))},
+                                  cfg.confidence)
+            row["phase_end_gain_ci"] = {"version": end, **_jsonable(g.to_dict())}
+
+
+def _decoded_rows(row: dict, runs, tot: dict, differs: dict, n_prompts: int) -> None:
+    """Each run's measured row (α, τ, acceptance rate, tokens/s, matches with plain) and its
+    speedup over plain decoding; ``adapted`` is the plain run when the pick is plain."""
+    for name, _, g, prop in runs:
+        c, ms = tot[name]
+        row[name] = {"proposer": prop, "gamma": g, "alpha": _nn(c.alpha),
+                     "tau": _nn(c.mean_accepted_length), "acceptance_rate": _nn(c.acceptance_rate),
+                     "tokens_per_s": round(c.num_emitted_tokens / ms * 1e3, 3)}
+        if name != "plain":
+            row[name]["matches_plain"] = f"{n_prompts - len(differs[name])}/{n_prompts}"
+            if differs[name]:
+                row[name]["differs_from_plain"] = differs[name]  # prompt indices
+    if "adapted" not in row:
+        row["adapted"] = {**row["plain"], "same_run_as": "plain"}
+    for name in ("frozen", "adapted_draft", "adapted", "frozen_head", "adapted_head", "adapted_nogate",
+                 "frozen_fixedgate"):
+        if name in row:
+            row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
+
+
+def _live_side(row: dict, timeline: list, phase: str) -> None:
+    """The phase's served requests, first and last third: greedy α and tokens/s."""
+    served = [r for r in timeline if r["workload"] == phase]
+    row["served"] = {"requests": len(served), "repeats": sum(bool(r.get("repeat")) for r in served)}
+    third = max(1, len(served) // 3)
+    for label, part in (("live_first_third", served[:third]), ("live_last_third", served[-third:])):
+        al = [r["alpha"] for r in part if r["alpha"] is not None]
+        tps = [r["tokens_per_s"] for r in part if r.get("tokens_per_s") is not None]
+        row[label] = {"requests": len(part), "alpha": _nn(sum(al) / len(al)) if al else None,
+                      "tokens_per_s": _nn(sum(tps) / len(tps)) if tps else None}
 
 
 _VERSIONS_CHECKED = 4  # adapter versions decoded per phase besides v0 and the final one, at most

@@ -113,11 +113,7 @@ def _number(body: dict, name: str, default: float, lo: float | None = None, hi: 
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise _bad(name, f"{v!r} is not a finite number", "invalid_type")
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise _bad(name, f"{v!r} must be {'>' if lo_open else '>='} {lo:g}")
-    if hi is not None and v > hi:
-        raise _bad(name, f"{v!r} must be <= {hi:g}")
-    return float(v)
+    return float(_in_range(name, v, lo, hi, lo_open))
 
 
 def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None,
@@ -132,13 +128,27 @@ def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: 
             v = int(v)
         else:
             raise _bad(name, f"{v!r} is not an integer", "invalid_type")
-    if what is not None and not (lo <= v <= hi):
-        raise _bad(name, f"{v} is out of range: {what}, {lo} to {hi}")
-    if lo is not None and v < lo:
-        raise _bad(name, f"{v} must be >= {lo}")
-    if hi is not None and v > hi:
-        raise _bad(name, f"{v} must be <= {hi}")
+    return _in_range(name, v, lo, hi, what=what)
+
+
+def _in_range(name: str, v, lo=None, hi=None, lo_open: bool = False, what: str | None = None):
+    """The one range check of a request's numbers: ``v``, or a 400 naming ``name`` when it is below
+    ``lo`` (at or below it with ``lo_open``) or above ``hi``; ``what`` names a two-sided range, and
+    the message then quotes both ends."""
+    below = lo is not None and (v <= lo if lo_open else v < lo)
+    above = hi is not None and v > hi
+    if (below or above) and what is not None:
+        raise _bad(name, f"{v!r} is out of range: {what}, {_bound(lo)} to {_bound(hi)}")
+    if below:
+        raise _bad(name, f"{v!r} must be {'>' if lo_open else '>='} {_bound(lo)}")
+    if above:
+        raise _bad(name, f"{v!r} must be <= {_bound(hi)}")
     return v
+
+
+def _bound(x) -> str:
+    """A range's end as a message shows it: a float in ``g`` form (1.0 -> 1), an int whole."""
+    return f"{x:g}" if isinstance(x, float) else str(x)
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
@@ -964,58 +974,18 @@ class InferenceService:
 
     # ---- the app ---------------------------------------------------------------------------
     def app(self):
+        """The FastAPI app: the OpenAI routes, health, models, metrics and status, behind the API
+        key check, with every error as an OpenAI error body."""
         from fastapi import FastAPI
-        from fastapi.responses import JSONResponse, Response, StreamingResponse
-        from starlette.exceptions import HTTPException as StarletteHTTPException
 
         app = FastAPI(title="draftd serve", description="OpenAI-compatible completions with adaptive speculative decoding")
+        _add_error_handlers(app)
+        app.add_middleware(_api_key_before_body(self))
+        self._add_routes(app)
+        return app
 
-        def error(e: ApiError) -> JSONResponse:
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-        @app.exception_handler(ApiError)
-        async def _api_error(_req, e: ApiError):
-            return error(e)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http_error(_req, e):
-            kind = "not_found" if e.status_code == 404 else "invalid_request_error"
-            return error(ApiError(e.status_code, str(e.detail), code=kind))
-
-        service = self
-
-        class ApiKeyBeforeBody:
-            """With serve.api_key every route but /health needs the bearer token, checked before the body
-            is read: an unauthenticated request is neither parsed nor served nor recorded. A plain ASGI
-            middleware, not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware wraps ``receive``
-            so that ``request.is_disconnected()`` never sees a client that went away, and a non-streamed
-            request would decode to its end for nobody."""
-
-            def __init__(self, inner):
-                self.inner = inner
-
-            async def __call__(self, scope, receive, send):
-                if scope["type"] == "http" and service.api_key is not None and scope.get("path") != "/health":
-                    from starlette.datastructures import Headers
-
-                    scheme, _, cred = Headers(scope=scope).get("authorization", "").partition(" ")
-                    if scheme.lower() != "bearer" or not secrets.compare_digest(cred.strip().encode(),
-                                                                                 service.api_key.encode()):
-                        log.warning("serve_unauthorized", has_credentials=bool(cred), path=scope.get("path"))
-                        resp = error(ApiError(
-                            401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the OpenAI client's "
-                                 "api_key) with the key in the server's serve.api_key", code="invalid_api_key",
-                            headers={"WWW-Authenticate": "Bearer"}))
-                        await resp(scope, receive, send)
-                        return
-                await self.inner(scope, receive, send)
-
-        app.add_middleware(ApiKeyBeforeBody)
-
-        @app.exception_handler(Exception)
-        async def _server_error(_req, e):
-            log.exception("serve_internal_error", error=str(e))
-            return error(ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error", code="internal_error"))
+    def _add_routes(self, app) -> None:
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
 
         @app.get("/health")
         def health():
@@ -1059,8 +1029,6 @@ class InferenceService:
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
             return await handle(request, "chat")
-
-        return app
 
     def _parse_raw(self, raw: bytes, kind: str, header_workload: str | None) -> Parsed:
         return self.parse(parse_json_body(raw), kind, header_workload)
@@ -1178,92 +1146,175 @@ class InferenceService:
 
     async def _stream(self, p: Parsed, rid: str, created: int, ticket, fut, events: asyncio.Queue,
                       deadline: float | None = None):
-        from decoder.loop import Cancelled
-
-        def sse(obj) -> str:
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-        ts = TextStream(self.tokenizer, p.stop)
-        seen = [0, 0]  # tokens whose logprobs went out, characters of their text (completions' text_offset)
-
-        def chunk(ids: list[int]):
-            """The chunk for newly emitted ``ids``: their text delta and, when asked, their logprobs
-            (ticket.logprobs was extended before the ids were queued); None when there is nothing."""
-            delta = ts.feed(ids)
-            lp = None
-            if p.logprobs is not None and ids:
-                mine = ticket.logprobs[seen[0]: seen[0] + len(ids)]
-                lp = self._logprobs(p, mine, seen[1])
-                seen[0] += len(ids)
-                if p.kind == "completion":  # text_offset: the characters of the tokens already sent
-                    seen[1] += sum(len(t) for t in lp["tokens"])
-            if not delta and lp is None:
-                return None
-            return self._chunk(p, rid, created, delta or "", logprobs=lp)
-
+        """The server-sent events of a streamed request: a chunk per batch of queued tokens, then
+        the final chunk (or an error event: out of time, abandoned, cancelled, failed) and [DONE]."""
+        deltas = _Deltas(self, p, rid, created, ticket)
         try:
             if p.kind == "chat":
-                yield sse(self._chunk(p, rid, created, "", role=True))
+                yield _sse(self._chunk(p, rid, created, "", role=True))
             while True:
                 if not events.empty():  # tokens already queued (several steps while this stream was
                     # busy, or another's): one chunk for all of them, without a waiter task per step
-                    c = chunk(_drain(events, []))
+                    c = deltas.chunk(_drain(events, []))
                     if c is not None:
-                        yield sse(c)
+                        yield _sse(c)
                     continue
                 if fut.done():
                     break
                 getter = asyncio.ensure_future(events.get())
-                while True:  # polled: a shutdown past the drain grace must end the stream too
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    done, _ = await asyncio.wait({getter, fut}, timeout=0.25 if left is None else min(0.25, left),
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                    if done:
-                        break
-                    if deadline is not None and time.monotonic() >= deadline:
-                        getter.cancel()  # out of time: the headers are sent, so the 408 is an error event
-                        yield sse(self._timeout(ticket).body())
-                        yield "data: [DONE]\n\n"
-                        return
-                    if self._abandoned.is_set():
-                        getter.cancel()
-                        yield sse(self._abandoned_error(ticket).body())
-                        yield "data: [DONE]\n\n"
-                        return
+                done, ending = await self._next_event(getter, fut, ticket, deadline)
+                if ending is not None:  # the headers are sent, so the error is an event
+                    yield _sse(ending)
+                    yield "data: [DONE]\n\n"
+                    return
                 if getter in done:
-                    c = chunk(_drain(events, list(getter.result())))
+                    c = deltas.chunk(_drain(events, list(getter.result())))
                     if c is not None:
-                        yield sse(c)
+                        yield _sse(c)
                     continue
                 getter.cancel()
                 break
             if not events.empty():  # tokens queued before the result (FIFO callbacks)
-                c = chunk(_drain(events, []))
+                c = deltas.chunk(_drain(events, []))
                 if c is not None:
-                    yield sse(c)
-            try:
-                res = fut.result()
-            except (Cancelled, ValueError) as e:
-                err = ApiError(400 if isinstance(e, ValueError) else 503, str(e))
-                yield sse(err.body())
-                yield "data: [DONE]\n\n"
-                return
-            if res.finish_reason == "cancelled":  # the text sent so far is not a completion: an error event ends it
-                yield sse(self._cancelled_error(ticket, deadline).body())
-                yield "data: [DONE]\n\n"
-                return
-            rest = ts.finish()
-            final = self._chunk(p, rid, created, rest if rest or p.kind == "completion" else None,
-                                finish=FINISH.get(res.finish_reason, res.finish_reason))
-            final["draftd"] = measurement(res, ticket, speculation=self.speculation)
-            yield sse(final)
-            if p.include_usage:
-                yield sse({"id": rid, "object": final["object"], "created": created, "model": self.model, "choices": [],
-                           "usage": self._usage(res)})
-            yield "data: [DONE]\n\n"
+                    yield _sse(c)
+            for event in self._stream_end(p, rid, created, ticket, fut, deadline, deltas.ts):
+                yield event
         finally:
             if not fut.done():
                 ticket.cancel()  # the client went away: stop at the next step
+
+    async def _next_event(self, getter, fut, ticket, deadline: float | None):
+        """Wait for queued tokens (``getter``) or the result (``fut``), polled every 0.25 s: a
+        shutdown past the drain grace must end the stream too. Returns (the finished set, None),
+        or (None, the error body that ends the stream: out of time, abandoned) with ``getter``
+        cancelled."""
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = await asyncio.wait({getter, fut}, timeout=0.25 if left is None else min(0.25, left),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                return done, None
+            if deadline is not None and time.monotonic() >= deadline:
+                getter.cancel()  # out of time: the 408 as an error event
+                return None, self._timeout(ticket).body()
+            if self._abandoned.is_set():
+                getter.cancel()
+                return None, self._abandoned_error(ticket).body()
+
+    def _stream_end(self, p: Parsed, rid: str, created: int, ticket, fut, deadline: float | None,
+                    ts: TextStream) -> list[str]:
+        """The events after the last token: the final chunk (the text's rest, the finish reason,
+        the measurement), the usage chunk when asked, [DONE]; or the error event of a request
+        that failed or was cancelled mid-decode, and [DONE]."""
+        from decoder.loop import Cancelled
+
+        try:
+            res = fut.result()
+        except (Cancelled, ValueError) as e:
+            err = ApiError(400 if isinstance(e, ValueError) else 503, str(e))
+            return [_sse(err.body()), "data: [DONE]\n\n"]
+        if res.finish_reason == "cancelled":  # the text sent so far is not a completion: an error event ends it
+            return [_sse(self._cancelled_error(ticket, deadline).body()), "data: [DONE]\n\n"]
+        rest = ts.finish()
+        final = self._chunk(p, rid, created, rest if rest or p.kind == "completion" else None,
+                            finish=FINISH.get(res.finish_reason, res.finish_reason))
+        final["draftd"] = measurement(res, ticket, speculation=self.speculation)
+        events = [_sse(final)]
+        if p.include_usage:
+            events.append(_sse({"id": rid, "object": final["object"], "created": created, "model": self.model,
+                                "choices": [], "usage": self._usage(res)}))
+        return events + ["data: [DONE]\n\n"]
+
+
+def _sse(obj) -> str:
+    """One server-sent event of a JSON object."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Deltas:
+    """A streamed request's chunks of newly emitted tokens: their text delta (cut at the stop
+    strings) and, when asked, their logprobs."""
+
+    def __init__(self, service: "InferenceService", p: Parsed, rid: str, created: int, ticket):
+        self.service, self.p, self.rid, self.created, self.ticket = service, p, rid, created, ticket
+        self.ts = TextStream(service.tokenizer, p.stop)
+        self.seen = [0, 0]  # tokens whose logprobs went out, characters of their text (completions' text_offset)
+
+    def chunk(self, ids: list[int]):
+        """The chunk for newly emitted ``ids``: their text delta and, when asked, their logprobs
+        (ticket.logprobs was extended before the ids were queued); None when there is nothing."""
+        p, seen = self.p, self.seen
+        delta = self.ts.feed(ids)
+        lp = None
+        if p.logprobs is not None and ids:
+            mine = self.ticket.logprobs[seen[0]: seen[0] + len(ids)]
+            lp = self.service._logprobs(p, mine, seen[1])
+            seen[0] += len(ids)
+            if p.kind == "completion":  # text_offset: the characters of the tokens already sent
+                seen[1] += sum(len(t) for t in lp["tokens"])
+        if not delta and lp is None:
+            return None
+        return self.service._chunk(p, self.rid, self.created, delta or "", logprobs=lp)
+
+
+def _error_response(e: ApiError):
+    """An :class:`ApiError` as the OpenAI error body with its status and headers."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _add_error_handlers(app) -> None:
+    """Every error as an OpenAI error body: ours, Starlette's (404, 405, ...) and any other (500)."""
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req, e: ApiError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req, e):
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(e.status_code, str(e.detail), code=kind))
+
+    @app.exception_handler(Exception)
+    async def _server_error(_req, e):
+        log.exception("serve_internal_error", error=str(e))
+        return _error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error",
+                                        code="internal_error"))
+
+
+def _api_key_before_body(service: "InferenceService"):
+    """The ASGI middleware class that checks ``service.api_key`` before a body is read."""
+
+    class ApiKeyBeforeBody:
+        """With serve.api_key every route but /health needs the bearer token, checked before the body
+        is read: an unauthenticated request is neither parsed nor served nor recorded. A plain ASGI
+        middleware, not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware wraps ``receive``
+        so that ``request.is_disconnected()`` never sees a client that went away, and a non-streamed
+        request would decode to its end for nobody."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http" and service.api_key is not None and scope.get("path") != "/health":
+                from starlette.datastructures import Headers
+
+                scheme, _, cred = Headers(scope=scope).get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not secrets.compare_digest(cred.strip().encode(),
+                                                                             service.api_key.encode()):
+                    log.warning("serve_unauthorized", has_credentials=bool(cred), path=scope.get("path"))
+                    resp = _error_response(ApiError(
+                        401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the OpenAI client's "
+                             "api_key) with the key in the server's serve.api_key", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"}))
+                    await resp(scope, receive, send)
+                    return
+            await self.inner(scope, receive, send)
+
+    return ApiKeyBeforeBody
 
 
 def _drain(events: asyncio.Queue, ids: list[int]) -> list[int]:
@@ -1411,12 +1462,9 @@ def run_serve(settings, console=None) -> int:
     from contextlib import ExitStack
 
     from daemon.redis_embed import open_redis
-    from daemon.settings import draft_vocab_ids, store_config
-    from decoder.loop import LoopConfig, build_serving_loop
+    from daemon.settings import store_config
+    from decoder.engines.registry import torch_threads_for
     from decoder.models.loading import load_pair
-    from decoder.speculative import DecoderConfig
-    from store import AdapterRegistry
-    from store.schema import PairFingerprint
 
     sv, m = settings.serve, settings.models
     # Each decoding step hands the GIL between threads (the batch's members, its driver, uvicorn,
@@ -1424,15 +1472,7 @@ def run_serve(settings, console=None) -> int:
     # per hand-off while another ran Python, and a batched step took 10-18 ms against 5 ms of
     # decoding (bench/RESULTS.md, "draftd serve against llama-server").
     sys.setswitchinterval(sv.gil_switch_interval_ms / 1e3)
-    stop, cut = threading.Event(), threading.Event()
-
-    def on_signal(*_) -> None:  # the first drains for serve.drain_grace_s; a second cuts the grace short
-        if stop.is_set():
-            cut.set()
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    stop, cut = _stop_signals()
     with ExitStack() as stack:
         rh = stack.enter_context(open_redis(settings.redis, settings.redis_dir))
         scfg = store_config(settings)
@@ -1443,78 +1483,136 @@ def run_serve(settings, console=None) -> int:
         pair = load_pair(m.target, m.draft, device=m.device)
         if _stopped_while_loading(stop, "the model pair"):
             return 0
-        from decoder.engines.registry import choose_engine, torch_threads_for
-        from decoder.proposers.registry import spec as proposer_spec, versioned_by
-
-        engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads,
-                                embeddings=sv.record_hidden or any(proposer_spec(n).needs_features for n in sv.proposers),
-                                target_format=m.format, proposers=tuple(sv.proposers),
-                                progress=lambda msg: log.info("served_format_measuring", what=msg), n_seq=sv.max_batch,
-                                draft_vocab=draft_vocab_ids(settings, pair.tokenizer), v_cache=m.v_cache)
-        log.info("engine", engine=engines.name, reason=engines.reason, served_format=engines.served_format,
-                 v_cache=getattr(engines.target, "v_cache", None))
+        engines = _engines(settings, pair)
         if _stopped_while_loading(stop, "the engines"):
             return 0
         if not m.torch_threads:  # on llama.cpp the decoder's torch work is per-row vector math: one thread
             stack.enter_context(torch_threads_for(engines.target))
-        fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
-        registry = AdapterRegistry(rh.client, settings.adapter_dir, scfg) if sv.follow_adapters else None
-        if registry is not None:
-            _cached_v0(settings, fp, registry, pair.tokenizer)
-        follow_heads = versioned_by("head") in sv.proposers and sv.eagle_head is None and sv.follow_heads
-        heads = AdapterRegistry(rh.client, settings.head_dir, scfg, kind="head") if follow_heads else None
-        loop = build_serving_loop(
-            pair.target, pair.draft, pair.tokenizer, client=rh.client, store_config=scfg, registry=registry,
-            decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
-                                         ngram_gate=sv.ngram_gate, record_hidden=sv.record_hidden,
-                                         target_format=engines.served_format),
-            pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every,
-                                                   max_batch=sv.max_batch, step_token_budget=sv.step_token_budget),
-            proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft,
-            eagle_head=_eagle_head(sv.eagle_head, pair.target), head_registry=heads, head_dtype=head_dtype())
+        loop, heads = _serving_loop(settings, rh.client, scfg, pair, engines)
         loop.start()
         stack.callback(loop.close)
-        ctx = loop.decoder.engine.context_length
-        service = InferenceService(loop, pair.tokenizer, sv.model_name or m.target, context_len=ctx,
-                                   max_tokens_default=sv.max_tokens_default, speculation=sv.speculation,
-                                   server_id=sv.server_id,
-                                   api_key=sv.api_key.get_secret_value() if sv.api_key is not None else None,
-                                   max_prompt_tokens=sv.max_prompt_tokens, request_timeout_s=sv.request_timeout_s,
-                                   max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets,
-                                   max_request_bytes=sv.max_request_bytes,
-                                   served_format=_served_format(engines),
-                                   grammar_gguf=_grammar_gguf(m.target, engines.target))
+        service = _service(settings, loop, pair.tokenizer, engines)
         if _stopped_while_loading(stop, "the serving loop"):
             return 0
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port))
-        log.info("serve_started", url=server.url, model=service.model, redis=rh.mode, speculation=sv.speculation,
-                 authenticated=sv.api_key is not None,
-                 streams_steps=loop.streams_steps, proposers=list(sv.proposers),
-                 eagle_head=str(sv.eagle_head) if sv.eagle_head else ("registry" if heads is not None else None),
-                 record_hidden=sv.record_hidden)
-        if sv.remote and sv.api_key is None:
-            log.warning("serve_exposed_unauthenticated", host=sv.host,
-                        why="serve.allow_remote without serve.api_key: anyone who reaches the port is served and their "
-                            "requests go into the training buffer; set DRAFTD_SERVE__API_KEY")
-        if heads is not None and not heads.active_versions().get(""):
-            log.warning("eagle_waits_for_a_head", head_dir=str(settings.head_dir),
-                        why="'eagle' is offered only once the trainer promotes a head (trainer.heads=true on the daemon, "
-                            "serve.record_hidden=true here); `daemonctl heads list` shows them")
-        if console is not None:
-            console.print(f"serving {service.model} at {server.url}/v1 (redis {rh.mode}); SIGTERM drains, a second one cuts the grace short")
+        _announce(settings, server, service, rh.mode, loop, heads, console)
         while not stop.wait(0.5):
             pass
-        log.info("serve_draining", grace_s=sv.drain_grace_s, queued=loop.queue_depth)
-        service.drain_grace_s = sv.drain_grace_s  # named in the 503 of a request cancelled past it
-        drained = loop.drain(sv.drain_grace_s, cut)  # past the grace (or a second signal) it cancels what is left
-        if not drained:
-            _settle(loop, 1.0)  # a cancelled request usually stops within a step: its client gets its 503
-            service.abandon(sv.drain_grace_s)  # whoever still waits is answered now, not cancelled by uvicorn
-            if not _settle(loop, 30.0):
-                log.warning("serve_decoder_still_busy", waited_s=30.0)
-        log.info("serve_drained", complete=drained)
+        _drain_loop(sv, loop, service, cut)
     return 0
+
+
+def _stop_signals() -> tuple[threading.Event, threading.Event]:
+    """SIGTERM/SIGINT handlers: the first sets ``stop`` (drain for serve.drain_grace_s), a second
+    also ``cut`` (cut the grace short). Returns (stop, cut)."""
+    stop, cut = threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:
+        if stop.is_set():
+            cut.set()
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    return stop, cut
+
+
+def _engines(settings, pair):
+    """The target's and the draft's engines (``decoder.engines.registry.choose_engine``) for the
+    served proposers, batch and format."""
+    from daemon.settings import draft_vocab_ids
+    from decoder.engines.registry import choose_engine
+    from decoder.proposers.registry import spec as proposer_spec
+
+    sv, m = settings.serve, settings.models
+    engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads,
+                            embeddings=sv.record_hidden or any(proposer_spec(n).needs_features for n in sv.proposers),
+                            target_format=m.format, proposers=tuple(sv.proposers),
+                            progress=lambda msg: log.info("served_format_measuring", what=msg), n_seq=sv.max_batch,
+                            draft_vocab=draft_vocab_ids(settings, pair.tokenizer), v_cache=m.v_cache)
+    log.info("engine", engine=engines.name, reason=engines.reason, served_format=engines.served_format,
+             v_cache=getattr(engines.target, "v_cache", None))
+    return engines
+
+
+def _serving_loop(settings, client, scfg, pair, engines):
+    """The serving loop over the pair's engines, following the adapter registry (v0 from the
+    cache when it is empty) and the head registry where asked. Returns (loop, the head registry
+    or None)."""
+    from daemon.settings import draft_vocab_ids
+    from decoder.loop import LoopConfig, build_serving_loop
+    from decoder.proposers.registry import versioned_by
+    from decoder.speculative import DecoderConfig
+    from store import AdapterRegistry
+    from store.schema import PairFingerprint
+
+    sv = settings.serve
+    fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
+    registry = AdapterRegistry(client, settings.adapter_dir, scfg) if sv.follow_adapters else None
+    if registry is not None:
+        _cached_v0(settings, fp, registry, pair.tokenizer)
+    follow_heads = versioned_by("head") in sv.proposers and sv.eagle_head is None and sv.follow_heads
+    heads = AdapterRegistry(client, settings.head_dir, scfg, kind="head") if follow_heads else None
+    loop = build_serving_loop(
+        pair.target, pair.draft, pair.tokenizer, client=client, store_config=scfg, registry=registry,
+        decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
+                                     ngram_gate=sv.ngram_gate, record_hidden=sv.record_hidden,
+                                     target_format=engines.served_format),
+        pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every,
+                                               max_batch=sv.max_batch, step_token_budget=sv.step_token_budget),
+        proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft,
+        eagle_head=_eagle_head(sv.eagle_head, pair.target), head_registry=heads, head_dtype=head_dtype())
+    return loop, heads
+
+
+def _service(settings, loop, tokenizer, engines) -> InferenceService:
+    """The OpenAI face of ``loop`` as ``serve.*`` configures it."""
+    sv, m = settings.serve, settings.models
+    return InferenceService(loop, tokenizer, sv.model_name or m.target, context_len=loop.decoder.engine.context_length,
+                            max_tokens_default=sv.max_tokens_default, speculation=sv.speculation,
+                            server_id=sv.server_id,
+                            api_key=sv.api_key.get_secret_value() if sv.api_key is not None else None,
+                            max_prompt_tokens=sv.max_prompt_tokens, request_timeout_s=sv.request_timeout_s,
+                            max_workloads=sv.max_workloads, max_sampling_buckets=sv.max_sampling_buckets,
+                            max_request_bytes=sv.max_request_bytes,
+                            served_format=_served_format(engines),
+                            grammar_gguf=_grammar_gguf(m.target, engines.target))
+
+
+def _announce(settings, server, service, redis_mode: str, loop, heads, console) -> None:
+    """Log that serving started (and what to fix: an exposed port without a key, an eagle
+    proposer still waiting for its first head); print the URL to ``console``."""
+    sv = settings.serve
+    log.info("serve_started", url=server.url, model=service.model, redis=redis_mode, speculation=sv.speculation,
+             authenticated=sv.api_key is not None,
+             streams_steps=loop.streams_steps, proposers=list(sv.proposers),
+             eagle_head=str(sv.eagle_head) if sv.eagle_head else ("registry" if heads is not None else None),
+             record_hidden=sv.record_hidden)
+    if sv.remote and sv.api_key is None:
+        log.warning("serve_exposed_unauthenticated", host=sv.host,
+                    why="serve.allow_remote without serve.api_key: anyone who reaches the port is served and their "
+                        "requests go into the training buffer; set DRAFTD_SERVE__API_KEY")
+    if heads is not None and not heads.active_versions().get(""):
+        log.warning("eagle_waits_for_a_head", head_dir=str(settings.head_dir),
+                    why="'eagle' is offered only once the trainer promotes a head (trainer.heads=true on the daemon, "
+                        "serve.record_hidden=true here); `daemonctl heads list` shows them")
+    if console is not None:
+        console.print(f"serving {service.model} at {server.url}/v1 (redis {redis_mode}); SIGTERM drains, a second one cuts the grace short")
+
+
+def _drain_loop(sv, loop, service: InferenceService, cut: threading.Event) -> None:
+    """Drain for ``sv.drain_grace_s`` (``cut``: a second signal cuts it short); past it what is
+    left is cancelled and whoever still waits is answered."""
+    log.info("serve_draining", grace_s=sv.drain_grace_s, queued=loop.queue_depth)
+    service.drain_grace_s = sv.drain_grace_s  # named in the 503 of a request cancelled past it
+    drained = loop.drain(sv.drain_grace_s, cut)  # past the grace (or a second signal) it cancels what is left
+    if not drained:
+        _settle(loop, 1.0)  # a cancelled request usually stops within a step: its client gets its 503
+        service.abandon(sv.drain_grace_s)  # whoever still waits is answered now, not cancelled by uvicorn
+        if not _settle(loop, 30.0):
+            log.warning("serve_decoder_still_busy", waited_s=30.0)
+    log.info("serve_drained", complete=drained)
 
 
 def _stopped_while_loading(stop: threading.Event, loaded: str) -> bool:

@@ -282,33 +282,29 @@ class AdapterManager(RegistryFollower):
         self._swaps_total = 0
         self._failures_total = 0
         self._model_lock = threading.Lock()  # peft structure changes: load/delete vs switch
-        self._prep_lock = threading.Lock()  # one preparation at a time
-        decoder.between_requests.append(self._between_requests)
+        self._hook_in()
 
     # ---- preparation (background, outside the decoder's lock) ------------------------------
-    def _prepare(self, version: int, source: str, scope: str = "") -> None:
-        with self._prep_lock:
-            if self._nothing_to_prepare(version, source, scope):
-                return
-            t0 = self.clock()
-            try:
-                if version != 0:
-                    self._load(version)
-            except StoreUnavailableError:
-                raise  # transient: the watcher retries
-            except Exception as e:  # noqa: BLE001 - a bad adapter must never reach a request
-                self._fail(version, _kind(e), str(e), scope)
-                return
-            ms = (self.clock() - t0) * 1e3
-            self._failed.pop(version, None)
-            self._previous[scope] = self._routes.get(scope, 0)
-            self._routes = {**self._routes, scope: version}  # replaced whole: the hook reads it unlocked
-            self.last_source = source
+    def _prepare_version(self, version: int, source: str, scope: str, t0: float) -> None:
+        """Load ``version`` (under RegistryFollower._prepare's lock) and route ``scope`` to it."""
+        try:
             if version != 0:
-                self.prepare_ms.append(ms)
-            log.info("adapter_prepared", version=version, scope=scope, source=source, prepare_ms=round(ms, 3))
-            with self._changed:
-                self._changed.notify_all()
+                self._load(version)
+        except StoreUnavailableError:
+            raise  # transient: the watcher retries
+        except Exception as e:  # noqa: BLE001 - a bad adapter must never reach a request
+            self._fail(version, _kind(e), str(e), scope)
+            return
+        ms = (self.clock() - t0) * 1e3
+        self._failed.pop(version, None)
+        self._previous[scope] = self._routes.get(scope, 0)
+        self._routes = {**self._routes, scope: version}  # replaced whole: the hook reads it unlocked
+        self.last_source = source
+        if version != 0:
+            self.prepare_ms.append(ms)
+        log.info("adapter_prepared", version=version, scope=scope, source=source, prepare_ms=round(ms, 3))
+        with self._changed:
+            self._changed.notify_all()
 
     def _load(self, version: int) -> str:
         name = adapter_name(version)

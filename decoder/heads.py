@@ -125,34 +125,30 @@ class HeadManager(RegistryFollower):
         self._routes: dict[str, int] = {"": v0}
         self._boundaries = 0
         self._lock = threading.Lock()  # _heads and _routes changes
-        self._prep_lock = threading.Lock()
-        decoder.between_requests.append(self._between_requests)
+        self._hook_in()
 
     # ---- preparation (watcher thread) --------------------------------------------------------
-    def _prepare(self, version: int, source: str, scope: str = "") -> None:
-        with self._prep_lock:
-            if self._nothing_to_prepare(version, source, scope):
+    def _prepare_version(self, version: int, source: str, scope: str, t0: float) -> None:
+        """Load and check ``version`` (under RegistryFollower._prepare's lock) and route ``scope`` to it."""
+        if version and version not in self._heads:
+            try:
+                head = self.load(self.registry.fetch(version))
+                self._check(head)
+            except StoreUnavailableError:
+                raise  # transient: the watcher retries
+            except Exception as e:  # noqa: BLE001 - a bad head must never reach a request
+                self._fail(version, f"{type(e).__name__}: {e}", scope)
                 return
-            t0 = self.clock()
-            if version and version not in self._heads:
-                try:
-                    head = self.load(self.registry.fetch(version))
-                    self._check(head)
-                except StoreUnavailableError:
-                    raise  # transient: the watcher retries
-                except Exception as e:  # noqa: BLE001 - a bad head must never reach a request
-                    self._fail(version, f"{type(e).__name__}: {e}", scope)
-                    return
-                with self._lock:
-                    self._heads[version] = head
-                self.prepare_ms.append((self.clock() - t0) * 1e3)
-            self._failed.pop(version, None)
             with self._lock:
-                self._routes = {**self._routes, scope: version}  # replaced whole: the hook reads it unlocked
-            log.info("head_prepared", version=version, scope=scope, source=source,
-                     prepare_ms=round((self.clock() - t0) * 1e3, 3))
-            with self._changed:
-                self._changed.notify_all()
+                self._heads[version] = head
+            self.prepare_ms.append((self.clock() - t0) * 1e3)
+        self._failed.pop(version, None)
+        with self._lock:
+            self._routes = {**self._routes, scope: version}  # replaced whole: the hook reads it unlocked
+        log.info("head_prepared", version=version, scope=scope, source=source,
+                 prepare_ms=round((self.clock() - t0) * 1e3, 3))
+        with self._changed:
+            self._changed.notify_all()
 
     def _check(self, head) -> None:
         """Raises ValueError when the decoder cannot feed ``head`` (its width or vocabulary) or a

@@ -76,8 +76,9 @@ def _close(ps) -> None:
 
 class RegistryFollower:
     """The life cycle of a manager that follows a registry (subclasses set ``_thread_name`` and
-    ``_watch_name``, and provide ``_prepare(version, source, scope)``, ``_evict()`` and
-    ``_between_requests(decoder, request)``; their ``__init__`` calls :meth:`_init_follower`).
+    ``_watch_name``, and provide ``_prepare_version(version, source, scope, t0)``, ``_evict()`` and
+    ``_between_requests(decoder, request)``; their ``__init__`` calls :meth:`_init_follower` first
+    and :meth:`_hook_in` last).
 
     ``start`` runs the watcher thread (:func:`watch_registry`), ``stop`` ends it, ``close`` also
     removes the hook from the decoder; ``route`` and ``wait_prepared`` read the routes."""
@@ -92,6 +93,19 @@ class RegistryFollower:
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._prep_lock = threading.Lock()  # one preparation at a time
+
+    def _hook_in(self) -> None:
+        """Join the decoder's between-request hooks (the end of a subclass's ``__init__``)."""
+        self.decoder.between_requests.append(self._between_requests)
+
+    def _prepare(self, version: int, source: str, scope: str = "") -> None:
+        """Prepare ``version`` for ``scope`` (one preparation at a time), unless there is nothing
+        to prepare (:meth:`_nothing_to_prepare`); ``_prepare_version`` does the work, timed from t0."""
+        with self._prep_lock:
+            if self._nothing_to_prepare(version, source, scope):
+                return
+            self._prepare_version(version, source, scope, self.clock())
 
     def start(self):
         """Start the watcher thread (subscribe, then poll once, then wait for events)."""

@@ -375,30 +375,9 @@ class SpeculativeDecoder:
         self._lock = threading.Lock()
         self.between_requests: list[Callable[["SpeculativeDecoder", DecodeRequest | None], None]] = []
         self.device = next(target.parameters()).device
-        eos = set()
-        for src in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-            if isinstance(src, int):
-                eos.add(src)
-            elif src:
-                eos.update(int(x) for x in src)
-        self.eos_ids = frozenset(eos)
-        self.engine = engine if engine is not None else TorchEngine(target, self.eos_ids)
-        if draft_engine is not None and draft_engine is self.engine:
-            raise ValueError("draft_engine is the target's engine: an engine holds one sequence, so the draft's "
-                             "would overwrite the target's cache; give the draft its own (choose_engine(..., "
-                             "draft='self') does)")
-        self.draft_engine = draft_engine
-        self.vocab_p = self.engine.vocab_size
-        self.vocab_q = (draft_engine.vocab_size if draft_engine is not None
-                        else draft.get_output_embeddings().weight.shape[0])
+        self.eos_ids = _eos_ids(target, tokenizer)
+        self._attach_engines(engine, draft_engine)
         torch_target = self.engine.capabilities.torch_module
-        if self.config.record_hidden and not self.engine.capabilities.hidden_states:
-            raise ValueError(f"DecoderConfig.record_hidden needs the target's hidden states, and engine "
-                             f"{self.engine.name} was built without them: LlamaCppEngine(embeddings=True) "
-                             f"(choose_engine(..., embeddings=True))")
-        if not torch_target and self.engine.vocab_size != target.get_output_embeddings().weight.shape[0]:
-            raise ValueError(f"engine {self.engine.name} has a vocabulary of {self.engine.vocab_size} ids, the torch "
-                             f"target {target.get_output_embeddings().weight.shape[0]}: they must be the same model")
         self._pad_one_row = self._choose_kernels(torch_target)  # also for the FR-Spec head
         # the prompt's LM head in chunks (record_prompt); other engines return prompt logits in chunks
         self._target_head = small_m_head(target) if torch_target else None
@@ -406,30 +385,10 @@ class SpeculativeDecoder:
         self._draft_head_w = None
         if self.config.draft_vocab is not None:
             self._restrict_draft_head(self.config.draft_vocab)
-        # every finished request's tokens, per workload, for the n-gram proposer (fed whatever served it)
-        # FR-Spec on a GGUF draft: a restricted draft GGUF (gguf_export.restricted_draft_gguf, what
-        # choose_engine(..., draft_vocab=...) builds) computes only the V' rows; a full one computes the
-        # full head, and the rows outside the restricted vocabulary are masked to -inf. Either way q is
-        # the restricted head's softmax, the q the trainer fits and judges (decoder.vocab; an adapter
-        # trained on it proposes what was judged)
-        self._draft_vocab_off = None
-        restricted = getattr(draft_engine, "out_ids", None)  # a restricted-vocabulary draft GGUF (V' head rows)
-        if restricted is not None:
-            # its logits are already -inf outside its rows: the same q as the mask below, at a V'-row
-            # head's cost; the restricted set must be the one the trainer fits (DecoderConfig.draft_vocab)
-            dv = self.config.draft_vocab
-            if dv is None or dv.numel() != restricted.numel() or not torch.equal(
-                    torch.sort(dv.cpu().long()).values, torch.sort(restricted).values):
-                raise ValueError(f"draft_engine {draft_engine.path.name} has a restricted vocabulary of "
-                                 f"{restricted.numel()} ids; set DecoderConfig.draft_vocab to the same ids "
-                                 f"(got {None if dv is None else dv.numel()} ids) so the draft is trained on the "
-                                 f"q it serves")
-        elif draft_engine is not None and self.config.draft_vocab is not None:
-            off = torch.ones(self.vocab_p, dtype=torch.bool)
-            off[self._draft_vocab_ids.cpu()] = False
-            self._draft_vocab_off = off  # (V_p,) True outside the restricted vocabulary
+        self._draft_vocab_off = self._draft_engine_vocab(draft_engine)
         self.ngram_min_n = self.config.ngram_min_n or (1 if torch_target else min(2, self.config.ngram_max_n))
         self._per_thread = threading.local()  # the running request's state (several run at once when batched)
+        # every finished request's tokens, per workload, for the n-gram proposer (fed whatever served it)
         self.ngram_history = NgramHistory(self.config.ngram_max_n, self.ngram_min_n,
                                           self.config.ngram_history_tokens)
         # what a step costs by verified rows (steps that ran no draft model), and the n-gram
@@ -442,6 +401,54 @@ class SpeculativeDecoder:
         self.ngram_gate: NgramGate | None = NgramGate() if self.config.ngram_gate else None
 
     # ---- construction phases --------------------------------------------------------------------
+    def _attach_engines(self, engine: Engine | None, draft_engine: Engine | None) -> None:
+        """The target's engine (default: torch over ``target``) and the draft's, checked against
+        each other and the config: the draft's own sequence, hidden states when records carry them,
+        one vocabulary for the engine and the torch target."""
+        target = self.target
+        self.engine = engine if engine is not None else TorchEngine(target, self.eos_ids)
+        if draft_engine is not None and draft_engine is self.engine:
+            raise ValueError("draft_engine is the target's engine: an engine holds one sequence, so the draft's "
+                             "would overwrite the target's cache; give the draft its own (choose_engine(..., "
+                             "draft='self') does)")
+        self.draft_engine = draft_engine
+        self.vocab_p = self.engine.vocab_size
+        self.vocab_q = (draft_engine.vocab_size if draft_engine is not None
+                        else self.draft.get_output_embeddings().weight.shape[0])
+        if self.config.record_hidden and not self.engine.capabilities.hidden_states:
+            raise ValueError(f"DecoderConfig.record_hidden needs the target's hidden states, and engine "
+                             f"{self.engine.name} was built without them: LlamaCppEngine(embeddings=True) "
+                             f"(choose_engine(..., embeddings=True))")
+        if not self.engine.capabilities.torch_module and \
+                self.engine.vocab_size != target.get_output_embeddings().weight.shape[0]:
+            raise ValueError(f"engine {self.engine.name} has a vocabulary of {self.engine.vocab_size} ids, the torch "
+                             f"target {target.get_output_embeddings().weight.shape[0]}: they must be the same model")
+
+    def _draft_engine_vocab(self, draft_engine: Engine | None) -> torch.Tensor | None:
+        """FR-Spec on a GGUF draft: a restricted draft GGUF (gguf_export.restricted_draft_gguf, what
+        choose_engine(..., draft_vocab=...) builds) computes only the V' rows; a full one computes the
+        full head, and the rows outside the restricted vocabulary are masked to -inf. Either way q is
+        the restricted head's softmax, the q the trainer fits and judges (decoder.vocab; an adapter
+        trained on it proposes what was judged). Returns the mask, (V_p,) True outside the restricted
+        vocabulary, or None where none is needed."""
+        restricted = getattr(draft_engine, "out_ids", None)  # a restricted-vocabulary draft GGUF (V' head rows)
+        if restricted is not None:
+            # its logits are already -inf outside its rows: the same q as the mask, at a V'-row
+            # head's cost; the restricted set must be the one the trainer fits (DecoderConfig.draft_vocab)
+            dv = self.config.draft_vocab
+            if dv is None or dv.numel() != restricted.numel() or not torch.equal(
+                    torch.sort(dv.cpu().long()).values, torch.sort(restricted).values):
+                raise ValueError(f"draft_engine {draft_engine.path.name} has a restricted vocabulary of "
+                                 f"{restricted.numel()} ids; set DecoderConfig.draft_vocab to the same ids "
+                                 f"(got {None if dv is None else dv.numel()} ids) so the draft is trained on the "
+                                 f"q it serves")
+            return None
+        if draft_engine is not None and self.config.draft_vocab is not None:
+            off = torch.ones(self.vocab_p, dtype=torch.bool)
+            off[self._draft_vocab_ids.cpu()] = False
+            return off
+        return None
+
     def _choose_kernels(self, torch_target: bool = True) -> bool:
         """DecoderConfig.small_m_linear: time (under "auto") and switch both models' linear layers
         to the small-M kernel where it wins; returns whether one row is padded to two. A target on
@@ -689,130 +696,13 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def _generate_one(self, req: DecodeRequest, policy: GammaPolicy | None, on_step=None) -> DecodeResult:
-        if policy is None:
-            policy = FixedGamma(4 if req.gamma is None else req.gamma)
-        params = req.params
-        gen = seeded_generator(params.seed if params.seed is not None else int(torch.randint(0, 2**32, (1,))))
-        clock = self.clock
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        started_wall = time.time()
-        t_start = clock()
-
-        ids = self._checked_prompt(req)
-        prompt_len = len(ids)
-        self.streamed_logprobs = []  # this request's, appended before on_step sees their tokens
-        tcache = self.engine.start()
-        counts = AcceptanceCounts(num_requests=1)
-        steps: list[StepStats] = []
-        rec_topk: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        k_rec = self.config.topk_record if self.sink is not None else 0
-        rec_hidden = bool(k_rec) and self.config.record_hidden  # the records carry hidden states
-        hid_rows: list[torch.Tensor] = []
-        # Prefill: everything but the pending last token, for the target (and the draft if it
-        # is going to be used; otherwise it catches up lazily on its first proposal).
-        t0 = clock()
-        speculate = policy.gamma() > 0  # the policy's first call: a controller decides here
-        name = req.proposer or (policy.proposer_name() if hasattr(policy, "proposer_name") else None) or DEFAULT_PROPOSER
-        proposer = self.make_proposer(name, req)
-        # a feature-level proposer (decoder.eagle) learns the target's hidden state at every
-        # position: the prompt's here, each verification's below
-        features = proposer_spec(name).needs_features
-        prompt_rows = None
-        cancelled = False
-        if prompt_len > 1:
-            if features or (rec_hidden and self.config.record_prompt):
-                try:  # in chunks of _PROMPT_CHUNK, polled as below
-                    prompt_rows = self._prompt_features(ids, tcache, k_rec if self.config.record_prompt else 0,
-                                                        proposer if features else None, rec_hidden, poll=on_step)
-                except _PrefillCancelled:
-                    cancelled = True
-            else:  # in chunks: a cancelled request (on_step([]) is False) stops at the next one
-                rows = []
-                for i in range(0, prompt_len - 1, PREFILL_CHUNK):
-                    if i and on_step is not None and on_step([]) is False:
-                        cancelled = True
-                        break
-                    seg = ids[i: min(i + PREFILL_CHUNK, prompt_len - 1)]
-                    if k_rec and self.config.record_prompt:
-                        rows.append(self._prompt_topk(seg, tcache, k_rec))
-                    else:
-                        self._target_logits(seg, tcache, 1)
-                if rows and not cancelled:
-                    prompt_rows = rows[0] if len(rows) == 1 else tuple(torch.cat([r[j] for r in rows]) for j in range(3))
-        shadow = None
-        if not cancelled:
-            proposer.start(ids, speculate)
-            shadow = self._shadow(req)
-            if shadow is not None:
-                shadow.start(ids)
-        counts.prefill_ms = (clock() - t0) * 1e3
-
-        constraint = req.constraint
-        cstate = constraint.start() if constraint is not None else None
-        out: list[int] = []
-        finish = "cancelled" if cancelled else "length"
-        decode_t0 = clock()
-        while not cancelled and len(out) < req.max_new_tokens:
-            remaining = req.max_new_tokens - len(out)
-            g = max(0, min(policy.gamma(), remaining - 1))
-            # 1. proposal
-            td = clock()
-            asked = g
-            prop = proposer.propose(ids, g, params, gen) if g else None
-            proposals: list[int] = prop.tokens if prop is not None else []
-            g = len(proposals)  # a proposer may propose fewer (the n-gram one: none without a match)
-            draft_ms = (clock() - td) * 1e3
-            if shadow is not None:  # outside draft ms: the controller's plain step must not carry it
-                shadow.proposing(ids) if g else shadow.idle_step(ids)
-            # 2. verification: pending token + proposals in one target forward
-            tv = clock()
-            if features or rec_hidden:
-                logits, hid = tcache.forward([ids[-1]] + proposals, g + 1, hidden=True)  # (g+1, V), (g+1, H)
-            else:
-                logits = self._target_logits([ids[-1]] + proposals, tcache, g + 1)  # (g+1, V)
-            # constrained output: p restricted to what keeps the output valid (the records keep `logits`)
-            # (top_k: the rows are used through their best 1 / top_k tokens only, so only those need checking)
-            served = logits if cstate is None else constraint.constrain(
-                logits, cstate, proposals, self.eos_ids,
-                top_k=None if req.logprobs is not None else 1 if params.greedy else params.top_k or None)
-            p = process_logits(served, params)
-            q = prop.q.to(p.dtype) if g else p.new_zeros((0, p.shape[-1]))
-            v = verify(torch.tensor(proposals, dtype=torch.long), q, p, params.greedy, gen)
-            verify_ms = (clock() - tv) * 1e3
-            if g and hasattr(proposer, "verified"):
-                proposer.verified(v.num_accepted)
-            a_sum = float(alpha(p[:g], q).sum()) if g else 0.0
-            block = proposals[: v.num_accepted] + [v.next_token]
-            # 3. stop conditions inside the block: EOS, stop strings, length
-            cut, reason = self._truncate(out, block, req)
-            block = block[:cut]
-            if req.logprobs is not None and block:  # row j emitted block[j], as plain decoding's would
-                self.streamed_logprobs.extend(token_logprobs(served[: len(block)], params, block, req.logprobs))
-            if k_rec and block:
-                rec_topk.append(topk_rows(logits[: len(block)], k_rec))
-                if rec_hidden:  # row j: the state whose distribution emitted block[j]
-                    hid_rows.append(hid[: len(block)].detach().to("cpu", torch.float16))
-            if features and block:  # the input token and the accepted proposals, each with its successor
-                proposer.features(hid[: len(block)], block)
-            out.extend(block)
-            ids.extend(block)
-            if cstate is not None:
-                for t in block:
-                    cstate = constraint.advance(cstate, t, self.eos_ids) or cstate
-            if shadow is not None:
-                shadow.settle(ids)
-            # a proposal after the cut was never used: the accepted prefix counts up to the cut only
-            st = StepStats(g, min(v.num_accepted, len(block)), len(block), v.rejected_at, a_sum, draft_ms, verify_ms,
-                           asked)
-            # what a step of g + 1 rows costs with no model in it, alone or in a fused forward of
-            # B sequences (keyed by B: StepCost.fused_ms)
-            if g == 0 or proposer_spec(name).model_free:
-                self.step_cost.add(g + 1, (clock() - td) * 1e3, last_fused_size())
-            policy.update(st)
-            steps.append(st)
-            counts.add_step(st)
+        run = self._begin(req, policy)
+        prompt_rows, cancelled = self._prefill(run, on_step)
+        run.cstate = req.constraint.start() if req.constraint is not None else None
+        finish, reason, block = "cancelled" if cancelled else "length", None, []
+        decode_t0 = self.clock()
+        while not cancelled and len(run.out) < req.max_new_tokens:
+            block, reason = self._step(run)
             if reason:
                 finish = reason
                 break
@@ -820,22 +710,175 @@ class SpeculativeDecoder:
                 finish = "cancelled"
                 break
             # 4. roll the caches back to the surviving tokens (all but the new pending token)
-            crop_to(tcache, len(ids) - 1)
-            proposer.rollback(len(ids) - 1)
+            crop_to(run.tcache, len(run.ids) - 1)
+            run.proposer.rollback(len(run.ids) - 1)
         if finish != "cancelled" and on_step is not None and reason and block:
             on_step(list(block))  # the last step's tokens (the request has ended either way)
-        counts.decode_ms = (clock() - decode_t0) * 1e3
-        if shadow is not None:
-            shadow.settle(ids, final=True)
-        self.ngram_history.add(req.workload, ids)
-        result = self._result(req, policy, out, finish, steps, counts, (clock() - t_start) * 1e3,
-                              name if any(s.proposed for s in steps) or speculate else "none")
+        run.counts.decode_ms = (self.clock() - decode_t0) * 1e3
+        return self._finish(run, finish, prompt_rows)
+
+    def _begin(self, req: DecodeRequest, policy: GammaPolicy | None) -> _Running:
+        """The request's running state: its policy, random stream, checked prompt, the target's
+        sequence, and its proposer (the policy's first ``gamma()`` call is here: a controller
+        decides there)."""
+        if policy is None:
+            policy = FixedGamma(4 if req.gamma is None else req.gamma)
+        params = req.params
+        gen = seeded_generator(params.seed if params.seed is not None else int(torch.randint(0, 2**32, (1,))))
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        started_wall, t_start = time.time(), self.clock()
+        ids = self._checked_prompt(req)
+        self.streamed_logprobs = []  # this request's, appended before on_step sees their tokens
+        tcache = self.engine.start()
+        k_rec = self.config.topk_record if self.sink is not None else 0
+        prefill_t0 = self.clock()  # the prefill's time counts the proposer's construction
+        speculate = policy.gamma() > 0  # the policy's first call: a controller decides here
+        name = req.proposer or (policy.proposer_name() if hasattr(policy, "proposer_name") else None) or DEFAULT_PROPOSER
+        spec = proposer_spec(name)
+        return _Running(req=req, policy=policy, gen=gen, started_wall=started_wall, t_start=t_start,
+                        prefill_t0=prefill_t0, ids=ids,
+                        tcache=tcache, k_rec=k_rec, rec_hidden=bool(k_rec) and self.config.record_hidden,
+                        speculate=speculate, name=name, proposer=self.make_proposer(name, req),
+                        # a feature-level proposer (decoder.eagle) learns the target's hidden state at
+                        # every position: the prompt's in the prefill, each verification's in a step
+                        features=spec.needs_features, model_free=spec.model_free)
+
+    def _prefill(self, run: _Running, on_step) -> tuple[tuple | None, bool]:
+        """Everything but the pending last token into the target (and the draft if it is going to
+        be used; otherwise it catches up lazily on its first proposal), in chunks polled with
+        ``on_step([])``; then the proposer and the n-gram shadow start. Returns the prompt's
+        top-k rows to record (or None) and whether the request was cancelled."""
+        ids, tcache, k_rec, req = run.ids, run.tcache, run.k_rec, run.req
+        prompt_rows, cancelled = None, False
+        if len(ids) > 1:
+            if run.features or (run.rec_hidden and self.config.record_prompt):
+                try:  # in chunks of _PROMPT_CHUNK, polled as below
+                    prompt_rows = self._prompt_features(ids, tcache, k_rec if self.config.record_prompt else 0,
+                                                        run.proposer if run.features else None, run.rec_hidden,
+                                                        poll=on_step)
+                except _PrefillCancelled:
+                    cancelled = True
+            else:  # in chunks: a cancelled request (on_step([]) is False) stops at the next one
+                rows = []
+                for i in range(0, len(ids) - 1, PREFILL_CHUNK):
+                    if i and on_step is not None and on_step([]) is False:
+                        cancelled = True
+                        break
+                    seg = ids[i: min(i + PREFILL_CHUNK, len(ids) - 1)]
+                    if k_rec and self.config.record_prompt:
+                        rows.append(self._prompt_topk(seg, tcache, k_rec))
+                    else:
+                        self._target_logits(seg, tcache, 1)
+                if rows and not cancelled:
+                    prompt_rows = rows[0] if len(rows) == 1 else tuple(torch.cat([r[j] for r in rows]) for j in range(3))
+        if not cancelled:
+            run.proposer.start(ids, run.speculate)
+            run.shadow = self._shadow(req)
+            if run.shadow is not None:
+                run.shadow.start(ids)
+        run.counts.prefill_ms = (self.clock() - run.prefill_t0) * 1e3
+        return prompt_rows, cancelled
+
+    def _step(self, run: _Running) -> tuple[list[int], str | None]:
+        """One speculative step: propose, verify, accept (cut at the stop conditions), then the
+        observers (records, logprobs, features) and the accounting. Returns the emitted block and
+        the finish reason if the request ends with it."""
+        remaining = run.req.max_new_tokens - len(run.out)
+        asked = max(0, min(run.policy.gamma(), remaining - 1))  # γ, capped so max_new_tokens is never exceeded
+        td = self.clock()
+        prop = self._propose(run, asked)
+        proposals: list[int] = prop.tokens if prop is not None else []
+        g = len(proposals)  # a proposer may propose fewer (the n-gram one: none without a match)
+        draft_ms = (self.clock() - td) * 1e3
+        if run.shadow is not None:  # outside draft ms: the controller's plain step must not carry it
+            run.shadow.proposing(run.ids) if g else run.shadow.idle_step(run.ids)
+        tv = self.clock()
+        logits, hid, served, p, q, v = self._verify(run, proposals, prop)
+        verify_ms = (self.clock() - tv) * 1e3
+        if g and hasattr(run.proposer, "verified"):
+            run.proposer.verified(v.num_accepted)
+        a_sum = float(alpha(p[:g], q).sum()) if g else 0.0
+        # 3. accept: the accepted prefix and the recovered or bonus token, cut at EOS, stop strings, length
+        block = proposals[: v.num_accepted] + [v.next_token]
+        cut, reason = self._truncate(run.out, block, run.req)
+        block = block[:cut]
+        self._observe(run, block, logits, hid, served)
+        self._accept(run, block)
+        # a proposal after the cut was never used: the accepted prefix counts up to the cut only
+        st = StepStats(g, min(v.num_accepted, len(block)), len(block), v.rejected_at, a_sum, draft_ms, verify_ms, asked)
+        # what a step of g + 1 rows costs with no model in it, alone or in a fused forward of
+        # B sequences (keyed by B: StepCost.fused_ms)
+        if g == 0 or run.model_free:
+            self.step_cost.add(g + 1, (self.clock() - td) * 1e3, last_fused_size())
+        run.policy.update(st)
+        run.steps.append(st)
+        run.counts.add_step(st)
+        return block, reason
+
+    def _propose(self, run: _Running, g: int):
+        """1. proposal: up to ``g`` tokens from the request's proposer, as a
+        :class:`~decoder.proposers.base.Proposal` (None for g = 0)."""
+        return run.proposer.propose(run.ids, g, run.req.params, run.gen) if g else None
+
+    def _verify(self, run: _Running, proposals: list[int], prop):
+        """2. verification: the pending token + the proposals in one target forward (g + 1 rows),
+        p under the request's constraint and sampling, and the accept test against q. Returns
+        the raw logits (g+1, V), the hidden states (g+1, H) or None, the served logits, p, q and
+        the :func:`decoder.sampling.verify` result."""
+        req, params, g, hid = run.req, run.req.params, len(proposals), None
+        if run.features or run.rec_hidden:
+            logits, hid = run.tcache.forward([run.ids[-1]] + proposals, g + 1, hidden=True)  # (g+1, V), (g+1, H)
+        else:
+            logits = self._target_logits([run.ids[-1]] + proposals, run.tcache, g + 1)  # (g+1, V)
+        # constrained output: p restricted to what keeps the output valid (the records keep `logits`)
+        # (top_k: the rows are used through their best 1 / top_k tokens only, so only those need checking)
+        served = logits if run.cstate is None else req.constraint.constrain(
+            logits, run.cstate, proposals, self.eos_ids,
+            top_k=None if req.logprobs is not None else 1 if params.greedy else params.top_k or None)
+        p = process_logits(served, params)
+        q = prop.q.to(p.dtype) if g else p.new_zeros((0, p.shape[-1]))
+        v = verify(torch.tensor(proposals, dtype=torch.long), q, p, params.greedy, run.gen)
+        return logits, hid, served, p, q, v
+
+    def _observe(self, run: _Running, block: list[int], logits, hid, served) -> None:
+        """The step's observers on the emitted ``block``: the streamed logprobs, the records'
+        top-k and hidden rows, and the feature-level proposer's features."""
+        req = run.req
+        if req.logprobs is not None and block:  # row j emitted block[j], as plain decoding's would
+            self.streamed_logprobs.extend(token_logprobs(served[: len(block)], req.params, block, req.logprobs))
+        if run.k_rec and block:
+            run.rec_topk.append(topk_rows(logits[: len(block)], run.k_rec))
+            if run.rec_hidden:  # row j: the state whose distribution emitted block[j]
+                run.hid_rows.append(hid[: len(block)].detach().to("cpu", torch.float16))
+        if run.features and block:  # the input token and the accepted proposals, each with its successor
+            run.proposer.features(hid[: len(block)], block)
+
+    def _accept(self, run: _Running, block: list[int]) -> None:
+        """The emitted ``block`` joins the output and the context; the constraint and the n-gram
+        shadow follow it."""
+        run.out.extend(block)
+        run.ids.extend(block)
+        if run.cstate is not None:
+            for t in block:
+                run.cstate = run.req.constraint.advance(run.cstate, t, self.eos_ids) or run.cstate
+        if run.shadow is not None:
+            run.shadow.settle(run.ids)
+
+    def _finish(self, run: _Running, finish: str, prompt_rows) -> DecodeResult:
+        """The request's end: the n-gram history learns it, its result, its records to the sink."""
+        req, steps = run.req, run.steps
+        if run.shadow is not None:
+            run.shadow.settle(run.ids, final=True)
+        self.ngram_history.add(req.workload, run.ids)
+        result = self._result(req, run.policy, run.out, finish, steps, run.counts, (self.clock() - run.t_start) * 1e3,
+                              run.name if any(s.proposed for s in steps) or run.speculate else "none")
         if req.logprobs is not None:
             result.logprobs = list(self.streamed_logprobs)
-        if self.sink is not None and out:
+        if self.sink is not None and run.out:
             if prompt_rows is not None:
-                self._emit_prefill(req, result, prompt_rows, started_wall)
-            self._emit(req, result, rec_topk, started_wall, hid_rows if rec_hidden else None)
+                self._emit_prefill(req, result, prompt_rows, run.started_wall)
+            self._emit(req, result, run.rec_topk, run.started_wall, run.hid_rows if run.rec_hidden else None)
         return result
 
     def _checked_prompt(self, req: DecodeRequest) -> list[int]:
@@ -972,6 +1015,34 @@ def _replace(req: DecodeRequest, **kw) -> DecodeRequest:
     return replace(req, **kw)
 
 
+@dataclass
+class _Running:
+    """One request's state while it decodes (:meth:`SpeculativeDecoder._generate_one`)."""
+
+    req: DecodeRequest
+    policy: GammaPolicy
+    gen: Any  # the request's torch.Generator (seeded_generator)
+    started_wall: float
+    t_start: float
+    prefill_t0: float
+    ids: list[int]  # the prompt, then every emitted token
+    tcache: Any  # the target's engine Sequence
+    k_rec: int  # k of the top-k rows recorded (0 = no records)
+    rec_hidden: bool  # the records carry hidden states
+    speculate: bool
+    name: str  # the proposer's name
+    proposer: Proposer
+    features: bool  # the proposer is fed the target's hidden states
+    model_free: bool  # the proposer runs no model (its steps measure the step cost)
+    cstate: Any = None  # the constraint's state, None = unconstrained
+    shadow: NgramShadow | None = None
+    out: list[int] = field(default_factory=list)
+    steps: list[StepStats] = field(default_factory=list)
+    counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(num_requests=1))
+    rec_topk: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    hid_rows: list[torch.Tensor] = field(default_factory=list)
+
+
 class _PrefillCancelled(Exception):
     """A request was cancelled between two chunks of its prompt's prefill."""
 
@@ -1005,6 +1076,17 @@ def small_m_head(model: torch.nn.Module):
         return out
 
     return apply
+
+
+def _eos_ids(target: torch.nn.Module, tokenizer) -> frozenset[int]:
+    """The end-of-sequence ids: the target's generation config's and the tokenizer's."""
+    eos = set()
+    for src in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(src, int):
+            eos.add(src)
+        elif src:
+            eos.update(int(x) for x in src)
+    return frozenset(eos)
 
 
 def _finite_or_none(hidden: torch.Tensor):

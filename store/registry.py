@@ -79,11 +79,16 @@ STATES = ("candidate", "promoted", "rejected", "rolled_back")
 # Every write script starts with the fencing check (store.lease): KEYS[fence] holds the highest
 # fencing token a write carried; a write with a lower one is refused ({'fenced', highest}); token 0
 # is an unfenced write (an operator's, a single trainer without a lease) and always passes.
-_PROMOTE = """
-local fence = tonumber(redis.call('GET', KEYS[5]) or '0')
-local tok = tonumber(ARGV[6])
-if tok > 0 and tok < fence then return {'fenced', fence} end
-if tok > fence then redis.call('SET', KEYS[5], tok) end
+def _fenced(key: int, token: int) -> str:
+    """The fencing check a write script starts with: the fence in KEYS[key], the token in ARGV[token]."""
+    return f"""
+local fence = tonumber(redis.call('GET', KEYS[{key}]) or '0')
+local tok = tonumber(ARGV[{token}])
+if tok > 0 and tok < fence then return {{'fenced', fence}} end
+if tok > fence then redis.call('SET', KEYS[{key}], tok) end"""
+
+
+_PROMOTE = _fenced(5, 6) + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {'unknown'} end
 if state == 'rejected' then return {'state', state} end
@@ -99,11 +104,7 @@ redis.call('PUBLISH', ARGV[4], msg)
 return {'ok', prev}
 """
 
-_ROLLBACK = """
-local fence = tonumber(redis.call('GET', KEYS[4]) or '0')
-local tok = tonumber(ARGV[7])
-if tok > 0 and tok < fence then return {'fenced', fence} end
-if tok > fence then redis.call('SET', KEYS[4], tok) end
+_ROLLBACK = _fenced(4, 7) + """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur == 0 then return {'none'} end
 local top = redis.call('LINDEX', KEYS[2], -1)
@@ -133,11 +134,7 @@ redis.call('PUBLISH', ARGV[4], msg)
 return {'ok', new, cur, unpack(skipped)}
 """
 
-_SET_STATE = """
-local fence = tonumber(redis.call('GET', KEYS[4]) or '0')
-local tok = tonumber(ARGV[6])
-if tok > 0 and tok < fence then return {'fenced', fence} end
-if tok > fence then redis.call('SET', KEYS[4], tok) end
+_SET_STATE = _fenced(4, 6) + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {'unknown'} end
 if tonumber(redis.call('GET', KEYS[2]) or '0') == tonumber(ARGV[1]) then return {'active', state} end
@@ -149,11 +146,7 @@ return {'ok', state}
 
 # register()'s record: KEYS version hash, versions zset, scopes set, fence, blob hash. ARGV token,
 # version, scope, n, then n field/value pairs of the record, then the blob's file/bytes pairs.
-_RECORD_VERSION = """
-local fence = tonumber(redis.call('GET', KEYS[4]) or '0')
-local tok = tonumber(ARGV[1])
-if tok > 0 and tok < fence then return {'fenced', fence} end
-if tok > fence then redis.call('SET', KEYS[4], tok) end
+_RECORD_VERSION = _fenced(4, 1) + """
 local n = tonumber(ARGV[4])
 local h = {}
 for i = 5, 4 + 2 * n do h[#h + 1] = ARGV[i] end

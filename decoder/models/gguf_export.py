@@ -891,10 +891,7 @@ def restricted_draft_gguf(src: Path, ids, cache_dir: Path | None = None) -> Path
     import gguf
 
     src = Path(src)
-    ids = np.asarray(ids.cpu().numpy() if hasattr(ids, "cpu") else ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0 or np.unique(ids).size != ids.size or ids.min() < 0:
-        raise ValueError(f"restricted_draft_gguf: need distinct non-negative token ids (got {ids.size} ids, "
-                         f"{ids.size - np.unique(ids).size} repeated)")
+    ids = _distinct_ids(ids)
     cache_dir = Path(cache_dir) if cache_dir is not None else src.parent
     sha = ids_sha16(ids)
     out = cache_dir / f"{src.stem}-vocab{ids.size}-{sha}-r{RESTRICTED_FORMAT_VERSION}.gguf"
@@ -913,35 +910,13 @@ def restricted_draft_gguf(src: Path, ids, cache_dir: Path | None = None) -> Path
     emb = tensors["token_embd.weight"]
     if emb.data.shape[0] != n_vocab:
         raise ValueError(f"{src}: token_embd has {emb.data.shape[0]} rows, the vocabulary {n_vocab}")
-    pos = {int(t): r for r, t in enumerate(ids)}
     cache_dir.mkdir(parents=True, exist_ok=True)
     # sidecars first (the GGUF's presence is what the cache check trusts last)
     for path, arr in ((ids_file, ids), (embd_file, np.ascontiguousarray(emb.data))):
-        tmp = _tmp_path(path)
-        try:
-            with open(tmp, "wb") as f:
-                np.save(f, arr)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-    vocab_arrays = {gguf.Keys.Tokenizer.LIST, gguf.Keys.Tokenizer.TOKEN_TYPE, gguf.Keys.Tokenizer.SCORES}
-    vocab_size_key = gguf.Keys.LLM.VOCAB_SIZE.format(arch=arch)
+        _save_npy_atomic(path, arr)
     with _atomic_writer(out, arch, endianess=reader.endianess) as writer:
         writer.data_alignment = reader.alignment
-        for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-                continue
-            value, vtype, sub = _copy_value(field)
-            if field.name in vocab_arrays:
-                value = [value[i] for i in ids]
-            elif field.name.startswith("tokenizer.ggml.") and field.name.endswith("_token_id"):
-                if int(value) not in pos:
-                    continue  # a special token outside the kept ids: llama.cpp then uses none
-                value = pos[int(value)]
-            elif field.name == vocab_size_key:
-                value = int(ids.size)
-            writer.add_key_value(field.name, value, vtype, sub_type=sub)
+        _copy_restricted_fields(reader, writer, arch, ids)
         writer.add_uint32(RESTRICTED_FULL_VOCAB_KEY, n_vocab)
         writer.add_string(RESTRICTED_IDS_KEY, sha)
         writer.add_uint32(RESTRICTED_EMBD_TYPE_KEY, int(emb.tensor_type))
@@ -953,6 +928,52 @@ def restricted_draft_gguf(src: Path, ids, cache_dir: Path | None = None) -> Path
                 cut.append((name, t))
         _write_tensors(writer, cut, reader.endianess)
     return out
+
+
+def _distinct_ids(ids) -> np.ndarray:
+    """``ids`` (a torch tensor, numpy array or list) as a flat int64 array of distinct
+    non-negative token ids; else ValueError."""
+    ids = np.asarray(ids.cpu().numpy() if hasattr(ids, "cpu") else ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0 or np.unique(ids).size != ids.size or ids.min() < 0:
+        raise ValueError(f"restricted_draft_gguf: need distinct non-negative token ids (got {ids.size} ids, "
+                         f"{ids.size - np.unique(ids).size} repeated)")
+    return ids
+
+
+def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
+    """``np.save`` of ``arr`` to ``path`` through a temporary file renamed into place."""
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _copy_restricted_fields(reader, writer, arch: str, ids: np.ndarray) -> None:
+    """Every metadata field of ``reader`` into ``writer``, the vocabulary cut to ``ids``: the
+    tokenizer arrays keep the rows ``ids``, each ``tokenizer.ggml.*_token_id`` is renumbered to its
+    row (dropped when its token is not kept) and the vocabulary size is V'."""
+    import gguf
+
+    pos = {int(t): r for r, t in enumerate(ids)}
+    vocab_arrays = {gguf.Keys.Tokenizer.LIST, gguf.Keys.Tokenizer.TOKEN_TYPE, gguf.Keys.Tokenizer.SCORES}
+    vocab_size_key = gguf.Keys.LLM.VOCAB_SIZE.format(arch=arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        value, vtype, sub = _copy_value(field)
+        if field.name in vocab_arrays:
+            value = [value[i] for i in ids]
+        elif field.name.startswith("tokenizer.ggml.") and field.name.endswith("_token_id"):
+            if int(value) not in pos:
+                continue  # a special token outside the kept ids: llama.cpp then uses none
+            value = pos[int(value)]
+        elif field.name == vocab_size_key:
+            value = int(ids.size)
+        writer.add_key_value(field.name, value, vtype, sub_type=sub)
 
 
 class _Rows:

@@ -117,3 +117,38 @@ def test_layers_import_one_way_in_the_source():
     bad = sorted(f"{m} -> {t}" for m, ts in _imports(_modules()).items() for t in ts
                  if t.split(".")[0] not in ALLOWED[m.split(".")[0]])
     assert bad == []
+
+
+
+MAX_FUNCTION_LINES = 80  # issue 33: no function over 80 lines in decoder/, trainer/, store/, daemon/
+
+
+def _long_functions(files, root) -> list[str]:
+    """``path:line name (n lines)`` of every function (methods and nested ones too) longer than
+    MAX_FUNCTION_LINES, counted from its ``def`` line to its last line, docstring included."""
+    import ast
+
+    long = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{f.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
+    return long
+
+
+def test_the_length_check_counts_def_to_last_line_and_nested_functions(tmp_path):
+    ok = tmp_path / "ok.py"
+    ok.write_text("def fits():\n" + "".join(f"    x{i} = {i}\n" for i in range(79)))  # 1 + 79 = 80 lines
+    long = tmp_path / "long.py"
+    long.write_text("class C:\n    def outer(self):\n        async def inner():\n"
+                    + "".join(f"            x{i} = {i}\n" for i in range(80))  # inner: 1 + 80 = 81 lines
+                    + "        return inner\n")  # outer: 1 + 81 + 1 = 83 lines
+    assert _long_functions([ok, long], tmp_path) == ["long.py:2 outer (83 lines)", "long.py:3 inner (81 lines)"]
+
+
+def test_no_function_over_80_lines_in_the_packages():
+    files = [f for pkg in PACKAGES for f in sorted((ROOT / pkg).rglob("*.py"))]
+    assert len(files) > 50  # the packages were found
+    assert _long_functions(files, ROOT) == []

@@ -164,3 +164,26 @@ def test_serve_and_adapter_scopes_accept_the_same_workload_names(srv, name):
             assert ei.value.body["param"] in ("workload", "X-Draftd-Workload")
             assert repr(name)[:40].strip("'") in msg and WORKLOAD_PATTERN in msg, msg
     assert scope_ok == (name in ("code", "customer-42", "a.b/c:d", "日本語", "x" * 64))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda n, i: i({"top_k": -2}, "top_k", 0, lo=-1), "top_k: -2 must be >= -1"),
+    (lambda n, i: i({"gamma": 17}, "gamma", None, lo=0, hi=16), "gamma: 17 must be <= 16"),
+    (lambda n, i: i({"gamma": 3.0}, "gamma", None, lo=0, hi=16), None),  # an integral float is the int 3
+    (lambda n, i: i({"seed": 2**63}, "seed", None, lo=-(2**63), hi=2**63 - 1, what="a signed 64-bit integer"),
+     f"seed: {2**63} is out of range: a signed 64-bit integer, {-(2**63)} to {2**63 - 1}"),
+    (lambda n, i: n({"top_p": 0.0}, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True), "top_p: 0.0 must be > 0"),
+    (lambda n, i: n({"top_p": 1.5}, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True), "top_p: 1.5 must be <= 1"),
+    (lambda n, i: n({"temperature": -0.5}, "temperature", 1.0, lo=0.0), "temperature: -0.5 must be >= 0"),
+])
+def test_numbers_out_of_range_are_400s_naming_the_field_and_the_bound(call, message):
+    """_int and _number share one range check (_in_range): the bound printed whole for an int, in
+    g form for a float, both ends for a named range."""
+    from daemon.serve import ApiError, _int, _number
+
+    if message is None:
+        assert call(_number, _int) == 3 and type(call(_number, _int)) is int
+        return
+    with pytest.raises(ApiError) as e:
+        call(_number, _int)
+    assert (e.value.status, e.value.message) == (400, message)
