@@ -1108,16 +1108,17 @@ def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
     from rich.table import Table
 
     recent = [r for r in timeline[-12:] if r["workload"] == phase]
-    alphas = [r["alpha"] for r in recent if r["alpha"] is not None]
-    taus = [r["tau"] for r in recent if r["tau"] is not None]
+    spec = [r for r in recent if r["alpha"] is not None]  # α and τ of the requests that speculated (a probe too)
+    alphas = [r["alpha"] for r in spec]
+    taus = [r["tau"] for r in spec if r["tau"] is not None]
     tps = [r["tokens_per_s"] for r in recent if r.get("tokens_per_s") is not None]
     st = svc.status()
     last = st.get("last_round") or {}
     t = Table(title="draftd demo (live)", show_header=False)
     t.add_row("requests done", str(len(timeline)))
     t.add_row("current workload", phase)
-    t.add_row("rolling α (last 12)", f"{sum(alphas) / len(alphas):.3f}" if alphas else "-")
-    t.add_row("rolling τ", f"{sum(taus) / len(taus):.2f}" if taus else "-")
+    t.add_row(f"rolling α, τ ({len(spec)} of the last {len(recent)} speculated)",
+              f"{sum(alphas) / len(alphas):.3f}, {sum(taus) / len(taus):.2f}" if alphas and taus else "- (plain decoding)")
     t.add_row("rolling tokens/s", f"{sum(tps) / len(tps):.2f}" if tps else "-")
     ms = manager.status()
     routes = {w: v for w, v in (ms.get("routes") or {}).items() if w and v}

@@ -248,3 +248,34 @@ def test_leviathan_prediction_by_hand():
     # unmeasured step costs (NaN): the engine's prediction is left out, the one-step one stays
     q = leviathan_prediction(draft, plain, lambda n: float("nan"), gamma_max=3)
     assert q["this_engine"] is None and q["one_step"]["gamma"] == 1
+
+
+def test_the_live_table_takes_alpha_and_tau_from_the_requests_that_speculated_only():
+    """Plain requests (α None, τ 1.0) no longer pull the rolling τ to 1 beside a probe's α: two
+    speculating requests (α 0.5 and 0.7, τ 2 and 3) among three plain ones give α 0.600, τ 2.50;
+    none speculating says so."""
+    import io
+
+    from rich.console import Console
+
+    from daemon.demo import _progress_table
+
+    class Fake:
+        def status(self):
+            return {}
+
+        def decision(self, key):
+            return {"why": "test"}
+
+    plain = {"workload": "prose", "alpha": None, "tau": 1.0, "tokens_per_s": 10.0}
+    tl = [dict(plain), {"workload": "prose", "alpha": 0.5, "tau": 2.0, "tokens_per_s": 9.0}, dict(plain),
+          {"workload": "prose", "alpha": 0.7, "tau": 3.0, "tokens_per_s": 11.0}, dict(plain)]
+
+    def render(timeline):
+        out = io.StringIO()
+        Console(file=out, width=200).print(_progress_table(timeline, "prose", Fake(), Fake(), Fake(), ("prose", "greedy")))
+        return out.getvalue()
+
+    text = render(tl)
+    assert "rolling α, τ (2 of the last 5 speculated)" in text and "0.600, 2.50" in text, text
+    assert "- (plain decoding)" in render([dict(plain)] * 3)
