@@ -398,6 +398,28 @@ def process_cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float:
     return tree_cpu_ticks(stats, pid) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_ticks(pid: int, proc: Path = Path("/proc")) -> dict[int, int]:
+    """``{thread id: user + system ticks}`` of process ``pid``'s live threads (``/proc/<pid>/task``);
+    {} when it is gone. A thread that ended before the reading is not in it (its ticks stay in
+    the process's total)."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for d in (proc / str(pid) / "task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                s = parse_stat((d / "stat").read_text())
+                out[s["pid"]] = s["utime"] + s["stime"]
+    return out
+
+
+def busiest_thread_seconds(before: dict[int, int], after: dict[int, int]) -> float | None:
+    """CPU seconds of the thread that used the most between two :func:`thread_cpu_ticks` readings
+    (a thread started in between counts from 0): the engine's thread in a server whose decoding
+    runs on one thread (draftd's serving thread, llama-server's main loop at ``-t 1``); None
+    without threads."""
+    d = [t - before.get(k, 0) for k, t in after.items()]
+    return max(d) / os.sysconf("SC_CLK_TCK") if d else None
+
+
 def prometheus_values(text: str) -> dict[str, float]:
     """``{name: value}`` of the unlabelled samples in a Prometheus text exposition (llama-server's
     ``/metrics``: ``llamacpp:n_decode_total`` etc.); comments and labelled samples are skipped."""

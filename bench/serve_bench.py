@@ -375,6 +375,8 @@ def peer_load(base_url: str, per_client: list[list], max_tokens: int, draftd: bo
     sys.path.insert(0, str(REPO / "bench"))
     import peers
 
+    threads0 = peers.thread_cpu_ticks(pid) if pid is not None else {}
+
     def snap() -> tuple[float | None, dict]:
         cpu = None
         if pid is not None:
@@ -400,6 +402,10 @@ def peer_load(base_url: str, per_client: list[list], max_tokens: int, draftd: bo
     cpu1, c1 = snap()
     out["server"] = server_cost(cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
                                 counter_delta(c0, c1), out["output_tokens"])
+    if pid is not None:  # the engine's thread apart from the rest (HTTP, batch members, record writer, ...)
+        top = peers.busiest_thread_seconds(threads0, peers.thread_cpu_ticks(pid))
+        if top is not None and out["output_tokens"]:
+            out["server"]["busiest_thread_cpu_ms_per_token"] = round(top * 1e3 / out["output_tokens"], 3)
     out["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     if draftd:
         out["adapter_versions"] = sorted({str(t.get("adapter_version")) for t in timelines if "adapter_version" in t})
@@ -411,21 +417,23 @@ def cell_line(st: dict) -> str:
     """One cell's progress line: throughput, latency, failures and what the server spent."""
     sv = st.get("server") or {}
     return json.dumps({**{k: st.get(k) for k in ("tokens_per_s", "failures", "ttft_ms", "itl_ms", "error") if k in st},
-                       **{k: sv.get(k) for k in ("cpu_ms_per_token", "decode_calls_per_token", "rows_per_token") if k in sv},
+                       **{k: sv.get(k) for k in ("cpu_ms_per_token", "busiest_thread_cpu_ms_per_token",
+                                                 "decode_calls_per_token", "rows_per_token") if k in sv},
                        "loadavg_1m": st.get("loadavg_1m")})
 
 
 def cost_table(table: dict[int, dict[str, dict]]) -> str:
     """A markdown table of every cell: output tokens/s, ITL p50/p99, the server's CPU ms per output
     token, its llama_decode calls and rows per output token, and the 1-minute load around it."""
-    lines = ["| clients | configuration | output tok/s | ITL p50 / p99 ms | server CPU ms/token | decode calls/token "
-             "| rows/token | failed | load (1 min) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| clients | configuration | output tok/s | ITL p50 / p99 ms | server CPU ms/token | its busiest thread's "
+             "| decode calls/token | rows/token | failed | load (1 min) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n, row in table.items():
         for c, st in row.items():
             sv, itl = st.get("server") or {}, st.get("itl_ms") or {}
             la = st.get("loadavg_1m") or []
             lines.append(f"| {n} | {c} | {st.get('tokens_per_s')} | {itl.get('p50')} / {itl.get('p99')} | "
-                         f"{sv.get('cpu_ms_per_token')} | {sv.get('decode_calls_per_token')} | {sv.get('rows_per_token')} | "
+                         f"{sv.get('cpu_ms_per_token')} | {sv.get('busiest_thread_cpu_ms_per_token')} | "
+                         f"{sv.get('decode_calls_per_token')} | {sv.get('rows_per_token')} | "
                          f"{st.get('failures', st.get('error'))} | {'-'.join(str(x) for x in la)} |")
     return "\n".join(lines)
 
@@ -549,6 +557,10 @@ def peer_main(a) -> None:
     port = peers.free_port()
     dcmd = [sys.executable, "-m", "daemon.cli", "serve", "--port", str(port)]
     denv = draftd_env(state, a.redis_url, prefix, fmt, a.threads, a.draftd_max_batch)
+    extra_env = dict(kv.split("=", 1) for kv in a.draftd_env or [])
+    denv.update(extra_env)
+    if extra_env:
+        result["draftd_env"] = extra_env
     result["commands"]["draftd"] = " ".join(dcmd) + f"  (DRAFTD_MODELS__FORMAT={fmt}" + \
         (f", DRAFTD_SERVE__MAX_BATCH={a.draftd_max_batch}" if a.draftd_max_batch else ", serve.max_batch default") + ")"
     def partial() -> None:  # the JSON so far, after every cell: a run stopped midway keeps what it measured
@@ -645,6 +657,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0, help="--peer: unmeasured warm-up prompts per workload that "
                     "every server process streams before it is measured (the same for every side)")
     ap.add_argument("--draftd-max-batch", type=int, default=None, help="--peer: serve.max_batch (default: serve's)")
+    ap.add_argument("--draftd-env", action="append", default=None, metavar="DRAFTD_X=V",
+                    help="--peer: an extra environment variable for draftd serve (repeatable), e.g. "
+                    "DRAFTD_SERVE__RECORD_PROMPT=false")
     a = ap.parse_args()
     if a.peer:
         a.requests = a.requests or 2

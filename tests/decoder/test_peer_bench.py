@@ -183,3 +183,22 @@ def test_prometheus_values_and_counter_deltas_give_costs_per_token():
     assert c["cpu_ms_per_token"] == 6.25 and c["decode_calls_per_token"] == 0.25 and c["rows_per_token"] == 1.1719
     none = serve_bench.server_cost(None, {}, output_tokens=0)
     assert none["cpu_s"] is None and none["cpu_ms_per_token"] is None
+
+
+def test_thread_ticks_and_the_busiest_thread():
+    import os
+    import threading
+    import time
+
+    ticks = peers.thread_cpu_ticks(os.getpid())
+    assert threading.get_native_id() in ticks and all(v >= 0 for v in ticks.values())
+    assert peers.thread_cpu_ticks(2**22 + 12345) == {}
+    hz = os.sysconf("SC_CLK_TCK")
+    # hand-made readings: thread 3 started in between and used the most
+    assert peers.busiest_thread_seconds({1: 10, 2: 5}, {1: 30, 2: 6, 3: 25}) == 25 / hz
+    assert peers.busiest_thread_seconds({}, {}) is None
+    b0, pa = peers.thread_cpu_ticks(os.getpid()), time.process_time()
+    while time.process_time() - pa < 0.2:
+        pass
+    top = peers.busiest_thread_seconds(b0, peers.thread_cpu_ticks(os.getpid()))
+    assert abs(top - (time.process_time() - pa)) <= 3 / hz + 0.01  # this thread burnt it
