@@ -140,7 +140,9 @@ def fetch_sdist(version: str, progress: Callable[[str], None] = say) -> Path:
         return hit[0]
     dest.mkdir(parents=True, exist_ok=True)
     progress(f"fetching the llama-cpp-python=={version} sdist into {dest} (pip download, once)")
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+    # --no-binary for this package only: with :all: pip also builds the sdist's build requirements
+    # (scikit-build-core, ...) from source, nested, to prepare its metadata (many minutes)
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                         f"llama-cpp-python=={version}", "-d", str(dest)],
                        capture_output=True, text=True)
     hit = sorted(dest.glob(f"llama_cpp_python-{version}.tar.gz"))
@@ -312,6 +314,15 @@ def running(cmd: Sequence[str], port: int, log_path: Path, env: dict | None = No
     Raises:
         RuntimeError: it did not become healthy (the log's tail in the message).
     """
+    with running_process(cmd, port, log_path, env, timeout_s) as (base, _proc):
+        yield base
+
+
+@contextlib.contextmanager
+def running_process(cmd: Sequence[str], port: int, log_path: Path, env: dict | None = None,
+                    timeout_s: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """:func:`running`, yielding ``(base url, the server's Popen)`` (its pid for
+    :func:`process_cpu_seconds`)."""
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         base = f"http://127.0.0.1:{port}"
@@ -322,9 +333,105 @@ def running(cmd: Sequence[str], port: int, log_path: Path, env: dict | None = No
                 log.flush()
                 raise RuntimeError(f"{e}; {Path(cmd[0]).name} log tail:\n"
                                    f"{log_path.read_text(errors='replace')[-2000:]}") from None
-            yield base
+            yield base, proc
         finally:
             stop(proc)
+
+
+# ---- what a server process spends -----------------------------------------------------------------
+
+
+def parse_stat(text: str) -> dict[str, int]:
+    """The fields of one ``/proc/<pid>/stat`` line the CPU accounting needs: ``pid``, ``ppid``,
+    ``utime``, ``stime`` (this process, all its threads), ``cutime``, ``cstime`` (its children
+    that have exited and were waited for), the times in clock ticks (``os.sysconf("SC_CLK_TCK")``).
+    The command name (field 2) may hold spaces and parentheses: the fields are read after its
+    last ``)`` (proc(5): field 14 utime, 15 stime, 16 cutime, 17 cstime).
+
+    Raises:
+        ValueError: not a stat line.
+    """
+    head, sep, rest = text.rpartition(")")
+    f = rest.split()
+    if not sep or "(" not in head or len(f) < 15:
+        raise ValueError(f"not a /proc/<pid>/stat line: {text[:120]!r}")
+    return {"pid": int(head.split("(", 1)[0]), "ppid": int(f[1]), "utime": int(f[11]), "stime": int(f[12]),
+            "cutime": int(f[13]), "cstime": int(f[14])}
+
+
+def tree_cpu_ticks(stats: dict[int, dict[str, int]], pid: int) -> int:
+    """CPU ticks of process ``pid`` and every live descendant in ``stats`` ({pid: :func:`parse_stat`}),
+    user + system, plus the exited children each of them waited for (``cutime + cstime``)."""
+    kids: dict[int, list[int]] = {}
+    for p, s in stats.items():
+        kids.setdefault(s["ppid"], []).append(p)
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen or p not in stats:
+            continue
+        seen.add(p)
+        s = stats[p]
+        total += s["utime"] + s["stime"] + s["cutime"] + s["cstime"]
+        todo += kids.get(p, [])
+    return total
+
+
+def process_cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far, its live descendants and
+    waited-for children included (:func:`tree_cpu_ticks` over ``/proc``). Unlike wall-clock
+    throughput, the difference over a load is what the server itself spent, whatever else runs
+    on the host (a shared host's other jobs do not add to it; at one engine thread no worker
+    spins in a barrier either).
+
+    Raises:
+        ProcessLookupError: no process ``pid``.
+    """
+    stats = {}
+    for d in proc.iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, ValueError):
+                s = parse_stat((d / "stat").read_text())
+                stats[s["pid"]] = s
+    if pid not in stats:
+        raise ProcessLookupError(f"no process {pid} under {proc}")
+    return tree_cpu_ticks(stats, pid) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_ticks(pid: int, proc: Path = Path("/proc")) -> dict[int, int]:
+    """``{thread id: user + system ticks}`` of process ``pid``'s live threads (``/proc/<pid>/task``);
+    {} when it is gone. A thread that ended before the reading is not in it (its ticks stay in
+    the process's total)."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for d in (proc / str(pid) / "task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                s = parse_stat((d / "stat").read_text())
+                out[s["pid"]] = s["utime"] + s["stime"]
+    return out
+
+
+def busiest_thread_seconds(before: dict[int, int], after: dict[int, int]) -> float | None:
+    """CPU seconds of the thread that used the most between two :func:`thread_cpu_ticks` readings
+    (a thread started in between counts from 0): the engine's thread in a server whose decoding
+    runs on one thread (draftd's serving thread, llama-server's main loop at ``-t 1``); None
+    without threads."""
+    d = [t - before.get(k, 0) for k, t in after.items()]
+    return max(d) / os.sysconf("SC_CLK_TCK") if d else None
+
+
+def prometheus_values(text: str) -> dict[str, float]:
+    """``{name: value}`` of the unlabelled samples in a Prometheus text exposition (llama-server's
+    ``/metrics``: ``llamacpp:n_decode_total`` etc.); comments and labelled samples are skipped."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#") or "{" in line:
+            continue
+        parts = line.split()
+        if len(parts) >= 2:
+            with contextlib.suppress(ValueError):
+                out[parts[0]] = float(parts[1])
+    return out
 
 
 def main() -> None:

@@ -51,6 +51,15 @@ vLLM's benchmark_serving: a chunk of k speculated tokens is one gap) and time pe
 (TPOT: (last chunk - first chunk) / (tokens - 1) per request), p50 and p99 in milliseconds,
 failed requests, proposed and accepted draft tokens, and the host's 1-minute load average
 around the cell. The summary checks issue 35's targets.
+
+What the server itself spent per cell (``server``; the measure that survives a shared host, where
+wall-clock tokens/s moves with the other jobs): the server process's CPU seconds over the measured
+load (``/proc/<pid>/stat`` utime + stime, its children included; ``bench/peers.py``
+``process_cpu_seconds``), per output token (``cpu_ms_per_token``), and its decode counts: draftd's
+fused forwards and rows (``/draftd/status``), llama-server's ``llama_decode`` calls, busy slots per
+call and prompt / predicted tokens (``/metrics``, started with ``--metrics``). At ``--threads 1`` no
+engine thread spins in a barrier, so CPU ms per token compares the two sides' work per token even
+under load; the table of them is printed (stderr) at the end.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -265,11 +275,78 @@ def stream_once(oc, model: str, ids: list[int], max_tokens: int, extra_body: dic
     return tl
 
 
-def peer_load(base_url: str, per_client: list[list], max_tokens: int, draftd: bool, warm: list | None = None) -> dict:
+def counter_delta(before: dict, after: dict) -> dict:
+    """``after - before`` per key of two counter snapshots (numbers, or dicts of numbers such as
+    draftd's fused forwards by sequences); keys missing before count from 0."""
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        if isinstance(v, dict):
+            out[k] = {kk: vv - (b or {}).get(kk, 0) for kk, vv in v.items() if vv - (b or {}).get(kk, 0)}
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = round(v - (b or 0), 3)
+    return out
+
+
+def server_cost(cpu_s: float | None, counters: dict, output_tokens: int) -> dict:
+    """What the server process spent on one load: its CPU seconds (``cpu_s``, see
+    ``peers.process_cpu_seconds``) and the decode counters' differences (``counters``, see
+    :func:`draftd_counters` / :func:`llama_counters`), each also per output token
+    (``cpu_ms_per_token``: CPU milliseconds; ``decode_calls_per_token``, ``rows_per_token``).
+    None where a figure is missing or there were no tokens."""
+    per = (lambda x: round(x / output_tokens, 4)) if output_tokens else (lambda x: None)  # noqa: E731
+    out = {"cpu_s": None if cpu_s is None else round(cpu_s, 3),
+           "cpu_ms_per_token": None if cpu_s is None or not output_tokens else round(cpu_s * 1e3 / output_tokens, 3),
+           **counters}
+    if isinstance(counters.get("decode_calls"), (int, float)):
+        out["decode_calls_per_token"] = per(counters["decode_calls"])
+    if isinstance(counters.get("decode_rows"), (int, float)):
+        out["rows_per_token"] = per(counters["decode_rows"])
+    return out
+
+
+def _get(url: str, timeout: float = 10.0) -> bytes:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+def draftd_counters(base: str) -> dict:
+    """draftd serve's decode counters (``/draftd/status``'s ``batch``): ``decode_calls`` (fused
+    forwards: one ``forward_batch``, i.e. one ``llama_decode``, per engine and step: the target's
+    and the draft model's), ``decode_rows`` (tokens fed in them: prefill, verification and draft
+    rows), ``decode_ms``, ``by_sequences`` (fused forwards by the sequences in each)."""
+    b = json.loads(_get(base + "/draftd/status")).get("batch") or {}
+    return {"decode_calls": b.get("fused_forwards", 0), "decode_rows": b.get("rows", 0),
+            "decode_ms": b.get("decode_ms", 0.0), "by_sequences": dict(b.get("by_sequences") or {})}
+
+
+def llama_counters(base: str) -> dict:
+    """llama-server's decode counters (``/metrics``, served with ``--metrics``): ``decode_calls``
+    (``llamacpp:n_decode_total``: its ``llama_decode`` calls, the speculative draft's own not
+    counted), ``slot_decodes`` (sequences over those calls: ``n_busy_slots_per_decode`` x
+    calls), ``prompt_tokens`` and ``predicted_tokens`` (so that rows, plain, are their sum)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import peers
+
+    v = peers.prometheus_values(_get(base + "/metrics").decode())
+    calls = v.get("llamacpp:n_decode_total", 0.0)
+    out = {"decode_calls": calls, "slot_decodes": round(v.get("llamacpp:n_busy_slots_per_decode", 0.0) * calls, 1),
+           "prompt_tokens": v.get("llamacpp:prompt_tokens_total", 0.0),
+           "predicted_tokens": v.get("llamacpp:tokens_predicted_total", 0.0)}
+    out["decode_rows"] = out["prompt_tokens"] + out["predicted_tokens"]
+    return out
+
+
+def peer_load(base_url: str, per_client: list[list], max_tokens: int, draftd: bool, warm: list | None = None,
+              pid: int | None = None, counters: Callable[[], dict] | None = None) -> dict:
     """Closed-loop load on ``base_url`` (``…/v1``): one thread per client, each streaming its
     prompts one after another; :func:`timeline_stats` of it plus the load average around it.
     ``warm``: ``(workload, ids)`` prompts streamed first, one at a time, with the same
-    ``max_tokens``, not measured (a server process's warm-up: the same for every side)."""
+    ``max_tokens``, not measured (a server process's warm-up: the same for every side).
+    ``pid``: the server's process, whose CPU seconds over the load (after the warm-up) go into
+    ``server`` (:func:`server_cost`) with the differences of ``counters()`` (its decode counts)."""
     import openai
 
     oc0 = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
@@ -295,7 +372,26 @@ def peer_load(base_url: str, per_client: list[list], max_tokens: int, draftd: bo
             with lock:
                 timelines.append(tl)
 
+    sys.path.insert(0, str(REPO / "bench"))
+    import peers
+
+    threads0 = peers.thread_cpu_ticks(pid) if pid is not None else {}
+
+    def snap() -> tuple[float | None, dict]:
+        cpu = None
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                cpu = peers.process_cpu_seconds(pid)
+        c = {}
+        if counters is not None:
+            try:
+                c = counters()
+            except Exception as e:  # noqa: BLE001 - the counts are extra; the load still runs
+                c = {"counters_error": repr(e)[:200]}
+        return cpu, c
+
     load0 = os.getloadavg()[0]
+    cpu0, c0 = snap()
     threads = [threading.Thread(target=client, args=(ps,)) for ps in per_client]
     t0 = time.perf_counter()
     for t in threads:
@@ -303,11 +399,43 @@ def peer_load(base_url: str, per_client: list[list], max_tokens: int, draftd: bo
     for t in threads:
         t.join()
     out = timeline_stats(timelines, time.perf_counter() - t0)
+    cpu1, c1 = snap()
+    out["server"] = server_cost(cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
+                                counter_delta(c0, c1), out["output_tokens"])
+    if pid is not None:  # the engine's thread apart from the rest (HTTP, batch members, record writer, ...)
+        top = peers.busiest_thread_seconds(threads0, peers.thread_cpu_ticks(pid))
+        if top is not None and out["output_tokens"]:
+            out["server"]["busiest_thread_cpu_ms_per_token"] = round(top * 1e3 / out["output_tokens"], 3)
     out["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     if draftd:
         out["adapter_versions"] = sorted({str(t.get("adapter_version")) for t in timelines if "adapter_version" in t})
         out["proposers"] = sorted({str(t.get("proposer")) for t in timelines if "adapter_version" in t})
     return out
+
+
+def cell_line(st: dict) -> str:
+    """One cell's progress line: throughput, latency, failures and what the server spent."""
+    sv = st.get("server") or {}
+    return json.dumps({**{k: st.get(k) for k in ("tokens_per_s", "failures", "ttft_ms", "itl_ms", "error") if k in st},
+                       **{k: sv.get(k) for k in ("cpu_ms_per_token", "busiest_thread_cpu_ms_per_token",
+                                                 "decode_calls_per_token", "rows_per_token") if k in sv},
+                       "loadavg_1m": st.get("loadavg_1m")})
+
+
+def cost_table(table: dict[int, dict[str, dict]]) -> str:
+    """A markdown table of every cell: output tokens/s, ITL p50/p99, the server's CPU ms per output
+    token, its llama_decode calls and rows per output token, and the 1-minute load around it."""
+    lines = ["| clients | configuration | output tok/s | ITL p50 / p99 ms | server CPU ms/token | its busiest thread's "
+             "| decode calls/token | rows/token | failed | load (1 min) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, row in table.items():
+        for c, st in row.items():
+            sv, itl = st.get("server") or {}, st.get("itl_ms") or {}
+            la = st.get("loadavg_1m") or []
+            lines.append(f"| {n} | {c} | {st.get('tokens_per_s')} | {itl.get('p50')} / {itl.get('p99')} | "
+                         f"{sv.get('cpu_ms_per_token')} | {sv.get('busiest_thread_cpu_ms_per_token')} | "
+                         f"{sv.get('decode_calls_per_token')} | {sv.get('rows_per_token')} | "
+                         f"{st.get('failures', st.get('error'))} | {'-'.join(str(x) for x in la)} |")
+    return "\n".join(lines)
 
 
 def draftd_env(state_dir: Path, redis_url: str, prefix: str, fmt: str, threads: int | None,
@@ -429,6 +557,10 @@ def peer_main(a) -> None:
     port = peers.free_port()
     dcmd = [sys.executable, "-m", "daemon.cli", "serve", "--port", str(port)]
     denv = draftd_env(state, a.redis_url, prefix, fmt, a.threads, a.draftd_max_batch)
+    extra_env = dict(kv.split("=", 1) for kv in a.draftd_env or [])
+    denv.update(extra_env)
+    if extra_env:
+        result["draftd_env"] = extra_env
     result["commands"]["draftd"] = " ".join(dcmd) + f"  (DRAFTD_MODELS__FORMAT={fmt}" + \
         (f", DRAFTD_SERVE__MAX_BATCH={a.draftd_max_batch}" if a.draftd_max_batch else ", serve.max_batch default") + ")"
     def partial() -> None:  # the JSON so far, after every cell: a run stopped midway keeps what it measured
@@ -449,13 +581,16 @@ def peer_main(a) -> None:
         if "draftd" in configs:
             stack.callback(drop_keys)
             say(f"starting draftd serve on :{port} (loads the pair; a first start converts and measures)")
-            durl = stack.enter_context(peers.running(dcmd, port, logs / "draftd.log", env=denv, timeout_s=900)) + "/v1"
+            dbase, dproc = stack.enter_context(peers.running_process(dcmd, port, logs / "draftd.log", env=denv,
+                                                                     timeout_s=900))
+            durl = dbase + "/v1"
         for n in clients_list:
             if "draftd" in configs:
                 say(f"{n} client(s): draftd")
                 table[n]["draftd"] = peer_load(durl, cells[n], a.max_tokens, draftd=True,
-                                               warm=warm if n == clients_list[0] else None)
-                say(f"  {json.dumps({k: table[n]['draftd'].get(k) for k in ('tokens_per_s', 'failures', 'ttft_ms', 'itl_ms')})}")
+                                               warm=warm if n == clients_list[0] else None, pid=dproc.pid,
+                                               counters=lambda: draftd_counters(dbase))
+                say(f"  {cell_line(table[n]['draftd'])}")
                 partial()
             runs = []
             if "llama_plain" in configs:
@@ -472,15 +607,17 @@ def peer_main(a) -> None:
                                                         f"writes it at its first start on llama.cpp)")
             for name, kw in runs:
                 p = peers.free_port()
-                cmd = peers.server_command(binary, target, p, n, a.ctx_per_slot, threads, **kw)
+                # --metrics: /metrics's llama_decode counts (what the bench reads, nothing else changes)
+                cmd = peers.server_command(binary, target, p, n, a.ctx_per_slot, threads, extra=("--metrics",), **kw)
                 result["commands"].setdefault(name, " ".join(cmd[1:]).replace(str(p), "PORT"))
                 say(f"{n} client(s): {name}")
                 try:
-                    with peers.running(cmd, p, logs / f"{name}-{n}.log", timeout_s=300) as url:
-                        table[n][name] = peer_load(url + "/v1", cells[n], a.max_tokens, draftd=False, warm=warm)
+                    with peers.running_process(cmd, p, logs / f"{name}-{n}.log", timeout_s=300) as (url, proc):
+                        table[n][name] = peer_load(url + "/v1", cells[n], a.max_tokens, draftd=False, warm=warm,
+                                                   pid=proc.pid, counters=lambda url=url: llama_counters(url))
                 except RuntimeError as e:
                     table[n][name] = {"error": str(e)[:1500]}
-                say(f"  {json.dumps({k: table[n][name].get(k) for k in ('tokens_per_s', 'failures', 'ttft_ms', 'itl_ms', 'error')})}")
+                say(f"  {cell_line(table[n][name])}")
                 partial()
     if "draftd" in configs:
         for line in (logs / "draftd.log").read_text(errors="replace").splitlines():
@@ -492,6 +629,7 @@ def peer_main(a) -> None:
     result["summary_tokens_per_s"] = {str(n): {c: v.get("tokens_per_s") for c, v in table[n].items()} for n in clients_list}
     result["checks"] = peer_checks(table)
     partial()
+    say(cost_table(table))
     print(json.dumps(result, indent=1))
 
 
@@ -519,6 +657,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0, help="--peer: unmeasured warm-up prompts per workload that "
                     "every server process streams before it is measured (the same for every side)")
     ap.add_argument("--draftd-max-batch", type=int, default=None, help="--peer: serve.max_batch (default: serve's)")
+    ap.add_argument("--draftd-env", action="append", default=None, metavar="DRAFTD_X=V",
+                    help="--peer: an extra environment variable for draftd serve (repeatable), e.g. "
+                    "DRAFTD_SERVE__RECORD_PROMPT=false")
     a = ap.parse_args()
     if a.peer:
         a.requests = a.requests or 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ import structlog
 
 from decoder.engines.base import last_fused_size, routed_batch_size
 from decoder.metrics import StepStats, line_at
-from decoder.proposers.registry import DEFAULT_PROPOSER, REQUEST_PROPOSERS
+from decoder.proposers.registry import DEFAULT_PROPOSER, REQUEST_PROPOSERS, spec as proposer_spec
 from decoder.sampling import expected_tokens_per_step  # noqa: F401 - re-exported
 from decoder.shift import key_str  # key_str re-exported: "{workload}@{bucket}"
 from decoder.tracking import DRAFT, HEAD, Key
@@ -166,6 +167,9 @@ class _KeyState:
     ceiling_probes: int = 0  # draft probes in a row while its ceiling was below plain (the back-off's exponent)
     last_ceiling_probe: int = 0  # the request that made the last of them
     last_ceiling_probe_t: float | None = None  # and when (the controller's clock)
+    # proposer -> the request (its ControlledGamma, weakly) warming it up now: a model-run proposer's
+    # warm-up is given to one request of a key at a time (_choose_among)
+    warming: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -461,10 +465,12 @@ class GoodputController:
             return self.config.proposers
         return tuple(n for n in self.config.proposers if self._available(n))
 
-    def _choose(self, key: Key) -> tuple[int, dict[str, Any]]:
-        """γ for the next request of ``key`` and the decision record (called once per request)."""
+    def _choose(self, key: Key, policy: Any = None) -> tuple[int, dict[str, Any]]:
+        """γ for the next request of ``key`` and the decision record (called once per request;
+        ``policy``: the request's :class:`ControlledGamma`, for the one-warm-up-at-a-time rule of
+        :meth:`_choose_among`)."""
         if self.config.proposers != (DRAFT,):
-            return self._choose_among(key)
+            return self._choose_among(key, policy)
         c = self.config
         with self._lock:
             s = self._begin_request(key)
@@ -516,11 +522,17 @@ class GoodputController:
             s.last = decision
             return gamma, decision
 
-    def _choose_among(self, key: Key) -> tuple[int, dict[str, Any]]:
+    def _choose_among(self, key: Key, policy: Any = None) -> tuple[int, dict[str, Any]]:
         """_choose over several proposers: candidates are plain decoding and (proposer, γ) for
         each proposer and γ = 1..γ_max, rated in tokens per ms (the draft by α as in the class
         docstring, a length-modelled proposer by its measured accepted lengths). Warm-up measures
-        each proposer in the configured order at ``gamma_init``, then plain decoding. Every
+        each proposer in the configured order at ``gamma_init``, then plain decoding; a proposer
+        that runs a model (the draft, the head) is warmed up by one request of a key at a time:
+        a request that starts while another one (``policy``, alive and still warming it) measures
+        it runs plain decoding instead while plain is unmeasured (the warm-up needs it too), else
+        the best measured choice. Without that, the 4 requests of a cold key that a 4-client load
+        starts at once all ran the draft at γ = 4 (bench/RESULTS.md, "CPU per output token").
+        Every
         ``probe_every`` requests one probes, in turn, plain decoding and each proposer other
         than the best at its best γ (so a draft that training improved is noticed)."""
         c = self.config
@@ -531,6 +543,8 @@ class GoodputController:
             cands = self._candidates(ev)
             probe, why = False, ""
             choice = self._warm_up(s)
+            if choice is not None and policy is not None:
+                choice = self._one_warm_up(s, choice, policy)
             warm_up = choice is not None
             if choice is not None:
                 choice, why = choice
@@ -572,6 +586,26 @@ class GoodputController:
             }
             s.last = decision
             return gamma, decision
+
+    def _one_warm_up(self, s: _KeyState, choice: tuple[tuple[str, int], str], policy: Any
+                     ) -> tuple[tuple[str, int], str] | None:
+        """``choice`` (a warm-up from :meth:`_warm_up`) for the request ``policy``, unless another
+        live request of this key is warming up the same model-run proposer: then plain
+        decoding's warm-up while plain is unmeasured, else None (the best measured choice). The
+        request that gets a model-run proposer's warm-up is remembered (weakly: a finished
+        request's policy is gone). Lock held."""
+        (name, _), _why = choice
+        if name == "plain" or proposer_spec(name).model_free:
+            return choice
+        ref = s.warming.get(name)
+        other = ref() if ref is not None else None
+        if other is not None and other is not policy and getattr(other, "_warming", False) \
+                and getattr(other, "_warm_proposer", None) == name:
+            if (s.verify_ms[0].n if 0 in s.verify_ms else 0) < self.config.min_steps:
+                return ("plain", 0), f"warm-up: measuring plain decoding ({name}'s warm-up is under way in another request)"
+            return None
+        s.warming[name] = weakref.ref(policy)
+        return choice
 
     def _warm_up(self, s: _KeyState) -> tuple[tuple[str, int], str] | None:
         """The (proposer, γ) still to measure, and why, while a key warms up: each proposer in the
@@ -840,7 +874,7 @@ class ControlledGamma:
         B > 1 requests its proposer's best γ at B, at most the request's (a probe's and a
         warm-up's γ stay: they measure); ``batch_size()`` says B."""
         if self._gamma is None:
-            self._gamma, self.decision = self.controller._choose(self.key)
+            self._gamma, self.decision = self.controller._choose(self.key, self)
             self._warming = bool(self.decision.get("warm_up"))
             self._warm_proposer = self.decision.get("proposer")
             self._warm_why = str(self.decision.get("why", ""))

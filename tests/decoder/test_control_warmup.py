@@ -108,3 +108,32 @@ def test_a_plain_warm_up_request_without_a_proposer_stops_warming_once_plain_is_
     assert run(pol, clock, 4, useless_draft) == [0, 0, 0, 0]
     assert pol.decision["why"] == "warm-up: measuring plain decoding; then plain decoding"
     assert pol._warming is False
+
+
+def test_a_model_run_proposer_warms_up_in_one_request_of_a_key_at_a_time():
+    """Three requests of a cold key start together (a 4-client load): the first measures the
+    draft, the others plain decoding (which the warm-up needs too), not the draft three times.
+    Once the first is gone while the draft is still cold, the next request measures it again; a
+    key whose plain decoding is measured gives the best measured choice instead."""
+    import gc
+
+    clock = Clock()
+    ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=3, min_steps=2, proposers=("draft", "ngram")),
+                            clock=clock)
+    first, second, third = (ctl.policy_for(KEY) for _ in range(3))
+    assert first.gamma() == 3 and first.decision["proposer"] == "draft" and first.decision["warm_up"] is True
+    for pol in (second, third):
+        assert pol.gamma() == 0 and pol.decision["warm_up"] is True and pol.decision["proposer"] is None
+        assert pol.decision["why"] == "warm-up: measuring plain decoding (draft's warm-up is under way in another request)"
+    del first
+    gc.collect()
+    again = ctl.policy_for(KEY)
+    assert again.gamma() == 3 and again.decision["proposer"] == "draft"  # the draft is still unmeasured
+    run(second, clock, 2, useless_draft)  # plain decoding measured (2 steps)
+    later = ctl.policy_for(KEY)
+    assert later.gamma() == 0 and later.decision["warm_up"] is False  # draft busy in `again`: the best measured
+    # a model-free proposer (n-gram) is not held to one request: its warm-ups cost no model steps
+    ctl2 = GoodputController(ControllerConfig(gamma_max=4, gamma_init=2, min_steps=2, proposers=("ngram", "draft")),
+                             clock=clock)
+    a, b = ctl2.policy_for(KEY), ctl2.policy_for(KEY)
+    assert a.gamma() == 2 and b.gamma() == 2 and a.decision["proposer"] == b.decision["proposer"] == "ngram"

@@ -130,3 +130,75 @@ def test_peer_checks_compare_against_the_peers():
     assert eight["met"] is False
     table[4]["draftd"]["failures"] = 1
     assert serve_bench.peer_checks(table)["4_clients"]["met"] is False
+
+
+def test_parse_stat_reads_the_fields_after_the_command_name():
+    # proc(5): pid (comm) state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt
+    # utime stime cutime cstime ...; a command name with spaces and a ")" must not shift them
+    line = "4242 (uvic orn) x)) S 17 4242 4242 0 -1 4194560 100 0 0 0 1234 567 89 10 20 0 5 0 99 0 0\n"
+    s = peers.parse_stat(line)
+    assert s == {"pid": 4242, "ppid": 17, "utime": 1234, "stime": 567, "cutime": 89, "cstime": 10}
+    with pytest.raises(ValueError, match="not a /proc"):
+        peers.parse_stat("garbage")
+
+
+def test_tree_cpu_ticks_sums_the_process_and_its_descendants_only():
+    def st(pid, ppid, u, s, cu=0, cs=0):
+        return {"pid": pid, "ppid": ppid, "utime": u, "stime": s, "cutime": cu, "cstime": cs}
+
+    stats = {p["pid"]: p for p in (st(10, 1, 100, 20, 5, 1), st(11, 10, 7, 3), st(12, 11, 2, 2),
+                                   st(13, 1, 1000, 1000), st(14, 13, 50, 50))}
+    assert peers.tree_cpu_ticks(stats, 10) == 100 + 20 + 5 + 1 + 7 + 3 + 2 + 2  # 13 and 14 are not its own
+    assert peers.tree_cpu_ticks(stats, 12) == 4
+    assert peers.tree_cpu_ticks(stats, 99) == 0
+
+
+def test_process_cpu_seconds_follows_this_process_cpu_clock():
+    """Against CLOCK_PROCESS_CPUTIME_ID (time.process_time): burning CPU moves both by the same
+    amount, within the stat file's tick (1 / SC_CLK_TCK) on each reading. Nothing timed."""
+    import os
+    import time
+
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    a, pa = peers.process_cpu_seconds(os.getpid()), time.process_time()
+    x = 0
+    while time.process_time() - pa < 0.3:
+        x += 1
+    b, pb = peers.process_cpu_seconds(os.getpid()), time.process_time()
+    assert abs((b - a) - (pb - pa)) <= 3 * tick + 0.01
+    with pytest.raises(ProcessLookupError):
+        peers.process_cpu_seconds(2**22 + 12345)  # above pid_max's ceiling: no such process
+
+
+def test_prometheus_values_and_counter_deltas_give_costs_per_token():
+    text = ("# HELP llamacpp:n_decode_total calls\n# TYPE llamacpp:n_decode_total counter\n"
+            "llamacpp:n_decode_total 140\nllamacpp:n_busy_slots_per_decode 2.5\n"
+            "llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position=\"0\"} 3\n")
+    v = peers.prometheus_values(text)
+    assert v == {"llamacpp:n_decode_total": 140.0, "llamacpp:n_busy_slots_per_decode": 2.5}
+    d = serve_bench.counter_delta({"decode_calls": 10, "decode_rows": 30, "by_sequences": {"1": 4}},
+                                  {"decode_calls": 74, "decode_rows": 330, "by_sequences": {"1": 4, "4": 60}})
+    assert d == {"decode_calls": 64, "decode_rows": 300, "by_sequences": {"4": 60}}
+    c = serve_bench.server_cost(1.6, d, output_tokens=256)
+    assert c["cpu_ms_per_token"] == 6.25 and c["decode_calls_per_token"] == 0.25 and c["rows_per_token"] == 1.1719
+    none = serve_bench.server_cost(None, {}, output_tokens=0)
+    assert none["cpu_s"] is None and none["cpu_ms_per_token"] is None
+
+
+def test_thread_ticks_and_the_busiest_thread():
+    import os
+    import threading
+    import time
+
+    ticks = peers.thread_cpu_ticks(os.getpid())
+    assert threading.get_native_id() in ticks and all(v >= 0 for v in ticks.values())
+    assert peers.thread_cpu_ticks(2**22 + 12345) == {}
+    hz = os.sysconf("SC_CLK_TCK")
+    # hand-made readings: thread 3 started in between and used the most
+    assert peers.busiest_thread_seconds({1: 10, 2: 5}, {1: 30, 2: 6, 3: 25}) == 25 / hz
+    assert peers.busiest_thread_seconds({}, {}) is None
+    b0, pa = peers.thread_cpu_ticks(os.getpid()), time.process_time()
+    while time.process_time() - pa < 0.2:
+        pass
+    top = peers.busiest_thread_seconds(b0, peers.thread_cpu_ticks(os.getpid()))
+    assert abs(top - (time.process_time() - pa)) <= 3 / hz + 0.01  # this thread burnt it
