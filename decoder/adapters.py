@@ -284,6 +284,20 @@ class AdapterManager(RegistryFollower):
         self._model_lock = threading.Lock()  # peft structure changes: load/delete vs switch
         self._hook_in()
 
+    def _watch(self) -> None:
+        """The watcher thread: first the draft engine's LoRA conversion made ready (the base's
+        shapes parsed: :func:`decoder.models.gguf_export.warm_lora_base`), so the first promotion
+        this replica follows is not the slow one; then :meth:`RegistryFollower._watch`."""
+        eng = getattr(self.decoder, "draft_engine", None)
+        if supports(eng, "lora"):
+            from decoder.models.gguf_export import warm_lora_base
+
+            try:
+                warm_lora_base(eng.path)
+            except Exception as e:  # noqa: BLE001 - the conversion says it again, per version, when it matters
+                log.warning("lora_base_warm_up_failed", base=str(eng.path), error=str(e))
+        super()._watch()
+
     # ---- preparation (background, outside the decoder's lock) ------------------------------
     def _prepare_version(self, version: int, source: str, scope: str, t0: float) -> None:
         """Load ``version`` (under RegistryFollower._prepare's lock) and route ``scope`` to it."""

@@ -812,6 +812,19 @@ def adapter_sha256(adapter_dir: Path) -> str:
     return h.hexdigest()
 
 
+def warm_lora_base(base_gguf: Path) -> None:
+    """Parse ``base_gguf``'s shapes for :func:`lora_to_gguf` now (the in-process cache of
+    ``_base_info``), so that a replica's first promoted adapter converts in milliseconds instead
+    of the 2-3 s (10-20 s on a loaded 2-core host: docs/scaling.md, "the fault run") that parsing
+    the base's vocabulary takes.
+
+    Raises:
+        ValueError: an architecture :func:`lora_to_gguf` does not convert for.
+    """
+    st = Path(base_gguf).stat()
+    _base_info(str(base_gguf), st.st_size, st.st_mtime_ns)
+
+
 def lora_gguf_cached(adapter_dir: Path, cache_dir: Path, base_gguf: Path) -> Path:
     """:func:`lora_to_gguf` once per adapter version and base: ``cache_dir /
     lora-{adapter16}-{base16}-v{LORA_FORMAT_VERSION}.gguf``.

@@ -438,6 +438,42 @@ def test_lora_gguf_cached_converts_each_version_once(tiny, tiny_draft_gguf, tmp_
     assert gguf.GGUFReader(p2).get_field("adapter.lora.alpha").contents() == 8.0
 
 
+def test_warm_lora_base_parses_the_base_once_for_every_later_conversion(tiny, tiny_draft_gguf, tmp_path):
+    """After warm_lora_base a conversion against that base is a cache hit of _base_info (no
+    GGUFReader parse of the vocabulary); an unsupported architecture is refused by name."""
+    ge._base_info.cache_clear()
+    ge.warm_lora_base(tiny_draft_gguf)
+    assert ge._base_info.cache_info().currsize == 1 and ge._base_info.cache_info().hits == 0
+    lora_to_gguf(_hand_adapter(tmp_path / "a"), tmp_path / "out.gguf", tiny_draft_gguf)
+    assert ge._base_info.cache_info().hits == 1 and ge._base_info.cache_info().misses == 1
+    other = write_tiny_gguf(tiny[0], tmp_path / "qwen.gguf", extra=False, arch="qwen2")
+    with pytest.raises(ValueError, match="architecture 'qwen2' is not supported"):
+        ge.warm_lora_base(other)
+
+
+def test_an_adapter_manager_warms_its_draft_engines_lora_base_before_it_watches(tiny_draft_gguf, monkeypatch):
+    """The follower thread of a manager whose draft runs on a LoRA-capable engine parses that
+    engine's base first (a replica's first promotion then converts in milliseconds)."""
+    import decoder.registry_follow as rf
+    from decoder.adapters import AdapterManager
+    from decoder.engines.base import Capabilities
+
+    ge._base_info.cache_clear()
+    watched = []
+    monkeypatch.setattr(rf, "watch_registry", lambda *a, **k: watched.append(ge._base_info.cache_info().currsize))
+
+    class Eng:
+        capabilities = Capabilities(hidden_states=False, lora=True, batch=False, torch_module=False, own_threads=True)
+        path = tiny_draft_gguf
+
+    mgr = AdapterManager.__new__(AdapterManager)  # only the watcher's start is exercised here
+    mgr.decoder = type("D", (), {"draft_engine": Eng()})()
+    mgr.registry, mgr._stop, mgr.poll_interval_s, mgr.clock = None, None, 1.0, None
+    mgr._evict, mgr._watch_name = None, "test"
+    mgr._watch()
+    assert watched == [1]  # parsed before the watch began
+
+
 # ---- the real model (SmolLM2-135M Q4_1) -------------------------------------------------------
 
 REAL_TEXT = ("The quick brown fox jumps over the lazy dog. Speculative decoding uses a small draft model to "
