@@ -616,6 +616,9 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
     - every speculative run's ``matches_plain``: "k/n" prompts whose greedy output is token-identical
       to the plain run's (lossless), ``differs_from_plain`` the others' indices.
     - live: the phase's served requests, first and last third: greedy α and tokens/s.
+
+    Every decoded side runs without the decoder's record sink (restored after): nothing decoded
+    here reaches the buffer, and no side pays for the records serving streams.
     """
     from decoder.speculative import DecoderConfig, SpeculativeDecoder
 
@@ -628,10 +631,14 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
     # on llama.cpp the frozen draft is the draft's own context with v0's LoRA set (see _frozen_lora)
     ev.frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok, DecoderConfig(draft_vocab=decoder.config.draft_vocab),
                                    engine=decoder.engine, draft_engine=decoder.draft_engine)
+    # the evaluation's prompts stay unseen by the learner, and every side decodes alike: no records
+    # (the served decoder's sink also scored each prompt's top-k, prefill at every prompt row)
+    sink, decoder.sink = decoder.sink, None
     try:
         return [ev.phase_row(phase) for phase in cfg.phases]
     finally:
         decoder.ngram_history, decoder.ngram_gate = ev.served_history, ev.served_gate
+        decoder.sink = sink
 
 
 @dataclass

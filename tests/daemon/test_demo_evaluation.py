@@ -39,12 +39,14 @@ def test_evaluation_rows_are_checked_against_plain_decoding():
 
     target, draft = tiny_pair()
     tok = tokenizer()
-    dec = SpeculativeDecoder(target, draft, tok)
+    sunk = []
+    dec = SpeculativeDecoder(target, draft, tok, sink=sunk.append)  # the served decoder streams records
     cfg = DemoConfig.quick(phases=("prose", "extract"), eval_prompts=2, eval_new_tokens=8, per_workload=False,
                             copy_ablation=True)
     rows = evaluate_phases(cfg, {}, {}, [], None, None, dec, frozen_draft=draft, tok=tok, params=SamplingParams(),
                            console=Console(file=io.StringIO()), peer=RecomputePeer(target))
     assert [r["workload"] for r in rows] == ["prose", "extract"]
+    assert sunk == [] and dec.sink == sunk.append  # nothing evaluated reached the buffer; the sink is back
     for r in rows:
         for name in ("frozen", "adapted_draft", "adapted_nogate", "frozen_fixedgate"):
             assert r[name]["matches_plain"] == "2/2", (r["workload"], name, r[name])
