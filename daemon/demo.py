@@ -44,12 +44,21 @@ from store.jsonsafe import jsonable as _jsonable, nan_none
 
 @dataclass
 class DemoConfig:
-    """Sizes of the demo. ``quick`` fits ~6.5 minutes on 2 cores (phases are time-bounded, so a slower host serves fewer requests), the default ~20."""
+    """Sizes of the demo: the phases, their length, the evaluation and the trainer's schedule.
+
+    A phase serves ``phase_seconds``, then on until its workload's adapter was promoted and judged
+    ``phase_min_judged`` times, so a slower host serves each phase longer rather than training less.
+    """
 
     # prose -> code -> math -> extract (copy-heavy); each has hundreds of distinct prompts
     # (decoder.workloads), so no prompt repeats within a phase
     phases: tuple[str, ...] = ("prose", "code", "math", "extract")
-    phase_seconds: float = 255.0  # serving time per phase
+    phase_seconds: float = 255.0  # serving time per phase, at least
+    # ... then on until the workload's own adapter was promoted and had this many turns judged on
+    # enough held-out evidence (its gate's min_eval_requests / min_eval_positions), at most phase_max_seconds
+    # (None: 3 x phase_seconds); 0: time-bounded phases. _phase_progress
+    phase_min_judged: int = 2
+    phase_max_seconds: float | None = None
     max_new_tokens: int = 32
     eval_prompts: int = 12  # per phase, never served, for the frozen-vs-adapted table (paired per prompt)
     eval_new_tokens: int = 64  # tokens decoded per evaluation prompt
@@ -83,6 +92,20 @@ class DemoConfig:
     copy_ablation: bool = True
     seed: int = 0
     out_dir: Path = field(default_factory=lambda: Path("out/demo"))
+
+    def __post_init__(self) -> None:
+        if not (self.phase_seconds > 0 and math.isfinite(self.phase_seconds)):
+            raise ValueError(f"phase_seconds={self.phase_seconds}: must be a finite number > 0 (--phase-seconds)")
+        if self.phase_min_judged < 0:
+            raise ValueError(f"phase_min_judged={self.phase_min_judged}: must be >= 0 (0 = time-bounded phases; "
+                             f"--phase-min-judged)")
+        if self.phase_max_seconds is not None and not (self.phase_seconds <= self.phase_max_seconds < math.inf):
+            raise ValueError(f"phase_max_seconds={self.phase_max_seconds}: must be finite and >= phase_seconds="
+                             f"{self.phase_seconds} (--phase-max-seconds)")
+
+    def max_phase_seconds(self) -> float:
+        """The longest a phase serves (s): ``phase_max_seconds``, else 3 x ``phase_seconds``."""
+        return self.phase_max_seconds if self.phase_max_seconds is not None else 3 * self.phase_seconds
 
     @classmethod
     def quick(cls, **kw) -> "DemoConfig":
@@ -424,28 +447,38 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
 
 
 def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params, console, trainer=None) -> _Traffic:
-    """Each phase's workload for ``cfg.phase_seconds``, a request at a time through the API (its
-    first ``eval_prompts`` prompts kept back for the evaluation), the live table after each."""
+    """Each phase's workload, a request at a time through the API (its first ``eval_prompts``
+    prompts kept back for the evaluation), the live table after each. A phase serves for
+    ``cfg.phase_seconds`` (the first one from v0's arrival), then on until its workload's own
+    adapter was promoted and had ``cfg.phase_min_judged`` turns judged on enough held-out evidence
+    (:func:`_phase_progress`), at most ``cfg.phase_max_seconds``; each entry of ``shifts`` says how
+    long its phase served and why it ended."""
     traffic = _Traffic()
     timeline, shifts = traffic.timeline, traffic.shifts
     t0 = time.time()
     with _live(console) as live:
         for k, phase in enumerate(cfg.phases):
-            shifts.append({"t": time.time() - t0, "request": len(timeline), "workload": phase})
+            shift = {"t": time.time() - t0, "request": len(timeline), "workload": phase}
+            shifts.append(shift)
             console.log(f"phase {k + 1}/{len(cfg.phases)}: {phase} traffic for {cfg.phase_seconds:.0f} s"
                         + (" once v0 is ready (the bootstrap runs first; served meanwhile)"
-                           if k == 0 and trainer is not None else ""))
+                           if k == 0 and trainer is not None else "")
+                        + (f", then until its adapter was promoted and judged {cfg.phase_min_judged} times (at most "
+                           f"{cfg.max_phase_seconds():.0f} s)" if cfg.phase_min_judged and svc is not None else ""))
             prompts = _prompts(phase, 1000, skip=cfg.eval_prompts)  # every distinct prompt there is (hundreds)
-            end = time.time() + cfg.phase_seconds
-            i = 0
+            start, i, extended = time.time(), 0, False
             while True:
-                if k == 0 and trainer is not None:  # the first phase serves from the first second and
-                    if not trainer.ready.is_set():  # lasts phase_seconds past v0 (a bootstrap takes minutes)
-                        end = max(end, time.time() + 1.0)
-                    elif trainer.ready_at is not None:
-                        end = max(end, trainer.ready_at + cfg.phase_seconds)
-                if time.time() >= end:
+                now = time.time()
+                if k == 0 and trainer is not None and not trainer.ready.is_set():
+                    start = now  # the first phase serves from the first second; its clock starts at v0
+                elif k == 0 and trainer is not None and trainer.ready_at is not None:
+                    start = max(start, trainer.ready_at)
+                done, why = _phase_progress(cfg, svc, phase, now - start)
+                if done:
                     break
+                if why and not extended:
+                    extended = True
+                    console.log(f"{phase}: {cfg.phase_seconds:.0f} s served; {why}, so the phase goes on")
                 p = prompts[i % len(prompts)]
                 row = _serve_one(oai, loop, tok, model_name, phase, p, cfg.max_new_tokens, t0)
                 row["repeat"] = i >= len(prompts)  # served before in this phase: its output is in the n-gram history
@@ -453,10 +486,44 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                 timeline.append(row)
                 live.update(_progress_table(timeline, phase, svc, loop.manager, loop.controller, (phase, params.bucket()),
                                             loop.heads))
+            shift.update(seconds=round(time.time() - start, 1), ended=why, requests=i,
+                         turns=_workload_turns(svc, phase))
             traffic.phase_end_version[phase] = loop.decoder.adapter_version
             if loop.heads is not None:
                 traffic.phase_end_head[phase] = loop.heads.route(phase)
     return traffic
+
+
+def _workload_turns(svc, workload: str) -> dict[str, int]:
+    """The trainer's count of ``workload``'s own adapter turns (TrainerService.status()'s
+    ``workload_turns``: turns, judged, promoted); zeros before its first."""
+    st = svc.status() if svc is not None else {}
+    return dict(st.get("workload_turns", {}).get(workload) or {"turns": 0, "judged": 0, "promoted": 0})
+
+
+def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float) -> tuple[bool, str]:
+    """Whether a phase that has served ``served_s`` seconds (since its start) ends now, and why.
+
+    It ends at ``cfg.phase_seconds`` once its workload's own adapter has been promoted and has had
+    ``cfg.phase_min_judged`` turns judged on enough held-out evidence (the gate's min_eval_requests
+    and min_eval_positions: promoted or refused on evidence, not for the lack of it), and at
+    ``cfg.max_phase_seconds()`` whatever the trainer did: phases sized by the learner's progress,
+    not by the clock alone (on a slower CPU, 120 s left a workload 14 held-out samples and nothing
+    promoted). Returns ``(done, why)``; ``why`` is "" while the phase is inside its ``phase_seconds``.
+    """
+    if served_s < cfg.phase_seconds:
+        return False, ""
+    if not cfg.phase_min_judged or svc is None or not cfg.per_workload:
+        return True, f"{cfg.phase_seconds:.0f} s served"
+    t = _workload_turns(svc, workload)
+    if t["judged"] >= cfg.phase_min_judged and t["promoted"]:
+        return True, (f"{cfg.phase_seconds:.0f} s served and {t['judged']} judged turns of its adapter "
+                      f"({t['promoted']} promoted)")
+    if served_s >= cfg.max_phase_seconds():
+        return True, (f"phase_max_seconds {cfg.max_phase_seconds():.0f} s reached with {t['judged']} of "
+                      f"{cfg.phase_min_judged} judged turns ({t['turns']} turns, {t['promoted']} promoted)")
+    return False, (f"its adapter has had {t['judged']} of {cfg.phase_min_judged} turns judged on enough held-out "
+                   f"evidence ({t['turns']} turns) and {t['promoted']} promotions")
 
 
 class _Snapshots:
@@ -1223,8 +1290,20 @@ def print_report(report: dict, console) -> None:
     _prediction_table(report, console)
     _head_table(report, console)
     _phase_notes(report, console)
+    _phase_lengths(report, console)
     _adapter_tables(report, console)
     _recovery_and_footer(report, console)
+
+
+def _phase_lengths(report: dict, console) -> None:
+    """How long each phase served and why it ended (``_phase_progress``: its seconds, its
+    adapter's judged turns, or the cap)."""
+    for sh in report.get("shifts") or []:
+        if "seconds" in sh:
+            t = sh.get("turns") or {}
+            console.print(f"{sh['workload']}: served {sh['seconds']:.0f} s, {sh.get('requests', '?')} requests, "
+                          f"{t.get('turns', 0)} turns of its adapter ({t.get('judged', 0)} judged, "
+                          f"{t.get('promoted', 0)} promoted); ended: {sh.get('ended')}")
 
 
 def _cell(x) -> str:
@@ -1453,7 +1532,13 @@ def register(app) -> None:
     @app.command("demo")
     def demo(
         quick: Annotated[bool, typer.Option(help="a shorter run (120 s per phase, 4 phases, then the evaluation)")] = False,
-        phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase (overrides the preset)")] = None,
+        phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase, at least (overrides the preset)")] = None,
+        phase_min_judged: Annotated[int | None, typer.Option(help="after --phase-seconds a phase serves on until its "
+                                                             "workload's adapter was promoted and had this many turns "
+                                                             "judged on enough held-out evidence; 0 = time-bounded "
+                                                             "phases (default 2)")] = None,
+        phase_max_seconds: Annotated[float | None, typer.Option(help="the longest a phase serves (default 3 x "
+                                                                "--phase-seconds)")] = None,
         out: Annotated[Path, typer.Option(help="directory for report.json and acceptance.png")] = Path("out/demo"),
         heads: Annotated[bool, typer.Option(help="also serve and adapt the feature-level head (the 'eagle' proposer): "
                                                  "v0 bootstrapped once per pair (cached), distilled each round from "
@@ -1480,9 +1565,6 @@ def register(app) -> None:
         except ConfigError as e:
             console.print(f"[red]config error:[/] {e}")
             raise typer.Exit(2) from e
-        if phase_seconds is not None and not (phase_seconds > 0 and math.isfinite(phase_seconds)):
-            console.print(f"[red]error:[/] --phase-seconds={phase_seconds}: must be a finite number > 0")
-            raise typer.Exit(2)
         configure("console", "warning", stream=sys.stderr)  # the live table is the progress display
         # A round that outlasts the interval makes APScheduler skip the next run (max_instances=1,
         # by design); the live table shows the trainer's state, so these warnings are noise here.
@@ -1490,8 +1572,13 @@ def register(app) -> None:
 
         logging.getLogger("apscheduler").setLevel(logging.ERROR)  # its scheduler and executors
         cfg = DemoConfig.quick(out_dir=out) if quick else DemoConfig(out_dir=out)
-        if phase_seconds is not None:
-            cfg = dataclasses.replace(cfg, phase_seconds=phase_seconds)
+        sizes = {k: v for k, v in (("phase_seconds", phase_seconds), ("phase_min_judged", phase_min_judged),
+                                   ("phase_max_seconds", phase_max_seconds)) if v is not None}
+        try:
+            cfg = dataclasses.replace(cfg, **sizes)
+        except ValueError as e:
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from e
         if heads:
             cfg = dataclasses.replace(cfg, heads=True)
         if ablation is not None:

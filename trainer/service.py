@@ -428,6 +428,9 @@ class TrainerService:
         # version -> record id -> (workload, EvalCounts): served adapters' held-out evaluations
         self._eval_cache: dict[int, dict[str, tuple[str, Any]]] = {}
         self._scopes: dict[str, _Scope] = {}  # per_workload: workload -> its scope
+        # per_workload: workload -> its own adapter's turns so far: "turns" (trained), "judged" (the
+        # gate had min_eval_requests and min_eval_positions of evidence), "promoted"
+        self._turns: dict[str, dict[str, int]] = {}
         self._scheduler: BackgroundScheduler | None = None
         self._next_trigger = "interval"
         # run once, under the round lock, before the first round (daemon.warm_start: v0 bootstrapped)
@@ -516,6 +519,7 @@ class TrainerService:
             "rounds": self._rounds,
             "promoted_version": self._promoted_version,
             "workload_versions": {w: sc.version for w, sc in sorted(self._scopes.items())},
+            "workload_turns": {w: dict(t) for w, t in sorted(self._turns.items())},
             "workload_errors": {w: sc.error for w, sc in sorted(self._scopes.items()) if sc.error},
             "next_run_time": nxt.isoformat() if nxt else None,
             "heldout": {w: len(d) for w, d in sorted(self._heldout.items())},
@@ -841,7 +845,9 @@ class TrainerService:
                 + (f"; {len(deferred)} samples of workloads below min_workload_samples={cfg.min_workload_samples} "
                    f"wait for the next round" if deferred else ""))
         for w, smp in own.items():
-            report.scopes[w] = self._workload_turn(w, smp).to_dict()
+            rep = self._workload_turn(w, smp)
+            self._count_turn(rep)
+            report.scopes[w] = rep.to_dict()
         if self.heads is not None:  # never raises: its report says what went wrong
             report.head = self.heads.turn([e.sample for e in train if id(e) not in later],
                                           [e.sample for e in heldout_entries]).to_dict()
@@ -903,6 +909,20 @@ class TrainerService:
             self._eval_cache[version] = dict(after.per_sample)  # the candidate's evaluation, reused
             return version, "promoted"
         return version, "rejected"
+
+    def _count_turn(self, rep: ScopeReport) -> None:
+        """Add a workload turn to ``status()["workload_turns"]`` (what a caller sizing a phase by
+        training progress reads, e.g. the demo): a turn that trained counts in "turns"; one whose
+        gate saw >= ``min_eval_requests`` held-out requests and >= ``min_eval_positions`` positions
+        (enough evidence either way) in "judged"; a promotion in "promoted"."""
+        if rep.decision == "skipped":
+            return
+        t = self._turns.setdefault(rep.scope, {"turns": 0, "judged": 0, "promoted": 0})
+        t["turns"] += 1
+        ev, cfg = rep.evidence, self.config
+        if ev is not None and ev["clusters"] >= cfg.min_eval_requests and ev["positions"] >= cfg.min_eval_positions:
+            t["judged"] += 1
+        t["promoted"] += rep.decision == "promoted"
 
     def _workload_turn(self, workload: str, samples: list[VerifiedSample]) -> ScopeReport:
         """Train, judge and register ``workload``'s own adapter on its new ``samples`` (see the

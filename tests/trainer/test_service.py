@@ -422,6 +422,13 @@ def test_without_the_shared_turn_each_workload_trains_only_its_own_adapter(env, 
         assert independent.evaluate(list(svc._heldout[w])).alpha == pytest.approx(sr["alpha_before"], abs=1e-5)
     assert any(sr["decision"] == "promoted" for sr in rep.scopes.values()), rep.scopes
     assert pending(client, cfg) == 0
+    # the turns a caller sizing a phase reads (the demo): one each, judged on enough evidence
+    # (this fixture's held-out slices pass min_eval_requests and min_eval_positions)
+    turns = svc.status()["workload_turns"]
+    for w, sr in rep.scopes.items():
+        ev = sr["evidence"]
+        assert ev["clusters"] >= svc.config.min_eval_requests and ev["positions"] >= svc.config.min_eval_positions
+        assert turns[w] == {"turns": 1, "judged": 1, "promoted": int(sr["decision"] == "promoted")}
     # a workload with too few samples for its own turn: they wait, pending, round after round
     write(client, cfg, make_samples(target, 6, "code", seed=95))
     waits = [svc.run_round_now() for _ in range(3)]
@@ -433,6 +440,7 @@ def test_without_the_shared_turn_each_workload_trains_only_its_own_adapter(env, 
     assert rep2.deferred == 0 and rep2.trained_on == n and rep2.result is not None
     assert rep2.decision in ("promoted", "rejected") and registry.get(rep2.version).scope == ""
     assert pending(client, cfg) == 0
+    assert svc.status()["workload_turns"] == turns  # deferred rounds and the shared turn are no workload turns
     with pytest.raises(ValueError, match="shared_turn=False without per_workload=True"):
         ServiceConfig(shared_turn=False)
 
@@ -611,3 +619,20 @@ def test_a_candidate_rejected_for_want_of_evidence_trains_on(env, train_samples)
     assert any(not torch.equal(start[n], now[n]) for n in start)  # the candidate's weights, not the serving ones
     assert sum(len(d) for d in svc._replay.values()) == min(rep.trained_on, 64 * len(svc._replay))
     assert registry.active_version() == 0 and registry.get(rep.version).state == "rejected"
+
+
+def test_workload_turns_count_only_evidence_the_gate_could_judge_on():
+    """status()["workload_turns"]: a skipped turn is none; a turn whose gate saw fewer than
+    min_eval_requests held-out requests (or min_eval_positions positions) trained but was not judged."""
+    from trainer.service import ScopeReport
+
+    svc = TrainerService.__new__(TrainerService)  # only the counter and the config are used
+    svc.config, svc._turns = ServiceConfig(min_eval_requests=8, min_eval_positions=256), {}
+    ev = lambda clusters, positions: {"clusters": clusters, "positions": positions}  # noqa: E731
+    svc._count_turn(ScopeReport("code", decision="skipped", reason="too few held out"))
+    svc._count_turn(ScopeReport("code", decision="rejected", evidence=ev(7, 900)))  # 7 requests < 8
+    svc._count_turn(ScopeReport("code", decision="rejected", evidence=ev(8, 255)))  # 255 positions < 256
+    svc._count_turn(ScopeReport("code", decision="non_finite"))
+    svc._count_turn(ScopeReport("code", decision="rejected", evidence=ev(8, 256)))
+    svc._count_turn(ScopeReport("math", decision="promoted", evidence=ev(12, 400)))
+    assert svc._turns == {"code": {"turns": 4, "judged": 1, "promoted": 0}, "math": {"turns": 1, "judged": 1, "promoted": 1}}

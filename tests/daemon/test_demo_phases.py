@@ -1,0 +1,82 @@
+"""The demo's phases are sized by the learner's progress, not the clock alone: a phase serves its
+``phase_seconds``, then on until its workload's adapter was promoted and had ``phase_min_judged``
+turns judged on enough held-out evidence, and never past ``max_phase_seconds()``."""
+
+import pytest
+
+from daemon.demo import DemoConfig, _phase_progress
+
+
+class _Svc:
+    """A TrainerService's status() as the demo reads it (trainer.service: "workload_turns")."""
+
+    def __init__(self, turns: dict):
+        self.turns = turns
+
+    def status(self) -> dict:
+        return {"workload_turns": self.turns}
+
+
+def test_a_phase_ends_at_its_seconds_only_once_its_adapter_was_promoted_and_judged_enough():
+    cfg = DemoConfig.quick()  # 120 s, 2 judged turns, at most 360 s
+    assert (cfg.phase_seconds, cfg.phase_min_judged, cfg.max_phase_seconds()) == (120.0, 2, 360.0)
+    none = _Svc({})
+    assert _phase_progress(cfg, none, "code", 119.9) == (False, "")  # inside its seconds: no reason yet
+    done, why = _phase_progress(cfg, none, "code", 120.0)
+    assert not done and "0 of 2 turns judged" in why  # no turn of code's adapter yet: on
+    # two turns, but one lacked the evidence (too few held-out requests): it does not count
+    one = _Svc({"code": {"turns": 2, "judged": 1, "promoted": 0}, "prose": {"turns": 5, "judged": 5, "promoted": 2}})
+    done, why = _phase_progress(cfg, one, "code", 250.0)
+    assert not done and "1 of 2 turns judged" in why and "(2 turns) and 0 promotions" in why
+    # judged twice on evidence but never promoted: the learner has not moved yet, on
+    refused = _Svc({"code": {"turns": 2, "judged": 2, "promoted": 0}})
+    done, why = _phase_progress(cfg, refused, "code", 300.0)
+    assert not done and "2 of 2 turns judged" in why and "0 promotions" in why
+    two = _Svc({"code": {"turns": 3, "judged": 2, "promoted": 1}})
+    assert _phase_progress(cfg, two, "code", 130.0) == (True, "120 s served and 2 judged turns of its adapter (1 promoted)")
+    # enough judged turns do not end a phase before its seconds
+    assert _phase_progress(cfg, two, "code", 60.0) == (False, "")
+    # the cap ends it whatever the trainer did, and says so
+    done, why = _phase_progress(cfg, one, "code", 360.0)
+    assert done and why == "phase_max_seconds 360 s reached with 1 of 2 judged turns (2 turns, 0 promoted)"
+
+
+def test_time_bounded_phases_when_asked_or_without_per_workload_adapters():
+    none = _Svc({})
+    assert _phase_progress(DemoConfig.quick(phase_min_judged=0), none, "math", 120.0) == (True, "120 s served")
+    assert _phase_progress(DemoConfig.quick(per_workload=False), none, "math", 121.0) == (True, "120 s served")
+    assert _phase_progress(DemoConfig.quick(), None, "math", 120.0) == (True, "120 s served")
+    assert DemoConfig.quick(phase_max_seconds=200.0).max_phase_seconds() == 200.0
+    assert DemoConfig(phase_seconds=10.0).max_phase_seconds() == 30.0
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"phase_seconds": 0.0}, "phase_seconds=0.0: must be a finite number > 0"),
+    ({"phase_seconds": float("inf")}, "phase_seconds=inf"),
+    ({"phase_min_judged": -1}, "phase_min_judged=-1: must be >= 0"),
+    ({"phase_max_seconds": 60.0}, "phase_max_seconds=60.0: must be finite and >= phase_seconds=120.0"),
+    ({"phase_max_seconds": float("nan")}, "phase_max_seconds=nan"),
+])
+def test_bad_phase_sizes_are_refused_with_the_value_and_the_option(kw, match):
+    with pytest.raises(ValueError, match=match):
+        DemoConfig.quick(**kw)
+
+
+def test_the_report_says_how_long_each_phase_served_and_why_it_ended():
+    import io
+
+    from rich.console import Console
+
+    from daemon.demo import _phase_lengths
+
+    report = {"shifts": [
+        {"t": 0.0, "request": 0, "workload": "prose", "seconds": 131.2, "requests": 40,
+         "ended": "120 s served and 2 judged turns of its adapter (1 promoted)",
+         "turns": {"turns": 3, "judged": 2, "promoted": 1}},
+        {"t": 131.2, "request": 40, "workload": "code"},  # a report of an older run: no lengths
+    ]}
+    out = io.StringIO()
+    _phase_lengths(report, Console(file=out, width=200))
+    assert out.getvalue().splitlines() == [
+        "prose: served 131 s, 40 requests, 3 turns of its adapter (2 judged, 1 promoted); ended: 120 s served "
+        "and 2 judged turns of its adapter (1 promoted)"]
