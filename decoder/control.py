@@ -599,8 +599,7 @@ class GoodputController:
             return choice
         ref = s.warming.get(name)
         other = ref() if ref is not None else None
-        if other is not None and other is not policy and getattr(other, "_warming", False) \
-                and getattr(other, "_warm_proposer", None) == name:
+        if other is not None and other is not policy and other.warming_up(name):
             if (s.verify_ms[0].n if 0 in s.verify_ms else 0) < self.config.min_steps:
                 return ("plain", 0), f"warm-up: measuring plain decoding ({name}'s warm-up is under way in another request)"
             return None
@@ -868,6 +867,12 @@ class ControlledGamma:
         self._warm_why = ""  # the warm-up's own reason
         self.decision: dict[str, Any] | None = None
         self.batch_size: Callable[[], int] = routed_batch_size  # requests decoding together now
+
+    def warming_up(self, proposer: str) -> bool:
+        """Whether this request is (still) the warm-up of ``proposer`` for its key: it started as
+        one and has not yet moved on after ``min_steps`` steps (the controller lets one live request
+        of a key warm a model-run proposer up at a time)."""
+        return self._warming and self._warm_proposer == proposer
 
     def gamma(self) -> int:
         """γ of the next step: the request's γ (decided at its first call), or inside a batch of
