@@ -683,7 +683,7 @@ class _PhaseEval:
         final = self.registry.resolve(phase) if cfg.per_workload else decoder.adapter_version
         final_state = self.state_of(final)
         row: dict[str, Any] = {"workload": phase, "adapter_at_phase_end": self.phase_end_version.get(phase, 0),
-                               "final_adapter": final}
+                               "final_adapter": final, "v0_version": self.v0_version}
         self.heldout_side(row, phase, final_state)
         pick_g, pick_p = self.controller_pick(row, phase)
         ps = _prompts(phase, cfg.eval_prompts)
@@ -823,7 +823,8 @@ class _PhaseEval:
             g = paired_ratio_gain({str(i): (a.alpha_sum, a.num_draft_tokens, b.alpha_sum, b.num_draft_tokens)
                                    for i, ((a, _), (b, _)) in enumerate(zip(runs[v0_version], runs[end]))},
                                   cfg.confidence)
-            row["phase_end_gain_ci"] = {"version": end, **_jsonable(g.to_dict())}
+            # v0 itself at the phase's end: nothing of the phase's own was promoted (gain 0 by construction)
+            row["phase_end_gain_ci"] = {"version": end, "is_v0": end == v0_version, **_jsonable(g.to_dict())}
 
 
 def _decoded_rows(row: dict, runs, tot: dict, differs: dict, n_prompts: int) -> None:
@@ -1249,7 +1250,8 @@ def _heldout_table(report: dict, console) -> None:
     for r in report["phases"]:
         ha = r.get("heldout_alpha") or {}
         h.add_row(r["workload"], str(r["heldout_samples"]), _cell(ha.get("frozen")),
-                  f"{_cell(ha.get('phase_end'))} (v{r['adapter_at_phase_end']})", f"{_cell(ha.get('final'))} (v{r['final_adapter']})")
+                  f"{_cell(ha.get('phase_end'))} ({_version_name(r['adapter_at_phase_end'], r)})",
+                  f"{_cell(ha.get('final'))} ({_version_name(r['final_adapter'], r)})")
     console.print(h)
 
 
@@ -1345,12 +1347,32 @@ def _head_table(report: dict, console) -> None:
         console.print(th)
 
 
+def _is_v0(version: int | None, row: dict, pe: dict | None = None) -> bool:
+    """Whether ``version`` is the phase row's v0 (the bootstrapped adapter, or the base draft 0
+    when there was none): ``pe["is_v0"]`` when the report has it, else ``row["v0_version"]``."""
+    if pe is not None and "is_v0" in pe:
+        return bool(pe["is_v0"])
+    return "v0_version" in row and version == row["v0_version"]
+
+
+def _version_name(version: int | None, row: dict, pe: dict | None = None) -> str:
+    """How the report names an adapter version: ``v3``; v0 as what it is, ``the bootstrap (v1)``
+    or ``the base draft (v0)``, so a reader does not take it for a learnt version."""
+    if _is_v0(version, row, pe):
+        return f"the bootstrap (v{version})" if version else "the base draft (v0)"
+    return f"v{version}"
+
+
 def _phase_notes(report: dict, console) -> None:
     """Per phase: the controller's reason, the learner at the phase end, each version's verdict, repeats."""
     for r in report["phases"]:
         console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}")
         pe = r.get("phase_end_gain_ci")
-        if pe:
+        if pe and _is_v0(pe["version"], r, pe):
+            console.print(f"  {r['workload']}: at its phase's end the learner was still {_version_name(pe['version'], r, pe)}: "
+                          f"no version of its own was promoted in its phase (decoded α {_cell(pe['before'])}); "
+                          f"the table's adapted row is the final adapter serving the workload")
+        elif pe:
             moved = ("lowered" if pe.get("high") is not None and pe["high"] < 0 else
                      "raised" if pe.get("low") is not None and pe["low"] > 0 else "not measurably changed")
             console.print(f"  {r['workload']}: at its phase's end the learner (v{pe['version']}) had {moved} decoded α "
