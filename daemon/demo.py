@@ -1525,12 +1525,21 @@ def register(app) -> None:
         from decoder.engines.base import EngineError
         from decoder.models.packaged import ModelLoadError
 
+        from daemon.logging import logs_to_file
+
+        # warnings (a shift alarm's acceptance_shift, a library's) would break into the live table:
+        # they go to a log file beside the report, and the console says how many there were
+        log_path = Path(cfg.out_dir) / "demo.log"
         try:
-            report = run_demo(settings, cfg, console)
+            with logs_to_file(log_path, mode="w") as logged:
+                console.log(f"log messages of this run (warnings and above) go to {log_path}")
+                report = run_demo(settings, cfg, console)
         except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from e
         print_report(report, console)
+        if logged.warnings:
+            console.print(f"{logged.warnings} warning(s) logged during the run, the last {logged.last!r}: see {log_path}")
         keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "plot")
         summary = {k: report.get(k) for k in keep}
         summary["report"] = str(Path(cfg.out_dir) / "report.json")
