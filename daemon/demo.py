@@ -241,7 +241,8 @@ def _load_models(settings, console, embeddings: bool = False) -> _Models:
         m = settings.models  # the decoder's engine gets one core, the trainer the other (unless told)
         vocab = draft_vocab_ids(settings, pair.tokenizer)  # FR-Spec: trained and served alike (None = full vocabulary)
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1, embeddings=embeddings,
-                                target_format=m.format, progress=console.log, draft_vocab=vocab, v_cache=m.v_cache)
+                                target_format=m.format, progress=console.log, draft_vocab=vocab, v_cache=m.v_cache,
+                                format_max_seconds=m.format_max_seconds)
     console.log(f"engine: {engines.name} ({engines.reason})")
     layers = settings.models.draft.split(":", 1)[1] if settings.models.draft.startswith("layers:") else None
     if layers is None:
