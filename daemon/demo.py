@@ -1467,6 +1467,32 @@ def _recovery_and_footer(report: dict, console) -> None:
 
 
 
+def _run_and_report(settings, cfg: DemoConfig, console) -> dict[str, Any]:
+    """:func:`run_demo`, then :func:`print_report`. Log records (a shift alarm's ``acceptance_shift``,
+    a library's warning) would break into the live table: while the demo runs they go to
+    ``cfg.out_dir/demo.log`` (JSON lines, one run's), and the console says how many there were.
+
+    Raises:
+        typer.Exit: (code 2) the configured pair or engine cannot run; the message says why.
+    """
+    from daemon.logging import logs_to_file
+    from decoder.engines.base import EngineError
+    from decoder.models.packaged import ModelLoadError
+
+    log_path = Path(cfg.out_dir) / "demo.log"
+    try:
+        with logs_to_file(log_path, mode="w") as logged:
+            console.log(f"log messages of this run (warnings and above) go to {log_path}")
+            report = run_demo(settings, cfg, console)
+    except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    print_report(report, console)
+    if logged.warnings:
+        console.print(f"{logged.warnings} warning(s) logged during the run, the last {logged.last!r}: see {log_path}")
+    return report
+
+
 def register(app) -> None:
     """Add ``demo`` to the ``daemonctl`` Typer app."""
     import sys
@@ -1523,24 +1549,7 @@ def register(app) -> None:
             console.print(f"[red]error:[/] --draft-vocab={draft_vocab}: must be >= 0 (0 = the full vocabulary)")
             raise typer.Exit(2)
         cfg = dataclasses.replace(cfg, per_workload=not shared_adapter, draft_vocab=draft_vocab)
-        from decoder.engines.base import EngineError
-        from decoder.models.packaged import ModelLoadError
-
-        from daemon.logging import logs_to_file
-
-        # warnings (a shift alarm's acceptance_shift, a library's) would break into the live table:
-        # they go to a log file beside the report, and the console says how many there were
-        log_path = Path(cfg.out_dir) / "demo.log"
-        try:
-            with logs_to_file(log_path, mode="w") as logged:
-                console.log(f"log messages of this run (warnings and above) go to {log_path}")
-                report = run_demo(settings, cfg, console)
-        except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
-            console.print(f"[red]error:[/] {e}")
-            raise typer.Exit(2) from e
-        print_report(report, console)
-        if logged.warnings:
-            console.print(f"{logged.warnings} warning(s) logged during the run, the last {logged.last!r}: see {log_path}")
+        report = _run_and_report(settings, cfg, console)
         keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "plot")
         summary = {k: report.get(k) for k in keep}
         summary["report"] = str(Path(cfg.out_dir) / "report.json")

@@ -131,3 +131,41 @@ def test_log_records_go_to_the_demos_file_while_it_runs(tmp_path):
     assert r.stdout.strip() == ("2 a library error [('acceptance_shift', 'warning'), ('a library error', 'error')] 0.12"), r.stdout
     assert "acceptance_shift" not in r.stderr and "a library error" not in r.stderr, r.stderr
     assert "after_the_run" in r.stderr  # the console's handler is back after the block
+
+
+# the demo command's own path (daemon.demo._run_and_report), with run_demo replaced by a stand-in
+# that logs what the walkthrough's run logged mid-table and returns a minimal report
+DEMO = """
+import io, json, sys
+import structlog
+from rich.console import Console
+import daemon.demo as demo
+from daemon.logging import configure
+configure("console", "warning", stream=sys.stderr)
+row = {"proposer": None, "gamma": 0, "alpha": None, "tau": 1.0, "speedup_vs_plain": 1.0, "tokens_per_s": 60.0}
+phase = {"workload": "code", "heldout_samples": 0, "adapter_at_phase_end": 1, "final_adapter": 1, "plain": row,
+         "frozen": row, "adapted_draft": row, "adapted": row, "controller_pick": {"why": "off: plain"},
+         "served": {"requests": 2, "repeats": 0}, "live_first_third": {"alpha": None}, "live_last_third": {"alpha": None}}
+def run_demo(settings, cfg, console):
+    for _ in range(2):
+        structlog.get_logger("decoder.tracking").warning("acceptance_shift", key="code@greedy", recent_alpha=0.1)
+    return {"phases": [phase], "adapters": [], "recovery": [], "requests": 2, "active_adapter": 1, "seconds": 1.0,
+            "key_prefix": "x:demo:"}
+demo.run_demo = run_demo
+screen = io.StringIO()
+demo._run_and_report(None, demo.DemoConfig.quick(out_dir=OUT), Console(file=screen, width=300))
+print(json.dumps(screen.getvalue()))
+"""
+
+
+def test_the_demo_sends_its_warnings_to_its_log_file_and_counts_them(tmp_path):
+    import json
+
+    out = tmp_path / "demo"
+    r = _proc(DEMO.replace("OUT", repr(str(out))))
+    assert r.returncode == 0, r.stderr
+    screen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "acceptance_shift" not in r.stderr, r.stderr
+    assert f"log messages of this run (warnings and above) go to {out / 'demo.log'}" in screen
+    assert f"2 warning(s) logged during the run, the last 'acceptance_shift': see {out / 'demo.log'}" in screen, screen
+    assert [json.loads(x)["event"] for x in (out / "demo.log").read_text().splitlines()] == ["acceptance_shift"] * 2
