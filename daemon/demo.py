@@ -1370,7 +1370,8 @@ def _phase_notes(report: dict, console) -> None:
         console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}")
         pe = r.get("phase_end_gain_ci")
         if pe and _is_v0(pe["version"], r, pe):
-            console.print(f"  {r['workload']}: at its phase's end the learner was still {_version_name(pe['version'], r, pe)}: "
+            who = _version_name(pe["version"], r, pe)
+            console.print(f"  {r['workload']}: at its phase's end the learner was still {who}: "
                           f"no version of its own was promoted in its phase (decoded α {_cell(pe['before'])}); "
                           f"the table's adapted row is the final adapter serving the workload")
         elif pe:

@@ -302,10 +302,10 @@ def speculation_state(recent: list[HistoryRow], rs: HistoryRow, last_ts: float |
         then = (f"speculation was on ({last.num_drafts} of {last.num_steps} steps drafted), acceptance "
                 f"{'-' if rate is None else f'{rate:.3f}'}" if was_on else
                 f"speculation was off (all {last.num_steps} steps plain)")
+        reqs = f"{last.requests} request" + ("" if last.requests == 1 else "s")
         return {"on": None,
                 "last": {"age_s": round(age, 1), "on": was_on, "acceptance_rate": rate, "requests": last.requests},
-                "why": f"last request {_ago(age)} ago: {then} ({last.requests} request{'' if last.requests == 1 else 's'} "
-                       f"in the {RECENT_WINDOW_S / 60:.0f} min up to it)"}
+                "why": f"last request {_ago(age)} ago: {then} ({reqs} in the {RECENT_WINDOW_S / 60:.0f} min up to it)"}
     if rs.num_drafts > 0:
         return {"on": True, "why": f"{rs.num_drafts} of {rs.num_steps} verification steps drafted in the last {RECENT_WINDOW_S:.0f} s"}
     return {"on": False, "why": f"all {rs.num_steps} steps in the last {RECENT_WINDOW_S:.0f} s were plain (gamma = 0)"}

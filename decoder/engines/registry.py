@@ -95,7 +95,8 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
     default: no measurement), ``"auto"`` (measured once per host and cached, then chosen by expected
     goodput for ``proposers``, default every proposer with a prior α) or a pinned llama.cpp format; :attr:`EngineChoice.served` says which
     and why. ``format_max_seconds`` (``models.format_max_seconds``): the ``auto`` measurement's time
-    budget in seconds; None = scaled to the host (:func:`decoder.models.formats.scaled_budget`). A derived draft stays derived from the packaged file (the trainer's weights).
+    budget in seconds; None = scaled to the host (:func:`decoder.models.formats.scaled_budget`). A
+    derived draft stays derived from the packaged file (the trainer's weights).
 
     Raises:
         EngineError: ``llamacpp`` asked for a non-GGUF target, a GPU device, or without

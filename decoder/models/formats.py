@@ -66,10 +66,10 @@ def _cost_per_token(name: str, draft_ms: float | None) -> float | None:
 DRAFT = "__draft__"  # the derived draft's engine among the measured ones
 NOISE_MAX = 0.3
 """A format whose typical repeat (median) is more than this much slower than its fastest one, at
-any row count, was measured while something moved the step times (another job, most often): it is left out of the choice (the packaged file then
-serves if it is the packaged file's own measurement), and the measurement is not cached, so the
-next start measures again; so is one with fewer than :data:`MIN_REPEATS` repeats (the time budget
-ran out: its noise cannot be told). On the 2-core AMX Xeon of bench/RESULTS.md, shared with other
+any row count, was measured while something moved the step times (another job, most often): it
+is left out of the choice (the packaged file then serves if it is the packaged file's own
+measurement), and the measurement is not cached, so the next start measures again; so is one
+with fewer than :data:`MIN_REPEATS` repeats (the time budget ran out: its noise cannot be told). On the 2-core AMX Xeon of bench/RESULTS.md, shared with other
 jobs: 0.08-0.26 at 1 thread; at 2 threads steps of 0.1-3 s and one repeat in the 20 s budget."""
 
 MIN_REPEATS = 3
@@ -206,7 +206,8 @@ def _noisy(cost: FormatCost, reps: int | None = None) -> str | None:
     """Why ``cost`` cannot be trusted (host load), or None: noise above :data:`NOISE_MAX`, or fewer
     than :data:`MIN_REPEATS` repeats (fewer than asked for, when ``reps`` is given)."""
     if cost.noise is not None and cost.noise > NOISE_MAX:
-        return f"the measurement was noisy (a typical repeat {1 + cost.noise:.2f}x the fastest: the step times moved during it)"
+        return (f"the measurement was noisy (a typical repeat {1 + cost.noise:.2f}x the fastest: the step times moved "
+                f"during it)")
     if cost.repeats is not None and cost.repeats < min(MIN_REPEATS, reps or MIN_REPEATS):
         return f"only {cost.repeats} repeat(s) fit in the measurement's time budget: too few to tell its noise"
     return None
@@ -406,8 +407,8 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
                 costs[f].error = _incomplete(sorted(t["ms"]), budget, max_seconds is None, threads, t.get("load"))
     draft_ms = timed[DRAFT]["ms"].get(1) if DRAFT in timed else None
     noisy = [f for f, c in costs.items() if _noisy(c, reps) or f in incomplete]
-    m = FormatMeasurement(key, costs, draft_ms, reps, cached, round(time.perf_counter() - t0, 2), time.time(), str(cfile),
-                          budget_s=None if budget is None else round(budget, 1))
+    m = FormatMeasurement(key, costs, draft_ms, reps, cached, round(time.perf_counter() - t0, 2), time.time(),
+                          str(cfile), budget_s=None if budget is None else round(budget, 1))
     if not use_cache or noisy or not _write_cache(m, cfile):  # a noisy measurement is taken again at the next start
         m.cache_file = None
     return m
@@ -427,7 +428,8 @@ def _incomplete(rows: list[int], budget_s: float | None, scaled: bool, threads: 
         seen = (f"CPU load {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on {cpus} CPUs, its own "
                 f"{threads} thread(s) included" + ("; more runnable work than CPUs, so other jobs slowed it"
                                                    if load[0] > cpus else ""))
-    return (f"did not finish in {budget_s:.1f} s (the budget: {how}): rows {rows} of 1-{max(ROWS)} timed; {seen}; "
+    took = "its time budget" if budget_s is None else f"{budget_s:.1f} s"
+    return (f"did not finish in {took} (the budget: {how}): rows {rows} of 1-{max(ROWS)} timed; {seen}; "
             f"set models.format_max_seconds to give it longer, or models.format=packaged (or a pinned format, "
             f"e.g. F16) to serve without measuring")
 
@@ -467,8 +469,9 @@ def scaled_budget(plain_ms: dict[str, float], rows: dict[str, Sequence[int]], re
     already spent, + the rest as predicted from each engine's plain step ``plain_ms`` (ms)),
     within [``floor_s``, ``cap_s``]. The rest, per engine with row counts ``rows``: the row
     identity check (2 x max(rows) one-row steps, where max(rows) > 1) and ``reps`` x Σ n
-    one-row steps, an n-row step priced at n plain steps: the most it costs on a CPU (the
-    packaged Q4_1 file: 0.8-0.95 n, bench/RESULTS.md; F16's extra rows far less)."""
+    one-row steps, an n-row step priced at n plain steps: about what it costs where extra rows
+    are dear (the packaged file's t(5) / t(1) was 4.68 on the AVX2-only EPYC of
+    docs/walkthroughs.md), an overestimate where they are cheap (F16, AMX)."""
     steps = {e: (2 * max(r) if max(r) > 1 else 0) + reps * sum(r) for e, r in rows.items()}
     rest_s = sum(plain_ms[e] * n for e, n in steps.items()) / 1e3
     return min(cap_s, max(floor_s, factor * (elapsed_s + rest_s)))
