@@ -80,7 +80,7 @@ def build(settings, prefix: str):
     client = connect(settings.redis.url or "redis://127.0.0.1:6379/0")
     pair = load_pair(m.target, m.draft, device=m.device)
     engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads, target_format=m.format,
-                            proposers=tuple(sv.proposers), n_seq=sv.max_batch)
+                            proposers=tuple(sv.proposers), n_seq=sv.max_batch, format_max_seconds=m.format_max_seconds)
     torch_threads_for(engines.target).__enter__()
     loop = build_serving_loop(
         pair.target, pair.draft, pair.tokenizer, client=client, store_config=scfg, registry=None,

@@ -286,10 +286,12 @@ def _render_acceptance(st: dict, out) -> None:
             n, p = v["now"], v.get("previous")
             sp = (st.get("speculation") or {}).get(w, {})
             on = {True: "[green]on[/]", False: "[yellow]off[/]", None: "?"}[sp.get("on")]
+            if sp.get("on") is None and sp.get("last"):  # no recent traffic: the why tells the last request's state
+                on = ""
             prev = "-" if not p else (f"v{p['version']}: {_f(p['acceptance_rate'])}/{_f(p['tau'], 2)}/{_f(p['alpha'])}/"
                                       f"{_f(p['goodput_tokens_per_ms'], 4)}")
             at.add_row(w, f"v{n['version']}", str(n["requests"]), _f(n["acceptance_rate"]), _f(n["tau"], 2), _f(n["alpha"]),
-                       _f(n["goodput_tokens_per_ms"], 4), prev, f"{on} {sp.get('why', '')}")
+                       _f(n["goodput_tokens_per_ms"], 4), prev, f"{on} {sp.get('why', '')}".strip())
         out.print(at)
 
 

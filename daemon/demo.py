@@ -264,7 +264,8 @@ def _load_models(settings, console, embeddings: bool = False) -> _Models:
         m = settings.models  # the decoder's engine gets one core, the trainer the other (unless told)
         vocab = draft_vocab_ids(settings, pair.tokenizer)  # FR-Spec: trained and served alike (None = full vocabulary)
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1, embeddings=embeddings,
-                                target_format=m.format, progress=console.log, draft_vocab=vocab, v_cache=m.v_cache)
+                                target_format=m.format, progress=console.log, draft_vocab=vocab, v_cache=m.v_cache,
+                                format_max_seconds=m.format_max_seconds)
     console.log(f"engine: {engines.name} ({engines.reason})")
     layers = settings.models.draft.split(":", 1)[1] if settings.models.draft.startswith("layers:") else None
     if layers is None:
@@ -750,7 +751,7 @@ class _PhaseEval:
         final = self.registry.resolve(phase) if cfg.per_workload else decoder.adapter_version
         final_state = self.state_of(final)
         row: dict[str, Any] = {"workload": phase, "adapter_at_phase_end": self.phase_end_version.get(phase, 0),
-                               "final_adapter": final}
+                               "final_adapter": final, "v0_version": self.v0_version}
         self.heldout_side(row, phase, final_state)
         pick_g, pick_p = self.controller_pick(row, phase)
         ps = _prompts(phase, cfg.eval_prompts)
@@ -890,7 +891,8 @@ class _PhaseEval:
             g = paired_ratio_gain({str(i): (a.alpha_sum, a.num_draft_tokens, b.alpha_sum, b.num_draft_tokens)
                                    for i, ((a, _), (b, _)) in enumerate(zip(runs[v0_version], runs[end]))},
                                   cfg.confidence)
-            row["phase_end_gain_ci"] = {"version": end, **_jsonable(g.to_dict())}
+            # v0 itself at the phase's end: nothing of the phase's own was promoted (gain 0 by construction)
+            row["phase_end_gain_ci"] = {"version": end, "is_v0": end == v0_version, **_jsonable(g.to_dict())}
 
 
 def _decoded_rows(row: dict, runs, tot: dict, differs: dict, n_prompts: int) -> None:
@@ -1328,7 +1330,8 @@ def _heldout_table(report: dict, console) -> None:
     for r in report["phases"]:
         ha = r.get("heldout_alpha") or {}
         h.add_row(r["workload"], str(r["heldout_samples"]), _cell(ha.get("frozen")),
-                  f"{_cell(ha.get('phase_end'))} (v{r['adapter_at_phase_end']})", f"{_cell(ha.get('final'))} (v{r['final_adapter']})")
+                  f"{_cell(ha.get('phase_end'))} ({_version_name(r['adapter_at_phase_end'], r)})",
+                  f"{_cell(ha.get('final'))} ({_version_name(r['final_adapter'], r)})")
     console.print(h)
 
 
@@ -1424,12 +1427,33 @@ def _head_table(report: dict, console) -> None:
         console.print(th)
 
 
+def _is_v0(version: int | None, row: dict, pe: dict | None = None) -> bool:
+    """Whether ``version`` is the phase row's v0 (the bootstrapped adapter, or the base draft 0
+    when there was none): ``pe["is_v0"]`` when the report has it, else ``row["v0_version"]``."""
+    if pe is not None and "is_v0" in pe:
+        return bool(pe["is_v0"])
+    return "v0_version" in row and version == row["v0_version"]
+
+
+def _version_name(version: int | None, row: dict, pe: dict | None = None) -> str:
+    """How the report names an adapter version: ``v3``; v0 as what it is, ``the bootstrap (v1)``
+    or ``the base draft (v0)``, so a reader does not take it for a learnt version."""
+    if _is_v0(version, row, pe):
+        return f"the bootstrap (v{version})" if version else "the base draft (v0)"
+    return f"v{version}"
+
+
 def _phase_notes(report: dict, console) -> None:
     """Per phase: the controller's reason, the learner at the phase end, each version's verdict, repeats."""
     for r in report["phases"]:
         console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}")
         pe = r.get("phase_end_gain_ci")
-        if pe:
+        if pe and _is_v0(pe["version"], r, pe):
+            who = _version_name(pe["version"], r, pe)
+            console.print(f"  {r['workload']}: at its phase's end the learner was still {who}: "
+                          f"no version of its own was promoted in its phase (decoded α {_cell(pe['before'])}); "
+                          f"the table's adapted row is the final adapter serving the workload")
+        elif pe:
             moved = ("lowered" if pe.get("high") is not None and pe["high"] < 0 else
                      "raised" if pe.get("low") is not None and pe["low"] > 0 else "not measurably changed")
             console.print(f"  {r['workload']}: at its phase's end the learner (v{pe['version']}) had {moved} decoded α "
@@ -1523,6 +1547,32 @@ def _recovery_and_footer(report: dict, console) -> None:
 
 
 
+def _run_and_report(settings, cfg: DemoConfig, console) -> dict[str, Any]:
+    """:func:`run_demo`, then :func:`print_report`. Log records (a shift alarm's ``acceptance_shift``,
+    a library's warning) would break into the live table: while the demo runs they go to
+    ``cfg.out_dir/demo.log`` (JSON lines, one run's), and the console says how many there were.
+
+    Raises:
+        typer.Exit: (code 2) the configured pair or engine cannot run; the message says why.
+    """
+    from daemon.logging import logs_to_file
+    from decoder.engines.base import EngineError
+    from decoder.models.packaged import ModelLoadError
+
+    log_path = Path(cfg.out_dir) / "demo.log"
+    try:
+        with logs_to_file(log_path, mode="w") as logged:
+            console.log(f"log messages of this run (warnings and above) go to {log_path}")
+            report = run_demo(settings, cfg, console)
+    except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    print_report(report, console)
+    if logged.warnings:
+        console.print(f"{logged.warnings} warning(s) logged during the run, the last {logged.last!r}: see {log_path}")
+    return report
+
+
 def register(app) -> None:
     """Add ``demo`` to the ``daemonctl`` Typer app."""
     import sys
@@ -1587,15 +1637,7 @@ def register(app) -> None:
             console.print(f"[red]error:[/] --draft-vocab={draft_vocab}: must be >= 0 (0 = the full vocabulary)")
             raise typer.Exit(2)
         cfg = dataclasses.replace(cfg, per_workload=not shared_adapter, draft_vocab=draft_vocab)
-        from decoder.engines.base import EngineError
-        from decoder.models.packaged import ModelLoadError
-
-        try:
-            report = run_demo(settings, cfg, console)
-        except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
-            console.print(f"[red]error:[/] {e}")
-            raise typer.Exit(2) from e
-        print_report(report, console)
+        report = _run_and_report(settings, cfg, console)
         keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "plot")
         summary = {k: report.get(k) for k in keep}
         summary["report"] = str(Path(cfg.out_dir) / "report.json")

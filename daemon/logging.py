@@ -7,11 +7,13 @@ Event names are snake_case with keyword context, e.g.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import warnings
-from typing import Literal
+from pathlib import Path
+from typing import Iterator, Literal
 
 import structlog
 
@@ -23,8 +25,11 @@ def configure(fmt: Literal["auto", "json", "console"] = "auto", level: str = "in
 
     Below ``debug`` it also silences what libraries print that no user can act on: transformers'
     progress bar per model load (``HF_HUB_DISABLE_PROGRESS_BARS=1`` unless set, so it must run
-    before transformers is imported; every ``daemonctl`` command does) and peft's call of a
-    deprecated transformers attribute (a FutureWarning per adapter wrap)."""
+    before transformers is imported; every ``daemonctl`` command does), peft's call of a
+    deprecated transformers attribute (a FutureWarning per adapter wrap), and, when stderr (where
+    tqdm writes) is not a terminal, every tqdm bar (``TQDM_DISABLE=1`` unless set, read when tqdm is
+    first imported): transformers' GGUF conversion draws one with ``tqdm.auto`` whatever the hub
+    setting says, and off a terminal its carriage returns make one long line in a log file."""
     global _configured
     if _configured:
         return
@@ -33,42 +38,87 @@ def configure(fmt: Literal["auto", "json", "console"] = "auto", level: str = "in
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         # peft asks transformers 5 a deprecated attribute on every adapter wrap
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):  # a bar in a log file: one long \r line
+            os.environ.setdefault("TQDM_DISABLE", "1")
     stream = stream or sys.stdout
     if stream is sys.stdout or stream is sys.stderr:  # looked up at each write (see _Std)
         stream = _Std("stdout" if stream is sys.stdout else "stderr")
     tty = hasattr(stream, "isatty") and stream.isatty()
     use_json = fmt == "json" or (fmt == "auto" and not tty)
-    shared = [
-        structlog.contextvars.merge_contextvars,
-        structlog.stdlib.add_log_level,
-        structlog.stdlib.add_logger_name,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
-    # tracebacks without their frames' locals: a local may hold a secret (a Redis URL, a token)
-    renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(
-        colors=tty, exception_formatter=_exception_formatter())
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        processors=[*_SHARED, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
-    formatter = structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=shared,
-        processors=[
-            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.processors.format_exc_info if use_json else (lambda _l, _m, e: e),
-            renderer,
-        ],
-    )
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(formatter)
+    handler.setFormatter(_formatter(use_json, tty))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     for noisy in ("apscheduler", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     _configured = True
+
+
+_SHARED = [
+    structlog.contextvars.merge_contextvars,
+    structlog.stdlib.add_log_level,
+    structlog.stdlib.add_logger_name,
+    structlog.processors.TimeStamper(fmt="iso", utc=True),
+]
+
+
+def _formatter(use_json: bool, colors: bool = False) -> logging.Formatter:
+    """structlog's rendering for a ``logging`` handler: JSON lines, or the console renderer."""
+    # tracebacks without their frames' locals: a local may hold a secret (a Redis URL, a token)
+    renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(
+        colors=colors, exception_formatter=_exception_formatter())
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=_SHARED,
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info if use_json else (lambda _l, _m, e: e),
+            renderer,
+        ],
+    )
+
+
+class LogCount(logging.Handler):
+    """Counts the records at WARNING and above (``warnings``) and keeps the last one's event."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.warnings, self.last = 0, None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.warnings += 1
+        msg = record.msg
+        self.last = msg.get("event") if isinstance(msg, dict) else record.getMessage()
+
+
+@contextlib.contextmanager
+def logs_to_file(path: Path | str, mode: str = "a") -> Iterator[LogCount]:
+    """While the block runs, every log record (structlog's and the standard library's, at the
+    root's level) goes to ``path`` as JSON lines (``mode`` ``"a"``: appended, ``"w"``: the file
+    started afresh) instead of the console, so a warning
+    (``acceptance_shift``, a library's) does not break into a live display such as
+    ``daemonctl demo``'s table; yields a :class:`LogCount` of the warnings written, for the display
+    to mention. The handlers before the block are restored after it. Call :func:`configure` first
+    (structlog's records reach ``logging`` only through it)."""
+    root = logging.getLogger()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(path, mode=mode, encoding="utf-8")
+    to_file.setFormatter(_formatter(use_json=True))
+    count = LogCount()
+    saved = root.handlers[:]
+    root.handlers[:] = [to_file, count]
+    try:
+        yield count
+    finally:
+        root.handlers[:] = saved
+        to_file.close()
 
 
 class _Std:

@@ -275,18 +275,37 @@ def acceptance_sections(history: AcceptanceHistory, adapter: dict, now: float,
             "previous": None if w_previous is None else row_summary(sum_rows(prev, w, w_previous)) | {"version": w_previous},
             "recent": row_summary(rs),
         }
-        spec[w] = speculation_state(recent, rs, max(r.ts for r in wr) if wr else None, now)
+        last_ts = max(r.ts for r in wr) if wr else None
+        # no recent traffic (after a demo, a stopped daemon): the window that ended at the last request
+        last = sum_rows([r for r in wr if r.ts >= last_ts - RECENT_WINDOW_S], w) if last_ts is not None else None
+        spec[w] = speculation_state(recent, rs, last_ts, now, last)
     return acc, spec
 
 
-def speculation_state(recent: list[HistoryRow], rs: HistoryRow, last_ts: float | None = None, now: float | None = None) -> dict:
-    """On when recent verification steps drafted (γ > 0), off when all were plain, None without
-    traffic (then when the workload's last request was recorded, ``last_ts``, if known)."""
+def speculation_state(recent: list[HistoryRow], rs: HistoryRow, last_ts: float | None = None, now: float | None = None,
+                      last: HistoryRow | None = None) -> dict:
+    """On when recent verification steps (the last :data:`RECENT_WINDOW_S` s) drafted (γ > 0), off
+    when all were plain, None without recent traffic. Then, when the workload's last request was
+    recorded (``last_ts``, epoch s) and ``last`` (its counts over the window ending there) are
+    known, ``last`` holds what was true then: ``age_s`` (s since ``last_ts``), ``on``, the
+    acceptance rate (accepted / drafted tokens) and requests, and ``why`` says it with its age,
+    so a status after a demo shows each workload's last known acceptance rather than one message."""
     if not recent or rs.num_steps == 0:
-        why = f"no requests recorded in the last {RECENT_WINDOW_S:.0f} s"
-        if last_ts is not None and now is not None:
-            why += f"; the last was recorded {_ago(now - last_ts)} ago (its rates are in 'now' and 'previous')"
-        return {"on": None, "why": why}
+        if last_ts is None or now is None:
+            return {"on": None, "why": f"no requests recorded in the last {RECENT_WINDOW_S:.0f} s"}
+        age = max(0.0, now - last_ts)
+        if last is None or last.num_steps == 0:
+            return {"on": None, "last": {"age_s": round(age, 1)},
+                    "why": f"last request {_ago(age)} ago (its rates are in 'now' and 'previous')"}
+        was_on = last.num_drafts > 0
+        rate = nan_none(last.acceptance_rate)
+        then = (f"speculation was on ({last.num_drafts} of {last.num_steps} steps drafted), acceptance "
+                f"{'-' if rate is None else f'{rate:.3f}'}" if was_on else
+                f"speculation was off (all {last.num_steps} steps plain)")
+        reqs = f"{last.requests} request" + ("" if last.requests == 1 else "s")
+        return {"on": None,
+                "last": {"age_s": round(age, 1), "on": was_on, "acceptance_rate": rate, "requests": last.requests},
+                "why": f"last request {_ago(age)} ago: {then} ({reqs} in the {RECENT_WINDOW_S / 60:.0f} min up to it)"}
     if rs.num_drafts > 0:
         return {"on": True, "why": f"{rs.num_drafts} of {rs.num_steps} verification steps drafted in the last {RECENT_WINDOW_S:.0f} s"}
     return {"on": False, "why": f"all {rs.num_steps} steps in the last {RECENT_WINDOW_S:.0f} s were plain (gamma = 0)"}

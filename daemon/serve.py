@@ -1530,7 +1530,8 @@ def _engines(settings, pair):
                             embeddings=sv.record_hidden or any(proposer_spec(n).needs_features for n in sv.proposers),
                             target_format=m.format, proposers=tuple(sv.proposers),
                             progress=lambda msg: log.info("served_format_measuring", what=msg), n_seq=sv.max_batch,
-                            draft_vocab=draft_vocab_ids(settings, pair.tokenizer), v_cache=m.v_cache)
+                            draft_vocab=draft_vocab_ids(settings, pair.tokenizer), v_cache=m.v_cache,
+                            format_max_seconds=m.format_max_seconds)
     log.info("engine", engine=engines.name, reason=engines.reason, served_format=engines.served_format,
              v_cache=getattr(engines.target, "v_cache", None))
     return engines

@@ -156,6 +156,11 @@ class ModelSettings(_Group):
                             "and verifications of 2-8 rows, cached) and chosen by expected goodput against plain decoding "
                             "of the packaged file (decoder.models.formats); packaged = the file the package ships; or a "
                             "llama.cpp format pinned (F16, Q8_0, ...). The draft stays derived from the packaged file.")
+    format_max_seconds: float | None = Field(
+        None, gt=0, le=3600,
+        description="Seconds the format=auto measurement may take, at most (a format not measured within it is left "
+                    "out, and measured again at the next start); unset = scaled to this CPU: twice its time as "
+                    "predicted from a plain step timed first, within 20-180 s (decoder.models.formats.scaled_budget).")
     draft_vocab: int | None = Field(
         None, ge=0,
         description="FR-Spec: the draft's LM head restricted to the N most frequent tokens (decoder.vocab; 0 = the full "

@@ -74,7 +74,7 @@ def target_gguf(target: str) -> Path | None:
 def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "layers:0-3",
                   threads: int | None = None, embeddings: bool = False, target_format: str = "packaged",
                   proposers: Sequence[str] | None = None, progress=None, n_seq: int = 1,
-                  draft_vocab=None, v_cache: str = "auto") -> EngineChoice:
+                  draft_vocab=None, v_cache: str = "auto", format_max_seconds: float | None = None) -> EngineChoice:
     """Resolve ``models.engine`` for a target.
 
     ``auto``: llama.cpp when the target is a GGUF (a built-in name or a ``.gguf`` path), the
@@ -94,7 +94,9 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
     llama.cpp (:func:`decoder.models.formats.resolve_format`): ``"packaged"`` (this function's
     default: no measurement), ``"auto"`` (measured once per host and cached, then chosen by expected
     goodput for ``proposers``, default every proposer with a prior α) or a pinned llama.cpp format; :attr:`EngineChoice.served` says which
-    and why. A derived draft stays derived from the packaged file (the trainer's weights).
+    and why. ``format_max_seconds`` (``models.format_max_seconds``): the ``auto`` measurement's time
+    budget in seconds; None = scaled to the host (:func:`decoder.models.formats.scaled_budget`). A
+    derived draft stays derived from the packaged file (the trainer's weights).
 
     Raises:
         EngineError: ``llamacpp`` asked for a non-GGUF target, a GPU device, or without
@@ -121,7 +123,8 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
         from decoder.models.formats import resolve_format
 
         try:
-            served = resolve_format(target_format, target, threads, draft, proposers, progress=progress)
+            served = resolve_format(target_format, target, threads, draft, proposers, progress=progress,
+                                    max_seconds=format_max_seconds)
         except ValueError as e:  # the setting's value: the message names it and the valid ones
             raise EngineError(str(e)) from e
     tgt = LlamaCppEngine(served.path if served is not None else gguf, threads=threads, embeddings=embeddings, n_seq=n_seq,

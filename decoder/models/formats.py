@@ -66,13 +66,22 @@ def _cost_per_token(name: str, draft_ms: float | None) -> float | None:
 DRAFT = "__draft__"  # the derived draft's engine among the measured ones
 NOISE_MAX = 0.3
 """A format whose typical repeat (median) is more than this much slower than its fastest one, at
-any row count, was measured on a busy host: it is left out of the choice (the packaged file then
-serves if it is the packaged file's own measurement), and the measurement is not cached, so the
-next start measures again; so is one with fewer than :data:`MIN_REPEATS` repeats (the time budget
-ran out: its noise cannot be told). On the 2-core AMX Xeon of bench/RESULTS.md, shared with other
+any row count, was measured while something moved the step times (another job, most often): it
+is left out of the choice (the packaged file then serves if it is the packaged file's own
+measurement), and the measurement is not cached, so the next start measures again; so is one
+with fewer than :data:`MIN_REPEATS` repeats (the time budget ran out: its noise cannot be told). On the 2-core AMX Xeon of bench/RESULTS.md, shared with other
 jobs: 0.08-0.26 at 1 thread; at 2 threads steps of 0.1-3 s and one repeat in the 20 s budget."""
 
 MIN_REPEATS = 3
+
+BUDGET_FACTOR = 2.0
+BUDGET_MIN_S = 20.0
+BUDGET_MAX_S = 180.0
+"""The measurement's time budget on a host (:func:`scaled_budget`): ``BUDGET_FACTOR`` times its
+expected time, predicted from a plain step measured on this CPU before the repeats, at least
+``BUDGET_MIN_S`` and at most ``BUDGET_MAX_S`` seconds. A fixed 20 s ran out on an idle AVX2-only
+2-core EPYC (load 1.1, the walkthrough at 73f5a31) where a plain step is slower than on the AMX
+Xeon it was sized on; the cap keeps a host where a step takes seconds from measuring for minutes."""
 
 MARGIN = 0.05
 """A requantised format serves only if its expected goodput is at least this much (relative)
@@ -107,6 +116,7 @@ class FormatMeasurement:
     measured_at: float = 0.0  # epoch seconds
     cache_file: str | None = None
     from_cache: bool = False
+    budget_s: float | None = None  # the time budget of its timed steps (s): scaled_budget's, or max_seconds as given
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -196,9 +206,10 @@ def _noisy(cost: FormatCost, reps: int | None = None) -> str | None:
     """Why ``cost`` cannot be trusted (host load), or None: noise above :data:`NOISE_MAX`, or fewer
     than :data:`MIN_REPEATS` repeats (fewer than asked for, when ``reps`` is given)."""
     if cost.noise is not None and cost.noise > NOISE_MAX:
-        return f"the measurement was noisy (a typical repeat {1 + cost.noise:.2f}x the fastest: the host was busy)"
+        return (f"the measurement was noisy (a typical repeat {1 + cost.noise:.2f}x the fastest: the step times moved "
+                f"during it)")
     if cost.repeats is not None and cost.repeats < min(MIN_REPEATS, reps or MIN_REPEATS):
-        return f"only {cost.repeats} repeat(s) fit in the measurement's time budget (the host was busy)"
+        return f"only {cost.repeats} repeat(s) fit in the measurement's time budget: too few to tell its noise"
     return None
 
 
@@ -226,8 +237,8 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
     if pk is None:
         raise ValueError("the measurement has no plain step of the packaged file")
     files = paths or {}
-    meas = {k: getattr(measurement, k) for k in ("key", "draft_ms", "reps", "cached_tokens", "seconds", "measured_at",
-                                                 "cache_file", "from_cache")}
+    meas = {k: getattr(measurement, k) for k in ("key", "draft_ms", "reps", "cached_tokens", "seconds", "budget_s",
+                                                 "measured_at", "cache_file", "from_cache")}
     if pk.error or 1 not in pk.ms:
         return FormatChoice(PACKAGED, Path(files.get(PACKAGED) or pk.file),
                             f"the packaged file's measurement failed ({pk.error}), so no format is judged against it; "
@@ -246,8 +257,8 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
                        else f"{r['format']} left out ({r['why_not']})" for r in rows if r["format"] != name)
     if _noisy(pk, measurement.reps):
         chosen = PACKAGED
-        reason = (f"measured on a busy host (the packaged file: {_noisy(pk, measurement.reps)}), so no format is judged "
-                  f"against it; measured again at the next start")
+        reason = (f"the packaged file's measurement cannot be trusted ({_noisy(pk, measurement.reps)}), so no format is "
+                  f"judged against it; measured again at the next start")
     elif name != PACKAGED and gp >= base * (1.0 + margin):
         reason = (f"measured: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x {pk_plain}; {others}")
         chosen = name
@@ -326,7 +337,7 @@ def _cache_file(key: dict[str, Any], cache_dir: Path) -> Path:
 def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[str] = CANDIDATES,
                     reps: int = 5, cached: int = 300, n_ctx: int = 1024, draft_layers: str | None = None,
                     cache_dir: Path | None = None, use_cache: bool = True, progress=None,
-                    max_seconds: float | None = 20.0) -> FormatMeasurement:
+                    max_seconds: float | None = None) -> FormatMeasurement:
     """Step costs of ``gguf`` (a packaged file) in each of ``formats`` on this host, cached.
 
     Each format's file (``"packaged"``: ``gguf``; others :func:`decoder.models.gguf_export.requantised_gguf`,
@@ -334,8 +345,9 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     engine runs) with ``cached`` tokens in the cache (above 256, where llama.cpp's one-row flash
     attention path changes), all open at once and interleaved within each repeat (:func:`_time_rows`):
     one ``llama_decode`` of each of n = 1..8 rows with logits at all n, truncated back. Reported:
-    the median ms per n over ``reps`` (fewer where the repeats pass ``max_seconds``, on a busy
-    host); whether the 8-row logits equal the
+    the median ms per n over ``reps`` (fewer where the repeats pass the time budget: ``max_seconds``
+    when given, else :func:`scaled_budget` from a plain step timed first, ``budget_s``); whether
+    the 8-row logits equal the
     same rows decoded one at a time (``rows_identical``); with ``draft_layers`` (``"0-3"``) the
     derived draft's plain step (``draft_ms``), the cost c of a proposed token. About
     reps x (1 + 2 + ... + 8) x 4 steps: 0.5-2 s on 2 cores, plus 2 s per format quantised once.
@@ -384,19 +396,42 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     finally:
         for eng, _ in engines.values():
             eng.close()
+    budget = next((t["budget_s"] for t in timed.values() if t.get("budget_s") is not None), max_seconds)
+    incomplete = []
     for f, t in timed.items():
         if f in costs:
             costs[f].ms, costs[f].noise, costs[f].repeats = t["ms"], t["noise"], t.get("repeats")
             costs[f].rows_identical, costs[f].row_max_abs_diff = t["rows_identical"], t["row_max_abs_diff"]
             if set(t["ms"]) != set(ROWS):
-                costs[f].error = (f"not measured within {max_seconds} s (rows {sorted(t['ms'])} of 1-{max(ROWS)}): "
-                                  f"the host was busy")
+                incomplete.append(f)
+                costs[f].error = _incomplete(sorted(t["ms"]), budget, max_seconds is None, threads, t.get("load"))
     draft_ms = timed[DRAFT]["ms"].get(1) if DRAFT in timed else None
-    noisy = [f for f, c in costs.items() if _noisy(c, reps) or (c.error and "not measured within" in c.error)]
-    m = FormatMeasurement(key, costs, draft_ms, reps, cached, round(time.perf_counter() - t0, 2), time.time(), str(cfile))
+    noisy = [f for f, c in costs.items() if _noisy(c, reps) or f in incomplete]
+    m = FormatMeasurement(key, costs, draft_ms, reps, cached, round(time.perf_counter() - t0, 2), time.time(),
+                          str(cfile), budget_s=None if budget is None else round(budget, 1))
     if not use_cache or noisy or not _write_cache(m, cfile):  # a noisy measurement is taken again at the next start
         m.cache_file = None
     return m
+
+
+def _incomplete(rows: list[int], budget_s: float | None, scaled: bool, threads: int,
+                load: tuple[float, float, float] | None) -> str:
+    """Why a format's measurement is incomplete, as it happened: the budget (s) it did not finish
+    in and where that came from, the row counts timed, the CPU load seen (``os.getloadavg()``, 1 /
+    5 / 15 min; None where the OS has none) and the settings that change it."""
+    how = (f"{BUDGET_FACTOR:g}x its time expected from a plain step timed on this CPU, within "
+           f"{BUDGET_MIN_S:g}-{BUDGET_MAX_S:g} s" if scaled else "models.format_max_seconds")
+    cpus = os.cpu_count() or 1
+    if load is None:
+        seen = "the CPU load is not known on this OS"
+    else:
+        seen = (f"CPU load {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) on {cpus} CPUs, its own "
+                f"{threads} thread(s) included" + ("; more runnable work than CPUs, so other jobs slowed it"
+                                                   if load[0] > cpus else ""))
+    took = "its time budget" if budget_s is None else f"{budget_s:.1f} s"
+    return (f"did not finish in {took} (the budget: {how}): rows {rows} of 1-{max(ROWS)} timed; {seen}; "
+            f"set models.format_max_seconds to give it longer, or models.format=packaged (or a pinned format, "
+            f"e.g. F16) to serve without measuring")
 
 
 def _cached_measurement(cfile: Path, key: dict) -> FormatMeasurement | None:
@@ -428,6 +463,20 @@ def _write_cache(m: FormatMeasurement, cfile: Path) -> bool:
 # ---- the setting resolved ---------------------------------------------------------------------------
 
 
+def scaled_budget(plain_ms: dict[str, float], rows: dict[str, Sequence[int]], reps: int, elapsed_s: float,
+                  factor: float = BUDGET_FACTOR, floor_s: float = BUDGET_MIN_S, cap_s: float = BUDGET_MAX_S) -> float:
+    """The measurement's time budget (s) on this host: ``factor`` x (``elapsed_s``, the time
+    already spent, + the rest as predicted from each engine's plain step ``plain_ms`` (ms)),
+    within [``floor_s``, ``cap_s``]. The rest, per engine with row counts ``rows``: the row
+    identity check (2 x max(rows) one-row steps, where max(rows) > 1) and ``reps`` x Σ n
+    one-row steps, an n-row step priced at n plain steps: about what it costs where extra rows
+    are dear (the packaged file's t(5) / t(1) was 4.68 on the AVX2-only EPYC of
+    docs/walkthroughs.md), an overestimate where they are cheap (F16, AMX)."""
+    steps = {e: (2 * max(r) if max(r) > 1 else 0) + reps * sum(r) for e, r in rows.items()}
+    rest_s = sum(plain_ms[e] * n for e, n in steps.items()) / 1e3
+    return min(cap_s, max(floor_s, factor * (elapsed_s + rest_s)))
+
+
 def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached: int,
                max_seconds: float | None = None) -> dict[str, dict[str, Any]]:
     """Per engine (name -> (engine, row counts)): the median ms of one ``llama_decode`` of n rows
@@ -435,22 +484,32 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
     check before them is the warm-up), the engines interleaved within each repeat so that a change
     of host load falls on every file alike; ``noise``, max over n of median / fastest - 1; whether
     ``max(rows)`` rows in one call give the logits of the same rows one at a time
-    (``rows_identical``, their ``row_max_abs_diff``; None when not checked); ``repeats``.
+    (``rows_identical``, their ``row_max_abs_diff``; None when not checked); ``repeats``; the
+    budget (``budget_s``) and the CPU load when the steps ended (``load``, ``os.getloadavg()``;
+    None where the OS has none).
 
-    ``max_seconds`` bounds it all from the first prefill: past it no further step runs, so on a
-    busy host (2 llama.cpp threads on 2 cores shared with other jobs took 3 s a step) a start
-    gets fewer repeats, or an incomplete measurement (``ms`` without some row counts), not minutes
-    of measuring."""
+    The budget bounds it all from the first prefill: past it no further step runs, so a slow or
+    busy host (2 llama.cpp threads on 2 cores shared with other jobs took 3 s a step) gets fewer
+    repeats, or an incomplete measurement (``ms`` without some row counts), not many minutes of
+    measuring. It is ``max_seconds`` when given, else :func:`scaled_budget` of one plain step per
+    engine timed after its prefill (a warm-up step)."""
     import numpy as np
 
-    deadline = time.perf_counter() + max_seconds if max_seconds is not None else float("inf")
-    seqs, toks, out = {}, {}, {}
+    t_start = time.perf_counter()
+    seqs, toks, out, plain_ms = {}, {}, {}, {}
     for name, (eng, rows) in engines.items():
         vocab = eng.vocab_size
         seqs[name] = eng.start()
         seqs[name].forward([(100 + i) % vocab for i in range(cached)], 1)
         toks[name] = [(5 + 7 * j) % vocab for j in range(max(rows))]
         out[name] = {"rows_identical": None, "row_max_abs_diff": None}
+        t0 = time.perf_counter()
+        seqs[name].forward(toks[name][:1], 1)
+        plain_ms[name] = (time.perf_counter() - t0) * 1e3
+        seqs[name].truncate(cached)
+    budget = (max_seconds if max_seconds is not None else
+              scaled_budget(plain_ms, {n: r for n, (_, r) in engines.items()}, reps, time.perf_counter() - t_start))
+    deadline = t_start + budget
     for name, (eng, rows) in engines.items():
         if max(rows) > 1 and time.perf_counter() < deadline:
             s, t = seqs[name], toks[name]
@@ -472,23 +531,30 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
                 dt = (time.perf_counter() - t0) * 1e3
                 s.truncate(cached)
                 times[name][n].append(dt)
+    try:
+        load = os.getloadavg()
+    except (AttributeError, OSError):  # not on this OS
+        load = None
     for name, by_n in times.items():
         done = {n: v for n, v in by_n.items() if v}
         out[name]["ms"] = {n: round(statistics.median(v), 4) for n, v in done.items()}
         out[name]["noise"] = round(max((statistics.median(v) / min(v) - 1.0 for v in done.values()), default=0.0), 4)
         out[name]["repeats"] = min(len(v) for v in by_n.values())
+        out[name]["budget_s"], out[name]["load"] = budget, load
     return out
 
 
 def resolve_format(setting: str, target: str, threads: int | None = None, draft: str | None = None,
-                   proposers: Sequence[str] | None = None, progress=None) -> FormatChoice | None:
+                   proposers: Sequence[str] | None = None, progress=None,
+                   max_seconds: float | None = None) -> FormatChoice | None:
     """What ``models.format`` serves for ``target``; None when the target is not a built-in name
     (a ``.gguf`` path, a directory: served as given).
 
     A built-in ``name@FORMAT`` serves that format (the setting does not apply). ``packaged``: the
     packaged file. A llama.cpp format: that format, requantised once (pinned). ``auto``:
     :func:`measure_formats` (cached) then :func:`choose_format` with :func:`prior_alphas`; the draft's
-    cost is measured when ``draft`` is ``layers:<spec>``.
+    cost is measured when ``draft`` is ``layers:<spec>``; ``max_seconds`` (``models.format_max_seconds``):
+    the measurement's time budget in seconds, None = scaled to the host (:func:`scaled_budget`).
 
     Raises:
         ValueError: ``setting`` is not a valid value (:func:`format_setting`).
@@ -511,7 +577,7 @@ def resolve_format(setting: str, target: str, threads: int | None = None, draft:
         return FormatChoice(canon, packaged_target(f"{base}@{canon}"), f"pinned (models.format={canon})", canon)
     src = packaged_gguf(base)
     layers = draft.split(":", 1)[1] if draft and draft.startswith("layers:") else None
-    m = measure_formats(src, threads, draft_layers=layers, progress=progress)
+    m = measure_formats(src, threads, draft_layers=layers, progress=progress, max_seconds=max_seconds)
     paths = {f: packaged_target(f"{base}@{f}") for f, c in m.formats.items() if f != PACKAGED and not c.error}
     paths[PACKAGED] = src  # served whenever nothing else is, measured or not
     return choose_format(m, proposers=proposers, paths=paths)

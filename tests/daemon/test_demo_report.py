@@ -114,6 +114,36 @@ def test_the_phase_end_learner_is_measured_against_v0_and_reported():
     assert "at its phase's end the learner (v3) had raised decoded α" in out.getvalue()
 
 
+def test_a_phase_that_ended_on_the_bootstrap_calls_it_the_bootstrap():
+    """Issue 34's walkthrough: code ended its phase on v1, the bootstrapped v0, and the notes said
+    "the learner (v1) had not measurably changed decoded α", as if v1 were learnt there. v0 at the
+    phase's end is named the bootstrap, with no gain to report; a learnt version keeps its line."""
+    from daemon.demo import _version_name
+
+    code = _phase("code", 10, 0)
+    code.update(v0_version=1, adapter_at_phase_end=1, final_adapter=1,
+                heldout_alpha={"frozen": 0.16, "phase_end": 0.16, "final": 0.16})
+    code["phase_end_gain_ci"] = {"version": 1, "is_v0": True, "before": 0.159, "after": 0.159, "gain": 0.0,
+                                 "low": 0.0, "high": 0.0}
+    math = _phase("math", 10, 0)
+    math.update(v0_version=1, adapter_at_phase_end=9, final_adapter=10)
+    math["phase_end_gain_ci"] = {"version": 9, "is_v0": False, "before": 0.23, "after": 0.24, "gain": 0.01,
+                                 "low": -0.02, "high": 0.04}
+    out = io.StringIO()
+    print_report({"phases": [code, math], "adapters": [], "recovery": [], "requests": 20, "active_adapter": 10,
+                  "seconds": 1.0, "key_prefix": "draftd:demo:"}, Console(file=out, width=300))
+    text = out.getvalue()
+    assert ("code: at its phase's end the learner was still the bootstrap (v1): no version of its own was promoted "
+            "in its phase (decoded α 0.159)") in text, text
+    assert "learner (v1)" not in text
+    assert "math: at its phase's end the learner (v9) had not measurably changed decoded α" in text
+    assert "0.160 (the bootstrap (v1))" in text  # the held-out table names it too
+    # a report written before "is_v0" existed: told from the row's v0_version; no bootstrap: the base draft
+    assert _version_name(1, {"v0_version": 1}) == "the bootstrap (v1)"
+    assert _version_name(0, {"v0_version": 0}) == "the base draft (v0)"
+    assert _version_name(3, {"v0_version": 1}) == "v3" and _version_name(1, {}) == "v1"
+
+
 def test_the_live_table_is_printed_in_snapshots_when_output_is_not_a_terminal(monkeypatch):
     """A demo whose output went to a file or a pipe printed nothing for the serving phases (rich's
     Live redraws only on a terminal): it prints the table at the first update, then at most once a

@@ -9,11 +9,19 @@ import sys
 def _run(code: str, env_extra: dict | None = None) -> str:
     import os
 
-    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
-    env.update(env_extra or {})
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    r = _proc(code, env_extra)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
+
+
+def _proc(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """``code`` in a fresh Python, stdout and stderr captured (pipes: not terminals), without the
+    caller's progress-bar settings unless ``env_extra`` gives them."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
 # in a fresh process: configure, then transformers imported, then the two warnings raised
@@ -70,3 +78,94 @@ def test_warnings_logged_under_a_live_table_go_through_its_console():
     assert r.stdout.strip() == "True True False", (r.stdout, r.stderr)
     assert "heartbeat_failed" not in r.stderr and "a library warning" not in r.stderr, r.stderr
     assert "after_live" in r.stderr
+
+
+# the walkthrough's log file held transformers' GGUF conversion bar (tqdm.auto, which the hub's
+# setting does not reach) as one long carriage-return line: off a terminal tqdm is off
+TQDM = """
+import sys
+CONFIGURE
+from tqdm.auto import tqdm
+for _ in tqdm(range(50), desc="Converting and de-quantizing GGUF tensors..."):
+    pass
+"""
+
+
+def test_tqdm_bars_are_off_when_stderr_is_not_a_terminal():
+    bar = "Converting and de-quantizing"
+    shown = _proc(TQDM.replace("CONFIGURE", ""))  # the control: without configure the bar reaches the pipe
+    assert shown.returncode == 0 and bar in shown.stderr, shown.stderr
+    quiet = _proc(TQDM.replace("CONFIGURE", 'from daemon.logging import configure; configure("console", "warning", '
+                                            'stream=sys.stderr)'))
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    debug = _proc(TQDM.replace("CONFIGURE", 'from daemon.logging import configure; configure("console", "debug")'))
+    assert bar in debug.stderr  # debug keeps library output, as it keeps the hub's bars
+    own = _proc(TQDM.replace("CONFIGURE", 'from daemon.logging import configure; configure("console", "warning")'),
+                {"TQDM_DISABLE": ""})  # a user's own setting wins (tqdm reads "" as False)
+    assert bar in own.stderr
+
+
+# `daemonctl demo` sends log records to out/demo/demo.log while it runs (logs_to_file): the two
+# acceptance_shift warnings of the walkthrough broke into its console output
+TO_FILE = """
+import json, logging, sys
+import structlog
+from daemon.logging import configure, logs_to_file
+configure("console", "warning", stream=sys.stderr)
+with logs_to_file(sys.argv[1], mode="w") as logged:
+    structlog.get_logger("decoder.tracking").warning("acceptance_shift", key="code@greedy", recent_alpha=0.12)
+    logging.getLogger("apscheduler.scheduler").error("a library error")
+    structlog.get_logger("decoder.tracking").info("below the level")
+structlog.get_logger("daemon.demo").warning("after_the_run")
+lines = [json.loads(x) for x in open(sys.argv[1])]
+print(logged.warnings, logged.last, [(d["event"], d["level"]) for d in lines], lines[0]["recent_alpha"])
+"""
+
+
+def test_log_records_go_to_the_demos_file_while_it_runs(tmp_path):
+    log = tmp_path / "out" / "demo.log"
+    log.parent.mkdir()
+    log.write_text("the last run's lines\n")  # mode "w": a run's file holds that run only
+    r = _proc(TO_FILE.replace("sys.argv[1]", repr(str(log))))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ("2 a library error [('acceptance_shift', 'warning'), ('a library error', 'error')] 0.12"), r.stdout
+    assert "acceptance_shift" not in r.stderr and "a library error" not in r.stderr, r.stderr
+    assert "after_the_run" in r.stderr  # the console's handler is back after the block
+
+
+# the demo command's own path (daemon.demo._run_and_report), with run_demo replaced by a stand-in
+# that logs what the walkthrough's run logged mid-table and returns a minimal report
+DEMO = """
+import io, json, sys
+import structlog
+from rich.console import Console
+import daemon.demo as demo
+from daemon.logging import configure
+configure("console", "warning", stream=sys.stderr)
+row = {"proposer": None, "gamma": 0, "alpha": None, "tau": 1.0, "speedup_vs_plain": 1.0, "tokens_per_s": 60.0}
+phase = {"workload": "code", "heldout_samples": 0, "adapter_at_phase_end": 1, "final_adapter": 1, "plain": row,
+         "frozen": row, "adapted_draft": row, "adapted": row, "controller_pick": {"why": "off: plain"},
+         "served": {"requests": 2, "repeats": 0}, "live_first_third": {"alpha": None}, "live_last_third": {"alpha": None}}
+def run_demo(settings, cfg, console):
+    for _ in range(2):
+        structlog.get_logger("decoder.tracking").warning("acceptance_shift", key="code@greedy", recent_alpha=0.1)
+    return {"phases": [phase], "adapters": [], "recovery": [], "requests": 2, "active_adapter": 1, "seconds": 1.0,
+            "key_prefix": "x:demo:"}
+demo.run_demo = run_demo
+screen = io.StringIO()
+demo._run_and_report(None, demo.DemoConfig.quick(out_dir=OUT), Console(file=screen, width=300))
+print(json.dumps(screen.getvalue()))
+"""
+
+
+def test_the_demo_sends_its_warnings_to_its_log_file_and_counts_them(tmp_path):
+    import json
+
+    out = tmp_path / "demo"
+    r = _proc(DEMO.replace("OUT", repr(str(out))))
+    assert r.returncode == 0, r.stderr
+    screen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "acceptance_shift" not in r.stderr, r.stderr
+    assert f"log messages of this run (warnings and above) go to {out / 'demo.log'}" in screen
+    assert f"2 warning(s) logged during the run, the last 'acceptance_shift': see {out / 'demo.log'}" in screen, screen
+    assert [json.loads(x)["event"] for x in (out / "demo.log").read_text().splitlines()] == ["acceptance_shift"] * 2

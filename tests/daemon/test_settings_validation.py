@@ -46,6 +46,7 @@ def test_unknown_key_in_toml_group(tmp_path):
         ("DRAFTD_TRAINER__PROMOTE_MARGIN", "nan", "trainer.promote_margin"),  # NaN promoted every head
         ("DRAFTD_TRAINER__REGRESS_MARGIN", "nan", "trainer.regress_margin"),
         ("DRAFTD_TRAINER__HEAD_STEPS", "1.5", "trainer.head_steps"),
+        ("DRAFTD_MODELS__FORMAT_MAX_SECONDS", "0", "models.format_max_seconds"),
     ],
 )
 def test_bad_env_values(monkeypatch, var, value, needle):
@@ -59,6 +60,9 @@ def test_good_values_load(monkeypatch):
     monkeypatch.setenv("DRAFTD_REDIS__URL", "unix:///tmp/redis.sock")
     s = load_settings()
     assert s.trainer.loss == "jsd" and s.redis.url == "unix:///tmp/redis.sock"
+    assert s.models.format_max_seconds is None  # unset: the measurement's budget is scaled to the host
+    monkeypatch.setenv("DRAFTD_MODELS__FORMAT_MAX_SECONDS", "90")
+    assert load_settings().models.format_max_seconds == 90.0
 
 
 def test_null_unsets_an_optional_cap_from_the_environment(monkeypatch):

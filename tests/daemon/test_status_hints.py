@@ -10,9 +10,24 @@ from store.history import HistoryRow
 def test_no_recent_traffic_says_when_the_last_request_was():
     empty = HistoryRow(workload="prose", version=1, ts=0.0)
     s = speculation_state([], empty, last_ts=1000.0, now=1000.0 + 14 * 60)
-    assert s["on"] is None and "no requests recorded in the last 300 s" in s["why"]
-    assert "the last was recorded 14 min ago" in s["why"]
-    assert "last was" not in speculation_state([], empty)["why"]  # no history at all: nothing to date
+    assert s["on"] is None and s["last"] == {"age_s": 840.0} and s["why"].startswith("last request 14 min ago")
+    none = speculation_state([], empty)  # no history at all: nothing to date
+    assert none == {"on": None, "why": "no requests recorded in the last 300 s"}
+
+
+def test_no_recent_traffic_tells_the_last_known_acceptance():
+    """After a demo: the window that ended at the last request, 9 steps of which 5 drafted 20
+    tokens and 8 were accepted: on then, acceptance 8 / 20 = 0.400, its age in minutes."""
+    empty = HistoryRow(workload="prose", version=1, ts=0.0)
+    last = HistoryRow(workload="prose", version=1, ts=1000.0, requests=3, num_steps=9, num_drafts=5,
+                      num_draft_tokens=20, num_accepted_tokens=8)
+    s = speculation_state([], empty, last_ts=1000.0, now=1000.0 + 12 * 60, last=last)
+    assert s["on"] is None and s["last"] == {"age_s": 720.0, "on": True, "acceptance_rate": 0.4, "requests": 3}
+    assert s["why"] == ("last request 12 min ago: speculation was on (5 of 9 steps drafted), acceptance 0.400 "
+                        "(3 requests in the 5 min up to it)")
+    plain = HistoryRow(workload="prose", version=1, ts=1000.0, requests=1, num_steps=7)
+    p = speculation_state([], empty, last_ts=1000.0, now=1030.0, last=plain)
+    assert p["last"]["on"] is False and p["why"] == "last request 30 s ago: speculation was off (all 7 steps plain) (1 request in the 5 min up to it)"
 
 
 def test_hint_points_at_the_demo_prefix(redis_client, key_prefix):

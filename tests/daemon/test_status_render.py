@@ -123,3 +123,36 @@ def test_the_serving_row_says_gamma_per_batch_size(screen):
     text = buf.getvalue()
     assert "γ by batch (prose@greedy)" in text and "1: γ=4, 2: γ=3, 4: off" in text
     assert "γ by batch (code@greedy)" in text and "1: ?" in text
+
+
+def test_status_after_a_demo_shows_each_workloads_last_acceptance_and_its_age(screen, redis_client, key_prefix):
+    """Issue 34's walkthrough: after a demo every row said "? no requests recorded in the last
+    300 s". Each row now tells its last request's age and the acceptance of the window that ended
+    there (accepted / drafted, by hand: prose 12 / 30 = 0.400 twelve minutes ago, code 3 / 20 =
+    0.150 forty minutes ago; math drafted nothing: off then)."""
+    from daemon.reports import acceptance_sections
+    from store.config import StoreConfig
+    from store.history import AcceptanceHistory
+
+    h = AcceptanceHistory(redis_client, StoreConfig(key_prefix=key_prefix))
+    now = time.time()
+    h.record("prose@greedy", 1, {"requests": 4, "num_steps": 12, "num_drafts": 6, "num_draft_tokens": 30,
+                                 "num_accepted_tokens": 12}, ts=now - 12 * 60)
+    h.record("code@greedy", 1, {"requests": 2, "num_steps": 9, "num_drafts": 5, "num_draft_tokens": 20,
+                                "num_accepted_tokens": 3}, ts=now - 40 * 60)
+    h.record("math@greedy", 1, {"requests": 1, "num_steps": 5}, ts=now - 13 * 60)
+    adapter = {"active": 1, "since": None, "previous": None, "workloads": {}}
+    acc, spec = acceptance_sections(h, adapter, now)
+    assert spec["prose@greedy"]["last"]["acceptance_rate"] == 0.4 and spec["code@greedy"]["last"]["acceptance_rate"] == 0.15
+    buf = screen(220)
+    cli.render_status(_status({"active": 1, "since": None, "previous": None, "reason": "v0", "how": "promote",
+                               "registered": 1, "workloads": {}}, acceptance=acc, speculation=spec))
+    text = _flat(buf.getvalue())
+    assert "no requests recorded" not in text, buf.getvalue()
+    # the bucket's start is recorded, so the age is the bucket's, within one bucket of the request
+    for w, mins, tail in (("prose", 12, "speculationwason(6of12stepsdrafted),acceptance0.400"),
+                          ("code", 40, "speculationwason(5of9stepsdrafted),acceptance0.150"),
+                          ("math", 13, "speculationwasoff(all5stepsplain)")):
+        age = spec[f"{w}@greedy"]["last"]["age_s"]
+        assert mins * 60 <= age < mins * 60 + h.bucket_s
+        assert _flat(f"last request {round(age / 60)} min ago: ") + tail in text, buf.getvalue()

@@ -90,7 +90,7 @@ def test_a_noisy_measurement_is_left_out_and_costs_never_fall_with_rows():
     assert c.format == "packaged" and "F16 left out (the measurement was noisy (a typical repeat 1.50x" in c.reason
     m.formats["F16"].noise, m.formats["packaged"].noise = 0.0, 0.8
     c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
-    assert c.format == "packaged" and c.reason.startswith("measured on a busy host (the packaged file: the measurement was noisy")
+    assert c.format == "packaged" and c.reason.startswith("the packaged file's measurement cannot be trusted (the measurement was noisy")
     m.formats["packaged"].noise, m.formats["F16"].repeats, m.reps = 0.0, 1, 5  # the time budget ran out after 1 repeat
     c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
     assert c.format == "packaged" and "F16 left out (only 1 repeat(s) fit in the measurement's time budget" in c.reason
@@ -221,6 +221,7 @@ def test_one_real_measurement_has_every_row_count(tiny_pkg, tmp_path):
     m = F.measure_formats(tiny_pkg, threads=1, formats=("packaged", "F16"), reps=3, cached=8, n_ctx=64,
                           draft_layers="0-0", cache_dir=tmp_path / "c")
     assert set(m.formats) == {"packaged", "F16"} and m.draft_ms > 0 and m.seconds > 0
+    assert F.BUDGET_MIN_S <= m.budget_s <= F.BUDGET_MAX_S  # scaled to this host (no max_seconds given)
     for cost in m.formats.values():
         assert cost.error is None and sorted(cost.ms) == list(range(1, 9)) and all(t > 0 for t in cost.ms.values())
         assert isinstance(cost.rows_identical, bool) and cost.row_max_abs_diff >= 0
@@ -235,11 +236,51 @@ def test_a_measurement_past_its_time_budget_keeps_the_packaged_file_and_is_not_c
     format is incomplete, nothing is cached, and the packaged file serves, saying why."""
     m = F.measure_formats(tiny_pkg, threads=1, formats=("packaged", "F16"), reps=3, cached=8, n_ctx=64,
                           cache_dir=tmp_path / "c", max_seconds=0.0)
-    assert m.cache_file is None and not (tmp_path / "c").exists()
-    assert all(c.error.startswith("not measured within 0.0 s") and c.rows_identical is None for c in m.formats.values())
+    assert m.cache_file is None and not (tmp_path / "c").exists() and m.budget_s == 0.0
+    for cost in m.formats.values():
+        assert cost.error.startswith("did not finish in 0.0 s (the budget: models.format_max_seconds): rows [] of 1-8 "
+                                     "timed; CPU load ") and cost.rows_identical is None, cost.error
+        assert "host was busy" not in cost.error and "set models.format_max_seconds to give it longer" in cost.error
     c = choose_format(m)
     assert c.format == "packaged" and c.path.name == tiny_pkg.name
-    assert c.reason.startswith("the packaged file's measurement failed (not measured within 0.0 s")
+    assert c.reason.startswith("the packaged file's measurement failed (did not finish in 0.0 s")
+
+
+def test_the_time_budget_scales_with_a_measured_plain_step():
+    """By hand: 5 repeats of rows 1-8 (Σ n = 36) plus the identity check's 2 x 8 one-row steps per
+    format: 196 plain steps, 9.8 s at 50 ms (the packaged file) and 7.84 s at 40 ms (F16); the
+    draft's 5 steps at 10 ms, 0.05 s; with 3 s already spent, 2 x 20.69 = 41.38 s. A fast host gets
+    the 20 s floor, a host where a step takes seconds the 180 s cap."""
+    rows = {"packaged": F.ROWS, "F16": F.ROWS, F.DRAFT: (1,)}
+    assert F.scaled_budget({"packaged": 50.0, "F16": 40.0, F.DRAFT: 10.0}, rows, 5, 3.0) == pytest.approx(41.38)
+    assert F.scaled_budget({"packaged": 5.0, "F16": 4.0, F.DRAFT: 1.0}, rows, 5, 0.5) == F.BUDGET_MIN_S == 20.0
+    assert F.scaled_budget({"packaged": 3000.0, "F16": 3000.0, F.DRAFT: 900.0}, rows, 5, 10.0) == F.BUDGET_MAX_S == 180.0
+
+
+def test_an_incomplete_measurement_says_what_happened(tiny_pkg, tmp_path, monkeypatch):
+    """The walkthrough's "not measured within 20.0 s ...: the host was busy" at load 1.1: the message
+    now gives the budget and its origin, the rows timed, the load the measurement saw, and what to
+    set; it blames other jobs only when the load was above the CPUs. ``_time_rows`` is faked."""
+    def fake(load):
+        return lambda engines, reps, cached, max_seconds=None: {
+            name: {"ms": {1: 30.0, 2: 40.0}, "noise": 0.0, "rows_identical": None, "row_max_abs_diff": None,
+                   "repeats": 1, "budget_s": 41.38, "load": load} for name in engines}
+
+    monkeypatch.setattr(F.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(F, "_time_rows", fake((1.1, 0.9, 0.5)))
+    kw = dict(threads=1, formats=("packaged", "F16"), cache_dir=tmp_path / "c", n_ctx=64, cached=8)
+    m = F.measure_formats(tiny_pkg, **kw)
+    assert m.budget_s == 41.4 and m.cache_file is None  # incomplete: measured again at the next start
+    assert m.formats["packaged"].error == (
+        "did not finish in 41.4 s (the budget: 2x its time expected from a plain step timed on this CPU, within "
+        "20-180 s): rows [1, 2] of 1-8 timed; CPU load 1.1 / 0.9 / 0.5 (1 / 5 / 15 min) on 2 CPUs, its own 1 thread(s) "
+        "included; set models.format_max_seconds to give it longer, or models.format=packaged (or a pinned format, "
+        "e.g. F16) to serve without measuring")
+    monkeypatch.setattr(F, "_time_rows", fake((3.5, 3.0, 2.0)))
+    busy = F.measure_formats(tiny_pkg, **kw).formats["F16"].error
+    assert "on 2 CPUs, its own 1 thread(s) included; more runnable work than CPUs, so other jobs slowed it;" in busy
+    monkeypatch.setattr(F, "_time_rows", fake(None))
+    assert "the CPU load is not known on this OS" in F.measure_formats(tiny_pkg, **kw).formats["packaged"].error
 
 
 # ---- records, and greedy on the served copy -------------------------------------------------------
