@@ -101,7 +101,7 @@ class LogCount(logging.Handler):
 def logs_to_file(path: Path | str, mode: str = "a") -> Iterator[LogCount]:
     """While the block runs, every log record (structlog's and the standard library's, at the
     root's level) goes to ``path`` as JSON lines (``mode`` ``"a"``: appended, ``"w"``: the file
-    started afresh) instead of the console, so a warning
+    started afresh) instead of the console (an error goes to both: the user must see it), so a warning
     (``acceptance_shift``, a library's) does not break into a live display such as
     ``daemonctl demo``'s table; yields a :class:`LogCount` of the warnings written, for the display
     to mention. The handlers before the block are restored after it. Call :func:`configure` first
@@ -113,12 +113,28 @@ def logs_to_file(path: Path | str, mode: str = "a") -> Iterator[LogCount]:
     to_file.setFormatter(_formatter(use_json=True))
     count = LogCount()
     saved = root.handlers[:]
-    root.handlers[:] = [to_file, count]
+    errors = _AtLeast(logging.ERROR)  # an error still reaches the console: the user must see it
+    for h in saved:
+        h.addFilter(errors)
+    root.handlers[:] = [to_file, count, *saved]
     try:
         yield count
     finally:
         root.handlers[:] = saved
+        for h in saved:
+            h.removeFilter(errors)
         to_file.close()
+
+
+class _AtLeast(logging.Filter):
+    """Passes records at ``level`` or above."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level
 
 
 class _Std:
