@@ -1581,7 +1581,7 @@ def register(app) -> None:
 
     @app.command("demo")
     def demo(
-        quick: Annotated[bool, typer.Option(help="a shorter run (120 s per phase, 4 phases, then the evaluation)")] = False,
+        quick: Annotated[bool, typer.Option(help="a shorter run (4 phases of 120 s, each longer until its adapter was promoted and judged twice, at most 360 s; then the evaluation on 8 prompts a phase)")] = False,
         phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase, at least (overrides the preset)")] = None,
         phase_min_judged: Annotated[int | None, typer.Option(help="after --phase-seconds a phase serves on until its "
                                                              "workload's adapter was promoted and had this many turns "
