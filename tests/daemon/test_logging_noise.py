@@ -170,3 +170,22 @@ def test_the_demo_sends_its_warnings_to_its_log_file_and_counts_them(tmp_path):
     assert f"log messages of this run (warnings and above) go to {out / 'demo.log'}" in screen
     assert f"2 warning(s) logged during the run, the last 'acceptance_shift': see {out / 'demo.log'}" in screen, screen
     assert [json.loads(x)["event"] for x in (out / "demo.log").read_text().splitlines()] == ["acceptance_shift"] * 2
+
+
+def test_a_malformed_library_record_under_the_demos_log_file_does_not_raise_into_its_caller(tmp_path):
+    """A library's record whose arguments do not fit its format ("%d" given a str) is logging's to
+    report ("--- Logging error ---" on stderr), never the caller's exception: the count handler
+    used to format it unguarded, so the TypeError reached the thread that logged (a trainer round,
+    the serving loop) mid-demo."""
+    import json
+    import logging
+
+    from daemon.logging import logs_to_file
+
+    log = tmp_path / "demo.log"
+    with logs_to_file(log, mode="w") as logged:
+        logging.getLogger("some.library").warning("bad %d", "not a number")  # raised TypeError before
+        logging.getLogger("some.library").warning("fine %d", 3)
+    assert (logged.warnings, logged.last) == (2, "fine 3")
+    # the file handler reported the first record as logging does and wrote the second
+    assert [json.loads(x)["event"] for x in log.read_text().splitlines()] == ["fine 3"]
