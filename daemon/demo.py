@@ -223,6 +223,9 @@ class _Trainer:
     head_v0: Any = None  # --heads: daemon.warm_start.WarmStart of the head's v0
     ready: Any = None  # threading.Event: v0 (and head v0) settled and the trainer's schedule started
     ready_at: float | None = None  # time.time() when ``ready`` was set
+    # the trainer's schedule started (False once ``ready`` is set: the warm start raised before
+    # svc.start(), so no turn will be judged and the phases are time-bounded)
+    started: bool = False
 
 
 @dataclass
@@ -325,6 +328,7 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
             if cfg.heads:
                 trainer.head_v0 = _head_warm_start(settings, models, trainer.head_registry, console)
             svc.start()
+            trainer.started = True
         finally:
             trainer.ready_at = time.time()
             trainer.ready.set()
@@ -452,11 +456,12 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
     prompts kept back for the evaluation), the live table after each. A phase serves for
     ``cfg.phase_seconds`` (the first one from v0's arrival), then on until its workload's own
     adapter was promoted and had ``cfg.phase_min_judged`` turns judged on enough held-out evidence
-    (:func:`_phase_progress`), at most ``cfg.phase_max_seconds``; each entry of ``shifts`` says how
-    long its phase served and why it ended."""
+    (:func:`_phase_progress`), at most ``cfg.phase_max_seconds`` (at its seconds when the trainer's
+    schedule never started); each entry of ``shifts`` says how long its phase served and why it ended."""
     traffic = _Traffic()
     timeline, shifts = traffic.timeline, traffic.shifts
     t0 = time.time()
+    stopped = False  # said once that the trainer never started
     with _live(console) as live:
         for k, phase in enumerate(cfg.phases):
             shift = {"t": time.time() - t0, "request": len(timeline), "workload": phase}
@@ -474,7 +479,14 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                     start = now  # the first phase serves from the first second; its clock starts at v0
                 elif k == 0 and trainer is not None and trainer.ready_at is not None:
                     start = max(start, trainer.ready_at)
-                done, why = _phase_progress(cfg, svc, phase, now - start)
+                learner = svc
+                if trainer is not None and trainer.ready.is_set() and not trainer.started:
+                    learner = None  # no turn will come to wait for: time-bounded
+                    if not stopped:
+                        stopped = True
+                        console.log("[yellow]the trainer's schedule did not start (its warm start raised: see the "
+                                    "error above), so no adapter is trained and each phase ends at its seconds[/]")
+                done, why = _phase_progress(cfg, learner, phase, now - start)
                 if done:
                     break
                 if why and not extended:
