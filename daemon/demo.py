@@ -509,9 +509,10 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
 
 def _workload_turns(svc, workload: str) -> dict[str, int]:
     """The trainer's count of ``workload``'s own adapter turns (TrainerService.status()'s
-    ``workload_turns``: turns, judged, promoted); zeros before its first."""
+    ``workload_turns``: turns, judged, promoted); zeros before its first, and for a count the
+    status lacks."""
     st = svc.status() if svc is not None else {}
-    return dict(st.get("workload_turns", {}).get(workload) or {"turns": 0, "judged": 0, "promoted": 0})
+    return {"turns": 0, "judged": 0, "promoted": 0} | ((st.get("workload_turns") or {}).get(workload) or {})
 
 
 def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float) -> tuple[bool, str]:

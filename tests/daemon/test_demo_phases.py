@@ -141,3 +141,23 @@ def test_a_trainer_whose_schedule_never_started_leaves_the_phases_time_bounded(m
     trainer.started = True
     shifts, _ = _serve(monkeypatch, cfg, trainer.svc, trainer)
     assert [s["ended"] for s in shifts] == ["phase_max_seconds 30 s reached with 0 of 2 judged turns (0 turns, 0 promoted)"] * 2
+
+
+def test_a_status_without_the_turn_counts_or_with_some_of_them_reads_as_zeros():
+    """A trainer status that lacks ``workload_turns`` (an older service), holds None there, or an
+    entry without some count: the missing counts read 0 (the phase goes on to its cap), never a
+    KeyError / AttributeError that ends the demo mid-run."""
+    from daemon.demo import _workload_turns
+
+    class _Old:
+        def status(self):
+            return {"rounds": 3}
+
+    cfg = DemoConfig.quick()
+    zeros = {"turns": 0, "judged": 0, "promoted": 0}
+    assert _workload_turns(_Old(), "code") == zeros
+    assert _workload_turns(_Svc(None), "code") == zeros
+    assert _workload_turns(_Svc({"code": {"turns": 2}}), "code") == {"turns": 2, "judged": 0, "promoted": 0}
+    done, why = _phase_progress(cfg, _Svc({"code": {"judged": 2}}), "code", 130.0)
+    assert not done and "2 of 2 turns judged" in why and "(0 turns) and 0 promotions" in why
+    assert _phase_progress(cfg, _Svc(None), "code", 360.0)[0]
