@@ -1566,20 +1566,27 @@ def _run_and_report(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     ``cfg.out_dir/demo.log`` (JSON lines, one run's), and the console says how many there were.
 
     Raises:
-        typer.Exit: (code 2) the configured pair or engine cannot run; the message says why.
+        typer.Exit: (code 2) the configured pair or engine cannot run, or ``cfg.out_dir`` cannot
+            hold the log file (before anything runs); the message says why.
     """
     from daemon.logging import logs_to_file
     from decoder.engines.base import EngineError
     from decoder.models.packaged import ModelLoadError
 
     log_path = Path(cfg.out_dir) / "demo.log"
-    try:
-        with logs_to_file(log_path, mode="w") as logged:
-            console.log(f"log messages of this run (warnings and above) go to {log_path}")
+    with contextlib.ExitStack() as stack:
+        try:
+            logged = stack.enter_context(logs_to_file(log_path, mode="w"))
+        except OSError as e:  # a file in the way, a read-only mount: the report could not be written either
+            console.print(f"[red]error:[/] --out {cfg.out_dir}: cannot write the demo's log file {log_path} ({e}); "
+                          f"pass --out a writable directory")
+            raise typer.Exit(2) from e
+        console.log(f"log messages of this run (warnings and above) go to {log_path}")
+        try:
             report = run_demo(settings, cfg, console)
-    except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2) from e
+        except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from e
     print_report(report, console)
     if logged.warnings:
         console.print(f"{logged.warnings} warning(s) logged during the run, the last {logged.last!r}: see {log_path}")

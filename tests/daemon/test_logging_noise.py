@@ -189,3 +189,32 @@ def test_a_malformed_library_record_under_the_demos_log_file_does_not_raise_into
     assert (logged.warnings, logged.last) == (2, "fine 3")
     # the file handler reported the first record as logging does and wrote the second
     assert [json.loads(x)["event"] for x in log.read_text().splitlines()] == ["fine 3"]
+
+
+def test_an_out_dir_that_cannot_hold_the_demos_log_is_a_clear_error_before_the_demo_runs(tmp_path, monkeypatch):
+    """``daemonctl demo --out`` where its log file cannot be written (a file in the way, a
+    read-only mount): exit code 2 with the path, the OS's reason and the fix, not a traceback; the
+    demo itself never starts and the logging handlers are left as they were."""
+    import io
+    import logging
+
+    import typer
+    from rich.console import Console
+
+    import daemon.demo as demo
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setattr(demo, "run_demo", lambda *a: (_ for _ in ()).throw(AssertionError("the demo ran")))
+    before = logging.getLogger().handlers[:]
+    screen = io.StringIO()
+    try:
+        demo._run_and_report(None, demo.DemoConfig.quick(out_dir=blocker / "demo"), Console(file=screen, width=400))
+    except typer.Exit as e:
+        assert e.exit_code == 2
+    else:
+        raise AssertionError("no exit")
+    text = screen.getvalue()
+    assert f"--out {blocker / 'demo'}: cannot write the demo's log file {blocker / 'demo' / 'demo.log'}" in text, text
+    assert "pass --out a writable directory" in text, text
+    assert logging.getLogger().handlers == before
