@@ -218,3 +218,33 @@ def test_an_out_dir_that_cannot_hold_the_demos_log_is_a_clear_error_before_the_d
     assert f"--out {blocker / 'demo'}: cannot write the demo's log file {blocker / 'demo' / 'demo.log'}" in text, text
     assert "pass --out a writable directory" in text, text
     assert logging.getLogger().handlers == before
+
+
+def test_a_demo_that_raises_midway_leaves_the_handlers_as_they_were_and_its_log_closed(tmp_path, monkeypatch):
+    """run_demo raising (Ctrl-C, a Redis error) mid-run: the exception reaches the caller, the root
+    logger's handlers are the ones before the run with no filter left on them, demo.log is closed
+    and holds what was logged before the failure."""
+    import io
+    import json
+    import logging
+
+    import pytest
+    from rich.console import Console
+
+    import daemon.demo as demo
+
+    def run_demo(settings, cfg, console):
+        logging.getLogger("some.library").warning("before the failure")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    opened = []
+    real = logging.FileHandler
+    monkeypatch.setattr(logging, "FileHandler", lambda *a, **k: opened.append(real(*a, **k)) or opened[-1])
+    root = logging.getLogger()
+    before = [(h, list(h.filters)) for h in root.handlers]
+    with pytest.raises(KeyboardInterrupt):
+        demo._run_and_report(None, demo.DemoConfig.quick(out_dir=tmp_path), Console(file=io.StringIO()))
+    assert [(h, list(h.filters)) for h in root.handlers] == before
+    assert len(opened) == 1 and opened[0].stream is None  # closed
+    assert [json.loads(x)["event"] for x in (tmp_path / "demo.log").read_text().splitlines()] == ["before the failure"]
