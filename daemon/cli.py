@@ -265,10 +265,10 @@ def render_status(st: dict) -> None:
             t.add_row("served format", escape(f"{hb.get('server_id')}: {sf.get('format')} ({sf.get('file')}; "
                                               f"models.format={sf.get('setting')}): {sf.get('reason')}"
                                               + (f"; V cache {sf['v_cache']}" if sf.get("v_cache") else "")))
-    for p in st.get("problems", []):
-        t.add_row("[red]problem[/]", p)
+    for p in st.get("problems", []):  # plain text that may quote a workload's name or an error's
+        t.add_row("[red]problem[/]", escape(p))
     for w in st.get("warnings", []):
-        t.add_row("[yellow]warning[/]", w)
+        t.add_row("[yellow]warning[/]", escape(w))
     out.print(t)
     _render_acceptance(st, out)
 
@@ -290,8 +290,9 @@ def _render_acceptance(st: dict, out) -> None:
                 on = ""
             prev = "-" if not p else (f"v{p['version']}: {_f(p['acceptance_rate'])}/{_f(p['tau'], 2)}/{_f(p['alpha'])}/"
                                       f"{_f(p['goodput_tokens_per_ms'], 4)}")
-            at.add_row(w, f"v{n['version']}", str(n["requests"]), _f(n["acceptance_rate"]), _f(n["tau"], 2), _f(n["alpha"]),
-                       _f(n["goodput_tokens_per_ms"], 4), prev, f"{on} {sp.get('why', '')}".strip())
+            # a workload name is the client's (any UTF-8): "x[/]" would be a rich MarkupError
+            at.add_row(escape(w), f"v{n['version']}", str(n["requests"]), _f(n["acceptance_rate"]), _f(n["tau"], 2),
+                       _f(n["alpha"]), _f(n["goodput_tokens_per_ms"], 4), prev, f"{on} {escape(sp.get('why', ''))}".strip())
         out.print(at)
 
 

@@ -223,6 +223,9 @@ class _Trainer:
     head_v0: Any = None  # --heads: daemon.warm_start.WarmStart of the head's v0
     ready: Any = None  # threading.Event: v0 (and head v0) settled and the trainer's schedule started
     ready_at: float | None = None  # time.time() when ``ready`` was set
+    # the trainer's schedule started (False once ``ready`` is set: the warm start raised before
+    # svc.start(), so no turn will be judged and the phases are time-bounded)
+    started: bool = False
 
 
 @dataclass
@@ -325,6 +328,7 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
             if cfg.heads:
                 trainer.head_v0 = _head_warm_start(settings, models, trainer.head_registry, console)
             svc.start()
+            trainer.started = True
         finally:
             trainer.ready_at = time.time()
             trainer.ready.set()
@@ -452,11 +456,12 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
     prompts kept back for the evaluation), the live table after each. A phase serves for
     ``cfg.phase_seconds`` (the first one from v0's arrival), then on until its workload's own
     adapter was promoted and had ``cfg.phase_min_judged`` turns judged on enough held-out evidence
-    (:func:`_phase_progress`), at most ``cfg.phase_max_seconds``; each entry of ``shifts`` says how
-    long its phase served and why it ended."""
+    (:func:`_phase_progress`), at most ``cfg.phase_max_seconds`` (at its seconds when the trainer's
+    schedule never started); each entry of ``shifts`` says how long its phase served and why it ended."""
     traffic = _Traffic()
     timeline, shifts = traffic.timeline, traffic.shifts
     t0 = time.time()
+    stopped = False  # said once that the trainer never started
     with _live(console) as live:
         for k, phase in enumerate(cfg.phases):
             shift = {"t": time.time() - t0, "request": len(timeline), "workload": phase}
@@ -474,7 +479,14 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                     start = now  # the first phase serves from the first second; its clock starts at v0
                 elif k == 0 and trainer is not None and trainer.ready_at is not None:
                     start = max(start, trainer.ready_at)
-                done, why = _phase_progress(cfg, svc, phase, now - start)
+                learner = svc
+                if trainer is not None and trainer.ready.is_set() and not trainer.started:
+                    learner = None  # no turn will come to wait for: time-bounded
+                    if not stopped:
+                        stopped = True
+                        console.log("[yellow]the trainer's schedule did not start (its warm start raised: see the "
+                                    "error above), so no adapter is trained and each phase ends at its seconds[/]")
+                done, why = _phase_progress(cfg, learner, phase, now - start)
                 if done:
                     break
                 if why and not extended:
@@ -497,9 +509,10 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
 
 def _workload_turns(svc, workload: str) -> dict[str, int]:
     """The trainer's count of ``workload``'s own adapter turns (TrainerService.status()'s
-    ``workload_turns``: turns, judged, promoted); zeros before its first."""
+    ``workload_turns``: turns, judged, promoted); zeros before its first, and for a count the
+    status lacks."""
     st = svc.status() if svc is not None else {}
-    return dict(st.get("workload_turns", {}).get(workload) or {"turns": 0, "judged": 0, "promoted": 0})
+    return {"turns": 0, "judged": 0, "promoted": 0} | ((st.get("workload_turns") or {}).get(workload) or {})
 
 
 def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float) -> tuple[bool, str]:
@@ -1553,20 +1566,27 @@ def _run_and_report(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     ``cfg.out_dir/demo.log`` (JSON lines, one run's), and the console says how many there were.
 
     Raises:
-        typer.Exit: (code 2) the configured pair or engine cannot run; the message says why.
+        typer.Exit: (code 2) the configured pair or engine cannot run, or ``cfg.out_dir`` cannot
+            hold the log file (before anything runs); the message says why.
     """
     from daemon.logging import logs_to_file
     from decoder.engines.base import EngineError
     from decoder.models.packaged import ModelLoadError
 
     log_path = Path(cfg.out_dir) / "demo.log"
-    try:
-        with logs_to_file(log_path, mode="w") as logged:
-            console.log(f"log messages of this run (warnings and above) go to {log_path}")
+    with contextlib.ExitStack() as stack:
+        try:
+            logged = stack.enter_context(logs_to_file(log_path, mode="w"))
+        except OSError as e:  # a file in the way, a read-only mount: the report could not be written either
+            console.print(f"[red]error:[/] --out {cfg.out_dir}: cannot write the demo's log file {log_path} ({e}); "
+                          f"pass --out a writable directory")
+            raise typer.Exit(2) from e
+        console.log(f"log messages of this run (warnings and above) go to {log_path}")
+        try:
             report = run_demo(settings, cfg, console)
-    except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2) from e
+        except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from e
     print_report(report, console)
     if logged.warnings:
         console.print(f"{logged.warnings} warning(s) logged during the run, the last {logged.last!r}: see {log_path}")

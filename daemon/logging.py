@@ -94,7 +94,10 @@ class LogCount(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.warnings += 1
         msg = record.msg
-        self.last = msg.get("event") if isinstance(msg, dict) else record.getMessage()
+        try:
+            self.last = msg.get("event") if isinstance(msg, dict) else record.getMessage()
+        except Exception:  # noqa: BLE001 - arguments that do not fit the format (a library's bug): the
+            self.last = str(msg)  # file handler reports it as logging does; never the caller's exception
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import redis
+import structlog
 
 from store.client import unavailable as _unavailable
 from store.config import StoreConfig, resolve_config
@@ -50,6 +51,8 @@ FLOAT_COUNTS = ("alpha_sum", "wall_ms", "overlap_sum")
 COUNTS = INT_COUNTS + FLOAT_COUNTS
 DRAFT_KIND = "draft"  # the kind of the requests the draft model proposed for
 KINDS = ("adapter", "head", DRAFT_KIND)
+
+log = structlog.get_logger(__name__)
 
 # KEYS: bucket hash, index, the writer's applied hash. ARGV: retention_s, index member, bucket,
 # trim-before, applied field, seq, then (i|f, counter, value) triples. Returns 1 if applied, 0 if
@@ -268,16 +271,26 @@ class AcceptanceHistory:
     ) -> list[HistoryRow]:
         """Buckets overlapping the window [``start``, ``end``] (seconds since the epoch; None =
         unbounded), i.e. with bucket start in [bucket_of(start), end], filtered by ``workload``
-        and ``version`` when given, sorted by (ts, workload, version)."""
+        and ``version`` when given, sorted by (ts, workload, version). An entry :meth:`record`
+        did not write (an index member that is not ``bucket|version|workload``, a count that is
+        not a number) is left out with a ``history_entry_unreadable`` warning naming its key and
+        the command that removes it."""
         lo = "-inf" if start is None else self.bucket_of(start)
         hi = "+inf" if end is None else end
         with _unavailable("reading history index"):
             members = self._client.zrangebyscore(self._keys.history_index, lo, hi)
         wanted = []
         for m in members:
-            b, v, w = m.decode("utf-8").split("|", 2)
-            if (workload is None or w == workload) and (version is None or int(v) == version):
-                wanted.append((int(b), int(v), w))
+            try:  # UnicodeDecodeError is a ValueError
+                b, v, w = m.decode("utf-8").split("|", 2)
+                bucket, ver = int(b), int(v)
+            except ValueError as e:  # not written by record(): left out, never every reader's error
+                entry = m.decode("utf-8", "replace")
+                log.warning("history_entry_unreadable", key=self._keys.history_index, entry=entry, error=str(e),
+                            fix=f"ZREM {self._keys.history_index} {entry!r}")
+                continue
+            if (workload is None or w == workload) and (version is None or ver == version):
+                wanted.append((bucket, ver, w))
         if not wanted:
             return []
         with _unavailable("reading history buckets"):
@@ -289,16 +302,21 @@ class AcceptanceHistory:
         for (b, v, w), h in zip(wanted, hashes):
             if not h:  # expired since the index was trimmed
                 continue
-            vals = {k.decode(): x for k, x in h.items()}
-            rows.append(
-                HistoryRow(
-                    ts=float(b),
-                    workload=w,
-                    version=v,
-                    **{n: int(vals.get(n, 0)) for n in INT_COUNTS},
-                    **{n: float(vals.get(n, 0.0)) for n in FLOAT_COUNTS},
+            try:
+                vals = {k.decode(): x for k, x in h.items()}
+                rows.append(
+                    HistoryRow(
+                        ts=float(b),
+                        workload=w,
+                        version=v,
+                        **{n: int(vals.get(n, 0)) for n in INT_COUNTS},
+                        **{n: float(vals.get(n, 0.0)) for n in FLOAT_COUNTS},
+                    )
                 )
-            )
+            except ValueError as e:  # a count that is not a number (written by hand): the bucket is left out
+                key = self._keys.history_bucket(w, v, b).decode("utf-8", "replace")
+                log.warning("history_entry_unreadable", key=key, entry=f"{w} v{v} bucket {b}", error=str(e),
+                            fix=f"DEL {key!r}")
         rows.sort(key=lambda r: (r.ts, r.workload, r.version))
         return rows
 

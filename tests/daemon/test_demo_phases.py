@@ -80,3 +80,84 @@ def test_the_report_says_how_long_each_phase_served_and_why_it_ended():
     assert out.getvalue().splitlines() == [
         "prose: served 131 s, 40 requests, 3 turns of its adapter (2 judged, 1 promoted); ended: 120 s served "
         "and 2 judged turns of its adapter (1 promoted)"]
+
+
+class _Clock:
+    """``time`` as daemon.demo reads it: each ``time()`` call advances 1 s (a request served)."""
+
+    def __init__(self, t0: float = 1000.0):
+        self.t = t0
+
+    def time(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    def perf_counter(self) -> float:
+        return self.t
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+def _serve(monkeypatch, cfg, svc, trainer):
+    """``_serve_phases`` on a fake clock, each request a stub row (no model, no server): the shifts."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    import daemon.demo as demo
+
+    clock = _Clock()
+    monkeypatch.setattr(demo, "time", clock)
+    monkeypatch.setattr(demo, "_serve_one", lambda *a, **k: {"t": 0.0})
+    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
+    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
+    loop = types.SimpleNamespace(manager=None, controller=None, heads=None,
+                                 decoder=types.SimpleNamespace(adapter_version=0))
+    params = types.SimpleNamespace(bucket=lambda: "greedy")
+    screen = io.StringIO()
+    traffic = demo._serve_phases(cfg, None, loop, None, "m", svc, params, Console(file=screen, width=300), trainer)
+    return traffic.shifts, screen.getvalue()
+
+
+def test_a_trainer_whose_schedule_never_started_leaves_the_phases_time_bounded(monkeypatch):
+    """The warm start raised before ``svc.start()`` (a head bootstrap that failed, Redis gone):
+    no turn of any adapter will ever be judged, so a phase must not wait for one up to its cap
+    (3x the demo's length, for nothing); it ends at its seconds and the console says why."""
+    import threading
+
+    from daemon.demo import _Trainer
+
+    cfg = DemoConfig.quick(phases=("code", "math"), phase_seconds=10.0)  # cap 30 s
+    ready = threading.Event()
+    ready.set()
+    trainer = _Trainer(None, None, _Svc({}), {}, None, ready=ready, ready_at=1000.0)  # never started
+    shifts, screen = _serve(monkeypatch, cfg, trainer.svc, trainer)
+    assert [(s["workload"], s["ended"]) for s in shifts] == [("code", "10 s served"), ("math", "10 s served")], shifts
+    assert all(s["seconds"] < 12 for s in shifts), shifts
+    assert "the trainer's schedule did not start" in screen, screen
+    # the control: a started trainer that judges nothing serves each phase to its cap
+    trainer.started = True
+    shifts, _ = _serve(monkeypatch, cfg, trainer.svc, trainer)
+    assert [s["ended"] for s in shifts] == ["phase_max_seconds 30 s reached with 0 of 2 judged turns (0 turns, 0 promoted)"] * 2
+
+
+def test_a_status_without_the_turn_counts_or_with_some_of_them_reads_as_zeros():
+    """A trainer status that lacks ``workload_turns`` (an older service), holds None there, or an
+    entry without some count: the missing counts read 0 (the phase goes on to its cap), never a
+    KeyError / AttributeError that ends the demo mid-run."""
+    from daemon.demo import _workload_turns
+
+    class _Old:
+        def status(self):
+            return {"rounds": 3}
+
+    cfg = DemoConfig.quick()
+    zeros = {"turns": 0, "judged": 0, "promoted": 0}
+    assert _workload_turns(_Old(), "code") == zeros
+    assert _workload_turns(_Svc(None), "code") == zeros
+    assert _workload_turns(_Svc({"code": {"turns": 2}}), "code") == {"turns": 2, "judged": 0, "promoted": 0}
+    done, why = _phase_progress(cfg, _Svc({"code": {"judged": 2}}), "code", 130.0)
+    assert not done and "2 of 2 turns judged" in why and "(0 turns) and 0 promotions" in why
+    assert _phase_progress(cfg, _Svc(None), "code", 360.0)[0]

@@ -170,3 +170,81 @@ def test_the_demo_sends_its_warnings_to_its_log_file_and_counts_them(tmp_path):
     assert f"log messages of this run (warnings and above) go to {out / 'demo.log'}" in screen
     assert f"2 warning(s) logged during the run, the last 'acceptance_shift': see {out / 'demo.log'}" in screen, screen
     assert [json.loads(x)["event"] for x in (out / "demo.log").read_text().splitlines()] == ["acceptance_shift"] * 2
+
+
+def test_a_malformed_library_record_under_the_demos_log_file_does_not_raise_into_its_caller(tmp_path):
+    """A library's record whose arguments do not fit its format ("%d" given a str) is logging's to
+    report ("--- Logging error ---" on stderr), never the caller's exception: the count handler
+    used to format it unguarded, so the TypeError reached the thread that logged (a trainer round,
+    the serving loop) mid-demo."""
+    import json
+    import logging
+
+    from daemon.logging import logs_to_file
+
+    log = tmp_path / "demo.log"
+    with logs_to_file(log, mode="w") as logged:
+        logging.getLogger("some.library").warning("bad %d", "not a number")  # raised TypeError before
+        logging.getLogger("some.library").warning("fine %d", 3)
+    assert (logged.warnings, logged.last) == (2, "fine 3")
+    # the file handler reported the first record as logging does and wrote the second
+    assert [json.loads(x)["event"] for x in log.read_text().splitlines()] == ["fine 3"]
+
+
+def test_an_out_dir_that_cannot_hold_the_demos_log_is_a_clear_error_before_the_demo_runs(tmp_path, monkeypatch):
+    """``daemonctl demo --out`` where its log file cannot be written (a file in the way, a
+    read-only mount): exit code 2 with the path, the OS's reason and the fix, not a traceback; the
+    demo itself never starts and the logging handlers are left as they were."""
+    import io
+    import logging
+
+    import typer
+    from rich.console import Console
+
+    import daemon.demo as demo
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setattr(demo, "run_demo", lambda *a: (_ for _ in ()).throw(AssertionError("the demo ran")))
+    before = logging.getLogger().handlers[:]
+    screen = io.StringIO()
+    try:
+        demo._run_and_report(None, demo.DemoConfig.quick(out_dir=blocker / "demo"), Console(file=screen, width=400))
+    except typer.Exit as e:
+        assert e.exit_code == 2
+    else:
+        raise AssertionError("no exit")
+    text = screen.getvalue()
+    assert f"--out {blocker / 'demo'}: cannot write the demo's log file {blocker / 'demo' / 'demo.log'}" in text, text
+    assert "pass --out a writable directory" in text, text
+    assert logging.getLogger().handlers == before
+
+
+def test_a_demo_that_raises_midway_leaves_the_handlers_as_they_were_and_its_log_closed(tmp_path, monkeypatch):
+    """run_demo raising (Ctrl-C, a Redis error) mid-run: the exception reaches the caller, the root
+    logger's handlers are the ones before the run with no filter left on them, demo.log is closed
+    and holds what was logged before the failure."""
+    import io
+    import json
+    import logging
+
+    import pytest
+    from rich.console import Console
+
+    import daemon.demo as demo
+
+    def run_demo(settings, cfg, console):
+        logging.getLogger("some.library").warning("before the failure")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    opened = []
+    real = logging.FileHandler
+    monkeypatch.setattr(logging, "FileHandler", lambda *a, **k: opened.append(real(*a, **k)) or opened[-1])
+    root = logging.getLogger()
+    before = [(h, list(h.filters)) for h in root.handlers]
+    with pytest.raises(KeyboardInterrupt):
+        demo._run_and_report(None, demo.DemoConfig.quick(out_dir=tmp_path), Console(file=io.StringIO()))
+    assert [(h, list(h.filters)) for h in root.handlers] == before
+    assert len(opened) == 1 and opened[0].stream is None  # closed
+    assert [json.loads(x)["event"] for x in (tmp_path / "demo.log").read_text().splitlines()] == ["before the failure"]

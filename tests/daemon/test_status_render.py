@@ -156,3 +156,29 @@ def test_status_after_a_demo_shows_each_workloads_last_acceptance_and_its_age(sc
         age = spec[f"{w}@greedy"]["last"]["age_s"]
         assert mins * 60 <= age < mins * 60 + h.bucket_s
         assert _flat(f"last request {round(age / 60)} min ago: ") + tail in text, buf.getvalue()
+
+
+def test_a_workload_name_with_rich_markup_is_shown_as_written_and_never_breaks_status(screen, redis_client, key_prefix):
+    """Workload names are the clients' (any UTF-8): one holding a closing tag ("x[/]") made
+    `daemonctl status` fail with rich's MarkupError on the acceptance table, and one holding a
+    style ("[red]y[/]") lost its brackets. Both are printed as written."""
+    from daemon.reports import acceptance_sections
+    from store.config import StoreConfig
+    from store.history import AcceptanceHistory
+
+    h = AcceptanceHistory(redis_client, StoreConfig(key_prefix=key_prefix))
+    now = time.time()
+    for w in ("x[/]", "[red]y[/]"):
+        h.record(w, 0, {"requests": 1, "num_steps": 4, "num_drafts": 3, "num_draft_tokens": 12,
+                        "num_accepted_tokens": 6}, ts=now - 10 * 60)
+    adapter = {"active": 0, "since": None, "previous": None, "workloads": {}}
+    acc, spec = acceptance_sections(h, adapter, now)
+    buf = screen(220)
+    st = _status({"active": 0, "since": None, "previous": None, "reason": None, "how": None,
+                  "registered": 0, "workloads": {}}, acceptance=acc, speculation=spec)
+    st["problems"] = ["last training round failed: workload 'x[/]' refused"]  # a reason quoting the name
+    cli.render_status(st)
+    text = buf.getvalue()
+    assert "│ x[/]" in text and "│ [red]y[/]" in text, text
+    assert "last training round failed: workload 'x[/]' refused" in text, text
+    assert _flat("speculation was on (3 of 4 steps drafted), acceptance 0.500") in _flat(text)

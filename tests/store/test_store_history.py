@@ -169,3 +169,24 @@ def test_a_write_redis_cannot_keep_writes_nothing_and_says_so(hist, client, pref
     with pytest.raises(ValueError, match="ts=inf is not a finite time"):
         hist.record("big", 1, {"requests": 1}, ts=float("inf"))
     assert hist.totals(workload="big", version=1).requests == 2
+
+
+def test_an_unreadable_entry_is_left_out_and_named_not_an_error_for_every_reader(hist, client):
+    """A history index member that is not ``bucket|version|workload`` (written by hand, another
+    program under the prefix) or a bucket whose count is not a number: read() used to raise
+    ValueError, so `daemonctl status`, /metrics and `adapters show` all failed on one bad entry.
+    It is left out, with a warning naming the key, the entry and how to remove it; the readable
+    rows are returned as ever."""
+    from structlog.testing import capture_logs
+
+    hist.record("chat", 1, {"num_steps": 4, "requests": 1}, ts=99_991.0)
+    hist.record("code", 1, {"num_steps": 3, "requests": 1}, ts=99_991.0)
+    index = hist._keys.history_index
+    client.zadd(index, {b"garbage-no-bars": 99_990, b"abc|1|chat": 99_990})  # no fields; a bucket not a number
+    client.hset(hist._keys.history_bucket("code", 1, 99_990), "num_steps", b"three")
+    with capture_logs() as logs:
+        rows = hist.read()
+    assert [(r.workload, r.version, r.num_steps) for r in rows] == [("chat", 1, 4)]
+    bad = sorted(e["entry"] for e in logs if e["event"] == "history_entry_unreadable")
+    assert bad == ["abc|1|chat", "code v1 bucket 99990", "garbage-no-bars"], logs
+    assert all(e["key"] and "ZREM" in e["fix"] or "DEL" in e["fix"] for e in logs), logs
