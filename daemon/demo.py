@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import threading
 import time
 import uuid
@@ -96,7 +97,10 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if not (self.phase_seconds > 0 and math.isfinite(self.phase_seconds)):
             raise ValueError(f"phase_seconds={self.phase_seconds}: must be a finite number > 0 (--phase-seconds)")
-        if self.phase_min_judged < 0:
+        if not math.isfinite(3 * self.phase_seconds):
+            raise ValueError(f"phase_seconds={self.phase_seconds}: too large (3x it, the longest a phase serves by "
+                             f"default, is not finite); use at most {sys.float_info.max / 3:.3g} (--phase-seconds)")
+        if not (isinstance(self.phase_min_judged, int) and self.phase_min_judged >= 0):
             raise ValueError(f"phase_min_judged={self.phase_min_judged}: must be >= 0 (0 = time-bounded phases; "
                              f"--phase-min-judged)")
         if self.phase_max_seconds is not None and not (self.phase_seconds <= self.phase_max_seconds < math.inf):

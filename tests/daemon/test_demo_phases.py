@@ -54,6 +54,8 @@ def test_time_bounded_phases_when_asked_or_without_per_workload_adapters():
     ({"phase_seconds": 0.0}, "phase_seconds=0.0: must be a finite number > 0"),
     ({"phase_seconds": float("inf")}, "phase_seconds=inf"),
     ({"phase_min_judged": -1}, "phase_min_judged=-1: must be >= 0"),
+    ({"phase_min_judged": float("nan")}, "phase_min_judged=nan: must be >= 0"),
+    ({"phase_seconds": 1e308}, "phase_seconds=1e.308: too large"),
     ({"phase_max_seconds": 60.0}, "phase_max_seconds=60.0: must be finite and >= phase_seconds=120.0"),
     ({"phase_max_seconds": float("nan")}, "phase_max_seconds=nan"),
 ])
