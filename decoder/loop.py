@@ -180,7 +180,9 @@ class _ObservedGamma(FixedGamma):
 
     def update(self, step) -> None:
         self.controller.observe(self.key, step, proposer=self.proposer,
-                                asked=step.asked if step.asked is not None else self.value, batch=last_fused_size())
+                                asked=step.asked if step.asked is not None else self.value, batch=last_fused_size(),
+                                first=not getattr(self, "_updated", False))
+        self._updated = getattr(self, "_updated", False) or bool(step.asked or step.proposed)
 
     def describe(self) -> str:
         if self.why == "seeded":

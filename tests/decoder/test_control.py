@@ -3,6 +3,7 @@ real peft adapters and the real store on Redis."""
 
 from __future__ import annotations
 
+import math
 
 import pytest
 import redis
@@ -638,3 +639,63 @@ def test_the_merged_monitor_judges_its_own_windows_while_redis_is_down(pair, reg
     d = monitor.check(v1)
     assert d is not None and d.rolled_back and (d.new_requests, d.previous_requests) == (3, 3)
     assert monitor.merged_read_errors == 1
+
+
+def test_alpha_moves_by_ewma_per_request_not_per_step():
+    """A request's steps share its prompt, so the draft's α moves by ``ewma`` per request: 12
+    requests of 20 steps at α 0.5 then one at 0.9 give 0.5 + 0.4 (1 - Π_k 0.9^(13 / (240 + k)))
+    (the per-step weight 1 - 0.9^(1 / mean steps per request), the mean counted as the steps come),
+    where a per-step EWMA gave 0.5 + 0.4 (1 - 0.9^20) = 0.851: the last request alone. A young
+    estimate is the plain mean of its steps: after 3 requests at 0.5 and one at 0.9, 0.6."""
+    from decoder.control import DRAFT
+
+    def run(requests, first=True):
+        ctl = GoodputController(ControllerConfig(proposers=(DRAFT,)))
+        key = ("code", "greedy")
+        for a in requests:
+            for i in range(20):
+                ctl.observe(key, StepStats(2, 1, 2, 1, 2 * a, 1.0, 10.0), proposer=DRAFT,
+                            first=(i == 0) if first else None)
+        return ctl._keys[key].alpha.value
+
+    assert run([0.5] * 3 + [0.9]) == pytest.approx((60 * 0.5 + 20 * 0.9) / 80)
+    want = 0.5 + 0.4 * (1 - math.prod(0.9 ** (13 / (240 + k)) for k in range(1, 21)))
+    assert run([0.5] * 12 + [0.9]) == pytest.approx(want, abs=1e-9) and want == pytest.approx(0.5414, abs=1e-4)
+    assert run([0.5] * 12 + [0.9], first=None) == pytest.approx(0.5 + 0.4 * (1 - 0.9 ** 20))  # per step
+
+
+def test_accepted_lengths_move_by_ewma_per_request_too():
+    """The n-gram proposer's P(accepted >= 1): 12 requests of 10 steps all accepted, then one of
+    10 steps all rejected: 1 - (1 - Π_k 0.9^(13 / (120 + k))) ≈ 0.9, not 0.9^10 = 0.35."""
+    from decoder.control import DRAFT
+
+    ctl = GoodputController(ControllerConfig(proposers=("ngram", DRAFT)))
+    key = ("extract", "greedy")
+    for acc in [1] * 12 + [0]:
+        for i in range(10):
+            ctl.observe(key, StepStats(1, acc, 1 + acc, -1 if acc else 0, 0.0, 0.1, 10.0), proposer="ngram",
+                        asked=1, first=i == 0)
+    want = math.prod(0.9 ** (13 / (120 + k)) for k in range(1, 11))
+    assert ctl._keys[key].lengths["ngram"].p_ge(1) == pytest.approx(want, abs=1e-9)
+
+
+def test_each_request_policy_marks_its_first_step():
+    """The policies tell the controller where a request starts (observe's ``first``): two
+    requests of 5 and 3 steps count as 8 steps of 2 requests of the proposer that served them;
+    steps that asked for no proposal (plain decoding) count for none."""
+    from decoder.control import DRAFT
+
+    ctl = GoodputController(ControllerConfig(proposers=(DRAFT,), gamma_init=2))
+    key = ("prose", "greedy")
+    for steps in (5, 3):
+        pol = ctl.policy_for(key)
+        for _ in range(steps):
+            g = pol.gamma()
+            pol.update(StepStats(g, 0, 1, 0 if g else -1, 0.3 * g, 1.0, 10.0))
+    assert {p: n for p, n in ctl._keys[key].served.items()} == {DRAFT: [8, 2]}
+    pol = ctl.policy_for(("math", "greedy"))
+    for g in (0, 0, 2, 2):  # a request that starts with plain steps: its first proposing step is its first
+        ctl.observe(("math", "greedy"), StepStats(g, 0, 1, 0 if g else -1, 0.3 * g, 1.0, 10.0), proposer=DRAFT,
+                    first=not pol._updated)
+        pol._updated = pol._updated or g > 0
+    assert ctl._keys[("math", "greedy")].served == {DRAFT: [2, 1]}
