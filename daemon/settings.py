@@ -147,9 +147,10 @@ class ModelSettings(_Group):
     engine_threads: int | None = Field(None, ge=1, description="llama.cpp threads for decoding; unset = all cores.")
     v_cache: Literal["auto", "f16", "bf16"] = Field(
         "auto", description="llama.cpp's V cache type: bf16 keeps a verified row the same bits as the row decoded alone "
-                            "whatever the threads and batch mates; f16 (llama.cpp's default, faster) does so only for "
-                            "one sequence at one thread; auto = f16 there (serve.max_batch 1 and engine_threads 1, the "
-                            "demo), bf16 elsewhere. Plain decoding to compare a served output with must run the same type.")
+                            "whatever the threads and batch mates; f16 (llama.cpp's default, faster on a CPU without bf16 "
+                            "arithmetic) does so only for one sequence at one thread; auto = f16 there (serve.max_batch 1 "
+                            "and engine_threads 1, the demo) on such a CPU, bf16 elsewhere and on any CPU with "
+                            "AVX512-BF16 or AMX. Plain decoding to compare a served output with must run the same type.")
     format: str = Field(
         "auto", description="Weight format a built-in target (a name without '@') is served in on llama.cpp: auto = "
                             "measured at the first start on this CPU (the packaged file, F16, BF16, Q8_0: a plain step "

@@ -9,6 +9,7 @@ LoRA adapters (GGUF, :func:`decoder.models.gguf_export.lora_to_gguf`) are set pe
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import weakref
@@ -61,11 +62,31 @@ class LlamaCppSequence:
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml.h's enum ggml_type (llama_cpp exports no BF16 name)
 
 
-def auto_v_cache(n_seq: int, threads: int) -> str:
-    """The V cache type ``v_cache="auto"`` picks: ``"f16"`` (llama.cpp's default, faster) where a
-    verified row is the same bits as the row decoded alone with it, one sequence at one thread;
-    ``"bf16"`` wherever threads split the cache or sequences are fused (LlamaCppEngine's docstring)."""
-    return "f16" if int(n_seq) == 1 and int(threads) == 1 else "bf16"
+def auto_v_cache(n_seq: int, threads: int, native_bf16: bool | None = None) -> str:
+    """The V cache type ``v_cache="auto"`` picks: ``"bf16"`` (a verified row is the same bits as
+    the row decoded alone with it, at any thread count and fused or not) unless the CPU lacks
+    native bf16 (``native_bf16``; None: :func:`cpu_native_bf16`) and the engine runs one sequence at
+    one thread, where llama.cpp's default ``"f16"`` is exact too and faster. Measured with
+    ``bench/vcache_bench.py`` (bench/RESULTS.md): on an AVX2-only EPYC f16 plain decoding ran
+    0.987x llama.cpp's own and bf16 0.954x; on a Xeon with AVX512-BF16 and AMX bf16 ran 1.15x
+    llama.cpp's own and f16 0.97x."""
+    if native_bf16 is None:
+        native_bf16 = cpu_native_bf16()
+    return "f16" if not native_bf16 and int(n_seq) == 1 and int(threads) == 1 else "bf16"
+
+
+@functools.cache
+def cpu_native_bf16() -> bool:
+    """True when the CPU has bf16 arithmetic in hardware (the ``avx512_bf16`` or ``amx_bf16`` flag
+    of Linux's /proc/cpuinfo); False elsewhere or when it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            k, _, v = line.partition(":")
+            if k.strip() == "flags":
+                return bool({"avx512_bf16", "amx_bf16"} & set(v.split()))
+    except OSError:
+        pass
+    return False
 
 
 class LlamaCppEngine:
