@@ -933,15 +933,34 @@ def _decoded_rows(row: dict, runs, tot: dict, differs: dict, n_prompts: int) -> 
 
 
 def _live_side(row: dict, timeline: list, phase: str) -> None:
-    """The phase's served requests, first and last third: greedy α and tokens/s."""
+    """The phase's served requests, first and last third: greedy α (all speculating requests, and
+    per proposer: the draft's α is the learner's, the n-gram proposer's moves with the text) and
+    tokens/s."""
     served = [r for r in timeline if r["workload"] == phase]
     row["served"] = {"requests": len(served), "repeats": sum(bool(r.get("repeat")) for r in served)}
     third = max(1, len(served) // 3)
     for label, part in (("live_first_third", served[:third]), ("live_last_third", served[-third:])):
         al = [r["alpha"] for r in part if r["alpha"] is not None]
         tps = [r["tokens_per_s"] for r in part if r.get("tokens_per_s") is not None]
+        by: dict[str, list[float]] = {}
+        for r in part:
+            if r["alpha"] is not None and r.get("proposer"):
+                by.setdefault(r["proposer"], []).append(r["alpha"])
         row[label] = {"requests": len(part), "alpha": _nn(sum(al) / len(al)) if al else None,
+                      "alpha_by_proposer": {p: {"requests": len(v), "alpha": _nn(sum(v) / len(v))} for p, v in sorted(by.items())},
                       "tokens_per_s": _nn(sum(tps) / len(tps)) if tps else None}
+
+
+def _live_cell(r: dict) -> str:
+    """The live α first → last third of a phase, per proposer ("draft 0.11→0.55, ngram 0.74→0.33"),
+    or of all speculating requests for a report without the split."""
+    a, b = r.get("live_first_third") or {}, r.get("live_last_third") or {}
+    pa, pb = a.get("alpha_by_proposer"), b.get("alpha_by_proposer")
+    if pa is None or pb is None:
+        return f"{_cell(a.get('alpha'))} → {_cell(b.get('alpha'))}"
+    names = sorted(set(pa) | set(pb))
+    return ", ".join(f"{n} {_cell((pa.get(n) or {}).get('alpha'))}→{_cell((pb.get(n) or {}).get('alpha'))}"
+                     for n in names) or "-"
 
 
 _VERSIONS_CHECKED = 4  # adapter versions decoded per phase besides v0 and the final one, at most
@@ -1359,7 +1378,7 @@ def _decoded_table(report: dict, console, pct: int) -> None:
     t = Table(title="decoded on prompts never served (greedy): frozen v0 draft vs adapted draft vs the controller's pick")
     for c in ("phase", "prompts", "plain tok/s", "frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain",
               f"α gain [{pct} % CI]", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]",
-              f"pick ×llama.cpp plain [{pct} % CI]", "live α first→last third"):
+              f"pick ×llama.cpp plain [{pct} % CI]", "live α first→last third, per proposer"):
         t.add_column(c)
 
     for r in report["phases"]:
@@ -1372,7 +1391,7 @@ def _decoded_table(report: dict, console, pct: int) -> None:
                   f"{_cell(g.get('gain'))} {_interval(g)}", f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
                   _cell(pk["alpha"]), _cell(pk["tau"]), f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp else _cell(pk["speedup_vs_plain"]),
                   f"{_cell(lp['ratio'])} {_interval(lp)}" if lp else "-",
-                  f"{_cell(r['live_first_third']['alpha'])} → {_cell(r['live_last_third']['alpha'])}")
+                  _live_cell(r))
     console.print(t)
 
 

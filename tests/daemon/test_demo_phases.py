@@ -163,3 +163,25 @@ def test_a_status_without_the_turn_counts_or_with_some_of_them_reads_as_zeros():
     done, why = _phase_progress(cfg, _Svc({"code": {"judged": 2}}), "code", 130.0)
     assert not done and "2 of 2 turns judged" in why and "(0 turns) and 0 promotions" in why
     assert _phase_progress(cfg, _Svc(None), "code", 360.0)[0]
+
+
+def test_live_alpha_is_split_by_proposer():
+    """The live α of a phase's first and last third, per proposer: the draft's (the learner's)
+    rising while the n-gram proposer's falls reads as one falling number when pooled."""
+    from daemon.demo import _live_cell, _live_side
+
+    def req(proposer, alpha):
+        return {"workload": "code", "proposer": proposer, "alpha": alpha, "tokens_per_s": 50.0}
+
+    timeline = ([req("ngram", 0.8), req("ngram", 0.7), req("draft", 0.1)]  # first third
+                + [req(None, None)] * 3
+                + [req("draft", 0.5), req("draft", 0.6), req("ngram", 0.3)])  # last third
+    row: dict = {}
+    _live_side(row, timeline, "code")
+    assert row["live_first_third"]["alpha"] == pytest.approx((0.8 + 0.7 + 0.1) / 3, abs=1e-4)  # 4 decimals (_nn)
+    assert row["live_last_third"]["alpha"] == pytest.approx((0.5 + 0.6 + 0.3) / 3, abs=1e-4)
+    assert row["live_last_third"]["alpha_by_proposer"] == {"draft": {"requests": 2, "alpha": pytest.approx(0.55)},
+                                                          "ngram": {"requests": 1, "alpha": pytest.approx(0.3)}}
+    assert _live_cell(row) == "draft 0.100→0.550, ngram 0.750→0.300"
+    # a report written before the split: the pooled figures
+    assert _live_cell({"live_first_third": {"alpha": 0.5}, "live_last_third": {"alpha": None}}) == "0.500 → -"
