@@ -1648,7 +1648,8 @@ def register(app) -> None:
     ) -> None:
         """The main job: serve a shifting workload (prose -> code -> math -> extract) while the trainer adapts
         the draft in the background; live progress, then a frozen-vs-adapted table per phase and a
-        PNG of acceptance over time. --quick takes about 13 minutes on 2 cores once v0 is cached (15-16 with the first bootstrap on an AMX Xeon; longer on slower CPUs), the default about 25."""
+        PNG of acceptance over time. --quick takes about 13 minutes on 2 cores once v0 is cached (15-16
+        with the first bootstrap on an AMX Xeon; longer on slower CPUs), the default about 25."""
         from daemon.logging import configure
         from daemon.settings import ConfigError, load_settings
 
