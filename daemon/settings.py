@@ -375,7 +375,10 @@ class ServeSettings(_Group):
     heartbeat_s: float = Field(5.0, gt=0, description="How often the server writes its heartbeat to Redis (daemonctl status lists it).")
     speculation: bool = Field(True, description="false = plain decoding for every request (the baseline serve_bench compares with).")
     check_plain_every: int = Field(0, ge=0, description="Also decode every N-th greedy request plainly to report matches_plain (0 = never).")
-    record_prompt: bool = Field(True, description="Stream the target's distributions over each prompt too (DecoderConfig.record_prompt).")
+    record_prompt: bool = Field(False, description="Stream the target's distributions over each prompt too (DecoderConfig.record_prompt): "
+                                "more training positions per request, but logits at every prompt row, their top-k and a "
+                                "second record per request cost serving 9-17 % of its tokens/s at 1 client and its p99 "
+                                "inter-token latency 11 -> 33-45 ms (bench/RESULTS.md, issue 35); the demo turns it on.")
     record_hidden: bool = Field(False, description="Stream the target's final hidden state per position too (DecoderConfig.record_hidden: "
                                 "float16, 1152 bytes a position for SmolLM2-135M beside 196 for its top-32), the data a feature-level "
                                 "head (decoder.eagle, trainer.head) is distilled from; on llama.cpp the engine extracts them "
