@@ -477,6 +477,7 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                            f"{cfg.max_phase_seconds():.0f} s)" if cfg.phase_min_judged and svc is not None else ""))
             prompts = _prompts(phase, 1000, skip=cfg.eval_prompts)  # every distinct prompt there is (hundreds)
             start, i, extended = time.time(), 0, False
+            began = start  # the phase's first request (the first phase's clock starts later, at v0)
             while True:
                 now = time.time()
                 if k == 0 and trainer is not None and not trainer.ready.is_set():
@@ -503,7 +504,7 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                 timeline.append(row)
                 live.update(_progress_table(timeline, phase, svc, loop.manager, loop.controller, (phase, params.bucket()),
                                             loop.heads))
-            shift.update(seconds=round(time.time() - start, 1), ended=why, requests=i,
+            shift.update(seconds=round(time.time() - start, 1), wall_seconds=round(time.time() - began, 1), ended=why, requests=i,
                          turns=_workload_turns(svc, phase))
             traffic.phase_end_version[phase] = loop.decoder.adapter_version
             if loop.heads is not None:
@@ -1339,7 +1340,10 @@ def _phase_lengths(report: dict, console) -> None:
     for sh in report.get("shifts") or []:
         if "seconds" in sh:
             t = sh.get("turns") or {}
-            console.print(f"{sh['workload']}: served {sh['seconds']:.0f} s, {sh.get('requests', '?')} requests, "
+            wall = sh.get("wall_seconds")
+            since = (f"served {sh['seconds']:.0f} s after v0 ({wall:.0f} s in all)"
+                     if wall is not None and wall - sh["seconds"] > 1 else f"served {sh['seconds']:.0f} s")
+            console.print(f"{sh['workload']}: {since}, {sh.get('requests', '?')} requests, "
                           f"{t.get('turns', 0)} turns of its adapter ({t.get('judged', 0)} judged, "
                           f"{t.get('promoted', 0)} promoted); ended: {sh.get('ended')}")
 

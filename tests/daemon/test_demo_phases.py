@@ -76,12 +76,17 @@ def test_the_report_says_how_long_each_phase_served_and_why_it_ended():
          "ended": "120 s served and 2 judged turns of its adapter (1 promoted)",
          "turns": {"turns": 3, "judged": 2, "promoted": 1}},
         {"t": 131.2, "request": 40, "workload": "code"},  # a report of an older run: no lengths
+        {"t": 131.2, "request": 40, "workload": "math", "seconds": 122.0, "wall_seconds": 237.4, "requests": 383,
+         "ended": "phase_max_seconds 360 s reached", "turns": {"turns": 1, "judged": 0, "promoted": 0}},
     ]}
     out = io.StringIO()
     _phase_lengths(report, Console(file=out, width=200))
     assert out.getvalue().splitlines() == [
         "prose: served 131 s, 40 requests, 3 turns of its adapter (2 judged, 1 promoted); ended: 120 s served "
-        "and 2 judged turns of its adapter (1 promoted)"]
+        "and 2 judged turns of its adapter (1 promoted)",
+        # the first phase serves from the first request, its clock from v0: both said
+        "math: served 122 s after v0 (237 s in all), 383 requests, 1 turns of its adapter (0 judged, 0 promoted); "
+        "ended: phase_max_seconds 360 s reached"]
 
 
 class _Clock:
