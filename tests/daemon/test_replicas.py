@@ -276,8 +276,11 @@ def test_replicas_and_daemons_on_a_cluster_through_a_master_kill_a_trainer_kill_
 
         # every request b answered has its record before b dies
         deadline = time.monotonic() + 60
-        while not set(served[pb]) <= {decode(f).request_id for _, f in client.xrange(cfg.keys.stream)}:
-            assert time.monotonic() < deadline, "b's records did not reach the buffer"
+        while not set(served[pb]) <= (have_b := {decode(f).request_id for _, f in client.xrange(cfg.keys.stream)}):
+            assert time.monotonic() < deadline, (
+                f"b's records did not reach the buffer: {sorted(set(served[pb]) - have_b)} of {len(served[pb])} missing; "
+                f"dead letters: {[f for _, f in client.xrange(cfg.keys.stream + ':dead')][-3:]}; "
+                f"b's log: {log_b.read_text()[-3000:]}")
             time.sleep(1.0)
         print(f"[{time.monotonic() - T0:.0f} s] load stopped: {len(served[pa])} + {len(served[pb])} requests, 0 failed")
 
