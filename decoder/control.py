@@ -344,8 +344,8 @@ class GoodputController:
         do not depend on the batch.
 
         ``first``: whether this is its request's first step that asked for proposals (True /
-        False, as the policies of :meth:`policy_for` and the serving loop say); then α and the accepted lengths move by
-        ``ewma`` per *request* (:meth:`_request_weight`), since a request's steps share its prompt
+        False, as the policies of :meth:`policy_for` and the serving loop say); then α and the
+        accepted lengths move by ``ewma`` per *request* (:meth:`_request_weight`), since a request's steps share its prompt
         and are far from independent: weighted per step, one 20-step probe made 88 % of the
         estimate (a walkthrough's code pick rated the draft at α 0.90 after a probe at 0.88, and
         decoded α 0.45 at 0.58x plain). None (a caller that does not say): per step."""
@@ -365,7 +365,8 @@ class GoodputController:
                         asked, step.accepted, draft_ms + verify_ms, draft_ms, w, self._request_weight(s, proposer, first))
                 return
             if g:
-                wr = self._request_weight(s, proposer, first)  # a young estimate is the plain mean of its steps, until that weighs less than a request
+                # a young estimate is the plain mean of its steps, until that weighs less than a request
+                wr = self._request_weight(s, proposer, first)
                 s.alpha.add(step.alpha_sum / g, wr if first is None else max(wr, 1.0 / (s.alpha.n + 1)))
                 s.draft_ms_per_token.add(draft_ms / g, w, now, hl)
 
