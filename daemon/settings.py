@@ -17,6 +17,7 @@ environment themselves.
 from __future__ import annotations
 
 import os
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -54,9 +55,20 @@ the tokenizer has more than twice as many (:func:`effective_draft_vocab`)."""
 
 
 class _Group(BaseModel):
-    """A settings group: unknown keys (a typo in the TOML or in DRAFTD_<GROUP>__<FIELD>) are errors."""
+    """A settings group: unknown keys (a typo in the TOML or in DRAFTD_<GROUP>__<FIELD>) are errors,
+    and so is a boolean where a number is expected (pydantic would read TOML's ``true`` as 1)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, v, info):
+        if isinstance(v, bool):
+            ann = cls.model_fields[info.field_name].annotation
+            kinds = typing.get_args(ann) or (ann,)
+            if bool not in kinds and any(k in (int, float) for k in kinds):
+                raise ValueError(f"{v!r} is a boolean; this setting takes a number")
+        return v
 
 
 class RedisSettings(_Group):

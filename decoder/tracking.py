@@ -82,8 +82,8 @@ class Window:
             "alpha_sum": self.request_alpha_sum,
             "alpha_count": self.request_alpha_count,
             "overlap_sum": c.alpha_sum,  # Σ over proposed positions of Σ min(p, q): pooled α on read
-            # a broken clock's reading (inf, NaN) loses the time, not the window's counts
-            "wall_ms": c.decode_ms if math.isfinite(c.decode_ms) else 0.0,
+            # a broken clock's reading (inf, NaN, negative) loses the time, not the window's counts
+            "wall_ms": c.decode_ms if math.isfinite(c.decode_ms) and c.decode_ms >= 0 else 0.0,
         }
 
     def summary(self) -> dict[str, Any]:

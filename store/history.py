@@ -207,7 +207,7 @@ class AcceptanceHistory:
 
         Raises:
             ValueError: an unknown counter name, a non-integer value for an integer counter, a
-                non-finite value or ``ts``, an empty workload name, a ``seq`` outside 1..2**53
+                negative or non-finite value, a non-finite ``ts``, an empty workload name, a ``seq`` outside 1..2**53
                 (the script compares them as doubles), or a counter that would leave what Redis
                 keeps (a 64-bit integer; nothing is written then); the message names the
                 offending key.
@@ -222,6 +222,9 @@ class AcceptanceHistory:
             raise ValueError(f"history counters must be finite numbers, got {bad} for {workload!r} v{version}")
         if not workload:
             raise ValueError("workload name is empty; pass the request's workload tag")
+        neg = {k: v for k, v in counts.items() if float(v) < 0}
+        if neg:  # every counter is a count or a sum of non-negative terms: a negative one is a caller's bug
+            raise ValueError(f"history counters must be >= 0, got {neg} for {workload!r} v{version}")
         args: list = []
         for name, value in counts.items():
             if name in INT_COUNTS:

@@ -481,7 +481,8 @@ class TrainerService:
 
     def _check(self) -> None:
         """Cheap job: pull the round forward when enough new entries wait."""
-        if self._paused or self._lock.locked() or self._scheduler is None or not self.leading:
+        sched = self._scheduler  # read once: stop() may clear it meanwhile
+        if self._paused or self._lock.locked() or sched is None or not self.leading:
             return
         try:
             waiting = self.backlog() if self.backlog else 0
@@ -491,7 +492,7 @@ class TrainerService:
         if waiting >= self.config.min_new_samples:
             log.info("trainer_round_triggered", waiting=waiting, min_new_samples=self.config.min_new_samples)
             self._next_trigger = "backlog"
-            self._scheduler.modify_job("round", next_run_time=datetime.now(timezone.utc))
+            sched.modify_job("round", next_run_time=datetime.now(timezone.utc))
 
     def _scheduled(self) -> None:
         trigger, self._next_trigger = self._next_trigger, "interval"
@@ -508,7 +509,8 @@ class TrainerService:
         return self.leadership is None or self.leadership.leading
 
     def status(self) -> dict:
-        job = self._scheduler.get_job("round") if self._scheduler is not None else None
+        sched = self._scheduler  # read once: stop() may clear it meanwhile
+        job = sched.get_job("round") if sched is not None else None
         nxt = job.next_run_time if job is not None else None
         return {
             "paused": self._paused,

@@ -153,3 +153,19 @@ def test_shared_turn_off_needs_workload_turns(monkeypatch):
 
     cfg = service_config(load_settings(None))
     assert (cfg.per_workload, cfg.shared_turn) == (True, False)
+
+
+@pytest.mark.parametrize("group, key", [("models", "format_max_seconds"), ("models", "engine_threads"),
+                                        ("trainer", "interval_s")])
+def test_a_boolean_where_a_number_belongs_is_refused(tmp_path, group, key):
+    """TOML's ``true`` for a number was read as 1 (pydantic's lax mode): a cap of 1 s, one thread."""
+    p = tmp_path / "c.toml"
+    p.write_text(f"[{group}]\n{key} = true\n")
+    with pytest.raises(ConfigError, match=f"(?s){group}.{key}.*True is a boolean; this setting takes a number"):
+        load_settings(p)
+
+
+def test_boolean_settings_still_take_booleans(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[serve]\nrecord_prompt = true\n")
+    assert load_settings(p).serve.record_prompt is True

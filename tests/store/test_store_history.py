@@ -84,6 +84,11 @@ def test_record_validates_counters(hist):
         hist.record("chat", 0, {"num_steps": 1.5})
     with pytest.raises(ValueError, match="empty"):
         hist.record("", 0, {"num_steps": 1})
+    # a negative count (a caller's subtraction gone wrong) would silently lower the stored totals
+    with pytest.raises(ValueError, match=r"must be >= 0, got \{'num_accepted_tokens': -3\} for 'chat' v0"):
+        hist.record("chat", 0, {"num_draft_tokens": 4, "num_accepted_tokens": -3})
+    with pytest.raises(ValueError, match="alpha_sum"):
+        hist.record("chat", 0, {"alpha_sum": -0.5})
     assert hist.read() == []
 
 
