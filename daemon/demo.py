@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -91,6 +92,9 @@ class DemoConfig:
     # FIXED_COPY_GATE ("frozen_fixedgate": λ = 1 where the match is >= 3 tokens: the heuristic the
     # learnt gate competes with)
     copy_ablation: bool = True
+    # requests per workload that measure step costs again once the trainer has stopped, before the
+    # evaluation asks the controller for its picks (_remeasure); 0: the picks priced beside the trainer
+    remeasure_requests: int = 4
     seed: int = 0
     out_dir: Path = field(default_factory=lambda: Path("out/demo"))
 
@@ -103,6 +107,8 @@ class DemoConfig:
         if not (isinstance(self.phase_min_judged, int) and self.phase_min_judged >= 0):
             raise ValueError(f"phase_min_judged={self.phase_min_judged}: must be >= 0 (0 = time-bounded phases; "
                              f"--phase-min-judged)")
+        if isinstance(self.remeasure_requests, bool) or not isinstance(self.remeasure_requests, int) or self.remeasure_requests < 0:
+            raise ValueError(f"remeasure_requests={self.remeasure_requests!r}: must be an int >= 0 (0: no re-measurement)")
         if self.phase_max_seconds is not None and not (self.phase_seconds <= self.phase_max_seconds < math.inf):
             raise ValueError(f"phase_max_seconds={self.phase_max_seconds}: must be finite and >= phase_seconds="
                              f"{self.phase_seconds} (--phase-max-seconds)")
@@ -171,7 +177,9 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         loop, oai = _start_serving(stack, settings, cfg, store, models, trainer, console)
         params = SamplingParams()  # greedy: α per position = agreement with the target's argmax
         traffic = _serve_phases(cfg, oai, loop, models.tok, settings.models.target, trainer.svc, params, console, trainer)
-        _finish_serving(trainer, loop, console)
+        remeasured = _finish_serving(trainer, loop, console, remeasure=(
+            (lambda: _remeasure(cfg, oai, loop, models.tok, settings.models.target, traffic, console))
+            if cfg.remeasure_requests else None))
         table = evaluate_phases(cfg, trainer.heldout, traffic.phase_end_version, traffic.timeline, trainer.distiller,
                                 trainer.registry, loop.decoder, frozen_draft=_v0_draft(models, trainer),
                                 tok=models.tok, params=params, console=console, controller=loop.controller,
@@ -179,6 +187,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
                                 peer=_llamacpp_peer(settings, models, loop.decoder, console))
         loop.tracker.flush()
         report = _report(cfg, run_id, t_start, store, models, trainer, loop, traffic, table)
+        report["remeasured"] = remeasured
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
     plot_timeline(traffic.timeline, traffic.shifts, out_dir / "acceptance.png")
     report["plot"] = str(out_dir / "acceptance.png")
@@ -597,9 +606,11 @@ def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: i
     }
 
 
-def _finish_serving(trainer: _Trainer, loop, console) -> None:
+def _finish_serving(trainer: _Trainer, loop, console, remeasure: Callable[[], Any] | None = None) -> Any:
     """Stop the trainer and the adapter manager with the last promoted adapter installed, so the
-    decoder runs one fixed adapter through the evaluation."""
+    decoder runs one fixed adapter through the evaluation. ``remeasure`` runs once the trainer
+    has stopped and the last promoted version is prepared, while each workload's requests still
+    get their own adapter (:func:`_remeasure`); its result is returned."""
     decoder, manager = loop.decoder, loop.manager
     trainer.ready.wait()  # the warm start has settled (the first phase waited for it) and started the schedule
     trainer.svc.stop()  # a running round finishes first
@@ -608,6 +619,7 @@ def _finish_serving(trainer: _Trainer, loop, console) -> None:
     latest = trainer.registry.active_version()
     if latest != decoder.adapter_version:
         manager.wait_prepared(latest, 60)
+    remeasured = remeasure() if remeasure is not None else None
     # The watcher thread briefly holds the model lock (eviction) and the switch never waits for
     # it (a request must not block), so stop the watcher before the last switch.
     manager.stop()
@@ -627,6 +639,36 @@ def _finish_serving(trainer: _Trainer, loop, console) -> None:
     console.log(f"serving done (shared adapter v{decoder.adapter_version}"
                 + (f"; per workload: {', '.join(f'{w} v{v}' for w, v in sorted(own.items()))}" if own else "")
                 + "); evaluating frozen vs adapted drafts")
+    return remeasured
+
+
+def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traffic, console) -> dict[str, Any]:
+    """The controller's step costs measured again with the trainer stopped, before the evaluation
+    asks it for each workload's pick: every step of the phases ran beside the trainer's rounds,
+    where a verified row cost more of a plain step than it does alone, and the evaluation decodes
+    alone. ``GoodputController.remeasure_costs`` and ``StepCost.clear`` forget the costs (α and
+    the accepted lengths stay), then ``cfg.remeasure_requests`` requests per workload, prompts of
+    its pool its phase never reached (never served, never evaluated), warm each proposer and plain
+    decoding up again through the API, as after any change of load. Returns what it served."""
+    t0 = time.time()
+    cost = loop.decoder.step_cost
+    before = {"step_cost_ms": cost.status(), "engine_ceiling": cost.ceiling(loop.controller.config.gamma_max)}
+    keys = loop.controller.remeasure_costs()
+    cost.clear()
+    served = {s["workload"]: int(s.get("requests") or 0) for s in traffic.shifts}
+    rows = []
+    for phase in cfg.phases:
+        pool = _prompts(phase, 1000, skip=cfg.eval_prompts)
+        for j in range(cfg.remeasure_requests):
+            rows.append(_serve_one(oai, loop, tok, model_name, phase, pool[(served.get(phase, 0) + j) % len(pool)],
+                                   cfg.max_new_tokens, t0))
+    out = {"requests": len(rows), "keys": keys, "seconds": round(time.time() - t0, 1),
+           "beside_trainer": before, "step_cost_ms": cost.status(),
+           "decisions": [{"workload": r["workload"], "proposer": r["proposer"], "gamma": r["gamma"],
+                          "decision": r["decision"]} for r in rows]}
+    console.log(f"the trainer stopped: step costs measured again on {len(rows)} requests ({out['seconds']:.0f} s) "
+                f"before the evaluation asks the controller for its picks")
+    return out
 
 
 def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models: _Models, trainer: _Trainer, loop,
@@ -1565,14 +1607,18 @@ def _recovery_and_footer(report: dict, console) -> None:
         rc.add_row(f"{r['from']} → {r['workload']}", _cell(r["pre_shift_alpha"]), _cell(r["requests"]), _cell(r["seconds"]),
                    _cell(r["recovered_alpha"]))
     console.print(rc)
-    ceil, cost = report.get("engine_ceiling"), report.get("step_cost_ms") or {}
-    if ceil:
+    beside = (report.get("remeasured") or {}).get("beside_trainer")
+    for ceil, cost, when in ((report.get("engine_ceiling"), report.get("step_cost_ms") or {},
+                              "at the evaluation, the trainer stopped" if beside else "beside the trainer"),
+                             *(((beside.get("engine_ceiling"), beside.get("step_cost_ms") or {}, "while serving, beside the trainer"),)
+                               if beside else ())):
+        if not ceil:
+            continue
         two = cost.get(2, cost.get("2"))
         one = cost.get(1, cost.get("1"))
-        console.print(f"engine ceiling: even if every proposal were accepted at no cost, speculation here could run at most "
+        console.print(f"engine ceiling {when}: even if every proposal were accepted at no cost, speculation could run at most "
                       f"{ceil['speedup']:.2f}x plain (γ={ceil['gamma']})"
-                      + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else "")
-                      + " (step_cost_ms, beside the trainer)")
+                      + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else ""))
     lossless = _lossless_summary(report)
     if lossless:
         console.print(lossless)

@@ -326,6 +326,26 @@ class GoodputController:
             return 1.0
         return self.step_cost.batch_factor(batch, rows)
 
+    def remeasure_costs(self) -> int:
+        """Forget what steps cost, for every key: the verification ms per γ and the plain step's,
+        the per-step overhead, the draft's ms per token, each length-modelled proposer's step ms
+        (and its warm-up), the draft's ceiling back-off; keep α, the accepted lengths and the
+        request counts. Each key's next requests warm up again (each proposer at ``gamma_init``
+        for ``min_steps`` steps, then plain decoding), so its choice is priced at what steps cost
+        from now on. For a change of load the EWMAs would follow only where the controller still
+        chooses to measure: a trainer that ran beside every step and stops leaves its priced-up
+        verifications standing for whatever is never chosen again. Returns the keys reset."""
+        with self._lock:
+            for s in self._keys.values():
+                s.verify_ms = {}
+                s.overhead_ms = _Ewma()
+                s.draft_ms_per_token = _Ewma()
+                for m in s.lengths.values():
+                    m.step_ms, m.draft_ms, m.steps = {}, _Ewma(), 0
+                s.ceiling_probes, s.last_ceiling_probe, s.last_ceiling_probe_t = 0, 0, None
+                s.warming = {}
+            return len(self._keys)
+
     def observe_overhead(self, key: Key, ms: float, batch: int = 1) -> None:
         """Fold one step's overhead (wall time - draft ms - verify ms: sampling, the acceptance
         test, stop checks, cache crops), which every step pays, plain ones included; a step in a
@@ -643,7 +663,8 @@ class GoodputController:
         for name in self.offered():
             if name == DRAFT:
                 steps = s.alpha.n and sum(e.n for g, e in s.verify_ms.items() if g > 0)
-                cold = s.alpha.n == 0 or steps < c.min_steps
+                # (its ms per token is unmeasured only before its first step, or after remeasure_costs)
+                cold = s.alpha.n == 0 or steps < c.min_steps or s.draft_ms_per_token.n == 0
             else:
                 m = s.lengths.get(name)
                 cold = m is None or m.steps < c.min_steps

@@ -95,6 +95,16 @@ class StepCost:
                 self._fused.setdefault((batch, rows), deque(maxlen=self.window))
             into.append((ms, ms / ref if ref > 0 else None))
 
+    def clear(self) -> None:
+        """Forget every reading: the next steps measure t(n) anew. For a change of load the
+        paired ratios cannot follow (a trainer that ran beside every measured step and stops:
+        beside it a verified row cost more of a plain step than alone)."""
+        with self._lock:
+            self._plain.clear()
+            self._rows.clear()
+            self._fused.clear()
+            self._est = self._fused_est = None
+
     def _estimates(self) -> dict[int, float]:
         """t(n) per measured n (lock held)."""
         if self._est is not None:

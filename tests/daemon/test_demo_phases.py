@@ -190,3 +190,61 @@ def test_live_alpha_is_split_by_proposer():
     assert _live_cell(row) == "draft 0.100→0.550, ngram 0.750→0.300"
     # a report written before the split: the pooled figures
     assert _live_cell({"live_first_third": {"alpha": 0.5}, "live_last_third": {"alpha": None}}) == "0.500 → -"
+
+
+def test_step_costs_are_measured_again_once_the_trainer_stopped_on_prompts_never_served(monkeypatch):
+    """The phases priced every verification beside the trainer's rounds; before the evaluation
+    asks the controller for its picks, _remeasure forgets the costs (the controller's and the
+    decoder's StepCost), keeps α, and serves ``remeasure_requests`` requests per workload from
+    the part of its pool its phase never reached (never served, never an evaluation prompt)."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    import daemon.demo as demo
+    from decoder.control import ControllerConfig, GoodputController
+    from decoder.metrics import StepStats
+    from decoder.proposers.cost import StepCost
+
+    ctl = GoodputController(ControllerConfig(gamma_max=2, gamma_init=2, min_steps=2, proposers=("ngram", "draft")))
+    cost = StepCost()
+    for _ in range(3):  # beside the trainer: 2 proposals + 1 row cost 3 plain steps
+        cost.add(1, 10.0)
+        cost.add(3, 30.0)
+        ctl.observe(("code", "greedy"), StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
+        ctl.observe(("code", "greedy"), StepStats(2, 1, 2, 1, 1.0, 2.0, 30.0))
+    alpha = ctl.decision(("code", "greedy"))["alpha"]
+    served = []
+
+    def serve_one(oai, loop, tok, model, phase, p, n, t0):
+        served.append((phase, p))
+        cost.add(1, 10.0)
+        cost.add(3, 14.0)  # alone: 1.4 plain steps
+        return {"workload": phase, "proposer": None, "gamma": 0, "decision": "warm-up: measuring plain decoding"}
+
+    monkeypatch.setattr(demo, "_serve_one", serve_one)
+    monkeypatch.setattr(demo, "_prompts", lambda w, n, skip=0: [f"{w}{i}" for i in range(skip, skip + 10)])
+    cfg = DemoConfig.quick(phases=("code", "math"), eval_prompts=8, remeasure_requests=2)
+    loop = types.SimpleNamespace(controller=ctl, decoder=types.SimpleNamespace(step_cost=cost))
+    traffic = demo._Traffic()
+    traffic.shifts = [{"workload": "code", "requests": 3}, {"workload": "math", "requests": 9}]
+    screen = io.StringIO()
+    out = demo._remeasure(cfg, None, loop, None, "m", traffic, Console(file=screen, width=300))
+    # code served its pool's prompts 8..10 (0..7 are the evaluation's): 11 and 12 are next;
+    # math reached the end of its 10: the pool wraps (a real pool holds hundreds)
+    assert served == [("code", "code11"), ("code", "code12"), ("math", "math17"), ("math", "math8")]
+    assert out["requests"] == 4 and out["keys"] == 1
+    assert out["beside_trainer"]["step_cost_ms"] == {1: 10.0, 3: 30.0}
+    assert out["step_cost_ms"] == {1: 10.0, 3: 14.0}  # only what was measured after the trainer stopped
+    d = ctl.decision(("code", "greedy"))
+    assert d["t_plain_ms"] is None and d["alpha"] == alpha  # costs forgotten, α kept
+    assert "step costs measured again on 4 requests" in screen.getvalue()
+
+
+def test_remeasure_requests_must_be_a_count():
+    assert DemoConfig.quick().remeasure_requests == 4
+    assert DemoConfig.quick(remeasure_requests=0).remeasure_requests == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="remeasure_requests=.*must be an int >= 0"):
+            DemoConfig.quick(remeasure_requests=bad)

@@ -699,3 +699,57 @@ def test_each_request_policy_marks_its_first_step():
                     first=not pol._updated)
         pol._updated = pol._updated or g > 0
     assert ctl._keys[("math", "greedy")].served == {DRAFT: [2, 1]}
+
+
+def test_remeasure_costs_forgets_what_steps_cost_and_keeps_what_was_accepted():
+    """Beside a trainer every verified row cost more: the n-gram proposer's 3 tokens per 30 ms
+    step tied plain decoding's 0.1 tok/ms, so plain served. After the trainer stops,
+    remeasure_costs makes each proposer warm up again, and the same acceptance at the quiet
+    step cost (14 ms) wins: 3 / 14 = 0.214 tok/ms. α and the accepted lengths are kept."""
+    cfg = ControllerConfig(gamma_max=2, gamma_init=2, probe_every=50, min_steps=2, proposers=("ngram", "draft"))
+    ctl = GoodputController(cfg)
+    key = ("extract", "greedy")
+    _draft_steps(ctl, key, 4.0, {1: 20.0, 2: 28.0}, alpha=0.3)
+    for _ in range(4):
+        ctl.observe(key, StepStats(2, 2, 3, -1, 2.0, 0.0, 30.0), proposer="ngram", asked=2)
+    before = ctl.decision(key)
+    assert before["tokens_per_ms_by_proposer"]["ngram"][2] == pytest.approx(3 / 30, rel=1e-3)
+    assert not before["speculate"]  # 0.1 tok/ms: not 5 % above plain's 0.1
+    alpha = before["alpha"]
+
+    assert ctl.remeasure_costs() == 1
+    d = ctl.decision(key)
+    assert d["t_plain_ms"] is None and d["t_verify_ms"][2] is None and d["alpha"] == alpha
+    pol = ctl.policy_for(key)
+    assert pol.gamma() == 2 and pol.proposer_name() == "ngram" and pol.decision["why"] == "warm-up: measuring ngram at γ=2"
+    for _ in range(2):  # quiet: the same 2 of 2 accepted, at 14 ms a step
+        ctl.observe(key, StepStats(2, 2, 3, -1, 2.0, 0.0, 14.0), proposer="ngram", asked=2)
+    pol = ctl.policy_for(key)
+    assert pol.gamma() == 2 and pol.proposer_name() == "draft"  # then the draft's costs
+    for _ in range(2):
+        ctl.observe(key, StepStats(2, 0, 1, 0, 0.6, 4.0, 14.0))
+    pol = ctl.policy_for(key)
+    assert pol.gamma() == 0 and pol.decision["why"] == "warm-up: measuring plain decoding"
+    for _ in range(2):
+        ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
+    d = ctl.decision(key)
+    assert d["alpha"] == pytest.approx(alpha, abs=0.05)
+    assert d["tokens_per_ms"][0] == pytest.approx(0.1)
+    assert d["tokens_per_ms_by_proposer"]["ngram"][2] == pytest.approx(3 / 14, rel=1e-3)
+    pol = ctl.policy_for(key)
+    assert (pol.gamma(), pol.proposer_name()) == (2, "ngram")
+
+
+def test_step_cost_clear_forgets_every_reading():
+    from decoder.proposers.cost import StepCost
+
+    c = StepCost()
+    for _ in range(3):
+        c.add(1, 10.0)
+        c.add(3, 30.0)
+    assert c.ms(3) == pytest.approx(30.0)
+    c.clear()
+    assert math.isnan(c.ms(1)) and c.status() == {}
+    c.add(1, 10.0)
+    c.add(3, 14.0)
+    assert c.ms(3) == pytest.approx(14.0)
