@@ -400,7 +400,8 @@ class ServingLoop:
             n = getattr(eng.capabilities, "max_sequences", 1)
             if n < mb:
                 return None, f"{role} engine holds {n} sequences, fewer than max_batch = {mb}"
-        return (StepScheduler(self.clock, self.config.step_token_budget),
+        # a lone request forwards on its own thread while nothing waits in the queue to join it
+        return (StepScheduler(self.clock, self.config.step_token_budget, wants_boundary=lambda: not self._q.empty()),
                 f"continuous batching of up to {mb} requests")
 
     # ---- the worker --------------------------------------------------------------------------

@@ -666,3 +666,63 @@ def test_logprobs_served_in_a_batch_are_the_engines_own_scores(real):
             if r.params.greedy:
                 assert out == top.indices[:, 0].tolist(), r.request_id
     assert any(int(k) >= 2 for k in st["by_sequences"]), st
+
+
+def test_a_lone_member_forwards_on_its_own_thread_until_a_request_waits_to_join():
+    """Batch 1: with the driver parked and nothing queued, a member's forwards run on its own
+    thread (no hand-off); once ``wants_boundary`` says a request waits, the next forward goes
+    through the driver, which fuses it with the newcomer's. Rows are the same either way."""
+    import time
+
+    eng = _FakeEngine()
+    waiting = threading.Event()
+    sched = StepScheduler(wants_boundary=waiting.is_set)
+    threads: list[str] = []
+    got: dict[int, list] = {}
+    orig = eng.forward_batch
+
+    def forward_batch(items, hidden=False):
+        threads.append(threading.current_thread().name)
+        return orig(items, hidden)
+
+    eng.forward_batch = forward_batch
+
+    def parked():  # the driver is back at its boundary (else the forward would go to it: still correct)
+        t0 = time.monotonic()
+        while not sched._parked and time.monotonic() - t0 < 10:
+            time.sleep(0.001)
+
+    def member(sid, steps, first=False):
+        s = _Seq(eng, sid)
+        rows = []
+        for k in range(steps):
+            if first and k in (1, 2, 3):
+                parked()
+            if first and k == 4:
+                waiting.set()  # a request queues: this forward goes to the driver, which admits it
+            rows.append(s.forward([1], 1).tolist())
+        got[sid] = rows
+
+    def drive():
+        admitted = False
+        while True:
+            sched.wait_boundary()
+            if waiting.is_set() and not admitted:
+                admitted = True
+                waiting.clear()
+                sched.spawn(lambda: member(1, 2), "m1")
+                continue
+            if sched.pending:
+                sched.fire()
+            elif not sched.members:
+                return
+
+    sched.spawn(lambda: member(0, 6, first=True), "m0")
+    drive()
+    assert got[0] == [[[0, k]] for k in range(6)] and got[1] == [[[1, 0]], [[1, 1]]]
+    # forwards 1-3 on the member's own thread; from the one after the request queued, fused
+    # with the newcomer's on the driver's
+    assert threads[1:4] == ["draftd-batch-m0"] * 3, threads
+    assert eng.calls[4:] == [[0, 1], [0, 1]], eng.calls
+    assert threads[4:] == [threading.current_thread().name] * 2, threads
+    assert sched.status()["solo_forwards"] in (3, 4) and sum(sched.by_sequences.values()) == len(eng.calls) == 6
