@@ -19,11 +19,6 @@ proposal rows together), and hands each member its own rows::
 A member's forward that fails in a fused call is retried alone, so only the request whose rows
 are at fault gets the error.
 
-Batch 1 (``wants_boundary``): a member alone in the batch, with the driver parked at its boundary
-and nothing waiting to join (``wants_boundary()`` False), runs its forward on its own thread:
-the step then costs no hand-off to the driver and back (two thread wake-ups, each waiting for the
-GIL). The next forward after a request queues goes through the driver, which admits it.
-
 A per-step token budget (``step_token_budget``; serve's ``serve.step_token_budget``, as vLLM's
 ``max_num_batched_tokens`` with chunked prefill and llama-server's batch of decode rows plus prompt
 tokens) keeps the steps of short requests cheap while a long prompt prefills beside them: when a
@@ -130,24 +125,17 @@ class StepScheduler:
         step_token_budget: tokens (rows fed) a member's forward may put into a step that also
             serves a forward of another member no longer than this (module docstring); the rest
             goes into the following steps. None: forwards go in whole (no budget).
-        wants_boundary: ``() -> bool``, True while a request waits to be admitted (the serving
-            loop's queue is not empty); with it a lone member forwards on its own thread while it
-            is False (module docstring, "Batch 1"). None: every forward goes through the driver.
 
     Raises:
         ValueError: ``step_token_budget`` not None nor an int >= 1.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, step_token_budget: int | None = None,
-                 wants_boundary: Callable[[], bool] | None = None):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, step_token_budget: int | None = None):
         if step_token_budget is not None and (isinstance(step_token_budget, bool) or not isinstance(step_token_budget, int)
                                               or step_token_budget < 1):
             raise ValueError(f"step_token_budget={step_token_budget!r}: must be an int >= 1 (tokens), or None for no budget")
         self.clock = clock
         self.step_token_budget = step_token_budget
-        self.wants_boundary = wants_boundary
-        self._parked = False  # the driver waits in wait_boundary (it touches no engine until woken)
-        self.solo = 0  # forwards a lone member ran itself (the batch-1 path)
         self.cut = 0  # forwards' pieces fed under the budget while the rest waited (steps a prefill was held back)
         self._mu = threading.Lock()  # guards the state below; each thread is woken by its own event
         self._idle = threading.Event()  # no member holds the baton and none is ready: a step boundary
@@ -213,18 +201,6 @@ class StepScheduler:
         m = getattr(self._local, "member", None)
         if m is None:  # not a member's thread (a routed thread outside spawn): decode at once
             return engine.forward_batch([(seq, tokens, keep)], hidden)[0]
-        if self.wants_boundary is not None and self._solo(m) and not self.wants_boundary():
-            # batch 1: nobody to fuse with and nobody waiting to join, and the driver parked at
-            # its boundary, so the forward runs here, without the two thread hand-offs
-            t0 = self.clock()
-            out = engine.forward_batch([(seq, tokens, keep)], hidden)[0]
-            m.batch_size = 1
-            self.decode_ms += (self.clock() - t0) * 1e3
-            self.fired += 1
-            self.solo += 1
-            self.rows += len(tokens)
-            self.by_sequences[1] += 1
-            return out
         c = _Call(m, engine, seq, tokens, keep, hidden)
         with self._mu:
             self._pending.append(c)
@@ -235,11 +211,6 @@ class StepScheduler:
             raise c.error
         return c.result
 
-    def _solo(self, m: Member) -> bool:
-        """``m`` holds the baton alone: no other member, no forward waiting, the driver parked."""
-        with self._mu:
-            return self._parked and self._current is m and not self._pending and not self._ready and len(self._members) == 1
-
     def last_batch_size(self) -> int:
         """Sequences in the fused forward that served this thread's last call (1 outside a member)."""
         m = getattr(self._local, "member", None)
@@ -248,13 +219,7 @@ class StepScheduler:
     # ---- the driver --------------------------------------------------------------------------
     def wait_boundary(self, timeout: float | None = None) -> bool:
         """Block until no member runs (each waits on a forward, or there are none); True then."""
-        with self._mu:
-            self._parked = True
-        try:
-            return self._idle.wait(timeout)
-        finally:
-            with self._mu:
-                self._parked = False
+        return self._idle.wait(timeout)
 
     @property
     def pending(self) -> int:
@@ -323,8 +288,7 @@ class StepScheduler:
         """Fused forwards, by the sequences in each, rows and ms, the step token budget and how many
         forwards' pieces it held back a rest of (``budget_cut_pieces``); JSON-ready."""
         n = sum(self.by_sequences.values())
-        return {"fused_forwards": n, "solo_forwards": self.solo,
-                "by_sequences": {str(k): v for k, v in sorted(self.by_sequences.items())},
+        return {"fused_forwards": n, "by_sequences": {str(k): v for k, v in sorted(self.by_sequences.items())},
                 "mean_sequences": round(sum(k * v for k, v in self.by_sequences.items()) / n, 3) if n else None,
                 "rows": self.rows, "decode_ms": round(self.decode_ms, 3),
                 "step_token_budget": self.step_token_budget, "budget_cut_pieces": self.cut}

@@ -400,8 +400,7 @@ class ServingLoop:
             n = getattr(eng.capabilities, "max_sequences", 1)
             if n < mb:
                 return None, f"{role} engine holds {n} sequences, fewer than max_batch = {mb}"
-        # a lone request forwards on its own thread while nothing waits in the queue to join it
-        return (StepScheduler(self.clock, self.config.step_token_budget, wants_boundary=lambda: not self._q.empty()),
+        return (StepScheduler(self.clock, self.config.step_token_budget),
                 f"continuous batching of up to {mb} requests")
 
     # ---- the worker --------------------------------------------------------------------------
