@@ -60,7 +60,15 @@ class DemoConfig:
     # enough held-out evidence (its gate's min_eval_requests / min_eval_positions), at most phase_max_seconds
     # (None: 3 x phase_seconds); 0: time-bounded phases. _phase_progress
     phase_min_judged: int = 2
+    # ... and until the workload's own promoted version has served this many of the phase's
+    # requests (a version promoted in the phase's last second served nothing of it); 0: not asked
+    phase_min_served: int = 6
     phase_max_seconds: float | None = None
+    # while v0 bootstraps (the first run on a pair), the demo's client leaves the cores to it: it
+    # waits after each request so that serving takes at most this share of the wall time (the
+    # service still answers at once; beside a closed loop of requests the bootstrap ran 2.6x
+    # slower, bench/RESULTS.md "The bootstrap beside serving"); 1: no waiting
+    bootstrap_duty: float = 0.25
     max_new_tokens: int = 32
     eval_prompts: int = 12  # per phase, never served, for the frozen-vs-adapted table (paired per prompt)
     eval_new_tokens: int = 64  # tokens decoded per evaluation prompt
@@ -107,6 +115,12 @@ class DemoConfig:
         if not (isinstance(self.phase_min_judged, int) and self.phase_min_judged >= 0):
             raise ValueError(f"phase_min_judged={self.phase_min_judged}: must be >= 0 (0 = time-bounded phases; "
                              f"--phase-min-judged)")
+        if not (isinstance(self.phase_min_served, int) and not isinstance(self.phase_min_served, bool)
+                and self.phase_min_served >= 0):
+            raise ValueError(f"phase_min_served={self.phase_min_served!r}: must be an int >= 0 (0: not asked)")
+        if isinstance(self.bootstrap_duty, bool) or not isinstance(self.bootstrap_duty, (int, float)) \
+                or not 0 < self.bootstrap_duty <= 1:
+            raise ValueError(f"bootstrap_duty={self.bootstrap_duty!r}: must be a fraction in (0, 1] (1: no waiting)")
         if isinstance(self.remeasure_requests, bool) or not isinstance(self.remeasure_requests, int) or self.remeasure_requests < 0:
             raise ValueError(f"remeasure_requests={self.remeasure_requests!r}: must be an int >= 0 (0: no re-measurement)")
         if self.phase_max_seconds is not None and not (self.phase_seconds <= self.phase_max_seconds < math.inf):
@@ -475,6 +489,7 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
     timeline, shifts = traffic.timeline, traffic.shifts
     t0 = time.time()
     stopped = False  # said once that the trainer never started
+    paced = False  # said once that the client waits while v0 bootstraps
     with _live(console) as live:
         for k, phase in enumerate(cfg.phases):
             shift = {"t": time.time() - t0, "request": len(timeline), "workload": phase}
@@ -500,14 +515,22 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                         stopped = True
                         console.log("[yellow]the trainer's schedule did not start (its warm start raised: see the "
                                     "error above), so no adapter is trained and each phase ends at its seconds[/]")
-                done, why = _phase_progress(cfg, learner, phase, now - start)
+                done, why = _phase_progress(cfg, learner, phase, now - start, timeline[shift["request"]:])
                 if done:
                     break
                 if why and not extended:
                     extended = True
                     console.log(f"{phase}: {cfg.phase_seconds:.0f} s served; {why}, so the phase goes on")
                 p = prompts[i % len(prompts)]
+                t_req = time.monotonic()
                 row = _serve_one(oai, loop, tok, model_name, phase, p, cfg.max_new_tokens, t0)
+                if k == 0 and trainer is not None and not trainer.ready.is_set() and cfg.bootstrap_duty < 1:
+                    if not paced:
+                        paced = True
+                        console.log(f"while v0 bootstraps, the demo's client waits between requests (serving at most "
+                                    f"{cfg.bootstrap_duty:.0%} of the time), leaving the cores to the bootstrap")
+                    # back at once when v0 is ready
+                    trainer.ready.wait(max(0.0, time.monotonic() - t_req) * (1.0 / cfg.bootstrap_duty - 1.0))
                 row["repeat"] = i >= len(prompts)  # served before in this phase: its output is in the n-gram history
                 i += 1
                 timeline.append(row)
@@ -521,20 +544,23 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
     return traffic
 
 
-def _workload_turns(svc, workload: str) -> dict[str, int]:
+def _workload_turns(svc, workload: str, st: dict | None = None) -> dict[str, int]:
     """The trainer's count of ``workload``'s own adapter turns (TrainerService.status()'s
     ``workload_turns``: turns, judged, promoted); zeros before its first, and for a count the
-    status lacks."""
-    st = svc.status() if svc is not None else {}
+    status lacks. ``st``: a status already read."""
+    st = (svc.status() if svc is not None else {}) if st is None else st
     return {"turns": 0, "judged": 0, "promoted": 0} | ((st.get("workload_turns") or {}).get(workload) or {})
 
 
-def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float) -> tuple[bool, str]:
+def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float, rows=()) -> tuple[bool, str]:
     """Whether a phase that has served ``served_s`` seconds (since its start) ends now, and why.
 
-    It ends at ``cfg.phase_seconds`` once its workload's own adapter has been promoted and has had
+    It ends at ``cfg.phase_seconds`` once its workload's own adapter has been promoted, has had
     ``cfg.phase_min_judged`` turns judged on enough held-out evidence (the gate's min_eval_requests
-    and min_eval_positions: promoted or refused on evidence, not for the lack of it), and at
+    and min_eval_positions: promoted or refused on evidence, not for the lack of it), and its
+    promoted version (the status's ``workload_versions``) has served ``cfg.phase_min_served`` of
+    the phase's requests ``rows`` (timeline rows: a version promoted in the phase's last second
+    served none of it, and the phase's own traffic never met what it learnt); and at
     ``cfg.max_phase_seconds()`` whatever the trainer did: phases sized by the learner's progress,
     not by the clock alone (on a slower CPU, 120 s left a workload 14 held-out samples and nothing
     promoted). Returns ``(done, why)``; ``why`` is "" while the phase is inside its ``phase_seconds``.
@@ -543,15 +569,22 @@ def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float) -> tup
         return False, ""
     if not cfg.phase_min_judged or svc is None or not cfg.per_workload:
         return True, f"{cfg.phase_seconds:.0f} s served"
-    t = _workload_turns(svc, workload)
-    if t["judged"] >= cfg.phase_min_judged and t["promoted"]:
+    st = svc.status()
+    t = _workload_turns(svc, workload, st)
+    own = int(((st or {}).get("workload_versions") or {}).get(workload) or 0)
+    by_own = sum(1 for r in rows if own and r.get("adapter_version") == own)
+    if t["judged"] >= cfg.phase_min_judged and t["promoted"] and by_own >= cfg.phase_min_served:
         return True, (f"{cfg.phase_seconds:.0f} s served and {t['judged']} judged turns of its adapter "
-                      f"({t['promoted']} promoted)")
+                      f"({t['promoted']} promoted)" + (f"; its v{own} served {by_own} requests" if cfg.phase_min_served else ""))
     if served_s >= cfg.max_phase_seconds():
         return True, (f"phase_max_seconds {cfg.max_phase_seconds():.0f} s reached with {t['judged']} of "
                       f"{cfg.phase_min_judged} judged turns ({t['turns']} turns, {t['promoted']} promoted)")
-    return False, (f"its adapter has had {t['judged']} of {cfg.phase_min_judged} turns judged on enough held-out "
-                   f"evidence ({t['turns']} turns) and {t['promoted']} promotions")
+    why = (f"its adapter has had {t['judged']} of {cfg.phase_min_judged} turns judged on enough held-out "
+           f"evidence ({t['turns']} turns) and {t['promoted']} promotions")
+    if t["judged"] >= cfg.phase_min_judged and t["promoted"]:
+        why += (f"; its promoted v{own} has served {by_own} of {cfg.phase_min_served} requests" if own else
+                "; its promoted version has not served yet")
+    return False, why
 
 
 class _Snapshots:
@@ -1680,6 +1713,8 @@ def register(app) -> None:
                                                              "workload's adapter was promoted and had this many turns "
                                                              "judged on enough held-out evidence; 0 = time-bounded "
                                                              "phases (default 2)")] = None,
+        phase_min_served: Annotated[int | None, typer.Option(help="... and until its promoted version has served this "
+                                                             "many of the phase's requests (default 6; 0 = not asked)")] = None,
         phase_max_seconds: Annotated[float | None, typer.Option(help="the longest a phase serves (default 3 x "
                                                                 "--phase-seconds)")] = None,
         out: Annotated[Path, typer.Option(help="directory for report.json and acceptance.png")] = Path("out/demo"),
@@ -1717,7 +1752,8 @@ def register(app) -> None:
         logging.getLogger("apscheduler").setLevel(logging.ERROR)  # its scheduler and executors
         cfg = DemoConfig.quick(out_dir=out) if quick else DemoConfig(out_dir=out)
         sizes = {k: v for k, v in (("phase_seconds", phase_seconds), ("phase_min_judged", phase_min_judged),
-                                   ("phase_max_seconds", phase_max_seconds)) if v is not None}
+                                   ("phase_min_served", phase_min_served), ("phase_max_seconds", phase_max_seconds))
+                 if v is not None}
         try:
             cfg = dataclasses.replace(cfg, **sizes)
         except ValueError as e:

@@ -8,17 +8,40 @@ from daemon.demo import DemoConfig, _phase_progress
 
 
 class _Svc:
-    """A TrainerService's status() as the demo reads it (trainer.service: "workload_turns")."""
+    """A TrainerService's status() as the demo reads it (trainer.service: "workload_turns",
+    "workload_versions")."""
 
-    def __init__(self, turns: dict):
-        self.turns = turns
+    def __init__(self, turns: dict, versions: dict | None = None):
+        self.turns, self.versions = turns, versions
 
     def status(self) -> dict:
-        return {"workload_turns": self.turns}
+        return {"workload_turns": self.turns} | ({"workload_versions": self.versions} if self.versions is not None else {})
+
+
+def test_a_phase_goes_on_until_its_promoted_version_has_served_its_own_traffic():
+    """A walkthrough's code phase ended one second after v8 was promoted: v8 served none of it,
+    and the phase's gain at its end was 0. The phase now also waits until the workload's own
+    promoted version (workload_versions) served phase_min_served of its requests."""
+    cfg = DemoConfig.quick()
+    assert cfg.phase_min_served == 6
+    svc = _Svc({"code": {"turns": 3, "judged": 2, "promoted": 1}}, {"code": 8, "prose": 3})
+    rows = [{"workload": "code", "adapter_version": 1}] * 30  # the bootstrap served the phase so far
+    done, why = _phase_progress(cfg, svc, "code", 130.0, rows)
+    assert not done and why.endswith("; its promoted v8 has served 0 of 6 requests"), why
+    rows = rows + [{"workload": "code", "adapter_version": 8}] * 5
+    assert not _phase_progress(cfg, svc, "code", 140.0, rows)[0]
+    rows = rows + [{"workload": "code", "adapter_version": 8}]
+    assert _phase_progress(cfg, svc, "code", 141.0, rows) == (
+        True, "120 s served and 2 judged turns of its adapter (1 promoted); its v8 served 6 requests")
+    # promoted per the turn counts, but no version of its own in the status yet: on, and said
+    done, why = _phase_progress(cfg, _Svc({"code": {"turns": 2, "judged": 2, "promoted": 1}}, {}), "code", 130.0, rows)
+    assert not done and why.endswith("; its promoted version has not served yet")
+    # the cap still ends it
+    assert _phase_progress(cfg, svc, "code", 360.0, rows[:30])[0]
 
 
 def test_a_phase_ends_at_its_seconds_only_once_its_adapter_was_promoted_and_judged_enough():
-    cfg = DemoConfig.quick()  # 120 s, 2 judged turns, at most 360 s
+    cfg = DemoConfig.quick(phase_min_served=0)  # 120 s, 2 judged turns, at most 360 s (what served: below)
     assert (cfg.phase_seconds, cfg.phase_min_judged, cfg.max_phase_seconds()) == (120.0, 2, 360.0)
     none = _Svc({})
     assert _phase_progress(cfg, none, "code", 119.9) == (False, "")  # inside its seconds: no reason yet
@@ -167,6 +190,9 @@ def test_a_status_without_the_turn_counts_or_with_some_of_them_reads_as_zeros():
     assert _workload_turns(_Svc({"code": {"turns": 2}}), "code") == {"turns": 2, "judged": 0, "promoted": 0}
     done, why = _phase_progress(cfg, _Svc({"code": {"judged": 2}}), "code", 130.0)
     assert not done and "2 of 2 turns judged" in why and "(0 turns) and 0 promotions" in why
+    # a status whose workload_versions is None or lacks the workload reads as no version of its own
+    assert not _phase_progress(cfg, _Svc({"code": {"judged": 2, "promoted": 1}}, None), "code", 130.0,
+                               [{"adapter_version": 0}] * 9)[0]
     assert _phase_progress(cfg, _Svc(None), "code", 360.0)[0]
 
 
@@ -248,3 +274,76 @@ def test_remeasure_requests_must_be_a_count():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="remeasure_requests=.*must be an int >= 0"):
             DemoConfig.quick(remeasure_requests=bad)
+
+
+def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
+    """The first phase serves from the first second, but while v0 bootstraps the demo's client
+    waits after each request (3x its time at the default duty 0.25), back at once when v0 is ready."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    import daemon.demo as demo
+    from daemon.demo import _Trainer
+
+    clock = _Clock()
+    waits: list[float] = []
+
+    class _Ready:
+        def __init__(self):
+            self.flag = False
+
+        def is_set(self):
+            return self.flag
+
+        def wait(self, timeout=None):
+            waits.append(round(timeout, 3))
+            if len(waits) == 3:  # v0 arrives during the third wait
+                self.flag = True
+                trainer.ready_at = clock.t
+            return self.flag
+
+    def serve_one(*a, **k):
+        clock.t += 2.0  # a request takes 2 s
+        return {"t": 0.0, "workload": "prose", "adapter_version": 0}
+
+    monkeypatch.setattr(demo, "time", clock)
+    monkeypatch.setattr(demo, "_serve_one", serve_one)
+    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
+    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
+    trainer = _Trainer(None, None, _Svc({}), {}, None, ready=_Ready())
+    trainer.started = True
+    loop = types.SimpleNamespace(manager=None, controller=None, heads=None, decoder=types.SimpleNamespace(adapter_version=0))
+    screen = io.StringIO()
+    cfg = DemoConfig.quick(phases=("prose",), phase_seconds=10.0, phase_min_judged=0)
+    traffic = demo._serve_phases(cfg, None, loop, None, "m", trainer.svc, types.SimpleNamespace(bucket=lambda: "greedy"),
+                                 Console(file=screen, width=300), trainer)
+    assert waits == [6.0, 6.0, 6.0]  # 3x each 2-s request, then no more waiting once v0 is ready
+    assert "while v0 bootstraps, the demo's client waits between requests (serving at most 25% of the time)" in screen.getvalue()
+    assert traffic.shifts[0]["ended"] == "10 s served"
+    # duty 1: no waiting while v0 bootstraps
+    waits.clear()
+    trainer.ready = _Ready()
+    trainer.ready.wait = lambda timeout=None: waits.append(timeout)
+    clock.t += 0
+    n = {"served": 0}
+
+    def serve_until_ready(*a, **k):
+        n["served"] += 1
+        if n["served"] == 4:
+            trainer.ready.flag = True
+            trainer.ready_at = clock.t
+        return serve_one()
+
+    monkeypatch.setattr(demo, "_serve_one", serve_until_ready)
+    demo._serve_phases(DemoConfig.quick(phases=("prose",), phase_seconds=10.0, phase_min_judged=0, bootstrap_duty=1.0),
+                       None, loop, None, "m", trainer.svc, types.SimpleNamespace(bucket=lambda: "greedy"),
+                       Console(file=io.StringIO()), trainer)
+    assert waits == [] and n["served"] > 4
+    for bad in (0.0, 1.5, True, float("nan")):
+        with pytest.raises(ValueError, match="bootstrap_duty=.*must be a fraction in \\(0, 1\\]"):
+            DemoConfig.quick(bootstrap_duty=bad)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="phase_min_served=.*must be an int >= 0"):
+            DemoConfig.quick(phase_min_served=bad)
