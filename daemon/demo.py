@@ -1458,7 +1458,7 @@ def _decoded_table(report: dict, console, pct: int) -> None:
     for c in ("phase", "prompts", "plain tok/s", "frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain",
               f"α gain [{pct} % CI]", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]",
               f"pick ×llama.cpp plain [{pct} % CI]", "live α first→last third, per proposer"):
-        t.add_column(c)
+        t.add_column(c, overflow="fold")  # 14 columns: a narrow terminal or a log folds a cell, never cuts it
 
     for r in report["phases"]:
         pk = r["adapted"]
