@@ -279,7 +279,7 @@ def _render_acceptance(st: dict, out) -> None:
     if acc:
         at = Table(title="acceptance per workload, active adapter vs the previous one (rate = accepted/drafted, "
                    "tau = tokens/step, alpha = mean per request, goodput = tokens/ms)", title_justify="left")
-        for col in ("workload", "adapter", "req", "rate", "tau", "alpha", "goodput", "previous: rate/tau/alpha/goodput"):
+        for col in ("workload", "adapter", "req", "rate", "tau", "alpha", "goodput", "previous (req): rate/tau/alpha/goodput"):
             at.add_column(col, overflow="fold")  # figures fold whole onto a second line, never cut
         at.add_column("speculation", overflow="fold")  # the reason takes the room left
         for w, v in acc.items():
@@ -288,8 +288,9 @@ def _render_acceptance(st: dict, out) -> None:
             on = {True: "[green]on[/]", False: "[yellow]off[/]", None: "?"}[sp.get("on")]
             if sp.get("on") is None and sp.get("last"):  # no recent traffic: the why tells the last request's state
                 on = ""
-            prev = "-" if not p else (f"v{p['version']}: {_f(p['acceptance_rate'])}/{_f(p['tau'], 2)}/{_f(p['alpha'])}/"
-                                      f"{_f(p['goodput_tokens_per_ms'], 4)}")
+            # its request count beside: a rate of 0.000 from one request reads as a contradiction of α 0.179
+            prev = "-" if not p else (f"v{p['version']} ({p.get('requests', '?')}): {_f(p['acceptance_rate'])}/"
+                                      f"{_f(p['tau'], 2)}/{_f(p['alpha'])}/{_f(p['goodput_tokens_per_ms'], 4)}")
             # a workload name is the client's (any UTF-8): "x[/]" would be a rich MarkupError
             at.add_row(escape(w), f"v{n['version']}", str(n["requests"]), _f(n["acceptance_rate"]), _f(n["tau"], 2),
                        _f(n["alpha"]), _f(n["goodput_tokens_per_ms"], 4), prev, f"{on} {escape(sp.get('why', ''))}".strip())

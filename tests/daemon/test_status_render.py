@@ -182,3 +182,17 @@ def test_a_workload_name_with_rich_markup_is_shown_as_written_and_never_breaks_s
     assert "│ x[/]" in text and "│ [red]y[/]" in text, text
     assert "last training round failed: workload 'x[/]' refused" in text, text
     assert _flat("speculation was on (3 of 4 steps drafted), acceptance 0.500") in _flat(text)
+
+
+def test_the_previous_adapter_shows_how_many_requests_its_figures_rest_on():
+    """A previous adapter's rate 0.000 beside α 0.179 read as a contradiction in a walkthrough:
+    it rested on one request. The cell now says how many."""
+    row = {"requests": 12, "acceptance_rate": 0.41, "tau": 1.8, "alpha": 0.45, "goodput_tokens_per_ms": 0.048}
+    prev = {"version": 3, "requests": 1, "acceptance_rate": 0.0, "tau": 1.0, "alpha": 0.179, "goodput_tokens_per_ms": 0.0187}
+    st = {"acceptance": {"prose": {"now": {**row, "version": 4}, "previous": prev}},
+          "speculation": {"prose": {"on": True, "why": "ngram γ=2"}}}
+    buf = io.StringIO()
+    cli._render_acceptance(st, Console(file=buf, width=200))
+    text = buf.getvalue()
+    assert "previous (req): rate/tau/alpha/goodput" in text
+    assert "v3 (1): 0.000/1.00/0.179/0.0187" in text, text
