@@ -1752,8 +1752,7 @@ def register(app) -> None:
         logging.getLogger("apscheduler").setLevel(logging.ERROR)  # its scheduler and executors
         cfg = DemoConfig.quick(out_dir=out) if quick else DemoConfig(out_dir=out)
         sizes = {k: v for k, v in (("phase_seconds", phase_seconds), ("phase_min_judged", phase_min_judged),
-                                   ("phase_min_served", phase_min_served), ("phase_max_seconds", phase_max_seconds))
-                 if v is not None}
+                                   ("phase_min_served", phase_min_served), ("phase_max_seconds", phase_max_seconds)) if v is not None}
         try:
             cfg = dataclasses.replace(cfg, **sizes)
         except ValueError as e:
