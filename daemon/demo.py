@@ -66,8 +66,9 @@ class DemoConfig:
     phase_max_seconds: float | None = None
     # while v0 bootstraps (the first run on a pair), the demo's client leaves the cores to it: it
     # waits after each request so that serving takes at most this share of the wall time (the
-    # service still answers at once; beside a closed loop of requests the bootstrap ran 2.6x
-    # slower, bench/RESULTS.md "The bootstrap beside serving"); 1: no waiting
+    # service still answers at once; beside a decoding loop its scoring ran at a third of its
+    # speed alone, bench/bootstrap_scoring_check.py, bench/RESULTS.md "The bootstrap beside
+    # serving"); 1: no waiting
     bootstrap_duty: float = 0.25
     max_new_tokens: int = 32
     eval_prompts: int = 12  # per phase, never served, for the frozen-vs-adapted table (paired per prompt)
