@@ -913,7 +913,12 @@ class _PhaseEval:
 
     def decode_side(self, phase: str, ps, runs, final: int):
         """Every run on every prompt, back to back per prompt (paired: a slower host slows all
-        alike), and llama.cpp's plain generation of the same prompt. Returns per run the pooled
+        alike), and llama.cpp's plain generation of the same prompt. Plain decoding prefills the
+        prompt itself (the prompt cache cleared); every later run keeps those cells (the same bits,
+        ``LlamaCppEngine.start``) and is charged plain's measured prefill time for them, so each row's
+        milliseconds are what it would take alone at the cost of one prefill per prompt instead of one per
+        row (on a CPU a prompt's prefill can cost more than its decoded tokens: bench/RESULTS.md, "The
+        prompt cache"). Returns per run the pooled
         (counts, ms), the per-prompt (counts, ms), the prompts whose greedy output differs from
         plain's, and the peer's (tokens, ms, same tokens as our plain) per prompt."""
         from decoder.metrics import AcceptanceCounts
@@ -924,19 +929,25 @@ class _PhaseEval:
         per_prompt: dict[str, list] = {name: [] for name, *_ in runs}  # (counts, ms) per prompt, paired
         differs: dict[str, list[int]] = {name: [] for name, *_ in runs}  # prompts whose greedy output != plain's
         peer_runs: list[tuple[int, float, bool]] = []  # llama.cpp plain: (tokens, ms, same tokens as our plain)
+        forget = getattr(self.decoder.engine, "clear_prompt_cache", None)
         for i, p in enumerate(ps):
             ids = p.token_ids(self.tok)[-256:]
             if i == 0:  # warm-up (caches, allocator), not counted, against a throwaway history copy
                 self.fresh_history()
                 self.decoder.generate(DecodeRequest(ids, params, 4, gamma=0, ignore_eos=True, workload=phase))
             for name, dec, g, prop in runs:
+                if name == "plain" and forget is not None:
+                    forget()  # plain decoding pays its own prefill: the prompt's, measured once
                 r = self.decode_run(name, dec, g, prop, ids, phase, final)
-                tot[name][0].merge(r.counts)
-                tot[name][1] += r.latency_ms
-                per_prompt[name].append((r.counts, r.latency_ms))
+                ms = r.latency_ms
                 if name == "plain":
-                    plain_ids = list(r.output_ids)
-                elif list(r.output_ids) != plain_ids:  # greedy: lossless means token-identical to plain decoding
+                    plain_ids, prefill_ms = list(r.output_ids), r.counts.prefill_ms
+                else:  # the prompt cache kept plain's prefill (the same bits): charged its measured time
+                    ms += prefill_ms * r.cached_prompt_tokens / max(1, len(ids) - 1)
+                tot[name][0].merge(r.counts)
+                tot[name][1] += ms
+                per_prompt[name].append((r.counts, ms))
+                if name != "plain" and list(r.output_ids) != plain_ids:  # greedy: lossless = token-identical to plain
                     differs[name].append(i)
             if self.peer is not None:  # llama.cpp's own plain generation of the packaged file, the same prompt
                 out, ms, n_out = self.peer.generate(ids, params, cfg.eval_new_tokens, cfg.seed + i)

@@ -706,6 +706,8 @@ class ServeMetrics:
                                lab + ["position"], registry=r)
         self.requests = Counter(P + "request_success", "Finished requests by finish reason", ["workload", "finished_reason"], registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests", ["workload"], registry=r)
+        self.prompt_tokens_cached = Counter(P + "prompt_tokens_cached", "Prompt tokens the prompt cache kept (not prefilled again)",
+                                            ["workload"], registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", ["workload"], registry=r)
         buckets = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Submission to first token", ["workload"], buckets=buckets, registry=r)
@@ -739,6 +741,7 @@ class ServeMetrics:
             self.emitted.labels(w, v).inc(s.emitted)
         self.requests.labels(w, FINISH.get(res.finish_reason, res.finish_reason)).inc()
         self.prompt_tokens.labels(w).inc(res.prompt_len)
+        self.prompt_tokens_cached.labels(w).inc(int(getattr(res, "cached_prompt_tokens", 0) or 0))
         self.generation_tokens.labels(w).inc(len(res.output_ids))
         if t.started_at is not None:
             self.queue_time.labels(w).observe(max(0.0, t.started_at - t.submitted_at))
@@ -1114,7 +1117,10 @@ class InferenceService:
 
     def _usage(self, res) -> dict[str, int]:
         n = len(res.output_ids)
-        return {"prompt_tokens": res.prompt_len, "completion_tokens": n, "total_tokens": res.prompt_len + n}
+        # prompt_tokens_details.cached_tokens: OpenAI's field (vLLM's with prefix caching on) for the
+        # prompt tokens the prompt cache kept (DecoderConfig.prompt_cache)
+        return {"prompt_tokens": res.prompt_len, "completion_tokens": n, "total_tokens": res.prompt_len + n,
+                "prompt_tokens_details": {"cached_tokens": int(getattr(res, "cached_prompt_tokens", 0) or 0)}}
 
     def _full_response(self, p: Parsed, rid: str, created: int, text: str, res, ticket) -> dict[str, Any]:
         fr = FINISH.get(res.finish_reason, res.finish_reason)
@@ -1557,7 +1563,7 @@ def _serving_loop(settings, client, scfg, pair, engines):
     heads = AdapterRegistry(client, settings.head_dir, scfg, kind="head") if follow_heads else None
     loop = build_serving_loop(
         pair.target, pair.draft, pair.tokenizer, client=client, store_config=scfg, registry=registry,
-        decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
+        decoder_config=DecoderConfig(record_prompt=sv.record_prompt, prompt_cache=sv.prompt_cache, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
                                      ngram_gate=sv.ngram_gate, record_hidden=sv.record_hidden,
                                      target_format=engines.served_format),
         pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every,

@@ -391,6 +391,10 @@ class ServeSettings(_Group):
                                 "more training positions per request, but logits at every prompt row, their top-k and a "
                                 "second record per request cost serving 9-17 % of its tokens/s at 1 client and its p99 "
                                 "inter-token latency 11 -> 33-45 ms (bench/RESULTS.md, issue 35); the demo turns it on.")
+    prompt_cache: bool = Field(True, description="Keep the target's cells of the longest prefix a request shares with what a "
+                               "sequence slot last held (the chat template's system prompt, a conversation's earlier turns) "
+                               "and prefill only the rest, as llama-server's cache_prompt and vLLM's prefix caching; exact on "
+                               "llama.cpp (DecoderConfig.prompt_cache); usage.prompt_tokens_details.cached_tokens says how many.")
     record_hidden: bool = Field(False, description="Stream the target's final hidden state per position too (DecoderConfig.record_hidden: "
                                 "float16, 1152 bytes a position for SmolLM2-135M beside 196 for its top-32), the data a feature-level "
                                 "head (decoder.eagle, trainer.head) is distilled from; on llama.cpp the engine extracts them "

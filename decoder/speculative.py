@@ -27,7 +27,7 @@ import numpy as np
 import structlog
 import torch
 
-from decoder.engines.base import Engine, last_fused_size, sequence_scope
+from decoder.engines.base import Engine, last_fused_size, sequence_scope, supports
 from decoder.engines.torch_engine import TorchEngine
 from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_linear
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
@@ -178,6 +178,7 @@ class DecodeResult:
     matches_plain: bool | None = None
     first_diff_index: int | None = None
     logprobs: list[TokenLogprob] | None = None  # one per output id when the request asked (DecodeRequest.logprobs)
+    cached_prompt_tokens: int = 0  # prompt tokens whose target cells the prompt cache kept (not prefilled again)
 
     @property
     def tokens_per_s(self) -> float:
@@ -204,6 +205,7 @@ class DecodeResult:
             "adapter_version": self.adapter_version,
             "head_version": self.head_version,
             "prompt_tokens": self.prompt_len,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "output_tokens": len(self.output_ids),
             "finish_reason": self.finish_reason,
             "proposed_tokens": c.num_draft_tokens,
@@ -237,6 +239,12 @@ class DecoderConfig:
         in-distribution text of the workload; this multiplies the trainer's data per request
         by ~(P + N) / N at a few per cent of the request's time (measured in the bench's
         prefill ms).
+    prompt_cache: keep the target's cells of the longest prefix a request shares with what the
+        engine last held there (the chat template's system prompt, a conversation's earlier turns,
+        the same prompt again) and prefill only the rest, on an engine that declares
+        ``Capabilities.prompt_cache`` (llama.cpp: :meth:`LlamaCppEngine.start`; exact there). Off
+        for a request whose prompt rows are recorded or fed to a feature-level proposer (they need
+        every row's output). ``DecodeResult.cached_prompt_tokens`` says how many were kept.
     draft_vocab: optional (V',) integer token ids (a torch tensor, 1 <= V', each in
         0..min(V_p, V_q) - 1; else ValueError: shape, type and sign when the config is built, the
         range when the decoder is) to which the draft's LM head is restricted
@@ -290,6 +298,7 @@ class DecoderConfig:
     topk_record: int = 32
     record_prompt: bool = False
     record_hidden: bool = False
+    prompt_cache: bool = True
     draft_vocab: torch.Tensor | None = None
     small_m_linear: bool | str = "auto"
     draft_precision: str = "auto"
@@ -730,12 +739,15 @@ class SpeculativeDecoder:
         started_wall, t_start = time.time(), self.clock()
         ids = self._checked_prompt(req)
         self.streamed_logprobs = []  # this request's, appended before on_step sees their tokens
-        tcache = self.engine.start()
         k_rec = self.config.topk_record if self.sink is not None else 0
         prefill_t0 = self.clock()  # the prefill's time counts the proposer's construction
         speculate = policy.gamma() > 0  # the policy's first call: a controller decides here
         name = req.proposer or (policy.proposer_name() if hasattr(policy, "proposer_name") else None) or DEFAULT_PROPOSER
         spec = proposer_spec(name)
+        # the prompt cache: not where every prompt row's output is wanted (records, a feature-level proposer)
+        cache = (self.config.prompt_cache and supports(self.engine, "prompt_cache") and not spec.needs_features
+                 and not (k_rec and self.config.record_prompt))
+        tcache = self.engine.start(prefix=ids[:-1]) if cache else self.engine.start()
         return _Running(req=req, policy=policy, gen=gen, started_wall=started_wall, t_start=t_start,
                         prefill_t0=prefill_t0, ids=ids,
                         tcache=tcache, k_rec=k_rec, rec_hidden=bool(k_rec) and self.config.record_hidden,
@@ -761,8 +773,9 @@ class SpeculativeDecoder:
                     cancelled = True
             else:  # in chunks: a cancelled request (on_step([]) is False) stops at the next one
                 rows = []
-                for i in range(0, len(ids) - 1, PREFILL_CHUNK):
-                    if i and on_step is not None and on_step([]) is False:
+                run.cached = first = int(getattr(tcache, "length", 0))  # kept by the prompt cache (_begin)
+                for i in range(first, len(ids) - 1, PREFILL_CHUNK):
+                    if i > first and on_step is not None and on_step([]) is False:
                         cancelled = True
                         break
                     seg = ids[i: min(i + PREFILL_CHUNK, len(ids) - 1)]
@@ -873,6 +886,7 @@ class SpeculativeDecoder:
         self.ngram_history.add(req.workload, run.ids)
         result = self._result(req, run.policy, run.out, finish, steps, run.counts, (self.clock() - run.t_start) * 1e3,
                               run.name if any(s.proposed for s in steps) or run.speculate else "none")
+        result.cached_prompt_tokens = run.cached
         if req.logprobs is not None:
             result.logprobs = list(self.streamed_logprobs)
         if self.sink is not None and run.out:
@@ -1041,6 +1055,7 @@ class _Running:
     counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(num_requests=1))
     rec_topk: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     hid_rows: list[torch.Tensor] = field(default_factory=list)
+    cached: int = 0  # prompt tokens the prompt cache kept in the target's cells
 
 
 class _PrefillCancelled(Exception):

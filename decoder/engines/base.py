@@ -39,6 +39,7 @@ class Capabilities:
     torch_module: bool  # its forwards run the decoder's own torch target (the decoder's kernels apply)
     own_threads: bool  # computes on its own thread pool (torch's intra-op threads held at 1 meanwhile)
     max_sequences: int = 1  # sequences it holds at once (> 1 only with batch)
+    prompt_cache: bool = False  # start(prefix=...) keeps the cached cells of a common prefix (Sequence.length)
 
 
 class Sequence(Protocol):

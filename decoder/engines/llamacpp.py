@@ -27,6 +27,17 @@ from decoder.models.gguf_export import (RESTRICTED_EMBD_TYPE_KEY, RESTRICTED_FUL
 log = structlog.get_logger("decoder.engines.llamacpp")
 
 
+def _common_prefix(a: list[int] | None, b) -> int:
+    """Length of the longest common prefix of ``a`` (None: nothing) and ``b``."""
+    if not a or b is None:
+        return 0
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class LlamaCppSequence:
     """A request's slot (llama.cpp sequence ``seq_id``) in a :class:`LlamaCppEngine`'s context."""
 
@@ -48,8 +59,13 @@ class LlamaCppSequence:
             e = self.engine
             e._check_open()
             if not e.L.llama_memory_seq_rm(e.mem, self.seq_id, length, -1):
+                e._cells.pop(self.seq_id, None)
                 raise EngineError(f"llama.cpp could not drop positions >= {length} of the sequence")
             self.length = length
+            rec = e._cells.get(self.seq_id)
+            if rec is not None:
+                del rec[length:]
+                e._ends[self.seq_id] = [b for b in e._ends.get(self.seq_id, []) if b <= length]
 
     def release(self) -> None:
         """Give the slot back (idempotent); its cells are cleared when the slot is next started."""
@@ -174,6 +190,10 @@ class LlamaCppEngine:
             v_cache = auto_v_cache(self.n_seq, self.threads)
         cp.type_v = KV_CACHE_TYPES[v_cache]
         self.v_cache = v_cache
+        # a cell is the same bits whatever the call that computed it (a prefill chunk of any size, a
+        # verification block, one token) with a bf16 V cache, not with f16: what the prompt cache may keep
+        # (_keep_prefix; tests/decoder/test_engines.py checks both)
+        self.shape_invariant_cells = v_cache == "bf16"
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             L.llama_model_free(self.model)
@@ -199,6 +219,11 @@ class LlamaCppEngine:
         self._closed = False
         self._busy = threading.Lock()  # held by a decode; close() waits for it
         self._free = list(range(self.n_seq))  # free sequence ids (n_seq > 1)
+        # the prompt cache: per sequence id, the token ids whose K/V fill its cells [0, len) under
+        # the adapters now set (start(prefix=...) keeps a common prefix of them); no entry: unknown
+        self._cells: dict[int, list[int]] = {}
+        self._ends: dict[int, list[int]] = {}  # per sequence id, where each forward since its start ended
+        self._adapters_now: tuple = (None, 1.0)
         self._slots = threading.RLock()  # RLock: a sequence's finalizer may run inside start() (GC)
         self._offset_lora = None  # a split Q4_1 file's offset adapter, under every forward
         self.offset_lora: Path | None = None
@@ -307,20 +332,40 @@ class LlamaCppEngine:
         if self._closed:
             raise EngineError(f"the llama.cpp engine for {self.path.name} is closed")
 
-    def start(self) -> LlamaCppSequence:
-        """A new sequence with an empty cache. n_seq = 1: the one sequence (any earlier one is
-        invalid). n_seq > 1: the lowest free sequence id, cleared.
+    def start(self, prefix: list[int] | None = None) -> LlamaCppSequence:
+        """A new sequence. n_seq = 1: the one sequence (any earlier one is invalid). n_seq > 1: a
+        free sequence id.
+
+        ``prefix`` (the prompt cache, as llama-server's ``cache_prompt`` and vLLM's prefix
+        caching): the tokens the caller is about to feed first (a prompt without its last token).
+        The cells of the longest common prefix of ``prefix`` and what a sequence slot last held
+        (n_seq > 1: the free slot with the longest one) are kept and the sequence starts at that
+        ``length`` (tokens): feed ``prefix[length:]`` only. Exact, not approximate: a cell's K/V
+        depend only on the tokens at and before it, the adapters and the shape of the call that
+        computed it, and only cells a fresh prefill would compute bit for bit are kept (any common
+        prefix with a bf16 V cache, where a cell is the same bits from a prefill chunk, a
+        verification block or one token; with f16 only an identical earlier prefill, see
+        :meth:`_keep_prefix`). Cells computed under other LoRA adapters are never kept
+        (``set_lora`` forgets them). None (default), or without flash attention: an empty cache,
+        ``length`` 0.
 
         Raises:
             EngineError: closed, or (n_seq > 1) all ``n_seq`` sequences in use.
         """
         self._check_open()
+        reuse = prefix is not None and self.flash_attn
         if self.n_seq == 1:
-            # Metadata only with flash attention (zeroing the buffers cost 19 ms a request at 8192 tokens;
-            # masked cells never reach its softmax); without it a stale cell holding inf/NaN (an f16
-            # overflow) turned a later request's logits to NaN (QA), so the buffers are zeroed there.
-            self.L.llama_memory_clear(self.mem, not self.flash_attn)
+            with self._busy:
+                self._check_open()
+                m = self._keep_prefix(0, prefix) if reuse else 0
+                if not m:
+                    # Metadata only with flash attention (zeroing the buffers cost 19 ms a request at 8192 tokens;
+                    # masked cells never reach its softmax); without it a stale cell holding inf/NaN (an f16
+                    # overflow) turned a later request's logits to NaN (QA), so the buffers are zeroed there.
+                    self.L.llama_memory_clear(self.mem, not self.flash_attn)
+                    self._cells[0], self._ends[0] = [], []
             seq = LlamaCppSequence(self, 0)
+            seq.length = m
             track(seq)
             return seq
         with self._slots:
@@ -328,14 +373,54 @@ class LlamaCppEngine:
                 raise EngineError(f"all {self.n_seq} sequences of the llama.cpp context are in use: release one "
                                   f"(LlamaCppSequence.release) or build the engine with a larger n_seq")
             self._free.sort()
-            sid = self._free.pop(0)
+            sid = self._free[0]
+            if reuse:  # the free slot holding the longest common prefix (the lowest id on a tie)
+                sid = max(self._free, key=lambda s: (_common_prefix(self._cells.get(s), prefix), -s))
+            self._free.remove(sid)
         with self._busy:
             self._check_open()
-            self.L.llama_memory_seq_rm(self.mem, sid, -1, -1)  # flash attention: masked cells never reach the softmax
+            m = self._keep_prefix(sid, prefix) if reuse else 0
+            if not m:
+                self.L.llama_memory_seq_rm(self.mem, sid, -1, -1)  # flash attention: masked cells never reach the softmax
+                self._cells[sid], self._ends[sid] = [], []
         seq = LlamaCppSequence(self, sid)
+        seq.length = m
         seq._free_slot = weakref.finalize(seq, self._release, sid)  # dropped without release(): freed at GC
         track(seq)
         return seq
+
+    def clear_prompt_cache(self) -> None:
+        """Forget what every slot holds: the next :meth:`start` keeps nothing (a measurement that
+        must pay its own prefill)."""
+        with self._busy:
+            self._cells.clear()
+            self._ends.clear()
+
+    def _keep_prefix(self, sid: int, prefix: list[int]) -> int:
+        """Keep sequence ``sid``'s cells of its longest common prefix with ``prefix`` that a fresh
+        prefill would compute bit for bit, and drop the rest (call holding ``_busy``); the tokens
+        kept, 0 when none (nothing dropped then).
+
+        With a bf16 V cache a cell is the same bits however it was computed (a prefill chunk of any
+        size, a verification block, one token), so any common prefix is kept. With f16 it is not (a
+        cell from a 10-row call differs from the same cell in a 600-row prefill, and the logits
+        after it by up to ~1): only cells that the slot's earlier calls computed exactly as a fresh
+        prefill of ``prefix`` would (chunks of ``n_batch`` from position 0, then the rest in one
+        call) are kept: the same prompt again, or whole ``n_batch`` chunks of a longer one.
+        """
+        rec = self._cells.get(sid)
+        m = _common_prefix(rec, prefix)
+        if m and not self.shape_invariant_cells:
+            ends = self._ends.get(sid, [])
+            n, nb = len(prefix), self.n_batch
+            m = next((c for c in [n] + list(range(m - m % nb, 0, -nb)) if c <= m and c in ends
+                      and [b for b in ends if b < c] == list(range(nb, c, nb))), 0)
+        if m and not self.L.llama_memory_seq_rm(self.mem, sid, m, -1):
+            return 0  # a memory that cannot drop a suffix: start empty
+        if m:
+            del rec[m:]
+            self._ends[sid] = [b for b in self._ends.get(sid, []) if b <= m]
+        return m
 
     def _release(self, seq_id: int) -> None:
         if self._closed:
@@ -389,8 +474,10 @@ class LlamaCppEngine:
                 outs += out
             rc = llama_call(L.llama_decode, self.ctx, b)
             if rc != 0:
+                self._cells.pop(seq.seq_id, None)
                 raise EngineError(f"llama_decode returned {rc} (1: no KV slot; <0: error) at position {seq.length}")
             seq.length += len(chunk)
+            self._record(seq, chunk)
             if outs:
                 if self._emb_on:
                     # llama.cpp then outputs every token of the batch, whatever b.logits says
@@ -484,11 +571,14 @@ class LlamaCppEngine:
             b.n_tokens = i
             rc = llama_call(L.llama_decode, self.ctx, b)
             if rc != 0:
+                for j in g:
+                    self._cells.pop(items[j][0].seq_id, None)
                 raise EngineError(f"llama_decode returned {rc} (1: no KV slot; <0: error) for a batch of "
                                   f"{len(g)} sequences, {i} tokens")
             for j, rows in outs:
                 seq, tokens, keep = items[j]
                 seq.length += len(tokens)
+                self._record(seq, tokens)
                 logits = torch.from_numpy(self._full_logits(np.stack([self._row(L.llama_get_logits_ith(self.ctx, r),
                                                                                 self.n_out, r) for r in rows])))
                 if hidden:
@@ -498,6 +588,15 @@ class LlamaCppEngine:
                 else:
                     out[j] = logits
         return out
+
+    def _record(self, seq: LlamaCppSequence, tokens) -> None:
+        """The prompt cache's record of ``seq``'s cells after ``tokens`` were decoded into them."""
+        rec = self._cells.get(seq.seq_id)
+        if rec is not None and len(rec) + len(tokens) == seq.length:
+            rec.extend(int(t) for t in tokens)
+            self._ends.setdefault(seq.seq_id, []).append(seq.length)
+        else:  # out of step with the cells (never expected): unknown, never reused
+            self._cells.pop(seq.seq_id, None)
 
     @staticmethod
     def _row(ptr, width: int, i: int) -> np.ndarray:
@@ -536,7 +635,11 @@ class LlamaCppEngine:
             arr = (L.llama_adapter_lora_p_ctypes * len(ads))(*(a for a, _ in ads))
             rc = L.llama_set_adapters_lora(self.ctx, arr, len(ads), (ctypes.c_float * len(ads))(*(x for _, x in ads)))
         if rc != 0:
+            self._cells.clear()
             raise EngineError(f"llama_set_adapters_lora({key!r}) returned {rc}")
+        if (key, float(scale)) != self._adapters_now:  # cells computed under other adapters: never reused
+            self._cells.clear()
+            self._adapters_now = (key, float(scale))
 
     def drop_lora(self, key: str) -> None:
         """Free an adapter that is not applied."""
@@ -552,7 +655,7 @@ class LlamaCppEngine:
         """Hidden states only when built with ``embeddings=True``; LoRA per context; computes on
         llama.cpp's own thread pool."""
         return Capabilities(hidden_states=self.embeddings, lora=True, batch=self.n_seq > 1, torch_module=False,
-                            own_threads=True, max_sequences=self.n_seq)
+                            own_threads=True, max_sequences=self.n_seq, prompt_cache=self.flash_attn)
 
     @property
     def loras(self) -> list[str]:
@@ -572,6 +675,7 @@ class LlamaCppEngine:
         if self._closed:
             return
         self._closed = True
+        self._cells.clear()
         L = self.L
         L.llama_batch_free(self._batch)
         L.llama_free(self.ctx)

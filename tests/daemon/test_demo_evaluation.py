@@ -60,3 +60,35 @@ def test_evaluation_rows_are_checked_against_plain_decoding():
         assert sp["plain"]["low"] <= sp["plain"]["ratio"] <= sp["plain"]["high"]
     assert _lossless_summary({"phases": rows}) == ("greedy outputs equal to plain decoding: 16 of 16 speculative "
                                                    "evaluation runs")
+
+
+def test_rows_that_kept_plains_prefill_are_charged_its_measured_time():
+    """On an engine with the prompt cache, plain decoding prefills each prompt itself (the cache
+    cleared first) and a later row that kept those cells is charged plain's prefill time pro rata
+    to the tokens it kept: 300 ms of plain's prefill over 9 prompt tokens, a row keeping all 9 and
+    one keeping 3."""
+    from types import SimpleNamespace
+
+    from daemon.demo import DemoConfig, _PhaseEval
+    from decoder.metrics import AcceptanceCounts
+
+    cleared = []
+    engine = SimpleNamespace(clear_prompt_cache=lambda: cleared.append(True))
+    dec = SimpleNamespace(engine=engine, generate=lambda req: None)
+    ev = _PhaseEval(DemoConfig.quick(eval_new_tokens=4), {}, {}, [], None, None, dec, None, None, None, None, None, 0,
+                    None, None)
+    ev.fresh_history = lambda: None
+    results = {"plain": (1000.0, 300.0, 0), "kept_all": (500.0, 5.0, 9), "kept_some": (700.0, 205.0, 3)}
+
+    def run(name, *a):
+        ms, pre, cached = results[name]
+        return SimpleNamespace(latency_ms=ms, counts=AcceptanceCounts(prefill_ms=pre), cached_prompt_tokens=cached,
+                               output_ids=[1, 2])
+
+    ev.decode_run = run
+    prompt = SimpleNamespace(token_ids=lambda tok: list(range(10)))  # 9 tokens before the pending one
+    runs = tuple((name, dec, 0, None) for name in results)
+    tot, per_prompt, differs, _ = ev.decode_side("prose", [prompt], runs, 0)
+    assert cleared == [True]
+    assert [per_prompt[n][0][1] for n in results] == [1000.0, 800.0, 800.0]
+    assert tot["kept_all"][1] == 800.0 and differs == {n: [] for n in results}

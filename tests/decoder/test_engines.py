@@ -759,3 +759,165 @@ def test_fr_spec_on_the_gguf_draft_masks_its_full_head_to_the_restricted_vocabul
     finally:
         choice.target.close()
         choice.draft.close()
+
+
+@needs_llamacpp
+@pytest.mark.slow
+@pytest.mark.parametrize("v_cache, threads", [("bf16", 1), ("bf16", 2), ("f16", 1)])
+def test_which_cells_are_the_same_bits_whatever_call_computed_them(gguf, real, v_cache, threads):
+    """What the prompt cache rests on (``LlamaCppEngine.shape_invariant_cells``): with a bf16 V cache
+    the cells of a prompt are the same bits whether it was prefilled in one call, in two halves, in
+    verification-sized blocks or one token at a time (the logits after them equal); with f16 they
+    are not, so only an identical earlier prefill may be kept there."""
+    ids = _long_ids(real, 310)
+    e = LlamaCppEngine(gguf, n_ctx=1024, threads=threads, v_cache=v_cache)
+    try:
+        def after(calls):
+            s = e.start()
+            for c in calls:
+                s.forward(c, 1)
+            return torch.cat([s.forward([t], 1) for t in ids[300:304]])
+
+        whole = after([ids[:300]])
+        shapes = {"halves": [ids[:150], ids[150:300]], "blocks": [ids[:280]] + [ids[i:i + 4] for i in range(280, 300, 4)],
+                  "steps": [ids[:290]] + [[t] for t in ids[290:300]]}
+        same = {k: torch.equal(after(v), whole) for k, v in shapes.items()}
+        assert torch.equal(after([ids[:300]]), whole)  # the same calls again: always the same bits
+        assert e.shape_invariant_cells == (v_cache == "bf16")
+        # bf16: every shape the same bits; f16: not all (here the blocks and the steps differ; whether a
+        # split into two halves does depends on the sizes)
+        assert all(same.values()) if e.shape_invariant_cells else not all(same.values()), same
+    finally:
+        e.close()
+
+
+@needs_llamacpp
+@pytest.mark.slow
+@pytest.mark.parametrize("v_cache, threads, n_seq", [("f16", 1, 1), ("bf16", 2, 4)])
+def test_the_prompt_cache_keeps_only_cells_a_fresh_prefill_computes(gguf, real, v_cache, threads, n_seq):
+    """``start(prefix=...)`` keeps a common prefix of what the slot last held only where a fresh
+    prefill computes the same bits (bf16: any common prefix, a conversation's earlier reply
+    included; f16: an identical earlier prefill), and the logits that follow equal those after a
+    fresh prefill in another engine; a rollback, a diverging prompt and other adapters are honoured."""
+    ids = _long_ids(real, 700)
+    other = [t + 1 for t in ids[300:600]]  # shares ids[:300], then diverges
+    e = LlamaCppEngine(gguf, n_ctx=1024, threads=threads, v_cache=v_cache, n_seq=n_seq)
+    ref = LlamaCppEngine(gguf, n_ctx=1024, threads=threads, v_cache=v_cache, n_seq=n_seq)
+    inv = e.shape_invariant_cells
+    done = (lambda s: s.release()) if n_seq > 1 else (lambda s: None)
+    try:
+        assert e.capabilities.prompt_cache and inv == (v_cache == "bf16")
+
+        def fresh(prompt, steps):  # a fresh prefill, then one-token steps
+            s = ref.start()
+            rows = [s.forward(prompt, 1)] + [s.forward([t], 1) for t in steps]
+            done(s)
+            return torch.cat(rows)
+
+        def served(prefix, steps, kept):
+            s = e.start(prefix=prefix)
+            assert s.length == kept
+            rows = ([s.forward(prefix[kept:], 1)] if kept < len(prefix) else []) + [s.forward([t], 1) for t in steps]
+            got = torch.cat(rows)[-len(steps):]
+            assert torch.equal(got, fresh(prefix, steps)[-len(steps):])
+            return s
+
+        done(served(ids[:400], ids[400:420], 0))  # a prefill of 400, then its reply one token at a time
+        # the same prompt again: its prefill's 400 cells kept, on either cache
+        done(served(ids[:400], ids[400:404], 400))
+        # the conversation so far and more: the reply's cells too with bf16, nothing with f16
+        s = served(ids[:600], ids[600:605], 404 if inv else 0)  # the last request held 400 + 4
+        s.truncate(500)  # a rollback shortens what is kept
+        done(s)
+        done(served(ids[:300] + other, ids[:3], 300 if inv else 0))  # shares only 300 tokens
+        e.set_lora(None, 0.5)  # other adapters: no cell is kept
+        s = e.start(prefix=ids[:300])
+        assert s.length == 0
+        done(s)
+        s = e.start()
+        assert s.length == 0  # no prefix: an empty cache, as before
+        done(s)
+    finally:
+        e.close()
+        ref.close()
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_a_batched_engine_gives_a_prompt_the_free_slot_holding_its_prefix(gguf, real):
+    ids = _long_ids(real, 300)
+    e = LlamaCppEngine(gguf, n_ctx=512, threads=2, n_seq=3)
+    try:
+        s0, s1 = e.start(prefix=ids[:100]), e.start(prefix=ids[100:200])
+        assert (s0.seq_id, s1.seq_id, s0.length, s1.length) == (0, 1, 0, 0)
+        e.forward_batch([(s0, ids[:100], 1), (s1, ids[100:200], 1)])
+        s1.release()
+        s0.release()
+        again = e.start(prefix=ids[100:250])  # slot 1 holds its first 100 tokens
+        assert (again.seq_id, again.length) == (1, 100)
+        busy = e.start(prefix=ids[:50])  # slot 0 holds these
+        assert (busy.seq_id, busy.length) == (0, 50)
+        third = e.start(prefix=ids[100:120])  # slot 1 is taken: the free one, empty
+        assert (third.seq_id, third.length) == (2, 0)
+    finally:
+        e.close()
+
+
+def _chat(tok, turns: list[tuple[str, str]]) -> list[int]:
+    ids = tok.apply_chat_template([{"role": r, "content": c} for r, c in turns], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@needs_llamacpp
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", [2, 1])
+def test_a_conversation_through_the_prompt_cache_equals_plain_decoding_without_it(gguf, real, threads):
+    """Two turns of a chat and a second conversation sharing only the system prompt, served greedy
+    (plain, n-gram γ 3 and the draft γ 2) by a decoder with the prompt cache, each equal to plain
+    decoding by a decoder without it; ``cached_prompt_tokens`` is the common prefix with the
+    previous request's cells where they are the same bits as a fresh prefill (bf16 at 2 threads),
+    the whole prompt again only for an identical prompt with f16 (``auto`` at 1 thread here), and 0
+    when the prompt rows are recorded."""
+    from decoder.workloads import prose_prompts
+
+    e = LlamaCppEngine(gguf, n_ctx=1024, threads=threads)
+    tok = real.tokenizer
+    try:
+        cached = SpeculativeDecoder(real.target, real.draft, tok, engine=e)
+        plain = SpeculativeDecoder(real.target, real.draft, tok, DecoderConfig(prompt_cache=False), engine=e)
+        texts = [p.text for p in prose_prompts(3, chars=600)]
+        last: list[int] = []  # the tokens whose cells the engine holds after the last request
+        first: list[int] = []
+        shared = []
+        for turn in range(3):
+            turns = ([("user", texts[0])], [("user", texts[0]), ("assistant", tok.decode(first, skip_special_tokens=True)),
+                                            ("user", texts[1])], [("user", texts[2])])[turn]
+            ids = _chat(tok, turns)
+            outs = []
+            for kw in (dict(gamma=0), dict(gamma=3, proposer="ngram"), dict(gamma=2, proposer="draft")):
+                out = cached.generate(DecodeRequest(ids, SamplingParams(), 24, ignore_eos=True, **kw))
+                # the first run of a turn finds the last turn's cells: kept where a fresh prefill computes the
+                # same bits (bf16: the common prefix; f16: none); the next ones find this very prompt's prefill
+                keep = len(ids) - 1 if outs else _lcp(last, ids[:-1]) if e.shape_invariant_cells else 0
+                assert out.cached_prompt_tokens == keep, (turn, kw, len(ids))
+                shared.append(keep if not outs else None)
+                outs.append(out.output_ids)
+                last = ids + out.output_ids[:-1]
+            want = plain.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=0, ignore_eos=True)).output_ids
+            assert outs == [want] * 3, turn
+            last = ids + want[:-1]
+            first = first or want
+        if e.shape_invariant_cells:  # the earlier turn and then the system prompt were kept
+            assert shared[3] > len(_chat(tok, [("user", texts[0])])) // 2 and 0 < shared[6] < 40, shared
+        recorded = SpeculativeDecoder(real.target, real.draft, tok, DecoderConfig(record_prompt=True, topk_record=4),
+                                      engine=e, sink=lambda s: None)
+        assert recorded.generate(DecodeRequest(ids, SamplingParams(), 4, gamma=0)).cached_prompt_tokens == 0
+    finally:
+        e.close()
