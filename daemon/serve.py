@@ -11,7 +11,8 @@ Endpoints (OpenAI's request and response shapes, as vLLM's and SGLang's servers 
 
 Extra request fields (``extra_body`` in the openai client): ``top_k``, ``ignore_eos``, ``gamma``
 (a fixed γ; default: the goodput controller's), ``workload`` (also the ``X-Draftd-Workload``
-header; default ``default``). Every response carries the request's measurement under
+header; default ``default``), ``cache_prompt`` (llama-server's: false prefills the whole prompt
+instead of keeping cached cells; default true, under ``serve.prompt_cache``). Every response carries the request's measurement under
 ``"draftd"`` (the last chunk when streaming), which OpenAI clients ignore.
 
 Errors are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``: 400 for a
@@ -54,7 +55,7 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort
 # fields accepted (and acted on) besides the prompt; everything else is refused by name
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
            "top_k", "ignore_eos", "gamma", "workload", "presence_penalty", "frequency_penalty", "logit_bias",
-           "repetition_penalty", "min_tokens", "metadata", "grammar"}
+           "repetition_penalty", "min_tokens", "metadata", "grammar", "cache_prompt"}
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                    "functions", "function_call", "parallel_tool_calls", "response_format", "store"}
@@ -98,6 +99,7 @@ class Parsed:
     workload: str
     stream: bool
     include_usage: bool = False
+    cache_prompt: bool = True  # llama-server's field: false = no prompt-cache cells for this request
     json_mode: bool = False  # response_format {"type": "json_object"}: the output is one JSON object
     grammar: str | None = None  # GBNF the output follows (response_format json_schema, or the grammar field)
     grammar_param: str | None = None  # the field it came from, for errors
@@ -483,7 +485,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
         top_k=0 if top_k == -1 or top_k >= vocab else top_k, seed=seed,  # a k >= the vocabulary cuts nothing: off
         stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
         gamma=gamma, workload=_workload(body, header_workload), stream=stream, include_usage=include_usage,
-        logprobs=logprobs,
+        logprobs=logprobs, cache_prompt=_bool(body, "cache_prompt", True),
         **_constrained(body),
     )
 
@@ -942,7 +944,7 @@ class InferenceService:
         return DecodeRequest(p.prompt_ids, params, p.max_tokens, gamma=gamma, stop=p.stop, ignore_eos=p.ignore_eos,
                              workload=self.workloads.admit(p.workload),
                              sampling_bucket=self.buckets.admit(params.bucket()), logprobs=p.logprobs,
-                             constraint=p.constraint if p.constraint is not None
+                             cache_prompt=p.cache_prompt, constraint=p.constraint if p.constraint is not None
                              else self.json_constraint() if p.json_mode else None)
 
     def _logprobs(self, p: Parsed, lps: list, offset: int = 0) -> dict[str, Any] | None:

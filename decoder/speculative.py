@@ -110,6 +110,8 @@ class DecodeRequest:
     logprobs: None (default) computes none; n in 0..20 gives every emitted token its
         log-probability under the served distribution and the n most probable alternatives
         (:func:`decoder.sampling.token_logprobs`), in ``DecodeResult.logprobs``.
+    cache_prompt: False: prefill the whole prompt, keeping no prompt-cache cells
+        (``DecoderConfig.prompt_cache``; llama-server's request field of that name).
     constraint: constrained output (:class:`decoder.constrain.JsonObjectConstraint`, or a
         grammar's :class:`decoder.grammar.GrammarConstraint`): the
         target's logits are masked at every verified row, so the output follows it and stays
@@ -129,6 +131,7 @@ class DecodeRequest:
     sampling_bucket: str | None = None
     logprobs: int | None = None
     constraint: Any = None
+    cache_prompt: bool = True
 
     def __post_init__(self):
         if len(self.prompt_ids) == 0:
@@ -745,7 +748,8 @@ class SpeculativeDecoder:
         name = req.proposer or (policy.proposer_name() if hasattr(policy, "proposer_name") else None) or DEFAULT_PROPOSER
         spec = proposer_spec(name)
         # the prompt cache: not where every prompt row's output is wanted (records, a feature-level proposer)
-        cache = (self.config.prompt_cache and supports(self.engine, "prompt_cache") and not spec.needs_features
+        cache = (self.config.prompt_cache and req.cache_prompt and supports(self.engine, "prompt_cache")
+                 and not spec.needs_features
                  and not (k_rec and self.config.record_prompt))
         tcache = self.engine.start(prefix=ids[:-1]) if cache else self.engine.start()
         return _Running(req=req, policy=policy, gen=gen, started_wall=started_wall, t_start=t_start,

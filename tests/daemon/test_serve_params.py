@@ -121,3 +121,16 @@ def test_a_value_of_another_json_type_is_refused_even_if_python_calls_it_equal(f
 def test_the_values_served_still_pass():
     parse({"n": 1, "echo": False, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0})
     parse({"store": False, "n": 1}, "chat")
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_cache_prompt_is_llama_servers_boolean(kind):
+    """``cache_prompt`` (llama-server's request field) defaults to true; false reaches the request;
+    anything but a boolean is a 400 naming it."""
+    from daemon.serve import ApiError
+
+    assert parse({}, kind).cache_prompt is True
+    assert parse({"cache_prompt": False}, kind).cache_prompt is False
+    with pytest.raises(ApiError) as ei:
+        parse({"cache_prompt": "no"}, kind)
+    assert (ei.value.status, ei.value.param, ei.value.code) == (400, "cache_prompt", "invalid_type")

@@ -916,6 +916,9 @@ def test_a_conversation_through_the_prompt_cache_equals_plain_decoding_without_i
             first = first or want
         if e.shape_invariant_cells:  # the earlier turn and then the system prompt were kept
             assert shared[3] > len(_chat(tok, [("user", texts[0])])) // 2 and 0 < shared[6] < 40, shared
+        # a request that asks for no cached cells (llama-server's cache_prompt false) prefills in full
+        again = cached.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=0, ignore_eos=True, cache_prompt=False))
+        assert again.cached_prompt_tokens == 0 and again.output_ids == want
         recorded = SpeculativeDecoder(real.target, real.draft, tok, DecoderConfig(record_prompt=True, topk_record=4),
                                       engine=e, sink=lambda s: None)
         assert recorded.generate(DecodeRequest(ids, SamplingParams(), 4, gamma=0)).cached_prompt_tokens == 0
