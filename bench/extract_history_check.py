@@ -15,7 +15,7 @@ from decoder.bench import LlamaCppPeer
 pair = load_pair("smollm2-135m", "layers:0-3")
 g = target_gguf("smollm2-135m")
 eng = LlamaCppEngine(g, threads=1)
-dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(), engine=eng)
+dec = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(prompt_cache=False), engine=eng)
 peer = LlamaCppPeer(str(g), threads=1)
 P = SamplingParams()
 allp = [p.token_ids(pair.tokenizer)[-256:] for p in get_workload("extract", 48)]

@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
     # 3. tokens/s: plain, full draft masked to V' (today's path), restricted V'
     v = a.tps_vocab
     gammas = [int(g) for g in a.gammas.split(",") if g]
-    cfg = DecoderConfig(topk_record=0, draft_vocab=ids[v], ngram_gate=False)
+    cfg = DecoderConfig(topk_record=0, draft_vocab=ids[v], ngram_gate=False, prompt_cache=False)
     decs = {"full_masked": SpeculativeDecoder(pair.target, pair.draft, tok, cfg, engine=target,
                                               draft_engine=engines["full"]),
             f"v{v}": SpeculativeDecoder(pair.target, pair.draft, tok, cfg, engine=target,

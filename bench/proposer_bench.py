@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
     tok = pair.tokenizer
     # llama.cpp on every core, as serve runs it; with a head, its hidden states too
     choice = choose_engine(a.engine, a.target, "cpu", a.draft, embeddings=bool(a.eagle_head))
-    dec = SpeculativeDecoder(pair.target, pair.draft, tok, DecoderConfig(topk_record=0), engine=choice.target,
+    dec = SpeculativeDecoder(pair.target, pair.draft, tok, DecoderConfig(topk_record=0, prompt_cache=False), engine=choice.target,
                              draft_engine=choice.draft)
     if a.eagle_head:
         from decoder.eagle import load_head

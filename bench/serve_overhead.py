@@ -85,7 +85,7 @@ def build(settings, prefix: str):
     loop = build_serving_loop(
         pair.target, pair.draft, pair.tokenizer, client=client, store_config=scfg, registry=None,
         pair_fingerprint=PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash),
-        decoder_config=DecoderConfig(record_prompt=sv.record_prompt, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
+        decoder_config=DecoderConfig(record_prompt=sv.record_prompt, prompt_cache=False, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
                                      ngram_gate=sv.ngram_gate, target_format=engines.served_format),
         config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every, max_batch=sv.max_batch,
                           step_token_budget=sv.step_token_budget),

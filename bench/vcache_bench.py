@@ -19,10 +19,10 @@ from decoder.speculative import DecodeRequest, DecoderConfig, SpeculativeDecoder
 from decoder.workloads import get_workload
 pair = load_pair("smollm2-135m", "layers:0-3")
 g = target_gguf("smollm2-135m")
-decs = {v: SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(), engine=LlamaCppEngine(g, threads=1, v_cache=v))
+decs = {v: SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(prompt_cache=False), engine=LlamaCppEngine(g, threads=1, v_cache=v))
         for v in ("bf16", "f16")}
 # f16 with records as serve and the demo's serving stream them (the prompt's top-k too): what recording costs
-decs["f16+records"] = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(topk_record=32, record_prompt=True),
+decs["f16+records"] = SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(topk_record=32, record_prompt=True, prompt_cache=False),
                                          engine=decs["f16"].engine, sink=lambda sample: None)
 peer = LlamaCppPeer(str(g), threads=1)
 P = SamplingParams()

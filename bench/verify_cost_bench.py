@@ -205,7 +205,7 @@ def ngram_min_n(pair, engine, prompts: int, max_new: int) -> list[dict]:
     from decoder.engines.registry import torch_threads_for
     from decoder.speculative import DecoderConfig, SpeculativeDecoder
 
-    decs = {k: SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(topk_record=0, ngram_min_n=k),
+    decs = {k: SpeculativeDecoder(pair.target, pair.draft, pair.tokenizer, DecoderConfig(topk_record=0, ngram_min_n=k, prompt_cache=False),
                                   engine=engine) for k in (1, 2, 3)}
     with torch_threads_for(engine):  # as serve and generate decode on llama.cpp
         return _ngram_rows(decs, pair, prompts, max_new)
