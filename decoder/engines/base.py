@@ -138,4 +138,4 @@ def routed_batch_size() -> int:
 def supports(engine, capability: str) -> bool:
     """Whether ``engine`` (None: no engine) declares ``capability`` (a :class:`Capabilities` field)."""
     caps = getattr(engine, "capabilities", None)
-    return bool(caps is not None and getattr(caps, capability))
+    return bool(caps is not None and getattr(caps, capability, False))
