@@ -539,6 +539,7 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                                             loop.heads))
             shift.update(seconds=round(time.time() - start, 1), wall_seconds=round(time.time() - began, 1), ended=why, requests=i,
                          turns=_workload_turns(svc, phase))
+            console.log(f"{phase} ended after {shift['seconds']:.0f} s and {i} requests: {why}")  # live, not only in the summary
             traffic.phase_end_version[phase] = loop.decoder.adapter_version
             if loop.heads is not None:
                 traffic.phase_end_head[phase] = loop.heads.route(phase)
@@ -1661,8 +1662,12 @@ def _recovery_and_footer(report: dict, console) -> None:
             continue
         two = cost.get(2, cost.get("2"))
         one = cost.get(1, cost.get("1"))
+        measured = sorted(int(g) for g in (ceil.get("by_gamma") or {}))
+        # a ceiling covers only the γ whose verifications were measured (model-free steps): say which
+        span = f"γ={ceil['gamma']}, of γ={measured[0]}-{measured[-1]} measured" if len(measured) > 1 else \
+            f"γ={ceil['gamma']}, the only γ measured then"
         console.print(f"engine ceiling {when}: even if every proposal were accepted at no cost, speculation could run at most "
-                      f"{ceil['speedup']:.2f}x plain (γ={ceil['gamma']})"
+                      f"{ceil['speedup']:.2f}x plain ({span})"
                       + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else ""))
     lossless = _lossless_summary(report)
     if lossless:

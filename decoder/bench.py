@@ -219,7 +219,7 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
     """One (workload, sampling) cell: per prompt, every method back to back (plain, hf_plain,
     llamacpp_plain, then each proposer x γ's spec and hf_assisted), so a machine that speeds up or
     slows down during the sweep shifts all methods alike instead of favouring whichever ran in the
-    quiet minutes. Returns the pooled counts and times per method."""
+    quiet minutes; every run prefills its prompt (``cache_prompt=False``). Returns the pooled counts and times per method."""
     base = SAMPLING[sname]
     plain_counts, plain_ms = AcceptanceCounts(), 0.0
     keys = [(p, g) for p in cfg.proposers for g in gammas]
@@ -228,11 +228,7 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
     peer_m = {"tokens": 0, "ms": 0.0, "ratios": [], "same": [], "diffs": []}
     batched_diff: list[float] = []
 
-    clear = getattr(decoder.engine, "clear_prompt_cache", None)
-
     def run(req, policy):
-        if clear is not None:  # every timed run pays its own prefill (the prompt cache would hand it the last run's)
-            clear()
         if history is not None:  # every request sees the same frozen n-gram history and gate (row order is not
             decoder.ngram_history = history.copy()  # an input: a gate learning across rows would make it one)
             decoder.ngram_gate = gate.copy() if gate is not None else None
@@ -249,7 +245,7 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
     for i, ids in enumerate(enc):
         params = SamplingParams(base.temperature, base.top_p, base.top_k, seed=cfg.seed + i)
         say(f"{wl} {sname} plain prompt {i + 1}/{len(enc)}")
-        r = run(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=0, ignore_eos=True, workload=wl), FixedGamma(0))
+        r = run(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=0, ignore_eos=True, workload=wl, cache_prompt=False), FixedGamma(0))
         plain_out = r.output_ids
         plain_counts.merge(r.counts)
         plain_ms += r.latency_ms
@@ -276,7 +272,7 @@ def _measure(decoder: SpeculativeDecoder, wl: str, sname: str, enc: list[list[in
         for prop, g in keys:
             say(f"{wl} {sname} spec {prop} γ={g} prompt {i + 1}/{len(enc)}")
             r = run(DecodeRequest(ids, params, cfg.max_new_tokens, gamma=g, ignore_eos=True, workload=wl,
-                                  proposer=prop), FixedGamma(g))
+                                  proposer=prop, cache_prompt=False), FixedGamma(g))
             sg = spec[(prop, g)]
             sg["counts"].merge(r.counts)
             sg["ms"] += r.latency_ms

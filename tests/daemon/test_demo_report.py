@@ -309,3 +309,19 @@ def test_the_live_table_takes_alpha_and_tau_from_the_requests_that_speculated_on
     text = render(tl)
     assert "rolling α, τ (2 of the last 5 speculated)" in text and "0.600, 2.50" in text, text
     assert "- (plain decoding)" in render([dict(plain)] * 3)
+
+
+def test_each_engine_ceiling_names_the_gammas_it_was_measured_at():
+    """The walkthrough read "0.97x (γ=1)" at the evaluation under "1.14x (γ=4)" beside the trainer
+    as the trainer's stop making speculation slower: the re-measured costs had only 1 and 2 rows.
+    Each line now says over which γ its ceiling was measured."""
+    out = io.StringIO()
+    beside = {"engine_ceiling": {"by_gamma": {1: 0.9, 2: 1.0, 3: 1.1, 4: 1.14}, "gamma": 4, "speedup": 1.14},
+              "step_cost_ms": {1: 20.0, 2: 36.0}}
+    print_report({"phases": [_phase("prose", 10, 0)], "adapters": [], "recovery": [], "requests": 10, "active_adapter": 5,
+                  "seconds": 1.0, "key_prefix": "draftd:demo:",
+                  "engine_ceiling": {"by_gamma": {1: 0.97}, "gamma": 1, "speedup": 0.97}, "step_cost_ms": {1: 20.0, 2: 41.2},
+                  "remeasured": {"beside_trainer": beside}}, Console(file=out, width=300))
+    text = out.getvalue()
+    assert "at most 0.97x plain (γ=1, the only γ measured then); a verification of 2 rows cost 2.06 plain steps" in text
+    assert "at most 1.14x plain (γ=4, of γ=1-4 measured); a verification of 2 rows cost 1.80 plain steps" in text
