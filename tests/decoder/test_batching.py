@@ -535,8 +535,9 @@ def test_a_long_prompt_prefilled_under_the_step_token_budget_and_its_batch_mates
     assert loop.batching is not None and loop.batching.step_token_budget == 16
     long_ids = _ids(real, 1100)
     p = lambda s: tok(s)["input_ids"]  # noqa: E731
+    # no prompt cache for it: its whole prefill is what this test cuts (the plain run before would hand it the cells)
     long_req = DecodeRequest(long_ids, SamplingParams(), 12, gamma=3, proposer="draft", ignore_eos=True,
-                             request_id="long")
+                             request_id="long", cache_prompt=False)
     shorts = [DecodeRequest(p("The capital of France is"), SamplingParams(), 24, gamma=0, request_id="plain"),
               DecodeRequest(p("def fibonacci(n):"), SamplingParams(), 20, gamma=2, proposer="ngram", request_id="ngram"),
               DecodeRequest(p("List three colors:"), SamplingParams(), 16, gamma=2, proposer="draft", ignore_eos=True,
