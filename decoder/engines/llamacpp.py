@@ -68,7 +68,8 @@ class LlamaCppSequence:
                 e._ends[self.seq_id] = [b for b in e._ends.get(self.seq_id, []) if b <= length]
 
     def release(self) -> None:
-        """Give the slot back (idempotent); its cells are cleared when the slot is next started."""
+        """Give the slot back (idempotent); its cells stay until the slot is next started, which
+        keeps their common prefix with a prompt that asks for it (the prompt cache) and clears the rest."""
         if not self.released:
             self.released = True
             if self._free_slot is not None:
