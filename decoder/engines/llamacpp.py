@@ -223,7 +223,7 @@ class LlamaCppEngine:
         # the prompt cache: per sequence id, the token ids whose K/V fill its cells [0, len) under
         # the adapters now set (start(prefix=...) keeps a common prefix of them); no entry: unknown
         self._cells: dict[int, list[int]] = {}
-        self._ends: dict[int, list[int]] = {}  # per sequence id, where each forward since its start ended
+        self._ends: dict[int, list[int]] = {}  # per sequence id, where each forward since its start ended (f16)
         self._adapters_now: tuple = (None, 1.0)
         self._slots = threading.RLock()  # RLock: a sequence's finalizer may run inside start() (GC)
         self._offset_lora = None  # a split Q4_1 file's offset adapter, under every forward
@@ -595,7 +595,8 @@ class LlamaCppEngine:
         rec = self._cells.get(seq.seq_id)
         if rec is not None and len(rec) + len(tokens) == seq.length:
             rec.extend(int(t) for t in tokens)
-            self._ends.setdefault(seq.seq_id, []).append(seq.length)
+            if not self.shape_invariant_cells:  # where calls end matters only where cells depend on them
+                self._ends.setdefault(seq.seq_id, []).append(seq.length)
         else:  # out of step with the cells (never expected): unknown, never reused
             self._cells.pop(seq.seq_id, None)
 
