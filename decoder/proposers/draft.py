@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from decoder.proposers.base import Proposal, ProposerSpec, crop_to
-from decoder.sampling import SamplingParams, process_logits, sample
+from decoder.sampling import SamplingParams, argmax, process_logits, sample
 from store.copy_channel import copy_candidate, copy_features, copy_lambda, mix_argmax
 
 
@@ -64,7 +64,7 @@ class DraftModelProposer:
                 if x is None:
                     x = int(sample(q_i, gen))
             else:
-                x = int(q_i.argmax()) if params.greedy else int(sample(q_i, gen))
+                x = int(argmax(q_i)) if params.greedy else int(sample(q_i, gen))
             tokens.append(x)
             qs.append(q_i)
             feed = [x]
@@ -79,7 +79,7 @@ class DraftModelProposer:
         if ell == 0 or c >= q.shape[-1]:
             return None
         logp = torch.log_softmax(logits.float(), -1)  # the temperature-1 q the gate's features read
-        top = int(logp.argmax())
+        top = int(argmax(logp))
         q_c, q_max = float(logp[c].exp()), float(logp[top].exp())
         lam = float(copy_lambda(self.copy_gate, copy_features([ell], [q_c], [q_max]), [ell])[0])
         if params.greedy:

@@ -8,7 +8,7 @@ import torch
 
 from decoder.eagle import EagleHead, KVCache
 from decoder.proposers.base import Proposal, ProposerSpec
-from decoder.sampling import process_logits, sample
+from decoder.sampling import argmax, process_logits, sample
 
 
 class EagleProposer:
@@ -65,7 +65,7 @@ class EagleProposer:
         cache, g_last, logit = self.cache, g[:, -1:], logits[0, -1]
         for i in range(gamma):
             q_i = self._q(logit, params)
-            t = int(q_i.argmax()) if params.greedy else int(sample(q_i, gen))
+            t = int(argmax(q_i)) if params.greedy else int(sample(q_i, gen))
             tokens.append(t)
             qs.append(q_i)
             if i + 1 < gamma:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decoder.metrics import AcceptanceCounts, StepStats
-from decoder.sampling import (SamplingParams, alpha, expected_tokens_per_step, predicted_speedup, process_logits,
+from decoder.sampling import (SamplingParams, alpha, argmax, expected_tokens_per_step, predicted_speedup, process_logits,
                               residual_distribution, sample, verify)
 
 
@@ -214,3 +214,31 @@ def test_a_seed_outside_64_bits_is_refused():
     for seed in (2**64, -(2**63) - 1):
         with pytest.raises(ValueError, match="64-bit"):
             seeded_generator(seed)
+
+
+def test_argmax_gives_torchs_ids_ties_nan_and_strides():
+    # hand-built rows: a tie (lowest id wins), a NaN (counts as the largest), all -inf, one row
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0],
+                      [0.0, float("nan"), 5.0, float("nan")],
+                      [float("-inf")] * 4,
+                      [-2.0, -1.0, -3.0, -1.5]])
+    assert argmax(x).tolist() == [1, 1, 0, 1]
+    assert argmax(x).dtype == torch.int64
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(5, 49152, generator=g)
+    big[2, 7], big[2, 40000] = 100.0, 100.0  # a tie far apart
+    assert torch.equal(argmax(big), big.argmax(-1)) and int(argmax(big)[2]) == 7
+    assert torch.equal(argmax(big.t().contiguous().t()), big.argmax(-1))  # a non-contiguous view
+    assert torch.equal(argmax(big[:, ::3]), big[:, ::3].argmax(-1))
+    assert int(argmax(big[3])) == int(big[3].argmax())  # one row: a 0-d result
+    assert torch.equal(argmax(big.double()), big.argmax(-1))
+    assert torch.equal(argmax(big.bfloat16()), big.bfloat16().argmax(-1))  # torch's path
+    w = big.clone().requires_grad_()
+    assert torch.equal(argmax(w), big.argmax(-1))
+
+
+def test_greedy_process_logits_is_the_one_hot_of_the_argmax():
+    x = torch.tensor([[0.5, 2.0, 2.0], [-1.0, -3.0, -2.0]])
+    p = process_logits(x, SamplingParams())
+    assert p.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]] and p.dtype == torch.float32
+    assert process_logits(torch.tensor([0.0, 1.0]), SamplingParams()).tolist() == [0.0, 1.0]
