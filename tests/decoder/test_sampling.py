@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decoder.metrics import AcceptanceCounts, StepStats
-from decoder.sampling import (SamplingParams, alpha, argmax, expected_tokens_per_step, predicted_speedup, process_logits,
+from decoder.sampling import (SamplingParams, alpha, argmax, topk_rows, expected_tokens_per_step, predicted_speedup, process_logits,
                               residual_distribution, sample, verify)
 
 
@@ -242,3 +242,24 @@ def test_greedy_process_logits_is_the_one_hot_of_the_argmax():
     p = process_logits(x, SamplingParams())
     assert p.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]] and p.dtype == torch.float32
     assert process_logits(torch.tensor([0.0, 1.0]), SamplingParams()).tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (5, 49152), (2, 3, 49152), (49152,), (0, 49152), (4, 640), (3, 100)])
+def test_topk_rows_is_the_softmaxs_top_k(shape):
+    # the reference: the full softmax, then torch's top-k over all V (the blocked path must agree bit for bit)
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    for scale in (0.5, 4.0, 30.0):
+        x = torch.randn(*shape, generator=g) * scale
+        for k in (1, 32, 64):
+            ids, probs, tail = topk_rows(x, k)
+            top = torch.topk(torch.softmax(x, -1), min(k, shape[-1]), dim=-1)
+            assert torch.equal(ids, top.indices.to(torch.int32)) and torch.equal(probs, top.values)
+            assert torch.equal(tail, (1.0 - top.values.sum(-1)).clamp_min(0.0))
+    # a hand-worked row: logits log(4), log(2), log(1), log(1) -> p = 1/2, 1/4, 1/8, 1/8
+    ids, probs, tail = topk_rows(torch.tensor([[math.log(4), math.log(2), 0.0, 0.0]]), 2)
+    assert ids.tolist() == [[0, 1]] and torch.allclose(probs, torch.tensor([[0.5, 0.25]])) and abs(float(tail) - 0.25) < 1e-6
+    # exact ties at the k-th place: any of the tied ids, each at its (equal) probability
+    x = torch.full((1, 49152), -5.0)
+    x[0, 100] = 3.0
+    ids, probs, _ = topk_rows(x, 3)
+    assert int(ids[0, 0]) == 100 and ids[0, 1] != ids[0, 2] and probs[0, 1] == probs[0, 2] == torch.softmax(x, -1)[0, 0]
