@@ -31,12 +31,7 @@ forward's rows at the end, as if fed at once)::
     member B: plain row ─────────────┴───────────── fire ─ plain row ─ fire ─ ...      B goes on each step
 
 A step whose forwards are all longer than the budget (prefills only, or one member alone) feeds
-them whole, as without a budget.
-
-A member alone (``solo``: the serving loop says no request waits to join) decodes its own forwards
-on its thread, without handing the baton to the driver and back: two thread hand-offs a step
-fewer, which a lone request's ~6 ms steps felt (bench/RESULTS.md "The serving loop's Python per
-step"). The first forward after a request arrives goes through the driver again, which admits it. Cancellation is unchanged: the decoder polls between its own
+them whole, as without a budget. Cancellation is unchanged: the decoder polls between its own
 prefill chunks (``decoder.speculative.PREFILL_CHUNK``), which now take several steps each.
 """
 
@@ -130,22 +125,17 @@ class StepScheduler:
         step_token_budget: tokens (rows fed) a member's forward may put into a step that also
             serves a forward of another member no longer than this (module docstring); the rest
             goes into the following steps. None: forwards go in whole (no budget).
-        solo: called before a lone member's forward: True when nothing waits to join the batch,
-            so the member decodes on its own thread (module docstring). None: never.
 
     Raises:
         ValueError: ``step_token_budget`` not None nor an int >= 1.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, step_token_budget: int | None = None,
-                 solo: Callable[[], bool] | None = None):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, step_token_budget: int | None = None):
         if step_token_budget is not None and (isinstance(step_token_budget, bool) or not isinstance(step_token_budget, int)
                                               or step_token_budget < 1):
             raise ValueError(f"step_token_budget={step_token_budget!r}: must be an int >= 1 (tokens), or None for no budget")
         self.clock = clock
         self.step_token_budget = step_token_budget
-        self.solo = solo
-        self.solo_forwards = 0  # forwards a lone member decoded on its own thread
         self.cut = 0  # forwards' pieces fed under the budget while the rest waited (steps a prefill was held back)
         self._mu = threading.Lock()  # guards the state below; each thread is woken by its own event
         self._idle = threading.Event()  # no member holds the baton and none is ready: a step boundary
@@ -211,10 +201,6 @@ class StepScheduler:
         m = getattr(self._local, "member", None)
         if m is None:  # not a member's thread (a routed thread outside spawn): decode at once
             return engine.forward_batch([(seq, tokens, keep)], hidden)[0]
-        with self._mu:
-            alone = self.solo is not None and len(self._members) == 1 and not self._pending
-        if alone and self.solo():
-            return self._solo_forward(m, engine, seq, tokens, keep, hidden)
         c = _Call(m, engine, seq, tokens, keep, hidden)
         with self._mu:
             self._pending.append(c)
@@ -224,21 +210,6 @@ class StepScheduler:
         if c.error is not None:
             raise c.error
         return c.result
-
-    def _solo_forward(self, m: Member, engine, seq, tokens: list[int], keep: int, hidden: bool):
-        """A lone member's forward on its own thread, counted as a fused forward of 1 sequence."""
-        m.batch_size = 1
-        t0 = self.clock()
-        try:
-            return engine.forward_batch([(seq, tokens, keep)], hidden)[0]
-        finally:
-            ms = (self.clock() - t0) * 1e3
-            with self._mu:
-                self.decode_ms += ms
-                self.fired += 1
-                self.solo_forwards += 1
-                self.rows += len(tokens)
-                self.by_sequences[1] += 1
 
     def last_batch_size(self) -> int:
         """Sequences in the fused forward that served this thread's last call (1 outside a member)."""
@@ -320,8 +291,7 @@ class StepScheduler:
         return {"fused_forwards": n, "by_sequences": {str(k): v for k, v in sorted(self.by_sequences.items())},
                 "mean_sequences": round(sum(k * v for k, v in self.by_sequences.items()) / n, 3) if n else None,
                 "rows": self.rows, "decode_ms": round(self.decode_ms, 3),
-                "step_token_budget": self.step_token_budget, "budget_cut_pieces": self.cut,
-                "solo_forwards": self.solo_forwards}
+                "step_token_budget": self.step_token_budget, "budget_cut_pieces": self.cut}
 
 
 __all__ = ["STEP_TOKEN_BUDGET", "Member", "StepScheduler"]

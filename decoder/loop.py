@@ -400,7 +400,7 @@ class ServingLoop:
             n = getattr(eng.capabilities, "max_sequences", 1)
             if n < mb:
                 return None, f"{role} engine holds {n} sequences, fewer than max_batch = {mb}"
-        return (StepScheduler(self.clock, self.config.step_token_budget, solo=self._q.empty),
+        return (StepScheduler(self.clock, self.config.step_token_budget),
                 f"continuous batching of up to {mb} requests")
 
     # ---- the worker --------------------------------------------------------------------------

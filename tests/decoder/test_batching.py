@@ -89,47 +89,6 @@ def test_the_scheduler_fuses_every_waiting_forward_and_hands_each_member_its_row
     assert order == [0, 1, 2, 0, 1, 2, 0, 1]
 
 
-def test_a_lone_member_decodes_on_its_own_thread_until_another_request_joins():
-    eng = _FakeEngine()
-    threads: list[str] = []
-    fused = eng.forward_batch
-
-    def forward_batch(items, hidden=False):
-        threads.append(threading.current_thread().name)
-        return fused(items, hidden)
-
-    eng.forward_batch = forward_batch
-    waiting = threading.Event()  # the serving loop's "a request waits to join"
-    sched = StepScheduler(solo=lambda: not waiting.is_set())
-    got: dict[int, list] = {}
-
-    def member(sid, steps, join_at=None):
-        s, rows = _Seq(eng, sid), []
-        for k in range(steps):
-            if k == join_at:
-                waiting.set()
-                sched.spawn(lambda: member(1, 2), "m1")
-                waiting.clear()
-            rows.append(s.forward([1], 1).tolist())
-        got[sid] = rows
-
-    sched.spawn(lambda: member(0, 5, join_at=2), "m0")
-    _drive(sched)
-    assert got[0] == [[[0, p]] for p in range(5)] and got[1] == [[[1, 0]], [[1, 1]]]
-    # alone: on its own thread; with a batch mate: fused by the driver (this thread), as before,
-    # including the step at which the mate leaves the batch
-    assert eng.calls == [[0], [0], [0, 1], [0, 1], [0]]
-    driver = threading.current_thread().name
-    assert threads == ["draftd-batch-m0", "draftd-batch-m0", driver, driver, driver]
-    st = sched.status()
-    assert st["solo_forwards"] == 2 and st["fused_forwards"] == 5 and st["by_sequences"] == {"1": 3, "2": 2}
-    # a request waiting to join: even a lone member hands its forward to the driver
-    waiting.set()
-    sched.spawn(lambda: member(2, 1), "m2")
-    _drive(sched)
-    assert threads[-1] == driver and sched.solo_forwards == 2
-
-
 def test_a_forward_that_fails_in_a_fused_call_fails_only_its_own_member():
     eng = _FakeEngine()
     sched = StepScheduler()
