@@ -42,6 +42,14 @@ with a fixed ``max_tokens``, streamed ``/v1/completions``, a closed loop of N cl
   file (``decoder.models.gguf_export.derived_draft_gguf``: the base draft, without draftd's
   adapters), when it is cached (serve writes it at its start); else skipped, with the reason.
 
+``--paired`` (one client): every server up at once and each prompt streamed to each in turn, the
+order rotating, half a second of quiet before each request; per prompt draftd's tokens/s over each
+peer's, their geometric mean with a bootstrap interval (:func:`paired_ratio`). Sequential cells
+compare minutes apart, and on a shared VM the host's speed drifts between them (llama-server plain
+at 1 client read 106 and 135 tokens/s half an hour apart); pairs per prompt do not::
+
+    .venv/bin/python bench/serve_bench.py --peer --paired --peer-clients 1 --requests 24 --warmup 2 --max-tokens 64
+
 Client counts run in order; at each, draftd first, then every llama-server configuration (a
 fresh process per configuration and count, warmed by one short request, and by `--warmup` unmeasured
 prompts per workload: every server process alike, draftd once). Per configuration and
@@ -68,11 +76,13 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -492,6 +502,81 @@ def peer_checks(table: dict[int, dict[str, dict]]) -> dict:
     return out
 
 
+def paired_ratio(a: list[dict], b: list[dict], confidence: float = 0.95, seed: int = 0) -> dict | None:
+    """Side a's tokens/s over side b's, paired per prompt: the geometric mean of the per-prompt
+    ratios and a percentile bootstrap interval of it (2000 resamples of the prompts); prompts
+    failed on either side are left out. Rows: ``{"tokens", "seconds", "error"}``. None without a pair."""
+    import math
+    import random
+
+    logs = [math.log((x["tokens"] / x["seconds"]) / (y["tokens"] / y["seconds"]))
+            for x, y in zip(a, b) if not x["error"] and not y["error"] and x["seconds"] > 0 and y["seconds"] > 0
+            and x["tokens"] and y["tokens"]]
+    if not logs:
+        return None
+    rng = random.Random(seed)
+    boots = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(2000))
+    lo, hi = boots[int((1 - confidence) / 2 * 2000)], boots[int((1 + confidence) / 2 * 2000) - 1]
+    return {"ratio_geomean": round(math.exp(statistics.fmean(logs)), 4),
+            f"ci{int(confidence * 100)}": [round(math.exp(lo), 4), round(math.exp(hi), 4)], "pairs": len(logs)}
+
+
+def paired_one_client(servers: dict[str, tuple[str, bool]], prompts: list, max_tokens: int, warm: list,
+                      gap_s: float = 0.5, confidence: float = 0.95, seed: int = 0) -> dict:
+    """One client, every server up at once, each prompt streamed to every server in turn (the
+    order rotating per prompt), so a host whose speed drifts from minute to minute (a shared VM)
+    slows every side alike: per server the requests' output tokens/s (tokens over the request's
+    wall time, first byte to last, prefill included), TTFT and TPOT; per llama-server configuration
+    draftd's per-prompt ratio of tokens/s, its geometric mean and a bootstrap interval of it.
+    ``servers``: name -> (``…/v1`` url, whether it is draftd); ``warm``: unmeasured prompts
+    streamed to each server first (:func:`paired_ratio` gives the ratios); ``gap_s``: seconds of quiet before each request (a request
+    sent the moment another server finished paid for that server's threads still spinning: 100-150 ms
+    more TTFT for draftd right after llama-server, measured)."""
+    import openai
+
+    ocs, models = {}, {}
+    for name, (url, _) in servers.items():
+        ocs[name] = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+        models[name] = ocs[name].models.list().data[0].id
+
+    def once(name: str, w: str, ids: list[int]) -> dict:
+        return stream_once(ocs[name], models[name], ids, max_tokens,
+                           {"ignore_eos": True, **({"workload": w} if servers[name][1] else {})})
+
+    for name in servers:
+        for w, ids in [("default", [1, 2, 3, 4])] + list(warm):
+            once(name, w, ids)
+    names = list(servers)
+    per: dict[str, list[dict]] = {n: [] for n in names}
+    load0 = os.getloadavg()[0]
+    for i, (w, ids) in enumerate(prompts):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            time.sleep(gap_s)  # the last server's threads settle first (llama.cpp's spin after a decode)
+            tl = once(name, w, ids)
+            end = tl["chunks"][-1] if tl["chunks"] else time.perf_counter()
+            per[name].append({"tokens": tl["tokens"], "seconds": end - tl["t0"], "error": tl["error"],
+                              "ttft_ms": 1e3 * (tl["chunks"][0] - tl["t0"]) if tl["chunks"] else None,
+                              "tpot_ms": (1e3 * (tl["chunks"][-1] - tl["chunks"][0]) / max(1, tl["tokens"] - 1)
+                                          if len(tl["chunks"]) > 1 else None)})
+    out: dict[str, Any] = {"prompts": len(prompts), "order": "each prompt to every server in turn, rotating",
+                           "gap_s": gap_s,
+                           "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "servers": {}}
+    for name, rs in per.items():
+        ok = [r for r in rs if not r["error"] and r["seconds"] > 0]
+        out["servers"][name] = {"failures": len(rs) - len(ok),
+                                "requests": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rs],
+                                "tokens_per_s_median": round(statistics.median(r["tokens"] / r["seconds"] for r in ok), 2) if ok else None,
+                                "ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in ok if r["ttft_ms"]), 2) if ok else None,
+                                "tpot_ms_median": round(statistics.median(r["tpot_ms"] for r in ok if r["tpot_ms"]), 3) if ok else None}
+    d = next((n for n in names if servers[n][1]), None)
+    for name in names:
+        if d is not None and name != d:
+            r = paired_ratio(per[d], per[name], confidence, seed)
+            if r is not None:
+                out[f"draftd_vs_{name}"] = r
+    return out
+
+
 def peer_main(a) -> None:
     import tempfile
     import platform
@@ -584,6 +669,21 @@ def peer_main(a) -> None:
             dbase, dproc = stack.enter_context(peers.running_process(dcmd, port, logs / "draftd.log", env=denv,
                                                                      timeout_s=900))
             durl = dbase + "/v1"
+        if a.paired:
+            servers = {"draftd": (durl, True)} if "draftd" in configs else {}
+            kinds = ([("llama_plain", {})] if "llama_plain" in configs else []) + \
+                ([(f"llama_{t}", {"spec_type": t}) for t in want] if "llama_ngram" in configs else [])
+            for name, kw in kinds:
+                p = peers.free_port()
+                cmd = peers.server_command(binary, target, p, 1, a.ctx_per_slot, threads, **kw)
+                result["commands"].setdefault(name, " ".join(cmd[1:]).replace(str(p), "PORT"))
+                url, _ = stack.enter_context(peers.running_process(cmd, p, logs / f"{name}-paired.log", timeout_s=300))
+                servers[name] = (url + "/v1", False)
+            ps = [x for cell in cells[clients_list[0]] for x in cell]
+            say(f"1 client, paired: {len(ps)} prompts, each to {', '.join(servers)} in turn")
+            result["paired"] = paired_one_client(servers, ps, a.max_tokens, warm)
+            say(json.dumps({k: v for k, v in result["paired"].items() if k != "order"}))
+            clients_list = []
         for n in clients_list:
             if "draftd" in configs:
                 say(f"{n} client(s): draftd")
@@ -625,6 +725,10 @@ def peer_main(a) -> None:
                 ev = json.loads(line)
                 if ev.get("event") in ("engine", "serve_promoted_cached_v0"):
                     result[f"draftd_{ev['event']}"] = {k: v for k, v in ev.items() if k not in ("level", "logger", "timestamp")}
+    if a.paired:
+        partial()
+        print(json.dumps(result, indent=1))
+        return
     result["results"] = {str(n): table[n] for n in clients_list}
     result["summary_tokens_per_s"] = {str(n): {c: v.get("tokens_per_s") for c, v in table[n].items()} for n in clients_list}
     result["checks"] = peer_checks(table)
@@ -656,6 +760,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="--peer: also write the JSON here, after every cell (partial runs keep their cells)")
     ap.add_argument("--warmup", type=int, default=0, help="--peer: unmeasured warm-up prompts per workload that "
                     "every server process streams before it is measured (the same for every side)")
+    ap.add_argument("--paired", action="store_true", help="--peer: one client, every server up at once, each prompt "
+                    "streamed to each in turn (rotating), paired ratios with a bootstrap interval: robust to a host "
+                    "whose speed drifts; the prompts are the first --peer-clients count's (its clients x --requests)")
     ap.add_argument("--draftd-max-batch", type=int, default=None, help="--peer: serve.max_batch (default: serve's)")
     ap.add_argument("--draftd-env", action="append", default=None, metavar="DRAFTD_X=V",
                     help="--peer: an extra environment variable for draftd serve (repeatable), e.g. "

@@ -202,3 +202,18 @@ def test_thread_ticks_and_the_busiest_thread():
         pass
     top = peers.busiest_thread_seconds(b0, peers.thread_cpu_ticks(os.getpid()))
     assert abs(top - (time.process_time() - pa)) <= 3 / hz + 0.01  # this thread burnt it
+
+
+def test_paired_ratio_is_the_geometric_mean_of_per_prompt_ratios():
+    # draftd at 2x, then 0.5x, then 1x the peer's tokens/s: the geometric mean is 1; a failed prompt is left out
+    a = [{"tokens": 64, "seconds": 0.5, "error": None}, {"tokens": 64, "seconds": 2.0, "error": None},
+         {"tokens": 32, "seconds": 1.0, "error": None}, {"tokens": 64, "seconds": 1.0, "error": "boom"}]
+    b = [{"tokens": 64, "seconds": 1.0, "error": None}, {"tokens": 64, "seconds": 1.0, "error": None},
+         {"tokens": 32, "seconds": 1.0, "error": None}, {"tokens": 64, "seconds": 1.0, "error": None}]
+    r = serve_bench.paired_ratio(a, b)
+    assert r["pairs"] == 3 and r["ratio_geomean"] == 1.0
+    lo, hi = r["ci95"]
+    assert 0.5 <= lo < 1.0 < hi <= 2.0  # resamples of {2, 0.5, 1}: within the extremes, around the mean
+    same = serve_bench.paired_ratio(a[:1] * 5, [{"tokens": 64, "seconds": 0.8, "error": None}] * 5)
+    assert same["ratio_geomean"] == 1.6 and same["ci95"] == [1.6, 1.6]
+    assert serve_bench.paired_ratio(a[3:], b[3:]) is None
