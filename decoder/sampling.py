@@ -303,6 +303,24 @@ class Verification:
     rejected_at: int
 
 
+def verify_greedy(proposals: Sequence[int], choice: Sequence[int]) -> Verification:
+    """Greedy verification from the target's argmax per row, without its distributions: accept
+    while x_i == choice_i; the next token is choice_{n+1} (:func:`verify`'s greedy case).
+
+    Args:
+        proposals: the γ draft tokens.
+        choice: γ + 1 target argmax ids (the same positions plus one).
+
+    Raises:
+        ValueError: ``choice`` is not one longer than ``proposals``.
+    """
+    gamma = len(proposals)
+    if len(choice) != gamma + 1:
+        raise ValueError(f"verify_greedy: {len(choice)} target rows for {gamma} proposals: need {gamma + 1}")
+    n = next((i for i in range(gamma) if proposals[i] != choice[i]), gamma)
+    return Verification(n, int(choice[n]), n if n < gamma else -1)
+
+
 def verify(
     proposals: torch.Tensor,
     q: torch.Tensor,
@@ -327,10 +345,7 @@ def verify(
     """
     gamma = proposals.shape[0]
     if greedy:
-        target_choice = argmax(p)  # (γ+1,)
-        match = proposals == target_choice[:gamma]
-        n = gamma if bool(match.all()) else int((~match).nonzero()[0, 0])
-        return Verification(n, int(target_choice[n]), n if n < gamma else -1)
+        return verify_greedy([int(x) for x in proposals], argmax(p).tolist())
     if gamma:
         idx = proposals.unsqueeze(-1)
         px = p[:gamma].gather(-1, idx).squeeze(-1)  # (γ,)

@@ -37,8 +37,8 @@ from decoder.proposers.base import Proposer, crop_to
 from decoder.proposers.cost import StepCost
 from decoder.proposers.ngram import NgramGate, NgramHistory, NgramShadow
 from decoder.proposers.registry import DEFAULT_PROPOSER, REQUEST_PROPOSERS, spec as proposer_spec, versioned_by
-from decoder.sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, alpha, process_logits, seeded_generator, seeded_sampling, token_logprobs,
-                              topk_rows, verify)
+from decoder.sampling import (MAX_LOGPROBS, SamplingParams, TokenLogprob, alpha, argmax, process_logits, seeded_generator, seeded_sampling, token_logprobs,
+                              topk_rows, verify, verify_greedy)
 
 HEAD = versioned_by("head")  # the proposer whose versions are heads: a result names the head that served
 log = structlog.get_logger("decoder.speculative")
@@ -811,11 +811,10 @@ class SpeculativeDecoder:
         if run.shadow is not None:  # outside draft ms: the controller's plain step must not carry it
             run.shadow.proposing(run.ids) if g else run.shadow.idle_step(run.ids)
         tv = self.clock()
-        logits, hid, served, p, q, v = self._verify(run, proposals, prop)
+        logits, hid, served, a_sum, v = self._verify(run, proposals, prop)
         verify_ms = (self.clock() - tv) * 1e3
         if g and hasattr(run.proposer, "verified"):
             run.proposer.verified(v.num_accepted)
-        a_sum = float(alpha(p[:g], q).sum()) if g else 0.0
         # 3. accept: the accepted prefix and the recovered or bonus token, cut at EOS, stop strings, length
         block = proposals[: v.num_accepted] + [v.next_token]
         cut, reason = self._truncate(run.out, block, run.req)
@@ -841,8 +840,10 @@ class SpeculativeDecoder:
     def _verify(self, run: _Running, proposals: list[int], prop):
         """2. verification: the pending token + the proposals in one target forward (g + 1 rows),
         p under the request's constraint and sampling, and the accept test against q. Returns
-        the raw logits (g+1, V), the hidden states (g+1, H) or None, the served logits, p, q and
-        the :func:`decoder.sampling.verify` result."""
+        the raw logits (g+1, V), the hidden states (g+1, H) or None, the served logits, Σ α over
+        the g proposals (Leviathan et al. Definition 3.1) and the :func:`decoder.sampling.verify`
+        result. Greedy, p is the one-hot of each row's argmax, so the test needs only the argmax
+        ids and α_i = q_i(argmax p_i): p is never built."""
         req, params, g, hid = run.req, run.req.params, len(proposals), None
         if run.features or run.rec_hidden:
             logits, hid = run.tcache.forward([run.ids[-1]] + proposals, g + 1, hidden=True)  # (g+1, V), (g+1, H)
@@ -853,10 +854,14 @@ class SpeculativeDecoder:
         served = logits if run.cstate is None else req.constraint.constrain(
             logits, run.cstate, proposals, self.eos_ids,
             top_k=None if req.logprobs is not None else 1 if params.greedy else params.top_k or None)
+        if params.greedy:
+            choice = argmax(served.float())  # (g+1,)
+            a_sum = float(prop.q.float().gather(-1, choice[:g].unsqueeze(-1)).sum()) if g else 0.0
+            return logits, hid, served, a_sum, verify_greedy(proposals, choice.tolist())
         p = process_logits(served, params)
         q = prop.q.to(p.dtype) if g else p.new_zeros((0, p.shape[-1]))
         v = verify(torch.tensor(proposals, dtype=torch.long), q, p, params.greedy, run.gen)
-        return logits, hid, served, p, q, v
+        return logits, hid, served, (float(alpha(p[:g], q).sum()) if g else 0.0), v
 
     def _observe(self, run: _Running, block: list[int], logits, hid, served) -> None:
         """The step's observers on the emitted ``block``: the streamed logprobs, the records'

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decoder.metrics import AcceptanceCounts, StepStats
-from decoder.sampling import (SamplingParams, alpha, argmax, topk_rows, expected_tokens_per_step, predicted_speedup, process_logits,
+from decoder.sampling import (SamplingParams, alpha, argmax, topk_rows, verify_greedy, expected_tokens_per_step, predicted_speedup, process_logits,
                               residual_distribution, sample, verify)
 
 
@@ -263,3 +263,14 @@ def test_topk_rows_is_the_softmaxs_top_k(shape):
     x[0, 100] = 3.0
     ids, probs, _ = topk_rows(x, 3)
     assert int(ids[0, 0]) == 100 and ids[0, 1] != ids[0, 2] and probs[0, 1] == probs[0, 2] == torch.softmax(x, -1)[0, 0]
+
+
+def test_verify_greedy_from_argmax_ids_matches_verify_on_one_hot_rows():
+    # proposals 5, 7, 9 against target argmaxes 5, 7, 2, 4: two accepted, the recovered token is 2
+    v = verify_greedy([5, 7, 9], [5, 7, 2, 4])
+    assert (v.num_accepted, v.next_token, v.rejected_at) == (2, 2, 2)
+    assert verify_greedy([5, 7], [5, 7, 3]) == verify(torch.tensor([5, 7]), torch.zeros(2, 10),
+                                                      torch.nn.functional.one_hot(torch.tensor([5, 7, 3]), 10).float(), True)
+    assert verify_greedy([], [8]).next_token == 8 and verify_greedy([1], [0, 3]).num_accepted == 0
+    with pytest.raises(ValueError, match="need 3"):
+        verify_greedy([1, 2], [1, 2])
