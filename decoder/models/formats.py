@@ -206,8 +206,8 @@ def _noisy(cost: FormatCost, reps: int | None = None) -> str | None:
     """Why ``cost`` cannot be trusted (host load), or None: noise above :data:`NOISE_MAX`, or fewer
     than :data:`MIN_REPEATS` repeats (fewer than asked for, when ``reps`` is given)."""
     if cost.noise is not None and cost.noise > NOISE_MAX:
-        return (f"the measurement was noisy (a typical repeat {1 + cost.noise:.2f}x the fastest: the step times moved "
-                f"during it)")
+        return (f"the measurement was noisy: a typical repeat took {1 + cost.noise:.2f}x the fastest, the step times "
+                f"moved during it")
     if cost.repeats is not None and cost.repeats < min(MIN_REPEATS, reps or MIN_REPEATS):
         return f"only {cost.repeats} repeat(s) fit in the measurement's time budget: too few to tell its noise"
     return None
@@ -391,7 +391,8 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
             engines[DRAFT] = (LlamaCppEngine(derived_draft_gguf(gguf, layers), n_ctx=n_ctx, threads=threads), (1,))
         if progress:
             progress(f"measuring the target's weight formats ({', '.join(f for f in engines if f != DRAFT)}) at "
-                     f"{threads} threads, once on this host (models.format=auto)")
+                     f"{threads} thread{'s' if threads != 1 else ''} (models.format=auto; cached for this host "
+                     f"unless a measurement was noisy)")
         timed = _time_rows(engines, reps, cached, max_seconds)
     finally:
         for eng, _ in engines.values():

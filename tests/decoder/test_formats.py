@@ -87,7 +87,7 @@ def test_a_noisy_measurement_is_left_out_and_costs_never_fall_with_rows():
     m = table(packaged=PACKAGED_10, F16=F16_CHEAP)
     m.formats["F16"].noise = 0.5
     c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
-    assert c.format == "packaged" and "F16 left out (the measurement was noisy (a typical repeat 1.50x" in c.reason
+    assert c.format == "packaged" and "F16 left out (the measurement was noisy: a typical repeat took 1.50x" in c.reason
     m.formats["F16"].noise, m.formats["packaged"].noise = 0.0, 0.8
     c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
     assert c.format == "packaged" and c.reason.startswith("the packaged file's measurement cannot be trusted (the measurement was noisy")
