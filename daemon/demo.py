@@ -1604,7 +1604,9 @@ def _adapter_tables(report: dict, console) -> None:
     """The adapters (and heads) registered in the run, with their reasons."""
     from rich.table import Table
 
-    a = Table(title="adapters")
+    # the α columns are the held-out α at T = 1 (Σ min(p, q)); the gate judges acceptance as served
+    # (greedy: the accepted prefix), which each reason gives with its interval
+    a = Table(title="adapters (α before / after: held-out, at T = 1; the gate judges acceptance as served: see the reason)")
     for c in ("version", "scope", "state", "α before", "α after", "samples"):
         a.add_column(c)
     a.add_column("reason", overflow="fold")  # wrapped, never cut: the reason is the point
