@@ -502,6 +502,11 @@ def peer_checks(table: dict[int, dict[str, dict]]) -> dict:
     return out
 
 
+def _median(xs: list[float], digits: int) -> float | None:
+    """The median of ``xs`` rounded, or None without any (e.g. no request with two text chunks)."""
+    return round(statistics.median(xs), digits) if xs else None
+
+
 def paired_ratio(a: list[dict], b: list[dict], confidence: float = 0.95, seed: int = 0) -> dict | None:
     """Side a's tokens/s over side b's, paired per prompt: the geometric mean of the per-prompt
     ratios and a percentile bootstrap interval of it (2000 resamples of the prompts); prompts
@@ -525,8 +530,8 @@ def paired_one_client(servers: dict[str, tuple[str, bool]], prompts: list, max_t
                       gap_s: float = 0.5, confidence: float = 0.95, seed: int = 0) -> dict:
     """One client, every server up at once, each prompt streamed to every server in turn (the
     order rotating per prompt), so a host whose speed drifts from minute to minute (a shared VM)
-    slows every side alike: per server the requests' output tokens/s (tokens over the request's
-    wall time, first byte to last, prefill included), TTFT and TPOT; per llama-server configuration
+    slows every side alike: per server the requests' output tokens/s (tokens over the time from
+    sending the request to its last text chunk, prefill included), TTFT and TPOT; per llama-server configuration
     draftd's per-prompt ratio of tokens/s, its geometric mean and a bootstrap interval of it.
     ``servers``: name -> (``…/v1`` url, whether it is draftd); ``warm``: unmeasured prompts
     streamed to each server first (:func:`paired_ratio` gives the ratios); ``gap_s``: seconds of quiet before each request (a request
@@ -565,9 +570,9 @@ def paired_one_client(servers: dict[str, tuple[str, bool]], prompts: list, max_t
         ok = [r for r in rs if not r["error"] and r["seconds"] > 0]
         out["servers"][name] = {"failures": len(rs) - len(ok),
                                 "requests": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rs],
-                                "tokens_per_s_median": round(statistics.median(r["tokens"] / r["seconds"] for r in ok), 2) if ok else None,
-                                "ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in ok if r["ttft_ms"]), 2) if ok else None,
-                                "tpot_ms_median": round(statistics.median(r["tpot_ms"] for r in ok if r["tpot_ms"]), 3) if ok else None}
+                                "tokens_per_s_median": _median([r["tokens"] / r["seconds"] for r in ok], 2),
+                                "ttft_ms_median": _median([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None], 2),
+                                "tpot_ms_median": _median([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None], 3)}
     d = next((n for n in names if servers[n][1]), None)
     for name in names:
         if d is not None and name != d:

@@ -136,8 +136,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 def topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's temperature-1 top-k per row, as records store it: ids (n, k) int32, probs
-    (n, k) float32, tail mass (n,) = 1 - their sum (clamped at 0), all on the CPU. Among tokens of
-    exactly equal probability at the k-th place, which ids are kept is unspecified (as torch.topk).
+    (n, k) float32, tail mass (n,) = 1 - their sum (clamped at 0), all on the CPU. Ids of exactly
+    equal probability come in an unspecified order, and at the k-th place which of them are kept is
+    unspecified (as with torch.topk); the probabilities and the tail do not depend on it.
 
     Args:
         logits: (..., V) raw logits.

@@ -217,3 +217,21 @@ def test_paired_ratio_is_the_geometric_mean_of_per_prompt_ratios():
     same = serve_bench.paired_ratio(a[:1] * 5, [{"tokens": 64, "seconds": 0.8, "error": None}] * 5)
     assert same["ratio_geomean"] == 1.6 and same["ci95"] == [1.6, 1.6]
     assert serve_bench.paired_ratio(a[3:], b[3:]) is None
+
+
+def test_paired_one_client_reports_none_where_no_request_had_two_chunks(monkeypatch):
+    # a helper's find: every request streamed its text in one chunk (max_tokens 1): no TPOT at all
+    import types
+
+    class _Client:
+        def __init__(self, **kw):
+            self.models = types.SimpleNamespace(list=lambda: types.SimpleNamespace(data=[types.SimpleNamespace(id="m")]))
+
+    monkeypatch.setitem(sys.modules, "openai", types.SimpleNamespace(OpenAI=_Client))
+    monkeypatch.setattr(serve_bench, "stream_once", lambda oc, model, ids, n, extra: {
+        "t0": 0.0, "chunks": [0.5], "tokens": 1, "error": None, "proposed": None, "accepted": None})
+    out = serve_bench.paired_one_client({"draftd": ("u", True), "llama_plain": ("v", False)}, [("w", [1, 2])] * 3,
+                                        1, [], gap_s=0)
+    d = out["servers"]["draftd"]
+    assert d["tpot_ms_median"] is None and d["ttft_ms_median"] == 500.0 and d["tokens_per_s_median"] == 2.0
+    assert out["draftd_vs_llama_plain"]["ratio_geomean"] == 1.0 and out["draftd_vs_llama_plain"]["pairs"] == 3
