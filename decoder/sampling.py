@@ -82,12 +82,10 @@ class SamplingParams:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)``, the same ids (ties: the lowest; a NaN counts as the largest), at a
-    fraction of the cost on the CPU.
-
-    torch's CPU argmax over a 49152-token vocabulary took 100 us a row here and 580 us for 5 rows,
-    against 4 and 20 us for numpy's, a sizeable share of a 6 ms decoding step
-    (bench/RESULTS.md "The serving loop's Python per step"); float32/float64 CPU tensors without
-    autograd go through numpy, everything else through torch.
+    fraction of the cost on the CPU: float32/float64 CPU tensors without autograd go through
+    numpy, whose argmax over a vocabulary row is many times faster than torch's CPU kernel (a
+    sizeable share of a decoding step: bench/RESULTS.md "The serving loop's Python per step"),
+    everything else through torch.
 
     Args:
         x: (..., V) scores.
@@ -163,8 +161,8 @@ _TOPK_BLOCK = 64  # ids per block in _blocked_topk
 def _blocked_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     """The ids of the k largest of each row of ``x`` (n, V), best first, (n, k) int64: every one
     of them lies in one of the k blocks (of ``_TOPK_BLOCK`` ids) with the largest maxima, so the
-    top-k runs over k blocks instead of V ids (77 against 175 us a 49152-id row on a 2-core Xeon,
-    where torch's full-row topk is slow; bench/RESULTS.md "The serving loop's Python per step")."""
+    top-k runs over k blocks instead of V ids (torch's full-row CPU topk is slow: bench/RESULTS.md
+    "The serving loop's Python per step")."""
     n, V = x.shape
     blocks = x.reshape(n, V // _TOPK_BLOCK, _TOPK_BLOCK)
     best = torch.topk(blocks.amax(-1), k, dim=-1).indices  # (n, k) the blocks holding the top-k
