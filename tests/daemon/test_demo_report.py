@@ -232,6 +232,11 @@ def test_the_report_counts_greedy_outputs_equal_to_plain_and_names_those_that_ar
     assert line.startswith("greedy outputs equal to plain decoding: 30 of 32 ")
     assert "NOT LOSSLESS: code adapted_draft (prompts [2, 5])" in line
     assert _lossless_summary({"phases": [_phase("math", 3, 0)]}) is None  # no evaluation runs recorded
+    # the peer's agreement with plain decoding is reported beside, never counted as a loss
+    peer = {**ok, "llamacpp_plain": {"tokens_per_s": 50.0, "same_tokens_as_plain": "3/8"}}
+    line = _lossless_summary({"phases": [peer, {**ok, "llamacpp_plain": {"same_tokens_as_plain": "2/8"}}]})
+    assert line.startswith("greedy outputs equal to plain decoding: 32 of 32 speculative evaluation runs (")
+    assert "NOT LOSSLESS" not in line and "gave the same tokens on 5 of 16 prompts" in line
     report = {"phases": [ok, bad], "adapters": [], "recovery": [], "requests": 20, "active_adapter": 0, "seconds": 1.0,
               "key_prefix": "draftd:demo:"}
     out = io.StringIO()
