@@ -561,6 +561,7 @@ def paired_one_client(servers: dict[str, tuple[str, bool]], prompts: list, max_t
             end = tl["chunks"][-1] if tl["chunks"] else time.perf_counter()
             per[name].append({"tokens": tl["tokens"], "seconds": end - tl["t0"], "error": tl["error"],
                               "ttft_ms": 1e3 * (tl["chunks"][0] - tl["t0"]) if tl["chunks"] else None,
+                              "proposer": tl.get("proposer"), "proposed": tl.get("proposed"), "accepted": tl.get("accepted"),
                               "tpot_ms": (1e3 * (tl["chunks"][-1] - tl["chunks"][0]) / max(1, tl["tokens"] - 1)
                                           if len(tl["chunks"]) > 1 else None)})
     out: dict[str, Any] = {"prompts": len(prompts), "order": "each prompt to every server in turn, rotating",

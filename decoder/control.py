@@ -583,7 +583,8 @@ class GoodputController:
         starts at once all ran the draft at γ = 4 (bench/RESULTS.md, "CPU per output token").
         Every
         ``probe_every`` requests one probes, in turn, plain decoding and each proposer other
-        than the best at its best γ (so a draft that training improved is noticed)."""
+        than the best at its best γ (so a draft that training improved is noticed), for
+        ``min_steps`` steps, then goes on as a warm-up request does (:meth:`after_warm_up`)."""
         c = self.config
         with self._lock:
             s = self._begin_request(key)
@@ -931,7 +932,11 @@ class ControlledGamma:
         warm-up's γ stay: they measure); ``batch_size()`` says B."""
         if self._gamma is None:
             self._gamma, self.decision = self.controller._choose(self.key, self)
-            self._warming = bool(self.decision.get("warm_up"))
+            # a warm-up, and a periodic probe of another configuration, measure it for min_steps
+            # steps and then go on at the best (after_warm_up): a probe of a draft that plain beats
+            # used to serve its whole request at the draft (0.74x llama-server's plain at 1 client
+            # against 0.97-1.01x for the other requests: bench/RESULTS.md, "Eighth session")
+            self._warming = bool(self.decision.get("warm_up") or self.decision.get("probe"))
             self._warm_proposer = self.decision.get("proposer")
             self._warm_why = str(self.decision.get("why", ""))
         now = self.controller.clock()

@@ -137,3 +137,24 @@ def test_a_model_run_proposer_warms_up_in_one_request_of_a_key_at_a_time():
                              clock=clock)
     a, b = ctl2.policy_for(KEY), ctl2.policy_for(KEY)
     assert a.gamma() == 2 and b.gamma() == 2 and a.decision["proposer"] == b.decision["proposer"] == "ngram"
+
+
+def test_a_periodic_probe_of_a_draft_that_plain_beats_moves_on_to_plain_after_min_steps():
+    clock = Clock()
+    ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=3, min_steps=2, probe_every=3,
+                                             ceiling_probe_every=3), clock=clock)
+    run(ctl.policy_for(KEY), clock, 8, useless_draft)  # the warm-up: the key is warm, plain serves
+    probes = []
+    for _ in range(6):
+        pol = ctl.policy_for(KEY)
+        gammas = run(pol, clock, 8, useless_draft)
+        if gammas[0]:
+            probes.append((gammas, pol.decision))
+        else:
+            assert gammas == [0] * 8  # a request that is no probe serves plain throughout
+    assert probes, "no request probed the draft"
+    for gammas, decision in probes:
+        # it measures the draft for min_steps steps (the α estimate moves), then serves plain
+        assert gammas == [3, 3, 0, 0, 0, 0, 0, 0] or gammas == [gammas[0]] * 2 + [0] * 6
+        assert decision["why"].startswith("probe: ") and decision["why"].endswith("; then plain decoding, which beats draft")
+        assert decision["probe"] is False and decision["speculate"] is False
