@@ -1624,6 +1624,12 @@ def _adapter_tables(report: dict, console) -> None:
         console.print(hd)
 
 
+def _k_of_n(v: str) -> tuple[int, int]:
+    """``"k/n"`` (prompts equal of prompts run) as (k, n)."""
+    k, n = v.split("/")
+    return int(k), int(n)
+
+
 def _lossless_summary(report: dict) -> str | None:
     """One line: how many speculative greedy evaluation outputs were token-identical to plain
     decoding of the served format on the same prompt (each row's ``matches_plain``), naming the
@@ -1633,15 +1639,14 @@ def _lossless_summary(report: dict) -> str | None:
     for r in report.get("phases", []):
         for name, v in r.items():
             if isinstance(v, dict) and isinstance(v.get("matches_plain"), str) and not v.get("same_run_as"):
-                k, n = (int(x) for x in v["matches_plain"].split("/"))
+                k, n = _k_of_n(v["matches_plain"])
                 same, total = same + k, total + n
                 if k < n:
                     bad.append(f"{r['workload']} {name} (prompts {v.get('differs_from_plain')})")
     if not total:
         return None
-    peer = [r["llamacpp_plain"]["same_tokens_as_plain"] for r in report.get("phases", [])
-            if isinstance(r.get("llamacpp_plain"), dict) and isinstance(r["llamacpp_plain"].get("same_tokens_as_plain"), str)]
-    k_n = [tuple(int(x) for x in v.split("/")) for v in peer]
+    k_n = [_k_of_n(r["llamacpp_plain"]["same_tokens_as_plain"]) for r in report.get("phases", [])
+           if isinstance(r.get("llamacpp_plain"), dict) and isinstance(r["llamacpp_plain"].get("same_tokens_as_plain"), str)]
     return (f"greedy outputs equal to plain decoding: {same} of {total} speculative evaluation runs"
             + (f"; NOT LOSSLESS: {'; '.join(bad)}" if bad else "")
             + (f" (llama.cpp's own plain generation, the peer, gave the same tokens on {sum(k for k, _ in k_n)} of "
