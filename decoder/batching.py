@@ -109,6 +109,7 @@ class Member:
         self.go = threading.Event()  # set when the baton reaches this member
         self.done = False
         self.batch_size = 1  # sequences in the fused forward that served this member's last call
+        self.fused_rows: int | None = None  # rows of all its sequences in that forward (None: not fused yet)
 
 
 class StepScheduler:
@@ -216,6 +217,12 @@ class StepScheduler:
         m = getattr(self._local, "member", None)
         return m.batch_size if m is not None else 1
 
+    def last_fused_rows(self) -> int | None:
+        """Rows (tokens fed, every sequence's) of the fused forward that served this thread's last
+        call; None outside a member or before its first call."""
+        m = getattr(self._local, "member", None)
+        return m.fused_rows if m is not None else None
+
     # ---- the driver --------------------------------------------------------------------------
     def wait_boundary(self, timeout: float | None = None) -> bool:
         """Block until no member runs (each waits on a forward, or there are none); True then."""
@@ -261,8 +268,9 @@ class StepScheduler:
                             outs[i] = eng.forward_batch([(c.seq, *pieces[id(c)][:2])], c.hidden)[0]
                         except BaseException as e1:  # noqa: BLE001 - handed to the member
                             errs[i] = e1
+            fed = sum(len(pieces[id(c)][0]) for c in group)
             for c, o, e in zip(group, outs, errs):
-                c.member.batch_size = len(group)
+                c.member.batch_size, c.member.fused_rows = len(group), fed
                 if e is not None:
                     c.error = e
                     done.append(c)
@@ -270,7 +278,7 @@ class StepScheduler:
                     done.append(c)
                 else:
                     later.append(c)
-            rows += sum(len(pieces[id(c)][0]) for c in group)
+            rows += fed
             self.by_sequences[len(group)] += 1
         self.decode_ms += (self.clock() - t0) * 1e3
         self.fired += 1

@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from decoder.engines.base import last_fused_size, routed_batch_size
+from decoder.engines.base import last_fused_rows, last_fused_size, routed_batch_size
 from decoder.metrics import StepStats, line_at
 from decoder.proposers.registry import DEFAULT_PROPOSER, REQUEST_PROPOSERS, spec as proposer_spec
 from decoder.sampling import expected_tokens_per_step  # noqa: F401 - re-exported
@@ -319,12 +319,13 @@ class GoodputController:
     def _state(self, key: Key) -> _KeyState:
         return self._keys.setdefault(key, _KeyState())
 
-    def batch_factor(self, batch: int, rows: int) -> float:
-        """ρ_B(r) = t_B(r) / t(r) from ``step_cost`` (:meth:`StepCost.batch_factor`); 1 without
-        one, at batch 1, and while unmeasured."""
+    def batch_factor(self, batch: int, rows: int, total: int | None = None) -> float:
+        """ρ_B(r) = t_B(r) / t(r) from ``step_cost`` (:meth:`StepCost.batch_factor`; with
+        ``total``, of a fused forward of that many rows in all); 1 without one, at batch 1, and
+        while unmeasured."""
         if batch <= 1 or self.step_cost is None:
             return 1.0
-        return self.step_cost.batch_factor(batch, rows)
+        return self.step_cost.batch_factor(batch, rows, total)
 
     def remeasure_costs(self) -> int:
         """Forget what steps cost, for every key: the verification ms per γ and the plain step's,
@@ -355,13 +356,14 @@ class GoodputController:
             self._state(key).overhead_ms.add(ms, self.config.ewma)
 
     def observe(self, key: Key, step: StepStats, step_ms: float | None = None, *, proposer: str = DRAFT,
-                asked: int | None = None, batch: int = 1, first: bool | None = None) -> None:
+                asked: int | None = None, batch: int = 1, first: bool | None = None, total: int | None = None) -> None:
         """Fold one verification step of ``key`` into the estimates; ``step_ms``, its wall time
         when known, also feeds :meth:`observe_overhead`. ``proposer`` served the step, asked for
         ``asked`` proposals (default: ``step.proposed``); the target's verify cost per γ is shared
         by all proposers. A step in a fused forward of ``batch`` requests counts at batch 1: its
-        verify ms / ρ_B(γ + 1), its draft ms / ρ_B(1) (class docstring); α and accepted lengths
-        do not depend on the batch.
+        verify ms / ρ_B(γ + 1) (with ``total``, the rows that forward fed in all, its mates' as
+        they were: / t_B(total) / t(γ + 1)), its draft ms / ρ_B(1) (class docstring); α and
+        accepted lengths do not depend on the batch.
 
         ``first``: whether this is its request's first step that asked for proposals (True /
         False, as the policies of :meth:`policy_for` and the serving loop say); then α and the
@@ -373,7 +375,7 @@ class GoodputController:
             self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms, batch)
         w, now, hl = self.config.ewma, self.clock(), self.config.half_life_s
         g = step.proposed
-        fv, fd = self.batch_factor(batch, g + 1), self.batch_factor(batch, 1)
+        fv, fd = self.batch_factor(batch, g + 1, total), self.batch_factor(batch, 1)
         verify_ms, draft_ms = step.verify_ms / fv, step.draft_ms / fd
         with self._lock:
             s = self._state(key)
@@ -972,7 +974,7 @@ class ControlledGamma:
         self._modelled = step.draft_ms + step.verify_ms
         self.controller.observe(self.key, step, proposer=self.proposer_name() or DEFAULT_PROPOSER,
                                 asked=step.asked if step.asked is not None else self._gamma,
-                                batch=last_fused_size(), first=not self._updated)
+                                batch=last_fused_size(), first=not self._updated, total=last_fused_rows())
         self._updated = self._updated or bool(step.asked or step.proposed)
 
     def describe(self) -> str:

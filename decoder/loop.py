@@ -51,7 +51,7 @@ import structlog
 
 from decoder.batching import STEP_TOKEN_BUDGET, StepScheduler
 from decoder.control import ControllerConfig, GoodputController, batch_sizes_up_to
-from decoder.engines.base import last_fused_size, supports
+from decoder.engines.base import last_fused_rows, last_fused_size, supports
 from decoder.rollback import RollbackMonitor
 from decoder.shift import key_str
 from decoder.tracking import HEAD, AcceptanceTracker, key_of
@@ -181,7 +181,7 @@ class _ObservedGamma(FixedGamma):
     def update(self, step) -> None:
         self.controller.observe(self.key, step, proposer=self.proposer,
                                 asked=step.asked if step.asked is not None else self.value, batch=last_fused_size(),
-                                first=not getattr(self, "_updated", False))
+                                first=not getattr(self, "_updated", False), total=last_fused_rows())
         self._updated = getattr(self, "_updated", False) or bool(step.asked or step.proposed)
 
     def describe(self) -> str:

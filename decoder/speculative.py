@@ -27,7 +27,7 @@ import numpy as np
 import structlog
 import torch
 
-from decoder.engines.base import Engine, last_fused_size, sequence_scope, supports
+from decoder.engines.base import Engine, last_fused_rows, last_fused_size, sequence_scope, supports
 from decoder.engines.torch_engine import TorchEngine
 from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_linear
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
@@ -826,7 +826,7 @@ class SpeculativeDecoder:
         # what a step of g + 1 rows costs with no model in it, alone or in a fused forward of
         # B sequences (keyed by B: StepCost.fused_ms)
         if g == 0 or run.model_free:
-            self.step_cost.add(g + 1, (self.clock() - td) * 1e3, last_fused_size())
+            self.step_cost.add(g + 1, (self.clock() - td) * 1e3, last_fused_size(), last_fused_rows())
         run.policy.update(st)
         run.steps.append(st)
         run.counts.add_step(st)

@@ -123,6 +123,15 @@ def last_fused_size() -> int:
     return max(1, int(router.last_batch_size())) if router is not None else 1
 
 
+def last_fused_rows() -> int | None:
+    """Rows (tokens fed, all its sequences') of the fused forward that served this thread's last
+    forward (continuous batching); None alone or unknown."""
+    router = forward_router()
+    fn = getattr(router, "last_fused_rows", None) if router is not None else None
+    n = fn() if fn is not None else None
+    return int(n) if n else None
+
+
 def routed_batch_size() -> int:
     """Requests decoding together in the batch this thread's forwards are fused into (the step
     scheduler's members, :mod:`decoder.batching`; the size of the next fused forward, give or

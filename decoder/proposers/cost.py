@@ -35,15 +35,19 @@ class StepCost:
       at >= 0; flat through a single point, so before any proposal is measured a proposal looks
       as cheap as a plain step, and the first ones measure what it really costs).
     - a step fused with batch mates' rows (continuous batching, :mod:`decoder.batching`): B
-      sequences of r rows each, t_B(r) (:meth:`fused_ms`). llama.cpp decodes all B x r rows of a
-      fused forward in one ubatch, the same matrix shapes as one sequence's forward of B x r rows,
-      so t_B(r) is modelled as t(B x r) off the batch-1 curve above, times a per-B correction
-      k_B = the median of measured t_B(r') / t(B x r') over the r' measured at B (each (B, r')
-      reading paired in time like n > 1 above; k_B = 1 before any), never below t(r) (a step with
-      batch mates never costs less than alone). A measured (B, r) is read as measured. A step's
-      readings at B are keyed by its own rows: its batch mates may verify other counts (mixed γ),
-      and its wall time includes their proposals and sampling, which run in turn (what a
-      request's step costs in that batch).
+      sequences of r rows each, t_B(r) (:meth:`fused_ms`), the price of a γ that every request of
+      the batch runs (each request of a key follows the same policy). llama.cpp decodes all
+      B x r rows of a fused forward in one ubatch, the same matrix shapes as one sequence's
+      forward of B x r rows, so t_B(r) is modelled as t(B x r) off the batch-1 curve above, times
+      a per-B correction k_B = the median of measured T_B(N') / t(N') over the total row counts N'
+      measured at B (each (B, N') reading paired in time like n > 1 above; k_B = 1 before any),
+      never below t(r) (a step with batch mates never costs less than alone). A measured
+      (B, B x r) is read as measured. A step's readings are keyed by the rows of the whole fused
+      forward (``total``), not its own: keyed by its own rows, a request verifying 2 rows beside
+      three plain ones (5 rows) was read as the price of 2 rows each (8), so speculating looked
+      cheap inside a batch and every request then paid for everyone's rows. Its wall time includes
+      its batch mates' proposals and sampling, which run in turn (what a request's step costs in
+      that batch).
 
     Raises: ValueError for a ``window`` or ``ref_steps`` that is not an int >= 1, or a
     ``ref_max_age_s`` (seconds) that is not a number >= 0.
@@ -61,38 +65,55 @@ class StepCost:
         self._clock = clock
         self._plain: deque[tuple[float, float]] = deque(maxlen=window)  # (ms, clock)
         self._rows: dict[int, deque[tuple[float, float | None]]] = {}  # rows > 1 -> (ms, ratio to its time's plain steps)
-        # fused steps: (batch size B > 1, rows per sequence) -> (ms, ratio to its time's plain steps)
+        # fused steps: (batch size B > 1, rows of the whole forward) -> (ms, ratio to its time's plain steps)
         self._fused: dict[tuple[int, int], deque[tuple[float, float | None]]] = {}
         self._est: dict[int, float] | None = None  # t(n), computed on the first read after an add
         self._fused_est: dict[tuple[int, int], float] | None = None  # t_B(r) as measured
+        # each deque's median (of ms, or of ratios at a t(1)), by its key and that t(1): recomputed
+        # for the key a step was added to, not for all of them at every step (a batch of 4 adds and
+        # reads at every member's step)
+        self._medians: dict[tuple, tuple[float, float]] = {}
         self._lock = threading.Lock()
 
-    def add(self, rows: int, ms: float, batch: int = 1) -> None:
+    def add(self, rows: int, ms: float, batch: int = 1, total: int | None = None) -> None:
         """One step of ``rows`` (an int >= 1) verified rows took ``ms``, in a fused forward of
-        ``batch`` sequences (an int >= 1; 1: alone); a non-finite reading is ignored, a negative
-        one counts as 0.
+        ``batch`` sequences (an int >= 1; 1: alone) that fed ``total`` rows in all, its batch
+        mates' included (None: ``batch`` x ``rows``, every mate verifying as many); a non-finite
+        reading is ignored, a negative one counts as 0.
 
         Raises:
-            ValueError: ``rows`` or ``batch`` is not an int >= 1.
+            ValueError: ``rows`` or ``batch`` is not an int >= 1, or ``total`` is neither None
+                nor an int >= ``rows``.
         """
         if not is_int(rows) or rows < 1:
             raise ValueError(f"StepCost.add: rows={rows!r} must be an int >= 1 (proposals + 1)")
         if not is_int(batch) or batch < 1:
             raise ValueError(f"StepCost.add: batch={batch!r} must be an int >= 1 (sequences in the fused forward)")
+        if total is not None and (not is_int(total) or total < rows):
+            raise ValueError(f"StepCost.add: total={total!r} must be None or an int >= rows={rows} "
+                             f"(the rows of the whole fused forward)")
         ms = float(ms)
         if not math.isfinite(ms):  # a broken clock reading must not poison the estimate
             return
         rows, batch, ms = int(rows), int(batch), max(0.0, ms)
+        if batch > 1:
+            rows = int(total) if total is not None else batch * rows
         with self._lock:
             now = self._clock()
-            self._est = self._fused_est = None
+            self._fused_est = None
             if rows == 1 and batch == 1:
+                self._est = None
                 self._plain.append((ms, now))
                 return
             recent = [m for m, t in self._plain if 0 <= now - t <= self.ref_max_age_s][-self.ref_steps:]
             ref = statistics.median(recent) if recent else 0.0
-            into = self._rows.setdefault(rows, deque(maxlen=self.window)) if batch == 1 else \
-                self._fused.setdefault((batch, rows), deque(maxlen=self.window))
+            if batch == 1:
+                self._est = None
+                into = self._rows.setdefault(rows, deque(maxlen=self.window))
+                self._medians.pop(("r", rows), None)
+            else:
+                into = self._fused.setdefault((batch, rows), deque(maxlen=self.window))
+                self._medians.pop(("f", batch, rows), None)
             into.append((ms, ms / ref if ref > 0 else None))
 
     def clear(self) -> None:
@@ -103,22 +124,34 @@ class StepCost:
             self._plain.clear()
             self._rows.clear()
             self._fused.clear()
+            self._medians.clear()
             self._est = self._fused_est = None
+
+    def _median(self, key: tuple, d: deque, t1: float) -> float:
+        """The median of ``d``'s ratios (a reading with none read against ``t1``), or of its ms
+        where ``t1`` is 0; cached by ``key`` and ``t1`` (lock held)."""
+        hit = self._medians.get(key)
+        if hit is not None and hit[0] == t1:
+            return hit[1]
+        v = statistics.median(q if q is not None else m / t1 for m, q in d) if t1 > 0 else \
+            statistics.median(m for m, _ in d)
+        self._medians[key] = (t1, v)
+        return v
 
     def _estimates(self) -> dict[int, float]:
         """t(n) per measured n (lock held)."""
         if self._est is not None:
             return self._est
         if not self._plain:  # no plain step yet: the raw medians
-            est = {r: statistics.median(m for m, _ in d) for r, d in self._rows.items()}
+            est = {r: self._median(("r", r), d, 0.0) for r, d in self._rows.items()}
         else:
             t1 = statistics.median(m for m, _ in self._plain)
             est = {1: t1}
             for r, d in self._rows.items():
                 if t1 > 0:  # a step with no plain steps of its time is read against t(1) now
-                    est[r] = t1 * max(1.0, statistics.median(q if q is not None else m / t1 for m, q in d))
+                    est[r] = t1 * max(1.0, self._median(("r", r), d, t1))
                 else:
-                    est[r] = statistics.median(m for m, _ in d)
+                    est[r] = self._median(("r", r), d, 0.0)
         self._est = est
         return est
 
@@ -127,13 +160,10 @@ class StepCost:
         raw median before any plain step."""
         if self._fused_est is not None:
             return self._fused_est
-        t1 = statistics.median(m for m, _ in self._plain) if self._plain else 0.0
+        t1 = self._estimates().get(1, 0.0) if self._plain else 0.0
         est = {}
         for k, d in self._fused.items():
-            if t1 > 0:
-                est[k] = t1 * statistics.median(q if q is not None else m / t1 for m, q in d)
-            else:
-                est[k] = statistics.median(m for m, _ in d)
+            est[k] = t1 * self._median(("f", *k), d, t1) if t1 > 0 else self._median(("f", *k), d, 0.0)
         self._fused_est = est
         return est
 
@@ -149,30 +179,40 @@ class StepCost:
     def fused_ms(self, batch: int, rows: int) -> float:
         """Estimated ms of one request's step in a fused forward of ``batch`` sequences that
         verify ``rows`` rows each (B x r rows in all): t_B(r) of the class docstring, measured
-        where (B, r) was, else t(B x r) x k_B, never below t(r). ``batch`` <= 1: :meth:`ms`.
+        where (B, B x r) was, else t(B x r) x k_B, never below t(r). ``batch`` <= 1: :meth:`ms`.
         NaN before any step is measured."""
         if batch <= 1:
             return self.ms(rows)
-        with self._lock:
-            meas = {r: t for (b, r), t in self._fused_estimates().items() if b == batch}
         alone = self.ms(rows)
-        if rows in meas:
-            return max(meas[rows], alone) if alone == alone else meas[rows]
-        model = {r: self.ms(batch * r) for r in {*meas, rows}}
-        ks = [meas[r] / model[r] for r in meas if model[r] == model[r] and model[r] > 0]
-        k = statistics.median(ks) if ks else 1.0
-        t = model[rows] * k
-        if t != t:  # no batch-1 curve yet: the measured points at this B, if any
-            return line_at(sorted(meas.items()), rows)
-        return max(t, alone)
+        t = self.fused_total_ms(batch, batch * rows)
+        return max(t, alone) if alone == alone and t == t else t
 
-    def batch_factor(self, batch: int, rows: int) -> float:
+    def fused_total_ms(self, batch: int, total: int) -> float:
+        """Estimated ms of a step in a fused forward of ``batch`` sequences feeding ``total`` rows
+        in all: measured where (B, total) was, else t(total) x k_B (class docstring); NaN before
+        any step is measured."""
+        with self._lock:
+            meas = {n: t for (b, n), t in self._fused_estimates().items() if b == batch}
+        if total in meas:
+            return meas[total]
+        model = {n: self.ms(n) for n in {*meas, total}}
+        ks = [meas[n] / model[n] for n in meas if model[n] == model[n] and model[n] > 0]
+        k = statistics.median(ks) if ks else 1.0
+        t = model[total] * k
+        if t != t:  # no batch-1 curve yet: the measured points at this B, if any
+            return line_at(sorted(meas.items()), total)
+        return t
+
+    def batch_factor(self, batch: int, rows: int, total: int | None = None) -> float:
         """t_B(r) / t(r): how much dearer one request's step of ``rows`` verified rows is in a
         fused forward of ``batch`` sequences than alone (>= 1; 1 for ``batch`` <= 1 and while
-        nothing is measured). What the goodput controller multiplies its batch-1 costs by."""
+        nothing is measured); with ``total``, in a forward of that many rows in all (a step as it
+        ran: its mates' rows as they were) instead of ``batch`` x ``rows``. What the goodput
+        controller multiplies its batch-1 costs by, and divides a fused step's readings by."""
         if batch <= 1:
             return 1.0
-        alone, fused = self.ms(rows), self.fused_ms(batch, rows)
+        alone = self.ms(rows)
+        fused = self.fused_ms(batch, rows) if total is None else self.fused_total_ms(batch, max(int(total), rows))
         if not (alone == alone and fused == fused) or alone <= 0:
             return 1.0
         return max(1.0, fused / alone)
@@ -190,7 +230,7 @@ class StepCost:
         with self._lock:
             measured = sorted(self._fused_estimates())
         out: dict = {b: {r: round(v, 4) for r in rows if (v := self.fused_ms(b, r)) == v} for b in batches}
-        out["measured"] = [f"{b}x{r}" for b, r in measured]
+        out["measured"] = [f"{b}x{n // b}" if n % b == 0 else f"{b}:{n}rows" for b, n in measured]
         return out
 
     def status(self) -> dict[int, float]:

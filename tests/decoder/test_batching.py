@@ -65,13 +65,17 @@ def test_the_scheduler_fuses_every_waiting_forward_and_hands_each_member_its_row
     sched = StepScheduler()
     got: dict[int, list] = {}
     order: list[int] = []
+    fused: dict[int, list] = {}
 
     def member(sid, steps):
+        from decoder.engines.base import last_fused_rows, last_fused_size
+
         s = _Seq(eng, sid)
         rows = []
         for k in range(steps):
             order.append(sid)
             rows.append(s.forward([1] * (k + 1), k + 1).tolist())
+            fused.setdefault(sid, []).append((last_fused_size(), last_fused_rows()))
         got[sid] = rows
 
     for sid, steps in ((0, 3), (1, 3), (2, 2)):
@@ -84,6 +88,8 @@ def test_the_scheduler_fuses_every_waiting_forward_and_hands_each_member_its_row
             assert got[sid][k] == [[sid, p] for p in range(pos, pos + k + 1)]
             pos += k + 1
     assert eng.calls == [[0, 1, 2], [0, 1, 2], [0, 1]]  # one fused forward per step
+    # each member learns its forward's batch size and the rows fed in it by everyone: 3 x 1, 3 x 2, 2 x 3
+    assert fused == {0: [(3, 3), (3, 6), (2, 6)], 1: [(3, 3), (3, 6), (2, 6)], 2: [(3, 3), (3, 6)]}
     assert sched.status()["by_sequences"] == {"2": 1, "3": 2}
     # members ran one at a time, in sequence order, each up to its next forward
     assert order == [0, 1, 2, 0, 1, 2, 0, 1]

@@ -71,6 +71,28 @@ def test_the_fused_step_model_reads_the_batch_1_curve_at_the_total_rows_with_a_m
         m.add(1, 5.0, batch=0)
 
 
+def test_a_fused_step_is_keyed_by_the_rows_of_the_whole_forward_not_its_own():
+    # one request verifies 2 rows beside three plain mates: 5 rows in all, which cost
+    # t(5) = 18 ms. Read as its own 2 rows each (8 rows, t(8) = 24 ms) it made a γ = 1 step in a
+    # batch of 4 look 25 % cheaper than it is; keyed by the forward's 5 rows, the model's
+    # correction is 18 / t(5) = 1, so a batch where all 4 verify 2 rows reads t(8) = 24 ms.
+    c = cost_of(t_cheap_rows)
+    for _ in range(3):
+        c.add(2, 18.0, batch=4, total=5)
+    assert c.fused_ms(4, 2) == pytest.approx(t_cheap_rows(8))
+    assert c.fused_total_ms(4, 5) == pytest.approx(18.0)
+    assert c.batch_factor(4, 2, total=5) == pytest.approx(18.0 / t_cheap_rows(2))
+    assert c.fused_status(batches=(4,), rows=(2,))["measured"] == ["4:5rows"]
+    # the controller divides such a step's verify ms by t_4(5 rows) / t(2), not t_4(2) / t(2)
+    ctl = GoodputController(ControllerConfig(min_steps=1), step_cost=c)
+    ctl.observe(KEY, StepStats(1, 1, 2, -1, 0.8, 0.0, 18.0), batch=4, total=5)
+    assert ctl.decision(KEY)["by_batch"] is not None
+    assert ctl._keys[KEY].verify_ms[1].value == pytest.approx(t_cheap_rows(2))
+    # same bad-value contract as rows and batch
+    with pytest.raises(ValueError, match="total=1"):
+        c.add(2, 5.0, batch=4, total=1)
+
+
 def test_gamma_shrinks_as_the_batch_grows():
     # t_B(r) = t(B r) = 8 + 2 B r. α = 0.8: E = 1.8, 2.44, 2.952, 3.3616, 3.68928 at γ = 1..5.
     # B = 1: E / (10 + 2γ): 0.150, 0.1743, 0.1845, 0.18676, 0.18446 -> γ = 4 (plain 0.1)

@@ -28,7 +28,7 @@ class FixedCost(StepCost):
         super().__init__()
         self.base, self.per_row = base, per_row
 
-    def add(self, rows, ms, batch=1):
+    def add(self, rows, ms, batch=1, total=None):
         pass
 
     def ms(self, rows):
