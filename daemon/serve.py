@@ -81,6 +81,44 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
 # ---- request parsing (pure) ------------------------------------------------------------------------
 
 
+class ThreadFeed:
+    """Hands items from the serving loop's threads to asyncio queues on one event loop, waking the
+    loop once for whatever arrived since it last drained, not once per item: every request of a
+    batch emits tokens at every step, and each ``call_soon_threadsafe`` wakes the loop through a
+    socket write and a GIL hand-off, while the batch's other members wait their turn.
+
+    ``put(q, item)`` (any thread): ``q.put_nowait(item)`` runs on the event loop, in the order the
+    items were put. Raises what ``call_soon_threadsafe`` raises (RuntimeError: the loop is closed);
+    the items not yet drained then stay for the next wake."""
+
+    def __init__(self, aloop: asyncio.AbstractEventLoop):
+        self.aloop = aloop
+        self._items: list = []
+        self._lock = threading.Lock()
+        self._scheduled = False  # a drain is queued on the loop and has not yet taken the items
+        self.wakes = 0
+
+    def put(self, q: asyncio.Queue, item: Any) -> None:
+        with self._lock:
+            self._items.append((q, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+            self.wakes += 1
+        try:
+            self.aloop.call_soon_threadsafe(self._drain)
+        except BaseException:
+            with self._lock:
+                self._scheduled = False
+            raise
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for q, item in items:
+            q.put_nowait(item)
+
+
 @dataclass
 class Parsed:
     """A validated request, ready for the loop."""
@@ -814,6 +852,9 @@ class InferenceService:
         from concurrent.futures import ThreadPoolExecutor
 
         self.loop, self.tokenizer, self.model = loop, tokenizer, model
+        import weakref
+
+        self._feeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its ThreadFeed
         self.served_format = served_format  # decoder.models.formats.FormatChoice.describe(): the target's format and why
         self.max_prompt_tokens, self.request_timeout_s = max_prompt_tokens, request_timeout_s
         self.max_request_bytes = max_request_bytes
@@ -1071,7 +1112,10 @@ class InferenceService:
 
         aloop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        on_tokens = (lambda ids: aloop.call_soon_threadsafe(events.put_nowait, ids)) if p.stream else None
+        feed = self._feeds.get(aloop)
+        if feed is None:
+            feed = self._feeds[aloop] = ThreadFeed(aloop)
+        on_tokens = (lambda ids: feed.put(events, ids)) if p.stream else None
         try:
             req = self.request_of(p)
         except ValueError as e:  # e.g. a prompt that tokenises to nothing

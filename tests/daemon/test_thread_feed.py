@@ -1,0 +1,54 @@
+"""ThreadFeed: tokens from the serving loop's threads reach each request's asyncio queue in order,
+with one wake of the event loop for everything that arrived since it last drained."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from daemon.serve import ThreadFeed
+
+
+def test_items_from_several_threads_arrive_in_order_with_one_wake_while_the_loop_is_busy():
+    aloop = asyncio.new_event_loop()
+    try:
+        feed = ThreadFeed(aloop)
+        qs = [asyncio.Queue() for _ in range(4)]
+
+        def member(i):  # four batch members, each emitting 50 steps' tokens
+            for k in range(50):
+                feed.put(qs[i], [i, k])
+
+        ts = [threading.Thread(target=member, args=(i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert all(q.empty() for q in qs)  # nothing runs on the loop until it does
+        assert feed.wakes == 1  # the loop was not running: one drain was queued for all 200 items
+
+        aloop.run_until_complete(asyncio.sleep(0))
+        for i, q in enumerate(qs):
+            got = [q.get_nowait() for _ in range(q.qsize())]
+            assert got == [[i, k] for k in range(50)]
+
+        feed.put(qs[0], "next")  # after a drain, the next item wakes the loop again
+        assert feed.wakes == 2
+        aloop.run_until_complete(asyncio.sleep(0))
+        assert qs[0].get_nowait() == "next"
+    finally:
+        aloop.close()
+
+
+def test_a_closed_loop_raises_on_every_put_and_never_leaves_the_feed_stuck():
+    aloop = asyncio.new_event_loop()
+    aloop.close()
+    feed = ThreadFeed(aloop)
+    q = asyncio.Queue()
+    with pytest.raises(RuntimeError):
+        feed.put(q, 1)
+    with pytest.raises(RuntimeError):  # not swallowed as "a drain is already queued"
+        feed.put(q, 2)
+    assert feed.wakes == 2
