@@ -42,13 +42,16 @@ with a fixed ``max_tokens``, streamed ``/v1/completions``, a closed loop of N cl
   file (``decoder.models.gguf_export.derived_draft_gguf``: the base draft, without draftd's
   adapters), when it is cached (serve writes it at its start); else skipped, with the reason.
 
-``--paired`` (one client): every server up at once and each prompt streamed to each in turn, the
-order rotating, half a second of quiet before each request; per prompt draftd's tokens/s over each
-peer's, their geometric mean with a bootstrap interval (:func:`paired_ratio`). Sequential cells
-compare minutes apart, and on a shared VM the host's speed drifts between them (llama-server plain
-at 1 client read 106 and 135 tokens/s half an hour apart); pairs per prompt do not::
+``--paired``: every server up at once (llama-server with as many slots as clients) and, in rounds
+of N concurrent prompts (N = the first ``--peer-clients`` count, one prompt per client), each round
+streamed to each server in turn, the order rotating, half a second of quiet before each round; per
+round draftd's aggregate tokens/s over each peer's, their geometric mean with a bootstrap interval
+(:func:`paired_ratio`). Sequential cells compare minutes apart, and on a shared VM the host's speed
+drifts between them (llama-server plain at 1 client read 106 and 135 tokens/s half an hour apart);
+pairs per round do not::
 
     .venv/bin/python bench/serve_bench.py --peer --paired --peer-clients 1 --requests 24 --warmup 2 --max-tokens 64
+    .venv/bin/python bench/serve_bench.py --peer --paired --peer-clients 4 --requests 8 --warmup 2 --max-tokens 64
 
 Client counts run in order; at each, draftd first, then every llama-server configuration (a
 fresh process per configuration and count, warmed by one short request, and by `--warmup` unmeasured
@@ -529,49 +532,69 @@ def paired_ratio(a: list[dict], b: list[dict], confidence: float = 0.95, seed: i
 def paired_one_client(servers: dict[str, tuple[str, bool]], prompts: list, max_tokens: int, warm: list,
                       gap_s: float = 0.5, confidence: float = 0.95, seed: int = 0) -> dict:
     """One client, every server up at once, each prompt streamed to every server in turn (the
-    order rotating per prompt), so a host whose speed drifts from minute to minute (a shared VM)
-    slows every side alike: per server the requests' output tokens/s (tokens over the time from
-    sending the request to its last text chunk, prefill included), TTFT and TPOT; per llama-server configuration
-    draftd's per-prompt ratio of tokens/s, its geometric mean and a bootstrap interval of it.
-    ``servers``: name -> (``…/v1`` url, whether it is draftd); ``warm``: unmeasured prompts
-    streamed to each server first (:func:`paired_ratio` gives the ratios); ``gap_s``: seconds of quiet before each request (a request
-    sent the moment another server finished paid for that server's threads still spinning: 100-150 ms
-    more TTFT for draftd right after llama-server, measured)."""
-    import openai
+    order rotating per prompt): :func:`paired_rounds` with rounds of one prompt."""
+    return paired_rounds(servers, [[p] for p in prompts], max_tokens, warm, gap_s, confidence, seed)
 
+
+def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_tokens: int, warm: list,
+                  gap_s: float = 0.5, confidence: float = 0.95, seed: int = 0) -> dict:
+    """Every server up at once; each round's prompts streamed concurrently (one client each) to
+    every server in turn (the order rotating per round), so a host whose speed drifts from minute
+    to minute (a shared VM) slows every side alike. Per server: each round's aggregate output
+    tokens/s (its tokens over the time from sending its first request to its last text chunk,
+    prefill included), and each request's TTFT and TPOT; per llama-server configuration
+    draftd's per-round ratio of tokens/s, its geometric mean and a bootstrap interval of it
+    (:func:`paired_ratio`). ``servers``: name -> (``…/v1`` url, whether it is draftd); ``warm``:
+    unmeasured prompts streamed to each server first, one at a time; ``gap_s``: seconds of quiet
+    before each round (a request sent the moment another server finished paid for that server's
+    threads still spinning: 100-150 ms more TTFT for draftd right after llama-server, measured)."""
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+
+    width = max((len(r) for r in rounds), default=1)
     ocs, models = {}, {}
     for name, (url, _) in servers.items():
-        ocs[name] = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-        models[name] = ocs[name].models.list().data[0].id
+        ocs[name] = [openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600) for _ in range(width)]
+        models[name] = ocs[name][0].models.list().data[0].id
 
-    def once(name: str, w: str, ids: list[int]) -> dict:
-        return stream_once(ocs[name], models[name], ids, max_tokens,
+    def once(name: str, k: int, w: str, ids: list[int]) -> dict:
+        return stream_once(ocs[name][k], models[name], ids, max_tokens,
                            {"ignore_eos": True, **({"workload": w} if servers[name][1] else {})})
 
     for name in servers:
         for w, ids in [("default", [1, 2, 3, 4])] + list(warm):
-            once(name, w, ids)
+            once(name, 0, w, ids)
     names = list(servers)
-    per: dict[str, list[dict]] = {n: [] for n in names}
+    per: dict[str, list[dict]] = {n: [] for n in names}  # one row per round
+    reqs: dict[str, list[dict]] = {n: [] for n in names}  # one row per request
     load0 = os.getloadavg()[0]
-    for i, (w, ids) in enumerate(prompts):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            time.sleep(gap_s)  # the last server's threads settle first (llama.cpp's spin after a decode)
-            tl = once(name, w, ids)
-            end = tl["chunks"][-1] if tl["chunks"] else time.perf_counter()
-            per[name].append({"tokens": tl["tokens"], "seconds": end - tl["t0"], "error": tl["error"],
-                              "ttft_ms": 1e3 * (tl["chunks"][0] - tl["t0"]) if tl["chunks"] else None,
-                              "proposer": tl.get("proposer"), "proposed": tl.get("proposed"), "accepted": tl.get("accepted"),
-                              "tpot_ms": (1e3 * (tl["chunks"][-1] - tl["chunks"][0]) / max(1, tl["tokens"] - 1)
-                                          if len(tl["chunks"]) > 1 else None)})
-    out: dict[str, Any] = {"prompts": len(prompts), "order": "each prompt to every server in turn, rotating",
+    with ThreadPoolExecutor(max_workers=width) as pool:
+        for i, rnd in enumerate(rounds):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                time.sleep(gap_s)  # the last server's threads settle first (llama.cpp's spin after a decode)
+                tls = list(pool.map(lambda kp, name=name: once(name, kp[0], *kp[1]), enumerate(rnd)))
+                ends = [tl["chunks"][-1] if tl["chunks"] else time.perf_counter() for tl in tls]
+                err = next((tl["error"] for tl in tls if tl["error"]), None)
+                per[name].append({"tokens": sum(tl["tokens"] for tl in tls), "seconds": max(ends) - min(tl["t0"] for tl in tls),
+                                  "error": err})
+                for tl, end in zip(tls, ends):
+                    reqs[name].append({
+                        "tokens": tl["tokens"], "seconds": end - tl["t0"], "error": tl["error"],
+                        "ttft_ms": 1e3 * (tl["chunks"][0] - tl["t0"]) if tl["chunks"] else None,
+                        "proposer": tl.get("proposer"), "proposed": tl.get("proposed"), "accepted": tl.get("accepted"),
+                        "tpot_ms": (1e3 * (tl["chunks"][-1] - tl["chunks"][0]) / max(1, tl["tokens"] - 1)
+                                    if len(tl["chunks"]) > 1 else None)})
+    out: dict[str, Any] = {"prompts": sum(len(r) for r in rounds), "rounds": len(rounds), "clients": width,
+                           "order": "each round's prompts, concurrently, to every server in turn, rotating",
                            "gap_s": gap_s,
                            "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "servers": {}}
-    for name, rs in per.items():
-        ok = [r for r in rs if not r["error"] and r["seconds"] > 0]
-        out["servers"][name] = {"failures": len(rs) - len(ok),
-                                "requests": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rs],
-                                "tokens_per_s_median": _median([r["tokens"] / r["seconds"] for r in ok], 2),
+    for name in names:
+        ok = [r for r in reqs[name] if not r["error"] and r["seconds"] > 0]
+        okr = [r for r in per[name] if not r["error"] and r["seconds"] > 0]
+        out["servers"][name] = {"failures": len(reqs[name]) - len(ok),
+                                "requests": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+                                             for r in reqs[name]],
+                                "tokens_per_s_median": _median([r["tokens"] / r["seconds"] for r in okr], 2),
                                 "ttft_ms_median": _median([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None], 2),
                                 "tpot_ms_median": _median([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None], 3)}
     d = next((n for n in names if servers[n][1]), None)
@@ -679,15 +702,17 @@ def peer_main(a) -> None:
             servers = {"draftd": (durl, True)} if "draftd" in configs else {}
             kinds = ([("llama_plain", {})] if "llama_plain" in configs else []) + \
                 ([(f"llama_{t}", {"spec_type": t}) for t in want] if "llama_ngram" in configs else [])
+            width = clients_list[0]
             for name, kw in kinds:
                 p = peers.free_port()
-                cmd = peers.server_command(binary, target, p, 1, a.ctx_per_slot, threads, **kw)
+                cmd = peers.server_command(binary, target, p, width, a.ctx_per_slot, threads, **kw)
                 result["commands"].setdefault(name, " ".join(cmd[1:]).replace(str(p), "PORT"))
                 url, _ = stack.enter_context(peers.running_process(cmd, p, logs / f"{name}-paired.log", timeout_s=300))
                 servers[name] = (url + "/v1", False)
-            ps = [x for cell in cells[clients_list[0]] for x in cell]
-            say(f"1 client, paired: {len(ps)} prompts, each to {', '.join(servers)} in turn")
-            result["paired"] = paired_one_client(servers, ps, a.max_tokens, warm)
+            rounds = [list(r) for r in zip(*cells[width])]  # round j: every client's j-th prompt
+            say(f"{width} client(s), paired: {len(rounds)} rounds of {width} concurrent prompts, each round to "
+                f"{', '.join(servers)} in turn")
+            result["paired"] = paired_rounds(servers, rounds, a.max_tokens, warm)
             say(json.dumps({k: v for k, v in result["paired"].items() if k != "order"}))
             clients_list = []
         for n in clients_list:
@@ -766,9 +791,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="--peer: also write the JSON here, after every cell (partial runs keep their cells)")
     ap.add_argument("--warmup", type=int, default=0, help="--peer: unmeasured warm-up prompts per workload that "
                     "every server process streams before it is measured (the same for every side)")
-    ap.add_argument("--paired", action="store_true", help="--peer: one client, every server up at once, each prompt "
-                    "streamed to each in turn (rotating), paired ratios with a bootstrap interval: robust to a host "
-                    "whose speed drifts; the prompts are the first --peer-clients count's (its clients x --requests)")
+    ap.add_argument("--paired", action="store_true", help="--peer: every server up at once, rounds of N concurrent "
+                    "prompts (N: the first --peer-clients count) streamed to each in turn (rotating), paired ratios per "
+                    "round with a bootstrap interval: robust to a host whose speed drifts; --requests rounds")
     ap.add_argument("--draftd-max-batch", type=int, default=None, help="--peer: serve.max_batch (default: serve's)")
     ap.add_argument("--draftd-env", action="append", default=None, metavar="DRAFTD_X=V",
                     help="--peer: an extra environment variable for draftd serve (repeatable), e.g. "

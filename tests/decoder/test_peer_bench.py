@@ -235,3 +235,45 @@ def test_paired_one_client_reports_none_where_no_request_had_two_chunks(monkeypa
     d = out["servers"]["draftd"]
     assert d["tpot_ms_median"] is None and d["ttft_ms_median"] == 500.0 and d["tokens_per_s_median"] == 2.0
     assert out["draftd_vs_llama_plain"]["ratio_geomean"] == 1.0 and out["draftd_vs_llama_plain"]["pairs"] == 3
+
+
+def test_paired_rounds_send_each_round_concurrently_and_pair_the_rounds_aggregate(monkeypatch):
+    # 2 clients: a round is two prompts at once; its tokens/s is both requests' tokens over the time
+    # from the first sending to the last chunk. draftd's rounds end at 1.0 s, the peer's at 2.0 s
+    import threading
+    import types
+
+    class _Client:
+        def __init__(self, base_url, **kw):
+            self.base_url = base_url
+            self.models = types.SimpleNamespace(list=lambda: types.SimpleNamespace(data=[types.SimpleNamespace(id="m")]))
+
+    seen: dict[str, set] = {"u": set(), "v": set()}
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def fake(oc, model, ids, n, extra):
+        import time as _t
+
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        _t.sleep(0.05)  # long enough for the round's other request to be in flight too
+        with lock:
+            inside[0] -= 1
+            seen[oc.base_url].add(tuple(ids))
+        end = 1.0 if oc.base_url == "u" else 2.0
+        return {"t0": 0.0, "chunks": [0.1, end], "tokens": 10, "error": None, "proposed": None, "accepted": None}
+
+    monkeypatch.setitem(sys.modules, "openai", types.SimpleNamespace(OpenAI=_Client))
+    monkeypatch.setattr(serve_bench, "stream_once", fake)
+    rounds = [[("w", [1, k]), ("w", [2, k])] for k in range(3)]
+    out = serve_bench.paired_rounds({"draftd": ("u", True), "llama_plain": ("v", False)}, rounds, 10, [], gap_s=0)
+    assert out["clients"] == 2 and out["rounds"] == 3 and out["prompts"] == 6
+    assert most[0] == 2  # the round's two requests overlapped
+    assert seen["u"] >= {(1, k) for k in range(3)} | {(2, k) for k in range(3)}
+    d, p = out["servers"]["draftd"], out["servers"]["llama_plain"]
+    assert d["tokens_per_s_median"] == 20.0 and p["tokens_per_s_median"] == 10.0  # 20 tokens in 1.0 s, in 2.0 s
+    assert len(d["requests"]) == 6 and d["ttft_ms_median"] == 100.0
+    r = out["draftd_vs_llama_plain"]
+    assert r["ratio_geomean"] == 2.0 and r["pairs"] == 3
