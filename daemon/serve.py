@@ -85,11 +85,15 @@ class ThreadFeed:
     """Hands items from the serving loop's threads to asyncio queues on one event loop, waking the
     loop once for whatever arrived since it last drained, not once per item: every request of a
     batch emits tokens at every step, and each ``call_soon_threadsafe`` wakes the loop through a
-    socket write and a GIL hand-off, while the batch's other members wait their turn.
+    socket write and a GIL hand-off (the woken loop takes the GIL; the writer waits for it back),
+    while the batch's other members wait their turn.
 
     ``put(q, item)`` (any thread): ``q.put_nowait(item)`` runs on the event loop, in the order the
-    items were put. Raises what ``call_soon_threadsafe`` raises (RuntimeError: the loop is closed);
-    the items not yet drained then stay for the next wake."""
+    items were put; ``put(q, item, wake=False)`` leaves the wake to the next :meth:`flush` (the
+    serving loop's driver calls it at each step boundary, just before the step's forward releases
+    the GIL: the loop then streams while the engine decodes). Raises what
+    ``call_soon_threadsafe`` raises (RuntimeError: the loop is closed); the items not yet drained
+    then stay for the next wake."""
 
     def __init__(self, aloop: asyncio.AbstractEventLoop):
         self.aloop = aloop
@@ -98,13 +102,29 @@ class ThreadFeed:
         self._scheduled = False  # a drain is queued on the loop and has not yet taken the items
         self.wakes = 0
 
-    def put(self, q: asyncio.Queue, item: Any) -> None:
+    def put(self, q: asyncio.Queue, item: Any, wake: bool = True) -> None:
         with self._lock:
             self._items.append((q, item))
-            if self._scheduled:
+            if self._scheduled or not wake:
                 return
             self._scheduled = True
             self.wakes += 1
+        self._wake()
+
+    def flush(self) -> None:
+        """Wake the loop if items wait and no drain is queued yet; a closed loop's items are
+        dropped (nobody can read them)."""
+        with self._lock:
+            if self._scheduled or not self._items:
+                return
+            if self.aloop.is_closed():
+                self._items.clear()
+                return
+            self._scheduled = True
+            self.wakes += 1
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             self.aloop.call_soon_threadsafe(self._drain)
         except BaseException:
@@ -1115,7 +1135,10 @@ class InferenceService:
         feed = self._feeds.get(aloop)
         if feed is None:
             feed = self._feeds[aloop] = ThreadFeed(aloop)
-        on_tokens = (lambda ids: feed.put(events, ids)) if p.stream else None
+            if hasattr(self.loop, "boundary_hooks"):
+                self.loop.boundary_hooks.append(feed.flush)
+        member = getattr(self.loop, "member_thread", None)
+        on_tokens = (lambda ids: feed.put(events, ids, wake=member is None or not member())) if p.stream else None
         try:
             req = self.request_of(p)
         except ValueError as e:  # e.g. a prompt that tokenises to nothing

@@ -51,7 +51,7 @@ import structlog
 
 from decoder.batching import STEP_TOKEN_BUDGET, StepScheduler
 from decoder.control import ControllerConfig, GoodputController, batch_sizes_up_to
-from decoder.engines.base import last_fused_rows, last_fused_size, supports
+from decoder.engines.base import forward_router, last_fused_rows, last_fused_size, supports
 from decoder.rollback import RollbackMonitor
 from decoder.shift import key_str
 from decoder.tracking import HEAD, AcceptanceTracker, key_of
@@ -259,6 +259,10 @@ class ServingLoop:
         self._n: Counter = Counter()
         self._by_workload: Counter = Counter()
         self._workload_versions: dict[str, int] = {}
+        # called by the batched driver at every step boundary, before the step's forward (which
+        # releases the GIL): a consumer of the members' tokens wakes its event loop here, once a
+        # step, instead of from each member's thread in turn (:meth:`member_thread`)
+        self.boundary_hooks: list[Callable[[], Any]] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "ServingLoop":
@@ -432,6 +436,7 @@ class ServingLoop:
         stopping = locked = False
         while True:
             sched.wait_boundary()
+            self._at_boundary()
             n = len(sched.members)
             if n == 0 and locked:
                 dec._lock.release()  # idle: the managers' idle swaps may run
@@ -494,6 +499,19 @@ class ServingLoop:
                 self._running.remove(t)
                 self._cv.notify_all()
 
+    def _at_boundary(self) -> None:
+        """Run :attr:`boundary_hooks` (each failure logged, never raised)."""
+        for hook in list(self.boundary_hooks):
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a consumer's failure never stops decoding
+                log.exception("boundary_hook_failed")
+
+    def member_thread(self) -> bool:
+        """True on a batch member's thread (continuous batching): the driver calls
+        :attr:`boundary_hooks` before this member's next step is decoded."""
+        return self.batching is not None and forward_router() is self.batching
+
     def _policy(self, t: Ticket) -> GammaPolicy:
         if t.policy is not None:
             return t.policy
@@ -544,6 +562,8 @@ class ServingLoop:
             with self._cv:
                 self._n["failed"] += 1
             t.finished_at = self.clock()
+            if batched:
+                self._at_boundary()  # the tokens streamed so far reach their consumer before the error
             t.future.set_exception(e)
             return
         if not self.streams_steps and res.output_ids:
@@ -568,6 +588,8 @@ class ServingLoop:
                 obs(t, res)
             except Exception:  # noqa: BLE001
                 log.exception("observer_failed", request_id=req.request_id)
+        if batched:
+            self._at_boundary()  # its last tokens (held for the next step boundary) go before its result
         t.future.set_result(res)
 
     def _after(self, res: DecodeResult) -> None:

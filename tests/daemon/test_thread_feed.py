@@ -52,3 +52,32 @@ def test_a_closed_loop_raises_on_every_put_and_never_leaves_the_feed_stuck():
     with pytest.raises(RuntimeError):  # not swallowed as "a drain is already queued"
         feed.put(q, 2)
     assert feed.wakes == 2
+
+
+def test_items_put_without_a_wake_wait_for_the_next_flush_in_order():
+    # a batch member's tokens: no wake from its thread; the driver's flush at the step boundary wakes once
+    aloop = asyncio.new_event_loop()
+    try:
+        feed = ThreadFeed(aloop)
+        q = asyncio.Queue()
+        for k in range(5):
+            feed.put(q, k, wake=False)
+        assert feed.wakes == 0
+        aloop.run_until_complete(asyncio.sleep(0))
+        assert q.empty()  # nothing was scheduled
+        feed.flush()
+        feed.flush()  # a drain is already queued: no second wake
+        assert feed.wakes == 1
+        aloop.run_until_complete(asyncio.sleep(0))
+        assert [q.get_nowait() for _ in range(5)] == [0, 1, 2, 3, 4]
+        feed.flush()  # nothing waits: no wake
+        assert feed.wakes == 1
+        feed.put(q, "x", wake=False)
+        feed.put(q, "y")  # a wake from elsewhere takes what waits too, in order
+        aloop.run_until_complete(asyncio.sleep(0))
+        assert [q.get_nowait(), q.get_nowait()] == ["x", "y"]
+    finally:
+        aloop.close()
+    feed.put(q, "late", wake=False)
+    feed.flush()  # a closed loop: its items are dropped, not raised at every step boundary
+    assert feed.wakes == 2 and not feed._items
