@@ -33,6 +33,15 @@ forward's rows at the end, as if fed at once)::
 A step whose forwards are all longer than the budget (prefills only, or one member alone) feeds
 them whole, as without a budget. Cancellation is unchanged: the decoder polls between its own
 prefill chunks (``decoder.speculative.PREFILL_CHUNK``), which now take several steps each.
+
+Whether speculating pays inside a batch is measured here, where the whole batch's cost is seen
+(:class:`BatchGoodput`): a request's own tokens per ms cannot say it, since its batch mates'
+steps carry its proposals' rows and its sampling too. Each cycle (from one fire to the next) is a
+*plain* one (every member fed one row) or a *speculative* one (a verification block or a draft
+model's forward in it); cycles with a prefill or a budget-cut piece count as neither. The tokens
+the members emit in the cycle over its wall time, per batch size, over the last cycles of each
+kind, say whether speculation pays at that size (:meth:`StepScheduler.speculation_pays`): the
+goodput controller's requests then decode plainly at that batch size where it does not.
 """
 
 from __future__ import annotations
@@ -99,6 +108,84 @@ def _join(parts: list):
     return torch.cat(parts)
 
 
+class BatchGoodput:
+    """Realized output tokens per ms of the whole batch, per batch size B and kind of cycle
+    (``"plain"``, ``"spec"``): the last ``window`` cycles of each. :meth:`pays` compares them.
+
+    Args:
+        window: cycles kept per (B, kind).
+        min_cycles: cycles of each kind at B before :meth:`pays` judges.
+        max_age_s: a kind whose last cycle at B is older than this (seconds) is stale: judged
+            again (the host's load and the traffic move).
+        clock: seconds.
+
+    Raises:
+        ValueError: ``window`` or ``min_cycles`` not an int >= 1, ``min_cycles`` > ``window``, or
+            ``max_age_s`` not > 0.
+    """
+
+    def __init__(self, window: int = 48, min_cycles: int = 16, max_age_s: float = 60.0,
+                 clock: Callable[[], float] = time.perf_counter):
+        for name, v in (("window", window), ("min_cycles", min_cycles)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"BatchGoodput: {name}={v!r} must be an int >= 1 (cycles)")
+        if min_cycles > window:
+            raise ValueError(f"BatchGoodput: min_cycles={min_cycles} must be <= window={window}")
+        if not isinstance(max_age_s, (int, float)) or not max_age_s > 0:
+            raise ValueError(f"BatchGoodput: max_age_s={max_age_s!r} must be > 0 (seconds)")
+        self.window, self.min_cycles, self.max_age_s, self.clock = window, min_cycles, float(max_age_s), clock
+        self._cycles: dict[tuple[int, str], deque[tuple[int, float]]] = {}  # (B, kind) -> (tokens, ms)
+        self._last: dict[tuple[int, str], float] = {}  # (B, kind) -> clock of its last cycle
+        self._lock = threading.Lock()
+
+    def add(self, batch: int, kind: str, tokens: int, ms: float) -> None:
+        """One cycle of ``batch`` members and ``kind`` emitted ``tokens`` in ``ms``."""
+        if kind not in ("plain", "spec") or ms <= 0:
+            return
+        with self._lock:
+            self._cycles.setdefault((batch, kind), deque(maxlen=self.window)).append((int(tokens), float(ms)))
+            self._last[(batch, kind)] = self.clock()
+
+    def rate(self, batch: int, kind: str) -> tuple[float | None, int]:
+        """(tokens per ms over the kept cycles, or None when stale or fewer than ``min_cycles``;
+        how many are kept)."""
+        with self._lock:
+            d = self._cycles.get((batch, kind))
+            if not d:
+                return None, 0
+            n = len(d)
+            fresh = self.clock() - self._last[(batch, kind)] <= self.max_age_s
+            ms = sum(m for _, m in d)
+            return (sum(t for t, _ in d) / ms if fresh and n >= self.min_cycles and ms > 0 else None), n
+
+    def pays(self, batch: int) -> tuple[bool | None, str]:
+        """Whether speculating pays in a batch of ``batch`` (>= 2), and why: False while plain
+        cycles at B are stale or too few (they are measured first: plain decoding is the safe
+        side), None (the goodput controller's model decides) while speculative ones are, else
+        whether their tokens per ms beat plain's."""
+        plain, n_plain = self.rate(batch, "plain")
+        if plain is None:
+            return False, (f"measuring plain steps in batches of {batch} first ({n_plain} of the last "
+                           f"{self.min_cycles} within {self.max_age_s:g} s)")
+        spec, n_spec = self.rate(batch, "spec")
+        if spec is None:
+            return None, f"speculative steps in batches of {batch} not measured lately ({n_spec} kept)"
+        if spec > plain:
+            return True, f"in batches of {batch}: speculative steps {spec:.4f} tok/ms vs plain {plain:.4f}"
+        return False, f"off in batches of {batch}: speculative steps {spec:.4f} tok/ms vs plain {plain:.4f}"
+
+    def status(self) -> dict[str, Any]:
+        """{B: {"plain": tok/ms, "spec": tok/ms, "cycles": {kind: n}, "pays": bool | None}}; JSON-ready."""
+        with self._lock:
+            sizes = sorted({b for b, _ in self._cycles})
+        out: dict[str, Any] = {}
+        for b in sizes:
+            (p, np_), (sp, ns) = self.rate(b, "plain"), self.rate(b, "spec")
+            out[str(b)] = {"plain": None if p is None else round(p, 4), "spec": None if sp is None else round(sp, 4),
+                           "cycles": {"plain": np_, "spec": ns}, "pays": self.pays(b)[0] if b > 1 else None}
+        return out
+
+
 class Member:
     """One request's thread under a :class:`StepScheduler`."""
 
@@ -131,7 +218,8 @@ class StepScheduler:
         ValueError: ``step_token_budget`` not None nor an int >= 1.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, step_token_budget: int | None = None):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, step_token_budget: int | None = None,
+                 goodput: BatchGoodput | None = None):
         if step_token_budget is not None and (isinstance(step_token_budget, bool) or not isinstance(step_token_budget, int)
                                               or step_token_budget < 1):
             raise ValueError(f"step_token_budget={step_token_budget!r}: must be an int >= 1 (tokens), or None for no budget")
@@ -150,6 +238,11 @@ class StepScheduler:
         self.by_sequences: Counter = Counter()  # fused forwards by sequences in them
         self.rows = 0
         self.decode_ms = 0.0
+        # realized goodput per batch size (module docstring): the cycle under way since the last fire
+        self.goodput = goodput if goodput is not None else BatchGoodput(clock=clock)
+        self._cycle: tuple[float, frozenset, str | None] | None = None  # (its fire's clock, members, kind)
+        self._emitted = 0  # tokens the members emitted in it
+        self.primary = None  # the target's engine (the serving loop sets it): a forward on another is a draft's
 
     # ---- members -----------------------------------------------------------------------------
     @property
@@ -217,6 +310,18 @@ class StepScheduler:
         m = getattr(self._local, "member", None)
         return m.batch_size if m is not None else 1
 
+    def emitted(self, n: int) -> None:
+        """A member emitted ``n`` tokens (the decoder calls it after each step; counted for the
+        cycle under way)."""
+        with self._mu:
+            self._emitted += int(n)
+
+    def speculation_pays(self, batch: int) -> tuple[bool | None, str]:
+        """:meth:`BatchGoodput.pays` at ``batch`` (True where ``batch`` <= 1)."""
+        if batch <= 1:
+            return True, "alone"
+        return self.goodput.pays(batch)
+
     def last_fused_rows(self) -> int | None:
         """Rows (tokens fed, every sequence's) of the fused forward that served this thread's last
         call; None outside a member or before its first call."""
@@ -253,6 +358,7 @@ class StepScheduler:
         done: list[_Call] = []
         later: list[_Call] = []
         t0 = self.clock()
+        self._close_cycle(t0, calls, pieces, groups)
         for group in groups.values():
             eng = group[0].engine
             outs: list[Any] = [None] * len(group)
@@ -292,14 +398,41 @@ class StepScheduler:
                 self._pass()
         return rows
 
+    def _close_cycle(self, now: float, calls: list[_Call], pieces: dict, groups: dict) -> None:
+        """Count the cycle that ends now (the last fire to this one) into :attr:`goodput`, and
+        start the next one with this fire's kind: plain (every call one row), spec (a call keeping
+        more than one row, or a second engine's forward: a draft model's), or None (a prefill, a
+        draft's catch-up or a piece cut by the budget: neither)."""
+        with self._mu:
+            emitted, self._emitted = self._emitted, 0
+        who = frozenset(id(c.member) for c in calls)
+        if self._cycle is not None:
+            t, members, kind = self._cycle
+            # the same members on both ends (none joined or left, no idle gap between): a clean reading
+            if kind is not None and len(members) > 1 and members == who:
+                self.goodput.add(len(members), kind, emitted, (now - t) * 1e3)
+        kind: str | None = "plain"
+        for c in calls:
+            toks, keep, _ = pieces[id(c)]
+            if len(toks) > keep or len(toks) < len(c.tokens):
+                kind = None
+                break
+            if keep > 1:
+                kind = "spec"
+        if kind == "plain" and (len(groups) > 1 or (self.primary is not None and calls[0].engine is not self.primary)):
+            kind = "spec"  # a draft model's forward in it
+        self._cycle = (now, who, kind)
+
     def status(self) -> dict[str, Any]:
         """Fused forwards, by the sequences in each, rows and ms, the step token budget and how many
-        forwards' pieces it held back a rest of (``budget_cut_pieces``); JSON-ready."""
+        forwards' pieces it held back a rest of (``budget_cut_pieces``), and the realized goodput
+        per batch size (``goodput_by_batch``, :meth:`BatchGoodput.status`); JSON-ready."""
         n = sum(self.by_sequences.values())
         return {"fused_forwards": n, "by_sequences": {str(k): v for k, v in sorted(self.by_sequences.items())},
                 "mean_sequences": round(sum(k * v for k, v in self.by_sequences.items()) / n, 3) if n else None,
                 "rows": self.rows, "decode_ms": round(self.decode_ms, 3),
-                "step_token_budget": self.step_token_budget, "budget_cut_pieces": self.cut}
+                "step_token_budget": self.step_token_budget, "budget_cut_pieces": self.cut,
+                "goodput_by_batch": self.goodput.status()}
 
 
-__all__ = ["STEP_TOKEN_BUDGET", "Member", "StepScheduler"]
+__all__ = ["STEP_TOKEN_BUDGET", "BatchGoodput", "Member", "StepScheduler"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from decoder.engines.base import last_fused_rows, last_fused_size, routed_batch_size
+from decoder.engines.base import last_fused_rows, last_fused_size, routed_batch_size, routed_speculation_pays
 from decoder.metrics import StepStats, line_at
 from decoder.proposers.registry import DEFAULT_PROPOSER, REQUEST_PROPOSERS, spec as proposer_spec
 from decoder.sampling import expected_tokens_per_step  # noqa: F401 - re-exported
@@ -921,6 +921,9 @@ class ControlledGamma:
         self._warm_why = ""  # the warm-up's own reason
         self.decision: dict[str, Any] | None = None
         self.batch_size: Callable[[], int] = routed_batch_size  # requests decoding together now
+        # whether speculating pays at a batch size, as the batch's realized goodput says (decoder.batching)
+        self.batch_pays: Callable[[int], tuple[bool | None, str]] = routed_speculation_pays
+        self.batch_why: str | None = None  # why the last step inside a batch decoded plainly, if it did
 
     def warming_up(self, proposer: str) -> bool:
         """Whether this request is (still) the warm-up of ``proposer`` for its key: it started as
@@ -931,7 +934,11 @@ class ControlledGamma:
     def gamma(self) -> int:
         """γ of the next step: the request's γ (decided at its first call), or inside a batch of
         B > 1 requests its proposer's best γ at B, at most the request's (a probe's and a
-        warm-up's γ stay: they measure); ``batch_size()`` says B."""
+        warm-up's γ stay: they measure); ``batch_size()`` says B. Inside a batch where the batch's
+        realized goodput says speculating does not pay at B (``batch_pays``,
+        :class:`decoder.batching.BatchGoodput`: tokens per ms of the whole batch's speculative
+        cycles against its plain ones), 0, warm-ups and probes included: their rows and proposals
+        sit in every batch mate's steps."""
         if self._gamma is None:
             self._gamma, self.decision = self.controller._choose(self.key, self)
             # a warm-up, and a periodic probe of another configuration, measure it for min_steps
@@ -958,6 +965,11 @@ class ControlledGamma:
                 self.decision = {**self.decision, "gamma": g, "speculate": g > 0, "probe": self._warming, "why": why,
                                  "proposer": self._warm_proposer if g else None}
         g = self._gamma
+        if b > 1 and g > 0:
+            pays, why = self.batch_pays(b)
+            if pays is False:  # measured on the whole batch: its speculative steps cost more than they bring
+                self.batch_why = why
+                return 0
         if b > 1 and g > 0 and not self.decision.get("probe"):
             hit = self._by_batch.get(b)
             if hit is None or self._steps - hit[1] >= self.REFRESH_STEPS:

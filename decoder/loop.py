@@ -404,8 +404,9 @@ class ServingLoop:
             n = getattr(eng.capabilities, "max_sequences", 1)
             if n < mb:
                 return None, f"{role} engine holds {n} sequences, fewer than max_batch = {mb}"
-        return (StepScheduler(self.clock, self.config.step_token_budget),
-                f"continuous batching of up to {mb} requests")
+        sched = StepScheduler(self.clock, self.config.step_token_budget)
+        sched.primary = dec.engine  # forwards on another engine (the draft's) make a cycle speculative
+        return sched, f"continuous batching of up to {mb} requests"
 
     # ---- the worker --------------------------------------------------------------------------
     def _run(self) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 import structlog
 import torch
 
-from decoder.engines.base import Engine, last_fused_rows, last_fused_size, sequence_scope, supports
+from decoder.engines.base import Engine, last_fused_rows, last_fused_size, note_emitted, sequence_scope, supports
 from decoder.engines.torch_engine import TorchEngine
 from decoder.fastpath import SMALL_M, calibrate_small_m, padded_row, small_m_linear
 from decoder.draft_weights import DTYPES, PRECISIONS, ServingDraft, calibrate_draft_precision
@@ -821,6 +821,7 @@ class SpeculativeDecoder:
         block = block[:cut]
         self._observe(run, block, logits, hid, served)
         self._accept(run, block)
+        note_emitted(len(block))  # inside a batch: what the batch's goodput is measured by
         # a proposal after the cut was never used: the accepted prefix counts up to the cut only
         st = StepStats(g, min(v.num_accepted, len(block)), len(block), v.rejected_at, a_sum, draft_ms, verify_ms, asked)
         # what a step of g + 1 rows costs with no model in it, alone or in a fused forward of

@@ -132,6 +132,23 @@ def last_fused_rows() -> int | None:
     return int(n) if n else None
 
 
+def note_emitted(n: int) -> None:
+    """Tell the router this thread's forwards go to (the step scheduler) that its request emitted
+    ``n`` tokens in a step (what it measures a batch's goodput by); nothing outside a batch."""
+    router = forward_router()
+    fn = getattr(router, "emitted", None) if router is not None else None
+    if fn is not None:
+        fn(n)
+
+
+def routed_speculation_pays(batch: int) -> tuple[bool | None, str]:
+    """Whether speculating pays in a batch of ``batch`` requests, as the step scheduler this thread's
+    forwards go to has measured it (``StepScheduler.speculation_pays``): (True, "alone") outside one."""
+    router = forward_router()
+    fn = getattr(router, "speculation_pays", None) if router is not None else None
+    return fn(batch) if fn is not None else (True, "alone")
+
+
 def routed_batch_size() -> int:
     """Requests decoding together in the batch this thread's forwards are fused into (the step
     scheduler's members, :mod:`decoder.batching`; the size of the next fused forward, give or

@@ -95,6 +95,73 @@ def test_the_scheduler_fuses_every_waiting_forward_and_hands_each_member_its_row
     assert order == [0, 1, 2, 0, 1, 2, 0, 1]
 
 
+def test_batch_goodput_judges_speculation_on_the_whole_batchs_tokens_per_ms():
+    from decoder.batching import BatchGoodput
+
+    now = [0.0]
+    g = BatchGoodput(window=8, min_cycles=4, max_age_s=60.0, clock=lambda: now[0])
+    assert g.pays(4)[0] is False and "measuring plain" in g.pays(4)[1]  # plain first: the safe side
+    for _ in range(4):
+        g.add(4, "plain", 4, 10.0)  # 0.4 tok/ms
+    assert g.pays(4)[0] is None  # speculative cycles unmeasured: the model decides
+    for _ in range(4):
+        g.add(4, "spec", 6, 20.0)  # 0.3 tok/ms: more tokens a cycle, but slower cycles
+    pays, why = g.pays(4)
+    assert pays is False and why == "off in batches of 4: speculative steps 0.3000 tok/ms vs plain 0.4000"
+    for _ in range(8):
+        g.add(4, "spec", 10, 20.0)  # the window now holds only these: 0.5 tok/ms
+    assert g.pays(4)[0] is True
+    assert g.status()["4"] == {"plain": 0.4, "spec": 0.5, "cycles": {"plain": 4, "spec": 8}, "pays": True}
+    now[0] = 61.0  # both stale: plain is measured again first
+    assert g.pays(4)[0] is False
+    with pytest.raises(ValueError, match="min_cycles=9"):
+        BatchGoodput(window=8, min_cycles=9)
+    with pytest.raises(ValueError, match="max_age_s=0"):
+        BatchGoodput(max_age_s=0)
+
+
+def test_the_scheduler_counts_each_cycles_emitted_tokens_by_kind():
+    # two members: 3 plain steps each (1 row, 1 token), then 3 verifications of 3 rows emitting 2
+    # tokens each; the clock moves 10 ms a fire. A cycle runs from one fire to the next and counts
+    # the tokens emitted from that first fire's results, as the kind of that fire
+    from decoder.engines.base import note_emitted
+
+    eng = _FakeEngine()
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    sched = StepScheduler(clock=clock)
+    sched.primary = eng
+    real_fire = sched.fire
+
+    def fire():
+        now[0] += 0.010
+        return real_fire()
+
+    sched.fire = fire
+
+    def member(sid):
+        s = _Seq(eng, sid)
+        for _ in range(3):
+            s.forward([1], 1)
+            note_emitted(1)
+        for _ in range(3):
+            s.forward([1, 1, 1], 3)
+            note_emitted(2)
+
+    for sid in (0, 1):
+        sched.spawn(lambda sid=sid: member(sid), f"m{sid}")
+    _drive(sched)
+    st = sched.goodput.status()["2"]
+    # fires: p p p s s s (6); cycles between consecutive fires: p->p, p->p, p->s (kind of its start: plain),
+    # s->s, s->s: 3 plain cycles of 2 tokens, 2 spec cycles of 4 tokens, each 10 ms
+    assert st["cycles"] == {"plain": 3, "spec": 2}
+    assert [(t, pytest.approx(ms)) for t, ms in sched.goodput._cycles[(2, "plain")]] == [(2, 10.0)] * 3
+    assert [(t, pytest.approx(ms)) for t, ms in sched.goodput._cycles[(2, "spec")]] == [(4, 10.0)] * 2
+
+
 def test_a_forward_that_fails_in_a_fused_call_fails_only_its_own_member():
     eng = _FakeEngine()
     sched = StepScheduler()

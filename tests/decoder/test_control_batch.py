@@ -139,6 +139,27 @@ def test_each_request_runs_its_proposers_best_gamma_at_the_batch_size_of_each_st
     assert pol.decision["gamma"] == 4 and not pol.decision["probe"]
 
 
+def test_where_the_batch_measured_speculation_not_paying_every_request_decodes_plainly_there():
+    # the model says γ 2 at batch 4; the batch's realized goodput says speculative cycles lose at 4
+    ctl = warmed(cost_of(t_cheap_rows))
+    pol = ctl.policy_for(KEY)
+    size = [4]
+    pol.batch_size = lambda: size[0]
+    verdict = {4: (False, "off in batches of 4: speculative steps 0.3000 tok/ms vs plain 0.4000"), 2: (None, "unmeasured")}
+    pol.batch_pays = lambda b: verdict[b]
+    assert pol.gamma() == 0 and pol.batch_why.startswith("off in batches of 4")
+    size[0] = 2
+    assert pol.gamma() == 3  # not measured at 2: the model decides
+    size[0] = 1
+    assert pol.gamma() == 4  # alone: never asked
+    # a warm-up inside such a batch decodes plainly too (its rows would sit in every mate's step)
+    cold = GoodputController(ControllerConfig(min_steps=50), step_cost=cost_of(t_cheap_rows))
+    w = cold.policy_for(KEY)
+    w.batch_size = lambda: 4
+    w.batch_pays = lambda b: (False, "off")
+    assert w.gamma() == 0 and w.decision["warm_up"]
+
+
 def test_a_probe_keeps_its_gamma_inside_a_batch():
     ctl = warmed(cost_of(t_cheap_rows))
     ctl._keys[KEY].requests = ctl.config.probe_every - 1  # the next request is a probe (plain decoding)
