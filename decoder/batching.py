@@ -143,8 +143,12 @@ class BatchGoodput:
         if kind not in ("plain", "spec") or ms <= 0:
             return
         with self._lock:
-            self._cycles.setdefault((batch, kind), deque(maxlen=self.window)).append((int(tokens), float(ms)))
-            self._last[(batch, kind)] = self.clock()
+            now, key = self.clock(), (batch, kind)
+            d = self._cycles.setdefault(key, deque(maxlen=self.window))
+            if d and now - self._last[key] > self.max_age_s:
+                d.clear()  # stale: judged again on min_cycles new cycles, not on one beside the old ones
+            d.append((int(tokens), float(ms)))
+            self._last[key] = now
 
     def rate(self, batch: int, kind: str) -> tuple[float | None, int]:
         """(tokens per ms over the kept cycles, or None when stale or fewer than ``min_cycles``;

@@ -114,6 +114,8 @@ def test_batch_goodput_judges_speculation_on_the_whole_batchs_tokens_per_ms():
     assert g.status()["4"] == {"plain": 0.4, "spec": 0.5, "cycles": {"plain": 4, "spec": 8}, "pays": True}
     now[0] = 61.0  # both stale: plain is measured again first
     assert g.pays(4)[0] is False
+    g.add(4, "plain", 4, 10.0)  # a stale window starts over: one new cycle is not enough
+    assert g.rate(4, "plain") == (None, 1)
     with pytest.raises(ValueError, match="min_cycles=9"):
         BatchGoodput(window=8, min_cycles=9)
     with pytest.raises(ValueError, match="max_age_s=0"):
