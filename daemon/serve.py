@@ -34,6 +34,7 @@ import sys
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -872,8 +873,6 @@ class InferenceService:
         from concurrent.futures import ThreadPoolExecutor
 
         self.loop, self.tokenizer, self.model = loop, tokenizer, model
-        import weakref
-
         self._feeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its ThreadFeed
         self.served_format = served_format  # decoder.models.formats.FormatChoice.describe(): the target's format and why
         self.max_prompt_tokens, self.request_timeout_s = max_prompt_tokens, request_timeout_s
