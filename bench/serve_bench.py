@@ -542,7 +542,8 @@ def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_
     every server in turn (the order rotating per round), so a host whose speed drifts from minute
     to minute (a shared VM) slows every side alike. Per server: each round's aggregate output
     tokens/s (its tokens over the time from sending its first request to its last text chunk,
-    prefill included), and each request's TTFT and TPOT; per llama-server configuration
+    prefill included: ``tokens_per_s_median`` is the median over rounds), and each request's
+    TTFT and TPOT (``requests``, with its round); per llama-server configuration
     draftd's per-round ratio of tokens/s, its geometric mean and a bootstrap interval of it
     (:func:`paired_ratio`). ``servers``: name -> (``…/v1`` url, whether it is draftd); ``warm``:
     unmeasured prompts streamed to each server first, one at a time; ``gap_s``: seconds of quiet
@@ -579,7 +580,7 @@ def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_
                                   "error": err})
                 for tl, end in zip(tls, ends):
                     reqs[name].append({
-                        "tokens": tl["tokens"], "seconds": end - tl["t0"], "error": tl["error"],
+                        "round": i, "tokens": tl["tokens"], "seconds": end - tl["t0"], "error": tl["error"],
                         "ttft_ms": 1e3 * (tl["chunks"][0] - tl["t0"]) if tl["chunks"] else None,
                         "proposer": tl.get("proposer"), "proposed": tl.get("proposed"), "accepted": tl.get("accepted"),
                         "tpot_ms": (1e3 * (tl["chunks"][-1] - tl["chunks"][0]) / max(1, tl["tokens"] - 1)

@@ -116,10 +116,11 @@ class ThreadFeed:
         """Wake the loop if items wait and no drain is queued yet; a closed loop's items are
         dropped (nobody can read them)."""
         with self._lock:
-            if self._scheduled or not self._items:
-                return
-            if self.aloop.is_closed():
+            if self.aloop.is_closed():  # a drain queued before it closed never ran either
                 self._items.clear()
+                self._scheduled = False
+                return
+            if self._scheduled or not self._items:
                 return
             self._scheduled = True
             self.wakes += 1

@@ -65,7 +65,7 @@ STEP_TOKEN_BUDGET = 64
 
 
 class _Call:
-    __slots__ = ("member", "engine", "seq", "tokens", "keep", "hidden", "result", "error", "parts")
+    __slots__ = ("member", "engine", "seq", "tokens", "keep", "hidden", "result", "error", "parts", "cut")
 
     def __init__(self, member, engine, seq, tokens, keep, hidden):
         self.member, self.engine, self.seq = member, engine, seq
@@ -73,6 +73,7 @@ class _Call:
         self.result: Any = None
         self.error: BaseException | None = None
         self.parts: list = []  # the wanted rows of the pieces already fed (a forward cut by the budget)
+        self.cut = False  # fed in more than one piece (its step spanned several fused forwards)
 
     def piece(self, budget: int | None) -> tuple[list[int], int, bool]:
         """What this call feeds in the coming step: (tokens, keep, wanted), at most ``budget``
@@ -140,7 +141,7 @@ class BatchGoodput:
 
     def add(self, batch: int, kind: str, tokens: int, ms: float) -> None:
         """One cycle of ``batch`` members and ``kind`` emitted ``tokens`` in ``ms``."""
-        if kind not in ("plain", "spec") or ms <= 0:
+        if kind not in ("plain", "spec") or not ms > 0 or ms == float("inf"):
             return
         with self._lock:
             now, key = self.clock(), (batch, kind)
@@ -163,15 +164,19 @@ class BatchGoodput:
             return (sum(t for t, _ in d) / ms if fresh and n >= self.min_cycles and ms > 0 else None), n
 
     def pays(self, batch: int) -> tuple[bool | None, str]:
-        """Whether speculating pays in a batch of ``batch`` (>= 2), and why: False while plain
-        cycles at B are stale or too few (they are measured first: plain decoding is the safe
-        side), None (the goodput controller's model decides) while speculative ones are, else
-        whether their tokens per ms beat plain's."""
+        """Whether speculating pays in a batch of ``batch`` (>= 2), and why: False while neither
+        kind is measured lately (plain cycles first: plain decoding is the safe side), None (the
+        goodput controller's model decides) while only one kind is (speculative cycles going on
+        unmeasured plain ones mean a batch mate keeps its own γ), else whether speculative cycles'
+        tokens per ms beat plain's."""
         plain, n_plain = self.rate(batch, "plain")
-        if plain is None:
+        spec, n_spec = self.rate(batch, "spec")
+        if plain is None and spec is None:
             return False, (f"measuring plain steps in batches of {batch} first ({n_plain} of the last "
                            f"{self.min_cycles} within {self.max_age_s:g} s)")
-        spec, n_spec = self.rate(batch, "spec")
+        if plain is None:  # speculative cycles go on while this controller's requests decode plainly:
+            # a batch mate keeps its own γ (a client's, a seeded request's), so plain ones cannot be measured
+            return None, f"plain steps in batches of {batch} cannot be measured lately (a batch mate keeps its own γ)"
         if spec is None:
             return None, f"speculative steps in batches of {batch} not measured lately ({n_spec} kept)"
         if spec > plain:
@@ -362,7 +367,7 @@ class StepScheduler:
         done: list[_Call] = []
         later: list[_Call] = []
         t0 = self.clock()
-        self._close_cycle(t0, calls, pieces, groups)
+        self._close_cycle(t0, calls, pieces)
         for group in groups.values():
             eng = group[0].engine
             outs: list[Any] = [None] * len(group)
@@ -380,7 +385,9 @@ class StepScheduler:
                             errs[i] = e1
             fed = sum(len(pieces[id(c)][0]) for c in group)
             for c, o, e in zip(group, outs, errs):
-                c.member.batch_size, c.member.fused_rows = len(group), fed
+                c.cut = c.cut or len(pieces[id(c)][0]) < len(c.tokens)
+                # a forward fed in pieces spanned several fused forwards: no one forward's rows to key it by
+                c.member.batch_size, c.member.fused_rows = len(group), None if c.cut else fed
                 if e is not None:
                     c.error = e
                     done.append(c)
@@ -402,14 +409,14 @@ class StepScheduler:
                 self._pass()
         return rows
 
-    def _close_cycle(self, now: float, calls: list[_Call], pieces: dict, groups: dict) -> None:
+    def _close_cycle(self, now: float, calls: list[_Call], pieces: dict) -> None:
         """Count the cycle that ends now (the last fire to this one) into :attr:`goodput`, and
         start the next one with this fire's kind: plain (every call one row), spec (a call keeping
         more than one row, or a second engine's forward: a draft model's), or None (a prefill, a
         draft's catch-up or a piece cut by the budget: neither)."""
         with self._mu:
             emitted, self._emitted = self._emitted, 0
-        who = frozenset(id(c.member) for c in calls)
+        who = frozenset(c.member for c in calls)  # the objects (hashed by identity): an id is reused once freed
         if self._cycle is not None:
             t, members, kind = self._cycle
             # the same members on both ends (none joined or left, no idle gap between): a clean reading
@@ -423,8 +430,11 @@ class StepScheduler:
                 break
             if keep > 1:
                 kind = "spec"
-        if kind == "plain" and (len(groups) > 1 or (self.primary is not None and calls[0].engine is not self.primary)):
-            kind = "spec"  # a draft model's forward in it
+        # a draft model's forward in it (a forward on another engine than the target's; the target's
+        # forwards with hidden states, a feature-level proposer's, are the target's all the same)
+        if kind == "plain" and (any(c.engine is not self.primary for c in calls) if self.primary is not None
+                                else len({id(c.engine) for c in calls}) > 1):
+            kind = "spec"
         self._cycle = (now, who, kind)
 
     def status(self) -> dict[str, Any]:

@@ -965,6 +965,7 @@ class ControlledGamma:
                 self.decision = {**self.decision, "gamma": g, "speculate": g > 0, "probe": self._warming, "why": why,
                                  "proposer": self._warm_proposer if g else None}
         g = self._gamma
+        self.batch_why = None
         if b > 1 and g > 0:
             pays, why = self.batch_pays(b)
             if pays is False:  # measured on the whole batch: its speculative steps cost more than they bring

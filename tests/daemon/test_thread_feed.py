@@ -81,3 +81,14 @@ def test_items_put_without_a_wake_wait_for_the_next_flush_in_order():
     feed.put(q, "late", wake=False)
     feed.flush()  # a closed loop: its items are dropped, not raised at every step boundary
     assert feed.wakes == 2 and not feed._items
+
+
+def test_a_drain_queued_on_a_loop_that_closed_before_running_it_does_not_strand_the_feed():
+    aloop = asyncio.new_event_loop()
+    feed = ThreadFeed(aloop)
+    q = asyncio.Queue()
+    feed.put(q, 1)  # a drain is queued, never run
+    aloop.close()
+    feed.put(q, 2, wake=False)
+    feed.flush()  # the loop is closed: its items go, and the feed is not left "scheduled"
+    assert not feed._items and not feed._scheduled

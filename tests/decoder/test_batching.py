@@ -112,6 +112,12 @@ def test_batch_goodput_judges_speculation_on_the_whole_batchs_tokens_per_ms():
         g.add(4, "spec", 10, 20.0)  # the window now holds only these: 0.5 tok/ms
     assert g.pays(4)[0] is True
     assert g.status()["4"] == {"plain": 0.4, "spec": 0.5, "cycles": {"plain": 4, "spec": 8}, "pays": True}
+    fixed = BatchGoodput(window=8, min_cycles=4, clock=lambda: now[0])
+    for _ in range(4):  # only speculative cycles: a batch mate keeps its own γ, plain cannot be measured
+        fixed.add(2, "spec", 3, 10.0)
+    assert fixed.pays(2) == (None, "plain steps in batches of 2 cannot be measured lately (a batch mate keeps its own γ)")
+    fixed.add(2, "spec", 3, float("nan"))  # an unusable reading is dropped
+    assert fixed.rate(2, "spec")[1] == 4
     now[0] = 61.0  # both stale: plain is measured again first
     assert g.pays(4)[0] is False
     g.add(4, "plain", 4, 10.0)  # a stale window starts over: one new cycle is not enough
@@ -162,6 +168,55 @@ def test_the_scheduler_counts_each_cycles_emitted_tokens_by_kind():
     assert st["cycles"] == {"plain": 3, "spec": 2}
     assert [(t, pytest.approx(ms)) for t, ms in sched.goodput._cycles[(2, "plain")]] == [(2, 10.0)] * 3
     assert [(t, pytest.approx(ms)) for t, ms in sched.goodput._cycles[(2, "spec")]] == [(4, 10.0)] * 2
+
+
+def test_a_cycle_is_classified_by_its_rows_and_engines_not_by_its_groups():
+    # a feature-level proposer's target forwards ask for hidden states (their own group): one row
+    # each beside a plain member is still a plain cycle; a forward on the draft's engine is not
+    eng, draft = _FakeEngine(), _FakeEngine()
+    sched = StepScheduler()
+    sched.primary = eng
+
+    def member(sid, hidden, engine, steps=20):
+        s = _Seq(engine, sid)
+        for _ in range(steps):
+            s.forward([1], 1, hidden) if hidden else s.forward([1], 1)
+
+    sched.spawn(lambda: member(0, True, eng), "eagle")
+    sched.spawn(lambda: member(1, False, eng), "plain")
+    _drive(sched)
+    assert sched.goodput.status()["2"]["cycles"] == {"plain": 19, "spec": 0}
+    sched2 = StepScheduler()
+    sched2.primary = eng
+    sched2.spawn(lambda: member(0, False, draft), "draft")
+    sched2.spawn(lambda: member(1, False, eng), "plain")
+    _drive(sched2)
+    assert sched2.goodput.status()["2"]["cycles"] == {"plain": 0, "spec": 19}
+
+
+def test_a_forward_cut_by_the_budget_reports_no_fused_rows():
+    # its step spanned several fused forwards: no one forward's rows to key its cost by
+    from decoder.engines.base import last_fused_rows
+
+    eng = _FakeEngine()
+    sched = StepScheduler(step_token_budget=2)
+    got = {}
+
+    def long(sid):
+        s = _Seq(eng, sid)
+        s.forward([1] * 5, 5)
+        got[sid] = last_fused_rows()
+
+    def short(sid):
+        s = _Seq(eng, sid)
+        for _ in range(4):
+            s.forward([1], 1)
+        got[sid] = last_fused_rows()
+
+    sched.spawn(lambda: long(0), "long")
+    sched.spawn(lambda: short(1), "short")
+    _drive(sched)
+    assert got[0] is None and got[1] is not None
 
 
 def test_a_forward_that_fails_in_a_fused_call_fails_only_its_own_member():
