@@ -509,11 +509,11 @@ class ServingLoop:
                 log.exception("boundary_hook_failed")
 
     def member_thread(self) -> bool:
-        """True on the thread of a batch member with batch mates (continuous batching): the driver
-        calls :attr:`boundary_hooks` before this member's next step is decoded. Alone it is False:
-        the consumer is woken from its thread at once, while the engine idles (woken at the
-        boundary, its event loop ran beside the forward on a 2-core host and slowed it)."""
-        return self.batching is not None and forward_router() is self.batching and len(self.batching.members) > 1
+        """True on a batch member's thread (continuous batching), alone in the batch or not: the
+        driver calls :attr:`boundary_hooks` before this member's next step is decoded (a lone
+        member waking its stream's loop itself ran 0.89x [0.78, 0.99] of one woken at the
+        boundary at 1 client: bench/RESULTS.md, "Ninth session")."""
+        return self.batching is not None and forward_router() is self.batching
 
     def _policy(self, t: Ticket) -> GammaPolicy:
         if t.policy is not None:
