@@ -511,8 +511,8 @@ class ServingLoop:
     def member_thread(self) -> bool:
         """True on a batch member's thread (continuous batching), alone in the batch or not: the
         driver calls :attr:`boundary_hooks` before this member's next step is decoded (a lone
-        member waking its stream's loop itself ran 0.89x [0.78, 0.99] of one woken at the
-        boundary at 1 client: bench/RESULTS.md, "Ninth session")."""
+        member waking its stream's loop itself ran slower at 1 client: bench/RESULTS.md, "Ninth
+        session")."""
         return self.batching is not None and forward_router() is self.batching
 
     def _policy(self, t: Ticket) -> GammaPolicy:
