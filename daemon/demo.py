@@ -699,6 +699,7 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
                                    cfg.max_new_tokens, t0))
     out = {"requests": len(rows), "keys": keys, "seconds": round(time.time() - t0, 1),
            "beside_trainer": before, "step_cost_ms": cost.status(),
+           "engine_ceiling": cost.ceiling(loop.controller.config.gamma_max),
            "decisions": [{"workload": r["workload"], "proposer": r["proposer"], "gamma": r["gamma"],
                           "decision": r["decision"]} for r in rows]}
     console.log(f"the trainer stopped: step costs measured again on {len(rows)} requests ({out['seconds']:.0f} s) "
@@ -1667,11 +1668,16 @@ def _recovery_and_footer(report: dict, console) -> None:
         rc.add_row(f"{r['from']} → {r['workload']}", _cell(r["pre_shift_alpha"]), _cell(r["requests"]), _cell(r["seconds"]),
                    _cell(r["recovered_alpha"]))
     console.print(rc)
-    beside = (report.get("remeasured") or {}).get("beside_trainer")
-    for ceil, cost, when in ((report.get("engine_ceiling"), report.get("step_cost_ms") or {},
-                              "at the evaluation, the trainer stopped" if beside else "beside the trainer"),
-                             *(((beside.get("engine_ceiling"), beside.get("step_cost_ms") or {}, "while serving, beside the trainer"),)
-                               if beside else ())):
+    rem = report.get("remeasured") or {}
+    beside = rem.get("beside_trainer")
+    # with the trainer stopped: the costs re-measured before the evaluation (what its picks were priced
+    # on); the run's last costs, after the evaluation's own steps, stay in report.json ("step_cost_ms")
+    stopped = ((rem["engine_ceiling"], rem.get("step_cost_ms") or {}, "with the trainer stopped (re-measured before the evaluation)")
+               if rem.get("engine_ceiling") else
+               (report.get("engine_ceiling"), report.get("step_cost_ms") or {},
+                "at the evaluation, the trainer stopped" if beside else "beside the trainer"))
+    for ceil, cost, when in (stopped, *(((beside.get("engine_ceiling"), beside.get("step_cost_ms") or {},
+                                         "while serving, beside the trainer"),) if beside else ())):
         if not ceil:
             continue
         two = cost.get(2, cost.get("2"))

@@ -263,6 +263,7 @@ def test_step_costs_are_measured_again_once_the_trainer_stopped_on_prompts_never
     assert out["requests"] == 4 and out["keys"] == 1
     assert out["beside_trainer"]["step_cost_ms"] == {1: 10.0, 3: 30.0}
     assert out["step_cost_ms"] == {1: 10.0, 3: 14.0}  # only what was measured after the trainer stopped
+    assert out["engine_ceiling"]["gamma"] == 2 and out["engine_ceiling"]["speedup"] == pytest.approx(3 / 1.4, abs=1e-3)
     d = ctl.decision(("code", "greedy"))
     assert d["t_plain_ms"] is None and d["alpha"] == alpha  # costs forgotten, α kept
     assert "step costs measured again on 4 requests" in screen.getvalue()

@@ -330,3 +330,24 @@ def test_each_engine_ceiling_names_the_gammas_it_was_measured_at():
     text = out.getvalue()
     assert "at most 0.97x plain (γ=1, the only γ measured then); a verification of 2 rows cost 2.06 plain steps" in text
     assert "at most 1.14x plain (γ=4, of γ=1-4 measured); a verification of 2 rows cost 1.80 plain steps" in text
+
+
+def test_the_stopped_trainers_engine_ceiling_is_the_one_the_picks_were_priced_on():
+    """Two walkthroughs read the ceiling "with the trainer stopped" below the one beside the trainer:
+    it was priced from the run's last step costs, after the evaluation's own steps, not from the costs
+    re-measured before the evaluation that its picks were priced on. The re-measured one is printed."""
+    out = io.StringIO()
+    beside = {"engine_ceiling": {"by_gamma": {1: 1.1, 2: 1.3}, "gamma": 2, "speedup": 1.3},
+              "step_cost_ms": {1: 8.0, 2: 13.4}}
+    rem = {"beside_trainer": beside, "engine_ceiling": {"by_gamma": {1: 1.05, 2: 1.25}, "gamma": 2, "speedup": 1.25},
+           "step_cost_ms": {1: 6.8, 2: 12.3}}
+    print_report({"phases": [_phase("prose", 10, 0)], "adapters": [], "recovery": [], "requests": 10, "active_adapter": 5,
+                  "seconds": 1.0, "key_prefix": "draftd:demo:",
+                  "engine_ceiling": {"by_gamma": {1: 0.9}, "gamma": 1, "speedup": 0.9}, "step_cost_ms": {1: 8.4, 2: 15.6},
+                  "remeasured": rem}, Console(file=out, width=300))
+    text = out.getvalue()
+    assert ("engine ceiling with the trainer stopped (re-measured before the evaluation): even if every proposal were "
+            "accepted at no cost, speculation could run at most 1.25x plain (γ=2, of γ=1-2 measured); "
+            "a verification of 2 rows cost 1.81 plain steps") in text
+    assert "at most 1.30x plain (γ=2, of γ=1-2 measured); a verification of 2 rows cost 1.68 plain steps" in text
+    assert "0.90x" not in text  # the run's last costs stay in report.json only
