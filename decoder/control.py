@@ -124,6 +124,16 @@ class ControllerConfig:
                              f"probe_every={self.probe_every}")
 
 
+def _two(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` (tokens per ms) to 3 decimals, or to as many more (up to 6) as it takes to
+    tell them apart: "plain 0.136 beats ... 0.136" read as a tie called a win."""
+    for d in range(3, 7):
+        sa, sb = f"{a:.{d}f}", f"{b:.{d}f}"
+        if sa != sb:
+            break
+    return sa, sb
+
+
 def batch_sizes_up_to(max_batch: int) -> tuple[int, ...]:
     """1, 2, 4, ... up to ``max_batch`` and ``max_batch`` itself: the sizes status reports."""
     out, b = {max(1, int(max_batch))}, 1
@@ -701,10 +711,10 @@ class GoodputController:
         if not spec:
             return f"off: plain {plain:.3f} tok/ms (no speculative estimate)"
         top = max(spec, key=cands.get)
-        why = (f"off: plain {plain:.3f} tok/ms beats every proposer (best {top[0]} γ={top[1]} {cands[top]:.3f})"
+        p_s, t_s = _two(plain, cands[top])
+        why = (f"off: plain {p_s} tok/ms beats every proposer (best {top[0]} γ={top[1]} {t_s})"
                if cands[top] <= plain else
-               f"off: the best, {top[0]} γ={top[1]} {cands[top]:.3f} tok/ms, is within {self._margin()} of plain "
-               f"{plain:.3f}")
+               f"off: the best, {top[0]} γ={top[1]} {t_s} tok/ms, is within {self._margin()} of plain {p_s}")
         g, free = ev.get("engine_ceiling", (None, math.nan))
         if free == free and plain == plain and free < plain:
             why += (f"; no proposer can pay on this engine now: even accepted in full and free, its best, γ={g}, "

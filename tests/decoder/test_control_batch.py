@@ -258,3 +258,13 @@ def test_with_several_proposers_a_request_keeps_its_proposer_and_takes_its_gamma
     g = pol.gamma()
     assert pol.proposer_name() == "ngram" and not pol.decision["probe"]
     assert g == by[4]["gamma"] < by[1]["gamma"]
+
+
+def test_an_off_decision_tells_plain_and_the_best_proposer_apart():
+    """A walkthrough read "plain 0.136 tok/ms beats every proposer (best draft γ=1 0.136)" as a tie
+    called a win: the rates get the decimals it takes to tell them apart."""
+    from decoder.control import _two
+
+    assert _two(0.13612, 0.13604) == ("0.1361", "0.1360")
+    assert _two(0.1, 0.05) == ("0.100", "0.050")
+    assert _two(0.5, 0.5) == ("0.500000", "0.500000")  # equal: as far as it goes
