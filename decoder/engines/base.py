@@ -123,30 +123,31 @@ def last_fused_size() -> int:
     return max(1, int(router.last_batch_size())) if router is not None else 1
 
 
+def _ask_router(method: str, default, *args):
+    """``method(*args)`` of the router this thread's forwards go to, or ``default`` outside one (or
+    on a router without it)."""
+    router = forward_router()
+    fn = getattr(router, method, None) if router is not None else None
+    return fn(*args) if fn is not None else default
+
+
 def last_fused_rows() -> int | None:
     """Rows (tokens fed, all its sequences') of the fused forward that served this thread's last
     forward (continuous batching); None alone or unknown."""
-    router = forward_router()
-    fn = getattr(router, "last_fused_rows", None) if router is not None else None
-    n = fn() if fn is not None else None
+    n = _ask_router("last_fused_rows", None)
     return int(n) if n else None
 
 
 def note_emitted(n: int) -> None:
     """Tell the router this thread's forwards go to (the step scheduler) that its request emitted
     ``n`` tokens in a step (what it measures a batch's goodput by); nothing outside a batch."""
-    router = forward_router()
-    fn = getattr(router, "emitted", None) if router is not None else None
-    if fn is not None:
-        fn(n)
+    _ask_router("emitted", None, n)
 
 
 def routed_speculation_pays(batch: int) -> tuple[bool | None, str]:
     """Whether speculating pays in a batch of ``batch`` requests, as the step scheduler this thread's
     forwards go to has measured it (``StepScheduler.speculation_pays``): (True, "alone") outside one."""
-    router = forward_router()
-    fn = getattr(router, "speculation_pays", None) if router is not None else None
-    return fn(batch) if fn is not None else (True, "alone")
+    return _ask_router("speculation_pays", (True, "alone"), batch)
 
 
 def routed_batch_size() -> int:
