@@ -47,6 +47,9 @@ class StepStats:
     draft_ms / verify_ms: wall time of the draft's proposal and of the target's forward (ms).
     asked: γ the step asked the proposer for (capped by the tokens left); ``proposed`` may be
         fewer (the n-gram proposer proposes nothing without a match). None: equal to proposed.
+    prefill: the request's first token, taken from the prefill's last row
+        (``DecoderConfig.first_token_from_prefill``): no forward of its own, so not a
+        verification step (:class:`AcceptanceCounts` counts its token apart).
     """
 
     proposed: int
@@ -57,6 +60,7 @@ class StepStats:
     draft_ms: float
     verify_ms: float
     asked: int | None = None
+    prefill: bool = False
 
 
 @dataclass
@@ -73,6 +77,7 @@ class AcceptanceCounts:
     num_draft_tokens: int = 0  # Σ γ over drafting steps
     num_accepted_tokens: int = 0  # Σ accepted-prefix lengths
     num_emitted_tokens: int = 0  # tokens added to outputs, bonus/corrections included, after truncation
+    num_prefill_tokens: int = 0  # of those, first tokens taken from a prefill's last row (no step of their own)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: steps accepting position i+1
     num_proposed_per_pos: list[int] = field(default_factory=list)  # [i]: steps proposing position i+1
     alpha_sum: float = 0.0  # Σ over proposed positions of Σ_x min(p, q); its count is num_draft_tokens
@@ -82,8 +87,11 @@ class AcceptanceCounts:
     prefill_ms: float = 0.0
 
     def add_step(self, s: StepStats) -> None:
-        self.num_steps += 1
         self.num_emitted_tokens += s.emitted
+        if s.prefill:  # the prefill's token: in the output, not a verification step
+            self.num_prefill_tokens += s.emitted
+            return
+        self.num_steps += 1
         self.draft_ms += s.draft_ms
         self.verify_ms += s.verify_ms
         if s.proposed:
@@ -100,7 +108,7 @@ class AcceptanceCounts:
 
     def merge(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
         for name in ("num_requests", "num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "num_emitted_tokens", "alpha_sum", "draft_ms", "verify_ms", "decode_ms",
+                     "num_emitted_tokens", "num_prefill_tokens", "alpha_sum", "draft_ms", "verify_ms", "decode_ms",
                      "prefill_ms"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
@@ -118,9 +126,10 @@ class AcceptanceCounts:
 
     @property
     def mean_accepted_length(self) -> float:
-        """τ = emitted tokens / verification steps (bonus and corrections included, after stop
-        truncation), pooled over steps, not a mean of per-request means."""
-        return _ratio(self.num_emitted_tokens, self.num_steps)
+        """τ = tokens the verification steps emitted / verification steps (bonus and corrections
+        included, after stop truncation; a first token taken from the prefill is not counted),
+        pooled over steps, not a mean of per-request means."""
+        return _ratio(self.num_emitted_tokens - self.num_prefill_tokens, self.num_steps)
 
     @property
     def alpha(self) -> float:
@@ -135,8 +144,8 @@ class AcceptanceCounts:
     @property
     def goodput(self) -> float:
         """Emitted (target-verified) tokens per ms of decoding; prefill excluded, since plain and
-        speculative decoding pay it alike."""
-        return _ratio(self.num_emitted_tokens, self.decode_ms)
+        speculative decoding pay it alike (and with it a first token taken from its last row)."""
+        return _ratio(self.num_emitted_tokens - self.num_prefill_tokens, self.decode_ms)
 
     @property
     def draft_ms_per_draft_token(self) -> float:

@@ -293,6 +293,16 @@ class DecoderConfig:
         by 10 %; "auto" stays fp32 off the CPU, for a draft that is the target itself (which
         then proposes as it is, every proposal accepted; "bf16" proposes with a bf16 copy of
         it), and for an int8-quantised draft ("bf16" is refused there).
+    first_token_from_prefill: take a request's first token from the prefill's last row, as
+        llama-server, llama-cpp-python and transformers' ``generate`` do: the prefill feeds the
+        whole prompt and samples from its last row's logits (1, V), so a request runs one target
+        forward fewer, and the first verification (with proposals) comes at the second token
+        (default). False: the prefill stops before the prompt's last token, which the first
+        step feeds with its proposals (one more forward a request; the tests of the acceptance
+        rule use it to speculate at a position whose p they compute from the prompt alone).
+        Where the prompt's rows are recorded with hidden states, or fed to a feature-level
+        proposer, the prefill always stops before the last token (that row's hidden state is
+        the first step's).
     target_format: the weight format the target engine serves (``"packaged"``, ``"F16"``, ...:
         ``decoder.engines.registry.EngineChoice.served_format``), put in every record
         (``VerifiedSample.target_format``); None = not stated.
@@ -310,6 +320,7 @@ class DecoderConfig:
     ngram_min_n: int | None = None
     ngram_history_tokens: int = 65536
     ngram_gate: bool = True
+    first_token_from_prefill: bool = True
 
     def __post_init__(self):
         dv = self.draft_vocab
@@ -334,6 +345,9 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig.draft_precision={self.draft_precision!r}: use one of {PRECISIONS}")
         if not isinstance(self.ngram_gate, bool):
             raise ValueError(f"DecoderConfig.ngram_gate={self.ngram_gate!r}: use True (default) or False")
+        if not isinstance(self.first_token_from_prefill, bool):
+            raise ValueError(f"DecoderConfig.first_token_from_prefill={self.first_token_from_prefill!r}: "
+                             f"use True (default) or False")
         if not isinstance(self.record_hidden, bool):
             raise ValueError(f"DecoderConfig.record_hidden={self.record_hidden!r}: use True or False (default)")
         if self.record_hidden and self.topk_record <= 0:
@@ -767,28 +781,34 @@ class SpeculativeDecoder:
         top-k rows to record (or None) and whether the request was cancelled."""
         ids, tcache, k_rec, req = run.ids, run.tcache, run.k_rec, run.req
         prompt_rows, cancelled = None, False
-        if len(ids) > 1:
-            if run.features or (run.rec_hidden and self.config.record_prompt):
+        if run.features or (run.rec_hidden and self.config.record_prompt):
+            if len(ids) > 1:
                 try:  # in chunks of _PROMPT_CHUNK, polled as below
                     prompt_rows = self._prompt_features(ids, tcache, k_rec if self.config.record_prompt else 0,
                                                         run.proposer if run.features else None, run.rec_hidden,
                                                         poll=on_step)
                 except _PrefillCancelled:
                     cancelled = True
-            else:  # in chunks: a cancelled request (on_step([]) is False) stops at the next one
-                rows = []
-                run.cached = first = int(getattr(tcache, "length", 0))  # kept by the prompt cache (_begin)
-                for i in range(first, len(ids) - 1, PREFILL_CHUNK):
-                    if i > first and on_step is not None and on_step([]) is False:
-                        cancelled = True
-                        break
-                    seg = ids[i: min(i + PREFILL_CHUNK, len(ids) - 1)]
-                    if k_rec and self.config.record_prompt:
-                        rows.append(self._prompt_topk(seg, tcache, k_rec))
-                    else:
-                        self._target_logits(seg, tcache, 1)
-                if rows and not cancelled:
-                    prompt_rows = rows[0] if len(rows) == 1 else tuple(torch.cat([r[j] for r in rows]) for j in range(3))
+        else:  # in chunks: a cancelled request (on_step([]) is False) stops at the next one
+            rows, record = [], bool(k_rec and self.config.record_prompt)
+            # the first token from the prefill's last row, as llama-server and transformers take it
+            # (one target forward fewer a request), where that row needs no hidden state or prompt record
+            fold = self.config.first_token_from_prefill and not (record or run.rec_hidden)
+            end = len(ids) if fold else len(ids) - 1
+            run.cached = first = int(getattr(tcache, "length", 0))  # kept by the prompt cache (_begin)
+            for i in range(first, end, PREFILL_CHUNK):
+                if i > first and on_step is not None and on_step([]) is False:
+                    cancelled = True
+                    break
+                seg = ids[i: min(i + PREFILL_CHUNK, end)]
+                if record:
+                    rows.append(self._prompt_topk(seg, tcache, k_rec))
+                else:
+                    last = self._target_logits(seg, tcache, 1)  # (1, V)
+            if fold and not cancelled:
+                run.first_logits = last
+            if rows and not cancelled:
+                prompt_rows = rows[0] if len(rows) == 1 else tuple(torch.cat([r[j] for r in rows]) for j in range(3))
         if not cancelled:
             run.proposer.start(ids, run.speculate)
             run.shadow = self._shadow(req)
@@ -800,7 +820,13 @@ class SpeculativeDecoder:
     def _step(self, run: _Running) -> tuple[list[int], str | None]:
         """One speculative step: propose, verify, accept (cut at the stop conditions), then the
         observers (records, logprobs, features) and the accounting. Returns the emitted block and
-        the finish reason if the request ends with it."""
+        the finish reason if the request ends with it. The request's first step takes the
+        prefill's last row (``run.first_logits``, :meth:`_prefill`) where there is one: no
+        proposals, no forward, nothing for the controller's step costs."""
+        first = run.first_logits
+        if first is not None:
+            run.first_logits = None
+            return self._first_step(run, first)
         remaining = run.req.max_new_tokens - len(run.out)
         asked = max(0, min(run.policy.gamma(), remaining - 1))  # γ, capped so max_new_tokens is never exceeded
         td = self.clock()
@@ -833,12 +859,31 @@ class SpeculativeDecoder:
         run.counts.add_step(st)
         return block, reason
 
+    def _first_step(self, run: _Running, logits: torch.Tensor) -> tuple[list[int], str | None]:
+        """The first token from the prefill's last row ``logits`` (1, V): sampled and observed
+        as a plain step's (records, logprobs, the n-gram shadow), in the request's accounting
+        with no draft or verify ms (the prefill's ms hold its forward); the policy and the step
+        costs do not see it (it cost no step of its own)."""
+        if run.shadow is not None:
+            run.shadow.idle_step(run.ids)
+        _, _, served, a_sum, v = self._verify(run, [], None, logits)
+        block = [v.next_token]
+        cut, reason = self._truncate(run.out, block, run.req)
+        block = block[:cut]
+        self._observe(run, block, logits, None, served)
+        self._accept(run, block)
+        note_emitted(len(block))
+        st = StepStats(0, 0, len(block), v.rejected_at, a_sum, 0.0, 0.0, 0, prefill=True)
+        run.steps.append(st)
+        run.counts.add_step(st)
+        return block, reason
+
     def _propose(self, run: _Running, g: int):
         """1. proposal: up to ``g`` tokens from the request's proposer, as a
         :class:`~decoder.proposers.base.Proposal` (None for g = 0)."""
         return run.proposer.propose(run.ids, g, run.req.params, run.gen) if g else None
 
-    def _verify(self, run: _Running, proposals: list[int], prop):
+    def _verify(self, run: _Running, proposals: list[int], prop, logits: torch.Tensor | None = None):
         """2. verification: the pending token + the proposals in one target forward (g + 1 rows),
         p under the request's constraint and sampling, and the accept test against q. Returns
         the raw logits (g+1, V), the hidden states (g+1, H) or None, the served logits, Σ α over
@@ -846,7 +891,9 @@ class SpeculativeDecoder:
         result. Greedy, p is the one-hot of each row's argmax, so the test needs only the argmax
         ids and α_i = q_i(argmax p_i): p is never built."""
         req, params, g, hid = run.req, run.req.params, len(proposals), None
-        if run.features or run.rec_hidden:
+        if logits is not None:  # the prefill's last row (_first_step)
+            pass
+        elif run.features or run.rec_hidden:
             logits, hid = run.tcache.forward([run.ids[-1]] + proposals, g + 1, hidden=True)  # (g+1, V), (g+1, H)
         else:
             logits = self._target_logits([run.ids[-1]] + proposals, run.tcache, g + 1)  # (g+1, V)
@@ -1066,6 +1113,7 @@ class _Running:
     rec_topk: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     hid_rows: list[torch.Tensor] = field(default_factory=list)
     cached: int = 0  # prompt tokens the prompt cache kept in the target's cells
+    first_logits: torch.Tensor | None = None  # (1, V): the prefill's last row, the first token's (_prefill)
 
 
 class _PrefillCancelled(Exception):

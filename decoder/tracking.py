@@ -76,7 +76,9 @@ class Window:
             "num_drafts": c.num_drafts,
             "num_draft_tokens": c.num_draft_tokens,
             "num_accepted_tokens": c.num_accepted_tokens,
-            "num_emitted_tokens": c.num_emitted_tokens,
+            # the verification steps' tokens, as num_steps and wall_ms count them (a first token
+            # taken from the prefill is neither a step nor in the decode wall time)
+            "num_emitted_tokens": c.num_emitted_tokens - c.num_prefill_tokens,
             "num_steps": c.num_steps,
             "requests": c.num_requests,
             "alpha_sum": self.request_alpha_sum,

@@ -329,7 +329,7 @@ def test_streaming_sends_each_verification_step_and_a_disconnect_cancels(srv, mo
                                         extra_body={"gamma": 1, "ignore_eos": True}))
     texts = [c.choices[0].text for c in chunks if c.choices[0].text]
     steps = chunks[-1].model_extra["draftd"]["steps"]
-    assert len(texts) == steps > 1
+    assert len(texts) == steps + 1 and steps > 1  # the prefill's first token, then each verification step's
     whole = oc.completions.create(model=MODEL, prompt="abc", max_tokens=24, temperature=0,
                                   extra_body={"gamma": 1, "ignore_eos": True})
     assert "".join(texts) == whole.choices[0].text

@@ -20,7 +20,8 @@ def test_bench_rows_and_summary(target, tok):
     spec = rows[2]
     assert spec["tokens"] == 6 and spec["matches_plain"] is True
     assert spec["acceptance_rate"] == 1.0 and spec["alpha"] == 1.0
-    assert spec["tau"] == pytest.approx(3.0)  # 6 tokens in 2 steps of γ + 1
+    # token 0 from the prefill; then 5 tokens in 2 verification steps (γ = 2, then γ = 1 for the 2 left)
+    assert spec["tau"] == pytest.approx(2.5)
     assert all(r["tokens"] == 6 for r in rows)  # every method decodes exactly max_new_tokens
     assert spec["speedup_vs_plain"] == pytest.approx(spec["tokens_per_s"] / rows[0]["tokens_per_s"], rel=1e-2)
     s = {x["workload"]: x for x in res["summary"]}

@@ -15,7 +15,7 @@ from decoder.metrics import StepStats
 from decoder.proposers.ngram import NgramHistory, NgramProposer
 from decoder.sampling import SamplingParams, process_logits
 from decoder.speculative import DecodeRequest, DecoderConfig, FixedGamma, SpeculativeDecoder
-from test_speculative import _chi2_crit_001, _chi_square
+from test_speculative import _chi2_crit_001, _chi_square, speculating_from_the_first_token
 from tiny import reference_greedy
 
 GREEDY = SamplingParams()
@@ -102,14 +102,15 @@ def assert_planted_first_token_is_lossless(dec, ids, p, params, n: int = 600):
     top = int(p.argmax())
     accepted = 0
     counts = torch.zeros_like(p)
-    for s in range(n):
-        dec.ngram_history.clear()
-        dec.ngram_history.add("w", ids[-4:] + [top, top])
-        r = dec.generate(DecodeRequest(ids, SamplingParams(params.temperature, params.top_p, params.top_k, seed=s),
-                                       max_new_tokens=2, gamma=1, ignore_eos=True, workload="w", proposer="ngram"))
-        assert r.steps[0].proposed == 1
-        accepted += r.steps[0].accepted
-        counts[r.output_ids[0]] += 1
+    with speculating_from_the_first_token(dec):  # the first token from a verification of ids[-1] + [x]
+        for s in range(n):
+            dec.ngram_history.clear()
+            dec.ngram_history.add("w", ids[-4:] + [top, top])
+            r = dec.generate(DecodeRequest(ids, SamplingParams(params.temperature, params.top_p, params.top_k, seed=s),
+                                           max_new_tokens=2, gamma=1, ignore_eos=True, workload="w", proposer="ngram"))
+            assert r.steps[0].proposed == 1
+            accepted += r.steps[0].accepted
+            counts[r.output_ids[0]] += 1
     chi2, df = _chi_square(counts, p, n)
     assert chi2 < _chi2_crit_001(max(df, 1)), (chi2, df)
     pt = float(p[top])  # acceptance of a one-hot proposal x has probability p(x)
@@ -123,7 +124,7 @@ def test_on_step_streams_every_token_and_cancels(target, tok):
     chunks: list[list[int]] = []
     r = dec.generate(DecodeRequest(ids, GREEDY, 12, gamma=3, ignore_eos=True), on_step=lambda t: chunks.append(t))
     assert sum(chunks, []) == r.output_ids == reference_greedy(target, ids, 12)
-    assert len(chunks) == r.counts.num_steps
+    assert len(chunks) == len(r.steps) == r.counts.num_steps + 1  # the prefill's token, then each step's
     seen: list[list[int]] = []
     r2 = dec.generate(DecodeRequest(ids, GREEDY, 12, gamma=0, ignore_eos=True),
                       on_step=lambda t: seen.append(t) or len(seen) < 3)
@@ -144,10 +145,11 @@ def test_accepted_tokens_stop_at_an_eos_cut(target, tok):
     dec.eos_ids = frozenset({plain[k]})
     r = dec.generate(DecodeRequest(ids, GREEDY, 30, gamma=8))
     assert r.output_ids == plain[: k + 1] and r.finish_reason == "eos"
-    assert r.steps[0].proposed == 8
-    assert r.counts.num_accepted_tokens == k + 1
-    assert r.record()["accepted_tokens"] == k + 1
-    assert r.counts.acceptance_rate == pytest.approx((k + 1) / 8)
+    # token 0 from the prefill's last row; the first verification proposes plain[1:9], cut after plain[k]
+    assert [s.proposed for s in r.steps] == [0, 8]
+    assert r.counts.num_accepted_tokens == k
+    assert r.record()["accepted_tokens"] == k
+    assert r.counts.acceptance_rate == pytest.approx(k / 8)
 
 
 def test_controller_picks_the_proposer_and_gamma_with_the_best_hand_computed_rate():
@@ -199,7 +201,7 @@ def test_decoder_follows_the_controllers_proposer(target, other_draft, tok):
     req = DecodeRequest(ids, GREEDY, 8, ignore_eos=True, workload="w")
     r = dec.generate(req, ctl.policy_for(key_of(req)))
     assert r.proposer == "ngram" and r.output_ids == reference_greedy(target, ids, 8)
-    assert r.steps[0].asked == 3
+    assert r.steps[0].asked == 0 and r.steps[1].asked == 3  # the prefill's token, then γ = 3
     r = dec.generate(req, ctl.policy_for(key_of(req)))
     assert r.proposer == "draft" and r.output_ids == reference_greedy(target, ids, 8)
     for _ in range(3):  # warmed up: the best candidate serves; the record names it

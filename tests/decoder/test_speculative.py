@@ -1,5 +1,6 @@
 """The speculative loop on tiny real models: losslessness, edge cases, records."""
 
+import contextlib
 import math
 
 import numpy as np
@@ -42,7 +43,19 @@ def test_greedy_matches_reference(target, derived, other_draft, tok, gamma, whic
 def test_self_draft_tau_is_gamma_plus_one(target, tok):
     dec = SpeculativeDecoder(target, target, tok)
     res = dec.generate(DecodeRequest(enc(tok, "abc"), max_new_tokens=20, gamma=3, ignore_eos=True))
-    # 20 tokens in blocks of 4 -> 5 steps, every proposal accepted
+    # the first token from the prefill's last row (no proposals), then 19 tokens in blocks of
+    # γ + 1 = 4, the last capped at the 3 left: every proposal accepted
+    assert [s.proposed for s in res.steps] == [0, 3, 3, 3, 3, 2]
+    assert [s.emitted for s in res.steps] == [1, 4, 4, 4, 4, 3]
+    assert [s.prefill for s in res.steps] == [True] + [False] * 5
+    # τ over the 5 verification steps: 19 tokens (the prefill's is not a step)
+    assert res.counts.num_steps == 5 and res.counts.num_prefill_tokens == 1 and res.counts.num_emitted_tokens == 20
+    assert res.counts.mean_accepted_length == pytest.approx(19 / 5)
+    assert res.counts.acceptance_rate == 1.0
+    assert res.rejection_positions == [-1] * 6
+    # speculating from the first token: its step feeds the prompt's last token with 3 proposals
+    dec = SpeculativeDecoder(target, target, tok, DecoderConfig(first_token_from_prefill=False))
+    res = dec.generate(DecodeRequest(enc(tok, "abc"), max_new_tokens=20, gamma=3, ignore_eos=True))
     assert [s.proposed for s in res.steps] == [3, 3, 3, 3, 3]
     assert res.counts.mean_accepted_length == pytest.approx(4.0)
     assert res.rejection_positions == [-1] * 5
@@ -104,20 +117,64 @@ def test_first_token_distribution_chi_square(target, other_draft, tok):
     assert chi2 < crit, (chi2, crit)
 
 
+def test_the_first_token_comes_from_the_prefills_last_row(target, other_draft, tok):
+    """By default the prefill feeds the whole prompt and the first token is sampled from its last
+    row: the same greedy output with one target forward fewer a request than speculating from
+    the first token, and at T = 1 that token is distributed as the target's p (chi-square)."""
+    ids = enc(tok, "the cat sat")
+    calls = {}
+    for fold in (True, False):
+        dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(first_token_from_prefill=fold))
+        n = [0]
+        inner = dec._target_logits
+        dec._target_logits = lambda *a, **k: (n.__setitem__(0, n[0] + 1), inner(*a, **k))[1]
+        for g in (0, 3):
+            r = dec.generate(DecodeRequest(ids, max_new_tokens=12, gamma=g, ignore_eos=True))
+            assert r.output_ids == reference_greedy(target, ids, 12)
+            # the prefill (one call for a short prompt) + one call per verification step
+            assert n[0] == 1 + r.counts.num_steps and r.counts.num_prefill_tokens == int(fold)
+            calls[fold, g], n[0] = n[0], 0
+    assert calls[True, 0] == 12 == calls[False, 0] - 1  # plain: 11 steps after the prefill, not 12
+    dec = SpeculativeDecoder(target, other_draft, tok)
+    with torch.inference_mode():
+        p = process_logits(target(input_ids=torch.tensor([ids])).logits[0, -1], SamplingParams(1.0))
+    counts = torch.zeros_like(p)
+    for s in range(1200):
+        r = dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=s), max_new_tokens=3, gamma=3, ignore_eos=True))
+        assert r.steps[0].proposed == 0 and r.steps[1].proposed == 1  # γ capped by the two tokens left
+        counts[r.output_ids[0]] += 1
+    chi2, df = _chi_square(counts, p, 1200)
+    assert df >= 1 and chi2 < _chi2_crit_001(df), (chi2, df)
+
+
 def first_token_chi_square(dec, ids, n, gamma=1, check=None):
     """Chi-square of the first emitted token of ``n`` seeded T = 1 requests (2 new tokens) against
     the target's own processed distribution p, and its 0.1 % critical value. ``check(result)``
-    runs on each request."""
+    runs on each request. The first token comes from a verification with proposals
+    (``DecoderConfig.first_token_from_prefill`` False while it runs), whose p is the prompt's."""
     with torch.inference_mode():
         p = process_logits(dec.target(input_ids=torch.tensor([ids])).logits[0, -1], SamplingParams(1.0))
     counts = torch.zeros_like(p)
-    for s in range(n):
-        r = dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=s), max_new_tokens=2, gamma=gamma, ignore_eos=True))
-        if check is not None:
-            check(r)
-        counts[r.output_ids[0]] += 1
+    with speculating_from_the_first_token(dec):
+        for s in range(n):
+            r = dec.generate(DecodeRequest(ids, SamplingParams(1.0, seed=s), max_new_tokens=2, gamma=gamma,
+                                           ignore_eos=True))
+            if check is not None:
+                check(r)
+            counts[r.output_ids[0]] += 1
     chi2, df = _chi_square(counts, p, n)
     return chi2, _chi2_crit_001(max(df, 1))
+
+
+@contextlib.contextmanager
+def speculating_from_the_first_token(dec):
+    """``dec`` with ``DecoderConfig.first_token_from_prefill`` False inside (restored after)."""
+    was = dec.config.first_token_from_prefill
+    dec.config.first_token_from_prefill = False
+    try:
+        yield dec
+    finally:
+        dec.config.first_token_from_prefill = was
 
 
 def _chi_square(counts, p, n, min_expected=5.0):
