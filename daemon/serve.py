@@ -1402,15 +1402,30 @@ def _drain(events: asyncio.Queue, ids: list[int]) -> list[int]:
 # ---- running it --------------------------------------------------------------------------------------
 
 
+def event_loop_stack() -> tuple[str, str]:
+    """uvicorn's event loop and HTTP implementation for serving: ``("uvloop", "httptools")``
+    where both import (draftd's dependencies), else uvicorn's pure-Python ``"asyncio"`` / ``"h11"``
+    for whichever does not. Each streamed token is a chunk written by the event loop, beside the
+    next forward on a small CPU: the C implementations take less of the cores llama.cpp decodes
+    on (bench/RESULTS.md, "Tenth session")."""
+    import importlib.util
+
+    have = lambda name: importlib.util.find_spec(name) is not None  # noqa: E731
+    return ("uvloop" if have("uvloop") else "asyncio"), ("httptools" if have("httptools") else "h11")
+
+
 class ServeServer:
     """uvicorn serving an :class:`InferenceService` in a background thread (no signal handlers
-    there: the owner drains on SIGTERM). ``port`` 0 picks a free one (see ``.port`` after entry)."""
+    there: the owner drains on SIGTERM), on :func:`event_loop_stack` (``.loop``, ``.http``).
+    ``port`` 0 picks a free one (see ``.port`` after entry)."""
 
     def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 8000):
         import uvicorn
 
         self.service = service
+        self.loop, self.http = event_loop_stack()
         self.server = uvicorn.Server(uvicorn.Config(service.app(), host=host, port=port, log_config=None,
+                                                    loop=self.loop, http=self.http,
                                                     lifespan="off", access_log=False, timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, name="draftd-serve", daemon=True)
         self.host, self.port = host, port
@@ -1430,7 +1445,7 @@ class ServeServer:
                 raise RuntimeError(f"the inference API did not start on {self.host}:{self.port} within 30 s")
             time.sleep(0.02)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        log.info("serve_listening", host=self.host, port=self.port)
+        log.info("serve_listening", host=self.host, port=self.port, loop=self.loop, http=self.http)
         return self
 
     def __exit__(self, *exc) -> None:

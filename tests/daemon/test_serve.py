@@ -409,3 +409,21 @@ def test_serve_with_a_pair_it_cannot_load_exits_2_with_the_reason(tmp_path, monk
     assert r.exit_code == 2, r.output
     out = " ".join(r.output.split())
     assert "error: model path '/nonexistent/draftd-qa-model' does not exist" in out and "Traceback" not in out
+
+
+def test_the_server_runs_on_uvloop_and_httptools(srv, monkeypatch):
+    """Serving listens on uvloop's event loop with httptools' parser (dependencies: the streamed
+    chunks are written beside the next forward), and falls back to asyncio / h11 for whichever
+    is missing."""
+    import importlib.util
+
+    from daemon.serve import event_loop_stack
+
+    assert (srv.server.loop, srv.server.http) == ("uvloop", "httptools")
+    listener = srv.server.server.servers[0]
+    assert type(listener).__module__.startswith("uvloop")  # asyncio's is asyncio.base_events.Server
+    oc = srv.openai()
+    assert oc.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0).choices[0].text
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a))
+    assert event_loop_stack() == ("asyncio", "httptools")
