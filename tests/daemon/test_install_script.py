@@ -64,3 +64,38 @@ def test_scripts_install_passes_the_include():
     text = (ROOT / "scripts" / "install").read_text()
     assert "-DCMAKE_PROJECT_INCLUDE='$PWD/scripts/llama-cpp-lib-only.cmake'" in text
     assert HOOK.is_file()
+
+
+def test_the_dependency_install_passes_each_requirement_whole(tmp_path):
+    # the install beside the build hands pip pyproject.toml's requirements; one with an environment
+    # marker holds blanks ("uvloop>=0.19; sys_platform != 'win32'"), and split into words pip
+    # refused it ("Invalid requirement: '!='": a fresh clone's install failed at 5602b44)
+    import sys
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    text = (ROOT / "scripts" / "install").read_text()
+    start = text.index('( .venv/bin/python -m pip --disable-pip-version-check -q install "torch==')
+    block = text[start:text.index(') >"$DEPLOG"', start) + 1]
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    stub = tmp_path / ".venv" / "bin" / "python"  # `-m pip ... install ARGS` records ARGS, one a line
+    stub.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = -m ]; then shift 2; while [ "${{1#-}}" != "$1" ]; do shift; done; shift
+  printf '%s\\n' "$@" >> "{tmp_path}/args"; printf -- '--\\n' >> "{tmp_path}/args"; exit 0; fi
+exec "{sys.executable}" "$@"
+""")
+    stub.chmod(0o755)
+    out = subprocess.run(["bash", "-c", f"set -euo pipefail\n{block}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    torch, deps, _ = (tmp_path / "args").read_text().split("--\n")
+    assert torch.splitlines() == ["torch==2.13.0"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    want = [d for d in project["dependencies"] + project["optional-dependencies"]["test"]
+            if not d.startswith("llama-cpp-python")]
+    assert deps.splitlines() == want
+    assert any(";" in d for d in want)  # the case that broke: a marker with blanks, passed whole
+    for d in deps.splitlines():
+        Requirement(d)
