@@ -31,9 +31,16 @@ class StepCost:
       trainer that runs in rounds every step costs more during a round, and proposals are tried
       at other times than plain steps run, so unpaired medians mixed a busy core's multi-row
       steps with an idle core's plain ones.
-    - an unmeasured n is read off a least-squares line through the measured ones (slope clamped
-      at >= 0; flat through a single point, so before any proposal is measured a proposal looks
-      as cheap as a plain step, and the first ones measure what it really costs).
+    - an unmeasured n is read off the measured ones (:func:`read_off`): between two measured
+      row counts on the straight line between them; beyond the largest, on the least-squares line
+      through the measured multi-row counts (slope clamped at >= 0) where two are measured, else
+      at the largest one's own cost; so before any proposal is measured a proposal looks as cheap
+      as a plain step, and one longer than any measured as cheap as the longest, and the first
+      ones measure what they really cost. The line leaves the plain step out: llama.cpp runs one
+      row on another kernel than several, so the step from 1 to 2 rows is no per-row price (a
+      2-row verification at 2.05 plain steps and 5 rows at 2.7 on one CPU, bench/RESULTS.md,
+      "Tenth session"); drawn through 1 and 2 rows it priced 5 rows at 5.2 steps, and a gate
+      that believed it never proposed more than one token again.
     - a step fused with batch mates' rows (continuous batching, :mod:`decoder.batching`): B
       sequences of r rows each, t_B(r) (:meth:`fused_ms`), the price of a γ that every request of
       the batch runs (each request of a key follows the same policy). llama.cpp decodes all
@@ -174,7 +181,7 @@ class StepCost:
             est = self._estimates()
         if rows in est:
             return est[rows]
-        return line_at(list(est.items()), rows)
+        return read_off(est, rows)
 
     def fused_ms(self, batch: int, rows: int) -> float:
         """Estimated ms of one request's step in a fused forward of ``batch`` sequences that
@@ -253,6 +260,30 @@ class StepCost:
         with self._lock:
             med = self._estimates()
         return speculation_ceiling(med, gamma_max)
+
+
+def read_off(measured: dict[int, float], n: int) -> float:
+    """The cost of ``n`` rows read off ``measured`` ({rows: ms}) where ``n`` is unmeasured (see
+    :class:`StepCost`): between the nearest measured row counts below and above ``n``, the
+    straight line between them; above the largest, the least-squares line (slope >= 0,
+    :func:`decoder.metrics.line_at`) through the measured counts of 2 rows or more where there are
+    two, else the largest count's own cost; below the smallest, its cost. NaN with nothing
+    measured."""
+    if n in measured:
+        return measured[n]
+    if not measured:
+        return math.nan
+    below = [r for r in measured if r < n]
+    above = [r for r in measured if r > n]
+    if below and above:
+        lo, hi = max(below), min(above)
+        return measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo)
+    if above:
+        return measured[min(above)]
+    multi = sorted((r, t) for r, t in measured.items() if r >= 2)
+    if len(multi) >= 2:
+        return max(line_at(multi, n), measured[max(measured)])
+    return measured[max(measured)]
 
 
 class BatchView:

@@ -35,7 +35,7 @@ class FixedCost(StepCost):
         return self.base + self.per_row * (rows - 1)
 
 
-def test_step_cost_is_the_median_per_row_count_and_a_line_elsewhere():
+def test_step_cost_is_the_median_per_row_count_and_read_off_it_elsewhere():
     c = StepCost(window=3)
     assert math.isnan(c.ms(1))
     c.add(1, 8.0)
@@ -46,10 +46,21 @@ def test_step_cost_is_the_median_per_row_count_and_a_line_elsewhere():
     c.add(1, 12.0)  # window 3: 60, 10, 12
     assert c.ms(1) == 12.0
     c.add(3, 22.0)
-    # line through (1, 12) and (3, 22): slope 5
-    assert c.ms(2) == pytest.approx(17.0) and c.ms(6) == pytest.approx(37.0)
+    # between (1, 12) and (3, 22) on their line; beyond the one multi-row count, its own cost (an
+    # untried longer verification looks as cheap as the longest tried, until it is measured)
+    assert c.ms(2) == pytest.approx(17.0) and c.ms(6) == pytest.approx(22.0)
     c.add(2, float("nan"))  # ignored
     assert c.status() == {1: 12.0, 3: 22.0}
+    c.add(5, 26.0)
+    # beyond two multi-row counts: their line, (3, 22) and (5, 26), slope 2 a row; the plain step
+    # is left out (llama.cpp's one-row kernel is not its multi-row one); between them interpolated
+    assert c.ms(8) == pytest.approx(32.0) and c.ms(4) == pytest.approx(24.0)
+    # the walkthrough's trap, hand-worked: 1 and 2 rows measured (11.76, 24.10 ms) priced 5 rows
+    # at 61.1 ms on a line through both (5.2 plain steps; measured 32); now at 24.10 until tried
+    e = StepCost()
+    e.add(1, 11.76)
+    e.add(2, 24.10)
+    assert e.ms(5) == pytest.approx(24.10) and e.ms(9) == pytest.approx(24.10)
     # a verification that measured cheaper than a plain step counts as one, and the line is flat
     d = StepCost()
     d.add(1, 10.0)
