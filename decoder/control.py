@@ -340,8 +340,12 @@ class GoodputController:
     def remeasure_costs(self) -> int:
         """Forget what steps cost, for every key: the verification ms per γ and the plain step's,
         the per-step overhead, the draft's ms per token, each length-modelled proposer's step ms
-        (and its warm-up), the draft's ceiling back-off; keep α, the accepted lengths and the
-        request counts. Each key's next requests warm up again (each proposer at ``gamma_init``
+        and accepted lengths (and its warm-up), the draft's ceiling back-off; keep α and the
+        request counts. The n-gram proposer's gate proposes as much of a match as the step costs
+        say pays, so its accepted lengths change with the costs: lengths learnt over a phase
+        beside the trainer, divided by costs measured after the gate had all but stopped
+        proposing (2-row verifications at 2.05 plain steps), priced it at 1.5x plain decoding,
+        and the evaluation ran it at 0.93x (docs/walkthroughs.md, the run at 5602b44). Each key's next requests warm up again (each proposer at ``gamma_init``
         for ``min_steps`` steps, then plain decoding), so its choice is priced at what steps cost
         from now on. For a change of load the EWMAs would follow only where the controller still
         chooses to measure: a trainer that ran beside every step and stops leaves its priced-up
@@ -352,7 +356,7 @@ class GoodputController:
                 s.overhead_ms = _Ewma()
                 s.draft_ms_per_token = _Ewma()
                 for m in s.lengths.values():
-                    m.step_ms, m.draft_ms, m.steps = {}, _Ewma(), 0
+                    m.ge, m.step_ms, m.draft_ms, m.steps = [], {}, _Ewma(), 0
                 s.ceiling_probes, s.last_ceiling_probe, s.last_ceiling_probe_t = 0, 0, None
                 s.warming = {}
             return len(self._keys)

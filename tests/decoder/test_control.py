@@ -705,7 +705,8 @@ def test_remeasure_costs_forgets_what_steps_cost_and_keeps_what_was_accepted():
     """Beside a trainer every verified row cost more: the n-gram proposer's 3 tokens per 30 ms
     step tied plain decoding's 0.1 tok/ms, so plain served. After the trainer stops,
     remeasure_costs makes each proposer warm up again, and the same acceptance at the quiet
-    step cost (14 ms) wins: 3 / 14 = 0.214 tok/ms. α and the accepted lengths are kept."""
+    step cost (14 ms) wins: 3 / 14 = 0.214 tok/ms. α is kept; the n-gram proposer's accepted
+    lengths are learnt again with its costs (its gate proposes by them)."""
     cfg = ControllerConfig(gamma_max=2, gamma_init=2, probe_every=50, min_steps=2, proposers=("ngram", "draft"))
     ctl = GoodputController(cfg)
     key = ("extract", "greedy")
@@ -720,6 +721,7 @@ def test_remeasure_costs_forgets_what_steps_cost_and_keeps_what_was_accepted():
     assert ctl.remeasure_costs() == 1
     d = ctl.decision(key)
     assert d["t_plain_ms"] is None and d["t_verify_ms"][2] is None and d["alpha"] == alpha
+    assert "ngram" not in d["tokens_per_ms_by_proposer"] and ctl._keys[key].lengths["ngram"].ge == []
     pol = ctl.policy_for(key)
     assert pol.gamma() == 2 and pol.proposer_name() == "ngram" and pol.decision["why"] == "warm-up: measuring ngram at γ=2"
     for _ in range(2):  # quiet: the same 2 of 2 accepted, at 14 ms a step
