@@ -300,9 +300,10 @@ class DecoderConfig:
         (default). False: the prefill stops before the prompt's last token, which the first
         step feeds with its proposals (one more forward a request; the tests of the acceptance
         rule use it to speculate at a position whose p they compute from the prompt alone).
-        Where the prompt's rows are recorded with hidden states, or fed to a feature-level
-        proposer, the prefill always stops before the last token (that row's hidden state is
-        the first step's).
+        Where the prompt's rows are recorded (``record_prompt``), hidden states are recorded
+        (``record_hidden``) or fed to a feature-level proposer, the prefill still stops before the
+        last token (those paths want that row's hidden state or every prompt row, which the
+        prefill's one-row logits do not carry).
     target_format: the weight format the target engine serves (``"packaged"``, ``"F16"``, ...:
         ``decoder.engines.registry.EngineChoice.served_format``), put in every record
         (``VerifiedSample.target_format``); None = not stated.
@@ -889,13 +890,12 @@ class SpeculativeDecoder:
         the raw logits (g+1, V), the hidden states (g+1, H) or None, the served logits, Σ α over
         the g proposals (Leviathan et al. Definition 3.1) and the :func:`decoder.sampling.verify`
         result. Greedy, p is the one-hot of each row's argmax, so the test needs only the argmax
-        ids and α_i = q_i(argmax p_i): p is never built."""
+        ids and α_i = q_i(argmax p_i): p is never built. ``logits`` given (the prefill's last
+        row, (1, V), no proposals: :meth:`_first_step`), no forward runs."""
         req, params, g, hid = run.req, run.req.params, len(proposals), None
-        if logits is not None:  # the prefill's last row (_first_step)
-            pass
-        elif run.features or run.rec_hidden:
+        if logits is None and (run.features or run.rec_hidden):
             logits, hid = run.tcache.forward([run.ids[-1]] + proposals, g + 1, hidden=True)  # (g+1, V), (g+1, H)
-        else:
+        elif logits is None:
             logits = self._target_logits([run.ids[-1]] + proposals, run.tcache, g + 1)  # (g+1, V)
         # constrained output: p restricted to what keeps the output valid (the records keep `logits`)
         # (top_k: the rows are used through their best 1 / top_k tokens only, so only those need checking)
