@@ -303,7 +303,10 @@ class DecoderConfig:
         Where the prompt's rows are recorded (``record_prompt``), hidden states are recorded
         (``record_hidden``) or fed to a feature-level proposer, the prefill still stops before the
         last token (those paths want that row's hidden state or every prompt row, which the
-        prefill's one-row logits do not carry).
+        prefill's one-row logits do not carry); so it does with the prompt cache on an engine
+        whose cells depend on the call that computed them (llama.cpp with an f16 V cache:
+        ``LlamaCppEngine.shape_invariant_cells`` False), whose cache keeps only cells a prefill
+        of the prompt but its last token computes alike.
     target_format: the weight format the target engine serves (``"packaged"``, ``"F16"``, ...:
         ``decoder.engines.registry.EngineChoice.served_format``), put in every record
         (``VerifiedSample.target_format``); None = not stated.
@@ -766,6 +769,14 @@ class SpeculativeDecoder:
         cache = (self.config.prompt_cache and req.cache_prompt and supports(self.engine, "prompt_cache")
                  and not spec.needs_features
                  and not (k_rec and self.config.record_prompt))
+        # the first token from the prefill's last row (DecoderConfig.first_token_from_prefill), where
+        # that row needs no hidden state or prompt record, and where the prompt cache's cells are the
+        # same bits whatever call computed them: with an f16 V cache llama.cpp keeps only cells a fresh
+        # prefill of ``ids[:-1]`` computes alike, and a prefill that also fed the last token computed
+        # them in another call (a kept prefix then changed a greedy output)
+        fold = (self.config.first_token_from_prefill and not spec.needs_features
+                and not (k_rec and (self.config.record_prompt or self.config.record_hidden))
+                and not (cache and not getattr(self.engine, "shape_invariant_cells", True)))
         tcache = self.engine.start(prefix=ids[:-1]) if cache else self.engine.start()
         return _Running(req=req, policy=policy, gen=gen, started_wall=started_wall, t_start=t_start,
                         prefill_t0=prefill_t0, ids=ids,
@@ -773,7 +784,7 @@ class SpeculativeDecoder:
                         speculate=speculate, name=name, proposer=self.make_proposer(name, req),
                         # a feature-level proposer (decoder.eagle) learns the target's hidden state at
                         # every position: the prompt's in the prefill, each verification's in a step
-                        features=spec.needs_features, model_free=spec.model_free)
+                        features=spec.needs_features, model_free=spec.model_free, fold=fold)
 
     def _prefill(self, run: _Running, on_step) -> tuple[tuple | None, bool]:
         """Everything but the pending last token into the target (and the draft if it is going to
@@ -791,10 +802,9 @@ class SpeculativeDecoder:
                 except _PrefillCancelled:
                     cancelled = True
         else:  # in chunks: a cancelled request (on_step([]) is False) stops at the next one
-            rows, record = [], bool(k_rec and self.config.record_prompt)
+            rows, record, fold = [], bool(k_rec and self.config.record_prompt), run.fold
             # the first token from the prefill's last row, as llama-server and transformers take it
-            # (one target forward fewer a request), where that row needs no hidden state or prompt record
-            fold = self.config.first_token_from_prefill and not (record or run.rec_hidden)
+            # (one target forward fewer a request; decided in _begin)
             end = len(ids) if fold else len(ids) - 1
             run.cached = first = int(getattr(tcache, "length", 0))  # kept by the prompt cache (_begin)
             for i in range(first, end, PREFILL_CHUNK):
@@ -1114,6 +1124,7 @@ class _Running:
     hid_rows: list[torch.Tensor] = field(default_factory=list)
     cached: int = 0  # prompt tokens the prompt cache kept in the target's cells
     first_logits: torch.Tensor | None = None  # (1, V): the prefill's last row, the first token's (_prefill)
+    fold: bool = False  # the first token comes from the prefill's last row (_begin decides)
 
 
 class _PrefillCancelled(Exception):

@@ -924,3 +924,44 @@ def test_a_conversation_through_the_prompt_cache_equals_plain_decoding_without_i
         assert recorded.generate(DecodeRequest(ids, SamplingParams(), 4, gamma=0)).cached_prompt_tokens == 0
     finally:
         e.close()
+
+
+@needs_llamacpp
+@pytest.mark.slow
+def test_with_an_f16_v_cache_the_prompt_cache_keeps_the_prefill_that_stops_before_the_last_token(gguf, real):
+    """With an f16 V cache a cell depends on the call that computed it, so the prompt cache keeps
+    only what a fresh prefill of the prompt but its last token computes alike. A prefill that
+    also fed the last token (the first token from its last row) let a prompt P + [x] keep P's 81
+    cells from a call that ended at P, and its greedy output differed from decoding it without the
+    cache (the adversarial check, 1 of 5 x). There the first token still comes from a step, the
+    prompt P + [x] keeps nothing (its prefix is no earlier prefill's end), and P again keeps
+    len(P) - 1 cells; every output equals decoding without the cache, logprobs too."""
+    tok = real.tokenizer
+    P = tok.encode("The history of the printing press begins in the fifteenth century, when a goldsmith in "
+                   "Mainz combined " * 4)
+    e = LlamaCppEngine(gguf, n_ctx=1024, threads=1, v_cache="f16")
+    fresh = LlamaCppEngine(gguf, n_ctx=1024, threads=1, v_cache="f16")
+    try:
+        assert not e.shape_invariant_cells
+        d = SpeculativeDecoder(real.target, real.draft, tok, engine=e)
+        # the same calls without the cache (f16 logits depend on the call's shape, so the reference
+        # prefills as the cached decoder does: all but the last token)
+        f = SpeculativeDecoder(real.target, real.draft, tok, DecoderConfig(prompt_cache=False,
+                                                                           first_token_from_prefill=False), engine=fresh)
+        r1 = d.generate(DecodeRequest(P, SamplingParams(), 4, gamma=0, ignore_eos=True))
+        assert not r1.steps[0].prefill  # the old prefill: the cache's cells end where a fresh one's would
+        for i, x in enumerate((r1.output_ids[0], 11, 300, 1000, 5000)):
+            again = d.generate(DecodeRequest(P, SamplingParams(), 4, gamma=0, ignore_eos=True))  # the slot holds P
+            # after r1 the slot's cells of P[:-1] came from an 80-token call, as a fresh prefill's: kept;
+            # after a request for P + [x] they came from its 81-token call: other bits, none kept
+            assert again.cached_prompt_tokens == (len(P) - 1 if i == 0 else 0) and again.output_ids == r1.output_ids
+            a = d.generate(DecodeRequest(P + [x], SamplingParams(), 16, gamma=0, ignore_eos=True, logprobs=5))
+            b = f.generate(DecodeRequest(P + [x], SamplingParams(), 16, gamma=0, ignore_eos=True, logprobs=5))
+            assert a.cached_prompt_tokens == 0 and a.output_ids == b.output_ids, x
+            assert [u.logprob for u in a.logprobs] == [v.logprob for v in b.logprobs], x
+        # without the prompt cache the first token comes from the prefill on f16 too
+        nocache = SpeculativeDecoder(real.target, real.draft, tok, DecoderConfig(prompt_cache=False), engine=fresh)
+        assert nocache.generate(DecodeRequest(P, SamplingParams(), 2, gamma=0, ignore_eos=True)).steps[0].prefill
+    finally:
+        e.close()
+        fresh.close()
