@@ -763,7 +763,9 @@ class ServeMetrics:
         self.drafts = Counter(P + "spec_decode_num_drafts", "Verification steps with a draft proposal (gamma > 0)", lab, registry=r)
         self.draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Tokens proposed by the draft", lab, registry=r)
         self.accepted = Counter(P + "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", lab, registry=r)
-        self.emitted = Counter(P + "spec_decode_num_emitted_tokens", "Tokens emitted (accepted + recovered + bonus)", lab, registry=r)
+        self.emitted = Counter(P + "spec_decode_num_emitted_tokens", "Tokens the verification steps emitted (accepted + recovered + "
+                               "bonus; a first token taken from the prefill is not one: generation_tokens counts every output token)",
+                               lab, registry=r)
         self.per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos", "Steps whose proposal at this position was accepted",
                                lab + ["position"], registry=r)
         self.requests = Counter(P + "request_success", "Finished requests by finish reason", ["workload", "finished_reason"], registry=r)
@@ -800,7 +802,8 @@ class ServeMetrics:
                 self.accepted.labels(w, v).inc(s.accepted)
                 for i in range(s.accepted):
                     self.per_pos.labels(w, v, str(i)).inc()
-            self.emitted.labels(w, v).inc(s.emitted)
+            if not s.prefill:  # as the acceptance history counts them (decoder.tracking)
+                self.emitted.labels(w, v).inc(s.emitted)
         self.requests.labels(w, FINISH.get(res.finish_reason, res.finish_reason)).inc()
         self.prompt_tokens.labels(w).inc(res.prompt_len)
         self.prompt_tokens_cached.labels(w).inc(int(getattr(res, "cached_prompt_tokens", 0) or 0))

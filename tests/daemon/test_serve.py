@@ -392,6 +392,10 @@ def test_metrics_spec_decode_counters_latencies_and_queue(srv):
     assert drafts and float(drafts[0].split()[-1]) > 0
     per_pos = [line for line in text.splitlines() if line.startswith("draftd:spec_decode_num_accepted_tokens_per_pos_total")]
     assert all('position="' in line for line in per_pos)
+    # 8 tokens a request: the first from the prefill, 7 from verification steps (what the counter
+    # counts, as the acceptance history does)
+    value = lambda prefix: float(next(line for line in text.splitlines() if line.startswith(prefix)).split()[-1])  # noqa: E731
+    assert value('draftd:spec_decode_num_emitted_tokens_total{adapter_version="0",workload="code"}') == 7.0
 
 
 def test_serve_with_a_pair_it_cannot_load_exits_2_with_the_reason(tmp_path, monkeypatch, key_prefix):
