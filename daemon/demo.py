@@ -943,9 +943,12 @@ class _PhaseEval:
                 r = self.decode_run(name, dec, g, prop, ids, phase, final)
                 ms = r.latency_ms
                 if name == "plain":
+                    # its prefill fed the prompt but its last token, or all of it (the first token from
+                    # the prefill's last row: DecoderConfig.first_token_from_prefill)
                     plain_ids, prefill_ms = list(r.output_ids), r.counts.prefill_ms
+                    fed = len(ids) - 1 + r.counts.num_prefill_tokens
                 else:  # the prompt cache kept plain's prefill (the same bits): charged its measured time
-                    ms += prefill_ms * r.cached_prompt_tokens / max(1, len(ids) - 1)
+                    ms += prefill_ms * r.cached_prompt_tokens / max(1, fed)
                 tot[name][0].merge(r.counts)
                 tot[name][1] += ms
                 per_prompt[name].append((r.counts, ms))

@@ -93,3 +93,10 @@ def test_rows_that_kept_plains_prefill_are_charged_its_measured_time():
     assert cleared == [True]
     assert [per_prompt[n][0][1] for n in results] == [1000.0, 800.0, 800.0]
     assert tot["kept_all"][1] == 800.0 and differs == {n: [] for n in results}
+    # plain's first token from its prefill's last row: its 300 ms fed all 10 prompt tokens, so a
+    # row keeping 9 is charged 270 ms
+    folded = AcceptanceCounts(prefill_ms=300.0, num_prefill_tokens=1)
+    ev.decode_run = lambda name, *a: (SimpleNamespace(latency_ms=1000.0, counts=folded, cached_prompt_tokens=0, output_ids=[1, 2])
+                                      if name == "plain" else run(name, *a))
+    _, per_prompt, _, _ = ev.decode_side("prose", [prompt], runs, 0)
+    assert [per_prompt[n][0][1] for n in results] == [1000.0, 770.0, 790.0]
