@@ -1358,6 +1358,13 @@ def _add_error_handlers(app) -> None:
 
     @app.exception_handler(Exception)
     async def _server_error(_req, e):
+        from starlette.requests import ClientDisconnect
+
+        if isinstance(e, ClientDisconnect):  # the client left before its body was read: no fault of ours,
+            # and a traceback at error level a request would let any client flood the log with
+            log.info("serve_client_left_mid_body")
+            return _error_response(ApiError(400, "the client closed the connection before its request body was read",
+                                            code="client_disconnected"))
         log.exception("serve_internal_error", error=str(e))
         return _error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error",
                                         code="internal_error"))

@@ -431,3 +431,34 @@ def test_the_server_runs_on_uvloop_and_httptools(srv, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a))
     assert event_loop_stack() == ("asyncio", "httptools")
+
+
+def test_a_client_that_leaves_mid_body_is_logged_once_at_info_not_as_an_internal_error(monkeypatch):
+    """Starlette raises ClientDisconnect where a client closes before its body is read (the
+    adversarial check: Content-Length 1000, 10 bytes, close): it was logged as
+    serve_internal_error with a traceback, a log any client could flood."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from starlette.requests import ClientDisconnect
+
+    import daemon.serve as S
+
+    seen = []
+    monkeypatch.setattr(S, "log", type("L", (), {"info": lambda self, ev, **kw: seen.append(("info", ev)),
+                                                 "exception": lambda self, ev, **kw: seen.append(("exception", ev))})())
+    app = FastAPI()
+    S._add_error_handlers(app)
+
+    @app.get("/gone")
+    def gone():
+        raise ClientDisconnect()
+
+    @app.get("/boom")
+    def boom():
+        raise RuntimeError("x")
+
+    c = TestClient(app, raise_server_exceptions=False)
+    r = c.get("/gone")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "client_disconnected"
+    assert c.get("/boom").status_code == 500
+    assert seen == [("info", "serve_client_left_mid_body"), ("exception", "serve_internal_error")]
