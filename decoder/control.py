@@ -11,10 +11,12 @@ policy.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
 import weakref
+from statistics import NormalDist
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +76,14 @@ class ControllerConfig:
         proposer "ahead" by less than that loses as often as it wins when measured paired (a pick
         of 1.02x estimated measured 0.96x [0.90, 1.02] on never-served prompts, bench/RESULTS.md),
         and plain decoding is the one configuration that is never worse than itself.
+    confidence: speculation is chosen only where, besides ``min_gain``, the lower bound of this
+        one-sided confidence of its rate over plain decoding's is above 1: the ratio's standard
+        error by the delta method from the costs' per-step standard errors and the accepted
+        lengths' per-request one (:class:`_Clusters`), its bound ratio x exp(-z se) with z the
+        normal quantile of ``confidence`` (0.95: 1.645). The maximum of noisy estimates is biased
+        up (the winner's curse): an n-gram pick priced at 1.11x plain from 4 requests after the
+        trainer stopped ran at 0.87x [0.79, 0.95] on never-served prompts (docs/walkthroughs.md,
+        the run at 5e6c1fe). 0.5: the point estimate alone (z = 0).
     batch_sizes: the batch sizes (requests decoding together, continuous batching) for which
         :meth:`GoodputController.decision` reports the decision (``"by_batch"``); a request
         decides at whatever size it runs, these are only shown. ``build_serving_loop`` passes
@@ -92,6 +102,7 @@ class ControllerConfig:
     ceiling_reprobe_s: float = 60.0
     half_life_s: float = 60.0
     min_gain: float = 0.05
+    confidence: float = 0.95
     batch_sizes: tuple[int, ...] = (1, 2, 4)
 
     def __post_init__(self):
@@ -113,6 +124,11 @@ class ControllerConfig:
         if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain < 1:
             raise ValueError(f"min_gain={self.min_gain!r} must be a fraction in [0, 1) (0.05: speculate only "
                              f"where it beats plain decoding by more than 5 %)")
+        if (isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float))
+                or not 0.5 <= self.confidence < 1):
+            raise ValueError(f"confidence={self.confidence!r} must lie in [0.5, 1) (0.95: speculate only where the "
+                             f"one-sided 95 % lower bound of its rate over plain decoding's is above 1; 0.5: "
+                             f"the point estimate alone)")
         for name in ("ceiling_reprobe_s", "half_life_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:  # NaN too
@@ -145,22 +161,81 @@ def batch_sizes_up_to(max_batch: int) -> tuple[int, ...]:
 
 class _Ewma:
     """Exponentially weighted mean; with ``now`` and ``half_life`` (seconds) a measurement after a
-    gap weighs at least 1 - 2^(-gap / half_life): the old value ages."""
+    gap weighs at least 1 - 2^(-gap / half_life): the old value ages.
 
-    __slots__ = ("value", "n", "t")
+    It also keeps the exponentially weighted variance of its inputs (West 1979's incremental
+    form, var <- (1 - w)(var + w d^2), d the new input's distance from the old mean) and the
+    sum of its weights' squares, Σw_i^2, so :meth:`se` is the standard error of the weighted
+    mean, sqrt(s^2 Σw_i^2) with s^2 = var / (1 - Σw_i^2) (the reliability-weighted unbiased
+    variance): a plain mean of n inputs gives s / sqrt(n)."""
+
+    __slots__ = ("value", "n", "t", "var", "sw2")
 
     def __init__(self):
-        self.value, self.n, self.t = math.nan, 0, None
+        self.value, self.n, self.t, self.var, self.sw2 = math.nan, 0, None, 0.0, 1.0
 
     def add(self, x: float, w: float, now: float | None = None, half_life: float | None = None) -> None:
         if not math.isfinite(x):  # a broken clock reading must not poison the estimate for good
             return
         if now is not None and half_life and self.t is not None and now > self.t:
             w = max(w, 1.0 - 0.5 ** ((now - self.t) / half_life))
-        self.value = x if self.n == 0 else (1 - w) * self.value + w * x
+        if self.n == 0:
+            self.value, self.var, self.sw2 = x, 0.0, 1.0
+        else:
+            d = x - self.value
+            self.value += w * d
+            self.var = (1 - w) * (self.var + w * d * d)
+            self.sw2 = (1 - w) ** 2 * self.sw2 + w * w
         self.n += 1
         if now is not None:
             self.t = now
+
+    def se(self) -> float:
+        """Standard error of :attr:`value` (inf below two inputs, or when the last one weighed 1)."""
+        if self.n < 2 or self.sw2 >= 1.0:
+            return math.inf
+        return math.sqrt(max(self.var, 0.0) / (1.0 - self.sw2) * self.sw2)
+
+    def rel_se(self) -> float:
+        """:meth:`se` / |value| (inf where the value is 0 or unknown)."""
+        v = abs(self.value)
+        return self.se() / v if v > 0 else math.inf
+
+
+class _Clusters:
+    """Tokens per step of the last ``keep`` requests of one proposer, per request: the steps of
+    one request share its prompt (a copied span lasts many steps, a draft that fits the prompt
+    fits it at every step), so the spread of acceptance between requests, not between steps, is
+    what a few requests leave uncertain. :meth:`rel_se` is the relative standard error of the mean
+    of per-request means (each request one unit: the cluster-robust view)."""
+
+    __slots__ = ("rows", "keep")
+
+    def __init__(self, keep: int = 32):
+        self.rows: dict[Any, list[float]] = {}  # request -> [steps, tokens]
+        self.keep = keep
+
+    def add(self, request: Any, tokens: float) -> None:
+        row = self.rows.get(request)
+        if row is None:
+            row = self.rows[request] = [0, 0.0]
+            while len(self.rows) > self.keep:
+                self.rows.pop(next(iter(self.rows)))
+        row[0] += 1
+        row[1] += tokens
+
+    def count(self) -> int:
+        return len(self.rows)
+
+    def rel_se(self) -> float:
+        """sd(per-request tokens per step) / sqrt(requests) / their mean; inf below 2 requests."""
+        means = [t / n for n, t in self.rows.values() if n]
+        k = len(means)
+        if k < 2:
+            return math.inf
+        mu = sum(means) / k
+        sd = math.sqrt(sum((m - mu) ** 2 for m in means) / (k - 1))
+        return sd / math.sqrt(k) / mu if mu > 0 else math.inf
 
 
 @dataclass
@@ -183,6 +258,9 @@ class _KeyState:
     # proposer -> [steps, requests] it served (requests counted by their first step): the mean
     # steps per request, which turns ``ewma`` into a weight per request (_request_weight)
     served: dict[str, list[int]] = field(default_factory=dict)
+    # proposer -> tokens per step of its last requests, per request (the acceptance's uncertainty)
+    clusters: dict[str, "_Clusters"] = field(default_factory=dict)
+    auto_request: int = 0  # a request id for callers that name none (``first`` starts one)
 
 
 @dataclass
@@ -357,6 +435,7 @@ class GoodputController:
                 s.draft_ms_per_token = _Ewma()
                 for m in s.lengths.values():
                     m.ge, m.step_ms, m.draft_ms, m.steps = [], {}, _Ewma(), 0
+                s.clusters = {n: c for n, c in s.clusters.items() if n == DRAFT}
                 s.ceiling_probes, s.last_ceiling_probe, s.last_ceiling_probe_t = 0, 0, None
                 s.warming = {}
             return len(self._keys)
@@ -370,7 +449,8 @@ class GoodputController:
             self._state(key).overhead_ms.add(ms, self.config.ewma)
 
     def observe(self, key: Key, step: StepStats, step_ms: float | None = None, *, proposer: str = DRAFT,
-                asked: int | None = None, batch: int = 1, first: bool | None = None, total: int | None = None) -> None:
+                asked: int | None = None, batch: int = 1, first: bool | None = None, total: int | None = None,
+                request: Any = None) -> None:
         """Fold one verification step of ``key`` into the estimates; ``step_ms``, its wall time
         when known, also feeds :meth:`observe_overhead`. ``proposer`` served the step, asked for
         ``asked`` proposals (default: ``step.proposed``); the target's verify cost per γ is shared
@@ -384,7 +464,12 @@ class GoodputController:
         accepted lengths move by ``ewma`` per *request* (:meth:`_request_weight`), since a request's steps share its prompt
         and are far from independent: weighted per step, one 20-step probe made 88 % of the
         estimate (a walkthrough's code pick rated the draft at α 0.90 after a probe at 0.88, and
-        decoded α 0.45 at 0.58x plain). None (a caller that does not say): per step."""
+        decoded α 0.45 at 0.58x plain). None (a caller that does not say): per step.
+
+        ``request``: a hashable id of the step's request, under which its tokens per step join
+        the per-request spread of acceptance (:class:`_Clusters`, the confidence bound of
+        ``config.confidence``); None: ``first`` True starts a new request, False continues the
+        last one, None makes each step its own."""
         if step_ms is not None:
             self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms, batch)
         w, now, hl = self.config.ewma, self.clock(), self.config.half_life_s
@@ -394,8 +479,13 @@ class GoodputController:
         with self._lock:
             s = self._state(key)
             s.verify_ms.setdefault(g, _Ewma()).add(verify_ms, w, now, hl)
+            asked = g if asked is None else asked
+            if asked:
+                if request is None:
+                    s.auto_request += first is not False
+                    request = ("auto", s.auto_request)
+                s.clusters.setdefault(proposer, _Clusters()).add(request, 1.0 + step.accepted)
             if proposer != DRAFT:
-                asked = g if asked is None else asked
                 if asked:
                     s.lengths.setdefault(proposer, _LengthModel()).observe(
                         asked, step.accepted, draft_ms + verify_ms, draft_ms, w, self._request_weight(s, proposer, first))
@@ -466,7 +556,55 @@ class GoodputController:
         free = {g: (g + 1) / max(tv[g], 1e-6) for g in tv if tv[g] == tv[g] and g in s.verify_ms}
         engine = (max(free, key=free.get), max(free.values())) if free else (None, math.nan)
         return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o * rho[1],
-                "others": others, "ceiling": ceiling, "engine_ceiling": engine, "batch": batch, "rho": rho}
+                "others": others, "ceiling": ceiling, "engine_ceiling": engine, "batch": batch, "rho": rho,
+                "rel_se": self._rel_se(s, rate, others)}
+
+    def _rel_se(self, s: _KeyState, rate: dict[int, float], others: dict[str, dict[int, float]]
+                ) -> dict[tuple[str, int], float]:
+        """The relative standard error of each candidate's rate (keys as :meth:`_candidates`):
+        for the rate E / t of a speculative choice, sqrt(rse(E)^2 + rse(t)^2) (the delta method on
+        log E - log t), rse(t) from its parts' per-step errors (:meth:`_Ewma.se`) and rse(E) the
+        spread of tokens per step between requests (:meth:`_Clusters.rel_se`; with fewer than 2
+        requests, the per-step error of α or of the accepted lengths); plain decoding's from its
+        step's. Where a cost is read off other γ's measurements (:meth:`_verify_cost`), their
+        largest error. Lock held."""
+        def verify_rse(g: int) -> float:
+            e = s.verify_ms.get(g)
+            if e is not None and e.n:
+                return e.rel_se()
+            known = [x.rel_se() for k, x in s.verify_ms.items() if k > 0 and x.n]
+            return max(known) if known else math.inf
+
+        def combine(*parts: tuple[float, float]) -> float:  # (value, rse) of a sum of costs
+            tot = sum(v for v, _ in parts)
+            if not tot > 0:
+                return math.inf
+            return math.sqrt(sum((v * r) ** 2 if v > 0 else 0.0 for v, r in parts)) / tot
+
+        def tokens_rse(name: str, fallback: float) -> float:
+            c = s.clusters.get(name)
+            return c.rel_se() if c is not None and c.count() >= 2 else fallback
+
+        out: dict[tuple[str, int], float] = {}
+        if 0 in s.verify_ms and s.verify_ms[0].n:
+            out[("plain", 0)] = s.verify_ms[0].rel_se()
+        td = s.draft_ms_per_token.value
+        for g in rate:
+            if g > 0:
+                cost = combine((g * td, s.draft_ms_per_token.rel_se()), (self._verify_cost(s, g), verify_rse(g)))
+                out[(DRAFT, g)] = math.hypot(tokens_rse(DRAFT, s.alpha.rel_se()), cost)
+        for name, rates in others.items():
+            m = s.lengths[name]
+            for g in rates:
+                e = m.step_ms.get(g)
+                if e is not None and e.n:
+                    cost = e.rel_se()
+                else:
+                    cost = combine((m.draft_ms.value, m.draft_ms.rel_se()), (self._verify_cost(s, g), verify_rse(g)))
+                ge = [x for x in m.ge[:g] if x.n]
+                per_step = (math.sqrt(sum(x.se() ** 2 for x in ge)) / m.tokens_per_step(g)) if ge else math.inf
+                out[(name, g)] = math.hypot(tokens_rse(name, per_step), cost)
+        return out
 
     @staticmethod
     def _draft_cannot_pay(ev: dict[str, Any]) -> bool:
@@ -515,11 +653,13 @@ class GoodputController:
             v = self._version()
             if s.adapter_version is not None and v != s.adapter_version:
                 s.alpha = _Ewma()  # a new draft: its α is unknown
+                s.clusters.pop(DRAFT, None)
             s.adapter_version = v
         if self._head_version is not None:
             h = self._head_version()
             if s.head_version is not None and h != s.head_version:
                 s.lengths.pop(HEAD, None)  # a new head: its accepted lengths are unknown
+                s.clusters.pop(HEAD, None)
             s.head_version = h
         s.requests += 1
         return s
@@ -544,7 +684,7 @@ class GoodputController:
             rate = ev["rate"]
             spec_steps = sum(e.n for g, e in s.verify_ms.items() if g > 0)
             plain_steps = s.verify_ms[0].n if 0 in s.verify_ms else 0
-            best = self._best(rate, 0)
+            best = self._best(rate, 0, self._by_gamma(ev))
             best_spec = max((g for g in rate if g > 0), key=rate.get, default=None)
             probe = False
             warm_up = s.alpha.n == 0 or spec_steps < c.min_steps or plain_steps < c.min_steps
@@ -617,7 +757,7 @@ class GoodputController:
                 probe = True
             best_of = {name: max(((n, g) for (n, g) in cands if n == name), key=cands.get, default=None)
                        for name in c.proposers}
-            best = self._best(cands, ("plain", 0)) if cands else ("plain", 0)
+            best = self._best(cands, ("plain", 0), ev["rel_se"]) if cands else ("plain", 0)
             if choice is None:
                 choice, why = best, self._why_among(cands, best, ev)
                 if hopeless:
@@ -718,6 +858,7 @@ class GoodputController:
         p_s, t_s = _two(plain, cands[top])
         why = (f"off: plain {p_s} tok/ms beats every proposer (best {top[0]} γ={top[1]} {t_s})"
                if cands[top] <= plain else
+               self._unsure(top, cands[top], plain, ev) if cands[top] > plain * (1.0 + self.config.min_gain) else
                f"off: the best, {top[0]} γ={top[1]} {t_s} tok/ms, is within {self._margin()} of plain {p_s}")
         g, free = ev.get("engine_ceiling", (None, math.nan))
         if free == free and plain == plain and free < plain:
@@ -726,12 +867,22 @@ class GoodputController:
                     f"{ev['t_verify'][g]:.2f} ms, a plain step {ev['t_plain']:.2f} ms)")
         return why
 
+    def _unsure(self, top: tuple[str, int], rate: float, plain: float, ev: dict[str, Any]) -> str:
+        """Why a candidate ahead by more than ``min_gain`` still does not serve: its bound."""
+        rse = self._ratio_rse(ev.get("rel_se"), top, ("plain", 0))
+        low = self._lower(rate, plain, rse)
+        return (f"off: the best, {top[0]} γ={top[1]} {rate:.3f} tok/ms, is {rate / plain:.2f}x plain {plain:.3f}, but "
+                f"the {self.config.confidence:.0%} lower bound of that ratio is {low:.2f}x (not yet measured "
+                f"enough to tell from plain: config.confidence)")
+
     def _why(self, ev: dict[str, Any], best: int, best_spec: int | None) -> str:
         rate, a = ev["rate"], ev["alpha"]
         if best > 0:
             return f"γ={best}: {rate[best]:.3f} tok/ms vs plain {rate[0]:.3f} (α={a:.2f})"
         if best_spec is None:
             return f"off: plain {rate[0]:.3f} tok/ms (no speculative estimate)"
+        if rate[best_spec] > rate[0] * (1.0 + self.config.min_gain):
+            return self._unsure((DRAFT, best_spec), rate[best_spec], rate[0], ev)
         label = (f"draft useless (α={a:.2f})" if a < self.config.useless_alpha else
                  f"α={a:.2f} too low for its cost" if rate[best_spec] <= rate[0] else
                  f"α={a:.2f}, within {self._margin()} of plain")
@@ -753,7 +904,7 @@ class GoodputController:
             if self.config.proposers != (DRAFT,):
                 cands = self._candidates(ev)
                 warm = self._warm_up(s)
-                best = self._best(cands, ("plain", 0)) if cands and warm is None else None
+                best = self._best(cands, ("plain", 0), ev["rel_se"]) if cands and warm is None else None
                 return {
                     "key": key_str(*key), "workload": key[0], "sampling": key[1],
                     "gamma": best[1] if best else None, "proposer": best[0] if best and best[1] else None,
@@ -768,7 +919,7 @@ class GoodputController:
                     "by_batch": self._by_batch(s),
                     "last": dict(s.last),
                 }
-            best = self._best(rate, 0)
+            best = self._best(rate, 0, self._by_gamma(ev))
             best_spec = max((g for g in rate if g > 0), key=rate.get, default=None)
             why = self._why(ev, best, best_spec) if best is not None and 0 in rate else "warm-up"
             return {
@@ -784,24 +935,47 @@ class GoodputController:
                 "last": dict(s.last),
             }
 
-    def _best(self, rates: dict, plain_key):
+    def _best(self, rates: dict, plain_key, rse: dict | None = None):
         """The key of the highest rate in ``rates`` (tokens per ms; None when empty), except that
         plain decoding (``plain_key``) stands unless the best beats it by more than
-        ``config.min_gain``."""
+        ``config.min_gain`` with its confidence bound above plain (:meth:`_pays`; ``rse``: each
+        key's relative standard error, as ``rates``)."""
         if not rates:
             return None
         best = max(rates, key=rates.get)
         plain = rates.get(plain_key, math.nan)
-        if best != plain_key and plain == plain and not self._pays(rates[best], plain):
+        if best != plain_key and plain == plain and not self._pays(rates[best], plain, self._ratio_rse(rse, best, plain_key)):
             return plain_key
         return best
+
+    @staticmethod
+    def _by_gamma(ev: dict[str, Any]) -> dict[int, float]:
+        """The draft's relative standard errors by γ (0: plain decoding), as ``ev["rate"]``."""
+        return {(0 if n == "plain" else g): r for (n, g), r in ev["rel_se"].items() if n in ("plain", DRAFT)}
+
+    @staticmethod
+    def _ratio_rse(rse: dict | None, key, plain_key) -> float:
+        """The relative standard error of rate[key] / rate[plain_key] (0 without ``rse``)."""
+        if rse is None:
+            return 0.0
+        return math.hypot(rse.get(key, math.inf), rse.get(plain_key, math.inf))
+
+    def _z(self) -> float:
+        return NormalDist().inv_cdf(self.config.confidence)
 
     def _margin(self) -> str:
         return f"the {self.config.min_gain:.0%} margin (min_gain)"
 
-    def _pays(self, rate: float, plain: float) -> bool:
-        """``rate`` beats ``plain`` (tokens per ms) by more than ``config.min_gain``."""
-        return rate > plain * (1.0 + self.config.min_gain)
+    def _lower(self, rate: float, plain: float, rse: float) -> float:
+        """The one-sided ``config.confidence`` lower bound of rate / plain: ratio x exp(-z rse)."""
+        return rate / plain * math.exp(-self._z() * rse) if plain > 0 else math.nan
+
+    def _pays(self, rate: float, plain: float, rse: float = 0.0) -> bool:
+        """``rate`` beats ``plain`` (tokens per ms) by more than ``config.min_gain``, and the lower
+        confidence bound of their ratio (``rse``: its relative standard error) is above 1."""
+        if not rate > plain * (1.0 + self.config.min_gain):
+            return False
+        return self._z() == 0 or self._lower(rate, plain, rse) > 1.0
 
     def _best_gamma_for(self, ev: dict[str, Any], proposer: str, cap: int) -> int | None:
         """The best γ in 1..``cap`` of ``proposer`` in an evaluation, 0 where plain decoding beats
@@ -812,7 +986,7 @@ class GoodputController:
         if plain != plain or not rates:
             return None
         g = max(rates, key=rates.get)
-        return g if self._pays(rates[g], plain) else 0
+        return g if self._pays(rates[g], plain, self._ratio_rse(ev.get("rel_se"), (proposer, g), ("plain", 0))) else 0
 
     def after_warm_up(self, key: Key, proposer: str | None, gamma: int) -> tuple[int, str, bool] | None:
         """What the rest of a warm-up request of ``key`` runs at once the configuration it
@@ -868,7 +1042,7 @@ class GoodputController:
         ev1 = self._evaluate(s, 1)
         cands1 = self._candidates(ev1)
         warm = self._warm_up(s) if c.proposers != (DRAFT,) else None
-        best1 = self._best(cands1, ("plain", 0)) if cands1 and 0 in ev1["rate"] and warm is None else None
+        best1 = self._best(cands1, ("plain", 0), ev1["rel_se"]) if cands1 and 0 in ev1["rate"] and warm is None else None
         names = list(self.offered())
         caps = {n: self._best_gamma_for(ev1, n, c.gamma_max) for n in names}
         out: dict[int, dict[str, Any]] = {}
@@ -912,6 +1086,14 @@ class GoodputController:
         return {key_str(*k): self.decision(k) for k in list(self._keys)}
 
 
+_request_ids = itertools.count(1)
+
+
+def new_request_id() -> int:
+    """A fresh id for :meth:`GoodputController.observe`'s ``request`` (unique in the process)."""
+    return next(_request_ids)
+
+
 class ControlledGamma:
     """The :class:`decoder.speculative.GammaPolicy` of one request under a GoodputController.
 
@@ -923,6 +1105,7 @@ class ControlledGamma:
 
     def __init__(self, controller: GoodputController, key: Key):
         self.controller, self.key = controller, key
+        self.request_id = next(_request_ids)  # its steps' unit in the acceptance's per-request spread
         self._gamma: int | None = None
         self._asked: float | None = None  # clock at the last gamma() call (a step starts there)
         self._modelled: float | None = None  # draft_ms + verify_ms of the step just updated
@@ -1001,7 +1184,8 @@ class ControlledGamma:
         self._modelled = step.draft_ms + step.verify_ms
         self.controller.observe(self.key, step, proposer=self.proposer_name() or DEFAULT_PROPOSER,
                                 asked=step.asked if step.asked is not None else self._gamma,
-                                batch=last_fused_size(), first=not self._updated, total=last_fused_rows())
+                                batch=last_fused_size(), first=not self._updated, total=last_fused_rows(),
+                                request=self.request_id)
         self._updated = self._updated or bool(step.asked or step.proposed)
 
     def describe(self) -> str:

@@ -50,7 +50,7 @@ from typing import Any
 import structlog
 
 from decoder.batching import STEP_TOKEN_BUDGET, StepScheduler
-from decoder.control import ControllerConfig, GoodputController, batch_sizes_up_to
+from decoder.control import ControllerConfig, GoodputController, batch_sizes_up_to, new_request_id
 from decoder.engines.base import forward_router, last_fused_rows, last_fused_size, supports
 from decoder.rollback import RollbackMonitor
 from decoder.shift import key_str
@@ -174,6 +174,7 @@ class _ObservedGamma(FixedGamma):
     def __init__(self, controller: GoodputController, key, value: int, proposer: str = DEFAULT_PROPOSER, why: str = "seeded"):
         super().__init__(value)
         self.controller, self.key, self.proposer, self.why = controller, key, proposer, why
+        self.request_id = new_request_id()
 
     def proposer_name(self) -> str:
         return self.proposer
@@ -181,7 +182,8 @@ class _ObservedGamma(FixedGamma):
     def update(self, step) -> None:
         self.controller.observe(self.key, step, proposer=self.proposer,
                                 asked=step.asked if step.asked is not None else self.value, batch=last_fused_size(),
-                                first=not getattr(self, "_updated", False), total=last_fused_rows())
+                                first=not getattr(self, "_updated", False), total=last_fused_rows(),
+                                request=self.request_id)
         self._updated = getattr(self, "_updated", False) or bool(step.asked or step.proposed)
 
     def describe(self) -> str:

@@ -43,10 +43,12 @@ def cost_of(t, rows=range(1, 6), fused=None) -> StepCost:
 
 
 def warmed(cost: StepCost | None, t=t_cheap_rows, sizes=(1, 2, 4, 8)) -> GoodputController:
-    """A controller whose key has measured α = 0.8, free proposals and verify ms t(γ + 1) at γ = 0..4."""
+    """A controller whose key has measured α = 0.8, free proposals and verify ms t(γ + 1) at γ = 0..4,
+    each three times alike (so the confidence bound of ControllerConfig.confidence is the estimate)."""
     ctl = GoodputController(ControllerConfig(min_steps=1, batch_sizes=sizes), step_cost=cost)
-    for g in range(5):
-        ctl.observe(KEY, StepStats(g, 0, 1, -1 if g == 0 else 0, ALPHA * g, 0.0, t(g + 1)))
+    for _ in range(3):
+        for g in range(5):
+            ctl.observe(KEY, StepStats(g, 0, 1, -1 if g == 0 else 0, ALPHA * g, 0.0, t(g + 1)))
     return ctl
 
 
@@ -217,8 +219,9 @@ def test_status_reports_the_decision_per_batch_size(tok, target, other_draft):
     loop = ServingLoop(dec, config=LoopConfig(max_batch=4))
     assert loop.controller.step_cost is dec.step_cost and loop.controller.config.batch_sizes == (1, 2, 4)
     loop.controller.config.min_steps = 1
-    for g in range(5):
-        loop.controller.observe(KEY, StepStats(g, 0, 1, -1 if g == 0 else 0, ALPHA * g, 0.0, t_cheap_rows(g + 1)))
+    for _ in range(3):  # three alike: the estimates are certain
+        for g in range(5):
+            loop.controller.observe(KEY, StepStats(g, 0, 1, -1 if g == 0 else 0, ALPHA * g, 0.0, t_cheap_rows(g + 1)))
     sp = loop.status()["speculation"]["prose@greedy"]
     assert {b: (v["on"], v["gamma"]) for b, v in sp["by_batch"].items()} == {"1": (True, 4), "2": (True, 3),
                                                                            "4": (False, 0)}
