@@ -103,7 +103,7 @@ class DemoConfig:
     copy_ablation: bool = True
     # requests per workload that measure step costs again once the trainer has stopped, before the
     # evaluation asks the controller for its picks (_remeasure); 0: the picks priced beside the trainer
-    remeasure_requests: int = 4
+    remeasure_requests: int = 8
     seed: int = 0
     out_dir: Path = field(default_factory=lambda: Path("out/demo"))
 

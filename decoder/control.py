@@ -772,6 +772,13 @@ class GoodputController:
                         choice = others[(s.requests // c.probe_every) % len(others)]
                         probe = True
                         why = f"probe: {choice[0]} γ={choice[1]} (every {c.probe_every} requests); " + why
+                elif best[1] == 0 and s.requests % 2 == 0:
+                    unsure = self._unsure_candidate(s, cands, ev)
+                    if unsure is not None:
+                        choice, probe = unsure, True
+                        why = (f"probe: {unsure[0]} γ={unsure[1]}, ahead of plain but not yet beyond its confidence "
+                               f"bound: measured every other request until it is ({s.clusters[unsure[0]].count()} "
+                               f"requests so far); " + why)
             name, gamma = choice
             decision = {
                 "key": key_str(*key),
@@ -792,6 +799,23 @@ class GoodputController:
             }
             s.last = decision
             return gamma, decision
+
+    def _unsure_candidate(self, s: _KeyState, cands: dict[tuple[str, int], float], ev: dict[str, Any]
+                          ) -> tuple[str, int] | None:
+        """The best speculative candidate when its rate beats plain decoding's by more than
+        ``min_gain`` but its confidence bound does not clear plain (:meth:`_pays`), while fewer
+        than a full window of its requests (:class:`_Clusters`) is measured: a proposer that
+        looks better is measured again every other request (for ``min_steps`` steps, as a
+        probe) until the bound says, instead of once every ``probe_every`` requests. Else None."""
+        plain = cands.get(("plain", 0), math.nan)
+        spec = [k for k in cands if k[1] > 0 and cands[k] == cands[k]]
+        if plain != plain or not spec:
+            return None
+        top = max(spec, key=cands.get)
+        clusters = s.clusters.get(top[0])
+        if not cands[top] > plain * (1.0 + self.config.min_gain) or (clusters is not None and clusters.count() >= clusters.keep):
+            return None
+        return top
 
     def _one_warm_up(self, s: _KeyState, choice: tuple[tuple[str, int], str], policy: Any
                      ) -> tuple[tuple[str, int], str] | None:

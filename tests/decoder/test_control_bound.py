@@ -130,3 +130,18 @@ def test_noisy_step_costs_widen_the_bound_too():
 def test_confidence_must_be_a_fraction_from_one_half(bad):
     with pytest.raises(ValueError, match="confidence=.*must lie in \\[0.5, 1\\)"):
         ControllerConfig(confidence=bad)
+
+
+def test_a_candidate_ahead_but_unsure_is_measured_every_other_request_until_its_window_is_full():
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), min_steps=1))
+    _serve(ctl, 4)
+    picks = [ctl._choose(KEY)[1] for _ in range(4)]  # requests 1..4 of the key
+    assert [p["gamma"] > 0 for p in picks] == [False, True, False, True]
+    assert picks[1]["probe"] and picks[1]["proposer"] == "ngram"
+    assert "not yet beyond its confidence bound" in picks[1]["why"] and "(4 requests so far)" in picks[1]["why"]
+    # a full window (32 requests) whose bound still does not clear plain: back to probe_every
+    full = GoodputController(ControllerConfig(proposers=("ngram",), min_steps=1))
+    _serve(full, 32, step_ms=14.0)  # 1.5 / 14 = 0.107 tokens per ms: 1.07x plain, inside its bound
+    d = full.decision(KEY)
+    assert d["gamma"] == 0 and "lower bound" in d["why"]
+    assert [full._choose(KEY)[1]["gamma"] for _ in range(4)] == [0, 0, 0, 0]
