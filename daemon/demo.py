@@ -1659,6 +1659,22 @@ def _lossless_summary(report: dict) -> str | None:
                if k_n else ""))
 
 
+def _adapters_serving(report: dict) -> str:
+    """What serves each workload at the run's end, for the closing line. With per-workload adapters
+    (``workload_adapters``) each workload's own scope serves it and the shared scope's version
+    (``active_adapter``, the bootstrap in the demo) only a workload without a promoted one of its own:
+    naming the shared one alone read as if it served every workload."""
+    own = {w: v for w, v in (report.get("workload_adapters") or {}).items() if v}
+    shared = report.get("active_adapter") or 0
+    phases = [r["workload"] for r in report.get("phases") or [] if r.get("workload")]
+    if not own and not (report.get("config") or {}).get("per_workload"):
+        return f"adapter serving every workload (the shared scope): v{shared}"
+    order = phases + sorted(w for w in own if w not in phases)
+    each = ", ".join(f"{w} v{own[w]}" if w in own else f"{w} the shared v{shared}" for w in order) or "none promoted"
+    return (f"adapters serving, each workload's own scope: {each}; the shared scope's v{shared} serves "
+            f"any workload without one of its own")
+
+
 def _recovery_and_footer(report: dict, console) -> None:
     """Recovery after each shift, the engine ceiling, and how to inspect the run."""
     from rich.table import Table
@@ -1695,10 +1711,8 @@ def _recovery_and_footer(report: dict, console) -> None:
     lossless = _lossless_summary(report)
     if lossless:
         console.print(lossless)
-    own = report.get("workload_adapters") or {}
-    console.print(f"requests served: {report['requests']}, active adapter: v{report['active_adapter']}"
-                  + (f" (per workload: {', '.join(f'{w} v{v}' for w, v in sorted(own.items()) if v) or 'none promoted'})" if own else "")
-                  + f", seconds: {report['seconds']}, plot: {report.get('plot')}")
+    console.print(f"requests served: {report['requests']}, {_adapters_serving(report)}"
+                  f", seconds: {report['seconds']}, plot: {report.get('plot')}")
     console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; .venv/bin/daemonctl status; "
                   f".venv/bin/daemonctl history --plot {Path(report.get('plot') or 'out/demo/acceptance.png').with_name('history.png')}"
                   + ("; .venv/bin/daemonctl heads list" if report.get("heads") else ""))

@@ -351,3 +351,26 @@ def test_the_stopped_trainers_engine_ceiling_is_the_one_the_picks_were_priced_on
             "a verification of 2 rows cost 1.81 plain steps") in text
     assert "at most 1.30x plain (γ=2, of γ=1-2 measured); a verification of 2 rows cost 1.68 plain steps" in text
     assert "0.90x" not in text  # the run's last costs stay in report.json only
+
+
+def test_the_closing_line_names_what_serves_each_workload_not_the_shared_version_alone():
+    """The walkthrough at 5e6c1fe read "active adapter: v1" beside per-workload v2, v13, v15, v18:
+    v1, the shared scope's bootstrap, served none of the four phases' workloads. The closing line
+    names each workload's own version, in phase order, and says what the shared one serves."""
+    phases = [_phase(w, 10, 0) for w in ("prose", "code", "math", "extract")]
+    base = {"phases": phases, "adapters": [], "recovery": [], "requests": 40, "active_adapter": 1, "seconds": 1.0,
+            "key_prefix": "draftd:demo:"}
+    out = io.StringIO()
+    print_report(base | {"workload_adapters": {"code": 13, "extract": 18, "math": 15, "prose": 2},
+                         "config": {"per_workload": True}}, Console(file=out, width=400))
+    text = out.getvalue()
+    assert ("adapters serving, each workload's own scope: prose v2, code v13, math v15, extract v18; the shared "
+            "scope's v1 serves any workload without one of its own") in text, text
+    assert "active adapter: v1" not in text
+    out = io.StringIO()  # code never promoted its own: the shared version serves it, said so
+    print_report(base | {"workload_adapters": {"prose": 2, "code": 0}, "config": {"per_workload": True}},
+                 Console(file=out, width=400))
+    assert "prose v2, code the shared v1, math the shared v1, extract the shared v1;" in out.getvalue()
+    out = io.StringIO()  # one shared adapter (--shared-adapter): it serves every workload
+    print_report(base | {"active_adapter": 7, "config": {"per_workload": False}}, Console(file=out, width=400))
+    assert "adapter serving every workload (the shared scope): v7" in out.getvalue()
