@@ -539,7 +539,7 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                                             loop.heads))
             shift.update(seconds=round(time.time() - start, 1), wall_seconds=round(time.time() - began, 1), ended=why, requests=i,
                          turns=_workload_turns(svc, phase))
-            console.log(f"{phase} ended after {shift['seconds']:.0f} s and {i} requests: {why}")  # live, not only in the summary
+            console.log(f"{phase} ended after {_served_for(shift)} and {i} requests: {why}")  # live, not only in the summary
             traffic.phase_end_version[phase] = loop.decoder.adapter_version
             if loop.heads is not None:
                 traffic.phase_end_head[phase] = loop.heads.route(phase)
@@ -1426,16 +1426,24 @@ def print_report(report: dict, console) -> None:
     _recovery_and_footer(report, console)
 
 
+def _served_for(shift: dict) -> str:
+    """How long a phase (a ``shifts`` entry) served: its seconds, and where its traffic began before
+    its clock (the first phase serves from the first second, its clock starts at v0's arrival:
+    ``wall_seconds`` against ``seconds``) both, so "ended after 120 s" never stands for 212 s of traffic."""
+    wall, s = shift.get("wall_seconds"), shift["seconds"]
+    if wall is None or wall - s <= 1:
+        return f"{s:.0f} s"
+    return (f"{wall:.0f} s of traffic, {s:.0f} s of them on the phase's clock (it starts at v0's arrival; "
+            f"the {wall - s:.0f} s before served while v0 bootstrapped)")
+
+
 def _phase_lengths(report: dict, console) -> None:
     """How long each phase served and why it ended (``_phase_progress``: its seconds, its
     adapter's judged turns, or the cap)."""
     for sh in report.get("shifts") or []:
         if "seconds" in sh:
             t = sh.get("turns") or {}
-            wall = sh.get("wall_seconds")
-            since = (f"served {sh['seconds']:.0f} s after v0 ({wall:.0f} s in all)"
-                     if wall is not None and wall - sh["seconds"] > 1 else f"served {sh['seconds']:.0f} s")
-            console.print(f"{sh['workload']}: {since}, {sh.get('requests', '?')} requests, "
+            console.print(f"{sh['workload']}: served {_served_for(sh)}, {sh.get('requests', '?')} requests, "
                           f"{t.get('turns', 0)} turns of its adapter ({t.get('judged', 0)} judged, "
                           f"{t.get('promoted', 0)} promoted); ended: {sh.get('ended')}")
 
@@ -1575,6 +1583,19 @@ def _version_name(version: int | None, row: dict, pe: dict | None = None) -> str
     return f"v{version}"
 
 
+def _adapted_row_is(row: dict, pe: dict) -> str:
+    """Which version the table's adapted row decoded, beside the phase-end learner ``pe``: the final
+    adapter serving the workload (``final_adapter``), which may have been promoted after the phase
+    ended (code's v13 beside its phase-end v10 read as a contradiction when left unnamed)."""
+    final = row.get("final_adapter")
+    if final is None:
+        return "the table's adapted row is the final adapter serving the workload"
+    if final == pe["version"]:
+        return "the table's adapted row is this same version, the final one serving the workload"
+    return (f"the table's adapted row is the final adapter serving the workload, "
+            f"{_version_name(final, row)}, which became active after the phase ended")
+
+
 def _phase_notes(report: dict, console) -> None:
     """Per phase: the controller's reason, the learner at the phase end, each version's verdict, repeats."""
     for r in report["phases"]:
@@ -1584,13 +1605,13 @@ def _phase_notes(report: dict, console) -> None:
             who = _version_name(pe["version"], r, pe)
             console.print(f"  {r['workload']}: at its phase's end the learner was still {who}: "
                           f"no version of its own was promoted in its phase (decoded α {_cell(pe['before'])}); "
-                          f"the table's adapted row is the final adapter serving the workload")
+                          f"{_adapted_row_is(r, pe)}")
         elif pe:
             moved = ("lowered" if pe.get("high") is not None and pe["high"] < 0 else
                      "raised" if pe.get("low") is not None and pe["low"] > 0 else "not measurably changed")
             console.print(f"  {r['workload']}: at its phase's end the learner (v{pe['version']}) had {moved} decoded α "
                           f"{_cell(pe['before'])} -> {_cell(pe['after'])} ({_cell(pe['gain'])}, CI [{_cell(pe['low'])}, {_cell(pe['high'])}]); "
-                          f"the table's adapted row is the final adapter serving the workload")
+                          f"{_adapted_row_is(r, pe)}")
         for v in r.get("versions") or []:
             verdict = ("LOWERED decoded α" if v["lowered"] else
                        "no measured change in decoded α" if v["low"] is not None and v["low"] <= 0 else "raised decoded α")

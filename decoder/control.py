@@ -595,6 +595,7 @@ class GoodputController:
                 out[(DRAFT, g)] = math.hypot(tokens_rse(DRAFT, s.alpha.rel_se()), cost)
         for name, rates in others.items():
             m = s.lengths[name]
+            spread = tokens_rse(name, math.nan)  # nan: fewer than 2 requests, the per-step error below
             for g in rates:
                 e = m.step_ms.get(g)
                 if e is not None and e.n:
@@ -603,7 +604,7 @@ class GoodputController:
                     cost = combine((m.draft_ms.value, m.draft_ms.rel_se()), (self._verify_cost(s, g), verify_rse(g)))
                 ge = [x for x in m.ge[:g] if x.n]
                 per_step = (math.sqrt(sum(x.se() ** 2 for x in ge)) / m.tokens_per_step(g)) if ge else math.inf
-                out[(name, g)] = math.hypot(tokens_rse(name, per_step), cost)
+                out[(name, g)] = math.hypot(per_step if spread != spread else spread, cost)
         return out
 
     @staticmethod
