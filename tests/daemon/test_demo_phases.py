@@ -103,12 +103,13 @@ def test_the_report_says_how_long_each_phase_served_and_why_it_ended():
          "ended": "phase_max_seconds 360 s reached", "turns": {"turns": 1, "judged": 0, "promoted": 0}},
     ]}
     out = io.StringIO()
-    _phase_lengths(report, Console(file=out, width=200))
+    _phase_lengths(report, Console(file=out, width=400))
     assert out.getvalue().splitlines() == [
         "prose: served 131 s, 40 requests, 3 turns of its adapter (2 judged, 1 promoted); ended: 120 s served "
         "and 2 judged turns of its adapter (1 promoted)",
         # the first phase serves from the first request, its clock from v0: both said
-        "math: served 122 s after v0 (237 s in all), 383 requests, 1 turns of its adapter (0 judged, 0 promoted); "
+        "math: served 237 s of traffic, 122 s of them on the phase's clock (it starts at v0's arrival; the 115 s "
+        "before served while v0 bootstrapped), 383 requests, 1 turns of its adapter (0 judged, 0 promoted); "
         "ended: phase_max_seconds 360 s reached"]
 
 
@@ -323,6 +324,13 @@ def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
     assert waits == [6.0, 6.0, 6.0]  # 3x each 2-s request, then no more waiting once v0 is ready
     assert "while v0 bootstraps, the demo's client waits between requests (serving at most 25% of the time)" in screen.getvalue()
     assert traffic.shifts[0]["ended"] == "10 s served"
+    # the console's live line says both lengths (the walkthrough read "prose ended after 120 s" after
+    # 212 s of prose traffic): the requests served before v0's clock started
+    sh = traffic.shifts[0]
+    assert sh["wall_seconds"] - sh["seconds"] > 1, sh  # the case the line is for
+    assert (f"prose ended after {sh['wall_seconds']:.0f} s of traffic, {sh['seconds']:.0f} s of them on the phase's "
+            f"clock (it starts at v0's arrival; the {sh['wall_seconds'] - sh['seconds']:.0f} s before served while v0 "
+            f"bootstrapped) and {sh['requests']} requests: 10 s served") in screen.getvalue(), screen.getvalue()
     # duty 1: no waiting while v0 bootstraps
     waits.clear()
     trainer.ready = _Ready()

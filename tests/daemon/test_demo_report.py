@@ -108,10 +108,20 @@ def test_the_phase_end_learner_is_measured_against_v0_and_reported():
     assert set(runs) == {1, 5} and runs[5] == per["adapted_draft"]
     phase = _phase("prose", 10, 0)
     phase["phase_end_gain_ci"] = {"version": 3, "before": 0.2, "after": 0.3, "gain": 0.1, "low": 0.05, "high": 0.15}
+    phase["final_adapter"] = 5
     out = io.StringIO()
     print_report({"phases": [phase], "adapters": [], "recovery": [], "requests": 10, "active_adapter": 5, "seconds": 1.0,
                   "key_prefix": "draftd:demo:"}, Console(file=out, width=250))
     assert "at its phase's end the learner (v3) had raised decoded α" in out.getvalue()
+    # the table's adapted row is named when it is a later version (walkthrough at 5e6c1fe: code's
+    # phase-end v10 beside the table's v13, promoted later), and said to be the same one otherwise
+    text = " ".join(out.getvalue().split())
+    assert "the table's adapted row is the final adapter serving the workload, v5, which became active after the phase ended" in text
+    phase.update(final_adapter=3)
+    out = io.StringIO()
+    print_report({"phases": [phase], "adapters": [], "recovery": [], "requests": 10, "active_adapter": 3, "seconds": 1.0,
+                  "key_prefix": "draftd:demo:"}, Console(file=out, width=250))
+    assert "the table's adapted row is this same version, the final one serving the workload" in " ".join(out.getvalue().split())
 
 
 def test_a_phase_that_ended_on_the_bootstrap_calls_it_the_bootstrap():
