@@ -536,7 +536,8 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                 i += 1
                 timeline.append(row)
                 live.update(_progress_table(timeline, phase, svc, loop.manager, loop.controller, (phase, params.bucket()),
-                                            loop.heads))
+                                            loop.heads), _progress_line(timeline, phase, i, now - began))
+            live.phase_end()  # off a terminal: the phase's last table, once
             shift.update(seconds=round(time.time() - start, 1), wall_seconds=round(time.time() - began, 1), ended=why, requests=i,
                          turns=_workload_turns(svc, phase))
             console.log(f"{phase} ended after {_served_for(shift)} and {i} requests: {why}")  # live, not only in the summary
@@ -590,31 +591,66 @@ def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float, rows=(
 
 
 class _Snapshots:
-    """The live table where rich's ``Live`` cannot redraw (a log file or a pipe: it would print
-    nothing until the end): the table printed whole at the first update, then at most once every
-    ``every_s`` seconds (wall)."""
+    """The live table where rich's ``Live`` cannot redraw (a log file or a pipe): a full table at
+    every update wrote 10 tables (52 KB) into one quick demo's log. Here each update keeps the
+    table and prints its one-line summary at most once every ``every_s`` seconds (wall); the table
+    itself is printed once, at each phase's end (:meth:`phase_end`)."""
 
     def __init__(self, console, every_s: float = 60.0):
         self.console, self.every_s = console, every_s
         self._last = float("-inf")
+        self._table = None
 
-    def update(self, table) -> None:
+    def update(self, table, line: str = "") -> None:
+        """Keep ``table`` for the phase's end; print ``line`` if ``every_s`` passed since the last one."""
+        self._table = table
         now = time.monotonic()
-        if now - self._last >= self.every_s:
-            self.console.print(table)
+        if line and now - self._last >= self.every_s:
+            self.console.log(line)
             self._last = now
+
+    def phase_end(self) -> None:
+        """Print the last table kept, once."""
+        if self._table is not None:
+            self.console.print(self._table)
+            self._table = None
+
+
+class _TerminalLive:
+    """rich's ``Live`` behind :class:`_Snapshots`'s methods: the table redrawn in place, no line."""
+
+    def __init__(self, live):
+        self.live = live
+
+    def update(self, table, line: str = "") -> None:
+        self.live.update(table)
+
+    def phase_end(self) -> None:
+        pass
 
 
 @contextlib.contextmanager
 def _live(console, every_s: float = 60.0):
-    """rich's ``Live`` on a terminal, else :class:`_Snapshots`; yields an object with ``update(table)``."""
+    """:class:`_TerminalLive` on a terminal, else :class:`_Snapshots`: an object with
+    ``update(table, line)`` and ``phase_end()``."""
     if console.is_terminal:
         from rich.live import Live
 
         with Live(console=console, refresh_per_second=2, transient=False) as live:
-            yield live
+            yield _TerminalLive(live)
     else:
         yield _Snapshots(console, every_s)
+
+
+def _progress_line(timeline, phase: str, requests: int, seconds: float) -> str:
+    """The live table's gist in one line (the log's progress off a terminal): the phase's requests
+    and seconds so far, its rolling α and tokens/s (:func:`_recent`), the version serving it."""
+    spec, recent, alpha, tau, tps = _recent(timeline, phase)
+    v = recent[-1].get("adapter_version") if recent else None
+    return (f"{phase}: {requests} requests in {seconds:.0f} s; last {len(recent)}: "
+            + (f"α {alpha:.3f}, τ {tau:.2f} ({len(spec)} speculated)" if alpha is not None and tau is not None
+               else "plain decoding")
+            + (f", {tps:.1f} tokens/s" if tps is not None else "") + (f"; serving v{v}" if v is not None else ""))
 
 
 def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: int, t0: float) -> dict:
@@ -1309,22 +1345,29 @@ def _brief(reason, n: int = 160) -> str:
     return text[: cut if cut > 0 else n].rstrip(" :;,") + " …"
 
 
+def _recent(timeline, phase: str, k: int = 12) -> tuple[list, list, float | None, float | None, float | None]:
+    """Of the last ``k`` requests, ``phase``'s (``recent``) and those that speculated (``spec``, a
+    probe too), with the mean α and τ of ``spec`` and the mean tokens/s of ``recent`` (None: none)."""
+    recent = [r for r in timeline[-k:] if r.get("workload") == phase]
+    spec = [r for r in recent if r.get("alpha") is not None]
+    taus = [r["tau"] for r in spec if r["tau"] is not None]
+    tps = [r["tokens_per_s"] for r in recent if r.get("tokens_per_s") is not None]
+    return (spec, recent, sum(r["alpha"] for r in spec) / len(spec) if spec else None,
+            sum(taus) / len(taus) if taus else None, sum(tps) / len(tps) if tps else None)
+
+
 def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
     from rich.table import Table
 
-    recent = [r for r in timeline[-12:] if r["workload"] == phase]
-    spec = [r for r in recent if r["alpha"] is not None]  # α and τ of the requests that speculated (a probe too)
-    alphas = [r["alpha"] for r in spec]
-    taus = [r["tau"] for r in spec if r["tau"] is not None]
-    tps = [r["tokens_per_s"] for r in recent if r.get("tokens_per_s") is not None]
+    spec, recent, alpha, tau, tps = _recent(timeline, phase)
     st = svc.status()
     last = st.get("last_round") or {}
     t = Table(title="draftd demo (live)", show_header=False)
     t.add_row("requests done", str(len(timeline)))
     t.add_row("current workload", phase)
     t.add_row(f"rolling α, τ ({len(spec)} of the last {len(recent)} speculated)",
-              f"{sum(alphas) / len(alphas):.3f}, {sum(taus) / len(taus):.2f}" if alphas and taus else "- (plain decoding)")
-    t.add_row("rolling tokens/s", f"{sum(tps) / len(tps):.2f}" if tps else "-")
+              f"{alpha:.3f}, {tau:.2f}" if alpha is not None and tau is not None else "- (plain decoding)")
+    t.add_row("rolling tokens/s", f"{tps:.2f}" if tps is not None else "-")
     ms = manager.status()
     routes = {w: v for w, v in (ms.get("routes") or {}).items() if w and v}
     t.add_row("active adapter", f"v{ms.get('active_version', 0)}"

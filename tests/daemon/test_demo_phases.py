@@ -356,3 +356,38 @@ def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="phase_min_served=.*must be an int >= 0"):
             DemoConfig.quick(phase_min_served=bad)
+
+
+def test_off_a_terminal_serving_prints_each_phases_last_table_once(monkeypatch):
+    """Written to a file, the phases' live table is printed once per phase, the phase's last one (the
+    walkthrough's log held 10 full tables); the requests counted in its title show which."""
+    import io
+    import re
+    import types
+
+    from rich.console import Console
+    from rich.table import Table
+
+    import daemon.demo as demo
+
+    clock = _Clock()
+    monkeypatch.setattr(demo, "time", clock)
+    monkeypatch.setattr(demo, "_serve_one", lambda *a, **k: {"t": 0.0})
+    def table(timeline, *a, **k):
+        t = Table(title=f"after-{len(timeline)}")
+        t.add_column("requests")
+        t.add_row(str(len(timeline)))
+        return t
+
+    monkeypatch.setattr(demo, "_progress_table", table)
+    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
+    loop = types.SimpleNamespace(manager=None, controller=None, heads=None,
+                                 decoder=types.SimpleNamespace(adapter_version=0))
+    screen = io.StringIO()
+    cfg = DemoConfig.quick(phases=("code", "math"), phase_seconds=10.0, phase_min_judged=0)
+    traffic = demo._serve_phases(cfg, None, loop, None, "m", None, types.SimpleNamespace(bucket=lambda: "greedy"),
+                                 Console(file=screen, width=300), None)
+    text = screen.getvalue()
+    ends = [s["request"] + s["requests"] for s in traffic.shifts]
+    assert len(ends) == 2 and ends[0] > 1, traffic.shifts
+    assert re.findall(r"after-(\d+)", text) == [str(n) for n in ends], text

@@ -154,10 +154,11 @@ def test_a_phase_that_ended_on_the_bootstrap_calls_it_the_bootstrap():
     assert _version_name(3, {"v0_version": 1}) == "v3" and _version_name(1, {}) == "v1"
 
 
-def test_the_live_table_is_printed_in_snapshots_when_output_is_not_a_terminal(monkeypatch):
+def test_off_a_terminal_the_live_table_is_printed_once_a_phase_with_a_line_at_most_once_a_minute(monkeypatch):
     """A demo whose output went to a file or a pipe printed nothing for the serving phases (rich's
-    Live redraws only on a terminal): it prints the table at the first update, then at most once a
-    minute."""
+    Live redraws only on a terminal); then the whole table once a minute wrote 10 tables (52 KB)
+    into the 5e6c1fe walkthrough's log. Off a terminal each update's one-line summary is printed at
+    most once a minute, and the table once, the last one, at the phase's end."""
     from rich.table import Table
 
     import daemon.demo as demo
@@ -171,9 +172,26 @@ def test_the_live_table_is_printed_in_snapshots_when_output_is_not_a_terminal(mo
             t = Table(title=f"snapshot {i}")
             t.add_column("requests")
             t.add_row(str(i))
-            live.update(t)
+            live.update(t, f"line {i}")
+        live.phase_end()
+        live.phase_end()  # nothing new since: nothing printed
     text = out.getvalue()
-    assert [i for i in range(5) if f"snapshot {i}" in text] == [0, 3]
+    assert [i for i in range(5) if f"line {i}" in text] == [0, 3]
+    assert [i for i in range(5) if f"snapshot {i}" in text] == [4] and text.count("snapshot") == 1
+
+
+def test_the_one_line_progress_gives_the_phases_rolling_alpha_and_speed():
+    """Of the last 12 requests, the phase's: two speculated (α 0.5 and 0.7, τ 2 and 3), one plain;
+    tokens/s (9 + 11 + 10) / 3 = 10.0; the last served by v4. Another workload's rows are left out."""
+    from daemon.demo import _progress_line
+
+    tl = [{"workload": "code", "alpha": 0.1, "tau": 1.1, "tokens_per_s": 50.0, "adapter_version": 9},
+          {"workload": "prose", "alpha": 0.5, "tau": 2.0, "tokens_per_s": 9.0, "adapter_version": 2},
+          {"workload": "prose", "alpha": 0.7, "tau": 3.0, "tokens_per_s": 11.0, "adapter_version": 4},
+          {"workload": "prose", "alpha": None, "tau": 1.0, "tokens_per_s": 10.0, "adapter_version": 4}]
+    assert _progress_line(tl, "prose", 3, 42.4) == ("prose: 3 requests in 42 s; last 3: α 0.600, τ 2.50 (2 speculated), "
+                                                   "10.0 tokens/s; serving v4")
+    assert _progress_line(tl[:1] + tl[3:], "prose", 1, 5.0) == "prose: 1 requests in 5 s; last 1: plain decoding, 10.0 tokens/s; serving v4"
 
 
 def test_copy_channel_ablation_intervals_and_table():
