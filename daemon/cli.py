@@ -24,7 +24,8 @@ from rich.markup import escape
 
 from daemon.client import ApiClient, ApiError, DaemonDown, read_token
 from daemon.logging import configure, console
-from daemon.settings import ConfigError, distill_config, draft_vocab_ids, effective, load_settings, store_config
+from daemon.settings import (ConfigError, distill_config, draft_vocab_ids, effective, ensure_state_dir, load_settings,
+                             store_config)
 
 # Model, Redis, FastAPI and plotting code is imported inside the commands that use it, so that
 # `daemonctl status` loads no torch (tests/daemon/test_cli_imports.py).
@@ -92,6 +93,11 @@ def run(
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
     overrides: dict[str, Any] = {}
     s = _settings(config)
+    try:
+        ensure_state_dir(s)
+    except ConfigError as e:
+        err.print(f"[red]config error:[/] {e}")
+        raise typer.Exit(2) from e
     if no_models:
         overrides["models"] = s.models.model_copy(update={"enabled": False})
     if port is not None:

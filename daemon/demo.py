@@ -1854,11 +1854,12 @@ def register(app) -> None:
         PNG of acceptance over time. --quick takes about 13 minutes on 2 cores once v0 is cached (15-16
         with the first bootstrap on an AMX Xeon; longer on slower CPUs), the default about 25."""
         from daemon.logging import configure
-        from daemon.settings import ConfigError, load_settings
+        from daemon.settings import ConfigError, ensure_state_dir, load_settings
 
         console = Console(stderr=True)
         try:
             settings = load_settings(config)
+            ensure_state_dir(settings)
         except ConfigError as e:
             console.print(f"[red]config error:[/] {e}")
             raise typer.Exit(2) from e

@@ -1752,11 +1752,12 @@ def register(app) -> None:
         from rich.console import Console
 
         from daemon.logging import configure
-        from daemon.settings import ConfigError, load_settings
+        from daemon.settings import ConfigError, ensure_state_dir, load_settings
 
         console = Console(stderr=True)
         try:
             s = load_settings(config)
+            ensure_state_dir(s)
             upd = {}
             if host is not None:
                 upd["host"] = host

@@ -544,6 +544,23 @@ class Settings(BaseSettings):
         return f"http://{host}:{self.api.port}"
 
 
+def ensure_state_dir(settings: Settings) -> Path:
+    """Create ``settings.state_dir`` (and its parents) if missing, for the commands that keep state
+    (``daemonctl run``, ``serve``, ``demo``): a ``DRAFTD_STATE_DIR`` a user set is there once the command
+    starts, not only once something is first written into it. Returns the directory.
+
+    Raises:
+        ConfigError: it cannot be created (a file in the way, no permission); the message names it.
+    """
+    d = Path(settings.state_dir).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"state_dir {str(d)!r} cannot be created ({e.strerror or e}): set DRAFTD_STATE_DIR "
+                          f"(or state_dir in the config file) to a writable directory") from e
+    return d
+
+
 def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any) -> Settings:
     """Settings from ``overrides`` > environment > TOML (``config_file`` or ``$DRAFTD_CONFIG``) > defaults.
 
