@@ -1814,7 +1814,41 @@ def _run_and_report(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     print_report(report, console)
     if logged.warnings:
         console.print(f"{logged.warnings} warning(s) logged during the run, the last {logged.last!r}: see {log_path}")
+    note = _shift_alarms_note(report)
+    if note:
+        console.print(note)
     return report
+
+
+def _shift_alarms_note(report: dict) -> str | None:
+    """What the run's ``acceptance_shift`` warnings are and whether they matter, beside their count:
+    each alarm (``shift_alarms``) with its workload, proposer, α before and after, and where in its
+    phase it came (the timeline rows flagged ``shift_alarm`` against ``shifts``). None without alarms."""
+    alarms = report.get("shift_alarms") or []
+    if not alarms:
+        return None
+    timeline, shifts = report.get("timeline") or [], report.get("shifts") or []
+    where = []
+    for i, r in enumerate(timeline):
+        sh = next((s for s in reversed(shifts) if s.get("request", 0) <= i), None)
+        if r.get("shift_alarm") and sh is not None:
+            into = f", {r['t'] - sh['t']:.0f} s into its phase" if "t" in r and "t" in sh else ""
+            where.append(f" at request {i - sh['request'] + 1}" + (f" of {sh['requests']}" if sh.get("requests") else "") + into)
+    each = []
+    for k, a in enumerate(alarms):
+        key = a.get("key")
+        workload = key[0] if isinstance(key, (list, tuple)) and key else key
+        who = {"ngram": "the n-gram proposer's", "draft": "the draft's", None: "the draft's",
+               "eagle": "the EAGLE head's"}.get(a.get("proposer"), f"the {a.get('proposer')} proposer's")
+        each.append(f"{workload}, {who} α {a['reference_alpha']:.2f} -> {a['recent_alpha']:.2f}"
+                    + (where[k] if k < len(where) and len(where) == len(alarms) else ""))
+    return (f"{len(alarms)} acceptance_shift alarm(s), logged as warnings: the shift tracker's alarm (a Page-Hinkley test "
+            f"per workload and proposer) when a workload's windowed α drops below its running mean: {'; '.join(each)}. "
+            f"At or after a phase shift this is expected: the proposer met traffic it had not seen (new prompts, an "
+            f"n-gram history and a draft adapter not yet fitted to them), so its α moved off the level of its first "
+            f"requests. It calls for no action by itself: outputs stay those of plain decoding (the check above) and "
+            f"the controller prices each proposer on its measured α; an alarm far from any shift, or beside a "
+            f"rollback, is the one to look into")
 
 
 def register(app) -> None:

@@ -402,3 +402,25 @@ def test_the_closing_line_names_what_serves_each_workload_not_the_shared_version
     out = io.StringIO()  # one shared adapter (--shared-adapter): it serves every workload
     print_report(base | {"active_adapter": 7, "config": {"per_workload": False}}, Console(file=out, width=400))
     assert "adapter serving every workload (the shared scope): v7" in out.getvalue()
+
+
+def test_the_acceptance_shift_alarms_are_explained_beside_their_count():
+    """The 5e6c1fe walkthrough's 2 ``acceptance_shift`` warnings were pointed at with no word on
+    whether they mattered. The note says what the alarm is, names each (workload, proposer, α before
+    and after, where in its phase: requests 3 and 2 of phases starting at requests 0 and 4, at
+    t 5.7 - 0 and 9.0 - 7.0 s), and that after a phase shift it is expected."""
+    from daemon.demo import _shift_alarms_note
+
+    assert _shift_alarms_note({"shift_alarms": []}) is None
+    timeline = [{"t": t, "shift_alarm": t in (5.7, 9.0)} for t in (1.0, 2.0, 5.7, 6.0, 7.5, 9.0, 10.0)]
+    report = {"shift_alarms": [
+        {"key": ("math", "greedy"), "proposer": "ngram", "reference_alpha": 0.712, "recent_alpha": 0.514},
+        {"key": ["extract", "greedy"], "proposer": "draft", "reference_alpha": 0.79, "recent_alpha": 0.557}],  # from JSON
+        "shifts": [{"t": 0.0, "request": 0, "workload": "math", "requests": 4},
+                   {"t": 7.0, "request": 4, "workload": "extract", "requests": 3}], "timeline": timeline}
+    text = _shift_alarms_note(report)
+    assert text.startswith("2 acceptance_shift alarm(s), logged as warnings: the shift tracker's alarm"), text
+    assert "when a workload's windowed α drops below its running mean" in text
+    assert ("math, the n-gram proposer's α 0.71 -> 0.51 at request 3 of 4, 6 s into its phase; "
+            "extract, the draft's α 0.79 -> 0.56 at request 2 of 3, 2 s into its phase.") in text, text
+    assert "At or after a phase shift this is expected: the proposer met traffic it had not seen" in text

@@ -151,7 +151,8 @@ def run_demo(settings, cfg, console):
     for _ in range(2):
         structlog.get_logger("decoder.tracking").warning("acceptance_shift", key="code@greedy", recent_alpha=0.1)
     return {"phases": [phase], "adapters": [], "recovery": [], "requests": 2, "active_adapter": 1, "seconds": 1.0,
-            "key_prefix": "x:demo:"}
+            "key_prefix": "x:demo:", "shift_alarms": [{"key": ("code", "greedy"), "proposer": "ngram",
+                                                      "reference_alpha": 0.6, "recent_alpha": 0.1}] * 2}
 demo.run_demo = run_demo
 screen = io.StringIO()
 demo._run_and_report(None, demo.DemoConfig.quick(out_dir=OUT), Console(file=screen, width=300))
@@ -169,6 +170,10 @@ def test_the_demo_sends_its_warnings_to_its_log_file_and_counts_them(tmp_path):
     assert "acceptance_shift" not in r.stderr, r.stderr
     assert f"log messages of this run (warnings and above) go to {out / 'demo.log'}" in screen
     assert f"2 warning(s) logged during the run, the last 'acceptance_shift': see {out / 'demo.log'}" in screen, screen
+    # beside the count, what the alarms are and whether they matter
+    note = " ".join(screen[screen.index("2 warning(s) logged"):].split())
+    assert "2 acceptance_shift alarm(s), logged as warnings: the shift tracker's alarm" in note, screen
+    assert "code, the n-gram proposer's α 0.60 -> 0.10" in note and "this is expected" in note, screen
     assert [json.loads(x)["event"] for x in (out / "demo.log").read_text().splitlines()] == ["acceptance_shift"] * 2
 
 
