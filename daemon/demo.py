@@ -1892,8 +1892,7 @@ def register(app) -> None:
 
         console = Console(stderr=True)
         try:
-            settings = load_settings(config)
-            ensure_state_dir(settings)
+            ensure_state_dir(settings := load_settings(config))  # a fresh DRAFTD_STATE_DIR exists from the start
         except ConfigError as e:
             console.print(f"[red]config error:[/] {e}")
             raise typer.Exit(2) from e
