@@ -827,6 +827,9 @@ def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, regist
     ev.v0_state = ev.state_of(v0_version)
     ev.served_history, ev.served_gate = decoder.ngram_history, decoder.ngram_gate
     ev.gate_of = _gate_loader(registry)
+    # one measurement for every phase's prediction: the step costs as the evaluation begins (re-measured
+    # with the trainer stopped, when the demo did); the evaluation's own steps move StepCost phase by phase
+    ev.step_costs = dict(decoder.step_cost.status())
     # the same head as the adapted draft (FR-Spec or not), so the rows differ by training only
     # on llama.cpp the frozen draft is the draft's own context with v0's LoRA set (see _frozen_lora)
     ev.frozen = SpeculativeDecoder(decoder.target, frozen_draft, tok, DecoderConfig(draft_vocab=decoder.config.draft_vocab),
@@ -866,6 +869,7 @@ class _PhaseEval:
     served_history: Any = None  # the n-gram history and gate as serving left them
     served_gate: Any = None
     gate_of: Any = None  # version -> its copy gate (_gate_loader)
+    step_costs: Any = None  # {rows: ms} as the evaluation began: every phase's Leviathan prediction reads these
 
     def state_of(self, version: int):
         """The adapter state of ``version`` (0: the base draft)."""
@@ -894,9 +898,14 @@ class _PhaseEval:
         row["copy_gate"] = {"v0": _gate_list(self.gate_of(self.v0_version)), "final": _gate_list(self.gate_of(final))}
         _decoded_rows(row, runs, tot, differs, len(ps))
         row.update(_paired_intervals(per_prompt, cfg.confidence))
-        row["adapted_draft"]["prediction"] = leviathan_prediction(
-            tot["adapted_draft"][0], tot["plain"][0], decoder.step_cost.ms, gamma_max=self.controller.config.gamma_max
-            if self.controller is not None else 8)
+        from decoder.proposers.cost import read_off
+
+        costs = self.step_costs
+        row["adapted_draft"]["prediction"] = pred = leviathan_prediction(
+            tot["adapted_draft"][0], tot["plain"][0], decoder.step_cost.ms if costs is None else (lambda n: read_off(costs, n)),
+            gamma_max=self.controller.config.gamma_max if self.controller is not None else 8)
+        if pred is not None and costs is not None:
+            pred["step_cost_ms"] = costs  # which measurement: the same for every phase
         if peer_runs:
             row["llamacpp_plain"] = {"tokens_per_s": round(sum(n for n, _, _ in peer_runs) / sum(ms for _, ms, _ in peer_runs) * 1e3, 3),
                                      "same_tokens_as_plain": f"{sum(s for *_, s in peer_runs)}/{len(peer_runs)}"}
@@ -1547,6 +1556,22 @@ def _gate_cell(w) -> str:
     return "none" if not w else " ".join(f"{x:+.2f}" for x in w)
 
 
+def _prediction_costs(report: dict, preds: list[dict]) -> str:
+    """Which step costs the Leviathan table's t(n)/t(1) come from, for its caption: one measurement
+    for every phase (each prediction's ``step_cost_ms``, the costs as the evaluation began) and
+    whether those were re-measured with the trainer stopped (``remeasured``); a report written
+    before the predictions named their costs: each phase's own, as it was evaluated."""
+    costs = [p.get("step_cost_ms") for p in preds]
+    if any(c is None for c in costs) or any(c != costs[0] for c in costs):
+        return "measured when each phase was evaluated (the evaluation's own steps move them, so phases differ)"
+    rem = report.get("remeasured") or {}
+    when = (f"re-measured on {rem['requests']} requests with the trainer stopped, the costs the controller's picks "
+            f"were priced on" if rem.get("step_cost_ms") and rem.get("requests") else "as serving left them")
+    measured = sorted(int(n) for n in costs[0])
+    return (f"one measurement for every phase: the step costs as the evaluation began ({when}; "
+            + (f"measured at {', '.join(map(str, measured))} rows, " if measured else "") + "other n read off them)")
+
+
 def _prediction_table(report: dict, console) -> None:
     """The adapted draft's measured α, τ and c beside Leviathan et al.'s predicted speedup, with a
     verification that costs one plain step and with this engine's measured verification cost."""
@@ -1559,7 +1584,7 @@ def _prediction_table(report: dict, console) -> None:
     t = Table(title="the adapted draft beside Leviathan et al.'s prediction (best γ of each; the draft's cost c per "
                     "proposed token in plain steps)",
               caption="one-step verification: (1 - α^(γ+1)) / ((1 - α)(γc + 1)); this engine: a verification of n rows "
-                      "costs t(n)/t(1) plain steps (measured)")
+                      f"costs t(n)/t(1) plain steps, {_prediction_costs(report, [p for _, p in rows])}")
     for c in ("phase", "α", "τ", "c", "predicted, verification = 1 step", "predicted, this engine", "t(n)/t(1), n = 2..5"):
         t.add_column(c)
     for w, p in rows:

@@ -100,3 +100,37 @@ def test_rows_that_kept_plains_prefill_are_charged_its_measured_time():
                                       if name == "plain" else run(name, *a))
     _, per_prompt, _, _ = ev.decode_side("prose", [prompt], runs, 0)
     assert [per_prompt[n][0][1] for n in results] == [1000.0, 770.0, 790.0]
+
+
+def test_every_phases_leviathan_prediction_reads_the_step_costs_as_the_evaluation_began():
+    """The walkthrough's t(n)/t(1) differed by phase on one engine: each phase read StepCost as the
+    previous phases' evaluation steps had left it. Seeded before the evaluation with plain steps of
+    10 ms, 2 rows of 15 ms and 3 rows of 18 ms (ratios 1.5, 1.8; 4 and 5 rows read off the line
+    through 2 and 3 rows: 21 and 24 ms, 2.1 and 2.4), every phase's prediction reads exactly those,
+    whatever the evaluation measured since (here each decode adds a 2-row step of 40 ms)."""
+    from daemon.demo import DemoConfig, evaluate_phases
+    from decoder.sampling import SamplingParams
+    from decoder.speculative import SpeculativeDecoder
+
+    target, draft = tiny_pair()
+    tok = tokenizer()
+    dec = SpeculativeDecoder(target, draft, tok)
+    for _ in range(9):
+        dec.step_cost.add(1, 10.0)
+    dec.step_cost.add(2, 15.0)
+    dec.step_cost.add(3, 18.0)
+    generate = dec.generate
+
+    def moving(*a, **k):  # each decode moves the costs, as the evaluation's own steps do on llama.cpp
+        dec.step_cost.add(2, 40.0)
+        return generate(*a, **k)
+
+    dec.generate = moving
+    cfg = DemoConfig.quick(phases=("prose", "extract", "math"), eval_prompts=2, eval_new_tokens=8, per_workload=False)
+    rows = evaluate_phases(cfg, {}, {}, [], None, None, dec, frozen_draft=draft, tok=tok, params=SamplingParams(),
+                           console=Console(file=io.StringIO()))
+    for r in rows:
+        pred = r["adapted_draft"]["prediction"]
+        assert {n: pred["verify_cost_rows"][n] for n in (1, 2, 3, 4, 5)} == {1: 1.0, 2: 1.5, 3: 1.8, 4: 2.1, 5: 2.4}, r["workload"]
+        assert pred["step_cost_ms"] == {1: 10.0, 2: 15.0, 3: 18.0}
+    assert dec.step_cost.ms(2) > 30.0  # the case the snapshot is for: the costs moved during the evaluation

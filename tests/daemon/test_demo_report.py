@@ -424,3 +424,33 @@ def test_the_acceptance_shift_alarms_are_explained_beside_their_count():
     assert ("math, the n-gram proposer's α 0.71 -> 0.51 at request 3 of 4, 6 s into its phase; "
             "extract, the draft's α 0.79 -> 0.56 at request 2 of 3, 2 s into its phase.") in text, text
     assert "At or after a phase shift this is expected: the proposer met traffic it had not seen" in text
+
+
+def test_the_leviathan_tables_costs_are_one_measurement_named_in_its_caption():
+    """The 5e6c1fe walkthrough's "t(n)/t(1), n = 2..5 (measured)" differed by phase on one engine
+    (prose 1.61 1.87 2.48 2.65, math 1.94 2.34 2.49 2.65): each phase read StepCost as the
+    evaluation's own steps had moved it. Every phase's prediction now carries the one snapshot it
+    was priced on; the caption says which (re-measured with the trainer stopped) and the rows
+    agree. A report whose predictions differ or lack it is said to be per phase."""
+    costs = {1: 10.0, 2: 16.1, 3: 18.7, 4: 24.8}
+    pred = {"alpha": 0.5, "c": 0.3, "tau": 2.0, "verify_cost_rows": {1: 1.0, 2: 1.61, 3: 1.87, 4: 2.48, 5: 2.65},
+            "one_step": {"gamma": 2, "speedup": 1.1}, "this_engine": {"gamma": 1, "speedup": 0.7}, "step_cost_ms": costs}
+    phases = []
+    for w in ("prose", "math"):
+        ph = _phase(w, 10, 0)
+        ph["adapted_draft"] = dict(ph["adapted_draft"], prediction=dict(pred))
+        phases.append(ph)
+    base = {"phases": phases, "adapters": [], "recovery": [], "requests": 20, "active_adapter": 1, "seconds": 1.0,
+            "key_prefix": "draftd:demo:"}
+    out = io.StringIO()
+    print_report(base | {"remeasured": {"requests": 16, "step_cost_ms": costs}}, Console(file=out, width=400))
+    text = " ".join(out.getvalue().split())
+    assert ("costs t(n)/t(1) plain steps, one measurement for every phase: the step costs as the evaluation began "
+            "(re-measured on 16 requests with the trainer stopped, the costs the controller's picks were priced on; "
+            "measured at 1, 2, 3, 4 rows, other n read off them)") in text, text
+    assert text.count("1.61 1.87 2.48 2.65") == 2
+    phases[1]["adapted_draft"]["prediction"]["step_cost_ms"] = {1: 10.0, 2: 19.4}
+    out = io.StringIO()
+    print_report(base, Console(file=out, width=400))
+    assert "measured when each phase was evaluated (the evaluation's own steps move them, so phases differ)" in \
+        " ".join(out.getvalue().split())
