@@ -505,6 +505,21 @@ class Settings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
 
+    @field_validator("state_dir", mode="after")
+    @classmethod
+    def _expand_state_dir(cls, v: Path) -> Path:
+        """``~`` and ``~user`` expanded once, here, so every path under it (adapters/, the token
+        file, the embedded Redis) means the same directory; an empty value is refused (it would be
+        the working directory)."""
+        if str(v).strip() in ("", "."):
+            raise ValueError(f"state_dir={str(v)!r}: an empty path would keep state in the working directory; "
+                             f"set DRAFTD_STATE_DIR to a directory (e.g. ~/.local/state/draftd) or unset it")
+        try:
+            return v.expanduser()
+        except RuntimeError as e:  # "~nosuchuser": no home to expand
+            raise ValueError(f"state_dir={str(v)!r} cannot be expanded ({e}): set DRAFTD_STATE_DIR to an absolute "
+                             f"path") from None
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -550,14 +565,21 @@ def ensure_state_dir(settings: Settings) -> Path:
     starts, not only once something is first written into it. Returns the directory.
 
     Raises:
-        ConfigError: it cannot be created (a file in the way, no permission); the message names it.
+        ConfigError: it cannot be created (a file in the way, no permission) or is not writable; the
+            message names it.
     """
-    d = Path(settings.state_dir).expanduser()
+    d = Path(settings.state_dir)
     try:
         d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"state_dir {str(d)!r} cannot be created: a file (not a directory) is at that path: set "
+                          f"DRAFTD_STATE_DIR (or state_dir in the config file) to a writable directory") from None
     except OSError as e:
         raise ConfigError(f"state_dir {str(d)!r} cannot be created ({e.strerror or e}): set DRAFTD_STATE_DIR "
                           f"(or state_dir in the config file) to a writable directory") from e
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ConfigError(f"state_dir {str(d)!r} is not writable by this user: set DRAFTD_STATE_DIR (or state_dir in "
+                          f"the config file) to a writable directory, or fix its permissions")
     return d
 
 

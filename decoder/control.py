@@ -119,6 +119,9 @@ class ControllerConfig:
                              f"1..gamma_max={self.gamma_max}")
         if not 0 < self.ewma <= 1:
             raise ValueError(f"ewma={self.ewma} must lie in (0, 1]")
+        if self.ewma == 1 and self.confidence != 0.5:  # a weight of 1 keeps one reading: no error to bound
+            raise ValueError(f"ewma=1 keeps only the last reading, so no confidence bound can be measured: lower ewma "
+                             f"below 1, or set confidence=0.5 (the point estimate alone; got {self.confidence!r})")
         if self.probe_every < 1 or self.min_steps < 1:  # min_steps 0 trusted estimates that do not exist yet
             raise ValueError(f"probe_every={self.probe_every} and min_steps={self.min_steps} must be >= 1")
         if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain < 1:
@@ -148,6 +151,33 @@ def _two(a: float, b: float) -> tuple[str, str]:
         if sa != sb:
             break
     return sa, sb
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile: the x with P(T_df <= x) = ``p`` (``p`` in [0.5, 1), ``df`` >= 1).
+    Exact for df 1 (tan(π(p - 1/2))) and 2 ((2p - 1) / sqrt(2p(1 - p))); from df 3 the
+    Cornish-Fisher expansion in the normal quantile z to 1/df^4 (Abramowitz and Stegun 1964,
+    26.7.5; within 0.002 of the table at df 3, p 0.95).
+
+    Raises:
+        ValueError: ``df`` below 1 or ``p`` outside [0.5, 1).
+    """
+    if df < 1 or not 0.5 <= p < 1:
+        raise ValueError(f"t_quantile(p={p!r}, df={df!r}): needs p in [0.5, 1) and df >= 1")
+    if df == 1:
+        return math.tan(math.pi * (p - 0.5))
+    if df == 2:
+        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+    z = NormalDist().inv_cdf(p)
+    g1 = (z ** 3 + z) / 4
+    g2 = (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96
+    g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
+    g4 = (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / 92160
+    return z + g1 / df + g2 / df ** 2 + g3 / df ** 3 + g4 / df ** 4
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" + ("" if n == 1 else "s")
 
 
 def batch_sizes_up_to(max_batch: int) -> tuple[int, ...]:
@@ -203,32 +233,37 @@ class _Ewma:
 
 
 class _Clusters:
-    """Tokens per step of the last ``keep`` requests of one proposer, per request: the steps of
-    one request share its prompt (a copied span lasts many steps, a draft that fits the prompt
-    fits it at every step), so the spread of acceptance between requests, not between steps, is
-    what a few requests leave uncertain. :meth:`rel_se` is the relative standard error of the mean
-    of per-request means (each request one unit: the cluster-robust view)."""
+    """The acceptance of the last ``keep`` requests of one proposer, per request: the fraction of
+    its asked proposals accepted (accepted / asked, whatever γ each step asked: 1 for a perfect
+    proposer at any γ). The steps of one request share its prompt (a copied span lasts many
+    steps, a draft that fits the prompt fits it at every step), so the spread of acceptance
+    between requests, not between steps, is what a few requests leave uncertain.
+    :meth:`rel_se` is the relative standard error of the mean of per-request means (each request
+    one unit: the cluster-robust view)."""
 
     __slots__ = ("rows", "keep")
+    KEEP = 32  # requests kept per proposer and key
 
-    def __init__(self, keep: int = 32):
+    def __init__(self, keep: int = KEEP):
         self.rows: dict[Any, list[float]] = {}  # request -> [steps, tokens]
         self.keep = keep
 
-    def add(self, request: Any, tokens: float) -> None:
+    def add(self, request: Any, accepted: float, asked: int) -> None:
+        """One step of ``request`` that asked for ``asked`` (>= 1) proposals and kept ``accepted``."""
         row = self.rows.get(request)
         if row is None:
             row = self.rows[request] = [0, 0.0]
             while len(self.rows) > self.keep:
                 self.rows.pop(next(iter(self.rows)))
-        row[0] += 1
-        row[1] += tokens
+        row[0] += asked
+        row[1] += min(max(accepted, 0), asked)
 
     def count(self) -> int:
         return len(self.rows)
 
     def rel_se(self) -> float:
-        """sd(per-request tokens per step) / sqrt(requests) / their mean; inf below 2 requests."""
+        """sd(per-request acceptance) / sqrt(requests) / their mean; inf below 2 requests or at a
+        mean of 0."""
         means = [t / n for n, t in self.rows.values() if n]
         k = len(means)
         if k < 2:
@@ -480,11 +515,14 @@ class GoodputController:
             s = self._state(key)
             s.verify_ms.setdefault(g, _Ewma()).add(verify_ms, w, now, hl)
             asked = g if asked is None else asked
-            if asked:
+            # the draft's acceptance is its α (Σ min(p, q) per proposal), a length-modelled proposer's its accepted prefix
+            units = g if proposer == DRAFT else asked
+            if units:
                 if request is None:
                     s.auto_request += first is not False
                     request = ("auto", s.auto_request)
-                s.clusters.setdefault(proposer, _Clusters()).add(request, 1.0 + step.accepted)
+                s.clusters.setdefault(proposer, _Clusters()).add(
+                    request, step.alpha_sum if proposer == DRAFT else step.accepted, units)
             if proposer != DRAFT:
                 if asked:
                     s.lengths.setdefault(proposer, _LengthModel()).observe(
@@ -557,17 +595,22 @@ class GoodputController:
         engine = (max(free, key=free.get), max(free.values())) if free else (None, math.nan)
         return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o * rho[1],
                 "others": others, "ceiling": ceiling, "engine_ceiling": engine, "batch": batch, "rho": rho,
-                "rel_se": self._rel_se(s, rate, others)}
+                "rel_se": self._rel_se(s, rate, others),
+                "requests_measured": {n: c.count() for n, c in s.clusters.items()}}
 
     def _rel_se(self, s: _KeyState, rate: dict[int, float], others: dict[str, dict[int, float]]
                 ) -> dict[tuple[str, int], float]:
         """The relative standard error of each candidate's rate (keys as :meth:`_candidates`):
         for the rate E / t of a speculative choice, sqrt(rse(E)^2 + rse(t)^2) (the delta method on
-        log E - log t), rse(t) from its parts' per-step errors (:meth:`_Ewma.se`) and rse(E) the
-        spread of tokens per step between requests (:meth:`_Clusters.rel_se`; with fewer than 2
-        requests, the per-step error of α or of the accepted lengths); plain decoding's from its
+        log E - log t), rse(t) from its parts' per-step errors (:meth:`_Ewma.se`) and rse(E) from
+        the spread of acceptance between requests (:meth:`_Clusters.rel_se`, inf below 2
+        requests: one request's steps share one prompt), the relative error of the accepted part
+        E - 1 carried to E as x (E - 1) / E, and scaled by t_{k-1} / z (Student's t quantile for
+        k requests over the normal one: a bound from a handful of requests is that much wider); plain decoding's from its
         step's. Where a cost is read off other γ's measurements (:meth:`_verify_cost`), their
         largest error. Lock held."""
+        z = self._z()
+
         def verify_rse(g: int) -> float:
             e = s.verify_ms.get(g)
             if e is not None and e.n:
@@ -577,34 +620,39 @@ class GoodputController:
 
         def combine(*parts: tuple[float, float]) -> float:  # (value, rse) of a sum of costs
             tot = sum(v for v, _ in parts)
-            if not tot > 0:
+            if not tot > 0 or not math.isfinite(tot):
                 return math.inf
-            return math.sqrt(sum((v * r) ** 2 if v > 0 else 0.0 for v, r in parts)) / tot
+            return math.hypot(*(v * r for v, r in parts if v > 0)) / tot
 
-        def tokens_rse(name: str, fallback: float) -> float:
+        def tokens_rse(name: str) -> float:
             c = s.clusters.get(name)
-            return c.rel_se() if c is not None and c.count() >= 2 else fallback
+            k = c.count() if c is not None else 0
+            if k < 2:
+                return math.inf
+            return c.rel_se() * (t_quantile(self.config.confidence, k - 1) / z if z > 0 else 1.0)
 
         out: dict[tuple[str, int], float] = {}
         if 0 in s.verify_ms and s.verify_ms[0].n:
             out[("plain", 0)] = s.verify_ms[0].rel_se()
         td = s.draft_ms_per_token.value
+        def of_tokens(spread: float, e: float) -> float:  # the accepted part's error, relative to all E tokens
+            return 0.0 if e <= 1.0 else spread * (e - 1.0) / e
+
+        spread = tokens_rse(DRAFT)
         for g in rate:
             if g > 0:
                 cost = combine((g * td, s.draft_ms_per_token.rel_se()), (self._verify_cost(s, g), verify_rse(g)))
-                out[(DRAFT, g)] = math.hypot(tokens_rse(DRAFT, s.alpha.rel_se()), cost)
+                out[(DRAFT, g)] = math.hypot(of_tokens(spread, expected_tokens_per_step(s.alpha.value, g)), cost)
         for name, rates in others.items():
             m = s.lengths[name]
-            spread = tokens_rse(name, math.nan)  # nan: fewer than 2 requests, the per-step error below
+            spread = tokens_rse(name)
             for g in rates:
                 e = m.step_ms.get(g)
                 if e is not None and e.n:
                     cost = e.rel_se()
                 else:
                     cost = combine((m.draft_ms.value, m.draft_ms.rel_se()), (self._verify_cost(s, g), verify_rse(g)))
-                ge = [x for x in m.ge[:g] if x.n]
-                per_step = (math.sqrt(sum(x.se() ** 2 for x in ge)) / m.tokens_per_step(g)) if ge else math.inf
-                out[(name, g)] = math.hypot(per_step if spread != spread else spread, cost)
+                out[(name, g)] = math.hypot(of_tokens(spread, m.tokens_per_step(g)), cost)
         return out
 
     @staticmethod
@@ -711,6 +759,10 @@ class GoodputController:
                     if unexplored:
                         g = min(unexplored, key=lambda x: abs(x - best))
                         probe, gamma, why = True, g, f"probe: γ={g}, never measured; " + why
+                elif best == 0 and s.requests % 2 == 0:
+                    unsure = self._unsure_candidate(s, self._candidates(ev), ev)
+                    if unsure is not None:
+                        probe, gamma, why = True, unsure[1], self._unsure_probe_why(s, unsure) + why
             decision = {
                 "key": key_str(*key),
                 "workload": key[0],
@@ -777,9 +829,7 @@ class GoodputController:
                     unsure = self._unsure_candidate(s, cands, ev)
                     if unsure is not None:
                         choice, probe = unsure, True
-                        why = (f"probe: {unsure[0]} γ={unsure[1]}, ahead of plain but not yet beyond its confidence "
-                               f"bound: measured every other request until it is ({s.clusters[unsure[0]].count()} "
-                               f"requests so far); " + why)
+                        why = self._unsure_probe_why(s, unsure) + why
             name, gamma = choice
             decision = {
                 "key": key_str(*key),
@@ -817,6 +867,12 @@ class GoodputController:
         if not cands[top] > plain * (1.0 + self.config.min_gain) or (clusters is not None and clusters.count() >= clusters.keep):
             return None
         return top
+
+    @staticmethod
+    def _unsure_probe_why(s: _KeyState, unsure: tuple[str, int]) -> str:
+        n = s.clusters[unsure[0]].count() if unsure[0] in s.clusters else 0
+        return (f"probe: {unsure[0]} γ={unsure[1]}, ahead of plain but not yet beyond its confidence bound: measured "
+                f"every other request until it is ({_requests(n)} so far); ")
 
     def _one_warm_up(self, s: _KeyState, choice: tuple[tuple[str, int], str], policy: Any
                      ) -> tuple[tuple[str, int], str] | None:
@@ -896,9 +952,12 @@ class GoodputController:
         """Why a candidate ahead by more than ``min_gain`` still does not serve: its bound."""
         rse = self._ratio_rse(ev.get("rel_se"), top, ("plain", 0))
         low = self._lower(rate, plain, rse)
+        n = ev.get("requests_measured", {}).get(top[0], 0)
+        more = (f"its last {n} requests measured: within noise of plain" if n >= _Clusters.KEEP
+                else f"{_requests(n)} measured: not yet enough to tell from plain")
         return (f"off: the best, {top[0]} γ={top[1]} {rate:.3f} tok/ms, is {rate / plain:.2f}x plain {plain:.3f}, but "
-                f"the {self.config.confidence:.0%} lower bound of that ratio is {low:.2f}x (not yet measured "
-                f"enough to tell from plain: config.confidence)")
+                f"the {self.config.confidence * 100:g} % lower bound of that ratio is {low:.2f}x ({more}; "
+                f"config.confidence)")
 
     def _why(self, ev: dict[str, Any], best: int, best_spec: int | None) -> str:
         rate, a = ev["rate"], ev["alpha"]
@@ -907,7 +966,7 @@ class GoodputController:
         if best_spec is None:
             return f"off: plain {rate[0]:.3f} tok/ms (no speculative estimate)"
         if rate[best_spec] > rate[0] * (1.0 + self.config.min_gain):
-            return self._unsure((DRAFT, best_spec), rate[best_spec], rate[0], ev)
+            return self._unsure((DRAFT, best_spec), rate[best_spec], rate[0], ev) + f" (α={a:.2f})"
         label = (f"draft useless (α={a:.2f})" if a < self.config.useless_alpha else
                  f"α={a:.2f} too low for its cost" if rate[best_spec] <= rate[0] else
                  f"α={a:.2f}, within {self._margin()} of plain")
@@ -967,11 +1026,21 @@ class GoodputController:
         key's relative standard error, as ``rates``)."""
         if not rates:
             return None
-        best = max(rates, key=rates.get)
         plain = rates.get(plain_key, math.nan)
-        if best != plain_key and plain == plain and not self._pays(rates[best], plain, self._ratio_rse(rse, best, plain_key)):
-            return plain_key
-        return best
+        if plain != plain:
+            return max(rates, key=rates.get)
+        return self._first_paying(rates, plain, lambda k: self._ratio_rse(rse, k, plain_key), exclude=plain_key) or plain_key
+
+    def _first_paying(self, rates: dict, plain: float, rse_of: Callable[[Any], float], exclude: Any = None):
+        """The key of the highest rate in ``rates`` that pays over ``plain`` with its bound
+        (:meth:`_pays`), None where none does: a candidate whose estimate is highest but least
+        measured does not hide a lower one that clears its bound."""
+        for k in sorted((k for k in rates if k != exclude and rates[k] == rates[k]), key=rates.get, reverse=True):
+            if not rates[k] > plain * (1.0 + self.config.min_gain):
+                return None
+            if self._pays(rates[k], plain, rse_of(k)):
+                return k
+        return None
 
     @staticmethod
     def _by_gamma(ev: dict[str, Any]) -> dict[int, float]:
@@ -1010,8 +1079,7 @@ class GoodputController:
         rates = {g: r for g, r in rates.items() if g <= cap and r == r}
         if plain != plain or not rates:
             return None
-        g = max(rates, key=rates.get)
-        return g if self._pays(rates[g], plain, self._ratio_rse(ev.get("rel_se"), (proposer, g), ("plain", 0))) else 0
+        return self._first_paying(rates, plain, lambda g: self._ratio_rse(ev.get("rel_se"), (proposer, g), ("plain", 0))) or 0
 
     def after_warm_up(self, key: Key, proposer: str | None, gamma: int) -> tuple[int, str, bool] | None:
         """What the rest of a warm-up request of ``key`` runs at once the configuration it
@@ -1037,11 +1105,19 @@ class GoodputController:
                     return 0, "then measuring plain decoding", True
             if proposer is None:  # a plain warm-up request (no proposer to return to): done measuring
                 return (0, "then plain decoding", False) if warm is None and gamma == 0 else None
-            best = self._best_gamma_for(self._evaluate(s, 1), proposer, c.gamma_max)
+            ev = self._evaluate(s, 1)
+            best = self._best_gamma_for(ev, proposer, c.gamma_max)
             if best is None:
                 return None
-            return best, (f"then {proposer} γ={best}, its best" if best else
-                          f"then plain decoding, which beats {proposer}"), False
+            if best:
+                return best, f"then {proposer} γ={best}, its best", False
+            rates = ev["rate"] if proposer == DRAFT else ev["others"].get(proposer, {})
+            top = max((r for g, r in rates.items() if g > 0 and r == r), default=math.nan)
+            if top > ev["rate"].get(0, math.nan) * (1.0 + c.min_gain):
+                n = ev["requests_measured"].get(proposer, 0)
+                return 0, (f"then plain decoding until {proposer}, ahead of it, clears its "
+                           f"{c.confidence * 100:g} % bound on more requests ({_requests(n)} so far)"), False
+            return 0, f"then plain decoding, which beats {proposer}", False
 
     def batch_gamma(self, key: Key, proposer: str, batch: int, cap: int) -> int:
         """γ for the next step of a request of ``key`` served by ``proposer`` in a fused step of

@@ -49,3 +49,38 @@ def test_ensure_state_dir_returns_the_directory_and_leaves_an_existing_one_as_it
     (d / "api-token").write_text("kept")
     assert ensure_state_dir(load_settings(state_dir=d)) == d
     assert (d / "api-token").read_text() == "kept"
+
+
+def test_a_tilde_is_expanded_on_the_setting_itself_so_every_path_under_it_agrees(env, tmp_path):
+    from daemon.settings import load_settings
+
+    env.setenv("HOME", str(tmp_path / "home"))
+    env.setenv("DRAFTD_STATE_DIR", "~/draftd-state")
+    s = load_settings()
+    assert s.state_dir == tmp_path / "home" / "draftd-state"
+    assert s.adapter_dir == tmp_path / "home" / "draftd-state" / "adapters"  # not ./~/draftd-state/adapters
+
+
+@pytest.mark.parametrize("value, says", [("~no-such-user-draftd/state", "cannot be expanded"),
+                                         ("", "an empty path would keep state in the working directory")])
+def test_an_unexpandable_or_empty_state_dir_is_a_config_error(env, value, says):
+    env.setenv("DRAFTD_STATE_DIR", value)
+    r = CliRunner().invoke(app, ["run", "--no-models"])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert says in out and "DRAFTD_STATE_DIR" in out, r.output
+
+
+def test_a_state_dir_this_user_cannot_write_is_a_config_error(env, tmp_path, monkeypatch):
+    import daemon.settings as settings_mod
+
+    state = tmp_path / "ro"
+    state.mkdir()
+    env.setenv("DRAFTD_STATE_DIR", str(state))
+    # root may write anywhere, so the check's answer is stubbed: what a non-root user gets on a mode-555 directory
+    real = os.access
+    monkeypatch.setattr(settings_mod.os, "access", lambda p, mode: False if str(p) == str(state) else real(p, mode))
+    r = CliRunner().invoke(app, ["run", "--no-models"])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert f"state_dir '{state}' is not writable by this user" in out, r.output

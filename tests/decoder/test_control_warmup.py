@@ -65,12 +65,23 @@ def test_a_perfect_draft_returns_to_its_best_gamma_after_plain_is_measured():
     pol = ctl.policy_for(KEY)
     gammas = run(pol, clock, 7, perfect_draft)
     assert gammas[:4] == [3, 3, 0, 0]
-    # then the draft again at its best γ <= gamma_max: α = 1, cost 0.5 g + 10 + g per g + 1 tokens
-    # (verify costs for γ it never ran come from the line through the measured (1, 10) and (4, 13))
+    # one request is one prompt: its acceptance says nothing of the next one's (ControllerConfig.confidence),
+    # so the rest of it decodes plainly, and says why
+    assert gammas[4:] == [0, 0, 0]
+    assert pol.decision["why"].endswith("; then plain decoding until draft, ahead of it, clears its 95 % bound on "
+                                        "more requests (1 request so far)")
+    # the next request measures the draft again (every other request while it is ahead but unconfirmed);
+    # with two requests alike (α = 1 in both) it goes on at its best γ <= gamma_max: α = 1, cost
+    # 0.5 g + 10 + g per g + 1 tokens (verify costs for γ it never ran from the line through (1, 10) and (4, 13))
     rate = {g: (g + 1) / (0.5 * g + 10.0 + g) for g in range(1, 5)}
     best = max(rate, key=rate.get)
-    assert gammas[4:] == [best] * 3 and best == 4
-    assert pol.decision["proposer"] == "draft" and pol.decision["why"].endswith(f"; then draft γ={best}, its best")
+    second = ctl.policy_for(KEY)
+    g2 = run(second, clock, 5, perfect_draft)
+    assert second.decision["why"].startswith("probe: draft γ=4, ahead of plain but not yet beyond its confidence bound")
+    assert g2[0] == best == 4
+    assert g2[2:] == [best] * 3 and second.decision["why"].endswith(f"; then draft γ={best}, its best")
+    third = ctl.policy_for(KEY)
+    assert run(third, clock, 3, perfect_draft) == [best] * 3 and not third.decision["probe"]
 
 
 def test_a_request_never_switches_proposer_mid_warm_up():
@@ -82,7 +93,8 @@ def test_a_request_never_switches_proposer_mid_warm_up():
     pol = ctl.policy_for(KEY)
     gammas = run(pol, clock, 6, perfect_draft)
     assert gammas[:4] == [2, 2, 0, 0]
-    assert gammas[4] > 0 and pol.decision["proposer"] == "ngram"
+    # ngram is ahead, but one request is not enough to say so (ControllerConfig.confidence): plain, still ngram's request
+    assert gammas[4] == 0 and pol.decision.get("proposer") is None and "until ngram, ahead of it" in pol.decision["why"]
     nxt = ctl.policy_for(KEY)
     assert nxt.gamma() == 2 and nxt.decision["why"] == "warm-up: measuring draft at γ=2"
 
