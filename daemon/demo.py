@@ -203,6 +203,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         loop.tracker.flush()
         report = _report(cfg, run_id, t_start, store, models, trainer, loop, traffic, table)
         report["remeasured"] = remeasured
+        report["llamacpp_peer_file"] = _peer_file(settings, models)
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
     plot_timeline(traffic.timeline, traffic.shifts, out_dir / "acceptance.png")
     report["plot"] = str(out_dir / "acceptance.png")
@@ -774,13 +775,25 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
     }
 
 
+def _peer_gguf(settings, models: _Models):
+    """The packaged target GGUF file llama.cpp's peer decodes; None off llama.cpp or for a target
+    that is not a GGUF file."""
+    from decoder.engines.registry import target_gguf
+
+    return target_gguf(settings.models.target) if models.engines.name == "llamacpp" else None
+
+
+def _peer_file(settings, models: _Models) -> str | None:
+    """The file name of :func:`_peer_gguf` (the report's ``llamacpp_peer_file``), None without a peer."""
+    gguf = _peer_gguf(settings, models)
+    return Path(gguf).name if gguf is not None else None
+
+
 def _llamacpp_peer(settings, models: _Models, decoder, console):
     """llama-cpp-python's own plain generation on the packaged target file (``decoder.bench.LlamaCppPeer``),
     at the decoder's thread count: what a user of llama.cpp gets without draftd. None off llama.cpp
     or for a target that is not a GGUF file."""
-    from decoder.engines.registry import target_gguf
-
-    gguf = target_gguf(settings.models.target) if models.engines.name == "llamacpp" else None
+    gguf = _peer_gguf(settings, models)
     if gguf is None:
         return None
     from decoder.bench import LlamaCppPeer
@@ -1531,10 +1544,14 @@ def _decoded_table(report: dict, console, pct: int) -> None:
     """The decoded comparison on never-served prompts, with the paired intervals."""
     from rich.table import Table
 
-    t = Table(title="decoded on prompts never served (greedy): frozen v0 draft vs adapted draft vs the controller's pick")
+    same, files = _peer_files(report)
+    peer_col = f"pick ×llama.cpp plain [{pct} % CI]" if same else f"pick ×llama.cpp plain of the packaged file [{pct} % CI]"
+    t = Table(title="decoded on prompts never served (greedy): frozen v0 draft vs adapted draft vs the controller's pick",
+              caption=None if same or not any(r.get("speed_vs_llamacpp_ci") for r in report["phases"]) else
+              f"×llama.cpp plain: {files}")
     for c in ("phase", "prompts", "plain tok/s", "frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain",
               f"α gain [{pct} % CI]", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]",
-              f"pick ×llama.cpp plain [{pct} % CI]", "live α first→last third, per proposer"):
+              peer_col, "live α first→last third, per proposer"):
         t.add_column(c, overflow="fold")  # 14 columns: a narrow terminal or a log folds a cell, never cuts it
 
     for r in report["phases"]:
@@ -1744,8 +1761,25 @@ def _lossless_summary(report: dict) -> str | None:
             + (f"; NOT LOSSLESS: {'; '.join(bad)}" if bad else "")
             + (f" (llama.cpp's own plain generation, the peer, gave the same tokens on {sum(k for k, _ in k_n)} of "
                f"{sum(n for _, n in k_n)} prompts: its logits round differently, its own V cache type and call "
-               f"shapes, so greedy near-ties can go the other way; both are plain decoding of the same file)"
+               f"shapes, so greedy near-ties can go the other way; {_peer_files(report)[1]})"
                if k_n else ""))
+
+
+def _peer_files(report: dict) -> tuple[bool, str]:
+    """Whether llama.cpp's peer decodes the file our plain decoding serves (``served_format``'s
+    ``model`` against ``llamacpp_peer_file``), and a clause that says which file each decodes. A
+    served format other than the packaged file (``models.format`` = auto may pick one) makes every
+    ×llama.cpp ratio compare the format choice and the engine together; unknown files say so."""
+    sf = report.get("served_format") or {}
+    served, peer = sf.get("file"), report.get("llamacpp_peer_file")
+    if peer and (sf.get("format") == "packaged" or served == peer):
+        return True, f"both are plain decoding of the same file, {peer}"
+    if served and peer:
+        return False, (f"llama.cpp decodes the packaged file {peer}, our plain decoding the served {sf.get('format')} "
+                       f"({served}): the ×llama.cpp columns compare the format choice and the engine together, "
+                       f"not two engines on one file")
+    return False, ("llama.cpp decodes the packaged file, our plain decoding the served format (which may differ: "
+                   "see served_format in report.json)")
 
 
 def _adapters_serving(report: dict) -> str:
