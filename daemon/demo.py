@@ -1798,6 +1798,31 @@ def _adapters_serving(report: dict) -> str:
             f"any workload without one of its own")
 
 
+def _ceiling_line(ceil: dict, cost: dict, when: str, stopped_cost: dict | None = None) -> str:
+    """One engine ceiling (``StepCost.ceiling``'s dict) for the footer: which γ it was measured at
+    (the row counts of ``cost``, ms by rows, and the γ of ``ceil["by_gamma"]``), and the plain step
+    it divides by. With ``stopped_cost`` (the costs with the trainer stopped) this is the ceiling
+    beside the trainer: the line says its plain step was slowed by the trainer beside the stopped one,
+    so it is not read against a live decision priced on a faster plain step."""
+    two, one = cost.get(2, cost.get("2")), cost.get(1, cost.get("1"))
+    gammas = sorted(int(g) for g in (ceil.get("by_gamma") or {}))
+    rows = [1, *(g + 1 for g in gammas)]  # a plain step and each γ's verification of γ + 1 rows
+    # a ceiling covers only the γ whose verifications were measured (model-free steps): say which, by name
+    span = (f"γ={ceil['gamma']}, the best of γ={', '.join(map(str, gammas))} measured (steps measured at "
+            f"{', '.join(map(str, rows))} rows; no other γ priced)" if len(gammas) > 1 else
+            f"γ={ceil['gamma']}, the only γ measured then")
+    step = ""
+    if one:
+        step = f"; against a plain step of {one:.2f} ms"
+        still = stopped_cost.get(1, stopped_cost.get("1")) if stopped_cost else None
+        if still:
+            step += (f", measured while the trainer ran ({'slowed' if one > still else 'beside'} the "
+                     f"{still:.2f} ms with it stopped): a live decision divides by the plain step of its moment")
+    return (f"engine ceiling {when}: even if every proposal were accepted at no cost, speculation could run at most "
+            f"{ceil['speedup']:.2f}x plain ({span})"
+            + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else "") + step)
+
+
 def _recovery_and_footer(report: dict, console) -> None:
     """Recovery after each shift, the engine ceiling, and how to inspect the run."""
     from rich.table import Table
@@ -1818,19 +1843,11 @@ def _recovery_and_footer(report: dict, console) -> None:
                if rem.get("engine_ceiling") else
                (report.get("engine_ceiling"), report.get("step_cost_ms") or {},
                 "at the evaluation, the trainer stopped" if beside else "beside the trainer"))
-    for ceil, cost, when in (stopped, *(((beside.get("engine_ceiling"), beside.get("step_cost_ms") or {},
-                                         "while serving, beside the trainer"),) if beside else ())):
-        if not ceil:
-            continue
-        two = cost.get(2, cost.get("2"))
-        one = cost.get(1, cost.get("1"))
-        measured = sorted(int(g) for g in (ceil.get("by_gamma") or {}))
-        # a ceiling covers only the γ whose verifications were measured (model-free steps): say which
-        span = f"γ={ceil['gamma']}, of γ={measured[0]}-{measured[-1]} measured" if len(measured) > 1 else \
-            f"γ={ceil['gamma']}, the only γ measured then"
-        console.print(f"engine ceiling {when}: even if every proposal were accepted at no cost, speculation could run at most "
-                      f"{ceil['speedup']:.2f}x plain ({span})"
-                      + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else ""))
+    if stopped[0]:
+        console.print(_ceiling_line(*stopped))
+    if beside and beside.get("engine_ceiling"):
+        console.print(_ceiling_line(beside["engine_ceiling"], beside.get("step_cost_ms") or {},
+                                    "while serving, beside the trainer", stopped[1]))
     lossless = _lossless_summary(report)
     if lossless:
         console.print(lossless)

@@ -23,7 +23,7 @@ def _phase(workload: str) -> dict:
 def _printed(report: dict) -> str:
     out = io.StringIO()
     print_report({"adapters": [], "recovery": [], "requests": 10, "active_adapter": 1, "seconds": 1.0,
-                  "key_prefix": "x:"} | report, Console(file=out, width=400))
+                  "key_prefix": "x:"} | report, Console(file=out, width=600))
     return out.getvalue()
 
 
@@ -44,3 +44,31 @@ def test_the_peer_line_names_which_file_each_side_decodes():
     # a report without the files (an older report.json) claims no sameness
     text = _printed({"phases": [_phase("prose")]})
     assert "same file" not in text and "our plain decoding the served format (which may differ" in text
+
+
+def test_each_ceiling_lists_the_gammas_measured_and_the_plain_step_it_divides_by():
+    """The 8690a9e run: steps measured at 1, 2, 4, 5 rows (γ 1, 3, 4; no 3-row step, so no γ=2), the
+    stopped trainer's plain step 9.51 ms, beside the trainer 14.38 ms. Beside the trainer: 5 x 14.38 /
+    63.77 = 1.13x at γ=4; stopped: 4 x 9.51 / 34.90 = 1.09x at γ=3. Neither says "γ=1-4"; the line
+    beside the trainer names its 14.38 ms plain step and that the trainer slowed it (against 9.51)."""
+    stopped_ms = {1: 9.51, 2: 27.55, 4: 34.90, 5: 43.98}
+    beside_ms = {1: 14.38, 2: 40.90, 4: 52.01, 5: 63.77}
+
+    def ceil(ms):
+        by = {r - 1: round(r * ms[1] / ms[r], 3) for r in ms if r > 1}
+        g = max(by, key=by.get)
+        return {"by_gamma": by, "gamma": g, "speedup": by[g]}
+
+    assert ceil(beside_ms)["gamma"] == 4 and ceil(stopped_ms)["gamma"] == 3
+    rem = {"engine_ceiling": ceil(stopped_ms), "step_cost_ms": stopped_ms,
+           "beside_trainer": {"engine_ceiling": ceil(beside_ms), "step_cost_ms": beside_ms}}
+    text = _printed({"phases": [_phase("prose")], "remeasured": rem})
+    assert "γ=1-4" not in text and "γ=1-3" not in text
+    assert ("engine ceiling with the trainer stopped (re-measured before the evaluation): even if every proposal were "
+            "accepted at no cost, speculation could run at most 1.09x plain (γ=3, the best of γ=1, 3, 4 measured "
+            "(steps measured at 1, 2, 4, 5 rows; no other γ priced)); a verification of 2 rows cost 2.90 plain steps; "
+            "against a plain step of 9.51 ms\n") in text
+    assert ("engine ceiling while serving, beside the trainer: even if every proposal were accepted at no cost, "
+            "speculation could run at most 1.13x plain (γ=4, the best of γ=1, 3, 4 measured (steps measured at 1, 2, "
+            "4, 5 rows; no other γ priced)); a verification of 2 rows cost 2.84 plain steps; against a plain step of "
+            "14.38 ms, measured while the trainer ran (slowed the 9.51 ms with it stopped)") in text
