@@ -724,6 +724,7 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
     decoding up again through the API, as after any change of load. Returns what it served."""
     t0 = time.time()
     cost = loop.decoder.step_cost
+    first_alarm = len(loop.tracker.alarms)  # the alarms this re-measurement raises: shift_alarms[first:last]
     before = {"step_cost_ms": cost.status(), "engine_ceiling": cost.ceiling(loop.controller.config.gamma_max)}
     keys = loop.controller.remeasure_costs()
     cost.clear()
@@ -735,6 +736,7 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
             rows.append(_serve_one(oai, loop, tok, model_name, phase, pool[(served.get(phase, 0) + j) % len(pool)],
                                    cfg.max_new_tokens, t0))
     out = {"requests": len(rows), "keys": keys, "seconds": round(time.time() - t0, 1),
+           "alarms": [first_alarm, len(loop.tracker.alarms)],
            "beside_trainer": before, "step_cost_ms": cost.status(),
            "engine_ceiling": cost.ceiling(loop.controller.config.gamma_max),
            "decisions": [{"workload": r["workload"], "proposer": r["proposer"], "gamma": r["gamma"],
@@ -1896,35 +1898,64 @@ def _run_and_report(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     return report
 
 
-def _shift_alarms_note(report: dict) -> str | None:
-    """What the run's ``acceptance_shift`` warnings are and whether they matter, beside their count:
-    each alarm (``shift_alarms``) with its workload, proposer, α before and after, and where in its
-    phase it came (the timeline rows flagged ``shift_alarm`` against ``shifts``). None without alarms."""
+def _alarm_places(report: dict) -> list[str]:
+    """Where each of ``shift_alarms`` fired, in order: ", at request i of n, s s into its phase"
+    for one a phase's request raised (the timeline rows flagged ``shift_alarm`` against ``shifts``,
+    one alarm a row), "during the re-measurement ..." for those ``remeasured["alarms"]`` (the
+    [first, last) indices it raised) holds, and "outside any phase ..." for the rest (after the
+    phases; their requests are not in the timeline)."""
     alarms = report.get("shift_alarms") or []
-    if not alarms:
-        return None
     timeline, shifts = report.get("timeline") or [], report.get("shifts") or []
+    first, last = ((report.get("remeasured") or {}).get("alarms") or [len(alarms), len(alarms)])[:2]
     where = []
     for i, r in enumerate(timeline):
         sh = next((s for s in reversed(shifts) if s.get("request", 0) <= i), None)
         if r.get("shift_alarm") and sh is not None:
             into = f", {r['t'] - sh['t']:.0f} s into its phase" if "t" in r and "t" in sh else ""
             where.append(f" at request {i - sh['request'] + 1}" + (f" of {sh['requests']}" if sh.get("requests") else "") + into)
+    n_req = (report.get("remeasured") or {}).get("requests")
+    out = []
+    for k in range(len(alarms)):
+        if first <= k < last:  # raised by the re-measurement's requests
+            out.append(", during the re-measurement with the trainer stopped, after every phase"
+                       + (f" (its {n_req} requests are not in the timeline)" if n_req else ""))
+        elif k < first:  # raised in the phases: placed when each flagged row holds one alarm
+            out.append(where[k] if len(where) == first else "")
+        else:
+            out.append(", outside any phase (on a request not in the timeline)")
+    return out
+
+
+def _shift_alarms_note(report: dict) -> str | None:
+    """What the run's ``acceptance_shift`` warnings are and whether they matter, beside their count:
+    each alarm (``shift_alarms``) with its workload, proposer, α before and after, and where it
+    came (:func:`_alarm_places`: in a phase, during the re-measurement, or outside any phase). The
+    phase-shift explanation is given for the alarms in phases; one outside them is named as such.
+    None without alarms."""
+    alarms = report.get("shift_alarms") or []
+    if not alarms:
+        return None
+    places = _alarm_places(report)
     each = []
-    for k, a in enumerate(alarms):
+    for a, place in zip(alarms, places):
         key = a.get("key")
         workload = key[0] if isinstance(key, (list, tuple)) and key else key
         who = {"ngram": "the n-gram proposer's", "draft": "the draft's", None: "the draft's",
                "eagle": "the EAGLE head's"}.get(a.get("proposer"), f"the {a.get('proposer')} proposer's")
-        each.append(f"{workload}, {who} α {a['reference_alpha']:.2f} -> {a['recent_alpha']:.2f}"
-                    + (where[k] if k < len(where) and len(where) == len(alarms) else ""))
+        each.append(f"{workload}, {who} α {a['reference_alpha']:.2f} -> {a['recent_alpha']:.2f}{place}")
+    outside = sum(p.startswith((", during", ", outside")) for p in places)
+    in_phase = len(alarms) - outside
     return (f"{len(alarms)} acceptance_shift alarm(s), logged as warnings: the shift tracker's alarm (a Page-Hinkley test "
             f"per workload and proposer) when a workload's windowed α drops below its running mean: {'; '.join(each)}. "
-            f"At or after a phase shift this is expected: the proposer met traffic it had not seen (new prompts, an "
-            f"n-gram history and a draft adapter not yet fitted to them), so its α moved off the level of its first "
-            f"requests. It calls for no action by itself: outputs stay those of plain decoding (the check above) and "
-            f"the controller prices each proposer on its measured α; an alarm far from any shift, or beside a "
-            f"rollback, is the one to look into")
+            + ("At or after a phase shift this is expected: the proposer met traffic it had not seen (new prompts, an "
+               "n-gram history and a draft adapter not yet fitted to them), so its α moved off the level of its first "
+               "requests. " if in_phase else "")
+            + (f"{'The' if outside == len(alarms) else 'An'} alarm after the phases is no phase shift's: the "
+               f"re-measurement serves each workload again, on prompts its phase never reached, after the other "
+               f"workloads' traffic, so a proposer's α there can sit below its phase's mean. " if outside else "")
+            + "It calls for no action by itself: outputs stay those of plain decoding (the check above) and "
+            "the controller prices each proposer on its measured α; an alarm far from any shift, or beside a "
+            "rollback, is the one to look into")
 
 
 def register(app) -> None:

@@ -72,3 +72,29 @@ def test_each_ceiling_lists_the_gammas_measured_and_the_plain_step_it_divides_by
             "speculation could run at most 1.13x plain (γ=4, the best of γ=1, 3, 4 measured (steps measured at 1, 2, "
             "4, 5 rows; no other γ priced)); a verification of 2 rows cost 2.84 plain steps; against a plain step of "
             "14.38 ms, measured while the trainer ran (slowed the 9.51 ms with it stopped)") in text
+
+
+def test_an_alarm_after_the_phases_is_named_where_it_fired_not_as_a_phase_shifts():
+    """The 8690a9e run's one alarm (math, n-gram, 0.71 -> 0.47) came during the re-measurement with the
+    trainer stopped, on requests not in the timeline: the note says so and gives no phase-shift story.
+    Here alarm 0 is on the timeline's 2nd request of math's phase (t 3.0 - 1.0 s), alarm 1 the
+    re-measurement's (remeasured["alarms"] = [1, 2]), alarm 2 after it (outside any phase)."""
+    from daemon.demo import _shift_alarms_note
+
+    alarm = {"key": ["math", "greedy"], "proposer": "ngram", "reference_alpha": 0.71, "recent_alpha": 0.47}
+    rem = {"alarms": [0, 1], "requests": 32}
+    only = {"shift_alarms": [alarm], "remeasured": rem, "shifts": [{"t": 0.0, "request": 0, "workload": "math"}],
+            "timeline": [{"t": 1.0}, {"t": 2.0}]}
+    text = _shift_alarms_note(only)
+    assert ("math, the n-gram proposer's α 0.71 -> 0.47, during the re-measurement with the trainer stopped, after "
+            "every phase (its 32 requests are not in the timeline).") in text, text
+    assert "At or after a phase shift this is expected" not in text
+    assert "The alarm after the phases is no phase shift's" in text
+    three = {"shift_alarms": [alarm, alarm, alarm], "remeasured": {"alarms": [1, 2], "requests": 32},
+             "shifts": [{"t": 1.0, "request": 0, "workload": "math", "requests": 2}],
+             "timeline": [{"t": 1.0}, {"t": 3.0, "shift_alarm": True}]}
+    text = _shift_alarms_note(three)
+    assert "0.47 at request 2 of 2, 2 s into its phase; " in text, text
+    assert "0.47, during the re-measurement with the trainer stopped, after every phase (its 32 requests" in text
+    assert "0.47, outside any phase (on a request not in the timeline)." in text
+    assert "At or after a phase shift this is expected" in text and "An alarm after the phases is no phase shift's" in text
