@@ -674,7 +674,7 @@ def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: i
         "tokens": m["output_tokens"], "latency_ms": m["latency_ms"], "http_ms": round(wall_ms, 1),
         "tokens_per_s": round(m["output_tokens"] / m["latency_ms"] * 1e3, 3) if m["latency_ms"] else None,
         "shift_alarm": len(loop.tracker.alarms) > alarms, "rollback": rb.reason if rb else None,
-        "decision": m.get("why"),
+        "decision": m.get("why"), "proposed": m.get("proposed_tokens"),
     }
 
 
@@ -1413,6 +1413,25 @@ def _rolling(ys: list[float], k: int = 8) -> list[float]:
     return [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
 
 
+def _speculated(r: dict) -> bool:
+    """Whether a timeline row's request proposed anything: its ``proposed`` tokens > 0 where the row
+    has them, else a measured α (None for a request that proposed nothing). Not ``gamma`` > 0: a
+    probe that moved on to plain decoding after its first steps ends with γ 0 beside its proposer."""
+    if r.get("proposed") is not None:
+        return r["proposed"] > 0
+    return r.get("alpha") is not None
+
+
+def _alpha_by_proposer(timeline: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """(t s, greedy α) of each timeline row that proposed (:func:`_speculated`) and has an α, by its
+    ``proposer``, in order: what the acceptance plot draws per proposer."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for r in timeline:
+        if r.get("proposer") and _speculated(r) and r.get("alpha") is not None:
+            out.setdefault(r["proposer"], []).append((r["t"], r["alpha"]))
+    return out
+
+
 def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
     """Top: per-request greedy α and its rolling mean (8 requests) per proposer (the draft model,
     the n-gram proposer, the head: what each learnt, apart), shifts (dashed) and adapter swaps
@@ -1426,10 +1445,9 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 8), sharex=True, height_ratios=(3, 2))
     styles = {"draft": ("tab:blue", "o"), "ngram": ("tab:orange", "^"), "eagle": ("tab:green", "s")}
     labelled: set = set()
-    for prop in dict.fromkeys(r.get("proposer") for r in timeline if r.get("gamma") and r["alpha"] is not None):
+    for prop, part in _alpha_by_proposer(timeline).items():
         color, marker = styles.get(prop, ("tab:purple", "D"))
-        part = [r for r in timeline if r.get("proposer") == prop and r.get("gamma") and r["alpha"] is not None]
-        xs, ys = [r["t"] for r in part], [r["alpha"] for r in part]
+        xs, ys = [t for t, _ in part], [a for _, a in part]
         ax.scatter(xs, ys, s=10, alpha=0.3, color=color, marker=marker)
         # the rolling mean restarts at each shift, so the dip after a shift and the recovery show
         for i, s in enumerate(shifts):
@@ -1454,8 +1472,8 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
                     transform=ax.get_xaxis_transform())
             prev, last_x = r["adapter_version"], r["t"]
     for w in dict.fromkeys(r["workload"] for r in timeline):
-        spec = [r for r in timeline if r["workload"] == w and r.get("gamma") and r.get("tokens_per_s") is not None]
-        plain = [r for r in timeline if r["workload"] == w and not r.get("gamma") and r.get("tokens_per_s") is not None]
+        spec = [r for r in timeline if r["workload"] == w and _speculated(r) and r.get("tokens_per_s") is not None]
+        plain = [r for r in timeline if r["workload"] == w and not _speculated(r) and r.get("tokens_per_s") is not None]
         if spec:
             ax2.plot([r["t"] for r in spec], _rolling([r["tokens_per_s"] for r in spec]), color="tab:blue", lw=2,
                      label="speculating requests" if w == timeline[0]["workload"] else None)

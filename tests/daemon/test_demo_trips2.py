@@ -98,3 +98,17 @@ def test_an_alarm_after_the_phases_is_named_where_it_fired_not_as_a_phase_shifts
     assert "0.47, during the re-measurement with the trainer stopped, after every phase (its 32 requests" in text
     assert "0.47, outside any phase (on a request not in the timeline)." in text
     assert "At or after a phase shift this is expected" in text and "An alarm after the phases is no phase shift's" in text
+
+
+def test_the_acceptance_plot_keeps_the_drafts_probes_whose_gamma_ended_at_0():
+    """The 8690a9e timeline's 53 draft requests were probes: proposer "draft", γ 0 at the end (they
+    moved on to plain after their first steps), α measured. The plot's per-proposer series keep them;
+    a plain request (nothing proposed, no α) is in none."""
+    from daemon.demo import _alpha_by_proposer, _speculated
+
+    timeline = [{"t": 1.0, "proposer": "ngram", "gamma": 4, "alpha": 0.7, "proposed": 40},
+                {"t": 2.0, "proposer": "draft", "gamma": 0, "alpha": 0.96, "proposed": 6},  # a probe
+                {"t": 3.0, "proposer": "draft", "gamma": 0, "alpha": None, "proposed": 0},  # plain
+                {"t": 4.0, "proposer": "draft", "gamma": 0, "alpha": 0.43}]  # an older row: no count, α measured
+    assert _alpha_by_proposer(timeline) == {"ngram": [(1.0, 0.7)], "draft": [(2.0, 0.96), (4.0, 0.43)]}
+    assert [_speculated(r) for r in timeline] == [True, True, False, True]
