@@ -293,6 +293,29 @@ class Verdict:
     worse: bool = False
 
 
+def _measured_losses(before: EvalResult, after: EvalResult, enough: set[str], trained: set[str],
+                     clusters: dict[str, str] | None, cfg: ServiceConfig) -> str:
+    """The workloads of ``enough`` (enough held-out samples) whose acceptance as served measurably
+    fell (the paired interval over >= 2 requests entirely below 0), as the gate's reason says them:
+    the candidate's own (trained) workloads apart from the others, since a loss on its own workload
+    can stand beside a pooled α at T = 1 that rose. "" when none lost."""
+    own, other = [], []
+    for w in sorted(enough):
+        pw = paired_gain(counts_by_record(before.per_sample, {w}), counts_by_record(after.per_sample, {w}),
+                         clusters, cfg.confidence)
+        if pw.clusters >= 2 and pw.high < 0:
+            (own if w in trained else other).append(
+                f"{w} {pw.gain:+.4f} ({round(pw.confidence * 100)} % CI [{pw.low:+.4f}, {pw.high:+.4f}])")
+    parts = []
+    if own:
+        parts.append(f"{'its own workload' if len(own) == 1 else 'its own workloads'} "
+                     f"({', '.join(x.split(' ', 1)[0] for x in own)}) measurably lost acceptance as served: {'; '.join(own)}")
+    if other:
+        parts.append(f"{'another workload' if len(other) == 1 else 'other workloads'} "
+                     f"({', '.join(x.split(' ', 1)[0] for x in other)}) measurably lost: {'; '.join(other)}")
+    return "; and ".join(parts)
+
+
 def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceConfig,
          clusters: dict[str, str] | None = None) -> Verdict:
     """The promotion decision, its reason and its evidence (pure).
@@ -327,14 +350,9 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     if regressed:
         return Verdict(False, f"{head}, but regressed more than regress_margin {cfg.regress_margin}: "
                               f"{'; '.join(regressed)}", pg, True)
-    lost = []  # a loss measured on any workload with enough held-out samples: its whole interval below 0
-    for w in sorted(enough):
-        pw = paired_gain(counts_by_record(before.per_sample, {w}), counts_by_record(after.per_sample, {w}),
-                         clusters, cfg.confidence)
-        if pw.clusters >= 2 and pw.high < 0:
-            lost.append(f"{w} {pw.gain:+.4f} ({round(pw.confidence * 100)} % CI [{pw.low:+.4f}, {pw.high:+.4f}])")
+    lost = _measured_losses(before, after, enough, trained, clusters, cfg)
     if lost:
-        return Verdict(False, f"{head}, but a workload measurably lost: {'; '.join(lost)}", pg, worse)
+        return Verdict(False, f"{head}, but {lost}", pg, worse)
     if pg.clusters < cfg.min_eval_requests or pg.positions < cfg.min_eval_positions:
         return Verdict(False, f"not enough evidence {head}: need min_eval_requests={cfg.min_eval_requests} and "
                               f"min_eval_positions={cfg.min_eval_positions}", pg, worse)

@@ -172,3 +172,20 @@ def test_a_measured_loss_on_any_workload_blocks_promotion():
     # the same loss on one code request of ten: its interval reaches 0, so it is noise: promoted
     v = gate(before, _eval({"prose": [0.55] * 10, "code": [0.5] + [0.6] * 9}), {"prose"}, cfg)
     assert v.promote, v.reason
+
+
+def test_a_measured_loss_says_whether_the_workload_is_the_candidates_own():
+    """The 8690a9e walkthrough read "a workload measurably lost: math -0.0221" for math's own candidate.
+    Trained on math: math loses 0.01 on every request (interval [-0.01, -0.01]): its own workload;
+    trained on prose with code losing the same: another workload; both named when both lose."""
+    cfg = ServiceConfig(min_eval_samples=4, min_eval_requests=8, min_eval_positions=80, regress_margin=0.02)
+    before = _eval({"prose": [0.5] * 10, "math": [0.6] * 10})
+    v = gate(before, _eval({"prose": [0.55] * 10, "math": [0.59] * 10}), {"math", "prose"}, cfg)
+    assert not v.promote and "but its own workload (math) measurably lost acceptance as served: math -0.0100" in v.reason
+    assert "another workload" not in v.reason and "a workload measurably lost" not in v.reason
+    v = gate(before, _eval({"prose": [0.55] * 10, "math": [0.59] * 10}), {"prose"}, cfg)
+    assert "but another workload (math) measurably lost: math -0.0100" in v.reason and "its own" not in v.reason
+    both = _eval({"prose": [0.49] * 10, "math": [0.59] * 10, "code": [0.7] * 10})
+    v = gate(_eval({"prose": [0.5] * 10, "math": [0.6] * 10, "code": [0.7] * 10}), both, {"prose", "code"}, cfg)
+    assert ("its own workload (prose) measurably lost acceptance as served: prose -0.0100" in v.reason
+            and "; and another workload (math) measurably lost: math -0.0100" in v.reason), v.reason
