@@ -541,7 +541,7 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
             live.phase_end()  # off a terminal: the phase's last table, once
             shift.update(seconds=round(time.time() - start, 1), wall_seconds=round(time.time() - began, 1), ended=why, requests=i,
                          turns=_workload_turns(svc, phase))
-            console.log(f"{phase} ended after {_served_for(shift)} and {i} requests: {why}")  # live, not only in the summary
+            console.log(f"{phase} ended after {_served_for(shift)} and {_requests(i)}: {why}")  # live, not only in the summary
             traffic.phase_end_version[phase] = loop.decoder.adapter_version
             if loop.heads is not None:
                 traffic.phase_end_head[phase] = loop.heads.route(phase)
@@ -579,7 +579,7 @@ def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float, rows=(
     by_own = sum(1 for r in rows if own and r.get("adapter_version") == own)
     if t["judged"] >= cfg.phase_min_judged and t["promoted"] and by_own >= cfg.phase_min_served:
         return True, (f"{cfg.phase_seconds:.0f} s served and {t['judged']} judged turns of its adapter "
-                      f"({t['promoted']} promoted)" + (f"; its v{own} served {by_own} requests" if cfg.phase_min_served else ""))
+                      f"({t['promoted']} promoted)" + (f"; its v{own} served {_requests(by_own)}" if cfg.phase_min_served else ""))
     if served_s >= cfg.max_phase_seconds():
         return True, (f"phase_max_seconds {cfg.max_phase_seconds():.0f} s reached with {t['judged']} of "
                       f"{cfg.phase_min_judged} judged turns ({t['turns']} turns, {t['promoted']} promoted)")
@@ -648,8 +648,10 @@ def _progress_line(timeline, phase: str, requests: int, seconds: float) -> str:
     and seconds so far, its rolling α and tokens/s (:func:`_recent`), the version serving it."""
     spec, recent, alpha, tau, tps = _recent(timeline, phase)
     v = recent[-1].get("adapter_version") if recent else None
-    return (f"{phase}: {requests} requests in {seconds:.0f} s; last {len(recent)}: "
-            + (f"α {alpha:.3f}, τ {tau:.2f} ({len(spec)} speculated)" if alpha is not None and tau is not None
+    return (f"{phase}: {_requests(requests)} in {seconds:.0f} s; last {len(recent)}: "
+            + (f"α {_alpha_tau(alpha, tau, len(spec))} "
+               + ("(one request's: the only one that speculated)" if len(spec) == 1 else f"({len(spec)} speculated)")
+               if alpha is not None and tau is not None
                else "plain decoding")
             + (f", {tps:.1f} tokens/s" if tps is not None else "") + (f"; serving v{v}" if v is not None else ""))
 
@@ -1369,6 +1371,17 @@ def _brief(reason, n: int = 160) -> str:
     return text[: cut if cut > 0 else n].rstrip(" :;,") + " …"
 
 
+def _requests(n: int) -> str:
+    """``n`` with "request" or "requests"."""
+    return f"{n} request" if n == 1 else f"{n} requests"
+
+
+def _alpha_tau(alpha: float, tau: float, n: int, sep: str = ", τ ") -> str:
+    """A rolling α and τ over ``n`` speculating requests: α to 3 decimals over several, to 2 over
+    one (one request's α is no rolling mean to 3 places; the callers say it is one request's)."""
+    return f"{alpha:.2f}{sep}{tau:.2f}" if n == 1 else f"{alpha:.3f}{sep}{tau:.2f}"
+
+
 def _recent(timeline, phase: str, k: int = 12) -> tuple[list, list, float | None, float | None, float | None]:
     """Of the last ``k`` requests, ``phase``'s (``recent``) and those that speculated (``spec``, a
     probe too), with the mean α and τ of ``spec`` and the mean tokens/s of ``recent`` (None: none)."""
@@ -1389,8 +1402,9 @@ def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
     t = Table(title="draftd demo (live)", show_header=False)
     t.add_row("requests done", str(len(timeline)))
     t.add_row("current workload", phase)
-    t.add_row(f"rolling α, τ ({len(spec)} of the last {len(recent)} speculated)",
-              f"{alpha:.3f}, {tau:.2f}" if alpha is not None and tau is not None else "- (plain decoding)")
+    t.add_row(f"one request's α, τ (1 of the last {len(recent)} speculated)" if len(spec) == 1 else
+              f"rolling α, τ ({len(spec)} of the last {len(recent)} speculated)",
+              _alpha_tau(alpha, tau, len(spec), sep=", ") if alpha is not None and tau is not None else "- (plain decoding)")
     t.add_row("rolling tokens/s", f"{tps:.2f}" if tps is not None else "-")
     ms = manager.status()
     routes = {w: v for w, v in (ms.get("routes") or {}).items() if w and v}
@@ -1528,7 +1542,8 @@ def _phase_lengths(report: dict, console) -> None:
     for sh in report.get("shifts") or []:
         if "seconds" in sh:
             t = sh.get("turns") or {}
-            console.print(f"{sh['workload']}: served {_served_for(sh)}, {sh.get('requests', '?')} requests, "
+            console.print(f"{sh['workload']}: served {_served_for(sh)}, "
+                          f"{_requests(sh['requests']) if 'requests' in sh else '? requests'}, "
                           f"{t.get('turns', 0)} turns of its adapter ({t.get('judged', 0)} judged, "
                           f"{t.get('promoted', 0)} promoted); ended: {sh.get('ended')}")
 

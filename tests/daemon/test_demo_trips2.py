@@ -112,3 +112,28 @@ def test_the_acceptance_plot_keeps_the_drafts_probes_whose_gamma_ended_at_0():
                 {"t": 4.0, "proposer": "draft", "gamma": 0, "alpha": 0.43}]  # an older row: no count, α measured
     assert _alpha_by_proposer(timeline) == {"ngram": [(1.0, 0.7)], "draft": [(2.0, 0.96), (4.0, 0.43)]}
     assert [_speculated(r) for r in timeline] == [True, True, False, True]
+
+
+def test_one_request_is_said_in_the_singular_and_one_requests_alpha_to_two_decimals():
+    """"prose: 1 requests" and "rolling α, τ (1 of the last 12 speculated) 1.000, 1.03" in the 8690a9e
+    run: one request, and one request's α (1.0, τ 1.03) is no rolling mean to 3 places."""
+    from daemon.demo import _progress_line, _progress_table
+
+    class Fake:
+        def status(self):
+            return {}
+
+        def decision(self, key):
+            return {"why": "test"}
+
+    plain = {"workload": "prose", "alpha": None, "tau": 1.0, "tokens_per_s": 10.0, "adapter_version": 2}
+    one = [dict(plain), {"workload": "prose", "alpha": 1.0, "tau": 1.03, "tokens_per_s": 12.0, "adapter_version": 2}]
+    assert _progress_line(one, "prose", 1, 5.0) == ("prose: 1 request in 5 s; last 2: α 1.00, τ 1.03 (one request's: "
+                                                    "the only one that speculated), 11.0 tokens/s; serving v2")
+    out = io.StringIO()
+    Console(file=out, width=200).print(_progress_table(one, "prose", Fake(), Fake(), Fake(), ("prose", "greedy")))
+    text = out.getvalue()
+    assert "one request's α, τ (1 of the last 2 speculated)" in text and "1.00, 1.03" in text, text
+    assert "1.000" not in text and "rolling α" not in text
+    two = one + [{"workload": "prose", "alpha": 0.5, "tau": 2.07, "tokens_per_s": 8.0, "adapter_version": 2}]
+    assert _progress_line(two, "prose", 2, 6.0).startswith("prose: 2 requests in 6 s; last 3: α 0.750, τ 1.55 (2 speculated)")
