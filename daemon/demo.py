@@ -1991,6 +1991,28 @@ def _shift_alarms_note(report: dict) -> str | None:
             "rollback, is the one to look into")
 
 
+def _summary(report: dict, out_dir: Path) -> dict[str, Any]:
+    """The demo's final JSON line: the run's keys, the report's path, each phase's gains, and the
+    adapters serving at the end: ``shared_adapter`` (the shared scope's version, the bootstrap in the
+    demo, serving a workload without its own) and ``workload_adapters`` (each workload's own
+    promoted version). ``active_adapter`` stays, the shared one's value under its old name, for
+    consumers of earlier lines."""
+    keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "plot")
+    summary = {k: report.get(k) for k in keep}
+    summary["shared_adapter"] = report.get("active_adapter")
+    summary["workload_adapters"] = {w: v for w, v in (report.get("workload_adapters") or {}).items() if v}
+    summary["report"] = str(out_dir / "report.json")
+    summary["alpha_gain"] = {r["workload"]: r["alpha_gain"] for r in report["phases"]}
+    summary["alpha_gain_ci"] = {r["workload"]: [(r.get("alpha_gain_ci") or {}).get(k) for k in ("low", "high")]
+                                for r in report["phases"]}
+    summary["phase_end_gain"] = {r["workload"]: [(r.get("phase_end_gain_ci") or {}).get(k) for k in ("gain", "low", "high")]
+                                 for r in report["phases"]}
+    summary["promotions_that_lowered_decoded_alpha"] = [f"{r['workload']}: v{v['parent']} -> v{v['version']}"
+                                                        for r in report["phases"] for v in r.get("versions") or []
+                                                        if v["lowered"]]
+    return summary
+
+
 def register(app) -> None:
     """Add ``demo`` to the ``daemonctl`` Typer app."""
     import sys
@@ -2059,15 +2081,4 @@ def register(app) -> None:
             raise typer.Exit(2)
         cfg = dataclasses.replace(cfg, per_workload=not shared_adapter, draft_vocab=draft_vocab)
         report = _run_and_report(settings, cfg, console)
-        keep = ("run_id", "key_prefix", "seconds", "requests", "active_adapter", "plot")
-        summary = {k: report.get(k) for k in keep}
-        summary["report"] = str(Path(cfg.out_dir) / "report.json")
-        summary["alpha_gain"] = {r["workload"]: r["alpha_gain"] for r in report["phases"]}
-        summary["alpha_gain_ci"] = {r["workload"]: [(r.get("alpha_gain_ci") or {}).get(k) for k in ("low", "high")]
-                                    for r in report["phases"]}
-        summary["phase_end_gain"] = {r["workload"]: [(r.get("phase_end_gain_ci") or {}).get(k) for k in ("gain", "low", "high")]
-                                     for r in report["phases"]}
-        summary["promotions_that_lowered_decoded_alpha"] = [f"{r['workload']}: v{v['parent']} -> v{v['version']}"
-                                                            for r in report["phases"] for v in r.get("versions") or []
-                                                            if v["lowered"]]
-        print(json.dumps(summary))
+        print(json.dumps(_summary(report, Path(cfg.out_dir))))

@@ -137,3 +137,20 @@ def test_one_request_is_said_in_the_singular_and_one_requests_alpha_to_two_decim
     assert "1.000" not in text and "rolling α" not in text
     two = one + [{"workload": "prose", "alpha": 0.5, "tau": 2.07, "tokens_per_s": 8.0, "adapter_version": 2}]
     assert _progress_line(two, "prose", 2, 6.0).startswith("prose: 2 requests in 6 s; last 3: α 0.750, τ 1.55 (2 speculated)")
+
+
+def test_the_final_json_line_names_the_shared_and_each_workloads_adapter():
+    """The 8690a9e line held `"active_adapter": 1` (the shared bootstrap) beside per-workload v2, v8,
+    v12, v17: the line now says which is which, and keeps active_adapter for earlier consumers."""
+    from pathlib import Path
+
+    from daemon.demo import _summary
+
+    report = {"run_id": "r", "key_prefix": "x:", "seconds": 1.0, "requests": 608, "active_adapter": 1, "plot": "p.png",
+              "workload_adapters": {"prose": 2, "code": 8, "math": 12, "extract": 17, "idle": 0},
+              "phases": [{"workload": "prose", "alpha_gain": 0.432, "alpha_gain_ci": {"low": 0.36, "high": 0.533}}]}
+    s = _summary(report, Path("out/demo"))
+    assert s["shared_adapter"] == 1 and s["active_adapter"] == 1
+    assert s["workload_adapters"] == {"prose": 2, "code": 8, "math": 12, "extract": 17}  # none promoted: left out
+    assert s["report"] == "out/demo/report.json" and s["alpha_gain_ci"] == {"prose": [0.36, 0.533]}
+    assert s["phase_end_gain"] == {"prose": [None, None, None]} and s["promotions_that_lowered_decoded_alpha"] == []
