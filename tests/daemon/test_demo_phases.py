@@ -246,6 +246,8 @@ def test_step_costs_are_measured_again_once_the_trainer_stopped_on_prompts_never
 
     def serve_one(oai, loop, tok, model, phase, p, n, t0):
         served.append((phase, p))
+        if p == "math17":  # an alarm on the re-measurement's third request: shift_alarms[1:2]
+            loop.tracker.alarms.append("alarm")
         cost.add(1, 10.0)
         cost.add(3, 14.0)  # alone: 1.4 plain steps
         return {"workload": phase, "proposer": None, "gamma": 0, "decision": "warm-up: measuring plain decoding"}
@@ -253,7 +255,8 @@ def test_step_costs_are_measured_again_once_the_trainer_stopped_on_prompts_never
     monkeypatch.setattr(demo, "_serve_one", serve_one)
     monkeypatch.setattr(demo, "_prompts", lambda w, n, skip=0: [f"{w}{i}" for i in range(skip, skip + 10)])
     cfg = DemoConfig.quick(phases=("code", "math"), eval_prompts=8, remeasure_requests=2)
-    loop = types.SimpleNamespace(controller=ctl, decoder=types.SimpleNamespace(step_cost=cost))
+    loop = types.SimpleNamespace(controller=ctl, decoder=types.SimpleNamespace(step_cost=cost),
+                                 tracker=types.SimpleNamespace(alarms=["a phase's alarm"]))
     traffic = demo._Traffic()
     traffic.shifts = [{"workload": "code", "requests": 3}, {"workload": "math", "requests": 9}]
     screen = io.StringIO()
@@ -261,7 +264,7 @@ def test_step_costs_are_measured_again_once_the_trainer_stopped_on_prompts_never
     # code served its pool's prompts 8..10 (0..7 are the evaluation's): 11 and 12 are next;
     # math reached the end of its 10: the pool wraps (a real pool holds hundreds)
     assert served == [("code", "code11"), ("code", "code12"), ("math", "math17"), ("math", "math8")]
-    assert out["requests"] == 4 and out["keys"] == 1
+    assert out["requests"] == 4 and out["keys"] == 1 and out["alarms"] == [1, 2]
     assert out["beside_trainer"]["step_cost_ms"] == {1: 10.0, 3: 30.0}
     assert out["step_cost_ms"] == {1: 10.0, 3: 14.0}  # only what was measured after the trainer stopped
     assert out["engine_ceiling"]["gamma"] == 2 and out["engine_ceiling"]["speedup"] == pytest.approx(3 / 1.4, abs=1e-3)
