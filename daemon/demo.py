@@ -1843,16 +1843,16 @@ def _ceiling_line(ceil: dict, cost: dict, when: str, stopped_cost: dict | None =
     gammas = sorted(int(g) for g in (ceil.get("by_gamma") or {}))
     rows = [1, *(g + 1 for g in gammas)]  # a plain step and each γ's verification of γ + 1 rows
     # a ceiling covers only the γ whose verifications were measured (model-free steps): say which, by name
-    span = (f"γ={ceil['gamma']}, the best of γ={', '.join(map(str, gammas))} measured (steps measured at "
-            f"{', '.join(map(str, rows))} rows; no other γ priced)" if len(gammas) > 1 else
+    span = (f"γ={ceil['gamma']}, the best of γ={', '.join(map(str, gammas))} measured: steps measured at "
+            f"{', '.join(map(str, rows))} rows, no other γ priced" if len(gammas) > 1 else
             f"γ={ceil['gamma']}, the only γ measured then")
     step = ""
     if one:
         step = f"; against a plain step of {one:.2f} ms"
         still = stopped_cost.get(1, stopped_cost.get("1")) if stopped_cost else None
         if still:
-            step += (f", measured while the trainer ran ({'slowed' if one > still else 'beside'} the "
-                     f"{still:.2f} ms with it stopped): a live decision divides by the plain step of its moment")
+            step += (f" measured beside the trainer{', which slowed it' if one > still else ''} ({still:.2f} ms with "
+                     f"the trainer stopped): a live decision divides by the plain step of its moment")
     return (f"engine ceiling {when}: even if every proposal were accepted at no cost, speculation could run at most "
             f"{ceil['speedup']:.2f}x plain ({span})"
             + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else "") + step)

@@ -357,8 +357,8 @@ def test_each_engine_ceiling_names_the_gammas_it_was_measured_at():
                   "remeasured": {"beside_trainer": beside}}, Console(file=out, width=600))
     text = out.getvalue()
     assert "at most 0.97x plain (γ=1, the only γ measured then); a verification of 2 rows cost 2.06 plain steps" in text
-    assert ("at most 1.14x plain (γ=4, the best of γ=1, 2, 3, 4 measured (steps measured at 1, 2, 3, 4, 5 rows; "
-            "no other γ priced)); a verification of 2 rows cost 1.80 plain steps") in text
+    assert ("at most 1.14x plain (γ=4, the best of γ=1, 2, 3, 4 measured: steps measured at 1, 2, 3, 4, 5 rows, "
+            "no other γ priced); a verification of 2 rows cost 1.80 plain steps") in text
 
 
 def test_the_stopped_trainers_engine_ceiling_is_the_one_the_picks_were_priced_on():
@@ -376,11 +376,11 @@ def test_the_stopped_trainers_engine_ceiling_is_the_one_the_picks_were_priced_on
                   "remeasured": rem}, Console(file=out, width=600))
     text = out.getvalue()
     assert ("engine ceiling with the trainer stopped (re-measured before the evaluation): even if every proposal were "
-            "accepted at no cost, speculation could run at most 1.25x plain (γ=2, the best of γ=1, 2 measured (steps "
-            "measured at 1, 2, 3 rows; no other γ priced)); a verification of 2 rows cost 1.81 plain steps") in text
-    assert ("at most 1.30x plain (γ=2, the best of γ=1, 2 measured (steps measured at 1, 2, 3 rows; no other γ priced)); "
-            "a verification of 2 rows cost 1.68 plain steps; against a plain step of 8.00 ms, measured while the trainer "
-            "ran (slowed the 6.80 ms with it stopped)") in text
+            "accepted at no cost, speculation could run at most 1.25x plain (γ=2, the best of γ=1, 2 measured: steps "
+            "measured at 1, 2, 3 rows, no other γ priced); a verification of 2 rows cost 1.81 plain steps") in text
+    assert ("at most 1.30x plain (γ=2, the best of γ=1, 2 measured: steps measured at 1, 2, 3 rows, no other γ priced); "
+            "a verification of 2 rows cost 1.68 plain steps; against a plain step of 8.00 ms measured beside the trainer, "
+            "which slowed it (6.80 ms with the trainer stopped)") in text
     assert "0.90x" not in text  # the run's last costs stay in report.json only
 
 
