@@ -245,7 +245,7 @@ class _Clusters:
     KEEP = 32  # requests kept per proposer and key
 
     def __init__(self, keep: int = KEEP):
-        self.rows: dict[Any, list[float]] = {}  # request -> [steps, tokens]
+        self.rows: dict[Any, list[float]] = {}  # request -> [proposals asked, accepted]
         self.keep = keep
 
     def add(self, request: Any, accepted: float, asked: int) -> None:
@@ -293,7 +293,7 @@ class _KeyState:
     # proposer -> [steps, requests] it served (requests counted by their first step): the mean
     # steps per request, which turns ``ewma`` into a weight per request (_request_weight)
     served: dict[str, list[int]] = field(default_factory=dict)
-    # proposer -> tokens per step of its last requests, per request (the acceptance's uncertainty)
+    # proposer -> the acceptance of its last requests, per request (the acceptance's uncertainty)
     clusters: dict[str, "_Clusters"] = field(default_factory=dict)
     auto_request: int = 0  # a request id for callers that name none (``first`` starts one)
 
@@ -501,8 +501,8 @@ class GoodputController:
         estimate (a walkthrough's code pick rated the draft at α 0.90 after a probe at 0.88, and
         decoded α 0.45 at 0.58x plain). None (a caller that does not say): per step.
 
-        ``request``: a hashable id of the step's request, under which its tokens per step join
-        the per-request spread of acceptance (:class:`_Clusters`, the confidence bound of
+        ``request``: a hashable id of the step's request, under which its acceptance joins the
+        per-request spread of acceptance (:class:`_Clusters`, the confidence bound of
         ``config.confidence``); None: ``first`` True starts a new request, False continues the
         last one, None makes each step its own."""
         if step_ms is not None:
@@ -635,6 +635,7 @@ class GoodputController:
         if 0 in s.verify_ms and s.verify_ms[0].n:
             out[("plain", 0)] = s.verify_ms[0].rel_se()
         td = s.draft_ms_per_token.value
+
         def of_tokens(spread: float, e: float) -> float:  # the accepted part's error, relative to all E tokens
             return 0.0 if e <= 1.0 else spread * (e - 1.0) / e
 
