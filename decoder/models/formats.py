@@ -117,6 +117,7 @@ class FormatMeasurement:
     cache_file: str | None = None
     from_cache: bool = False
     budget_s: float | None = None  # the time budget of its timed steps (s): scaled_budget's, or max_seconds as given
+    busy: str | None = None  # why it ran beside other work (their share of the CPUs), so no format is judged on it
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -226,7 +227,7 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
     BF16 on an AMX Xeon, 0.15), or whose repeats were noisy (``noise`` above :data:`NOISE_MAX`).
     The best format serves if it is the packaged file, or if its goodput is above the packaged
     file's plain step by ``margin`` (relative); else the packaged file serves, as it does when the
-    packaged file's own measurement was noisy. Costs are taken non-decreasing in n (a verification
+    packaged file's own measurement was noisy or the measurement ran beside other work (``busy``). Costs are taken non-decreasing in n (a verification
     of n rows costs at least one of fewer rows; a lower median is noise). ``paths``: each format's
     file (default: the measured file names, no directory).
     """
@@ -238,7 +239,11 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
         raise ValueError("the measurement has no plain step of the packaged file")
     files = paths or {}
     meas = {k: getattr(measurement, k) for k in ("key", "draft_ms", "reps", "cached_tokens", "seconds", "budget_s",
-                                                 "measured_at", "cache_file", "from_cache")}
+                                                 "measured_at", "cache_file", "from_cache", "busy")}
+    if measurement.busy:
+        return FormatChoice(PACKAGED, Path(files.get(PACKAGED) or pk.file),
+                            f"{measurement.busy}, so no format is judged on it; measured again at the next start",
+                            AUTO, [asdict(c) for c in fm.values()], meas)
     if pk.error or 1 not in pk.ms:
         return FormatChoice(PACKAGED, Path(files.get(PACKAGED) or pk.file),
                             f"the packaged file's measurement failed ({pk.error}), so no format is judged against it; "
@@ -346,15 +351,15 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     attention path changes), all open at once and interleaved within each repeat (:func:`_time_rows`):
     one ``llama_decode`` of each of n = 1..8 rows with logits at all n, truncated back. Reported:
     the median ms per n over ``reps`` (fewer where the repeats pass the time budget: ``max_seconds``
-    when given, else :func:`scaled_budget` from a plain step timed first, ``budget_s``); whether
-    the 8-row logits equal the
-    same rows decoded one at a time (``rows_identical``); with ``draft_layers`` (``"0-3"``) the
-    derived draft's plain step (``draft_ms``), the cost c of a proposed token. About
+    when given, else :func:`scaled_budget` from a plain step timed first, ``budget_s``); whether the
+    8-row logits equal the same rows decoded one at a time (``rows_identical``); with ``draft_layers``
+    (``"0-3"``) the derived draft's plain step (``draft_ms``), the cost c of a proposed token. About
     reps x (1 + 2 + ... + 8) x 4 steps: 0.5-2 s on 2 cores, plus 2 s per format quantised once.
 
     Cached as JSON in ``cache_dir`` (default ``cache_root() / "formats"``) keyed by the packaged
     file's digest, the CPU model and flags, the threads, the formats and the draft layers; delete
-    it to measure again. A measurement with a format over :data:`NOISE_MAX` is not cached.
+    it to measure again. Not cached: a format over :data:`NOISE_MAX`, or other processes above
+    :data:`BUSY_MAX` of the CPUs (``busy``: no format is judged on it, :func:`choose_format`).
     """
     from decoder.engines.llamacpp import LlamaCppEngine
     from decoder.models.gguf_export import derived_draft_gguf, file_digest16, requantised_gguf
@@ -408,9 +413,10 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
                 costs[f].error = _incomplete(sorted(t["ms"]), budget, max_seconds is None, threads, t.get("load"))
     draft_ms = timed[DRAFT]["ms"].get(1) if DRAFT in timed else None
     noisy = [f for f, c in costs.items() if _noisy(c, reps) or f in incomplete]
+    busy = _busy(timed)
     m = FormatMeasurement(key, costs, draft_ms, reps, cached, round(time.perf_counter() - t0, 2), time.time(),
-                          str(cfile), budget_s=None if budget is None else round(budget, 1))
-    if not use_cache or noisy or not _write_cache(m, cfile):  # a noisy measurement is taken again at the next start
+                          str(cfile), budget_s=None if budget is None else round(budget, 1), busy=busy)
+    if not use_cache or noisy or busy or not _write_cache(m, cfile):  # taken again at the next start
         m.cache_file = None
     return m
 
@@ -487,7 +493,8 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
     ``max(rows)`` rows in one call give the logits of the same rows one at a time
     (``rows_identical``, their ``row_max_abs_diff``; None when not checked); ``repeats``; the
     budget (``budget_s``) and the CPU load when the steps ended (``load``, ``os.getloadavg()``;
-    None where the OS has none).
+    None where the OS has none); ``others``, the share of the CPUs other processes used during the
+    timed repeats (:func:`others_share`; None off Linux).
 
     The budget bounds it all from the first prefill: past it no further step runs, so a slow or
     busy host (2 llama.cpp threads on 2 cores shared with other jobs took 3 s a step) gets fewer
@@ -521,6 +528,7 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
             diff = float(np.abs(block - single).max())
             out[name].update(rows_identical=diff == 0.0, row_max_abs_diff=diff)
     times = {name: {n: [] for n in rows} for name, (_, rows) in engines.items()}
+    jiffies0, t_timed = cpu_jiffies(), time.perf_counter()
     for _ in range(reps):  # the identity check (and the prefill) warmed every engine up
         for name, (_, rows) in engines.items():
             s = seqs[name]
@@ -536,13 +544,54 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
         load = os.getloadavg()
     except (AttributeError, OSError):  # not on this OS
         load = None
+    others = others_share(jiffies0, cpu_jiffies(), time.perf_counter() - t_timed, os.cpu_count() or 1)
     for name, by_n in times.items():
         done = {n: v for n, v in by_n.items() if v}
         out[name]["ms"] = {n: round(statistics.median(v), 4) for n, v in done.items()}
         out[name]["noise"] = round(max((statistics.median(v) / min(v) - 1.0 for v in done.values()), default=0.0), 4)
         out[name]["repeats"] = min(len(v) for v in by_n.values())
-        out[name]["budget_s"], out[name]["load"] = budget, load
+        out[name]["budget_s"], out[name]["load"], out[name]["others"] = budget, load, others
     return out
+
+
+BUSY_MAX = 0.25  # other processes' share of the CPUs during the timed steps above which no format is judged
+
+
+def _busy(timed: dict[str, dict[str, Any]]) -> str | None:
+    """Why :func:`_time_rows`' timing ran beside other work (their share of the CPUs above
+    :data:`BUSY_MAX`), or None."""
+    others = next((t["others"] for t in timed.values() if t.get("others") is not None), None)
+    if others is None or others <= BUSY_MAX:
+        return None
+    return (f"the measurement ran beside other work: other processes used {others:.0%} of the CPUs during its "
+            f"steps (above {BUSY_MAX:.0%})")
+
+
+def cpu_jiffies() -> tuple[int, int] | None:
+    """(the machine's busy CPU time, this process's CPU time), both in clock ticks, from Linux's
+    /proc/stat (user, nice, system, irq, softirq, steal) and /proc/self/stat (utime, stime: all
+    its threads); None where they cannot be read."""
+    try:
+        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        return v[0] + v[1] + v[2] + v[5] + v[6] + v[7], int(own[11]) + int(own[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def others_share(before: tuple[int, int] | None, after: tuple[int, int] | None, seconds: float, cpus: int,
+                 hz: int | None = None) -> float | None:
+    """The share (0..1) of ``cpus`` CPUs over ``seconds`` that other processes (and the hypervisor's
+    steal) used between two :func:`cpu_jiffies` snapshots; ``hz``: clock ticks per second
+    (default ``os.sysconf("SC_CLK_TCK")``). None without both snapshots or a positive interval.
+    A timing taken while they used the CPUs says little about this CPU alone (a format measured beside
+    the test suite came out slower than the packaged file, and faster alone: docs/walkthroughs.md,
+    the run at d482237)."""
+    if before is None or after is None or not seconds > 0 or cpus < 1:
+        return None
+    hz = hz or os.sysconf("SC_CLK_TCK")
+    other = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, other / hz / (seconds * cpus))
 
 
 def resolve_format(setting: str, target: str, threads: int | None = None, draft: str | None = None,

@@ -338,3 +338,31 @@ def test_serving_the_chosen_f16_copy_greedy_equals_plain_decoding_of_that_copy()
     finally:
         ch.target.close()
         ch.draft.close()
+
+
+def test_other_processes_share_of_the_cpus_is_read_off_two_snapshots():
+    # 2 CPUs for 2 s at 100 ticks/s: 400 ticks in all; the machine busy 500 ticks more, 200 of them ours
+    assert F.others_share((1000, 100), (1500, 300), 2.0, 2, hz=100) == pytest.approx(300 / 400)
+    assert F.others_share((1000, 100), (1100, 200), 2.0, 2, hz=100) == 0.0  # all ours
+    assert F.others_share(None, (1, 1), 2.0, 2) is None and F.others_share((1, 1), (2, 2), 0.0, 2) is None
+    j = F.cpu_jiffies()
+    assert j is None or (j[0] >= 0 and j[1] >= 0)
+
+
+def test_a_measurement_beside_other_work_serves_the_packaged_file_and_is_not_cached(tiny_pkg, tmp_path, monkeypatch):
+    """Other processes used 60 % of the CPUs during the timed steps (faked: no timing in a test):
+    F16's cheap rows are not judged on it, the packaged file serves, saying why, and nothing is cached."""
+    def fake(engines, reps, cached, max_seconds=None):
+        return {name: {"ms": dict(PACKAGED_10) if name == "packaged" else {n: F16_CHEAP[n] for n in rows}, "noise": 0.01,
+                       "rows_identical": True, "row_max_abs_diff": 0.0, "others": 0.6}
+                for name, (_, rows) in engines.items()}
+
+    monkeypatch.setattr(F, "_time_rows", fake)
+    m = F.measure_formats(tiny_pkg, threads=1, formats=("packaged", "F16"), cache_dir=tmp_path / "c", n_ctx=64, cached=8)
+    assert m.busy == "the measurement ran beside other work: other processes used 60% of the CPUs during its steps " \
+                     "(above 25%)"
+    assert m.cache_file is None and not list((tmp_path / "c").glob("*.json"))
+    c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert c.format == "packaged" and c.reason == m.busy + ", so no format is judged on it; measured again at the next start"
+    calm = FormatMeasurement.from_json(dict(m.to_json(), busy=None))
+    assert choose_format(calm, alphas={"ngram": 0.6}, proposers=("ngram",)).format == "F16"  # the same costs, alone
