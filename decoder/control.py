@@ -317,15 +317,24 @@ class _LengthModel:
 
     def observe(self, asked: int, accepted: int, model_ms: float, draft_ms: float, w: float,
                 w_len: float | None = None) -> None:
-        """One step: ``w`` weighs its costs, ``w_len`` (default ``w``) its accepted length (then
-        a young estimate is the plain mean of its steps until that weighs less than ``w_len``)."""
+        """One step: ``w_len`` (default ``w``) weighs its accepted length and its costs alike, a
+        young estimate being the plain mean of its steps until that weighs less than ``w_len``.
+
+        The tokens and the milliseconds of a γ are one ratio, E[tokens] / E[ms] over the same
+        steps: a gated proposer's steps that asked for γ cost one row (no match, or a match the
+        gate turned down: a plain step, no token accepted) or up to γ + 1 (a copied span, many
+        accepted), so lengths averaged over many requests divided by costs that followed the last
+        few steps (a request with no match: plain steps) priced a proposer well above plain
+        decoding that ran no faster than it (docs/walkthroughs.md, the run at c96690d)."""
+        wl = w if w_len is None else w_len
         while len(self.ge) < asked:
             self.ge.append(_Ewma())
         for j in range(1, asked + 1):
             e = self.ge[j - 1]
-            e.add(1.0 if accepted >= j else 0.0, w if w_len is None else max(w_len, 1.0 / (e.n + 1)))
-        self.step_ms.setdefault(asked, _Ewma()).add(model_ms, w)
-        self.draft_ms.add(draft_ms, w)
+            e.add(1.0 if accepted >= j else 0.0, max(wl, 1.0 / (e.n + 1)))
+        e = self.step_ms.setdefault(asked, _Ewma())
+        e.add(model_ms, max(wl, 1.0 / (e.n + 1)))
+        self.draft_ms.add(draft_ms, max(wl, 1.0 / (self.draft_ms.n + 1)))
         self.steps += 1
 
     def p_ge(self, j: int) -> float:

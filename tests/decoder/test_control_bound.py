@@ -205,3 +205,26 @@ def test_a_bound_below_one_hundredth_says_there_is_none_yet_not_0_00x():
     assert "0.00x" not in why
     ev["rel_se"][("ngram", 1)] = 0.1  # 2 exp(-0.1645) = 1.70x
     assert "lower bound of that ratio is 1.70x" in ctl._unsure(("ngram", 1), 0.2, 0.1, ev)
+
+
+@pytest.mark.parametrize("last", ["copy", "none"])
+def test_a_gated_proposer_is_priced_by_the_tokens_and_ms_of_the_same_steps(last):
+    # A gated n-gram proposer asked for γ = 4: a copying request runs one plain-like step (no match
+    # yet: 1 token, 10 ms) then 12 steps of 4 accepted (5 tokens, 20 ms); a request with no match
+    # runs 64 plain-like steps (1 token, 10 ms). Its true rate is the tokens over the ms of all
+    # those steps, whichever request came last (the costs once followed the last few steps alone,
+    # and a last request with no match priced the proposer at its plain step's cost).
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), min_steps=1))
+    copy = [(0, 10.0)] + [(4, 20.0)] * 12
+    none = [(0, 10.0)] * 64
+    order = [copy, none] * 4 if last == "none" else [none, copy] * 4
+    tokens = ms = 0.0
+    for r, steps in enumerate(order):
+        for i, (acc, step_ms) in enumerate(steps):
+            ctl.observe(KEY, StepStats(acc, acc, acc + 1, -1, 0.0, 0.0, step_ms), proposer="ngram", asked=4,
+                        first=i == 0, request=("r", r))
+            tokens, ms = tokens + acc + 1, ms + step_ms
+    truth = tokens / ms  # (4 x 61 + 4 x 64) / (4 x 250 + 4 x 640) tokens per ms
+    assert truth == pytest.approx(500 / 3560)
+    rate = ctl.decision(KEY)["tokens_per_ms_by_proposer"]["ngram"]
+    assert float(rate[4]) == pytest.approx(truth, rel=0.01)
