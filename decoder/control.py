@@ -245,18 +245,40 @@ class _Clusters:
     KEEP = 32  # requests kept per proposer and key
 
     def __init__(self, keep: int = KEEP):
-        self.rows: dict[Any, list[float]] = {}  # request -> [proposals asked, accepted]
+        self.rows: dict[Any, list[float]] = {}  # request -> [proposals asked, accepted, tokens, ms]
         self.keep = keep
 
-    def add(self, request: Any, accepted: float, asked: int) -> None:
-        """One step of ``request`` that asked for ``asked`` (>= 1) proposals and kept ``accepted``."""
+    def add(self, request: Any, accepted: float, asked: int, tokens: float = 0.0, ms: float = 0.0) -> None:
+        """One step of ``request`` that asked for ``asked`` (>= 1) proposals and kept ``accepted``;
+        ``tokens`` and ``ms`` (a length-modelled proposer's: the step's emitted tokens and its
+        cost) feed :meth:`ratio_rel_se`."""
         row = self.rows.get(request)
         if row is None:
-            row = self.rows[request] = [0, 0.0]
+            row = self.rows[request] = [0, 0.0, 0.0, 0.0]
             while len(self.rows) > self.keep:
                 self.rows.pop(next(iter(self.rows)))
         row[0] += asked
         row[1] += min(max(accepted, 0), asked)
+        if math.isfinite(tokens) and math.isfinite(ms) and ms >= 0:
+            row[2] += tokens
+            row[3] += ms
+
+    def ratio_rel_se(self) -> float:
+        """The relative standard error of R = Σ tokens / Σ ms over the kept requests, requests as
+        the units (the linearised ratio estimator: se(R) = sqrt(Σ (t_i - R m_i)^2 / (k (k - 1))) /
+        mean(m); Cochran 1977, "Sampling Techniques", eq. 6.9): the spread of tokens per ms between
+        requests, the costs' included (a request with no match runs cheap one-row steps, a copying
+        one dear long verifications); inf below 2 requests with a cost."""
+        rows = [(t, m) for _, _, t, m in self.rows.values() if m > 0]
+        k = len(rows)
+        if k < 2:
+            return math.inf
+        tt, mm = sum(t for t, _ in rows), sum(m for _, m in rows)
+        if not tt > 0:
+            return math.inf
+        r = tt / mm
+        se = math.sqrt(sum((t - r * m) ** 2 for t, m in rows) / (k * (k - 1))) / (mm / k)
+        return se / r
 
     def count(self) -> int:
         return len(self.rows)
@@ -264,7 +286,7 @@ class _Clusters:
     def rel_se(self) -> float:
         """sd(per-request acceptance) / sqrt(requests) / their mean; inf below 2 requests or at a
         mean of 0."""
-        means = [t / n for n, t in self.rows.values() if n]
+        means = [t / n for n, t, *_ in self.rows.values() if n]
         k = len(means)
         if k < 2:
             return math.inf
@@ -531,7 +553,8 @@ class GoodputController:
                     s.auto_request += first is not False
                     request = ("auto", s.auto_request)
                 s.clusters.setdefault(proposer, _Clusters()).add(
-                    request, step.alpha_sum if proposer == DRAFT else step.accepted, units)
+                    request, step.alpha_sum if proposer == DRAFT else step.accepted, units,
+                    step.accepted + 1, draft_ms + verify_ms)
             if proposer != DRAFT:
                 if asked:
                     s.lengths.setdefault(proposer, _LengthModel()).observe(
@@ -617,7 +640,9 @@ class GoodputController:
         E - 1 carried to E as x (E - 1) / E, and scaled by t_{k-1} / z (Student's t quantile for
         k requests over the normal one: a bound from a handful of requests is that much wider); plain decoding's from its
         step's. Where a cost is read off other γ's measurements (:meth:`_verify_cost`), their
-        largest error. Lock held."""
+        largest error. A length-modelled proposer's is at least the relative error of its tokens
+        per ms between requests (:meth:`_Clusters.ratio_rel_se`, at t_{k-1} / z): its steps' costs
+        are clustered by request as its lengths are, which per-step errors miss. Lock held."""
         z = self._z()
 
         def verify_rse(g: int) -> float:
@@ -633,12 +658,15 @@ class GoodputController:
                 return math.inf
             return math.hypot(*(v * r for v, r in parts if v > 0)) / tot
 
+        def t_over_z(c) -> float:
+            return t_quantile(self.config.confidence, c.count() - 1) / z if z > 0 else 1.0
+
         def tokens_rse(name: str) -> float:
             c = s.clusters.get(name)
             k = c.count() if c is not None else 0
             if k < 2:
                 return math.inf
-            return c.rel_se() * (t_quantile(self.config.confidence, k - 1) / z if z > 0 else 1.0)
+            return c.rel_se() * t_over_z(c)
 
         out: dict[tuple[str, int], float] = {}
         if 0 in s.verify_ms and s.verify_ms[0].n:
@@ -663,6 +691,11 @@ class GoodputController:
                 else:
                     cost = combine((m.draft_ms.value, m.draft_ms.rel_se()), (self._verify_cost(s, g), verify_rse(g)))
                 out[(name, g)] = math.hypot(of_tokens(spread, m.tokens_per_step(g)), cost)
+            c = s.clusters.get(name)
+            if c is not None and c.count() >= 2:  # tokens per ms between requests, costs and lengths together
+                ratio = c.ratio_rel_se() * t_over_z(c)
+                for g in rates:
+                    out[(name, g)] = max(out[(name, g)], ratio)
         return out
 
     @staticmethod

@@ -228,3 +228,39 @@ def test_a_gated_proposer_is_priced_by_the_tokens_and_ms_of_the_same_steps(last)
     assert truth == pytest.approx(500 / 3560)
     rate = ctl.decision(KEY)["tokens_per_ms_by_proposer"]["ngram"]
     assert float(rate[4]) == pytest.approx(truth, rel=0.01)
+
+
+def _lower_by_ratio(per: list[tuple[float, float]], plain_ms: float) -> tuple[float, float]:
+    """(point ratio over plain, its one-sided 95 % lower bound) from per-request (tokens, ms), requests
+    as the units: R = Σt / Σm, se(R) = sqrt(Σ (t - R m)^2 / (k (k - 1))) / mean(m)."""
+    k = len(per)
+    tt, mm = sum(t for t, _ in per), sum(m for _, m in per)
+    r = tt / mm
+    se = math.sqrt(sum((t - r * m) ** 2 for t, m in per) / (k * (k - 1))) / (mm / k)
+    ratio = r * plain_ms
+    return ratio, ratio * math.exp(-T95[k - 1] * se / r)
+
+
+@pytest.mark.parametrize("requests", [4, 32])
+def test_step_costs_that_differ_between_requests_widen_the_bound_by_requests_not_steps(requests):
+    # every proposal accepted (2 tokens a γ = 1 step), but a request's steps all cost 14 ms or all 22 ms
+    # (say the host was busy during every other request): 1.11x plain on average. Per step the costs
+    # look well measured (40 steps); per request, 4 requests cannot tell 1.11x from plain, 32 can.
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), min_steps=1))
+    per = []
+    for r in range(requests):
+        step_ms = 22.0 if r % 2 else 14.0
+        for i in range(10):
+            ctl.observe(KEY, StepStats(1, 1, 2, -1, 0.0, 0.0, step_ms), proposer="ngram", asked=1,
+                        first=i == 0, request=("r", r))
+            ctl.observe(KEY, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0), proposer="ngram", asked=0)
+        per.append((20.0, 10 * step_ms))
+    ratio, low = _lower_by_ratio(per, 10.0)
+    assert ratio == pytest.approx(2 / 18 * 10)
+    d = ctl.decision(KEY)
+    if requests == 4:
+        assert low < 1.0 and d["gamma"] == 0
+        shown = float(re.search(r"lower bound of that ratio is ([0-9.]+)x", d["why"]).group(1))
+        assert shown == pytest.approx(low, abs=0.011)
+    else:
+        assert low > 1.0 and d["proposer"] == "ngram" and d["gamma"] == 1
