@@ -103,7 +103,7 @@ class DemoConfig:
     copy_ablation: bool = True
     # requests per workload that measure step costs again once the trainer has stopped, before the
     # evaluation asks the controller for its picks (_remeasure); 0: the picks priced beside the trainer
-    remeasure_requests: int = 8
+    remeasure_requests: int = 16
     seed: int = 0
     out_dir: Path = field(default_factory=lambda: Path("out/demo"))
 
@@ -954,7 +954,8 @@ class _PhaseEval:
         pick = self.controller.decision((phase, self.params.bucket())) if self.controller is not None else {}
         pick_g = int(pick.get("gamma") or 0)
         pick_p = pick.get("proposer") if pick_g else None
-        row["controller_pick"] = {"proposer": pick_p, "gamma": pick_g, "why": pick.get("why")}
+        row["controller_pick"] = {"proposer": pick_p, "gamma": pick_g, "why": pick.get("why"),
+                                  "priced_vs_plain": _priced(pick, pick_p, pick_g)}
         return pick_g, pick_p
 
     def runs(self, pick_g: int, pick_p: str | None) -> tuple:
@@ -1716,10 +1717,33 @@ def _adapted_row_is(row: dict, pe: dict) -> str:
             f"{_version_name(final, row)}, which became active after the phase ended")
 
 
+def _priced(decision: dict, proposer: str | None, gamma: int) -> float | None:
+    """The pick's tokens per ms over plain decoding's as the controller priced it (None: plain, or
+    either rate unknown)."""
+    rates = decision.get("tokens_per_ms") or {}
+    plain = rates.get(0)
+    if not gamma or not plain:
+        return None
+    rate = rates.get(gamma) if proposer == "draft" else (decision.get("tokens_per_ms_by_proposer") or {}).get(
+        proposer, {}).get(gamma)
+    return round(rate / plain, 3) if rate else None
+
+
+def _price_and_result(r: dict) -> str:
+    """"priced at 1.45x plain, ran 0.98x [0.92, 1.05] on the never-served prompts", or ""."""
+    priced = r["controller_pick"].get("priced_vs_plain")
+    ran = (r.get("speed_vs_plain_ci") or {}).get("adapted")
+    if priced is None or not ran:
+        return ""
+    return (f"; priced at {priced:.2f}x plain decoding, it ran {ran['ratio']:.2f}x {_interval(ran)} on the "
+            f"{r.get('eval_prompts', '?')} never-served prompts")
+
+
 def _phase_notes(report: dict, console) -> None:
-    """Per phase: the controller's reason, the learner at the phase end, each version's verdict, repeats."""
+    """Per phase: the controller's reason (and its pick's price against its result), the learner at
+    the phase end, each version's verdict, repeats."""
     for r in report["phases"]:
-        console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}")
+        console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}{_price_and_result(r)}")
         pe = r.get("phase_end_gain_ci")
         if pe and _is_v0(pe["version"], r, pe):
             who = _version_name(pe["version"], r, pe)

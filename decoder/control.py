@@ -867,7 +867,8 @@ class GoodputController:
                     if others:
                         choice = others[(s.requests // c.probe_every) % len(others)]
                         probe = True
-                        why = f"probe: {choice[0]} γ={choice[1]} (every {c.probe_every} requests); " + why
+                        what = "plain decoding" if choice[1] == 0 else f"{choice[0]} γ={choice[1]}"
+                        why = f"probe: {what} (every {c.probe_every} requests); " + why
                 elif best[1] == 0 and s.requests % 2 == 0:
                     unsure = self._unsure_candidate(s, cands, ev)
                     if unsure is not None:

@@ -257,7 +257,8 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
         rows.append(row)
     name, gp, prop, gamma = best
     pk_plain = f"the packaged file's plain step ({pk.file}, {pk.ms[1]:.2f} ms)"
-    how = f"{prop} γ={gamma} at α {alphas[prop]:.2f}" if prop else "plain decoding"
+    kind = "its prior α" if alphas is None or alphas == prior_alphas() else "α"
+    how = f"{prop} γ={gamma} at {kind} {alphas[prop]:.2f}" if prop else "plain decoding"
     others = "; ".join(f"{r['format']} {r['best']['vs_packaged_plain']:.2f}x" if r.get("eligible")
                        else f"{r['format']} left out ({r['why_not']})" for r in rows if r["format"] != name)
     if _noisy(pk, measurement.reps):
@@ -270,7 +271,8 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
     else:
         chosen = PACKAGED
         if name == PACKAGED:
-            reason = f"measured: the packaged file is the best ({how}, {gp / base:.2f}x its plain step); {others}"
+            reason = (f"measured: the packaged file is the best ({how}: {gp / base:.2f}x the tokens per ms of its plain "
+                      f"decoding); {others}")
         else:
             reason = (f"measured: no format beats {pk_plain} by {margin:.0%} (best {name}: {gp / base:.2f}x with "
                       f"{how}); {others}")

@@ -274,7 +274,7 @@ def test_step_costs_are_measured_again_once_the_trainer_stopped_on_prompts_never
 
 
 def test_remeasure_requests_must_be_a_count():
-    assert DemoConfig.quick().remeasure_requests == 8
+    assert DemoConfig.quick().remeasure_requests == 16
     assert DemoConfig.quick(remeasure_requests=0).remeasure_requests == 0
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="remeasure_requests=.*must be an int >= 0"):

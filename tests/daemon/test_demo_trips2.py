@@ -4,6 +4,7 @@ the rejections, the live line and the final JSON line."""
 
 import io
 
+import pytest
 from rich.console import Console
 
 from daemon.demo import print_report
@@ -154,3 +155,17 @@ def test_the_final_json_line_names_the_shared_and_each_workloads_adapter():
     assert s["workload_adapters"] == {"prose": 2, "code": 8, "math": 12, "extract": 17}  # none promoted: left out
     assert s["report"] == "out/demo/report.json" and s["alpha_gain_ci"] == {"prose": [0.36, 0.533]}
     assert s["phase_end_gain"] == {"prose": [None, None, None]} and s["promotions_that_lowered_decoded_alpha"] == []
+
+
+def test_a_pick_s_price_is_printed_beside_what_it_ran():
+    # the walkthrough at c96690d: math's n-gram γ=4 priced 0.164 / 0.100 tok/ms, ran 0.980x [0.924, 1.045]
+    from daemon.demo import _price_and_result, _priced
+    decision = {"tokens_per_ms": {0: 0.1, 1: 0.09, 4: 0.05}, "tokens_per_ms_by_proposer": {"ngram": {4: 0.164}}}
+    assert _priced(decision, "ngram", 4) == pytest.approx(1.64)
+    assert _priced(decision, "draft", 4) == pytest.approx(0.5)
+    assert _priced(decision, None, 0) is None and _priced({"tokens_per_ms": {}}, "ngram", 4) is None
+    row = {"controller_pick": {"priced_vs_plain": 1.64}, "eval_prompts": 8,
+           "speed_vs_plain_ci": {"adapted": {"ratio": 0.98, "low": 0.924, "high": 1.045}}}
+    assert _price_and_result(row) == ("; priced at 1.64x plain decoding, it ran 0.98x [0.92, 1.04] on the "
+                                      "8 never-served prompts")
+    assert _price_and_result({"controller_pick": {"priced_vs_plain": None}}) == ""
