@@ -755,6 +755,9 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
 
     pair, decoder, controller = models.pair, loop.decoder, loop.controller
     timeline, shifts = traffic.timeline, traffic.shifts
+    st = trainer.svc.status()
+    for sh in shifts:  # its "turns" are counted at the phase's end; the trainer goes on with its records later
+        sh["turns_by_run_end"] = _workload_turns(None, sh.get("workload"), st)
     return {
         "run_id": run_id, "key_prefix": store.prefix, "redis": store.rh.describe(), "pair": {"target": pair.target_name, "draft": pair.draft_name},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()},
@@ -764,7 +767,7 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "adapters": [_adapter_row(r) for r in trainer.registry.list()],
         "heads": ([_adapter_row(r) for r in trainer.head_registry.list()] if trainer.head_registry is not None else None),
         "head_v0": trainer.head_v0.__dict__ if trainer.head_v0 is not None else None,
-        "trainer": _jsonable(trainer.svc.status()), "swaps": loop.manager.status(),
+        "trainer": _jsonable(st), "swaps": loop.manager.status(),
         "rollbacks": [d.__dict__ for d in loop.monitor.decisions],
         "head_rollbacks": [d.__dict__ for d in loop.head_monitor.decisions] if loop.head_monitor is not None else None,
         "shift_alarms": [a.__dict__ for a in loop.tracker.alarms], "shifts": shifts,
@@ -1739,11 +1742,29 @@ def _price_and_result(r: dict) -> str:
             f"{r.get('eval_prompts', '?')} never-served prompts")
 
 
+def _turns_later(report: dict, workload: str) -> str:
+    """Its adapter's turns at its phase's end against the run's end, where they differ (the trainer
+    goes on with a workload's buffered records while later phases serve); "" otherwise."""
+    sh = next((x for x in report.get("shifts") or () if x.get("workload") == workload), None)
+    if not sh or not sh.get("turns") or not sh.get("turns_by_run_end"):
+        return ""
+    a, b = sh["turns"], sh["turns_by_run_end"]
+    if a == b:
+        return ""
+    return (f"its adapter had {a.get('turns', 0)} turns ({a.get('judged', 0)} judged, {a.get('promoted', 0)} promoted) "
+            f"when its phase ended and {b.get('turns', 0)} ({b.get('judged', 0)} judged, {b.get('promoted', 0)} "
+            f"promoted) by the run's end: the trainer goes on with a workload's buffered records while later "
+            f"phases serve (trainer.workload_turns counts them all)")
+
+
 def _phase_notes(report: dict, console) -> None:
     """Per phase: the controller's reason (and its pick's price against its result), the learner at
     the phase end, each version's verdict, repeats."""
     for r in report["phases"]:
         console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}{_price_and_result(r)}")
+        later = _turns_later(report, r["workload"])
+        if later:
+            console.print(f"  {r['workload']}: {later}")
         pe = r.get("phase_end_gain_ci")
         if pe and _is_v0(pe["version"], r, pe):
             who = _version_name(pe["version"], r, pe)

@@ -169,3 +169,17 @@ def test_a_pick_s_price_is_printed_beside_what_it_ran():
     assert _price_and_result(row) == ("; priced at 1.64x plain decoding, it ran 0.98x [0.92, 1.04] on the "
                                       "8 never-served prompts")
     assert _price_and_result({"controller_pick": {"priced_vs_plain": None}}) == ""
+
+
+def test_turns_after_a_phase_are_told_apart_from_those_in_it():
+    # the walkthroughs at d482237 and c96690d: 6/3/2/3 judged at the phase ends, 7/5/4/4 in trainer.workload_turns
+    from daemon.demo import _turns_later
+    report = {"shifts": [{"workload": "code", "turns": {"turns": 4, "judged": 3, "promoted": 1},
+                          "turns_by_run_end": {"turns": 6, "judged": 5, "promoted": 1}},
+                         {"workload": "math", "turns": {"turns": 2, "judged": 2, "promoted": 1},
+                          "turns_by_run_end": {"turns": 2, "judged": 2, "promoted": 1}}]}
+    assert _turns_later(report, "code") == (
+        "its adapter had 4 turns (3 judged, 1 promoted) when its phase ended and 6 (5 judged, 1 promoted) by the "
+        "run's end: the trainer goes on with a workload's buffered records while later phases serve "
+        "(trainer.workload_turns counts them all)")
+    assert _turns_later(report, "math") == "" and _turns_later(report, "prose") == "" and _turns_later({}, "code") == ""
