@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -739,6 +740,7 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
                                    cfg.max_new_tokens, t0))
     out = {"requests": len(rows), "keys": keys, "seconds": round(time.time() - t0, 1),
            "alarms": [first_alarm, len(loop.tracker.alarms)],
+           "alarms_are": "shift_alarms[first:last] of the report: the alarms these requests raised (none where equal)",
            "beside_trainer": before, "step_cost_ms": cost.status(),
            "engine_ceiling": cost.ceiling(loop.controller.config.gamma_max),
            "decisions": [{"workload": r["workload"], "proposer": r["proposer"], "gamma": r["gamma"],
@@ -2023,11 +2025,15 @@ def _shift_alarms_note(report: dict) -> str | None:
         each.append(f"{workload}, {who} α {a['reference_alpha']:.2f} -> {a['recent_alpha']:.2f}{place}")
     outside = sum(p.startswith((", during", ", outside")) for p in places)
     in_phase = len(alarms) - outside
+    late = [int(m.group(1)) for p in places for m in [re.search(r", (\d+) s into its phase", p)] if m and int(m.group(1)) > 30]
     return (f"{len(alarms)} acceptance_shift alarm(s), logged as warnings: the shift tracker's alarm (a Page-Hinkley test "
             f"per workload and proposer) when a workload's windowed α drops below its running mean: {'; '.join(each)}. "
             + ("At or after a phase shift this is expected: the proposer met traffic it had not seen (new prompts, an "
                "n-gram history and a draft adapter not yet fitted to them), so its α moved off the level of its first "
                "requests. " if in_phase else "")
+            + (f"One {max(late)} s into its phase is no shift's: the phase's own prompts differ in how much the "
+               f"proposer can copy or guess, and a run of harder ones pulls the windowed α below its mean. "
+               if late else "")
             + (f"{'The' if outside == len(alarms) else 'An'} alarm after the phases is no phase shift's: the "
                f"re-measurement serves each workload again, on prompts its phase never reached, after the other "
                f"workloads' traffic, so a proposer's α there can sit below its phase's mean. " if outside else "")

@@ -183,3 +183,18 @@ def test_turns_after_a_phase_are_told_apart_from_those_in_it():
         "run's end: the trainer goes on with a workload's buffered records while later phases serve "
         "(trainer.workload_turns counts them all)")
     assert _turns_later(report, "math") == "" and _turns_later(report, "prose") == "" and _turns_later({}, "code") == ""
+
+
+def test_an_alarm_late_in_a_phase_is_not_called_a_shift_s():
+    # the walkthrough at c96690d: code's alarm fired 92 s into its 120 s phase, under "expected at a phase shift"
+    from daemon.demo import _shift_alarms_note
+
+    alarm = {"key": ["code", "greedy"], "proposer": "ngram", "reference_alpha": 0.6, "recent_alpha": 0.3}
+    late = {"shift_alarms": [alarm], "remeasured": {"alarms": [1, 1], "requests": 64},
+            "shifts": [{"t": 10.0, "request": 0, "workload": "code", "requests": 3}],
+            "timeline": [{"t": 11.0}, {"t": 50.0}, {"t": 102.0, "shift_alarm": True}]}
+    text = _shift_alarms_note(late)
+    assert "at request 3 of 3, 92 s into its phase" in text, text
+    assert "One 92 s into its phase is no shift's" in text
+    early = dict(late, timeline=[{"t": 11.0}, {"t": 20.0, "shift_alarm": True}, {"t": 30.0}])
+    assert "no shift's" not in _shift_alarms_note(early)
