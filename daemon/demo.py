@@ -584,8 +584,8 @@ def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float, rows=(
     if served_s >= cfg.max_phase_seconds():
         return True, (f"phase_max_seconds {cfg.max_phase_seconds():.0f} s reached with {t['judged']} of "
                       f"{cfg.phase_min_judged} judged turns ({t['turns']} turns, {t['promoted']} promoted)")
-    why = (f"its adapter has had {t['judged']} of {cfg.phase_min_judged} turns judged on enough held-out "
-           f"evidence ({t['turns']} turns) and {t['promoted']} promotions")
+    why = (f"its adapter has had {t['judged']} turn{'' if t['judged'] == 1 else 's'} judged on enough held-out evidence (the phase needs "
+           f"{cfg.phase_min_judged}; {t['turns']} turns in all) and {t['promoted']} promotions")
     if t["judged"] >= cfg.phase_min_judged and t["promoted"]:
         why += (f"; its promoted v{own} has served {by_own} of {cfg.phase_min_served} requests" if own else
                 "; its promoted version has not served yet")
@@ -1740,8 +1740,9 @@ def _price_and_result(r: dict) -> str:
     ran = (r.get("speed_vs_plain_ci") or {}).get("adapted")
     if priced is None or not ran:
         return ""
-    return (f"; priced at {priced:.2f}x plain decoding, it ran {ran['ratio']:.2f}x {_interval(ran)} on the "
-            f"{r.get('eval_prompts', '?')} never-served prompts")
+    return (f"; priced at {priced:.2f}x plain decoding per decoding step (on the phase's traffic, its prefill apart: "
+            f"both sides pay the same prefill, which brings a ratio toward 1), it ran {ran['ratio']:.2f}x "
+            f"{_interval(ran)} on the {r.get('eval_prompts', '?')} never-served prompts, prefill included")
 
 
 def _turns_later(report: dict, workload: str) -> str:

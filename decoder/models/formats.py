@@ -261,20 +261,25 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
     how = f"{prop} γ={gamma} at {kind} {alphas[prop]:.2f}" if prop else "plain decoding"
     others = "; ".join(f"{r['format']} {r['best']['vs_packaged_plain']:.2f}x" if r.get("eligible")
                        else f"{r['format']} left out ({r['why_not']})" for r in rows if r["format"] != name)
+    if measurement.from_cache:  # say so: a newcomer read "measured:" of a start that measured nothing
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(measurement.measured_at)) if measurement.measured_at else "earlier"
+        src = f"measured on this host ({when}), cached"
+    else:
+        src = "measured"
     if _noisy(pk, measurement.reps):
         chosen = PACKAGED
         reason = (f"the packaged file's measurement cannot be trusted ({_noisy(pk, measurement.reps)}), so no format is "
                   f"judged against it; measured again at the next start")
     elif name != PACKAGED and gp >= base * (1.0 + margin):
-        reason = (f"measured: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x {pk_plain}; {others}")
+        reason = (f"{src}: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x {pk_plain}; {others}")
         chosen = name
     else:
         chosen = PACKAGED
         if name == PACKAGED:
-            reason = (f"measured: the packaged file is the best ({how}: {gp / base:.2f}x the tokens per ms of its plain "
+            reason = (f"{src}: the packaged file is the best ({how}: {gp / base:.2f}x the tokens per ms of its plain "
                       f"decoding); {others}")
         else:
-            reason = (f"measured: no format beats {pk_plain} by {margin:.0%} (best {name}: {gp / base:.2f}x with "
+            reason = (f"{src}: no format beats {pk_plain} by {margin:.0%} (best {name}: {gp / base:.2f}x with "
                       f"{how}); {others}")
     path = Path(files.get(chosen) or fm[chosen].file)
     return FormatChoice(chosen, path, reason, AUTO, rows, meas)

@@ -46,15 +46,15 @@ def test_a_phase_ends_at_its_seconds_only_once_its_adapter_was_promoted_and_judg
     none = _Svc({})
     assert _phase_progress(cfg, none, "code", 119.9) == (False, "")  # inside its seconds: no reason yet
     done, why = _phase_progress(cfg, none, "code", 120.0)
-    assert not done and "0 of 2 turns judged" in why  # no turn of code's adapter yet: on
+    assert not done and "0 turns judged on enough held-out evidence (the phase needs 2;" in why  # no turn of code's adapter yet: on
     # two turns, but one lacked the evidence (too few held-out requests): it does not count
     one = _Svc({"code": {"turns": 2, "judged": 1, "promoted": 0}, "prose": {"turns": 5, "judged": 5, "promoted": 2}})
     done, why = _phase_progress(cfg, one, "code", 250.0)
-    assert not done and "1 of 2 turns judged" in why and "(2 turns) and 0 promotions" in why
+    assert not done and "1 turn judged" in why and "needs 2; 2 turns in all) and 0 promotions" in why
     # judged twice on evidence but never promoted: the learner has not moved yet, on
     refused = _Svc({"code": {"turns": 2, "judged": 2, "promoted": 0}})
     done, why = _phase_progress(cfg, refused, "code", 300.0)
-    assert not done and "2 of 2 turns judged" in why and "0 promotions" in why
+    assert not done and "2 turns judged" in why and "0 promotions" in why
     two = _Svc({"code": {"turns": 3, "judged": 2, "promoted": 1}})
     assert _phase_progress(cfg, two, "code", 130.0) == (True, "120 s served and 2 judged turns of its adapter (1 promoted)")
     # enough judged turns do not end a phase before its seconds
@@ -190,7 +190,7 @@ def test_a_status_without_the_turn_counts_or_with_some_of_them_reads_as_zeros():
     assert _workload_turns(_Svc(None), "code") == zeros
     assert _workload_turns(_Svc({"code": {"turns": 2}}), "code") == {"turns": 2, "judged": 0, "promoted": 0}
     done, why = _phase_progress(cfg, _Svc({"code": {"judged": 2}}), "code", 130.0)
-    assert not done and "2 of 2 turns judged" in why and "(0 turns) and 0 promotions" in why
+    assert not done and "2 turns judged" in why and "needs 2; 0 turns in all) and 0 promotions" in why
     # a status whose workload_versions is None or lacks the workload reads as no version of its own
     assert not _phase_progress(cfg, _Svc({"code": {"judged": 2, "promoted": 1}}, None), "code", 130.0,
                                [{"adapter_version": 0}] * 9)[0]

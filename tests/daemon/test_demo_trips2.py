@@ -166,8 +166,10 @@ def test_a_pick_s_price_is_printed_beside_what_it_ran():
     assert _priced(decision, None, 0) is None and _priced({"tokens_per_ms": {}}, "ngram", 4) is None
     row = {"controller_pick": {"priced_vs_plain": 1.64}, "eval_prompts": 8,
            "speed_vs_plain_ci": {"adapted": {"ratio": 0.98, "low": 0.924, "high": 1.045}}}
-    assert _price_and_result(row) == ("; priced at 1.64x plain decoding, it ran 0.98x [0.92, 1.04] on the "
-                                      "8 never-served prompts")
+    assert _price_and_result(row) == (
+        "; priced at 1.64x plain decoding per decoding step (on the phase's traffic, its prefill apart: both sides "
+        "pay the same prefill, which brings a ratio toward 1), it ran 0.98x [0.92, 1.04] on the 8 never-served "
+        "prompts, prefill included")
     assert _price_and_result({"controller_pick": {"priced_vs_plain": None}}) == ""
 
 

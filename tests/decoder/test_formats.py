@@ -366,3 +366,15 @@ def test_a_measurement_beside_other_work_serves_the_packaged_file_and_is_not_cac
     assert c.format == "packaged" and c.reason == m.busy + ", so no format is judged on it; measured again at the next start"
     calm = FormatMeasurement.from_json(dict(m.to_json(), busy=None))
     assert choose_format(calm, alphas={"ngram": 0.6}, proposers=("ngram",)).format == "F16"  # the same costs, alone
+
+
+def test_a_choice_read_from_the_cache_says_so_and_when_it_was_measured():
+    # the second walkthrough of the twelfth session read "measured: the packaged file is the best" from a
+    # start that measured nothing (the format was read from the first run's cache)
+    m = table(packaged=PACKAGED_10, F16=F16_CHEAP)
+    fresh = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert fresh.reason.startswith("measured: F16 expects")
+    m.from_cache, m.measured_at = True, 1796515200.0  # 2026-12-06 00:00 UTC
+    cached = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert cached.reason.startswith("measured on this host (2026-12-06 00:00 UTC), cached: F16 expects"), cached.reason
+    assert cached.format == fresh.format
