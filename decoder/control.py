@@ -106,6 +106,13 @@ class ControllerConfig:
     batch_sizes: tuple[int, ...] = (1, 2, 4)
 
     def __post_init__(self):
+        for name in ("gamma_max", "gamma_init", "eagle_gamma_init"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1")
+        u = self.useless_alpha
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 <= u <= 1:  # NaN too
+            raise ValueError(f"useless_alpha={u!r} must be an acceptance rate in [0, 1]")
         self.batch_sizes = tuple(sorted({int(b) for b in self.batch_sizes}))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise ValueError(f"ControllerConfig.batch_sizes={self.batch_sizes!r}: a non-empty list of ints >= 1")
@@ -536,6 +543,9 @@ class GoodputController:
         per-request spread of acceptance (:class:`_Clusters`, the confidence bound of
         ``config.confidence``); None: ``first`` True starts a new request, False continues the
         last one, None makes each step its own."""
+        if not (math.isfinite(step.verify_ms) and step.verify_ms > 0 and math.isfinite(step.draft_ms)
+                and step.draft_ms >= 0 and math.isfinite(step.alpha_sum)):
+            return  # a broken reading (no forward takes 0 ms; a NaN α): it would price a γ at millions of tokens/ms
         if step_ms is not None:
             self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms, batch)
         w, now, hl = self.config.ewma, self.clock(), self.config.half_life_s
@@ -553,7 +563,7 @@ class GoodputController:
                     s.auto_request += first is not False
                     request = ("auto", s.auto_request)
                 s.clusters.setdefault(proposer, _Clusters()).add(
-                    request, step.alpha_sum if proposer == DRAFT else step.accepted, units,
+                    request, min(max(step.alpha_sum, 0.0), g) if proposer == DRAFT else step.accepted, units,
                     step.accepted + 1, draft_ms + verify_ms)
             if proposer != DRAFT:
                 if asked:
@@ -563,7 +573,7 @@ class GoodputController:
             if g:
                 # a young estimate is the plain mean of its steps, until that weighs less than a request
                 wr = self._request_weight(s, proposer, first)
-                s.alpha.add(step.alpha_sum / g, wr if first is None else max(wr, 1.0 / (s.alpha.n + 1)))
+                s.alpha.add(min(max(step.alpha_sum / g, 0.0), 1.0), wr if first is None else max(wr, 1.0 / (s.alpha.n + 1)))
                 s.draft_ms_per_token.add(draft_ms / g, w, now, hl)
 
     def _request_weight(self, s: _KeyState, proposer: str, first: bool | None) -> float:

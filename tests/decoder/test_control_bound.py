@@ -264,3 +264,43 @@ def test_step_costs_that_differ_between_requests_widen_the_bound_by_requests_not
         assert shown == pytest.approx(low, abs=0.011)
     else:
         assert low > 1.0 and d["proposer"] == "ngram" and d["gamma"] == 1
+
+
+def _draft_requests(ctl, n, start=0, alpha=0.75):
+    for r in range(start, start + n):
+        for i in range(8):
+            ctl.observe(KEY, StepStats(4, 3, 4, 3, 4 * alpha, 1.0, 12.0), proposer=DRAFT, first=i == 0, request=("d", r))
+        ctl.observe(KEY, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0), proposer=DRAFT)
+
+
+@pytest.mark.parametrize("broken", [
+    StepStats(4, 3, 4, 3, float("nan"), 1.0, 12.0),  # a NaN α
+    StepStats(4, 3, 4, 3, 3.0, 1.0, 0.0),  # a forward of 0 ms
+    StepStats(4, 3, 4, 3, 3.0, 1.0, -5.0),  # a clock that went back
+    StepStats(4, 3, 4, 3, 3.0, float("inf"), 12.0),
+])
+def test_a_broken_reading_is_dropped_not_learnt(broken):
+    # the adversarial helper's: one NaN α turned the draft off for 32 requests; a 0 ms step priced a γ at
+    # 5,000,000 tokens per ms
+    clean, hit = (GoodputController(ControllerConfig(min_steps=1)) for _ in range(2))
+    _draft_requests(clean, 20)
+    _draft_requests(hit, 20)
+    hit.observe(KEY, broken, proposer=DRAFT, first=True, request=("bad", 0))
+    _draft_requests(clean, 20, start=20)
+    _draft_requests(hit, 20, start=20)
+    a, b = clean.decision(KEY), hit.decision(KEY)
+    assert a["tokens_per_ms"] == b["tokens_per_ms"] and (a["gamma"], a["why"]) == (b["gamma"], b["why"])
+
+
+def test_an_alpha_sum_beyond_its_proposals_counts_as_all_accepted():
+    ctl = GoodputController(ControllerConfig(min_steps=1))
+    ctl.observe(KEY, StepStats(4, 4, 5, -1, 4e9, 1.0, 12.0), proposer=DRAFT, first=True, request=1)
+    assert ctl.decision(KEY)["alpha"] == 1.0
+
+
+@pytest.mark.parametrize("kw, name", [(dict(useless_alpha=-1), "useless_alpha"), (dict(useless_alpha=2), "useless_alpha"),
+                                      (dict(useless_alpha=float("nan")), "useless_alpha"), (dict(gamma_max=1.5), "gamma_max"),
+                                      (dict(gamma_max="8"), "gamma_max"), (dict(gamma_init=0), "gamma_init")])
+def test_a_bad_controller_setting_names_itself(kw, name):
+    with pytest.raises(ValueError, match=f"^{name}="):
+        ControllerConfig(**kw)
