@@ -345,6 +345,11 @@ def test_other_processes_share_of_the_cpus_is_read_off_two_snapshots():
     assert F.others_share((1000, 100), (1500, 300), 2.0, 2, hz=100) == pytest.approx(300 / 400)
     assert F.others_share((1000, 100), (1100, 200), 2.0, 2, hz=100) == 0.0  # all ours
     assert F.others_share(None, (1, 1), 2.0, 2) is None and F.others_share((1, 1), (2, 2), 0.0, 2) is None
+    # the adversarial helper's: 500 % of the CPUs, a counter that went back read as "not busy", a 1 ns window
+    assert F.others_share((0, 0), (1000, 0), 1.0, 2, hz=100) == 1.0
+    assert F.others_share((1000, 100), (900, 100), 2.0, 2, hz=100) is None
+    assert F.others_share((1000, 100), (1000, 50), 2.0, 2, hz=100) is None
+    assert F.others_share((0, 0), (5, 0), 1e-9, 2, hz=100) is None
     j = F.cpu_jiffies()
     assert j is None or (j[0] >= 0 and j[1] >= 0)
 
