@@ -208,7 +208,8 @@ def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: fl
     :func:`redis.Redis.from_url`.
 
     Raises:
-        StoreUnavailableError: the server cannot be reached (cause chained).
+        StoreUnavailableError: the server cannot be reached, or refuses the URL's database or
+            credentials (cause chained).
         RedisVersionError: the server is older than 6.2.
     """
     if is_cluster_url(url):
@@ -225,6 +226,11 @@ def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: fl
     except (redis.ConnectionError, redis.TimeoutError) as e:
         client.close()
         raise StoreUnavailableError(f"cannot reach Redis at {mask_url(url)!r}: {e}. Is redis-server running there?") from e
+    except redis.ResponseError as e:  # reached, but it refused the URL's setup (e.g. "DB index is out of range")
+        client.close()
+        raise StoreUnavailableError(f"Redis at {mask_url(url)!r} refused the connection: {e}. Check redis.url "
+                                    f"(DRAFTD_REDIS__URL): the database number after the port (below the server's "
+                                    f"'databases', 16 by default), the user and the password") from e
     try:
         check_server_version(info)
     except RedisVersionError:

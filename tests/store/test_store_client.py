@@ -125,3 +125,12 @@ def test_mask_url_of_a_typo_hides_what_precedes_the_at():
 
     assert mask_url("redis//:pw@h:1/0") == "***@h:1/0"
     assert mask_url("unix:///run/a@b.sock") == "unix:///run/a@b.sock"
+
+
+def test_a_database_the_server_lacks_is_named_with_the_setting_to_fix():
+    # the adversarial helper's: redis://.../999 gave `daemonctl status` a traceback ("DB index is out of range")
+    url = SHARED_URL.rsplit("/", 1)[0] + "/999"  # redis://127.0.0.1:6379/999
+    with pytest.raises(StoreUnavailableError) as ei:
+        connect(url)
+    msg = str(ei.value)
+    assert "/999" in msg and "DB index is out of range" in msg and "DRAFTD_REDIS__URL" in msg, msg
