@@ -1009,7 +1009,7 @@ class GoodputController:
         n = ev.get("requests_measured", {}).get(top[0], 0)
         more = (f"its last {n} requests measured: within noise of plain" if n >= _Clusters.KEEP
                 else f"{_requests(n)} measured: not yet enough to tell from plain")
-        bound = f"is {low:.2f}x" if low >= 0.01 else "below 0.01x, i.e. none yet"  # 2-3 requests: t is 6.3-2.9
+        bound = f"is {low:.2f}x" if low >= 0.01 else "is below 0.01x, i.e. none yet"  # 2-3 requests: t is 6.3-2.9
         return (f"off: the best, {top[0]} γ={top[1]} {rate:.3f} tok/ms, is {rate / plain:.2f}x plain {plain:.3f}, but "
                 f"the {self.config.confidence * 100:g} % lower bound of that ratio {bound} ({more}; "
                 f"config.confidence)")

@@ -201,7 +201,7 @@ def test_a_bound_below_one_hundredth_says_there_is_none_yet_not_0_00x():
     ctl = GoodputController(ControllerConfig(proposers=("ngram",), min_steps=1))
     ev = {"rel_se": {("ngram", 1): 5.0, ("plain", 0): 0.0}, "requests_measured": {"ngram": 2}}
     why = ctl._unsure(("ngram", 1), 0.2, 0.1, ev)  # 2.0x, bound 2 exp(-1.645 x 5) = 0.0005x
-    assert "lower bound of that ratio below 0.01x, i.e. none yet (2 requests measured" in why, why
+    assert "lower bound of that ratio is below 0.01x, i.e. none yet (2 requests measured" in why, why
     assert "0.00x" not in why
     ev["rel_se"][("ngram", 1)] = 0.1  # 2 exp(-0.1645) = 1.70x
     assert "lower bound of that ratio is 1.70x" in ctl._unsure(("ngram", 1), 0.2, 0.1, ev)
