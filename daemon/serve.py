@@ -173,9 +173,26 @@ def _number(body: dict, name: str, default: float, lo: float | None = None, hi: 
     v = body.get(name)
     if v is None:
         return default
+    if isinstance(v, int) and not isinstance(v, bool):
+        try:
+            v = float(v)
+        except OverflowError:  # an int past a float's range: a 400, not a 500
+            raise _bad(name, f"an integer of {v.bit_length()} bits is out of a number's range", "invalid_type")
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise _bad(name, f"{v!r} is not a finite number", "invalid_type")
     return float(_in_range(name, v, lo, hi, lo_open))
+
+
+# A temperature below this is greedy decoding (vLLM's _SAMPLING_EPS): one key, one logprob semantics.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def _temperature(body: dict) -> float:
+    """``temperature`` (default 1, as OpenAI's); below :data:`GREEDY_BELOW_TEMPERATURE` it is 0, greedy
+    decoding, as vLLM serves it: a temperature of 1e-31 was a sampled request of its own controller
+    key whose ``top_logprobs`` were its one-hot limit, where 0 gave the target's own log-probabilities."""
+    t = _number(body, "temperature", 1.0, lo=0.0)
+    return 0.0 if t < GREEDY_BELOW_TEMPERATURE else t
 
 
 def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None,
@@ -262,6 +279,11 @@ def _workload(body: dict, header: str | None) -> str:
     param = "workload"
     if w is None and header is not None:
         w, param = header, WORKLOAD_HEADER
+        try:  # HTTP headers arrive as Latin-1 text: a client's UTF-8 name is those bytes (as the body's would be)
+            w = w.encode("latin-1").decode("utf-8")
+        except (UnicodeEncodeError, UnicodeDecodeError):
+            raise _bad(param, f"{w!r:.80} is not UTF-8 text; send the workload's name in UTF-8 or in the body's "
+                              f"'workload'")
     if w is None:
         return "default"
     from store.schema import WORKLOAD_RULE, workload_problem  # the store's rule: a served workload is a valid record's
@@ -538,15 +560,20 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
     logprobs = _logprobs(body, kind)
     gamma = _int(body, "gamma", None, lo=0, hi=MAX_GAMMA)
     seed = _int(body, "seed", None, lo=-(2**63), hi=2**63 - 1, what="a signed 64-bit integer")
+    ignore_eos, constrained = _bool(body, "ignore_eos", False), _constrained(body)
+    if ignore_eos and (constrained.get("grammar") or constrained.get("json_mode")):
+        # where the grammar completes only EOS is allowed: ignoring it decoded EOS tokens to max_tokens
+        raise _bad("ignore_eos", f"true with {constrained.get('grammar_param') or 'response_format'}: the output "
+                                 f"ends where the grammar completes; drop ignore_eos")
     return Parsed(
         kind=kind, model=model, prompt_ids=ids, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, lo=0.0),
+        temperature=_temperature(body),
         top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         top_k=0 if top_k == -1 or top_k >= vocab else top_k, seed=seed,  # a k >= the vocabulary cuts nothing: off
-        stop=_stop(body), ignore_eos=_bool(body, "ignore_eos", False),
+        stop=_stop(body), ignore_eos=ignore_eos,
         gamma=gamma, workload=_workload(body, header_workload), stream=stream, include_usage=include_usage,
         logprobs=logprobs, cache_prompt=_bool(body, "cache_prompt", True),
-        **_constrained(body),
+        **constrained,
     )
 
 
@@ -1356,18 +1383,50 @@ def _add_error_handlers(app) -> None:
         kind = "not_found" if e.status_code == 404 else "invalid_request_error"
         return _error_response(ApiError(e.status_code, str(e.detail), code=kind))
 
-    @app.exception_handler(Exception)
-    async def _server_error(_req, e):
-        from starlette.requests import ClientDisconnect
+    app.add_middleware(_InternalErrors)
 
-        if isinstance(e, ClientDisconnect):  # the client left before its body was read: no fault of ours,
-            # and a traceback at error level a request would let any client flood the log with
-            log.info("serve_client_left_mid_body")
-            return _error_response(ApiError(400, "the client closed the connection before its request body was read",
-                                            code="client_disconnected"))
-        log.exception("serve_internal_error", error=str(e))
-        return _error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error",
-                                        code="internal_error"))
+
+def _server_error(e: Exception):
+    """The OpenAI error body for an exception no handler took (a 500; a client gone mid-body: 400)."""
+    from starlette.requests import ClientDisconnect
+
+    if isinstance(e, ClientDisconnect):  # the client left before its body was read: no fault of ours,
+        # and a traceback at error level a request would let any client flood the log with
+        log.info("serve_client_left_mid_body")
+        return _error_response(ApiError(400, "the client closed the connection before its request body was read",
+                                        code="client_disconnected"))
+    log.exception("serve_internal_error", error=str(e))
+    return _error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error",
+                                    code="internal_error"))
+
+
+class _InternalErrors:
+    """Any exception no handler took becomes its OpenAI error body here, and goes no further. As an
+    ``exception_handler(Exception)`` Starlette's outermost middleware answered it and then raised it
+    again, so uvicorn logged it twice and closed the keep-alive connection: the client's next request
+    on it failed (``APIConnectionError`` with retries off). After a response has started (a stream)
+    nothing can be sent but its end: logged, and the connection left to the server."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:  # noqa: BLE001 - every error answered
+            if started:
+                log.exception("serve_internal_error_mid_response", error=str(e))
+                raise
+            await _server_error(e)(scope, receive, send)
 
 
 def _api_key_before_body(service: "InferenceService"):

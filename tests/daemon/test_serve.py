@@ -462,3 +462,33 @@ def test_a_client_that_leaves_mid_body_is_logged_once_at_info_not_as_an_internal
     assert r.status_code == 400 and r.json()["error"]["code"] == "client_disconnected"
     assert c.get("/boom").status_code == 500
     assert seen == [("info", "serve_client_left_mid_body"), ("exception", "serve_internal_error")]
+
+
+def test_an_internal_error_is_answered_once_and_goes_no_further(monkeypatch):
+    """The adversarial helper's: a 500 was answered, then raised again past the app, so uvicorn logged
+    it twice and closed the keep-alive connection (the client's next request failed). Now the app
+    answers it and raises nothing: a client that raises server exceptions sees none."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    import daemon.serve as S
+
+    seen = []
+    monkeypatch.setattr(S, "log", type("L", (), {"info": lambda self, ev, **kw: seen.append(("info", ev)),
+                                                 "exception": lambda self, ev, **kw: seen.append(("exception", ev))})())
+    app = FastAPI()
+    S._add_error_handlers(app)
+
+    @app.get("/boom")
+    def boom():
+        raise RuntimeError("x")
+
+    @app.get("/ok")
+    def ok():
+        return {"ok": True}
+
+    with TestClient(app, raise_server_exceptions=True) as c:
+        r = c.get("/boom")
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        assert c.get("/ok").json() == {"ok": True}
+    assert seen == [("exception", "serve_internal_error")]

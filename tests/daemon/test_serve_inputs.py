@@ -187,3 +187,61 @@ def test_numbers_out_of_range_are_400s_naming_the_field_and_the_bound(call, mess
     with pytest.raises(ApiError) as e:
         call(_number, _int)
     assert (e.value.status, e.value.message) == (400, message)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_an_integer_past_a_floats_range_is_a_400_not_a_500(srv, field):
+    # the adversarial helper's 500: "OverflowError: int too large to convert to float"
+    raw = '{"model": "tiny", "prompt": "ab", "max_tokens": 2, "%s": -1%s}' % (field, "0" * 400)
+    code, body = post(srv, "/completions", raw.encode())
+    assert code == 400, body
+    assert body["error"]["param"] == field and "out of a number's range" in body["error"]["message"], body
+
+
+def _with_header(srv, value: str) -> tuple[int, dict]:
+    req = urllib.request.Request(srv.base_url + "/completions", method="POST",
+                                 data=b'{"model": "tiny", "prompt": "ab", "max_tokens": 2}',
+                                 headers={"Content-Type": "application/json", "X-Draftd-Workload": value})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_utf8_workload_in_the_header_is_the_same_workload_as_in_the_body(srv):
+    # a client sends the header's UTF-8 bytes; HTTP hands them over as Latin-1 text ("Ã©tÃ©" for "été")
+    code, body = _with_header(srv, "été".encode().decode("latin-1"))
+    assert code == 200, body
+    assert body["draftd"]["workload"] == "été"
+    code, body = _with_header(srv, "\xff\xfe")  # bytes that are no UTF-8
+    assert code == 400 and body["error"]["param"] == "X-Draftd-Workload" and "UTF-8" in body["error"]["message"], body
+
+
+def test_a_temperature_below_1e_5_is_greedy_decoding(srv):
+    # the adversarial helper's: 1e-31 was a sampled request (its own controller key, one-hot top_logprobs)
+    def ask(t):
+        code, body = post(srv, "/completions", ('{"model": "tiny", "prompt": "ab", "max_tokens": 4, "logprobs": 3, '
+                                                '"temperature": %r}' % t).encode())
+        assert code == 200, body
+        return body["choices"][0]["text"], body["choices"][0]["logprobs"]["top_logprobs"], body["draftd"]
+    text0, top0, d0 = ask(0.0)
+    for t in (1e-31, 9e-6):
+        text, top, d = ask(t)
+        assert (text, top) == (text0, top0)
+        assert {k: v for k, v in d.items() if "ms" not in k and k != "request_id"} == \
+            {k: v for k, v in d0.items() if "ms" not in k and k != "request_id"}
+
+
+@pytest.mark.parametrize("extra, named", [
+    ('"grammar": "root ::= (\\"yes\\" | \\"no\\")"', "grammar"),
+    ('"response_format": {"type": "json_object"}', "response_format"),
+])
+def test_ignore_eos_with_a_grammar_is_a_400(srv, extra, named):
+    # the adversarial helper's: the grammar completed after "no", then 6 EOS tokens to max_tokens went to the buffer
+    path = "/chat/completions" if "response_format" in extra else "/completions"
+    what = '"messages": [{"role": "user", "content": "ok?"}]' if "response_format" in extra else '"prompt": "ok?"'
+    code, body = post(srv, path, ('{"model": "tiny", %s, "max_tokens": 8, "ignore_eos": true, %s}' % (what, extra)).encode())
+    assert code == 400, body
+    assert body["error"]["param"] == "ignore_eos" and named in body["error"]["message"], body
+    assert "drop ignore_eos" in body["error"]["message"]
