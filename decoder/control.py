@@ -106,10 +106,10 @@ class ControllerConfig:
     batch_sizes: tuple[int, ...] = (1, 2, 4)
 
     def __post_init__(self):
-        for name in ("gamma_max", "gamma_init", "eagle_gamma_init"):
+        for name in ("gamma_max", "gamma_init", "eagle_gamma_init"):  # their range is checked below
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an int >= 1")
+            if isinstance(v, bool) or not isinstance(v, int) or (name == "gamma_max" and v < 1):
+                raise ValueError(f"{name}={v!r} must be an int" + (" >= 1" if name == "gamma_max" else ""))
         u = self.useless_alpha
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 <= u <= 1:  # NaN too
             raise ValueError(f"useless_alpha={u!r} must be an acceptance rate in [0, 1]")

@@ -300,7 +300,8 @@ def test_an_alpha_sum_beyond_its_proposals_counts_as_all_accepted():
 
 @pytest.mark.parametrize("kw, name", [(dict(useless_alpha=-1), "useless_alpha"), (dict(useless_alpha=2), "useless_alpha"),
                                       (dict(useless_alpha=float("nan")), "useless_alpha"), (dict(gamma_max=1.5), "gamma_max"),
-                                      (dict(gamma_max="8"), "gamma_max"), (dict(gamma_init=0), "gamma_init")])
+                                      (dict(gamma_max="8"), "gamma_max"), (dict(gamma_init=0), "gamma_init"),
+                                      (dict(gamma_init=2.0), "gamma_init")])
 def test_a_bad_controller_setting_names_itself(kw, name):
     with pytest.raises(ValueError, match=f"^{name}="):
         ControllerConfig(**kw)
