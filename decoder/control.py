@@ -1308,7 +1308,7 @@ class ControlledGamma:
             self.controller.observe_overhead(self.key, (now - self._asked) * 1e3 - self._modelled, self._batch)
         self._asked, self._modelled, self._batch = now, None, b
         self._steps += 1
-        if self._warming and self._steps > self.controller.config.min_steps:
+        if self._warming and self._steps > self.controller.config.min_steps and not self._whole_request():
             nxt = self.controller.after_warm_up(self.key, self.decision.get("proposer") or self._warm_proposer, self._gamma)
             if nxt is not None:
                 g, why, self._warming = nxt
@@ -1331,6 +1331,18 @@ class ControlledGamma:
                 self._by_batch[b] = hit
             g = hit[0]
         return g
+
+    def _whole_request(self) -> bool:
+        """Whether this warm-up or probe measures its configuration over the whole request: a
+        model-free proposer's (the n-gram's) at γ > 0. Its acceptance depends on where in the
+        answer a step falls (the start of an answer restates the question, which it copies), so
+        its first ``min_steps`` steps priced it far above what whole requests ran (a math pick:
+        docs/walkthroughs.md, the run at 79fed52); it runs no model, so
+        a whole request of it costs little where it does not pay (its gate proposes nothing
+        there). A model-run draft still moves on after ``min_steps``: a whole request of a draft
+        that plain beats is that much slower."""
+        p = self.decision.get("proposer") or self._warm_proposer
+        return bool(self._gamma) and p is not None and p in REQUEST_PROPOSERS and proposer_spec(p).model_free
 
     def proposer_name(self) -> str | None:
         """The proposer chosen for this request (after the first :meth:`gamma` call)."""

@@ -305,3 +305,26 @@ def test_an_alpha_sum_beyond_its_proposals_counts_as_all_accepted():
 def test_a_bad_controller_setting_names_itself(kw, name):
     with pytest.raises(ValueError, match=f"^{name}="):
         ControllerConfig(**kw)
+
+
+def test_an_ngram_probe_measures_its_whole_request_and_a_draft_probe_its_first_steps():
+    # the walkthrough at 79fed52: math's n-gram, measured on its probes' first min_steps steps (an answer's
+    # start copies the question), was priced at 1.48x plain and ran 0.98x
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), min_steps=2))
+    _serve(ctl, 4)  # ahead of plain but unsure: every other request probes it
+    ctl.policy_for(KEY).gamma()  # a plain request
+    probe = ctl.policy_for(KEY)
+    gammas = []
+    for i in range(10):
+        gammas.append(probe.gamma())
+        probe.update(StepStats(gammas[-1], 0, 1, 0 if gammas[-1] else -1, 0.0, 0.0, 13.0 if gammas[-1] else 10.0))
+    assert probe.decision["probe"] and probe.decision["proposer"] == "ngram"
+    assert gammas == [gammas[0]] * 10 and gammas[0] >= 1  # not plain after min_steps steps
+    # the draft's warm-up still moves on after min_steps steps (a whole request of a draft plain beats is slow)
+    d = GoodputController(ControllerConfig(min_steps=2))
+    pol = d.policy_for(KEY)
+    seen = []
+    for i in range(6):
+        seen.append(pol.gamma())
+        pol.update(StepStats(seen[-1], 0, 1, 0 if seen[-1] else -1, 0.0, 1.0 * seen[-1], 12.0))
+    assert seen[:2] == [seen[0]] * 2 and seen[0] >= 1 and seen[2] == 0

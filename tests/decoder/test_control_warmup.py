@@ -85,18 +85,18 @@ def test_a_perfect_draft_returns_to_its_best_gamma_after_plain_is_measured():
 
 
 def test_a_request_never_switches_proposer_mid_warm_up():
-    """ngram warms up first; once it has its steps and plain is measured, the request runs
-    ngram's best γ, not the draft (still cold: the next request measures it)."""
+    """ngram warms up first, over its whole request (a model-free proposer's first steps are no
+    sample of its request: an answer's start copies the question), never switching to the draft
+    (still cold: the next request measures it, for min_steps steps, then plain decoding)."""
     clock = Clock()
     ctl = GoodputController(ControllerConfig(gamma_max=4, gamma_init=2, min_steps=2, proposers=("ngram", "draft")),
                             clock=clock)
     pol = ctl.policy_for(KEY)
-    gammas = run(pol, clock, 6, perfect_draft)
-    assert gammas[:4] == [2, 2, 0, 0]
-    # ngram is ahead, but one request is not enough to say so (ControllerConfig.confidence): plain, still ngram's request
-    assert gammas[4] == 0 and pol.decision.get("proposer") is None and "until ngram, ahead of it" in pol.decision["why"]
+    assert run(pol, clock, 6, perfect_draft) == [2] * 6
+    assert pol.decision["proposer"] == "ngram" and pol.decision["why"] == "warm-up: measuring ngram at γ=2"
     nxt = ctl.policy_for(KEY)
-    assert nxt.gamma() == 2 and nxt.decision["why"] == "warm-up: measuring draft at γ=2"
+    assert run(nxt, clock, 4, perfect_draft)[:3] == [2, 2, 0]
+    assert nxt.decision["why"].startswith("warm-up: measuring draft at γ=2; then measuring plain decoding")
 
 
 def test_a_plain_warm_up_request_keeps_plain_until_it_is_measured():
