@@ -336,11 +336,16 @@ class _LengthModel:
     E[tokens per step at γ] = 1 + Σ_{j<=γ} P(accepted >= j) (the bonus or correction token plus the
     accepted prefix); a step with no proposal (no match) counts as accepted 0 at every j.
     step_ms[γ]: EWMA of draft ms + verify ms of steps that asked for γ (what a step with partial
-    or no proposals really costs).
+    or no proposals really costs); tokens[γ]: EWMA of the tokens those same steps emitted
+    (accepted + 1), which prices a γ measured directly: a gated proposer's accepted lengths depend
+    on the γ it may use (at γ = 1 its gate proposes only where one token pays, at γ = 4 wherever a
+    long copy does), so lengths pooled over every γ asked, divided by one γ's own step ms, priced
+    γ = 1 on the acceptance of γ = 4's proposals (docs/walkthroughs.md, the run at 2eab659).
     """
 
     ge: list[_Ewma] = field(default_factory=list)
     step_ms: dict[int, _Ewma] = field(default_factory=dict)
+    tokens: dict[int, _Ewma] = field(default_factory=dict)
     draft_ms: _Ewma = field(default_factory=_Ewma)
     steps: int = 0
 
@@ -363,6 +368,8 @@ class _LengthModel:
             e.add(1.0 if accepted >= j else 0.0, max(wl, 1.0 / (e.n + 1)))
         e = self.step_ms.setdefault(asked, _Ewma())
         e.add(model_ms, max(wl, 1.0 / (e.n + 1)))
+        e = self.tokens.setdefault(asked, _Ewma())
+        e.add(min(max(accepted, 0), asked) + 1.0, max(wl, 1.0 / (e.n + 1)))
         self.draft_ms.add(draft_ms, max(wl, 1.0 / (self.draft_ms.n + 1)))
         self.steps += 1
 
@@ -378,6 +385,10 @@ class _LengthModel:
         return last * min(1.0, ratio) ** (j - len(known))
 
     def tokens_per_step(self, g: int) -> float:
+        """E[tokens per step] at γ = ``g``: its own steps' mean where measured, else the model."""
+        e = self.tokens.get(g)
+        if e is not None and e.n:
+            return e.value
         return 1.0 + sum(self.p_ge(j) for j in range(1, g + 1))
 
 
@@ -507,7 +518,7 @@ class GoodputController:
                 s.overhead_ms = _Ewma()
                 s.draft_ms_per_token = _Ewma()
                 for m in s.lengths.values():
-                    m.ge, m.step_ms, m.draft_ms, m.steps = [], {}, _Ewma(), 0
+                    m.ge, m.step_ms, m.tokens, m.draft_ms, m.steps = [], {}, {}, _Ewma(), 0
                 s.clusters = {n: c for n, c in s.clusters.items() if n == DRAFT}
                 s.ceiling_probes, s.last_ceiling_probe, s.last_ceiling_probe_t = 0, 0, None
                 s.warming = {}

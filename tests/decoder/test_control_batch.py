@@ -244,9 +244,9 @@ def test_a_requests_gamma_at_a_batch_size_is_re_read_every_refresh_steps():
 def test_with_several_proposers_a_request_keeps_its_proposer_and_takes_its_gamma_at_the_batch_size():
     cfg = ControllerConfig(proposers=("ngram", DRAFT), min_steps=1, ewma=0.5, batch_sizes=(1, 2, 4, 8))
     ctl = GoodputController(cfg, step_cost=cost_of(t_cheap_rows))
-    for i in range(20):  # the n-gram proposer: free proposals, accepted prefixes cycling 0..γ
+    for i in range(20):  # the n-gram proposer: free proposals, accepted prefixes cycling 0..3, cut at γ
         for g in range(5):
-            acc = min(g, i % (g + 1))
+            acc = min(g, i % 4)
             ctl.observe(KEY, StepStats(g, acc, acc + 1, -1 if acc == g else acc, 0.0, 0.1, t_cheap_rows(g + 1)),
                         proposer="ngram" if g else DRAFT, asked=g)
         ctl.observe(KEY, StepStats(2, 1, 2, 1, 1.2, 3.0, t_cheap_rows(3)), proposer=DRAFT)

@@ -328,3 +328,21 @@ def test_an_ngram_probe_measures_its_whole_request_and_a_draft_probe_its_first_s
         seen.append(pol.gamma())
         pol.update(StepStats(seen[-1], 0, 1, 0 if seen[-1] else -1, 0.0, 1.0 * seen[-1], 12.0))
     assert seen[:2] == [seen[0]] * 2 and seen[0] >= 1 and seen[2] == 0
+
+
+def test_a_measured_gamma_is_priced_on_its_own_steps_tokens():
+    # the walkthrough at 2eab659: prose's gated n-gram at γ = 1 priced 1.19x plain on the accepted lengths of
+    # its γ = 4 steps (its gate proposes long copies there, rarely a lone token at γ = 1), ran 0.958x
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), min_steps=1))
+    for r in range(6):
+        for i in range(10):  # γ = 4: a 4-token copy every other step (5 tokens in 20 ms), else a plain step
+            acc = 4 if i % 2 else 0
+            ctl.observe(KEY, StepStats(acc, acc, acc + 1, -1, 0.0, 0.0, 20.0 if acc else 10.0), proposer="ngram",
+                        asked=4, first=i == 0, request=("a", r))
+        for i in range(10):  # γ = 1: the gate proposes one token once in 5 steps, and it is right
+            acc = 1 if i % 5 == 0 else 0
+            ctl.observe(KEY, StepStats(acc, acc, acc + 1, -1, 0.0, 0.0, 17.0 if acc else 10.0), proposer="ngram",
+                        asked=1, first=False, request=("a", r))
+    rates = ctl.decision(KEY)["tokens_per_ms_by_proposer"]["ngram"]
+    assert float(rates[1]) == pytest.approx((2 * 2 + 8 * 1) / (2 * 17.0 + 8 * 10.0), rel=1e-3)  # 12 / 114
+    assert float(rates[4]) == pytest.approx((5 * 5 + 5 * 1) / (5 * 20.0 + 5 * 10.0), rel=1e-3)  # 30 / 150
