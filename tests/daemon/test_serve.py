@@ -433,13 +433,9 @@ def test_the_server_runs_on_uvloop_and_httptools(srv, monkeypatch):
     assert event_loop_stack() == ("asyncio", "httptools")
 
 
-def test_a_client_that_leaves_mid_body_is_logged_once_at_info_not_as_an_internal_error(monkeypatch):
-    """Starlette raises ClientDisconnect where a client closes before its body is read (the
-    adversarial check: Content-Length 1000, 10 bytes, close): it was logged as
-    serve_internal_error with a traceback, a log any client could flood."""
+def _app_logging_to(monkeypatch):
+    """A FastAPI app with serve's error handlers, and the list its log calls go to: (level, event)."""
     from fastapi import FastAPI
-    from fastapi.testclient import TestClient
-    from starlette.requests import ClientDisconnect
 
     import daemon.serve as S
 
@@ -448,6 +444,17 @@ def test_a_client_that_leaves_mid_body_is_logged_once_at_info_not_as_an_internal
                                                  "exception": lambda self, ev, **kw: seen.append(("exception", ev))})())
     app = FastAPI()
     S._add_error_handlers(app)
+    return seen, app
+
+
+def test_a_client_that_leaves_mid_body_is_logged_once_at_info_not_as_an_internal_error(monkeypatch):
+    """Starlette raises ClientDisconnect where a client closes before its body is read (the
+    adversarial check: Content-Length 1000, 10 bytes, close): it was logged as
+    serve_internal_error with a traceback, a log any client could flood."""
+    from fastapi.testclient import TestClient
+    from starlette.requests import ClientDisconnect
+
+    seen, app = _app_logging_to(monkeypatch)
 
     @app.get("/gone")
     def gone():
@@ -468,16 +475,9 @@ def test_an_internal_error_is_answered_once_and_goes_no_further(monkeypatch):
     """The adversarial helper's: a 500 was answered, then raised again past the app, so uvicorn logged
     it twice and closed the keep-alive connection (the client's next request failed). Now the app
     answers it and raises nothing: a client that raises server exceptions sees none."""
-    from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    import daemon.serve as S
-
-    seen = []
-    monkeypatch.setattr(S, "log", type("L", (), {"info": lambda self, ev, **kw: seen.append(("info", ev)),
-                                                 "exception": lambda self, ev, **kw: seen.append(("exception", ev))})())
-    app = FastAPI()
-    S._add_error_handlers(app)
+    seen, app = _app_logging_to(monkeypatch)
 
     @app.get("/boom")
     def boom():
