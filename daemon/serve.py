@@ -79,6 +79,28 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param, code=code)
 
 
+def _j(v: Any, limit: int = 200) -> str:
+    """A request's value as the client wrote it, in JSON (``true``, ``null``, ``"x"``), not Python's
+    repr (``True``, ``None``, ``'x'``): at most ``limit`` characters (longer ones end in ``...``);
+    printable non-ASCII text kept, any other character (a no-break space, a lone surrogate) a
+    ``\\uXXXX`` escape, so the message shows it and encodes as UTF-8."""
+    try:
+        s = json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):  # not a JSON value: Python's spelling is all there is
+        s = repr(v)
+    s = "".join(c if c.isprintable() else _u_escape(c) for c in s[:limit + 1])  # escaping only lengthens
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def _u_escape(c: str) -> str:
+    """``c`` as JSON's ``\\uXXXX`` escape (a pair of them past U+FFFF)."""
+    o = ord(c)
+    if o <= 0xFFFF:
+        return f"\\u{o:04x}"
+    o -= 0x10000
+    return f"\\u{0xD800 + (o >> 10):04x}\\u{0xDC00 + (o & 0x3FF):04x}"
+
+
 # ---- request parsing (pure) ------------------------------------------------------------------------
 
 
@@ -179,7 +201,7 @@ def _number(body: dict, name: str, default: float, lo: float | None = None, hi: 
         except OverflowError:  # an int past a float's range: a 400, not a 500
             raise _bad(name, f"an integer of {v.bit_length()} bits is out of a number's range", "invalid_type")
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _bad(name, f"{v!r} is not a finite number", "invalid_type")
+        raise _bad(name, f"{_j(v)} is not a finite number", "invalid_type")
     return float(_in_range(name, v, lo, hi, lo_open))
 
 
@@ -206,7 +228,7 @@ def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: 
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         else:
-            raise _bad(name, f"{v!r} is not an integer", "invalid_type")
+            raise _bad(name, f"{_j(v)} is not an integer", "invalid_type")
     return _in_range(name, v, lo, hi, what=what)
 
 
@@ -217,11 +239,11 @@ def _in_range(name: str, v, lo=None, hi=None, lo_open: bool = False, what: str |
     below = lo is not None and (v <= lo if lo_open else v < lo)
     above = hi is not None and v > hi
     if (below or above) and what is not None:
-        raise _bad(name, f"{v!r} is out of range: {what}, {_bound(lo)} to {_bound(hi)}")
+        raise _bad(name, f"{_j(v)} is out of range: {what}, {_bound(lo)} to {_bound(hi)}")
     if below:
-        raise _bad(name, f"{v!r} must be {'>' if lo_open else '>='} {_bound(lo)}")
+        raise _bad(name, f"{_j(v)} must be {'>' if lo_open else '>='} {_bound(lo)}")
     if above:
-        raise _bad(name, f"{v!r} must be <= {_bound(hi)}")
+        raise _bad(name, f"{_j(v)} must be <= {_bound(hi)}")
     return v
 
 
@@ -235,7 +257,7 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise _bad(name, f"{v!r} is not a boolean (true or false)", "invalid_type")
+        raise _bad(name, f"{_j(v)} is not a boolean (true or false)", "invalid_type")
     return v
 
 
@@ -271,7 +293,7 @@ def _unsupported(body: dict, kind: str) -> None:
     ]
     for name, ok, why in checks:
         if name in body and not ok(body[name]):
-            raise _bad(name, f"{body[name]!r}: {why}", "unsupported_parameter")
+            raise _bad(name, f"{_j(body[name])}: {why}", "unsupported_parameter")
 
 
 def _workload(body: dict, header: str | None) -> str:
@@ -282,7 +304,7 @@ def _workload(body: dict, header: str | None) -> str:
         try:  # HTTP headers arrive as Latin-1 text: a client's UTF-8 name is those bytes (as the body's would be)
             w = w.encode("latin-1").decode("utf-8")
         except (UnicodeEncodeError, UnicodeDecodeError):
-            raise _bad(param, f"{w!r:.80} is not UTF-8 text; send the workload's name in UTF-8 or in the body's "
+            raise _bad(param, f"{_j(w, 80)} is not UTF-8 text; send the workload's name in UTF-8 or in the body's "
                               f"'workload'")
     if w is None:
         return "default"
@@ -290,7 +312,7 @@ def _workload(body: dict, header: str | None) -> str:
 
     why = workload_problem(w, untagged_ok=False)
     if why is not None:
-        raise _bad(param, f"{w!r:.80}: {why}; {WORKLOAD_RULE}")
+        raise _bad(param, f"{_j(w, 80)}: {why}; {WORKLOAD_RULE}")
     return w
 
 
@@ -300,7 +322,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         return ()
     items = [s] if isinstance(s, str) else s
     if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
-        raise _bad("stop", f"{s!r}: give a string or a list of strings", "invalid_type")
+        raise _bad("stop", f"{_j(s)}: give a string or a list of strings", "invalid_type")
     if len(items) > MAX_STOP:
         raise _bad("stop", f"{len(items)} stop strings; at most {MAX_STOP}")
     if any(x == "" for x in items):
@@ -318,7 +340,7 @@ def _messages_ids(body: dict, tokenizer) -> list[int]:
             raise _bad(f"messages[{i}]", "each message is an object with a role and a content", "invalid_type")
         role, content = m.get("role"), m.get("content")
         if role not in ("system", "user", "assistant", "developer"):
-            raise _bad(f"messages[{i}].role", f"{role!r}: use system, user or assistant (tool messages are not supported)")
+            raise _bad(f"messages[{i}].role", f"{_j(role)}: use system, user or assistant (tool messages are not supported)")
         if isinstance(content, list):
             parts = []
             for j, p in enumerate(content):
@@ -328,7 +350,7 @@ def _messages_ids(body: dict, tokenizer) -> list[int]:
                 parts.append(p["text"])
             content = "".join(parts)
         if not isinstance(content, str):
-            raise _bad(f"messages[{i}].content", f"{content!r}: give a string or a list of text parts", "invalid_type")
+            raise _bad(f"messages[{i}].content", f"{_j(content)}: give a string or a list of text parts", "invalid_type")
         extra = sorted(set(m) - {"role", "content", "name"})
         if extra:
             raise _bad(f"messages[{i}].{extra[0]}", "unsupported message field (tool calls are not supported)",
@@ -361,7 +383,7 @@ def _prompt_ids(body: dict, tokenizer, vocab: int) -> list[int]:
                              "(send them concurrently)", "unsupported_parameter")
     if p is None:
         raise _bad("prompt", "missing; give the prompt text (or a list of token ids)", "missing")
-    raise _bad("prompt", f"{p!r}: give a string or a list of token ids", "invalid_type")
+    raise _bad("prompt", f"{_j(p)}: give a string or a list of token ids", "invalid_type")
 
 
 MAX_JSON_DEPTH = 32  # a request body nests a few levels (messages[i].content[j].text); more is refused
@@ -394,7 +416,7 @@ def check_json(body: Any) -> None:
             except UnicodeEncodeError as e:
                 where = _json_path(path)
                 raise ApiError(400, f"{where}: character {e.start} is a lone UTF-16 surrogate "
-                                    f"({v[e.start]!r}), which is not text: send valid Unicode (pair a high surrogate "
+                                    f"({_j(v[e.start])}), which is not text: send valid Unicode (pair a high surrogate "
                                     f"\\ud800-\\udbff with a low one \\udc00-\\udfff)", param=where,
                                code="invalid_value") from None
         elif isinstance(v, dict):
@@ -515,10 +537,10 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
     _unsupported(body, kind)
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        what = "missing" if model is None else f"{model!r:.80} is not a model name"
-        raise _bad("model", f"{what}; this server serves {sorted(models)}", "missing" if model is None else "invalid_type")
+        what = "missing" if model is None else f"{_j(model, 80)} is not a model name"
+        raise _bad("model", f"{what}; this server serves {_j(sorted(models))}", "missing" if model is None else "invalid_type")
     if model not in models:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {sorted(models)} (GET /v1/models)",
+        raise ApiError(404, f"the model {_j(model)} does not exist; this server serves {_j(sorted(models))} (GET /v1/models)",
                        param="model", code="model_not_found")
     where = "prompt" if kind == "completion" else "messages"
     if max_prompt_tokens and max_token_chars:
@@ -551,10 +573,10 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
         if not stream:
             raise _bad("stream_options", "only allowed with stream: true")
         if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
-            raise _bad("stream_options", f"{so!r}: only {{\"include_usage\": true|false}} is supported")
+            raise _bad("stream_options", f"{_j(so)}: only {{\"include_usage\": true|false}} is supported")
         v = so.get("include_usage")
         if v is not None and not isinstance(v, bool):
-            raise _bad("stream_options.include_usage", f"{v!r} is not a boolean (true or false)", "invalid_type")
+            raise _bad("stream_options.include_usage", f"{_j(v)} is not a boolean (true or false)", "invalid_type")
         include_usage = bool(v)
     top_k = _int(body, "top_k", 0, lo=-1)
     logprobs = _logprobs(body, kind)
@@ -597,16 +619,16 @@ def _constrained(body: dict) -> dict[str, Any]:
     kind = None
     if rf is not None:
         if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-            raise _bad("response_format", f"{rf!r}: {_RF_HELP}", "invalid_value")
+            raise _bad("response_format", f"{_j(rf)}: {_RF_HELP}", "invalid_value")
         kind = rf["type"]
         extra = sorted(set(rf) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
         if extra:
-            raise _bad("response_format", f"{extra[0]!r} is not a field of a {kind!r} response_format; {_RF_HELP}")
+            raise _bad("response_format", f"{_j(extra[0])} is not a field of a {_j(kind)} response_format; {_RF_HELP}")
         out["json_mode"] = kind == "json_object"
         if kind == "json_schema":
             js = rf.get("json_schema")
             if not isinstance(js, dict):
-                raise _bad("response_format.json_schema", f"{js!r}: an object {{\"name\": ..., \"schema\": {{...}}}} "
+                raise _bad("response_format.json_schema", f"{_j(js)}: an object {{\"name\": ..., \"schema\": {{...}}}} "
                                                           f"giving the JSON Schema the output must follow",
                            "missing" if js is None else "invalid_type")
             unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
@@ -614,9 +636,9 @@ def _constrained(body: dict) -> dict[str, Any]:
                 raise _bad(f"response_format.json_schema.{unknown[0]}", "unknown field; name, schema, strict and "
                                                                         "description are")
             if "name" in js and not (isinstance(js["name"], str) and _SCHEMA_NAME.fullmatch(js["name"])):
-                raise _bad("response_format.json_schema.name", f"{js['name']!r}: 1-64 letters, digits, _ or -")
+                raise _bad("response_format.json_schema.name", f"{_j(js['name'])}: 1-64 letters, digits, _ or -")
             if js.get("strict") not in (None, True, False):
-                raise _bad("response_format.json_schema.strict", f"{js['strict']!r} is not a boolean", "invalid_type")
+                raise _bad("response_format.json_schema.strict", f"{_j(js['strict'])} is not a boolean", "invalid_type")
             if "description" in js and not isinstance(js["description"], str):
                 raise _bad("response_format.json_schema.description", "must be a string", "invalid_type")
             if js.get("schema") is None:
@@ -632,7 +654,7 @@ def _constrained(body: dict) -> dict[str, Any]:
     g = body.get("grammar")
     if g is not None:
         if kind in ("json_object", "json_schema"):
-            raise _bad("grammar", f"sent with a {kind!r} response_format: send one of them")
+            raise _bad("grammar", f"sent with a {_j(kind)} response_format: send one of them")
         try:
             check_gbnf(g)
         except GrammarError as e:

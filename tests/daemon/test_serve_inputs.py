@@ -162,7 +162,7 @@ def test_serve_and_adapter_scopes_accept_the_same_workload_names(srv, name):
                 oc.completions.create(model=MODEL, prompt="ab", max_tokens=2, **kw)
             msg = ei.value.body["message"]
             assert ei.value.body["param"] in ("workload", "X-Draftd-Workload")
-            assert repr(name)[:40].strip("'") in msg and WORKLOAD_PATTERN in msg, msg
+            assert json.dumps(name)[:40].strip('"') in msg and WORKLOAD_PATTERN in msg, msg
     assert scope_ok == (name in ("code", "customer-42", "a.b/c:d", "日本語", "x" * 64))
 
 

@@ -3,6 +3,8 @@ tokenizer): values a client may send that are valid but reach places with narrow
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -50,7 +52,7 @@ def test_a_model_that_is_not_a_name_is_not_called_missing(model):
         parse({"model": model})
     e = ei.value
     assert (e.status, e.param, e.code) == (400, "model", "invalid_type")
-    assert "missing" not in e.message and repr(model) in e.message
+    assert "missing" not in e.message and json.dumps(model) in e.message
 
 
 def test_a_missing_model_is_called_missing():
@@ -101,7 +103,7 @@ def test_a_bad_include_usage_is_named_by_its_path():
     with pytest.raises(ApiError) as ei:
         parse({"stream": True, "stream_options": {"include_usage": "x"}})
     assert (ei.value.status, ei.value.param, ei.value.code) == (400, "stream_options.include_usage", "invalid_type")
-    assert ei.value.message.startswith("stream_options.include_usage: 'x'")
+    assert ei.value.message.startswith('stream_options.include_usage: "x"')
     assert parse({"stream": True, "stream_options": {"include_usage": True}}).include_usage is True
     assert parse({"stream": True, "stream_options": {}}).include_usage is False
 
@@ -134,3 +136,24 @@ def test_cache_prompt_is_llama_servers_boolean(kind):
     with pytest.raises(ApiError) as ei:
         parse({"cache_prompt": "no"}, kind)
     assert (ei.value.status, ei.value.param, ei.value.code) == (400, "cache_prompt", "invalid_type")
+
+
+@pytest.mark.parametrize("body, kind, shown, python", [
+    ({"stream": "yes"}, "completion", '"yes" is not a boolean', "'yes'"),
+    ({"n": True}, "completion", "n: true: only n=1", "True"),
+    ({"temperature": [None, True]}, "completion", "[null, true] is not a finite number", "None"),
+    ({"stop": {"a": None}}, "completion", '{"a": null}: give a string', "None"),
+    ({"messages": [{"role": None, "content": "x"}]}, "chat", "null: use system", "None"),
+    ({"response_format": {"type": "json_object", "x": 1}}, "chat", '"x" is not a field of a "json_object"', "'x'"),
+    ({"workload": "nbsp\u00a0x"}, "completion", '"nbsp\\u00a0x": ', "'nbsp"),
+])
+def test_messages_name_the_request_values_as_json(body, kind, shown, python):
+    """The 400 for ``"stream": "yes"`` said ``'yes'`` and for ``"n": true`` said ``True`` (Python's
+    repr of what the client sent as JSON); now the value reads as the client wrote it, a character
+    a reader cannot see (a no-break space) as its JSON escape."""
+    from daemon.serve import ApiError
+
+    with pytest.raises(ApiError) as ei:
+        parse(body, kind)
+    assert shown in ei.value.message and python not in ei.value.message, ei.value.message
+
