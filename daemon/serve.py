@@ -274,7 +274,7 @@ def _unsupported(body: dict, kind: str) -> None:
         raise _bad(unknown[0], f"unknown or unsupported field; supported fields: {', '.join(sorted(allowed))}",
                    "unsupported_parameter")
     checks = [
-        ("n", lambda v: _one_of(v, (None, 1)), "only n=1 is served; send several requests for several completions"),
+        ("n", lambda v: _one_of(v, (None, 1, 1.0)), "only n=1 is served; send several requests for several completions"),
         ("best_of", lambda v: _one_of(v, (None, 1)), "only best_of=1 is served"),
         ("echo", lambda v: _one_of(v, (None, False)), "echo is not supported; prepend the prompt yourself"),
         ("suffix", lambda v: _one_of(v, (None, "")), "suffix (insertion) is not supported"),

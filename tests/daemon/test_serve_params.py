@@ -157,3 +157,17 @@ def test_messages_name_the_request_values_as_json(body, kind, shown, python):
         parse(body, kind)
     assert shown in ei.value.message and python not in ei.value.message, ei.value.message
 
+
+@pytest.mark.parametrize("n, ok", [(1.0, True), (1, True), (2, False), (2.0, False), (1.5, False), (True, False),
+                                   ("1", False)])
+def test_n_takes_an_integral_float_as_openai_does(n, ok):
+    """``"n": 1.0`` was refused ('only n=1'); OpenAI and vLLM (pydantic's lax int) take it."""
+    from daemon.serve import ApiError
+
+    if ok:
+        parse({"n": n})
+        return
+    with pytest.raises(ApiError) as ei:
+        parse({"n": n})
+    assert (ei.value.status, ei.value.param) == (400, "n")
+
