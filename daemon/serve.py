@@ -396,10 +396,23 @@ def _json_path(path: tuple) -> str:
     return out or "body"
 
 
+class _TooLong(str):
+    """An integer literal of the body with more digits than Python converts
+    (``sys.get_int_max_str_digits()``): kept as its text until :func:`check_json` names its field."""
+
+
+def _json_int(text: str) -> int | _TooLong:
+    try:
+        return int(text)
+    except ValueError:  # past the digit limit
+        return _TooLong(text)
+
+
 def check_json(body: Any) -> None:
     """Refuse what no field of a request can hold, before any field is read: a string with a lone
     UTF-16 surrogate (e.g. ``"\\ud800"``: valid JSON, but not text any tokenizer can encode) and
-    nesting deeper than :data:`MAX_JSON_DEPTH`. Iterative: a deep body cannot exhaust the stack.
+    nesting deeper than :data:`MAX_JSON_DEPTH`, and an integer too long to read (one
+    :func:`parse_json_body` kept as text). Iterative: a deep body cannot exhaust the stack.
 
     Raises:
         ApiError: 400 naming the field (``messages[0].content``).
@@ -410,6 +423,10 @@ def check_json(body: Any) -> None:
         if len(path) > MAX_JSON_DEPTH:
             raise ApiError(400, f"{_json_path(path[:1])}: nested more than {MAX_JSON_DEPTH} levels deep; no request "
                                 f"field nests like that", param=_json_path(path[:1]), code="invalid_json")
+        if isinstance(v, _TooLong):
+            where = _json_path(path)
+            raise ApiError(400, f"{where}: an integer of {len(v.lstrip('-'))} digits is too large for any request "
+                                f"field", param=where, code="invalid_value")
         if isinstance(v, str):
             try:
                 v.encode("utf-8")
@@ -487,7 +504,7 @@ def parse_json_body(raw: bytes) -> Any:
         ApiError: not JSON, nested too deeply for the parser, or see :func:`check_json`.
     """
     try:
-        body = json.loads(raw or b"null")
+        body = json.loads(raw or b"null", parse_int=_json_int)
     except RecursionError:
         raise ApiError(400, f"the request body nests too deeply to parse; no request field nests more than "
                             f"{MAX_JSON_DEPTH} levels", code="invalid_json") from None

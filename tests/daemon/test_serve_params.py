@@ -171,3 +171,19 @@ def test_n_takes_an_integral_float_as_openai_does(n, ok):
         parse({"n": n})
     assert (ei.value.status, ei.value.param) == (400, "n")
 
+
+@pytest.mark.parametrize("raw, param", [(b'{"max_tokens": %s}' % (b"9" * 5000), "max_tokens"),
+                                        (b'{"stop": ["a"], "seed": -%s}' % (b"1" * 5000), "seed"),
+                                        (b'{"prompt": [1, %s]}' % (b"2" * 4301), "prompt[1]")])
+def test_an_integer_too_long_to_read_is_a_400_naming_its_field(raw, param):
+    """A 5000-digit integer was refused as 'the request body is not JSON: Exceeds the limit (4300
+    digits) ... use sys.set_int_max_str_digits()': a Python setting, and no field named."""
+    from daemon.serve import ApiError, parse_json_body
+
+    with pytest.raises(ApiError) as ei:
+        parse_json_body(raw)
+    e = ei.value
+    assert (e.status, e.param) == (400, param)
+    assert e.message.startswith(f"{param}: an integer of ") and "too large" in e.message
+    assert "sys." not in e.message and "not JSON" not in e.message
+    assert parse_json_body(b'{"seed": %s}' % (b"9" * 4000))["seed"] == int("9" * 4000)
