@@ -43,6 +43,7 @@ import typer
 
 from decoder.engines.base import supports
 from store.jsonsafe import jsonable as _jsonable, nan_none
+from store.wording import percent
 
 
 @dataclass
@@ -1519,7 +1520,7 @@ def print_report(report: dict, console) -> None:
     the head's when measured), each phase's notes, adapters, recovery, the engine ceiling."""
     if not console.is_terminal:  # a log file or pipe: rich would wrap the tables at 80 columns
         console.width = max(console.width, 170)
-    pct = round(100 * (report.get("config") or {}).get("confidence", 0.95))
+    pct = percent((report.get("config") or {}).get("confidence", 0.95))
     _heldout_table(report, console)
     _decoded_table(report, console, pct)
     _copy_table(report, console, pct)
@@ -1581,7 +1582,7 @@ def _heldout_table(report: dict, console) -> None:
     console.print(h)
 
 
-def _decoded_table(report: dict, console, pct: int) -> None:
+def _decoded_table(report: dict, console, pct: str) -> None:
     """The decoded comparison on never-served prompts, with the paired intervals."""
     from rich.table import Table
 
@@ -1655,7 +1656,7 @@ def _prediction_table(report: dict, console) -> None:
     console.print(t)
 
 
-def _copy_table(report: dict, console, pct: int) -> None:
+def _copy_table(report: dict, console, pct: str) -> None:
     """The copy channel's ablation rows, when measured."""
     from rich.table import Table
 

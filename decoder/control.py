@@ -30,6 +30,7 @@ from decoder.sampling import expected_tokens_per_step  # noqa: F401 - re-exporte
 from decoder.shift import key_str  # key_str re-exported: "{workload}@{bucket}"
 from decoder.tracking import DRAFT, HEAD, Key
 from store.jsonsafe import nan_none
+from store.wording import percent
 
 log = structlog.get_logger("decoder.control")
 
@@ -1022,7 +1023,7 @@ class GoodputController:
                 else f"{_requests(n)} measured: not yet enough to tell from plain")
         bound = f"is {low:.2f}x" if low >= 0.01 else "is below 0.01x, i.e. none yet"  # 2-3 requests: t is 6.3-2.9
         return (f"off: the best, {top[0]} γ={top[1]} {rate:.3f} tok/ms, is {rate / plain:.2f}x plain {plain:.3f}, but "
-                f"the {self.config.confidence * 100:g} % lower bound of that ratio {bound} ({more}; "
+                f"the {percent(self.config.confidence)} % lower bound of that ratio {bound} ({more}; "
                 f"config.confidence)")
 
     def _why(self, ev: dict[str, Any], best: int, best_spec: int | None) -> str:
@@ -1182,7 +1183,7 @@ class GoodputController:
             if top > ev["rate"].get(0, math.nan) * (1.0 + c.min_gain):
                 n = ev["requests_measured"].get(proposer, 0)
                 return 0, (f"then plain decoding until {proposer}, ahead of it, clears its "
-                           f"{c.confidence * 100:g} % bound on more requests ({_requests(n)} so far)"), False
+                           f"{percent(c.confidence)} % bound on more requests ({_requests(n)} so far)"), False
             return 0, f"then plain decoding, which beats {proposer}", False
 
     def batch_gamma(self, key: Key, proposer: str, batch: int, cap: int) -> int:

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from store.wording import percent
+
 
 @dataclass(frozen=True)
 class PairedGain:
@@ -51,7 +53,7 @@ class PairedGain:
         return asdict(self)
 
     def describe(self) -> str:
-        pct = round(self.confidence * 100)
+        pct = percent(self.confidence)
         return (f"α {self.before:.4f} -> {self.after:.4f} ({self.gain:+.4f}, {pct} % CI [{self.low:+.4f}, "
                 f"{self.high:+.4f}]) on {self.positions} positions of {self.clusters} held-out requests")
 

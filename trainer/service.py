@@ -86,6 +86,7 @@ from store.buffer import group_info
 from store.errors import RegistryError
 from store.registry import AdapterMeta, check_scope
 from store.schema import VerifiedSample
+from store.wording import percent
 from trainer.distill import BASE, AdapterState, Distiller, EvalResult, RoundResult, TrainerError
 from trainer.gate import PairedGain, counts_by_record, paired_gain
 from trainer.publish import adapter_meta, publish
@@ -305,7 +306,7 @@ def _measured_losses(before: EvalResult, after: EvalResult, enough: set[str], tr
                          clusters, cfg.confidence)
         if pw.clusters >= 2 and pw.high < 0:
             (own if w in trained else other).append(
-                f"{w} {pw.gain:+.4f} ({round(pw.confidence * 100)} % CI [{pw.low:+.4f}, {pw.high:+.4f}])")
+                f"{w} {pw.gain:+.4f} ({percent(pw.confidence)} % CI [{pw.low:+.4f}, {pw.high:+.4f}])")
     parts = []
     if own:
         parts.append(f"{'its own workload' if len(own) == 1 else 'its own workloads'} "

@@ -346,3 +346,11 @@ def test_a_measured_gamma_is_priced_on_its_own_steps_tokens():
     rates = ctl.decision(KEY)["tokens_per_ms_by_proposer"]["ngram"]
     assert float(rates[1]) == pytest.approx((2 * 2 + 8 * 1) / (2 * 17.0 + 8 * 10.0), rel=1e-3)  # 12 / 114
     assert float(rates[4]) == pytest.approx((5 * 5 + 5 * 1) / (5 * 20.0 + 5 * 10.0), rel=1e-3)  # 30 / 150
+
+
+def test_a_confidence_below_one_is_never_printed_as_100_percent():
+    """``confidence=0.999999999999999`` printed "the 100 % lower bound" (``:g`` rounds it up)."""
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), min_steps=1, confidence=0.999999999999999))
+    ev = {"rel_se": {("ngram", 1): 0.1, ("plain", 0): 0.0}, "requests_measured": {"ngram": 2}}
+    why = ctl._unsure(("ngram", 1), 0.2, 0.1, ev)
+    assert "100 %" not in why and "the >99.9999 % lower bound" in why, why

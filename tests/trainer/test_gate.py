@@ -189,3 +189,13 @@ def test_a_measured_loss_says_whether_the_workload_is_the_candidates_own():
     v = gate(_eval({"prose": [0.5] * 10, "math": [0.6] * 10, "code": [0.7] * 10}), both, {"prose", "code"}, cfg)
     assert ("its own workload (prose) measurably lost acceptance as served: prose -0.0100" in v.reason
             and "; and another workload (math) measurably lost: math -0.0100" in v.reason), v.reason
+
+
+def test_a_confidence_below_one_is_never_described_as_a_100_percent_interval():
+    """``round(0.999999999999999 * 100)`` printed "100 % CI" (an interval of every outcome)."""
+    from trainer.gate import PairedGain
+
+    kw = dict(clusters=10, samples=10, positions=100, before=0.5, after=0.6, gain=0.1, low=0.05, high=0.15)
+    g = PairedGain(**kw, confidence=0.999999999999999)
+    assert "100 %" not in g.describe() and ">99.9999 % CI" in g.describe(), g.describe()
+    assert "97.5 % CI" in PairedGain(**kw, confidence=0.975).describe()

@@ -1,0 +1,19 @@
+"""Words and numbers as the packages' messages print them, shared by decoder/, trainer/ and
+daemon/ (all of which may import store/)."""
+
+from __future__ import annotations
+
+
+def requests(n: int) -> str:
+    """``n`` with "request" or "requests": ``requests(1) == "1 request"``, ``requests(3) == "3 requests"``."""
+    return f"{n} request" if n == 1 else f"{n} requests"
+
+
+def percent(fraction: float) -> str:
+    """``fraction`` (0.95) as the number of a percentage, without the sign (``"95"``; ``"97.5"``
+    for 0.975): up to six significant digits, and a fraction below 1 never reads as 100 (a
+    confidence of 0.999999999999999 is ``">99.9999"``: true of anything that rounds to 100)."""
+    s = f"{fraction * 100:g}"
+    if fraction < 1 and float(s) >= 100:
+        return ">99.9999"
+    return s

@@ -1,0 +1,20 @@
+"""store.wording: the shared plural and percentage of the packages' messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from store.wording import percent, requests
+
+
+@pytest.mark.parametrize("n, text", [(0, "0 requests"), (1, "1 request"), (2, "2 requests")])
+def test_requests_says_one_request_and_n_requests(n, text):
+    assert requests(n) == text
+
+
+@pytest.mark.parametrize("fraction, text", [(0.95, "95"), (0.975, "97.5"), (0.5, "50"), (0.9999, "99.99"),
+                                            (0.999999999999999, ">99.9999"), (1 - 2 ** -53, ">99.9999"),
+                                            (0.9999996, ">99.9999"), (1.0, "100")])
+def test_a_fraction_below_one_never_reads_as_100_percent(fraction, text):
+    """A confidence of 0.999999999999999 printed as "100 %" (``:g`` and ``round`` both round it up)."""
+    assert percent(fraction) == text
