@@ -43,7 +43,7 @@ import typer
 
 from decoder.engines.base import supports
 from store.jsonsafe import jsonable as _jsonable, nan_none
-from store.wording import percent
+from store.wording import percent, requests as _requests
 
 
 @dataclass
@@ -1376,11 +1376,6 @@ def _brief(reason, n: int = 160) -> str:
     cut = max(text.rfind("; ", 0, n), text.rfind(", ", 0, n))
     cut = cut if cut > n // 2 else text.rfind(" ", 0, n)
     return text[: cut if cut > 0 else n].rstrip(" :;,") + " …"
-
-
-def _requests(n: int) -> str:
-    """``n`` with "request" or "requests"."""
-    return f"{n} request" if n == 1 else f"{n} requests"
 
 
 def _alpha_tau(alpha: float, tau: float, n: int, sep: str = ", τ ") -> str:

@@ -30,7 +30,7 @@ from decoder.sampling import expected_tokens_per_step  # noqa: F401 - re-exporte
 from decoder.shift import key_str  # key_str re-exported: "{workload}@{bucket}"
 from decoder.tracking import DRAFT, HEAD, Key
 from store.jsonsafe import nan_none
-from store.wording import percent
+from store.wording import percent, requests as _requests
 
 log = structlog.get_logger("decoder.control")
 
@@ -182,10 +182,6 @@ def t_quantile(p: float, df: int) -> float:
     g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
     g4 = (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / 92160
     return z + g1 / df + g2 / df ** 2 + g3 / df ** 3 + g4 / df ** 4
-
-
-def _requests(n: int) -> str:
-    return f"{n} request" + ("" if n == 1 else "s")
 
 
 def batch_sizes_up_to(max_batch: int) -> tuple[int, ...]:

@@ -18,3 +18,19 @@ def test_requests_says_one_request_and_n_requests(n, text):
 def test_a_fraction_below_one_never_reads_as_100_percent(fraction, text):
     """A confidence of 0.999999999999999 printed as "100 %" (``:g`` and ``round`` both round it up)."""
     assert percent(fraction) == text
+
+
+def test_the_plural_of_request_is_defined_once():
+    """``_requests(n)`` was written twice (decoder/control.py and daemon/demo.py); both use
+    store.wording.requests now."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    copies = [str(f.relative_to(root)) for pkg in ("store", "decoder", "trainer", "daemon")
+              for f in sorted((root / pkg).rglob("*.py")) if re.search(r"^def _requests\(", f.read_text(), re.M)]
+    assert copies == []
+    import daemon.demo
+    import decoder.control
+
+    assert decoder.control._requests is requests and daemon.demo._requests is requests
