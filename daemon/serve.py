@@ -1873,7 +1873,7 @@ def register(app) -> None:
                 try:
                     sv = ServeSettings.model_validate({**s.serve.model_dump(), **upd})
                 except ValidationError as e:
-                    raise ConfigError(f"invalid serve options:\n{validation_text(e)}") from None
+                    raise ConfigError(f"invalid serve options:\n{validation_text(e, group='serve')}") from None
                 s = s.model_copy(update={"serve": sv})
         except ConfigError as e:
             console.print(f"[red]config error:[/] {e}")

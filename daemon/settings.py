@@ -614,10 +614,51 @@ def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any
                           f"DRAFTD_SERVE__PROPOSERS='[\"ngram\", \"draft\"]')") from e
 
 
-def validation_text(e) -> str:
-    """A pydantic ValidationError as text with the secrets it quotes masked: pydantic shows each
-    rejected input, and a Redis URL may carry a password, an API key or token is one."""
-    text = str(e)
+def validation_text(e, group: str | None = None) -> str:
+    """A pydantic ValidationError as one line per error, ``  <key> (<its environment variable>):
+    <what is wrong> [got <value>]`` (e.g. ``store.url (DRAFTD_STORE__URL): not a setting of the
+    store group ...``), without pydantic's header, type tags and documentation URLs; the secrets
+    it would quote (a Redis URL's password, an API key or token) masked. ``group``: the errors are
+    a settings group's (``"serve"`` for :class:`ServeSettings`), not the whole :class:`Settings`'."""
+    lines = []
+    for err in e.errors(include_url=False):
+        loc = tuple(str(x) for x in (((group,) if group else ()) + tuple(err.get("loc", ()))))
+        lines.append(f"  {_setting_name(loc)}: {_error_text(err, loc)}")
+    return _masked("\n".join(lines), e)
+
+
+def _setting_name(loc: tuple[str, ...]) -> str:
+    """``store.url (DRAFTD_STORE__URL)``; a group alone (a check across its settings) as ``serve``."""
+    key = ".".join(loc) or "settings"
+    owner = Settings.model_fields.get(loc[0]) if loc else None
+    ann = owner.annotation if owner is not None else None
+    if len(loc) == 1 and isinstance(ann, type) and issubclass(ann, BaseModel):
+        return key
+    return f"{key} ({ENV_PREFIX}{NESTED.join(loc).upper()})" if loc else key
+
+
+def _error_text(err: dict, loc: tuple[str, ...]) -> str:
+    """One error's message: pydantic's, less its ``Value error, `` prefix; an unknown key's as the
+    group's settings; with the value given when it is one (not a group's whole table)."""
+    msg = err.get("msg", "")
+    if err.get("type") == "extra_forbidden" and len(loc) == 2:
+        model = Settings.model_fields.get(loc[0])
+        known = sorted(model.annotation.model_fields) if model is not None else []
+        msg = f"not a setting of the {loc[0]} group (it has: {', '.join(known)})"
+        elsewhere = [g for g, f in Settings.model_fields.items() if g != loc[0] and isinstance(f.annotation, type)
+                     and issubclass(f.annotation, BaseModel) and loc[1] in f.annotation.model_fields]
+        if elsewhere:
+            msg += f"; did you mean {elsewhere[0]}.{loc[1]} ({ENV_PREFIX}{elsewhere[0].upper()}{NESTED}{loc[1].upper()})?"
+    elif msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    raw = err.get("input")
+    if isinstance(raw, (str, int, float, bool)) and err.get("type") != "missing":
+        msg += f" [got {raw!r}]"
+    return msg
+
+
+def _masked(text: str, e) -> str:
+    """``text`` with every secret the errors' inputs hold masked (see :func:`validation_text`)."""
     for err in e.errors():
         stack = [(tuple(err.get("loc", ())), err.get("input"))]
         while stack:  # the input of a model-level error is the group's dict: look inside it

@@ -169,3 +169,42 @@ def test_boolean_settings_still_take_booleans(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("[serve]\nrecord_prompt = true\n")
     assert load_settings(p).serve.record_prompt is True
+
+
+@pytest.mark.parametrize("var, value, key, says", [
+    ("DRAFTD_STORE__URL", "redis://x:6379", "store.url", "not a setting of the store group"),
+    ("DRAFTD_SERVE__PORT", "abc", "serve.port", "valid integer"),
+    ("DRAFTD_STATE_DIR", "", "state_dir", "an empty path would keep state"),  # a top-level setting
+])
+def test_a_config_error_names_the_key_and_its_variable_without_pydantics_url(monkeypatch, var, value, key, says):
+    """``DRAFTD_STORE__URL=...`` printed pydantic's "store.url / Extra inputs are not permitted ...
+    For further information visit https://errors.pydantic.dev/...": a URL to pydantic's docs, and
+    a key the user never wrote (they set the environment variable)."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError) as ei:
+        load_settings()
+    msg = str(ei.value)
+    assert f"{key} ({var})" in msg and says in msg, msg
+    assert "errors.pydantic.dev" not in msg and "For further information" not in msg, msg
+    assert "validation error" not in msg and "[type=" not in msg, msg
+
+
+def test_a_config_error_from_a_group_validator_reads_without_pydantics_prefix(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[serve]\nproposers = [\"ngram\", \"eagle\"]\nfollow_heads = false\n")
+    with pytest.raises(ConfigError) as ei:
+        load_settings(p)
+    msg = str(ei.value)
+    assert "\n  serve: serve.proposers=" in msg and "Value error," not in msg and "errors.pydantic.dev" not in msg, msg
+
+
+def test_a_groups_own_errors_are_named_by_their_full_key():
+    """serve's --host/--port options validate ServeSettings alone: its errors name serve.port
+    (DRAFTD_SERVE__PORT), not port (DRAFTD_PORT)."""
+    from pydantic import ValidationError
+
+    from daemon.settings import ServeSettings, validation_text
+
+    with pytest.raises(ValidationError) as ei:
+        ServeSettings.model_validate({"port": "abc"})
+    assert validation_text(ei.value, group="serve").startswith("  serve.port (DRAFTD_SERVE__PORT): ")
