@@ -109,7 +109,8 @@ def _check_proposers(text: str) -> tuple[str, ...]:
     return names
 
 
-def check_generate_args(prompt: str, gamma: int, max_new_tokens: int, temperature: float, stop, draft_vocab: int) -> None:
+def check_generate_args(prompt: str, gamma: int, max_new_tokens: int, temperature: float, stop, draft_vocab: int,
+                        seed: int | None = None) -> None:
     """Refuse bad `generate` options before the models load, naming the option and the fix.
 
     Raises:
@@ -128,6 +129,11 @@ def check_generate_args(prompt: str, gamma: int, max_new_tokens: int, temperatur
                          "token; drop it or give a non-empty string")
     if draft_vocab < 0:
         raise ValueError(f"--draft-vocab {draft_vocab}: must be >= 0 (0 = off)")
+    if seed is not None:
+        from decoder.sampling import SEED_RANGE
+
+        if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            raise ValueError(f"--seed {seed}: must be a 64-bit integer, -2^63 to 2^64 - 1")
 
 
 def parse_gammas(text: str) -> tuple[int, ...]:
@@ -188,7 +194,7 @@ def generate(
     from decoder.workloads import chat_format
 
     try:
-        check_generate_args(prompt, gamma, max_new_tokens, temperature, stop, draft_vocab)
+        check_generate_args(prompt, gamma, max_new_tokens, temperature, stop, draft_vocab, seed)
         _check_precision(draft_precision)
         params = SamplingParams(temperature, top_p, top_k, seed)
         if len(_check_proposers(proposer)) != 1:

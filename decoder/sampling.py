@@ -385,6 +385,7 @@ def expected_tokens_per_step(a: float, gamma: int) -> float:
     return (1 - a ** (gamma + 1)) / (1 - a)
 
 
+SEED_RANGE = (-(2**63), 2**64)  # [low, high): the seeds seeded_generator takes (signed or unsigned 64-bit)
 _STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState) in torch 2.x
 _MT_WORDS_AT = 24  # torch 2.x CPU generator state: u64 initial seed, i32 left, i32 seeded, u64 next, then u64 state[624]
 
@@ -400,7 +401,7 @@ def seeded_generator(seed: int) -> torch.Generator:
 
     Raises ValueError for a seed outside [-2^63, 2^64).
     """
-    if not -(2**63) <= seed < 2**64:
+    if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise ValueError(f"seed={seed}: must be a 64-bit integer")
     g = torch.Generator(device="cpu")
     if 0 <= seed < 2**32:

@@ -26,6 +26,9 @@ NOLOAD = ["--target", "/nonexistent/draftd-qa-model"]
         (["-p", "hi", "--engine", "gpu"], "--engine 'gpu'"),
         (["-p", "hi", "--proposer", "eagle"], "use one or more of draft, ngram"),
         (["-p", "hi", "--proposer", "ngram,draft"], "one request runs one proposer"),
+        # the seed was checked by the sampler, after the models had loaded (minutes for a first download)
+        (["-p", "hi", "--temperature", "1", "--seed", str(2**64)], f"--seed {2**64}: "),
+        (["-p", "hi", "--seed", str(-(2**63) - 1)], f"--seed {-(2**63) - 1}: "),
     ],
 )
 def test_generate_rejects_bad_options_before_loading(args, needle):
