@@ -500,7 +500,7 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
             shifts.append(shift)
             console.log(f"phase {k + 1}/{len(cfg.phases)}: {phase} traffic for {cfg.phase_seconds:.0f} s"
                         + (" once v0 is ready (the bootstrap runs first; served meanwhile)"
-                           if k == 0 and trainer is not None else "")
+                           if k == 0 and trainer is not None and not trainer.ready.is_set() else "")
                         + (f", then until its adapter was promoted and judged {cfg.phase_min_judged} times (at most "
                            f"{cfg.max_phase_seconds():.0f} s)" if cfg.phase_min_judged and svc is not None else ""))
             prompts = _prompts(phase, 1000, skip=cfg.eval_prompts)  # every distinct prompt there is (hundreds)

@@ -325,6 +325,7 @@ def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
     traffic = demo._serve_phases(cfg, None, loop, None, "m", trainer.svc, types.SimpleNamespace(bucket=lambda: "greedy"),
                                  Console(file=screen, width=300), trainer)
     assert waits == [6.0, 6.0, 6.0]  # 3x each 2-s request, then no more waiting once v0 is ready
+    assert "prose traffic for 10 s once v0 is ready (the bootstrap runs first; served meanwhile)" in screen.getvalue()
     assert "while v0 bootstraps, the demo's client waits between requests (serving at most 25% of the time)" in screen.getvalue()
     assert traffic.shifts[0]["ended"] == "10 s served"
     # the console's live line says both lengths (the walkthrough read "prose ended after 120 s" after
@@ -359,6 +360,46 @@ def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="phase_min_served=.*must be an int >= 0"):
             DemoConfig.quick(phase_min_served=bad)
+
+
+def test_a_v0_ready_at_the_start_is_not_announced_as_a_bootstrap_to_come(monkeypatch):
+    """With v0 cached (ready before the first request), the first phase's line does not say the
+    bootstrap runs first (a walkthrough read it right after "v0 bootstrap (cached ...)")."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    import daemon.demo as demo
+    from daemon.demo import _Trainer
+
+    clock = _Clock()
+
+    class _Ready:
+        def is_set(self):
+            return True
+
+        def wait(self, timeout=None):
+            return True
+
+    def serve_one(*a, **k):
+        clock.t += 2.0
+        return {"t": 0.0, "workload": "prose", "adapter_version": 1}
+
+    monkeypatch.setattr(demo, "time", clock)
+    monkeypatch.setattr(demo, "_serve_one", serve_one)
+    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
+    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
+    trainer = _Trainer(None, None, _Svc({}), {}, None, ready=_Ready())
+    trainer.started, trainer.ready_at = True, 0.0
+    loop = types.SimpleNamespace(manager=None, controller=None, heads=None, decoder=types.SimpleNamespace(adapter_version=1))
+    screen = io.StringIO()
+    cfg = DemoConfig.quick(phases=("prose",), phase_seconds=10.0, phase_min_judged=0)
+    demo._serve_phases(cfg, None, loop, None, "m", trainer.svc, types.SimpleNamespace(bucket=lambda: "greedy"),
+                       Console(file=screen, width=300), trainer)
+    out = screen.getvalue()
+    assert "phase 1/1: prose traffic for 10 s" in out
+    assert "the bootstrap runs first" not in out, out
 
 
 def test_off_a_terminal_serving_prints_each_phases_last_table_once(monkeypatch):
