@@ -347,9 +347,15 @@ class _LengthModel:
     steps: int = 0
 
     def observe(self, asked: int, accepted: int, model_ms: float, draft_ms: float, w: float,
-                w_len: float | None = None) -> None:
+                w_len: float | None = None, now: float | None = None, half_life: float | None = None) -> None:
         """One step: ``w_len`` (default ``w``) weighs its accepted length and its costs alike, a
         young estimate being the plain mean of its steps until that weighs less than ``w_len``.
+        ``now`` and ``half_life`` (seconds) age the costs and the tokens they are divided into,
+        as plain decoding's step cost ages (:class:`_Ewma`): a step after a gap of one half-life
+        weighs at least 1/2, so a proposer probed again after minutes off (a load that changed
+        meanwhile: the sidecar's trainer started or stopped) is priced at what its steps cost now,
+        not at a per-request average of steps taken under the old load. Its accepted lengths
+        (``ge``) do not depend on the load and do not age.
 
         The tokens and the milliseconds of a γ are one ratio, E[tokens] / E[ms] over the same
         steps: a gated proposer's steps that asked for γ cost one row (no match, or a match the
@@ -364,10 +370,10 @@ class _LengthModel:
             e = self.ge[j - 1]
             e.add(1.0 if accepted >= j else 0.0, max(wl, 1.0 / (e.n + 1)))
         e = self.step_ms.setdefault(asked, _Ewma())
-        e.add(model_ms, max(wl, 1.0 / (e.n + 1)))
-        e = self.tokens.setdefault(asked, _Ewma())
-        e.add(min(max(accepted, 0), asked) + 1.0, max(wl, 1.0 / (e.n + 1)))
-        self.draft_ms.add(draft_ms, max(wl, 1.0 / (self.draft_ms.n + 1)))
+        e.add(model_ms, max(wl, 1.0 / (e.n + 1)), now, half_life)
+        e = self.tokens.setdefault(asked, _Ewma())  # the same weights as its step_ms: one ratio over the same steps
+        e.add(min(max(accepted, 0), asked) + 1.0, max(wl, 1.0 / (e.n + 1)), now, half_life)
+        self.draft_ms.add(draft_ms, max(wl, 1.0 / (self.draft_ms.n + 1)), now, half_life)
         self.steps += 1
 
     def p_ge(self, j: int) -> float:
@@ -576,7 +582,8 @@ class GoodputController:
             if proposer != DRAFT:
                 if asked:
                     s.lengths.setdefault(proposer, _LengthModel()).observe(
-                        asked, step.accepted, draft_ms + verify_ms, draft_ms, w, self._request_weight(s, proposer, first))
+                        asked, step.accepted, draft_ms + verify_ms, draft_ms, w, self._request_weight(s, proposer, first),
+                        now, hl)
                 return
             if g:
                 # a young estimate is the plain mean of its steps, until that weighs less than a request

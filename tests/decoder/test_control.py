@@ -681,6 +681,32 @@ def test_accepted_lengths_move_by_ewma_per_request_too():
     assert ctl._keys[key].lengths["ngram"].p_ge(1) == pytest.approx(want, abs=1e-9)
 
 
+def test_an_ngram_probed_again_after_a_gap_is_priced_at_its_steps_cost_now():
+    """The n-gram's step costs age like plain decoding's (half_life_s): 10 requests of 10 steps
+    at 10 ms, then, two half-lives (120 s) later, one step at 20 ms weighs 3/4 (1 - 2^-2): 17.5 ms,
+    where the per-request weight alone (about 0.011 a step) kept it at 10.1 ms. The tokens of those
+    steps age alike (one ratio over the same steps): 3 tokens throughout, 3 / 17.5 tok/ms. The
+    accepted lengths do not age."""
+    t = [0.0]
+    ctl = GoodputController(ControllerConfig(proposers=("ngram", "draft"), gamma_max=2, gamma_init=2, half_life_s=60.0),
+                            clock=lambda: t[0])
+    key = ("extract", "greedy")
+    for r in range(10):
+        for i in range(10):
+            t[0] += 0.01
+            ctl.observe(key, StepStats(2, 2, 3, -1, 0.0, 0.0, 10.0), proposer="ngram", asked=2, first=i == 0)
+    m = ctl._keys[key].lengths["ngram"]
+    assert m.step_ms[2].value == pytest.approx(10.0)
+    t[0] += 120.0
+    ctl.observe(key, StepStats(2, 1, 2, 1, 0.0, 0.0, 20.0), proposer="ngram", asked=2, first=True)
+    assert m.step_ms[2].value == pytest.approx(10.0 + 0.75 * 10.0)
+    assert m.tokens[2].value == pytest.approx(3.0 - 0.75 * 1.0)  # 2 tokens that step, weighed alike
+    wl = 1.0 - 0.9 ** (11 / 101)  # the per-request weight: 11 requests, 101 steps
+    assert m.ge[0].value == pytest.approx(1.0) and m.ge[1].value == pytest.approx(1.0 - wl)  # not aged
+    d = ctl.decision(key)
+    assert d["tokens_per_ms_by_proposer"]["ngram"][2] == pytest.approx(2.25 / 17.5, rel=1e-3)
+
+
 def test_each_request_policy_marks_its_first_step():
     """The policies tell the controller where a request starts (observe's ``first``): two
     requests of 5 and 3 steps count as 8 steps of 2 requests of the proposer that served them;
