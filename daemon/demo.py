@@ -921,6 +921,7 @@ class _PhaseEval:
         row["copy_gate"] = {"v0": _gate_list(self.gate_of(self.v0_version)), "final": _gate_list(self.gate_of(final))}
         _decoded_rows(row, runs, tot, differs, len(ps))
         row.update(_paired_intervals(per_prompt, cfg.confidence))
+        _price_with_prefill(row["controller_pick"], tot["plain"][0].prefill_ms, tot["plain"][1])
         from decoder.proposers.cost import read_off
 
         costs = self.step_costs
@@ -1730,12 +1731,35 @@ def _priced(decision: dict, proposer: str | None, gamma: int) -> float | None:
     return round(rate / plain, 3) if rate else None
 
 
+def _price_with_prefill(pick: dict, prefill_ms: float, plain_ms: float) -> None:
+    """Adds to ``pick`` (a row's ``controller_pick``) its price as a whole request would see it:
+    plain decoding spent ``plain_ms`` on the evaluation's prompts, ``prefill_ms`` of it prefilling
+    (a share f); a pick whose decoding steps run r times plain's (``priced_vs_plain``) takes
+    f + (1 - f) / r of plain's time, so it is priced at 1 / (f + (1 - f) / r) per request: the
+    figure to hold against the run's whole-request ratio (both sides pay the same prefill).
+    ``priced_with_prefill`` and ``plain_prefill_share``; nothing without a price or a time."""
+    r = pick.get("priced_vs_plain")
+    if not r or not plain_ms or plain_ms <= 0 or not 0 <= prefill_ms <= plain_ms:
+        return
+    f = prefill_ms / plain_ms
+    pick["plain_prefill_share"] = round(f, 3)
+    pick["priced_with_prefill"] = round(1.0 / (f + (1.0 - f) / r), 3)
+
+
 def _price_and_result(r: dict) -> str:
     """"priced at 1.45x plain, ran 0.98x [0.92, 1.05] on the never-served prompts", or ""."""
-    priced = r["controller_pick"].get("priced_vs_plain")
+    pick = r["controller_pick"]
+    priced = pick.get("priced_vs_plain")
     ran = (r.get("speed_vs_plain_ci") or {}).get("adapted")
     if priced is None or not ran:
         return ""
+    whole = pick.get("priced_with_prefill")
+    if whole is not None:
+        return (f"; priced at {priced:.2f}x plain decoding per decoding step on the phase's traffic, i.e. {whole:.2f}x "
+                f"a request with the prefill plain decoding spent on these prompts ({pick['plain_prefill_share']:.0%} "
+                f"of its time); it ran {ran['ratio']:.2f}x {_interval(ran)} on the {r.get('eval_prompts', '?')} "
+                f"never-served prompts, prefill included (a gap between the two: what the phase's traffic, its "
+                f"n-gram history warm, taught the controller that these prompts did not bear out)")
     return (f"; priced at {priced:.2f}x plain decoding per decoding step (on the phase's traffic, its prefill apart: "
             f"both sides pay the same prefill, which brings a ratio toward 1), it ran {ran['ratio']:.2f}x "
             f"{_interval(ran)} on the {r.get('eval_prompts', '?')} never-served prompts, prefill included")

@@ -173,6 +173,30 @@ def test_a_pick_s_price_is_printed_beside_what_it_ran():
     assert _price_and_result({"controller_pick": {"priced_vs_plain": None}}) == ""
 
 
+def test_a_pick_s_price_is_also_given_per_request_with_plain_decodings_prefill():
+    # plain spent 1000 ms on the prompts, 200 of them prefilling (f = 0.2); steps at 1.64x plain:
+    # a request takes 0.2 + 0.8 / 1.64 = 0.6878 of plain's time, 1.454x
+    from daemon.demo import _price_and_result, _price_with_prefill
+    pick = {"priced_vs_plain": 1.64}
+    _price_with_prefill(pick, 200.0, 1000.0)
+    assert pick["plain_prefill_share"] == 0.2
+    assert pick["priced_with_prefill"] == pytest.approx(1 / (0.2 + 0.8 / 1.64), abs=1e-3) and pick["priced_with_prefill"] == 1.454
+    row = {"controller_pick": pick, "eval_prompts": 8,
+           "speed_vs_plain_ci": {"adapted": {"ratio": 1.22, "low": 1.155, "high": 1.284}}}
+    assert _price_and_result(row) == (
+        "; priced at 1.64x plain decoding per decoding step on the phase's traffic, i.e. 1.45x a request with the "
+        "prefill plain decoding spent on these prompts (20% of its time); it ran 1.22x [1.16, 1.28] on the 8 "
+        "never-served prompts, prefill included (a gap between the two: what the phase's traffic, its n-gram "
+        "history warm, taught the controller that these prompts did not bear out)")
+    for bad in ((200.0, 0.0), (-1.0, 1000.0), (1200.0, 1000.0)):  # no time, or a prefill outside it: nothing added
+        p = {"priced_vs_plain": 1.64}
+        _price_with_prefill(p, *bad)
+        assert p == {"priced_vs_plain": 1.64}
+    p = {"priced_vs_plain": None}
+    _price_with_prefill(p, 200.0, 1000.0)
+    assert p == {"priced_vs_plain": None}
+
+
 def test_turns_after_a_phase_are_told_apart_from_those_in_it():
     # the walkthroughs at d482237 and c96690d: 6/3/2/3 judged at the phase ends, 7/5/4/4 in trainer.workload_turns
     from daemon.demo import _turns_later
