@@ -275,9 +275,12 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
         chosen = name
     else:
         chosen = PACKAGED
-        if name == PACKAGED:
-            reason = (f"{src}: the packaged file is the best ({how}: {gp / base:.2f}x the tokens per ms of its plain "
-                      f"decoding); {others}")
+        if name == PACKAGED and prop:
+            reason = (f"{src}: the packaged file is the best, with {how}: {gp / base:.2f}x the tokens per ms of its own "
+                      f"plain decoding; {others}")
+        elif name == PACKAGED:  # its plain step beats every format's best (the others' figures: x that step)
+            reason = (f"{src}: the packaged file is the best: its plain decoding ({gp:.4f} tokens/ms, {pk.ms[1]:.2f} ms "
+                      f"a step) beats every other format's best (each as a multiple of it): {others}")
         else:
             reason = (f"{src}: no format beats {pk_plain} by {margin:.0%} (best {name}: {gp / base:.2f}x with "
                       f"{how}); {others}")
