@@ -655,7 +655,8 @@ def _progress_line(timeline, phase: str, requests: int, seconds: float) -> str:
                + ("(one request's: the only one that speculated)" if len(spec) == 1 else f"({len(spec)} speculated)")
                if alpha is not None and tau is not None
                else "plain decoding")
-            + (f", {tps:.1f} tokens/s" if tps is not None else "") + (f"; serving v{v}" if v is not None else ""))
+            + (f", {tps:.1f} tokens/s" if tps is not None else "")
+            + ("; serving the base draft (no adapter yet)" if v == 0 else f"; serving v{v}" if v is not None else ""))
 
 
 def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: int, t0: float) -> dict:

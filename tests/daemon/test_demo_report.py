@@ -192,6 +192,11 @@ def test_the_one_line_progress_gives_the_phases_rolling_alpha_and_speed():
     assert _progress_line(tl, "prose", 3, 42.4) == ("prose: 3 requests in 42 s; last 3: α 0.600, τ 2.50 (2 speculated), "
                                                    "10.0 tokens/s; serving v4")
     assert _progress_line(tl[:1] + tl[3:], "prose", 1, 5.0) == "prose: 1 request in 5 s; last 1: plain decoding, 10.0 tokens/s; serving v4"
+    # version 0 is the base draft, no adapter (a walkthrough read "serving v0" while the v0 bootstrap, which
+    # registers as v1, was still running)
+    base = [dict(tl[3], adapter_version=0)]
+    assert _progress_line(base, "prose", 1, 5.0) == ("prose: 1 request in 5 s; last 1: plain decoding, 10.0 tokens/s; "
+                                                     "serving the base draft (no adapter yet)")
 
 
 def test_copy_channel_ablation_intervals_and_table():
