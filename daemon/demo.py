@@ -2044,12 +2044,15 @@ def _shift_alarms_note(report: dict) -> str | None:
         workload = key[0] if isinstance(key, (list, tuple)) and key else key
         who = {"ngram": "the n-gram proposer's", "draft": "the draft's", None: "the draft's",
                "eagle": "the EAGLE head's"}.get(a.get("proposer"), f"the {a.get('proposer')} proposer's")
-        each.append(f"{workload}, {who} α {a['reference_alpha']:.2f} -> {a['recent_alpha']:.2f}{place}")
+        passed = (" (a drop accumulated over earlier requests: its last ones were back at or above the mean)"
+                  if a["recent_alpha"] >= a["reference_alpha"] else "")
+        each.append(f"{workload}, {who} α {a['reference_alpha']:.2f} -> {a['recent_alpha']:.2f}{passed}{place}")
     outside = sum(p.startswith((", during", ", outside")) for p in places)
     in_phase = len(alarms) - outside
     late = [int(m.group(1)) for p in places for m in [re.search(r", (\d+) s into its phase", p)] if m and int(m.group(1)) > 30]
     return (f"{len(alarms)} acceptance_shift alarm(s), logged as warnings: the shift tracker's alarm (a Page-Hinkley test "
-            f"per workload and proposer) when a workload's windowed α drops below its running mean: {'; '.join(each)}. "
+            f"per workload and proposer) when a workload's windowed α drops below its running mean (below: that mean -> the mean "
+            f"of its last few requests at the alarm): {'; '.join(each)}. "
             + ("At or after a phase shift this is expected: the proposer met traffic it had not seen (new prompts, an "
                "n-gram history and a draft adapter not yet fitted to them), so its α moved off the level of its first "
                "requests. " if in_phase else "")

@@ -224,3 +224,16 @@ def test_an_alarm_late_in_a_phase_is_not_called_a_shift_s():
     assert "One 92 s into its phase is no shift's" in text
     early = dict(late, timeline=[{"t": 11.0}, {"t": 20.0, "shift_alarm": True}, {"t": 30.0}])
     assert "no shift's" not in _shift_alarms_note(early)
+
+
+def test_an_alarm_whose_last_requests_had_recovered_says_so():
+    # the walkthrough at bb6e662 listed code's n-gram "α 0.38 -> 0.40" under "drops below its running mean"
+    from daemon.demo import _shift_alarms_note
+
+    up = {"key": ["code", "greedy"], "proposer": "ngram", "reference_alpha": 0.38, "recent_alpha": 0.40}
+    down = dict(up, reference_alpha=0.6, recent_alpha=0.3)
+    text = _shift_alarms_note({"shift_alarms": [up, down], "shifts": [], "timeline": []})
+    assert "(below: that mean -> the mean of its last few requests at the alarm)" in text
+    assert ("α 0.38 -> 0.40 (a drop accumulated over earlier requests: its last ones were back at or above the mean)"
+            in text), text
+    assert "α 0.60 -> 0.30" in text and "0.30 (a drop" not in text  # a drop still under way: no such remark
