@@ -1955,7 +1955,10 @@ def _recovery_and_footer(report: dict, console) -> None:
     lossless = _lossless_summary(report)
     if lossless:
         console.print(lossless)
-    console.print(f"requests served: {report['requests']}, {_adapters_serving(report)}"
+    extra = int((report.get("remeasured") or {}).get("requests") or 0)
+    served = (f"{report['requests']} in the phases, {report['requests'] + extra} with the {extra} of the re-measurement"
+              if extra else f"{report['requests']}")
+    console.print(f"requests served: {served}, {_adapters_serving(report)}"
                   f", seconds: {report['seconds']}, plot: {report.get('plot')}")
     console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; .venv/bin/daemonctl status; "
                   f".venv/bin/daemonctl history --plot {Path(report.get('plot') or 'out/demo/acceptance.png').with_name('history.png')}"

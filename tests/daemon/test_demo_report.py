@@ -124,6 +124,19 @@ def test_the_phase_end_learner_is_measured_against_v0_and_reported():
     assert "the table's adapted row is this same version, the final one serving the workload" in " ".join(out.getvalue().split())
 
 
+def test_the_closing_count_of_requests_says_whether_the_re_measurement_is_in_it():
+    # the walkthrough at bb6e662: "requests served: 431" against serving.requests_served 495 (64 re-measured)
+    phase = _phase("prose", 10, 0)
+    base = {"phases": [phase], "adapters": [], "recovery": [], "requests": 431, "active_adapter": 5, "seconds": 1.0,
+            "key_prefix": "draftd:demo:"}
+    out = io.StringIO()
+    print_report(dict(base, remeasured={"requests": 64}), Console(file=out, width=250))
+    assert "requests served: 431 in the phases, 495 with the 64 of the re-measurement" in " ".join(out.getvalue().split())
+    out = io.StringIO()
+    print_report(base, Console(file=out, width=250))
+    assert "requests served: 431," in " ".join(out.getvalue().split())
+
+
 def test_a_phase_that_ended_on_the_bootstrap_calls_it_the_bootstrap():
     """Issue 34's walkthrough: code ended its phase on v1, the bootstrapped v0, and the notes said
     "the learner (v1) had not measurably changed decoded α", as if v1 were learnt there. v0 at the
