@@ -16,6 +16,7 @@ environment themselves.
 
 from __future__ import annotations
 
+import json
 import os
 import typing
 from pathlib import Path
@@ -438,6 +439,10 @@ class ServeSettings(_Group):
         if isinstance(raw, str) and raw != raw.strip():
             raise ValueError("serve.api_key has leading or trailing spaces: a client cannot send them in a bearer token; "
                              "trim it")
+        if isinstance(raw, str) and not all(" " <= ch <= "~" for ch in raw):
+            raise ValueError("serve.api_key holds a character outside printable ASCII (an accent, a control character): "
+                             "HTTP clients send an Authorization header in ASCII (the openai client cannot send it at "
+                             "all); use letters, digits and punctuation")
         if isinstance(raw, str) and not raw:
             return None
         return v
@@ -652,9 +657,22 @@ def _error_text(err: dict, loc: tuple[str, ...]) -> str:
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     raw = err.get("input")
-    if isinstance(raw, (str, int, float, bool)) and err.get("type") != "missing":
-        msg += f" [got {raw!r}]"
-    return msg
+    if _secret_key(loc) or not isinstance(raw, (str, int, float, bool)) or err.get("type") == "missing":
+        return msg  # a secret's value is never quoted, whatever its type or characters
+    if _url_key(loc) and isinstance(raw, str):
+        raw = mask_url(raw)
+    shown = repr(raw)
+    return msg + f" [got {shown if len(shown) <= 200 else shown[:200] + '...'}]"
+
+
+def _secret_key(loc: tuple[str, ...]) -> bool:
+    """The setting at ``loc`` is a secret (an API key, a token)."""
+    return loc[-1:] in (("api_key",), ("token",))
+
+
+def _url_key(loc: tuple[str, ...]) -> bool:
+    """The setting at ``loc`` is a URL that may carry a password (Redis's)."""
+    return loc[-1:] in (("url",), ("default_url",)) or loc[:1] == ("redis",)
 
 
 def _masked(text: str, e) -> str:
@@ -667,11 +685,28 @@ def _masked(text: str, e) -> str:
                 stack.extend(((*loc, k), v) for k, v in raw.items())
             elif isinstance(raw, SecretStr):
                 stack.append((loc, raw.get_secret_value()))
-            elif isinstance(raw, str) and raw:
-                if loc[-1:] in (("api_key",), ("token",)):
-                    text = text.replace(raw, "**********")
-                elif loc[-1:] in (("url",), ("default_url",)) or loc[:1] == ("redis",):
-                    text = text.replace(raw, mask_url(raw))
+            elif isinstance(raw, (str, int, float)) and not isinstance(raw, bool) and str(raw):
+                text = _mask_one(text, loc, str(raw))
+    return text
+
+
+def _mask_one(text: str, loc: tuple[str, ...], raw: str) -> str:
+    """``text`` with the secret ``raw`` at ``loc`` masked wherever a message could quote it: as
+    written, as Python's repr writes it (escapes: a backslash, a tab, a quote) and JSON's. A secret
+    under 4 characters is masked only where it stands quoted: replacing every bare occurrence of
+    one character in a sentence would garble it and spell the secret out by its gaps."""
+    if _secret_key(loc):
+        mask = "**********"
+    elif _url_key(loc):
+        mask = mask_url(raw)
+    else:
+        return text
+    quoted = {repr(raw), json.dumps(raw), json.dumps(raw, ensure_ascii=False)}
+    bare = {raw, repr(raw)[1:-1], json.dumps(raw)[1:-1]} if len(raw) >= 4 else set()
+    for form in sorted(quoted, key=len, reverse=True):  # the quoted forms first: they contain the bare ones
+        text = text.replace(form, repr(mask))
+    for form in sorted(bare, key=len, reverse=True):
+        text = text.replace(form, mask)
     return text
 
 

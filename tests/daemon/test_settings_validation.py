@@ -208,3 +208,49 @@ def test_a_groups_own_errors_are_named_by_their_full_key():
     with pytest.raises(ValidationError) as ei:
         ServeSettings.model_validate({"port": "abc"})
     assert validation_text(ei.value, group="serve").startswith("  serve.port (DRAFTD_SERVE__PORT): ")
+
+
+@pytest.mark.parametrize("var,value,secret", [
+    ("DRAFTD_SERVE__API_KEY", " se\\cret ", "se\\cret"),  # a backslash: repr doubles it
+    ("DRAFTD_SERVE__API_KEY", "\tsecretTAB ", "secretTAB"),
+    ("DRAFTD_SERVE__API_KEY", " it's\"both ", "it's"),
+    ("DRAFTD_REDIS__URL", "http://u:pa\\ss@h:1/0", "pa\\ss"),  # a scheme Redis refuses, with a password
+])
+def test_a_config_error_never_quotes_a_secret_whatever_its_characters(monkeypatch, var, value, secret):
+    # the break session of the thirteenth: "[got ' se\\cret ']" printed a key the mask (searching the raw text) missed
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError) as e:
+        load_settings()
+    text = str(e.value)
+    for form in (secret, repr(secret)[1:-1]):
+        assert form not in text, text
+    assert var.split("__")[-1].lower() in text  # the setting is still named
+
+
+def test_a_numeric_secret_in_toml_is_not_quoted(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[serve]\napi_key = 123456789\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(p)
+    assert "123456789" not in str(e.value) and "serve.api_key" in str(e.value)
+
+
+def test_a_one_character_secret_leaves_the_message_readable(monkeypatch):
+    # a token "e" masked every "e" of the api group's message ("is not a loopback addr**********ss")
+    monkeypatch.setenv("DRAFTD_API__TOKEN", "e")
+    monkeypatch.setenv("DRAFTD_API__HOST", "0.0.0.0")
+    try:
+        load_settings()
+    except ConfigError as e:
+        text = str(e)
+        assert "*****" not in text.replace("'**********'", ""), text
+        assert "'e'" not in text and '"e"' not in text
+
+
+def test_a_non_ascii_api_key_is_refused_by_name(monkeypatch):
+    # accepted before, then unusable: the openai client cannot put it in an Authorization header
+    monkeypatch.setenv("DRAFTD_SERVE__API_KEY", "k3y-é")
+    with pytest.raises(ConfigError, match="serve.api_key.*printable ASCII"):
+        load_settings()
+    monkeypatch.setenv("DRAFTD_SERVE__API_KEY", "k3y-e_!~")
+    assert load_settings().serve.api_key.get_secret_value() == "k3y-e_!~"
