@@ -51,7 +51,7 @@ def _settings(config: Path | None, **overrides: Any):
     try:
         return load_settings(config, **overrides)
     except ConfigError as e:
-        err.print(f"[red]config error:[/] {e}")
+        err.print(f"[red]config error:[/] {escape(str(e))}")
         raise typer.Exit(2) from e
 
 
@@ -96,7 +96,7 @@ def run(
     try:
         ensure_state_dir(s)
     except ConfigError as e:
-        err.print(f"[red]config error:[/] {e}")
+        err.print(f"[red]config error:[/] {escape(str(e))}")
         raise typer.Exit(2) from e
     if no_models:
         overrides["models"] = s.models.model_copy(update={"enabled": False})

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import typer
+from rich.markup import escape as rich_escape
 
 from daemon.logging import console
 
@@ -56,7 +57,7 @@ def read_or_offline(config: Path | None, path: str, what: str, fn: Callable[[Any
     try:
         s = load_settings(config)
     except ConfigError as e:
-        err.print(f"[red]config error:[/] {e}")
+        err.print(f"[red]config error:[/] {rich_escape(str(e))}")
         raise typer.Exit(2) from e
     try:
         return ApiClient(s.api_url, read_token(s)).get(path)

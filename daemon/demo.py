@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape as rich_escape
 
 from decoder.engines.base import supports
 from store.jsonsafe import jsonable as _jsonable, nan_none
@@ -2135,7 +2136,7 @@ def register(app) -> None:
         try:
             ensure_state_dir(settings := load_settings(config))  # a fresh DRAFTD_STATE_DIR exists from the start
         except ConfigError as e:
-            console.print(f"[red]config error:[/] {e}")
+            console.print(f"[red]config error:[/] {rich_escape(str(e))}")
             raise typer.Exit(2) from e
         configure("console", "warning", stream=sys.stderr)  # the live table is the progress display
         # A round that outlasts the interval makes APScheduler skip the next run (max_instances=1,

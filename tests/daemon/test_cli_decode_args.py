@@ -147,3 +147,15 @@ def test_the_quick_demo_leaves_the_ablation_rows_out_unless_asked():
 
     assert DemoConfig.quick().copy_ablation is False and DemoConfig().copy_ablation is True
     assert DemoConfig.quick(copy_ablation=True).copy_ablation is True
+
+
+def test_a_config_error_holding_rich_markup_is_printed_as_written(monkeypatch):
+    # the break session of the thirteenth: DRAFTD_API__PORT='[/x]' crashed `daemonctl status` with
+    # rich's MarkupError, and "[got 'abc']" vanished as a style tag
+    monkeypatch.setenv("DRAFTD_API__PORT", "[/x]")
+    r = CliRunner().invoke(app, ["status"])
+    assert r.exit_code == 2, r.output
+    assert "config error" in r.output and "[/x]" in r.output.replace("\n", "")
+    monkeypatch.setenv("DRAFTD_API__PORT", "abc")
+    r = CliRunner().invoke(app, ["status"])
+    assert r.exit_code == 2 and "[got 'abc']" in " ".join(r.output.split()), r.output
