@@ -42,6 +42,7 @@ from typing import Annotated, Any, Optional
 
 import structlog
 import typer
+from rich.markup import escape as rich_escape
 from starlette.requests import Request  # a module global: FastAPI resolves the handlers' string annotations here
 
 log = structlog.get_logger("daemon.serve")
@@ -215,6 +216,9 @@ def _temperature(body: dict) -> float:
     key whose ``top_logprobs`` were its one-hot limit, where 0 gave the target's own log-probabilities."""
     t = _number(body, "temperature", 1.0, lo=0.0)
     return 0.0 if t < GREEDY_BELOW_TEMPERATURE else t
+
+
+MAX_TOKENS_BOUND = 2 ** 31 - 1  # max_tokens above it: a 400 (int32, as vLLM and llama-server read it)
 
 
 def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None,
@@ -568,7 +572,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
     if max_prompt_tokens and len(ids) > max_prompt_tokens:
         raise _prompt_too_long(where, len(ids), max_prompt_tokens)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, name, None, lo=1)
+    max_tokens = _int(body, name, None, lo=1, hi=MAX_TOKENS_BOUND)
     if context_len:
         if len(ids) >= context_len:
             raise ApiError(400, f"{where}: {len(ids)} tokens; this model's maximum context length is {context_len} "
@@ -1293,6 +1297,7 @@ class InferenceService:
         """The server-sent events of a streamed request: a chunk per batch of queued tokens, then
         the final chunk (or an error event: out of time, abandoned, cancelled, failed) and [DONE]."""
         deltas = _Deltas(self, p, rid, created, ticket)
+        getter = None
         try:
             if p.kind == "chat":
                 yield _sse(self._chunk(p, rid, created, "", role=True))
@@ -1325,6 +1330,8 @@ class InferenceService:
             for event in self._stream_end(p, rid, created, ticket, fut, deadline, deltas.ts):
                 yield event
         finally:
+            if getter is not None and not getter.done():
+                getter.cancel()  # a client gone mid-wait: no pending Queue.get() task left to be destroyed
             if not fut.done():
                 ticket.cancel()  # the client went away: stop at the next step
 
@@ -1876,7 +1883,7 @@ def register(app) -> None:
                     raise ConfigError(f"invalid serve options:\n{validation_text(e, group='serve')}") from None
                 s = s.model_copy(update={"serve": sv})
         except ConfigError as e:
-            console.print(f"[red]config error:[/] {e}")
+            console.print(f"[red]config error:[/] {rich_escape(str(e))}")
             raise typer.Exit(2) from e
         configure(s.log_format, s.log_level)
         from decoder.engines.base import EngineError

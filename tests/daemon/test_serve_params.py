@@ -187,3 +187,19 @@ def test_an_integer_too_long_to_read_is_a_400_naming_its_field(raw, param):
     assert e.message.startswith(f"{param}: an integer of ") and "too large" in e.message
     assert "sys." not in e.message and "not JSON" not in e.message
     assert parse_json_body(b'{"seed": %s}' % (b"9" * 4000))["seed"] == int("9" * 4000)
+
+
+@pytest.mark.parametrize("name, kind", [("max_tokens", "completion"), ("max_completion_tokens", "chat")])
+def test_a_max_tokens_just_under_the_digit_limit_is_a_400_not_a_500(name, kind):
+    # the break session of the thirteenth: 4300 nines read, then the context check printed
+    # len(prompt) + max_tokens (4301 digits) and raised ValueError: a 500
+    from daemon.serve import MAX_TOKENS_BOUND, ApiError
+
+    for v in (int("9" * 4300), 10**20, MAX_TOKENS_BOUND + 1, 1e308):
+        with pytest.raises(ApiError) as ei:
+            parse({name: v}, kind)
+        assert (ei.value.status, ei.value.param) == (400, name), ei.value.message
+        assert len(ei.value.message) < 400
+    with pytest.raises(ApiError) as ei:  # within the bound: the context check answers, naming both lengths
+        parse({name: MAX_TOKENS_BOUND}, kind)
+    assert ei.value.code == "context_length_exceeded"
