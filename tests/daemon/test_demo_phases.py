@@ -281,6 +281,33 @@ def test_remeasure_requests_must_be_a_count():
             DemoConfig.quick(remeasure_requests=bad)
 
 
+def _first_phase(monkeypatch, clock, serve_one, ready, version: int, box: dict, ready_at=None):
+    """One 10-s prose phase through ``_serve_phases`` on ``clock`` with ``serve_one`` for a request
+    and ``ready`` for v0's event; the trainer goes into ``box["trainer"]`` before it runs. Returns
+    (the traffic, the trainer, the loop, the console's text)."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    import daemon.demo as demo
+    from daemon.demo import _Trainer
+
+    monkeypatch.setattr(demo, "time", clock)
+    monkeypatch.setattr(demo, "_serve_one", serve_one)
+    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
+    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
+    trainer = box["trainer"] = _Trainer(None, None, _Svc({}), {}, None, ready=ready)
+    trainer.started, trainer.ready_at = True, ready_at
+    loop = types.SimpleNamespace(manager=None, controller=None, heads=None,
+                                 decoder=types.SimpleNamespace(adapter_version=version))
+    screen = io.StringIO()
+    cfg = DemoConfig.quick(phases=("prose",), phase_seconds=10.0, phase_min_judged=0)
+    traffic = demo._serve_phases(cfg, None, loop, None, "m", trainer.svc, types.SimpleNamespace(bucket=lambda: "greedy"),
+                                 Console(file=screen, width=300), trainer)
+    return traffic, trainer, loop, screen.getvalue()
+
+
 def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
     """The first phase serves from the first second, but while v0 bootstraps the demo's client
     waits after each request (3x its time at the default duty 0.25), back at once when v0 is ready."""
@@ -290,7 +317,6 @@ def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
     from rich.console import Console
 
     import daemon.demo as demo
-    from daemon.demo import _Trainer
 
     clock = _Clock()
     waits: list[float] = []
@@ -306,27 +332,18 @@ def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
             waits.append(round(timeout, 3))
             if len(waits) == 3:  # v0 arrives during the third wait
                 self.flag = True
-                trainer.ready_at = clock.t
+                box["trainer"].ready_at = clock.t
             return self.flag
 
     def serve_one(*a, **k):
         clock.t += 2.0  # a request takes 2 s
         return {"t": 0.0, "workload": "prose", "adapter_version": 0}
 
-    monkeypatch.setattr(demo, "time", clock)
-    monkeypatch.setattr(demo, "_serve_one", serve_one)
-    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
-    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
-    trainer = _Trainer(None, None, _Svc({}), {}, None, ready=_Ready())
-    trainer.started = True
-    loop = types.SimpleNamespace(manager=None, controller=None, heads=None, decoder=types.SimpleNamespace(adapter_version=0))
-    screen = io.StringIO()
-    cfg = DemoConfig.quick(phases=("prose",), phase_seconds=10.0, phase_min_judged=0)
-    traffic = demo._serve_phases(cfg, None, loop, None, "m", trainer.svc, types.SimpleNamespace(bucket=lambda: "greedy"),
-                                 Console(file=screen, width=300), trainer)
+    box: dict = {}
+    traffic, trainer, loop, text = _first_phase(monkeypatch, clock, serve_one, _Ready(), 0, box)
     assert waits == [6.0, 6.0, 6.0]  # 3x each 2-s request, then no more waiting once v0 is ready
-    assert "prose traffic for 10 s once v0 is ready (the bootstrap runs first; served meanwhile)" in screen.getvalue()
-    assert "while v0 bootstraps, the demo's client waits between requests (serving at most 25% of the time)" in screen.getvalue()
+    assert "prose traffic for 10 s once v0 is ready (the bootstrap runs first; served meanwhile)" in text
+    assert "while v0 bootstraps, the demo's client waits between requests (serving at most 25% of the time)" in text
     assert traffic.shifts[0]["ended"] == "10 s served"
     # the console's live line says both lengths (the walkthrough read "prose ended after 120 s" after
     # 212 s of prose traffic): the requests served before v0's clock started
@@ -334,7 +351,7 @@ def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
     assert sh["wall_seconds"] - sh["seconds"] > 1, sh  # the case the line is for
     assert (f"prose ended after {sh['wall_seconds']:.0f} s of traffic, {sh['seconds']:.0f} s of them on the phase's "
             f"clock (it starts at v0's arrival; the {sh['wall_seconds'] - sh['seconds']:.0f} s before served while v0 "
-            f"bootstrapped) and {sh['requests']} requests: 10 s served") in screen.getvalue(), screen.getvalue()
+            f"bootstrapped) and {sh['requests']} requests: 10 s served") in text, text
     # duty 1: no waiting while v0 bootstraps
     waits.clear()
     trainer.ready = _Ready()
@@ -365,14 +382,6 @@ def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
 def test_a_v0_ready_at_the_start_is_not_announced_as_a_bootstrap_to_come(monkeypatch):
     """With v0 cached (ready before the first request), the first phase's line does not say the
     bootstrap runs first (a walkthrough read it right after "v0 bootstrap (cached ...)")."""
-    import io
-    import types
-
-    from rich.console import Console
-
-    import daemon.demo as demo
-    from daemon.demo import _Trainer
-
     clock = _Clock()
 
     class _Ready:
@@ -386,18 +395,7 @@ def test_a_v0_ready_at_the_start_is_not_announced_as_a_bootstrap_to_come(monkeyp
         clock.t += 2.0
         return {"t": 0.0, "workload": "prose", "adapter_version": 1}
 
-    monkeypatch.setattr(demo, "time", clock)
-    monkeypatch.setattr(demo, "_serve_one", serve_one)
-    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
-    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
-    trainer = _Trainer(None, None, _Svc({}), {}, None, ready=_Ready())
-    trainer.started, trainer.ready_at = True, 0.0
-    loop = types.SimpleNamespace(manager=None, controller=None, heads=None, decoder=types.SimpleNamespace(adapter_version=1))
-    screen = io.StringIO()
-    cfg = DemoConfig.quick(phases=("prose",), phase_seconds=10.0, phase_min_judged=0)
-    demo._serve_phases(cfg, None, loop, None, "m", trainer.svc, types.SimpleNamespace(bucket=lambda: "greedy"),
-                       Console(file=screen, width=300), trainer)
-    out = screen.getvalue()
+    _, _, _, out = _first_phase(monkeypatch, clock, serve_one, _Ready(), 1, {}, ready_at=0.0)
     assert "phase 1/1: prose traffic for 10 s" in out
     assert "the bootstrap runs first" not in out, out
 
