@@ -13,7 +13,9 @@ def percent(fraction: float) -> str:
     """``fraction`` (0.95) as the number of a percentage, without the sign (``"95"``; ``"97.5"``
     for 0.975): up to six significant digits, and a fraction below 1 never reads as 100 (a
     confidence of 0.999999999999999 is ``">99.9999"``: true of anything that rounds to 100)."""
-    s = f"{fraction * 100:g}"
+    s = f"{fraction * 100:.6g}"
     if fraction < 1 and float(s) >= 100:
         return ">99.9999"
-    return s
+    if "e" in s:  # a tiny or huge fraction: fixed notation, never 1e-07 (nor -0)
+        s = f"{fraction * 100:.6f}".rstrip("0").rstrip(".")
+    return "0" if s in ("-0", "") else s

@@ -20,6 +20,13 @@ def test_a_fraction_below_one_never_reads_as_100_percent(fraction, text):
     assert percent(fraction) == text
 
 
+@pytest.mark.parametrize("fraction, text", [(1e-9, "0"), (-0.0, "0"), (0.0, "0"), (1e-5, "0.001"),
+                                            (1234.567, "123457")])
+def test_a_percentage_is_never_in_exponent_notation(fraction, text):
+    # the break session of the thirteenth: percent(1e-9) gave "1e-07", percent(-0.0) "-0"
+    assert percent(fraction) == text
+
+
 def test_the_plural_of_request_is_defined_once():
     """``_requests(n)`` was written twice (decoder/control.py and daemon/demo.py); both use
     store.wording.requests now."""
