@@ -101,7 +101,11 @@ def test_gate_needs_evidence_and_a_positive_lower_bound():
     # A real gain on too few requests: not enough evidence, whatever its size.
     few = ServiceConfig(min_eval_samples=4, min_eval_requests=12, min_eval_positions=80)
     v = gate(before, _eval({"prose": [0.9] * 10, "code": [0.6] * 10}), {"prose"}, few)
-    assert not v.promote and "not enough evidence" in v.reason and "min_eval_requests=12" in v.reason
+    assert not v.promote and "not enough evidence" in v.reason and "10 requests, need min_eval_requests=12" in v.reason
+    assert "min_eval_positions" not in v.reason  # met: not named (the walkthrough at ec0c85b read both)
+    enough_requests = ServiceConfig(min_eval_samples=4, min_eval_requests=8, min_eval_positions=10 ** 6)
+    v = gate(before, _eval({"prose": [0.9] * 10, "code": [0.6] * 10}), {"prose"}, enough_requests)
+    assert not v.promote and "need min_eval_positions=1000000" in v.reason and "min_eval_requests" not in v.reason
     # Below the margin (point estimate).
     v = gate(before, _eval({"prose": [0.505] * 10, "code": [0.6] * 10}), {"prose"}, cfg)
     assert not v.promote and not v.worse and "below promote_margin 0.01" in v.reason
