@@ -354,10 +354,11 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     lost = _measured_losses(before, after, enough, trained, clusters, cfg)
     if lost:
         return Verdict(False, f"{head}, but {lost}", pg, worse)
-    short = ([f"{pg.clusters} requests, need min_eval_requests={cfg.min_eval_requests}"]
-             if pg.clusters < cfg.min_eval_requests else []) + \
-        ([f"{pg.positions} positions, need min_eval_positions={cfg.min_eval_positions}"]
-         if pg.positions < cfg.min_eval_positions else [])
+    short = []
+    if pg.clusters < cfg.min_eval_requests:
+        short.append(f"{pg.clusters} requests, need min_eval_requests={cfg.min_eval_requests}")
+    if pg.positions < cfg.min_eval_positions:
+        short.append(f"{pg.positions} positions, need min_eval_positions={cfg.min_eval_positions}")
     if short:  # only the minimums not met (a walkthrough read "need min_eval_requests=8" of 8 requests)
         return Verdict(False, f"not enough evidence {head}: {'; '.join(short)}", pg, worse)
     if not pg.gain >= cfg.promote_margin:
