@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -38,7 +39,7 @@ cheap on llama.cpp's CPU kernels (bench/RESULTS.md)."""
 PACKAGED = "packaged"
 AUTO = "auto"
 ROWS = tuple(range(1, 9))  # a plain step (n = 1) and verifications of γ = 1..7
-MEASURE_VERSION = 1  # in the cache file: bumped when the measurement changes
+MEASURE_VERSION = 2  # in the cache file: bumped when the measurement changes (2: per-repeat samples)
 
 
 def prior_alphas() -> dict[str, float]:
@@ -88,6 +89,14 @@ MARGIN = 0.05
 above the packaged file's plain step: the measurement is a few hundred ms on a possibly shared
 host, and the copy is not bit for bit the packaged model."""
 
+CONFIDENCE = 0.95
+MAX_REPEATS = 20
+"""A requantised format also serves only if the lower bound of the ``CONFIDENCE`` interval of its
+goodput over the packaged file's plain decoding, paired per repeat (:func:`paired_ratio`), is at
+least 1; while the interval leaves that open (it reaches past ``1 + MARGIN`` but the format has
+not yet won) the two files are timed again, up to ``MAX_REPEATS`` repeats within the time budget.
+Medians over five repeats alone flipped between fresh starts (docs/walkthroughs.md)."""
+
 
 @dataclass
 class FormatCost:
@@ -101,6 +110,7 @@ class FormatCost:
     error: str | None = None  # why it was not measured (the quantiser failed, the file did not load)
     noise: float | None = None  # max over n of median / fastest - 1: how much host load moved the repeats
     repeats: int | None = None  # timed repeats per row count (fewer than asked where max_seconds ran out)
+    samples: dict[int, list[float]] = field(default_factory=dict)  # n rows -> ms of each repeat, in repeat order
 
 
 @dataclass
@@ -121,12 +131,16 @@ class FormatMeasurement:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["formats"] = {k: dict(v, ms={str(n): t for n, t in v["ms"].items()}) for k, v in d["formats"].items()}
+        d["formats"] = {k: dict(v, ms={str(n): t for n, t in v["ms"].items()},
+                                samples={str(n): t for n, t in v.get("samples", {}).items()})
+                        for k, v in d["formats"].items()}
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "FormatMeasurement":
-        fm = {k: FormatCost(**dict(v, ms={int(n): float(t) for n, t in v["ms"].items()})) for k, v in d["formats"].items()}
+        fm = {k: FormatCost(**dict(v, ms={int(n): float(t) for n, t in v["ms"].items()},
+                                   samples={int(n): [float(x) for x in t] for n, t in v.get("samples", {}).items()}))
+              for k, v in d["formats"].items()}
         return cls(**dict(d, formats=fm))
 
 
@@ -140,11 +154,12 @@ class FormatChoice:
     setting: str = AUTO  # models.format as given (canonical)
     costs: list[dict[str, Any]] = field(default_factory=list)  # per format: ms by rows, best expected goodput
     measurement: dict[str, Any] | None = None  # the cache key, file, reps, wall time
+    paired: dict[str, Any] | None = None  # the best other format over the packaged plain step, per repeat (paired_ratio)
 
     def describe(self) -> dict[str, Any]:
-        """JSON-ready: the format, file, setting, reason and the cost table."""
+        """JSON-ready: the format, file, setting, reason, the cost table and the paired ratio."""
         return {"format": self.format, "file": self.path.name, "setting": self.setting, "reason": self.reason,
-                "costs": self.costs, "measurement": self.measurement}
+                "costs": self.costs, "measurement": self.measurement, "paired": self.paired}
 
 
 # ---- the setting ------------------------------------------------------------------------------------
@@ -203,6 +218,35 @@ def speculative_goodput(ms: dict[int, float], alpha: float, c_ms: float = 0.0) -
     return best
 
 
+def paired_ratio(measurement: FormatMeasurement, name: str, proposer: str | None, gamma: int, alpha: float | None,
+                 confidence: float = CONFIDENCE) -> dict[str, Any] | None:
+    """``name``'s expected goodput over the packaged file's plain decoding, paired per repeat.
+
+    Repeat i timed every file back to back (:func:`_time_rows`), so the ratio
+    r_i = E / (t_i + γ c) x p_i, where p_i is the packaged file's plain step (ms), t_i the
+    format's (γ + 1)-row step (the largest of its 1..γ+1-row steps in that repeat, as costs never
+    fall with rows), c the proposer's ms per proposed token and E = :func:`expected_tokens` (α, γ)
+    (1 and γ = 0 for plain decoding), sees a change of host load on both files alike. Returned:
+    the geometric mean of r_i and its two-sided ``confidence`` interval, Student's t on log r_i
+    (``ratio``, ``low``, ``high``), the ``pairs`` k and the ``format``; None below
+    :data:`MIN_REPEATS` pairs (no per-repeat samples: a measurement cached before them)."""
+    from decoder.control import t_quantile
+
+    pk = measurement.formats[PACKAGED].samples.get(1, [])
+    per_n = [measurement.formats[name].samples.get(n, []) for n in range(1, gamma + 2)]
+    k = min([len(pk)] + [len(v) for v in per_n])
+    if k < MIN_REPEATS:
+        return None
+    c = (_cost_per_token(proposer, measurement.draft_ms) or 0.0) if proposer else 0.0
+    e = expected_tokens(alpha, gamma) if proposer and alpha is not None else 1.0
+    logs = [math.log(e * pk[i] / (max(v[i] for v in per_n) + gamma * c)) for i in range(k)]
+    mean = sum(logs) / k
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (k - 1))
+    h = t_quantile(0.5 + confidence / 2, k - 1) * sd / math.sqrt(k)
+    return {"format": name, "ratio": round(math.exp(mean), 4), "low": round(math.exp(mean - h), 4),
+            "high": round(math.exp(mean + h), 4), "pairs": k, "confidence": confidence}
+
+
 def _noisy(cost: FormatCost, reps: int | None = None) -> str | None:
     """Why ``cost`` cannot be trusted (host load), or None: noise above :data:`NOISE_MAX`, or fewer
     than :data:`MIN_REPEATS` repeats (fewer than asked for, when ``reps`` is given)."""
@@ -248,7 +292,6 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
         return FormatChoice(PACKAGED, Path(files.get(PACKAGED) or pk.file),
                             f"the packaged file's measurement failed ({pk.error}), so no format is judged against it; "
                             f"measured again at the next start", AUTO, [asdict(pk)], meas)
-    base = 1.0 / pk.ms[1]
     rows, best = [], None
     for name, cost in fm.items():
         row, gp, prop, gamma = _judge_format(name, cost, measurement, alphas, proposers)
@@ -256,7 +299,25 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
             best = (name, gp, prop, gamma)
         rows.append(row)
     name, gp, prop, gamma = best
-    pk_plain = f"the packaged file's plain step ({pk.file}, {pk.ms[1]:.2f} ms)"
+    paired = None
+    if name != PACKAGED:
+        paired = paired_ratio(measurement, name, prop, gamma, alphas.get(prop) if prop else None)
+        if paired is not None:  # more repeats could still let it serve (_time_rows' ``more``)
+            paired["unsure"] = not _paired_wins(paired, margin) and paired["high"] >= 1.0 + margin
+    chosen, reason = _verdict(measurement, alphas, rows, best, paired, margin)
+    path = Path(files.get(chosen) or fm[chosen].file)
+    return FormatChoice(chosen, path, reason, AUTO, rows, meas, paired)
+
+
+def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: list[dict[str, Any]],
+             best: tuple[str, float, str | None, int], paired: dict[str, Any] | None,
+             margin: float) -> tuple[str, str]:
+    """:func:`choose_format`'s served format and its reason, from the rows judged, the best of
+    them (format, tokens/ms, proposer, γ) and its :func:`paired_ratio`."""
+    pk = measurement.formats[PACKAGED]
+    base = 1.0 / pk.ms[1]
+    name, gp, prop, gamma = best
+    pk_plain = f"plain decoding of the packaged file ({pk.file}, {pk.ms[1]:.2f} ms a step)"
     kind = "its prior α" if alphas is None or alphas == prior_alphas() else "α"
     how = f"{prop} γ={gamma} at {kind} {alphas[prop]:.2f}" if prop else "plain decoding"
     others = "; ".join(f"{r['format']} {r['best']['vs_packaged_plain']:.2f}x" if r.get("eligible")
@@ -270,9 +331,18 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
         chosen = PACKAGED
         reason = (f"the packaged file's measurement cannot be trusted ({_noisy(pk, measurement.reps)}), so no format is "
                   f"judged against it; measured again at the next start")
-    elif name != PACKAGED and gp >= base * (1.0 + margin):
-        reason = (f"{src}: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x {pk_plain}; {others}")
+    elif name != PACKAGED and gp >= base * (1.0 + margin) and _paired_wins(paired, margin):
+        iv = (f" (paired per repeat {paired['ratio']:.2f}x [{paired['low']:.2f}, {paired['high']:.2f}], "
+              f"{paired['pairs']} repeats)" if paired else "")
+        reason = f"{src}: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x the tokens per ms of {pk_plain}{iv}; {others}"
         chosen = name
+    elif name != PACKAGED and gp >= base * (1.0 + margin):
+        chosen = PACKAGED
+        reason = (f"{src}: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x the tokens per ms of {pk_plain}, "
+                  f"but paired per repeat {paired['ratio']:.2f}x [{paired['low']:.2f}, {paired['high']:.2f}] over "
+                  f"{paired['pairs']} repeats ({paired['confidence']:.0%}): not surely {margin:.0%} faster (that needs "
+                  f"the ratio at {1 + margin:.2f}x or more and the interval above 1.00), so the packaged file serves; "
+                  f"{others}")
     else:
         chosen = PACKAGED
         if name == PACKAGED and prop:
@@ -284,8 +354,13 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
         else:
             reason = (f"{src}: no format beats {pk_plain} by {margin:.0%} (best {name}: {gp / base:.2f}x with "
                       f"{how}); {others}")
-    path = Path(files.get(chosen) or fm[chosen].file)
-    return FormatChoice(chosen, path, reason, AUTO, rows, meas)
+    return chosen, reason
+
+
+def _paired_wins(paired: dict[str, Any] | None, margin: float) -> bool:
+    """A requantised format's paired ratio (:func:`paired_ratio`) lets it serve: at least
+    ``1 + margin`` with the interval's lower bound at least 1; True without one (no samples)."""
+    return paired is None or (paired["ratio"] >= 1.0 + margin and paired["low"] >= 1.0)
 
 
 # ---- the measurement --------------------------------------------------------------------------------
@@ -352,7 +427,7 @@ def _cache_file(key: dict[str, Any], cache_dir: Path) -> Path:
 def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[str] = CANDIDATES,
                     reps: int = 5, cached: int = 300, n_ctx: int = 1024, draft_layers: str | None = None,
                     cache_dir: Path | None = None, use_cache: bool = True, progress=None,
-                    max_seconds: float | None = None) -> FormatMeasurement:
+                    max_seconds: float | None = None, proposers: Sequence[str] | None = None) -> FormatMeasurement:
     """Step costs of ``gguf`` (a packaged file) in each of ``formats`` on this host, cached.
 
     Each format's file (``"packaged"``: ``gguf``; others :func:`decoder.models.gguf_export.requantised_gguf`,
@@ -408,19 +483,13 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
             progress(f"measuring the target's weight formats ({', '.join(f for f in engines if f != DRAFT)}) at "
                      f"{threads} thread{'s' if threads != 1 else ''} (models.format=auto; cached for this host "
                      f"unless a measurement was noisy)")
-        timed = _time_rows(engines, reps, cached, max_seconds)
+        timed = _time_rows(engines, reps, cached, max_seconds,
+                           more=lambda times, checks: _contest(times, checks, costs, proposers))
     finally:
         for eng, _ in engines.values():
             eng.close()
     budget = next((t["budget_s"] for t in timed.values() if t.get("budget_s") is not None), max_seconds)
-    incomplete = []
-    for f, t in timed.items():
-        if f in costs:
-            costs[f].ms, costs[f].noise, costs[f].repeats = t["ms"], t["noise"], t.get("repeats")
-            costs[f].rows_identical, costs[f].row_max_abs_diff = t["rows_identical"], t["row_max_abs_diff"]
-            if set(t["ms"]) != set(ROWS):
-                incomplete.append(f)
-                costs[f].error = _incomplete(sorted(t["ms"]), budget, max_seconds is None, threads, t.get("load"))
+    incomplete = [f for f, t in timed.items() if f in costs and not _fill_cost(costs[f], t, budget, max_seconds, threads)]
     draft_ms = timed[DRAFT]["ms"].get(1) if DRAFT in timed else None
     noisy = [f for f, c in costs.items() if _noisy(c, reps) or f in incomplete]
     busy = _busy(timed)
@@ -429,6 +498,41 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     if not use_cache or noisy or busy or not _write_cache(m, cfile):  # taken again at the next start
         m.cache_file = None
     return m
+
+
+def _fill_cost(cost: FormatCost, t: dict[str, Any], budget: float | None, max_seconds: float | None,
+               threads: int) -> bool:
+    """``cost`` filled from its :func:`_time_rows` result ``t``; False (and ``cost.error`` set by
+    :func:`_incomplete`) when some row count was not timed within the budget."""
+    cost.ms, cost.noise, cost.repeats = t["ms"], t["noise"], t.get("repeats")
+    cost.rows_identical, cost.row_max_abs_diff = t["rows_identical"], t["row_max_abs_diff"]
+    cost.samples = t.get("samples", {})
+    if set(t["ms"]) == set(ROWS):
+        return True
+    cost.error = _incomplete(sorted(t["ms"]), budget, max_seconds is None, threads, t.get("load"))
+    return False
+
+
+def _contest(times: dict[str, dict[int, list[float]]], checks: dict[str, dict[str, Any]],
+             costs: dict[str, FormatCost], proposers: Sequence[str] | None) -> list[str]:
+    """The engines :func:`_time_rows` should time once more: the packaged file and the best other
+    format while :func:`choose_format` on the times so far finds their paired ratio unsure
+    (``paired["unsure"]``: not yet serving, but its interval reaches past ``1 + MARGIN``); none
+    otherwise."""
+    fm = {}
+    for f, by_n in times.items():
+        done = {n: v for n, v in by_n.items() if v}
+        if f == DRAFT or f not in costs or not done:
+            continue
+        med = {n: statistics.median(v) for n, v in done.items()}
+        fm[f] = FormatCost(f, costs[f].file, med, checks[f]["rows_identical"], checks[f]["row_max_abs_diff"],
+                           noise=max(med[n] / min(v) - 1.0 for n, v in done.items()),
+                           repeats=min(len(v) for v in by_n.values()), samples=dict(done))
+    if PACKAGED not in fm or 1 not in fm[PACKAGED].ms:
+        return []
+    draft = times.get(DRAFT, {}).get(1)
+    c = choose_format(FormatMeasurement({}, fm, statistics.median(draft) if draft else None), proposers=proposers)
+    return [PACKAGED, c.paired["format"]] if c.paired and c.paired.get("unsure") else []
 
 
 def _incomplete(rows: list[int], budget_s: float | None, scaled: bool, threads: int,
@@ -495,7 +599,7 @@ def scaled_budget(plain_ms: dict[str, float], rows: dict[str, Sequence[int]], re
 
 
 def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached: int,
-               max_seconds: float | None = None) -> dict[str, dict[str, Any]]:
+               max_seconds: float | None = None, more=None) -> dict[str, dict[str, Any]]:
     """Per engine (name -> (engine, row counts)): the median ms of one ``llama_decode`` of n rows
     (logits at all n) for each n, after ``cached`` tokens, over ``reps`` repeats (the row identity
     check before them is the warm-up), the engines interleaved within each repeat so that a change
@@ -510,8 +614,13 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
     busy host (2 llama.cpp threads on 2 cores shared with other jobs took 3 s a step) gets fewer
     repeats, or an incomplete measurement (``ms`` without some row counts), not many minutes of
     measuring. It is ``max_seconds`` when given, else :func:`scaled_budget` of one plain step per
-    engine timed after its prefill (a warm-up step)."""
-    import numpy as np
+    engine timed after its prefill (a warm-up step).
+
+    ``more``: after the ``reps`` repeats, called with the times so far ({engine: {n: [ms, ...]}})
+    and the row checks ({engine: {"rows_identical", "row_max_abs_diff"}}); the engines it names
+    are timed once more, all their rows, and it is asked again, until it names none, the
+    budget runs out or :data:`MAX_REPEATS` repeats are done. Each engine's ``samples``: its ms
+    per n in repeat order."""
 
     t_start = time.perf_counter()
     seqs, toks, out, plain_ms = {}, {}, {}, {}
@@ -528,28 +637,28 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
     budget = (max_seconds if max_seconds is not None else
               scaled_budget(plain_ms, {n: r for n, (_, r) in engines.items()}, reps, time.perf_counter() - t_start))
     deadline = t_start + budget
-    for name, (eng, rows) in engines.items():
-        if max(rows) > 1 and time.perf_counter() < deadline:
-            s, t = seqs[name], toks[name]
-            block = s.forward(t, len(t)).numpy()
-            s.truncate(cached)
-            single = np.stack([s.forward([x], 1).numpy()[0] for x in t])
-            s.truncate(cached)
-            diff = float(np.abs(block - single).max())
-            out[name].update(rows_identical=diff == 0.0, row_max_abs_diff=diff)
+    _check_rows(engines, seqs, toks, cached, deadline, out)
     times = {name: {n: [] for n in rows} for name, (_, rows) in engines.items()}
     jiffies0, t_timed = cpu_jiffies(), time.perf_counter()
-    for _ in range(reps):  # the identity check (and the prefill) warmed every engine up
-        for name, (_, rows) in engines.items():
+    def one_repeat(names) -> None:
+        for name in names:
             s = seqs[name]
-            for n in rows:
+            for n in engines[name][1]:
                 if time.perf_counter() > deadline:
-                    break
+                    return
                 t0 = time.perf_counter()
                 s.forward(toks[name][:n], n)
                 dt = (time.perf_counter() - t0) * 1e3
                 s.truncate(cached)
                 times[name][n].append(dt)
+
+    for _ in range(reps):  # the identity check (and the prefill) warmed every engine up
+        one_repeat(list(engines))
+    for _ in range(reps, MAX_REPEATS if more is not None else reps):
+        names = [n for n in more(times, out) if n in engines] if time.perf_counter() < deadline else []
+        if not names:
+            break
+        one_repeat(names)
     try:
         load = os.getloadavg()
     except (AttributeError, OSError):  # not on this OS
@@ -558,10 +667,28 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
     for name, by_n in times.items():
         done = {n: v for n, v in by_n.items() if v}
         out[name]["ms"] = {n: round(statistics.median(v), 4) for n, v in done.items()}
+        out[name]["samples"] = {n: [round(x, 4) for x in v] for n, v in done.items()}
         out[name]["noise"] = round(max((statistics.median(v) / min(v) - 1.0 for v in done.values()), default=0.0), 4)
         out[name]["repeats"] = min(len(v) for v in by_n.values())
         out[name]["budget_s"], out[name]["load"], out[name]["others"] = budget, load, others
     return out
+
+
+def _check_rows(engines, seqs, toks, cached: int, deadline: float, out: dict[str, dict[str, Any]]) -> None:
+    """Per engine with more than one row count, before ``deadline``: whether ``max(rows)`` rows in
+    one ``llama_decode`` give the logits of the same rows one at a time (``rows_identical`` and
+    ``row_max_abs_diff`` in ``out[name]``); the sequences are truncated back to ``cached``."""
+    import numpy as np
+
+    for name, (_, rows) in engines.items():
+        if max(rows) > 1 and time.perf_counter() < deadline:
+            s, t = seqs[name], toks[name]
+            block = s.forward(t, len(t)).numpy()
+            s.truncate(cached)
+            single = np.stack([s.forward([x], 1).numpy()[0] for x in t])
+            s.truncate(cached)
+            diff = float(np.abs(block - single).max())
+            out[name].update(rows_identical=diff == 0.0, row_max_abs_diff=diff)
 
 
 BUSY_MAX = 0.25  # other processes' share of the CPUs during the timed steps above which no format is judged
@@ -640,7 +767,8 @@ def resolve_format(setting: str, target: str, threads: int | None = None, draft:
         return FormatChoice(canon, packaged_target(f"{base}@{canon}"), f"pinned (models.format={canon})", canon)
     src = packaged_gguf(base)
     layers = draft.split(":", 1)[1] if draft and draft.startswith("layers:") else None
-    m = measure_formats(src, threads, draft_layers=layers, progress=progress, max_seconds=max_seconds)
+    m = measure_formats(src, threads, draft_layers=layers, progress=progress, max_seconds=max_seconds,
+                        proposers=proposers)
     paths = {f: packaged_target(f"{base}@{f}") for f, c in m.formats.items() if f != PACKAGED and not c.error}
     paths[PACKAGED] = src  # served whenever nothing else is, measured or not
     return choose_format(m, proposers=proposers, paths=paths)

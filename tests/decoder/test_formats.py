@@ -45,7 +45,9 @@ def test_a_format_with_cheap_rows_serves_at_its_best_gamma():
     assert row["F16"]["best"]["gamma"] == 3 and row["F16"]["best"]["tokens_per_ms"] == pytest.approx(2.176 / 16, abs=1e-5)
     assert row["F16"]["best"]["vs_packaged_plain"] == pytest.approx(1.36, abs=1e-3)
     assert row["packaged"]["best"]["gamma"] == 0 and row["packaged"]["best"]["tokens_per_ms"] == pytest.approx(0.1)
-    assert "F16 expects 0.1360 tokens/ms (ngram γ=3 at α 0.60), 1.36x the packaged file's plain step" in c.reason
+    # "x the tokens per ms of plain decoding", not "x the packaged file's plain step" (read as a longer step)
+    assert ("F16 expects 0.1360 tokens/ms (ngram γ=3 at α 0.60), 1.36x the tokens per ms of plain decoding of the "
+            "packaged file (packaged.gguf, 10.00 ms a step)") in c.reason, c.reason
 
 
 def test_the_packaged_file_serves_unless_a_format_beats_its_plain_step_by_the_margin():
@@ -54,7 +56,7 @@ def test_the_packaged_file_serves_unless_a_format_beats_its_plain_step_by_the_ma
     m = table(packaged={1: 10.0, 2: 18.0}, F16={1: 12.0, 2: 15.5})
     c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
     assert c.format == "packaged" and c.path.name == "packaged.gguf"
-    assert "no format beats the packaged file's plain step" in c.reason and "best F16: 1.03x" in c.reason
+    assert "no format beats plain decoding of the packaged file" in c.reason and "best F16: 1.03x" in c.reason
     assert choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",), margin=0.0).format == "F16"
     # slower rows everywhere: plain decoding of the packaged file is the best there is
     slow = choose_format(table(packaged=PACKAGED_10, F16={n: 19.0 + n for n in range(1, 9)}), alphas={"ngram": 0.6},
@@ -184,7 +186,7 @@ def test_the_measurement_is_cached_per_file_cpu_and_threads(tiny_pkg, tmp_path, 
     no timing in a test."""
     calls = []
 
-    def fake(engines, reps, cached, max_seconds=None):
+    def fake(engines, reps, cached, max_seconds=None, more=None):
         calls.extend((eng.path.name, eng.threads) for eng, _ in engines.values())
         return {name: {"ms": {n: 10.0 + n for n in rows}, "noise": 0.01, "rows_identical": True if max(rows) > 1 else None,
                        "row_max_abs_diff": 0.0 if max(rows) > 1 else None} for name, (_, rows) in engines.items()}
@@ -267,7 +269,7 @@ def test_an_incomplete_measurement_says_what_happened(tiny_pkg, tmp_path, monkey
     now gives the budget and its origin, the rows timed, the load the measurement saw, and what to
     set; it blames other jobs only when the load was above the CPUs. ``_time_rows`` is faked."""
     def fake(load):
-        return lambda engines, reps, cached, max_seconds=None: {
+        return lambda engines, reps, cached, max_seconds=None, more=None: {
             name: {"ms": {1: 30.0, 2: 40.0}, "noise": 0.0, "rows_identical": None, "row_max_abs_diff": None,
                    "repeats": 1, "budget_s": 41.38, "load": load} for name in engines}
 
@@ -286,6 +288,86 @@ def test_an_incomplete_measurement_says_what_happened(tiny_pkg, tmp_path, monkey
     assert "on 2 CPUs, its own 1 thread(s) included; more runnable work than CPUs, so other jobs slowed it;" in busy
     monkeypatch.setattr(F, "_time_rows", fake(None))
     assert "the CPU load is not known on this OS" in F.measure_formats(tiny_pkg, **kw).formats["packaged"].error
+
+
+def with_samples(m: FormatMeasurement, **per_repeat) -> FormatMeasurement:
+    """``m`` with per-repeat samples {format: {n: [ms, ...]}}."""
+    for f, by_n in per_repeat.items():
+        m.formats[f].samples = {n: list(v) for n, v in by_n.items()}
+    return m
+
+
+def test_a_format_serves_only_where_its_paired_interval_stays_above_one():
+    """Q8_0's plain step 1.10x faster by the medians, but per repeat (paired: p_i / t_i) the ratios
+    are 10/9, 10/8, 10/11 (log-mean and t-interval by hand below): the interval reaches under 1, so
+    the packaged file serves and says why; the same medians with ratios 10/9.1, 10/9.0, 10/8.9 serve
+    Q8_0 with their interval in the reason."""
+    import math
+    m = table(packaged={1: 10.0}, Q8_0={1: 9.0})
+    with_samples(m, packaged={1: [10.0, 10.0, 10.0]}, Q8_0={1: [9.0, 8.0, 11.0]})
+    c = choose_format(m, alphas={}, proposers=())
+    logs = [math.log(10 / 9), math.log(10 / 8), math.log(10 / 11)]
+    mean = sum(logs) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
+    h = 4.302653 * sd / math.sqrt(3)  # Student's t, 2 degrees of freedom, 97.5 %
+    assert c.paired["ratio"] == pytest.approx(math.exp(mean), abs=1e-4) and c.paired["pairs"] == 3
+    assert c.paired["low"] == pytest.approx(math.exp(mean - h), abs=1e-3) and c.paired["low"] < 1.0
+    assert c.paired["high"] == pytest.approx(math.exp(mean + h), abs=1e-3) and c.paired["unsure"] is True
+    assert c.format == "packaged", c.reason
+    assert (f"1.11x the tokens per ms of plain decoding of the packaged file (packaged.gguf, 10.00 ms a step), but "
+            f"paired per repeat {math.exp(mean):.2f}x [{math.exp(mean - h):.2f}, {math.exp(mean + h):.2f}] over 3 "
+            f"repeats (95%): not surely 5% faster") in c.reason, c.reason
+    tight = with_samples(table(packaged={1: 10.0}, Q8_0={1: 9.0}), packaged={1: [10.0] * 3}, Q8_0={1: [9.1, 9.0, 8.9]})
+    c = choose_format(tight, alphas={}, proposers=())
+    assert c.format == "Q8_0" and c.paired["low"] > 1.05 and c.paired["unsure"] is False
+    assert "(paired per repeat 1.11x [1." in c.reason and ", 3 repeats)" in c.reason, c.reason
+    # far below the margin even at its interval's top: not unsure (no more repeats would let it serve)
+    slow = with_samples(table(packaged={1: 10.0}, Q8_0={1: 9.9}), packaged={1: [10.0] * 3}, Q8_0={1: [9.95, 9.9, 9.85]})
+    c = choose_format(slow, alphas={}, proposers=())
+    assert c.format == "packaged" and c.paired["high"] < 1.05 and c.paired["unsure"] is False
+
+
+def test_an_unsure_format_is_timed_again_until_its_interval_decides():
+    """``_time_rows``' ``more``: with Q8_0's per-repeat ratios spread (unsure) the packaged file and
+    Q8_0 are timed again, F16 (the worse) not; once the samples settle (Q8_0 at 9.0 ms every
+    repeat, the packaged at 10) it names none. Real _time_rows on fake engines (no timing asserted)."""
+    class Seq:
+        def __init__(self, eng):
+            self.eng = eng
+
+        def forward(self, toks, n):
+            self.eng.calls.append(n)
+            return None
+
+        def truncate(self, n):
+            pass
+
+    class Eng:
+        vocab_size = 32
+
+        def __init__(self):
+            self.calls = []
+
+        def start(self):
+            return Seq(self)
+
+    engines = {"packaged": (Eng(), (1,)), "Q8_0": (Eng(), (1,)), "F16": (Eng(), (1,))}
+    asked = []
+
+    def more(times, checks):
+        asked.append({f: len(v[1]) for f, v in times.items()})
+        return ["packaged", "Q8_0"] if len(asked) < 4 else []
+
+    out = F._time_rows(engines, 3, 4, max_seconds=60.0, more=more)
+    assert [a["Q8_0"] for a in asked] == [3, 4, 5, 6] and [a["F16"] for a in asked] == [3, 3, 3, 3]
+    assert out["Q8_0"]["repeats"] == 6 and out["F16"]["repeats"] == 3 and len(out["packaged"]["samples"][1]) == 6
+    # _contest: which engines more() names, from samples alone
+    costs = {f: FormatCost(f, f"{f}.gguf") for f in ("packaged", "Q8_0", "F16")}
+    checks = {f: {"rows_identical": True, "row_max_abs_diff": 0.0} for f in costs}
+    spread = {"packaged": {1: [10.0, 10.0, 10.0]}, "Q8_0": {1: [9.0, 8.0, 11.0]}, "F16": {1: [14.0, 14.0, 14.0]}}
+    assert F._contest(spread, checks, costs, ()) == ["packaged", "Q8_0"]
+    settled = dict(spread, Q8_0={1: [9.0, 8.0, 11.0] + [9.0] * 12}, packaged={1: [10.0] * 15})
+    assert F._contest(settled, checks, costs, ()) == []
 
 
 # ---- records, and greedy on the served copy -------------------------------------------------------
@@ -362,7 +444,7 @@ def test_other_processes_share_of_the_cpus_is_read_off_two_snapshots():
 def test_a_measurement_beside_other_work_serves_the_packaged_file_and_is_not_cached(tiny_pkg, tmp_path, monkeypatch):
     """Other processes used 60 % of the CPUs during the timed steps (faked: no timing in a test):
     F16's cheap rows are not judged on it, the packaged file serves, saying why, and nothing is cached."""
-    def fake(engines, reps, cached, max_seconds=None):
+    def fake(engines, reps, cached, max_seconds=None, more=None):
         return {name: {"ms": dict(PACKAGED_10) if name == "packaged" else {n: F16_CHEAP[n] for n in rows}, "noise": 0.01,
                        "rows_identical": True, "row_max_abs_diff": 0.0, "others": 0.6}
                 for name, (_, rows) in engines.items()}
