@@ -540,7 +540,8 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                 i += 1
                 timeline.append(row)
                 live.update(_progress_table(timeline, phase, svc, loop.manager, loop.controller, (phase, params.bucket()),
-                                            loop.heads), _progress_line(timeline, phase, i, now - began))
+                                            loop.heads),  # its seconds with the request just served
+                            _progress_line(timeline, phase, i, now - began + time.monotonic() - t_req))
             live.phase_end()  # off a terminal: the phase's last table, once
             shift.update(seconds=round(time.time() - start, 1), wall_seconds=round(time.time() - began, 1), ended=why, requests=i,
                          turns=_workload_turns(svc, phase))
@@ -646,18 +647,28 @@ def _live(console, every_s: float = 60.0):
         yield _Snapshots(console, every_s)
 
 
+_RATE_MIN_REQUESTS, _RATE_MIN_SECONDS = 2, 1.0  # a progress line gives rates from this many requests and seconds
+
+
 def _progress_line(timeline, phase: str, requests: int, seconds: float) -> str:
     """The live table's gist in one line (the log's progress off a terminal): the phase's requests
-    and seconds so far, its rolling α and tokens/s (:func:`_recent`), the version serving it."""
+    and seconds so far (``seconds`` since its first request began, the last one included), its
+    rolling α and tokens/s (:func:`_recent`), the version serving it. Before
+    ``_RATE_MIN_REQUESTS`` requests and ``_RATE_MIN_SECONDS`` s it gives no rate and no rolling
+    α, only what is known: "first request served" (one request, in under a second, gives no rate
+    and no rolling mean)."""
     spec, recent, alpha, tau, tps = _recent(timeline, phase)
     v = recent[-1].get("adapter_version") if recent else None
+    serving = "; serving the base draft (no adapter yet)" if v == 0 else f"; serving v{v}" if v is not None else ""
+    if requests < _RATE_MIN_REQUESTS or seconds < _RATE_MIN_SECONDS:
+        done = "first request served" if requests == 1 else f"{_requests(requests)} served"
+        return f"{phase}: {done} (its rolling α and tokens/s once there are more){serving}"
     return (f"{phase}: {_requests(requests)} in {seconds:.0f} s; last {len(recent)}: "
             + (f"α {_alpha_tau(alpha, tau, len(spec))} "
                + ("(one request's: the only one that speculated)" if len(spec) == 1 else f"({len(spec)} speculated)")
                if alpha is not None and tau is not None
                else "plain decoding")
-            + (f", {tps:.1f} tokens/s" if tps is not None else "")
-            + ("; serving the base draft (no adapter yet)" if v == 0 else f"; serving v{v}" if v is not None else ""))
+            + (f", {tps:.1f} tokens/s" if tps is not None else "") + serving)
 
 
 def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: int, t0: float) -> dict:

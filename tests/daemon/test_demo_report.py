@@ -204,11 +204,12 @@ def test_the_one_line_progress_gives_the_phases_rolling_alpha_and_speed():
           {"workload": "prose", "alpha": None, "tau": 1.0, "tokens_per_s": 10.0, "adapter_version": 4}]
     assert _progress_line(tl, "prose", 3, 42.4) == ("prose: 3 requests in 42 s; last 3: α 0.600, τ 2.50 (2 speculated), "
                                                    "10.0 tokens/s; serving v4")
-    assert _progress_line(tl[:1] + tl[3:], "prose", 1, 5.0) == "prose: 1 request in 5 s; last 1: plain decoding, 10.0 tokens/s; serving v4"
+    assert _progress_line(tl[:1] + tl[3:] * 2, "prose", 2, 5.0) == ("prose: 2 requests in 5 s; last 2: plain decoding, "
+                                                                   "10.0 tokens/s; serving v4")
     # version 0 is the base draft, no adapter (a walkthrough read "serving v0" while the v0 bootstrap, which
     # registers as v1, was still running)
-    base = [dict(tl[3], adapter_version=0)]
-    assert _progress_line(base, "prose", 1, 5.0) == ("prose: 1 request in 5 s; last 1: plain decoding, 10.0 tokens/s; "
+    base = [dict(tl[3], adapter_version=0)] * 2
+    assert _progress_line(base, "prose", 2, 5.0) == ("prose: 2 requests in 5 s; last 2: plain decoding, 10.0 tokens/s; "
                                                      "serving the base draft (no adapter yet)")
 
 

@@ -129,8 +129,9 @@ def test_one_request_is_said_in_the_singular_and_one_requests_alpha_to_two_decim
 
     plain = {"workload": "prose", "alpha": None, "tau": 1.0, "tokens_per_s": 10.0, "adapter_version": 2}
     one = [dict(plain), {"workload": "prose", "alpha": 1.0, "tau": 1.03, "tokens_per_s": 12.0, "adapter_version": 2}]
-    assert _progress_line(one, "prose", 1, 5.0) == ("prose: 1 request in 5 s; last 2: α 1.00, τ 1.03 (one request's: "
+    assert _progress_line(one, "prose", 2, 5.0) == ("prose: 2 requests in 5 s; last 2: α 1.00, τ 1.03 (one request's: "
                                                     "the only one that speculated), 11.0 tokens/s; serving v2")
+    assert _progress_line(one[1:], "prose", 1, 5.0).startswith("prose: first request served")  # test_demo_trips3
     out = io.StringIO()
     Console(file=out, width=200).print(_progress_table(one, "prose", Fake(), Fake(), Fake(), ("prose", "greedy")))
     text = out.getvalue()
