@@ -397,8 +397,20 @@ def _warm_start(settings, models: _Models, registry, distiller, console):
         v0 = WarmStart("failed", None, f"{type(e).__name__}: {e}")
     finally:
         torch.set_num_threads(threads)
-    console.log(f"v0: {v0.reason}" if v0.version else f"[yellow]v0 is the base draft:[/] {v0.reason}")
+    console.log(_v0_line(v0.version, v0.reason) if v0.version else f"[yellow]v0 is the base draft:[/] {v0.reason}")
     return v0
+
+
+def _v0_line(version: int, reason: str) -> str:
+    """The loading line of a promoted v0: the registry's name of the adapter (``v1``: version 0 is
+    the base draft) and, once, that it is the v0 bootstrap, so the live lines' "serving v1" names
+    the same adapter ("v0: v0 bootstrap ..." then "serving v1" read as two adapters).
+    ``reason``: :class:`daemon.warm_start.WarmStart`'s, "v0 bootstrap (cached, <key>): held-out
+    α ..." (another wording is kept whole after the name)."""
+    head = "v0 bootstrap ("
+    if reason.startswith(head):
+        return f"v{version} (the v0 bootstrap, {reason[len(head):]}; served as v{version} from here on"
+    return f"v{version} (the v0 bootstrap): {reason}; served as v{version} from here on"
 
 
 def _head_warm_start(settings, models: _Models, registry, console):

@@ -78,3 +78,38 @@ def test_the_live_lines_seconds_include_the_request_just_served(monkeypatch):
     demo._serve_phases(DemoConfig.quick(phases=("prose",), phase_seconds=10.0), None, loop, None, "m", None,
                        types.SimpleNamespace(bucket=lambda: "greedy"), Console(file=io.StringIO()), None)
     assert seen and seen[0][0] == 1 and seen[0][1] >= 5.0, seen
+
+
+# 2. one name for the bootstrapped adapter -------------------------------------------------------------------
+
+def test_the_loading_line_names_the_bootstrap_by_its_registry_version_once(monkeypatch, tmp_path):
+    """ec0c85b: "v0: v0 bootstrap (trained now, ...)" then "serving v1": the registry registers the
+    v0 bootstrap as v1 (version 0 is the base draft), so the loading line says "v1 (the v0
+    bootstrap, ...)" and the live lines' "serving v1" names the same adapter. The reason is the one
+    daemon.warm_start writes."""
+    import daemon.settings
+    import daemon.warm_start as ws
+
+    class Registry:
+        def register(self, path, meta):
+            return 1
+
+        def promote(self, version, reason):
+            self.reason = reason
+
+    (tmp_path / "adapter").mkdir()
+    meta = {"alpha_base": 0.174, "alpha_after": 0.334, "steps": 60, "cpu_seconds": 186.0, "adapter_meta": {}}
+    v0 = ws._promote(tmp_path, "abc123", meta, Registry(), "trained")
+    assert v0.version == 1
+    monkeypatch.setattr(ws, "ensure_v0", lambda *a, **k: v0)
+    monkeypatch.setattr(daemon.settings, "warm_start_config", lambda s: None)
+    out = io.StringIO()
+    models = types.SimpleNamespace(pair=None, fp=None)
+    settings = types.SimpleNamespace(trainer=types.SimpleNamespace(precision="fp32"))
+    demo._warm_start(settings, models, None, None, Console(file=out, width=300))
+    text = " ".join(out.getvalue().split())
+    assert ("v1 (the v0 bootstrap, trained now, abc123): held-out α 0.174 -> 0.334 in 60 steps, 3.1 CPU minutes; "
+            "served as v1 from here on") in text, text
+    assert "v0: v0" not in text
+    # a reason in another wording is kept whole behind the name
+    assert demo._v0_line(3, "registry: kept") == "v3 (the v0 bootstrap): registry: kept; served as v3 from here on"
