@@ -987,7 +987,8 @@ class _PhaseEval:
         pick_g = int(pick.get("gamma") or 0)
         pick_p = pick.get("proposer") if pick_g else None
         row["controller_pick"] = {"proposer": pick_p, "gamma": pick_g, "why": pick.get("why"),
-                                  "priced_vs_plain": _priced(pick, pick_p, pick_g)}
+                                  "priced_vs_plain": _priced(pick, pick_p, pick_g),
+                                  "t_plain_ms": pick.get("t_plain_ms")}  # the plain step its `why` prices on
         return pick_g, pick_p
 
     def runs(self, pick_g: int, pick_p: str | None) -> tuple:
@@ -1240,7 +1241,9 @@ def leviathan_prediction(draft, plain, step_ms, gamma_max: int = 8) -> dict | No
     """The learner's measured α and c beside Leviathan et al. 2023's prediction (Theorem 3.8 /
     eq. 1): expected tokens per step E(α, γ) = (1 - α^(γ+1)) / (1 - α); speedup over plain decoding
     E / (γc + 1) when a verification costs one plain step, and E / (γc + t(γ+1) / t(1)) with this
-    engine's measured cost t(n) of a step verifying n rows; each at the γ that maximises it.
+    engine's measured cost t(n) of a step verifying n rows, taken as the running max over n (a
+    verification of more rows cannot cost less: a dip is noise, priced as the format choice prices
+    it, decoder.models.formats); each at the γ that maximises it.
 
     Args:
         draft: the draft run's pooled ``AcceptanceCounts`` (α = alpha_sum / num_draft_tokens, c =
@@ -1261,7 +1264,7 @@ def leviathan_prediction(draft, plain, step_ms, gamma_max: int = 8) -> dict | No
     c = draft.draft_ms / draft.num_draft_tokens / (plain.decode_ms / plain.num_steps)
     t1 = step_ms(1)
     ratio = {n: step_ms(n) / t1 for n in range(1, gamma_max + 2)} if t1 == t1 and t1 > 0 else {}
-    ratio = {n: r for n, r in ratio.items() if r == r}
+    ratio = _running_max({n: r for n, r in ratio.items() if r == r})[0]  # more rows never cost less
     one = {g: expected_tokens_per_step(a, g) / (g * c + 1) for g in range(1, gamma_max + 1)}
     eng = {g: expected_tokens_per_step(a, g) / (g * c + ratio[g + 1]) for g in range(1, gamma_max + 1) if g + 1 in ratio}
     best = (lambda d: {"gamma": max(d, key=d.get), "speedup": round(max(d.values()), 3)} if d else None)
@@ -1649,7 +1652,8 @@ def _prediction_costs(report: dict, preds: list[dict]) -> str:
             f"were priced on" if rem.get("step_cost_ms") and rem.get("requests") else "as serving left them")
     measured = sorted(int(n) for n in costs[0])
     return (f"one measurement for every phase: the step costs as the evaluation began ({when}; "
-            + (f"measured at {', '.join(map(str, measured))} rows, " if measured else "") + "other n read off them)")
+            + (f"measured at {', '.join(map(str, measured))} rows, " if measured else "") + "other n read off them; "
+            "t(n) as the running max over n" + _dips_clause(_running_max(costs[0])[1]) + ")")
 
 
 def _prediction_table(report: dict, console) -> None:
@@ -1926,15 +1930,48 @@ def _adapters_serving(report: dict) -> str:
             f"any workload without one of its own")
 
 
+def _running_max(ms_by_rows: dict) -> tuple[dict[int, float], list[tuple[int, float, int, float]]]:
+    """``ms_by_rows`` ({rows: ms}, keys int or str) as the running max over rows, the step costs a
+    price may use (a verification of more rows cannot cost less than one of fewer; the format
+    choice prices so, decoder.models.formats), and each dip: (rows, its ms, the fewer rows that
+    cost more, their ms). A dip is noise between two readings, not a cheaper verification."""
+    out: dict[int, float] = {}
+    dips = []
+    top: tuple[int, float] | None = None
+    for n, t in sorted((int(k), float(v)) for k, v in ms_by_rows.items()):
+        if top is not None and t < top[1]:
+            dips.append((n, t, *top))
+        if top is None or t >= top[1]:
+            top = (n, t)
+        out[n] = top[1]
+    return out, dips
+
+
+def _dips_clause(dips: list[tuple[int, float, int, float]], unit: str = "ms") -> str:
+    """"; 3 rows measured <ms>, below 2 rows' <ms>: noise between two readings (...), priced at the
+    fewer rows' cost" for :func:`_running_max`'s dips; "" without."""
+    if not dips:
+        return ""
+    each = ", ".join(f"{n} rows measured {t:.2f} {unit}, below {m} rows' {tm:.2f}" for n, t, m, tm in dips)
+    return f"; {each}: noise between two readings (a verification of more rows cannot cost less), priced at the fewer rows' cost"
+
+
 def _ceiling_line(ceil: dict, cost: dict, when: str, stopped_cost: dict | None = None) -> str:
     """One engine ceiling (``StepCost.ceiling``'s dict) for the footer: which γ it was measured at
     (the row counts of ``cost``, ms by rows, and the γ of ``ceil["by_gamma"]``), and the plain step
     it divides by. With ``stopped_cost`` (the costs with the trainer stopped) this is the ceiling
     beside the trainer: the line says its plain step was slowed by the trainer beside the stopped one,
-    so it is not read against a live decision priced on a faster plain step."""
+    so it is not read against a live decision priced on a faster plain step. Costs that dip with
+    more rows (:func:`_running_max`) are priced at the running max, the ceiling with them, and the
+    line names each dip as noise."""
     two, one = cost.get(2, cost.get("2")), cost.get(1, cost.get("1"))
     gammas = sorted(int(g) for g in (ceil.get("by_gamma") or {}))
     rows = [1, *(g + 1 for g in gammas)]  # a plain step and each γ's verification of γ + 1 rows
+    envelope, dips = _running_max(cost)
+    if dips and gammas and all(n in envelope for n in rows):  # the ceiling on the costs as priced, dips lifted
+        from decoder.proposers.cost import speculation_ceiling
+
+        ceil = speculation_ceiling({n: envelope[n] for n in rows}, max(gammas)) or ceil
     # a ceiling covers only the γ whose verifications were measured (model-free steps): say which, by name
     span = (f"γ={ceil['gamma']}, the best of γ={', '.join(map(str, gammas))} measured: steps measured at "
             f"{', '.join(map(str, rows))} rows, no other γ priced" if len(gammas) > 1 else
@@ -1948,7 +1985,35 @@ def _ceiling_line(ceil: dict, cost: dict, when: str, stopped_cost: dict | None =
                      f"the trainer stopped): a live decision divides by the plain step of its moment")
     return (f"engine ceiling {when}: even if every proposal were accepted at no cost, speculation could run at most "
             f"{ceil['speedup']:.2f}x plain ({span})"
-            + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else "") + step)
+            + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else "")
+            + _dips_clause(dips) + step)
+
+
+def _plain_ms(cost: dict | None) -> float | None:
+    return (cost or {}).get(1, (cost or {}).get("1"))
+
+
+def _price_sources(report: dict) -> str | None:
+    """One line naming which plain step each price on the screen divides by, once: the ceiling
+    lines and the Leviathan table read StepCost's steps by verified rows (re-measured with the
+    trainer stopped, and beside the trainer), each pick's `why` the controller's own steps of its
+    workload (``controller_pick["t_plain_ms"]``), and report.json's top-level ``step_cost_ms`` is
+    StepCost after the evaluation's own steps (a walkthrough met four plain steps on one screen,
+    none named). None for a report without the re-measurement."""
+    rem = report.get("remeasured") or {}
+    stopped, beside = _plain_ms(rem.get("step_cost_ms")), _plain_ms((rem.get("beside_trainer") or {}).get("step_cost_ms"))
+    if not stopped:
+        return None
+    picks = [p for r in report.get("phases") or [] if (p := (r.get("controller_pick") or {}).get("t_plain_ms"))]
+    last = _plain_ms(report.get("step_cost_ms"))
+    span = (f" (a plain step {min(picks):.2f}-{max(picks):.2f} ms)" if len(picks) > 1 and min(picks) != max(picks)
+            else f" (a plain step {picks[0]:.2f} ms)" if picks else "")
+    return (f"which plain step each price divides by: the ceiling with the trainer stopped and the Leviathan table, "
+            f"StepCost's steps by verified rows re-measured with the trainer stopped ({stopped:.2f} ms)"
+            + (f"; the ceiling while serving, the same beside the trainer ({beside:.2f} ms)" if beside else "")
+            + f"; each pick's `why`, the controller's own steps of that workload, re-measured too{span}"
+            + (f"; report.json's top-level step_cost_ms ({last:.2f} ms) is StepCost after the evaluation's own "
+               f"steps, which priced nothing here" if last else ""))
 
 
 def _recovery_and_footer(report: dict, console) -> None:
@@ -1976,6 +2041,9 @@ def _recovery_and_footer(report: dict, console) -> None:
     if beside and beside.get("engine_ceiling"):
         console.print(_ceiling_line(beside["engine_ceiling"], beside.get("step_cost_ms") or {},
                                     "while serving, beside the trainer", stopped[1]))
+    sources = _price_sources(report)
+    if sources:
+        console.print(sources)
     lossless = _lossless_summary(report)
     if lossless:
         console.print(lossless)
