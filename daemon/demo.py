@@ -88,6 +88,9 @@ class DemoConfig:
     # adapter's candidates for a new workload were refused for the loss they caused on the others)
     per_workload: bool = True
     min_workload_samples: int = 8  # new training samples of a workload in a round before its turn
+    # the trainer's cross-workload tolerance (ServiceConfig.regress_margin): a promotion may lower
+    # another workload's held-out acceptance as served by up to this much (point estimate)
+    regress_margin: float = 0.05
     # FR-Spec (models.draft_vocab): the draft's head restricted to the N most frequent tokens, trained
     # and served alike (on llama.cpp as a restricted draft GGUF, gguf_export.restricted_draft_gguf);
     # training steps at 40 % of the full head's cost at the same gain per step (docs/training.md).
@@ -127,6 +130,10 @@ class DemoConfig:
             raise ValueError(f"bootstrap_duty={self.bootstrap_duty!r}: must be a fraction in (0, 1] (1: no waiting)")
         if isinstance(self.remeasure_requests, bool) or not isinstance(self.remeasure_requests, int) or self.remeasure_requests < 0:
             raise ValueError(f"remeasure_requests={self.remeasure_requests!r}: must be an int >= 0 (0: no re-measurement)")
+        if isinstance(self.regress_margin, bool) or not isinstance(self.regress_margin, (int, float)) \
+                or not 0 <= self.regress_margin < math.inf:
+            raise ValueError(f"regress_margin={self.regress_margin!r}: must be a finite number >= 0 (the most a "
+                             f"promotion may lower another workload's held-out acceptance; 0: no loss allowed)")
         if self.phase_max_seconds is not None and not (self.phase_seconds <= self.phase_max_seconds < math.inf):
             raise ValueError(f"phase_max_seconds={self.phase_max_seconds}: must be finite and >= phase_seconds="
                              f"{self.phase_seconds} (--phase-max-seconds)")
@@ -342,7 +349,7 @@ def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
         ServiceConfig(interval_s=cfg.train_interval_s, min_new_samples=cfg.train_min_new_samples,
                       check_interval_s=2.0, max_samples_per_round=256, holdout_fraction=0.25,
                       holdout_per_workload=48, min_eval_samples=6, min_eval_requests=8, min_eval_positions=256,
-                      confidence=cfg.confidence, promote_margin=0.0, regress_margin=0.05,
+                      confidence=cfg.confidence, promote_margin=0.0, regress_margin=cfg.regress_margin,
                       replay_per_workload=64, replay_ratio=0.5, work_dir=str(out_dir / "work" / run_id),
                       per_workload=cfg.per_workload, shared_turn=not cfg.per_workload,
                       min_workload_samples=cfg.min_workload_samples),
@@ -1850,13 +1857,34 @@ def _phase_notes(report: dict, console) -> None:
             verdict = ("LOWERED decoded α" if v["lowered"] else
                        "no measured change in decoded α" if v["low"] is not None and v["low"] <= 0 else "raised decoded α")
             console.print(f"  {r['workload']}: v{v['parent']} -> v{v['version']} {verdict}: {_cell(v['alpha_before'])} -> "
-                          f"{_cell(v['alpha_after'])} ({_cell(v['gain'])}, CI [{_cell(v['low'])}, {_cell(v['high'])}])")
+                          f"{_cell(v['alpha_after'])} ({_cell(v['gain'])}, CI [{_cell(v['low'])}, {_cell(v['high'])}])"
+                          + (_lowered_note(report, r["workload"], v) if v["lowered"] else ""))
         sv = r.get("served") or {}
         if sv.get("repeats"):
             console.print(f"  {r['workload']}: {sv['repeats']} of {sv['requests']} served requests repeated a prompt "
                           f"served earlier in the phase ({sv['requests'] - sv['repeats']} distinct prompts served); "
                           f"the n-gram proposer copies a repeat's earlier output, so live α and the controller's "
                           f"pick reflect repeated traffic; the table's rows are on prompts never served")
+
+
+def _lowered_note(report: dict, workload: str, v: dict) -> str:
+    """Why a promotion that measurably lowered ``workload``'s decoded α (``v``, a ``versions`` row)
+    is no broken gate: the version's scope and the workloads its gate judged (its reason's "on
+    code: ..."), and the trainer's cross-workload tolerance, ``regress_margin`` (the report's
+    config; a report without it names the setting without a value), against the drop."""
+    ad = next((a for a in report.get("adapters") or () if a.get("version") == v["version"]), {})
+    m = re.match(r"on ([^:]+):", str(ad.get("reason") or ""))
+    who = "a shared adapter" if not ad.get("scope") else f"{ad['scope']}'s adapter"
+    on = f", promoted on {m.group(1)}'s held-out evidence" if m else ""
+    margin = (report.get("config") or {}).get("regress_margin")
+    drop = -(v.get("gain") or 0.0)
+    if margin is None:
+        return (f"; v{v['version']} is {who}{on}: the trainer's gate lets a promotion lower another workload's held-out "
+                f"acceptance by up to its regress_margin (the cross-workload tolerance)")
+    within = "within" if drop <= margin else "beyond"
+    return (f"; v{v['version']} is {who}{on}: the trainer's gate lets a promotion lower another workload's held-out "
+            f"acceptance by up to regress_margin {margin:g} (the demo's cross-workload tolerance), and this drop of "
+            f"{drop:.3f} is {within} it" + ("" if within == "within" else ": more than the gate allows, worth a look"))
 
 
 def _adapter_tables(report: dict, console) -> None:
@@ -2198,6 +2226,8 @@ def _summary(report: dict, out_dir: Path) -> dict[str, Any]:
     summary["promotions_that_lowered_decoded_alpha"] = [f"{r['workload']}: v{v['parent']} -> v{v['version']}"
                                                         for r in report["phases"] for v in r.get("versions") or []
                                                         if v["lowered"]]
+    # what a promotion may cost another workload (the trainer's cross-workload tolerance), beside that list
+    summary["regress_margin"] = (report.get("config") or {}).get("regress_margin")
     return summary
 
 

@@ -214,3 +214,30 @@ def test_a_candidate_measured_on_one_request_reads_not_measured_yet():
     # where the demo prints it: the picks' notes
     text = _printed({"phases": [_phase("extract", controller_pick={"why": raw})]})
     assert "extract: controller — off: the best, ngram γ=4, is not measured yet (1 request" in text and "0.01x" not in text
+
+
+# 5. a promotion that lowered another workload, within the trainer's tolerance ------------------------------
+
+def test_a_promotion_that_lowered_another_workload_names_the_trainers_tolerance():
+    """bb6e662: shared v32, judged on code, lowered math's decoded α 0.215 -> 0.184 (-0.032 [-0.053,
+    -0.013]), inside the demo's regress_margin 0.05: the note connects the two."""
+    v = {"version": 32, "parent": 1, "alpha_before": 0.215, "alpha_after": 0.184, "gain": -0.032, "low": -0.053,
+         "high": -0.013, "lowered": True}
+    adapters = [{"version": 32, "scope": "", "state": "promoted",
+                 "reason": "on code: gain +0.0213 [+0.004, +0.039] (acceptance as served); α at T=1 0.30 -> 0.32: ..."}]
+    report = {"phases": [_phase("math", versions=[v])], "adapters": adapters, "config": {"regress_margin": 0.05}}
+    text = " ".join(_printed(report).split())
+    assert ("math: v1 -> v32 LOWERED decoded α: 0.215 -> 0.184 (-0.032, CI [-0.053, -0.013]); v32 is a shared adapter, "
+            "promoted on code's held-out evidence: the trainer's gate lets a promotion lower another workload's "
+            "held-out acceptance by up to regress_margin 0.05 (the demo's cross-workload tolerance), and this drop "
+            "of 0.032 is within it") in text, text
+    big = dict(v, gain=-0.08)
+    text = " ".join(_printed(dict(report, phases=[_phase("math", versions=[big])])).split())
+    assert "this drop of 0.080 is beyond it: more than the gate allows, worth a look" in text
+    assert DemoConfig().regress_margin == 0.05
+    report["phases"][0]["alpha_gain"] = 0.2
+    summary = demo._summary(report | {"run_id": "r", "key_prefix": "x:", "seconds": 1.0, "requests": 1,
+                                      "active_adapter": 1, "plot": None}, demo.Path("out"))
+    assert summary["promotions_that_lowered_decoded_alpha"] == ["math: v1 -> v32"] and summary["regress_margin"] == 0.05
+    with pytest.raises(ValueError, match=r"regress_margin=-0.1: must be a finite number >= 0"):
+        DemoConfig(regress_margin=-0.1)
