@@ -1656,6 +1656,31 @@ def _decoded_table(report: dict, console, pct: str) -> None:
                   f"{_cell(lp['ratio'])} {_interval(lp)}" if lp else "-",
                   _live_cell(r))
     console.print(t)
+    gap = _live_rate_note(report)
+    if gap:
+        console.print(gap)
+
+
+def _live_rate_note(report: dict) -> str | None:
+    """One clause on why the phases' live tokens/s (each phase's first and last third of requests,
+    ``live_*_third``) sit below this table's plain decoding: the phases shared the cores with the
+    trainer, which this evaluation runs with stopped, and served ``config.max_new_tokens`` tokens a
+    request against ``config.eval_new_tokens`` here (a request's prefill weighs more on fewer).
+    None without both rates, or where live was not the slower."""
+    rows = report.get("phases") or []
+    live = [x for r in rows for k in ("live_first_third", "live_last_third")
+            if (x := (r.get(k) or {}).get("tokens_per_s")) is not None]
+    plain = [x for r in rows if (x := (r.get("plain") or {}).get("tokens_per_s")) is not None]
+    if not live or not plain or max(live) >= min(plain):
+        return None
+    cfg = report.get("config") or {}
+    tokens = (f", and served {cfg['max_new_tokens']} tokens a request against {cfg['eval_new_tokens']} here (the "
+              f"prompt's prefill weighs more on fewer)"
+              if cfg.get("max_new_tokens") and cfg.get("eval_new_tokens") and cfg["max_new_tokens"] < cfg["eval_new_tokens"]
+              else "")
+    return (f"live tokens/s in the phases {min(live):.1f}-{max(live):.1f} against plain decoding's "
+            f"{min(plain):.1f}-{max(plain):.1f} here: the phases shared the cores with the trainer, stopped for this "
+            f"evaluation{tokens}")
 
 
 def _gate_cell(w) -> str:

@@ -241,3 +241,18 @@ def test_a_promotion_that_lowered_another_workload_names_the_trainers_tolerance(
     assert summary["promotions_that_lowered_decoded_alpha"] == ["math: v1 -> v32"] and summary["regress_margin"] == 0.05
     with pytest.raises(ValueError, match=r"regress_margin=-0.1: must be a finite number >= 0"):
         DemoConfig(regress_margin=-0.1)
+
+
+# 6. the live rate against the evaluation's ----------------------------------------------------------------
+
+def test_the_evaluation_table_says_why_live_tokens_per_s_were_lower():
+    live = [({"alpha": None, "tokens_per_s": 20.4}, {"alpha": None, "tokens_per_s": 33.1}),
+            ({"alpha": None, "tokens_per_s": 24.0}, {"alpha": None, "tokens_per_s": 29.9})]
+    phases = [_phase(w, plain=_row(tokens_per_s=tps), live_first_third=a, live_last_third=b)
+              for w, tps, (a, b) in zip(("prose", "code"), (41.3, 51.6), live)]
+    text = " ".join(_printed({"phases": phases, "config": {"max_new_tokens": 32, "eval_new_tokens": 64}}).split())
+    assert ("live tokens/s in the phases 20.4-33.1 against plain decoding's 41.3-51.6 here: the phases shared the "
+            "cores with the trainer, stopped for this evaluation, and served 32 tokens a request against 64 here "
+            "(the prompt's prefill weighs more on fewer)") in text, text
+    # live as fast as the evaluation: nothing to explain
+    assert "live tokens/s in the phases" not in _printed({"phases": [_phase("prose", live_first_third={"tokens_per_s": 70.0})]})
