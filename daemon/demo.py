@@ -1649,10 +1649,14 @@ def _decoded_table(report: dict, console, pct: str) -> None:
         g = r.get("alpha_gain_ci") or {}
         sp = (r.get("speed_vs_plain_ci") or {}).get("adapted")
         lp = (r.get("speed_vs_llamacpp_ci") or {}).get("adapted")  # the pick against llama.cpp's own plain generation
+        # a plain pick is the plain run itself: its α, τ and ×plain are no measurement of their own
+        same = "plain (same decoding)"
+        plain_pick = not pk["gamma"] or pk.get("same_run_as") == "plain"
         t.add_row(r["workload"], str(r.get("eval_prompts", "-")), _cell(r["plain"]["tokens_per_s"]), _cell(r["frozen"]["alpha"]),
                   _cell(r["frozen"]["speedup_vs_plain"]), _cell(r["adapted_draft"]["alpha"]), _cell(r["adapted_draft"]["speedup_vs_plain"]),
                   f"{_cell(g.get('gain'))} {_interval(g)}", f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
-                  _cell(pk["alpha"]), _cell(pk["tau"]), f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp else _cell(pk["speedup_vs_plain"]),
+                  same if plain_pick else _cell(pk["alpha"]), same if plain_pick else _cell(pk["tau"]),
+                  same if plain_pick else f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp else _cell(pk["speedup_vs_plain"]),
                   f"{_cell(lp['ratio'])} {_interval(lp)}" if lp else "-",
                   _live_cell(r))
     console.print(t)

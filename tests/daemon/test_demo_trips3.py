@@ -256,3 +256,18 @@ def test_the_evaluation_table_says_why_live_tokens_per_s_were_lower():
             "(the prompt's prefill weighs more on fewer)") in text, text
     # live as fast as the evaluation: nothing to explain
     assert "live tokens/s in the phases" not in _printed({"phases": [_phase("prose", live_first_third={"tokens_per_s": 70.0})]})
+
+
+# 7. a plain pick's cells ---------------------------------------------------------------------------------
+
+def test_a_plain_picks_cells_say_plain_not_numbers_that_look_measured():
+    """bb6e662 and ec0c85b: a plain pick's row read "pick α -", "pick τ 1.000", "×plain 1.000" with no
+    interval, as if measured; the pick is the plain run itself."""
+    text = _printed({"phases": [_phase("prose")]})
+    cells = [c.strip() for c in next(line for line in text.splitlines() if "plain (off)" in line).split("│")]
+    at = cells.index("plain (off)")
+    assert cells[at + 1: at + 4] == ["plain (same decoding)"] * 3, cells
+    spec = _phase("extract", adapted=_row(proposer="ngram", gamma=4, alpha=0.61, tau=2.4, speedup_vs_plain=1.22),
+                  speed_vs_plain_ci={"adapted": {"ratio": 1.22, "low": 1.15, "high": 1.28}})
+    text = _printed({"phases": [spec]})
+    assert "plain (same decoding)" not in text and "0.610" in text and "1.220 [1.15, 1.28]" in text
