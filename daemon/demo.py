@@ -772,8 +772,9 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
             rows.append(_serve_one(oai, loop, tok, model_name, phase, pool[(served.get(phase, 0) + j) % len(pool)],
                                    cfg.max_new_tokens, t0))
     out = {"requests": len(rows), "keys": keys, "seconds": round(time.time() - t0, 1),
-           "alarms": [first_alarm, len(loop.tracker.alarms)],
-           "alarms_are": "shift_alarms[first:last] of the report: the alarms these requests raised (none where equal)",
+           "alarms": {"before": first_alarm, "after": len(loop.tracker.alarms)},
+           "alarms_are": ("the count of the report's shift_alarms before and after these requests: they raised "
+                          "shift_alarms[before:after] (none where equal)"),
            "beside_trainer": before, "step_cost_ms": cost.status(),
            "engine_ceiling": cost.ceiling(loop.controller.config.gamma_max),
            "decisions": [{"workload": r["workload"], "proposer": r["proposer"], "gamma": r["gamma"],
@@ -2169,15 +2170,27 @@ def _run_and_report(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     return report
 
 
+def _remeasured_alarms(report: dict, n_alarms: int) -> tuple[int, int]:
+    """``remeasured["alarms"]`` as (before, after): the count of ``shift_alarms`` before and after
+    the re-measurement's requests, so it raised ``shift_alarms[before:after]``. Read from
+    ``{"before": b, "after": a}``, or from an earlier report's ``[b, a]``; (n, n) without it."""
+    got = (report.get("remeasured") or {}).get("alarms")
+    if isinstance(got, dict) and "before" in got and "after" in got:
+        return int(got["before"]), int(got["after"])
+    if isinstance(got, (list, tuple)) and len(got) >= 2:  # reports written before the fields were named
+        return int(got[0]), int(got[1])
+    return n_alarms, n_alarms
+
+
 def _alarm_places(report: dict) -> list[str]:
     """Where each of ``shift_alarms`` fired, in order: ", at request i of n, s s into its phase"
     for one a phase's request raised (the timeline rows flagged ``shift_alarm`` against ``shifts``,
     one alarm a row), "during the re-measurement ..." for those ``remeasured["alarms"]`` (the
-    [first, last) indices it raised) holds, and "outside any phase ..." for the rest (after the
+    counts before and after it, :func:`_remeasured_alarms`) holds, and "outside any phase ..." for the rest (after the
     phases; their requests are not in the timeline)."""
     alarms = report.get("shift_alarms") or []
     timeline, shifts = report.get("timeline") or [], report.get("shifts") or []
-    first, last = ((report.get("remeasured") or {}).get("alarms") or [len(alarms), len(alarms)])[:2]
+    first, last = _remeasured_alarms(report, len(alarms))
     where = []
     for i, r in enumerate(timeline):
         sh = next((s for s in reversed(shifts) if s.get("request", 0) <= i), None)

@@ -264,7 +264,7 @@ def test_step_costs_are_measured_again_once_the_trainer_stopped_on_prompts_never
     # code served its pool's prompts 8..10 (0..7 are the evaluation's): 11 and 12 are next;
     # math reached the end of its 10: the pool wraps (a real pool holds hundreds)
     assert served == [("code", "code11"), ("code", "code12"), ("math", "math17"), ("math", "math8")]
-    assert out["requests"] == 4 and out["keys"] == 1 and out["alarms"] == [1, 2]
+    assert out["requests"] == 4 and out["keys"] == 1 and out["alarms"] == {"before": 1, "after": 2}
     assert out["beside_trainer"]["step_cost_ms"] == {1: 10.0, 3: 30.0}
     assert out["step_cost_ms"] == {1: 10.0, 3: 14.0}  # only what was measured after the trainer stopped
     assert out["engine_ceiling"]["gamma"] == 2 and out["engine_ceiling"]["speedup"] == pytest.approx(3 / 1.4, abs=1e-3)

@@ -271,3 +271,15 @@ def test_a_plain_picks_cells_say_plain_not_numbers_that_look_measured():
                   speed_vs_plain_ci={"adapted": {"ratio": 1.22, "low": 1.15, "high": 1.28}})
     text = _printed({"phases": [spec]})
     assert "plain (same decoding)" not in text and "0.610" in text and "1.220 [1.15, 1.28]" in text
+
+
+# 8. the re-measurement's alarms, named -------------------------------------------------------------------
+
+def test_the_remeasurements_alarm_counts_are_named_and_an_older_reports_pair_still_reads():
+    alarm = {"key": ["math", "greedy"], "proposer": "ngram", "reference_alpha": 0.71, "recent_alpha": 0.47}
+    base = {"shift_alarms": [alarm, alarm], "shifts": [], "timeline": []}
+    new = demo._shift_alarms_note(base | {"remeasured": {"alarms": {"before": 1, "after": 2}, "requests": 64}})
+    old = demo._shift_alarms_note(base | {"remeasured": {"alarms": [1, 2], "requests": 64}})
+    assert new == old and new.count("during the re-measurement with the trainer stopped") == 1, new
+    assert demo._remeasured_alarms({"remeasured": {"alarms": {"before": 2, "after": 2}}}, 5) == (2, 2)
+    assert demo._remeasured_alarms({}, 3) == (3, 3)
