@@ -279,7 +279,7 @@ def _unsupported(body: dict, kind: str) -> None:
                    "unsupported_parameter")
     checks = [
         ("n", lambda v: _one_of(v, (None, 1, 1.0)), "only n=1 is served; send several requests for several completions"),
-        ("best_of", lambda v: _one_of(v, (None, 1)), "only best_of=1 is served"),
+        ("best_of", lambda v: _one_of(v, (None, 1, 1.0)), "only best_of=1 is served"),
         ("echo", lambda v: _one_of(v, (None, False)), "echo is not supported; prepend the prompt yourself"),
         ("suffix", lambda v: _one_of(v, (None, "")), "suffix (insertion) is not supported"),
         ("presence_penalty", lambda v: _one_of(v, (None, 0, 0.0)), "penalties are not supported (they would change the "

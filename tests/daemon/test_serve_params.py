@@ -109,7 +109,7 @@ def test_a_bad_include_usage_is_named_by_its_path():
 
 
 @pytest.mark.parametrize("field, value, kind", [("n", True, "completion"), ("echo", 0, "completion"),
-                                                ("store", 0, "chat"), ("best_of", 1.0, "completion")])
+                                                ("store", 0, "chat"), ("best_of", True, "completion")])
 def test_a_value_of_another_json_type_is_refused_even_if_python_calls_it_equal(field, value, kind):
     """`n: true`, `echo: 0` and `store: 0` passed the n=1 / echo=false / store=false checks (True == 1
     and 0 == False in Python); the 400 names the field."""
@@ -170,6 +170,21 @@ def test_n_takes_an_integral_float_as_openai_does(n, ok):
     with pytest.raises(ApiError) as ei:
         parse({"n": n})
     assert (ei.value.status, ei.value.param) == (400, "n")
+
+
+@pytest.mark.parametrize("best_of, ok", [(1.0, True), (1, True), (2, False), (2.0, False), (1.5, False),
+                                         (True, False), ("1", False)])
+def test_best_of_takes_an_integral_float_as_n_does(best_of, ok):
+    """``"best_of": 1.0`` was refused ('only best_of=1') while ``"n": 1.0`` was served; vLLM reads
+    both as pydantic's lax int, so 1.0 is 1 for either."""
+    from daemon.serve import ApiError
+
+    if ok:
+        parse({"best_of": best_of})
+        return
+    with pytest.raises(ApiError) as ei:
+        parse({"best_of": best_of})
+    assert (ei.value.status, ei.value.param, ei.value.code) == (400, "best_of", "unsupported_parameter")
 
 
 @pytest.mark.parametrize("raw, param", [(b'{"max_tokens": %s}' % (b"9" * 5000), "max_tokens"),
