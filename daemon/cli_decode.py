@@ -130,10 +130,10 @@ def check_generate_args(prompt: str, gamma: int, max_new_tokens: int, temperatur
     if draft_vocab < 0:
         raise ValueError(f"--draft-vocab {draft_vocab}: must be >= 0 (0 = off)")
     if seed is not None:
-        from decoder.sampling import SEED_RANGE
+        from daemon.serve import seed_problem  # the API's range: a served request's seed reproduces here
 
-        if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-            raise ValueError(f"--seed {seed}: must be a 64-bit integer, -2^63 to 2^64 - 1")
+        if (why := seed_problem(seed)) is not None:
+            raise ValueError(f"--seed {seed}: {why}")
 
 
 def parse_gammas(text: str) -> tuple[int, ...]:
@@ -170,7 +170,8 @@ def generate(
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    seed: Annotated[int | None, typer.Option(help="per-request seed (sampling)")] = None,
+    seed: Annotated[int | None, typer.Option(help="per-request seed (sampling): a signed 64-bit integer, "
+                                                 "-2^63 to 2^63 - 1, as the API's seed")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
     no_spec: Annotated[bool, typer.Option("--no-spec", help="plain decoding (γ = 0)")] = False,
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the chat template")] = False,

@@ -219,6 +219,22 @@ def _temperature(body: dict) -> float:
 
 
 MAX_TOKENS_BOUND = 2 ** 31 - 1  # max_tokens above it: a 400 (int32, as vLLM and llama-server read it)
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1  # a request's seed and `daemonctl generate --seed`: vLLM's bound (int64)
+
+
+def seed_problem(seed: int) -> str | None:
+    """Why ``seed`` is outside the seeds served (a signed 64-bit integer, :data:`SEED_MIN` to
+    :data:`SEED_MAX`: vLLM's bound on ``seed``, taken by the API and ``daemonctl generate --seed``
+    alike), as ``"out of range: <the range>"`` for a message that names the value first; None when
+    it is inside. A seed in [2^63, 2^64), an unsigned 64-bit one past the signed range, is told
+    the signed seed that draws the same stream (``decoder.sampling.seeded_generator`` reads a seed
+    modulo 2^64): ``seed - 2^64``."""
+    if SEED_MIN <= seed <= SEED_MAX:
+        return None
+    why = f"out of range: a signed 64-bit integer, {SEED_MIN} to {SEED_MAX}"
+    if SEED_MAX < seed < 2 ** 64:
+        why += f"; send {seed - 2 ** 64} (the seed minus 2^64), which draws the stream the unsigned {seed} would"
+    return why
 
 
 def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None,
@@ -602,7 +618,9 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
     top_k = _int(body, "top_k", 0, lo=-1)
     logprobs = _logprobs(body, kind)
     gamma = _int(body, "gamma", None, lo=0, hi=MAX_GAMMA)
-    seed = _int(body, "seed", None, lo=-(2**63), hi=2**63 - 1, what="a signed 64-bit integer")
+    seed = _int(body, "seed", None)
+    if seed is not None and (why := seed_problem(seed)) is not None:
+        raise _bad("seed", f"{seed} is {why}")
     ignore_eos, constrained = _bool(body, "ignore_eos", False), _constrained(body)
     if ignore_eos and (constrained.get("grammar") or constrained.get("json_mode")):
         # where the grammar completes only EOS is allowed: ignoring it decoded EOS tokens to max_tokens

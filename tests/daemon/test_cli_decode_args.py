@@ -67,6 +67,39 @@ def test_bench_refuses_a_workload_without_prompts(tmp_path):
     assert "has no prompts" in " ".join(r.output.split())
 
 
+@pytest.mark.parametrize("seed, ok", [(0, True), (2**63 - 1, True), (-(2**63), True), (-1, True),
+                                      (2**63, False), (2**64 - 1, False), (2**64, False), (-(2**63) - 1, False)])
+def test_generate_and_the_api_take_the_same_seeds(seed, ok):
+    """`generate --seed` took -2^63 to 2^64 - 1 while the API's `seed` took -2^63 to 2^63 - 1 (vLLM's
+    int64 bound): a seed of 2^63 ran from the command line and was a 400 from a client. Both take
+    the signed range now, and both refusals name the value and the range."""
+    from daemon.serve import ApiError, parse_request
+    from serve_helpers import MODEL, tokenizer
+
+    tok = tokenizer()
+    body = {"model": MODEL, "prompt": "ab", "max_tokens": 2, "temperature": 1.0, "seed": seed}
+    parse = lambda: parse_request(body, "completion", tok, models={MODEL}, context_len=512,  # noqa: E731
+                                  vocab=len(tok.get_vocab()), max_tokens_default=4)
+    if ok:
+        check_generate_args("hi", 4, 8, 1.0, None, 0, seed)
+        assert parse().seed == seed
+        return
+    with pytest.raises(ValueError) as cli:
+        check_generate_args("hi", 4, 8, 1.0, None, 0, seed)
+    with pytest.raises(ApiError) as api:
+        parse()
+    assert api.value.param == "seed"
+    for msg in (str(cli.value), api.value.message):
+        assert str(seed) in msg and str(-(2**63)) in msg and str(2**63 - 1) in msg, msg
+
+
+def test_an_unsigned_seed_past_the_signed_range_is_told_its_signed_twin():
+    """2^64 - 1 (an unsigned -1) draws as -1 (seeded_generator reads seeds modulo 2^64): the refusal
+    says which signed seed to send instead."""
+    with pytest.raises(ValueError, match=r"send -1 \(the seed minus 2\^64\)"):
+        check_generate_args("hi", 4, 8, 1.0, None, 0, 2**64 - 1)
+
+
 def test_good_options_pass():
     check_generate_args("hi", 0, 1, 0.7, ["\n\n"], 0)
     assert parse_gammas("1, 2,4") == (1, 2, 4)
