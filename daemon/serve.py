@@ -290,9 +290,9 @@ def _unsupported(body: dict, kind: str) -> None:
     """400 for values this server does not implement (never silently ignored)."""
     allowed = _COMPLETION if kind == "completion" else _CHAT
     unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise _bad(unknown[0], f"unknown or unsupported field; supported fields: {', '.join(sorted(allowed))}",
-                   "unsupported_parameter")
+    if unknown:  # the name as the client wrote it, in JSON, as every value a message quotes
+        raise ApiError(400, f"{_j(unknown[0])}: unknown or unsupported field; supported fields: "
+                            f"{', '.join(sorted(allowed))}", param=unknown[0], code="unsupported_parameter")
     checks = [
         ("n", lambda v: _one_of(v, (None, 1, 1.0)), "only n=1 is served; send several requests for several completions"),
         ("best_of", lambda v: _one_of(v, (None, 1, 1.0)), "only best_of=1 is served"),
@@ -373,8 +373,8 @@ def _messages_ids(body: dict, tokenizer) -> list[int]:
             raise _bad(f"messages[{i}].content", f"{_j(content)}: give a string or a list of text parts", "invalid_type")
         extra = sorted(set(m) - {"role", "content", "name"})
         if extra:
-            raise _bad(f"messages[{i}].{extra[0]}", "unsupported message field (tool calls are not supported)",
-                       "unsupported_parameter")
+            raise ApiError(400, f"messages[{i}]: {_j(extra[0])} is an unsupported message field (tool calls are not "
+                                f"supported)", param=f"messages[{i}].{extra[0]}", code="unsupported_parameter")
         clean.append({"role": "system" if role == "developer" else role, "content": content})
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions with a prompt",
@@ -557,6 +557,13 @@ def _prompt_too_long(where: str, n: int, limit: int, what: str = "tokens") -> Ap
                     param=where, code="prompt_too_long")
 
 
+def model_not_found(model: str, models: set[str]) -> ApiError:
+    """The 404 for a model id this server does not serve (a request's ``model``, or
+    ``GET /v1/models/{id}``), both spelled in JSON as the client wrote them."""
+    return ApiError(404, f"the model {_j(model)} does not exist; this server serves {_j(sorted(models))} "
+                         f"(GET /v1/models)", param="model", code="model_not_found")
+
+
 def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_len: int | None, vocab: int,
                   max_tokens_default: int, header_workload: str | None = None, max_prompt_tokens: int | None = None,
                   max_token_chars: int | None = None) -> Parsed:
@@ -577,8 +584,7 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
         what = "missing" if model is None else f"{_j(model, 80)} is not a model name"
         raise _bad("model", f"{what}; this server serves {_j(sorted(models))}", "missing" if model is None else "invalid_type")
     if model not in models:
-        raise ApiError(404, f"the model {_j(model)} does not exist; this server serves {_j(sorted(models))} (GET /v1/models)",
-                       param="model", code="model_not_found")
+        raise model_not_found(model, models)
     where = "prompt" if kind == "completion" else "messages"
     if max_prompt_tokens and max_token_chars:
         chars = _prompt_chars(body, kind)
@@ -672,8 +678,9 @@ def _constrained(body: dict) -> dict[str, Any]:
                            "missing" if js is None else "invalid_type")
             unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
             if unknown:
-                raise _bad(f"response_format.json_schema.{unknown[0]}", "unknown field; name, schema, strict and "
-                                                                        "description are")
+                raise ApiError(400, f"response_format.json_schema: {_j(unknown[0])} is an unknown field; name, "
+                                    f"schema, strict and description are", param=f"response_format.json_schema.{unknown[0]}",
+                               code="invalid_value")
             if "name" in js and not (isinstance(js["name"], str) and _SCHEMA_NAME.fullmatch(js["name"])):
                 raise _bad("response_format.json_schema.name", f"{_j(js['name'])}: 1-64 letters, digits, _ or -")
             if js.get("strict") not in (None, True, False):
@@ -1157,8 +1164,7 @@ class InferenceService:
         @app.get("/v1/models/{model_id:path}")
         def model(model_id: str):
             if model_id != self.model:
-                raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {self.model!r}",
-                               param="model", code="model_not_found")
+                raise model_not_found(model_id, {self.model})
             return self._model_card()
 
         @app.get("/metrics")

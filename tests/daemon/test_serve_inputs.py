@@ -70,6 +70,37 @@ def test_deeply_nested_json_is_a_400(srv, depth):
         assert body["error"]["param"] == "prompt"
 
 
+def get(srv, path: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(srv.base_url + path, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_an_unknown_field_is_named_in_json_as_other_values_are(srv, path):
+    """The 400 for an unknown field quoted its name raw (a no-break space invisible, unlike a
+    value's, which _j spells ``\\u00a0``); the param stays the name as sent."""
+    extra = {"prompt": "ab"} if path == "/completions" else {"messages": [{"role": "user", "content": "ab"}]}
+    code, body = post(srv, path, json.dumps({"model": MODEL, "max_tokens": 2, "beam\u00a0width": 4, **extra}).encode())
+    assert code == 400, body
+    err = body["error"]
+    assert err["message"].startswith('"beam\\u00a0width": unknown or unsupported field'), err
+    assert (err["param"], err["code"]) == ("beam\u00a0width", "unsupported_parameter"), err
+
+
+def test_an_unknown_model_is_named_in_json_by_both_404s(srv):
+    """A request's unknown ``model`` was quoted in JSON and ``GET /v1/models/<id>``'s in Python's
+    repr (``'gpt\\xa0x'``, ``'tiny'``): both 404s read alike now."""
+    want = 'the model "gpt\\u00a0x" does not exist; this server serves ["tiny"]'
+    code, body = get(srv, "/models/gpt%C2%A0x")
+    assert code == 404 and body["error"]["message"].startswith(want), body
+    code2, body2 = post(srv, "/completions", json.dumps({"model": "gpt\u00a0x", "prompt": "a"}).encode())
+    assert code2 == 404 and body2["error"]["message"] == body["error"]["message"], (body, body2)
+    assert body["error"]["code"] == body2["error"]["code"] == "model_not_found"
+
+
 def test_the_server_still_serves_after_them(srv):
     oc = srv.openai()
     r = oc.completions.create(model=MODEL, prompt="hi", max_tokens=2)

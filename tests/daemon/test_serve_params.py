@@ -172,6 +172,22 @@ def test_n_takes_an_integral_float_as_openai_does(n, ok):
     assert (ei.value.status, ei.value.param) == (400, "n")
 
 
+@pytest.mark.parametrize("body, param, shown", [
+    ({"messages": [{"role": "user", "content": "x", "tool\u00a0calls": []}]}, "messages[0].tool\u00a0calls",
+     'messages[0]: "tool\\u00a0calls" is an unsupported message field'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "s\u00a0": 1}}},
+     "response_format.json_schema.s\u00a0", 'response_format.json_schema: "s\\u00a0" is an unknown field'),
+])
+def test_an_unknown_nested_field_is_named_in_json(body, param, shown):
+    """A message's or a json_schema's unknown key was quoted raw; now in JSON as _j spells values
+    (an invisible no-break space as its escape); the param stays the path as sent."""
+    from daemon.serve import ApiError
+
+    with pytest.raises(ApiError) as ei:
+        parse(body, "chat")
+    assert ei.value.param == param and ei.value.message.startswith(shown), ei.value.message
+
+
 @pytest.mark.parametrize("best_of, ok", [(1.0, True), (1, True), (2, False), (2.0, False), (1.5, False),
                                          (True, False), ("1", False)])
 def test_best_of_takes_an_integral_float_as_n_does(best_of, ok):
