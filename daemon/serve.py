@@ -93,6 +93,16 @@ def _j(v: Any, limit: int = 200) -> str:
     return s if len(s) <= limit else s[:limit - 3] + "..."
 
 
+NAME_LIMIT = 80  # characters of a client's field name an error quotes (in its message and its param)
+
+
+def _clip(name: str, limit: int = NAME_LIMIT) -> str:
+    """A field name the client chose (an unknown key), as an error's ``param`` carries it: at most
+    ``limit`` characters, a longer one cut to end in ``...`` (a 100,000-character key is not echoed
+    whole)."""
+    return name if len(name) <= limit else name[:limit - 3] + "..."
+
+
 def _u_escape(c: str) -> str:
     """``c`` as JSON's ``\\uXXXX`` escape (a pair of them past U+FFFF)."""
     o = ord(c)
@@ -291,8 +301,8 @@ def _unsupported(body: dict, kind: str) -> None:
     allowed = _COMPLETION if kind == "completion" else _CHAT
     unknown = sorted(set(body) - allowed)
     if unknown:  # the name as the client wrote it, in JSON, as every value a message quotes
-        raise ApiError(400, f"{_j(unknown[0])}: unknown or unsupported field; supported fields: "
-                            f"{', '.join(sorted(allowed))}", param=unknown[0], code="unsupported_parameter")
+        raise ApiError(400, f"{_j(unknown[0], NAME_LIMIT)}: unknown or unsupported field; supported fields: "
+                            f"{', '.join(sorted(allowed))}", param=_clip(unknown[0]), code="unsupported_parameter")
     checks = [
         ("n", lambda v: _one_of(v, (None, 1, 1.0)), "only n=1 is served; send several requests for several completions"),
         ("best_of", lambda v: _one_of(v, (None, 1, 1.0)), "only best_of=1 is served"),
@@ -373,8 +383,9 @@ def _messages_ids(body: dict, tokenizer) -> list[int]:
             raise _bad(f"messages[{i}].content", f"{_j(content)}: give a string or a list of text parts", "invalid_type")
         extra = sorted(set(m) - {"role", "content", "name"})
         if extra:
-            raise ApiError(400, f"messages[{i}]: {_j(extra[0])} is an unsupported message field (tool calls are not "
-                                f"supported)", param=f"messages[{i}].{extra[0]}", code="unsupported_parameter")
+            raise ApiError(400, f"messages[{i}]: {_j(extra[0], NAME_LIMIT)} is an unsupported message field (tool "
+                                f"calls are not supported)", param=f"messages[{i}].{_clip(extra[0])}",
+                           code="unsupported_parameter")
         clean.append({"role": "system" if role == "developer" else role, "content": content})
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions with a prompt",
@@ -412,7 +423,7 @@ MAX_JSON_DEPTH = 32  # a request body nests a few levels (messages[i].content[j]
 def _json_path(path: tuple) -> str:
     out = ""
     for p in path:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+        out += f"[{p}]" if isinstance(p, int) else (f".{_clip(str(p))}" if out else _clip(str(p)))
     return out or "body"
 
 
@@ -560,7 +571,7 @@ def _prompt_too_long(where: str, n: int, limit: int, what: str = "tokens") -> Ap
 def model_not_found(model: str, models: set[str]) -> ApiError:
     """The 404 for a model id this server does not serve (a request's ``model``, or
     ``GET /v1/models/{id}``), both spelled in JSON as the client wrote them."""
-    return ApiError(404, f"the model {_j(model)} does not exist; this server serves {_j(sorted(models))} "
+    return ApiError(404, f"the model {_j(model, NAME_LIMIT)} does not exist; this server serves {_j(sorted(models))} "
                          f"(GET /v1/models)", param="model", code="model_not_found")
 
 
@@ -678,9 +689,9 @@ def _constrained(body: dict) -> dict[str, Any]:
                            "missing" if js is None else "invalid_type")
             unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
             if unknown:
-                raise ApiError(400, f"response_format.json_schema: {_j(unknown[0])} is an unknown field; name, "
-                                    f"schema, strict and description are", param=f"response_format.json_schema.{unknown[0]}",
-                               code="invalid_value")
+                raise ApiError(400, f"response_format.json_schema: {_j(unknown[0], NAME_LIMIT)} is an unknown field; "
+                                    f"name, schema, strict and description are",
+                               param=f"response_format.json_schema.{_clip(unknown[0])}", code="invalid_value")
             if "name" in js and not (isinstance(js["name"], str) and _SCHEMA_NAME.fullmatch(js["name"])):
                 raise _bad("response_format.json_schema.name", f"{_j(js['name'])}: 1-64 letters, digits, _ or -")
             if js.get("strict") not in (None, True, False):

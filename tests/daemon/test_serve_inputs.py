@@ -101,6 +101,29 @@ def test_an_unknown_model_is_named_in_json_by_both_404s(srv):
     assert body["error"]["code"] == body2["error"]["code"] == "model_not_found"
 
 
+LONG = "k" * 100_000
+
+
+@pytest.mark.parametrize("raw, status, param", [
+    (json.dumps({"model": MODEL, "prompt": "a", LONG: 1}), 400, "k" * 77 + "..."),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a", LONG: 1}]}), 400,
+     "messages[0]." + "k" * 77 + "..."),
+    (json.dumps({"model": LONG, "prompt": "a"}), 404, "model"),
+    ('{"model": "tiny", "prompt": "a", "%s": {"x": "\\ud800"}}' % LONG, 400, "k" * 77 + "....x"),
+])
+def test_a_long_client_name_is_echoed_cut_to_80_characters(srv, raw, status, param):
+    """A 100,000-character unknown key came back whole in the message and the param (and a model
+    id of that length in the 404): a name the client chose is quoted at most 80 characters long,
+    ending in ``...`` when cut, wherever an error echoes it."""
+    path = "/chat/completions" if '"messages"' in raw else "/completions"
+    code, body = post(srv, path, raw.encode())
+    assert code == status, body
+    err = body["error"]
+    assert err["param"] == param, err
+    assert "k" * 76 + "..." in err["message"] and "k" * 78 not in err["message"], err
+    assert len(json.dumps(body)) < 2_000, len(json.dumps(body))
+
+
 def test_the_server_still_serves_after_them(srv):
     oc = srv.openai()
     r = oc.completions.create(model=MODEL, prompt="hi", max_tokens=2)
