@@ -627,19 +627,41 @@ def validation_text(e, group: str | None = None) -> str:
     a settings group's (``"serve"`` for :class:`ServeSettings`), not the whole :class:`Settings`'."""
     lines = []
     for err in e.errors(include_url=False):
-        loc = tuple(str(x) for x in (((group,) if group else ()) + tuple(err.get("loc", ()))))
-        lines.append(f"  {_setting_name(loc)}: {_error_text(err, loc)}")
+        setting, inner = _split_loc(((group,) if group else ()) + tuple(err.get("loc", ())))
+        lines.append(f"  {_setting_name(setting, inner)}: {_error_text(err, setting)}")
     return _masked("\n".join(lines), e)
 
 
-def _setting_name(loc: tuple[str, ...]) -> str:
-    """``store.url (DRAFTD_STORE__URL)``; a group alone (a check across its settings) as ``serve``."""
-    key = ".".join(loc) or "settings"
-    owner = Settings.model_fields.get(loc[0]) if loc else None
+def _split_loc(loc: tuple) -> tuple[tuple[str, ...], tuple]:
+    """A pydantic error location as (the setting, where inside its value): ``("serve", "proposers",
+    1)`` -> ``(("serve", "proposers"), (1,))``. The setting is a top-level field or a group's
+    field; what follows (a list index, a union member's tag) is not part of any variable's name."""
+    if not loc:
+        return (), ()
+    owner = Settings.model_fields.get(str(loc[0]))
     ann = owner.annotation if owner is not None else None
-    if len(loc) == 1 and isinstance(ann, type) and issubclass(ann, BaseModel):
+    n = 2 if isinstance(ann, type) and issubclass(ann, BaseModel) else 1
+    return tuple(str(x) for x in loc[:n]), tuple(loc[n:])
+
+
+def _setting_name(setting: tuple[str, ...], inner: tuple = ()) -> str:
+    """``store.url (DRAFTD_STORE__URL)``; a group alone (a check across its settings) as ``serve``;
+    a list's item as ``serve.proposers[1] (DRAFTD_SERVE__PROPOSERS, a JSON list: item 1)`` (the
+    variable holds the whole list; ``DRAFTD_SERVE__PROPOSERS__1`` sets nothing); a union member's
+    tag (``constrained-float``) as ``(as constrained-float)`` after the variable."""
+    key = ".".join(setting) or "settings"
+    owner = Settings.model_fields.get(setting[0]) if setting else None
+    ann = owner.annotation if owner is not None else None
+    if len(setting) == 1 and isinstance(ann, type) and issubclass(ann, BaseModel) and not inner:
         return key
-    return f"{key} ({ENV_PREFIX}{NESTED.join(loc).upper()})" if loc else key
+    if not setting:
+        return key
+    env = f"{ENV_PREFIX}{NESTED.join(setting).upper()}"
+    index = [x for x in inner if isinstance(x, int)]
+    tags = [str(x) for x in inner if not isinstance(x, int)]
+    key += "".join(f"[{i}]" for i in index)
+    where = f", a JSON list: item {', '.join(map(str, index))}" if index else ""
+    return f"{key} ({env}{where})" + (f" (as {', '.join(tags)})" if tags else "")
 
 
 def _error_text(err: dict, loc: tuple[str, ...]) -> str:

@@ -189,6 +189,23 @@ def test_a_config_error_names_the_key_and_its_variable_without_pydantics_url(mon
     assert "validation error" not in msg and "[type=" not in msg, msg
 
 
+@pytest.mark.parametrize("var, value, named", [
+    ("DRAFTD_SERVE__PROPOSERS", '["ngram", "medusa"]',
+     "serve.proposers[1] (DRAFTD_SERVE__PROPOSERS, a JSON list: item 1): "),
+    ("DRAFTD_TRAINER__TEACHER_TEMPERATURE", "warm", "trainer.teacher_temperature (DRAFTD_TRAINER__TEACHER_TEMPERATURE)"),
+])
+def test_an_error_inside_a_settings_value_names_the_variable_that_holds_it(monkeypatch, var, value, named):
+    """A list item's error named DRAFTD_SERVE__PROPOSERS__1, a variable that sets nothing (pydantic's
+    location, a list index, read as a nested field); a union member's tag was read so too. The
+    variable named is the one the user sets, with the item's index beside it."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError) as ei:
+        load_settings()
+    msg = str(ei.value)
+    assert named in msg, msg
+    assert f"{var}__" not in msg, msg
+
+
 def test_a_config_error_from_a_group_validator_reads_without_pydantics_prefix(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("[serve]\nproposers = [\"ngram\", \"eagle\"]\nfollow_heads = false\n")
