@@ -588,8 +588,75 @@ def ensure_state_dir(settings: Settings) -> Path:
     return d
 
 
+class ConfigWarning(UserWarning):
+    """A ``DRAFTD_*`` environment variable that no setting reads (a misspelt group or name):
+    warned once per variable and process, at :func:`load_settings`."""
+
+
+# DRAFTD_ variables read outside the settings, through os.environ (tests/daemon/test_settings_env.py
+# greps the tree for every such read and checks it is listed here): never warned about.
+READ_ELSEWHERE = {
+    "DRAFTD_CACHE_DIR": "the model cache (decoder.models.packaged, scripts/install)",
+    "DRAFTD_SHARED_DATA": "the shared data directory (decoder.workloads)",
+    "DRAFTD_LLAMA_LOG": "llama.cpp's own log on stderr (decoder.engines.llamacpp_lib)",
+    "DRAFTD_LLAMA_EXTRA_BUFTS": "llama.cpp's extra buffer types (decoder.engines.llamacpp_lib)",
+    "DRAFTD_SERVE_API_KEY": "docker-compose.yml's value of DRAFTD_SERVE__API_KEY",
+    "DRAFTD_API_TOKEN": "docker-compose.yml's value of DRAFTD_API__TOKEN",
+}
+_warned_env: set[str] = set()
+
+
+def _groups() -> list[str]:
+    """The settings groups' names (``api``, ``serve``, ...)."""
+    return [g for g, f in Settings.model_fields.items() if isinstance(f.annotation, type)
+            and issubclass(f.annotation, BaseModel)]
+
+
+def unread_env(environ: typing.Mapping[str, str] | None = None) -> dict[str, str]:
+    """``{name: what is wrong}`` for each ``DRAFTD_*`` variable of ``environ`` (default
+    ``os.environ``) that no setting reads and nothing else does (:data:`READ_ELSEWHERE`): a
+    misspelt group (``DRAFTD_SERVER__PORT``: the nearest group by :mod:`difflib`, ``serve``, and its
+    variable) or a misspelt top-level name. Names are compared case-insensitively, as the settings
+    read them. A real group's unknown field is left out: loading refuses it (extra="forbid")."""
+    import difflib
+
+    known, groups = env_keys() | set(READ_ELSEWHERE), _groups()
+    out = {}
+    for name in sorted(os.environ if environ is None else environ):
+        up = name.upper()
+        if not up.startswith(ENV_PREFIX) or up in known:
+            continue
+        group, sep, fld = up[len(ENV_PREFIX):].partition(NESTED)
+        if sep and group.lower() in groups:
+            continue
+        if sep:
+            near = difflib.get_close_matches(group.lower(), groups, n=1, cutoff=0.5)
+            hint = f"{group.lower()!r} is not a settings group"
+            out[name] = hint + (f"; did you mean {near[0]}: {ENV_PREFIX}{near[0].upper()}{NESTED}{fld}?" if near
+                                else f" (the groups: {', '.join(groups)})")
+            continue
+        owners = [f"{ENV_PREFIX}{g.upper()}{NESTED}{group}" for g in groups
+                  if group.lower() in Settings.model_fields[g].annotation.model_fields]
+        near = owners or difflib.get_close_matches(up, sorted(known), n=1, cutoff=0.6)
+        out[name] = ("no setting has that name" + (f"; did you mean {' or '.join(near)}?" if near else
+                                                   f" (`daemonctl config` shows the settings; a group's variable "
+                                                   f"is {ENV_PREFIX}<GROUP>{NESTED}<FIELD>)"))
+    return out
+
+
+def _warn_unread_env() -> None:
+    """Warn (:class:`ConfigWarning`) once per process for each variable :func:`unread_env` finds."""
+    import warnings
+
+    for name, why in unread_env().items():
+        if name not in _warned_env:
+            _warned_env.add(name)
+            warnings.warn(f"{name} is set but nothing in draftd reads it: {why}", ConfigWarning, stacklevel=3)
+
+
 def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any) -> Settings:
     """Settings from ``overrides`` > environment > TOML (``config_file`` or ``$DRAFTD_CONFIG``) > defaults.
+    A ``DRAFTD_*`` variable nothing reads is warned about (:class:`ConfigWarning`, once per variable).
 
     Raises:
         ConfigError: the TOML file is missing or not TOML, a key is unknown, or a value is invalid
@@ -600,6 +667,7 @@ def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
 
+    _warn_unread_env()
     path = config_file if config_file is not None else os.environ.get(CONFIG_ENV)
     cls: type[Settings] = Settings
     if path:
