@@ -317,7 +317,9 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
     pk = measurement.formats[PACKAGED]
     base = 1.0 / pk.ms[1]
     name, gp, prop, gamma = best
-    pk_plain = f"plain decoding of the packaged file ({pk.file}, {pk.ms[1]:.2f} ms a step)"
+    # the measurement's steps run after ``cached_tokens`` of context: dearer than a short request's
+    ctx = f" after {measurement.cached_tokens} cached tokens" if measurement.cached_tokens else ""
+    pk_plain = f"plain decoding of the packaged file ({pk.file}, {pk.ms[1]:.2f} ms a step{ctx})"
     kind = "its prior α" if alphas is None or alphas == prior_alphas() else "α"
     how = f"{prop} γ={gamma} at {kind} {alphas[prop]:.2f}" if prop else "plain decoding"
     others = "; ".join(f"{r['format']} {r['best']['vs_packaged_plain']:.2f}x" if r.get("eligible")
@@ -347,10 +349,11 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
         chosen = PACKAGED
         if name == PACKAGED and prop:
             reason = (f"{src}: the packaged file is the best, with {how}: {gp / base:.2f}x the tokens per ms of its own "
-                      f"plain decoding; {others}")
+                      f"plain decoding ({pk.ms[1]:.2f} ms a step{ctx}); the other formats' best, as multiples of that: "
+                      f"{others}")
         elif name == PACKAGED:  # its plain step beats every format's best (the others' figures: x that step)
             reason = (f"{src}: the packaged file is the best: its plain decoding ({gp:.4f} tokens/ms, {pk.ms[1]:.2f} ms "
-                      f"a step) beats every other format's best (each as a multiple of it): {others}")
+                      f"a step{ctx}) beats every other format's best (each as a multiple of it): {others}")
         else:
             reason = (f"{src}: no format beats {pk_plain} by {margin:.0%} (best {name}: {gp / base:.2f}x with "
                       f"{how}); {others}")

@@ -68,6 +68,15 @@ def test_the_packaged_file_serves_unless_a_format_beats_its_plain_step_by_the_ma
     assert ("the packaged file is the best: its plain decoding (0.1000 tokens/ms, 10.00 ms a step) beats every other "
             "format's best (each as a multiple of it): F16 0.96x") in slow.reason, slow.reason
     assert "1.00x" not in slow.reason
+    # speculation on the packaged file wins: the others' figures say what they are multiples of, and the step's
+    # context is named (a walkthrough read "F16 0.57x; Q8_0 0.94x" of nothing said, at a step 1.36x its live one)
+    spec = table(packaged={1: 10.0, 2: 12.0}, F16={1: 20.0, 2: 22.0})
+    spec.cached_tokens = 300
+    c = choose_format(spec, alphas={"ngram": 0.6}, proposers=("ngram",))
+    assert c.format == "packaged" and c.reason == (
+        "measured: the packaged file is the best, with ngram γ=1 at α 0.60: 1.33x the tokens per ms of its own plain "
+        "decoding (10.00 ms a step after 300 cached tokens); the other formats' best, as multiples of that: F16 0.73x"), \
+        c.reason
 
 
 def test_a_model_proposer_pays_gamma_c_and_formats_whose_rows_differ_are_left_out():
