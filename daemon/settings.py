@@ -333,6 +333,12 @@ def is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve anywhere
 
 
+MAX_BATCH = 256
+"""``serve.max_batch`` at most: llama.cpp's ``LLAMA_MAX_SEQ`` (src/llama-cparams.h; the bundled
+libllama refuses a context with ``n_seq_max`` above it), the most sequences one KV cache holds, and
+each request decoded at once keeps a sequence of its own (decoder.engines.llamacpp, ``n_seq``)."""
+
+
 class ServeSettings(_Group):
     """`daemonctl serve`: the OpenAI-compatible inference service with the adaptive loop inside."""
 
@@ -351,7 +357,8 @@ class ServeSettings(_Group):
     max_batch: int = Field(8, ge=1, description="Requests decoded at once (continuous batching: their steps fused into one "
                            "llama_decode per step, each keeping its own proposer and γ); the llama.cpp KV cache holds this many "
                            "sequences of the context length each (about 0.23 GB of resident memory a sequence for the packaged "
-                           "SmolLM2 at 8192 tokens). 1 = one request at a time; the torch engine always runs 1.")
+                           "SmolLM2 at 8192 tokens). 1 = one request at a time; the torch engine always runs 1. At most "
+                           f"{MAX_BATCH}: llama.cpp's LLAMA_MAX_SEQ, the most sequences one context holds.")
     step_token_budget: int | None = Field(64, ge=1, description="Continuous batching: prompt tokens one request's "
                                           "prefill (or any forward longer than this) feeds into a step that also "
                                           "decodes other requests; the rest goes into the following steps, so a short "
@@ -419,6 +426,14 @@ class ServeSettings(_Group):
     follow_heads: bool = Field(True, description="With 'eagle' in serve.proposers and no serve.eagle_head: follow the heads the "
                                "trainer promotes (trainer.heads) from the head registry, per workload, hot-swapped between "
                                "requests and rolled back with it; until one is promoted the controller does not offer 'eagle'.")
+
+    @field_validator("max_batch")
+    @classmethod
+    def _at_most_llama_max_seq(cls, v: int) -> int:
+        if v > MAX_BATCH:
+            raise ValueError(f"{v} is more than {MAX_BATCH}, the most sequences a llama.cpp context holds (LLAMA_MAX_SEQ; "
+                             f"each request decoded at once keeps its own): set serve.max_batch to at most {MAX_BATCH}")
+        return v
 
     @field_validator("proposers")
     @classmethod

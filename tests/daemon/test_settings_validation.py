@@ -206,6 +206,45 @@ def test_an_error_inside_a_settings_value_names_the_variable_that_holds_it(monke
     assert f"{var}__" not in msg, msg
 
 
+@pytest.mark.parametrize("value, ok", [("256", True), ("1", True), ("257", False), ("1" + "0" * 38, False)])
+def test_serve_max_batch_is_bounded_by_llama_cpps_sequences(monkeypatch, value, ok):
+    """serve.max_batch 10**38 loaded (and reached llama.cpp as n_seq_max, which refuses more than
+    LLAMA_MAX_SEQ = 256 sequences in a context); the error names the value and the bound."""
+    from daemon.settings import MAX_BATCH
+
+    assert MAX_BATCH == 256
+    monkeypatch.setenv("DRAFTD_SERVE__MAX_BATCH", value)
+    if ok:
+        assert load_settings().serve.max_batch == int(value)
+        return
+    with pytest.raises(ConfigError) as ei:
+        load_settings()
+    msg = str(ei.value)
+    assert f"serve.max_batch (DRAFTD_SERVE__MAX_BATCH): {value} is more than 256" in msg, msg
+    assert "LLAMA_MAX_SEQ" in msg, msg
+
+
+def test_max_batch_is_the_bundled_llama_cpps_own_bound(tmp_path):
+    """MAX_BATCH is LLAMA_MAX_SEQ of the libllama installed: a context of MAX_BATCH sequences
+    (serve.max_batch's n_seq) builds, one of MAX_BATCH + 1 is refused by llama.cpp itself."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("llama_cpp")
+    from daemon.settings import MAX_BATCH
+    from decoder.engines.base import EngineError
+    from decoder.engines.llamacpp import LlamaCppEngine
+
+    src = Path(__file__).resolve().parents[1] / "decoder" / "test_gguf_export.py"  # the tiny GGUF writer
+    spec = importlib.util.spec_from_file_location("_max_batch_gguf_helpers", src)
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    path = helpers.write_tiny_gguf(helpers.tiny_model(), tmp_path / "tiny.gguf")
+    LlamaCppEngine(path, n_ctx=32, threads=1, n_seq=MAX_BATCH).close()
+    with pytest.raises(EngineError):
+        LlamaCppEngine(path, n_ctx=32, threads=1, n_seq=MAX_BATCH + 1)
+
+
 def test_a_config_error_from_a_group_validator_reads_without_pydantics_prefix(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("[serve]\nproposers = [\"ngram\", \"eagle\"]\nfollow_heads = false\n")
