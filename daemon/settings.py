@@ -110,7 +110,7 @@ class RedisSettings(_Group):
 
     def __repr_args__(self):  # repr() and rich (tracebacks' locals) show the URLs with their password masked
         for k, v in super().__repr_args__():
-            yield k, (mask_url(v) if k in ("url", "default_url") and isinstance(v, str) else v)
+            yield k, (mask_url(v) if _url_key(("redis", k)) and isinstance(v, str) else v)
 
 
 class StoreSettings(_Group):
@@ -831,9 +831,10 @@ def effective(settings: Settings) -> dict[str, Any]:
     """The effective configuration as JSON-ready data, secrets masked: SecretStr as ``**********``,
     the password of every Redis URL as ``***``."""
     data = settings.model_dump(mode="json")  # SecretStr dumps as '**********'
-    for k in ("url", "default_url"):
-        if data["redis"][k]:
-            data["redis"][k] = mask_url(data["redis"][k])
+    for group, values in data.items():
+        for k, v in (values.items() if isinstance(values, dict) else ()):
+            if _url_key((group, k)) and isinstance(v, str) and v:
+                values[k] = mask_url(v)
     return data
 
 

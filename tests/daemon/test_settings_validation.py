@@ -310,3 +310,23 @@ def test_a_non_ascii_api_key_is_refused_by_name(monkeypatch):
         load_settings()
     monkeypatch.setenv("DRAFTD_SERVE__API_KEY", "k3y-e_!~")
     assert load_settings().serve.api_key.get_secret_value() == "k3y-e_!~"
+
+
+def test_effective_and_repr_mask_the_settings_url_key_names(monkeypatch):
+    """effective() and RedisSettings' repr kept their own ("url", "default_url") list beside
+    _url_key, the test every error message masks by: both follow _url_key now, so a URL setting
+    added there is masked everywhere at once."""
+    from daemon import settings as settings_mod
+    from daemon.settings import RedisSettings, Settings, effective
+
+    url = "redis://u:hunter2@h:6379/0"
+    s = Settings(redis={"url": url, "default_url": url}, serve={"server_id": url})
+    real = effective(s)
+    assert real["redis"]["url"] == real["redis"]["default_url"] == "redis://u:***@h:6379/0"
+    assert real["serve"]["server_id"] == url  # not a URL setting
+    assert "hunter2" not in repr(RedisSettings(url=url, default_url=url))
+    monkeypatch.setattr(settings_mod, "_url_key", lambda loc: tuple(loc) in (("redis", "url"), ("serve", "server_id")))
+    moved = effective(s)
+    assert moved["serve"]["server_id"] == "redis://u:***@h:6379/0" and moved["redis"]["default_url"] == url
+    shown = repr(RedisSettings(url=url, default_url=url))
+    assert shown.count("hunter2") == 1 and "u:***@h" in shown, shown
