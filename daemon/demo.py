@@ -710,7 +710,7 @@ def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: i
         "tokens": m["output_tokens"], "latency_ms": m["latency_ms"], "http_ms": round(wall_ms, 1),
         "tokens_per_s": round(m["output_tokens"] / m["latency_ms"] * 1e3, 3) if m["latency_ms"] else None,
         "shift_alarm": len(loop.tracker.alarms) > alarms, "rollback": rb.reason if rb else None,
-        "decision": _why_words(m.get("why")), "proposed": m.get("proposed_tokens"),
+        "decision": m.get("why"), "proposed": m.get("proposed_tokens"),
     }
 
 
@@ -994,7 +994,7 @@ class _PhaseEval:
         pick = self.controller.decision((phase, self.params.bucket())) if self.controller is not None else {}
         pick_g = int(pick.get("gamma") or 0)
         pick_p = pick.get("proposer") if pick_g else None
-        row["controller_pick"] = {"proposer": pick_p, "gamma": pick_g, "why": _why_words(pick.get("why")),
+        row["controller_pick"] = {"proposer": pick_p, "gamma": pick_g, "why": pick.get("why"),
                                   "priced_vs_plain": _priced(pick, pick_p, pick_g),
                                   "t_plain_ms": pick.get("t_plain_ms")}  # the plain step its `why` prices on
         return pick_g, pick_p
@@ -1405,23 +1405,6 @@ def _nn(x):
     return nan_none(x, 4)
 
 
-_ONE_REQUEST_BOUND = re.compile(
-    r"the best, (?P<who>\S+ γ=\d+) [\d.]+ tok/ms, is [\d.]+x plain (?P<plain>[\d.]+), but the (?P<pct>[^ ]+) % lower "
-    r"bound of that ratio is [^(]*\(1 request measured: not yet enough to tell from plain; config\.confidence\)")
-
-
-def _why_words(why):
-    """The controller's ``why`` (decoder.control) as the demo prints and stores it: a candidate
-    measured on one request reads "not measured yet", not a ratio to plain and a lower bound
-    "below 0.01x, i.e. none yet" taken from that one request. Anything else (None included) is
-    returned unchanged; a text already rewritten is left as it is."""
-    if not isinstance(why, str):
-        return why
-    return _ONE_REQUEST_BOUND.sub(
-        lambda m: (f"the best, {m['who']}, is not measured yet (1 request: no ratio to plain {m['plain']} tok/ms, "
-                   f"nor its {m['pct']} % lower bound, from one request; config.confidence)"), why)
-
-
 def _brief(reason, n: int = 160) -> str:
     """``reason`` cut to about ``n`` characters at its last clause or word boundary, marked "…"."""
     text = str(reason or "")
@@ -1469,7 +1452,7 @@ def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
     if heads is not None:
         h = (st.get("heads") or {}).get("last") or {}
         t.add_row("head (eagle)", f"v{heads.route(phase)}; last turn: {h.get('decision', '-')} {_brief(h.get('reason'))}")
-    t.add_row("speculation", _why_words(controller.decision(key).get("why", "-")))
+    t.add_row("speculation", controller.decision(key).get("why", "-"))
     turns = last.get("scopes") or {}  # per_workload: each workload's own turn
     if turns and last.get("decision") == "idle":
         what = "; ".join(f"{w} {sr.get('decision', '-')} {_brief(sr.get('reason'))}" for w, sr in sorted(turns.items()))
@@ -1867,7 +1850,7 @@ def _phase_notes(report: dict, console) -> None:
     """Per phase: the controller's reason (and its pick's price against its result), the learner at
     the phase end, each version's verdict, repeats."""
     for r in report["phases"]:
-        console.print(f"  {r['workload']}: controller — {_why_words(r['controller_pick']['why'])}{_price_and_result(r)}")
+        console.print(f"  {r['workload']}: controller — {r['controller_pick']['why']}{_price_and_result(r)}")
         later = _turns_later(report, r["workload"])
         if later:
             console.print(f"  {r['workload']}: {later}")

@@ -1022,6 +1022,10 @@ class GoodputController:
         rse = self._ratio_rse(ev.get("rel_se"), top, ("plain", 0))
         low = self._lower(rate, plain, rse)
         n = ev.get("requests_measured", {}).get(top[0], 0)
+        if n < 2:  # no spread between requests yet, so no bound: no ratio "below 0.01x" from one request
+            return (f"off: the best, {top[0]} γ={top[1]} {rate:.3f} tok/ms, is {rate / plain:.2f}x plain {plain:.3f} on "
+                    f"{_requests(n)}: too few for its {percent(self.config.confidence)} % lower bound (it needs the "
+                    f"spread between 2 or more requests; config.confidence)")
         more = (f"its last {n} requests measured: within noise of plain" if n >= _Clusters.KEEP
                 else f"{_requests(n)} measured: not yet enough to tell from plain")
         bound = f"is {low:.2f}x" if low >= 0.01 else "is below 0.01x, i.e. none yet"  # 2-3 requests: t is 6.3-2.9

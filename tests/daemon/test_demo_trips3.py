@@ -193,27 +193,23 @@ def test_the_pick_records_the_plain_step_its_why_was_priced_on():
 
 # 4. no ratio from one request ------------------------------------------------------------------------------
 
-def test_a_candidate_measured_on_one_request_reads_not_measured_yet():
+def test_a_candidate_measured_on_one_request_gives_no_bound():
     """bb6e662's re-measured decisions read "is 1.06x plain 0.085, but the 95 % lower bound of that
-    ratio is below 0.01x, i.e. none yet (1 request measured ...)". The controller's own text
-    (decoder.control), rewritten where the demo prints and stores it."""
+    ratio is below 0.01x, i.e. none yet (1 request measured ...)": a bound from one request, which
+    has none (no spread between requests). The controller (decoder.control) now says so, and the
+    demo prints its words as they are."""
     from decoder.control import ControllerConfig, GoodputController
 
     ctl = GoodputController(ControllerConfig())
     ev = {"rel_se": {("ngram", 4): math.inf, ("plain", 0): 0.05}, "requests_measured": {"ngram": 1}}
-    raw = ctl._unsure(("ngram", 4), 0.091, 0.085, ev)
-    assert "below 0.01x, i.e. none yet (1 request measured" in raw, raw  # the text this rewrites
-    said = demo._why_words(raw)
-    assert said == ("off: the best, ngram γ=4, is not measured yet (1 request: no ratio to plain 0.085 tok/ms, nor its "
-                    "95 % lower bound, from one request; config.confidence)"), said
-    assert demo._why_words(said) == said and demo._why_words(None) is None
-    # two requests or more: the controller's words stand
-    ev["requests_measured"]["ngram"] = 3
-    three = ctl._unsure(("ngram", 4), 0.091, 0.085, ev)
-    assert demo._why_words(three) == three
-    # where the demo prints it: the picks' notes
-    text = _printed({"phases": [_phase("extract", controller_pick={"why": raw})]})
-    assert "extract: controller — off: the best, ngram γ=4, is not measured yet (1 request" in text and "0.01x" not in text
+    one = ctl._unsure(("ngram", 4), 0.091, 0.085, ev)
+    assert one == ("off: the best, ngram γ=4 0.091 tok/ms, is 1.07x plain 0.085 on 1 request: too few for its 95 % "
+                   "lower bound (it needs the spread between 2 or more requests; config.confidence)"), one
+    ev["requests_measured"]["ngram"] = 3  # two requests or more: the bound, as before
+    assert "but the 95 % lower bound of that ratio is" in ctl._unsure(("ngram", 4), 0.091, 0.085, ev)
+    text = _printed({"phases": [_phase("extract", controller_pick={"why": one})]})
+    assert "extract: controller — off: the best, ngram γ=4 0.091 tok/ms, is 1.07x plain 0.085 on 1 request" in text
+    assert "0.01x" not in text
 
 
 # 5. a promotion that lowered another workload, within the trainer's tolerance ------------------------------
