@@ -947,7 +947,7 @@ class _PhaseEval:
         self.heldout_side(row, phase, final_state)
         pick_g, pick_p = self.controller_pick(row, phase)
         ps = _prompts(phase, cfg.eval_prompts)
-        runs = self.runs(pick_g, pick_p)
+        runs = self.runs(pick_g, pick_p, row["controller_pick"].get("runner_up"))
         self.console.log(f"evaluating {phase} on {len(ps)} prompts never served: plain, frozen, adapted draft, "
                          + (f"the pick ({pick_p} γ={pick_g})" if pick_g else "the pick (plain: speculation off)"))
         tot, per_prompt, differs, peer_runs = self.decode_side(phase, ps, runs, final)
@@ -997,10 +997,16 @@ class _PhaseEval:
         row["controller_pick"] = {"proposer": pick_p, "gamma": pick_g, "why": pick.get("why"),
                                   "priced_vs_plain": _priced(pick, pick_p, pick_g),
                                   "t_plain_ms": pick.get("t_plain_ms")}  # the plain step its `why` prices on
+        if not pick_g:
+            up = _runner_up(pick)
+            if up is not None:
+                row["controller_pick"]["runner_up"] = up
         return pick_g, pick_p
 
-    def runs(self, pick_g: int, pick_p: str | None) -> tuple:
-        """The decoded rows: (name, decoder, γ, proposer) each."""
+    def runs(self, pick_g: int, pick_p: str | None, runner_up: dict | None = None) -> tuple:
+        """The decoded rows: (name, decoder, γ, proposer) each; with a plain pick's ``runner_up``
+        (:func:`_runner_up`) its row too, ``"runner_up"``: what speculation the controller left
+        off would have run on the same prompts."""
         cfg, decoder, frozen = self.cfg, self.decoder, self.frozen
         runs = (("plain", decoder, 0, None), ("frozen", frozen, cfg.eval_gamma, "draft"),
                 ("adapted_draft", decoder, cfg.eval_gamma, "draft"))
@@ -1008,6 +1014,8 @@ class _PhaseEval:
             runs += (("adapted_nogate", decoder, cfg.eval_gamma, "draft"), ("frozen_fixedgate", frozen, cfg.eval_gamma, "draft"))
         if pick_g:  # a plain pick is the plain run itself (no second measurement of the same thing)
             runs += (("adapted", decoder, pick_g, pick_p),)
+        elif runner_up is not None:
+            runs += (("runner_up", decoder, runner_up["gamma"], runner_up["proposer"]),)
         if self.frozen_head is not None and decoder.eagle_head is not None:
             runs += (("frozen_head", decoder, cfg.head_gamma, "eagle"), ("adapted_head", decoder, cfg.head_gamma, "eagle"))
         return runs
@@ -1124,7 +1132,7 @@ def _decoded_rows(row: dict, runs, tot: dict, differs: dict, n_prompts: int) -> 
     if "adapted" not in row:
         row["adapted"] = {**row["plain"], "same_run_as": "plain"}
     for name in ("frozen", "adapted_draft", "adapted", "frozen_head", "adapted_head", "adapted_nogate",
-                 "frozen_fixedgate"):
+                 "frozen_fixedgate", "runner_up"):
         if name in row:
             row[name]["speedup_vs_plain"] = round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3)
 
@@ -1797,6 +1805,26 @@ def _priced(decision: dict, proposer: str | None, gamma: int) -> float | None:
     return round(rate / plain, 3) if rate else None
 
 
+def _runner_up(decision: dict) -> dict | None:
+    """A plain pick's best speculative candidate other than the draft (whose rows the evaluation
+    decodes anyway), as the controller rated it: ``{"proposer", "gamma", "priced_vs_plain"}``, or
+    None (no such candidate, or none rated). The demo decodes it on the same never-served prompts,
+    so a speculation left off is shown for what it would have run (a walkthrough's extract phase
+    served the n-gram proposer on most requests, left it off for the evaluation, and nothing said
+    how it would have run)."""
+    plain = (decision.get("tokens_per_ms") or {}).get(0)
+    best = None
+    for name, rates in (decision.get("tokens_per_ms_by_proposer") or {}).items():
+        if name == "draft":
+            continue
+        for g, rate in (rates or {}).items():
+            if int(g) > 0 and rate is not None and (best is None or rate > best[2]):
+                best = (name, int(g), rate)
+    if best is None or not plain:
+        return None
+    return {"proposer": best[0], "gamma": best[1], "priced_vs_plain": round(best[2] / plain, 3)}
+
+
 def _price_with_prefill(pick: dict, prefill_ms: float, plain_ms: float) -> None:
     """Adds to ``pick`` (a row's ``controller_pick``) its price as a whole request would see it:
     plain decoding spent ``plain_ms`` on the evaluation's prompts, ``prefill_ms`` of it prefilling
@@ -1813,8 +1841,11 @@ def _price_with_prefill(pick: dict, prefill_ms: float, plain_ms: float) -> None:
 
 
 def _price_and_result(r: dict) -> str:
-    """"priced at 1.45x plain, ran 0.98x [0.92, 1.05] on the never-served prompts", or ""."""
+    """"priced at 1.45x plain, ran 0.98x [0.92, 1.05] on the never-served prompts", or "" (a plain
+    pick: its runner-up's line, :func:`_runner_up_result`, or "")."""
     pick = r["controller_pick"]
+    if pick.get("runner_up"):
+        return _runner_up_result(r)
     priced = pick.get("priced_vs_plain")
     ran = (r.get("speed_vs_plain_ci") or {}).get("adapted")
     if priced is None or not ran:
@@ -1829,6 +1860,20 @@ def _price_and_result(r: dict) -> str:
     return (f"; priced at {priced:.2f}x plain decoding per decoding step (on the phase's traffic, its prefill apart: "
             f"both sides pay the same prefill, which brings a ratio toward 1), it ran {ran['ratio']:.2f}x "
             f"{_interval(ran)} on the {r.get('eval_prompts', '?')} never-served prompts, prefill included")
+
+
+def _runner_up_result(r: dict) -> str:
+    """"; left off: ngram γ=4, priced at 1.11x plain, ran 1.02x [0.95, 1.09] ..." for a plain pick
+    whose runner-up was decoded, or ""."""
+    up = r["controller_pick"].get("runner_up")
+    ran = (r.get("speed_vs_plain_ci") or {}).get("runner_up")
+    if not up or not ran:
+        return ""
+    verdict = ("leaving it off cost speed" if ran["low"] > 1.0 else "leaving it off cost nothing measurable"
+               if ran["high"] >= 1.0 else "leaving it off was right")
+    return (f"; left off, {up['proposer']} γ={up['gamma']} (priced at {up['priced_vs_plain']:.2f}x plain decoding per "
+            f"decoding step) ran {ran['ratio']:.2f}x {_interval(ran)} of plain on the {r.get('eval_prompts', '?')} "
+            f"never-served prompts, prefill included: {verdict}")
 
 
 def _turns_later(report: dict, workload: str) -> str:

@@ -279,3 +279,35 @@ def test_the_remeasurements_alarm_counts_are_named_and_an_older_reports_pair_sti
     assert new == old and new.count("during the re-measurement with the trainer stopped") == 1, new
     assert demo._remeasured_alarms({"remeasured": {"alarms": {"before": 2, "after": 2}}}, 5) == (2, 2)
     assert demo._remeasured_alarms({}, 3) == (3, 3)
+
+
+# the walkthrough at 302b64b, trip 4: a speculation left off, decoded anyway -----------------------------------
+
+def test_a_plain_picks_runner_up_is_decoded_and_reported_with_its_verdict():
+    """302b64b's extract phase served the n-gram proposer on 140 of 164 requests; the re-measurement
+    left it off (1.11x, lower bound 0.83x), the evaluation decoded plain, and nothing said how the
+    n-gram would have run. The runner-up: the best non-draft candidate of the plain pick's rates
+    (0.092 / 0.082 = 1.122x), decoded as ``runner_up`` and reported beside the pick, with a verdict
+    read off its paired interval against 1."""
+    decision = {"gamma": 0, "tokens_per_ms": {0: 0.082, 3: 0.05},
+                "tokens_per_ms_by_proposer": {"ngram": {1: 0.07, 4: 0.092, 2: None}, "draft": {3: 0.2}}}
+    up = demo._runner_up(decision)
+    assert up == {"proposer": "ngram", "gamma": 4, "priced_vs_plain": round(0.092 / 0.082, 3)}, up
+    assert demo._runner_up({"tokens_per_ms": {0: 0.08}, "tokens_per_ms_by_proposer": {"draft": {3: 0.2}}}) is None
+    ev = demo._PhaseEval.__new__(demo._PhaseEval)
+    ev.cfg, ev.decoder, ev.frozen, ev.frozen_head = demo.DemoConfig(), "dec", "frz", None
+    names = [r[0] for r in ev.runs(0, None, up)]
+    assert names[-1] == "runner_up" and "adapted" not in names
+    assert [r for r in ev.runs(0, None, up) if r[0] == "runner_up"] == [("runner_up", "dec", 4, "ngram")]
+    assert "runner_up" not in [r[0] for r in ev.runs(2, "ngram", up)]  # a speculative pick is decoded itself
+    for (lo, hi), verdict in {(0.95, 1.09): "leaving it off cost nothing measurable", (1.03, 1.2): "leaving it off "
+                              "cost speed", (0.8, 0.97): "leaving it off was right"}.items():
+        ph = _phase("extract", controller_pick={"why": "off: ...", "gamma": 0, "runner_up": up}, eval_prompts=8,
+                    runner_up=_row(matches_plain="8/8"),
+                    speed_vs_plain_ci={"runner_up": {"ratio": round((lo + hi) / 2, 3), "low": lo, "high": hi}})
+        text = _printed({"phases": [ph]})
+        assert (f"extract: controller — off: ...; left off, ngram γ=4 (priced at 1.12x plain decoding per decoding "
+                f"step) ran {(lo + hi) / 2:.2f}x [{lo:.2f}, {hi:.2f}] of plain on the 8 never-served prompts, prefill "
+                f"included: {verdict}") in text, text
+    # its outputs count in the lossless line like every speculative run's
+    assert "greedy outputs equal to plain decoding: 24 of 24" in text
