@@ -485,15 +485,13 @@ class LlamaCppEngine:
                     # (llama-batch.cpp: "embeddings required but some input tokens were not marked
                     # as outputs -> overriding"), so llama_get_logits holds len(chunk) rows: pick
                     # the wanted ones by their batch position, as llama_get_embeddings_ith does.
-                    want = range(len(chunk) - outs, len(chunk))
-                    rows.append(np.stack([self._row(L.llama_get_logits_ith(self.ctx, i), self.n_out, i)
-                                          for i in want]))
+                    want = slice(len(chunk) - outs, len(chunk))
+                    rows.append(self._outputs(L.llama_get_logits(self.ctx), len(chunk), self.n_out)[want].copy())
                     if hidden:
-                        hs.append(np.stack([self._row(L.llama_get_embeddings_ith(self.ctx, i), self.hidden_size, i)
-                                            for i in want]))
+                        hs.append(self._outputs(L.llama_get_embeddings(self.ctx), len(chunk),
+                                                self.hidden_size)[want].copy())
                 else:
-                    rows.append(np.ctypeslib.as_array(L.llama_get_logits(self.ctx),
-                                                      shape=(outs, self.n_out)).copy())
+                    rows.append(self._outputs(L.llama_get_logits(self.ctx), outs, self.n_out).copy())
         logits = torch.from_numpy(self._full_logits(rows[0] if len(rows) == 1 else np.concatenate(rows)))
         if hidden:
             return logits, torch.from_numpy(np.concatenate(hs))
@@ -553,22 +551,20 @@ class LlamaCppEngine:
             size += n
         b = self._batch
         for g in groups:
-            i = 0
-            outs: list[tuple[int, list[int]]] = []
+            i = wanted_rows = 0
+            firsts: list[tuple[int, int]] = []  # (item, its first wanted row in the output buffers)
             for j in g:
                 seq, tokens, keep = items[j]
-                rows = []
                 self._fill_inputs(b, i, tokens)
+                # with extraction on llama.cpp outputs every row (see _decode_locked): rows by batch position
+                firsts.append((j, i + len(tokens) - keep if self._emb_on else wanted_rows))
+                wanted_rows += keep
                 for k, t in enumerate(tokens):
                     b.pos[i] = seq.length + k
                     b.n_seq_id[i] = 1
                     b.seq_id[i][0] = seq.seq_id
-                    wanted = k >= len(tokens) - keep
-                    b.logits[i] = 1 if wanted else 0
-                    if wanted:
-                        rows.append(i)
+                    b.logits[i] = 1 if k >= len(tokens) - keep else 0
                     i += 1
-                outs.append((j, rows))
             b.n_tokens = i
             rc = llama_call(L.llama_decode, self.ctx, b)
             if rc != 0:
@@ -576,19 +572,26 @@ class LlamaCppEngine:
                     self._cells.pop(items[j][0].seq_id, None)
                 raise EngineError(f"llama_decode returned {rc} (1: no KV slot; <0: error) for a batch of "
                                   f"{len(g)} sequences, {i} tokens")
-            for j, rows in outs:
+            n_rows = i if self._emb_on else wanted_rows
+            logits = self._outputs(L.llama_get_logits(self.ctx), n_rows, self.n_out)
+            hid = self._outputs(L.llama_get_embeddings(self.ctx), n_rows, self.hidden_size) if hidden else None
+            for j, r in firsts:  # each sequence's rows: one copy of its own (none holds its mates' rows)
                 seq, tokens, keep = items[j]
                 seq.length += len(tokens)
                 self._record(seq, tokens)
-                logits = torch.from_numpy(self._full_logits(np.stack([self._row(L.llama_get_logits_ith(self.ctx, r),
-                                                                                self.n_out, r) for r in rows])))
-                if hidden:
-                    hid = torch.from_numpy(np.stack([self._row(L.llama_get_embeddings_ith(self.ctx, r),
-                                                               self.hidden_size, r) for r in rows]))
-                    out[j] = (logits, hid)
-                else:
-                    out[j] = logits
+                rows = torch.from_numpy(self._full_logits(logits[r: r + keep].copy()))
+                out[j] = (rows, torch.from_numpy(hid[r: r + keep].copy())) if hidden else rows
         return out
+
+    @staticmethod
+    def _outputs(ptr, n: int, width: int) -> np.ndarray:
+        """A view, (n, width) float32, of the first ``n`` rows of a llama.cpp output buffer
+        (``llama_get_logits`` / ``llama_get_embeddings``: the outputs in the batch's order, which
+        llama.cpp restores when it computed them in another). The next decode overwrites it: copy
+        what is kept before then."""
+        if not ptr:
+            raise EngineError(f"llama.cpp returned no output buffer for {n} rows")
+        return np.ctypeslib.as_array(ptr, shape=(n, width))
 
     def _record(self, seq: LlamaCppSequence, tokens) -> None:
         """The prompt cache's record of ``seq``'s cells after ``tokens`` were decoded into them."""
@@ -599,12 +602,6 @@ class LlamaCppEngine:
                 self._ends.setdefault(seq.seq_id, []).append(seq.length)
         else:  # out of step with the cells (never expected): unknown, never reused
             self._cells.pop(seq.seq_id, None)
-
-    @staticmethod
-    def _row(ptr, width: int, i: int) -> np.ndarray:
-        if not ptr:
-            raise EngineError(f"llama.cpp returned no output for batch position {i}")
-        return np.ctypeslib.as_array(ptr, shape=(width,)).copy()
 
     # ---- LoRA adapters (GGUF) ----------------------------------------------------------------
     def load_lora(self, key: str, path: str | Path) -> None:

@@ -456,6 +456,39 @@ def test_a_batched_row_equals_the_same_row_decoded_alone_at_every_cache_length(g
             e.close()
 
 
+@needs_llamacpp
+def test_each_sequences_rows_of_a_fused_forward_are_its_own_logits_and_hidden_states(gguf, real):
+    """forward_batch copies each sequence's rows out of llama.cpp's output buffers by their place
+    in the batch: with different keeps, with hidden states (every row an output there) and
+    without, each sequence gets the rows the same blocks give decoded alone, and a copy of its
+    own (a later decode does not change them)."""
+    from decoder.engines.llamacpp import LlamaCppEngine
+
+    ids = _ids(real, 120)
+    blocks = [(ids[0:30], 3), (ids[30:31], 1), (ids[40:55], 15), (ids[60:64], 2)]
+    for hidden in (False, True):
+        be = LlamaCppEngine(gguf, n_ctx=256, threads=2, n_seq=4, embeddings=hidden)
+        alone = LlamaCppEngine(gguf, n_ctx=256, threads=2, embeddings=hidden)
+        try:
+            seqs = [be.start() for _ in blocks]
+            outs = be.forward_batch([(s, b, k) for s, (b, k) in zip(seqs, blocks)], hidden)
+            kept = [o[0].clone() if hidden else o.clone() for o in outs]
+            be.forward_batch([(s, [7], 1) for s in seqs], hidden)  # overwrites llama.cpp's buffers
+            for i, (b, k) in enumerate(blocks):
+                want = alone.start().forward(b, k, hidden)
+                got = outs[i]
+                if hidden:
+                    assert got[0].shape == (k, alone.vocab_size) and got[1].shape == (k, alone.hidden_size)
+                    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (hidden, i)
+                    got = got[0]
+                else:
+                    assert got.shape == (k, alone.vocab_size) and torch.equal(got, want), (hidden, i)
+                assert torch.equal(got, kept[i])
+        finally:
+            be.close()
+            alone.close()
+
+
 def _prefill_then_decode(engine, seq, prompt: list[int], feed, n: int = 8) -> torch.Tensor:
     """Prefill ``prompt[:-1]`` through ``feed(seq, tokens)`` as the decoder's 512-token chunks,
     then greedy-decode ``n`` tokens one at a time: the (n + 1, V) logits."""
