@@ -928,11 +928,33 @@ class SpeculativeDecoder:
         if req.logprobs is not None and block:  # row j emitted block[j], as plain decoding's would
             self.streamed_logprobs.extend(token_logprobs(served[: len(block)], req.params, block, req.logprobs))
         if run.k_rec and block:
-            run.rec_topk.append(topk_rows(logits[: len(block)], run.k_rec))
+            self._record_rows(run, logits[: len(block)])
             if run.rec_hidden:  # row j: the state whose distribution emitted block[j]
                 run.hid_rows.append(hid[: len(block)].detach().to("cpu", torch.float16))
         if run.features and block:  # the input token and the accepted proposals, each with its successor
             run.proposer.features(hid[: len(block)], block)
+
+    @staticmethod
+    def _record_rows(run: _Running, rows: torch.Tensor | None = None) -> None:
+        """The records' top-k of emitted ``rows`` (n, V) (None: of those still pending): computed
+        ``REC_TOPK_ROWS`` rows at a time, since one :func:`~decoder.sampling.topk_rows` call over
+        many rows costs less a row than one a step (its fixed cost is shared), and gives the same
+        bits whatever the grouping. A request's first group is shorter by an amount its sequence id
+        sets, so requests decoded together from the same step do not all take theirs in one step.
+        Rows that are part of a larger tensor (a verification's γ + 1 rows of which fewer were
+        emitted) are copied, so what waits is the emitted rows only."""
+        if rows is not None:
+            if rows.untyped_storage().nbytes() > 2 * rows.numel() * rows.element_size():
+                rows = rows.clone()
+            run.rec_pending.append(rows)
+            run.rec_pending_n += rows.shape[0]
+            stagger = 0 if run.rec_topk else 7 * getattr(run.tcache, "seq_id", 0) % max(1, REC_TOPK_ROWS // 2)
+            if run.rec_pending_n < REC_TOPK_ROWS - stagger:
+                return
+        if run.rec_pending:
+            pending = run.rec_pending[0] if len(run.rec_pending) == 1 else torch.cat(run.rec_pending)
+            run.rec_topk.append(topk_rows(pending, run.k_rec))
+            run.rec_pending, run.rec_pending_n = [], 0
 
     def _accept(self, run: _Running, block: list[int]) -> None:
         """The emitted ``block`` joins the output and the context; the constraint and the n-gram
@@ -957,6 +979,7 @@ class SpeculativeDecoder:
         if req.logprobs is not None:
             result.logprobs = list(self.streamed_logprobs)
         if self.sink is not None and run.out:
+            self._record_rows(run)  # the rows still pending
             if prompt_rows is not None:
                 self._emit_prefill(req, result, prompt_rows, run.started_wall)
             self._emit(req, result, run.rec_topk, run.started_wall, run.hid_rows if run.rec_hidden else None)
@@ -1121,6 +1144,8 @@ class _Running:
     steps: list[StepStats] = field(default_factory=list)
     counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts(num_requests=1))
     rec_topk: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    rec_pending: list[torch.Tensor] = field(default_factory=list)  # emitted rows whose top-k is not taken yet
+    rec_pending_n: int = 0  # their rows
     hid_rows: list[torch.Tensor] = field(default_factory=list)
     cached: int = 0  # prompt tokens the prompt cache kept in the target's cells
     first_logits: torch.Tensor | None = None  # (1, V): the prefill's last row, the first token's (_prefill)
@@ -1132,6 +1157,9 @@ class _PrefillCancelled(Exception):
 
 
 _PROMPT_CHUNK = 256  # rows of prompt logits materialised at once when recording the prompt
+# emitted rows whose records' top-k is taken in one call (SpeculativeDecoder._record_rows): at most
+# this many (n, V) float32 rows wait per request (3 MB at V = 49152)
+REC_TOPK_ROWS = 16
 # prompt tokens per prefill call; between two, a cancelled request stops (issue 37 item 2: a
 # request past serve.request_timeout_s, or whose client left, no longer holds the decoder for the
 # rest of a long prompt's prefill). Prompts up to it prefill in one call, as before.

@@ -258,13 +258,15 @@ def test_heuristic_gamma_schedule():
     assert h.gamma() == 1
 
 
-def test_sink_receives_exact_target_topk(target, other_draft, tok):
+@pytest.mark.parametrize("n", [12, 40])  # 40: past speculative.REC_TOPK_ROWS, the rows' top-k taken in groups
+def test_sink_receives_exact_target_topk(target, other_draft, tok, n):
     got = []
     fp = PairFingerprint("tiny-t", "tiny-d", "chars")
     dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=4), sink=got.append,
                              pair_fingerprint=fp)
     ids = enc(tok, "abc")
-    res = dec.generate(DecodeRequest(ids, max_new_tokens=12, gamma=3, ignore_eos=True, workload="w"))
+    res = dec.generate(DecodeRequest(ids, max_new_tokens=n, gamma=3, ignore_eos=True, workload="w"))
+    assert len(res.output_ids) == n and len(got[0].topk_ids) == n
     (rec,) = got
     assert rec.output_ids.tolist() == res.output_ids
     assert rec.proposal_lens.tolist() == [s.proposed for s in res.steps]
@@ -277,6 +279,30 @@ def test_sink_receives_exact_target_topk(target, other_draft, tok):
         assert rec.topk_ids[j].tolist() == top.indices.tolist()
         assert np.allclose(rec.topk_probs[j].astype(np.float32), top.values.numpy(), atol=1e-3)
         assert rec.tail_mass[j] == pytest.approx(1 - float(top.values.sum()), abs=1e-4)
+
+
+def test_records_are_the_same_bits_whatever_rows_their_top_k_is_taken_over(target, other_draft, tok, monkeypatch):
+    """The records' top-k is taken over several emitted rows at once (``REC_TOPK_ROWS``): row by
+    row, in groups of 7 and of 16, a request's records are identical, cancelled mid-way too."""
+    import decoder.speculative as spec
+
+    def records(group: int, cancel_at: int | None = None):
+        monkeypatch.setattr(spec, "REC_TOPK_ROWS", group)
+        got = []
+        dec = SpeculativeDecoder(target, other_draft, tok, DecoderConfig(topk_record=8), sink=got.append,
+                                 pair_fingerprint=PairFingerprint("tiny-t", "tiny-d", "chars"))
+        seen = []
+        stop = (lambda ids: seen.extend(ids) or len(seen) < cancel_at) if cancel_at else None
+        dec.generate(DecodeRequest(enc(tok, "def add(a, b):"), max_new_tokens=37, gamma=2, ignore_eos=True), on_step=stop)
+        (rec,) = got
+        return rec.output_ids, rec.topk_ids, rec.topk_probs, rec.tail_mass
+
+    for cancel_at in (None, 20):
+        one = records(1, cancel_at)
+        assert len(one[1]) == len(one[0]) == (37 if cancel_at is None else len(one[0])) and len(one[0]) >= 20
+        for group in (7, 16):
+            other = records(group, cancel_at)
+            assert all(np.array_equal(a, b) for a, b in zip(one, other)), (group, cancel_at)
 
 
 def test_bad_request_errors_name_the_value():
