@@ -362,7 +362,12 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     if short:  # only the minimums not met (a walkthrough read "need min_eval_requests=8" of 8 requests)
         return Verdict(False, f"not enough evidence {head}: {'; '.join(short)}", pg, worse)
     if not pg.gain >= cfg.promote_margin:
-        return Verdict(False, f"{head}: the gain is below promote_margin {cfg.promote_margin}", pg, worse)
+        # a walkthrough read "α at T=1 0.432 -> 0.438: the gain is below promote_margin 0.0" as a typo:
+        # the gain judged is acceptance as served, which fell while α at T=1 rose
+        fell = ("; it fell while α at T=1 rose: the gate judges acceptance as served, what the decoder sees"
+                if pg.gain < 0 and a.alpha > b.alpha else "")
+        return Verdict(False, f"{head}: its gain as served, {pg.gain:+.4f}, is below promote_margin "
+                              f"{cfg.promote_margin:g}{fell}", pg, worse)
     if not pg.low > 0:
         return Verdict(False, f"{head}: the interval's lower bound is not above 0", pg, worse)
     return Verdict(True, f"{head}: gain >= promote_margin {cfg.promote_margin}, lower bound > 0; "

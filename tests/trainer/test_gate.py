@@ -108,7 +108,14 @@ def test_gate_needs_evidence_and_a_positive_lower_bound():
     assert not v.promote and "need min_eval_positions=1000000" in v.reason and "min_eval_requests" not in v.reason
     # Below the margin (point estimate).
     v = gate(before, _eval({"prose": [0.505] * 10, "code": [0.6] * 10}), {"prose"}, cfg)
-    assert not v.promote and not v.worse and "below promote_margin 0.01" in v.reason
+    assert not v.promote and not v.worse and "its gain as served, +0.0050, is below promote_margin 0.01" in v.reason
+    assert "it fell while" not in v.reason
+    # served acceptance a hair lower while α at T=1 rose, with no margin (the demo's gate): says which was judged
+    zero = ServiceConfig(min_eval_samples=4, min_eval_requests=8, min_eval_positions=80, promote_margin=0.0)
+    v = gate(before, _eval({"prose": [0.53, 0.468] * 5, "code": [0.6] * 10}, alpha_t1={"prose": [0.51] * 10,
+                                                                               "code": [0.6] * 10}), {"prose"}, zero)
+    assert not v.promote and (": its gain as served, -0.0010, is below promote_margin 0; it fell while α at T=1 rose: "
+                              "the gate judges acceptance as served, what the decoder sees") in v.reason, v.reason
 
 
 def test_gate_marks_worse_candidates():

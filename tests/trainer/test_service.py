@@ -97,7 +97,7 @@ def test_rejected_candidate_is_registered_with_reason(env, train_samples):
     write(client, cfg, train_samples)
     svc = make_service(env, promote_margin=2.0)  # alpha cannot rise by 2
     rep = svc.run_round_now()
-    assert rep.decision == "rejected" and "below promote_margin 2.0" in rep.reason
+    assert rep.decision == "rejected" and "is below promote_margin 2" in rep.reason
     rec = registry.get(rep.version)
     assert rec.state == "rejected" and "promote_margin" in rec.reason
     assert registry.active_version() == 0 and pending(client, cfg) == 0
