@@ -345,9 +345,27 @@ class _LengthModel:
     tokens: dict[int, _Ewma] = field(default_factory=dict)
     draft_ms: _Ewma = field(default_factory=_Ewma)
     steps: int = 0
+    # its steps that proposed nothing (no match: one verified row, a plain step), weighted as its
+    # step_ms: the plain step at the moments its own steps ran (:meth:`at_load`)
+    base_ms: _Ewma = field(default_factory=_Ewma)
+
+    def at_load(self, ms: float, plain_now: float, min_steps: int) -> float:
+        """``ms`` (one of its step costs) at the load of ``plain_now`` (plain decoding's step as the
+        controller reads it now): ``ms`` x ``plain_now`` / :attr:`base_ms` once ``min_steps`` of
+        its steps proposed nothing, else ``ms`` as measured. Plain decoding's step follows the load
+        step by step, a proposer's costs request by request; under a load that moves within
+        seconds the two were read at different loads (an n-gram pick priced at 2.42x plain per step
+        against a plain step read at a load peak ran 0.88x llama.cpp's plain: bench/RESULTS.md,
+        "Thirteenth session"). Its own plain steps, read with the same weights at the same
+        moments as its other steps, cancel the load in the ratio."""
+        b = self.base_ms
+        if b.n < max(1, min_steps) or not b.value > 0 or not plain_now > 0:
+            return ms
+        return ms * plain_now / b.value
 
     def observe(self, asked: int, accepted: int, model_ms: float, draft_ms: float, w: float,
-                w_len: float | None = None, now: float | None = None, half_life: float | None = None) -> None:
+                w_len: float | None = None, now: float | None = None, half_life: float | None = None,
+                proposed: int | None = None) -> None:
         """One step: ``w_len`` (default ``w``) weighs its accepted length and its costs alike, a
         young estimate being the plain mean of its steps until that weighs less than ``w_len``.
         ``now`` and ``half_life`` (seconds) age the costs and the tokens they are divided into,
@@ -374,6 +392,8 @@ class _LengthModel:
         e = self.tokens.setdefault(asked, _Ewma())  # the same weights as its step_ms: one ratio over the same steps
         e.add(min(max(accepted, 0), asked) + 1.0, max(wl, 1.0 / (e.n + 1)), now, half_life)
         self.draft_ms.add(draft_ms, max(wl, 1.0 / (self.draft_ms.n + 1)), now, half_life)
+        if proposed == 0:  # a step that verified one row: a plain step, at this moment's load
+            self.base_ms.add(model_ms - draft_ms, max(wl, 1.0 / (self.base_ms.n + 1)), now, half_life)
         self.steps += 1
 
     def p_ge(self, j: int) -> float:
@@ -521,7 +541,7 @@ class GoodputController:
                 s.overhead_ms = _Ewma()
                 s.draft_ms_per_token = _Ewma()
                 for m in s.lengths.values():
-                    m.ge, m.step_ms, m.tokens, m.draft_ms, m.steps = [], {}, {}, _Ewma(), 0
+                    m.ge, m.step_ms, m.tokens, m.draft_ms, m.steps, m.base_ms = [], {}, {}, _Ewma(), 0, _Ewma()
                 s.clusters = {n: c for n, c in s.clusters.items() if n == DRAFT}
                 s.ceiling_probes, s.last_ceiling_probe, s.last_ceiling_probe_t = 0, 0, None
                 s.warming = {}
@@ -583,7 +603,7 @@ class GoodputController:
                 if asked:
                     s.lengths.setdefault(proposer, _LengthModel()).observe(
                         asked, step.accepted, draft_ms + verify_ms, draft_ms, w, self._request_weight(s, proposer, first),
-                        now, hl)
+                        now, hl, proposed=g)
                 return
             if g:
                 # a young estimate is the plain mean of its steps, until that weighs less than a request
@@ -634,6 +654,7 @@ class GoodputController:
                 g = max(top, key=top.get)
                 ceiling = (g, top[g])
         others: dict[str, dict[int, float]] = {}
+        plain_now = self._verify_cost(s, 0) if 0 in s.verify_ms else math.nan
         for name, m in s.lengths.items():
             if not m.steps:
                 continue
@@ -641,7 +662,8 @@ class GoodputController:
             for g in range(1, c.gamma_max + 1):
                 if g in m.step_ms and m.step_ms[g].n:  # its draft part at ρ_B(1), verification at ρ_B(γ + 1)
                     d = min(m.draft_ms.value, m.step_ms[g].value) if m.draft_ms.n else 0.0
-                    cost = d * rho[1] + (m.step_ms[g].value - d) * rho[g + 1] + o * rho[1]
+                    verify = m.at_load(m.step_ms[g].value - d, plain_now, c.min_steps)  # at plain's load
+                    cost = d * rho[1] + verify * rho[g + 1] + o * rho[1]
                 else:
                     cost = m.draft_ms.value * rho[1] + tv[g]
                 if cost == cost:

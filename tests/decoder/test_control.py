@@ -783,3 +783,38 @@ def test_step_cost_clear_forgets_every_reading():
     c.add(1, 10.0)
     c.add(3, 14.0)
     assert c.ms(3) == pytest.approx(14.0)
+
+
+def test_an_ngram_is_priced_at_plain_decodings_load_through_its_own_plain_steps():
+    """A load that moves within seconds: the n-gram served 8 requests (10 steps each at γ = 2: 5
+    without a match, one row at 10 ms, and 5 copying 2 tokens in 16 ms) before a load spike, then
+    40 plain steps at 20 ms. Plain's step follows the spike step by step (about 19.9 ms), the
+    n-gram's costs request by request (about 13 ms a step, 2 tokens): 2 / 13 against 1 / 19.9 priced
+    it at about 3.1x plain. Its own one-row steps (10 ms, at the moments it ran) put its costs at
+    plain's load: 13 x 19.9 / 10, so its ratio to plain is what it was at one load, 2 x 10 / 13."""
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), gamma_max=2, gamma_init=2, min_steps=8))
+    key = ("extract", "greedy")
+    for r in range(8):
+        for i in range(10):
+            copying = i % 2 == 1
+            st = StepStats(2, 2, 3, -1, 0.0, 0.0, 16.0) if copying else StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0, asked=2)
+            ctl.observe(key, st, proposer="ngram", asked=2, first=i == 0)
+    m, s = ctl._keys[key].lengths["ngram"], ctl._keys[key]
+    assert m.base_ms.value == pytest.approx(10.0) and m.base_ms.n == 40
+    for _ in range(40):
+        ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 20.0))
+    plain_now = s.verify_ms[0].value
+    assert 19.5 < plain_now < 20.0
+    d = ctl.decision(key)
+    rate, plain = d["tokens_per_ms_by_proposer"]["ngram"][2], d["tokens_per_ms"][0]
+    want = m.tokens[2].value / (m.step_ms[2].value * plain_now / 10.0)  # its costs at plain's load now
+    assert rate == pytest.approx(want, rel=1e-3) and plain == pytest.approx(1.0 / plain_now, rel=1e-3)
+    ratio = m.tokens[2].value * 10.0 / m.step_ms[2].value  # the ratio at one load, by hand from its own EWMAs
+    assert rate / plain == pytest.approx(ratio, rel=1e-3) and 1.3 < ratio < 1.8, (rate / plain, ratio)
+    # fewer than min_steps steps without a match: its costs as measured (nothing to put them at plain's load with)
+    few = GoodputController(ControllerConfig(proposers=("ngram",), gamma_max=2, gamma_init=2, min_steps=8))
+    for i in range(4):
+        few.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0, asked=2), proposer="ngram", asked=2, first=i == 0)
+        few.observe(key, StepStats(2, 2, 3, -1, 0.0, 0.0, 16.0), proposer="ngram", asked=2, first=False)
+    f = few._keys[key].lengths["ngram"]
+    assert f.base_ms.n == 4 and f.at_load(13.0, 20.0, 8) == 13.0 and f.at_load(13.0, 20.0, 4) == pytest.approx(26.0)
