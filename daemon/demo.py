@@ -721,6 +721,9 @@ def _finish_serving(trainer: _Trainer, loop, console, remeasure: Callable[[], An
     get their own adapter (:func:`_remeasure`); its result is returned."""
     decoder, manager = loop.decoder, loop.manager
     trainer.ready.wait()  # the warm start has settled (the first phase waited for it) and started the schedule
+    # a walkthrough sat 70 s without a line here: the round in flight, then the re-measurement's requests
+    console.log("stopping the trainer (a round under way finishes first)"
+                + (", then the step costs are measured again with the cores free" if remeasure is not None else ""))
     trainer.svc.stop()  # a running round finishes first
     # A version promoted by that last round is swapped in now, and the watcher stopped, so the
     # "final adapter" evaluated below is the one the decoder runs (no swap mid-evaluation).

@@ -311,3 +311,23 @@ def test_a_plain_picks_runner_up_is_decoded_and_reported_with_its_verdict():
                 f"included: {verdict}") in text, text
     # its outputs count in the lossless line like every speculative run's
     assert "greedy outputs equal to plain decoding: 24 of 24" in text
+
+
+def test_stopping_the_trainer_is_said_before_the_wait():
+    """302b64b's console sat 70 s between "extract ended" and "the trainer stopped" (the round under way, then the
+    re-measurement): a line now says what is happening before the wait, and in that order."""
+    from types import SimpleNamespace as NS
+
+    said, order = [], []
+    console = NS(log=lambda msg: said.append(msg))
+    registry = NS(active_version=lambda: 3, active_versions=lambda: {"": 3})
+    trainer = NS(ready=NS(wait=lambda: None), svc=NS(stop=lambda: order.append(("stop", len(said)))), registry=registry)
+    decoder = NS(adapter_version=3, run_between_requests=lambda: None)
+    loop = NS(decoder=decoder, manager=NS(wait_prepared=lambda *a: None, stop=lambda: None, close=lambda: None),
+              heads=None)
+    assert demo._finish_serving(trainer, loop, console, remeasure=lambda: "measured") == "measured"
+    assert said[0] == ("stopping the trainer (a round under way finishes first), then the step costs are measured "
+                       "again with the cores free") and order == [("stop", 1)]
+    said.clear()
+    demo._finish_serving(trainer, loop, console)
+    assert said[0] == "stopping the trainer (a round under way finishes first)"
