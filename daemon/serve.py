@@ -553,7 +553,8 @@ def _prompt_chars(body: dict, kind: str) -> int:
             p = p[0]
         return len(p) if isinstance(p, str) else 0
     n = 0
-    for m in body.get("messages") or ():
+    msgs = body.get("messages")
+    for m in msgs if isinstance(msgs, list) else ():  # messages: 5 raised TypeError here, a 500 before the parser's 400
         c = m.get("content") if isinstance(m, dict) else None
         if isinstance(c, str):
             n += len(c)

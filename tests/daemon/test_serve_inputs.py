@@ -54,6 +54,15 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(srv, path, raw, param):
     assert body["error"]["message"].startswith(param)
 
 
+@pytest.mark.parametrize("messages", ["5", "true", "1.5", '"hi"', "{}", "null"])
+def test_messages_that_are_not_a_list_are_a_400_naming_the_field(srv, messages):
+    """The break helper's ``"messages": 5`` gave a 500 (TypeError in the prompt's length check, which
+    runs before the parser whenever serve.max_prompt_tokens is set, as it is by default)."""
+    code, body = post(srv, "/chat/completions", f'{{"model": "tiny", "messages": {messages}, "max_tokens": 1}}'.encode())
+    assert code == 400 and body["error"]["param"] == "messages", body
+    assert "give a non-empty list" in body["error"]["message"], body
+
+
 def test_a_paired_surrogate_is_text(srv):
     """An escaped pair (JSON's way to write a character beyond the BMP) is valid: served, not refused."""
     code, body = post(srv, "/completions", b'{"model": "tiny", "prompt": "ab \\ud83d\\ude00", "max_tokens": 2}')
