@@ -702,6 +702,9 @@ def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any
                           f"DRAFTD_SERVE__PROPOSERS='[\"ngram\", \"draft\"]')") from e
 
 
+NAME_LIMIT = 80  # characters of an unknown setting's name echoed in an error (serve.py's NAME_LIMIT for fields)
+
+
 def validation_text(e, group: str | None = None) -> str:
     """A pydantic ValidationError as one line per error, ``  <key> (<its environment variable>):
     <what is wrong> [got <value>]`` (e.g. ``store.url (DRAFTD_STORE__URL): not a setting of the
@@ -732,6 +735,7 @@ def _setting_name(setting: tuple[str, ...], inner: tuple = ()) -> str:
     a list's item as ``serve.proposers[1] (DRAFTD_SERVE__PROPOSERS, a JSON list: item 1)`` (the
     variable holds the whole list; ``DRAFTD_SERVE__PROPOSERS__1`` sets nothing); a union member's
     tag (``constrained-float``) as ``(as constrained-float)`` after the variable."""
+    setting = tuple(x if len(x) <= NAME_LIMIT else x[:NAME_LIMIT] + "..." for x in setting)  # a client's 10k-char name
     key = ".".join(setting) or "settings"
     owner = Settings.model_fields.get(setting[0]) if setting else None
     ann = owner.annotation if owner is not None else None
@@ -762,8 +766,11 @@ def _error_text(err: dict, loc: tuple[str, ...]) -> str:
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
     raw = err.get("input")
-    if _secret_key(loc) or not isinstance(raw, (str, int, float, bool)) or err.get("type") == "missing":
-        return msg  # a secret's value is never quoted, whatever its type or characters
+    if (_secret_key(loc) or not isinstance(raw, (str, int, float, bool)) or err.get("type") == "missing"
+            or err.get("type") == "extra_forbidden"):
+        # a secret's value is never quoted, whatever its type or characters; nor an unknown key's, which
+        # may be a misspelt secret (DRAFTD_SERVE__API_KEYS=sk-... printed the key: break helper)
+        return msg
     if _url_key(loc) and isinstance(raw, str):
         raw = mask_url(raw)
     shown = repr(raw)

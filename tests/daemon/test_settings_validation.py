@@ -330,3 +330,24 @@ def test_effective_and_repr_mask_the_settings_url_key_names(monkeypatch):
     assert moved["serve"]["server_id"] == "redis://u:***@h:6379/0" and moved["redis"]["default_url"] == url
     shown = repr(RedisSettings(url=url, default_url=url))
     assert shown.count("hunter2") == 1 and "u:***@h" in shown, shown
+
+
+@pytest.mark.parametrize("var", ["DRAFTD_SERVE__API_KEYS", "DRAFTD_SERVE__APIKEY", "DRAFTD_API__TOKENS"])
+def test_a_misspelt_setting_never_quotes_its_value(monkeypatch, var):
+    """``DRAFTD_SERVE__API_KEYS=sk-secret123`` printed "not a setting of the serve group ... [got
+    'sk-secret123']": an unknown key may be a misspelt secret, so its value is never quoted."""
+    monkeypatch.setenv(var, "sk-secret123")
+    with pytest.raises(ConfigError) as ei:
+        load_settings()
+    msg = str(ei.value)
+    assert "not a setting of the" in msg and "sk-secret123" not in msg and "[got" not in msg, msg
+
+
+def test_a_long_unknown_setting_name_is_cut_to_80_characters(monkeypatch):
+    """A 10,000-character DRAFTD_SERVE__<name> was echoed whole, twice (33 KB of output)."""
+    name = "X" * 10_000
+    monkeypatch.setenv(f"DRAFTD_SERVE__{name}", "1")
+    with pytest.raises(ConfigError) as ei:
+        load_settings()
+    msg = str(ei.value)
+    assert f"serve.{'x' * 80}... (DRAFTD_SERVE__{'X' * 80}...)" in msg and len(msg) < 2000, msg[:300]
