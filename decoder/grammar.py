@@ -78,6 +78,35 @@ def _check_schema_sizes(node: Any, path: str = "") -> None:
             _check_schema_sizes(v, f"{path}{i}.")
 
 
+UNBOUNDED_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+"""Number keywords llama-cpp-python's converter drops without a word (its ``TODO``): a schema with
+``"minimum": 5, "maximum": 10`` decoded 8738582242312554 under ``"strict": true``. Refused instead."""
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "contains", "not", "if", "then", "else",
+               "propertyNames", "unevaluatedProperties", "unevaluatedItems")  # a schema (or a list of them)
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def _check_schema_keywords(node: Any, path: str = "") -> None:
+    """Refuse the :data:`UNBOUNDED_KEYWORDS` anywhere a subschema can stand (not in property names,
+    ``enum``/``const``/``default`` data)."""
+    if not isinstance(node, dict):
+        return
+    for k in UNBOUNDED_KEYWORDS:
+        if k in node:
+            raise GrammarError(f"{path}{k}: the grammar cannot bound numbers (llama-cpp-python's converter would "
+                               f"ignore {', '.join(UNBOUNDED_KEYWORDS)} without a word); remove it, or list the "
+                               f"allowed values with enum")
+    for k in _SCHEMA_MAPS:
+        if isinstance(node.get(k), dict):
+            for name, sub in node[k].items():
+                _check_schema_keywords(sub, f"{path}{k}.{name}.")
+    for k in _SCHEMA_ONE + _SCHEMA_LISTS:
+        v = node.get(k)
+        for i, sub in enumerate(v if isinstance(v, list) else [v]):
+            _check_schema_keywords(sub, f"{path}{k}.{i}." if isinstance(v, list) else f"{path}{k}.")
+
+
 def schema_to_gbnf(schema: Any) -> str:
     """The GBNF grammar of the JSON documents ``schema`` (a JSON Schema, as a dict) accepts, by
     llama-cpp-python's converter (``json_schema_to_gbnf``: types, properties and ``required``,
@@ -86,13 +115,15 @@ def schema_to_gbnf(schema: Any) -> str:
     ``additionalProperties`` allows them).
 
     Raises:
-        GrammarError: not a JSON object, a keyword or ``$ref`` the converter refuses, sizes over
-            :data:`MAX_REPEAT`, or a grammar over the limits of :func:`check_gbnf`.
+        GrammarError: not a JSON object, a keyword or ``$ref`` the converter refuses, a number
+            bound it would ignore (:data:`UNBOUNDED_KEYWORDS`), sizes over :data:`MAX_REPEAT`, or a
+            grammar over the limits of :func:`check_gbnf`.
     """
     if not isinstance(schema, dict):
         raise GrammarError(f"{type(schema).__name__}: a JSON Schema is a JSON object, e.g. "
                            f'{{"type": "object", "properties": {{"name": {{"type": "string"}}}}, "required": ["name"]}}')
     _check_schema_sizes(schema)
+    _check_schema_keywords(schema)
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     try:

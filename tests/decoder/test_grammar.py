@@ -41,10 +41,22 @@ def check_person(text: str) -> dict:
     ({"$ref": "https://example.com/s.json"}, "remote schemas are not fetched"),
     ({"type": "array", "minItems": 10**9}, "minItems"),
     ({"type": "string", "pattern": "^a{99999}$"}, "pattern"),
+    # number bounds the converter drops without a word (break helper: "minimum": 5 decoded 8738582242312554)
+    ({"type": "integer", "minimum": 5, "maximum": 10}, "^minimum: the grammar cannot bound numbers"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "maximum": 10}}}, "^properties.a.maximum: "),
+    ({"anyOf": [{"type": "string"}, {"type": "number", "exclusiveMinimum": 0}]}, "^anyOf.1.exclusiveMinimum: "),
+    ({"type": "array", "items": {"type": "number", "multipleOf": 2}}, "^items.multipleOf: "),
+    ({"$defs": {"n": {"type": "integer", "minimum": 0}}, "$ref": "#/$defs/n"}, r"^\$defs.n.minimum: "),
 ])
 def test_schemas_the_converter_cannot_serve_are_refused_with_the_reason(schema, why):
     with pytest.raises(GrammarError, match=why):
         schema_to_gbnf(schema)
+
+
+def test_a_property_named_like_a_bound_is_not_a_bound():
+    """Only schema keywords are refused: a property called "minimum", or an enum holding the word, is data."""
+    schema_to_gbnf({"type": "object", "properties": {"minimum": {"type": "integer"}}, "required": ["minimum"]})
+    schema_to_gbnf({"type": "string", "enum": ["minimum", "maximum"], "default": "minimum"})
 
 
 @pytest.mark.parametrize("text, why", [
