@@ -12,6 +12,8 @@ boundary), so per emitted token:
 - ``wall_ms``: the rounds' wall time over their tokens;
 - ``decode_ms``: time inside ``llama_decode`` (``llama_call`` wrapped);
 - ``python_ms``: ``wall_ms - decode_ms``, the Python on the critical path;
+- ``python_cpu_ms``: the wrapped parts' own thread CPU time (``parts_cpu``), ``decode`` left out:
+  what preemption on a loaded host does not inflate, hand-offs not included;
 - ``parts``: the exclusive time (nested wrapped calls subtracted) of named functions, per emitted
   token: the member's step (``step``: γ, bookkeeping, stats), acceptance test (``verify``),
   observers (``observe``: the records' top-k, logprobs), cut at EOS/stop/length (``truncate``),
@@ -70,11 +72,13 @@ OFF_PATH = {"wait", "request_edges"}  # not per-token work on the critical path 
 
 
 class Spans:
-    """Exclusive perf_counter time per part, per thread (a stack per thread: a wrapped call's time
-    is taken out of the wrapped call it runs inside)."""
+    """Exclusive time per part, wall (perf_counter) and the thread's CPU (thread_time: what a
+    loaded host's preemption does not inflate), per thread (a stack per thread: a wrapped call's
+    time is taken out of the wrapped call it runs inside)."""
 
     def __init__(self):
         self.total: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._local = threading.local()
         self._mu = threading.Lock()
@@ -89,17 +93,19 @@ class Spans:
             stack = getattr(spans._local, "stack", None)
             if stack is None:
                 stack = spans._local.stack = []
-            stack.append(0.0)  # time of nested wrapped calls
-            t0 = time.perf_counter()
+            stack.append([0.0, 0.0])  # wall and CPU time of nested wrapped calls
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **kw)
             finally:
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
                 inner = stack.pop()
                 if stack:
-                    stack[-1] += dt
+                    stack[-1][0] += dt
+                    stack[-1][1] += dc
                 with spans._mu:
-                    spans.total[name] += dt - inner
+                    spans.total[name] += dt - inner[0]
+                    spans.cpu[name] += dc - inner[1]
                     spans.calls[name] += 1
 
         timed.__wrapped__ = fn
@@ -108,6 +114,7 @@ class Spans:
     def reset(self) -> None:
         with self._mu:
             self.total.clear()
+            self.cpu.clear()
             self.calls.clear()
 
 
@@ -161,6 +168,9 @@ def run_config(loop, prompts, clients: int, gamma: int, rounds: int, max_tokens:
         out["parts"] = {k: round(v, 4) for k, v in sorted(path.items(), key=lambda kv: -kv[1])}
         out["parts"]["handoff"] = round(out["wall_ms"] - sum(path.values()), 4)
         out["off_path_ms"] = {k: round(per[k], 4) for k in OFF_PATH if k in per}
+        cpu = {k: 1e3 * v / tokens for k, v in spans.cpu.items() if k not in OFF_PATH and k != "decode"}
+        out["python_cpu_ms"] = sum(cpu.values())  # the parts' own CPU on the critical path
+        out["parts_cpu"] = {k: round(v, 4) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}
     out["output_hash"] = hash(tuple(tuple(o) for o in outputs)) & 0xFFFFFFFF
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
