@@ -12,7 +12,8 @@ import pytest
 from rich.console import Console
 
 import daemon.demo as demo
-from daemon.demo import DemoConfig, print_report
+from daemon.demo import DemoConfig
+from test_demo_trips2 import _printed  # the report as printed at 600 columns
 
 
 def _row(**kw) -> dict:
@@ -25,13 +26,6 @@ def _phase(workload: str, **kw) -> dict:
             "adapted": _row(same_run_as="plain"), "controller_pick": {"why": "off: plain"},
             "served": {"requests": 10, "repeats": 0}, "live_first_third": {"alpha": None},
             "live_last_third": {"alpha": None}} | kw
-
-
-def _printed(report: dict) -> str:
-    out = io.StringIO()
-    print_report({"adapters": [], "recovery": [], "requests": 10, "active_adapter": 1, "seconds": 1.0,
-                  "key_prefix": "x:"} | report, Console(file=out, width=600))
-    return out.getvalue()
 
 
 # 1. the first live line ------------------------------------------------------------------------------------
