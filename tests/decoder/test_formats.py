@@ -241,7 +241,10 @@ def test_one_real_measurement_has_every_row_count(tiny_pkg, tmp_path):
     for cost in m.formats.values():
         assert cost.error is None and sorted(cost.ms) == list(range(1, 9)) and all(t > 0 for t in cost.ms.values())
         assert isinstance(cost.rows_identical, bool) and cost.row_max_abs_diff >= 0
-        assert cost.noise >= 0 and cost.repeats == 3
+        # 3 repeats, or more where the packaged file and its best rival were timed again (an unsure contest)
+        assert cost.noise >= 0 and 3 <= cost.repeats <= F.MAX_REPEATS
+        assert all(len(v) >= cost.repeats for v in cost.samples.values()) and sorted(cost.samples) == list(range(1, 9))
+    assert m.formats["packaged"].repeats == m.formats["F16"].repeats  # two formats: both in every repeat
     assert m.key["threads"] == 1 and (m.cache_file is None or json.loads(open(m.cache_file).read())["key"] == m.key)
     c = choose_format(m)
     assert c.format in ("packaged", "F16") and {r["format"] for r in c.costs} == {"packaged", "F16"}
