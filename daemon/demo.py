@@ -767,13 +767,19 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
     before = {"step_cost_ms": cost.status(), "engine_ceiling": cost.ceiling(loop.controller.config.gamma_max)}
     keys = loop.controller.remeasure_costs()
     cost.clear()
+    # every request may probe a candidate inside its bound (not every other): these requests are for measuring
+    every = loop.controller.config.unsure_probe_every
+    loop.controller.config.unsure_probe_every = 1
     served = {s["workload"]: int(s.get("requests") or 0) for s in traffic.shifts}
     rows = []
-    for phase in cfg.phases:
-        pool = _prompts(phase, 1000, skip=cfg.eval_prompts)
-        for j in range(cfg.remeasure_requests):
-            rows.append(_serve_one(oai, loop, tok, model_name, phase, pool[(served.get(phase, 0) + j) % len(pool)],
-                                   cfg.max_new_tokens, t0))
+    try:
+        for phase in cfg.phases:
+            pool = _prompts(phase, 1000, skip=cfg.eval_prompts)
+            for j in range(cfg.remeasure_requests):
+                rows.append(_serve_one(oai, loop, tok, model_name, phase, pool[(served.get(phase, 0) + j) % len(pool)],
+                                       cfg.max_new_tokens, t0))
+    finally:
+        loop.controller.config.unsure_probe_every = every
     out = {"requests": len(rows), "keys": keys, "seconds": round(time.time() - t0, 1),
            "alarms": {"before": first_alarm, "after": len(loop.tracker.alarms)},
            "alarms_are": ("the count of the report's shift_alarms before and after these requests: they raised "

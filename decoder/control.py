@@ -49,6 +49,11 @@ class ControllerConfig:
     ewma: weight of a new step in every estimate (α, draft ms per token, verify ms per γ).
     probe_every: every this many requests of a key, one request probes: plain decoding when
         speculating, γ = the best speculative candidate when off, or a γ never measured.
+    unsure_probe_every: while plain decoding serves and a candidate ahead of it by more than
+        ``min_gain`` is inside its confidence bound, one request in this many probes it (2: every
+        other request); 1 where requests cost nothing to spend on it (the demo's re-measurement:
+        7 requests of it left prose's and extract's n-gram off, which ran 1.21x and 1.18x plain on
+        never-served prompts, docs/walkthroughs.md).
     useless_alpha: below this α the "off" reason says the draft is useless.
     min_steps: steps of γ = 0 and of γ >= 1 measured before the choice is trusted (warm-up; >= 1).
         A warm-up request runs what it measures for this many steps, then moves on
@@ -96,6 +101,7 @@ class ControllerConfig:
     eagle_gamma_init: int = 1
     ewma: float = 0.1
     probe_every: int = 10
+    unsure_probe_every: int = 2
     useless_alpha: float = 0.1
     min_steps: int = 8
     proposers: tuple[str, ...] = (DRAFT,)
@@ -132,6 +138,9 @@ class ControllerConfig:
                              f"below 1, or set confidence=0.5 (the point estimate alone; got {self.confidence!r})")
         if self.probe_every < 1 or self.min_steps < 1:  # min_steps 0 trusted estimates that do not exist yet
             raise ValueError(f"probe_every={self.probe_every} and min_steps={self.min_steps} must be >= 1")
+        if isinstance(self.unsure_probe_every, bool) or not isinstance(self.unsure_probe_every, int) \
+                or self.unsure_probe_every < 1:
+            raise ValueError(f"unsure_probe_every={self.unsure_probe_every!r} must be an int >= 1")
         if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain < 1:
             raise ValueError(f"min_gain={self.min_gain!r} must be a fraction in [0, 1) (0.05: speculate only "
                              f"where it beats plain decoding by more than 5 %)")
@@ -916,7 +925,7 @@ class GoodputController:
                         probe = True
                         what = "plain decoding" if choice[1] == 0 else f"{choice[0]} γ={choice[1]}"
                         why = f"probe: {what} (every {c.probe_every} requests); " + why
-                elif best[1] == 0 and s.requests % 2 == 0:
+                elif best[1] == 0 and s.requests % c.unsure_probe_every == 0:
                     unsure = self._unsure_candidate(s, cands, ev)
                     if unsure is not None:
                         choice, probe = unsure, True

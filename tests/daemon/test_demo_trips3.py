@@ -325,3 +325,35 @@ def test_stopping_the_trainer_is_said_before_the_wait():
     said.clear()
     demo._finish_serving(trainer, loop, console)
     assert said[0] == "stopping the trainer (a round under way finishes first)"
+
+
+def test_the_remeasurement_probes_an_unsure_candidate_on_every_request_then_restores(monkeypatch):
+    """The second walkthrough at 7f7aad4: after the re-measurement's 16 requests a workload had 6-7 of its
+    n-gram's, too few for the bound, and "left off" ran 1.18-1.21x plain. Its requests are for measuring, so
+    the controller probes an unsure candidate on each of them (unsure_probe_every 1), and serving's every other
+    comes back after, an error included."""
+    from decoder.control import ControllerConfig, GoodputController
+    from types import SimpleNamespace as NS
+
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",)))
+    seen = []
+
+    def serve_one(*a, **k):
+        seen.append(ctl.config.unsure_probe_every)
+        return {"workload": "prose", "proposer": None, "gamma": 0, "decision": "off"}
+
+    monkeypatch.setattr(demo, "_serve_one", serve_one)
+    monkeypatch.setattr(demo, "_prompts", lambda phase, n, skip=0: ["p"] * 4)
+    cost = NS(status=lambda: {}, ceiling=lambda g: {}, clear=lambda: None)
+    loop = NS(decoder=NS(step_cost=cost), controller=ctl, tracker=NS(alarms=[]))
+    cfg = DemoConfig(phases=("prose",), remeasure_requests=3)
+    out = demo._remeasure(cfg, None, loop, None, "m", NS(shifts=[]), NS(log=lambda *a: None))
+    assert seen == [1, 1, 1] and ctl.config.unsure_probe_every == 2 and out["requests"] == 3
+
+    def boom(*a, **k):
+        raise RuntimeError("client gone")
+
+    monkeypatch.setattr(demo, "_serve_one", boom)
+    with pytest.raises(RuntimeError):
+        demo._remeasure(cfg, None, loop, None, "m", NS(shifts=[]), NS(log=lambda *a: None))
+    assert ctl.config.unsure_probe_every == 2

@@ -165,6 +165,18 @@ def test_a_candidate_ahead_but_unsure_is_measured_every_other_request_until_its_
     assert [full._choose(KEY)[1]["gamma"] for _ in range(4)] == [0, 0, 0, 0]
 
 
+def test_an_unsure_candidate_is_probed_every_request_where_requests_are_for_measuring():
+    """``unsure_probe_every=1`` (the demo's re-measurement): the same unsure n-gram as above is probed
+    on every request, not every other; an invalid value is refused by name."""
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), min_steps=1, unsure_probe_every=1))
+    _serve(ctl, 4)
+    picks = [ctl._choose(KEY)[1] for _ in range(4)]
+    assert [p["gamma"] > 0 and p["probe"] for p in picks] == [True, True, True, True]
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="unsure_probe_every="):
+            ControllerConfig(unsure_probe_every=bad)
+
+
 def test_a_lower_candidate_that_clears_its_bound_serves_when_the_top_one_is_unsure():
     # the draft: 2 requests, one accepting nothing and then one everything (highest estimate, no bound);
     # the n-gram: 12 requests alike, 1.5 tokens per 14 ms step against plain's 1 per 10 ms: 1.07x, exact
