@@ -957,8 +957,10 @@ class _PhaseEval:
         pick_g, pick_p = self.controller_pick(row, phase)
         ps = _prompts(phase, cfg.eval_prompts)
         runs = self.runs(pick_g, pick_p, row["controller_pick"].get("runner_up"))
+        up = row["controller_pick"].get("runner_up")
         self.console.log(f"evaluating {phase} on {len(ps)} prompts never served: plain, frozen, adapted draft, "
-                         + (f"the pick ({pick_p} γ={pick_g})" if pick_g else "the pick (plain: speculation off)"))
+                         + (f"the pick ({pick_p} γ={pick_g})" if pick_g else "the pick (plain: speculation off)"
+                            + (f", and the speculation it left off ({up['proposer']} γ={up['gamma']})" if up else "")))
         tot, per_prompt, differs, peer_runs = self.decode_side(phase, ps, runs, final)
         row["copy_gate"] = {"v0": _gate_list(self.gate_of(self.v0_version)), "final": _gate_list(self.gate_of(final))}
         _decoded_rows(row, runs, tot, differs, len(ps))
