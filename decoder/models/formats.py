@@ -516,6 +516,13 @@ def _fill_cost(cost: FormatCost, t: dict[str, Any], budget: float | None, max_se
     return False
 
 
+def _medians(done: dict[int, list[float]]) -> tuple[dict[int, float], float]:
+    """The median ms per row count of ``done`` ({n: [ms, ...]}, each non-empty) and the noise,
+    max over n of median / fastest - 1 (0.0 without any)."""
+    med = {n: statistics.median(v) for n, v in done.items()}
+    return med, max((med[n] / min(v) - 1.0 for n, v in done.items()), default=0.0)
+
+
 def _contest(times: dict[str, dict[int, list[float]]], checks: dict[str, dict[str, Any]],
              costs: dict[str, FormatCost], proposers: Sequence[str] | None) -> list[str]:
     """The engines :func:`_time_rows` should time once more: the packaged file and the best other
@@ -527,10 +534,9 @@ def _contest(times: dict[str, dict[int, list[float]]], checks: dict[str, dict[st
         done = {n: v for n, v in by_n.items() if v}
         if f == DRAFT or f not in costs or not done:
             continue
-        med = {n: statistics.median(v) for n, v in done.items()}
+        med, noise = _medians(done)
         fm[f] = FormatCost(f, costs[f].file, med, checks[f]["rows_identical"], checks[f]["row_max_abs_diff"],
-                           noise=max(med[n] / min(v) - 1.0 for n, v in done.items()),
-                           repeats=min(len(v) for v in by_n.values()), samples=dict(done))
+                           noise=noise, repeats=min(len(v) for v in by_n.values()), samples=dict(done))
     if PACKAGED not in fm or 1 not in fm[PACKAGED].ms:
         return []
     draft = times.get(DRAFT, {}).get(1)
@@ -669,9 +675,10 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
     others = others_share(jiffies0, cpu_jiffies(), time.perf_counter() - t_timed, os.cpu_count() or 1)
     for name, by_n in times.items():
         done = {n: v for n, v in by_n.items() if v}
-        out[name]["ms"] = {n: round(statistics.median(v), 4) for n, v in done.items()}
+        med, noise = _medians(done)
+        out[name]["ms"] = {n: round(t, 4) for n, t in med.items()}
         out[name]["samples"] = {n: [round(x, 4) for x in v] for n, v in done.items()}
-        out[name]["noise"] = round(max((statistics.median(v) / min(v) - 1.0 for v in done.values()), default=0.0), 4)
+        out[name]["noise"] = round(noise, 4)
         out[name]["repeats"] = min(len(v) for v in by_n.values())
         out[name]["budget_s"], out[name]["load"], out[name]["others"] = budget, load, others
     return out
