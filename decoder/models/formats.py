@@ -39,7 +39,7 @@ cheap on llama.cpp's CPU kernels (bench/RESULTS.md)."""
 PACKAGED = "packaged"
 AUTO = "auto"
 ROWS = tuple(range(1, 9))  # a plain step (n = 1) and verifications of γ = 1..7
-MEASURE_VERSION = 2  # in the cache file: bumped when the measurement changes (2: per-repeat samples)
+MEASURE_VERSION = 3  # in the cache file: bumped when the measurement changes (2: per-repeat samples; 3: SHAPE_WARMUP)
 
 
 def prior_alphas() -> dict[str, float]:
@@ -67,13 +67,21 @@ def _cost_per_token(name: str, draft_ms: float | None) -> float | None:
 DRAFT = "__draft__"  # the derived draft's engine among the measured ones
 NOISE_MAX = 0.3
 """A format whose typical repeat (median) is more than this much slower than its fastest one, at
-any row count, was measured while something moved the step times (another job, most often): it
-is left out of the choice (the packaged file then serves if it is the packaged file's own
-measurement), and the measurement is not cached, so the next start measures again; so is one
-with fewer than :data:`MIN_REPEATS` repeats (the time budget ran out: its noise cannot be told). On the 2-core AMX Xeon of bench/RESULTS.md, shared with other
+any row count, was measured while something moved the step times (another job, most often): the
+measurement is not cached, so the next start measures again, and it is judged on its ratios paired
+per repeat only (without per-repeat samples it is left out, and the packaged file serves if it is
+the packaged file's own measurement); one with fewer than :data:`MIN_REPEATS` repeats (the time
+budget ran out: its noise cannot be told) is left out. On the 2-core AMX Xeon of bench/RESULTS.md, shared with other
 jobs: 0.08-0.26 at 1 thread; at 2 threads steps of 0.1-3 s and one repeat in the 20 s budget."""
 
 MIN_REPEATS = 3
+
+SHAPE_WARMUP = 2
+"""Steps run per timed step (:func:`_time_rows`): the timed one and, before it, an untimed step of
+the same rows on the same engine. llama.cpp rebuilds its graph when a context's batch shape
+changes, and a one-row step right after an 8-row one (the previous repeat's, or another file's)
+costs more, by more on some files than others (bench/RESULTS.md, fifteenth session): a plain step
+in serving follows a plain step."""
 
 BUDGET_FACTOR = 2.0
 BUDGET_MIN_S = 20.0
@@ -247,6 +255,17 @@ def paired_ratio(measurement: FormatMeasurement, name: str, proposer: str | None
             "high": round(math.exp(mean + h), 4), "pairs": k, "confidence": confidence}
 
 
+def _untrusted(cost: FormatCost, reps: int | None = None) -> str | None:
+    """Why ``cost`` cannot be judged at all, or None: too few repeats (:func:`_noisy`), or noisy
+    without per-repeat samples to pair (a measurement cached before them). A noisy measurement with
+    samples is judged on its paired ratio (:func:`paired_ratio`), which sees a move of the host's load
+    on both files alike, and is measured again at the next start (not cached)."""
+    why = _noisy(cost, reps)
+    if why and cost.noise is not None and cost.noise > NOISE_MAX and len(cost.samples.get(1, ())) >= MIN_REPEATS:
+        return None
+    return why
+
+
 def _noisy(cost: FormatCost, reps: int | None = None) -> str | None:
     """Why ``cost`` cannot be trusted (host load), or None: noise above :data:`NOISE_MAX`, or fewer
     than :data:`MIN_REPEATS` repeats (fewer than asked for, when ``reps`` is given)."""
@@ -268,10 +287,11 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
     left out, the draft model also without a measured ``draft_ms``) and γ (:func:`speculative_goodput`), plain decoding of the file
     included. Left out: a format that failed to measure, or whose n-row verification's logits
     differ from its one-row steps (greedy speculation could then leave plain decoding's output:
-    BF16 on an AMX Xeon, 0.15), or whose repeats were noisy (``noise`` above :data:`NOISE_MAX`).
+    BF16 on an AMX Xeon, 0.15), or whose repeats were noisy (``noise`` above :data:`NOISE_MAX`)
+    with no per-repeat samples to pair (:func:`_untrusted`; with them it is judged on its paired ratio).
     The best format serves if it is the packaged file, or if its goodput is above the packaged
     file's plain step by ``margin`` (relative); else the packaged file serves, as it does when the
-    packaged file's own measurement was noisy or the measurement ran beside other work (``busy``). Costs are taken non-decreasing in n (a verification
+    packaged file's own measurement cannot be trusted (:func:`_untrusted`) or the measurement ran beside other work (``busy``). Costs are taken non-decreasing in n (a verification
     of n rows costs at least one of fewer rows; a lower median is noise). ``paths``: each format's
     file (default: the measured file names, no directory).
     """
@@ -329,10 +349,10 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
         src = f"measured on this host ({when}), cached"
     else:
         src = "measured"
-    if _noisy(pk, measurement.reps):
+    if _untrusted(pk, measurement.reps):
         chosen = PACKAGED
-        reason = (f"the packaged file's measurement cannot be trusted ({_noisy(pk, measurement.reps)}), so no format is "
-                  f"judged against it; measured again at the next start")
+        reason = (f"the packaged file's measurement cannot be trusted ({_untrusted(pk, measurement.reps)}), so no "
+                  f"format is judged against it; measured again at the next start")
     elif name != PACKAGED and gp >= base * (1.0 + margin) and _paired_wins(paired, margin):
         iv = (f" (paired per repeat {paired['ratio']:.2f}x [{paired['low']:.2f}, {paired['high']:.2f}], "
               f"{paired['pairs']} repeats)" if paired else "")
@@ -357,7 +377,21 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
         else:
             reason = (f"{src}: no format beats {pk_plain} by {margin:.0%} (best {name}: {gp / base:.2f}x with "
                       f"{how}); {others}")
+    if not _untrusted(pk, measurement.reps):
+        reason += _moved(measurement)
     return chosen, reason
+
+
+def _moved(measurement: FormatMeasurement) -> str:
+    """The reason's note on a judged measurement whose step times moved (noise above
+    :data:`NOISE_MAX`: judged on the paired ratios all the same, not cached), or ""."""
+    moved = [f"{f} {1 + c.noise:.2f}x" for f, c in measurement.formats.items()
+             if not c.error and c.noise is not None and c.noise > NOISE_MAX]
+    if not moved:
+        return ""
+    return (f"; the step times moved during the measurement (a typical repeat over the fastest: {', '.join(moved)}): "
+            f"a format is judged on its ratio paired per repeat, which sees the move on both files alike, and it is "
+            f"measured again at the next start")
 
 
 def _paired_wins(paired: dict[str, Any] | None, margin: float) -> bool:
@@ -398,8 +432,8 @@ def _judge_format(name: str, cost, measurement: FormatMeasurement, alphas: dict[
                                            f"leave plain decoding's output")
     elif name != PACKAGED and cost.rows_identical is None:
         row.update(eligible=False, why_not="its verification rows were not checked against one-row steps")
-    elif name != PACKAGED and _noisy(cost, measurement.reps):
-        row.update(eligible=False, why_not=_noisy(cost, measurement.reps))
+    elif name != PACKAGED and _untrusted(cost, measurement.reps):
+        row.update(eligible=False, why_not=_untrusted(cost, measurement.reps))
     else:
         row["eligible"] = True
     return row, gp, prop, gamma
@@ -442,7 +476,8 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     when given, else :func:`scaled_budget` from a plain step timed first, ``budget_s``); whether the
     8-row logits equal the same rows decoded one at a time (``rows_identical``); with ``draft_layers``
     (``"0-3"``) the derived draft's plain step (``draft_ms``), the cost c of a proposed token. About
-    reps x (1 + 2 + ... + 8) x 4 steps: 0.5-2 s on 2 cores, plus 2 s per format quantised once.
+    :data:`SHAPE_WARMUP` x reps x (1 + 2 + ... + 8) one-row steps' worth per file (more where an unsure
+    contest is timed again), plus one quantisation per format, written once.
 
     Cached as JSON in ``cache_dir`` (default ``cache_root() / "formats"``) keyed by the packaged
     file's digest, the CPU model and flags, the threads, the formats and the draft layers; delete
@@ -598,11 +633,11 @@ def scaled_budget(plain_ms: dict[str, float], rows: dict[str, Sequence[int]], re
     """The measurement's time budget (s) on this host: ``factor`` x (``elapsed_s``, the time
     already spent, + the rest as predicted from each engine's plain step ``plain_ms`` (ms)),
     within [``floor_s``, ``cap_s``]. The rest, per engine with row counts ``rows``: the row
-    identity check (2 x max(rows) one-row steps, where max(rows) > 1) and ``reps`` x Σ n
-    one-row steps, an n-row step priced at n plain steps: about what it costs where extra rows
+    identity check (2 x max(rows) one-row steps, where max(rows) > 1) and ``SHAPE_WARMUP`` x ``reps`` x Σ n
+    one-row steps (each timed step and the untimed one of its shape before it), an n-row step priced at n plain steps: about what it costs where extra rows
     are dear (the packaged file's t(5) / t(1) was 4.68 on the AVX2-only EPYC of
     docs/walkthroughs.md), an overestimate where they are cheap (F16, AMX)."""
-    steps = {e: (2 * max(r) if max(r) > 1 else 0) + reps * sum(r) for e, r in rows.items()}
+    steps = {e: (2 * max(r) if max(r) > 1 else 0) + SHAPE_WARMUP * reps * sum(r) for e, r in rows.items()}
     rest_s = sum(plain_ms[e] * n for e, n in steps.items()) / 1e3
     return min(cap_s, max(floor_s, factor * (elapsed_s + rest_s)))
 
@@ -611,8 +646,11 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
                max_seconds: float | None = None, more=None) -> dict[str, dict[str, Any]]:
     """Per engine (name -> (engine, row counts)): the median ms of one ``llama_decode`` of n rows
     (logits at all n) for each n, after ``cached`` tokens, over ``reps`` repeats (the row identity
-    check before them is the warm-up), the engines interleaved within each repeat so that a change
-    of host load falls on every file alike; ``noise``, max over n of median / fastest - 1; whether
+    check before them is the warm-up), the engines interleaved within each repeat (row count by row
+    count, every file's n-row step next to the others') so that a change of host load falls on
+    every file alike; each timed step right after an untimed step of the same
+    rows on the same engine, as plain decoding's steps (and a verification at a steady γ) follow
+    steps of their own shape (SHAPE_WARMUP); ``noise``, max over n of median / fastest - 1; whether
     ``max(rows)`` rows in one call give the logits of the same rows one at a time
     (``rows_identical``, their ``row_max_abs_diff``; None when not checked); ``repeats``; the
     budget (``budget_s``) and the CPU load when the steps ended (``load``, ``os.getloadavg()``;
@@ -649,12 +687,15 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
     _check_rows(engines, seqs, toks, cached, deadline, out)
     times = {name: {n: [] for n in rows} for name, (_, rows) in engines.items()}
     jiffies0, t_timed = cpu_jiffies(), time.perf_counter()
-    def one_repeat(names) -> None:
-        for name in names:
-            s = seqs[name]
-            for n in engines[name][1]:
+    def one_repeat(names) -> None:  # by row count, the files side by side: each pair of steps close in time
+        for n in sorted({n for name in names for n in engines[name][1]}):
+            for name in (name for name in names if n in engines[name][1]):
+                s = seqs[name]
                 if time.perf_counter() > deadline:
                     return
+                for _ in range(SHAPE_WARMUP - 1):  # the same shape first: served steps follow steps of their shape
+                    s.forward(toks[name][:n], n)
+                    s.truncate(cached)
                 t0 = time.perf_counter()
                 s.forward(toks[name][:n], n)
                 dt = (time.perf_counter() - t0) * 1e3

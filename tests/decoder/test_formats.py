@@ -117,6 +117,35 @@ def test_a_noisy_measurement_is_left_out_and_costs_never_fall_with_rows():
     assert dips.format == "packaged" and f16["ms"]["3"] == 14.0  # shown as measured
 
 
+def test_a_noisy_measurement_with_per_repeat_samples_is_judged_on_its_paired_ratio():
+    """The fourteenth session's fresh run: measured as the build's load fell, the packaged file's typical
+    repeat 1.49x its fastest, so no format was judged. Samples paired per repeat see a move of load on
+    both files alike: Q8_0 at 0.8 of the packaged step in every repeat (10, 14, 14, 15, 10, 14 ms
+    against 8, 11.2, 11.2, 12, 8, 11.2; noise 14 / 10 - 1 = 0.4 on both) is 1.25x in each pair, an
+    interval [1.25, 1.25]: it serves, and the reason says the times moved. Pairs that do not separate
+    (1.25, 1.27, 0.93, 1.25, 0.83, 1.27) keep the packaged file."""
+    pk = [10.0, 14.0, 14.0, 15.0, 10.0, 14.0]
+    q8 = [0.8 * x for x in pk]
+
+    def noisy(q8_samples):
+        fm = {}
+        for f, v in (("packaged", pk), ("Q8_0", q8_samples)):
+            med = sorted(v)[2:4]
+            fm[f] = FormatCost(f, f"{f}.gguf", {1: sum(med) / 2}, True, 0.0, noise=sum(med) / 2 / min(v) - 1.0,
+                               repeats=6, samples={1: list(v)})
+        return FormatMeasurement({"model": "m"}, fm, None, reps=5)
+
+    c = choose_format(noisy(q8), alphas={}, proposers=())
+    assert c.format == "Q8_0", c.reason
+    assert c.paired["ratio"] == pytest.approx(1.25) and c.paired["low"] == pytest.approx(1.25) and c.paired["pairs"] == 6
+    assert "paired per repeat 1.25x [1.25, 1.25], 6 repeats" in c.reason
+    assert c.reason.endswith("the step times moved during the measurement (a typical repeat over the fastest: packaged "
+                             "1.40x, Q8_0 1.40x): a format is judged on its ratio paired per repeat, which sees the move "
+                             "on both files alike, and it is measured again at the next start"), c.reason
+    wide = choose_format(noisy([8.0, 11.0, 15.0, 12.0, 12.0, 11.0]), alphas={}, proposers=())
+    assert wide.format == "packaged" and wide.paired["low"] < 1.0 and "not surely 5% faster" in wide.reason
+
+
 def test_a_format_that_failed_to_measure_is_left_out_with_its_error():
     m = table(packaged=PACKAGED_10, F16=F16_CHEAP)
     m.formats["Q8_0"] = FormatCost("Q8_0", "", error="RuntimeError: llama_model_quantize returned 1")
@@ -266,12 +295,14 @@ def test_a_measurement_past_its_time_budget_keeps_the_packaged_file_and_is_not_c
 
 
 def test_the_time_budget_scales_with_a_measured_plain_step():
-    """By hand: 5 repeats of rows 1-8 (Σ n = 36) plus the identity check's 2 x 8 one-row steps per
-    format: 196 plain steps, 9.8 s at 50 ms (the packaged file) and 7.84 s at 40 ms (F16); the
-    draft's 5 steps at 10 ms, 0.05 s; with 3 s already spent, 2 x 20.69 = 41.38 s. A fast host gets
-    the 20 s floor, a host where a step takes seconds the 180 s cap."""
+    """By hand: 5 repeats of rows 1-8 (Σ n = 36), each timed step after an untimed one of its shape
+    (x 2), plus the identity check's 2 x 8 one-row steps per format: 376 plain steps, 18.8 s at
+    50 ms (the packaged file) and 15.04 s at 40 ms (F16); the draft's 2 x 5 steps at 10 ms, 0.1 s;
+    with 3 s already spent, 2 x 36.94 = 73.88 s. A fast host gets the 20 s floor, a host where a
+    step takes seconds the 180 s cap."""
     rows = {"packaged": F.ROWS, "F16": F.ROWS, F.DRAFT: (1,)}
-    assert F.scaled_budget({"packaged": 50.0, "F16": 40.0, F.DRAFT: 10.0}, rows, 5, 3.0) == pytest.approx(41.38)
+    assert F.SHAPE_WARMUP == 2
+    assert F.scaled_budget({"packaged": 50.0, "F16": 40.0, F.DRAFT: 10.0}, rows, 5, 3.0) == pytest.approx(73.88)
     assert F.scaled_budget({"packaged": 5.0, "F16": 4.0, F.DRAFT: 1.0}, rows, 5, 0.5) == F.BUDGET_MIN_S == 20.0
     assert F.scaled_budget({"packaged": 3000.0, "F16": 3000.0, F.DRAFT: 900.0}, rows, 5, 10.0) == F.BUDGET_MAX_S == 180.0
 
@@ -337,6 +368,48 @@ def test_a_format_serves_only_where_its_paired_interval_stays_above_one():
     slow = with_samples(table(packaged={1: 10.0}, Q8_0={1: 9.9}), packaged={1: [10.0] * 3}, Q8_0={1: [9.95, 9.9, 9.85]})
     c = choose_format(slow, alphas={}, proposers=())
     assert c.format == "packaged" and c.paired["high"] < 1.05 and c.paired["unsure"] is False
+
+
+def test_each_timed_step_follows_a_step_of_its_own_shape(monkeypatch):
+    """llama.cpp rebuilds a context's graph when its batch shape changes, and a one-row step right
+    after an 8-row one costs more (by more on Q8_0 than on the packaged file, fifteenth session):
+    plain decoding's steps follow steps of their own shape, so the measurement times them so. A fake
+    engine on a fake clock: n rows cost 10 x n ms, 5 ms more after a step of another shape on the
+    same engine. Every median must be the same-shape cost 10 x n (before: 15 ms for one row, after
+    the previous repeat's 3 rows)."""
+    import types
+
+    import numpy as np
+
+    clock = [0.0]
+
+    class Seq:
+        def __init__(self, eng):
+            self.eng = eng
+
+        def forward(self, toks, n):
+            clock[0] += (10.0 * len(toks) + (5.0 if self.eng.last != len(toks) else 0.0)) / 1e3
+            self.eng.last = len(toks)
+            return types.SimpleNamespace(numpy=lambda: np.zeros((n, 4)))
+
+        def truncate(self, n):
+            pass
+
+    class Eng:
+        vocab_size = 32
+
+        def __init__(self):
+            self.last = None
+
+        def start(self):
+            return Seq(self)
+
+    monkeypatch.setattr(F, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    engines = {"packaged": (Eng(), (1, 2, 3)), "Q8_0": (Eng(), (1, 2, 3))}
+    out = F._time_rows(engines, 4, 8, max_seconds=600.0)
+    for name in engines:
+        assert out[name]["ms"] == {1: 10.0, 2: 20.0, 3: 30.0} and out[name]["repeats"] == 4
+        assert out[name]["rows_identical"] is True and out[name]["noise"] == 0.0
 
 
 def test_an_unsure_format_is_timed_again_until_its_interval_decides():
