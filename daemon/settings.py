@@ -17,6 +17,7 @@ environment themselves.
 from __future__ import annotations
 
 import json
+import math
 import os
 import typing
 from pathlib import Path
@@ -49,6 +50,14 @@ class ConfigError(ValueError):
 LossName = Literal["forward_kl", "reverse_kl", "jsd", "tv"]
 WeightingName = Literal["all", "rejected", "upweight_rejected"]
 
+
+FORMAT_MIN_SECONDS = 1.0
+FORMAT_MAX_SECONDS = 3600.0
+"""``models.format_max_seconds`` bounds (s). The floor: the measurement times, per file (the four
+:data:`decoder.models.formats.CANDIDATES` and the derived draft), ``MIN_REPEATS`` repeats of
+each of its 1-8-row steps, each after an untimed step of its shape, besides a prefill and the
+row check, before it judges that file; a budget under a second leaves every file out. The cap:
+how long the measurement may hold a start back."""
 
 AUTO_DRAFT_VOCAB = 8192
 """``models.draft_vocab`` unset: the draft's head restricted to this many most frequent tokens when
@@ -144,6 +153,27 @@ class ModelSettings(_Group):
 
         return format_setting(v)
 
+    @field_validator("format_max_seconds")
+    @classmethod
+    def _format_budget(cls, v: float | None) -> float | None:
+        if v is None:
+            return v
+        from decoder.models.formats import MIN_REPEATS, ROWS, SHAPE_WARMUP
+
+        unit = (f"a finite number of seconds from {FORMAT_MIN_SECONDS:g} to {FORMAT_MAX_SECONDS:g}, or unset it "
+                f"(the budget is then scaled to this CPU)")
+        if not math.isfinite(v):
+            raise ValueError(f"{v} is not a time budget: give {unit}")
+        if v > FORMAT_MAX_SECONDS:
+            raise ValueError(f"{v:g} s is over {FORMAT_MAX_SECONDS:g} s, the longest the measurement may hold a "
+                             f"start back: give {unit}")
+        if v < FORMAT_MIN_SECONDS:
+            raise ValueError(f"{v:g} s is too short to time a format: the budget must hold, for each file "
+                             f"measured, a prefill, a row check and {MIN_REPEATS} repeats of its "
+                             f"{min(ROWS)}-{max(ROWS)}-row steps ({MIN_REPEATS * SHAPE_WARMUP * len(ROWS)} "
+                             f"llama_decode calls); give {unit}")
+        return v
+
     enabled: bool = Field(
         True, description="Load the model pair and run the trainer. false = bookkeeping, API and metrics only."
     )
@@ -171,8 +201,8 @@ class ModelSettings(_Group):
                             "of the packaged file (decoder.models.formats); packaged = the file the package ships; or a "
                             "llama.cpp format pinned (F16, Q8_0, ...). The draft stays derived from the packaged file.")
     format_max_seconds: float | None = Field(
-        None, gt=0, le=3600,
-        description="Seconds the format=auto measurement may take, at most (a format not measured within it is left "
+        None,
+        description="Seconds the format=auto measurement may take, at most (1-3600; a format not measured within it is left "
                     "out, and measured again at the next start); unset = scaled to this CPU: twice its time as "
                     "predicted from a plain step timed first, within 20-180 s (decoder.models.formats.scaled_budget).")
     draft_vocab: int | None = Field(

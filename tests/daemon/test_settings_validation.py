@@ -351,3 +351,30 @@ def test_a_long_unknown_setting_name_is_cut_to_80_characters(monkeypatch):
         load_settings()
     msg = str(ei.value)
     assert f"serve.{'x' * 80}... (DRAFTD_SERVE__{'X' * 80}...)" in msg and len(msg) < 2000, msg[:300]
+
+
+@pytest.mark.parametrize("value, says", [
+    ("nan", "nan is not a time budget: give a finite number of seconds from 1 to 3600"),
+    ("inf", "inf is not a time budget: give a finite number of seconds from 1 to 3600"),
+    ("-inf", "-inf is not a time budget"),
+    ("1e-300", "1e-300 s is too short to time a format: the budget must hold, for each file measured, a prefill, "
+               "a row check and 3 repeats of its 1-8-row steps (48 llama_decode calls)"),
+    ("0.5", "0.5 s is too short to time a format"),
+    ("0", "0 s is too short to time a format"),
+    ("3601", "3601 s is over 3600 s"),
+])
+def test_format_max_seconds_refuses_a_budget_that_is_not_one_naming_it_and_the_range(monkeypatch, value, says):
+    """The break helper's: ``nan`` was refused as "less than or equal to 3600" (it is no number at
+    all), and ``1e-300`` was accepted, then every format "did not finish in 0.0 s"."""
+    monkeypatch.setenv("DRAFTD_MODELS__FORMAT_MAX_SECONDS", value)
+    with pytest.raises(ConfigError) as ei:
+        load_settings()
+    msg = str(ei.value)
+    assert "models.format_max_seconds (DRAFTD_MODELS__FORMAT_MAX_SECONDS): " + says in msg, msg
+    assert "or unset it (the budget is then scaled to this CPU)" in msg or "3601" in value, msg
+
+
+@pytest.mark.parametrize("value", ["1", "1.0", "3600", "90.5"])
+def test_format_max_seconds_takes_one_second_to_an_hour(monkeypatch, value):
+    monkeypatch.setenv("DRAFTD_MODELS__FORMAT_MAX_SECONDS", value)
+    assert load_settings().models.format_max_seconds == float(value)
