@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -64,20 +65,32 @@ AUTO_DRAFT_VOCAB = 8192
 the tokenizer has more than twice as many (:func:`effective_draft_vocab`)."""
 
 
+_PLAIN_INT = re.compile(r"\s*[+-]?[0-9]+\s*")
+_PLAIN_FLOAT = re.compile(r"\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*|\s*[+-]?(inf|infinity|nan)\s*",
+                          re.IGNORECASE)
+
+
 class _Group(BaseModel):
     """A settings group: unknown keys (a typo in the TOML or in DRAFTD_<GROUP>__<FIELD>) are errors,
-    and so is a boolean where a number is expected (pydantic would read TOML's ``true`` as 1)."""
+    and so is a boolean where a number is expected (pydantic would read TOML's ``true`` as 1), and
+    a number given as text (an environment variable, a TOML string) in anything but plain digits
+    (pydantic would read ``1_0`` as 10)."""
 
     model_config = ConfigDict(extra="forbid")
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_boolean_numbers(cls, v, info):
+        ann = cls.model_fields[info.field_name].annotation
+        kinds = typing.get_args(ann) or (ann,)
         if isinstance(v, bool):
-            ann = cls.model_fields[info.field_name].annotation
-            kinds = typing.get_args(ann) or (ann,)
             if bool not in kinds and any(k in (int, float) for k in kinds):
                 raise ValueError(f"{v!r} is a boolean; this setting takes a number")
+        elif isinstance(v, str) and int in kinds and not _PLAIN_INT.fullmatch(v):
+            raise ValueError(f"{v[:40]!r} is not a valid integer: write it in plain digits, e.g. 10 (no '_' "
+                             f"between digits, no decimal point)")
+        elif isinstance(v, str) and float in kinds and "_" in v and _PLAIN_FLOAT.fullmatch(v.replace("_", "")):
+            raise ValueError(f"{v[:40]!r}: write the number without '_' between digits, e.g. 0.5 or 1e-3")
         return v
 
 

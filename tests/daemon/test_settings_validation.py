@@ -378,3 +378,49 @@ def test_format_max_seconds_refuses_a_budget_that_is_not_one_naming_it_and_the_r
 def test_format_max_seconds_takes_one_second_to_an_hour(monkeypatch, value):
     monkeypatch.setenv("DRAFTD_MODELS__FORMAT_MAX_SECONDS", value)
     assert load_settings().models.format_max_seconds == float(value)
+
+
+@pytest.mark.parametrize("var, value", [
+    ("DRAFTD_SERVE__MAX_BATCH", "1_0"),  # read as 10
+    ("DRAFTD_SERVE__PORT", "80_00"),
+    ("DRAFTD_STORE__BUFFER_MAX_BYTES", "1_000_000"),  # int | None
+    ("DRAFTD_TRAINER__MAX_STEPS", "6_4"),
+    ("DRAFTD_BOOTSTRAP__CORPUS_TOKENS", "12_000"),
+    ("DRAFTD_SERVE__MAX_BATCH", "8.0"),
+])
+def test_an_integer_setting_takes_plain_digits_only(monkeypatch, var, value):
+    """pydantic's lax parsing read ``DRAFTD_SERVE__MAX_BATCH=1_0`` as 10: a typo of 1 or of 100
+    served 10 sequences. Every integer setting refuses it, naming the variable."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError) as ei:
+        load_settings()
+    msg = str(ei.value)
+    assert f"({var}): {value!r} is not a valid integer: write it in plain digits, e.g. 10" in msg, msg
+
+
+def test_an_integer_setting_as_a_toml_string_takes_plain_digits_only(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[serve]\nmax_batch = "1_0"\n')
+    with pytest.raises(ConfigError, match=r"serve.max_batch \(DRAFTD_SERVE__MAX_BATCH\): '1_0' is not a valid integer"):
+        load_settings(p)
+    p.write_text("[serve]\nmax_batch = 1_0\n")  # TOML's own digit grouping: an integer before draftd sees it
+    assert load_settings(p).serve.max_batch == 10
+
+
+@pytest.mark.parametrize("var, value, want", [
+    ("DRAFTD_SERVE__MAX_BATCH", "12", 12), ("DRAFTD_SERVE__MAX_BATCH", " 12 ", 12),
+    ("DRAFTD_STORE__BUFFER_MAX_BYTES", "null", None), ("DRAFTD_TRAINER__REPLAY_PER_WORKLOAD", "0", 0),
+])
+def test_plain_integers_still_load(monkeypatch, var, value, want):
+    monkeypatch.setenv(var, value)
+    group, key = var.removeprefix("DRAFTD_").lower().split("__")
+    assert getattr(getattr(load_settings(), group), key) == want
+
+
+def test_a_float_setting_refuses_underscores_between_digits(monkeypatch):
+    monkeypatch.setenv("DRAFTD_TRAINER__INTERVAL_S", "3_00")
+    with pytest.raises(ConfigError, match=r"trainer.interval_s \(DRAFTD_TRAINER__INTERVAL_S\): '3_00': write the "
+                                          r"number without '_' between digits"):
+        load_settings()
+    monkeypatch.setenv("DRAFTD_TRAINER__INTERVAL_S", "2.5e2")
+    assert load_settings().trainer.interval_s == 250.0
