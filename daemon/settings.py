@@ -757,8 +757,33 @@ def validation_text(e, group: str | None = None) -> str:
     lines = []
     for err in e.errors(include_url=False):
         setting, inner = _split_loc(((group,) if group else ()) + tuple(err.get("loc", ())))
+        if err.get("type") == "extra_forbidden" and len(setting) == 1:  # a table or key outside the groups
+            lines.append(f"  {_unknown_top_level(setting[0], err.get('input'))}")
+            continue
         lines.append(f"  {_setting_name(setting, inner)}: {_error_text(err, setting)}")
     return _masked("\n".join(lines), e)
+
+
+def _unknown_top_level(name: str, raw: Any) -> str:
+    """The line for a key the config file has outside every group (``[serv]`` for ``[serve]``, or
+    ``port = 1`` above the tables): what the file may hold there and, as :func:`unread_env` does for
+    a misspelt variable, the nearest group or setting (:mod:`difflib`), or the groups holding a
+    setting of that name."""
+    import difflib
+
+    name = name if len(name) <= NAME_LIMIT else name[:NAME_LIMIT] + "..."
+    groups = _groups()
+    top = [f for f in Settings.model_fields if f not in groups]
+    owners = [g for g in groups if name.lower() in Settings.model_fields[g].annotation.model_fields]
+    if owners and not isinstance(raw, dict):
+        near = " or ".join(f"{name.lower()} under [{g}]" for g in owners)
+    else:
+        close = difflib.get_close_matches(name.lower(), groups + top, n=1, cutoff=0.5)
+        near = (f"[{close[0]}]" if close[0] in groups else close[0]) if close else ""
+    shown = f"[{name}]" if isinstance(raw, dict) else name
+    return (f"{shown} (in the config file): not a settings group nor a top-level setting (the groups: "
+            f"{', '.join(f'[{g}]' for g in groups)}; top-level: {', '.join(top)})"
+            + (f"; did you mean {near}?" if near else ""))
 
 
 def _split_loc(loc: tuple) -> tuple[tuple[str, ...], tuple]:

@@ -424,3 +424,34 @@ def test_a_float_setting_refuses_underscores_between_digits(monkeypatch):
         load_settings()
     monkeypatch.setenv("DRAFTD_TRAINER__INTERVAL_S", "2.5e2")
     assert load_settings().trainer.interval_s == 250.0
+
+
+@pytest.mark.parametrize("toml, says", [
+    ("[serv]\nport = 8001\n", "[serv] (in the config file): not a settings group nor a top-level setting (the groups: "
+                              "[redis], [store], [models], [trainer], [bootstrap], [api], [serve]; top-level: state_dir, "
+                              "log_format, log_level); did you mean [serve]?"),
+    ("[trainr]\ninterval_s = 60\n", "did you mean [trainer]?"),
+    ("state_dr = '/tmp/x'\n", "state_dr (in the config file): not a settings group nor a top-level setting"),
+    ("state_dr = '/tmp/x'\n", "did you mean state_dir?"),
+    ("port = 8001\n", "did you mean port under [api] or port under [serve]?"),
+])
+def test_a_misspelt_toml_group_or_key_outside_the_groups_gets_the_nearest_name(tmp_path, toml, says):
+    """``[serv]`` for ``[serve]`` was refused as pydantic's bare "Extra inputs are not permitted"
+    (under a DRAFTD_SERV variable that nobody set), while a misspelt DRAFTD_SERV__PORT was told
+    "did you mean serve"."""
+    p = tmp_path / "c.toml"
+    p.write_text(toml)
+    with pytest.raises(ConfigError) as ei:
+        load_settings(p)
+    msg = str(ei.value)
+    assert says in msg, msg
+    assert "DRAFTD_SERV" not in msg and "Extra inputs" not in msg, msg
+
+
+def test_a_table_nothing_resembles_lists_the_groups_without_a_guess(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[zzzzqq]\nx = 1\n")
+    with pytest.raises(ConfigError) as ei:
+        load_settings(p)
+    msg = str(ei.value)
+    assert "[zzzzqq] (in the config file): not a settings group" in msg and "did you mean" not in msg, msg
