@@ -67,8 +67,9 @@ def _cost_per_token(name: str, draft_ms: float | None) -> float | None:
 DRAFT = "__draft__"  # the derived draft's engine among the measured ones
 NOISE_MAX = 0.3
 """A format whose typical repeat (median) is more than this much slower than its fastest one, at
-any row count, was measured while something moved the step times (another job, most often): the
-measurement is not cached, so the next start measures again, and it is judged on its ratios paired
+any row count, was measured while something moved the step times (another job, most often): every
+format still in the running is timed again (:func:`_contest`, up to :data:`MAX_REPEATS` within the time
+budget), the measurement is not cached, so the next start measures again, and it is judged on its ratios paired
 per repeat only (without per-repeat samples it is left out, and the packaged file serves if it is
 the packaged file's own measurement); one with fewer than :data:`MIN_REPEATS` repeats (the time
 budget ran out: its noise cannot be told) is left out. On the 2-core AMX Xeon of bench/RESULTS.md, shared with other
@@ -562,8 +563,9 @@ def _contest(times: dict[str, dict[int, list[float]]], checks: dict[str, dict[st
              costs: dict[str, FormatCost], proposers: Sequence[str] | None) -> list[str]:
     """The engines :func:`_time_rows` should time once more: the packaged file and the best other
     format while :func:`choose_format` on the times so far finds their paired ratio unsure
-    (``paired["unsure"]``: not yet serving, but its interval reaches past ``1 + MARGIN``); none
-    otherwise."""
+    (``paired["unsure"]``: not yet serving, but its interval reaches past ``1 + MARGIN``); else,
+    while any format still in the running (the packaged file and every eligible one) is noisy
+    (``noise`` above :data:`NOISE_MAX`), all of those; none otherwise."""
     fm = {}
     for f, by_n in times.items():
         done = {n: v for n, v in by_n.items() if v}
@@ -576,7 +578,12 @@ def _contest(times: dict[str, dict[int, list[float]]], checks: dict[str, dict[st
         return []
     draft = times.get(DRAFT, {}).get(1)
     c = choose_format(FormatMeasurement({}, fm, statistics.median(draft) if draft else None), proposers=proposers)
-    return [PACKAGED, c.paired["format"]] if c.paired and c.paired.get("unsure") else []
+    if c.paired and c.paired.get("unsure"):
+        return [PACKAGED, c.paired["format"]]
+    # step times that moved (a host settling after a build, a file just written): every format still
+    # in the running timed again, so the medians rest on more repeats, the later ones on a quieter host
+    running = [r["format"] for r in c.costs if r["format"] == PACKAGED or r.get("eligible")]
+    return running if any((fm[f].noise or 0.0) > NOISE_MAX for f in running) else []
 
 
 def _incomplete(rows: list[int], budget_s: float | None, scaled: bool, threads: int,

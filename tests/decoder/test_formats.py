@@ -453,6 +453,14 @@ def test_an_unsure_format_is_timed_again_until_its_interval_decides():
     assert F._contest(spread, checks, costs, ()) == ["packaged", "Q8_0"]
     settled = dict(spread, Q8_0={1: [9.0, 8.0, 11.0] + [9.0] * 12}, packaged={1: [10.0] * 15})
     assert F._contest(settled, checks, costs, ()) == []
+    # decided (Q8_0 at 0.8 of the packaged step in every pair) but the step times moved (14 / 10 - 1 = 0.4 over
+    # NOISE_MAX): every format still in the running is timed again; one whose rows differ is not (left out anyway)
+    moved = {"packaged": {1: [10.0, 14.0, 14.0]}, "Q8_0": {1: [8.0, 11.2, 11.2]}, "F16": {1: [14.0, 14.0, 14.0]}}
+    assert F._contest(moved, checks, costs, ()) == ["packaged", "Q8_0", "F16"]
+    differ = dict(checks, F16={"rows_identical": False, "row_max_abs_diff": 0.1})
+    assert F._contest(moved, differ, costs, ()) == ["packaged", "Q8_0"]
+    calm = dict(moved, packaged={1: [10.0, 10.5, 10.5]}, Q8_0={1: [8.0, 8.4, 8.4]})
+    assert F._contest(calm, checks, costs, ()) == []
 
 
 # ---- records, and greedy on the served copy -------------------------------------------------------
