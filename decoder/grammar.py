@@ -107,17 +107,86 @@ def _check_schema_keywords(node: Any, path: str = "") -> None:
             _check_schema_keywords(sub, f"{path}{k}.{i}." if isinstance(v, list) else f"{path}{k}.")
 
 
+def _pointer_target(schema: dict, ref: str) -> dict:
+    """The subschema the local ``$ref`` ``ref`` (``#`` or a JSON pointer ``#/a/b``, RFC 6901's ``~0``
+    / ``~1`` and the fragment's %-escapes decoded) points at in ``schema``.
+
+    Raises:
+        GrammarError: a remote or relative reference, a step not in the schema, or a target that
+            is not a schema object; the message names the ``$ref``.
+    """
+    from urllib.parse import unquote
+
+    if not ref.startswith("#"):
+        raise GrammarError(f"$ref {ref[:200]!r} is not local: remote schemas are not fetched; put the referenced "
+                           f"schema under $defs and refer to it as #/$defs/...")
+    if ref != "#" and not ref.startswith("#/"):
+        raise GrammarError(f"$ref {ref[:200]!r}: a local $ref is '#' or a JSON pointer such as #/$defs/<name>")
+    node: Any = schema
+    for step in ref[2:].split("/") if ref != "#" else ():
+        key = unquote(step).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            raise GrammarError(f"$ref {ref[:200]!r}: {key[:80]!r} is not in the schema; refer to a schema under "
+                               f"$defs, as #/$defs/<name>")
+    if not isinstance(node, dict):
+        raise GrammarError(f"$ref {ref[:200]!r} points at a {type(node).__name__}, not a schema object")
+    return node
+
+
+def _flat_refs(schema: dict) -> dict:
+    """``schema`` with every local ``$ref`` pointing into one root ``$defs`` of its own (a copy of
+    each target, under a name no other target has), so llama-cpp-python's converter resolves
+    them all: its resolver does not look inside a node that holds a ``$ref`` (a root ``$ref``
+    beside the ``$defs`` it points into, as a self-referring tree node is written, was a
+    ``KeyError``), and it names a target's rule by the pointer's last step alone (two targets
+    named alike got one rule). Recursive references stay references: the grammar recurses."""
+    names: dict[str, str] = {}
+    defs: dict[str, Any] = {}
+
+    def name_of(ref: str) -> str:
+        if ref not in names:
+            target = _pointer_target(schema, ref)
+            base = re.sub(r"[^A-Za-z0-9-]+", "-", ref.rsplit("/", 1)[-1]).strip("-")[:40] or "schema"
+            name, i = f"ref-{base}", 1
+            while name in defs:
+                i += 1
+                name = f"ref-{base}-{i}"
+            names[ref], defs[name] = name, None  # named before its copy: a reference back to it ends here
+            defs[name] = rewrite(target)
+        return names[ref]
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        return {k: (f"#/$defs/{name_of(v)}" if k == "$ref" and isinstance(v, str) else rewrite(v))
+                for k, v in node.items()}
+
+    root = rewrite(schema)
+    if not names:
+        return schema
+    root = {k: v for k, v in root.items() if k not in ("$defs", "definitions")}
+    if "$ref" in root:  # the converter reads a $ref before anything beside it, as here
+        root = {"anyOf": [{"$ref": root["$ref"]}]}
+    return {**root, "$defs": defs}
+
+
 def schema_to_gbnf(schema: Any) -> str:
     """The GBNF grammar of the JSON documents ``schema`` (a JSON Schema, as a dict) accepts, by
     llama-cpp-python's converter (``json_schema_to_gbnf``: types, properties and ``required``,
     ``enum``/``const``, ``anyOf``/``oneOf``, ``items``, ``minItems``/``maxItems``, string
-    ``pattern``/``format``, local ``$ref``; extra properties are refused unless
-    ``additionalProperties`` allows them).
+    ``pattern``/``format``; extra properties are refused unless ``additionalProperties`` allows
+    them), its local ``$ref`` resolved first (:func:`_flat_refs`; recursive ones included).
 
     Raises:
-        GrammarError: not a JSON object, a keyword or ``$ref`` the converter refuses, a number
-            bound it would ignore (:data:`UNBOUNDED_KEYWORDS`), sizes over :data:`MAX_REPEAT`, or a
-            grammar over the limits of :func:`check_gbnf`.
+        GrammarError: not a JSON object, a keyword the converter refuses, a ``$ref`` that is remote
+            or points at nothing (named), a number bound it would ignore (:data:`UNBOUNDED_KEYWORDS`),
+            sizes over :data:`MAX_REPEAT`, or a grammar over the limits of :func:`check_gbnf`.
     """
     if not isinstance(schema, dict):
         raise GrammarError(f"{type(schema).__name__}: a JSON Schema is a JSON object, e.g. "
@@ -127,7 +196,9 @@ def schema_to_gbnf(schema: Any) -> str:
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     try:
-        text = json_schema_to_gbnf(json.dumps(schema))
+        text = json_schema_to_gbnf(json.dumps(_flat_refs(schema)))
+    except GrammarError:  # a $ref _flat_refs refuses, named
+        raise
     except RecursionError:
         raise GrammarError("the schema nests too deeply (or its $refs loop) for the converter") from None
     except Exception as e:  # noqa: BLE001 - the converter raises AssertionError / ValueError / KeyError ...

@@ -72,6 +72,47 @@ def test_nesting_is_counted_outside_strings_classes_and_comments():
     check_gbnf('root ::= "((((" [(] x # ((((((\nx ::= ("a")')
 
 
+# a tree node referring to itself, written as JSON Schema's examples write it: a root $ref beside
+# the $defs it points into (the break helper's: refused as "KeyError: '#/$defs/node'")
+NODE = {"type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8},
+                       "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+        "required": ["name", "children"]}
+TREE = {"$defs": {"node": NODE}, "$ref": "#/$defs/node"}
+TREE_AT_ROOT = json.loads(json.dumps(NODE).replace("#/$defs/node", "#"))  # "$ref": "#", the root itself
+TREE_IN_A_PROPERTY = {"type": "object", "properties": {"tree": {"$ref": "#/definitions/node"}}, "required": ["tree"],
+                      "definitions": {"node": json.loads(json.dumps(NODE).replace("$defs", "definitions"))}}
+
+
+def check_tree(obj, depth: int = 0) -> int:
+    """The tree schema's checks by hand; returns the number of nodes."""
+    assert isinstance(obj, dict) and set(obj) == {"name", "children"}, obj
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 8, obj
+    assert isinstance(obj["children"], list) and len(obj["children"]) <= 2, obj
+    return 1 + sum(check_tree(c, depth + 1) for c in obj["children"])
+
+
+@pytest.mark.parametrize("schema", [TREE, TREE_AT_ROOT, TREE_IN_A_PROPERTY], ids=["root-ref", "hash", "property"])
+def test_a_recursive_schema_becomes_a_recursive_grammar(schema):
+    text = schema_to_gbnf(schema)
+    rules = dict(line.split(" ::= ", 1) for line in text.splitlines())
+    node = next(name for name in rules if name.startswith("ref-"))
+    assert node in rules[node] or any(node in rules[r] and r in rules[node] for r in rules), text  # it recurses
+
+
+@pytest.mark.parametrize("schema, why", [
+    ({"$defs": {}, "$ref": "#/$defs/nope"}, r"^\$ref '#/\$defs/nope': 'nope' is not in the schema; refer to a schema "
+                                            r"under \$defs, as #/\$defs/<name>$"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/properties/b/type"}, "b": {"type": "string"}}},
+     r"^\$ref '#/properties/b/type' points at a str, not a schema object$"),
+    ({"type": "array", "items": {"$ref": "node"}}, r"^\$ref 'node' is not local: remote schemas are not fetched"),
+    ({"type": "array", "items": {"$ref": "#node"}}, r"^\$ref '#node': a local \$ref is '#' or a JSON pointer"),
+])
+def test_a_ref_to_nothing_is_refused_naming_it(schema, why):
+    with pytest.raises(GrammarError, match=why):
+        schema_to_gbnf(schema)
+
+
 # ---- the packaged GGUF -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gguf():
@@ -171,3 +212,51 @@ def test_partial_rows_equal_the_full_mask_where_the_row_is_used(dec, real, vocab
         s = g.advance(s, t, dec.eos_ids)
         assert s is not None
     assert g.done(s)
+
+
+def accepts(g: GrammarConstraint, tokenizer, text: str) -> bool:
+    """``text``, tokenised, is a complete sentence of ``g``'s grammar."""
+    s = g.start()
+    for t in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        s = g.advance(s, t)
+        if s is None:
+            return False
+    return g.done(s)
+
+
+@pytest.mark.parametrize("schema", [TREE, TREE_AT_ROOT], ids=["root-ref", "hash"])
+def test_a_recursive_grammar_takes_trees_of_any_depth_and_nothing_else(vocab, real, schema):
+    g = GrammarConstraint(vocab, schema_to_gbnf(schema))
+    leaf = '{"name": "c", "children": []}'
+    deep = leaf
+    for _ in range(5):
+        deep = f'{{"name": "n", "children": [{deep}, {leaf}]}}'
+    check_tree(json.loads(deep))
+    for text in (leaf, deep):
+        assert accepts(g, real.tokenizer, text), text
+    for text in ('{"name": "a", "children": [1]}', '{"name": "a", "children": [{"name": "b"}]}',
+                 '{"name": "a", "children": [' + ", ".join([leaf] * 3) + "]}"):
+        assert not accepts(g, real.tokenizer, text), text
+
+
+def test_two_refs_whose_pointers_end_alike_keep_their_own_schemas(vocab, real):
+    """The converter named a target's rule by the pointer's last step: #/$defs/x and
+    #/$defs/y/$defs/x shared the first one's rule, so "b" had to be an {"i": integer} object too."""
+    x_int = {"type": "object", "properties": {"i": {"type": "integer"}}, "required": ["i"]}
+    x_str = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}, "b": {"$ref": "#/$defs/y/$defs/x"}},
+              "required": ["a", "b"], "$defs": {"x": x_int, "y": {"$defs": {"x": x_str}}}}
+    g = GrammarConstraint(vocab, schema_to_gbnf(schema))
+    assert accepts(g, real.tokenizer, '{"a": {"i": 1}, "b": {"s": "t"}}')
+    assert not accepts(g, real.tokenizer, '{"a": {"i": 1}, "b": {"i": 2}}')
+
+
+def test_greedy_under_a_recursive_schema_is_a_tree_and_speculation_equals_plain(dec, real, vocab):
+    g = GrammarConstraint(vocab, schema_to_gbnf(TREE), width=dec.vocab_p)
+    ids = chat_ids(real, "Give a family tree as JSON: Ann has two children, Bob and Cy; Bob has one child, Di.")
+    plain = dec.generate(DecodeRequest(ids, SamplingParams(), 96, gamma=0, constraint=g))
+    spec = dec.generate(DecodeRequest(ids, SamplingParams(), 96, gamma=4, proposer="ngram", constraint=g))
+    assert spec.output_ids == plain.output_ids
+    text = real.tokenizer.decode(plain.output_ids, skip_special_tokens=True)
+    assert plain.finish_reason == "eos", text
+    assert check_tree(json.loads(text)) >= 1, text
