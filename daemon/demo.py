@@ -2070,22 +2070,28 @@ def _dips_clause(dips: list[tuple[int, float, int, float]], unit: str = "ms") ->
     return f"; {each}: noise between two readings (a verification of more rows cannot cost less), priced at the fewer rows' cost"
 
 
-def _ceiling_line(ceil: dict, cost: dict, when: str, stopped_cost: dict | None = None) -> str:
+def _ceiling_line(ceil: dict, cost: dict, when: str, stopped_cost: dict | None = None,
+                  key: str = "remeasured.engine_ceiling") -> str:
     """One engine ceiling (``StepCost.ceiling``'s dict) for the footer: which γ it was measured at
     (the row counts of ``cost``, ms by rows, and the γ of ``ceil["by_gamma"]``), and the plain step
     it divides by. With ``stopped_cost`` (the costs with the trainer stopped) this is the ceiling
     beside the trainer: the line says its plain step was slowed by the trainer beside the stopped one,
     so it is not read against a live decision priced on a faster plain step. Costs that dip with
     more rows (:func:`_running_max`) are priced at the running max, the ceiling with them, and the
-    line names each dip as noise."""
+    line names each dip as noise, and where that moved the ceiling, the figure on the costs as
+    measured that report.json keeps under ``key`` (``ceil["speedup"]``), so the two are not read
+    as one figure that disagrees."""
     two, one = cost.get(2, cost.get("2")), cost.get(1, cost.get("1"))
     gammas = sorted(int(g) for g in (ceil.get("by_gamma") or {}))
     rows = [1, *(g + 1 for g in gammas)]  # a plain step and each γ's verification of γ + 1 rows
     envelope, dips = _running_max(cost)
+    raw = ceil.get("speedup")
     if dips and gammas and all(n in envelope for n in rows):  # the ceiling on the costs as priced, dips lifted
         from decoder.proposers.cost import speculation_ceiling
 
         ceil = speculation_ceiling({n: envelope[n] for n in rows}, max(gammas)) or ceil
+    as_measured = (f" ({raw:.2f}x on the costs as measured, the dip included: report.json's {key}.speedup)"
+                   if raw is not None and f"{raw:.2f}" != f"{ceil['speedup']:.2f}" else "")
     # a ceiling covers only the γ whose verifications were measured (model-free steps): say which, by name
     span = (f"γ={ceil['gamma']}, the best of γ={', '.join(map(str, gammas))} measured: steps measured at "
             f"{', '.join(map(str, rows))} rows, no other γ priced" if len(gammas) > 1 else
@@ -2100,7 +2106,7 @@ def _ceiling_line(ceil: dict, cost: dict, when: str, stopped_cost: dict | None =
     return (f"engine ceiling {when}: even if every proposal were accepted at no cost, speculation could run at most "
             f"{ceil['speedup']:.2f}x plain ({span})"
             + (f"; a verification of 2 rows cost {two / one:.2f} plain steps" if one and two else "")
-            + _dips_clause(dips) + step)
+            + _dips_clause(dips) + as_measured + step)
 
 
 def _plain_ms(cost: dict | None) -> float | None:
@@ -2151,10 +2157,12 @@ def _recovery_and_footer(report: dict, console) -> None:
                (report.get("engine_ceiling"), report.get("step_cost_ms") or {},
                 "at the evaluation, the trainer stopped" if beside else "beside the trainer"))
     if stopped[0]:
-        console.print(_ceiling_line(*stopped))
+        console.print(_ceiling_line(*stopped, key="remeasured.engine_ceiling" if rem.get("engine_ceiling")
+                                    else "engine_ceiling"))
     if beside and beside.get("engine_ceiling"):
         console.print(_ceiling_line(beside["engine_ceiling"], beside.get("step_cost_ms") or {},
-                                    "while serving, beside the trainer", stopped[1]))
+                                    "while serving, beside the trainer", stopped[1],
+                                    key="remeasured.beside_trainer.engine_ceiling"))
     sources = _price_sources(report)
     if sources:
         console.print(sources)

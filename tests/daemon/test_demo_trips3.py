@@ -123,7 +123,7 @@ def test_step_costs_that_fall_with_more_rows_are_priced_as_the_running_max_and_c
     cost = {1: 10.0, 2: 20.0, 3: 14.0, 4: 30.0}
     raw = {"by_gamma": {1: 1.0, 2: 2.143, 3: 1.333}, "gamma": 2, "speedup": 2.143}
     line = demo._ceiling_line(raw, cost, "with the trainer stopped")
-    assert "at most 1.50x plain (γ=2," in line and "2.14x" not in line, line
+    assert "at most 1.50x plain (γ=2," in line and "at most 2.14x" not in line, line
     assert ("; 3 rows measured 14.00 ms, below 2 rows' 20.00: noise between two readings (a verification of more "
             "rows cannot cost less), priced at the fewer rows' cost") in line
     # costs that rise: the line as before, no noise clause
