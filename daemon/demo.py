@@ -44,7 +44,7 @@ from rich.markup import escape as rich_escape
 
 from decoder.engines.base import supports
 from store.jsonsafe import jsonable as _jsonable, nan_none
-from store.wording import percent, requests as _requests
+from store.wording import percent, requests as _requests, signed
 
 
 @dataclass
@@ -1615,7 +1615,7 @@ def _interval(d: dict | None, key_lo: str = "low", key_hi: str = "high") -> str:
     """An interval cell: signed for a gain's interval, else 2 decimals; '-' when there is none."""
     if not d or d.get(key_lo) is None:
         return "-"
-    return f"[{d[key_lo]:+.3f}, {d[key_hi]:+.3f}]" if key_lo == "low" and "gain" in d else f"[{d[key_lo]:.2f}, {d[key_hi]:.2f}]"
+    return f"[{signed(d[key_lo], 3)}, {signed(d[key_hi], 3)}]" if key_lo == "low" and "gain" in d else f"[{d[key_lo]:.2f}, {d[key_hi]:.2f}]"
 
 
 def _heldout_table(report: dict, console) -> None:

@@ -19,3 +19,21 @@ def percent(fraction: float) -> str:
     if "e" in s:  # a tiny or huge fraction: fixed notation, never 1e-07 (nor -0)
         s = f"{fraction * 100:.6f}".rstrip("0").rstrip(".")
     return "0" if s in ("-0", "") else s
+
+
+def signed(x: float, places: int = 4) -> str:
+    """``x`` with its sign to ``places`` decimals (``signed(0.0534) == "+0.0534"``), as an
+    interval's bound is printed, except where that would print a bound as zero that is not:
+    exactly 0 is ``"0"`` (no sign, no decimals: it is no rounding of something above 0), and a
+    nonzero ``x`` that rounds to zero keeps two significant digits in fixed notation
+    (``signed(3.2e-05) == "+0.000032"``, ``signed(-4e-07) == "-0.00000040"``). NaN is ``"nan"``."""
+    if x != x:
+        return "nan"
+    if x == 0:
+        return "0"
+    s = f"{x:+.{places}f}"
+    if float(s) != 0:
+        return s
+    import math
+
+    return f"{x:+.{max(places, 1 - math.floor(math.log10(abs(x))))}f}"

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from store.wording import percent
+from store.wording import percent, signed
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,12 @@ class PairedGain:
         return asdict(self)
 
     def describe(self) -> str:
+        """"α before -> after (gain, CI [low, high]) on n positions of k held-out requests"; the bounds
+        by ``store.wording.signed``: a bound of exactly 0 reads "0" and one that only rounds to zero
+        keeps its digits, so a lower bound that fails "above 0" never prints as +0.0000."""
         pct = percent(self.confidence)
-        return (f"α {self.before:.4f} -> {self.after:.4f} ({self.gain:+.4f}, {pct} % CI [{self.low:+.4f}, "
-                f"{self.high:+.4f}]) on {self.positions} positions of {self.clusters} held-out requests")
+        return (f"α {self.before:.4f} -> {self.after:.4f} ({self.gain:+.4f}, {pct} % CI [{signed(self.low)}, "
+                f"{signed(self.high)}]) on {self.positions} positions of {self.clusters} held-out requests")
 
 
 def paired_gain(

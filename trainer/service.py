@@ -86,7 +86,7 @@ from store.buffer import group_info
 from store.errors import RegistryError
 from store.registry import AdapterMeta, check_scope
 from store.schema import VerifiedSample
-from store.wording import percent
+from store.wording import percent, signed
 from trainer.distill import BASE, AdapterState, Distiller, EvalResult, RoundResult, TrainerError
 from trainer.gate import PairedGain, counts_by_record, paired_gain
 from trainer.publish import adapter_meta, publish
@@ -306,7 +306,7 @@ def _measured_losses(before: EvalResult, after: EvalResult, enough: set[str], tr
                          clusters, cfg.confidence)
         if pw.clusters >= 2 and pw.high < 0:
             (own if w in trained else other).append(
-                f"{w} {pw.gain:+.4f} ({percent(pw.confidence)} % CI [{pw.low:+.4f}, {pw.high:+.4f}])")
+                f"{w} {pw.gain:+.4f} ({percent(pw.confidence)} % CI [{signed(pw.low)}, {signed(pw.high)}])")
     parts = []
     if own:
         parts.append(f"{'its own workload' if len(own) == 1 else 'its own workloads'} "
@@ -369,7 +369,10 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
         return Verdict(False, f"{head}: its gain as served, {pg.gain:+.4f}, is below promote_margin "
                               f"{cfg.promote_margin:g}{fell}", pg, worse)
     if not pg.low > 0:
-        return Verdict(False, f"{head}: the interval's lower bound is not above 0", pg, worse)
+        # a walkthrough read "CI [+0.0000, +0.0534] ...: the lower bound is not above 0" as met: a bound
+        # of exactly 0 (resamples that missed the one request that gained) is said to be one
+        at = " (it is exactly 0: the gate needs it above 0)" if pg.low == 0 else ""
+        return Verdict(False, f"{head}: the interval's lower bound is not above 0{at}", pg, worse)
     return Verdict(True, f"{head}: gain >= promote_margin {cfg.promote_margin}, lower bound > 0; "
                          f"no workload regressed > {cfg.regress_margin}", pg)
 

@@ -45,3 +45,42 @@ def test_the_ceiling_priced_over_a_dip_names_report_jsons_figure_on_the_costs_as
     rising = {1: 10.0, 2: 20.0, 3: 24.0}
     ceil = {"by_gamma": {1: 1.0, 2: 1.25}, "gamma": 2, "speedup": 1.25}
     assert "on the costs as measured" not in demo._ceiling_line(ceil, rising, "with the trainer stopped")
+
+
+# (5) an interval bound that fails "above 0" never prints as +0.0000 --------------------------------------
+
+def test_a_bound_that_rounds_to_zero_keeps_its_digits_and_exactly_zero_reads_0():
+    from store.wording import signed
+    from trainer.gate import PairedGain
+
+    assert signed(0.0534) == "+0.0534" and signed(-0.0534) == "-0.0534"
+    assert signed(0.0) == "0" and signed(-0.0) == "0"
+    assert signed(3.2e-05) == "+0.000032" and signed(-4e-07) == "-0.00000040"
+    assert signed(0.0534, 3) == "+0.053" and signed(0.0004, 3) == "+0.00040"
+    pg = PairedGain(10, 10, 100, 0.5, 0.526, 0.026, 0.0, 0.0534, 0.95)
+    assert "(+0.0260, 95 % CI [0, +0.0534])" in pg.describe(), pg.describe()
+    tiny = PairedGain(10, 10, 100, 0.5, 0.526, 0.026, -3e-06, 0.0534, 0.95)
+    assert "CI [-0.0000030, +0.0534]" in tiny.describe()
+
+
+def test_the_gate_says_a_lower_bound_of_exactly_0_is_one():
+    """7f7aad4's v13: "+0.0260, 95 % CI [+0.0000, +0.0534] ...: the interval's lower bound is not above
+    0" read as met. One request of ten gains 0.5 a position, the rest nothing: 0.9^10 = 35 % of the
+    resamples miss it and give exactly 0, so the 2.5 % quantile is 0."""
+    from trainer.distill import EvalCounts, EvalResult
+    from trainer.service import ServiceConfig, gate
+
+    def ev(served):
+        r = EvalResult()
+        for i, a in enumerate(served):
+            r.add_sample(f"prose-{i}", "prose", EvalCounts(1, 10, a * 10, 0, a * 10))
+        return r
+
+    cfg = ServiceConfig(min_eval_samples=4, min_eval_requests=8, min_eval_positions=80, promote_margin=0.0)
+    v = gate(ev([0.5] * 10), ev([1.0] + [0.5] * 9), {"prose"}, cfg)
+    assert not v.promote and v.evidence.low == 0.0
+    assert "95 % CI [0, +" in v.reason and "+0.0000" not in v.reason, v.reason
+    assert v.reason.endswith("the interval's lower bound is not above 0 (it is exactly 0: the gate needs it above 0)")
+    # a decoded α gain's interval in the demo's table likewise
+    assert demo._interval({"gain": 0.03, "low": 0.0, "high": 0.061}) == "[0, +0.061]"
+    assert demo._interval({"gain": 0.03, "low": -0.0002, "high": 0.061}) == "[-0.00020, +0.061]"
