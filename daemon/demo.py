@@ -683,11 +683,28 @@ def _progress_line(timeline, phase: str, requests: int, seconds: float) -> str:
         done = "first request served" if requests == 1 else f"{_requests(requests)} served"
         return f"{phase}: {done} (its rolling α and tokens/s once there are more){serving}"
     return (f"{phase}: {_requests(requests)} in {seconds:.0f} s; last {len(recent)}: "
-            + (f"α {_alpha_tau(alpha, tau, len(spec))} "
-               + ("(one request's: the only one that speculated)" if len(spec) == 1 else f"({len(spec)} speculated)")
-               if alpha is not None and tau is not None
-               else "plain decoding")
+            + (_alpha_per_proposer(spec) if alpha is not None and tau is not None else "plain decoding")
             + (f", {tps:.1f} tokens/s" if tps is not None else "") + serving)
+
+
+def _alpha_per_proposer(spec: list[dict]) -> str:
+    """The rolling α and τ of ``spec`` (timeline rows that speculated, each with an ``alpha``) per
+    ``proposer``, in the order each first appears: "ngram α 0.800, τ 2.00 (4 speculated) and draft
+    α 0.250, τ 1.10 (2 speculated)". One mean over the n-gram's and the draft's requests moved
+    with their mix, not with either's acceptance (a walkthrough read 0.690 -> 0.282 around v1's
+    arrival as the bootstrap halving α). Rows without a proposer are one group, named by none."""
+    groups: dict[str | None, list[dict]] = {}
+    for r in spec:
+        groups.setdefault(r.get("proposer"), []).append(r)
+    parts = []
+    for name, rows in groups.items():
+        a = sum(r["alpha"] for r in rows) / len(rows)
+        taus = [r["tau"] for r in rows if r.get("tau") is not None]
+        at = _alpha_tau(a, sum(taus) / len(taus), len(rows)) if taus else f"{a:.2f}" if len(rows) == 1 else f"{a:.3f}"
+        n = ("(one request's: the only one that speculated)" if len(spec) == 1 else
+             "(one request's)" if len(rows) == 1 else f"({len(rows)} speculated)")
+        parts.append(f"{name + ' ' if name else ''}α {at} {n}")
+    return " and ".join(parts)
 
 
 def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: int, t0: float) -> dict:
@@ -1462,7 +1479,8 @@ def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
     t.add_row("current workload", phase)
     t.add_row(f"one request's α, τ (1 of the last {len(recent)} speculated)" if len(spec) == 1 else
               f"rolling α, τ ({len(spec)} of the last {len(recent)} speculated)",
-              _alpha_tau(alpha, tau, len(spec), sep=", ") if alpha is not None and tau is not None else "- (plain decoding)")
+              (_alpha_per_proposer(spec) if any(r.get("proposer") for r in spec) else _alpha_tau(alpha, tau, len(spec), sep=", "))
+              if alpha is not None and tau is not None else "- (plain decoding)")
     t.add_row("rolling tokens/s", f"{tps:.2f}" if tps is not None else "-")
     ms = manager.status()
     routes = {w: v for w, v in (ms.get("routes") or {}).items() if w and v}

@@ -84,3 +84,40 @@ def test_the_gate_says_a_lower_bound_of_exactly_0_is_one():
     # a decoded α gain's interval in the demo's table likewise
     assert demo._interval({"gain": 0.03, "low": 0.0, "high": 0.061}) == "[0, +0.061]"
     assert demo._interval({"gain": 0.03, "low": -0.0002, "high": 0.061}) == "[-0.00020, +0.061]"
+
+
+# (6) the live α per proposer ----------------------------------------------------------------------------
+
+def test_the_live_line_gives_each_proposers_alpha_apart():
+    """7f7aad4's live lines around v1's arrival: "α 0.690, τ 1.36 (6 speculated)", then "α 0.282, τ
+    1.07 (6 speculated)", "serving v1": read as the bootstrap halving α, where the mean mixed the
+    n-gram's requests and the draft's. Of the last 8 here: the n-gram on 4 (α 0.8, 0.7, 0.9, 0.8: mean
+    0.800; τ 2, 2, 3, 1: 2.00), the draft on 2 (α 0.2, 0.3: 0.250; τ 1.0, 1.2: 1.10), 2 plain."""
+    def row(proposer, alpha, tau):
+        return {"workload": "prose", "proposer": proposer, "alpha": alpha, "tau": tau, "tokens_per_s": 40.0,
+                "adapter_version": 1}
+
+    tl = [row("ngram", 0.8, 2.0), row("draft", 0.2, 1.0), row("ngram", 0.7, 2.0), row(None, None, 1.0),
+          row("ngram", 0.9, 3.0), row("draft", 0.3, 1.2), row(None, None, 1.0), row("ngram", 0.8, 1.0)]
+    assert demo._progress_line(tl, "prose", 40, 68.0) == (
+        "prose: 40 requests in 68 s; last 8: ngram α 0.800, τ 2.00 (4 speculated) and draft α 0.250, τ 1.10 "
+        "(2 speculated), 40.0 tokens/s; serving v1")
+    # one proposer: named, its own figures
+    only = [r for r in tl if r["proposer"] != "draft"]
+    assert "; last 6: ngram α 0.800, τ 2.00 (4 speculated), 40.0" in demo._progress_line(only, "prose", 40, 68.0)
+    # one draft request among n-gram ones: "one request's", to 2 decimals
+    one = tl[:2] + [r for r in tl[2:] if r["proposer"] != "draft"]
+    assert "and draft α 0.20, τ 1.00 (one request's), 40.0" in demo._progress_line(one, "prose", 40, 68.0)
+
+    class Fake:
+        def status(self):
+            return {}
+
+        def decision(self, key):
+            return {"why": "test"}
+
+    out = io.StringIO()
+    Console(file=out, width=300).print(demo._progress_table(tl, "prose", Fake(), Fake(), Fake(), ("prose", "greedy")))
+    text = out.getvalue()
+    assert "rolling α, τ (6 of the last 8 speculated)" in text
+    assert "ngram α 0.800, τ 2.00 (4 speculated) and draft α 0.250, τ 1.10 (2 speculated)" in text, text
