@@ -2050,16 +2050,23 @@ def _adapters_serving(report: dict) -> str:
     """What serves each workload at the run's end, for the closing line. With per-workload adapters
     (``workload_adapters``) each workload's own scope serves it and the shared scope's version
     (``active_adapter``, the bootstrap in the demo) only a workload without a promoted one of its own:
-    naming the shared one alone read as if it served every workload."""
+    naming the shared one alone read as if it served every workload. One sentence, its full stop left
+    to the caller."""
     own = {w: v for w, v in (report.get("workload_adapters") or {}).items() if v}
     shared = report.get("active_adapter") or 0
     phases = [r["workload"] for r in report.get("phases") or [] if r.get("workload")]
     if not own and not (report.get("config") or {}).get("per_workload"):
-        return f"adapter serving every workload (the shared scope): v{shared}"
+        return f"Serving at the end: v{shared}, the shared adapter, for every workload"
     order = phases + sorted(w for w in own if w not in phases)
-    each = ", ".join(f"{w} v{own[w]}" if w in own else f"{w} the shared v{shared}" for w in order) or "none promoted"
-    return (f"adapters serving, each workload's own scope: {each}; the shared scope's v{shared} serves "
-            f"any workload without one of its own")
+    if order and all(w in own for w in order):
+        return (f"Serving at the end, each workload its own adapter: {', '.join(f'{w} v{own[w]}' for w in order)}; "
+                f"the shared v{shared} serves any other workload")
+    mine, rest = [w for w in order if w in own], [w for w in order if w not in own]
+    parts = [f"{', '.join(f'{w} v{own[w]}' for w in mine)} ({'its own' if len(mine) == 1 else 'each its own'})"] if mine else []
+    if rest:
+        parts.append(f"{', '.join(rest)} the shared v{shared} (no adapter of {'its' if len(rest) == 1 else 'their'} "
+                     f"own promoted)")
+    return f"Serving at the end: {'; '.join(parts) or f'the shared v{shared} for every workload (none promoted its own)'}"
 
 
 def _running_max(ms_by_rows: dict) -> tuple[dict[int, float], list[tuple[int, float, int, float]]]:
@@ -2188,10 +2195,12 @@ def _recovery_and_footer(report: dict, console) -> None:
     if lossless:
         console.print(lossless)
     extra = int((report.get("remeasured") or {}).get("requests") or 0)
-    served = (f"{report['requests']} in the phases, {report['requests'] + extra} with the {extra} of the re-measurement"
+    served = (f"{report['requests']} in the phases and {extra} in the re-measurement, {report['requests'] + extra} in all"
               if extra else f"{report['requests']}")
-    console.print(f"requests served: {served}, {_adapters_serving(report)}"
-                  f", seconds: {report['seconds']}, plot: {report.get('plot')}")
+    # two sentences (a walkthrough read "requests served: 666 in the phases, 730 with the 64 of the
+    # re-measurement, adapters serving, each workload's own scope: ..." as one garbled one)
+    console.print(f"Requests served: {served}, in {report['seconds']} s (the plot: {report.get('plot')}).")
+    console.print(f"{_adapters_serving(report)}.")
     console.print(f"inspect this run: export DRAFTD_STORE__KEY_PREFIX={report['key_prefix']}; .venv/bin/daemonctl status; "
                   f".venv/bin/daemonctl history --plot {Path(report.get('plot') or 'out/demo/acceptance.png').with_name('history.png')}"
                   + ("; .venv/bin/daemonctl heads list" if report.get("heads") else ""))

@@ -131,10 +131,11 @@ def test_the_closing_count_of_requests_says_whether_the_re_measurement_is_in_it(
             "key_prefix": "draftd:demo:"}
     out = io.StringIO()
     print_report(dict(base, remeasured={"requests": 64}), Console(file=out, width=250))
-    assert "requests served: 431 in the phases, 495 with the 64 of the re-measurement" in " ".join(out.getvalue().split())
+    assert ("Requests served: 431 in the phases and 64 in the re-measurement, 495 in all, in 1.0 s"
+            in " ".join(out.getvalue().split()))
     out = io.StringIO()
     print_report(base, Console(file=out, width=250))
-    assert "requests served: 431," in " ".join(out.getvalue().split())
+    assert "Requests served: 431, in 1.0 s (the plot: None)." in " ".join(out.getvalue().split())
 
 
 def test_a_phase_that_ended_on_the_bootstrap_calls_it_the_bootstrap():
@@ -414,16 +415,17 @@ def test_the_closing_line_names_what_serves_each_workload_not_the_shared_version
     print_report(base | {"workload_adapters": {"code": 13, "extract": 18, "math": 15, "prose": 2},
                          "config": {"per_workload": True}}, Console(file=out, width=400))
     text = out.getvalue()
-    assert ("adapters serving, each workload's own scope: prose v2, code v13, math v15, extract v18; the shared "
-            "scope's v1 serves any workload without one of its own") in text, text
+    assert ("Serving at the end, each workload its own adapter: prose v2, code v13, math v15, extract v18; the shared "
+            "v1 serves any other workload.") in text, text
     assert "active adapter: v1" not in text
     out = io.StringIO()  # code never promoted its own: the shared version serves it, said so
     print_report(base | {"workload_adapters": {"prose": 2, "code": 0}, "config": {"per_workload": True}},
                  Console(file=out, width=400))
-    assert "prose v2, code the shared v1, math the shared v1, extract the shared v1;" in out.getvalue()
+    assert ("Serving at the end: prose v2 (its own); code, math, extract the shared v1 (no adapter of their own "
+            "promoted).") in " ".join(out.getvalue().split())
     out = io.StringIO()  # one shared adapter (--shared-adapter): it serves every workload
     print_report(base | {"active_adapter": 7, "config": {"per_workload": False}}, Console(file=out, width=400))
-    assert "adapter serving every workload (the shared scope): v7" in out.getvalue()
+    assert "Serving at the end: v7, the shared adapter, for every workload." in out.getvalue()
 
 
 def test_the_acceptance_shift_alarms_are_explained_beside_their_count():

@@ -121,3 +121,25 @@ def test_the_live_line_gives_each_proposers_alpha_apart():
     text = out.getvalue()
     assert "rolling α, τ (6 of the last 8 speculated)" in text
     assert "ngram α 0.800, τ 2.00 (4 speculated) and draft α 0.250, τ 1.10 (2 speculated)" in text, text
+
+
+# (8) the closing line, as two sentences ------------------------------------------------------------------
+
+def test_the_closing_lines_are_two_sentences():
+    """7f7aad4: "requests served: 666 in the phases, 730 with the 64 of the re-measurement, adapters serving,
+    each workload's own scope: prose v2, ..., seconds: 1063.6, plot: ..." read as one garbled sentence."""
+    phases = [_phase(w) for w in ("prose", "code", "math", "extract")]
+    report = {"phases": phases, "requests": 666, "seconds": 1063.6, "active_adapter": 1, "plot": "out/demo/acceptance.png",
+              "remeasured": {"requests": 64}, "config": {"per_workload": True},
+              "workload_adapters": {"prose": 2, "code": 7, "math": 12, "extract": 15}}
+    lines = [" ".join(x.split()) for x in _printed(report).splitlines()]
+    at = next(i for i, x in enumerate(lines) if x.startswith("Requests served"))
+    assert lines[at] == ("Requests served: 666 in the phases and 64 in the re-measurement, 730 in all, in 1063.6 s "
+                         "(the plot: out/demo/acceptance.png)."), lines[at]
+    assert lines[at + 1] == ("Serving at the end, each workload its own adapter: prose v2, code v7, math v12, extract "
+                             "v15; the shared v1 serves any other workload."), lines[at + 1]
+    assert not any("adapters serving, each workload's own scope" in x for x in lines)
+    # math and extract without their own
+    text = _text(report | {"workload_adapters": {"prose": 2, "code": 7}})
+    assert ("Serving at the end: prose v2, code v7 (each its own); math, extract the shared v1 (no adapter of their "
+            "own promoted).") in text, text
