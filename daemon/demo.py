@@ -215,7 +215,8 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         report["remeasured"] = remeasured
         report["llamacpp_peer_file"] = _peer_file(settings, models)
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
-    plot_timeline(traffic.timeline, traffic.shifts, out_dir / "acceptance.png")
+    plot_timeline(traffic.timeline, traffic.shifts, out_dir / "acceptance.png",
+                  scopes={a["version"]: a.get("scope") or "" for a in report.get("adapters") or ()})
     report["plot"] = str(out_dir / "acceptance.png")
     return report
 
@@ -1522,11 +1523,50 @@ def _alpha_by_proposer(timeline: list[dict]) -> dict[str, list[tuple[float, floa
     return out
 
 
-def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
+def _adapter_name(version: int, scopes: dict[int, str], workload: str) -> str:
+    """``version`` as the plot names it: "base draft" for 0, "v1 (shared)" for a shared-scope
+    version (``scopes``: version -> scope, "" shared), "v7" for a workload's own (or unknown)."""
+    if not version:
+        return "base draft"
+    scope = scopes.get(version)
+    return f"v{version} (shared)" if scope == "" else f"v{version}" if scope in (None, workload) else f"v{version} ({scope}'s)"
+
+
+def _plot_labels(timeline: list[dict], shifts: list[dict],
+                 scopes: dict[int, str]) -> tuple[list[str], list[tuple[float, str, int]]]:
+    """The acceptance plot's labels: per shift, its workload and the adapter its first request was
+    served by (" code: v1 (shared)", :func:`_adapter_name`), and each adapter swap inside a phase as
+    (t s, label, row 0-2). A swap at a phase's first request is the shift's label, not a label of
+    its own: each shift read "v1", the shared adapter routed before the workload had its own, and
+    two labels overlapped there. A swap label within 4 % of the axis of the previous one goes a
+    row lower. Shifts without ``request`` (an index into ``timeline``) begin at their ``t``."""
+    firsts = []
+    for s in shifts:
+        i = s.get("request")
+        if i is None:
+            i = next((k for k, r in enumerate(timeline) if r["t"] >= s["t"]), len(timeline))
+        firsts.append(i)
+    labels = [f" {s['workload']}" + (f": {_adapter_name(timeline[i]['adapter_version'], scopes, s['workload'])}"
+                                    if i < len(timeline) else "") for s, i in zip(shifts, firsts)]
+    span = max((r["t"] for r in timeline), default=1.0) or 1.0
+    swaps: list[tuple[float, str, int]] = []
+    prev, last_x, row = timeline[0]["adapter_version"] if timeline else 0, float("-inf"), 0
+    for k, r in enumerate(timeline):
+        if r["adapter_version"] != prev and k not in firsts:
+            row = (row + 1) % 3 if r["t"] - last_x < 0.04 * span else 0
+            swaps.append((r["t"], f" {_adapter_name(r['adapter_version'], scopes, r.get('workload'))}", row))
+            last_x = r["t"]
+        prev = r["adapter_version"]
+    return labels, swaps
+
+
+def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path, scopes: dict[int, str] | None = None) -> None:
     """Top: per-request greedy α and its rolling mean (8 requests) per proposer (the draft model,
-    the n-gram proposer, the head: what each learnt, apart), shifts (dashed) and adapter swaps
-    (dotted, labelled) marked. Bottom: tokens/s, rolling per workload, against the plain-decoding
-    requests' rate (grey: what speculation must beat)."""
+    the n-gram proposer, the head: what each learnt, apart), shifts (dashed, labelled with the
+    adapter that served the phase's first request) and adapter swaps inside a phase (dotted,
+    labelled) marked (:func:`_plot_labels`; ``scopes``: version -> scope, "" shared). Bottom:
+    tokens/s, rolling per workload, against the plain-decoding requests' rate (grey: what
+    speculation must beat)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1549,18 +1589,12 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path) -> None:
                 ax.plot([x for x, _ in seg], _rolling([y for _, y in seg]), color=color, lw=2, label=label)
     for s in shifts[1:]:
         ax.axvline(s["t"], ls="--", color="k", lw=1)
-    for s in shifts:
-        ax.text(s["t"], 0.97, f" {s['workload']}", fontsize=8, va="top", transform=ax.get_xaxis_transform())
-    prev, span = 0, max((r["t"] for r in timeline), default=1.0) or 1.0
-    last_x, row = float("-inf"), 0
-    for r in timeline:
-        if r["adapter_version"] != prev:
-            ax.axvline(r["t"], ls=":", color="tab:red", lw=1)
-            # a label within 4 % of the axis of the previous one goes a row lower (swaps come in pairs at a shift)
-            row = (row + 1) % 3 if r["t"] - last_x < 0.04 * span else 0
-            ax.text(r["t"], 0.88 - 0.08 * row, f" v{r['adapter_version']}", color="tab:red", fontsize=8,
-                    transform=ax.get_xaxis_transform())
-            prev, last_x = r["adapter_version"], r["t"]
+    shift_labels, swaps = _plot_labels(timeline, shifts, scopes or {})
+    for s, text in zip(shifts, shift_labels):
+        ax.text(s["t"], 0.97, text, fontsize=8, va="top", transform=ax.get_xaxis_transform())
+    for t, text, row in swaps:
+        ax.axvline(t, ls=":", color="tab:red", lw=1)
+        ax.text(t, 0.88 - 0.08 * row, text, color="tab:red", fontsize=8, transform=ax.get_xaxis_transform())
     for w in dict.fromkeys(r["workload"] for r in timeline):
         spec = [r for r in timeline if r["workload"] == w and _speculated(r) and r.get("tokens_per_s") is not None]
         plain = [r for r in timeline if r["workload"] == w and not _speculated(r) and r.get("tokens_per_s") is not None]

@@ -143,3 +143,32 @@ def test_the_closing_lines_are_two_sentences():
     text = _text(report | {"workload_adapters": {"prose": 2, "code": 7}})
     assert ("Serving at the end: prose v2, code v7 (each its own); math, extract the shared v1 (no adapter of their "
             "own promoted).") in text, text
+
+
+# (9) the plot's labels: what served each workload, no overlap at a shift ------------------------------
+
+def test_the_plot_labels_each_shift_with_what_served_it_and_swaps_inside_phases_apart(tmp_path):
+    """302b64b and 7f7aad4: the plot labelled the adapter at every shift "v1" (the shared bootstrap,
+    routed before the workload had its own) as if it were a new version, and "v13" and "v1" overlapped
+    at the math -> extract shift. Here prose starts on the base draft, v1 (shared) arrives at 3 s, prose's
+    own v2 at 5 s; code and math each start on the shared v1, then their own v7, v11 and v12 (11.2 s and
+    11.3 s: within 4 % of the 20 s axis, so v12 goes a row lower)."""
+    versions = [(1, 0), (2, 0), (3, 1), (4, 1), (5, 2), (6, 2), (7, 1), (8, 1), (9, 7), (10, 7),
+                (11, 1), (11.2, 11), (11.3, 12), (20, 12)]
+    work = ["prose"] * 6 + ["code"] * 4 + ["math"] * 4
+    timeline = [{"t": float(t), "workload": w, "adapter_version": v, "proposer": "draft", "gamma": 2, "alpha": 0.5,
+                 "tokens_per_s": 30.0} for (t, v), w in zip(versions, work)]
+    shifts = [{"t": 0.0, "request": 0, "workload": "prose"}, {"t": 6.5, "request": 6, "workload": "code"},
+              {"t": 10.5, "request": 10, "workload": "math"}]
+    scopes = {1: "", 2: "prose", 7: "code", 11: "math", 12: "math"}
+    labels, swaps = demo._plot_labels(timeline, shifts, scopes)
+    assert labels == [" prose: base draft", " code: v1 (shared)", " math: v1 (shared)"]
+    assert swaps == [(3.0, " v1 (shared)", 0), (5.0, " v2", 0), (9.0, " v7", 0), (11.2, " v11", 0), (11.3, " v12", 1)]
+    # shifts without their first request's index start at their time: the same labels
+    bare = [{k: v for k, v in s.items() if k != "request"} for s in shifts]
+    assert demo._plot_labels(timeline, bare, scopes) == (labels, swaps)
+    # a version of another workload's scope is named as such
+    assert demo._adapter_name(7, scopes, "math") == "v7 (code's)" and demo._adapter_name(9, scopes, "math") == "v9"
+    path = tmp_path / "a.png"
+    demo.plot_timeline(timeline, shifts, path, scopes)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
