@@ -2293,9 +2293,9 @@ def _remeasured_alarms(report: dict, n_alarms: int) -> tuple[int, int]:
 def _alarm_places(report: dict) -> list[str]:
     """Where each of ``shift_alarms`` fired, in order: ", at request i of n, s s into its phase"
     for one a phase's request raised (the timeline rows flagged ``shift_alarm`` against ``shifts``,
-    one alarm a row), "during the re-measurement ..." for those ``remeasured["alarms"]`` (the
-    counts before and after it, :func:`_remeasured_alarms`) holds, and "outside any phase ..." for the rest (after the
-    phases; their requests are not in the timeline)."""
+    one alarm a row), ", during the re-measurement (n requests, trainer stopped)" for those
+    ``remeasured["alarms"]`` (the counts before and after it, :func:`_remeasured_alarms`) holds, and
+    ", outside any phase" for the rest (after the phases; their requests are not in the timeline)."""
     alarms = report.get("shift_alarms") or []
     timeline, shifts = report.get("timeline") or [], report.get("shifts") or []
     first, last = _remeasured_alarms(report, len(alarms))
@@ -2309,21 +2309,19 @@ def _alarm_places(report: dict) -> list[str]:
     out = []
     for k in range(len(alarms)):
         if first <= k < last:  # raised by the re-measurement's requests
-            out.append(", during the re-measurement with the trainer stopped, after every phase"
-                       + (f" (its {n_req} requests are not in the timeline)" if n_req else ""))
+            out.append(", during the re-measurement" + (f" ({n_req} requests, trainer stopped)" if n_req else ""))
         elif k < first:  # raised in the phases: placed when each flagged row holds one alarm
             out.append(where[k] if len(where) == first else "")
         else:
-            out.append(", outside any phase (on a request not in the timeline)")
+            out.append(", outside any phase")
     return out
 
 
 def _shift_alarms_note(report: dict) -> str | None:
-    """What the run's ``acceptance_shift`` warnings are and whether they matter, beside their count:
-    each alarm (``shift_alarms``) with its workload, proposer, α before and after, and where it
-    came (:func:`_alarm_places`: in a phase, during the re-measurement, or outside any phase). The
-    phase-shift explanation is given for the alarms in phases; one outside them is named as such.
-    None without alarms."""
+    """The run's ``acceptance_shift`` warnings in a few lines: what fired (each alarm of
+    ``shift_alarms``: workload, proposer, its running mean -> its last requests' α, and where,
+    :func:`_alarm_places`), why in one clause per kind (after a shift, late in a phase, during the
+    re-measurement), and where to look (a walkthrough's note ran 12 lines). None without alarms."""
     alarms = report.get("shift_alarms") or []
     if not alarms:
         return None
@@ -2332,29 +2330,23 @@ def _shift_alarms_note(report: dict) -> str | None:
     for a, place in zip(alarms, places):
         key = a.get("key")
         workload = key[0] if isinstance(key, (list, tuple)) and key else key
-        who = {"ngram": "the n-gram proposer's", "draft": "the draft's", None: "the draft's",
-               "eagle": "the EAGLE head's"}.get(a.get("proposer"), f"the {a.get('proposer')} proposer's")
-        passed = (" (a drop accumulated over earlier requests: its last ones were back at or above the mean)"
-                  if a["recent_alpha"] >= a["reference_alpha"] else "")
-        each.append(f"{workload}, {who} α {a['reference_alpha']:.2f} -> {a['recent_alpha']:.2f}{passed}{place}")
+        who = {"ngram": "n-gram", "draft": "draft", None: "draft", "eagle": "EAGLE head"}.get(a.get("proposer"),
+                                                                                            a.get("proposer"))
+        back = " (its last requests back at or above the mean)" if a["recent_alpha"] >= a["reference_alpha"] else ""
+        each.append(f"{workload} {who} {a['reference_alpha']:.2f} -> {a['recent_alpha']:.2f}{back}{place}")
     outside = sum(p.startswith((", during", ", outside")) for p in places)
-    in_phase = len(alarms) - outside
     late = [int(m.group(1)) for p in places for m in [re.search(r", (\d+) s into its phase", p)] if m and int(m.group(1)) > 30]
-    return (f"{len(alarms)} acceptance_shift alarm(s), logged as warnings: the shift tracker's alarm (a Page-Hinkley test "
-            f"per workload and proposer) when a workload's windowed α drops below its running mean (below: that mean -> the mean "
-            f"of its last few requests at the alarm): {'; '.join(each)}. "
-            + ("At or after a phase shift this is expected: the proposer met traffic it had not seen (new prompts, an "
-               "n-gram history and a draft adapter not yet fitted to them), so its α moved off the level of its first "
-               "requests. " if in_phase else "")
-            + (f"One {max(late)} s into its phase is no shift's: the phase's own prompts differ in how much the "
-               f"proposer can copy or guess, and a run of harder ones pulls the windowed α below its mean. "
-               if late else "")
-            + (f"{'The' if outside == len(alarms) else 'An'} alarm after the phases is no phase shift's: the "
-               f"re-measurement serves each workload again, on prompts its phase never reached, after the other "
-               f"workloads' traffic, so a proposer's α there can sit below its phase's mean. " if outside else "")
-            + "It calls for no action by itself: outputs stay those of plain decoding (the check above) and "
-            "the controller prices each proposer on its measured α; an alarm far from any shift, or beside a "
-            "rollback, is the one to look into")
+    why = [w for w in (
+        "expected after a shift (prompts the proposer had not seen)" if len(alarms) > outside + len(late) else "",
+        (f"the one {late[0]} s into its phase is no shift's (a run of harder prompts)" if len(late) == 1 else
+         f"the ones {', '.join(map(str, late))} s into their phases are no shift's (runs of harder prompts)" if late else ""),
+        "after the phases, no shift's (the re-measurement serves each workload again, after the others' traffic)"
+        if outside else "") if w]
+    plot = Path(report.get("plot") or "out/demo/acceptance.png").name
+    return (f"{len(alarms)} acceptance_shift alarm(s) (a proposer's windowed α fell below its running mean; mean -> "
+            f"its last requests'): {'; '.join(each)}. Why: {'; '.join(why)}. No action needed while outputs equal plain "
+            f"decoding's (above); one far from a shift or beside a rollback is worth a look: report.json's "
+            f"shift_alarms, α per proposer in {plot}")
 
 
 def _summary(report: dict, out_dir: Path) -> dict[str, Any]:

@@ -87,18 +87,17 @@ def test_an_alarm_after_the_phases_is_named_where_it_fired_not_as_a_phase_shifts
     only = {"shift_alarms": [alarm], "remeasured": rem, "shifts": [{"t": 0.0, "request": 0, "workload": "math"}],
             "timeline": [{"t": 1.0}, {"t": 2.0}]}
     text = _shift_alarms_note(only)
-    assert ("math, the n-gram proposer's α 0.71 -> 0.47, during the re-measurement with the trainer stopped, after "
-            "every phase (its 32 requests are not in the timeline).") in text, text
-    assert "At or after a phase shift this is expected" not in text
-    assert "The alarm after the phases is no phase shift's" in text
+    assert "math n-gram 0.71 -> 0.47, during the re-measurement (32 requests, trainer stopped). Why: after" in text, text
+    assert "expected after a shift" not in text
+    assert "Why: after the phases, no shift's (the re-measurement serves each workload again" in text
     three = {"shift_alarms": [alarm, alarm, alarm], "remeasured": {"alarms": [1, 2], "requests": 32},
              "shifts": [{"t": 1.0, "request": 0, "workload": "math", "requests": 2}],
              "timeline": [{"t": 1.0}, {"t": 3.0, "shift_alarm": True}]}
     text = _shift_alarms_note(three)
     assert "0.47 at request 2 of 2, 2 s into its phase; " in text, text
-    assert "0.47, during the re-measurement with the trainer stopped, after every phase (its 32 requests" in text
-    assert "0.47, outside any phase (on a request not in the timeline)." in text
-    assert "At or after a phase shift this is expected" in text and "An alarm after the phases is no phase shift's" in text
+    assert "0.47, during the re-measurement (32 requests, trainer stopped); " in text
+    assert "0.47, outside any phase. " in text
+    assert "Why: expected after a shift (prompts the proposer had not seen); after the phases, no shift's" in text
 
 
 def test_the_acceptance_plot_keeps_the_drafts_probes_whose_gamma_ended_at_0():
@@ -222,7 +221,7 @@ def test_an_alarm_late_in_a_phase_is_not_called_a_shift_s():
             "timeline": [{"t": 11.0}, {"t": 50.0}, {"t": 102.0, "shift_alarm": True}]}
     text = _shift_alarms_note(late)
     assert "at request 3 of 3, 92 s into its phase" in text, text
-    assert "One 92 s into its phase is no shift's" in text
+    assert "Why: the one 92 s into its phase is no shift's (a run of harder prompts). " in text
     early = dict(late, timeline=[{"t": 11.0}, {"t": 20.0, "shift_alarm": True}, {"t": 30.0}])
     assert "no shift's" not in _shift_alarms_note(early)
 
@@ -234,7 +233,6 @@ def test_an_alarm_whose_last_requests_had_recovered_says_so():
     up = {"key": ["code", "greedy"], "proposer": "ngram", "reference_alpha": 0.38, "recent_alpha": 0.40}
     down = dict(up, reference_alpha=0.6, recent_alpha=0.3)
     text = _shift_alarms_note({"shift_alarms": [up, down], "shifts": [], "timeline": []})
-    assert "(below: that mean -> the mean of its last few requests at the alarm)" in text
-    assert ("α 0.38 -> 0.40 (a drop accumulated over earlier requests: its last ones were back at or above the mean)"
-            in text), text
-    assert "α 0.60 -> 0.30" in text and "0.30 (a drop" not in text  # a drop still under way: no such remark
+    assert "(a proposer's windowed α fell below its running mean; mean -> its last requests')" in text
+    assert "code n-gram 0.38 -> 0.40 (its last requests back at or above the mean); " in text, text
+    assert "code n-gram 0.60 -> 0.30" in text and "0.30 (its last" not in text  # a drop still under way: no such remark

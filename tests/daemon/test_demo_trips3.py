@@ -270,7 +270,7 @@ def test_the_remeasurements_alarm_counts_are_named_and_an_older_reports_pair_sti
     base = {"shift_alarms": [alarm, alarm], "shifts": [], "timeline": []}
     new = demo._shift_alarms_note(base | {"remeasured": {"alarms": {"before": 1, "after": 2}, "requests": 64}})
     old = demo._shift_alarms_note(base | {"remeasured": {"alarms": [1, 2], "requests": 64}})
-    assert new == old and new.count("during the re-measurement with the trainer stopped") == 1, new
+    assert new == old and new.count("during the re-measurement (64 requests, trainer stopped)") == 1, new
     assert demo._remeasured_alarms({"remeasured": {"alarms": {"before": 2, "after": 2}}}, 5) == (2, 2)
     assert demo._remeasured_alarms({}, 3) == (3, 3)
 
