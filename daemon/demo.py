@@ -1686,35 +1686,41 @@ def _heldout_table(report: dict, console) -> None:
 
 
 def _decoded_table(report: dict, console, pct: str) -> None:
-    """The decoded comparison on never-served prompts, with the paired intervals."""
+    """The decoded comparison on never-served prompts, with the paired intervals, as two tables of
+    the same rows: the drafts' acceptance (frozen v0 against the adapted draft, and the live α of
+    the phase), then the speed of the controller's pick (against plain decoding and llama.cpp's).
+    One table of 14 columns folded its cells at a 170-column terminal."""
     from rich.table import Table
 
     same, files = _peer_files(report)
     peer_col = f"pick ×llama.cpp plain [{pct} % CI]" if same else f"pick ×llama.cpp plain of the packaged file [{pct} % CI]"
-    t = Table(title="decoded on prompts never served (greedy): frozen v0 draft vs adapted draft vs the controller's pick",
+    a = Table(title="decoded on prompts never served (greedy), acceptance: the frozen v0 draft vs the adapted draft")
+    for c in ("phase", "prompts", "frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain",
+              f"α gain [{pct} % CI]", "live α first→last third, per proposer"):
+        a.add_column(c, overflow="fold")  # a narrow terminal or a log folds a cell, never cuts it
+    s = Table(title="decoded on the same prompts, speed: the controller's pick vs plain decoding and llama.cpp",
               caption=None if same or not any(r.get("speed_vs_llamacpp_ci") for r in report["phases"]) else
               f"×llama.cpp plain: {files}")
-    for c in ("phase", "prompts", "plain tok/s", "frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain",
-              f"α gain [{pct} % CI]", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]",
-              peer_col, "live α first→last third, per proposer"):
-        t.add_column(c, overflow="fold")  # 14 columns: a narrow terminal or a log folds a cell, never cuts it
-
+    for c in ("phase", "plain tok/s", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]", peer_col):
+        s.add_column(c, overflow="fold")
     for r in report["phases"]:
         pk = r["adapted"]
         g = r.get("alpha_gain_ci") or {}
         sp = (r.get("speed_vs_plain_ci") or {}).get("adapted")
         lp = (r.get("speed_vs_llamacpp_ci") or {}).get("adapted")  # the pick against llama.cpp's own plain generation
+        a.add_row(r["workload"], str(r.get("eval_prompts", "-")), _cell(r["frozen"]["alpha"]),
+                  _cell(r["frozen"]["speedup_vs_plain"]), _cell(r["adapted_draft"]["alpha"]),
+                  _cell(r["adapted_draft"]["speedup_vs_plain"]), f"{_cell(g.get('gain'))} {_interval(g)}", _live_cell(r))
         # a plain pick is the plain run itself: its α, τ and ×plain are no measurement of their own
-        same = "plain (same decoding)"
+        plain = "plain (same decoding)"
         plain_pick = not pk["gamma"] or pk.get("same_run_as") == "plain"
-        t.add_row(r["workload"], str(r.get("eval_prompts", "-")), _cell(r["plain"]["tokens_per_s"]), _cell(r["frozen"]["alpha"]),
-                  _cell(r["frozen"]["speedup_vs_plain"]), _cell(r["adapted_draft"]["alpha"]), _cell(r["adapted_draft"]["speedup_vs_plain"]),
-                  f"{_cell(g.get('gain'))} {_interval(g)}", f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
-                  same if plain_pick else _cell(pk["alpha"]), same if plain_pick else _cell(pk["tau"]),
-                  same if plain_pick else f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp else _cell(pk["speedup_vs_plain"]),
-                  f"{_cell(lp['ratio'])} {_interval(lp)}" if lp else "-",
-                  _live_cell(r))
-    console.print(t)
+        s.add_row(r["workload"], _cell(r["plain"]["tokens_per_s"]),
+                  f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
+                  plain if plain_pick else _cell(pk["alpha"]), plain if plain_pick else _cell(pk["tau"]),
+                  plain if plain_pick else f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp else _cell(pk["speedup_vs_plain"]),
+                  f"{_cell(lp['ratio'])} {_interval(lp)}" if lp else "-")
+    console.print(a)
+    console.print(s)
     gap = _live_rate_note(report)
     if gap:
         console.print(gap)

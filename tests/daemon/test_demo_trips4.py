@@ -202,3 +202,36 @@ def test_the_closing_alarm_note_says_what_fired_why_and_where_to_look_in_a_few_l
         "outputs equal plain decoding's (above); one far from a shift or beside a rollback is worth a look: "
         "report.json's shift_alarms, α per proposer in acceptance.png"), note
     assert len(textwrap.wrap(note, 170)) <= 5
+
+
+# (14) the decoded table fits a 170-column terminal -----------------------------------------------------
+
+def test_the_decoded_comparison_fits_170_columns_without_folding_a_cell():
+    """302b64b: the decoded table's 14 columns folded cells ("0.143→0.42" / "9") at a 170-column
+    terminal. Two tables of the same rows now (acceptance; the pick's speed), every column kept:
+    7f7aad4's prose and extract rows, an n-gram pick on extract, the draft and the n-gram live."""
+    def row(w, frozen, adapted, gain, lo, hi, live):
+        first = {"alpha": 0.5, "alpha_by_proposer": {p: {"alpha": a} for p, (a, _) in live.items()}}
+        last = {"alpha": 0.5, "alpha_by_proposer": {p: {"alpha": b} for p, (_, b) in live.items()}}
+        return _phase(w, eval_prompts=8, frozen={"alpha": frozen, "speedup_vs_plain": 0.452, "matches_plain": "8/8"},
+                      adapted_draft={"alpha": adapted, "speedup_vs_plain": 0.713, "matches_plain": "8/8"},
+                      alpha_gain_ci={"gain": gain, "low": lo, "high": hi}, live_first_third=first, live_last_third=last,
+                      speed_vs_llamacpp_ci={"adapted": {"ratio": 1.133, "low": 1.079, "high": 1.182}})
+    live = {"draft": (0.143, 0.42), "ngram": (0.812, 0.655)}  # the quick demo's two proposers (no --heads)
+    prose = row("prose", 0.178, 0.58, 0.401, 0.294, 0.551, live)
+    extract = row("extract", 0.164, 0.604, 0.439, 0.351, 0.552, live)
+    extract["adapted"] = {"proposer": "ngram", "gamma": 4, "alpha": 0.712, "tau": 3.104, "speedup_vs_plain": 1.209}
+    extract["speed_vs_plain_ci"] = {"adapted": {"ratio": 1.209, "low": 1.03, "high": 1.47}}
+    out = io.StringIO()
+    demo.print_report({"adapters": [], "recovery": [], "requests": 10, "active_adapter": 1, "seconds": 1.0,
+                       "key_prefix": "x:", "phases": [prose, extract]}, Console(file=out, width=170))
+    lines = out.getvalue().splitlines()
+    assert max(map(len, lines)) <= 170
+    whole = ["draft 0.143→0.420, ngram 0.812→0.655", "0.401 [+0.294, +0.551]",
+             "0.439 [+0.351, +0.552]", "1.209 [1.03, 1.47]", "1.133 [1.08, 1.18]", "plain (same decoding)", "ngram γ=4"]
+    for cell in whole:  # each on one line: no cell folded
+        assert any(cell in x for x in lines), (cell, out.getvalue())
+    heads = " ".join(" ".join(lines).split())
+    for c in ("frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain", "α gain [95 % CI]",
+              "live α first→last third, per proposer", "plain tok/s", "pick α", "pick τ", "pick ×plain [95 % CI]"):
+        assert c in heads or all(w in heads for w in c.split()), c
