@@ -667,6 +667,7 @@ def _live(console, every_s: float = 60.0):
         yield _Snapshots(console, every_s)
 
 
+_PROMPT_TOKENS = 256  # a prompt is served and evaluated on its last this many tokens
 _RATE_MIN_REQUESTS, _RATE_MIN_SECONDS = 2, 1.0  # a progress line gives rates from this many requests and seconds
 
 
@@ -714,7 +715,7 @@ def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: i
     alarms, rollbacks = len(loop.tracker.alarms), len(loop.monitor.decisions)
     head_judged = len(loop.head_monitor.decisions) if loop.head_monitor is not None else 0
     t_req = time.perf_counter()
-    resp = oai.completions.create(model=model_name, prompt=p.token_ids(tok)[-256:], temperature=0,
+    resp = oai.completions.create(model=model_name, prompt=p.token_ids(tok)[-_PROMPT_TOKENS:], temperature=0,
                                   max_tokens=max_new_tokens, extra_body={"workload": phase})
     wall_ms = (time.perf_counter() - t_req) * 1e3
     m = (resp.model_extra or {})["draftd"]
@@ -1074,7 +1075,7 @@ class _PhaseEval:
         peer_runs: list[tuple[int, float, bool]] = []  # llama.cpp plain: (tokens, ms, same tokens as our plain)
         forget = getattr(self.decoder.engine, "clear_prompt_cache", None)
         for i, p in enumerate(ps):
-            ids = p.token_ids(self.tok)[-256:]
+            ids = p.token_ids(self.tok)[-_PROMPT_TOKENS:]
             if i == 0:  # warm-up (caches, allocator), not counted, against a throwaway history copy
                 self.fresh_history()
                 self.decoder.generate(DecodeRequest(ids, params, 4, gamma=0, ignore_eos=True, workload=phase))
@@ -1232,7 +1233,7 @@ def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_v
         with _frozen_lora(decoder, v, registry), _copy_gate(frozen, gate_of(v)):
             for p in ps:
                 decoder.ngram_history = history.copy()
-                r = frozen.generate(DecodeRequest(p.token_ids(tok)[-256:], params, cfg.eval_new_tokens, gamma=cfg.eval_gamma,
+                r = frozen.generate(DecodeRequest(p.token_ids(tok)[-_PROMPT_TOKENS:], params, cfg.eval_new_tokens, gamma=cfg.eval_gamma,
                                                   ignore_eos=True, workload=phase, proposer="draft"))
                 runs[v].append((r.counts, r.latency_ms))
     decoder.ngram_history = history
@@ -2201,6 +2202,46 @@ def _price_sources(report: dict) -> str | None:
                f"steps, which priced nothing here" if last else ""))
 
 
+def _format_plain_ms(report: dict) -> tuple[float | None, int]:
+    """The format measurement's plain step of the packaged file (ms; ``served_format["costs"]``'
+    packaged row, ``ms`` keyed by rows, int or str) and the cached tokens its steps ran after
+    (``served_format["measurement"]["cached_tokens"]``, 0 unknown). (None, 0) without one."""
+    sf = report.get("served_format") or {}
+    pk = next((c for c in sf.get("costs") or () if isinstance(c, dict) and c.get("format") == "packaged"), None)
+    ms = (pk or {}).get("ms") or {}
+    return ms.get(1, ms.get("1")), int((sf.get("measurement") or {}).get("cached_tokens") or 0)
+
+
+def _plain_figures(report: dict) -> str | None:
+    """One line naming what each plain-decoding figure on the screen measures, so they are not read
+    as one figure that disagrees with itself (a walkthrough met a 15.72 ms re-measured step, a 14.72 ms
+    format step and the evaluation's 50.8-61.7 tokens/s, nothing said which to trust): the format
+    measurement's step (at startup, before the trainer, after its cached tokens of context), the
+    re-measured step (the serving loop's, short requests, trainer stopped), the evaluation's tokens/s
+    (whole requests, prefill included, trainer stopped). None with fewer than two of them."""
+    fmt, ctx = _format_plain_ms(report)
+    rem = report.get("remeasured") or {}
+    stopped = _plain_ms(rem.get("step_cost_ms"))
+    tps = [x for r in report.get("phases") or [] if (x := (r.get("plain") or {}).get("tokens_per_s")) is not None]
+    cfg = report.get("config") or {}
+    parts = []
+    if fmt:
+        parts.append(f"{fmt:.2f} ms, the format measurement's step of the packaged file at startup, before the trainer"
+                     + (f", after {ctx} cached tokens" if ctx else ""))
+    if stopped:
+        new = f", {cfg['max_new_tokens']} new tokens each" if cfg.get("max_new_tokens") else ""
+        parts.append(f"{stopped:.2f} ms, the serving loop's own steps re-measured on {rem.get('requests', '?')} requests "
+                     f"(prompts of at most {_PROMPT_TOKENS} tokens{new}), the trainer stopped")
+    if tps:
+        new = f" of {cfg['eval_new_tokens']} new tokens" if cfg.get("eval_new_tokens") else ""
+        span = f"{min(tps):.1f}-{max(tps):.1f}" if min(tps) != max(tps) else f"{tps[0]:.1f}"
+        parts.append(f"{span} tokens/s, the evaluation's whole requests{new}, prefill included, the trainer stopped")
+    if len(parts) < 2:
+        return None
+    return (f"plain decoding, {'three' if len(parts) == 3 else 'two'} measurements of their own: {'; '.join(parts)}. "
+            f"Each moved with the host's load at its moment; speed is judged on the evaluation's ratios, paired per prompt")
+
+
 def _recovery_and_footer(report: dict, console) -> None:
     """Recovery after each shift, the engine ceiling, and how to inspect the run."""
     from rich.table import Table
@@ -2231,6 +2272,9 @@ def _recovery_and_footer(report: dict, console) -> None:
     sources = _price_sources(report)
     if sources:
         console.print(sources)
+    figures = _plain_figures(report)
+    if figures:
+        console.print(figures)
     lossless = _lossless_summary(report)
     if lossless:
         console.print(lossless)

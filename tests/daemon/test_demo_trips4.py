@@ -235,3 +235,31 @@ def test_the_decoded_comparison_fits_170_columns_without_folding_a_cell():
     for c in ("frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain", "α gain [95 % CI]",
               "live α first→last third, per proposer", "plain tok/s", "pick α", "pick τ", "pick ×plain [95 % CI]"):
         assert c in heads or all(w in heads for w in c.split()), c
+
+
+# (11) which plain-decoding figure measures what ----------------------------------------------------------
+
+def test_one_line_names_what_each_plain_decoding_figure_measures():
+    """7f7aad4: the re-measured plain step 15.72 ms, the format measurement's 14.72 ms and the evaluation's
+    plain 50.8-61.7 tokens/s, nothing said which to trust."""
+    sf = {"format": "packaged", "file": "m.gguf", "costs": [{"format": "packaged", "file": "m.gguf", "ms": {1: 14.72}},
+                                                           {"format": "Q8_0", "file": "q.gguf", "ms": {1: 20.39}}],
+          "measurement": {"cached_tokens": 300}}
+    phases = [_phase("prose", plain=_row(tokens_per_s=50.8)),
+              _phase("math", plain=_row(tokens_per_s=61.7))]
+    report = {"phases": phases, "served_format": sf, "remeasured": {"requests": 64, "step_cost_ms": STOPPED},
+              "config": {"max_new_tokens": 32, "eval_new_tokens": 64}}
+    line = demo._plain_figures(report)
+    assert line == (
+        "plain decoding, three measurements of their own: 14.72 ms, the format measurement's step of the packaged "
+        "file at startup, before the trainer, after 300 cached tokens; 15.72 ms, the serving loop's own steps "
+        "re-measured on 64 requests (prompts of at most 256 tokens, 32 new tokens each), the trainer stopped; "
+        "50.8-61.7 tokens/s, the evaluation's whole requests of 64 new tokens, prefill included, the trainer stopped. "
+        "Each moved with the host's load at its moment; speed is judged on the evaluation's ratios, paired per "
+        "prompt"), line
+    assert line in _text(report)
+    # report.json read back: the rows' keys are strings
+    back = dict(report, served_format=dict(sf, costs=[{"format": "packaged", "ms": {"1": 14.72}}]))
+    assert demo._plain_figures(back) == line
+    # one figure alone: nothing to tell apart
+    assert demo._plain_figures({"phases": phases[:1]}) is None
