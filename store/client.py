@@ -170,6 +170,8 @@ def _connect_cluster(url: str, socket_timeout: float, socket_connect_timeout: fl
             **kwargs,
         )
     except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
+        if (auth := _auth_failure(e)) is not None:
+            raise StoreUnavailableError(_auth_text(url, auth, opts)) from None
         raise StoreUnavailableError(
             f"cannot reach the Redis Cluster at {mask_url(url)!r}: {type(e).__name__}: {_masked(e, opts)}. "
             f"Are its nodes running, and is it a cluster (cluster-enabled yes; a single node takes redis://)?"
@@ -188,6 +190,27 @@ def _connect_cluster(url: str, socket_timeout: float, socket_connect_timeout: fl
         client.close()
         raise
     return client
+
+
+def _auth_failure(e: BaseException) -> BaseException | None:
+    """The Redis authentication error (``NOAUTH``: no password given; ``WRONGPASS``: a wrong one)
+    behind ``e``, following its causes (redis-py wraps it in a cluster error), or None."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _auth_text(url: str, e: BaseException, opts: dict[str, Any] | None = None) -> str:
+    """The message of a refused authentication at ``url``: what Redis said, and where the password goes."""
+    said = _masked(e, opts or {})
+    form = ("redis+cluster://:<password>@host:port[,host:port...], or redis+cluster://<user>:<password>@... for an "
+            "ACL user" if is_cluster_url(url) else
+            "redis://:<password>@host:port/db, or redis://<user>:<password>@host:port/db for an ACL user")
+    return (f"Redis at {mask_url(url)!r} refused the connection: authentication failed ({said}). Give its "
+            f"password in redis.url (DRAFTD_REDIS__URL) as {form} (a password with '@', ':' or '/' %-encoded)")
 
 
 def _masked(e: BaseException, opts: dict[str, Any]) -> str:
@@ -223,6 +246,9 @@ def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: fl
     )
     try:
         info = client.info("server")
+    except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as e:  # before ConnectionError: they subclass it
+        client.close()
+        raise StoreUnavailableError(_auth_text(url, e)) from e
     except (redis.ConnectionError, redis.TimeoutError) as e:
         client.close()
         raise StoreUnavailableError(f"cannot reach Redis at {mask_url(url)!r}: {e}. Is redis-server running there?") from e

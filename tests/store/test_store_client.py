@@ -75,8 +75,12 @@ def test_an_unreachable_redis_is_named_with_its_password_masked():
         assert "***" in str(ei.value) and str(port) in str(ei.value)
 
 
-def test_a_wrong_password_is_named_with_its_password_masked(tmp_path):
+@pytest.fixture(scope="module")
+def password_redis(tmp_path_factory):
+    """A redis-server of our own with ``--requirepass the-right-one``, on a free port from 18530;
+    yields its port."""
     import shutil
+    import socket
     import subprocess
     import time
 
@@ -84,9 +88,9 @@ def test_a_wrong_password_is_named_with_its_password_masked(tmp_path):
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not on PATH")
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-                             "--save", "", "--requirepass", "the-right-one"],
+    port = next(p for p in range(18530, 18600) if _port_free(socket, p))
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--dir", str(tmp_path_factory.mktemp("authredis")), "--requirepass", "the-right-one"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 10
@@ -98,13 +102,56 @@ def test_a_wrong_password_is_named_with_its_password_masked(tmp_path):
                 if time.time() > deadline:
                     raise
                 time.sleep(0.05)
-        with pytest.raises(StoreUnavailableError) as ei:
-            connect(f"redis://:{SECRET}@127.0.0.1:{port}/0")
-        assert SECRET not in _whole(ei.value)
-        assert "***" in str(ei.value)
+        yield port
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def _port_free(socket, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_a_wrong_password_is_named_with_its_password_masked(password_redis):
+    with pytest.raises(StoreUnavailableError) as ei:
+        connect(f"redis://:{SECRET}@127.0.0.1:{password_redis}/0")
+    assert SECRET not in _whole(ei.value)
+    assert "***" in str(ei.value)
+
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:{port}/0",  # no password: NOAUTH
+    "redis://:" + SECRET + "@127.0.0.1:{port}/0",  # a wrong one: WRONGPASS
+    "redis://bob:" + SECRET + "@127.0.0.1:{port}/0",  # an ACL user the server lacks
+    "redis+cluster://127.0.0.1:{port}",  # the cluster client's first command, NOAUTH, wrapped in its own error
+    "redis+cluster://:" + SECRET + "@127.0.0.1:{port}",
+])
+def test_an_authentication_failure_says_so_and_names_the_setting_that_holds_the_password(password_redis, url):
+    """The break helper's: a Redis with requirepass, reached without the password (or with a
+    wrong one), was reported as "cannot reach Redis ... Is redis-server running there?": it is
+    running, and it answered."""
+    url = url.format(port=password_redis)
+    with pytest.raises(StoreUnavailableError) as ei:
+        connect(url)
+    msg = str(ei.value)
+    assert msg.startswith("Redis at '") and f":{password_redis}" in msg, msg
+    assert "refused the connection: authentication failed (" in msg, msg
+    assert "Give its password in redis.url (DRAFTD_REDIS__URL) as redis" in msg, msg
+    assert "Is redis-server running" not in msg and "reach" not in msg, msg
+    assert SECRET not in _whole(ei.value)
+
+
+def test_the_right_password_connects(password_redis):
+    c = connect(f"redis://:the-right-one@127.0.0.1:{password_redis}/0")
+    try:
+        assert c.ping() is True
+    finally:
+        c.close()
 
 
 @pytest.mark.parametrize("url,want", [
