@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from daemon.logging import configure, console
@@ -19,7 +20,7 @@ err = console(stderr=True)
 
 
 def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int, engine: str = "auto",
-          threads: int | None = None, target_format: str = "packaged"):
+          threads: int | None = None, target_format: str = "packaged", format_max_seconds: float | None = None):
     from decoder.engines.registry import choose_engine
     from decoder.models.loading import load_pair
 
@@ -33,7 +34,7 @@ def _load(target: str, draft: str, device: str, int8: bool, draft_vocab: int, en
 
             dv = frequent_token_ids(pair.tokenizer, draft_vocab)
         choice = choose_engine(engine, target, device, draft, threads, target_format=target_format,
-                               progress=lambda s: err.log(s), draft_vocab=dv)
+                               progress=lambda s: err.log(s), draft_vocab=dv, format_max_seconds=format_max_seconds)
     err.log(f"engine: {choice.name} ({choice.reason})")
     return pair, dv, choice
 
@@ -92,6 +93,27 @@ def _check_engine(engine: str) -> str:
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
     return engine
+
+
+def generate_format(option: str | None) -> tuple[str, float | None, str]:
+    """The weight format ``generate`` decodes a built-in target in: ``(models.format value, the
+    auto measurement's budget in s or None, where the value came from)``. ``--format`` first;
+    else ``models.format`` where the environment (``DRAFTD_MODELS__FORMAT``) or the config file
+    (``DRAFTD_CONFIG``) sets it, with ``models.format_max_seconds``, as serve resolves it; else
+    ``packaged``: serve's own default, ``auto``, may measure for minutes before one prompt
+    (``--format auto`` asks for it, and takes serve's cached choice at no cost).
+
+    Raises:
+        daemon.settings.ConfigError: the settings do not load (a ValueError; names the setting).
+    """
+    if option is not None:
+        return option, None, "--format"
+    from daemon.settings import load_settings
+
+    m = load_settings().models
+    if "format" in m.model_fields_set:
+        return m.format, m.format_max_seconds, "models.format (DRAFTD_MODELS__FORMAT or the config file)"
+    return "packaged", None, "the default (models.format unset; serve's auto measures: --format auto)"
 
 
 def _check_proposers(text: str) -> tuple[str, ...]:
@@ -185,9 +207,11 @@ def generate(
     engine: EngineOpt = "auto",
     proposer: ProposerOpt = "draft",
     json_out: Annotated[bool, typer.Option("--json", help="print only the JSON record")] = False,
-    target_format: Annotated[str, typer.Option("--format", help="llama.cpp: the weight format a built-in target is "
-                                               "decoded in (models.format: packaged, auto, F16, Q8_0, ...; "
-                                               "`daemonctl status` shows what serve serves)")] = "packaged",
+    target_format: Annotated[str | None, typer.Option("--format", help="llama.cpp: the weight format a built-in target "
+                                                      "is decoded in (packaged, auto, F16, Q8_0, ...; `daemonctl status` "
+                                                      "shows what serve serves); default: models.format where "
+                                                      "DRAFTD_MODELS__FORMAT or the config file sets it, else "
+                                                      "packaged")] = None,
 ):
     """Generate text for one prompt and print it with its measurement record."""
     from decoder.sampling import SamplingParams
@@ -202,10 +226,13 @@ def generate(
             raise ValueError(f"--proposer {proposer!r}: one request runs one proposer; give one of draft, ngram "
                              f"(bench --proposers takes a list)")
         _check_engine(engine)
-        pair, dv, choice = _load(target, draft, device, int8_draft, draft_vocab, engine, target_format=target_format)
+        fmt, fmt_seconds, fmt_from = generate_format(target_format)
+        err.log(f"format: {fmt} (from {fmt_from})")
+        pair, dv, choice = _load(target, draft, device, int8_draft, draft_vocab, engine, target_format=fmt,
+                                 format_max_seconds=fmt_seconds)
         dec = _decoder(pair, dv, draft_precision, choice)
     except (ValueError, RuntimeError) as e:
-        err.print(f"[red]error:[/] {e}")
+        err.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2) from e
     ids = chat_format(pair.tokenizer, prompt, raw=not chat)
     try:
@@ -216,7 +243,7 @@ def generate(
         with torch_threads_for(dec.engine):
             res = dec.generate(req)
     except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
+        err.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2) from e
     if check and params.greedy and not no_spec:
         dec.check_against_plain(req, res)
@@ -280,7 +307,7 @@ def bench(
         if llamacpp_peer or (llamacpp_peer is None and choice.name == "llamacpp"):
             cfg.llamacpp = str(_peer_gguf(target))
     except (ValueError, RuntimeError) as e:
-        err.print(f"[red]error:[/] {e}")
+        err.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(2) from e
     partial = out.with_suffix(".rows.jsonl") if out else None
     if partial:

@@ -192,3 +192,49 @@ def test_a_config_error_holding_rich_markup_is_printed_as_written(monkeypatch):
     monkeypatch.setenv("DRAFTD_API__PORT", "abc")
     r = CliRunner().invoke(app, ["status"])
     assert r.exit_code == 2 and "[got 'abc']" in " ".join(r.output.split()), r.output
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """generate's model loading replaced by a recorder that stops there: the formats it was asked for."""
+    import os
+
+    from daemon import cli_decode
+
+    for k in [k for k in os.environ if k.startswith("DRAFTD_")]:
+        monkeypatch.delenv(k)
+    asked = []
+
+    def record(*args, target_format="packaged", format_max_seconds=None, **kw):
+        asked.append((target_format, format_max_seconds))
+        raise ValueError("stopped before loading")
+
+    monkeypatch.setattr(cli_decode, "_load", record)
+    return asked
+
+
+@pytest.mark.parametrize("env, args, want", [
+    ({}, [], ("packaged", None)),  # unset: no measurement before one prompt
+    ({"DRAFTD_MODELS__FORMAT": "f16"}, [], ("F16", None)),  # the break helper's: ignored, packaged decoded
+    ({"DRAFTD_MODELS__FORMAT": "auto", "DRAFTD_MODELS__FORMAT_MAX_SECONDS": "30"}, [], ("auto", 30.0)),
+    ({"DRAFTD_MODELS__FORMAT": "F16"}, ["--format", "Q8_0"], ("Q8_0", None)),  # the option first
+])
+def test_generate_decodes_the_format_serve_is_configured_with(loads, monkeypatch, env, args, want):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    r = CliRunner().invoke(app, ["generate", "-p", "hi", *args])
+    assert r.exit_code == 2 and "stopped before loading" in r.output, r.output
+    assert loads == [want]
+
+
+def test_generate_from_a_config_file_format_and_a_bad_one_named(loads, monkeypatch, tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[models]\nformat = "Q8_0"\n')
+    monkeypatch.setenv("DRAFTD_CONFIG", str(p))
+    CliRunner().invoke(app, ["generate", "-p", "hi"])
+    assert loads == [("Q8_0", None)]
+    monkeypatch.setenv("DRAFTD_MODELS__FORMAT", "Q9_9")
+    r = CliRunner().invoke(app, ["generate", "-p", "hi"])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "models.format (DRAFTD_MODELS__FORMAT): models.format 'Q9_9' is not a weight format" in out, out
+    assert "[got 'Q9_9']" in out and loads == [("Q8_0", None)], out  # refused before any load, printed as written
