@@ -379,15 +379,16 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
             reason = (f"{src}: no format beats {pk_plain} by {margin:.0%} (best {name}: {gp / base:.2f}x with "
                       f"{how}); {others}")
     if not _untrusted(pk, measurement.reps):
-        reason += _moved(measurement)
+        reason += _moved(measurement, {r["format"] for r in rows if r.get("eligible")} | {PACKAGED})
     return chosen, reason
 
 
-def _moved(measurement: FormatMeasurement) -> str:
+def _moved(measurement: FormatMeasurement, judged: set[str]) -> str:
     """The reason's note on a judged measurement whose step times moved (noise above
-    :data:`NOISE_MAX`: judged on the paired ratios all the same, not cached), or ""."""
+    :data:`NOISE_MAX` on a format in ``judged``: judged on the paired ratios all the same, not
+    cached), or ""."""
     moved = [f"{f} {1 + c.noise:.2f}x" for f, c in measurement.formats.items()
-             if not c.error and c.noise is not None and c.noise > NOISE_MAX]
+             if f in judged and not c.error and c.noise is not None and c.noise > NOISE_MAX]
     if not moved:
         return ""
     return (f"; the step times moved during the measurement (a typical repeat over the fastest: {', '.join(moved)}): "
@@ -677,17 +678,8 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
     per n in repeat order."""
 
     t_start = time.perf_counter()
-    seqs, toks, out, plain_ms = {}, {}, {}, {}
-    for name, (eng, rows) in engines.items():
-        vocab = eng.vocab_size
-        seqs[name] = eng.start()
-        seqs[name].forward([(100 + i) % vocab for i in range(cached)], 1)
-        toks[name] = [(5 + 7 * j) % vocab for j in range(max(rows))]
-        out[name] = {"rows_identical": None, "row_max_abs_diff": None}
-        t0 = time.perf_counter()
-        seqs[name].forward(toks[name][:1], 1)
-        plain_ms[name] = (time.perf_counter() - t0) * 1e3
-        seqs[name].truncate(cached)
+    seqs, toks, plain_ms = _prefill(engines, cached)
+    out = {name: {"rows_identical": None, "row_max_abs_diff": None} for name in engines}
     budget = (max_seconds if max_seconds is not None else
               scaled_budget(plain_ms, {n: r for n, (_, r) in engines.items()}, reps, time.perf_counter() - t_start))
     deadline = t_start + budget
@@ -730,6 +722,22 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
         out[name]["repeats"] = min(len(v) for v in by_n.values())
         out[name]["budget_s"], out[name]["load"], out[name]["others"] = budget, load, others
     return out
+
+
+def _prefill(engines: dict[str, tuple[Any, Sequence[int]]], cached: int) -> tuple[dict, dict, dict[str, float]]:
+    """Per engine: a sequence holding ``cached`` tokens, the tokens its timed steps feed (max(rows)
+    of them) and one plain step's ms timed after the prefill (a warm-up step, truncated back)."""
+    seqs, toks, plain_ms = {}, {}, {}
+    for name, (eng, rows) in engines.items():
+        vocab = eng.vocab_size
+        seqs[name] = eng.start()
+        seqs[name].forward([(100 + i) % vocab for i in range(cached)], 1)
+        toks[name] = [(5 + 7 * j) % vocab for j in range(max(rows))]
+        t0 = time.perf_counter()
+        seqs[name].forward(toks[name][:1], 1)
+        plain_ms[name] = (time.perf_counter() - t0) * 1e3
+        seqs[name].truncate(cached)
+    return seqs, toks, plain_ms
 
 
 def _check_rows(engines, seqs, toks, cached: int, deadline: float, out: dict[str, dict[str, Any]]) -> None:
