@@ -173,14 +173,23 @@ class FormatChoice:
 
 # ---- the setting ------------------------------------------------------------------------------------
 
+NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "Q2_K_S")
+"""llama.cpp file types its quantiser refuses without an importance matrix ("this quantization
+requires an imatrix!"), which draftd does not compute: a pinned ``models.format`` naming one is
+refused by :func:`format_setting` instead of failing at the first start's requantisation."""
+NOT_WRITTEN = ("NVFP4",)
+"""File types the bundled llama-cpp-python names but whose quantiser refuses to write them
+("invalid output file type")."""
+
 
 def format_setting(value: str) -> str:
     """``models.format`` in canonical form: ``"auto"``, ``"packaged"`` or a llama.cpp weight format
     as llama.cpp spells it (``"f16"`` -> ``"F16"``).
 
     Raises:
-        ValueError: not one of those; the message names the value and the valid ones (the
-            llama.cpp formats are listed only when llama-cpp-python is installed).
+        ValueError: not one of those, or one llama.cpp cannot write here (:data:`NEEDS_IMATRIX`,
+            :data:`NOT_WRITTEN`); the message names the value and the valid ones (the llama.cpp
+            formats are listed only when llama-cpp-python is installed).
     """
     v = str(value).strip()
     if v.lower() in (AUTO, PACKAGED):
@@ -192,9 +201,15 @@ def format_setting(value: str) -> str:
     except Exception as e:  # noqa: BLE001 - no llama-cpp-python: a pinned format cannot be served
         raise ValueError(f"models.format {value!r}: a weight format needs llama-cpp-python ({e}); use 'auto' or "
                          f"'packaged'") from e
+    usable = [f for f in known if f not in NEEDS_IMATRIX + NOT_WRITTEN]
+    if v.upper() in NEEDS_IMATRIX + NOT_WRITTEN:
+        why = ("llama.cpp quantises it only with an importance matrix (imatrix), which draftd does not compute"
+               if v.upper() in NEEDS_IMATRIX else "the bundled llama.cpp's quantiser does not write that file type")
+        raise ValueError(f"models.format {value!r}: {why}; use 'auto' (measured), 'packaged' or one of llama.cpp's "
+                         f"formats it can write: {', '.join(usable)}")
     if v.upper() not in known:
         raise ValueError(f"models.format {value!r} is not a weight format: use 'auto' (measured), 'packaged' or one "
-                         f"of llama.cpp's: {', '.join(known)}")
+                         f"of llama.cpp's: {', '.join(usable)}")
     return v.upper()
 
 

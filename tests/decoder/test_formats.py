@@ -566,3 +566,37 @@ def test_a_choice_read_from_the_cache_says_so_and_when_it_was_measured():
     cached = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
     assert cached.reason.startswith("measured on this host (2026-12-06 00:00 UTC), cached: F16 expects"), cached.reason
     assert cached.format == fresh.format
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("name", [*F.NEEDS_IMATRIX, *F.NOT_WRITTEN])
+def test_a_format_llama_cpp_cannot_write_here_is_refused_naming_it_and_the_usable_ones(name):
+    """The break helper's: IQ1_S, IQ2_XXS, ... were accepted as models.format, then the first start
+    failed in llama_model_quantize (returned 1): they need an importance matrix."""
+    from pydantic import ValidationError
+
+    from daemon.settings import ModelSettings
+
+    with pytest.raises(ValueError) as ei:
+        F.format_setting(name.lower())
+    msg = str(ei.value)
+    assert msg.startswith(f"models.format {name.lower()!r}: "), msg
+    assert ("importance matrix" if name in F.NEEDS_IMATRIX else "does not write that file type") in msg, msg
+    usable = msg.split("formats it can write: ", 1)[1].split(", ")
+    assert {"F16", "BF16", "Q8_0", "Q4_0", "IQ4_NL"} <= set(usable) and not set(usable) & {*F.NEEDS_IMATRIX, *F.NOT_WRITTEN}
+    with pytest.raises(ValidationError, match=f"models.format {name.lower()!r}: "):
+        ModelSettings(format=name.lower())
+
+
+@needs_llamacpp
+def test_the_refused_formats_are_the_ones_llama_cpps_quantiser_refuses(tmp_path):
+    """Independently of the lists: llama_model_quantize fails for each refused format on the packaged
+    model (at once: before any tensor is written) and writes Q4_0, which stays accepted."""
+    from decoder.models.gguf_export import requantised_gguf
+    from decoder.models.packaged import packaged_gguf
+
+    src = packaged_gguf("smollm2-135m")
+    for name in (*F.NEEDS_IMATRIX, *F.NOT_WRITTEN):
+        with pytest.raises(RuntimeError, match=f"-> {name}\\) returned"):
+            requantised_gguf(src, name, cache_dir=tmp_path)
+    assert requantised_gguf(src, "Q4_0", cache_dir=tmp_path).is_file() and F.format_setting("q4_0") == "Q4_0"
