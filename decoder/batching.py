@@ -252,6 +252,12 @@ class StepScheduler:
         self._cycle: tuple[float, frozenset, str | None] | None = None  # (its fire's clock, members, kind)
         self._emitted = 0  # tokens the members emitted in it
         self.primary = None  # the target's engine (the serving loop sets it): a forward on another is a draft's
+        # a lone member fires its own steps while the driver has nothing to do (:meth:`call`): the serving
+        # loop sets ``solo`` (True while nothing waits to be admitted) and ``on_boundary`` (its step-boundary
+        # hooks); None: every step goes through the driver
+        self.solo: Callable[[], bool] | None = None
+        self.on_boundary: Callable[[], Any] | None = None
+        self.solo_fired = 0  # steps a lone member fired itself (status)
 
     # ---- members -----------------------------------------------------------------------------
     @property
@@ -305,14 +311,36 @@ class StepScheduler:
         if m is None:  # not a member's thread (a routed thread outside spawn): decode at once
             return engine.forward_batch([(seq, tokens, keep)], hidden)[0]
         c = _Call(m, engine, seq, tokens, keep, hidden)
-        with self._mu:
-            self._pending.append(c)
-            self._pass()
-        m.go.wait()
-        m.go.clear()
+        with self._mu:  # alone with the baton, nothing else waiting: the driver sleeps until it is passed
+            alone = (self.solo is not None and self._current is m and not self._ready and not self._pending
+                     and len(self._members) == 1)
+        if alone and self.solo():
+            self._fire_solo(c)
+        else:
+            with self._mu:
+                self._pending.append(c)
+                self._pass()
+            m.go.wait()
+            m.go.clear()
         if c.error is not None:
             raise c.error
         return c.result
+
+    def _fire_solo(self, c: _Call) -> None:
+        """A lone member's step, fired on its own thread with the baton kept: the driver's boundary
+        hooks, then :meth:`fire`. Two thread hand-offs a token fewer (member -> driver -> member);
+        a request queued meanwhile is admitted at the member's next forward, which then goes through
+        the driver (``solo()`` false)."""
+        if self.on_boundary is not None:
+            self.on_boundary()
+        with self._mu:
+            self._pending.append(c)
+        while True:
+            self.fire(solo=c.member)
+            with self._mu:
+                if not self._pending:
+                    break
+        self.solo_fired += 1
 
     def last_batch_size(self) -> int:
         """Sequences in the fused forward that served this thread's last call (1 outside a member)."""
@@ -347,10 +375,11 @@ class StepScheduler:
         with self._mu:
             return len(self._pending)
 
-    def fire(self) -> int:
+    def fire(self, solo: Member | None = None) -> int:
         """Run every waiting forward, one fused call per (engine, hidden), then let the members
         whose forwards are done go on in sequence-id order (a forward cut by the step token
-        budget stays waiting for the next call with its rest). Call at a step boundary only.
+        budget stays waiting for the next call with its rest). Call at a step boundary only
+        (``solo``: the lone member firing its own step, which goes on without the baton passing).
         Returns the rows decoded."""
         with self._mu:
             calls, self._pending = self._pending, []
@@ -404,7 +433,7 @@ class StepScheduler:
         with self._mu:
             self._pending[:0] = later  # before any call queued since (none: fire runs at a boundary)
             order = sorted({id(c.member): c for c in done}.values(), key=lambda c: getattr(c.seq, "seq_id", 0))
-            self._ready.extend(c.member for c in order)
+            self._ready.extend(c.member for c in order if c.member is not solo)
             if self._current is None:
                 self._pass()
         return rows
@@ -446,6 +475,7 @@ class StepScheduler:
                 "mean_sequences": round(sum(k * v for k, v in self.by_sequences.items()) / n, 3) if n else None,
                 "rows": self.rows, "decode_ms": round(self.decode_ms, 3),
                 "step_token_budget": self.step_token_budget, "budget_cut_pieces": self.cut,
+                "solo_fired": self.solo_fired,
                 "goodput_by_batch": self.goodput.status()}
 
 

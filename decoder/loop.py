@@ -437,6 +437,9 @@ class ServingLoop:
         sched, dec, cap = self.batching, self.decoder, self.config.max_batch
         held: list[Ticket] = []  # taken from the queue, waiting for an empty batch (an adapter/head swap)
         stopping = locked = False
+        # a lone member fires its own steps while nothing waits to be admitted (StepScheduler.call)
+        sched.solo = lambda: not held and not stopping and self._q.empty()
+        sched.on_boundary = self._at_boundary
         while True:
             sched.wait_boundary()
             self._at_boundary()

@@ -623,7 +623,8 @@ def test_requests_served_together_each_equal_their_output_served_alone(real):
 @pytest.mark.slow
 def test_a_batch_mate_that_joins_or_leaves_does_not_change_a_request(real):
     """The same long greedy request decoded while other requests join and leave at different
-    steps (three arrival patterns) equals its plain decoding each time."""
+    steps (three arrival patterns) equals its plain decoding each time; while alone it fires its own
+    steps (``solo_fired``), and the mates that arrive meanwhile are admitted into fused forwards."""
     from decoder.engines.registry import choose_engine
     from decoder.loop import LoopConfig, build_serving_loop
     from decoder.sampling import SamplingParams
@@ -652,6 +653,10 @@ def test_a_batch_mate_that_joins_or_leaves_does_not_change_a_request(real):
             assert t.result(600).output_ids == want, (n_mates, mate_len)
             for m in mates:
                 m.result(600)
+        st = loop.status()["batch"]
+    # alone, the request fired its own steps (no hand-off to the driver); the mates that arrived meanwhile
+    # were admitted all the same, into fused forwards with it
+    assert st["solo_fired"] > 0 and any(int(n) >= 2 for n in st["by_sequences"]), st
 
 
 @needs_llamacpp
