@@ -322,7 +322,8 @@ def choose_format(measurement: FormatMeasurement, alphas: dict[str, float] | Non
                                                  "measured_at", "cache_file", "from_cache", "busy")}
     if measurement.busy:
         return FormatChoice(PACKAGED, Path(files.get(PACKAGED) or pk.file),
-                            f"{measurement.busy}, so no format is judged on it; measured again at the next start",
+                            f"{measurement.busy}, so no format is judged on it; measured again at the next start "
+                            f"(models.format=packaged, or a format named, e.g. Q8_0, serves without measuring)",
                             AUTO, [asdict(c) for c in fm.values()], meas)
     if pk.error or 1 not in pk.ms:
         return FormatChoice(PACKAGED, Path(files.get(PACKAGED) or pk.file),
@@ -628,12 +629,22 @@ def _cached_measurement(cfile: Path, key: dict) -> FormatMeasurement | None:
         return None
     try:
         m = FormatMeasurement.from_json(json.loads(cfile.read_text()))
-    except (ValueError, TypeError, KeyError):  # damaged: measured again
+    except Exception:  # noqa: BLE001 - damaged (a field of another type, missing, not JSON): measured again
         return None
-    if m.key != key:
+    if m.key != key or not _usable(m):
         return None
     m.from_cache, m.cache_file = True, str(cfile)
     return m
+
+
+def _usable(m: FormatMeasurement) -> bool:
+    """A cached measurement :func:`choose_format` can judge: the packaged file's plain step, and every
+    step cost a positive finite number of ms (a hand-edited or damaged file otherwise failed at start
+    with a traceback, or was kept as a failed measurement it said would be taken again)."""
+    pk = m.formats.get(PACKAGED)
+    if pk is None or pk.error or 1 not in pk.ms:
+        return False
+    return all(math.isfinite(t) and t > 0 for c in m.formats.values() for t in c.ms.values())
 
 
 def _write_cache(m: FormatMeasurement, cfile: Path) -> bool:
@@ -716,13 +727,18 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
                 s.truncate(cached)
                 times[name][n].append(dt)
 
+    busy = lambda: _busy_now(jiffies0, t_timed)  # noqa: E731 - other processes above BUSY_MAX: stop
     for _ in range(reps):  # the identity check (and the prefill) warmed every engine up
         one_repeat(list(engines))
-    for _ in range(reps, MAX_REPEATS if more is not None else reps):
+        if busy():
+            break
+    for _ in range(reps, MAX_REPEATS if more is not None and not busy() else reps):
         names = [n for n in more(times, out) if n in engines] if time.perf_counter() < deadline else []
         if not names:
             break
         one_repeat(names)
+        if busy():
+            break
     try:
         load = os.getloadavg()
     except (AttributeError, OSError):  # not on this OS
@@ -737,6 +753,14 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
         out[name]["repeats"] = min(len(v) for v in by_n.values())
         out[name]["budget_s"], out[name]["load"], out[name]["others"] = budget, load, others
     return out
+
+
+def _busy_now(jiffies0: tuple[int, int] | None, t_timed: float) -> bool:
+    """Other processes used more than :data:`BUSY_MAX` of the CPUs since ``t_timed`` (a
+    :func:`cpu_jiffies` snapshot ``jiffies0`` then), judged once :data:`BUSY_JUDGE_S` seconds passed."""
+    sec = time.perf_counter() - t_timed
+    share = others_share(jiffies0, cpu_jiffies(), sec, os.cpu_count() or 1) if sec >= BUSY_JUDGE_S else None
+    return share is not None and share > BUSY_MAX
 
 
 def _prefill(engines: dict[str, tuple[Any, Sequence[int]]], cached: int) -> tuple[dict, dict, dict[str, float]]:
@@ -773,6 +797,11 @@ def _check_rows(engines, seqs, toks, cached: int, deadline: float, out: dict[str
 
 
 BUSY_MAX = 0.25  # other processes' share of the CPUs during the timed steps above which no format is judged
+BUSY_JUDGE_S = 2.0
+"""Seconds of timed steps after which :func:`_time_rows` stops at the end of a repeat once other
+processes used more than :data:`BUSY_MAX` of the CPUs so far: such a measurement is never judged
+(:func:`_busy`), so it is not run to its budget (a break session's busy host measured for 185 s at
+every start and threw it away)."""
 
 
 def _busy(timed: dict[str, dict[str, Any]]) -> str | None:

@@ -7,6 +7,7 @@ decoding of that copy."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -244,6 +245,19 @@ def test_the_measurement_is_cached_per_file_cpu_and_threads(tiny_pkg, tmp_path, 
     assert len(calls) == 4 and len(list(cache.glob("*.json"))) == 2
     (cache / m.cache_file.split("/")[-1]).write_text("{not json")
     assert not F.measure_formats(tiny_pkg, threads=1, **kw).from_cache and len(calls) == 6
+    # damaged in ways the JSON parser does not see (a break session's hand edits): measured again, no traceback
+    cfile = cache / m.cache_file.split("/")[-1]
+    good = json.loads(cfile.read_text())
+    for damage in (lambda d: d["formats"]["F16"].update(ms=5), lambda d: d["formats"]["F16"]["ms"].update({"1": 0}),
+                   lambda d: d["formats"]["F16"]["ms"].update({"2": -3.0}), lambda d: d["formats"].pop("packaged"),
+                   lambda d: d["formats"]["packaged"]["ms"].pop("1")):
+        bad = json.loads(json.dumps(good))
+        damage(bad)
+        cfile.write_text(json.dumps(bad))
+        n = len(calls)
+        assert not F.measure_formats(tiny_pkg, threads=1, **kw).from_cache and len(calls) == n + 2
+        assert F.measure_formats(tiny_pkg, threads=1, **kw).from_cache  # written anew, whole
+    calls[:] = calls[:6]
     with_draft = F.measure_formats(tiny_pkg, threads=1, draft_layers="0-0", **kw)  # its own key: the draft's step too
     assert not with_draft.from_cache and with_draft.draft_ms == 11.0 and len(calls) == 9
     noise = 0.5  # a busy host: not cached, measured again at the next start
@@ -415,6 +429,48 @@ def test_each_timed_step_follows_a_step_of_its_own_shape(monkeypatch):
         assert out[name]["rows_identical"] is True and out[name]["noise"] == 0.0
 
 
+def test_a_measurement_beside_busy_processes_stops_once_that_is_clear(monkeypatch):
+    """A busy host's measurement is never judged (``busy``), so it stops at the end of the repeat in
+    which BUSY_JUDGE_S seconds of timed steps have passed with other processes above BUSY_MAX of the
+    CPUs (a break session's busy host measured for 185 s at every start, then threw it away). Fake
+    engines on a fake clock: rows 1-3 at 10 ms a row, 2 files, each timed step after an untimed one:
+    240 ms a repeat, so the 9th repeat (2.16 s) is the first past 2 s; with the CPUs all this
+    process's own, all 12 repeats run."""
+    import types
+
+    import numpy as np
+
+    clock = [0.0]
+    cpus = os.cpu_count() or 1
+
+    class Seq:
+        def forward(self, toks, n):
+            clock[0] += 10.0 * len(toks) / 1e3
+            return types.SimpleNamespace(numpy=lambda: np.zeros((n, 4)))
+
+        def truncate(self, n):
+            pass
+
+    class Eng:
+        vocab_size = 32
+
+        def start(self):
+            return Seq()
+
+    monkeypatch.setattr(F, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    hz = os.sysconf("SC_CLK_TCK")
+    for others, want in ((True, 9), (False, 12)):
+        ticks = lambda: int(clock[0] * hz * cpus)  # noqa: E731 - every CPU busy all the time
+        monkeypatch.setattr(F, "cpu_jiffies", lambda: (ticks(), 0 if others else ticks()))
+        out = F._time_rows({"packaged": (Eng(), (1, 2, 3)), "Q8_0": (Eng(), (1, 2, 3))}, 12, 8, max_seconds=600.0)
+        assert out["packaged"]["repeats"] == out["Q8_0"]["repeats"] == want, (others, out["packaged"]["repeats"])
+        assert (F._busy(out) is not None) == others
+    m = FormatMeasurement({"model": "m"}, {"packaged": FormatCost("packaged", "p.gguf", {1: 10.0}, None, None)},
+                          busy=F._busy(dict(out, packaged=dict(out["packaged"], others=0.6))))
+    assert choose_format(m).reason.endswith("measured again at the next start (models.format=packaged, or a format "
+                                            "named, e.g. Q8_0, serves without measuring)")
+
+
 def test_an_unsure_format_is_timed_again_until_its_interval_decides():
     """``_time_rows``' ``more``: with Q8_0's per-repeat ratios spread (unsure) the packaged file and
     Q8_0 are timed again, F16 (the worse) not; once the samples settle (Q8_0 at 9.0 ms every
@@ -551,7 +607,7 @@ def test_a_measurement_beside_other_work_serves_the_packaged_file_and_is_not_cac
                      "(above 25%)"
     assert m.cache_file is None and not list((tmp_path / "c").glob("*.json"))
     c = choose_format(m, alphas={"ngram": 0.6}, proposers=("ngram",))
-    assert c.format == "packaged" and c.reason == m.busy + ", so no format is judged on it; measured again at the next start"
+    assert c.format == "packaged" and c.reason == m.busy + ", so no format is judged on it; measured again at the next start (models.format=packaged, or a format named, e.g. Q8_0, serves without measuring)"
     calm = FormatMeasurement.from_json(dict(m.to_json(), busy=None))
     assert choose_format(calm, alphas={"ngram": 0.6}, proposers=("ngram",)).format == "F16"  # the same costs, alone
 
