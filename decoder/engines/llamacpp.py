@@ -38,6 +38,19 @@ def _common_prefix(a: list[int] | None, b) -> int:
     return i
 
 
+def _cached_copy_hint(path: Path) -> str:
+    """What to do when a file draftd wrote into its own cache (a requantised copy, a derived draft)
+    does not load: it is damaged (a disk full, a copy cut short); deleted, it is written again."""
+    from decoder.models.packaged import cache_root
+
+    try:
+        path.resolve().relative_to(cache_root().resolve())
+    except ValueError:
+        return ""
+    return (f": it is draftd's own cached copy, damaged; delete {path.name} (in {path.parent}) and the next "
+            f"start writes it again")
+
+
 class LlamaCppSequence:
     """A request's slot (llama.cpp sequence ``seq_id``) in a :class:`LlamaCppEngine`'s context."""
 
@@ -170,7 +183,8 @@ class LlamaCppEngine:
         mp.use_extra_bufts = self.extra_bufts
         self.model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self.model:
-            raise EngineError(f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?)")
+            raise EngineError(f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?)"
+                              + _cached_copy_hint(Path(path)))
         train_ctx = int(L.llama_model_n_ctx_train(self.model))
         self.context_length = int(n_ctx or min(train_ctx, 8192))
         self.threads = int(threads or os.cpu_count() or 1)

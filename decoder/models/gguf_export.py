@@ -34,6 +34,7 @@ import operator
 import os
 import re
 import secrets
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -341,6 +342,7 @@ def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    _drop_stale_tmps(out)
     tmp = _tmp_path(out)
     try:
         params = ll.llama_model_quantize_default_params()
@@ -349,12 +351,30 @@ def requantised_gguf(src: Path, fmt: str, cache_dir: Path | None = None) -> Path
         params.nthread = os.cpu_count() or 1
         rc = ll.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0:
-            raise RuntimeError(f"llama_model_quantize({src.name} -> {name}) returned {rc}")
+            raise RuntimeError(f"llama_model_quantize({src.name} -> {name}) returned {rc}: llama.cpp cannot write this "
+                               f"model in {name} (some formats need an importance matrix, or rows whose length divides "
+                               f"their block); pick another format (models.format: packaged, Q8_0, F16, ...)")
         _flush(tmp)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+STALE_TMP_S = 3600.0  # a temporary requantised file older than this is a killed start's leftover
+
+
+def _drop_stale_tmps(out: Path) -> None:
+    """Delete the temporary files of ``out`` (:func:`_tmp_path`) older than :data:`STALE_TMP_S`
+    seconds: a start killed while writing leaves one (up to hundreds of MB) that nothing else
+    removes; a younger one may be another process's write under way."""
+    now = time.time()
+    for tmp in out.parent.glob(f".{out.name}.*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > STALE_TMP_S:
+                tmp.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove
+            pass
 
 
 def _flush(path: Path) -> None:

@@ -605,6 +605,49 @@ def test_a_requantised_file_is_on_disk_before_it_is_renamed_into_place(tmp_path,
     assert events[-2:] == [("fsync", tmp_name), ("replace", tmp_name, out.name)], events
 
 
+def test_a_killed_starts_leftover_is_removed_and_a_failed_or_damaged_copy_says_what_to_do(tmp_path, monkeypatch):
+    """A break session: a start killed while requantising left a hidden temporary file (up to
+    270 MB for F16) that nothing removed; a format llama.cpp cannot write for this model (Q1_0 on
+    576-column rows) failed with a bare return code; a damaged copy in the cache was blamed on
+    llama.cpp. Now a leftover older than STALE_TMP_S goes at the next write (a younger one, maybe
+    another start's write under way, stays), the failure names what to do, and so does the load
+    error of a file inside draftd's cache (not of a user's own file)."""
+    if llama_cpp is None:
+        pytest.skip("llama-cpp-python is not importable (pip install llama-cpp-python)")
+    import os
+
+    from decoder.engines.base import EngineError
+    from decoder.engines.llamacpp import LlamaCppEngine
+    from decoder.engines.llamacpp_lib import bindings
+    from decoder.models import gguf_export as G
+
+    src = write_tiny_gguf(tiny_model(), tmp_path / "tiny.gguf")
+    rq = tmp_path / "rq"
+    rq.mkdir()
+    name = f"{src.stem}-{G.file_digest16(src)}-Q8_0.gguf"
+    old, young = rq / f".{name}.aaaaaa.tmp", rq / f".{name}.bbbbbb.tmp"
+    for f in (old, young):
+        f.write_bytes(b"x" * 100)
+    os.utime(old, (time.time() - G.STALE_TMP_S - 60,) * 2)
+    out = G.requantised_gguf(src, "Q8_0", cache_dir=rq)
+    assert out.name == name and not old.exists() and young.exists()
+    monkeypatch.setattr(bindings(), "llama_model_quantize", lambda *a: 1)
+    with pytest.raises(RuntimeError, match=r"returned 1: llama.cpp cannot write this model in F16 .*pick another format"):
+        G.requantised_gguf(src, "F16", cache_dir=rq)
+    monkeypatch.undo()
+    monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path / "cache"))
+    cut = tmp_path / "cache" / "requant" / name
+    cut.parent.mkdir(parents=True)
+    cut.write_bytes(out.read_bytes()[:4096])  # a copy cut short
+    with pytest.raises(EngineError, match=rf"draftd's own cached copy, damaged; delete {name} .*writes it again"):
+        LlamaCppEngine(cut, n_ctx=64, threads=1)
+    mine = tmp_path / "mine.gguf"  # a user's own file: no advice to delete it
+    mine.write_bytes(out.read_bytes()[:4096])
+    with pytest.raises(EngineError) as e:
+        LlamaCppEngine(mine, n_ctx=64, threads=1)
+    assert "not a GGUF model it supports?" in str(e.value) and "delete" not in str(e.value)
+
+
 def test_requantised_gguf_rounds_each_weight_as_bf16_and_is_cached(tmp_path):
     """BF16 of an F32 GGUF: every 2-D weight is the source rounded to bfloat16 (torch's
     round-to-nearest-even, computed here independently), norms stay F32; a second call returns
