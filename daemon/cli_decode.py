@@ -99,18 +99,18 @@ def generate_format(option: str | None) -> tuple[str, float | None, str]:
     """The weight format ``generate`` decodes a built-in target in: ``(models.format value, the
     auto measurement's budget in s or None, where the value came from)``. ``--format`` first;
     else ``models.format`` where the environment (``DRAFTD_MODELS__FORMAT``) or the config file
-    (``DRAFTD_CONFIG``) sets it, with ``models.format_max_seconds``, as serve resolves it; else
+    (``DRAFTD_CONFIG``) sets it; ``models.format_max_seconds`` either way, as serve resolves it; else
     ``packaged``: serve's own default, ``auto``, may measure for minutes before one prompt
     (``--format auto`` asks for it, and takes serve's cached choice at no cost).
 
     Raises:
         daemon.settings.ConfigError: the settings do not load (a ValueError; names the setting).
     """
-    if option is not None:
-        return option, None, "--format"
     from daemon.settings import load_settings
 
     m = load_settings().models
+    if option is not None:  # the measurement's budget as serve's, --format auto included
+        return option, m.format_max_seconds, "--format"
     if "format" in m.model_fields_set:
         return m.format, m.format_max_seconds, "models.format (DRAFTD_MODELS__FORMAT or the config file)"
     return "packaged", None, "the default (models.format unset; serve's auto measures: --format auto)"

@@ -218,6 +218,8 @@ def loads(monkeypatch):
     ({"DRAFTD_MODELS__FORMAT": "f16"}, [], ("F16", None)),  # the break helper's: ignored, packaged decoded
     ({"DRAFTD_MODELS__FORMAT": "auto", "DRAFTD_MODELS__FORMAT_MAX_SECONDS": "30"}, [], ("auto", 30.0)),
     ({"DRAFTD_MODELS__FORMAT": "F16"}, ["--format", "Q8_0"], ("Q8_0", None)),  # the option first
+    # --format auto measures within serve's budget (a break session: the budget was dropped with the option)
+    ({"DRAFTD_MODELS__FORMAT_MAX_SECONDS": "45"}, ["--format", "auto"], ("auto", 45.0)),
 ])
 def test_generate_decodes_the_format_serve_is_configured_with(loads, monkeypatch, env, args, want):
     for k, v in env.items():
