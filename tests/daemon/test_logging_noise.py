@@ -172,8 +172,8 @@ def test_the_demo_sends_its_warnings_to_its_log_file_and_counts_them(tmp_path):
     assert f"2 warning(s) logged during the run, the last 'acceptance_shift': see {out / 'demo.log'}" in screen, screen
     # beside the count, what the alarms are and whether they matter
     note = " ".join(screen[screen.index("2 warning(s) logged"):].split())
-    assert "2 acceptance_shift alarm(s), logged as warnings: the shift tracker's alarm" in note, screen
-    assert "code, the n-gram proposer's α 0.60 -> 0.10" in note and "this is expected" in note, screen
+    assert "2 acceptance_shift alarm(s) (a proposer's windowed α fell below its running mean" in note, screen
+    assert "code n-gram 0.60 -> 0.10" in note and "Why: expected after a shift" in note, screen
     assert [json.loads(x)["event"] for x in (out / "demo.log").read_text().splitlines()] == ["acceptance_shift"] * 2
 
 
