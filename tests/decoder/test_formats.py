@@ -387,13 +387,10 @@ def test_a_format_serves_only_where_its_paired_interval_stays_above_one():
     assert c.format == "packaged" and c.paired["high"] < 1.05 and c.paired["unsure"] is False
 
 
-def test_each_timed_step_follows_a_step_of_its_own_shape(monkeypatch):
-    """llama.cpp rebuilds a context's graph when its batch shape changes, and a one-row step right
-    after an 8-row one costs more (by more on Q8_0 than on the packaged file, fifteenth session):
-    plain decoding's steps follow steps of their own shape, so the measurement times them so. A fake
-    engine on a fake clock: n rows cost 10 x n ms, 5 ms more after a step of another shape on the
-    same engine. Every median must be the same-shape cost 10 x n (before: 15 ms for one row, after
-    the previous repeat's 3 rows)."""
+def _clocked_engines(monkeypatch, reshape_ms: float = 0.0):
+    """A fake engine class for ``_time_rows`` on a fake clock (``Eng.clock``, [seconds], patched in as
+    ``F.time.perf_counter``): n rows cost 10 x n ms, ``reshape_ms`` more after a step of another shape
+    on the same engine (llama.cpp's graph rebuild); logits rows of zeros."""
     import types
 
     import numpy as np
@@ -405,7 +402,7 @@ def test_each_timed_step_follows_a_step_of_its_own_shape(monkeypatch):
             self.eng = eng
 
         def forward(self, toks, n):
-            clock[0] += (10.0 * len(toks) + (5.0 if self.eng.last != len(toks) else 0.0)) / 1e3
+            clock[0] += (10.0 * len(toks) + (reshape_ms if self.eng.last != len(toks) else 0.0)) / 1e3
             self.eng.last = len(toks)
             return types.SimpleNamespace(numpy=lambda: np.zeros((n, 4)))
 
@@ -421,7 +418,19 @@ def test_each_timed_step_follows_a_step_of_its_own_shape(monkeypatch):
         def start(self):
             return Seq(self)
 
+    Eng.clock = clock
     monkeypatch.setattr(F, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    return Eng
+
+
+def test_each_timed_step_follows_a_step_of_its_own_shape(monkeypatch):
+    """llama.cpp rebuilds a context's graph when its batch shape changes, and a one-row step right
+    after an 8-row one costs more (by more on Q8_0 than on the packaged file, fifteenth session):
+    plain decoding's steps follow steps of their own shape, so the measurement times them so. A fake
+    engine on a fake clock: n rows cost 10 x n ms, 5 ms more after a step of another shape on the
+    same engine. Every median must be the same-shape cost 10 x n (before: 15 ms for one row, after
+    the previous repeat's 3 rows)."""
+    Eng = _clocked_engines(monkeypatch, reshape_ms=5.0)
     engines = {"packaged": (Eng(), (1, 2, 3)), "Q8_0": (Eng(), (1, 2, 3))}
     out = F._time_rows(engines, 4, 8, max_seconds=600.0)
     for name in engines:
@@ -436,28 +445,8 @@ def test_a_measurement_beside_busy_processes_stops_once_that_is_clear(monkeypatc
     engines on a fake clock: rows 1-3 at 10 ms a row, 2 files, each timed step after an untimed one:
     240 ms a repeat, so the 9th repeat (2.16 s) is the first past 2 s; with the CPUs all this
     process's own, all 12 repeats run."""
-    import types
-
-    import numpy as np
-
-    clock = [0.0]
-    cpus = os.cpu_count() or 1
-
-    class Seq:
-        def forward(self, toks, n):
-            clock[0] += 10.0 * len(toks) / 1e3
-            return types.SimpleNamespace(numpy=lambda: np.zeros((n, 4)))
-
-        def truncate(self, n):
-            pass
-
-    class Eng:
-        vocab_size = 32
-
-        def start(self):
-            return Seq()
-
-    monkeypatch.setattr(F, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    Eng = _clocked_engines(monkeypatch)
+    clock, cpus = Eng.clock, os.cpu_count() or 1
     hz = os.sysconf("SC_CLK_TCK")
     for others, want in ((True, 9), (False, 12)):
         ticks = lambda: int(clock[0] * hz * cpus)  # noqa: E731 - every CPU busy all the time
