@@ -1711,7 +1711,7 @@ def _decoded_table(report: dict, console, pct: str) -> None:
         lp = (r.get("speed_vs_llamacpp_ci") or {}).get("adapted")  # the pick against llama.cpp's own plain generation
         a.add_row(r["workload"], str(r.get("eval_prompts", "-")), _cell(r["frozen"]["alpha"]),
                   _cell(r["frozen"]["speedup_vs_plain"]), _cell(r["adapted_draft"]["alpha"]),
-                  _cell(r["adapted_draft"]["speedup_vs_plain"]), f"{_cell(g.get('gain'))} {_interval(g)}", _live_cell(r))
+                  _cell(r["adapted_draft"]["speedup_vs_plain"]), f"{'-' if g.get('gain') is None else signed(g['gain'], 3)} {_interval(g)}", _live_cell(r))
         # a plain pick is the plain run itself: its α, τ and ×plain are no measurement of their own
         plain = "plain (same decoding)"
         plain_pick = not pk["gamma"] or pk.get("same_run_as") == "plain"
