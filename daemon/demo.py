@@ -2202,14 +2202,17 @@ def _price_sources(report: dict) -> str | None:
                f"steps, which priced nothing here" if last else ""))
 
 
-def _format_plain_ms(report: dict) -> tuple[float | None, int]:
-    """The format measurement's plain step of the packaged file (ms; ``served_format["costs"]``'
-    packaged row, ``ms`` keyed by rows, int or str) and the cached tokens its steps ran after
-    (``served_format["measurement"]["cached_tokens"]``, 0 unknown). (None, 0) without one."""
+def _format_plain_ms(report: dict) -> tuple[float | None, int, str]:
+    """The format measurement's plain step of the served file (ms; ``served_format["costs"]``' row
+    of the served format, else the packaged file's, ``ms`` keyed by rows, int or str), the cached
+    tokens its steps ran after (``served_format["measurement"]["cached_tokens"]``, 0 unknown) and
+    which file ("the packaged file", or "the Q8_0 copy served"). (None, 0, "") without one."""
     sf = report.get("served_format") or {}
-    pk = next((c for c in sf.get("costs") or () if isinstance(c, dict) and c.get("format") == "packaged"), None)
-    ms = (pk or {}).get("ms") or {}
-    return ms.get(1, ms.get("1")), int((sf.get("measurement") or {}).get("cached_tokens") or 0)
+    rows = {c.get("format"): c for c in sf.get("costs") or () if isinstance(c, dict)}
+    served = sf.get("format") if sf.get("format") in rows else "packaged"
+    ms = (rows.get(served) or {}).get("ms") or {}
+    name = "the packaged file" if served == "packaged" else f"the {served} copy served"
+    return ms.get(1, ms.get("1")), int((sf.get("measurement") or {}).get("cached_tokens") or 0), name
 
 
 def _plain_figures(report: dict) -> str | None:
@@ -2219,14 +2222,14 @@ def _plain_figures(report: dict) -> str | None:
     measurement's step (at startup, before the trainer, after its cached tokens of context), the
     re-measured step (the serving loop's, short requests, trainer stopped), the evaluation's tokens/s
     (whole requests, prefill included, trainer stopped). None with fewer than two of them."""
-    fmt, ctx = _format_plain_ms(report)
+    fmt, ctx, which = _format_plain_ms(report)
     rem = report.get("remeasured") or {}
     stopped = _plain_ms(rem.get("step_cost_ms"))
     tps = [x for r in report.get("phases") or [] if (x := (r.get("plain") or {}).get("tokens_per_s")) is not None]
     cfg = report.get("config") or {}
     parts = []
     if fmt:
-        parts.append(f"{fmt:.2f} ms, the format measurement's step of the packaged file at startup, before the trainer"
+        parts.append(f"{fmt:.2f} ms, the format measurement's step of {which} at startup, before the trainer"
                      + (f", after {ctx} cached tokens" if ctx else ""))
     if stopped:
         new = f", {cfg['max_new_tokens']} new tokens each" if cfg.get("max_new_tokens") else ""

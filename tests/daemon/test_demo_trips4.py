@@ -264,3 +264,7 @@ def test_one_line_names_what_each_plain_decoding_figure_measures():
     assert demo._plain_figures(back) == line
     # one figure alone: nothing to tell apart
     assert demo._plain_figures({"phases": phases[:1]}) is None
+    # Q8_0 served (39d6919's walkthrough: the packaged file's 15.87 ms beside a served 12.07, read as a drift)
+    q8 = demo._plain_figures(dict(report, served_format=dict(sf, format="Q8_0")))
+    assert q8.startswith("plain decoding, three measurements of their own: 20.39 ms, the format measurement's step "
+                         "of the Q8_0 copy served at startup, before the trainer, after 300 cached tokens;"), q8
