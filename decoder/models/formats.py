@@ -371,8 +371,9 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
         reason = (f"the packaged file's measurement cannot be trusted ({_untrusted(pk, measurement.reps)}), so no "
                   f"format is judged against it; measured again at the next start")
     elif name != PACKAGED and gp >= base * (1.0 + margin) and _paired_wins(paired, margin):
-        iv = (f"; paired per repeat {paired['ratio']:.2f}x [{paired['low']:.2f}, {paired['high']:.2f}] over "
-              f"{paired['pairs']} repeats" if paired else "")
+        iv = (f" on the medians; paired per repeat {paired['ratio']:.2f}x [{paired['low']:.2f}, {paired['high']:.2f}] "
+              f"over {paired['pairs']} repeats, the interval that decided (above 1.00, the ratio at {1 + margin:.2f}x "
+              f"or more)" if paired else "")
         reason = f"{src}: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x the tokens per ms of {pk_plain}{iv}; {others}"
         chosen = name
     elif name != PACKAGED and gp >= base * (1.0 + margin):
