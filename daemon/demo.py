@@ -1494,7 +1494,9 @@ def _progress_table(timeline, phase, svc, manager, controller, key, heads=None):
     t.add_row("speculation", controller.decision(key).get("why", "-"))
     turns = last.get("scopes") or {}  # per_workload: each workload's own turn
     if turns and last.get("decision") == "idle":
-        what = "; ".join(f"{w} {sr.get('decision', '-')} {_brief(sr.get('reason'))}" for w, sr in sorted(turns.items()))
+        # "prose rejected: α ...", not "prose rejected on prose: α ..." (a reason opens with its own scope)
+        what = "; ".join(f"{w} {sr.get('decision', '-')}: {_brief(str(sr.get('reason') or '').removeprefix(f'on {w}: '))}"
+                         for w, sr in sorted(turns.items()))
     else:
         what = f"{last.get('decision', '-')} {_brief(last.get('reason'))}"
     t.add_row("trainer", f"rounds {st.get('rounds', 0)}, last: {what}")

@@ -268,3 +268,24 @@ def test_one_line_names_what_each_plain_decoding_figure_measures():
     q8 = demo._plain_figures(dict(report, served_format=dict(sf, format="Q8_0")))
     assert q8.startswith("plain decoding, three measurements of their own: 20.39 ms, the format measurement's step "
                          "of the Q8_0 copy served at startup, before the trainer, after 300 cached tokens;"), q8
+
+
+def test_the_live_trainer_cell_does_not_repeat_the_workload_of_its_turn():
+    """39d6919's walkthrough: "rounds 4, last: prose rejected on prose: α 0.5278 -> 0.5346 ...": each
+    workload's turn reason opens with its own scope. Now "prose rejected: α ...", the reason kept."""
+    from daemon.demo import _progress_table
+
+    class Fake:
+        def status(self):
+            return {"rounds": 4, "last_round": {"decision": "idle", "scopes": {
+                "prose": {"decision": "rejected", "reason": "on prose: α 0.5278 -> 0.5346 (+0.0068)"},
+                "code": {"decision": "promoted", "reason": "on code: α 0.40 -> 0.47 (+0.07)"}}}}
+
+        def decision(self, key):
+            return {"why": "test"}
+
+    out = io.StringIO()
+    Console(file=out, width=200).print(_progress_table([], "prose", Fake(), Fake(), Fake(), ("prose", "greedy")))
+    text = " ".join(out.getvalue().split())
+    assert "last: code promoted: α 0.40 -> 0.47 (+0.07); prose rejected: α 0.5278 -> 0.5346 (+0.0068)" in text, text
+    assert "on prose" not in text and "on code" not in text
