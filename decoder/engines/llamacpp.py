@@ -183,8 +183,7 @@ class LlamaCppEngine:
         mp.use_extra_bufts = self.extra_bufts
         self.model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self.model:
-            raise EngineError(f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?)"
-                              + _cached_copy_hint(Path(path)))
+            raise EngineError(f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?){_cached_copy_hint(Path(path))}")
         train_ctx = int(L.llama_model_n_ctx_train(self.model))
         self.context_length = int(n_ctx or min(train_ctx, 8192))
         self.threads = int(threads or os.cpu_count() or 1)
