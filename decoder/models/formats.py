@@ -277,9 +277,8 @@ def _untrusted(cost: FormatCost, reps: int | None = None) -> str | None:
     samples is judged on its paired ratio (:func:`paired_ratio`), which sees a move of the host's load
     on both files alike, and is measured again at the next start (not cached)."""
     why = _noisy(cost, reps)
-    if why and cost.noise is not None and cost.noise > NOISE_MAX and len(cost.samples.get(1, ())) >= MIN_REPEATS:
-        return None
-    return why
+    paired = len(cost.samples.get(1, ())) >= MIN_REPEATS and (cost.repeats or 0) >= MIN_REPEATS
+    return None if why and paired and (cost.noise or 0.0) > NOISE_MAX else why
 
 
 def _noisy(cost: FormatCost, reps: int | None = None) -> str | None:

@@ -379,8 +379,7 @@ def _drop_stale_tmps(out: Path) -> None:
 
 def _flush(path: Path) -> None:
     """``path``'s bytes on disk (fsync) before it is renamed into place: a crash never leaves a
-    renamed file whose data was not written, and the kernel's writeback of hundreds of MB does not
-    run later, beside the step timings of :func:`decoder.models.formats.measure_formats`."""
+    renamed file whose data was not written."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

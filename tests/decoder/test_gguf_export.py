@@ -580,8 +580,7 @@ def test_real_lora_delta_in_llama_cpp_matches_torch(real, tmp_path, case):
 
 def test_a_requantised_file_is_on_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
     """fsync of the temporary file, then the rename: a crash never leaves a renamed file whose bytes
-    were not written, and the kernel's writeback does not run later beside the format measurement's
-    step timings (a fresh start timed every file 1.3-1.4x noisier than a settled one)."""
+    were not written."""
     if llama_cpp is None:
         pytest.skip("llama-cpp-python is not importable (pip install llama-cpp-python)")
     import os
