@@ -309,7 +309,8 @@ def _load_models(settings, console, embeddings: bool = False) -> _Models:
         engines = choose_engine(m.engine, m.target, m.device, m.draft, m.engine_threads or 1, embeddings=embeddings,
                                 target_format=m.format, progress=console.log, draft_vocab=vocab, v_cache=m.v_cache,
                                 format_max_seconds=m.format_max_seconds)
-    console.log(f"engine: {engines.name} ({engines.reason})")
+    for line in _engine_lines(engines):
+        console.log(line)
     layers = settings.models.draft.split(":", 1)[1] if settings.models.draft.startswith("layers:") else None
     if layers is None:
         raise ValueError(f"the demo trains a derived draft: set models.draft to 'layers:<spec>', not "
@@ -317,6 +318,20 @@ def _load_models(settings, console, embeddings: bool = False) -> _Models:
     fp = PairFingerprint(pair.target_name, pair.draft_name, pair.tokenizer_hash)
     console.log(f"pair: {pair.target_name} + {pair.draft_name} ({pair.load_seconds:.1f} s)")
     return _Models(pair, engines, layers, vocab, fp)
+
+
+def _engine_lines(engines) -> list[str]:
+    """The engine's line and, apart, the served format's (``EngineChoice.reason`` ends in "; serving
+    <format> (<file>): <its reason>"): inside the engine line's parentheses the format's reason,
+    with parentheses of its own, ended in "output))" and read as one clause."""
+    served = getattr(engines, "served", None)
+    if served is None:
+        return [f"engine: {engines.name} ({engines.reason})"]
+    tail = f"; serving {served.format} ({Path(served.path).name}): {served.reason}"
+    if not engines.reason.endswith(tail):
+        return [f"engine: {engines.name} ({engines.reason})"]
+    return [f"engine: {engines.name} ({engines.reason.removesuffix(tail)})",
+            f"served format: {served.format} ({Path(served.path).name}), {served.reason}"]
 
 
 def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Models, out_dir: Path,

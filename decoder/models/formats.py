@@ -358,8 +358,7 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
     pk_plain = f"plain decoding of the packaged file ({pk.file}, {pk.ms[1]:.2f} ms a step{ctx})"
     kind = "its prior α" if alphas is None or alphas == prior_alphas() else "α"
     how = f"{prop} γ={gamma} at {kind} {alphas[prop]:.2f}" if prop else "plain decoding"
-    others = "; ".join(f"{r['format']} {r['best']['vs_packaged_plain']:.2f}x" if r.get("eligible")
-                       else f"{r['format']} left out ({r['why_not']})" for r in rows if r["format"] != name)
+    others = _others(rows, name, kind)
     if measurement.from_cache:  # say so: a newcomer read "measured:" of a start that measured nothing
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(measurement.measured_at)) if measurement.measured_at else "earlier"
         src = f"measured on this host ({when}), cached"
@@ -370,18 +369,23 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
         reason = (f"the packaged file's measurement cannot be trusted ({_untrusted(pk, measurement.reps)}), so no "
                   f"format is judged against it; measured again at the next start")
     elif name != PACKAGED and gp >= base * (1.0 + margin) and _paired_wins(paired, margin):
-        iv = (f" on the medians; paired per repeat {paired['ratio']:.2f}x [{paired['low']:.2f}, {paired['high']:.2f}] "
-              f"over {paired['pairs']} repeats, the interval that decided (above 1.00, the ratio at {1 + margin:.2f}x "
-              f"or more)" if paired else "")
-        reason = f"{src}: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x the tokens per ms of {pk_plain}{iv}; {others}"
+        if paired:  # the paired interval decided: it comes first, the medians' ratio after it, named as such
+            reason = (f"{src}: {name} serves on its ratio paired per repeat, {paired['ratio']:.2f}x "
+                      f"[{paired['low']:.2f}, {paired['high']:.2f}] the tokens per ms of {pk_plain} over "
+                      f"{paired['pairs']} repeats, the interval that decided (above 1.00, the ratio at "
+                      f"{1 + margin:.2f}x or more); on the medians it expects {gp:.4f} tokens/ms ({how}), "
+                      f"{gp / base:.2f}x")
+        else:
+            reason = f"{src}: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x the tokens per ms of {pk_plain}"
+        reason += _rows_dearer(measurement, name) + (f"; {others}" if others else "")
         chosen = name
     elif name != PACKAGED and gp >= base * (1.0 + margin):
         chosen = PACKAGED
         reason = (f"{src}: {name} expects {gp:.4f} tokens/ms ({how}), {gp / base:.2f}x the tokens per ms of {pk_plain}, "
                   f"but paired per repeat {paired['ratio']:.2f}x [{paired['low']:.2f}, {paired['high']:.2f}] over "
                   f"{paired['pairs']} repeats ({paired['confidence']:.0%}): not surely {margin:.0%} faster (that needs "
-                  f"the ratio at {1 + margin:.2f}x or more and the interval above 1.00), so the packaged file serves; "
-                  f"{others}")
+                  f"the ratio at {1 + margin:.2f}x or more and the interval above 1.00), so the packaged file serves"
+                  + (f"; {others}" if others else ""))
     else:
         chosen = PACKAGED
         if name == PACKAGED and prop:
@@ -393,10 +397,49 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
                       f"a step{ctx}) beats every other format's best (each as a multiple of it): {others}")
         else:
             reason = (f"{src}: no format beats {pk_plain} by {margin:.0%} (best {name}: {gp / base:.2f}x with "
-                      f"{how}); {others}")
+                      f"{how})" + (f"; {others}" if others else ""))
     if not _untrusted(pk, measurement.reps):
         reason += _moved(measurement, {r["format"] for r in rows if r.get("eligible")} | {PACKAGED})
     return chosen, reason
+
+
+def _others(rows: list[dict[str, Any]], name: str, kind: str) -> str:
+    """The reason's list of the formats other than ``name``: each eligible one's best as a multiple
+    of the packaged file's plain decoding, each left-out one with why. The packaged file's own entry
+    is left out where its best is that plain decoding (1.00x of itself says nothing) and names its
+    proposer where speculation on it is its best."""
+    out = []
+    for r in rows:
+        if r["format"] == name:
+            continue
+        if not r.get("eligible"):
+            out.append(f"{r['format']} left out ({r['why_not']})")
+            continue
+        b = r["best"]
+        if r["format"] == PACKAGED and not b.get("proposer"):
+            continue
+        spec = (f" (its best, {b['proposer']} γ={b['gamma']} at {kind} {b['alpha']:.2f})"
+                if r["format"] == PACKAGED and b.get("alpha") is not None else "")
+        out.append(f"{r['format']} {b['vs_packaged_plain']:.2f}x{spec}")
+    return "; ".join(out)
+
+
+def _rows_dearer(measurement: FormatMeasurement, name: str) -> str:
+    """"; its 2-row verification costs 2.71x its step against the packaged file's 1.72x: speculation
+    pays less on it" where the served format ``name``'s 2-row step costs more of its own plain steps
+    than the packaged file's does (the format is chosen on its best, often plain decoding, and gives
+    up that much of what any proposer can buy: costs as priced, never below one step); "" otherwise
+    or without both 2-row steps."""
+    ratios = []
+    for f in (name, PACKAGED):
+        ms = measurement.formats[f].ms
+        if not ms.get(1) or 2 not in ms:
+            return ""
+        ratios.append(max(ms[2], ms[1]) / ms[1])
+    if round(ratios[0], 2) <= round(ratios[1], 2):  # not "1.72x against 1.72x"
+        return ""
+    return (f"; its 2-row verification costs {ratios[0]:.2f}x its step against the packaged file's {ratios[1]:.2f}x: "
+            f"speculation pays less on it")
 
 
 def _moved(measurement: FormatMeasurement, judged: set[str]) -> str:
@@ -446,7 +489,7 @@ def _judge_format(name: str, cost, measurement: FormatMeasurement, alphas: dict[
                      "tokens_per_ms": round(gp, 5), "vs_packaged_plain": round(gp / base, 3)})
     if name != PACKAGED and cost.rows_identical is False:
         row.update(eligible=False, why_not=f"its {max(cost.ms)}-row verification's logits differ from its one-row "
-                                           f"steps (max {cost.row_max_abs_diff:.3g}): greedy speculation could "
+                                           f"steps by up to {cost.row_max_abs_diff:.3g}, so greedy speculation could "
                                            f"leave plain decoding's output")
     elif name != PACKAGED and cost.rows_identical is None:
         row.update(eligible=False, why_not="its verification rows were not checked against one-row steps")

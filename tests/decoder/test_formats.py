@@ -142,8 +142,9 @@ def test_a_noisy_measurement_with_per_repeat_samples_is_judged_on_its_paired_rat
     c = choose_format(noisy(q8), alphas={}, proposers=())
     assert c.format == "Q8_0", c.reason
     assert c.paired["ratio"] == pytest.approx(1.25) and c.paired["low"] == pytest.approx(1.25) and c.paired["pairs"] == 6
-    assert (" on the medians; paired per repeat 1.25x [1.25, 1.25] over 6 repeats, the interval that decided (above "
-            "1.00, the ratio at 1.05x or more);") in c.reason, c.reason
+    assert ("Q8_0 serves on its ratio paired per repeat, 1.25x [1.25, 1.25] the tokens per ms of plain decoding of the "
+            "packaged file (packaged.gguf, 14.00 ms a step) over 6 repeats, the interval that decided (above 1.00, the "
+            "ratio at 1.05x or more); on the medians it expects") in c.reason, c.reason
     assert c.reason.endswith("the step times moved during the measurement (a typical repeat over the fastest: packaged "
                              "1.40x, Q8_0 1.40x): a format is judged on its ratio paired per repeat, which sees the move "
                              "on both files alike, and it is measured again at the next start"), c.reason
@@ -381,7 +382,7 @@ def test_a_format_serves_only_where_its_paired_interval_stays_above_one():
     tight = with_samples(table(packaged={1: 10.0}, Q8_0={1: 9.0}), packaged={1: [10.0] * 3}, Q8_0={1: [9.1, 9.0, 8.9]})
     c = choose_format(tight, alphas={}, proposers=())
     assert c.format == "Q8_0" and c.paired["low"] > 1.05 and c.paired["unsure"] is False
-    assert "; paired per repeat 1.11x [1." in c.reason and "] over 3 repeats, the interval that decided" in c.reason, c.reason
+    assert "serves on its ratio paired per repeat, 1.11x [1." in c.reason and " over 3 repeats, the interval that decided" in c.reason, c.reason
     # far below the margin even at its interval's top: not unsure (no more repeats would let it serve)
     slow = with_samples(table(packaged={1: 10.0}, Q8_0={1: 9.9}), packaged={1: [10.0] * 3}, Q8_0={1: [9.95, 9.9, 9.85]})
     c = choose_format(slow, alphas={}, proposers=())

@@ -1,0 +1,74 @@
+"""The quick demo's trips of the sixteenth session's walkthrough at 39d6919 (docs/walkthroughs.md,
+"The quick demo at 39d6919", its "Trips" list) still there at HEAD: the served-format line, a live
+cell whose measured rate sits above the ceiling it states, the closing ceilings, each phase's
+closing line, the plot's swap labels and the speed table's plain picks."""
+
+import io
+from pathlib import Path
+from types import SimpleNamespace
+
+from rich.console import Console
+
+import daemon.demo as demo
+from decoder.models.formats import FormatCost, FormatMeasurement, choose_format
+from test_demo_trips2 import _printed  # the report as printed at 600 columns
+from test_demo_trips3 import _phase
+
+
+def _text(report: dict) -> str:
+    return " ".join(_printed(report).split())
+
+
+# (1)+(2) the served-format line ---------------------------------------------------------------------------
+
+# 39d6919's format measurement: the packaged Q4_1 15.87 ms a step, its 2 rows 1.72 steps (27.30 ms); Q8_0
+# 12.07 ms a step, its 2 rows 2.71 steps (32.71 ms); F16 left out, its rows differ (max 0.0619)
+PK, Q8 = {1: 15.87, 2: 27.30}, {1: 12.07, 2: 32.71}
+DRIFT = [1.0, 1.1, 0.95, 1.2, 1.05, 0.9, 1.0, 1.15, 1.1, 0.97, 1.02, 1.08]  # the host's load, both files alike
+WOBBLE = [1.0, 0.97, 1.03, 1.0, 0.98, 1.02, 1.01, 0.99, 1.0, 1.02, 0.98, 1.0]  # Q8_0's own noise per repeat
+
+
+def _measurement() -> FormatMeasurement:
+    def cost(f, ms, wobble):
+        samples = {n: [t * d * w for d, w in zip(DRIFT, wobble)] for n, t in ms.items()}
+        return FormatCost(f, f"qwen-{f}.gguf", dict(ms), True, 0.0, noise=0.2, repeats=12, samples=samples)
+
+    fm = {"packaged": cost("packaged", PK, [1.0] * 12), "Q8_0": cost("Q8_0", Q8, WOBBLE),
+          "F16": FormatCost("F16", "qwen-F16.gguf", {1: 20.0, 8: 30.0}, False, 0.0619, noise=0.1, repeats=5)}
+    return FormatMeasurement({"model": "m"}, fm, None, reps=12, cached_tokens=300)
+
+
+def test_the_served_format_says_which_figure_chose_it_and_what_its_rows_cost_against_the_packaged_files():
+    """39d6919: "Q8_0 expects 0.0828 tokens/ms (plain decoding), 1.31x the tokens per ms of plain decoding of
+    the packaged file (...); paired per repeat 1.24x [1.12, 1.38] over 12 repeats; packaged 1.00x; F16 left
+    out (its 8-row verification's logits differ from its one-row steps (max 0.0619) ...output))", nothing
+    on what the choice gave up: Q8_0's 2 rows cost 32.71 / 12.07 = 2.71 of its steps, the packaged file's
+    27.30 / 15.87 = 1.72. Plain decoding of Q8_0: 15.87 / 12.07 = 1.31x on the medians."""
+    assert f"{Q8[2] / Q8[1]:.2f}" == "2.71" and f"{PK[2] / PK[1]:.2f}" == "1.72" and f"{PK[1] / Q8[1]:.2f}" == "1.31"
+    c = choose_format(_measurement(), alphas={}, proposers=())
+    assert c.format == "Q8_0", c.reason
+    p = c.paired
+    assert 1.2 < p["ratio"] < 1.4 and p["low"] > 1.0 and p["pairs"] == 12
+    assert c.reason.startswith(
+        f"measured: Q8_0 serves on its ratio paired per repeat, {p['ratio']:.2f}x [{p['low']:.2f}, {p['high']:.2f}] the "
+        f"tokens per ms of plain decoding of the packaged file (qwen-packaged.gguf, 15.87 ms a step after 300 cached "
+        f"tokens) over 12 repeats, the interval that decided (above 1.00, the ratio at 1.05x or more); on the medians "
+        f"it expects 0.0829 tokens/ms (plain decoding), 1.31x; its 2-row verification costs 2.71x its step against "
+        f"the packaged file's 1.72x: speculation pays less on it; F16 left out (its 8-row verification's logits "
+        f"differ from its one-row steps by up to 0.0619, so greedy speculation could leave plain decoding's "
+        f"output)"), c.reason
+    assert "packaged 1.00x" not in c.reason and "))" not in c.reason
+    # rows as cheap as the packaged file's: no such clause
+    m = _measurement()
+    m.formats["Q8_0"].ms[2] = 12.07 * 1.72
+    assert "speculation pays less" not in choose_format(m, alphas={}, proposers=()).reason
+    # the console: the engine line, and the served format on a line of its own (no "output))")
+    served = SimpleNamespace(format="Q8_0", path=Path("/x/qwen-Q8_0.gguf"), reason=c.reason)
+    eng = SimpleNamespace(name="llamacpp", served=served,
+                          reason=f"auto: GGUF target qwen.gguf on CPU; serving Q8_0 (qwen-Q8_0.gguf): {c.reason}")
+    lines = demo._engine_lines(eng)
+    assert lines == ["engine: llamacpp (auto: GGUF target qwen.gguf on CPU)",
+                     f"served format: Q8_0 (qwen-Q8_0.gguf), {c.reason}"]
+    assert not any(x.endswith("))") for x in lines)
+    assert demo._engine_lines(SimpleNamespace(name="torch", served=None, reason="auto: no GGUF")) == [
+        "engine: torch (auto: no GGUF)"]
