@@ -1042,7 +1042,10 @@ class GoodputController:
                self._unsure(top, cands[top], plain, ev) if cands[top] > plain * (1.0 + self.config.min_gain) else
                f"off: the best, {top[0]} γ={top[1]} {t_s} tok/ms, is within {self._margin()} of plain {p_s}")
         g, free = ev.get("engine_ceiling", (None, math.nan))
-        if free == free and plain == plain and free < plain:
+        # the ceiling is priced on the verification steps' costs by γ, a proposer's rate on its own steps (at
+        # plain's load): where a measured rate is above the ceiling, the two cost readings disagree, and the
+        # clause would state a bound that a rate in the same sentence breaks, so it is left unsaid
+        if free == free and plain == plain and free < plain and cands[top] <= free:
             why += (f"; no proposer can pay on this engine now: even accepted in full and free, its best, γ={g}, "
                     f"is {free:.3f} tok/ms = {free / plain:.2f}x plain (a verification of {g + 1} rows "
                     f"{ev['t_verify'][g]:.2f} ms, a plain step {ev['t_plain']:.2f} ms)")

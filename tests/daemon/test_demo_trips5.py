@@ -72,3 +72,29 @@ def test_the_served_format_says_which_figure_chose_it_and_what_its_rows_cost_aga
     assert not any(x.endswith("))") for x in lines)
     assert demo._engine_lines(SimpleNamespace(name="torch", served=None, reason="auto: no GGUF")) == [
         "engine: torch (auto: no GGUF)"]
+
+
+# (5) a live cell's measured rate above the ceiling it states ---------------------------------------------
+
+def test_the_no_proposer_can_pay_clause_is_not_said_beside_a_measured_rate_above_its_bound():
+    """39d6919's math cell: "the best, ngram γ=1 0.0920 tok/ms, is within the 5% margin (min_gain) of
+    plain 0.0917; no proposer can pay on this engine now: even accepted in full and free, its best, γ=4,
+    is 0.091 tok/ms = 0.99x plain": a rate measured above the bound it states, in one cell (the ceiling
+    priced on the verification steps' costs, the n-gram's rate on its own steps). With the n-gram at
+    0.0900, below the bound, the clause stands: 0.091 / 0.0917 = 0.99x."""
+    from decoder.control import ControllerConfig, GoodputController
+
+    ctl = GoodputController(ControllerConfig(gamma_max=4, proposers=("ngram",)))
+    ev = {"engine_ceiling": (4, 0.091), "t_verify": {4: 5 / 0.091}, "t_plain": 1 / 0.0917}
+
+    def why(ngram):
+        cands = {("plain", 0): 0.0917, ("ngram", 1): ngram}
+        return ctl._why_among(cands, ("plain", 0), ev)
+
+    above = why(0.0920)
+    assert above == "off: the best, ngram γ=1 0.0920 tok/ms, is within the 5% margin (min_gain) of plain 0.0917", above
+    below = why(0.0900)
+    assert below.startswith("off: plain 0.092 tok/ms beats every proposer (best ngram γ=1 0.090)"), below
+    assert below.endswith("no proposer can pay on this engine now: even accepted in full and free, its best, γ=4, is "
+                          f"0.091 tok/ms = {0.091 / 0.0917:.2f}x plain (a verification of 5 rows 54.95 ms, a plain "
+                          "step 10.91 ms)"), below
