@@ -1673,7 +1673,26 @@ def _phase_lengths(report: dict, console) -> None:
             console.print(f"{sh['workload']}: served {_served_for(sh)}, "
                           f"{_requests(sh['requests']) if 'requests' in sh else '? requests'}, "
                           f"{t.get('turns', 0)} turns of its adapter ({t.get('judged', 0)} judged, "
-                          f"{t.get('promoted', 0)} promoted); ended: {sh.get('ended')}")
+                          f"{t.get('promoted', 0)} promoted); ended: {_ended_rule(str(sh.get('ended')))}")
+
+
+def _ended_rule(ended: str) -> str:
+    """A phase's ``ended`` (:func:`_phase_progress`'s why) as the rule it met, for the closing line
+    that gives its seconds and its adapter's turns already: the why's own seconds and counts beside
+    the line's said each fact twice, in two figures a second apart (the setting's and the clock's).
+    What only ``ended`` says stays (its promoted version's requests, the judged turns a capped phase
+    needed); a why of another shape is given as it is."""
+    own = re.search(r"; its (v\d+ served .+)$", ended)
+    tail = f"; its {own.group(1)}" if own else ""
+    if re.fullmatch(r"\d+ s served and \d+ judged turns of its adapter \(\d+ promoted\)(; its v\d+ served .+)?", ended):
+        return "its phase_seconds passed with its adapter judged phase_min_judged times and promoted" + tail
+    if re.fullmatch(r"\d+ s served", ended):
+        return "its phase_seconds passed"
+    cap = re.fullmatch(r"phase_max_seconds \d+ s reached with \d+ of (\d+) judged turns \(.*\)", ended)
+    if cap:
+        return (f"phase_max_seconds reached before the rest of its rule was met ({cap.group(1)} judged turns of its "
+                f"adapter, a promotion, its promoted version serving phase_min_served requests)")
+    return ended
 
 
 def _cell(x) -> str:

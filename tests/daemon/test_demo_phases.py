@@ -105,8 +105,8 @@ def test_the_report_says_how_long_each_phase_served_and_why_it_ended():
     out = io.StringIO()
     _phase_lengths(report, Console(file=out, width=400))
     assert out.getvalue().splitlines() == [
-        "prose: served 131 s, 40 requests, 3 turns of its adapter (2 judged, 1 promoted); ended: 120 s served "
-        "and 2 judged turns of its adapter (1 promoted)",
+        "prose: served 131 s, 40 requests, 3 turns of its adapter (2 judged, 1 promoted); ended: its phase_seconds "
+        "passed with its adapter judged phase_min_judged times and promoted",
         # the first phase serves from the first request, its clock from v0: both said
         "math: served 237 s of traffic, 122 s of them on the phase's clock (it starts at v0's arrival; the 115 s "
         "before served while v0 bootstrapped), 383 requests, 1 turns of its adapter (0 judged, 0 promoted); "

@@ -4,6 +4,7 @@ cell whose measured rate sits above the ceiling it states, the closing ceilings,
 closing line, the plot's swap labels and the speed table's plain picks."""
 
 import io
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -135,3 +136,47 @@ def test_a_ceiling_beside_the_trainer_above_the_stopped_one_says_why_and_the_thi
     lower = {1: 10.39, 2: 29.27, 5: 52.0}
     assert "above the" not in demo._ceiling_line(_ceil(lower), lower, "while serving, beside the trainer", stopped_ms,
                                                  stopped_ceil=_ceil(stopped_ms))
+
+
+# (7) each phase's closing line: one statement of each fact -----------------------------------------------
+
+def test_each_phases_closing_line_states_its_seconds_and_turns_once():
+    """39d6919: "prose: served 243 s ..., 201 requests, 4 turns of its adapter (4 judged, 1 promoted); ended:
+    120 s served and 4 judged turns of its adapter (1 promoted)", and "121 s of them on the phase's clock"
+    beside "120 s served". The why as _phase_progress gives it, each of the three kinds."""
+    cfg = demo.DemoConfig.quick()
+    turns = {"turns": 4, "judged": 4, "promoted": 1}
+
+    class Svc:
+        def __init__(self, t):
+            self.t = t
+
+        def status(self):
+            return {"workload_turns": {"prose": self.t}, "workload_versions": {"prose": 2}}
+
+    rows = [{"adapter_version": 2}] * 30
+    done, why = demo._phase_progress(cfg, Svc(turns), "prose", 121.0, rows)
+    capped, cap_why = demo._phase_progress(cfg, Svc({"turns": 3, "judged": 1, "promoted": 0}), "prose",
+                                           cfg.max_phase_seconds(), rows)
+    assert done and capped
+    shifts = [{"workload": "prose", "seconds": 121.0, "wall_seconds": 243.0, "requests": 201, "ended": why,
+               "turns": turns},
+              {"workload": "code", "seconds": 120.4, "requests": 136, "ended": "120 s served", "turns": turns},
+              {"workload": "math", "seconds": cfg.max_phase_seconds(), "requests": 400, "ended": cap_why,
+               "turns": {"turns": 3, "judged": 1, "promoted": 0}}]
+    out = io.StringIO()
+    demo._phase_lengths({"shifts": shifts}, Console(file=out, width=600))
+    lines = out.getvalue().splitlines()
+    assert lines[0] == (
+        "prose: served 243 s of traffic, 121 s of them on the phase's clock (it starts at v0's arrival; the 122 s "
+        "before served while v0 bootstrapped), 201 requests, 4 turns of its adapter (4 judged, 1 promoted); ended: "
+        "its phase_seconds passed with its adapter judged phase_min_judged times and promoted; its v2 served 30 "
+        "requests"), lines[0]
+    assert lines[1] == ("code: served 120 s, 136 requests, 4 turns of its adapter (4 judged, 1 promoted); ended: its "
+                        "phase_seconds passed")
+    assert lines[2].endswith("3 turns of its adapter (1 judged, 0 promoted); "
+                             f"ended: phase_max_seconds reached before the rest of its rule was met "
+                             f"({cfg.phase_min_judged} judged turns of its adapter, a promotion, its promoted version "
+                             f"serving phase_min_served requests)"), lines[2]
+    for line in lines[:2]:  # each count and each length once: no "120 s served" beside the clock's 121 s
+        assert len(re.findall(r"\d+ judged", line)) == 1 and line.count("120 s") <= 1, line
