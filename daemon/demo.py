@@ -1556,8 +1556,10 @@ def _plot_labels(timeline: list[dict], shifts: list[dict],
     served by (" code: v1 (shared)", :func:`_adapter_name`), and each adapter swap inside a phase as
     (t s, label, row 0-2). A swap at a phase's first request is the shift's label, not a label of
     its own: each shift read "v1", the shared adapter routed before the workload had its own, and
-    two labels overlapped there. A swap label within 4 % of the axis of the previous one goes a
-    row lower. Shifts without ``request`` (an index into ``timeline``) begin at their ``t``."""
+    two labels overlapped there. A swap label goes on the first of the rows where the label before it
+    ends before it starts (each label's width: :data:`_LABEL_CHAR_AXES` of the axis a character),
+    the row that frees first where none does: two swaps closer than a label's width never print on
+    one row. Shifts without ``request`` (an index into ``timeline``) begin at their ``t``."""
     firsts = []
     for s in shifts:
         i = s.get("request")
@@ -1568,14 +1570,20 @@ def _plot_labels(timeline: list[dict], shifts: list[dict],
                                     if i < len(timeline) else "") for s, i in zip(shifts, firsts)]
     span = max((r["t"] for r in timeline), default=1.0) or 1.0
     swaps: list[tuple[float, str, int]] = []
-    prev, last_x, row = timeline[0]["adapter_version"] if timeline else 0, float("-inf"), 0
+    prev, ends = timeline[0]["adapter_version"] if timeline else 0, [float("-inf")] * 3  # each row's last label's end
     for k, r in enumerate(timeline):
         if r["adapter_version"] != prev and k not in firsts:
-            row = (row + 1) % 3 if r["t"] - last_x < 0.04 * span else 0
-            swaps.append((r["t"], f" {_adapter_name(r['adapter_version'], scopes, r.get('workload'))}", row))
-            last_x = r["t"]
+            text = f" {_adapter_name(r['adapter_version'], scopes, r.get('workload'))}"
+            row = next((i for i, end in enumerate(ends) if end <= r["t"]), min(range(3), key=ends.__getitem__))
+            ends[row] = r["t"] + len(text) * _LABEL_CHAR_AXES * span
+            swaps.append((r["t"], text, row))
         prev = r["adapter_version"]
     return labels, swaps
+
+
+_LABEL_CHAR_AXES = 0.0065
+"""A swap label's width per character as a share of the plot's axis (8 pt text on the 11-inch
+figure of :func:`plot_timeline`: matplotlib measured about 0.006 a character, this a little over)."""
 
 
 def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path, scopes: dict[int, str] | None = None) -> None:

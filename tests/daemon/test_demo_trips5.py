@@ -180,3 +180,21 @@ def test_each_phases_closing_line_states_its_seconds_and_turns_once():
                              f"serving phase_min_served requests)"), lines[2]
     for line in lines[:2]:  # each count and each length once: no "120 s served" beside the clock's 121 s
         assert len(re.findall(r"\d+ judged", line)) == 1 and line.count("120 s") <= 1, line
+
+
+# (8) the plot's swap labels: two swaps closer than a label's width ---------------------------------------
+
+def test_two_swaps_closer_than_a_labels_width_go_on_different_rows():
+    """39d6919's prose: "v1 (shared)" at 124 s and "v2" at 151 s printed as one smudge on a ~620 s axis (four
+    phases of about 120 s, prose's 243): 27 s is 4.4 % of it, past the old 4 % rule, while " v1 (shared)"
+    (12 characters at 0.0065 of the axis each) spans 7.8 %, 48.4 s. A third swap at 160 s finds row 0 free
+    only after 124 + 48.4 = 172.4 s, row 1 after 151 + 3 x 0.0065 x 620 = 163.1 s: row 2. At 200 s row 0
+    is free again."""
+    width = 12 * 0.0065 * 620
+    assert round(width, 1) == 48.4 and 151 - 124 < width and 151 - 124 > 0.04 * 620
+    versions = [(0, 0), (100, 0), (124, 1), (151, 2), (160, 3), (200, 4), (620, 4)]
+    timeline = [{"t": float(t), "workload": "prose", "adapter_version": v} for t, v in versions]
+    scopes = {1: "", 2: "prose", 3: "prose", 4: "prose"}
+    _, swaps = demo._plot_labels(timeline, [{"t": 0.0, "request": 0, "workload": "prose"}], scopes)
+    assert [(t, row) for t, _, row in swaps] == [(124.0, 0), (151.0, 1), (160.0, 2), (200.0, 0)], swaps
+    assert [x for _, x, _ in swaps][:2] == [" v1 (shared)", " v2"]
