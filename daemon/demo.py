@@ -1746,7 +1746,8 @@ def _decoded_table(report: dict, console, pct: str) -> None:
     s = Table(title="decoded on the same prompts, speed: the controller's pick vs plain decoding and llama.cpp",
               caption=None if same or not any(r.get("speed_vs_llamacpp_ci") for r in report["phases"]) else
               f"×llama.cpp plain: {files}")
-    for c in ("phase", "plain tok/s", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]", peer_col):
+    for c in ("phase", "plain tok/s", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]",
+              f"left off ×plain [{pct} % CI]", peer_col):
         s.add_column(c, overflow="fold")
     for r in report["phases"]:
         pk = r["adapted"]
@@ -1756,19 +1757,32 @@ def _decoded_table(report: dict, console, pct: str) -> None:
         a.add_row(r["workload"], str(r.get("eval_prompts", "-")), _cell(r["frozen"]["alpha"]),
                   _cell(r["frozen"]["speedup_vs_plain"]), _cell(r["adapted_draft"]["alpha"]),
                   _cell(r["adapted_draft"]["speedup_vs_plain"]), f"{'-' if g.get('gain') is None else signed(g['gain'], 3)} {_interval(g)}", _live_cell(r))
-        # a plain pick is the plain run itself: its α, τ and ×plain are no measurement of their own
-        plain = "plain (same decoding)"
+        # a plain pick is the plain run itself: no α, τ or ×plain of its own (said once, not in three cells);
+        # the speculation it left off (decoded on the same prompts) has its ratio in a column of its own
         plain_pick = not pk["gamma"] or pk.get("same_run_as") == "plain"
         s.add_row(r["workload"], _cell(r["plain"]["tokens_per_s"]),
                   f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
-                  plain if plain_pick else _cell(pk["alpha"]), plain if plain_pick else _cell(pk["tau"]),
-                  plain if plain_pick else f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp else _cell(pk["speedup_vs_plain"]),
+                  "-" if plain_pick else _cell(pk["alpha"]), "-" if plain_pick else _cell(pk["tau"]),
+                  "plain (same decoding)" if plain_pick else f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp
+                  else _cell(pk["speedup_vs_plain"]), _left_off_cell(r),
                   f"{_cell(lp['ratio'])} {_interval(lp)}" if lp else "-")
     console.print(a)
     console.print(s)
     gap = _live_rate_note(report)
     if gap:
         console.print(gap)
+
+
+def _left_off_cell(r: dict) -> str:
+    """A plain pick's left-off speculation (``controller_pick["runner_up"]``, decoded on the same
+    prompts) as the speed table's cell: "ngram γ=1 0.942 [0.89, 0.98]", its ratio to plain decoding
+    and interval; "-" where the pick speculated or nothing was left off and decoded."""
+    up = (r.get("controller_pick") or {}).get("runner_up")
+    ran = (r.get("speed_vs_plain_ci") or {}).get("runner_up")
+    if not up or not (ran or r.get("runner_up")):
+        return "-"
+    ratio = ran["ratio"] if ran else r["runner_up"].get("speedup_vs_plain")
+    return f"{up['proposer']} γ={up['gamma']} {_cell(ratio)}" + (f" {_interval(ran)}" if ran else "")
 
 
 def _live_rate_note(report: dict) -> str | None:

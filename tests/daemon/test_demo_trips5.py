@@ -198,3 +198,38 @@ def test_two_swaps_closer_than_a_labels_width_go_on_different_rows():
     _, swaps = demo._plot_labels(timeline, [{"t": 0.0, "request": 0, "workload": "prose"}], scopes)
     assert [(t, row) for t, _, row in swaps] == [(124.0, 0), (151.0, 1), (160.0, 2), (200.0, 0)], swaps
     assert [x for _, x, _ in swaps][:2] == [" v1 (shared)", " v2"]
+
+
+# (11) the speed table: a plain pick's left-off speculation in its row ------------------------------------
+
+def test_a_plain_picks_row_gives_the_left_off_speculations_ratio_within_170_columns():
+    """39d6919: "pick α", "pick τ" and "pick ×plain" read "plain (same decoding)" in every row, and the
+    left-off n-gram's 0.942 [0.893, 0.980] (prose) and 0.941 [0.887, 0.998] (extract) were only in the
+    notes. Now a column of their own, each row on one line at 170 columns, "plain (same decoding)" once a
+    row; a speculating pick's row has nothing left off."""
+    def plain_pick(w, g, ratio, lo, hi):
+        return _phase(w, eval_prompts=8, controller_pick={"why": "off: plain", "runner_up": {
+                          "proposer": "ngram", "gamma": g, "priced_vs_plain": 0.97}},
+                      runner_up={"proposer": "ngram", "gamma": g, "alpha": 0.4, "tau": 1.4, "speedup_vs_plain": ratio},
+                      speed_vs_plain_ci={"runner_up": {"ratio": ratio, "low": lo, "high": hi}},
+                      speed_vs_llamacpp_ci={"adapted": {"ratio": 1.373, "low": 1.295, "high": 1.456}})
+
+    prose, extract = plain_pick("prose", 1, 0.942, 0.893, 0.980), plain_pick("extract", 2, 0.941, 0.887, 0.998)
+    code = _phase("code", eval_prompts=8, adapted={"proposer": "ngram", "gamma": 4, "alpha": 0.712, "tau": 3.104,
+                                                   "speedup_vs_plain": 1.209},
+                  speed_vs_plain_ci={"adapted": {"ratio": 1.209, "low": 1.03, "high": 1.47}})
+    out = io.StringIO()
+    demo.print_report({"adapters": [], "recovery": [], "requests": 10, "active_adapter": 1, "seconds": 1.0,
+                       "key_prefix": "x:", "phases": [prose, code, extract]}, Console(file=out, width=170))
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 170
+    assert text.count("plain (same decoding)") == 2  # once a plain pick's row, not in its α, τ and ×plain cells
+    def row(w):  # the speed table's row: the one with its pick
+        return next(x for x in lines if x.startswith(f"│ {w} ") and ("plain (off)" in x or "ngram γ=4" in x))
+
+    assert "left off ×plain [95 % CI]" in text
+    assert [c.strip() for c in row("prose").split("│")[4:8]] == ["-", "-", "plain (same decoding)",
+                                                                "ngram γ=1 0.942 [0.89, 0.98]"], text
+    assert "ngram γ=2 0.941 [0.89, 1.00]" in row("extract"), text
+    assert [c.strip() for c in row("code").split("│")[4:8]] == ["0.712", "3.104", "1.209 [1.03, 1.47]", "-"], text
