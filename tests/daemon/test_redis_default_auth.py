@@ -1,0 +1,71 @@
+"""A password-protected Redis on the default address (``redis.default_url``, no ``redis.url``):
+it answers, with NOAUTH, and the daemon says its authentication failed and where the password goes,
+instead of taking it for "nothing answers" and starting the embedded Redis without a word."""
+
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import redis
+
+from daemon.redis_embed import answers, open_redis
+from daemon.settings import RedisSettings
+from store.client import StoreUnavailableError
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.fixture(scope="module")
+def password_redis(tmp_path_factory):
+    """A redis-server of our own with ``--requirepass the-right-one`` on a free port from 18600
+    (tests/store/test_store_client.py's fixture, another range); yields its port."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on PATH")
+    port = next(p for p in range(18600, 18670) if _port_free(p))
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--dir", str(tmp_path_factory.mktemp("authredis")), "--requirepass", "the-right-one"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 10
+        while True:
+            try:
+                redis.Redis(port=port, password="the-right-one", socket_connect_timeout=0.2).ping()
+                break
+            except redis.ConnectionError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("embedded", ["auto", "never"])
+def test_a_password_protected_redis_on_the_default_address_is_named_not_replaced(password_redis, tmp_path, embedded):
+    url = f"redis://127.0.0.1:{password_redis}/0"
+    assert answers(url)  # NOAUTH is an answer
+    cfg = RedisSettings(default_url=url, embedded=embedded)
+    with pytest.raises(StoreUnavailableError) as ei:
+        with open_redis(cfg, tmp_path / "redis"):
+            pass
+    msg = str(ei.value)
+    assert msg.startswith(f"Redis at '{url}' refused the connection: authentication failed ("), msg
+    assert "Give its password in redis.url (DRAFTD_REDIS__URL) as redis://:<password>@host:port/db" in msg, msg
+    assert msg.endswith("; or, to leave that Redis alone, set redis.embedded to 'always' (DRAFTD_REDIS__EMBEDDED=always) "
+                        "for the embedded one"), msg
+    assert not (tmp_path / "redis").exists()  # no embedded server started
+
+
+def test_nothing_on_the_default_address_is_still_nothing():
+    port = next(p for p in range(18670, 18740) if _port_free(p))
+    assert not answers(f"redis://127.0.0.1:{port}/0", timeout=0.2)
