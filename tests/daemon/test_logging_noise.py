@@ -7,8 +7,6 @@ import sys
 
 
 def _run(code: str, env_extra: dict | None = None) -> str:
-    import os
-
     r = _proc(code, env_extra)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()

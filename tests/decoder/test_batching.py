@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from decoder.batching import StepScheduler
-from decoder.engines.base import Capabilities, EngineError, route_forwards, sequence_scope
+from decoder.engines.base import Capabilities, EngineError, sequence_scope
 from decoder.engines.llamacpp_lib import llamacpp_available
 
 needs_llamacpp = pytest.mark.skipif(not llamacpp_available(), reason="llama-cpp-python is not installed")
