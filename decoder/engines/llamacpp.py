@@ -20,7 +20,8 @@ import structlog
 import torch
 
 from decoder.engines.base import Capabilities, EngineError, forward_router, track
-from decoder.engines.llamacpp_lib import bindings, llama_call, llama_extra_buffers
+from decoder.engines.llamacpp_lib import (attach_threadpool, bindings, free_threadpool, llama_call,
+                                          llama_extra_buffers)
 from decoder.models.gguf_export import (RESTRICTED_EMBD_TYPE_KEY, RESTRICTED_FULL_VOCAB_KEY, RESTRICTED_IDS_KEY,
                                         SPLIT_ID_KEY, SPLIT_KEY, ids_sha16, restricted_sidecars)
 
@@ -212,6 +213,7 @@ class LlamaCppEngine:
         if not self.ctx:
             L.llama_model_free(self.model)
             raise EngineError(f"llama.cpp could not create a context of {self.context_length} tokens for {path}")
+        self._pool = attach_threadpool(self.ctx, self.threads)  # workers kept across decodes, as llama-server
         self.mem = L.llama_get_memory(self.ctx)
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_out = int(L.llama_vocab_n_tokens(self.vocab))  # logit rows llama.cpp computes per output
@@ -272,6 +274,7 @@ class LlamaCppEngine:
     def _free_model(self) -> None:
         """Free the context and model of a construction that fails before the engine is complete."""
         self.L.llama_free(self.ctx)
+        free_threadpool(None, self._pool)
         self.L.llama_model_free(self.model)
 
     def input_embeddings(self, tokens) -> np.ndarray:
@@ -691,6 +694,7 @@ class LlamaCppEngine:
         L = self.L
         L.llama_batch_free(self._batch)
         L.llama_free(self.ctx)
+        free_threadpool(None, self._pool)
         for ad in self._loras.values():
             L.llama_adapter_lora_free(ad)
         self._loras.clear()

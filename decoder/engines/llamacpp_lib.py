@@ -5,6 +5,7 @@ llama.cpp's extra buffer types, probed once per build)."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import threading
@@ -252,3 +253,103 @@ def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
             tmp.unlink(missing_ok=True)
     return ok, detail
 
+
+
+# ---- a persistent ggml threadpool per context ---------------------------------------------------
+
+POLL_DEFAULT = 50  # ggml_threadpool_params_default's polling level, llama-server's default (--poll)
+
+
+class _ThreadpoolParams(ctypes.Structure):
+    """``struct ggml_threadpool_params`` (ggml.h; GGML_MAX_N_THREADS = 512)."""
+
+    _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
+                ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
+
+
+_pool_fns = None  # (params_default, new, free, attach, detach) or False where the build lacks them
+
+
+def _threadpool_fns():
+    """ggml's threadpool calls and llama.cpp's attach/detach through ctypes (llama-cpp-python binds
+    neither), from the libraries it loaded; False where a symbol is missing."""
+    global _pool_fns
+    with _init_lock:
+        if _pool_fns is None:
+            import llama_cpp
+
+            libdir = Path(llama_cpp.__file__).parent / "lib"
+            try:
+                base = ctypes.CDLL(_mapped(libdir, "libggml-base"))
+                cpu = ctypes.CDLL(_mapped(libdir, "libggml-cpu"))
+                lib = ctypes.CDLL(_mapped(libdir, "libllama"))
+                base.ggml_threadpool_params_default.restype = _ThreadpoolParams
+                base.ggml_threadpool_params_default.argtypes = [ctypes.c_int]
+                cpu.ggml_threadpool_new.restype = ctypes.c_void_p
+                cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_ThreadpoolParams)]
+                cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+                lib.llama_attach_threadpool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                lib.llama_detach_threadpool.argtypes = [ctypes.c_void_p]
+                _pool_fns = (base.ggml_threadpool_params_default, cpu.ggml_threadpool_new, cpu.ggml_threadpool_free,
+                             lib.llama_attach_threadpool, lib.llama_detach_threadpool)
+            except (OSError, AttributeError) as e:
+                log.info("llama.cpp threadpool unavailable", error=str(e))
+                _pool_fns = False
+    return _pool_fns
+
+
+def _mapped(libdir: Path, stem: str) -> str:
+    """The path under which this process already mapped library ``stem`` (``libggml-cpu``) from
+    ``libdir``: the wheel ships each library as separate copies (``.so``, ``.so.0``, ``.so.0.x.y``),
+    and a second copy loaded by another name is a second instance with its own globals (a pool made
+    by one and computed on by the other gave NaN logits). Raises OSError where none is mapped."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if path.startswith(str(libdir) + "/") and Path(path).name.startswith(stem + ".so"):
+            return path
+    raise OSError(f"{stem} is not loaded from {libdir}")
+
+
+def attach_threadpool(ctx, n_threads: int, poll: int | None = None):
+    """A persistent ggml threadpool of ``n_threads`` attached to llama.cpp context ``ctx``, as
+    llama-server attaches one (common_threadpools::init); returns its handle for
+    :func:`free_threadpool`, or None where it cannot be made (the context then keeps llama.cpp's
+    default: a pool created and joined inside every graph computation).
+
+    Why: without a pool, each ``llama_decode`` starts ``n_threads - 1`` new worker threads and joins
+    them; on a small CPU where another thread is runnable (the event loop writing a streamed chunk,
+    the client reading it) a new worker waits to be scheduled while thread 0 spins at the graph's
+    first barrier. A pool's workers stay on their cores, polling for the next graph (``poll``: 0 no
+    polling, 100 most; default :data:`POLL_DEFAULT`, ``DRAFTD_LLAMA_POLL`` overrides).
+
+    Raises:
+        ValueError: ``n_threads`` below 1 or ``poll`` outside 0-100.
+    """
+    if n_threads < 1:
+        raise ValueError(f"n_threads={n_threads}: a threadpool needs at least 1 thread")
+    if poll is None:
+        env = os.environ.get("DRAFTD_LLAMA_POLL")
+        poll = int(env) if env not in (None, "") else POLL_DEFAULT
+    if not 0 <= poll <= 100:
+        raise ValueError(f"poll={poll}: ggml's polling level is 0 (none) to 100 (DRAFTD_LLAMA_POLL)")
+    fns = _threadpool_fns()
+    if not fns:
+        return None
+    params_default, new, _free, attach, _detach = fns
+    p = params_default(int(n_threads))
+    p.poll = int(poll)
+    pool = new(ctypes.byref(p))
+    if not pool:
+        return None
+    attach(ctx, pool, None)  # None: the same pool for batches (llama_context::attach_threadpool)
+    return pool
+
+
+def free_threadpool(ctx, pool) -> None:
+    """Detach ``pool`` from ``ctx`` (None: already freed) and free it; None ``pool``: nothing."""
+    if pool is None:
+        return
+    fns = _threadpool_fns()
+    if ctx is not None:
+        fns[4](ctx)
+    fns[2](pool)

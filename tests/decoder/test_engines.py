@@ -383,6 +383,47 @@ def real(gguf):
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
 
 
+def _mapped_copies(stem: str) -> set[str]:
+    """The files of library ``stem`` mapped into this process (each a separate instance)."""
+    from pathlib import Path
+
+    return {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+            if Path(line.split()[-1]).name.startswith(stem + ".so")}
+
+
+def test_a_threadpool_refuses_thread_counts_and_polling_levels_ggml_has_not():
+    from decoder.engines.llamacpp_lib import attach_threadpool
+
+    with pytest.raises(ValueError, match="n_threads=0"):
+        attach_threadpool(None, 0)
+    with pytest.raises(ValueError, match="poll=101.*0 \\(none\\) to 100"):
+        attach_threadpool(None, 2, poll=101)
+
+
+@needs_llamacpp
+def test_the_threadpool_is_made_by_the_ggml_copy_llama_cpp_computes_with(tiny_gguf):
+    """llama-cpp-python's wheel ships each library as separate files (.so, .so.0, .so.0.x.y): a pool
+    made by a second copy of libggml-cpu (its own globals) and run by the first gave NaN logits. The
+    engine's pool comes from the copy already mapped: one copy of each, and the same logits as the
+    same tokens decoded with llama.cpp's per-call threads."""
+    e = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=2)
+    try:
+        assert e._pool is not None
+        for stem in ("libggml-cpu", "libggml-base", "libllama"):
+            assert len(_mapped_copies(stem)) == 1, _mapped_copies(stem)
+        toks = [5, 6, 7, 8, 9, 10]
+        pooled = e.start().forward(toks, 3).clone()
+        from decoder.engines.llamacpp_lib import free_threadpool
+
+        free_threadpool(e.ctx, e._pool)  # back to a pool made and joined inside each decode
+        e._pool = None
+        plain = e.start().forward(toks, 3)
+        assert torch.isfinite(pooled).all()
+        torch.testing.assert_close(pooled, plain, rtol=0, atol=0)
+    finally:
+        e.close()
+
+
 @needs_llamacpp
 @pytest.mark.slow
 def test_llamacpp_engine_logits_equal_llama_cpp_pythons_own(engine, gguf, real):
