@@ -42,6 +42,10 @@ ROWS = tuple(range(1, 9))  # a plain step (n = 1) and verifications of γ = 1..7
 MEASURE_VERSION = 3  # in the cache file: bumped when the measurement changes (2: per-repeat samples; 3: SHAPE_WARMUP)
 
 
+PRIOR_MEANS = ", the share of its proposed tokens assumed accepted before any traffic measured it"
+"""What "its prior α" means, said after its first figure in a served format's reason (:func:`prior_alphas`)."""
+
+
 def prior_alphas() -> dict[str, float]:
     """Expected per-token acceptance α per proposer before any traffic (Leviathan et al. 2023's α),
     as each proposer's spec declares it (``ProposerSpec.prior_alpha``, its source beside the SPEC):
@@ -357,8 +361,10 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
     ctx = f" after {measurement.cached_tokens} cached tokens" if measurement.cached_tokens else ""
     pk_plain = f"plain decoding of the packaged file ({pk.file}, {pk.ms[1]:.2f} ms a step{ctx})"
     kind = "its prior α" if alphas is None or alphas == prior_alphas() else "α"
-    how = f"{prop} γ={gamma} at {kind} {alphas[prop]:.2f}" if prop else "plain decoding"
-    others = _others(rows, name, kind)
+    # a prior α said what it is where it first appears (a walkthrough met "at its prior α 0.66" unexplained)
+    prior = PRIOR_MEANS if kind != "α" else ""
+    how = f"{prop} γ={gamma} at {kind} {alphas[prop]:.2f}{prior}" if prop else "plain decoding"
+    others = _others(rows, name, kind, "" if prop else prior)
     if measurement.from_cache:  # say so: a newcomer read "measured:" of a start that measured nothing
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(measurement.measured_at)) if measurement.measured_at else "earlier"
         src = f"measured on this host ({when}), cached"
@@ -390,7 +396,8 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
         chosen = PACKAGED
         if name == PACKAGED and prop:
             reason = (f"{src}: the packaged file is the best, with {how}: {gp / base:.2f}x the tokens per ms of its own "
-                      f"plain decoding ({pk.ms[1]:.2f} ms a step{ctx}); the other formats' best, as multiples of that: "
+                      f"plain decoding ({pk.ms[1]:.2f} ms a step{ctx}); the other formats' best, each as a multiple of "
+                      f"the packaged file's plain decoding, not of the {gp / base:.2f}x: "
                       f"{others}")
         elif name == PACKAGED:  # its plain step beats every format's best (the others' figures: x that step)
             reason = (f"{src}: the packaged file is the best: its plain decoding ({gp:.4f} tokens/ms, {pk.ms[1]:.2f} ms "
@@ -403,11 +410,12 @@ def _verdict(measurement: FormatMeasurement, alphas: dict[str, float], rows: lis
     return chosen, reason
 
 
-def _others(rows: list[dict[str, Any]], name: str, kind: str) -> str:
+def _others(rows: list[dict[str, Any]], name: str, kind: str, prior: str = "") -> str:
     """The reason's list of the formats other than ``name``: each eligible one's best as a multiple
     of the packaged file's plain decoding, each left-out one with why. The packaged file's own entry
     is left out where its best is that plain decoding (1.00x of itself says nothing) and names its
-    proposer where speculation on it is its best."""
+    proposer where speculation on it is its best, with ``prior`` (:data:`PRIOR_MEANS` where the
+    reason has not said what a prior α is yet) after its α."""
     out = []
     for r in rows:
         if r["format"] == name:
@@ -418,7 +426,7 @@ def _others(rows: list[dict[str, Any]], name: str, kind: str) -> str:
         b = r["best"]
         if r["format"] == PACKAGED and not b.get("proposer"):
             continue
-        spec = (f" (its best, {b['proposer']} γ={b['gamma']} at {kind} {b['alpha']:.2f})"
+        spec = (f" (its best, {b['proposer']} γ={b['gamma']} at {kind} {b['alpha']:.2f}{prior})"
                 if r["format"] == PACKAGED and b.get("alpha") is not None else "")
         out.append(f"{r['format']} {b['vs_packaged_plain']:.2f}x{spec}")
     return "; ".join(out)

@@ -7,6 +7,8 @@ are that run's report.json's, copied here."""
 import re
 from pathlib import Path
 
+from decoder.models.formats import FormatCost, FormatMeasurement, choose_format
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,3 +25,43 @@ def test_the_build_banner_estimate_covers_the_builds_measured_on_two_idle_cores(
         assert low <= built_s <= high, (built_s, m.group(0))
     # the header comment says the same range
     assert f"~{m.group(1)}-{m.group(2)} min on 2 cores" in text
+
+
+# (2) the served-format line: what the others' figures divide by, and what a prior α is --------------------
+
+# c750c7d's format measurement (report.json's served_format.costs, ms by rows; 5 repeats, 300 cached tokens)
+PK = {1: 10.368, 2: 17.062, 3: 19.381, 4: 21.59, 5: 23.843, 6: 26.169, 7: 28.532, 8: 31.901}
+Q8 = {1: 13.216, 2: 18.628, 3: 20.744, 4: 23.347, 5: 25.495, 6: 28.704, 7: 31.433, 8: 34.626}
+F16 = {1: 32.57, 2: 39.126, 3: 43.89, 4: 48.627, 5: 68.013, 6: 72.188, 7: 75.234, 8: 79.397}
+BF16 = {1: 26.29, 2: 32.261, 3: 40.648, 4: 45.916, 5: 53.264, 6: 59.734, 7: 57.405, 8: 61.789}
+
+
+def _walk_measurement() -> FormatMeasurement:
+    def cost(f, ms, noise, same=True, diff=0.0):
+        return FormatCost(f, f"m-{f}.gguf", dict(ms), same, diff, noise=noise, repeats=5)
+
+    fm = {"packaged": cost("packaged", PK, 0.0468), "F16": cost("F16", F16, 0.0382),
+          "BF16": cost("BF16", BF16, 0.0778, False, 0.151), "Q8_0": cost("Q8_0", Q8, 0.0597)}
+    return FormatMeasurement({"model": "m"}, fm, draft_ms=3.3247, reps=5, cached_tokens=300)
+
+
+def test_the_other_formats_figures_say_they_divide_by_the_packaged_files_plain_decoding():
+    """c750c7d: "the packaged file is the best, with ngram γ=3 at its prior α 0.66: 1.14x the tokens per ms
+    of its own plain decoding (...); the other formats' best, as multiples of that: F16 0.51x; ...; Q8_0
+    1.06x": "that" read as the 1.14x, Q8_0 ahead of the best. By hand, E(0.66, 3) = (1 - 0.66^4) / 0.34
+    tokens a verification of 4 rows: 2.3831 / 21.59 ms against 1 / 10.368 ms, 1.14x; Q8_0's
+    2.3831 / 23.347, 1.06x; F16's 2.3831 / 48.627, 0.51x, all of the packaged file's plain step."""
+    e = (1 - 0.66 ** 4) / (1 - 0.66)
+    best, q8, f16 = (f"{e / ms * PK[1]:.2f}" for ms in (PK[4], Q8[4], F16[4]))
+    assert (best, q8, f16) == ("1.14", "1.06", "0.51")
+    c = choose_format(_walk_measurement())  # the priors, as the demo's start prices them
+    assert c.format == "packaged", c.reason
+    assert c.reason.startswith(
+        f"measured: the packaged file is the best, with ngram γ=3 at its prior α 0.66, the share of its proposed "
+        f"tokens assumed accepted before any traffic measured it: {best}x the tokens per ms of its own plain decoding "
+        f"(10.37 ms a step after 300 cached tokens); the other formats' best, each as a multiple of the packaged "
+        f"file's plain decoding, not of the {best}x: F16 {f16}x; BF16 left out ("), c.reason
+    assert c.reason.endswith(f"; Q8_0 {q8}x"), c.reason
+    assert "as multiples of that" not in c.reason and c.reason.count("the share of its proposed tokens") == 1
+    # priced with measured α (not the priors) there is nothing to explain
+    assert "assumed accepted" not in choose_format(_walk_measurement(), alphas={"ngram": 0.66}).reason

@@ -76,7 +76,8 @@ def test_the_packaged_file_serves_unless_a_format_beats_its_plain_step_by_the_ma
     c = choose_format(spec, alphas={"ngram": 0.6}, proposers=("ngram",))
     assert c.format == "packaged" and c.reason == (
         "measured: the packaged file is the best, with ngram γ=1 at α 0.60: 1.33x the tokens per ms of its own plain "
-        "decoding (10.00 ms a step after 300 cached tokens); the other formats' best, as multiples of that: F16 0.73x"), \
+        "decoding (10.00 ms a step after 300 cached tokens); the other formats' best, each as a multiple of the packaged "
+        "file's plain decoding, not of the 1.33x: F16 0.73x"), \
         c.reason
 
 
