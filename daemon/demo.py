@@ -580,7 +580,7 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
             live.phase_end()  # off a terminal: the phase's last table, once
             shift.update(seconds=round(time.time() - start, 1), wall_seconds=round(time.time() - began, 1), ended=why, requests=i,
                          turns=_workload_turns(svc, phase))
-            console.log(f"{phase} ended after {_served_for(shift)} and {_requests(i)}: {why}")  # live, not only in the summary
+            console.log(_phase_end_line(phase, shift))  # live, not only in the summary
             traffic.phase_end_version[phase] = loop.decoder.adapter_version
             if loop.heads is not None:
                 traffic.phase_end_head[phase] = loop.heads.route(phase)
@@ -1670,6 +1670,18 @@ def _served_for(shift: dict) -> str:
         return f"{s:.0f} s"
     return (f"{wall:.0f} s of traffic, {s:.0f} s of them on the phase's clock (it starts at v0's arrival; "
             f"the {wall - s:.0f} s before served while v0 bootstrapped)")
+
+
+def _phase_end_line(workload: str, shift: dict) -> str:
+    """The console's live line at a phase's end (``shift``, its ``shifts`` entry): how long it served,
+    its requests and its adapter's turns, then why it ended as the rule it met (:func:`_ended_rule`):
+    the why's own seconds and turns beside the line's said each twice (a walkthrough read "code ended
+    after 120 s and 241 requests: 120 s served and 3 judged turns of its adapter ...")."""
+    t = shift.get("turns") or {}
+    turns = (f" and {t['turns']} turns of its adapter ({t.get('judged', 0)} judged, {t.get('promoted', 0)} promoted)"
+             if t.get("turns") else "")
+    return (f"{workload} ended after {_served_for(shift)}, {_requests(shift['requests'])}{turns}: "
+            f"{_ended_rule(str(shift.get('ended')))}")
 
 
 def _phase_lengths(report: dict, console) -> None:

@@ -65,3 +65,33 @@ def test_the_other_formats_figures_say_they_divide_by_the_packaged_files_plain_d
     assert "as multiples of that" not in c.reason and c.reason.count("the share of its proposed tokens") == 1
     # priced with measured α (not the priors) there is nothing to explain
     assert "assumed accepted" not in choose_format(_walk_measurement(), alphas={"ngram": 0.66}).reason
+
+
+# (3) each phase's live closing line: one statement of each fact ------------------------------------------
+
+def test_each_phases_live_closing_line_states_its_seconds_and_turns_once():
+    """c750c7d: "code ended after 120 s and 241 requests: 120 s served and 3 judged turns of its adapter
+    (1 promoted); its v9 served 155 requests" (report.json's shifts[1]); prose "201 s of traffic, 120 s of
+    them on the phase's clock ... and 329 requests: 120 s served and 6 judged turns ..."."""
+    import daemon.demo as demo
+
+    code = {"workload": "code", "seconds": 120.4, "wall_seconds": 120.4, "requests": 241,
+            "ended": "120 s served and 3 judged turns of its adapter (1 promoted); its v9 served 155 requests",
+            "turns": {"turns": 3, "judged": 3, "promoted": 1}}
+    prose = {"workload": "prose", "seconds": 120.2, "wall_seconds": 201.1, "requests": 329,
+             "ended": "120 s served and 6 judged turns of its adapter (2 promoted); its v3 served 189 requests",
+             "turns": {"turns": 6, "judged": 6, "promoted": 2}}
+    line = demo._phase_end_line("code", code)
+    assert line == ("code ended after 120 s, 241 requests and 3 turns of its adapter (3 judged, 1 promoted): its "
+                    "phase_seconds passed with its adapter judged phase_min_judged times and promoted; its v9 served "
+                    "155 requests"), line
+    line = demo._phase_end_line("prose", prose)
+    assert line == ("prose ended after 201 s of traffic, 120 s of them on the phase's clock (it starts at v0's "
+                    "arrival; the 81 s before served while v0 bootstrapped), 329 requests and 6 turns of its adapter "
+                    "(6 judged, 2 promoted): its phase_seconds passed with its adapter judged phase_min_judged times "
+                    "and promoted; its v3 served 189 requests"), line
+    for line in (demo._phase_end_line("code", code), demo._phase_end_line("prose", prose)):
+        assert line.count("120 s") == 1 and len(re.findall(r"\d+ judged", line)) == 1, line
+    # a time-bounded phase without a trainer: no turns to give
+    bare = {"seconds": 120.0, "requests": 50, "ended": "120 s served"}
+    assert demo._phase_end_line("math", bare) == "math ended after 120 s, 50 requests: its phase_seconds passed"
