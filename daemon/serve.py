@@ -45,6 +45,8 @@ import typer
 from rich.markup import escape as rich_escape
 from starlette.requests import Request  # a module global: FastAPI resolves the handlers' string annotations here
 
+from daemon.http_timeout import DEFAULT_READ_TIMEOUT_S, read_timeout_protocol
+
 log = structlog.get_logger("daemon.serve")
 
 WORKLOAD_HEADER = "X-Draftd-Workload"
@@ -1568,15 +1570,18 @@ def event_loop_stack() -> tuple[str, str]:
 class ServeServer:
     """uvicorn serving an :class:`InferenceService` in a background thread (no signal handlers
     there: the owner drains on SIGTERM), on :func:`event_loop_stack` (``.loop``, ``.http``).
-    ``port`` 0 picks a free one (see ``.port`` after entry)."""
+    ``port`` 0 picks a free one (see ``.port`` after entry). A connection must send each request
+    whole within ``read_timeout_s`` (serve.read_timeout_s; :mod:`daemon.http_timeout`)."""
 
-    def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 8000):
+    def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 8000,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
         import uvicorn
 
         self.service = service
         self.loop, self.http = event_loop_stack()
+        protocol = read_timeout_protocol(self.http, read_timeout_s)
         self.server = uvicorn.Server(uvicorn.Config(service.app(), host=host, port=port, log_config=None,
-                                                    loop=self.loop, http=self.http,
+                                                    loop=self.loop, http=protocol,
                                                     lifespan="off", access_log=False, timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, name="draftd-serve", daemon=True)
         self.host, self.port = host, port
@@ -1736,7 +1741,7 @@ def run_serve(settings, console=None) -> int:
         if _stopped_while_loading(stop, "the serving loop"):
             return 0
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
-        server = stack.enter_context(ServeServer(service, sv.host, sv.port))
+        server = stack.enter_context(ServeServer(service, sv.host, sv.port, read_timeout_s=sv.read_timeout_s))
         _announce(settings, server, service, rh.mode, loop, heads, console)
         while not stop.wait(0.5):
             pass

@@ -432,6 +432,11 @@ class ServeSettings(_Group):
                                    "(default 4 MiB); a larger one gets a 413 (request_too_large) naming it, and is never "
                                    "parsed nor held in memory (its bytes are read and dropped up to 64 MiB, so the client "
                                    "reads the 413).")
+    read_timeout_s: float = Field(30.0, description="A connection must send each request whole (request line, headers "
+                                  "and body) within this many seconds of its first byte (of the connection's opening, "
+                                  "for the first request); past it the client gets a 408 (read_timeout) and the "
+                                  "connection is closed, so stalled clients (slowloris) cannot pile up connections. "
+                                  "The time a request is served does not count: a long generation is never cut by it.")
     drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM in-flight and queued requests get this long to finish "
                                  "(new ones get 503); then what is left is cancelled, a client still waiting gets its "
                                  "503 (draining) naming this setting (a stream: an error event after what it was sent), never "
@@ -476,6 +481,14 @@ class ServeSettings(_Group):
         if v > MAX_BATCH:
             raise ValueError(f"{v} is more than {MAX_BATCH}, the most sequences a llama.cpp context holds (LLAMA_MAX_SEQ; "
                              f"each request decoded at once keeps its own): set serve.max_batch to at most {MAX_BATCH}")
+        return v
+
+    @field_validator("read_timeout_s")
+    @classmethod
+    def _read_timeout(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{v:g} is not a read timeout: give serve.read_timeout_s a finite number of seconds above 0 "
+                             f"(default 30)")
         return v
 
     @field_validator("proposers")
