@@ -66,7 +66,7 @@ class Served:
 @contextmanager
 def serving(redis_client, key_prefix: str, *, target=None, draft=None, registry=None, queue_size: int = 64,
             record_prompt: bool = False, speculation: bool = True, heartbeat_s: float | None = None,
-            api_key: str | None = None, chars=None, **service_kw):
+            api_key: str | None = None, chars=None, read_timeout_s: float | None = None, **service_kw):
     from daemon.serve import Heartbeat, InferenceService, ServeServer
     from decoder.loop import LoopConfig, build_serving_loop
     from decoder.speculative import DecoderConfig
@@ -90,7 +90,8 @@ def serving(redis_client, key_prefix: str, *, target=None, draft=None, registry=
     try:
         if hb:
             hb.__enter__()
-        with ServeServer(service, "127.0.0.1", 0) as server:
+        server_kw = {} if read_timeout_s is None else {"read_timeout_s": read_timeout_s}
+        with ServeServer(service, "127.0.0.1", 0, **server_kw) as server:
             yield Served(loop, service, server, tok, redis_client, scfg)
     finally:
         if hb:
