@@ -1720,6 +1720,16 @@ def _cell(x) -> str:
     return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
 
+def _gain_ci(gain, low, high) -> str:
+    """A gain and its interval in the notes, signed as the table prints them ("+0.422, CI [+0.314,
+    +0.564]"; the notes printed "0.422, CI [0.314, 0.564]" beside the table's "+0.422 [+0.314, +0.564]");
+    '-' for a figure missing."""
+    def one(x):
+        return "-" if x is None else signed(x, 3)
+
+    return f"{one(gain)}, CI [{one(low)}, {one(high)}]"
+
+
 def _interval(d: dict | None, key_lo: str = "low", key_hi: str = "high") -> str:
     """An interval cell: signed for a gain's interval, else 2 decimals; '-' when there is none."""
     if not d or d.get(key_lo) is None:
@@ -1880,7 +1890,7 @@ def _copy_table(report: dict, console, pct: str) -> None:
             if "adapted_nogate" not in r:
                 continue
             g = lambda k: (r.get(k) or {})  # noqa: E731
-            cell = lambda k: f"{_cell(g(k).get('gain'))} {_interval(g(k))}"  # noqa: E731
+            cell = lambda k: f"{'-' if g(k).get('gain') is None else signed(g(k)['gain'], 3)} {_interval(g(k))}"  # noqa: E731
             tc.add_row(r["workload"], _cell(r["frozen"]["alpha"]), _cell(r["adapted_draft"]["alpha"]), cell("alpha_gain_ci"),
                        _cell(r["adapted_nogate"]["alpha"]), cell("nogate_alpha_gain_ci"), cell("gate_alpha_gain_ci"),
                        _cell(r["frozen_fixedgate"]["alpha"]), cell("fixedgate_alpha_gain_ci"),
@@ -2049,13 +2059,13 @@ def _phase_notes(report: dict, console) -> None:
             moved = ("lowered" if pe.get("high") is not None and pe["high"] < 0 else
                      "raised" if pe.get("low") is not None and pe["low"] > 0 else "not measurably changed")
             console.print(f"  {r['workload']}: at its phase's end the learner (v{pe['version']}) had {moved} decoded α "
-                          f"{_cell(pe['before'])} -> {_cell(pe['after'])} ({_cell(pe['gain'])}, CI [{_cell(pe['low'])}, {_cell(pe['high'])}]); "
+                          f"{_cell(pe['before'])} -> {_cell(pe['after'])} ({_gain_ci(pe['gain'], pe['low'], pe['high'])}); "
                           f"{_adapted_row_is(r, pe)}")
         for v in r.get("versions") or []:
             verdict = ("LOWERED decoded α" if v["lowered"] else
                        "no measured change in decoded α" if v["low"] is not None and v["low"] <= 0 else "raised decoded α")
             console.print(f"  {r['workload']}: v{v['parent']} -> v{v['version']} {verdict}: {_cell(v['alpha_before'])} -> "
-                          f"{_cell(v['alpha_after'])} ({_cell(v['gain'])}, CI [{_cell(v['low'])}, {_cell(v['high'])}])"
+                          f"{_cell(v['alpha_after'])} ({_gain_ci(v['gain'], v['low'], v['high'])})"
                           + (_lowered_note(report, r["workload"], v) if v["lowered"] else ""))
         sv = r.get("served") or {}
         if sv.get("repeats"):

@@ -95,3 +95,35 @@ def test_each_phases_live_closing_line_states_its_seconds_and_turns_once():
     # a time-bounded phase without a trainer: no turns to give
     bare = {"seconds": 120.0, "requests": 50, "ended": "120 s served"}
     assert demo._phase_end_line("math", bare) == "math ended after 120 s, 50 requests: its phase_seconds passed"
+
+
+# (4) the notes' gains signed as the table's ----------------------------------------------------------------
+
+def test_the_notes_print_each_gain_signed_as_the_table_does():
+    """c750c7d: the table "+0.422 [+0.314, +0.564]", the notes "raised decoded α 0.178 -> 0.600 (0.422, CI
+    [0.314, 0.564])" and "v2 -> v3 no measured change in decoded α: 0.593 -> 0.600 (0.007, CI [-0.026,
+    0.050])" (prose; report.json's phase_end_gain_ci and versions)."""
+    from test_demo_trips3 import _phase
+
+    pe = {"version": 3, "before": 0.178, "after": 0.600, "gain": 0.4219, "low": 0.3138, "high": 0.5641}
+    versions = [{"parent": 1, "version": 2, "alpha_before": 0.178, "alpha_after": 0.593, "gain": 0.415,
+                 "low": 0.305, "high": 0.566, "lowered": False},
+                {"parent": 2, "version": 3, "alpha_before": 0.593, "alpha_after": 0.600, "gain": 0.007,
+                 "low": -0.026, "high": 0.050, "lowered": False}]
+    text = _text({"phases": [_phase("prose", final_adapter=3, phase_end_gain_ci=pe, versions=versions)]})
+    assert ("prose: at its phase's end the learner (v3) had raised decoded α 0.178 -> 0.600 (+0.422, CI [+0.314, "
+            "+0.564]); the table's adapted row is this same version") in text, text
+    assert "prose: v1 -> v2 raised decoded α: 0.178 -> 0.593 (+0.415, CI [+0.305, +0.566])" in text, text
+    assert "prose: v2 -> v3 no measured change in decoded α: 0.593 -> 0.600 (+0.007, CI [-0.026, +0.050])" in text, text
+    # the copy channel's table likewise: its gain cells signed as their intervals are
+    row = {"alpha": 0.5, "tau": 1.0, "speedup_vs_plain": 1.0, "tokens_per_s": 60.0}
+    copy = _phase("prose", adapted_nogate=row, frozen_fixedgate=row, alpha_gain_ci={"gain": 0.1, "low": 0.05,
+                                                                                    "high": 0.2})
+    text = _text({"phases": [copy]})
+    assert "+0.100 [+0.050, +0.200]" in text and "0.100 [+" not in text.replace("+0.100 [+", ""), text
+
+
+def _text(report: dict) -> str:
+    from test_demo_trips2 import _printed  # the report as printed at 600 columns
+
+    return " ".join(_printed(report).split())
