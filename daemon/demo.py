@@ -2216,23 +2216,41 @@ def _dips_clause(dips: list[tuple[int, float, int, float]], unit: str = "ms") ->
     return f"; {each}: noise between two readings (a verification of more rows cannot cost less), priced at the fewer rows' cost"
 
 
+def _priced_ceiling(ceil: dict, cost: dict) -> tuple[dict, list[tuple[int, float, int, float]]]:
+    """``ceil`` (``StepCost.ceiling``'s dict on ``cost``, ms by rows) as priced: on the running max of
+    the costs (:func:`_running_max`) where a verification of more rows measured less than one of
+    fewer, each line's headline figure; and the dips. ``ceil`` itself without dips, or without every
+    row its γ need."""
+    gammas = sorted(int(g) for g in (ceil.get("by_gamma") or {}))
+    rows = [1, *(g + 1 for g in gammas)]  # a plain step and each γ's verification of γ + 1 rows
+    envelope, dips = _running_max(cost)
+    if dips and gammas and all(n in envelope for n in rows):  # the ceiling on the costs as priced, dips lifted
+        from decoder.proposers.cost import speculation_ceiling
+
+        ceil = speculation_ceiling({n: envelope[n] for n in rows}, max(gammas)) or ceil
+    return ceil, dips
+
+
 def _rises_clause(ceil: dict, cost: dict, stopped_ceil: dict | None, stopped_cost: dict | None) -> str:
     """Where the ceiling beside the trainer (``ceil`` on ``cost``, ms by rows as priced) is above the
-    one with the trainer stopped (``stopped_ceil`` on ``stopped_cost``), why: each is a ratio of its
-    own moment's steps, a verification's cost in plain steps of that moment, so a load that slows
-    both alike need not lower it; its γ's rows cost fewer plain steps there than with the trainer
-    stopped (a walkthrough read 1.10x stopped and 1.26x beside the trainer as a ceiling that rises
-    under load). "" where it is not above, or without both readings of those rows."""
-    if not stopped_ceil or not stopped_cost or round(ceil["speedup"], 2) <= round(stopped_ceil["speedup"], 2):
+    one with the trainer stopped (``stopped_ceil`` on ``stopped_cost``, compared as that line's
+    headline prices it, :func:`_priced_ceiling`), what was measured: each divides by its own
+    moment's plain step, and its γ's rows in plain steps of each moment (a walkthrough read 1.10x
+    stopped and 1.26x beside the trainer as a ceiling that rises under load; another met "above
+    the 2.10x", the stopped line's dip-included figure, beside its headline 2.08x, and a cause
+    the plain steps measured contradicted). "" where it is not above, or without both readings."""
+    if not stopped_ceil or not stopped_cost:
+        return ""
+    stopped_ceil = _priced_ceiling(stopped_ceil, stopped_cost)[0]
+    if round(ceil["speedup"], 2) <= round(stopped_ceil["speedup"], 2):
         return ""
     n = int(ceil["gamma"]) + 1
     here, still = _running_max(cost)[0], _running_max(stopped_cost)[0]
     if not all(k in m for m in (here, still) for k in (1, n)):
         return ""
-    return (f"; above the {stopped_ceil['speedup']:.2f}x with the trainer stopped: each ceiling is a ratio of its own "
-            f"moment's steps (the trainer slows a verification and a plain step alike), and {n} rows cost "
-            f"{here[n] / here[1]:.2f} plain steps here against {still[n] / still[1]:.2f} with the trainer stopped, "
-            f"medians of other requests' steps")
+    return (f"; above the {stopped_ceil['speedup']:.2f}x with the trainer stopped: each ceiling divides by its own "
+            f"moment's plain step, and {n} rows cost {here[n] / here[1]:.2f} plain steps here against "
+            f"{still[n] / still[1]:.2f} with the trainer stopped, medians of other requests' steps")
 
 
 def _ceiling_line(ceil: dict, cost: dict, when: str, stopped_cost: dict | None = None,
@@ -2240,21 +2258,17 @@ def _ceiling_line(ceil: dict, cost: dict, when: str, stopped_cost: dict | None =
     """One engine ceiling (``StepCost.ceiling``'s dict) for the footer: which γ it was measured at
     (the row counts of ``cost``, ms by rows, and the γ of ``ceil["by_gamma"]``), and the plain step
     it divides by. With ``stopped_cost`` (the costs with the trainer stopped) this is the ceiling
-    beside the trainer: the line says its plain step was slowed by the trainer beside the stopped one,
-    so it is not read against a live decision priced on a faster plain step. Costs that dip with
-    more rows (:func:`_running_max`) are priced at the running max, the ceiling with them, and the
-    line names each dip as noise, and where that moved the ceiling, the figure on the costs as
-    measured that report.json keeps under ``key`` (``ceil["speedup"]``), so the two are not read
-    as one figure that disagrees."""
+    beside the trainer: the line gives both plain steps (and says the trainer slowed it where it was
+    the slower), so it is not read against a live decision priced on another plain step. Costs that
+    dip with more rows (:func:`_running_max`) are priced at the running max, the ceiling with them
+    (:func:`_priced_ceiling`), and the line names each dip as noise, and where that moved the
+    ceiling, the figure on the costs as measured that report.json keeps under ``key``
+    (``ceil["speedup"]``), so the two are not read as one figure that disagrees."""
     two, one = cost.get(2, cost.get("2")), cost.get(1, cost.get("1"))
     gammas = sorted(int(g) for g in (ceil.get("by_gamma") or {}))
     rows = [1, *(g + 1 for g in gammas)]  # a plain step and each γ's verification of γ + 1 rows
-    envelope, dips = _running_max(cost)
     raw = ceil.get("speedup")
-    if dips and gammas and all(n in envelope for n in rows):  # the ceiling on the costs as priced, dips lifted
-        from decoder.proposers.cost import speculation_ceiling
-
-        ceil = speculation_ceiling({n: envelope[n] for n in rows}, max(gammas)) or ceil
+    ceil, dips = _priced_ceiling(ceil, cost)
     as_measured = (f" ({raw:.2f}x on the costs as measured, the dip included: report.json's {key}.speedup)"
                    if raw is not None and f"{raw:.2f}" != f"{ceil['speedup']:.2f}" else "")
     # a ceiling covers only the γ whose verifications were measured (model-free steps): say which, by name

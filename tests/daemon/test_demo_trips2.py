@@ -73,9 +73,8 @@ def test_each_ceiling_lists_the_gammas_measured_and_the_plain_step_it_divides_by
     assert ("engine ceiling while serving, beside the trainer: even if every proposal were accepted at no cost, "
             "speculation could run at most 1.13x plain (γ=4, the best of γ=1, 3, 4 measured: steps measured at 1, 2, "
             "4, 5 rows, no other γ priced); a verification of 2 rows cost 2.84 plain steps; above the 1.09x with the "
-            "trainer stopped: each ceiling is a ratio of its own moment's steps (the trainer slows a verification and a "
-            "plain step alike), and 5 rows cost 4.43 plain steps here against 4.62 with the trainer stopped, medians of "
-            "other requests' steps; against a plain step of 14.38 ms measured beside the trainer, which slowed it "
+            "trainer stopped: each ceiling divides by its own moment's plain step, and 5 rows cost 4.43 plain steps "
+            "here against 4.62 with the trainer stopped, medians of other requests' steps; against a plain step of 14.38 ms measured beside the trainer, which slowed it "
             "(9.51 ms with the trainer stopped)") in text
 
 

@@ -125,8 +125,8 @@ def test_a_ceiling_beside_the_trainer_above_the_stopped_one_says_why_and_the_thi
                   "engine_ceiling": _ceil(last_ms)})
     assert ("speculation could run at most 1.26x plain (γ=4, the best of γ=1, 3, 4 measured: steps measured at 1, 2, "
             "4, 5 rows, no other γ priced); a verification of 2 rows cost 2.82 plain steps; above the 1.10x with the "
-            "trainer stopped: each ceiling is a ratio of its own moment's steps (the trainer slows a verification and "
-            "a plain step alike), and 5 rows cost 3.97 plain steps here against 4.55 with the trainer stopped, "
+            "trainer stopped: each ceiling divides by its own moment's plain step, and 5 rows cost 3.97 plain steps "
+            "here against 4.55 with the trainer stopped, "
             "medians of other requests' steps; against a plain step of 10.39 ms measured beside the trainer") in text, text
     assert ("report.json's top-level step_cost_ms (13.69 ms) and engine_ceiling (a third ceiling, on those steps) are "
             "StepCost after the evaluation's own steps, which priced nothing here") in text, text
