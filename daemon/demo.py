@@ -2305,9 +2305,10 @@ def _price_sources(report: dict) -> str | None:
         return None
     picks = [p for r in report.get("phases") or [] if (p := (r.get("controller_pick") or {}).get("t_plain_ms"))]
     last = _plain_ms(report.get("step_cost_ms"))
-    # its ceiling is named, not printed: a third figure on the screen read as one more ceiling to reconcile
-    top = (f"report.json's top-level step_cost_ms ({last:.2f} ms) and engine_ceiling (a third ceiling, on those "
-           f"steps) are" if report.get("engine_ceiling") else f"report.json's top-level step_cost_ms ({last:.2f} ms) "
+    # its ceiling with its value as report.json keeps it (a walkthrough met "a third ceiling" without its figure)
+    third = (report.get("engine_ceiling") or {}).get("speedup")
+    top = (f"report.json's top-level step_cost_ms ({last:.2f} ms) and engine_ceiling (a third ceiling, {third:.3f}x, "
+           f"on those steps) are" if third is not None else f"report.json's top-level step_cost_ms ({last:.2f} ms) "
            f"is") if last else ""
     span = (f" (a plain step {min(picks):.2f}-{max(picks):.2f} ms)" if len(picks) > 1 and min(picks) != max(picks)
             else f" (a plain step {picks[0]:.2f} ms)" if picks else "")

@@ -128,9 +128,9 @@ def test_a_ceiling_beside_the_trainer_above_the_stopped_one_says_why_and_the_thi
             "trainer stopped: each ceiling divides by its own moment's plain step, and 5 rows cost 3.97 plain steps "
             "here against 4.55 with the trainer stopped, "
             "medians of other requests' steps; against a plain step of 10.39 ms measured beside the trainer") in text, text
-    assert ("report.json's top-level step_cost_ms (13.69 ms) and engine_ceiling (a third ceiling, on those steps) are "
+    assert ("report.json's top-level step_cost_ms (13.69 ms) and engine_ceiling (a third ceiling, 1.144x, on those steps) are "
             "StepCost after the evaluation's own steps, which priced nothing here") in text, text
-    assert "1.14x" not in text  # named, its figure left in report.json (test_demo_report: the last costs stay there)
+    assert "1.14x" not in text  # its figure as report.json keeps it, not as a third ceiling line (test_demo_trips6)
     # the stopped line says nothing of the kind, nor a beside line below the stopped one
     assert text.count("above the") == 1
     lower = {1: 10.39, 2: 29.27, 5: 52.0}

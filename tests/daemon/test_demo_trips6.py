@@ -178,3 +178,12 @@ def _line(beside: dict) -> str:
 
     return demo._ceiling_line(_ceil(beside), beside, "while serving, beside the trainer", STOPPED,
                               stopped_ceil=_ceil(STOPPED))
+
+
+def test_the_third_ceiling_is_named_with_its_value():
+    """c750c7d: "report.json's top-level step_cost_ms (7.01 ms) and engine_ceiling (a third ceiling, on
+    those steps)", its value 1.737 (5 x 7.0055 / 20.1639) nowhere on the console."""
+    assert _ceil(LAST)["speedup"] == 1.737
+    text = _text(_walk_report())
+    assert ("report.json's top-level step_cost_ms (7.01 ms) and engine_ceiling (a third ceiling, 1.737x, on those "
+            "steps) are StepCost after the evaluation's own steps") in text, text
