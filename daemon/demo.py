@@ -1846,9 +1846,17 @@ def _prediction_costs(report: dict, preds: list[dict]) -> str:
     when = (f"re-measured on {rem['requests']} requests with the trainer stopped, the costs the controller's picks "
             f"were priced on" if rem.get("step_cost_ms") and rem.get("requests") else "as serving left them")
     measured = sorted(int(n) for n in costs[0])
+    dips = _running_max(costs[0])[1]
+    first, first_cost, _ = _first_ceiling(report)
+    if dips and first and _running_max(first_cost)[0] == _running_max(costs[0])[0]:
+        # the first engine ceiling line below reads the same costs and says why a dip is noise: said once
+        dipped = ", ".join(f"{n} rows measured below {m} rows'" for n, _, m, _ in dips)
+        said = f"; {dipped}, priced at the fewer rows' cost: noise, as the first engine ceiling line below says"
+    else:
+        said = _dips_clause(dips)
     return (f"one measurement for every phase: the step costs as the evaluation began ({when}; "
             + (f"measured at {', '.join(map(str, measured))} rows, " if measured else "") + "other n read off them; "
-            "t(n) as the running max over n" + _dips_clause(_running_max(costs[0])[1]) + ")")
+            "t(n) as the running max over n" + said + ")")
 
 
 def _prediction_table(report: dict, console) -> None:
@@ -2362,6 +2370,18 @@ def _plain_figures(report: dict) -> str | None:
             f"Each moved with the host's load at its moment; speed is judged on the evaluation's ratios, paired per prompt")
 
 
+def _first_ceiling(report: dict) -> tuple[dict | None, dict, str]:
+    """The footer's first engine ceiling: (its ceiling, its costs by rows, when they were measured).
+    With the trainer stopped: the costs re-measured before the evaluation (what its picks were priced
+    on); without that re-measurement the run's last costs, after the evaluation's own steps (which
+    stay in report.json's ``step_cost_ms`` either way)."""
+    rem = report.get("remeasured") or {}
+    if rem.get("engine_ceiling"):
+        return rem["engine_ceiling"], rem.get("step_cost_ms") or {}, "with the trainer stopped (re-measured before the evaluation)"
+    return (report.get("engine_ceiling"), report.get("step_cost_ms") or {},
+            "at the evaluation, the trainer stopped" if rem.get("beside_trainer") else "beside the trainer")
+
+
 def _recovery_and_footer(report: dict, console) -> None:
     """Recovery after each shift, the engine ceiling, and how to inspect the run."""
     from rich.table import Table
@@ -2376,12 +2396,7 @@ def _recovery_and_footer(report: dict, console) -> None:
     console.print(rc)
     rem = report.get("remeasured") or {}
     beside = rem.get("beside_trainer")
-    # with the trainer stopped: the costs re-measured before the evaluation (what its picks were priced
-    # on); the run's last costs, after the evaluation's own steps, stay in report.json ("step_cost_ms")
-    stopped = ((rem["engine_ceiling"], rem.get("step_cost_ms") or {}, "with the trainer stopped (re-measured before the evaluation)")
-               if rem.get("engine_ceiling") else
-               (report.get("engine_ceiling"), report.get("step_cost_ms") or {},
-                "at the evaluation, the trainer stopped" if beside else "beside the trainer"))
+    stopped = _first_ceiling(report)
     if stopped[0]:
         console.print(_ceiling_line(*stopped, key="remeasured.engine_ceiling" if rem.get("engine_ceiling")
                                     else "engine_ceiling"))

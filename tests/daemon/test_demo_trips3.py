@@ -165,8 +165,9 @@ def test_the_screen_names_which_plain_step_each_price_divides_by():
             "workload, re-measured too (a plain step 9.09-10.79 ms); report.json's top-level step_cost_ms (9.27 ms) "
             "is StepCost after the evaluation's own steps, which priced nothing here") in text, text
     assert text.count("which plain step each price divides by") == 1
-    assert ("t(n) as the running max over n; 3 rows measured 32.20 ms, below 2 rows' 32.60: noise between two "
-            "readings") in text
+    assert ("t(n) as the running max over n; 3 rows measured below 2 rows', priced at the fewer rows' cost: noise, as "
+            "the first engine ceiling line below says)") in text, text
+    assert text.count("3 rows measured 32.20 ms, below 2 rows' 32.60: noise between two readings") == 1, text
     # no re-measurement (an older report): no such line
     assert "which plain step" not in _printed({"phases": [_phase("prose")]})
 

@@ -187,3 +187,25 @@ def test_the_third_ceiling_is_named_with_its_value():
     text = _text(_walk_report())
     assert ("report.json's top-level step_cost_ms (7.01 ms) and engine_ceiling (a third ceiling, 1.737x, on those "
             "steps) are StepCost after the evaluation's own steps") in text, text
+
+
+def test_a_dip_is_explained_once_on_the_ceiling_line_and_referred_to_by_the_leviathan_caption():
+    """c750c7d printed "5 rows measured 19.81 ms, below 4 rows' 19.99: noise between two readings ..." under
+    the Leviathan table and again in the ceiling line with the trainer stopped, the same costs."""
+    from test_demo_trips3 import _row
+
+    pred = {"alpha": 0.6003, "c": 0.3286, "tau": 2.3333, "verify_cost_rows": {2: 1.944, 3: 2.242, 4: 2.4, 5: 2.4},
+            "one_step": {"gamma": 1, "speedup": 1.205}, "this_engine": {"gamma": 1, "speedup": 0.704},
+            "step_cost_ms": {str(k): v for k, v in STOPPED.items()}}  # from JSON: keys as strings
+    text = _text(_walk_report(adapted_draft=_row(matches_plain="8/8", prediction=pred)))
+    assert text.count("19.81 ms") == 1 and text.count("5 rows measured") == 2, text  # said, and referred to
+    assert ("engine ceiling with the trainer stopped (re-measured before the evaluation): even if every proposal were "
+            "accepted at no cost, speculation could run at most 2.08x plain") in text
+    assert ("5 rows measured 19.81 ms, below 4 rows' 19.99: noise between two readings (a verification of more rows "
+            "cannot cost less), priced at the fewer rows' cost (2.10x on the costs as measured") in text, text
+    assert ("t(n) as the running max over n; 5 rows measured below 4 rows', priced at the fewer rows' cost: noise, as "
+            "the first engine ceiling line below says)") in text, text
+    # other costs than the ceiling line's: the caption explains its own dip
+    pred["step_cost_ms"] = {1: 8.0, 2: 16.0, 3: 15.0}
+    text = _text(_walk_report(adapted_draft=_row(matches_plain="8/8", prediction=pred)))
+    assert "3 rows measured 15.00 ms, below 2 rows' 16.00: noise between two readings" in text, text
