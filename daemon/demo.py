@@ -2476,6 +2476,18 @@ def _remeasured_alarms(report: dict, n_alarms: int) -> tuple[int, int]:
     return n_alarms, n_alarms
 
 
+def _into_phase(since_first: float, shift: dict) -> str:
+    """", 41 s into its phase" for an alarm ``since_first`` seconds after its phase's first request, on
+    the clock its phase's closing line gives (:func:`_served_for`: the first phase's starts at v0's
+    arrival, ``wall_seconds - seconds`` after its first request; a walkthrough read an alarm "122 s into
+    its phase" of a phase whose clock ran 120 s); one before that clock started says so."""
+    wall, s = shift.get("wall_seconds"), shift.get("seconds")
+    late = wall - s if wall is not None and s is not None and wall - s > 1 else 0.0
+    if since_first >= late:
+        return f", {since_first - late:.0f} s into its phase"
+    return f", {since_first:.0f} s after its phase's first request, before its clock started (while v0 bootstrapped)"
+
+
 def _alarm_places(report: dict) -> list[str]:
     """Where each of ``shift_alarms`` fired, in order: ", at request i of n, s s into its phase"
     for one a phase's request raised (the timeline rows flagged ``shift_alarm`` against ``shifts``,
@@ -2489,7 +2501,7 @@ def _alarm_places(report: dict) -> list[str]:
     for i, r in enumerate(timeline):
         sh = next((s for s in reversed(shifts) if s.get("request", 0) <= i), None)
         if r.get("shift_alarm") and sh is not None:
-            into = f", {r['t'] - sh['t']:.0f} s into its phase" if "t" in r and "t" in sh else ""
+            into = _into_phase(r["t"] - sh["t"], sh) if "t" in r and "t" in sh else ""
             where.append(f" at request {i - sh['request'] + 1}" + (f" of {sh['requests']}" if sh.get("requests") else "") + into)
     n_req = (report.get("remeasured") or {}).get("requests")
     out = []
@@ -2501,6 +2513,21 @@ def _alarm_places(report: dict) -> list[str]:
         else:
             out.append(", outside any phase")
     return out
+
+
+def _late_clause(late: list[int], alarms: int) -> str:
+    """The alarm note's why for the alarms ``late`` s into their phases (of ``alarms`` in all), in
+    plain words: "none of them is at a shift: they came 41, 42, 64 and 85 s into their phases (...)" where
+    every alarm is one of them (a walkthrough read "the ones 122, 42, 64, 85 s into their phases are
+    no shift's"); "" without."""
+    if not late:
+        return ""
+    secs = f"{', '.join(map(str, late[:-1]))} and {late[-1]}" if len(late) > 1 else str(late[0])
+    if len(late) == 1:
+        return f"the one {secs} s into its phase is not at a shift (a run of harder prompts)"
+    if len(late) == alarms:
+        return f"none of them is at a shift: they came {secs} s into their phases (runs of harder prompts)"
+    return f"the ones {secs} s into their phases are not at a shift (runs of harder prompts)"
 
 
 def _shift_alarms_note(report: dict) -> str | None:
@@ -2524,10 +2551,9 @@ def _shift_alarms_note(report: dict) -> str | None:
     late = [int(m.group(1)) for p in places for m in [re.search(r", (\d+) s into its phase", p)] if m and int(m.group(1)) > 30]
     why = [w for w in (
         "expected after a shift (prompts the proposer had not seen)" if len(alarms) > outside + len(late) else "",
-        (f"the one {late[0]} s into its phase is no shift's (a run of harder prompts)" if len(late) == 1 else
-         f"the ones {', '.join(map(str, late))} s into their phases are no shift's (runs of harder prompts)" if late else ""),
-        "after the phases, no shift's (the re-measurement serves each workload again, after the others' traffic)"
-        if outside else "") if w]
+        _late_clause(late, len(alarms)),
+        f"{'the one' if outside == 1 else 'the ones'} after the phases {'is' if outside == 1 else 'are'} not at a "
+        f"shift (the re-measurement serves each workload again, after the others' traffic)" if outside else "") if w]
     plot = Path(report.get("plot") or "out/demo/acceptance.png").name
     return (f"{len(alarms)} acceptance_shift alarm(s) (a proposer's windowed α fell below its running mean; mean -> "
             f"its last requests'): {'; '.join(each)}. Why: {'; '.join(why)}. No action needed while outputs equal plain "

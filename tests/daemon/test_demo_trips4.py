@@ -198,7 +198,7 @@ def test_the_closing_alarm_note_says_what_fired_why_and_where_to_look_in_a_few_l
         "prose n-gram 0.80 -> 0.35 at request 3 of 3, 123 s into its phase; code n-gram 0.85 -> 0.40 at request 2 of 2, "
         "86 s into its phase; extract n-gram 0.95 -> 0.65 at request 1 of 3, 29 s into its phase; extract n-gram 0.90 -> "
         "0.65 at request 3 of 3, 114 s into its phase. Why: expected after a shift (prompts the proposer had not seen); "
-        "the ones 123, 86, 114 s into their phases are no shift's (runs of harder prompts). No action needed while "
+        "the ones 123, 86 and 114 s into their phases are not at a shift (runs of harder prompts). No action needed while "
         "outputs equal plain decoding's (above); one far from a shift or beside a rollback is worth a look: "
         "report.json's shift_alarms, α per proposer in acceptance.png"), note
     assert len(textwrap.wrap(note, 170)) <= 5

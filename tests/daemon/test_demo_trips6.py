@@ -209,3 +209,46 @@ def test_a_dip_is_explained_once_on_the_ceiling_line_and_referred_to_by_the_levi
     pred["step_cost_ms"] = {1: 8.0, 2: 16.0, 3: 15.0}
     text = _text(_walk_report(adapted_draft=_row(matches_plain="8/8", prediction=pred)))
     assert "3 rows measured 15.00 ms, below 2 rows' 16.00: noise between two readings" in text, text
+
+
+# (8) the alarm note: the phase line's clock, and plain words ----------------------------------------------
+
+def _alarm(w: str, ref: float, rec: float) -> dict:
+    return {"key": [w, "greedy"], "proposer": "ngram", "reference_alpha": ref, "recent_alpha": rec}
+
+
+def test_the_alarm_note_counts_on_the_phase_lines_clock_and_says_none_is_at_a_shift():
+    """c750c7d: prose's n-gram alarm "122 s into its phase" (timeline t 122.25, its phase's first request at
+    t 0) while prose's line gave "120 s of them on the phase's clock", which started 201.1 - 120.2 = 80.9 s
+    after its first request (at v0): 41 s on that clock. Code's 243.24 - 201.11 = 42 s, extract's 505.43 -
+    441.60 = 64 s and 526.36 - 441.60 = 85 s (their clocks start at their first request). Then "Why: the
+    ones 122, 42, 64, 85 s into their phases are no shift's"."""
+    import daemon.demo as demo
+
+    shifts = [{"t": 0.0, "request": 0, "workload": "prose", "seconds": 120.2, "wall_seconds": 201.1, "requests": 329},
+              {"t": 201.109, "request": 329, "workload": "code", "seconds": 120.4, "wall_seconds": 120.4,
+               "requests": 241},
+              {"t": 321.517, "request": 570, "workload": "math", "seconds": 120.1, "wall_seconds": 120.1,
+               "requests": 290},
+              {"t": 441.602, "request": 860, "workload": "extract", "seconds": 120.2, "wall_seconds": 120.2,
+               "requests": 280}]
+    flagged = {139: 122.25, 410: 243.24, 1010: 505.43, 1059: 526.36}
+    timeline = [{"t": flagged.get(i, 0.0), "shift_alarm": i in flagged} for i in range(1140)]
+    report = {"shift_alarms": [_alarm("prose", 0.7031, 0.5333), _alarm("code", 0.5852, 0.3231),
+                               _alarm("extract", 0.8247, 0.6621), _alarm("extract", 0.7932, 0.525)],
+              "shifts": shifts, "timeline": timeline, "remeasured": {"alarms": {"before": 4, "after": 4}}}
+    on_clock = [round(122.25 - (201.1 - 120.2)), round(243.24 - 201.109), round(505.43 - 441.602),
+                round(526.36 - 441.602)]
+    assert on_clock == [41, 42, 64, 85]
+    note = demo._shift_alarms_note(report)
+    assert ("prose n-gram 0.70 -> 0.53 at request 140 of 329, 41 s into its phase; code n-gram 0.59 -> 0.32 at "
+            "request 82 of 241, 42 s into its phase; extract n-gram 0.82 -> 0.66 at request 151 of 280, 64 s into "
+            "its phase; extract n-gram 0.79 -> 0.53 at request 200 of 280, 85 s into its phase. Why: none of them is "
+            "at a shift: they came 41, 42, 64 and 85 s into their phases (runs of harder prompts). No action") in note, \
+        note
+    assert "122 s" not in note and "shift's" not in note
+    # an alarm before the first phase's clock started (v0 still bootstrapping): said so, on the traffic's seconds
+    early = dict(report, timeline=[dict(r, t=30.0) if i == 139 else r for i, r in enumerate(timeline)])
+    note = demo._shift_alarms_note(early)
+    assert ("at request 140 of 329, 30 s after its phase's first request, before its clock started (while v0 "
+            "bootstrapped);") in note, note
