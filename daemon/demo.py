@@ -1586,6 +1586,22 @@ _LABEL_CHAR_AXES = 0.0065
 figure of :func:`plot_timeline`: matplotlib measured about 0.006 a character, this a little over)."""
 
 
+LABEL_BOX = {"boxstyle": "square,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.75}
+"""The plot's shift and swap labels sit on a white, slightly see-through box: drawn straight over
+the dense per-request α points and rolling means (extract's n-gram line), they read poorly."""
+
+
+def _draw_labels(ax, shifts: list[dict], shift_labels: list[str], swaps: list[tuple[float, str, int]]) -> None:
+    """:func:`_plot_labels`' labels on ``ax``: each shift's at the top, each swap's dotted line and
+    its label on its row, every label on :data:`LABEL_BOX` above the lines."""
+    for s, text in zip(shifts, shift_labels):
+        ax.text(s["t"], 0.97, text, fontsize=8, va="top", transform=ax.get_xaxis_transform(), bbox=LABEL_BOX, zorder=5)
+    for t, text, row in swaps:
+        ax.axvline(t, ls=":", color="tab:red", lw=1)
+        ax.text(t, 0.88 - 0.08 * row, text, color="tab:red", fontsize=8, transform=ax.get_xaxis_transform(),
+                bbox=LABEL_BOX, zorder=5)
+
+
 def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path, scopes: dict[int, str] | None = None) -> None:
     """Top: per-request greedy α and its rolling mean (8 requests) per proposer (the draft model,
     the n-gram proposer, the head: what each learnt, apart), shifts (dashed, labelled with the
@@ -1615,12 +1631,7 @@ def plot_timeline(timeline: list[dict], shifts: list[dict], path: Path, scopes: 
                 ax.plot([x for x, _ in seg], _rolling([y for _, y in seg]), color=color, lw=2, label=label)
     for s in shifts[1:]:
         ax.axvline(s["t"], ls="--", color="k", lw=1)
-    shift_labels, swaps = _plot_labels(timeline, shifts, scopes or {})
-    for s, text in zip(shifts, shift_labels):
-        ax.text(s["t"], 0.97, text, fontsize=8, va="top", transform=ax.get_xaxis_transform())
-    for t, text, row in swaps:
-        ax.axvline(t, ls=":", color="tab:red", lw=1)
-        ax.text(t, 0.88 - 0.08 * row, text, color="tab:red", fontsize=8, transform=ax.get_xaxis_transform())
+    _draw_labels(ax, shifts, *_plot_labels(timeline, shifts, scopes or {}))
     for w in dict.fromkeys(r["workload"] for r in timeline):
         spec = [r for r in timeline if r["workload"] == w and _speculated(r) and r.get("tokens_per_s") is not None]
         plain = [r for r in timeline if r["workload"] == w and not _speculated(r) and r.get("tokens_per_s") is not None]

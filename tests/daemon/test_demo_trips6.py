@@ -252,3 +252,40 @@ def test_the_alarm_note_counts_on_the_phase_lines_clock_and_says_none_is_at_a_sh
     note = demo._shift_alarms_note(early)
     assert ("at request 140 of 329, 30 s after its phase's first request, before its clock started (while v0 "
             "bootstrapped);") in note, note
+
+
+# (9) the plot's labels readable over the dense n-gram line ----------------------------------------------------
+
+def test_the_plots_labels_sit_on_a_white_see_through_box_above_the_lines():
+    """c750c7d's plot: extract's "v1 (shared)" and "v20" drawn straight over the dense n-gram points and
+    rolling mean. Each label (a shift's and a swap's) now has a white box with alpha below 1, drawn above
+    the lines (a higher zorder)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    import daemon.demo as demo
+
+    timeline = [{"t": float(t), "workload": w, "adapter_version": v}
+                for t, w, v in [(0, "prose", 0), (50, "prose", 1), (130, "extract", 1), (180, "extract", 20),
+                                (240, "extract", 20)]]
+    shifts = [{"t": 0.0, "request": 0, "workload": "prose"}, {"t": 125.0, "request": 2, "workload": "extract"}]
+    labels, swaps = demo._plot_labels(timeline, shifts, {1: "", 20: "extract"})
+    assert labels == [" prose: base draft", " extract: v1 (shared)"] and [x for _, x, _ in swaps] == [" v1 (shared)",
+                                                                                                     " v20"]
+    fig, ax = plt.subplots()
+    try:
+        line, = ax.plot([0, 240], [0.5, 0.9])
+        demo._draw_labels(ax, shifts, labels, swaps)
+        texts = {t.get_text(): t for t in ax.texts}
+        assert set(texts) == {" prose: base draft", " extract: v1 (shared)", " v1 (shared)", " v20"}
+        for t in texts.values():
+            box = t.get_bbox_patch()
+            assert box is not None, t.get_text()
+            face = box.get_facecolor()
+            assert face[:3] == to_rgba("white")[:3] and 0 < face[3] < 1, (t.get_text(), face)
+            assert t.get_zorder() > line.get_zorder()
+    finally:
+        plt.close(fig)
