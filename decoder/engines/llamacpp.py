@@ -191,28 +191,7 @@ class LlamaCppEngine:
         self.n_batch = int(n_batch)
         self.embeddings = bool(embeddings)
         self._emb_on = self.embeddings  # hidden-state extraction on the context now (llama_set_embeddings)
-        cp = L.llama_context_default_params()
-        cp.n_ctx = self.context_length * self.n_seq  # n_ctx per sequence = n_ctx / n_seq_max (not unified)
-        cp.n_batch = cp.n_ubatch = self.n_batch
-        cp.n_seq_max = self.n_seq
-        cp.kv_unified = False
-        cp.n_threads = cp.n_threads_batch = self.threads
-        cp.embeddings = self.embeddings
-        cp.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token hidden states
-        cp.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
-        self.flash_attn = bool(flash_attn)
-        if v_cache == "auto":
-            v_cache = auto_v_cache(self.n_seq, self.threads)
-        cp.type_v = KV_CACHE_TYPES[v_cache]
-        self.v_cache = v_cache
-        # a cell is the same bits whatever the call that computed it (a prefill chunk of any size, a
-        # verification block, one token) with a bf16 V cache, not with f16: what the prompt cache may keep
-        # (_keep_prefix; tests/decoder/test_engines.py checks both)
-        self.shape_invariant_cells = v_cache == "bf16"
-        self.ctx = L.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            L.llama_model_free(self.model)
-            raise EngineError(f"llama.cpp could not create a context of {self.context_length} tokens for {path}")
+        self._create_context(path, flash_attn, v_cache)
         self._pool = attach_threadpool(self.ctx, self.threads)  # workers kept across decodes, as llama-server
         self.mem = L.llama_get_memory(self.ctx)
         self.vocab = L.llama_model_get_vocab(self.model)
@@ -246,6 +225,33 @@ class LlamaCppEngine:
         split = self._meta_str(SPLIT_KEY)
         if split is not None:
             self._apply_offset_lora(self.path.parent / split)
+
+    def _create_context(self, path, flash_attn: bool, v_cache: str) -> None:
+        """The llama.cpp context (``self.ctx``) for the settings ``__init__`` has set; the model is freed
+        and EngineError raised where llama.cpp cannot create it."""
+        L = self.L
+        cp = L.llama_context_default_params()
+        cp.n_ctx = self.context_length * self.n_seq  # n_ctx per sequence = n_ctx / n_seq_max (not unified)
+        cp.n_batch = cp.n_ubatch = self.n_batch
+        cp.n_seq_max = self.n_seq
+        cp.kv_unified = False
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.embeddings = self.embeddings
+        cp.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token hidden states
+        cp.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
+        self.flash_attn = bool(flash_attn)
+        if v_cache == "auto":
+            v_cache = auto_v_cache(self.n_seq, self.threads)
+        cp.type_v = KV_CACHE_TYPES[v_cache]
+        self.v_cache = v_cache
+        # a cell is the same bits whatever the call that computed it (a prefill chunk of any size, a
+        # verification block, one token) with a bf16 V cache, not with f16: what the prompt cache may keep
+        # (_keep_prefix; tests/decoder/test_engines.py checks both)
+        self.shape_invariant_cells = v_cache == "bf16"
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise EngineError(f"llama.cpp could not create a context of {self.context_length} tokens for {path}")
 
     def _load_restricted(self, full_vocab: int) -> None:
         """The sidecars of a restricted draft (:func:`decoder.models.gguf_export.restricted_sidecars`):
