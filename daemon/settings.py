@@ -159,6 +159,18 @@ class StoreSettings(_Group):
 class ModelSettings(_Group):
     """The target/draft pair the trainer distils into (decoder.models.loading.load_pair)."""
 
+    @field_validator("engine_threads")
+    @classmethod
+    def _threads_within_the_cpus(cls, v: int | None) -> int | None:
+        """More llama.cpp threads than CPUs this process may run on: ggml's threads wait for each
+        other at every step's barriers, and a decode took seconds instead of milliseconds."""
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if v is not None and v > cpus:
+            raise ValueError(f"engine_threads={v} is more than the {cpus} CPUs this process may run on: llama.cpp's "
+                             f"threads wait for each other at every step and decoding runs hundreds of times slower; "
+                             f"set at most {cpus}, or leave it unset (all of them)")
+        return v
+
     @field_validator("format")
     @classmethod
     def _format(cls, v: str) -> str:
@@ -671,6 +683,7 @@ READ_ELSEWHERE = {
     "DRAFTD_SHARED_DATA": "the shared data directory (decoder.workloads)",
     "DRAFTD_LLAMA_LOG": "llama.cpp's own log on stderr (decoder.engines.llamacpp_lib)",
     "DRAFTD_LLAMA_EXTRA_BUFTS": "llama.cpp's extra buffer types (decoder.engines.llamacpp_lib)",
+    "DRAFTD_LLAMA_POLL": "the polling level of llama.cpp's threadpools (decoder.engines.llamacpp_lib)",
     "DRAFTD_SERVE_API_KEY": "docker-compose.yml's value of DRAFTD_SERVE__API_KEY",
     "DRAFTD_API_TOKEN": "docker-compose.yml's value of DRAFTD_API__TOKEN",
 }

@@ -21,7 +21,7 @@ import torch
 
 from decoder.engines.base import Capabilities, EngineError, forward_router, track
 from decoder.engines.llamacpp_lib import (attach_threadpool, bindings, free_threadpool, llama_call,
-                                          llama_extra_buffers)
+                                          llama_extra_buffers, poll_level)
 from decoder.models.gguf_export import (RESTRICTED_EMBD_TYPE_KEY, RESTRICTED_FULL_VOCAB_KEY, RESTRICTED_IDS_KEY,
                                         SPLIT_ID_KEY, SPLIT_KEY, ids_sha16, restricted_sidecars)
 
@@ -175,6 +175,7 @@ class LlamaCppEngine:
         if n_seq > 1 and not flash_attn:
             raise ValueError("n_seq > 1 needs flash_attn=True (a started sequence's cells are not zeroed without it)")
         self.n_seq = int(n_seq)
+        poll = poll_level()  # before anything is loaded: a bad DRAFTD_LLAMA_POLL leaks nothing
         L = self.L = bindings()
         self.path = Path(path)
         if not self.path.is_file():
@@ -192,7 +193,7 @@ class LlamaCppEngine:
         self.embeddings = bool(embeddings)
         self._emb_on = self.embeddings  # hidden-state extraction on the context now (llama_set_embeddings)
         self._create_context(path, flash_attn, v_cache)
-        self._pool = attach_threadpool(self.ctx, self.threads)  # workers kept across decodes, as llama-server
+        self._pool = attach_threadpool(self.ctx, self.threads, poll)  # workers kept across decodes, as llama-server
         self.mem = L.llama_get_memory(self.ctx)
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_out = int(L.llama_vocab_n_tokens(self.vocab))  # logit rows llama.cpp computes per output

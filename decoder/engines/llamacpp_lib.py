@@ -310,6 +310,21 @@ def _mapped(libdir: Path, stem: str) -> str:
     raise OSError(f"{stem} is not loaded from {libdir}")
 
 
+def poll_level() -> int:
+    """The threadpools' polling level: ``DRAFTD_LLAMA_POLL`` when set, else :data:`POLL_DEFAULT`.
+
+    Raises:
+        EngineError: the variable is not a whole number from 0 to 100.
+    """
+    env = os.environ.get("DRAFTD_LLAMA_POLL", "").strip()
+    if not env:
+        return POLL_DEFAULT
+    if not env.isdigit() or int(env) > 100:
+        raise EngineError(f"DRAFTD_LLAMA_POLL={env!r}: ggml's polling level is a whole number from 0 (no polling) to "
+                          f"100; unset it for {POLL_DEFAULT}, llama-server's default")
+    return int(env)
+
+
 def attach_threadpool(ctx, n_threads: int, poll: int | None = None):
     """A persistent ggml threadpool of ``n_threads`` attached to llama.cpp context ``ctx``, as
     llama-server attaches one (common_threadpools::init); returns its handle for
@@ -327,9 +342,7 @@ def attach_threadpool(ctx, n_threads: int, poll: int | None = None):
     """
     if n_threads < 1:
         raise ValueError(f"n_threads={n_threads}: a threadpool needs at least 1 thread")
-    if poll is None:
-        env = os.environ.get("DRAFTD_LLAMA_POLL")
-        poll = int(env) if env not in (None, "") else POLL_DEFAULT
+    poll = poll_level() if poll is None else poll
     if not 0 <= poll <= 100:
         raise ValueError(f"poll={poll}: ggml's polling level is 0 (none) to 100 (DRAFTD_LLAMA_POLL)")
     fns = _threadpool_fns()

@@ -453,3 +453,16 @@ def test_a_misspelt_toml_group_or_key_outside_the_groups_gets_the_nearest_name(t
     msg = str(ei.value)
     assert says in msg, msg
     assert "DRAFTD_SERV" not in msg and "Extra inputs" not in msg, msg
+
+
+def test_more_engine_threads_than_cpus_is_refused_and_as_many_taken(tmp_path, monkeypatch):
+    """engine_threads=3 on 2 CPUs decoded a token in 3-6 s instead of 3 ms (the break session: ggml's
+    threads wait for each other at every barrier); it is refused, naming the CPUs and the fix."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("DRAFTD_MODELS__ENGINE_THREADS", str(cpus + 1))
+    with pytest.raises(ConfigError, match=f"(?s)engine_threads={cpus + 1} is more than the {cpus} CPUs.*set at most {cpus}"):
+        load_settings(None)
+    monkeypatch.setenv("DRAFTD_MODELS__ENGINE_THREADS", str(cpus))
+    assert load_settings(None).models.engine_threads == cpus

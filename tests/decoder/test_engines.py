@@ -400,6 +400,26 @@ def test_a_threadpool_refuses_thread_counts_and_polling_levels_ggml_has_not():
         attach_threadpool(None, 2, poll=101)
 
 
+@pytest.mark.parametrize("value", ["abc", "50.5", "-1", "101", " 1e2"])
+def test_a_bad_polling_level_is_refused_before_a_model_loads(monkeypatch, tiny_gguf, value):
+    """DRAFTD_LLAMA_POLL=abc was a 77-line traceback from int() at serve's start, and a bad value
+    raised after the context existed, leaking it and the model (the break session)."""
+    monkeypatch.setenv("DRAFTD_LLAMA_POLL", value)
+    with pytest.raises(EngineError, match=r"DRAFTD_LLAMA_POLL=.*whole number from 0 \(no polling\) to 100"):
+        LlamaCppEngine(tiny_gguf, n_ctx=64, threads=2)
+
+
+def test_the_polling_level_defaults_to_llama_servers_and_takes_a_whole_number(monkeypatch):
+    from decoder.engines.llamacpp_lib import poll_level
+
+    monkeypatch.delenv("DRAFTD_LLAMA_POLL", raising=False)
+    assert poll_level() == 50
+    monkeypatch.setenv("DRAFTD_LLAMA_POLL", "0")
+    assert poll_level() == 0
+    monkeypatch.setenv("DRAFTD_LLAMA_POLL", "100")
+    assert poll_level() == 100
+
+
 @needs_llamacpp
 def test_the_threadpool_is_made_by_the_ggml_copy_llama_cpp_computes_with(tiny_gguf):
     """llama-cpp-python's wheel ships each library as separate files (.so, .so.0, .so.0.x.y): a pool
