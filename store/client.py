@@ -215,6 +215,8 @@ def _auth_text(url: str, e: BaseException, opts: dict[str, Any] | None = None) -
 
 def _masked(e: BaseException, opts: dict[str, Any]) -> str:
     text = str(e)
+    if text.startswith("-NOAUTH HELLO") or "HELLO must be called with the client already authenticated" in text:
+        text = "NOAUTH: the server needs a password"  # redis-py's RESP3 HELLO refusal, which names HELLO AUTH
     pw = opts.get("password")
     return text.replace(pw, "***") if pw else text
 

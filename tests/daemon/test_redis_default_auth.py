@@ -60,7 +60,9 @@ def test_a_password_protected_redis_on_the_default_address_is_named_not_replaced
             pass
     msg = str(ei.value)
     assert msg.startswith(f"Redis at '{url}' refused the connection: authentication failed ("), msg
-    assert "Give its password in redis.url (DRAFTD_REDIS__URL) as redis://:<password>@host:port/db" in msg, msg
+    assert ("Give its password in redis.default_url (DRAFTD_REDIS__DEFAULT_URL) or redis.url (DRAFTD_REDIS__URL) as "
+            "redis://:<password>@host:port/db") in msg, msg  # the setting the user pointed at is named first
+    assert "HELLO" not in msg, msg  # redis-py's RESP3 refusal text named HELLO AUTH, which draftd never asks for
     assert msg.endswith("; or, to leave that Redis alone, set redis.embedded to 'always' (DRAFTD_REDIS__EMBEDDED=always) "
                         "for the embedded one"), msg
     assert not (tmp_path / "redis").exists()  # no embedded server started
