@@ -46,3 +46,45 @@ def _isolated_from_user_config(monkeypatch):
     for k in list(os.environ):
         if k.startswith("DRAFTD_") and k != "DRAFTD_CACHE_DIR":
             monkeypatch.delenv(k)
+
+
+@pytest.fixture(scope="module")
+def password_redis(tmp_path_factory):
+    """A redis-server of our own with ``--requirepass the-right-one`` on a free loopback port from
+    18530 (skipped where redis-server is not on PATH); yields its port."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    import redis
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not on PATH")
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+
+    port = next(p for p in range(18530, 18670) if free(p))
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--dir", str(tmp_path_factory.mktemp("authredis")), "--requirepass", "the-right-one"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 10
+        while True:
+            try:
+                redis.Redis(port=port, password="the-right-one", socket_connect_timeout=0.2).ping()
+                break
+            except redis.ConnectionError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -2,13 +2,9 @@
 it answers, with NOAUTH, and the daemon says its authentication failed and where the password goes,
 instead of taking it for "nothing answers" and starting the embedded Redis without a word."""
 
-import shutil
 import socket
-import subprocess
-import time
 
 import pytest
-import redis
 
 from daemon.redis_embed import answers, open_redis
 from daemon.settings import RedisSettings
@@ -22,32 +18,6 @@ def _port_free(port: int) -> bool:
             return True
         except OSError:
             return False
-
-
-@pytest.fixture(scope="module")
-def password_redis(tmp_path_factory):
-    """A redis-server of our own with ``--requirepass the-right-one`` on a free port from 18600
-    (tests/store/test_store_client.py's fixture, another range); yields its port."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not on PATH")
-    port = next(p for p in range(18600, 18670) if _port_free(p))
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--dir", str(tmp_path_factory.mktemp("authredis")), "--requirepass", "the-right-one"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 10
-        while True:
-            try:
-                redis.Redis(port=port, password="the-right-one", socket_connect_timeout=0.2).ping()
-                break
-            except redis.ConnectionError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.05)
-        yield port
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 @pytest.mark.parametrize("embedded", ["auto", "never"])

@@ -75,39 +75,6 @@ def test_an_unreachable_redis_is_named_with_its_password_masked():
         assert "***" in str(ei.value) and str(port) in str(ei.value)
 
 
-@pytest.fixture(scope="module")
-def password_redis(tmp_path_factory):
-    """A redis-server of our own with ``--requirepass the-right-one``, on a free port from 18530;
-    yields its port."""
-    import shutil
-    import socket
-    import subprocess
-    import time
-
-    import redis
-
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not on PATH")
-    port = next(p for p in range(18530, 18600) if _port_free(socket, p))
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--dir", str(tmp_path_factory.mktemp("authredis")), "--requirepass", "the-right-one"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 10
-        while True:
-            try:
-                redis.Redis(port=port, password="the-right-one", socket_connect_timeout=0.2).ping()
-                break
-            except redis.ConnectionError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.05)
-        yield port
-    finally:
-        proc.kill()
-        proc.wait(10)
-
-
 def _port_free(socket, port: int) -> bool:
     with socket.socket() as s:
         try:
