@@ -50,8 +50,8 @@ def _isolated_from_user_config(monkeypatch):
 
 @pytest.fixture(scope="module")
 def password_redis(tmp_path_factory):
-    """A redis-server of our own with ``--requirepass the-right-one`` on a free loopback port from
-    18530 (skipped where redis-server is not on PATH); yields its port."""
+    """A redis-server of our own with ``--requirepass the-right-one`` on a free loopback port
+    (skipped where redis-server is not on PATH); yields its port."""
     import shutil
     import socket
     import subprocess
@@ -62,15 +62,9 @@ def password_redis(tmp_path_factory):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not on PATH")
 
-    def free(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return True
-            except OSError:
-                return False
-
-    port = next(p for p in range(18530, 18670) if free(p))
+    with socket.socket() as s:  # a port the kernel hands out as free
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--dir", str(tmp_path_factory.mktemp("authredis")), "--requirepass", "the-right-one"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -11,15 +11,6 @@ from daemon.settings import RedisSettings
 from store.client import StoreUnavailableError
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 @pytest.mark.parametrize("embedded", ["auto", "never"])
 def test_a_password_protected_redis_on_the_default_address_is_named_not_replaced(password_redis, tmp_path, embedded):
     url = f"redis://127.0.0.1:{password_redis}/0"
@@ -39,5 +30,7 @@ def test_a_password_protected_redis_on_the_default_address_is_named_not_replaced
 
 
 def test_nothing_on_the_default_address_is_still_nothing():
-    port = next(p for p in range(18670, 18740) if _port_free(p))
+    with socket.socket() as s:  # a port the kernel hands out as free, nothing listening on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     assert not answers(f"redis://127.0.0.1:{port}/0", timeout=0.2)
