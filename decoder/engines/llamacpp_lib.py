@@ -339,6 +339,7 @@ def attach_threadpool(ctx, n_threads: int, poll: int | None = None):
 
     Raises:
         ValueError: ``n_threads`` below 1 or ``poll`` outside 0-100.
+        EngineError: ``poll`` None and ``DRAFTD_LLAMA_POLL`` malformed (:func:`poll_level`).
     """
     if n_threads < 1:
         raise ValueError(f"n_threads={n_threads}: a threadpool needs at least 1 thread")
