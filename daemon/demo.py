@@ -2402,8 +2402,9 @@ def _recovery_and_footer(report: dict, console) -> None:
     for c in ("shift", "pre-shift α", "requests", "seconds", "α then"):
         rc.add_column(c)
     for r in report.get("recovery", []):
-        rc.add_row(f"{r['from']} → {r['workload']}", _cell(r["pre_shift_alpha"]), _cell(r["requests"]), _cell(r["seconds"]),
-                   _cell(r["recovered_alpha"]))
+        secs = r["seconds"]  # seconds to one decimal ("3.8"; _cell's 3 decimals read "3.800", a walkthrough's trip)
+        rc.add_row(f"{r['from']} → {r['workload']}", _cell(r["pre_shift_alpha"]), _cell(r["requests"]),
+                   f"{secs:.1f}" if isinstance(secs, (int, float)) else _cell(secs), _cell(r["recovered_alpha"]))
     console.print(rc)
     rem = report.get("remeasured") or {}
     beside = rem.get("beside_trainer")

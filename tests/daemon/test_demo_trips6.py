@@ -289,3 +289,25 @@ def test_the_plots_labels_sit_on_a_white_see_through_box_above_the_lines():
             assert t.get_zorder() > line.get_zorder()
     finally:
         plt.close(fig)
+
+
+# the second walkthrough at 3535c3a: the recovery table's seconds ----------------------------------------
+
+def test_the_recovery_table_gives_seconds_to_a_tenth_not_three_decimals():
+    """3535c3a's recovery table printed "3.800", "9.700" and "7.400" seconds beside whole requests."""
+    import io
+
+    from rich.console import Console
+
+    from daemon.demo import _recovery_and_footer
+
+    c = Console(record=True, width=170, file=io.StringIO())
+    rows = [{"from": "prose", "workload": "code", "pre_shift_alpha": 0.636, "requests": 8, "seconds": 3.8,
+             "recovered_alpha": 0.598},
+            {"from": "code", "workload": "math", "pre_shift_alpha": 0.429, "requests": None, "seconds": None,
+             "recovered_alpha": None}]
+    _recovery_and_footer({"recovery": rows, "requests": 1161, "seconds": 860.0, "key_prefix": "walk3:demo:"}, c)
+    text = c.export_text()
+    assert re.search(r"│ prose → code\s+│ 0\.636\s+│ 8\s+│ 3\.8\s+│ 0\.598\s+│", text), text
+    assert "3.800" not in text
+    assert re.search(r"│ code → math\s+│ -\s+│ -\s+│ -\s+│ -\s+│", text.replace("0.429", "-")), text
