@@ -2542,6 +2542,12 @@ def _late_clause(late: list[int], alarms: int) -> str:
     return f"the ones {secs} s into their phases are not at a shift (runs of harder prompts)"
 
 
+def _alarm_workload(alarm: dict):
+    """The workload of a ``shift_alarms`` entry (its key's first part)."""
+    key = alarm.get("key")
+    return key[0] if isinstance(key, (list, tuple)) and key else key
+
+
 def _shift_alarms_note(report: dict) -> str | None:
     """The run's ``acceptance_shift`` warnings in a few lines: what fired (each alarm of
     ``shift_alarms``: workload, proposer, its running mean -> its last requests' α, and where,
@@ -2553,16 +2559,23 @@ def _shift_alarms_note(report: dict) -> str | None:
     places = _alarm_places(report)
     each = []
     for a, place in zip(alarms, places):
-        key = a.get("key")
-        workload = key[0] if isinstance(key, (list, tuple)) and key else key
+        workload = _alarm_workload(a)
         who = {"ngram": "n-gram", "draft": "draft", None: "draft", "eagle": "EAGLE head"}.get(a.get("proposer"),
                                                                                             a.get("proposer"))
         back = " (its last requests back at or above the mean)" if a["recent_alpha"] >= a["reference_alpha"] else ""
         each.append(f"{workload} {who} {a['reference_alpha']:.2f} -> {a['recent_alpha']:.2f}{back}{place}")
     outside = sum(p.startswith((", during", ", outside")) for p in places)
     late = [int(m.group(1)) for p in places for m in [re.search(r", (\d+) s into its phase", p)] if m and int(m.group(1)) > 30]
+    # early in the first phase there was no shift before it (a walkthrough read "expected after a shift" of prose's)
+    first = ((report.get("phases") or [{}])[0] or {}).get("workload")
+    opening = sum(1 for a, p in zip(alarms, places) if first is not None and _alarm_workload(a) == first
+                  and re.search(r" s (into its phase|after its phase's first request)", p)
+                  and not any(int(m) > 30 for m in re.findall(r", (\d+) s into its phase", p)))
     why = [w for w in (
-        "expected after a shift (prompts the proposer had not seen)" if len(alarms) > outside + len(late) else "",
+        "expected after a shift (prompts the proposer had not seen)" if len(alarms) > outside + len(late) + opening
+        else "",
+        (f"{'the one' if opening == 1 else 'the ones'} early in the first phase, {first}, came before any shift (its "
+         f"running mean was still young)") if opening else "",
         _late_clause(late, len(alarms)),
         f"{'the one' if outside == 1 else 'the ones'} after the phases {'is' if outside == 1 else 'are'} not at a "
         f"shift (the re-measurement serves each workload again, after the others' traffic)" if outside else "") if w]

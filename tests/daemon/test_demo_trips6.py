@@ -311,3 +311,28 @@ def test_the_recovery_table_gives_seconds_to_a_tenth_not_three_decimals():
     assert re.search(r"│ prose → code\s+│ 0\.636\s+│ 8\s+│ 3\.8\s+│ 0\.598\s+│", text), text
     assert "3.800" not in text
     assert re.search(r"│ code → math\s+│ -\s+│ -\s+│ -\s+│ -\s+│", text.replace("0.429", "-")), text
+
+
+def test_an_alarm_early_in_the_first_phase_is_not_called_after_a_shift():
+    """3535c3a: prose's alarm "16 s into its phase" explained as "expected after a shift (prompts the
+    proposer had not seen)", though prose is the first workload: no shift came before it. An early alarm
+    in a later phase still is one."""
+    import daemon.demo as demo
+
+    shifts = [{"t": 0.0, "request": 0, "workload": "prose", "seconds": 120.2, "wall_seconds": 201.1, "requests": 329},
+              {"t": 201.109, "request": 329, "workload": "code", "seconds": 120.4, "wall_seconds": 120.4,
+               "requests": 241}]
+    flagged = {79: 201.1 - 120.2 + 16.0, 420: 201.109 + 45.0}
+    timeline = [{"t": flagged.get(i, 0.0), "shift_alarm": i in flagged} for i in range(570)]
+    report = {"shift_alarms": [_alarm("prose", 0.6567, 0.4667), _alarm("code", 0.57, 0.50)],
+              "shifts": shifts, "timeline": timeline, "remeasured": {"alarms": {"before": 2, "after": 2}},
+              "phases": [{"workload": "prose"}, {"workload": "code"}]}
+    note = demo._shift_alarms_note(report)
+    assert "16 s into its phase" in note and "45 s into its phase" in note, note
+    assert ("Why: the one early in the first phase, prose, came before any shift (its running mean was still "
+            "young); the one 45 s into its phase is not at a shift") in note, note
+    assert "expected after a shift" not in note
+    # the same alarm 10 s into code's phase: that one follows a shift
+    later = dict(report, timeline=[dict(r, t=201.109 + 10.0) if i == 420 else r for i, r in enumerate(timeline)])
+    note = demo._shift_alarms_note(later)
+    assert "Why: expected after a shift (prompts the proposer had not seen); the one early in the first phase" in note, note
