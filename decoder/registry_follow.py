@@ -28,6 +28,7 @@ def watch_registry(registry, prepare: Callable[[int, str, str], None], stop: thr
     ``poll_interval_s``; ``prepare`` must not raise for a bad artifact (it records it)."""
     ps = None
     next_poll = 0.0
+    down = _Outage(name, poll_interval_s, clock)
     while not stop.is_set():
         try:
             if ps is None:
@@ -45,14 +46,43 @@ def watch_registry(registry, prepare: Callable[[int, str, str], None], stop: thr
                     prepare(version, "event", scope)
             if after is not None:
                 after()
+            down.over()
         except (StoreError, redis.RedisError, OSError, ValueError) as e:
             if stop.is_set():
                 break
-            log.warning(f"{name}_watch_error", error=str(e), retry_in_s=poll_interval_s)
+            down.failed(e)
             _close(ps)
             ps = None
             stop.wait(poll_interval_s)
     _close(ps)
+
+
+class _Outage:
+    """The watcher's log of a run of failures: the first at warning, then one line a minute
+    (``REPEAT_S``) with the count so far, and an info line when it is over (a Redis outage logged
+    ``adapter_watch_error`` every second without it)."""
+
+    REPEAT_S = 60.0
+
+    def __init__(self, name: str, retry_s: float, clock: Callable[[], float]):
+        self.name, self.retry_s, self.clock = name, retry_s, clock
+        self.failures, self.since, self.logged = 0, 0.0, 0.0
+
+    def failed(self, e: BaseException) -> None:
+        now = self.clock()
+        if self.failures == 0:
+            self.since = self.logged = now
+            log.warning(f"{self.name}_watch_error", error=str(e), retry_in_s=self.retry_s)
+        elif now - self.logged >= self.REPEAT_S:
+            self.logged = now
+            log.warning(f"{self.name}_watch_error", error=str(e), retry_in_s=self.retry_s,
+                        failures=self.failures + 1, down_s=round(now - self.since, 1))
+        self.failures += 1
+
+    def over(self) -> None:
+        if self.failures:
+            log.info(f"{self.name}_watch_recovered", failures=self.failures, down_s=round(self.clock() - self.since, 1))
+            self.failures = 0
 
 
 def latest_events(ps, msg) -> dict[str, int]:

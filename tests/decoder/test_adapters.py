@@ -320,3 +320,48 @@ def test_an_adapters_copy_gate_is_switched_in_with_it(tok, pair, reg, tmp_path):
     mgr.poll_once()
     dec.generate(_req(tok, PROMPTS[0]), FixedGamma(3))
     assert dec.adapter_version == 0 and dec.copy_gate is None
+
+
+def test_a_registry_outage_is_logged_once_a_minute_and_its_end_once():
+    """A Redis outage logged adapter_watch_error every second (the break session: 41 lines in 40 s).
+    Now the first failure and one line a minute (with the count) at warning, and the recovery once."""
+    import threading
+
+    import redis
+
+    from decoder.registry_follow import watch_registry
+
+    class PubSub:
+        def get_message(self, timeout=0.0):
+            return None
+
+        def close(self):
+            pass
+
+    class Registry:
+        calls = 0
+
+        def subscribe(self):
+            Registry.calls += 1
+            if Registry.calls <= 30:
+                raise redis.ConnectionError("Connection refused")
+            return PubSub()
+
+        def active_versions(self):
+            return {}
+
+    t = [0.0]
+
+    def clock():  # each reading 10 s later: 30 failures span 290 s
+        t[0] += 10.0
+        return t[0]
+
+    stop = threading.Event()
+    with capture_logs() as logs:
+        watch_registry(Registry(), lambda *a: None, stop, poll_interval_s=0.001, clock=clock, after=stop.set)
+    errors = [e for e in logs if e["event"] == "adapter_watch_error"]
+    # the first failure at 10 s, then a line whenever 60 s have passed since the last: 70, 130, 190, 250 s
+    assert [e.get("failures") for e in errors] == [None, 7, 13, 19, 25], errors
+    assert all(e["log_level"] == "warning" for e in errors)
+    back = [e for e in logs if e["event"] == "adapter_watch_recovered"]
+    assert len(back) == 1 and back[0]["failures"] == 30 and back[0]["log_level"] == "info", back
