@@ -2565,12 +2565,13 @@ def _shift_alarms_note(report: dict) -> str | None:
         back = " (its last requests back at or above the mean)" if a["recent_alpha"] >= a["reference_alpha"] else ""
         each.append(f"{workload} {who} {a['reference_alpha']:.2f} -> {a['recent_alpha']:.2f}{back}{place}")
     outside = sum(p.startswith((", during", ", outside")) for p in places)
-    late = [int(m.group(1)) for p in places for m in [re.search(r", (\d+) s into its phase", p)] if m and int(m.group(1)) > 30]
-    # early in the first phase there was no shift before it (a walkthrough read "expected after a shift" of prose's)
+    into = [int(m.group(1)) if (m := re.search(r", (\d+) s into its phase", p)) else None for p in places]
+    late = [t for t in into if t is not None and t > 30]
+    # early in the first phase there was no shift before it (a walkthrough read "expected after a shift" of prose's):
+    # on the phase's clock within 30 s, or before that clock started
     first = ((report.get("phases") or [{}])[0] or {}).get("workload")
-    opening = sum(1 for a, p in zip(alarms, places) if first is not None and _alarm_workload(a) == first
-                  and re.search(r" s (into its phase|after its phase's first request)", p)
-                  and not any(int(m) > 30 for m in re.findall(r", (\d+) s into its phase", p)))
+    opening = sum(1 for a, p, t in zip(alarms, places, into) if first is not None and _alarm_workload(a) == first
+                  and (t is not None and t <= 30 or " s after its phase's first request" in p))
     why = [w for w in (
         "expected after a shift (prompts the proposer had not seen)" if len(alarms) > outside + len(late) + opening
         else "",
