@@ -129,16 +129,15 @@ def _connect_selected(url: str, mode: str) -> redis.Redis:
 
     Raises:
         StoreUnavailableError: as ``connect``."""
-    try:
+    if mode != "default":
         return connect(url)
+    try:
+        return connect(url, url_setting="redis.default_url (DRAFTD_REDIS__DEFAULT_URL) or redis.url (DRAFTD_REDIS__URL)")
     except StoreUnavailableError as e:
-        if mode != "default" or not isinstance(e.__cause__, (redis.AuthenticationError,
-                                                               redis.exceptions.AuthorizationError)):
+        if not isinstance(e.__cause__, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
             raise
-        said = str(e).replace("password in redis.url (DRAFTD_REDIS__URL)", "password in redis.default_url "
-                              "(DRAFTD_REDIS__DEFAULT_URL) or redis.url (DRAFTD_REDIS__URL)")
         raise StoreUnavailableError(
-            f"{said}; or, to leave that Redis alone, set redis.embedded to 'always' (DRAFTD_REDIS__EMBEDDED=always) "
+            f"{e}; or, to leave that Redis alone, set redis.embedded to 'always' (DRAFTD_REDIS__EMBEDDED=always) "
             f"for the embedded one") from e
 
 

@@ -25,6 +25,8 @@ from store.errors import (  # re-exported: the package's exception hierarchy
 )
 from store.masking import mask_url  # re-exported
 
+URL_SETTING = "redis.url (DRAFTD_REDIS__URL)"  # where a URL's password goes, unless connect() names another setting
+
 MIN_REDIS_VERSION = (6, 2, 0)
 
 # errors that mean "Redis unreachable"; with a cluster also "the slot's master is down or moving"
@@ -156,7 +158,8 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     return nodes, opts
 
 
-def _connect_cluster(url: str, socket_timeout: float, socket_connect_timeout: float, **kwargs: Any) -> Any:
+def _connect_cluster(url: str, socket_timeout: float, socket_connect_timeout: float, url_setting: str = URL_SETTING,
+                     **kwargs: Any) -> Any:
     from redis.cluster import ClusterNode, RedisCluster
 
     nodes, opts = parse_cluster_url(url)
@@ -171,7 +174,7 @@ def _connect_cluster(url: str, socket_timeout: float, socket_connect_timeout: fl
         )
     except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
         if (auth := _auth_failure(e)) is not None:
-            raise StoreUnavailableError(_auth_text(url, auth, opts)) from None
+            raise StoreUnavailableError(_auth_text(url, auth, opts, url_setting)) from None
         raise StoreUnavailableError(
             f"cannot reach the Redis Cluster at {mask_url(url)!r}: {type(e).__name__}: {_masked(e, opts)}. "
             f"Are its nodes running, and is it a cluster (cluster-enabled yes; a single node takes redis://)?"
@@ -203,14 +206,15 @@ def _auth_failure(e: BaseException) -> BaseException | None:
     return None
 
 
-def _auth_text(url: str, e: BaseException, opts: dict[str, Any] | None = None) -> str:
-    """The message of a refused authentication at ``url``: what Redis said, and where the password goes."""
+def _auth_text(url: str, e: BaseException, opts: dict[str, Any] | None = None, setting: str = URL_SETTING) -> str:
+    """The message of a refused authentication at ``url``: what Redis said, and where the password
+    goes (``setting``, the setting that named the URL)."""
     said = _masked(e, opts or {})
     form = ("redis+cluster://:<password>@host:port[,host:port...], or redis+cluster://<user>:<password>@... for an "
             "ACL user" if is_cluster_url(url) else
             "redis://:<password>@host:port/db, or redis://<user>:<password>@host:port/db for an ACL user")
     return (f"Redis at {mask_url(url)!r} refused the connection: authentication failed ({said}). Give its "
-            f"password in redis.url (DRAFTD_REDIS__URL) as {form} (a password with '@', ':' or '/' %-encoded)")
+            f"password in {setting} as {form} (a password with '@', ':' or '/' %-encoded)")
 
 
 def _masked(e: BaseException, opts: dict[str, Any]) -> str:
@@ -221,7 +225,8 @@ def _masked(e: BaseException, opts: dict[str, Any]) -> str:
     return text.replace(pw, "***") if pw else text
 
 
-def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: float = 2.0, **kwargs: Any) -> redis.Redis:
+def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: float = 2.0, url_setting: str = URL_SETTING,
+            **kwargs: Any) -> redis.Redis:
     """Open a client for ``url`` (e.g. ``"redis://127.0.0.1:6379/0"``) and check the server version.
 
     A ``redis+cluster://host:port[,host:port...]`` URL (``rediss+cluster://`` for TLS) opens
@@ -229,7 +234,8 @@ def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: fl
     then use hash-tagged key names (:func:`store.config.resolve_config`).
 
     The client returns bytes (``decode_responses=False``): stream fields are binary.
-    ``socket_timeout`` / ``socket_connect_timeout`` are seconds; extra ``kwargs`` go to
+    ``socket_timeout`` / ``socket_connect_timeout`` are seconds; ``url_setting`` names the setting
+    the URL came from in an authentication failure's message; extra ``kwargs`` go to
     :func:`redis.Redis.from_url`.
 
     Raises:
@@ -238,7 +244,7 @@ def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: fl
         RedisVersionError: the server is older than 6.2.
     """
     if is_cluster_url(url):
-        return _connect_cluster(url, socket_timeout, socket_connect_timeout, **kwargs)
+        return _connect_cluster(url, socket_timeout, socket_connect_timeout, url_setting, **kwargs)
     client = redis.Redis.from_url(
         url,
         decode_responses=False,
@@ -250,7 +256,7 @@ def connect(url: str, *, socket_timeout: float = 5.0, socket_connect_timeout: fl
         info = client.info("server")
     except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as e:  # before ConnectionError: they subclass it
         client.close()
-        raise StoreUnavailableError(_auth_text(url, e)) from e
+        raise StoreUnavailableError(_auth_text(url, e, setting=url_setting)) from e
     except (redis.ConnectionError, redis.TimeoutError) as e:
         client.close()
         raise StoreUnavailableError(f"cannot reach Redis at {mask_url(url)!r}: {e}. Is redis-server running there?") from e
