@@ -42,13 +42,15 @@ with a fixed ``max_tokens``, streamed ``/v1/completions``, a closed loop of N cl
   file (``decoder.models.gguf_export.derived_draft_gguf``: the base draft, without draftd's
   adapters), when it is cached (serve writes it at its start); else skipped, with the reason.
 
-``--paired``: every server up at once (llama-server with as many slots as clients) and, in rounds
-of N concurrent prompts (N = the first ``--peer-clients`` count, one prompt per client), each round
-streamed to each server in turn, the order rotating, half a second of quiet before each round; per
-round draftd's aggregate tokens/s over each peer's, their geometric mean with a bootstrap interval
-(:func:`paired_ratio`). Sequential cells compare minutes apart, and on a shared VM the host's speed
-drifts between them (llama-server plain at 1 client read 106 and 135 tokens/s half an hour apart);
-pairs per round do not::
+``--paired``: every server up at once: draftd and each llama-server configuration above that
+``--configs`` names (``llama_plain``, each ``llama_<type>``, ``llama_draft``: the same list and the
+same skips as the sequential cells, :func:`llama_runs`), llama-server with as many slots as
+clients, and, in rounds of N concurrent prompts (N = the first ``--peer-clients`` count, one
+prompt per client), each round streamed to each server in turn, the order rotating, half a second
+of quiet before each round; per round draftd's aggregate tokens/s over each peer's, their
+geometric mean with a bootstrap interval (:func:`paired_ratio`). Sequential cells compare
+minutes apart, and on a shared VM the host's speed drifts between them (llama-server plain at 1
+client read 106 and 135 tokens/s half an hour apart); pairs per round do not::
 
     .venv/bin/python bench/serve_bench.py --peer --paired --peer-clients 1 --requests 24 --warmup 2 --max-tokens 64
     .venv/bin/python bench/serve_bench.py --peer --paired --peer-clients 4 --requests 8 --warmup 2 --max-tokens 64
@@ -607,6 +609,77 @@ def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_
     return out
 
 
+def llama_runs(configs: list[str], types: list[str], ngram_types: str = "auto",
+               draft: Path | None = None) -> tuple[list[tuple[str, dict]], dict[str, str]]:
+    """The llama-server configurations ``--peer`` runs (paired and sequential alike), and why any skips.
+
+    Args:
+        configs: the ``--configs`` names; ``llama_plain``, ``llama_ngram`` and ``llama_draft`` count here
+            (``draftd`` and unknown names are ignored).
+        types: the ``--spec-type`` values this llama-server lists (:func:`peers.spec_types`; [] if none).
+        ngram_types: ``auto`` (every ``ngram-*`` type in ``types`` but ``ngram-cache``, which wants a
+            cache file) or a comma-separated list of n-gram types.
+        draft: the derived draft GGUF (``-md``); ``llama_draft`` runs only where it is a file now.
+
+    Returns:
+        ``(runs, skipped)``: ``runs`` is ``[(name, kw)]`` in run order (``llama_plain``, then
+        ``llama_<type>`` per n-gram type, then ``llama_draft``), ``kw`` the keyword arguments of
+        :func:`peers.server_command` (``spec_type``, ``draft_model``); ``skipped`` maps each
+        configuration asked for that does not run to the reason.
+    """
+    runs: list[tuple[str, dict]] = []
+    skipped: dict[str, str] = {}
+    if "llama_plain" in configs:
+        runs.append(("llama_plain", {}))
+    if "llama_ngram" in configs:
+        want = [t.strip() for t in ngram_types.split(",") if t.strip()] if ngram_types != "auto" else \
+            [t for t in types if t.startswith("ngram") and t != "ngram-cache"]
+        if not types:
+            skipped["llama_ngram"] = "this llama.cpp's llama-server has no --spec-type"
+        skipped.update({f"llama_{t}": f"--spec-type {t} is not in this llama-server's --help"
+                        for t in want if t not in types})
+        runs += [(f"llama_{t}", {"spec_type": t}) for t in want if t in types]
+    if "llama_draft" in configs:
+        if draft is not None and draft.is_file():
+            # -md alone leaves --spec-type at none unless the draft GGUF names a type (this one does not)
+            runs.append(("llama_draft", {"draft_model": draft,
+                                         "spec_type": "draft-simple" if "draft-simple" in types else None}))
+        else:
+            skipped["llama_draft"] = (f"no derived draft GGUF cached at {draft} (daemonctl serve "
+                                      f"writes it at its first start on llama.cpp)")
+    return runs, skipped
+
+
+def llama_command(binary: Path, target: Path, kw: dict, slots: int, ctx_per_slot: int, threads: int,
+                  extra: tuple[str, ...] = ()) -> tuple[list[str], int, str]:
+    """One llama-server configuration's command on a free port: ``(cmd, port, shown)``, ``shown``
+    the arguments after the binary with the port as ``PORT`` (what ``result["commands"]`` holds).
+    ``kw``: from :func:`llama_runs`; ``slots``: ``-np``; the rest as :func:`peers.server_command`."""
+    import peers
+
+    port = peers.free_port()
+    cmd = peers.server_command(binary, target, port, slots, ctx_per_slot, threads, extra=extra, **kw)
+    return cmd, port, " ".join(cmd[1:]).replace(str(port), "PORT")
+
+
+def paired_servers(stack: contextlib.ExitStack, runs: list[tuple[str, dict]], binary: Path, target: Path,
+                   width: int, ctx_per_slot: int, threads: int, logs: Path,
+                   commands: dict[str, str]) -> dict[str, tuple[str, bool]]:
+    """Starts every llama-server configuration of ``runs`` (:func:`llama_runs`) for ``--paired``,
+    ``width`` slots each, kept up until ``stack`` closes; names each command line in ``commands``.
+    Returns name -> (``…/v1`` url, False), as :func:`paired_rounds` takes them. Raises RuntimeError
+    where a server does not come up (:func:`peers.running_process`)."""
+    import peers
+
+    servers: dict[str, tuple[str, bool]] = {}
+    for name, kw in runs:
+        cmd, p, shown = llama_command(binary, target, kw, width, ctx_per_slot, threads)
+        commands.setdefault(name, shown)
+        url, _ = stack.enter_context(peers.running_process(cmd, p, logs / f"{name}-paired.log", timeout_s=300))
+        servers[name] = (url + "/v1", False)
+    return servers
+
+
 def peer_main(a) -> None:
     import tempfile
     import platform
@@ -641,8 +714,6 @@ def peer_main(a) -> None:
     llama = any(c.startswith("llama") for c in configs)
     binary = peers.llama_server_binary(say) if llama else None
     types = peers.spec_types(peers.server_help(binary)) if llama else []
-    want = [t.strip() for t in a.ngram_types.split(",") if t.strip()] if a.ngram_types != "auto" else \
-        [t for t in types if t.startswith("ngram") and t != "ngram-cache"]
     result = {"mode": "peer", "host": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "threads": threads, "clients": clients_list, "requests_per_client": a.requests,
               "max_tokens": a.max_tokens, "workloads": workloads, "warmup_per_workload": a.warmup,
@@ -655,12 +726,6 @@ def peer_main(a) -> None:
               "prompts_per_workload": per_workload,
               "prompts_note": None if per_workload <= EVAL_RESERVED_PROMPTS else
               f"{per_workload} prompts per workload: beyond the first {EVAL_RESERVED_PROMPTS}, which no bootstrap corpus holds"}
-    if llama and not types:
-        result["skipped"]["llama_ngram"] = "this llama.cpp's llama-server has no --spec-type"
-    missing = [t for t in want if t not in types]
-    if missing:
-        result["skipped"].update({f"llama_{t}": f"--spec-type {t} is not in this llama-server's --help" for t in missing})
-    want = [t for t in want if t in types]
     table: dict[int, dict[str, dict]] = {n: {} for n in clients_list}
     logs = Path(tempfile.mkdtemp(prefix="serve_bench_peer."))
     result["logs"] = str(logs)
@@ -699,17 +764,14 @@ def peer_main(a) -> None:
             dbase, dproc = stack.enter_context(peers.running_process(dcmd, port, logs / "draftd.log", env=denv,
                                                                      timeout_s=900))
             durl = dbase + "/v1"
+        # after draftd's start: serve writes the derived draft GGUF then
+        runs, skipped = llama_runs(configs, types, a.ngram_types, draft)
+        result["skipped"].update(skipped)
         if a.paired:
-            servers = {"draftd": (durl, True)} if "draftd" in configs else {}
-            kinds = ([("llama_plain", {})] if "llama_plain" in configs else []) + \
-                ([(f"llama_{t}", {"spec_type": t}) for t in want] if "llama_ngram" in configs else [])
             width = clients_list[0]
-            for name, kw in kinds:
-                p = peers.free_port()
-                cmd = peers.server_command(binary, target, p, width, a.ctx_per_slot, threads, **kw)
-                result["commands"].setdefault(name, " ".join(cmd[1:]).replace(str(p), "PORT"))
-                url, _ = stack.enter_context(peers.running_process(cmd, p, logs / f"{name}-paired.log", timeout_s=300))
-                servers[name] = (url + "/v1", False)
+            servers = {"draftd": (durl, True)} if "draftd" in configs else {}
+            servers.update(paired_servers(stack, runs, binary, target, width, a.ctx_per_slot, threads, logs,
+                                          result["commands"]))
             rounds = [list(r) for r in zip(*cells[width])]  # round j: every client's j-th prompt
             say(f"{width} client(s), paired: {len(rounds)} rounds of {width} concurrent prompts, each round to "
                 f"{', '.join(servers)} in turn")
@@ -724,24 +786,10 @@ def peer_main(a) -> None:
                                                counters=lambda: draftd_counters(dbase))
                 say(f"  {cell_line(table[n]['draftd'])}")
                 partial()
-            runs = []
-            if "llama_plain" in configs:
-                runs.append(("llama_plain", {}))
-            if "llama_ngram" in configs:
-                runs += [(f"llama_{t}", {"spec_type": t}) for t in want]
-            if "llama_draft" in configs:
-                if draft.is_file():
-                    # -md alone leaves --spec-type at none unless the draft GGUF names a type (this one does not)
-                    runs.append(("llama_draft", {"draft_model": draft,
-                                                 "spec_type": "draft-simple" if "draft-simple" in types else None}))
-                else:
-                    result["skipped"]["llama_draft"] = (f"no derived draft GGUF cached at {draft} (daemonctl serve "
-                                                        f"writes it at its first start on llama.cpp)")
             for name, kw in runs:
-                p = peers.free_port()
                 # --metrics: /metrics's llama_decode counts (what the bench reads, nothing else changes)
-                cmd = peers.server_command(binary, target, p, n, a.ctx_per_slot, threads, extra=("--metrics",), **kw)
-                result["commands"].setdefault(name, " ".join(cmd[1:]).replace(str(p), "PORT"))
+                cmd, p, shown = llama_command(binary, target, kw, n, a.ctx_per_slot, threads, extra=("--metrics",))
+                result["commands"].setdefault(name, shown)
                 say(f"{n} client(s): {name}")
                 try:
                     with peers.running_process(cmd, p, logs / f"{name}-{n}.log", timeout_s=300) as (url, proc):

@@ -277,3 +277,69 @@ def test_paired_rounds_send_each_round_concurrently_and_pair_the_rounds_aggregat
     assert len(d["requests"]) == 6 and d["ttft_ms_median"] == 100.0
     r = out["draftd_vs_llama_plain"]
     assert r["ratio_geomean"] == 2.0 and r["pairs"] == 3
+
+
+SPEC_TYPES = ["ngram-cache", "ngram-simple", "ngram-map-k", "draft-simple"]  # as spec_types reads a --help
+
+
+def test_llama_runs_list_plain_each_ngram_type_then_the_draft_model(tmp_path):
+    draft = tmp_path / "smollm2-layers-0-3.gguf"
+    draft.write_bytes(b"GGUF")
+    configs = ["draftd", "llama_plain", "llama_ngram", "llama_draft"]
+    runs, skipped = serve_bench.llama_runs(configs, SPEC_TYPES, "auto", draft)
+    assert runs == [("llama_plain", {}), ("llama_ngram-simple", {"spec_type": "ngram-simple"}),
+                    ("llama_ngram-map-k", {"spec_type": "ngram-map-k"}),  # ngram-cache wants a cache file
+                    ("llama_draft", {"draft_model": draft, "spec_type": "draft-simple"})]
+    assert skipped == {}
+    # -md with a llama.cpp that has no draft-simple type: no --spec-type for it
+    runs, _ = serve_bench.llama_runs(["llama_draft"], ["ngram-simple"], "auto", draft)
+    assert runs == [("llama_draft", {"draft_model": draft, "spec_type": None})]
+    # without llama_draft asked for: neither run nor skipped, cached or not
+    runs, skipped = serve_bench.llama_runs(["llama_plain", "llama_ngram"], SPEC_TYPES, "auto", tmp_path / "absent.gguf")
+    assert [n for n, _ in runs] == ["llama_plain", "llama_ngram-simple", "llama_ngram-map-k"] and skipped == {}
+
+
+def test_llama_runs_skip_an_uncached_draft_and_unlisted_ngram_types_with_the_reason(tmp_path):
+    absent = tmp_path / "absent.gguf"
+    runs, skipped = serve_bench.llama_runs(["llama_plain", "llama_ngram", "llama_draft"], SPEC_TYPES,
+                                           "ngram-simple,ngram-mod", absent)
+    assert runs == [("llama_plain", {}), ("llama_ngram-simple", {"spec_type": "ngram-simple"})]
+    assert set(skipped) == {"llama_ngram-mod", "llama_draft"}
+    assert skipped["llama_draft"].startswith(f"no derived draft GGUF cached at {absent} ")
+    assert skipped["llama_ngram-mod"] == "--spec-type ngram-mod is not in this llama-server's --help"
+    runs, skipped = serve_bench.llama_runs(["llama_ngram"], [], "auto", absent)
+    assert runs == [] and skipped == {"llama_ngram": "this llama.cpp's llama-server has no --spec-type"}
+
+
+def test_paired_servers_start_the_draft_model_peer_and_name_its_command(tmp_path, monkeypatch):
+    # issue 35: --paired ran llama_plain and the n-gram types only; llama_draft joins them
+    import contextlib
+
+    draft = tmp_path / "d.gguf"
+    draft.write_bytes(b"GGUF")
+    started, ports = [], iter(range(9001, 9100))
+    monkeypatch.setitem(sys.modules, "peers", peers)
+    monkeypatch.setattr(peers, "free_port", lambda: next(ports))
+
+    @contextlib.contextmanager
+    def fake_running(cmd, port, log_path, env=None, timeout_s=0):
+        started.append((cmd, log_path.name))
+        yield f"http://127.0.0.1:{port}", None
+
+    monkeypatch.setattr(peers, "running_process", fake_running)
+    runs, _ = serve_bench.llama_runs(["llama_plain", "llama_ngram", "llama_draft"], SPEC_TYPES, "ngram-simple", draft)
+    commands: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        servers = serve_bench.paired_servers(stack, runs, Path("/b/llama-server"), Path("/m/t.gguf"), width=4,
+                                             ctx_per_slot=512, threads=2, logs=tmp_path, commands=commands)
+    assert servers == {"llama_plain": ("http://127.0.0.1:9001/v1", False),
+                       "llama_ngram-simple": ("http://127.0.0.1:9002/v1", False),
+                       "llama_draft": ("http://127.0.0.1:9003/v1", False)}
+    assert [log for _, log in started] == ["llama_plain-paired.log", "llama_ngram-simple-paired.log",
+                                           "llama_draft-paired.log"]
+    cmd = started[2][0]
+    assert cmd[cmd.index("-md") + 1] == str(draft) and cmd[cmd.index("--spec-type") + 1] == "draft-simple"
+    assert cmd[cmd.index("-np") + 1] == "4" and cmd[cmd.index("-c") + 1] == "2048"
+    assert commands["llama_draft"] == " ".join(cmd[1:]).replace("9003", "PORT")
+    assert "--port PORT" in commands["llama_draft"] and f"-md {draft}" in commands["llama_draft"]
+    assert set(commands) == set(servers)
