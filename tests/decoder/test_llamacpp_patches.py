@@ -65,12 +65,26 @@ def _cpu_has_amx() -> bool:
     return "amx_int8" in text.split()
 
 
-@pytest.mark.skipif(not _cpu_has_amx(), reason="the AMX patch is compiled only where the CPU has AMX")
+def _switches(patch: Path) -> list[str]:
+    """The environment switches a patch adds (its ``getenv("...")`` calls)."""
+    return re.findall(r'getenv\("([A-Z0-9_]+)"\)', "\n".join(
+        line for line in patch.read_text().splitlines() if line.startswith("+")))
+
+
+def test_every_patch_has_a_switch_back_to_upstream():
+    """Each patch can be turned off at run time, so a bench measures it against upstream in one build."""
+    assert {p.name: bool(_switches(p)) for p in PATCHES} == {p.name: True for p in PATCHES}
+
+
+@pytest.mark.skipif(not _cpu_has_amx(), reason="the patched code is compiled only where the CPU has AMX/AVX-512")
 def test_the_installed_llama_cpp_is_the_patched_build():
-    """ggml-amx-few-rows.patch reads GGML_AMX_VNNI_MAX_ROWS: the string is in the CPU backend only
-    when the patched source was built (an unpatched wheel left in a cache would lack it)."""
+    """Each patch's switch name is in the CPU backend only when the patched source was built (an
+    unpatched wheel left in a cache would lack it)."""
     import llama_cpp
 
     libs = list((Path(llama_cpp.__file__).parent / "lib").glob("libggml-cpu.so*"))
     assert libs, "llama_cpp ships libggml-cpu"
-    assert all(b"GGML_AMX_VNNI_MAX_ROWS" in lib.read_bytes() for lib in libs), libs
+    for lib in libs:
+        data = lib.read_bytes()
+        missing = [name for p in PATCHES for name in _switches(p) if name.encode() not in data]
+        assert not missing, (lib, missing)
