@@ -2085,7 +2085,7 @@ def _phase_notes(report: dict, console) -> None:
                        "no measured change in decoded α" if v["low"] is not None and v["low"] <= 0 else "raised decoded α")
             console.print(f"  {r['workload']}: v{v['parent']} -> v{v['version']} {verdict}: {_cell(v['alpha_before'])} -> "
                           f"{_cell(v['alpha_after'])} ({_gain_ci(v['gain'], v['low'], v['high'])})"
-                          + (_lowered_note(report, r["workload"], v) if v["lowered"] else ""))
+                          + (_lowered_note(report, r["workload"], v, r.get("eval_prompts")) if v["lowered"] else ""))
         sv = r.get("served") or {}
         if sv.get("repeats"):
             console.print(f"  {r['workload']}: {sv['repeats']} of {sv['requests']} served requests repeated a prompt "
@@ -2094,14 +2094,20 @@ def _phase_notes(report: dict, console) -> None:
                           f"pick reflect repeated traffic; the table's rows are on prompts never served")
 
 
-def _lowered_note(report: dict, workload: str, v: dict) -> str:
+def _lowered_note(report: dict, workload: str, v: dict, prompts=None) -> str:
     """Why a promotion that measurably lowered ``workload``'s decoded α (``v``, a ``versions`` row)
     is no broken gate: the version's scope and the workloads its gate judged (its reason's "on
     code: ..."), and the trainer's cross-workload tolerance, ``regress_margin`` (the report's
-    config; a report without it names the setting without a value), against the drop."""
+    config; a report without it names the setting without a value), against the drop. Where
+    ``workload`` is the version's own scope or one its gate judged, no tolerance applies: the note
+    sets the gate's gain on held-out served traffic (from the reason) against the drop on the
+    ``prompts`` (a count) never served (:func:`_own_lowered_note`)."""
     ad = next((a for a in report.get("adapters") or () if a.get("version") == v["version"]), {})
     m = re.match(r"on ([^:]+):", str(ad.get("reason") or ""))
     who = "a shared adapter" if not ad.get("scope") else f"{ad['scope']}'s adapter"
+    judged = [w.strip() for w in m.group(1).split(",")] if m else []
+    if workload == ad.get("scope") or workload in judged:
+        return _own_lowered_note(v, who, m.group(1) if m else workload, str(ad.get("reason") or ""), prompts)
     on = f", promoted on {m.group(1)}'s held-out evidence" if m else ""
     margin = (report.get("config") or {}).get("regress_margin")
     drop = -(v.get("gain") or 0.0)
@@ -2112,6 +2118,24 @@ def _lowered_note(report: dict, workload: str, v: dict) -> str:
     return (f"; v{v['version']} is {who}{on}: the trainer's gate lets a promotion lower another workload's held-out "
             f"acceptance by up to regress_margin {margin:g} (the demo's cross-workload tolerance), and this drop of "
             f"{drop:.3f} is {within} it" + ("" if within == "within" else ": more than the gate allows, worth a look"))
+
+
+_GATE_GAIN = re.compile(r"\(([+-][\d.]+), [\d.]+ % CI \[([^\]]+)\]\) on (\d+) positions of (\d+) held-out requests")
+
+
+def _own_lowered_note(v: dict, who: str, judged: str, reason: str, prompts=None) -> str:
+    """The lowered note of a version on its own workload (its scope, or one its gate judged): the
+    gate's gain on held-out served requests, acceptance as served, as ``reason`` gives it ("+0.0364
+    [+0.0099, +0.0659] on 577 positions of 19 requests"), against the decoded drop on ``prompts``
+    never-served prompts: two measurements that disagree, not a tolerance (a walkthrough's note
+    claimed regress_margin allowed a drop on the adapter's own workload)."""
+    g = _GATE_GAIN.search(reason)
+    gain = (f", {g.group(1)} [{g.group(2)}] on {g.group(3)} positions of {g.group(4)} requests (the adapter's reason "
+            f"has it)" if g else " (the adapter's reason has it)")
+    on = f"the {prompts} never-served prompts" if prompts else "never-served prompts"
+    return (f"; v{v['version']} is {who}, promoted on {judged}'s held-out served requests' acceptance as served{gain}, "
+            f"while decoded on {on} it fell: the two measurements disagree (teacher-forced on held-out served traffic "
+            f"against decoded on never-served prompts), worth a look (report.json's versions and adapters)")
 
 
 def _adapter_tables(report: dict, console) -> None:

@@ -1,0 +1,52 @@
+"""The quick demo's trips of the seventeenth session's fresh-clone walkthrough at 8b59a87
+(docs/walkthroughs.md): a promotion that lowered its own workload's decoded α explained as another
+workload's tolerance, one comparison printed twice with two intervals, a "third ceiling" equal to
+the first, the live table's two rates, and the alarm note's phase clock. The figures are that run's
+report.json's, copied here."""
+
+from test_demo_trips2 import _printed  # the report as printed at 600 columns
+from test_demo_trips3 import _phase
+
+
+def _text(report: dict) -> str:
+    return " ".join(_printed(report).split())
+
+
+# (1) a promotion that lowered its own workload -------------------------------------------------------------
+
+# 8b59a87's report.json: prose's versions, and v3's registry row (its reason as the trainer wrote it)
+PROSE_VERSIONS = [{"version": 2, "parent": 1, "alpha_before": 0.1784, "alpha_after": 0.6155, "gain": 0.4371,
+                   "low": 0.3264, "high": 0.5824, "lowered": False},
+                  {"version": 3, "parent": 2, "alpha_before": 0.6155, "alpha_after": 0.5752, "gain": -0.0403,
+                   "low": -0.0598, "high": -0.0074, "lowered": True}]
+V3 = {"version": 3, "parent": 2, "scope": "prose", "state": "promoted",
+      "reason": "on prose: α 0.4575 -> 0.4939 (+0.0364, 95 % CI [+0.0099, +0.0659]) on 577 positions of 19 held-out "
+                "requests (acceptance as served); α at T=1 0.441 -> 0.455: gain >= promote_margin 0.0, lower bound "
+                "> 0; no workload regressed > 0.05"}
+
+
+def test_a_promotion_that_lowered_its_own_workload_is_not_explained_by_the_cross_workload_tolerance():
+    """8b59a87: "prose: v2 -> v3 LOWERED decoded α: 0.616 -> 0.575 (-0.040, CI [-0.060, -0.007]); v3 is
+    prose's adapter, promoted on prose's held-out evidence: the trainer's gate lets a promotion lower
+    another workload's held-out acceptance by up to regress_margin 0.05 ...": prose is v3's own scope,
+    judged by its gate (+0.0364 [+0.0099, +0.0659] on 577 positions of 19 held-out requests), and
+    no tolerance lets a promotion lower it. The two measurements disagree: said so."""
+    report = {"phases": [_phase("prose", versions=PROSE_VERSIONS, eval_prompts=8)], "adapters": [V3],
+              "config": {"regress_margin": 0.05}}
+    text = _text(report)
+    assert ("prose: v2 -> v3 LOWERED decoded α: 0.616 -> 0.575 (-0.040, CI [-0.060, -0.007]); v3 is prose's adapter, "
+            "promoted on prose's held-out served requests' acceptance as served, +0.0364 [+0.0099, +0.0659] on 577 "
+            "positions of 19 requests (the adapter's reason has it), while decoded on the 8 never-served prompts it "
+            "fell: the two measurements disagree (teacher-forced on held-out served traffic against decoded on "
+            "never-served prompts), worth a look (report.json's versions and adapters)") in text, text
+    assert "regress_margin" not in text and "another workload" not in text, text
+    # a shared adapter whose gate judged prose: prose is the workload it was judged on, the same case
+    shared = dict(V3, scope="")
+    text = _text(dict(report, adapters=[shared]))
+    assert "v3 is a shared adapter, promoted on prose's held-out served requests' acceptance as served" in text, text
+    assert "regress_margin" not in text
+    # the same version lowering another workload (math) keeps the tolerance's explanation
+    math = _phase("math", versions=[dict(PROSE_VERSIONS[1])], eval_prompts=8)
+    text = _text(dict(report, phases=[math]))
+    assert ("v3 is prose's adapter, promoted on prose's held-out evidence: the trainer's gate lets a promotion lower "
+            "another workload's held-out acceptance by up to regress_margin 0.05") in text, text
