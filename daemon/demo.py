@@ -2069,6 +2069,7 @@ def _phase_notes(report: dict, console) -> None:
         if later:
             console.print(f"  {r['workload']}: {later}")
         pe = r.get("phase_end_gain_ci")
+        same = _same_as_phase_end(r, pe)  # a versions row of the same two versions: printed once, on pe's line
         if pe and _is_v0(pe["version"], r, pe):
             who = _version_name(pe["version"], r, pe)
             console.print(f"  {r['workload']}: at its phase's end the learner was still {who}: "
@@ -2079,8 +2080,10 @@ def _phase_notes(report: dict, console) -> None:
                      "raised" if pe.get("low") is not None and pe["low"] > 0 else "not measurably changed")
             console.print(f"  {r['workload']}: at its phase's end the learner (v{pe['version']}) had {moved} decoded α "
                           f"{_cell(pe['before'])} -> {_cell(pe['after'])} ({_gain_ci(pe['gain'], pe['low'], pe['high'])}); "
-                          f"{_adapted_row_is(r, pe)}")
-        for v in r.get("versions") or []:
+                          f"{_adapted_row_is(r, pe)}"
+                          + (_lowered_note(report, r["workload"], same, r.get("eval_prompts"))
+                             if same and same["lowered"] else ""))
+        for v in [v for v in r.get("versions") or [] if v is not same]:
             verdict = ("LOWERED decoded α" if v["lowered"] else
                        "no measured change in decoded α" if v["low"] is not None and v["low"] <= 0 else "raised decoded α")
             console.print(f"  {r['workload']}: v{v['parent']} -> v{v['version']} {verdict}: {_cell(v['alpha_before'])} -> "
@@ -2092,6 +2095,18 @@ def _phase_notes(report: dict, console) -> None:
                           f"served earlier in the phase ({sv['requests'] - sv['repeats']} distinct prompts served); "
                           f"the n-gram proposer copies a repeat's earlier output, so live α and the controller's "
                           f"pick reflect repeated traffic; the table's rows are on prompts never served")
+
+
+def _same_as_phase_end(row: dict, pe: dict | None) -> dict | None:
+    """The phase row's ``versions`` entry that compares the same two versions as its phase-end
+    learner ``pe`` (v0, ``row["v0_version"]``, against ``pe["version"]``), or None: the same paired
+    bootstrap on the same prompts, kept to 4 decimals in ``versions``, so printed as well it gave
+    the one comparison twice with intervals a rounding apart (a walkthrough read "+0.543]" and
+    "+0.542]")."""
+    if not pe or _is_v0(pe["version"], row, pe) or "v0_version" not in row:
+        return None
+    return next((v for v in row.get("versions") or () if v.get("parent") == row["v0_version"]
+                 and v.get("version") == pe["version"]), None)
 
 
 def _lowered_note(report: dict, workload: str, v: dict, prompts=None) -> str:

@@ -50,3 +50,46 @@ def test_a_promotion_that_lowered_its_own_workload_is_not_explained_by_the_cross
     text = _text(dict(report, phases=[math]))
     assert ("v3 is prose's adapter, promoted on prose's held-out evidence: the trainer's gate lets a promotion lower "
             "another workload's held-out acceptance by up to regress_margin 0.05") in text, text
+
+
+# (2) one comparison, printed once ----------------------------------------------------------------------------
+
+# 8b59a87's report.json: extract's phase_end_gain_ci (full precision) and its versions row (to 4 decimals),
+# the same paired bootstrap of v1 against v18 on the same 8 prompts
+EXTRACT_PE = {"version": 18, "is_v0": False, "clusters": 8, "samples": 8, "positions": 630,
+              "before": 0.16429699842022116, "after": 0.5904761904761905, "gain": 0.4261791920559693,
+              "low": 0.3366687917813864, "high": 0.5425299074560822, "confidence": 0.95}
+EXTRACT_VERSIONS = [{"version": 18, "parent": 1, "alpha_before": 0.1643, "alpha_after": 0.5905, "gain": 0.4262,
+                     "low": 0.3367, "high": 0.5425, "lowered": False}]
+
+
+def test_the_phase_end_comparison_is_not_printed_again_as_a_versions_row():
+    """8b59a87: "extract: at its phase's end the learner (v18) had raised decoded α 0.164 -> 0.590 (+0.426,
+    CI [+0.337, +0.543])" and then "extract: v1 -> v18 raised decoded α: 0.164 -> 0.591 (+0.426, CI
+    [+0.337, +0.542])": one comparison (v0 = v1 against v18), its versions row rounded to 4 decimals
+    first (0.5905 -> 0.591, 0.5425 -> 0.542; unrounded 0.59048 -> 0.590, 0.54253 -> 0.543)."""
+    assert (f"{EXTRACT_PE['after']:.3f}", f"{EXTRACT_PE['high']:.3f}") == ("0.590", "0.543")
+    row = _phase("extract", v0_version=1, final_adapter=18, phase_end_gain_ci=EXTRACT_PE, versions=EXTRACT_VERSIONS)
+    text = _text({"phases": [row]})
+    assert ("extract: at its phase's end the learner (v18) had raised decoded α 0.164 -> 0.590 (+0.426, CI [+0.337, "
+            "+0.543])") in text, text
+    assert "v1 -> v18" not in text and "0.591" not in text and "+0.542" not in text, text
+    assert text.count("(+0.426, CI [+0.337, +0.543])") == 1, text
+    # prose's steps v1 -> v2 -> v3 are not its phase-end comparison (v1 against v3): each printed
+    pe = {"version": 3, "is_v0": False, "before": 0.17836498761354252, "after": 0.5751937984496124,
+          "gain": 0.39682881083606986, "low": 0.28150409962460876, "high": 0.5579871378715332}
+    prose = _phase("prose", v0_version=1, final_adapter=3, phase_end_gain_ci=pe, versions=PROSE_VERSIONS,
+                   eval_prompts=8)
+    text = _text({"phases": [prose], "adapters": [V3], "config": {"regress_margin": 0.05}})
+    assert "prose: v1 -> v2 raised decoded α: 0.178 -> 0.616 (+0.437, CI [+0.326, +0.582])" in text, text
+    assert "prose: v2 -> v3 LOWERED decoded α: 0.616 -> 0.575" in text, text
+    # a lowered step that is the phase-end comparison keeps its note, on the phase-end line
+    low = {"version": 3, "is_v0": False, "before": 0.6155, "after": 0.5752, "gain": -0.0403, "low": -0.0598,
+           "high": -0.0074}
+    one = _phase("prose", v0_version=2, final_adapter=3, phase_end_gain_ci=low, versions=[PROSE_VERSIONS[1]],
+                 eval_prompts=8)
+    text = _text({"phases": [one], "adapters": [V3], "config": {"regress_margin": 0.05}})
+    assert ("at its phase's end the learner (v3) had lowered decoded α 0.616 -> 0.575 (-0.040, CI [-0.060, -0.007]); "
+            "the table's adapted row is this same version, the final one serving the workload; v3 is prose's adapter, "
+            "promoted on prose's held-out served requests'") in text, text
+    assert "v2 -> v3" not in text
