@@ -2363,18 +2363,40 @@ def _price_sources(report: dict) -> str | None:
         return None
     picks = [p for r in report.get("phases") or [] if (p := (r.get("controller_pick") or {}).get("t_plain_ms"))]
     last = _plain_ms(report.get("step_cost_ms"))
-    # its ceiling with its value as report.json keeps it (a walkthrough met "a third ceiling" without its figure)
-    third = (report.get("engine_ceiling") or {}).get("speedup")
-    top = (f"report.json's top-level step_cost_ms ({last:.2f} ms) and engine_ceiling (a third ceiling, {third:.3f}x, "
-           f"on those steps) are" if third is not None else f"report.json's top-level step_cost_ms ({last:.2f} ms) "
-           f"is") if last else ""
+    top = _top_level_costs(report, last, stopped) if last else ""
     span = (f" (a plain step {min(picks):.2f}-{max(picks):.2f} ms)" if len(picks) > 1 and min(picks) != max(picks)
             else f" (a plain step {picks[0]:.2f} ms)" if picks else "")
     return (f"which plain step each price divides by: the ceiling with the trainer stopped and the Leviathan table, "
             f"StepCost's steps by verified rows re-measured with the trainer stopped ({stopped:.2f} ms)"
             + (f"; the ceiling while serving, the same beside the trainer ({beside:.2f} ms)" if beside else "")
             + f"; each pick's `why`, the controller's own steps of that workload, re-measured too{span}"
-            + (f"; {top} StepCost after the evaluation's own steps, which priced nothing here" if last else ""))
+            + (f"; {top}" if last else ""))
+
+
+def _top_level_costs(report: dict, last: float, stopped: float) -> str:
+    """The price-sources line's clause on report.json's top-level ``step_cost_ms`` (plain step
+    ``last`` ms) and ``engine_ceiling``: StepCost after the evaluation's own steps. Its ceiling with
+    its value as report.json keeps it (a walkthrough met "a third ceiling" without its figure); one
+    equal to 3 decimals to a ceiling printed above (``remeasured``'s, stopped or beside the trainer)
+    is said to be that one, not "a third" (a walkthrough read "a third ceiling, 2.466x" beside the
+    stopped 2.466x); a plain step other than the re-measured ``stopped`` ms says in a few words why."""
+    third = (report.get("engine_ceiling") or {}).get("speedup")
+    rem = report.get("remeasured") or {}
+    shown = {"with the trainer stopped": (rem.get("engine_ceiling") or {}).get("speedup"),
+             "beside the trainer": ((rem.get("beside_trainer") or {}).get("engine_ceiling") or {}).get("speedup")}
+    same = next((when for when, x in shown.items() if third is not None and x is not None
+                 and f"{x:.3f}" == f"{third:.3f}"), None)
+    if third is None:
+        head = f"report.json's top-level step_cost_ms ({last:.2f} ms) is"
+    elif same:
+        head = (f"report.json's top-level step_cost_ms ({last:.2f} ms) and engine_ceiling ({third:.3f}x on those steps: "
+                f"the same ceiling as {same}, above) are")
+    else:
+        head = (f"report.json's top-level step_cost_ms ({last:.2f} ms) and engine_ceiling (a third ceiling, "
+                f"{third:.3f}x, on those steps) are")
+    why = (f" (its {last:.2f} ms is the median of the evaluation's last plain steps, another moment than the "
+           f"re-measured {stopped:.2f} ms)" if f"{last:.2f}" != f"{stopped:.2f}" else "")
+    return f"{head} StepCost after the evaluation's own steps, which priced nothing here{why}"
 
 
 def _format_plain_ms(report: dict) -> tuple[float | None, int, str]:

@@ -93,3 +93,44 @@ def test_the_phase_end_comparison_is_not_printed_again_as_a_versions_row():
             "the table's adapted row is this same version, the final one serving the workload; v3 is prose's adapter, "
             "promoted on prose's held-out served requests'") in text, text
     assert "v2 -> v3" not in text
+
+
+# (3) the top-level ceiling equal to the one with the trainer stopped -----------------------------------------
+
+# 8b59a87's report.json: remeasured.step_cost_ms (the trainer stopped), remeasured.beside_trainer and the
+# top-level step_cost_ms (after the evaluation's own steps), ms by rows as JSON keeps them; their ceilings
+STOPPED = {"1": 9.4326, "2": 12.2709, "3": 14.5876, "4": 16.5231, "5": 19.1258}
+BESIDE = {"1": 10.5402, "2": 14.1558, "3": 16.0469, "4": 23.439, "5": 20.7683}
+LAST = {"1": 7.2296, "2": 10.097, "3": 12.387, "4": 15.292, "5": 14.6589}
+STOPPED_CEIL = {"by_gamma": {"1": 1.537, "2": 1.94, "3": 2.283, "4": 2.466}, "gamma": 4, "speedup": 2.466}
+BESIDE_CEIL = {"by_gamma": {"1": 1.489, "2": 1.971, "3": 1.799, "4": 2.538}, "gamma": 4, "speedup": 2.538}
+LAST_CEIL = {"by_gamma": {"1": 1.432, "2": 1.751, "3": 1.891, "4": 2.466}, "gamma": 4, "speedup": 2.466}
+
+
+def _ceiling_report(last_ms: dict = LAST, last_ceil: dict = LAST_CEIL) -> dict:
+    rem = {"requests": 64, "step_cost_ms": STOPPED, "engine_ceiling": STOPPED_CEIL,
+           "beside_trainer": {"step_cost_ms": BESIDE, "engine_ceiling": BESIDE_CEIL}}
+    return {"phases": [_phase("prose")], "remeasured": rem, "step_cost_ms": last_ms, "engine_ceiling": last_ceil}
+
+
+def test_a_top_level_ceiling_equal_to_one_printed_is_named_as_that_one_not_a_third():
+    """8b59a87: "report.json's top-level step_cost_ms (7.23 ms) and engine_ceiling (a third ceiling,
+    2.466x, on those steps)": 5 x 7.2296 / 14.6589 = 2.466, the ceiling with the trainer stopped's
+    5 x 9.4326 / 19.1258 = 2.466 too. Its plain step, 7.23 ms against the re-measured 9.43, said why in
+    a few words."""
+    assert round(5 * 7.2296 / 14.6589, 3) == round(5 * 9.4326 / 19.1258, 3) == 2.466
+    text = _text(_ceiling_report())
+    assert ("report.json's top-level step_cost_ms (7.23 ms) and engine_ceiling (2.466x on those steps: the same "
+            "ceiling as with the trainer stopped, above) are StepCost after the evaluation's own steps, which priced "
+            "nothing here (its 7.23 ms is the median of the evaluation's last plain steps, another moment than the "
+            "re-measured 9.43 ms)") in text, text
+    assert "a third ceiling" not in text, text
+    # equal to the one beside the trainer (2.538, as report.json keeps it): that one
+    text = _text(_ceiling_report(last_ceil=dict(LAST_CEIL, speedup=2.538)))
+    assert "engine_ceiling (2.538x on those steps: the same ceiling as beside the trainer, above)" in text, text
+    # another figure stays a third ceiling; a plain step equal to the re-measured one needs no why
+    same_step = dict(LAST, **{"1": 9.4326})
+    text = _text(_ceiling_report(same_step, dict(LAST_CEIL, speedup=2.364)))
+    assert ("report.json's top-level step_cost_ms (9.43 ms) and engine_ceiling (a third ceiling, 2.364x, on those "
+            "steps) are StepCost after the evaluation's own steps, which priced nothing here") in text, text
+    assert "median of the evaluation's" not in text
