@@ -134,3 +134,56 @@ def test_a_top_level_ceiling_equal_to_one_printed_is_named_as_that_one_not_a_thi
     assert ("report.json's top-level step_cost_ms (9.43 ms) and engine_ceiling (a third ceiling, 2.364x, on those "
             "steps) are StepCost after the evaluation's own steps, which priced nothing here") in text, text
     assert "median of the evaluation's" not in text
+
+
+# (4) the live table's two rates ---------------------------------------------------------------------------------
+
+class _Fake:
+    def __init__(self, why: str = "-"):
+        self.why = why
+
+    def status(self):
+        return {}
+
+    def decision(self, key):
+        return {"why": self.why}
+
+
+def _live_table(rate: float, why: str):
+    import daemon.demo as demo
+
+    row = {"workload": "code", "alpha": 0.593, "tau": 1.51, "tokens_per_s": rate, "proposer": "ngram",
+           "adapter_version": 8}
+    return demo._progress_table([row] * 12, "code", _Fake(), _Fake(), _Fake(why), ("code", "greedy"))
+
+
+def test_the_live_table_says_once_a_run_what_its_two_rates_are(monkeypatch):
+    """8b59a87's code table: "rolling tokens/s 62.40" beside "speculation ngram γ=2: 0.114 tok/ms vs plain
+    0.091", read as 62 tokens/s against 114 (0.114 tok/ms x 1000). The first table printed says what
+    each is (whole requests, prefill included; the controller's estimates per decoding step); the
+    later phases' tables do not repeat it. On a terminal the one live table carries it."""
+    import io
+
+    from rich.console import Console
+
+    import daemon.demo as demo
+
+    assert round(0.114 * 1000) == 114
+    why = "ngram γ=2: 0.114 tok/ms vs plain 0.091; best draft γ=1 0.073"
+    out = io.StringIO()
+    with demo._live(Console(file=out, width=100), every_s=60.0) as live:  # a StringIO: off a terminal
+        for rate in (71.18, 62.40, 71.85):
+            live.update(_live_table(rate, why), "line")
+            live.phase_end()
+    text = " ".join(out.getvalue().split())
+    assert text.count("rolling tokens/s │ 62.40") == 1 and text.count("draftd demo (live)") == 3, text
+    said = ("rolling tokens/s: whole requests, each one's output tokens over its time, prefill included; "
+            "speculation's tok/ms: the controller's goodput estimates per decoding step, prefill left out, what it "
+            "picks by: two rates, not one")
+    assert text.count(said) == 1, text
+    assert text.index(said) < text.index("62.40")  # under the first phase's table
+    # on a terminal: rich's Live redraws one table, its caption the note
+    seen = []
+    live = demo._TerminalLive(type("L", (), {"update": lambda self, t: seen.append(t)})())
+    live.update(_live_table(62.40, why))
+    assert seen[0].caption == said
