@@ -2564,13 +2564,32 @@ def _remeasured_alarms(report: dict, n_alarms: int) -> tuple[int, int]:
     return n_alarms, n_alarms
 
 
+def _clock_late(shift: dict) -> float:
+    """Seconds from a phase's first request to the start of its clock (``wall_seconds - seconds``
+    of its ``shifts`` entry: the first phase's clock starts at v0's arrival); 0 within a second."""
+    wall, s = shift.get("wall_seconds"), shift.get("seconds")
+    return wall - s if wall is not None and s is not None and wall - s > 1 else 0.0
+
+
+def _alarm_clock(report: dict, places: list[str]) -> str:
+    """The alarm note's word on the first phase's clock, where an alarm of that phase is placed on it
+    ("s into its phase") and it started late: "; "s into its phase" on the phase's clock: prose's
+    starts at v0's arrival, 92 s after its first request" (a walkthrough read an alarm "2 s into its
+    phase" at its phase's 49th request); "" otherwise. Said once, before the first alarm's place."""
+    shifts, alarms = report.get("shifts") or [], report.get("shift_alarms") or []
+    late = _clock_late(shifts[0]) if shifts else 0.0
+    w = shifts[0].get("workload") if shifts else None
+    if not late or not any(_alarm_workload(a) == w and " s into its phase" in p for a, p in zip(alarms, places)):
+        return ""
+    return f"; \"s into its phase\" on the phase's clock: {w}'s starts at v0's arrival, {late:.0f} s after its first request"
+
+
 def _into_phase(since_first: float, shift: dict) -> str:
     """", 41 s into its phase" for an alarm ``since_first`` seconds after its phase's first request, on
     the clock its phase's closing line gives (:func:`_served_for`: the first phase's starts at v0's
     arrival, ``wall_seconds - seconds`` after its first request; a walkthrough read an alarm "122 s into
     its phase" of a phase whose clock ran 120 s); one before that clock started says so."""
-    wall, s = shift.get("wall_seconds"), shift.get("seconds")
-    late = wall - s if wall is not None and s is not None and wall - s > 1 else 0.0
+    late = _clock_late(shift)
     if since_first >= late:
         return f", {since_first - late:.0f} s into its phase"
     return f", {since_first:.0f} s after its phase's first request, before its clock started (while v0 bootstrapped)"
@@ -2658,7 +2677,7 @@ def _shift_alarms_note(report: dict) -> str | None:
         f"shift (the re-measurement serves each workload again, after the others' traffic)" if outside else "") if w]
     plot = Path(report.get("plot") or "out/demo/acceptance.png").name
     return (f"{len(alarms)} acceptance_shift alarm(s) (a proposer's windowed α fell below its running mean; mean -> "
-            f"its last requests'): {'; '.join(each)}. Why: {'; '.join(why)}. No action needed while outputs equal plain "
+            f"its last requests'{_alarm_clock(report, places)}): {'; '.join(each)}. Why: {'; '.join(why)}. No action needed while outputs equal plain "
             f"decoding's (above); one far from a shift or beside a rollback is worth a look: report.json's "
             f"shift_alarms, α per proposer in {plot}")
 

@@ -187,3 +187,47 @@ def test_the_live_table_says_once_a_run_what_its_two_rates_are(monkeypatch):
     live = demo._TerminalLive(type("L", (), {"update": lambda self, t: seen.append(t)})())
     live.update(_live_table(62.40, why))
     assert seen[0].caption == said
+
+
+# (5) the alarm note's phase clock -----------------------------------------------------------------------------
+
+def _alarm(w: str, ref: float, rec: float) -> dict:
+    return {"key": [w, "greedy"], "proposer": "ngram", "reference_alpha": ref, "recent_alpha": rec}
+
+
+# 8b59a87's report.json: shifts, shift_alarms, the timeline's flagged rows (index: t) and the re-measurement's counts
+SHIFTS = [{"t": 2.79e-05, "request": 0, "workload": "prose", "seconds": 120.4, "wall_seconds": 212.4, "requests": 299},
+          {"t": 212.388, "request": 299, "workload": "code", "seconds": 120.5, "wall_seconds": 120.5, "requests": 219},
+          {"t": 332.928, "request": 518, "workload": "math", "seconds": 120.1, "wall_seconds": 120.1, "requests": 249},
+          {"t": 453.002, "request": 767, "workload": "extract", "seconds": 120.3, "wall_seconds": 120.3,
+           "requests": 247}]
+FLAGGED = {48: 93.98, 181: 156.79, 377: 255.75, 730: 436.16, 920: 528.07}
+ALARMS = [_alarm("prose", 0.5487684211891887, 0.3771180714710126), _alarm("prose", 0.5290081047595023, 0.39089026915113867),
+          _alarm("code", 0.5774933223867528, 0.3), _alarm("math", 0.6019071056221396, 0.4255820026494689),
+          _alarm("extract", 0.8203751213288962, 0.5181181563534505)]
+
+
+def test_the_alarm_note_says_once_that_the_first_phases_clock_starts_at_v0s_arrival():
+    """8b59a87: "prose n-gram 0.55 -> 0.38 at request 49 of 299, 2 s into its phase": 93.98 s after prose's
+    first request, on a clock that started 212.4 - 120.4 = 92 s after it, at v0's arrival. The note
+    says so once, before the first alarm's place; the other phases' clocks start at their first
+    request (code's 255.75 - 212.388 = 43 s)."""
+    import daemon.demo as demo
+
+    assert round(93.98 - (212.4 - 120.4)) == 2 and round(255.75 - 212.388) == 43
+    timeline = [{"t": FLAGGED.get(i, 0.0), "shift_alarm": i in FLAGGED} for i in range(1014)]
+    report = {"shift_alarms": ALARMS, "shifts": SHIFTS, "timeline": timeline,
+              "remeasured": {"alarms": {"before": 5, "after": 5}, "requests": 64},
+              "phases": [{"workload": w} for w in ("prose", "code", "math", "extract")]}
+    note = demo._shift_alarms_note(report)
+    assert note.startswith(
+        "5 acceptance_shift alarm(s) (a proposer's windowed α fell below its running mean; mean -> its last requests'; "
+        "\"s into its phase\" on the phase's clock: prose's starts at v0's arrival, 92 s after its first request): "
+        "prose n-gram 0.55 -> 0.38 at request 49 of 299, 2 s into its phase; prose n-gram 0.53 -> 0.39 at request 182 "
+        "of 299, 65 s into its phase; code n-gram 0.58 -> 0.30 at request 79 of 219, 43 s into its phase;"), note
+    assert note.count("v0's arrival") == 1
+    # no alarm in the first phase: nothing to say of its clock
+    later = dict(report, shift_alarms=ALARMS[2:], remeasured={"alarms": {"before": 3, "after": 3}},
+                 timeline=[dict(r, shift_alarm=r["shift_alarm"] and i > 200) for i, r in enumerate(timeline)])
+    note = demo._shift_alarms_note(later)
+    assert "v0's arrival" not in note and "code n-gram 0.58 -> 0.30 at request 79 of 219, 43 s into its phase" in note
