@@ -270,6 +270,29 @@ class _ThreadpoolParams(ctypes.Structure):
 _pool_fns = None  # (params_default, new, free, attach, detach) or False where the build lacks them
 
 
+# the environment switches of scripts/patches: each changes what a step costs
+PATCH_SWITCHES = ("GGML_AMX_VNNI_MAX_ROWS", "GGML_FA_BF16V_BLOCKED")
+
+
+def cpu_backend_identity() -> str:
+    """What decides llama.cpp's step costs besides the CPU and the model: a digest (16 hex) of the
+    installed CPU backend libraries' bytes (another build, patched or not, is another digest) and
+    the patches' switches as set in this environment (``NAME=value``, unset ones left out). For
+    keys of cached cost measurements (``decoder.models.formats.measure_formats``); "" when
+    llama-cpp-python is not installed."""
+    import hashlib
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.origin:
+        return ""
+    libdir = Path(spec.origin).parent / "lib"
+    h = hashlib.sha256()
+    for lib in sorted({p.resolve() for p in libdir.glob("libggml-cpu*") if p.is_file()}):
+        h.update(lib.read_bytes())
+    env = ",".join(f"{k}={os.environ[k]}" for k in PATCH_SWITCHES if k in os.environ)
+    return h.hexdigest()[:16] + (f";{env}" if env else "")
+
+
 def _threadpool_fns():
     """ggml's threadpool calls and llama.cpp's attach/detach through ctypes (llama-cpp-python binds
     neither), from the libraries it loaded; False where a symbol is missing."""

@@ -549,7 +549,8 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     contest is timed again), plus one quantisation per format, written once.
 
     Cached as JSON in ``cache_dir`` (default ``cache_root() / "formats"``) keyed by the packaged
-    file's digest, the CPU model and flags, the threads, the formats and the draft layers; delete
+    file's digest, the CPU model and flags, the threads, the formats, the draft layers and the llama.cpp
+    build (:func:`decoder.engines.llamacpp_lib.cpu_backend_identity`); delete
     it to measure again. Not cached: a format over :data:`NOISE_MAX`, or other processes above
     :data:`BUSY_MAX` of the CPUs (``busy``: no format is judged on it, :func:`choose_format`).
     """
@@ -560,8 +561,11 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     gguf = Path(gguf)
     threads = int(threads or os.cpu_count() or 1)
     fmts = list(dict.fromkeys(f if f == PACKAGED else f.upper() for f in formats))
+    from decoder.engines.llamacpp_lib import cpu_backend_identity
+
+    # the llama.cpp build is part of the key: a rebuilt or patched backend prices steps anew
     key = {"model": f"{gguf.stem}-{file_digest16(gguf)}", **cpu_key(threads), "formats": fmts,
-           "draft_layers": draft_layers, "version": MEASURE_VERSION}
+           "draft_layers": draft_layers, "version": MEASURE_VERSION, "llama_cpu": cpu_backend_identity()}
     cdir = Path(cache_dir or cache_root() / "formats")
     cfile = _cache_file(key, cdir)
     cached_m = _cached_measurement(cfile, key) if use_cache else None

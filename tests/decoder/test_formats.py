@@ -648,3 +648,54 @@ def test_the_refused_formats_are_the_ones_llama_cpps_quantiser_refuses(tmp_path)
         with pytest.raises(RuntimeError, match=f"-> {name}\\) returned"):
             requantised_gguf(src, name, cache_dir=tmp_path)
     assert requantised_gguf(src, "Q4_0", cache_dir=tmp_path).is_file() and F.format_setting("q4_0") == "Q4_0"
+
+
+def test_another_llama_cpp_build_or_patch_switch_measures_again(tiny_pkg, tmp_path, monkeypatch):
+    """Step costs belong to the llama.cpp build that timed them: a rebuilt (patched) CPU backend, or
+    a patch switched off for this process, is measured anew instead of reading the other build's
+    costs. ``_time_rows`` is faked: no timing in a test."""
+    import decoder.engines.llamacpp_lib as lib
+
+    calls = []
+
+    def fake(engines, reps, cached, max_seconds=None, more=None):
+        calls.extend(eng.path.name for eng, _ in engines.values())
+        return {name: {"ms": {n: 10.0 + n for n in rows}, "noise": 0.01, "rows_identical": True if max(rows) > 1 else None,
+                       "row_max_abs_diff": 0.0 if max(rows) > 1 else None} for name, (_, rows) in engines.items()}
+
+    monkeypatch.setattr(F, "_time_rows", fake)
+    for k in lib.PATCH_SWITCHES:
+        monkeypatch.delenv(k, raising=False)
+    kw = dict(formats=("packaged",), cache_dir=tmp_path / "fmt", n_ctx=64, cached=8)
+    first = F.measure_formats(tiny_pkg, threads=1, **kw)
+    assert first.key["llama_cpu"] == lib.cpu_backend_identity() and len(calls) == 1
+    assert F.measure_formats(tiny_pkg, threads=1, **kw).from_cache
+    monkeypatch.setenv("GGML_FA_BF16V_BLOCKED", "0")  # upstream's attention kernel: other costs
+    assert not F.measure_formats(tiny_pkg, threads=1, **kw).from_cache and len(calls) == 2
+    monkeypatch.delenv("GGML_FA_BF16V_BLOCKED")
+    monkeypatch.setattr(lib, "cpu_backend_identity", lambda: "another-build")  # a rebuilt backend
+    assert not F.measure_formats(tiny_pkg, threads=1, **kw).from_cache and len(calls) == 3
+
+
+def test_the_backend_identity_follows_the_library_bytes_and_the_switches(tmp_path, monkeypatch):
+    import importlib.util
+    import types
+
+    import decoder.engines.llamacpp_lib as lib
+
+    pkg = tmp_path / "llama_cpp"
+    (pkg / "lib").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "lib" / "libggml-cpu.so").write_bytes(b"build one")
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: types.SimpleNamespace(origin=str(pkg / "__init__.py")) if name == "llama_cpp" else None)
+    for k in lib.PATCH_SWITCHES:
+        monkeypatch.delenv(k, raising=False)
+    import hashlib
+
+    one = lib.cpu_backend_identity()
+    assert one == hashlib.sha256(b"build one").hexdigest()[:16]
+    monkeypatch.setenv("GGML_AMX_VNNI_MAX_ROWS", "1")
+    assert lib.cpu_backend_identity() == one + ";GGML_AMX_VNNI_MAX_ROWS=1"
+    (pkg / "lib" / "libggml-cpu.so").write_bytes(b"build two")
+    assert lib.cpu_backend_identity().startswith(hashlib.sha256(b"build two").hexdigest()[:16])
