@@ -31,16 +31,22 @@ class StepCost:
       trainer that runs in rounds every step costs more during a round, and proposals are tried
       at other times than plain steps run, so unpaired medians mixed a busy core's multi-row
       steps with an idle core's plain ones.
-    - an unmeasured n is read off the measured ones (:func:`read_off`): between two measured
-      row counts on the straight line between them; beyond the largest, on the least-squares line
-      through the measured multi-row counts (slope clamped at >= 0) where two are measured, else
-      at the largest one's own cost; so before any proposal is measured a proposal looks as cheap
-      as a plain step, and one longer than any measured as cheap as the longest, and the first
-      ones measure what they really cost. The line leaves the plain step out: llama.cpp runs one
-      row on another kernel than several, so the step from 1 to 2 rows is no per-row price (a
-      2-row verification at 2.05 plain steps and 5 rows at 2.7 on one CPU, bench/RESULTS.md,
-      "Tenth session"); drawn through 1 and 2 rows it priced 5 rows at 5.2 steps, and a gate
-      that believed it never proposed more than one token again.
+    - priced (:meth:`ms`, and through it the fused and batch prices): the least-squares fit of
+      those t(n) that never falls with more rows (:func:`monotone_fit`, pool adjacent violators),
+      each t(n) weighted by its readings (t(1): the plain steps in its window): a verification of
+      more rows cannot cost less, so a run of readings that falls with more rows is noise and is
+      priced at its weighted mean (a running max would let one high reading raise the price of
+      every larger n). :meth:`status` and :meth:`ceiling` give t(n) as measured.
+    - an unmeasured n is read off the measured ones as priced (:func:`read_off` of the fit):
+      between two measured row counts on the straight line between them; beyond the largest, on
+      the least-squares line through the measured multi-row counts (slope clamped at >= 0) where
+      two are measured, else at the largest one's own cost; so before any proposal is measured a
+      proposal looks as cheap as a plain step, and one longer than any measured as cheap as the
+      longest, and the first ones measure what they really cost. The line leaves the plain step
+      out: llama.cpp runs one row on another kernel than several, so the step from 1 to 2 rows
+      is no per-row price (a 2-row verification at 2.05 plain steps and 5 rows at 2.7 on one
+      CPU, bench/RESULTS.md, "Tenth session"); drawn through 1 and 2 rows it priced 5 rows at
+      5.2 steps, and a gate that believed it never proposed more than one token again.
     - a step fused with batch mates' rows (continuous batching, :mod:`decoder.batching`): B
       sequences of r rows each, t_B(r) (:meth:`fused_ms`), the price of a γ that every request of
       the batch runs (each request of a key follows the same policy). llama.cpp decodes all
@@ -75,6 +81,7 @@ class StepCost:
         # fused steps: (batch size B > 1, rows of the whole forward) -> (ms, ratio to its time's plain steps)
         self._fused: dict[tuple[int, int], deque[tuple[float, float | None]]] = {}
         self._est: dict[int, float] | None = None  # t(n), computed on the first read after an add
+        self._fit: dict[int, float] | None = None  # t(n) as priced (monotone_fit of _est), likewise
         self._fused_est: dict[tuple[int, int], float] | None = None  # t_B(r) as measured
         # each deque's median (of ms, or of ratios at a t(1)), by its key and that t(1): recomputed
         # for the key a step was added to, not for all of them at every step (a batch of 4 adds and
@@ -109,13 +116,13 @@ class StepCost:
             now = self._clock()
             self._fused_est = None
             if rows == 1 and batch == 1:
-                self._est = None
+                self._est = self._fit = None
                 self._plain.append((ms, now))
                 return
             recent = [m for m, t in self._plain if 0 <= now - t <= self.ref_max_age_s][-self.ref_steps:]
             ref = statistics.median(recent) if recent else 0.0
             if batch == 1:
-                self._est = None
+                self._est = self._fit = None
                 into = self._rows.setdefault(rows, deque(maxlen=self.window))
                 self._medians.pop(("r", rows), None)
             else:
@@ -132,7 +139,7 @@ class StepCost:
             self._rows.clear()
             self._fused.clear()
             self._medians.clear()
-            self._est = self._fused_est = None
+            self._est = self._fit = self._fused_est = None
 
     def _median(self, key: tuple, d: deque, t1: float) -> float:
         """The median of ``d``'s ratios (a reading with none read against ``t1``), or of its ms
@@ -162,6 +169,17 @@ class StepCost:
         self._est = est
         return est
 
+    def _fitted(self) -> dict[int, float]:
+        """t(n) as priced (lock held): :func:`monotone_fit` of :meth:`_estimates`, each t(n)
+        weighted by the readings it is the median of."""
+        if self._fit is None:
+            est = self._estimates()
+            counts = {r: len(d) for r, d in self._rows.items()}
+            if self._plain:
+                counts[1] = len(self._plain)
+            self._fit = monotone_fit(est, {r: counts.get(r, 1) for r in est})
+        return self._fit
+
     def _fused_estimates(self) -> dict[tuple[int, int], float]:
         """t_B(r) per measured (B, r), B > 1 (lock held): t(1) x the median paired ratio, or the
         raw median before any plain step."""
@@ -176,9 +194,10 @@ class StepCost:
 
     def ms(self, rows: int) -> float:
         """Estimated ms of a step verifying ``rows`` tokens alone (batch 1; NaN before any step
-        is measured)."""
+        is measured): the monotone fit of the measured t(n) (class docstring), an unmeasured n
+        read off it (:func:`read_off`)."""
         with self._lock:
-            est = self._estimates()
+            est = self._fitted()
         if rows in est:
             return est[rows]
         return read_off(est, rows)
@@ -241,8 +260,8 @@ class StepCost:
         return out
 
     def status(self) -> dict[int, float]:
-        """t(n) in ms per verified row count measured so far (t(1) x the paired median ratio for
-        n > 1; see the class)."""
+        """t(n) in ms per verified row count measured so far, as measured (t(1) x the paired
+        median ratio for n > 1; see the class), before the monotone fit :meth:`ms` prices on."""
         with self._lock:
             return {k: round(v, 4) for k, v in sorted(self._estimates().items())}
 
@@ -250,8 +269,10 @@ class StepCost:
         """What this engine lets any proposer buy: the speedup over plain decoding at γ if every
         proposed token were accepted and proposing cost nothing, (γ + 1) t(1) / t(γ + 1), for
         each measured γ <= ``gamma_max`` (Leviathan et al. 2023, Theorem 3.8's speedup with α = 1
-        and c = 0, a verification's measured cost in place of one step). A proposer with real α
-        and cost gets less; where the best is near 1, no proposer can pay here.
+        and c = 0, a verification's measured cost in place of one step), on t(n) as measured
+        (:meth:`status`, not the fit :meth:`ms` prices on: a report keeps this figure beside the
+        costs it was read from). A proposer with real α and cost gets less; where the best is near
+        1, no proposer can pay here.
 
         Returns: {"by_gamma": {γ: speedup}, "gamma": best γ, "speedup": best} or None while
         plain steps or proposals are unmeasured.
@@ -284,6 +305,52 @@ def read_off(measured: dict[int, float], n: int) -> float:
     if len(multi) >= 2:
         return max(line_at(multi, n), measured[max(measured)])
     return measured[max(measured)]
+
+
+def isotonic_blocks(values, weights=None) -> list[tuple[int, int, float]]:
+    """The weighted least-squares fit of ``values`` (a sequence of finite numbers) that never
+    decreases along the sequence, by pool adjacent violators: each value starts a block; while a
+    block's value is below the one before it, the two merge at their weighted mean.
+
+    Args:
+        values: the readings, in order (e.g. ms by increasing rows).
+        weights: one number > 0 per value (e.g. its sample count); None: all 1.
+
+    Returns: the fit as blocks (start, stop, value): ``values[start:stop]`` all fit at ``value``;
+    consecutive, covering every index, values non-decreasing ([] for no values).
+
+    Raises: ValueError: a value is not finite, a weight not finite and > 0, or ``weights`` is not
+    as long as ``values``."""
+    values = [float(v) for v in values]
+    weights = [1.0] * len(values) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(values):
+        raise ValueError(f"isotonic_blocks: {len(weights)} weights for {len(values)} values")
+    if not all(math.isfinite(v) for v in values) or not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"isotonic_blocks: values must be finite and weights finite and > 0 "
+                         f"(values {values!r}, weights {weights!r})")
+    blocks: list[list[float]] = []  # [start, stop, weighted mean, total weight]
+    for i, (v, w) in enumerate(zip(values, weights)):
+        blocks.append([i, i + 1, v, w])
+        while len(blocks) > 1 and blocks[-2][2] > blocks[-1][2]:
+            _, stop, m2, w2 = blocks.pop()
+            b = blocks[-1]
+            b[1], b[2], b[3] = stop, (b[2] * b[3] + m2 * w2) / (b[3] + w2), b[3] + w2
+    return [(int(a), int(b), m) for a, b, m, _ in blocks]
+
+
+def monotone_fit(ms_by_rows: dict, weights: dict | None = None) -> dict[int, float]:
+    """``ms_by_rows`` ({rows: ms}, int keys) as priced: the weighted least-squares fit that never
+    falls with more rows (:func:`isotonic_blocks` over increasing rows), ``weights`` ({rows: a
+    number > 0}, e.g. readings per row count; None, or a row count missing: 1). A run of readings
+    that falls with more rows is priced at its weighted mean; readings that rise are kept.
+
+    Raises: ValueError: as :func:`isotonic_blocks` (a non-finite ms or a weight <= 0)."""
+    keys = sorted(ms_by_rows)
+    w = None if weights is None else [weights.get(k, 1) for k in keys]
+    out: dict[int, float] = {}
+    for a, b, m in isotonic_blocks([ms_by_rows[k] for k in keys], w):
+        out.update((k, m) for k in keys[a:b])
+    return out
 
 
 class BatchView:
