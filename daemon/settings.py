@@ -272,6 +272,9 @@ class TrainerSettings(_Group):
     min_eval_requests: int = Field(8, ge=2, description="Held-out requests (prompts) the promotion gate's paired interval needs (trainer.gate).")
     min_eval_positions: int = Field(256, ge=1, description="Held-out output positions the promotion gate needs over the judged workloads.")
     gate_confidence: float = Field(0.95, gt=0, lt=1, description="Coverage of the gain's bootstrap interval; its lower bound must be above 0 to promote.")
+    gate_gamma: int = Field(3, ge=1, le=16, description="γ at which the gate decodes the held-out records (simulated on their "
+                            "per-position acceptance, trainer.gate.decoded_acceptance); a candidate whose decoded acceptance "
+                            "measurably falls is refused.")
     adapter_bytes_in_redis: bool = Field(False, description="Register every adapter's files in Redis too (P adapter:blob:N, "
                                          "about 2.6 MB a version at r = 16), so a `serve` on another host, without this "
                                          "daemon's state_dir, can load it (every version's, rejected ones too: an operator may promote one).")
@@ -1054,6 +1057,7 @@ def service_config(s: Settings) -> "ServiceConfig":
         min_eval_requests=t.min_eval_requests,
         min_eval_positions=t.min_eval_positions,
         confidence=t.gate_confidence,
+        gate_gamma=t.gate_gamma,
         gate_on=t.gate_on,
         work_dir=str(s.state_dir / "trainer"),
         store_bytes=t.adapter_bytes_in_redis,

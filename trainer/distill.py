@@ -39,6 +39,7 @@ from transformers import PreTrainedModel
 from store import copy_channel as CC
 from store.schema import VerifiedSample
 from trainer import losses as L
+from trainer.gate import decoded_acceptance
 
 ADAPTER_NAME = "draftd"
 # Written beside peft's files by ``Distiller.save`` when the adapter was trained on a restricted
@@ -218,6 +219,10 @@ class EvalCounts:
     # sum over positions of the acceptance as each record was served: its greedy match when the
     # request was greedy (temperature 0), sum_b min(p_T, q_T) at the request's temperature T else
     served_sum: float = 0.0
+    # decoding at a fixed γ (Distiller.evaluate's ``gamma``) simulated on each record's per-position
+    # acceptance as served (trainer.gate.decoded_acceptance): expected accepted proposals and proposals
+    decoded_accepted: float = 0.0
+    decoded_proposed: float = 0.0
 
     @property
     def alpha(self) -> float:
@@ -241,9 +246,17 @@ class EvalCounts:
         self.alpha_sum += other.alpha_sum
         self.greedy_matches += other.greedy_matches
         self.served_sum += other.served_sum
+        self.decoded_accepted += other.decoded_accepted
+        self.decoded_proposed += other.decoded_proposed
+
+    @property
+    def decoded(self) -> float:
+        """Decoded acceptance = decoded_accepted / decoded_proposed (nan when none proposed): the
+        share of proposals accepted when decoding these records at the evaluation's γ."""
+        return self.decoded_accepted / self.decoded_proposed if self.decoded_proposed else float("nan")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "alpha": self.alpha, "greedy": self.greedy, "served": self.served}
+        return {**asdict(self), "alpha": self.alpha, "greedy": self.greedy, "served": self.served, "decoded": self.decoded}
 
 
 @dataclass
@@ -287,6 +300,8 @@ class EvalResult:
             "per_workload": {w: c.to_dict() for w, c in sorted(self.per_workload.items())},
         }
 
+
+DECODED_GAMMA = 3  # γ of the decoding Distiller.evaluate simulates by default (EvalCounts.decoded)
 
 # The adapter's trainable tensors, by parameter name (a snapshot, detached and cloned), with the
 # copy gate's weights under GATE_W and whether the adapter carries a gate under GATE_ON.
@@ -852,7 +867,8 @@ class Distiller:
 
     @torch.no_grad()
     def evaluate(
-        self, samples: Sequence[VerifiedSample], adapter: AdapterState | str | None = None, batch_size: int | None = None
+        self, samples: Sequence[VerifiedSample], adapter: AdapterState | str | None = None, batch_size: int | None = None,
+        gamma: int = DECODED_GAMMA,
     ) -> EvalResult:
         """Held-out alpha, greedy agreement and acceptance as served, overall and per workload,
         over all output positions.
@@ -874,6 +890,8 @@ class Distiller:
             samples: samples never trained on.
             adapter: None (current weights), ``BASE`` (the draft without adapter), or an
                 ``AdapterState`` snapshot (e.g. the promoted adapter's).
+            gamma: γ of the decoding simulated on each record's per-position acceptance as served
+                (``EvalCounts.decoded``, ``trainer.gate.decoded_acceptance``), >= 1.
         """
         res = EvalResult()
         samples = [s for s in samples if s.num_tokens > 0]
@@ -902,14 +920,16 @@ class Distiller:
                         rows = batch.row_sample == b
                         t = float(s.sampling.temperature)
                         if t == 0.0:
-                            served = float(match[rows].sum())
+                            per_pos = match[rows].astype(np.float64)
                         else:
                             if t not in at_t:
                                 lq = self._bucket_logq(logits.float() / t, batch)[0]
                                 at_t[t] = a if t == 1.0 else L.alpha(
                                     L.at_temperature(batch.p, t), gate(lq) if gate is not None else lq).cpu().numpy()
-                            served = float(at_t[t][rows].sum())
-                        c = EvalCounts(1, int(rows.sum()), float(a[rows].sum()), int(match[rows].sum()), served)
+                            per_pos = at_t[t][rows]
+                        dec = decoded_acceptance(per_pos, gamma)
+                        c = EvalCounts(1, int(rows.sum()), float(a[rows].sum()), int(match[rows].sum()), float(per_pos.sum()),
+                                       *dec)
                         res.add_sample(s.record_id, s.workload, c)
         finally:
             self.model.train(was_training)

@@ -162,3 +162,70 @@ def counts_by_record(per_sample: Mapping[str, tuple[str, object]], workloads: se
     field = "served_sum" if metric == "served" else "alpha_sum"
     return {rid: (float(getattr(c, field)), int(c.positions)) for rid, (w, c) in per_sample.items()
             if workloads is None or w in workloads}
+
+
+def decoded_acceptance(acc, gamma: int) -> tuple[float, float]:
+    """Expected (accepted proposals, proposals) of speculative decoding at a fixed ``gamma`` over
+    one record, from its per-position acceptance on the draft's own path.
+
+    Teacher-forced acceptance scores every output position alike; decoding proposes ``gamma``
+    tokens from each block start, keeps the accepted prefix, and starts the next block after the
+    correction (or after the bonus token when all were accepted), so it never proposes at a bonus
+    position and weighs the positions after a correction more. Position j's acceptance ``acc[j]``
+    is the probability the draft's proposal there is accepted given the target's prefix (greedy:
+    1 or 0, the draft's argmax against the target's; sampled: α at the request's temperature), and
+    on the accepted path the draft's prefix is the target's, so the expectation is exact for greedy
+    records and assumes independent acceptances for sampled ones (Leviathan et al. 2023, §3.1).
+
+    Args:
+        acc: (N,) per-position acceptance in [0, 1] (values outside are clipped).
+        gamma: proposals per block, >= 1.
+
+    Returns:
+        (accepted, proposed): expected sums over the record's blocks (proposed counts the last
+        block's proposals cut at the record's end); (0.0, 0.0) for an empty record.
+
+    Raises:
+        ValueError: ``gamma`` < 1.
+    """
+    if gamma < 1:
+        raise ValueError(f"gamma={gamma!r}: need >= 1 proposal per block")
+    a = np.clip(np.asarray(acc, dtype=np.float64).reshape(-1), 0.0, 1.0)
+    n = len(a)
+    start = np.zeros(n + gamma + 2)  # start[t]: probability a block starts at position t
+    start[0] = 1.0
+    accepted = proposed = 0.0
+    for t in range(n):
+        s = start[t]
+        if s == 0.0:
+            continue
+        g = min(gamma, n - t)
+        proposed += s * g
+        run = 1.0  # probability the block's first k proposals were all accepted
+        for k in range(g):
+            start[t + k + 1] += s * run * (1.0 - a[t + k])  # rejected at t + k: the correction, then a new block
+            run *= a[t + k]
+            accepted += s * run
+        start[t + g + 1] += s * run  # all accepted: the bonus token at t + g
+    return float(accepted), float(proposed)
+
+
+def paired_decoded_gain(before: Mapping[str, tuple[str, object]], after: Mapping[str, tuple[str, object]],
+                        workloads: set[str], clusters: Mapping[str, str] | None = None, confidence: float = 0.95,
+                        resamples: int = 2000, seed: int = 0) -> PairedGain:
+    """The candidate's decoded acceptance (``EvalCounts.decoded_accepted / decoded_proposed``, see
+    :func:`decoded_acceptance`) against the serving version's on the same held-out records of
+    ``workloads``, summed per cluster (record id -> prompt in ``clusters``; absent: its own) and
+    bootstrapped over clusters (:func:`paired_ratio_gain`). Records scored on different positions
+    by the two, or with no proposals, are left out. ``positions`` of the result: the candidate's
+    expected proposals, rounded."""
+    clusters = clusters or {}
+    per: dict[str, list[float]] = {}
+    for rid in sorted(before.keys() & after.keys()):
+        (_, cb), (wa, ca) = before[rid], after[rid]
+        if wa not in workloads or cb.positions != ca.positions or not (cb.decoded_proposed > 0 and ca.decoded_proposed > 0):
+            continue
+        row = per.setdefault(clusters.get(rid, "record:" + rid), [0.0, 0.0, 0.0, 0.0])
+        for i, x in enumerate((cb.decoded_accepted, cb.decoded_proposed, ca.decoded_accepted, ca.decoded_proposed)):
+            row[i] += float(x)
+    return paired_ratio_gain({k: tuple(v) for k, v in per.items()}, confidence, resamples, seed)

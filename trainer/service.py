@@ -18,8 +18,10 @@ A round (``TrainerService.run_round_now`` or the scheduler):
    on and paired per held-out position with the promoted adapter's, rises by ``promote_margin``
    with the lower bound of its cluster-bootstrap interval above 0 over at least
    ``min_eval_requests`` held-out requests and ``min_eval_positions`` positions
-   (``trainer.gate``), and no workload with at least ``min_eval_samples`` held-out samples drops
-   by more than ``regress_margin``.
+   (``trainer.gate``), no workload with at least ``min_eval_samples`` held-out samples drops
+   by more than ``regress_margin``, and the judged records decoded at ``gate_gamma`` (simulated on
+   their per-position acceptance: ``trainer.gate.decoded_acceptance``) do not measurably accept
+   fewer proposals.
 5. Register every finite candidate (promoted or rejected, with the numbers and the reason), then
    XACK the round's entries. A crash before the registration leaves the entries pending, so they
    are redelivered (to this consumer on restart, or reclaimed by another one); a crash between
@@ -88,7 +90,7 @@ from store.registry import AdapterMeta, check_scope
 from store.schema import VerifiedSample
 from store.wording import percent, signed
 from trainer.distill import BASE, AdapterState, Distiller, EvalResult, RoundResult, TrainerError
-from trainer.gate import PairedGain, counts_by_record, paired_gain
+from trainer.gate import PairedGain, counts_by_record, paired_decoded_gain, paired_gain
 from trainer.publish import adapter_meta, publish
 
 log = structlog.get_logger(__name__)
@@ -123,6 +125,11 @@ class ServiceConfig:
     min_eval_requests: int = 8
     min_eval_positions: int = 256
     confidence: float = 0.95
+    # The decoded check: the held-out records' per-position acceptance as served, decoded at this γ
+    # (trainer.gate.decoded_acceptance: proposals from each block start, none at a bonus position);
+    # a candidate whose decoded acceptance measurably falls (paired interval entirely below 0) is
+    # refused as worse, whatever its per-position gain.
+    gate_gamma: int = 3
     # What the gate judges on: "decode" = per workload, its held-out decode records (the target's
     # distributions at the positions the draft proposes for while serving) when it has at least
     # min_eval_samples of them, else all its held-out records; "all" = every held-out record (the
@@ -153,6 +160,8 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if self.gate_on not in ("decode", "all"):
             raise ValueError(f"ServiceConfig.gate_on={self.gate_on!r}; choose 'decode' or 'all'")
+        if not isinstance(self.gate_gamma, int) or isinstance(self.gate_gamma, bool) or self.gate_gamma < 1:
+            raise ValueError(f"ServiceConfig.gate_gamma={self.gate_gamma!r}; use an integer >= 1 (the γ decoding is checked at)")
         if self.min_eval_requests < 2 or self.min_eval_positions < 1 or not 0 < self.confidence < 1:
             raise ValueError(f"min_eval_requests={self.min_eval_requests} (>= 2), min_eval_positions="
                              f"{self.min_eval_positions} (>= 1) and confidence={self.confidence} (in (0, 1)) are out of range")
@@ -329,7 +338,9 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     sampled ones; what the decoder will see) is >= ``promote_margin``, the lower bound of its
     ``confidence`` interval is above 0, and no workload with ``min_eval_samples`` held-out samples
     loses more than ``regress_margin`` of it (point estimate; the candidate is then *worse*) or
-    measurably loses any (its own paired interval entirely below 0: refused, trained on). The
+    measurably loses any (its own paired interval entirely below 0: refused, trained on), and the
+    judged records' acceptance decoded at ``gate_gamma`` (``trainer.gate.paired_decoded_gain``)
+    does not measurably fall (its paired interval entirely below 0: refused, *worse*). The
     evidence is None when no workload could be judged.
     """
     enough = {w for w, c in after.per_workload.items() if c.samples >= cfg.min_eval_samples}
@@ -354,6 +365,16 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     lost = _measured_losses(before, after, enough, trained, clusters, cfg)
     if lost:
         return Verdict(False, f"{head}, but {lost}", pg, worse)
+    dg = paired_decoded_gain(before.per_sample, after.per_sample, set(judged), clusters, cfg.confidence)
+    decoded = (f"decoded at γ={cfg.gate_gamma} {dg.before:.4f} -> {dg.after:.4f} ({dg.gain:+.4f}, "
+               f"{percent(dg.confidence)} % CI [{signed(dg.low)}, {signed(dg.high)}])")
+    if dg.clusters >= 2 and dg.high < 0:
+        # a per-position gain can sit beside fewer accepted proposals: decoding never proposes at a
+        # bonus position and starts each block after a correction (issue 34)
+        return Verdict(False, f"{head}, but its acceptance {decoded} measurably fell: decoding these held-out "
+                              f"requests would accept fewer proposals", pg, True)
+    if dg.clusters:  # records evaluated without the decoded counts (none proposed) say nothing of it
+        head = f"{head}; {decoded}"
     short = []
     if pg.clusters < cfg.min_eval_requests:
         short.append(f"{pg.clusters} requests, need min_eval_requests={cfg.min_eval_requests}")
@@ -364,7 +385,9 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     if not pg.gain >= cfg.promote_margin:
         # a walkthrough read "α at T=1 0.432 -> 0.438: the gain is below promote_margin 0.0" as a typo:
         # the gain judged is acceptance as served, which fell while α at T=1 rose
-        fell = ("; it fell while α at T=1 rose: the gate judges acceptance as served, what the decoder sees"
+        # (α at T=1 equal as printed, 3 decimals, "held": a walkthrough read "0.475 -> 0.475 ... rose")
+        moved = "held" if f"{a.alpha:.3f}" == f"{b.alpha:.3f}" else "rose"
+        fell = (f"; it fell while α at T=1 {moved}: the gate judges acceptance as served, what the decoder sees"
                 if pg.gain < 0 and a.alpha > b.alpha else "")
         return Verdict(False, f"{head}: its gain as served, {pg.gain:+.4f}, is below promote_margin "
                               f"{cfg.promote_margin:g}{fell}", pg, worse)
@@ -682,7 +705,8 @@ class TrainerService:
         few samples per round, so most of the round's "before" is already known: from the
         previous rounds, or from the round that promoted it)."""
         cache = self._eval_cache.get(version, {})
-        fresh = self.distiller.evaluate([s for s in heldout if s.record_id not in cache], adapter=state)
+        fresh = self.distiller.evaluate([s for s in heldout if s.record_id not in cache], adapter=state,
+                                         gamma=self.config.gate_gamma)
         cache = {**cache, **fresh.per_sample}
         res = EvalResult()
         for s in heldout:
@@ -917,7 +941,7 @@ class TrainerService:
         """Evaluate, gate and register the shared candidate; True when it measured worse than
         the serving version (then training restarts from the serving weights: a candidate the
         gate found worse is never trained on; an inconclusive one trains on next round)."""
-        after = self.distiller.evaluate(heldout)
+        after = self.distiller.evaluate(heldout, gamma=self.config.gate_gamma)
         report.after = after.to_dict()
         trained = {e.sample.workload for e in train}
         v = gate(before, after, trained, self.config, {s.record_id: split_key(s) for s in heldout})
@@ -991,7 +1015,7 @@ class TrainerService:
             if not result.finite:
                 rep.decision, rep.reason = "non_finite", f"rolled back, not registered: {result.reason}"
                 return rep
-            after = self.distiller.evaluate(held)
+            after = self.distiller.evaluate(held, gamma=cfg.gate_gamma)
             rep.alpha_after = after.alpha
             v = gate(before, after, {workload}, cfg, {s.record_id: split_key(s) for s in held})
             rep.evidence = v.evidence.to_dict() if v.evidence is not None else None
