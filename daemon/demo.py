@@ -2394,18 +2394,31 @@ def _top_level_costs(report: dict, last: float, stopped: float) -> str:
     its value as report.json keeps it (a walkthrough met "a third ceiling" without its figure); one
     equal to 3 decimals to a ceiling printed above (``remeasured``'s, stopped or beside the trainer)
     is said to be that one, not "a third" (a walkthrough read "a third ceiling, 2.466x" beside the
-    stopped 2.466x); a plain step other than the re-measured ``stopped`` ms says in a few words why."""
+    stopped 2.466x): compared with each line's headline, the ceiling as priced (:func:`_priced_ceiling`),
+    then with the figure on the costs as measured that a line prints beside it where a dip moved it
+    (a walkthrough read "2.585x ...: the same ceiling as with the trainer stopped" beside that line's
+    "at most 2.55x", its 2.585 only the "2.58x on the costs as measured, the dip included"); a plain
+    step other than the re-measured ``stopped`` ms says in a few words why."""
     third = (report.get("engine_ceiling") or {}).get("speedup")
     rem = report.get("remeasured") or {}
-    shown = {"with the trainer stopped": (rem.get("engine_ceiling") or {}).get("speedup"),
-             "beside the trainer": ((rem.get("beside_trainer") or {}).get("engine_ceiling") or {}).get("speedup")}
-    same = next((when for when, x in shown.items() if third is not None and x is not None
-                 and f"{x:.3f}" == f"{third:.3f}"), None)
+    beside = rem.get("beside_trainer") or {}
+    shown = {"with the trainer stopped": (rem.get("engine_ceiling"), rem.get("step_cost_ms")),
+             "beside the trainer": (beside.get("engine_ceiling"), beside.get("step_cost_ms"))}
+    same = None
+    for when, (ceil, cost) in shown.items() if third is not None else ():
+        if not ceil or ceil.get("speedup") is None:
+            continue
+        raw, priced = ceil["speedup"], _priced_ceiling(ceil, cost or {})[0]["speedup"]
+        if f"{priced:.3f}" == f"{third:.3f}":
+            same = f"the same ceiling as {when}, above"
+            break
+        if f"{raw:.3f}" == f"{third:.3f}" and f"{raw:.2f}" != f"{priced:.2f}":  # the line's "as measured" figure
+            same = (f"the same figure as the {raw:.2f}x {when} on the costs as measured, the dip included, above, "
+                    f"not that line's {priced:.2f}x")
     if third is None:
         head = f"report.json's top-level step_cost_ms ({last:.2f} ms) is"
     elif same:
-        head = (f"report.json's top-level step_cost_ms ({last:.2f} ms) and engine_ceiling ({third:.3f}x on those steps: "
-                f"the same ceiling as {same}, above) are")
+        head = f"report.json's top-level step_cost_ms ({last:.2f} ms) and engine_ceiling ({third:.3f}x on those steps: {same}) are"
     else:
         head = (f"report.json's top-level step_cost_ms ({last:.2f} ms) and engine_ceiling (a third ceiling, "
                 f"{third:.3f}x, on those steps) are")
