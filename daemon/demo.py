@@ -2026,7 +2026,8 @@ def _price_with_prefill(pick: dict, prefill_ms: float, plain_ms: float) -> None:
 
 def _price_and_result(r: dict) -> str:
     """"priced at 1.45x plain, ran 0.98x [0.92, 1.05] on the never-served prompts", or "" (a plain
-    pick: its runner-up's line, :func:`_runner_up_result`, or "")."""
+    pick: its runner-up's line, :func:`_runner_up_result`, or ""). The price per request is held
+    against the run's interval as printed: a gap's why only where it lies outside."""
     pick = r["controller_pick"]
     if pick.get("runner_up"):
         return _runner_up_result(r)
@@ -2036,11 +2037,17 @@ def _price_and_result(r: dict) -> str:
         return ""
     whole = pick.get("priced_with_prefill")
     if whole is not None:
+        # the gap's why only for a price outside the interval as printed (a walkthrough read it beside
+        # "1.14x a request" and "ran 1.16x [1.08, 1.24]")
+        lo, hi = ran.get("low"), ran.get("high")
+        outside = None if lo is None or hi is None else not round(lo, 2) <= round(whole, 2) <= round(hi, 2)
         return (f"; priced at {priced:.2f}x plain decoding per decoding step on the phase's traffic, i.e. {whole:.2f}x "
                 f"a request with the prefill plain decoding spent on these prompts ({pick['plain_prefill_share']:.0%} "
                 f"of its time); it ran {ran['ratio']:.2f}x {_interval(ran)} on the {r.get('eval_prompts', '?')} "
-                f"never-served prompts, prefill included (a gap between the two: what the phase's traffic, its "
-                f"n-gram history warm, taught the controller that these prompts did not bear out)")
+                f"never-served prompts, prefill included"
+                + (" (a gap between the two: what the phase's traffic, its n-gram history warm, taught the controller "
+                   "that these prompts did not bear out)" if outside else ", an interval that holds the price" if outside is False
+                   else ""))
     return (f"; priced at {priced:.2f}x plain decoding per decoding step (on the phase's traffic, its prefill apart: "
             f"both sides pay the same prefill, which brings a ratio toward 1), it ran {ran['ratio']:.2f}x "
             f"{_interval(ran)} on the {r.get('eval_prompts', '?')} never-served prompts, prefill included")

@@ -7,6 +7,7 @@ report.json's, copied here."""
 from test_demo_trips2 import _printed  # the report as printed at 600 columns
 from test_demo_trips3 import _phase
 
+import daemon.demo as demo
 
 
 def _text(report: dict) -> str:
@@ -46,3 +47,31 @@ def test_a_top_level_ceiling_equal_only_to_a_dip_included_figure_is_not_called_t
     assert "the same ceiling as" not in text and "a third ceiling" not in text, text
     headline = text.split("speculation could run at most ")[1].split("x plain")[0]
     assert headline != "2.58" and f"not that line's {headline}x)" in text, (headline, text)
+
+
+# (2) the gap sentence only for a gap -------------------------------------------------------------------------
+
+# f3f82c0's report.json: prose's and code's controller_pick prices and what their picks ran
+PROSE = {"controller_pick": {"priced_vs_plain": 1.17, "plain_prefill_share": 0.147, "priced_with_prefill": 1.141},
+         "eval_prompts": 8, "speed_vs_plain_ci": {"adapted": {"ratio": 1.159, "low": 1.0827, "high": 1.2368}}}
+CODE = {"controller_pick": {"priced_vs_plain": 1.258, "plain_prefill_share": 0.208, "priced_with_prefill": 1.194},
+        "eval_prompts": 8, "speed_vs_plain_ci": {"adapted": {"ratio": 1.0909, "low": 1.0231, "high": 1.1829}}}
+
+
+def test_the_gap_sentence_is_printed_only_for_a_price_outside_the_interval():
+    """f3f82c0: prose "priced ... 1.14x a request ...; it ran 1.16x [1.08, 1.24] ... (a gap between
+    the two: what the phase's traffic ... taught the controller that these prompts did not bear out)":
+    1.14 lies in [1.08, 1.24]. Code's 1.19x against [1.02, 1.18] is a gap, and keeps its why."""
+    assert 1.08 <= 1.14 <= 1.24 and not 1.02 <= 1.19 <= 1.18
+    assert demo._price_and_result(PROSE) == (
+        "; priced at 1.17x plain decoding per decoding step on the phase's traffic, i.e. 1.14x a request with the "
+        "prefill plain decoding spent on these prompts (15% of its time); it ran 1.16x [1.08, 1.24] on the 8 "
+        "never-served prompts, prefill included, an interval that holds the price")
+    assert demo._price_and_result(CODE) == (
+        "; priced at 1.26x plain decoding per decoding step on the phase's traffic, i.e. 1.19x a request with the "
+        "prefill plain decoding spent on these prompts (21% of its time); it ran 1.09x [1.02, 1.18] on the 8 "
+        "never-served prompts, prefill included (a gap between the two: what the phase's traffic, its n-gram "
+        "history warm, taught the controller that these prompts did not bear out)")
+    # a price on an interval's end, as printed (1.18 of 1.1829): inside
+    edge = dict(CODE, controller_pick=dict(CODE["controller_pick"], priced_with_prefill=1.1812))
+    assert demo._price_and_result(edge).endswith("an interval that holds the price")
