@@ -2187,7 +2187,7 @@ def _adapter_tables(report: dict, console) -> None:
     a.add_column("reason", overflow="fold")  # wrapped, never cut: the reason is the point
     for r in report["adapters"]:
         a.add_row(str(r.get("version")), r.get("scope") or "shared", str(r.get("state")), _cell(r.get("alpha_before")),
-                  _cell(r.get("alpha_after")), str(r.get("samples_trained")), str(r.get("reason", "")))
+                  _cell(r.get("alpha_after")), str(r.get("samples_trained")), _reason_cell(str(r.get("reason", ""))))
     console.print(a)
     if report.get("heads"):
         hd = Table(title="heads")
@@ -2197,6 +2197,16 @@ def _adapter_tables(report: dict, console) -> None:
             hd.add_row(str(r.get("version")), str(r.get("state")), _cell(r.get("alpha_before")), _cell(r.get("alpha_after")),
                        str(r.get("samples_trained")), str(r.get("reason", "")))
         console.print(hd)
+
+
+def _reason_cell(reason: str) -> str:
+    """An adapter's ``reason`` as the table prints it: a registry whose trainer wrote "it fell while
+    α at T=1 rose" beside "α at T=1 0.475 -> 0.475" (equal as printed, the rise below the third
+    decimal) reads "held" there (a walkthrough's trip; the trainer now writes it so itself)."""
+    m = re.search(r"α at T=1 (\d+\.\d+) -> (\d+\.\d+)", reason)
+    if m and m.group(1) == m.group(2):
+        return reason.replace("it fell while α at T=1 rose", "it fell while α at T=1 held")
+    return reason
 
 
 def _k_of_n(v: str) -> tuple[int, int]:

@@ -75,3 +75,51 @@ def test_the_gap_sentence_is_printed_only_for_a_price_outside_the_interval():
     # a price on an interval's end, as printed (1.18 of 1.1829): inside
     edge = dict(CODE, controller_pick=dict(CODE["controller_pick"], priced_with_prefill=1.1812))
     assert demo._price_and_result(edge).endswith("an interval that holds the price")
+
+
+# (3) an α at T=1 that held, not rose ------------------------------------------------------------------------
+
+# f3f82c0's report.json: v3's and v18's registry rows, their reasons as the trainer wrote them
+V3 = {"version": 3, "parent": 2, "scope": "prose", "state": "rejected", "alpha_before": 0.4752, "alpha_after": 0.4753,
+      "samples_trained": 80,
+      "reason": "on prose: α 0.5041 -> 0.4943 (-0.0099, 95 % CI [-0.0427, +0.0250]) on 609 positions of 20 held-out "
+                "requests (acceptance as served); α at T=1 0.475 -> 0.475: its gain as served, -0.0099, is below "
+                "promote_margin 0; it fell while α at T=1 rose: the gate judges acceptance as served, what the "
+                "decoder sees"}
+V18 = {"version": 18, "parent": 13, "scope": "math", "state": "rejected", "alpha_before": 0.512, "alpha_after": 0.513,
+       "samples_trained": 20,
+       "reason": "on math: α 0.5924 -> 0.5742 (-0.0182, 95 % CI [-0.0469, +0.0104]) on 768 positions of 24 held-out "
+                 "requests (acceptance as served); α at T=1 0.512 -> 0.513: its gain as served, -0.0182, is below "
+                 "promote_margin 0; it fell while α at T=1 rose: the gate judges acceptance as served, what the "
+                 "decoder sees"}
+
+
+def test_an_alpha_at_t1_equal_as_printed_is_said_to_have_held():
+    """f3f82c0's adapters table: "α at T=1 0.475 -> 0.475 ... it fell while α at T=1 rose" (v3, v9):
+    equal to the printed 3 decimals, it held. v18's 0.512 -> 0.513 rose."""
+    text = _text({"phases": [_phase("prose")], "adapters": [V3, V18]})
+    assert ("α at T=1 0.475 -> 0.475: its gain as served, -0.0099, is below promote_margin 0; it fell while α at T=1 "
+            "held: the gate judges acceptance as served") in text, text
+    assert ("α at T=1 0.512 -> 0.513: its gain as served, -0.0182, is below promote_margin 0; it fell while α at T=1 "
+            "rose") in text, text
+    assert text.count("it fell while α at T=1 rose") == 1, text
+
+
+def test_the_trainer_writes_held_for_an_alpha_at_t1_equal_as_printed():
+    """The reason's source, trainer.service.gate: served acceptance 0.5 -> 0.499 (0.53 and 0.468 on
+    alternate requests: -0.001), α at T=1 0.5 -> 0.5002, printed 0.500 -> 0.500: "held"; 0.5 -> 0.51 rose."""
+    from trainer.distill import EvalCounts, EvalResult
+    from trainer.service import ServiceConfig, gate
+
+    def ev(served: list[float], t1: list[float]) -> EvalResult:
+        r = EvalResult()
+        for i, (a, a1) in enumerate(zip(served, t1)):
+            r.add_sample(f"prose-{i}", "prose", EvalCounts(1, 10, a1 * 10, 0, a * 10))
+        return r
+
+    cfg = ServiceConfig(min_eval_samples=4, min_eval_requests=8, min_eval_positions=80, promote_margin=0.0)
+    before = ev([0.5] * 10, [0.5] * 10)
+    v = gate(before, ev([0.53, 0.468] * 5, [0.5002] * 10), {"prose"}, cfg)
+    assert "α at T=1 0.500 -> 0.500" in v.reason and "it fell while α at T=1 held: the gate judges" in v.reason, v.reason
+    v = gate(before, ev([0.53, 0.468] * 5, [0.51] * 10), {"prose"}, cfg)
+    assert "α at T=1 0.500 -> 0.510" in v.reason and "it fell while α at T=1 rose: the gate judges" in v.reason, v.reason
