@@ -2343,14 +2343,20 @@ def _rises_clause(ceil: dict, cost: dict, stopped_ceil: dict | None, stopped_cos
             f"{still[n] / still[1]:.2f} with the trainer stopped, medians of other requests' steps")
 
 
+# two plain steps within this fraction of each other are one step read at two moments (a walkthrough read
+# "9.51 ms measured beside the trainer, which slowed it (9.50 ms with the trainer stopped)")
+_NOISE = 0.03
+
+
 def _ceiling_line(ceil: dict, cost: dict, when: str, stopped_cost: dict | None = None,
                   key: str = "remeasured.engine_ceiling", stopped_ceil: dict | None = None) -> str:
     """One engine ceiling (``StepCost.ceiling``'s dict) for the footer: which γ it was measured at
     (the row counts of ``cost``, ms by rows, and the γ of ``ceil["by_gamma"]``), and the plain step
     it divides by. With ``stopped_cost`` (the costs with the trainer stopped) this is the ceiling
     beside the trainer: the line gives both plain steps (and says the trainer slowed it where it was
-    the slower), so it is not read against a live decision priced on another plain step. Costs that
-    dip with more rows (:func:`_running_max`) are priced at the running max, the ceiling with them
+    the slower by more than ``_NOISE``, "about the same" within it), so it is not read against a live
+    decision priced on another plain step. Costs that
+    dip with more rows (:func:`_monotone_fit`) are priced on the monotone fit, the ceiling with them
     (:func:`_priced_ceiling`), and the line names each dip as noise, and where that moved the
     ceiling, the figure on the costs as measured that report.json keeps under ``key``
     (``ceil["speedup"]``), so the two are not read as one figure that disagrees."""
@@ -2369,7 +2375,10 @@ def _ceiling_line(ceil: dict, cost: dict, when: str, stopped_cost: dict | None =
     if one:
         step = f"; against a plain step of {one:.2f} ms"
         still = stopped_cost.get(1, stopped_cost.get("1")) if stopped_cost else None
-        if still:
+        if still and abs(one - still) <= _NOISE * still:  # one moment and another: no slowdown to name
+            step += (f" measured beside the trainer, about the same as with the trainer stopped ({still:.2f} ms): "
+                     f"a live decision divides by the plain step of its moment")
+        elif still:
             step += (f" measured beside the trainer{', which slowed it' if one > still else ''} ({still:.2f} ms with "
                      f"the trainer stopped): a live decision divides by the plain step of its moment")
     return (f"engine ceiling {when}: even if every proposal were accepted at no cost, speculation could run at most "

@@ -123,3 +123,19 @@ def test_the_trainer_writes_held_for_an_alpha_at_t1_equal_as_printed():
     assert "α at T=1 0.500 -> 0.500" in v.reason and "it fell while α at T=1 held: the gate judges" in v.reason, v.reason
     v = gate(before, ev([0.53, 0.468] * 5, [0.51] * 10), {"prose"}, cfg)
     assert "α at T=1 0.500 -> 0.510" in v.reason and "it fell while α at T=1 rose: the gate judges" in v.reason, v.reason
+
+
+# (4) a slowdown within noise --------------------------------------------------------------------------------
+
+def test_a_plain_step_beside_the_trainer_within_noise_is_not_called_slowed():
+    """f3f82c0: "against a plain step of 9.51 ms measured beside the trainer, which slowed it (9.50 ms
+    with the trainer stopped)": 9.507 / 9.4997 = 1.0008, within a 3 % tolerance: about the same."""
+    assert abs(9.507 / 9.4997 - 1) < 0.03
+    text = _text(_ceilings())
+    assert ("against a plain step of 9.51 ms measured beside the trainer, about the same as with the trainer stopped "
+            "(9.50 ms): a live decision divides by the plain step of its moment") in text, text
+    assert "which slowed it" not in text
+    # 9.85 / 9.4997 = 1.037: beyond it, a slowdown
+    assert 9.85 / 9.4997 > 1.03
+    text = _text(_ceilings(dict(BESIDE, **{"1": 9.85})))
+    assert "against a plain step of 9.85 ms measured beside the trainer, which slowed it (9.50 ms with the trainer stopped)" in text
