@@ -139,3 +139,19 @@ def test_a_plain_step_beside_the_trainer_within_noise_is_not_called_slowed():
     assert 9.85 / 9.4997 > 1.03
     text = _text(_ceilings(dict(BESIDE, **{"1": 9.85})))
     assert "against a plain step of 9.85 ms measured beside the trainer, which slowed it (9.50 ms with the trainer stopped)" in text
+
+
+# (5) a phase's seconds that add up ------------------------------------------------------------------------------
+
+def test_a_phase_s_seconds_before_its_clock_are_the_printed_figures_difference():
+    """f3f82c0: "served 216 s of traffic, 120 s of them on the phase's clock (... the 95 s before ...)":
+    215.5 and 120.2 printed 216 and 120, their difference 95.3 printed 95; 216 - 120 = 96."""
+    shift = {"workload": "prose", "seconds": 120.2, "wall_seconds": 215.5, "requests": 308,
+             "ended": "120 s served and 5 judged turns of its adapter (2 promoted); its v4 served 107 requests",
+             "turns": {"turns": 5, "judged": 5, "promoted": 2}}
+    assert (f"{215.5:.0f}", f"{120.2:.0f}", f"{215.5 - 120.2:.0f}") == ("216", "120", "95")
+    said = demo._served_for(shift)
+    assert said == ("216 s of traffic, 120 s of them on the phase's clock (it starts at v0's arrival; the 96 s before "
+                    "served while v0 bootstrapped)"), said
+    text = _text({"phases": [_phase("prose")], "shifts": [shift]})
+    assert "prose: served 216 s of traffic, 120 s of them" in text and "the 96 s before" in text, text
