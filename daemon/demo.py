@@ -1790,9 +1790,11 @@ def _decoded_table(report: dict, console, pct: str) -> None:
 
     same, files = _peer_files(report)
     peer_col = f"pick ×llama.cpp plain [{pct} % CI]" if same else f"pick ×llama.cpp plain of the packaged file [{pct} % CI]"
-    a = Table(title="decoded on prompts never served (greedy), acceptance: the frozen v0 draft vs the adapted draft")
-    for c in ("phase", "prompts", "frozen α", "frozen ×plain", "adapted draft α", "adapted draft ×plain",
-              f"α gain [{pct} % CI]", "live α first→last third, per proposer"):
+    at = _draft_gammas(report)
+    a = Table(title="decoded on prompts never served (greedy), acceptance: the frozen v0 draft vs the adapted draft"
+                    + (f", both decoded at γ={at}" if at else ""))
+    for c in ("phase", "prompts", "frozen α", f"frozen ×plain{f' (γ={at})' if at else ''}", "adapted draft α",
+              f"adapted draft ×plain{f' (γ={at})' if at else ''}", f"α gain [{pct} % CI]", "live α first→last third, per proposer"):
         a.add_column(c, overflow="fold")  # a narrow terminal or a log folds a cell, never cuts it
     s = Table(title="decoded on the same prompts, speed: the controller's pick vs plain decoding and llama.cpp",
               caption=None if same or not any(r.get("speed_vs_llamacpp_ci") for r in report["phases"]) else
@@ -1822,6 +1824,18 @@ def _decoded_table(report: dict, console, pct: str) -> None:
     gap = _live_rate_note(report)
     if gap:
         console.print(gap)
+
+
+def _draft_gammas(report: dict) -> str:
+    """The γ the evaluation decoded the frozen and adapted drafts at (each phase's ``frozen`` and
+    ``adapted_draft`` rows' ``gamma``, else ``config.eval_gamma``): "3", "1, 3" where they differ,
+    "" unknown. A walkthrough held the adapted draft's 0.825x plain against the prediction table's
+    "1.01x (γ=1)", no table saying the drafts were decoded at γ=3."""
+    gs = {int(g) for r in report.get("phases") or [] for k in ("frozen", "adapted_draft")
+          if (g := (r.get(k) or {}).get("gamma"))}
+    if not gs and (report.get("config") or {}).get("eval_gamma"):
+        gs = {int(report["config"]["eval_gamma"])}
+    return ", ".join(map(str, sorted(gs)))
 
 
 def _left_off_cell(r: dict) -> str:
@@ -1897,8 +1911,10 @@ def _prediction_table(report: dict, console) -> None:
     rows = [(w, p) for w, p in rows if p]
     if not rows:
         return
+    at = _draft_gammas(report)
     t = Table(title="the adapted draft beside Leviathan et al.'s prediction (best γ of each; the draft's cost c per "
-                    "proposed token in plain steps)",
+                    "proposed token in plain steps" + (f"; the evaluation decoded the draft at γ={at}, its ×plain in the "
+                                                       f"acceptance table above" if at else "") + ")",
               caption="one-step verification: (1 - α^(γ+1)) / ((1 - α)(γc + 1)); this engine: a verification of n rows "
                       f"costs t(n)/t(1) plain steps, {_prediction_costs(report, [p for _, p in rows])}")
     for c in ("phase", "α", "τ", "c", "predicted, verification = 1 step", "predicted, this engine", "t(n)/t(1), n = 2..5"):

@@ -5,7 +5,7 @@ did not add up, and the γ the drafts were decoded at, stated nowhere. The figur
 report.json's, copied here."""
 
 from test_demo_trips2 import _printed  # the report as printed at 600 columns
-from test_demo_trips3 import _phase
+from test_demo_trips3 import _phase, _row
 
 import daemon.demo as demo
 
@@ -155,3 +155,33 @@ def test_a_phase_s_seconds_before_its_clock_are_the_printed_figures_difference()
                     "served while v0 bootstrapped)"), said
     text = _text({"phases": [_phase("prose")], "shifts": [shift]})
     assert "prose: served 216 s of traffic, 120 s of them" in text and "the 96 s before" in text, text
+
+
+# (6) the γ the drafts were decoded at ------------------------------------------------------------------------
+
+# f3f82c0's report.json: prose's frozen and adapted draft rows (decoded at γ=3) and the prediction's γ=1
+PREDICTION = {"alpha": 0.5953, "c": 0.3761, "tau": 2.3333, "one_step": {"gamma": 1, "speedup": 1.159},
+              "this_engine": {"gamma": 1, "speedup": 1.015},
+              "verify_cost_rows": {"1": 1.0, "2": 1.196, "3": 1.388, "4": 1.962, "5": 1.962}}
+
+
+def test_the_gamma_the_drafts_were_decoded_at_is_stated_beside_their_columns():
+    """f3f82c0: "predicted, this engine 1.01x (γ=1)" beside the adapted draft's measured 0.825x plain,
+    decoded at γ=3 (report.json's adapted_draft.gamma and config.eval_gamma), which no table said."""
+    frozen = _row(proposer="draft", gamma=3, alpha=0.1646, speedup_vs_plain=0.519, matches_plain="8/8")
+    adapted = _row(proposer="draft", gamma=3, alpha=0.5953, speedup_vs_plain=0.825, matches_plain="8/8",
+                   prediction=PREDICTION)
+    row = _phase("prose", frozen=frozen, adapted_draft=adapted, eval_prompts=8)
+    text = _text({"phases": [row], "config": {"eval_gamma": 3}})
+    assert ("decoded on prompts never served (greedy), acceptance: the frozen v0 draft vs the adapted draft, both "
+            "decoded at γ=3") in text, text
+    assert "frozen ×plain (γ=3)" in text and "adapted draft ×plain (γ=3)" in text, text
+    assert ("(best γ of each; the draft's cost c per proposed token in plain steps; the evaluation decoded the draft "
+            "at γ=3, its ×plain in the acceptance table above)") in text, text
+    assert "1.01x (γ=1)" in text and "0.825" in text
+    # rows without their γ: config.eval_gamma; two γ: both named
+    bare = _phase("prose", frozen=dict(frozen, gamma=0), adapted_draft=dict(adapted, gamma=0), eval_prompts=8)
+    assert demo._draft_gammas({"phases": [bare], "config": {"eval_gamma": 3}}) == "3"
+    other = _phase("code", frozen=dict(frozen, gamma=1), adapted_draft=dict(adapted, gamma=1))
+    assert demo._draft_gammas({"phases": [row, other]}) == "1, 3"
+    assert demo._draft_gammas({"phases": [bare]}) == ""
