@@ -1317,9 +1317,9 @@ def leviathan_prediction(draft, plain, step_ms, gamma_max: int = 8) -> dict | No
     """The learner's measured α and c beside Leviathan et al. 2023's prediction (Theorem 3.8 /
     eq. 1): expected tokens per step E(α, γ) = (1 - α^(γ+1)) / (1 - α); speedup over plain decoding
     E / (γc + 1) when a verification costs one plain step, and E / (γc + t(γ+1) / t(1)) with this
-    engine's measured cost t(n) of a step verifying n rows, taken as the running max over n (a
-    verification of more rows cannot cost less: a dip is noise, priced as the format choice prices
-    it, decoder.models.formats); each at the γ that maximises it.
+    engine's measured cost t(n) of a step verifying n rows, taken as the least-squares fit that
+    never falls with more rows (:func:`_monotone_fit`: a verification of more rows cannot cost
+    less, a dip is noise, priced as ``StepCost.ms`` prices it); each at the γ that maximises it.
 
     Args:
         draft: the draft run's pooled ``AcceptanceCounts`` (α = alpha_sum / num_draft_tokens, c =
@@ -1894,12 +1894,12 @@ def _prediction_costs(report: dict, preds: list[dict]) -> str:
     if dips and first and _running_max(first_cost)[0] == _running_max(costs[0])[0]:
         # the first engine ceiling line below reads the same costs and says why a dip is noise: said once
         dipped = ", ".join(f"{n} rows measured below {m} rows'" for n, _, m, _ in dips)
-        said = f"; {dipped}, priced at the fewer rows' cost: noise, as the first engine ceiling line below says"
+        said = f"; {dipped}, pooled at the mean of their run: noise, as the first engine ceiling line below says"
     else:
         said = _dips_clause(dips)
     return (f"one measurement for every phase: the step costs as the evaluation began ({when}; "
             + (f"measured at {', '.join(map(str, measured))} rows, " if measured else "") + "other n read off them; "
-            "t(n) as the running max over n" + said + ")")
+            "t(n) as the least-squares fit that never falls with more rows" + said + ")")
 
 
 def _prediction_table(report: dict, console) -> None:
@@ -2299,40 +2299,66 @@ def _adapters_serving(report: dict) -> str:
     return f"Serving at the end: {'; '.join(parts) or f'the shared v{shared} for every workload (none promoted its own)'}"
 
 
-def _running_max(ms_by_rows: dict) -> tuple[dict[int, float], list[tuple[int, float, int, float]]]:
-    """``ms_by_rows`` ({rows: ms}, keys int or str) as the running max over rows, the step costs a
-    price may use (a verification of more rows cannot cost less than one of fewer; the format
-    choice prices so, decoder.models.formats), and each dip: (rows, its ms, the fewer rows that
-    cost more, their ms). A dip is noise between two readings, not a cheaper verification."""
-    out: dict[int, float] = {}
-    dips = []
-    top: tuple[int, float] | None = None
-    for n, t in sorted((int(k), float(v)) for k, v in ms_by_rows.items()):
+class _Dips(list):
+    """:func:`_monotone_fit`'s dips, a list of (rows, its ms, the fewer rows that cost the most
+    before it, their ms), with ``blocks``: each run of two or more measured row counts the fit
+    pooled, as (those row counts, the price of each)."""
+
+    blocks: tuple = ()  # set per instance by _monotone_fit
+
+
+def _monotone_fit(ms_by_rows: dict) -> tuple[dict[int, float], _Dips]:
+    """``ms_by_rows`` ({rows: ms}, keys int or str; a non-finite reading left out) as a price may
+    use them: the least-squares fit that never falls with more rows (a verification of more rows
+    cannot cost less than one of fewer), by pool adjacent violators
+    (:func:`decoder.proposers.cost.monotone_fit`, as ``StepCost.ms`` prices), each reading weighted
+    alike (report.json keeps no reading counts); and each dip, a reading below one of fewer rows,
+    with the runs pooled (:class:`_Dips`). A dip is noise between readings, not a cheaper
+    verification; the fit prices a run that falls at its mean, where a running max priced it at its
+    highest reading and so let one high reading raise every larger row count's price."""
+    from decoder.proposers.cost import isotonic_blocks
+
+    pts = [(n, t) for n, t in sorted((int(k), float(v)) for k, v in ms_by_rows.items()) if math.isfinite(t)]
+    dips, top = _Dips(), None
+    for n, t in pts:
         if top is not None and t < top[1]:
             dips.append((n, t, *top))
         if top is None or t >= top[1]:
             top = (n, t)
-        out[n] = top[1]
+    out: dict[int, float] = {}
+    dips.blocks = []
+    for a, b, m in isotonic_blocks([t for _, t in pts]):
+        out.update((n, m) for n, _ in pts[a:b])
+        if b - a > 1:
+            dips.blocks.append((tuple(n for n, _ in pts[a:b]), m))
     return out, dips
 
 
+_running_max = _monotone_fit  # its former name, which callers elsewhere in this module still use
+
+
 def _dips_clause(dips: list[tuple[int, float, int, float]], unit: str = "ms") -> str:
-    """"; 3 rows measured <ms>, below 2 rows' <ms>: noise between two readings (...), priced at the
-    fewer rows' cost" for :func:`_running_max`'s dips; "" without."""
+    """"; 3 rows measured <ms>, below 2 rows' <ms>: noise between two readings (...), priced on the
+    fit that never falls with more rows: 2 and 3 rows at <ms>, the mean ..." for :func:`_monotone_fit`'s
+    dips (the pooled runs from their ``blocks``, where they have them); "" without."""
     if not dips:
         return ""
     each = ", ".join(f"{n} rows measured {t:.2f} {unit}, below {m} rows' {tm:.2f}" for n, t, m, tm in dips)
-    return f"; {each}: noise between two readings (a verification of more rows cannot cost less), priced at the fewer rows' cost"
+    blocks = getattr(dips, "blocks", ())
+    runs = ", ".join(f"{', '.join(map(str, ns[:-1]))} and {ns[-1]} rows at {v:.2f} {unit}" for ns, v in blocks)
+    mean = "the mean of their readings" if len(blocks) == 1 else "each run at the mean of its readings"
+    return (f"; {each}: noise between two readings (a verification of more rows cannot cost less), priced on the "
+            f"least-squares fit that never falls with more rows" + (f": {runs}, {mean}" if runs else ""))
 
 
 def _priced_ceiling(ceil: dict, cost: dict) -> tuple[dict, list[tuple[int, float, int, float]]]:
-    """``ceil`` (``StepCost.ceiling``'s dict on ``cost``, ms by rows) as priced: on the running max of
-    the costs (:func:`_running_max`) where a verification of more rows measured less than one of
+    """``ceil`` (``StepCost.ceiling``'s dict on ``cost``, ms by rows) as priced: on the monotone fit
+    of the costs (:func:`_monotone_fit`) where a verification of more rows measured less than one of
     fewer, each line's headline figure; and the dips. ``ceil`` itself without dips, or without every
     row its γ need."""
     gammas = sorted(int(g) for g in (ceil.get("by_gamma") or {}))
     rows = [1, *(g + 1 for g in gammas)]  # a plain step and each γ's verification of γ + 1 rows
-    envelope, dips = _running_max(cost)
+    envelope, dips = _monotone_fit(cost)
     if dips and gammas and all(n in envelope for n in rows):  # the ceiling on the costs as priced, dips lifted
         from decoder.proposers.cost import speculation_ceiling
 

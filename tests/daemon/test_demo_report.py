@@ -471,7 +471,8 @@ def test_the_leviathan_tables_costs_are_one_measurement_named_in_its_caption():
     text = " ".join(out.getvalue().split())
     assert ("costs t(n)/t(1) plain steps, one measurement for every phase: the step costs as the evaluation began "
             "(re-measured on 16 requests with the trainer stopped, the costs the controller's picks were priced on; "
-            "measured at 1, 2, 3, 4 rows, other n read off them; t(n) as the running max over n)") in text, text
+            "measured at 1, 2, 3, 4 rows, other n read off them; t(n) as the least-squares fit that never falls with "
+            "more rows)") in text, text  # the monotone fit's wording (tests/daemon/test_demo_isotonic.py)
     assert text.count("1.61 1.87 2.48 2.65") == 2
     phases[1]["adapted_draft"]["prediction"]["step_cost_ms"] = {1: 10.0, 2: 19.4}
     out = io.StringIO()

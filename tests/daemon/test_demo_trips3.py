@@ -114,25 +114,29 @@ def test_the_loading_line_names_the_bootstrap_by_its_registry_version_once(monke
 STOPPED = {1: 11.39, 2: 32.60, 3: 32.20, 5: 43.64}  # ec0c85b's re-measured costs: 3 rows below 2 rows'
 
 
-def test_step_costs_that_fall_with_more_rows_are_priced_as_the_running_max_and_called_noise():
+def test_step_costs_that_fall_with_more_rows_are_priced_on_the_monotone_fit_and_called_noise():
+    # priced on the least-squares fit that never falls with more rows (tests/daemon/test_demo_isotonic.py),
+    # no longer the running max: 2 and 3 rows at (32.60 + 32.20) / 2 = 32.40, not both at 32.60
     envelope, dips = demo._running_max({str(k): v for k, v in STOPPED.items()})
-    assert envelope == {1: 11.39, 2: 32.60, 3: 32.60, 5: 43.64} and dips == [(3, 32.20, 2, 32.60)]
+    assert envelope == pytest.approx({1: 11.39, 2: 32.40, 3: 32.40, 5: 43.64}, abs=1e-9) and dips == [(3, 32.20, 2, 32.60)]
     assert demo._running_max({1: 1.0, 2: 2.0}) == ({1: 1.0, 2: 2.0}, [])
-    # the ceiling at a dip: 2 rows 20 ms, 3 rows 14 ms (raw γ=2: 3 x 10 / 14 = 2.14x); priced at 20 ms
-    # γ=2 gives 3 x 10 / 20 = 1.50x, above γ=1's 2 x 10 / 20 = 1.00 and γ=3's 4 x 10 / 30 = 1.33
+    # the ceiling at a dip: 2 rows 20 ms, 3 rows 14 ms (raw γ=2: 3 x 10 / 14 = 2.14x); priced at their mean,
+    # 17 ms, γ=2 gives 3 x 10 / 17 = 1.76x, above γ=1's 2 x 10 / 17 = 1.18 and γ=3's 4 x 10 / 30 = 1.33
     cost = {1: 10.0, 2: 20.0, 3: 14.0, 4: 30.0}
     raw = {"by_gamma": {1: 1.0, 2: 2.143, 3: 1.333}, "gamma": 2, "speedup": 2.143}
     line = demo._ceiling_line(raw, cost, "with the trainer stopped")
-    assert "at most 1.50x plain (γ=2," in line and "at most 2.14x" not in line, line
+    assert "at most 1.76x plain (γ=2," in line and "at most 2.14x" not in line, line
     assert ("; 3 rows measured 14.00 ms, below 2 rows' 20.00: noise between two readings (a verification of more "
-            "rows cannot cost less), priced at the fewer rows' cost") in line
+            "rows cannot cost less), priced on the least-squares fit that never falls with more rows: 2 and 3 rows at "
+            "17.00 ms, the mean of their readings") in line
     # costs that rise: the line as before, no noise clause
     assert "noise" not in demo._ceiling_line({"by_gamma": {1: 1.0}, "gamma": 1, "speedup": 1.0}, {1: 10.0, 2: 20.0}, "x")
 
 
 def test_the_leviathan_prediction_prices_a_verification_of_more_rows_never_below_fewer():
     """ec0c85b's table read t(n)/t(1) 2.86 2.83 3.33 3.83: 3 rows cheaper than 2. The prediction
-    now reads 32.60 / 11.39 = 2.862 for both; 4 rows (unmeasured) on the line from 3 to 5 rows,
+    now reads both on the monotone fit (no longer the running max's 32.60 / 11.39 = 2.862): (32.60 +
+    32.20) / 2 / 11.39 = 32.40 / 11.39 = 2.845; 4 rows (unmeasured) on the line from 3 to 5 rows,
     32.20 + (43.64 - 32.20) / 2 = 37.92 ms, / 11.39 = 3.329."""
     from decoder.metrics import AcceptanceCounts
     from decoder.proposers.cost import read_off
@@ -141,14 +145,14 @@ def test_the_leviathan_prediction_prices_a_verification_of_more_rows_never_below
     plain = AcceptanceCounts(num_steps=5, decode_ms=20.0)
     p = demo.leviathan_prediction(draft, plain, lambda n: read_off(STOPPED, n), gamma_max=4)
     rows = p["verify_cost_rows"]
-    assert rows[2] == rows[3] == round(32.60 / 11.39, 3) and rows[4] == round(37.92 / 11.39, 3), rows
+    assert rows[2] == rows[3] == round(32.40 / 11.39, 3) == 2.845 and rows[4] == round(37.92 / 11.39, 3), rows
     assert rows[5] == round(43.64 / 11.39, 3)
 
 
 def test_the_screen_names_which_plain_step_each_price_divides_by():
     """ec0c85b's screen priced on 11.39 ms (re-measured), 9.94 (beside the trainer), the picks'
     9.09-10.79 and report.json's top-level 9.27, none named. One line names each set, once; the
-    Leviathan caption says its costs are the running max and names the dip."""
+    Leviathan caption says its costs are the monotone fit and names the dip."""
     pred = {"alpha": 0.5, "c": 0.3, "tau": 2.0, "verify_cost_rows": {2: 2.862, 3: 2.862}, "one_step": None,
             "this_engine": None, "step_cost_ms": STOPPED}
     phases = [_phase("prose", controller_pick={"why": "off: plain", "t_plain_ms": 9.09},
@@ -165,8 +169,9 @@ def test_the_screen_names_which_plain_step_each_price_divides_by():
             "workload, re-measured too (a plain step 9.09-10.79 ms); report.json's top-level step_cost_ms (9.27 ms) "
             "is StepCost after the evaluation's own steps, which priced nothing here") in text, text
     assert text.count("which plain step each price divides by") == 1
-    assert ("t(n) as the running max over n; 3 rows measured below 2 rows', priced at the fewer rows' cost: noise, as "
-            "the first engine ceiling line below says)") in text, text
+    # the fit's wording (no longer "the running max", "priced at the fewer rows' cost")
+    assert ("t(n) as the least-squares fit that never falls with more rows; 3 rows measured below 2 rows', pooled "
+            "at the mean of their run: noise, as the first engine ceiling line below says)") in text, text
     assert text.count("3 rows measured 32.20 ms, below 2 rows' 32.60: noise between two readings") == 1, text
     # no re-measurement (an older report): no such line
     assert "which plain step" not in _printed({"phases": [_phase("prose")]})
