@@ -274,6 +274,21 @@ _pool_fns = None  # (params_default, new, free, attach, detach) or False where t
 PATCH_SWITCHES = ("GGML_AMX_VNNI_MAX_ROWS", "GGML_FA_BF16V_BLOCKED")
 
 
+def patch_switches(environ=None) -> dict[str, int | bool]:
+    """The patches' switches as the patched ggml reads them (once per process, at its first
+    matmul / attention): ``GGML_AMX_VNNI_MAX_ROWS`` as C's ``atoi`` (leading digits, after an
+    optional sign; anything else 0), at least 1, default 8; ``GGML_FA_BF16V_BLOCKED`` off only
+    when its value starts with ``0``. So "abc" and "1" read the same, as do unset and "8"."""
+    import re
+
+    env = os.environ if environ is None else environ
+    raw = env.get("GGML_AMX_VNNI_MAX_ROWS")
+    m = re.match(r"\s*([+-]?\d+)", raw) if raw is not None else None
+    rows = 8 if raw is None else max(1, int(m.group(1)) if m else 0)
+    fa = env.get("GGML_FA_BF16V_BLOCKED")
+    return {"GGML_AMX_VNNI_MAX_ROWS": rows, "GGML_FA_BF16V_BLOCKED": not (fa or "1").startswith("0")}
+
+
 def cpu_backend_identity() -> str:
     """What decides llama.cpp's step costs besides the CPU and the model: a digest (16 hex) of the
     installed CPU backend libraries' bytes (another build, patched or not, is another digest) and
@@ -285,11 +300,16 @@ def cpu_backend_identity() -> str:
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.origin:
         return ""
-    libdir = Path(spec.origin).parent / "lib"
+    # LLAMA_CPP_LIB_PATH: llama-cpp-python loads the libraries from there instead
+    libdir = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(spec.origin).parent / "lib")
+    libs = sorted({p.resolve() for p in libdir.glob("libggml-cpu*") if p.is_file()})
+    if not libs:
+        return ""
     h = hashlib.sha256()
-    for lib in sorted({p.resolve() for p in libdir.glob("libggml-cpu*") if p.is_file()}):
+    for lib in libs:
         h.update(lib.read_bytes())
-    env = ",".join(f"{k}={os.environ[k]}" for k in PATCH_SWITCHES if k in os.environ)
+    sw = patch_switches()
+    env = ",".join(f"{k}={int(v)}" for k, v in sw.items() if v != patch_switches({})[k])
     return h.hexdigest()[:16] + (f";{env}" if env else "")
 
 

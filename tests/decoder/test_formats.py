@@ -697,5 +697,26 @@ def test_the_backend_identity_follows_the_library_bytes_and_the_switches(tmp_pat
     assert one == hashlib.sha256(b"build one").hexdigest()[:16]
     monkeypatch.setenv("GGML_AMX_VNNI_MAX_ROWS", "1")
     assert lib.cpu_backend_identity() == one + ";GGML_AMX_VNNI_MAX_ROWS=1"
+    monkeypatch.setenv("GGML_AMX_VNNI_MAX_ROWS", "abc")  # atoi: 0, at least 1: the same as "1"
+    assert lib.cpu_backend_identity() == one + ";GGML_AMX_VNNI_MAX_ROWS=1"
+    monkeypatch.setenv("GGML_AMX_VNNI_MAX_ROWS", "8")  # the default: the same key as unset
+    assert lib.cpu_backend_identity() == one
+    monkeypatch.setenv("GGML_FA_BF16V_BLOCKED", "off")  # on: only a leading 0 turns it off
+    assert lib.cpu_backend_identity() == one
+    monkeypatch.setenv("GGML_FA_BF16V_BLOCKED", "0")
+    assert lib.cpu_backend_identity() == one + ";GGML_FA_BF16V_BLOCKED=0"
+    monkeypatch.delenv("GGML_FA_BF16V_BLOCKED")
+    (pkg / "lib" / "libggml-cpu.so").unlink()
+    assert lib.cpu_backend_identity() == ""  # no backend to identify: no constant digest
     (pkg / "lib" / "libggml-cpu.so").write_bytes(b"build two")
     assert lib.cpu_backend_identity().startswith(hashlib.sha256(b"build two").hexdigest()[:16])
+
+
+def test_the_patch_switches_read_as_the_patched_ggml_reads_them():
+    from decoder.engines.llamacpp_lib import patch_switches
+
+    rows = lambda v: patch_switches({} if v is None else {"GGML_AMX_VNNI_MAX_ROWS": v})["GGML_AMX_VNNI_MAX_ROWS"]
+    # C's atoi: leading digits after an optional sign and blanks, else 0; the patch takes max(1, .)
+    assert [rows(v) for v in (None, "8", "3", " 12x", "0x10", "abc", "", "-5", "99999")] == [8, 8, 3, 12, 1, 1, 1, 1, 99999]
+    fa = lambda v: patch_switches({} if v is None else {"GGML_FA_BF16V_BLOCKED": v})["GGML_FA_BF16V_BLOCKED"]
+    assert [fa(v) for v in (None, "1", "0", "0x10", "off", "", " 0")] == [True, True, False, False, True, True, True]
