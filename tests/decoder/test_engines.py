@@ -381,6 +381,11 @@ def real(gguf):
 
 
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+# a prompt whose greedy continuation repeats the prompt itself, so the n-gram proposer (no history)
+# has proposals accepted whatever float rounding the build's kernels leave: PROMPT's continuation
+# is a near-tie ("In other words, the answer..." with the blocked attention patch, "The answer
+# is: 2 ... The answer is: 2" without), and only the second repeats
+COUNTING = "Count: one, two, three, four, five, six, seven, eight, nine, ten. Again: one, two, three,"
 
 
 def _mapped_copies(stem: str) -> set[str]:
@@ -632,7 +637,10 @@ def test_eagle_head_on_llamacpp_features_greedy_equals_plain(engine, gguf, real)
         plain = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=0, ignore_eos=True))
         spec = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=2, ignore_eos=True, proposer="eagle"))
         assert spec.output_ids == plain.output_ids and spec.proposer == "eagle"
-        assert 0 < spec.counts.num_accepted_tokens < spec.counts.num_draft_tokens
+        # the head is untrained (from_target): its proposals are verified (drafted, counted), and
+        # what it gets accepted is chance (0 of 45 to 2 of 41 on this prompt, by build); the accepted
+        # path is the n-gram test's below and the head's own tests'
+        assert spec.counts.num_draft_tokens > 0 and 0 <= spec.counts.num_accepted_tokens < spec.counts.num_draft_tokens
     finally:
         emb.close()
 
@@ -654,7 +662,7 @@ def test_records_carry_llama_cpps_hidden_states_on_the_real_model(engine, gguf, 
     try:
         dec = SpeculativeDecoder(real.target, real.draft, real.tokenizer,
                                  DecoderConfig(record_hidden=True, record_prompt=True), sink=got.append, engine=emb)
-        ids = real.tokenizer(PROMPT)["input_ids"]
+        ids = real.tokenizer(COUNTING)["input_ids"]
         spec = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=3, ignore_eos=True, proposer="ngram"))
         plain = dec.generate(DecodeRequest(ids, SamplingParams(), 24, gamma=0, ignore_eos=True))
         assert spec.output_ids == plain.output_ids and spec.counts.num_accepted_tokens > 0
