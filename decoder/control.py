@@ -1062,7 +1062,10 @@ class GoodputController:
                     f"spread between 2 or more requests; config.confidence)")
         more = (f"its last {n} requests measured: within noise of plain" if n >= _Clusters.KEEP
                 else f"{_requests(n)} measured: not yet enough to tell from plain")
-        bound = f"is {low:.2f}x" if low >= 0.01 else "is below 0.01x, i.e. none yet"  # 2-3 requests: t is 6.3-2.9
+        places = 2  # a bound below 1 never printed as "1.00x" (a walkthrough read it as "at 1", not short of it)
+        while low < 1 and round(low, places) >= 1 and places < 6:
+            places += 1
+        bound = f"is {low:.{places}f}x" if low >= 0.01 else "is below 0.01x, i.e. none yet"  # 2-3 requests: t is 6.3-2.9
         return (f"off: the best, {top[0]} γ={top[1]} {rate:.3f} tok/ms, is {rate / plain:.2f}x plain {plain:.3f}, but "
                 f"the {percent(self.config.confidence)} % lower bound of that ratio {bound} ({more}; "
                 f"config.confidence)")

@@ -219,6 +219,20 @@ def test_a_bound_below_one_hundredth_says_there_is_none_yet_not_0_00x():
     assert "lower bound of that ratio is 1.70x" in ctl._unsure(("ngram", 1), 0.2, 0.1, ev)
 
 
+def test_a_bound_just_below_one_is_not_printed_as_one():
+    """A walkthrough read "the 95 % lower bound of that ratio is 1.00x" as a bound at 1, not short of it."""
+    import math
+
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), min_steps=1))
+    z = 1.6448536269514722  # the one-sided 95 % normal quantile
+    rse = math.log(2 / 0.997) / z  # ratio 2.0, so the bound is 2 exp(-z rse) = 0.997
+    ev = {"rel_se": {("ngram", 1): rse, ("plain", 0): 0.0}, "requests_measured": {"ngram": 7}}
+    why = ctl._unsure(("ngram", 1), 0.2, 0.1, ev)
+    assert "lower bound of that ratio is 0.997x" in why and "1.00x" not in why, why
+    ev["rel_se"][("ngram", 1)] = math.log(2 / 1.004) / z  # above 1: two places, as before
+    assert "lower bound of that ratio is 1.00x" in ctl._unsure(("ngram", 1), 0.2, 0.1, ev)
+
+
 @pytest.mark.parametrize("last", ["copy", "none"])
 def test_a_gated_proposer_is_priced_by_the_tokens_and_ms_of_the_same_steps(last):
     # A gated n-gram proposer asked for γ = 4: a copying request runs one plain-like step (no match
