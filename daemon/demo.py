@@ -1759,11 +1759,23 @@ def _gain_ci(gain, low, high) -> str:
     return f"{one(gain)}, CI [{one(low)}, {one(high)}]"
 
 
+def _ratio_bound(x: float) -> str:
+    """A ratio's interval bound to 2 decimals, or as many more (up to 6) as keep a bound that is
+    not 1 from printing as 1.00 (a walkthrough read math's 0.9993 as "[1.00, ..." and so above 1)."""
+    places = 2
+    while x != 1 and round(x, places) == 1 and places < 6:
+        places += 1
+    return f"{x:.{places}f}"
+
+
 def _interval(d: dict | None, key_lo: str = "low", key_hi: str = "high") -> str:
-    """An interval cell: signed for a gain's interval, else 2 decimals; '-' when there is none."""
+    """An interval cell: signed for a gain's interval, else 2 decimals (:func:`_ratio_bound`);
+    '-' when there is none."""
     if not d or d.get(key_lo) is None:
         return "-"
-    return f"[{signed(d[key_lo], 3)}, {signed(d[key_hi], 3)}]" if key_lo == "low" and "gain" in d else f"[{d[key_lo]:.2f}, {d[key_hi]:.2f}]"
+    if key_lo == "low" and "gain" in d:
+        return f"[{signed(d[key_lo], 3)}, {signed(d[key_hi], 3)}]"
+    return f"[{_ratio_bound(d[key_lo])}, {_ratio_bound(d[key_hi])}]"
 
 
 def _heldout_table(report: dict, console) -> None:

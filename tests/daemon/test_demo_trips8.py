@@ -185,3 +185,14 @@ def test_the_gamma_the_drafts_were_decoded_at_is_stated_beside_their_columns():
     other = _phase("code", frozen=dict(frozen, gamma=1), adapted_draft=dict(adapted, gamma=1))
     assert demo._draft_gammas({"phases": [row, other]}) == "1, 3"
     assert demo._draft_gammas({"phases": [bare]}) == ""
+
+
+def test_a_ratio_bound_near_one_keeps_the_side_of_one_it_is_on():
+    """The a451b6e walkthrough: math "1.048 [1.00, 1.10]" with a lower bound of 0.9993 in report.json,
+    code "[1.00, 1.25]" with 1.0034: two decimals hid which side of 1 each was on."""
+    from daemon.demo import _interval
+
+    assert _interval({"ratio": 1.048, "low": 0.9993, "high": 1.1034}) == "[0.999, 1.10]"
+    assert _interval({"ratio": 1.109, "low": 1.0034, "high": 1.2512}) == "[1.003, 1.25]"
+    assert _interval({"ratio": 1.0, "low": 1.0, "high": 1.2}) == "[1.00, 1.20]"  # exactly 1 stays 1.00
+    assert _interval({"ratio": 1.2, "low": 0.99996, "high": 1.3}) == "[0.99996, 1.30]"
