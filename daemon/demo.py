@@ -1340,7 +1340,7 @@ def leviathan_prediction(draft, plain, step_ms, gamma_max: int = 8) -> dict | No
     c = draft.draft_ms / draft.num_draft_tokens / (plain.decode_ms / plain.num_steps)
     t1 = step_ms(1)
     ratio = {n: step_ms(n) / t1 for n in range(1, gamma_max + 2)} if t1 == t1 and t1 > 0 else {}
-    ratio = _running_max({n: r for n, r in ratio.items() if r == r})[0]  # more rows never cost less
+    ratio = _monotone_fit({n: r for n, r in ratio.items() if r == r})[0]  # more rows never cost less
     one = {g: expected_tokens_per_step(a, g) / (g * c + 1) for g in range(1, gamma_max + 1)}
     eng = {g: expected_tokens_per_step(a, g) / (g * c + ratio[g + 1]) for g in range(1, gamma_max + 1) if g + 1 in ratio}
     best = (lambda d: {"gamma": max(d, key=d.get), "speedup": round(max(d.values()), 3)} if d else None)
@@ -1901,9 +1901,9 @@ def _prediction_costs(report: dict, preds: list[dict]) -> str:
     when = (f"re-measured on {rem['requests']} requests with the trainer stopped, the costs the controller's picks "
             f"were priced on" if rem.get("step_cost_ms") and rem.get("requests") else "as serving left them")
     measured = sorted(int(n) for n in costs[0])
-    dips = _running_max(costs[0])[1]
+    dips = _monotone_fit(costs[0])[1]
     first, first_cost, _ = _first_ceiling(report)
-    if dips and first and _running_max(first_cost)[0] == _running_max(costs[0])[0]:
+    if dips and first and _monotone_fit(first_cost)[0] == _monotone_fit(costs[0])[0]:
         # the first engine ceiling line below reads the same costs and says why a dip is noise: said once
         dipped = ", ".join(f"{n} rows measured below {m} rows'" for n, _, m, _ in dips)
         said = f"; {dipped}, pooled at the mean of their run: noise, as the first engine ceiling line below says"
@@ -2346,7 +2346,7 @@ def _monotone_fit(ms_by_rows: dict) -> tuple[dict[int, float], _Dips]:
     return out, dips
 
 
-_running_max = _monotone_fit  # its former name, which callers elsewhere in this module still use
+_running_max = _monotone_fit  # its former name, which tests still use
 
 
 def _dips_clause(dips: list[tuple[int, float, int, float]], unit: str = "ms") -> str:
@@ -2392,7 +2392,7 @@ def _rises_clause(ceil: dict, cost: dict, stopped_ceil: dict | None, stopped_cos
     if round(ceil["speedup"], 2) <= round(stopped_ceil["speedup"], 2):
         return ""
     n = int(ceil["gamma"]) + 1
-    here, still = _running_max(cost)[0], _running_max(stopped_cost)[0]
+    here, still = _monotone_fit(cost)[0], _monotone_fit(stopped_cost)[0]
     if not all(k in m for m in (here, still) for k in (1, n)):
         return ""
     return (f"; above the {stopped_ceil['speedup']:.2f}x with the trainer stopped: each ceiling divides by its own "

@@ -89,7 +89,7 @@ from store.errors import RegistryError
 from store.registry import AdapterMeta, check_scope
 from store.schema import VerifiedSample
 from store.wording import percent, signed
-from trainer.distill import BASE, AdapterState, Distiller, EvalResult, RoundResult, TrainerError
+from trainer.distill import BASE, DECODED_GAMMA, AdapterState, Distiller, EvalResult, RoundResult, TrainerError
 from trainer.gate import PairedGain, counts_by_record, paired_decoded_gain, paired_gain
 from trainer.publish import adapter_meta, publish
 
@@ -129,7 +129,7 @@ class ServiceConfig:
     # (trainer.gate.decoded_acceptance: proposals from each block start, none at a bonus position);
     # a candidate whose decoded acceptance measurably falls (paired interval entirely below 0) is
     # refused as worse, whatever its per-position gain.
-    gate_gamma: int = 3
+    gate_gamma: int = DECODED_GAMMA
     # What the gate judges on: "decode" = per workload, its held-out decode records (the target's
     # distributions at the positions the draft proposes for while serving) when it has at least
     # min_eval_samples of them, else all its held-out records; "all" = every held-out record (the
