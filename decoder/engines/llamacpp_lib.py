@@ -308,8 +308,8 @@ def cpu_backend_identity() -> str:
     h = hashlib.sha256()
     for lib in libs:
         h.update(lib.read_bytes())
-    sw = patch_switches()
-    env = ",".join(f"{k}={int(v)}" for k, v in sw.items() if v != patch_switches({})[k])
+    sw, default = patch_switches(), patch_switches({})
+    env = ",".join(f"{k}={int(v)}" for k, v in sw.items() if v != default[k])
     return h.hexdigest()[:16] + (f";{env}" if env else "")
 
 
