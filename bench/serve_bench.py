@@ -609,6 +609,51 @@ def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_
     return out
 
 
+def ngram_type_list(ngram_types: str) -> list[str] | None:
+    """``--ngram-types`` read: None for ``auto``, else the comma-separated names in order, each once.
+
+    Raises:
+        ValueError: no name in it (``""``, ``" , "``): a llama_ngram run with no type to run.
+    """
+    if ngram_types.strip() == "auto":
+        return None
+    names = list(dict.fromkeys(t.strip() for t in ngram_types.split(",") if t.strip()))
+    if not names:
+        raise ValueError(f"--ngram-types {ngram_types!r} names no n-gram type: give a comma-separated list of "
+                         f"llama-server --spec-type n-gram types (e.g. ngram-simple,ngram-mod), or auto (every "
+                         f"one its --help lists), or leave llama_ngram out of --configs")
+    return names
+
+
+def ngram_runs(types: list[str], ngram_types: str) -> tuple[list[tuple[str, dict]], dict[str, str]]:
+    """The ``llama_<type>`` runs of ``llama_ngram`` and why any named type skips (see :func:`llama_runs`).
+    A named type skips where it is not an n-gram type (``ngram-*``; the draft model is ``llama_draft``)
+    or this llama-server's --help does not list it, the reason naming the types it does list; ``auto``
+    with no n-gram type listed skips ``llama_ngram`` itself.
+
+    Raises:
+        ValueError: ``ngram_types`` names no type (:func:`ngram_type_list`).
+    """
+    listed = [t for t in types if t.startswith("ngram") and t != "ngram-cache"]
+    named = ngram_type_list(ngram_types)
+    want = listed if named is None else named
+    skipped: dict[str, str] = {}
+    offer = f"its n-gram types: {', '.join(listed)}" if listed else "it lists no n-gram type"
+    if not types:
+        skipped["llama_ngram"] = "this llama.cpp's llama-server has no --spec-type"
+    elif not listed and named is None:
+        skipped["llama_ngram"] = (f"--ngram-types auto: this llama-server's --spec-type lists no n-gram type "
+                                  f"(it lists: {', '.join(types)})")
+    for t in want:
+        if not t.startswith("ngram"):
+            skipped[f"llama_{t}"] = (f"--ngram-types {t}: not an n-gram type ({offer}; name those or auto; "
+                                     f"the draft model runs as llama_draft)")
+        elif t not in types:
+            skipped[f"llama_{t}"] = (f"--spec-type {t} is not in this llama-server's --help ({offer}; "
+                                     f"name those or auto)")
+    return [(f"llama_{t}", {"spec_type": t}) for t in want if f"llama_{t}" not in skipped], skipped
+
+
 def llama_runs(configs: list[str], types: list[str], ngram_types: str = "auto",
                draft: Path | None = None) -> tuple[list[tuple[str, dict]], dict[str, str]]:
     """The llama-server configurations ``--peer`` runs (paired and sequential alike), and why any skips.
@@ -618,7 +663,7 @@ def llama_runs(configs: list[str], types: list[str], ngram_types: str = "auto",
             (``draftd`` and unknown names are ignored).
         types: the ``--spec-type`` values this llama-server lists (:func:`peers.spec_types`; [] if none).
         ngram_types: ``auto`` (every ``ngram-*`` type in ``types`` but ``ngram-cache``, which wants a
-            cache file) or a comma-separated list of n-gram types.
+            cache file) or a comma-separated list of n-gram types (:func:`ngram_runs`).
         draft: the derived draft GGUF (``-md``); ``llama_draft`` runs only where it is a file now.
 
     Returns:
@@ -626,19 +671,18 @@ def llama_runs(configs: list[str], types: list[str], ngram_types: str = "auto",
         ``llama_<type>`` per n-gram type, then ``llama_draft``), ``kw`` the keyword arguments of
         :func:`peers.server_command` (``spec_type``, ``draft_model``); ``skipped`` maps each
         configuration asked for that does not run to the reason.
+
+    Raises:
+        ValueError: ``llama_ngram`` asked for and ``ngram_types`` names no type (``""``).
     """
     runs: list[tuple[str, dict]] = []
     skipped: dict[str, str] = {}
     if "llama_plain" in configs:
         runs.append(("llama_plain", {}))
     if "llama_ngram" in configs:
-        want = [t.strip() for t in ngram_types.split(",") if t.strip()] if ngram_types != "auto" else \
-            [t for t in types if t.startswith("ngram") and t != "ngram-cache"]
-        if not types:
-            skipped["llama_ngram"] = "this llama.cpp's llama-server has no --spec-type"
-        skipped.update({f"llama_{t}": f"--spec-type {t} is not in this llama-server's --help"
-                        for t in want if t not in types})
-        runs += [(f"llama_{t}", {"spec_type": t}) for t in want if t in types]
+        ngram, why = ngram_runs(types, ngram_types)
+        runs += ngram
+        skipped.update(why)
     if "llama_draft" in configs:
         if draft is not None and draft.is_file():
             # -md alone leaves --spec-type at none unless the draft GGUF names a type (this one does not)
@@ -767,6 +811,8 @@ def peer_main(a) -> None:
         # after draftd's start: serve writes the derived draft GGUF then
         runs, skipped = llama_runs(configs, types, a.ngram_types, draft)
         result["skipped"].update(skipped)
+        for name, why in skipped.items():
+            say(f"skipped {name}: {why}")
         if a.paired:
             width = clients_list[0]
             servers = {"draftd": (durl, True)} if "draftd" in configs else {}
@@ -849,6 +895,10 @@ def main() -> None:
                     "DRAFTD_SERVE__RECORD_PROMPT=false")
     a = ap.parse_args()
     if a.peer:
+        try:
+            ngram_type_list(a.ngram_types)  # here, not after minutes of building and starting servers
+        except ValueError as e:
+            ap.error(str(e))
         a.requests = a.requests or 2
         return peer_main(a)
     a.requests = a.requests or 25

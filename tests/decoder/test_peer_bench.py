@@ -306,9 +306,50 @@ def test_llama_runs_skip_an_uncached_draft_and_unlisted_ngram_types_with_the_rea
     assert runs == [("llama_plain", {}), ("llama_ngram-simple", {"spec_type": "ngram-simple"})]
     assert set(skipped) == {"llama_ngram-mod", "llama_draft"}
     assert skipped["llama_draft"].startswith(f"no derived draft GGUF cached at {absent} ")
-    assert skipped["llama_ngram-mod"] == "--spec-type ngram-mod is not in this llama-server's --help"
+    assert skipped["llama_ngram-mod"] == ("--spec-type ngram-mod is not in this llama-server's --help "
+                                          "(its n-gram types: ngram-simple, ngram-map-k; name those or auto)")
     runs, skipped = serve_bench.llama_runs(["llama_ngram"], [], "auto", absent)
     assert runs == [] and skipped == {"llama_ngram": "this llama.cpp's llama-server has no --spec-type"}
+
+
+def test_llama_runs_refuse_an_empty_ngram_type_list_naming_the_fix(tmp_path):
+    # --ngram-types "" used to give no run and no skip reason: a silent empty result
+    for empty in ("", " , ", ","):
+        with pytest.raises(ValueError, match=r"--ngram-types '.*' names no n-gram type: .*ngram-simple.*auto"):
+            serve_bench.llama_runs(["llama_plain", "llama_ngram"], SPEC_TYPES, empty, None)
+        with pytest.raises(ValueError, match="names no n-gram type"):
+            serve_bench.ngram_type_list(empty)
+    # without llama_ngram asked for, the list is not read
+    runs, skipped = serve_bench.llama_runs(["llama_plain"], SPEC_TYPES, "", None)
+    assert runs == [("llama_plain", {})] and skipped == {}
+    assert serve_bench.ngram_type_list("auto") is None
+    assert serve_bench.ngram_type_list(" ngram-mod, ngram-simple,ngram-mod ") == ["ngram-mod", "ngram-simple"]
+
+
+def test_llama_runs_skip_unknown_and_non_ngram_types_naming_what_is_listed():
+    runs, skipped = serve_bench.llama_runs(["llama_ngram"], SPEC_TYPES, "ngram-simpel,draft-simple,ngram-simple", None)
+    assert runs == [("llama_ngram-simple", {"spec_type": "ngram-simple"})]
+    assert skipped == {
+        # a typo: not listed
+        "llama_ngram-simpel": "--spec-type ngram-simpel is not in this llama-server's --help (its n-gram types: "
+                              "ngram-simple, ngram-map-k; name those or auto)",
+        # listed, but not an n-gram type: it used to run as llama_draft-simple with no draft model
+        "llama_draft-simple": "--ngram-types draft-simple: not an n-gram type (its n-gram types: ngram-simple, "
+                              "ngram-map-k; name those or auto; the draft model runs as llama_draft)"}
+    # auto on a llama-server whose --spec-type lists no n-gram type: llama_ngram skips, it used to vanish
+    runs, skipped = serve_bench.llama_runs(["llama_plain", "llama_ngram"], ["draft-simple", "ngram-cache"], "auto")
+    assert runs == [("llama_plain", {})]
+    assert skipped == {"llama_ngram": "--ngram-types auto: this llama-server's --spec-type lists no n-gram type "
+                                      "(it lists: draft-simple, ngram-cache)"}
+
+
+def test_main_rejects_an_empty_ngram_type_list_before_starting_anything(monkeypatch, capsys):
+    monkeypatch.setattr(serve_bench, "peer_main", lambda a: pytest.fail("peer_main ran with --ngram-types ''"))
+    monkeypatch.setattr(sys, "argv", ["serve_bench.py", "--peer", "--ngram-types", ""])
+    with pytest.raises(SystemExit) as e:
+        serve_bench.main()
+    assert e.value.code == 2  # argparse's usage error
+    assert "--ngram-types '' names no n-gram type" in capsys.readouterr().err
 
 
 def test_paired_servers_start_the_draft_model_peer_and_name_its_command(tmp_path, monkeypatch):
