@@ -89,6 +89,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -724,142 +725,231 @@ def paired_servers(stack: contextlib.ExitStack, runs: list[tuple[str, dict]], bi
     return servers
 
 
-def peer_main(a) -> None:
-    import tempfile
-    import platform
+@dataclass
+class PeerPlan:
+    """What one ``--peer`` run measures, fixed from its arguments before any server starts."""
 
-    sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "bench"))
+    clients: list[int]  # --peer-clients, in run order
+    threads: int  # engine threads of every server (--threads, else this host's CPUs)
+    fmt: str  # --format: the weight format on both sides
+    target: Path  # the target GGUF both sides load
+    draft: Path  # where the derived draft GGUF lives (llama_draft's -md; serve writes it at its start)
+    workloads: list[str]  # --peer-workloads
+    per_workload: int  # measured prompts per workload
+    cells: dict[int, list[list]]  # per client count, one prompt list per client (cell_prompts)
+    warm: list  # (workload, ids) warm-up prompts, --warmup per workload
+    configs: list[str]  # --configs
+    binary: Path | None  # llama-server; None without a llama_* configuration
+    types: list[str]  # its --spec-type values (peers.spec_types)
+    logs: Path  # this run's log directory
+
+
+def peer_plan(a) -> PeerPlan:
+    """The :class:`PeerPlan` of the parsed arguments ``a``: the GGUFs, the tokenised prompts split
+    into cells and warm-up, llama-server (built once, minutes, where a llama_* configuration is
+    asked for) and its speculation types, a fresh log directory.
+
+    Raises:
+        ValueError: fewer prompts than the cells need (:func:`cell_prompts`).
+    """
+    import tempfile
+
     import peers
     from decoder.models.gguf_export import file_digest16
     from decoder.models.loading import packaged_target, resolve_model_dir
     from decoder.models.packaged import cache_root, packaged_gguf
     from transformers import AutoTokenizer
 
-    say = peers.say
     clients_list = [int(c) for c in a.peer_clients.split(",")]
-    threads = a.threads or os.cpu_count() or 2
     fmt = a.format.strip()
     target = packaged_gguf("smollm2-135m") if fmt.lower() == "packaged" else packaged_target(f"smollm2-135m@{fmt}")
     base = packaged_gguf("smollm2-135m")
     draft = cache_root() / "gguf" / f"{base.stem}-{file_digest16(base)}-layers-0-3.gguf"
     tok = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m"), local_files_only=True)
     workloads = [w.strip() for w in a.peer_workloads.split(",") if w.strip()]
-    need = sum(clients_list) * a.requests
-    from decoder.workloads import EVAL_RESERVED_PROMPTS
-
-    per_workload = -(-need // len(workloads))
+    per_workload = -(-sum(clients_list) * a.requests // len(workloads))
     prompts = peer_prompts(tok, workloads, per_workload + a.warmup)
     # the warm-up prompts: the last a.warmup of each workload, after every measured one
     warm = [p for p in prompts[len(workloads) * per_workload:]] if a.warmup else []
     cells = cell_prompts(prompts[: len(workloads) * per_workload], clients_list, a.requests)
-
     configs = [c for c in a.configs.split(",") if c]
     llama = any(c.startswith("llama") for c in configs)
-    binary = peers.llama_server_binary(say) if llama else None
+    binary = peers.llama_server_binary(peers.say) if llama else None
     types = peers.spec_types(peers.server_help(binary)) if llama else []
-    result = {"mode": "peer", "host": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-              "threads": threads, "clients": clients_list, "requests_per_client": a.requests,
-              "max_tokens": a.max_tokens, "workloads": workloads, "warmup_per_workload": a.warmup,
-              "warmup_note": "every server process streams the same warm-up prompts (--warmup per workload, "
-                             "max_tokens each, one at a time, unmeasured) before its first measured cell: "
-                             "draftd once (one process), each llama-server process (one per configuration "
-                             "and count) once", "greedy": True, "format": fmt,
-              "target_gguf": str(target), "llama_cpp_python": peers.pinned_version(), "llama_server": str(binary),
-              "llama_spec_types": types or None, "skipped": {}, "commands": {},
-              "prompts_per_workload": per_workload,
-              "prompts_note": None if per_workload <= EVAL_RESERVED_PROMPTS else
-              f"{per_workload} prompts per workload: beyond the first {EVAL_RESERVED_PROMPTS}, which no bootstrap corpus holds"}
-    table: dict[int, dict[str, dict]] = {n: {} for n in clients_list}
-    logs = Path(tempfile.mkdtemp(prefix="serve_bench_peer."))
-    result["logs"] = str(logs)
+    return PeerPlan(clients_list, a.threads or os.cpu_count() or 2, fmt, target, draft, workloads, per_workload,
+                    cells, warm, configs, binary, types, Path(tempfile.mkdtemp(prefix="serve_bench_peer.")))
 
-    import redis as _redis
+
+def peer_header(a, plan: PeerPlan) -> dict:
+    """The run's JSON before any measurement: host, settings, files, llama-server and its types,
+    empty ``skipped`` and ``commands``, where the logs go."""
+    import platform
+
+    import peers
+    from decoder.workloads import EVAL_RESERVED_PROMPTS
+
+    per_workload = plan.per_workload
+    return {"mode": "peer", "host": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "threads": plan.threads, "clients": plan.clients, "requests_per_client": a.requests,
+            "max_tokens": a.max_tokens, "workloads": plan.workloads, "warmup_per_workload": a.warmup,
+            "warmup_note": "every server process streams the same warm-up prompts (--warmup per workload, "
+                           "max_tokens each, one at a time, unmeasured) before its first measured cell: "
+                           "draftd once (one process), each llama-server process (one per configuration "
+                           "and count) once", "greedy": True, "format": plan.fmt,
+            "target_gguf": str(plan.target), "llama_cpp_python": peers.pinned_version(),
+            "llama_server": str(plan.binary), "llama_spec_types": plan.types or None, "skipped": {}, "commands": {},
+            "prompts_per_workload": per_workload,
+            "prompts_note": None if per_workload <= EVAL_RESERVED_PROMPTS else
+            f"{per_workload} prompts per workload: beyond the first {EVAL_RESERVED_PROMPTS}, which no bootstrap corpus holds",
+            "logs": str(plan.logs)}
+
+
+def draftd_process(a, plan: PeerPlan, result: dict) -> tuple[list[str], dict, int, str]:
+    """``daemonctl serve``'s ``(command, environment, port, Redis key prefix)`` for the run: a
+    state directory under the logs, a key prefix of its own, ``--draftd-env`` on top; names the
+    command in ``result["commands"]`` (and the extra environment in ``result["draftd_env"]``)."""
+    import tempfile
+
+    import peers
 
     prefix = f"bench:peer:{uuid.uuid4().hex[:8]}:"
-    state = Path(tempfile.mkdtemp(prefix="draftd-state.", dir=logs))
+    state = Path(tempfile.mkdtemp(prefix="draftd-state.", dir=plan.logs))
     port = peers.free_port()
     dcmd = [sys.executable, "-m", "daemon.cli", "serve", "--port", str(port)]
-    denv = draftd_env(state, a.redis_url, prefix, fmt, a.threads, a.draftd_max_batch)
+    denv = draftd_env(state, a.redis_url, prefix, plan.fmt, a.threads, a.draftd_max_batch)
     extra_env = dict(kv.split("=", 1) for kv in a.draftd_env or [])
     denv.update(extra_env)
     if extra_env:
         result["draftd_env"] = extra_env
-    result["commands"]["draftd"] = " ".join(dcmd) + f"  (DRAFTD_MODELS__FORMAT={fmt}" + \
+    result["commands"]["draftd"] = " ".join(dcmd) + f"  (DRAFTD_MODELS__FORMAT={plan.fmt}" + \
         (f", DRAFTD_SERVE__MAX_BATCH={a.draftd_max_batch}" if a.draftd_max_batch else ", serve.max_batch default") + ")"
+    return dcmd, denv, port, prefix
+
+
+def drop_keys(redis_url: str, prefix: str) -> None:
+    """Delete every Redis key under ``prefix`` (draftd's keys of this run)."""
+    import redis as _redis
+
+    r = _redis.Redis.from_url(redis_url)
+    for k in r.scan_iter(match=prefix + "*", count=1000):
+        r.delete(k)
+    r.close()
+
+
+def run_paired(stack: contextlib.ExitStack, a, plan: PeerPlan, runs: list[tuple[str, dict]], result: dict,
+               durl: str | None) -> None:
+    """``--paired``: every llama-server of ``runs`` up beside draftd (``durl``, its ``…/v1``; None
+    without it), rounds of N concurrent prompts (N: the first client count) to each in turn;
+    :func:`paired_rounds`'s output into ``result["paired"]``."""
+    import peers
+
+    say = peers.say
+    width = plan.clients[0]
+    servers = {"draftd": (durl, True)} if durl is not None else {}
+    servers.update(paired_servers(stack, runs, plan.binary, plan.target, width, a.ctx_per_slot, plan.threads,
+                                  plan.logs, result["commands"]))
+    rounds = [list(r) for r in zip(*plan.cells[width])]  # round j: every client's j-th prompt
+    say(f"{width} client(s), paired: {len(rounds)} rounds of {width} concurrent prompts, each round to "
+        f"{', '.join(servers)} in turn")
+    result["paired"] = paired_rounds(servers, rounds, a.max_tokens, plan.warm)
+    say(json.dumps({k: v for k, v in result["paired"].items() if k != "order"}))
+
+
+def run_cells(a, plan: PeerPlan, runs: list[tuple[str, dict]], result: dict, table: dict[int, dict[str, dict]],
+              draftd: tuple[str, Any] | None, partial: Callable[[], None]) -> None:
+    """The sequential cells: per client count, draftd (``draftd``: its base url and Popen; None
+    without it) then a fresh llama-server per configuration of ``runs``; each cell's stats into
+    ``table[n][name]`` (``{"error": ...}`` where a server did not come up), ``partial()`` after each."""
+    import peers
+
+    say = peers.say
+    for n in plan.clients:
+        if draftd is not None:
+            dbase, dproc = draftd
+            say(f"{n} client(s): draftd")
+            table[n]["draftd"] = peer_load(dbase + "/v1", plan.cells[n], a.max_tokens, draftd=True,
+                                           warm=plan.warm if n == plan.clients[0] else None, pid=dproc.pid,
+                                           counters=lambda: draftd_counters(dbase))
+            say(f"  {cell_line(table[n]['draftd'])}")
+            partial()
+        for name, kw in runs:
+            # --metrics: /metrics's llama_decode counts (what the bench reads, nothing else changes)
+            cmd, p, shown = llama_command(plan.binary, plan.target, kw, n, a.ctx_per_slot, plan.threads,
+                                          extra=("--metrics",))
+            result["commands"].setdefault(name, shown)
+            say(f"{n} client(s): {name}")
+            try:
+                with peers.running_process(cmd, p, plan.logs / f"{name}-{n}.log", timeout_s=300) as (url, proc):
+                    table[n][name] = peer_load(url + "/v1", plan.cells[n], a.max_tokens, draftd=False, warm=plan.warm,
+                                               pid=proc.pid, counters=lambda url=url: llama_counters(url))
+            except RuntimeError as e:
+                table[n][name] = {"error": str(e)[:1500]}
+            say(f"  {cell_line(table[n][name])}")
+            partial()
+
+
+def draftd_events(log: Path) -> dict:
+    """``{"draftd_engine": ..., "draftd_serve_promoted_cached_v0": ...}`` from draftd serve's JSON log:
+    the last such event of each kind, without its level, logger and timestamp."""
+    out = {}
+    for line in log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            ev = json.loads(line)
+            if ev.get("event") in ("engine", "serve_promoted_cached_v0"):
+                out[f"draftd_{ev['event']}"] = {k: v for k, v in ev.items() if k not in ("level", "logger", "timestamp")}
+    return out
+
+
+def peer_main(a) -> None:
+    """``--peer`` (the module docstring): plan the run, start draftd, the llama-server
+    configurations (:func:`llama_runs`) paired (:func:`run_paired`) or cell by cell
+    (:func:`run_cells`); the JSON on stdout (and into ``--out`` after every cell), the cost table
+    on stderr. SIGTERM still stops the servers and deletes draftd's keys."""
+    import signal
+
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "bench"))
+    import peers
+
+    plan = peer_plan(a)
+    result = peer_header(a, plan)
+    table: dict[int, dict[str, dict]] = {n: {} for n in plan.clients}
+    measured = [] if a.paired else plan.clients  # the paired run fills no cells
+    dcmd, denv, port, prefix = draftd_process(a, plan, result)
+
     def partial() -> None:  # the JSON so far, after every cell: a run stopped midway keeps what it measured
         if a.out:
-            result["results"] = {str(n): table[n] for n in clients_list}
+            result["results"] = {str(n): table[n] for n in measured}
             Path(a.out).write_text(json.dumps(result, indent=1))
-
-    def drop_keys() -> None:
-        r = _redis.Redis.from_url(a.redis_url)
-        for k in r.scan_iter(match=prefix + "*", count=1000):
-            r.delete(k)
-        r.close()
-
-    import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the servers, drops the keys
     with contextlib.ExitStack() as stack:
-        if "draftd" in configs:
-            stack.callback(drop_keys)
-            say(f"starting draftd serve on :{port} (loads the pair; a first start converts and measures)")
-            dbase, dproc = stack.enter_context(peers.running_process(dcmd, port, logs / "draftd.log", env=denv,
-                                                                     timeout_s=900))
-            durl = dbase + "/v1"
+        draftd = None
+        if "draftd" in plan.configs:
+            stack.callback(drop_keys, a.redis_url, prefix)
+            peers.say(f"starting draftd serve on :{port} (loads the pair; a first start converts and measures)")
+            draftd = stack.enter_context(peers.running_process(dcmd, port, plan.logs / "draftd.log", env=denv,
+                                                               timeout_s=900))
         # after draftd's start: serve writes the derived draft GGUF then
-        runs, skipped = llama_runs(configs, types, a.ngram_types, draft)
+        runs, skipped = llama_runs(plan.configs, plan.types, a.ngram_types, plan.draft)
         result["skipped"].update(skipped)
         for name, why in skipped.items():
-            say(f"skipped {name}: {why}")
+            peers.say(f"skipped {name}: {why}")
         if a.paired:
-            width = clients_list[0]
-            servers = {"draftd": (durl, True)} if "draftd" in configs else {}
-            servers.update(paired_servers(stack, runs, binary, target, width, a.ctx_per_slot, threads, logs,
-                                          result["commands"]))
-            rounds = [list(r) for r in zip(*cells[width])]  # round j: every client's j-th prompt
-            say(f"{width} client(s), paired: {len(rounds)} rounds of {width} concurrent prompts, each round to "
-                f"{', '.join(servers)} in turn")
-            result["paired"] = paired_rounds(servers, rounds, a.max_tokens, warm)
-            say(json.dumps({k: v for k, v in result["paired"].items() if k != "order"}))
-            clients_list = []
-        for n in clients_list:
-            if "draftd" in configs:
-                say(f"{n} client(s): draftd")
-                table[n]["draftd"] = peer_load(durl, cells[n], a.max_tokens, draftd=True,
-                                               warm=warm if n == clients_list[0] else None, pid=dproc.pid,
-                                               counters=lambda: draftd_counters(dbase))
-                say(f"  {cell_line(table[n]['draftd'])}")
-                partial()
-            for name, kw in runs:
-                # --metrics: /metrics's llama_decode counts (what the bench reads, nothing else changes)
-                cmd, p, shown = llama_command(binary, target, kw, n, a.ctx_per_slot, threads, extra=("--metrics",))
-                result["commands"].setdefault(name, shown)
-                say(f"{n} client(s): {name}")
-                try:
-                    with peers.running_process(cmd, p, logs / f"{name}-{n}.log", timeout_s=300) as (url, proc):
-                        table[n][name] = peer_load(url + "/v1", cells[n], a.max_tokens, draftd=False, warm=warm,
-                                                   pid=proc.pid, counters=lambda url=url: llama_counters(url))
-                except RuntimeError as e:
-                    table[n][name] = {"error": str(e)[:1500]}
-                say(f"  {cell_line(table[n][name])}")
-                partial()
-    if "draftd" in configs:
-        for line in (logs / "draftd.log").read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                ev = json.loads(line)
-                if ev.get("event") in ("engine", "serve_promoted_cached_v0"):
-                    result[f"draftd_{ev['event']}"] = {k: v for k, v in ev.items() if k not in ("level", "logger", "timestamp")}
+            run_paired(stack, a, plan, runs, result, draftd[0] + "/v1" if draftd else None)
+        else:
+            run_cells(a, plan, runs, result, table, draftd, partial)
+    if "draftd" in plan.configs:
+        result.update(draftd_events(plan.logs / "draftd.log"))
     if a.paired:
         partial()
         print(json.dumps(result, indent=1))
         return
-    result["results"] = {str(n): table[n] for n in clients_list}
-    result["summary_tokens_per_s"] = {str(n): {c: v.get("tokens_per_s") for c, v in table[n].items()} for n in clients_list}
+    result["results"] = {str(n): table[n] for n in plan.clients}
+    result["summary_tokens_per_s"] = {str(n): {c: v.get("tokens_per_s") for c, v in table[n].items()} for n in plan.clients}
     result["checks"] = peer_checks(table)
     partial()
-    say(cost_table(table))
+    peers.say(cost_table(table))
     print(json.dumps(result, indent=1))
 
 
