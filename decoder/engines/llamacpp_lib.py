@@ -271,22 +271,23 @@ _pool_fns = None  # (params_default, new, free, attach, detach) or False where t
 
 
 # the environment switches of scripts/patches: each changes what a step costs
-PATCH_SWITCHES = ("GGML_AMX_VNNI_MAX_ROWS", "GGML_FA_BF16V_BLOCKED")
+PATCH_SWITCHES = ("GGML_AMX_VNNI_MAX_ROWS", "GGML_FA_BF16V_BLOCKED", "GGML_X86_TILED")
+_ON_UNLESS_0 = ("GGML_FA_BF16V_BLOCKED", "GGML_X86_TILED")  # on unless the value starts with 0
 
 
 def patch_switches(environ=None) -> dict[str, int | bool]:
     """The patches' switches as the patched ggml reads them (once per process, at its first
     matmul / attention): ``GGML_AMX_VNNI_MAX_ROWS`` as C's ``atoi`` (leading digits, after an
-    optional sign; anything else 0), at least 1, default 8; ``GGML_FA_BF16V_BLOCKED`` off only
-    when its value starts with ``0``. So "abc" and "1" read the same, as do unset and "8"."""
+    optional sign; anything else 0), at least 1, default 8; ``GGML_FA_BF16V_BLOCKED`` and
+    ``GGML_X86_TILED`` off only when the value starts with ``0``. So "abc" and "1" read the
+    same, as do unset and "8"."""
     import re
 
     env = os.environ if environ is None else environ
     raw = env.get("GGML_AMX_VNNI_MAX_ROWS")
     m = re.match(r"\s*([+-]?\d+)", raw) if raw is not None else None
     rows = 8 if raw is None else max(1, int(m.group(1)) if m else 0)
-    fa = env.get("GGML_FA_BF16V_BLOCKED")
-    return {"GGML_AMX_VNNI_MAX_ROWS": rows, "GGML_FA_BF16V_BLOCKED": not (fa or "1").startswith("0")}
+    return {"GGML_AMX_VNNI_MAX_ROWS": rows, **{k: not (env.get(k) or "1").startswith("0") for k in _ON_UNLESS_0}}
 
 
 def cpu_backend_identity() -> str:

@@ -705,7 +705,10 @@ def test_the_backend_identity_follows_the_library_bytes_and_the_switches(tmp_pat
     assert lib.cpu_backend_identity() == one
     monkeypatch.setenv("GGML_FA_BF16V_BLOCKED", "0")
     assert lib.cpu_backend_identity() == one + ";GGML_FA_BF16V_BLOCKED=0"
+    monkeypatch.setenv("GGML_X86_TILED", "0")
+    assert lib.cpu_backend_identity() == one + ";GGML_FA_BF16V_BLOCKED=0,GGML_X86_TILED=0"
     monkeypatch.delenv("GGML_FA_BF16V_BLOCKED")
+    monkeypatch.delenv("GGML_X86_TILED")
     (pkg / "lib" / "libggml-cpu.so").unlink()
     assert lib.cpu_backend_identity() == ""  # no backend to identify: no constant digest
     (pkg / "lib" / "libggml-cpu.so").write_bytes(b"build two")
@@ -720,3 +723,5 @@ def test_the_patch_switches_read_as_the_patched_ggml_reads_them():
     assert [rows(v) for v in (None, "8", "3", " 12x", "0x10", "abc", "", "-5", "99999")] == [8, 8, 3, 12, 1, 1, 1, 1, 99999]
     fa = lambda v: patch_switches({} if v is None else {"GGML_FA_BF16V_BLOCKED": v})["GGML_FA_BF16V_BLOCKED"]
     assert [fa(v) for v in (None, "1", "0", "0x10", "off", "", " 0")] == [True, True, False, False, True, True, True]
+    tiled = lambda v: patch_switches({} if v is None else {"GGML_X86_TILED": v})["GGML_X86_TILED"]
+    assert [tiled(v) for v in (None, "1", "0", "00", "no", "")] == [True, True, False, False, True, True]

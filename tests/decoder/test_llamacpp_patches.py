@@ -1,7 +1,8 @@
 """scripts/patches: the changes scripts/install applies to the pinned llama-cpp-python sdist.
 
-The patches must apply to the pinned version (checked against the sdist where a cache holds it), and
-on a CPU where the patched code is compiled (AMX), the installed llama.cpp must be the patched build.
+The patches must apply to the pinned version (checked against the sdist where a cache holds it), on
+a CPU where a patch's code is compiled the installed llama.cpp must be the patched build, and the
+x86 tiled matmul must give the same bits as upstream's kernels (its switch off) at every row count.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -57,12 +59,24 @@ def test_the_patches_apply_to_the_pinned_sdist(tmp_path):
         assert r.returncode == 0, (p.name, r.stderr)
 
 
-def _cpu_has_amx() -> bool:
+def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        return False
-    return "amx_int8" in text.split()
+        return set()
+    for line in text.splitlines():
+        k, _, v = line.partition(":")
+        if k.strip() == "flags":
+            return set(v.split())
+    return set()
+
+
+# where each patch's code is compiled (its #if): the CPU flags a native build turns on
+COMPILED_WHERE = {
+    "ggml-amx-few-rows.patch": {"amx_int8"},
+    "ggml-fa-bf16v-blocked.patch": {"avx512f", "avx512dq"},
+    "ggml-x86-tiled-q4_1-q8_0.patch": {"avx2", "fma"},
+}
 
 
 def _switches(patch: Path) -> list[str]:
@@ -76,15 +90,62 @@ def test_every_patch_has_a_switch_back_to_upstream():
     assert {p.name: bool(_switches(p)) for p in PATCHES} == {p.name: True for p in PATCHES}
 
 
-@pytest.mark.skipif(not _cpu_has_amx(), reason="the patched code is compiled only where the CPU has AMX/AVX-512")
+def test_every_patch_says_where_it_is_compiled():
+    assert sorted(COMPILED_WHERE) == sorted(p.name for p in PATCHES)
+
+
+def _compiled_here() -> list[Path]:
+    flags = _cpu_flags()
+    return [p for p in PATCHES if COMPILED_WHERE.get(p.name, {"?"}) <= flags]
+
+
+@pytest.mark.skipif(not _compiled_here(), reason="no patch's code is compiled on this CPU")
 def test_the_installed_llama_cpp_is_the_patched_build():
-    """Each patch's switch name is in the CPU backend only when the patched source was built (an
-    unpatched wheel left in a cache would lack it)."""
+    """Each patch compiled on this CPU has its switch name in the CPU backend, which only the
+    patched source puts there (an unpatched wheel left in a cache would lack it)."""
     import llama_cpp
 
     libs = list((Path(llama_cpp.__file__).parent / "lib").glob("libggml-cpu.so*"))
     assert libs, "llama_cpp ships libggml-cpu"
     for lib in libs:
         data = lib.read_bytes()
-        missing = [name for p in PATCHES for name in _switches(p) if name.encode() not in data]
+        missing = [name for p in _compiled_here() for name in _switches(p) if name.encode() not in data]
         assert not missing, (lib, missing)
+
+
+_LOGITS = r"""
+import hashlib, random, sys
+import numpy as np
+from decoder.engines.llamacpp import LlamaCppEngine
+eng = LlamaCppEngine(sys.argv[1], n_ctx=1024, threads=int(sys.argv[2]))
+rng = random.Random(7)
+seq = eng.start()
+h = hashlib.sha256()
+h.update(np.ascontiguousarray(seq.forward([rng.randrange(100, 40000) for _ in range(150)], 150), dtype=np.float32).tobytes())
+for n in (1, 1, 2, 3, 4, 5, 9):
+    h.update(np.ascontiguousarray(seq.forward([rng.randrange(100, 40000) for _ in range(n)], n), dtype=np.float32).tobytes())
+print(h.hexdigest())
+"""
+
+
+def _logits_digest(gguf: Path, threads: int, tiled: str) -> str:
+    env = {**os.environ, "GGML_X86_TILED": tiled, "DRAFTD_LLAMA_LOG": "0"}
+    r = subprocess.run([sys.executable, "-c", _LOGITS, str(gguf), str(threads)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.split()[-1]
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="the tiled matmul is compiled where the CPU has AVX2 and FMA")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_tiled_matmul_gives_upstreams_bits(threads):
+    """The packaged Q4_1 target (whose token embedding, the output head, is Q8_0): a prompt of 150
+    rows, two plain steps and verifications of 2-9 rows give the same logits, bit for bit, with the
+    tiled kernels as with upstream's (GGML_X86_TILED=0), at one and two threads."""
+    from decoder.models.packaged import packaged_gguf
+
+    try:
+        gguf = packaged_gguf("smollm2-135m")
+    except Exception as e:  # noqa: BLE001 - the packaged model is an install-time dependency
+        pytest.skip(f"packaged model unavailable: {e}")
+    assert _logits_digest(gguf, threads, "1") == _logits_digest(gguf, threads, "0")
