@@ -1,8 +1,10 @@
 """The served weight format of a built-in target, chosen by measurement (``models.format``, issue 34).
 
-On a CPU a verification of n rows on the packaged Q4_1 file costs nearly n plain steps, so
-speculation there has a low ceiling; llama.cpp's batched kernels make extra rows much cheaper on
-F16 / Q8_0 weights (bench/RESULTS.md, "Weight formats and the cost of a verification"). So at the
+On a CPU what a verification of n rows costs depends on the weight format and the kernels the
+build has: upstream llama.cpp runs the packaged Q4_1 file's rows on x86 through a one-row kernel
+each (n rows cost nearly n plain steps), its batched kernels make rows cheaper on F16 / Q8_0
+weights, and draftd's patched build tiles Q4_1 and Q8_0 (bench/RESULTS.md, "Weight formats and
+the cost of a verification", "Eighteenth session"). So at the
 first start on a host, :func:`measure_formats` times the candidate formats of the target's weights
 (the packaged file, and the packaged file requantised to F16, BF16 and Q8_0 by llama.cpp,
 :func:`decoder.models.gguf_export.requantised_gguf`, written once) for a plain step and a
