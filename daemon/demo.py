@@ -209,11 +209,12 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
                                 trainer.registry, loop.decoder, frozen_draft=_v0_draft(models, trainer),
                                 tok=models.tok, params=params, console=console, controller=loop.controller,
                                 v0_version=trainer.v0.version or 0, frozen_head=_v0_head(loop, trainer),
-                                peer=_llamacpp_peer(settings, models, loop.decoder, console))
+                                peer=stack.enter_context(_llamacpp_peer(settings, models, loop.decoder, console)))
         loop.tracker.flush()
         report = _report(cfg, run_id, t_start, store, models, trainer, loop, traffic, table)
         report["remeasured"] = remeasured
         report["llamacpp_peer_file"] = _peer_file(settings, models)
+        report["llamacpp_peer_kernels"] = "upstream (scripts/patches switched off, a process of its own)"
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
     plot_timeline(traffic.timeline, traffic.shifts, out_dir / "acceptance.png",
                   scopes={a["version"]: a.get("scope") or "" for a in report.get("adapters") or ()})
@@ -891,16 +892,21 @@ def _peer_file(settings, models: _Models) -> str | None:
 
 
 def _llamacpp_peer(settings, models: _Models, decoder, console):
-    """llama-cpp-python's own plain generation on the packaged target file (``decoder.bench.LlamaCppPeer``),
-    at the decoder's thread count: what a user of llama.cpp gets without draftd. None off llama.cpp
-    or for a target that is not a GGUF file."""
+    """llama-cpp-python's own plain generation on the packaged target file with upstream llama.cpp's
+    kernels (``decoder.bench.UpstreamLlamaCppPeer``: a process of its own, every draftd patch
+    switched off), at the decoder's thread count: what a user of llama.cpp gets without draftd. A
+    context manager: ``contextlib.nullcontext(None)`` off llama.cpp or for a target that is not a
+    GGUF file."""
+    import contextlib
+
     gguf = _peer_gguf(settings, models)
     if gguf is None:
-        return None
-    from decoder.bench import LlamaCppPeer
+        return contextlib.nullcontext(None)
+    from decoder.bench import UpstreamLlamaCppPeer
 
-    console.log(f"llama.cpp's own plain generation on {Path(gguf).name} joins the evaluation (the peer, paired per prompt)")
-    return LlamaCppPeer(str(gguf), threads=getattr(decoder.engine, "threads", 1))
+    console.log(f"llama.cpp's own plain generation on {Path(gguf).name} joins the evaluation (the peer, paired per "
+                f"prompt; in a process of its own with upstream's kernels, none of draftd's patches)")
+    return UpstreamLlamaCppPeer(str(gguf), threads=getattr(decoder.engine, "threads", 1))
 
 
 def evaluate_phases(cfg, heldout, phase_end_version, timeline, distiller, registry, decoder, frozen_draft, tok,

@@ -111,6 +111,98 @@ class LlamaCppPeer:
         return self.llm._input_ids[len(ids):].tolist()[:n_out], ms, n_out
 
 
+UPSTREAM_KERNELS = {"GGML_X86_TILED": "0", "GGML_AMX_VNNI_MAX_ROWS": "1", "GGML_FA_BF16V_BLOCKED": "0"}
+"""scripts/patches' switches, each set to upstream's kernel (``decoder.engines.llamacpp_lib.PATCH_SWITCHES``)."""
+
+
+def _peer_worker(conn, gguf: str, threads: int, n_ctx: int, env: dict[str, str]) -> None:
+    """A :class:`LlamaCppPeer` in a process of its own (``env`` set before llama.cpp loads): answers
+    ``(ids, params, n, seed)`` with :meth:`LlamaCppPeer.generate`'s tuple, or ``("error", text)``;
+    None ends it."""
+    import os
+
+    os.environ.update(env)
+    try:
+        peer = LlamaCppPeer(gguf, threads, n_ctx)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", peer.threads))
+    while (job := conn.recv()) is not None:
+        try:
+            conn.send(peer.generate(*job))
+        except Exception as e:  # noqa: BLE001
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+    peer.llm.close()
+
+
+class UpstreamLlamaCppPeer:
+    """:class:`LlamaCppPeer` with upstream llama.cpp's kernels: in a process of its own with every
+    patch of ``scripts/patches`` switched off (:data:`UPSTREAM_KERNELS`), so it generates as the
+    llama.cpp users install does (the same build, none of draftd's kernels; in this process the
+    patched one-row kernels would speed the peer up too). ``generate`` times inside the child, so
+    the pipe is not in its ms. Use as a context manager or call :meth:`close`.
+
+    Raises:
+        decoder.engines.base.EngineError: the child could not load the file (its error's text).
+    """
+
+    def __init__(self, gguf: str, threads: int | None = None, n_ctx: int = 4096):
+        import multiprocessing
+        import os
+
+        from decoder.engines.base import EngineError
+
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: ggml reads the switches at its first use
+        self._conn, child = ctx.Pipe()
+        self.threads = int(threads or os.cpu_count() or 1)
+        self._proc = ctx.Process(target=_peer_worker, args=(child, str(gguf), self.threads, n_ctx, UPSTREAM_KERNELS),
+                                 daemon=True, name="llamacpp-peer")
+        self._proc.start()
+        child.close()
+        status = self._recv()
+        if status[0] != "ready":
+            self.close()
+            raise EngineError(f"llama.cpp peer on {gguf} did not start: {status[1]}")
+
+    def _recv(self):
+        from decoder.engines.base import EngineError
+
+        try:
+            return self._conn.recv()
+        except EOFError:
+            raise EngineError(f"llama.cpp peer process exited (code {self._proc.exitcode})") from None
+
+    def generate(self, ids: list[int], params: SamplingParams, n: int, seed: int) -> tuple[list[int], float, int]:
+        """As :meth:`LlamaCppPeer.generate`, in the child."""
+        from decoder.engines.base import EngineError
+
+        self._conn.send((list(ids), params, n, seed))
+        out = self._recv()
+        if out and out[0] == "error":
+            raise EngineError(f"llama.cpp peer: {out[1]}")
+        return out
+
+    def close(self) -> None:
+        """Stop the child (idempotent)."""
+        if self._proc.is_alive():
+            try:
+                self._conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+        self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _hf_generate(model, draft, ids: list[int], params: SamplingParams, n: int, gamma: int | None, seed: int):
     x = torch.tensor([ids])
     kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=not params.greedy, pad_token_id=0)

@@ -135,3 +135,42 @@ def test_the_llamacpp_peer_gets_the_target_engines_context(tok, monkeypatch):
     with pytest.raises(Stop):
         run_bench(dec, [Prompt("prose", "hello")], BenchConfig(gammas=(1,), sampling=("greedy",), llamacpp="x.gguf"))
     assert got == {"gguf": "x.gguf", "threads": 3, "n_ctx": 8192}
+
+
+def test_the_upstream_peer_generates_in_its_own_process_with_every_patch_off():
+    """decoder.bench.UpstreamLlamaCppPeer: the packaged target's greedy tokens equal the in-process
+    peer's (the patched kernels give upstream's bits), its child runs with each scripts/patches
+    switch at upstream's value, and a closed peer has no process left."""
+    import multiprocessing
+
+    from decoder.bench import UPSTREAM_KERNELS, LlamaCppPeer, UpstreamLlamaCppPeer
+    from decoder.engines.llamacpp_lib import PATCH_SWITCHES, patch_switches
+    from decoder.models.packaged import packaged_gguf
+    from decoder.sampling import SamplingParams
+
+    try:
+        gguf = str(packaged_gguf("smollm2-135m"))
+    except Exception as e:  # noqa: BLE001 - the packaged model is an install-time dependency
+        pytest.skip(f"packaged model unavailable: {e}")
+    assert set(UPSTREAM_KERNELS) == set(PATCH_SWITCHES)
+    off = patch_switches(UPSTREAM_KERNELS)
+    assert off == {"GGML_AMX_VNNI_MAX_ROWS": 1, "GGML_FA_BF16V_BLOCKED": False, "GGML_X86_TILED": False}
+    ids = [1, 9690, 314, 253, 1345, 30, 378, 2295, 3160, 260]
+    params = SamplingParams()
+    here = LlamaCppPeer(gguf, threads=1, n_ctx=256).generate(ids, params, 12, 0)
+    with UpstreamLlamaCppPeer(gguf, threads=1, n_ctx=256) as peer:
+        child = peer._proc
+        assert child.is_alive() and child.pid != multiprocessing.current_process().pid
+        out = peer.generate(ids, params, 12, 0)
+    assert out[0] == here[0] and out[2] == here[2] == 12 and out[1] > 0
+    assert not child.is_alive()
+
+
+def test_the_upstream_peer_reports_a_file_it_cannot_load(tmp_path):
+    from decoder.bench import UpstreamLlamaCppPeer
+    from decoder.engines.base import EngineError
+
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    with pytest.raises(EngineError, match="did not start"):
+        UpstreamLlamaCppPeer(str(bad), threads=1, n_ctx=64)
