@@ -55,6 +55,12 @@ client read 106 and 135 tokens/s half an hour apart); pairs per round do not::
     .venv/bin/python bench/serve_bench.py --peer --paired --peer-clients 1 --requests 24 --warmup 2 --max-tokens 64
     .venv/bin/python bench/serve_bench.py --peer --paired --peer-clients 4 --requests 8 --warmup 2 --max-tokens 64
 
+A llama-server configuration that fails (its server exits at its start, never answers /health, or
+refuses requests) does not stop the run: it is left out with its reason (``failed`` in the paired
+JSON, an ``error`` cell in the sequential table), ending with the server log's tail where it did not
+start; the other configurations are measured. A configuration asked for that cannot run here
+(``--ngram-types`` naming a type this llama-server does not list, no draft GGUF) is in ``skipped``.
+
 Client counts run in order; at each, draftd first, then every llama-server configuration (a
 fresh process per configuration and count, warmed by one short request, and by `--warmup` unmeasured
 prompts per workload: every server process alike, draftd once). Per configuration and
@@ -362,11 +368,15 @@ def peer_load(base_url: str, per_client: list[list], max_tokens: int, draftd: bo
     ``warm``: ``(workload, ids)`` prompts streamed first, one at a time, with the same
     ``max_tokens``, not measured (a server process's warm-up: the same for every side).
     ``pid``: the server's process, whose CPU seconds over the load (after the warm-up) go into
-    ``server`` (:func:`server_cost`) with the differences of ``counters()`` (its decode counts)."""
+    ``server`` (:func:`server_cost`) with the differences of ``counters()`` (its decode counts).
+    A server that refuses (its ``/models`` or a warm-up request fails) gives ``{"error": reason}``."""
     import openai
 
     oc0 = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
-    model = oc0.models.list().data[0].id
+    try:
+        model = oc0.models.list().data[0].id
+    except Exception as e:  # noqa: BLE001 - a server that refuses is this cell's error, the bench goes on
+        return {"error": f"GET {base_url}/models failed: {e!r}"[:1500]}
 
     def body(w: str) -> dict:
         return {"ignore_eos": True, **({"workload": w} if draftd else {})}
@@ -539,6 +549,41 @@ def paired_one_client(servers: dict[str, tuple[str, bool]], prompts: list, max_t
     return paired_rounds(servers, [[p] for p in prompts], max_tokens, warm, gap_s, confidence, seed)
 
 
+def paired_clients(servers: dict[str, tuple[str, bool]], width: int, max_tokens: int,
+                   warm: list) -> tuple[Callable[[str, int, str, list[int]], dict], dict[str, str]]:
+    """Opens ``width`` openai clients per server of ``servers`` (see :func:`paired_rounds`), reads
+    each one's model id and streams it the warm-up (one short request, then ``warm``, one at a time).
+
+    Returns:
+        ``(once, failed)``: ``once(name, k, workload, ids)`` streams ``ids`` to server ``name`` on
+        its client ``k`` (:func:`stream_once`'s timeline); ``failed`` maps each server that refused
+        (its ``/models`` or a warm-up request failed) to the reason; those are left out of the rounds.
+    """
+    import openai
+
+    ocs: dict[str, list] = {}
+    models: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    for name, (url, _) in servers.items():
+        ocs[name] = [openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600) for _ in range(width)]
+        try:
+            models[name] = ocs[name][0].models.list().data[0].id
+        except Exception as e:  # noqa: BLE001 - a server that refuses is recorded, the others run
+            failed[name] = f"GET {url}/models failed: {e!r}"[:1500]
+
+    def once(name: str, k: int, w: str, ids: list[int]) -> dict:
+        return stream_once(ocs[name][k], models[name], ids, max_tokens,
+                           {"ignore_eos": True, **({"workload": w} if servers[name][1] else {})})
+
+    for name in models:
+        for w, ids in [("default", [1, 2, 3, 4])] + list(warm):
+            err = once(name, 0, w, ids)["error"]
+            if err:
+                failed[name] = f"warm-up request failed: {err}"
+                break
+    return once, failed
+
+
 def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_tokens: int, warm: list,
                   gap_s: float = 0.5, confidence: float = 0.95, seed: int = 0) -> dict:
     """Every server up at once; each round's prompts streamed concurrently (one client each) to
@@ -551,29 +596,19 @@ def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_
     (:func:`paired_ratio`). ``servers``: name -> (``…/v1`` url, whether it is draftd); ``warm``:
     unmeasured prompts streamed to each server first, one at a time; ``gap_s``: seconds of quiet
     before each round (a request sent the moment another server finished paid for that server's
-    threads still spinning: 100-150 ms more TTFT for draftd right after llama-server, measured)."""
-    import openai
+    threads still spinning: 100-150 ms more TTFT for draftd right after llama-server, measured).
+    A server that refuses its ``/models`` or a warm-up request is left out, its reason in
+    ``failed`` (name -> reason; {} when none did); the others run."""
     from concurrent.futures import ThreadPoolExecutor
 
     width = max((len(r) for r in rounds), default=1)
-    ocs, models = {}, {}
-    for name, (url, _) in servers.items():
-        ocs[name] = [openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600) for _ in range(width)]
-        models[name] = ocs[name][0].models.list().data[0].id
-
-    def once(name: str, k: int, w: str, ids: list[int]) -> dict:
-        return stream_once(ocs[name][k], models[name], ids, max_tokens,
-                           {"ignore_eos": True, **({"workload": w} if servers[name][1] else {})})
-
-    for name in servers:
-        for w, ids in [("default", [1, 2, 3, 4])] + list(warm):
-            once(name, 0, w, ids)
-    names = list(servers)
+    once, failed = paired_clients(servers, width, max_tokens, warm)
+    names = [n for n in servers if n not in failed]
     per: dict[str, list[dict]] = {n: [] for n in names}  # one row per round
     reqs: dict[str, list[dict]] = {n: [] for n in names}  # one row per request
     load0 = os.getloadavg()[0]
     with ThreadPoolExecutor(max_workers=width) as pool:
-        for i, rnd in enumerate(rounds):
+        for i, rnd in enumerate(rounds if names else []):
             for name in names[i % len(names):] + names[: i % len(names)]:
                 time.sleep(gap_s)  # the last server's threads settle first (llama.cpp's spin after a decode)
                 tls = list(pool.map(lambda kp, name=name: once(name, kp[0], *kp[1]), enumerate(rnd)))
@@ -591,16 +626,9 @@ def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_
     out: dict[str, Any] = {"prompts": sum(len(r) for r in rounds), "rounds": len(rounds), "clients": width,
                            "order": "each round's prompts, concurrently, to every server in turn, rotating",
                            "gap_s": gap_s,
-                           "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "servers": {}}
-    for name in names:
-        ok = [r for r in reqs[name] if not r["error"] and r["seconds"] > 0]
-        okr = [r for r in per[name] if not r["error"] and r["seconds"] > 0]
-        out["servers"][name] = {"failures": len(reqs[name]) - len(ok),
-                                "requests": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
-                                             for r in reqs[name]],
-                                "tokens_per_s_median": _median([r["tokens"] / r["seconds"] for r in okr], 2),
-                                "ttft_ms_median": _median([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None], 2),
-                                "tpot_ms_median": _median([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None], 3)}
+                           "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                           "servers": {name: paired_summary(per[name], reqs[name]) for name in names},
+                           "failed": failed}
     d = next((n for n in names if servers[n][1]), None)
     for name in names:
         if d is not None and name != d:
@@ -608,6 +636,18 @@ def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_
             if r is not None:
                 out[f"draftd_vs_{name}"] = r
     return out
+
+
+def paired_summary(rounds: list[dict], requests: list[dict]) -> dict:
+    """One server's paired figures: failed requests, every request's row (floats to 4 places),
+    the medians of its rounds' tokens/s and of its requests' TTFT and TPOT (None without any)."""
+    ok = [r for r in requests if not r["error"] and r["seconds"] > 0]
+    okr = [r for r in rounds if not r["error"] and r["seconds"] > 0]
+    return {"failures": len(requests) - len(ok),
+            "requests": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in requests],
+            "tokens_per_s_median": _median([r["tokens"] / r["seconds"] for r in okr], 2),
+            "ttft_ms_median": _median([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None], 2),
+            "tpot_ms_median": _median([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None], 3)}
 
 
 def ngram_type_list(ngram_types: str) -> list[str] | None:
@@ -709,20 +749,30 @@ def llama_command(binary: Path, target: Path, kw: dict, slots: int, ctx_per_slot
 
 def paired_servers(stack: contextlib.ExitStack, runs: list[tuple[str, dict]], binary: Path, target: Path,
                    width: int, ctx_per_slot: int, threads: int, logs: Path,
-                   commands: dict[str, str]) -> dict[str, tuple[str, bool]]:
+                   commands: dict[str, str]) -> tuple[dict[str, tuple[str, bool]], dict[str, str]]:
     """Starts every llama-server configuration of ``runs`` (:func:`llama_runs`) for ``--paired``,
     ``width`` slots each, kept up until ``stack`` closes; names each command line in ``commands``.
-    Returns name -> (``…/v1`` url, False), as :func:`paired_rounds` takes them. Raises RuntimeError
-    where a server does not come up (:func:`peers.running_process`)."""
+
+    Returns:
+        ``(servers, failed)``: ``servers`` maps name -> (``…/v1`` url, False), as
+        :func:`paired_rounds` takes them; ``failed`` maps each configuration that did not come up
+        (exited first, or no /health within 300 s: :func:`peers.running_process`) to the reason,
+        its log's tail included. The others start all the same.
+    """
     import peers
 
     servers: dict[str, tuple[str, bool]] = {}
+    failed: dict[str, str] = {}
     for name, kw in runs:
         cmd, p, shown = llama_command(binary, target, kw, width, ctx_per_slot, threads)
         commands.setdefault(name, shown)
-        url, _ = stack.enter_context(peers.running_process(cmd, p, logs / f"{name}-paired.log", timeout_s=300))
+        try:
+            url, _ = stack.enter_context(peers.running_process(cmd, p, logs / f"{name}-paired.log", timeout_s=300))
+        except RuntimeError as e:
+            failed[name] = str(e)
+            continue
         servers[name] = (url + "/v1", False)
-    return servers
+    return servers, failed
 
 
 @dataclass
@@ -840,18 +890,26 @@ def run_paired(stack: contextlib.ExitStack, a, plan: PeerPlan, runs: list[tuple[
                durl: str | None) -> None:
     """``--paired``: every llama-server of ``runs`` up beside draftd (``durl``, its ``…/v1``; None
     without it), rounds of N concurrent prompts (N: the first client count) to each in turn;
-    :func:`paired_rounds`'s output into ``result["paired"]``."""
+    :func:`paired_rounds`'s output into ``result["paired"]``. A configuration that fails (its server
+    exits or never answers /health, or refuses requests) is left out, its reason (with the server
+    log's tail where it did not start) in ``result["failed"]``; the others are measured."""
     import peers
 
     say = peers.say
     width = plan.clients[0]
     servers = {"draftd": (durl, True)} if durl is not None else {}
-    servers.update(paired_servers(stack, runs, plan.binary, plan.target, width, a.ctx_per_slot, plan.threads,
-                                  plan.logs, result["commands"]))
+    llama, failed = paired_servers(stack, runs, plan.binary, plan.target, width, a.ctx_per_slot, plan.threads,
+                                   plan.logs, result["commands"])
+    servers.update(llama)
+    for name, why in failed.items():
+        say(f"{name} failed to start, left out: {why}")
     rounds = [list(r) for r in zip(*plan.cells[width])]  # round j: every client's j-th prompt
     say(f"{width} client(s), paired: {len(rounds)} rounds of {width} concurrent prompts, each round to "
         f"{', '.join(servers)} in turn")
     result["paired"] = paired_rounds(servers, rounds, a.max_tokens, plan.warm)
+    for name, why in result["paired"]["failed"].items():
+        say(f"{name} refused requests, left out: {why}")
+    result["failed"] = {**failed, **result["paired"]["failed"]}
     say(json.dumps({k: v for k, v in result["paired"].items() if k != "order"}))
 
 
@@ -859,7 +917,8 @@ def run_cells(a, plan: PeerPlan, runs: list[tuple[str, dict]], result: dict, tab
               draftd: tuple[str, Any] | None, partial: Callable[[], None]) -> None:
     """The sequential cells: per client count, draftd (``draftd``: its base url and Popen; None
     without it) then a fresh llama-server per configuration of ``runs``; each cell's stats into
-    ``table[n][name]`` (``{"error": ...}`` where a server did not come up), ``partial()`` after each."""
+    ``table[n][name]`` (``{"error": reason}`` where a server did not come up, the reason ending with
+    its log's tail, or refused requests: :func:`peer_load`), ``partial()`` after each."""
     import peers
 
     say = peers.say
@@ -882,8 +941,8 @@ def run_cells(a, plan: PeerPlan, runs: list[tuple[str, dict]], result: dict, tab
                 with peers.running_process(cmd, p, plan.logs / f"{name}-{n}.log", timeout_s=300) as (url, proc):
                     table[n][name] = peer_load(url + "/v1", plan.cells[n], a.max_tokens, draftd=False, warm=plan.warm,
                                                pid=proc.pid, counters=lambda url=url: llama_counters(url))
-            except RuntimeError as e:
-                table[n][name] = {"error": str(e)[:1500]}
+            except RuntimeError as e:  # not up: the reason ends with its log's tail, kept whole
+                table[n][name] = {"error": str(e)}
             say(f"  {cell_line(table[n][name])}")
             partial()
 

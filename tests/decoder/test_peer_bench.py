@@ -371,8 +371,9 @@ def test_paired_servers_start_the_draft_model_peer_and_name_its_command(tmp_path
     runs, _ = serve_bench.llama_runs(["llama_plain", "llama_ngram", "llama_draft"], SPEC_TYPES, "ngram-simple", draft)
     commands: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
-        servers = serve_bench.paired_servers(stack, runs, Path("/b/llama-server"), Path("/m/t.gguf"), width=4,
-                                             ctx_per_slot=512, threads=2, logs=tmp_path, commands=commands)
+        servers, failed = serve_bench.paired_servers(stack, runs, Path("/b/llama-server"), Path("/m/t.gguf"), width=4,
+                                                     ctx_per_slot=512, threads=2, logs=tmp_path, commands=commands)
+    assert failed == {}
     assert servers == {"llama_plain": ("http://127.0.0.1:9001/v1", False),
                        "llama_ngram-simple": ("http://127.0.0.1:9002/v1", False),
                        "llama_draft": ("http://127.0.0.1:9003/v1", False)}
@@ -384,3 +385,167 @@ def test_paired_servers_start_the_draft_model_peer_and_name_its_command(tmp_path
     assert commands["llama_draft"] == " ".join(cmd[1:]).replace("9003", "PORT")
     assert "--port PORT" in commands["llama_draft"] and f"-md {draft}" in commands["llama_draft"]
     assert set(commands) == set(servers)
+
+
+# a stand-in for llama-server: answers /health and /v1/models on its --port until SIGTERM, or, with
+# -md (the draft-model configuration), answers /health but refuses /v1/models with a 503
+FAKE_SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+refuse = "-md" in sys.argv
+
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/v1/models" and refuse:
+            code, body = 503, {"error": {"message": "loading model", "code": 503}}
+        elif self.path in ("/health", "/v1/models"):
+            code, body = 200, {"status": "ok", "object": "list", "data": [{"id": "m", "object": "model",
+                                                                           "created": 0, "owned_by": "x"}]}
+        else:
+            code, body = 404, {}
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), H).serve_forever()
+"""
+
+
+def _fake_llama_server(tmp_path):
+    """A shell script in llama-server's place: with ``--spec-type ngram-simple`` it prints 60 lines
+    of loading (about 2.4 kB) and an error on stderr and exits 1 at start; otherwise it runs FAKE_SERVER."""
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    script = tmp_path / "llama-server"
+    script.write_text("#!/bin/sh\n"
+                      'case " $* " in *" --spec-type ngram-simple "*)\n'
+                      '  for i in $(seq 60); do echo "load_tensors: layer $i assigned to device CPU" >&2; done\n'
+                      '  echo "error: the ngram-simple draft needs --spec-ngram-size-n >= 1" >&2; exit 1;;\n'
+                      "esac\n"
+                      f'exec "{sys.executable}" "{tmp_path / "fake_server.py"}" "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
+def test_paired_run_records_a_peer_that_exits_at_start_and_one_that_refuses_and_measures_the_rest(tmp_path,
+                                                                                                   monkeypatch):
+    # issue 35: one llama-server exiting at its start (or refusing requests) aborted the whole paired bench
+    import argparse
+    import contextlib
+
+    monkeypatch.setitem(sys.modules, "peers", peers)
+    binary = _fake_llama_server(tmp_path)
+    draft = tmp_path / "d.gguf"
+    draft.write_bytes(b"GGUF")
+    runs, _ = serve_bench.llama_runs(["llama_plain", "llama_ngram", "llama_draft"], SPEC_TYPES, "ngram-simple", draft)
+    assert [n for n, _ in runs] == ["llama_plain", "llama_ngram-simple", "llama_draft"]
+
+    def fake_stream(oc, model, ids, n, extra):  # draftd streams its 10 tokens in 0.5 s, the peer in 1.0 s
+        end = 0.5 if "workload" in extra else 1.0
+        return {"t0": 0.0, "chunks": [0.1, end], "tokens": 10, "error": None, "proposed": None, "accepted": None}
+
+    monkeypatch.setattr(serve_bench, "stream_once", fake_stream)
+    plan = serve_bench.PeerPlan(clients=[1], threads=1, fmt="packaged", target=Path("/m/t.gguf"), draft=draft,
+                                workloads=["w"], per_workload=2, cells={1: [[("w", [1, 2]), ("w", [3, 4])]]}, warm=[],
+                                configs=["draftd", "llama_plain", "llama_ngram", "llama_draft"], binary=binary,
+                                types=SPEC_TYPES, logs=tmp_path)
+    a = argparse.Namespace(ctx_per_slot=64, max_tokens=10)
+    result: dict = {"commands": {}}
+    with contextlib.ExitStack() as stack:
+        port = peers.free_port()  # draftd's stand-in: the same fake, no -md
+        dbase, _ = stack.enter_context(peers.running_process([str(binary), "--port", str(port)], port,
+                                                             tmp_path / "draftd.log", timeout_s=60))
+        serve_bench.run_paired(stack, a, plan, runs, result, dbase + "/v1")
+    failed = result["failed"]
+    assert set(failed) == {"llama_ngram-simple", "llama_draft"}
+    # the one that exited: its exit status and its stderr's tail
+    assert failed["llama_ngram-simple"].startswith("the server exited with 1 before /health answered")
+    assert failed["llama_ngram-simple"].rstrip().endswith("error: the ngram-simple draft needs --spec-ngram-size-n >= 1")
+    # the one that came up but refused: its /models' 503
+    assert failed["llama_draft"].startswith("GET http://127.0.0.1:") and "/v1/models failed" in failed["llama_draft"]
+    assert "503" in failed["llama_draft"] and "loading model" in failed["llama_draft"]
+    paired = result["paired"]
+    assert paired["failed"] == {"llama_draft": failed["llama_draft"]}
+    assert list(paired["servers"]) == ["draftd", "llama_plain"]  # the two left out are not measured
+    assert paired["servers"]["draftd"]["tokens_per_s_median"] == 20.0  # 10 tokens in 0.5 s
+    assert paired["servers"]["llama_plain"]["tokens_per_s_median"] == 10.0
+    assert paired["draftd_vs_llama_plain"]["ratio_geomean"] == 2.0 and paired["draftd_vs_llama_plain"]["pairs"] == 2
+    assert "draftd_vs_llama_draft" not in paired and "draftd_vs_llama_ngram-simple" not in paired
+    assert set(result["commands"]) == {"llama_plain", "llama_ngram-simple", "llama_draft"}  # what was tried
+
+
+def test_paired_rounds_leave_out_a_server_whose_warm_up_fails_and_run_none_when_all_fail(monkeypatch):
+    import types
+
+    class _Client:
+        def __init__(self, base_url, **kw):
+            self.base_url = base_url
+            self.models = types.SimpleNamespace(list=lambda: types.SimpleNamespace(data=[types.SimpleNamespace(id="m")]))
+
+    def fake(oc, model, ids, n, extra):
+        err = "APIStatusError('slot unavailable')" if oc.base_url == "v" else None
+        return {"t0": 0.0, "chunks": [] if err else [0.1, 1.0], "tokens": 0 if err else 10, "error": err,
+                "proposed": None, "accepted": None}
+
+    monkeypatch.setitem(sys.modules, "openai", types.SimpleNamespace(OpenAI=_Client))
+    monkeypatch.setattr(serve_bench, "stream_once", fake)
+    out = serve_bench.paired_rounds({"draftd": ("u", True), "llama_plain": ("v", False)}, [[("w", [1])]] * 2, 10, [],
+                                    gap_s=0)
+    assert out["failed"] == {"llama_plain": "warm-up request failed: APIStatusError('slot unavailable')"}
+    assert list(out["servers"]) == ["draftd"] and out["servers"]["draftd"]["tokens_per_s_median"] == 10.0
+    out = serve_bench.paired_rounds({"llama_plain": ("v", False)}, [[("w", [1])]] * 2, 10, [], gap_s=0)
+    assert list(out["failed"]) == ["llama_plain"] and out["servers"] == {} and out["rounds"] == 2
+
+
+def test_peer_load_gives_a_refusing_server_an_error_cell(monkeypatch):
+    # the sequential cells: a /models that raises was an exception through the whole bench
+    import types
+
+    def refuse():
+        raise ConnectionError("connection refused")
+
+    class _Client:
+        def __init__(self, **kw):
+            self.models = types.SimpleNamespace(list=refuse)
+
+    monkeypatch.setitem(sys.modules, "openai", types.SimpleNamespace(OpenAI=_Client))
+    cell = serve_bench.peer_load("http://127.0.0.1:1/v1", [[("w", [1])]], 4, draftd=False)
+    assert cell == {"error": "GET http://127.0.0.1:1/v1/models failed: ConnectionError('connection refused')"}
+
+
+def test_sequential_cells_record_a_peer_that_exits_at_start_with_its_stderr_tail_and_go_on(tmp_path, monkeypatch):
+    # the error cell kept the first 1500 characters of the reason: the log's tail, where the
+    # error is, was cut off once the log passed them; a refusing server aborted the bench
+    import argparse
+
+    monkeypatch.setitem(sys.modules, "peers", peers)
+    binary = _fake_llama_server(tmp_path)
+    draft = tmp_path / "d.gguf"
+    draft.write_bytes(b"GGUF")
+    runs, _ = serve_bench.llama_runs(["llama_plain", "llama_ngram", "llama_draft"], SPEC_TYPES, "ngram-simple", draft)
+    monkeypatch.setattr(serve_bench, "stream_once", lambda oc, model, ids, n, extra: {
+        "t0": 0.0, "chunks": [0.1, 0.5], "tokens": 4, "error": None, "proposed": None, "accepted": None})
+    cells = {1: [[("w", [1, 2])]], 2: [[("w", [3])], [("w", [4])]]}
+    plan = serve_bench.PeerPlan(clients=[1, 2], threads=1, fmt="packaged", target=Path("/m/t.gguf"), draft=draft,
+                                workloads=["w"], per_workload=3, cells=cells, warm=[],
+                                configs=["llama_plain", "llama_ngram", "llama_draft"], binary=binary,
+                                types=SPEC_TYPES, logs=tmp_path)
+    table: dict = {1: {}, 2: {}}
+    saved = []
+    serve_bench.run_cells(argparse.Namespace(ctx_per_slot=64, max_tokens=4), plan, runs, {"commands": {}}, table,
+                          None, lambda: saved.append(1))
+    assert len(saved) == 6  # every cell, failed or not, written out
+    for n in (1, 2):
+        assert table[n]["llama_plain"]["requests"] == n and table[n]["llama_plain"]["failures"] == 0
+        err = table[n]["llama_ngram-simple"]["error"]
+        assert err.startswith("the server exited with 1 before /health answered")
+        assert len(err) > 1500 and err.rstrip().endswith("error: the ngram-simple draft needs --spec-ngram-size-n >= 1")
+        assert "/v1/models failed" in table[n]["llama_draft"]["error"] and "503" in table[n]["llama_draft"]["error"]
