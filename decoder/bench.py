@@ -261,9 +261,19 @@ def run_bench(
     if bad or not cfg.proposers:
         raise ValueError(f"BenchConfig.proposers={cfg.proposers!r}: use one or more of {PROPOSERS}")
     # the peer's context is the target engine's: llama-cpp-python refuses a prompt of n_ctx tokens
-    # and silently shortens max_tokens near it, so a smaller one failed or under-generated mid-sweep
-    peer = LlamaCppPeer(cfg.llamacpp, cfg.threads or getattr(decoder.engine, "threads", None),
-                        n_ctx=getattr(decoder.engine, "context_length", None) or 4096) if cfg.llamacpp else None
+    # and silently shortens max_tokens near it, so a smaller one failed or under-generated mid-sweep;
+    # upstream's kernels, in a process of its own: what a llama.cpp user runs
+    peer = UpstreamLlamaCppPeer(cfg.llamacpp, cfg.threads or getattr(decoder.engine, "threads", None),
+                                n_ctx=getattr(decoder.engine, "context_length", None) or 4096) if cfg.llamacpp else None
+    try:
+        return _sweep(decoder, enc_by_wl, gammas, cfg, say, add, rows, peer)
+    finally:
+        if peer is not None:
+            peer.close()
+
+
+def _sweep(decoder, enc_by_wl, gammas, cfg, say, add, rows, peer) -> dict:
+    """:func:`run_bench`'s measurement, every workload and sampling policy, with its peer open."""
     frozen_history = decoder.ngram_history.copy()
     frozen_gate = decoder.ngram_gate.copy() if decoder.ngram_gate is not None else None
     # Warm-up: first calls pay one-off allocator and kernel selection costs.

@@ -130,7 +130,7 @@ def test_the_llamacpp_peer_gets_the_target_engines_context(tok, monkeypatch):
         got.update(gguf=gguf, threads=threads, n_ctx=n_ctx)
         raise Stop
 
-    monkeypatch.setattr(bench, "LlamaCppPeer", peer)
+    monkeypatch.setattr(bench, "UpstreamLlamaCppPeer", peer)
     dec = SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(threads=3, context_length=8192))
     with pytest.raises(Stop):
         run_bench(dec, [Prompt("prose", "hello")], BenchConfig(gammas=(1,), sampling=("greedy",), llamacpp="x.gguf"))
