@@ -12,7 +12,10 @@ Endpoints (OpenAI's request and response shapes, as vLLM's and SGLang's servers 
 Extra request fields (``extra_body`` in the openai client): ``top_k``, ``ignore_eos``, ``gamma``
 (a fixed γ; default: the goodput controller's), ``workload`` (also the ``X-Draftd-Workload``
 header; default ``default``), ``cache_prompt`` (llama-server's: false prefills the whole prompt
-instead of keeping cached cells; default true, under ``serve.prompt_cache``). Every response carries the request's measurement under
+instead of keeping cached cells; default true, under ``serve.prompt_cache``); vLLM's chat fields
+``add_generation_prompt`` (default true) and ``continue_final_message`` (default false: continue
+the final message, e.g. an assistant's prefill, instead of answering it in a new turn). Every
+response carries the request's measurement under
 ``"draftd"`` (the last chunk when streaming), which OpenAI clients ignore.
 
 Errors are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``: 400 for a
@@ -62,7 +65,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "strea
            "repetition_penalty", "min_tokens", "metadata", "grammar", "cache_prompt"}
 _COMPLETION = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                   "functions", "function_call", "parallel_tool_calls", "response_format", "store"}
+                   "functions", "function_call", "parallel_tool_calls", "response_format", "store",
+                   "add_generation_prompt", "continue_final_message"}
 
 
 class ApiError(Exception):
@@ -392,10 +396,41 @@ def _messages_ids(body: dict, tokenizer) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions with a prompt",
                        param="messages", code="no_chat_template")
-    ids = tokenizer.apply_chat_template(clean, add_generation_prompt=clean[-1]["role"] != "assistant", tokenize=True)
+    add, cont = _template_flags(body, clean[-1]["content"])
+    try:
+        ids = tokenizer.apply_chat_template(clean, add_generation_prompt=add, continue_final_message=cont, tokenize=True)
+    except ValueError as e:  # transformers: the template dropped or rewrote the final message, so it cannot stay open
+        if not cont:
+            raise
+        raise _bad("continue_final_message", f"this model's chat template does not render the final message's "
+                                             f"content as sent ({e}); send continue_final_message: false") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(x) for x in ids]
+
+
+def _template_flags(body: dict, final_content: str) -> tuple[bool, bool]:
+    """``(add_generation_prompt, continue_final_message)`` of a chat request, as vLLM's chat API
+    takes them: by default (true, false), a new assistant turn is opened after the messages, the
+    last one closed whatever its role; ``continue_final_message: true`` renders the final message
+    open (no end-of-turn) for the completion to continue it ("prefill"), and then
+    ``add_generation_prompt`` defaults to false.
+
+    Raises:
+        ApiError: 400 for a non-boolean, for both true (vLLM refuses that pair: a new turn cannot
+            open inside the final message), or for continuing an empty final message.
+    """
+    cont = _bool(body, "continue_final_message", False)
+    add = _bool(body, "add_generation_prompt", not cont)
+    if cont and add:
+        raise _bad("continue_final_message", "true with add_generation_prompt: true: a new assistant turn cannot "
+                                             "start inside the final message; send add_generation_prompt: false to "
+                                             "continue the final message, or continue_final_message: false to answer "
+                                             "it in a new turn")
+    if cont and not final_content.strip():
+        raise _bad("continue_final_message", "the final message is empty, so there is nothing to continue; give it "
+                                             "the text to continue, or drop it and send continue_final_message: false")
+    return add, cont
 
 
 def _prompt_ids(body: dict, tokenizer, vocab: int) -> list[int]:
