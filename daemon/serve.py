@@ -49,6 +49,7 @@ from rich.markup import escape as rich_escape
 from starlette.requests import Request  # a module global: FastAPI resolves the handlers' string annotations here
 
 from daemon.http_timeout import DEFAULT_READ_TIMEOUT_S, read_timeout_protocol
+from daemon.token_bytes import TextOffsets, TokenBytes
 
 log = structlog.get_logger("daemon.serve")
 
@@ -1046,6 +1047,7 @@ class InferenceService:
         self.workloads = Bounded("workload", max_workloads, always=("default",))
         self.buckets = Bounded("sampling_bucket", max_sampling_buckets, always=("greedy",))
         self.metrics = ServeMetrics(loop, (self.workloads, self.buckets))
+        self.token_bytes = TokenBytes(tokenizer)  # logprobs' token bytes and spellings
 
     def status(self) -> dict[str, Any]:
         from decoder.loop import speculation_by_batch, speculation_by_workload
@@ -1155,35 +1157,39 @@ class InferenceService:
                              cache_prompt=p.cache_prompt, constraint=p.constraint if p.constraint is not None
                              else self.json_constraint() if p.json_mode else None)
 
-    def _logprobs(self, p: Parsed, lps: list, offset: int = 0) -> dict[str, Any] | None:
+    def _logprobs(self, p: Parsed, lps: list, offsets: "TextOffsets | None" = None) -> dict[str, Any] | None:
         """OpenAI's ``logprobs`` object for tokens' :class:`~decoder.sampling.TokenLogprob`: chat's
         ``{"content": [{token, logprob, bytes, top_logprobs}]}``, or the completions' legacy
-        ``{tokens, token_logprobs, top_logprobs, text_offset}`` (``offset``: characters of the
-        completion before these tokens). A log-probability of -inf (a token a top-k / top-p cut
-        removed) is written -9999.0, as OpenAI does: JSON has no infinity."""
+        ``{tokens, token_logprobs, top_logprobs, text_offset}`` (``offsets``: the request's
+        :class:`~daemon.token_bytes.TextOffsets`, which a stream carries from chunk to chunk; None:
+        these tokens start the completion). ``bytes`` are the token's own bytes and a token that
+        is not UTF-8 on its own (part of a character) is spelled ``bytes:\\xNN...``
+        (:class:`~daemon.token_bytes.TokenBytes`); a completions' ``top_logprobs`` key two tokens
+        would share is the second's ``token_id:<id>`` (vLLM's spelling of a token by id). A
+        log-probability of -inf (a token a top-k / top-p cut removed) is written -9999.0, as
+        OpenAI does: JSON has no infinity."""
         if p.logprobs is None:
             return None
-
-        def text(t: int) -> str:
-            return self.tokenizer.decode([t])
+        tb = self.token_bytes
 
         def num(x: float) -> float:
             return x if math.isfinite(x) else -9999.0
 
         if p.kind == "chat":
             def entry(t: int, lp: float) -> dict[str, Any]:
-                s = text(t)
-                return {"token": s, "logprob": num(lp), "bytes": list(s.encode("utf-8"))}
+                return {"token": tb.spelling(t), "logprob": num(lp), "bytes": list(tb.of(t))}
 
             return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(a, b) for a, b in x.top]}
                                 for x in lps], "refusal": None}
-        toks = [text(x.token) for x in lps]
-        offsets = []
-        for s_ in toks:
-            offsets.append(offset)
-            offset += len(s_)
-        return {"tokens": toks, "token_logprobs": [num(x.logprob) for x in lps],
-                "top_logprobs": [{text(a): num(b) for a, b in x.top} for x in lps], "text_offset": offsets}
+        offsets = offsets or TextOffsets(tb)
+        tops = []
+        for x in lps:
+            top: dict[str, float] = {}
+            for a, b in x.top:
+                top[f"token_id:{a}" if tb.spelling(a) in top else tb.spelling(a)] = num(b)
+            tops.append(top)
+        return {"tokens": [tb.spelling(x.token) for x in lps], "token_logprobs": [num(x.logprob) for x in lps],
+                "top_logprobs": tops, "text_offset": [offsets.next(x.token) for x in lps]}
 
     # ---- the app ---------------------------------------------------------------------------
     def app(self):
@@ -1463,20 +1469,19 @@ class _Deltas:
     def __init__(self, service: "InferenceService", p: Parsed, rid: str, created: int, ticket):
         self.service, self.p, self.rid, self.created, self.ticket = service, p, rid, created, ticket
         self.ts = TextStream(service.tokenizer, p.stop)
-        self.seen = [0, 0]  # tokens whose logprobs went out, characters of their text (completions' text_offset)
+        self.seen = 0  # tokens whose logprobs went out
+        self.offsets = TextOffsets(service.token_bytes)  # completions' text_offset, counted across chunks
 
     def chunk(self, ids: list[int]):
         """The chunk for newly emitted ``ids``: their text delta and, when asked, their logprobs
         (ticket.logprobs was extended before the ids were queued); None when there is nothing."""
-        p, seen = self.p, self.seen
+        p = self.p
         delta = self.ts.feed(ids)
         lp = None
         if p.logprobs is not None and ids:
-            mine = self.ticket.logprobs[seen[0]: seen[0] + len(ids)]
-            lp = self.service._logprobs(p, mine, seen[1])
-            seen[0] += len(ids)
-            if p.kind == "completion":  # text_offset: the characters of the tokens already sent
-                seen[1] += sum(len(t) for t in lp["tokens"])
+            mine = self.ticket.logprobs[self.seen: self.seen + len(ids)]
+            lp = self.service._logprobs(p, mine, self.offsets)
+            self.seen += len(ids)
         if not delta and lp is None:
             return None
         return self.service._chunk(p, self.rid, self.created, delta or "", logprobs=lp)
