@@ -14,8 +14,8 @@ Extra request fields (``extra_body`` in the openai client): ``top_k``, ``ignore_
 header; default ``default``), ``cache_prompt`` (llama-server's: false prefills the whole prompt
 instead of keeping cached cells; default true, under ``serve.prompt_cache``); vLLM's chat fields
 ``add_generation_prompt`` (default true) and ``continue_final_message`` (default false: continue
-the final message, e.g. an assistant's prefill, instead of answering it in a new turn). Every
-response carries the request's measurement under
+the final message, e.g. an assistant's prefill, instead of answering it in a new turn) and its
+``stream_options.continuous_usage_stats`` (usage in every chunk). Every response carries the request's measurement under
 ``"draftd"`` (the last chunk when streaming), which OpenAI clients ignore.
 
 Errors are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``: 400 for a
@@ -199,6 +199,7 @@ class Parsed:
     workload: str
     stream: bool
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
     cache_prompt: bool = True  # llama-server's field: false = no prompt-cache cells for this request
     json_mode: bool = False  # response_format {"type": "json_object"}: the output is one JSON object
     grammar: str | None = None  # GBNF the output follows (response_format json_schema, or the grammar field)
@@ -660,17 +661,8 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
             max_tokens = min(max_tokens_default, room)
     max_tokens = max_tokens or max_tokens_default
     stream = _bool(body, "stream", False)
-    so = body.get("stream_options")
-    include_usage = False
-    if so is not None:
-        if not stream:
-            raise _bad("stream_options", "only allowed with stream: true")
-        if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
-            raise _bad("stream_options", f"{_j(so)}: only {{\"include_usage\": true|false}} is supported")
-        v = so.get("include_usage")
-        if v is not None and not isinstance(v, bool):
-            raise _bad("stream_options.include_usage", f"{_j(v)} is not a boolean (true or false)", "invalid_type")
-        include_usage = bool(v)
+    include_usage, continuous_usage = _stream_options(body, stream)
+    _user_and_metadata(body)
     top_k = _int(body, "top_k", 0, lo=-1)
     logprobs = _logprobs(body, kind)
     gamma = _int(body, "gamma", None, lo=0, hi=MAX_GAMMA)
@@ -689,9 +681,73 @@ def parse_request(body: Any, kind: str, tokenizer, *, models: set[str], context_
         top_k=0 if top_k == -1 or top_k >= vocab else top_k, seed=seed,  # a k >= the vocabulary cuts nothing: off
         stop=_stop(body), ignore_eos=ignore_eos,
         gamma=gamma, workload=_workload(body, header_workload), stream=stream, include_usage=include_usage,
+        continuous_usage=continuous_usage,
         logprobs=logprobs, cache_prompt=_bool(body, "cache_prompt", True),
         **constrained,
     )
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """``(include_usage, continuous_usage_stats)`` of ``stream_options``, vLLM's fields: usage
+    in a last chunk of its own (OpenAI's), and also in every chunk, counted so far (vLLM's
+    ``continuous_usage_stats``, which implies ``include_usage`` unless that is sent false: vLLM's
+    ``include_usage`` defaults to true inside ``stream_options``). Both false when absent.
+
+    Raises:
+        ApiError: 400 without ``stream: true``, for another key or a non-boolean, and for
+            ``continuous_usage_stats: true`` with ``include_usage: false`` (vLLM then sends no
+            usage at all: what was asked would be silently dropped).
+    """
+    so = body.get("stream_options")
+    if so is None:
+        return False, False
+    if not stream:
+        raise _bad("stream_options", "only allowed with stream: true")
+    if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
+        raise _bad("stream_options", f"{_j(so)}: only {{\"include_usage\": true|false, \"continuous_usage_stats\": "
+                                     f"true|false}} is supported")
+    for key in ("include_usage", "continuous_usage_stats"):
+        v = so.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise _bad(f"stream_options.{key}", f"{_j(v)} is not a boolean (true or false)", "invalid_type")
+    continuous = bool(so.get("continuous_usage_stats"))
+    if continuous and so.get("include_usage") is False:
+        raise _bad("stream_options.continuous_usage_stats", "true with include_usage: false: usage in every chunk "
+                                                            "is usage; send include_usage: true (or leave it out)")
+    return continuous or bool(so.get("include_usage")), continuous
+
+
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds on metadata
+
+
+def _user_and_metadata(body: dict) -> None:
+    """Check OpenAI's ``user`` (a string naming the end user) and ``metadata`` (at most 16 string
+    keys of at most 64 characters, each to a string of at most 512), which this server accepts and
+    does not act on. Absent or null: nothing to check.
+
+    Raises:
+        ApiError: 400 naming the field (``metadata.<key>`` for a bad value) and the fix.
+    """
+    u = body.get("user")
+    if u is not None and not isinstance(u, str):
+        raise _bad("user", f"{_j(u)} is not a string; send the end user's id as a string", "invalid_type")
+    md = body.get("metadata")
+    if md is None:
+        return
+    if not isinstance(md, dict):
+        raise _bad("metadata", f"{_j(md)}: give an object of string keys to string values", "invalid_type")
+    if len(md) > MAX_METADATA_KEYS:
+        raise _bad("metadata", f"{len(md)} keys; at most {MAX_METADATA_KEYS}")
+    for k, v in md.items():
+        if len(k) > MAX_METADATA_KEY_CHARS:
+            raise ApiError(400, f"metadata: the key {_j(k, NAME_LIMIT)} has {len(k)} characters; at most "
+                                f"{MAX_METADATA_KEY_CHARS}", param="metadata", code="invalid_value")
+        if not isinstance(v, str):
+            raise ApiError(400, f"metadata.{_clip(k)}: {_j(v)} is not a string; metadata values are strings",
+                           param=f"metadata.{_clip(k)}", code="invalid_type")
+        if len(v) > MAX_METADATA_VALUE_CHARS:
+            raise ApiError(400, f"metadata.{_clip(k)}: {len(v)} characters; at most {MAX_METADATA_VALUE_CHARS}",
+                           param=f"metadata.{_clip(k)}", code="invalid_value")
 
 
 _RF_HELP = ('use {"type": "text"}, {"type": "json_object"} (JSON mode) or {"type": "json_schema", "json_schema": '
@@ -1379,7 +1435,7 @@ class InferenceService:
         getter = None
         try:
             if p.kind == "chat":
-                yield _sse(self._chunk(p, rid, created, "", role=True))
+                yield _sse(deltas.with_usage(self._chunk(p, rid, created, "", role=True)))
             while True:
                 if not events.empty():  # tokens already queued (several steps while this stream was
                     # busy, or another's): one chunk for all of them, without a waiter task per step
@@ -1450,6 +1506,8 @@ class InferenceService:
         final = self._chunk(p, rid, created, rest if rest or p.kind == "completion" else None,
                             finish=FINISH.get(res.finish_reason, res.finish_reason))
         final["draftd"] = measurement(res, ticket, speculation=self.speculation)
+        if p.continuous_usage:  # vLLM's continuous_usage_stats: the final chunk's usage is the request's
+            final["usage"] = self._usage(res)
         events = [_sse(final)]
         if p.include_usage:
             events.append(_sse({"id": rid, "object": final["object"], "created": created, "model": self.model,
@@ -1471,6 +1529,7 @@ class _Deltas:
         self.ts = TextStream(service.tokenizer, p.stop)
         self.seen = 0  # tokens whose logprobs went out
         self.offsets = TextOffsets(service.token_bytes)  # completions' text_offset, counted across chunks
+        self.tokens = 0  # tokens emitted so far (continuous usage), whether or not a chunk carried them
 
     def chunk(self, ids: list[int]):
         """The chunk for newly emitted ``ids``: their text delta and, when asked, their logprobs
@@ -1482,9 +1541,19 @@ class _Deltas:
             mine = self.ticket.logprobs[self.seen: self.seen + len(ids)]
             lp = self.service._logprobs(p, mine, self.offsets)
             self.seen += len(ids)
+        self.tokens += len(ids)
         if not delta and lp is None:
             return None
-        return self.service._chunk(p, self.rid, self.created, delta or "", logprobs=lp)
+        return self.with_usage(self.service._chunk(p, self.rid, self.created, delta or "", logprobs=lp))
+
+    def with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """``chunk`` with the usage so far under ``"usage"`` when the request asked for
+        ``stream_options.continuous_usage_stats`` (vLLM's: prompt tokens, completion tokens
+        emitted up to and including this chunk's, their total), else as it is."""
+        if self.p.continuous_usage:
+            n, k = len(self.p.prompt_ids), self.tokens
+            chunk["usage"] = {"prompt_tokens": n, "completion_tokens": k, "total_tokens": n + k}
+        return chunk
 
 
 def _error_response(e: ApiError):
