@@ -64,10 +64,10 @@ def _call(fn, *args: Any, **kw: Any) -> Any:
     try:
         return fn(*args, **kw)
     except DaemonDown as e:
-        err.print(f"[red]{e}[/]; start it with `daemonctl run`")
+        err.print(f"[red]{escape(str(e))}[/]; start it with `daemonctl run`")
         raise typer.Exit(3) from e
     except ApiError as e:
-        err.print(f"[red]refused ({e.status}):[/] {e.detail}")
+        err.print(f"[red]refused ({e.status}):[/] {escape(str(e.detail))}")  # may quote a workload's name
         raise typer.Exit(1 if e.status != 401 else 4) from e
 
 
@@ -137,9 +137,9 @@ def config_cmd(config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
     for group, val in data.items():
         if isinstance(val, dict):
             for k, v in val.items():
-                t.add_row(f"{group}.{k}", str(v), f"DRAFTD_{group.upper()}__{k.upper()}")
+                t.add_row(f"{group}.{k}", escape(str(v)), f"DRAFTD_{group.upper()}__{k.upper()}")
         else:
-            t.add_row(group, str(val), f"DRAFTD_{group.upper()}")
+            t.add_row(group, escape(str(val)), f"DRAFTD_{group.upper()}")
     out.print(t)
 
 
@@ -213,37 +213,37 @@ def render_status(st: dict) -> None:
     t.add_column("", style="bold", no_wrap=True)
     t.add_column("", overflow="fold")  # reasons wrap (a long path or key folds), never cut
     up = "[green]up[/]" if d.get("up") else "[red]down[/]"
-    t.add_row("daemon", f"{up}  {d.get('api', '')}" + (f"  pid {d['pid']}  uptime {d['uptime_s']:.0f} s" if d.get("up") else ""))
+    t.add_row("daemon", f"{up}  {escape(str(d.get('api', '')))}" + (f"  pid {d['pid']}  uptime {d['uptime_s']:.0f} s" if d.get("up") else ""))
     if r.get("up"):
-        t.add_row("redis", f"{r['mode']}  {r.get('url')}  Redis {r.get('version')}  {r.get('used_memory_human')} used"
-                  + ("  AOF on" if r.get("aof_enabled") else ""))
+        t.add_row("redis", escape(f"{r['mode']}  {r.get('url')}  Redis {r.get('version')}  {r.get('used_memory_human')} used"
+                                  + ("  AOF on" if r.get("aof_enabled") else "")))
     else:
-        t.add_row("redis", f"[red]down[/] {r.get('mode')} {r.get('note') or r.get('error') or ''}")
+        t.add_row("redis", f"[red]down[/] {escape(str(r.get('mode')))} {escape(str(r.get('note') or r.get('error') or ''))}")
     b = st.get("buffer")
     if b:
         def n(x):
             return "-" if x is None else x
 
-        t.add_row("buffer", f"{b['stream']}: {b['depth']} entries; trainer lag {n(b['consumer_lag'])} pending "
-                  f"{n(b['consumer_pending'])}; dead letters {b['dead_letters']}")
+        t.add_row("buffer", escape(f"{b['stream']}: {b['depth']} entries; trainer lag {n(b['consumer_lag'])} pending "
+                                   f"{n(b['consumer_pending'])}; dead letters {b['dead_letters']}"))
     tr = st.get("trainer")
     if tr:
         if not tr.get("enabled"):
-            t.add_row("trainer", f"off: {tr.get('reason')}")
+            t.add_row("trainer", escape(f"off: {tr.get('reason')}"))
         else:
             state = "paused" if tr["paused"] else ("running a round" if tr["running"] else "idle")
             ws = tr.get("warm_start")
             if ws in ("pending", "running"):
                 state = "bootstrapping v0 (its first job: daemon/warm_start.py)" if ws == "running" else "v0 bootstrap pending"
-            t.add_row("trainer", f"{state}; {tr['rounds']} rounds; next run {tr['next_run_time'] or '-'}")
+            t.add_row("trainer", escape(f"{state}; {tr['rounds']} rounds; next run {tr['next_run_time'] or '-'}"))
             if isinstance(ws, dict):
                 t.add_row("v0", escape(f"{ws.get('source')}: {ws.get('reason')}"))
             elif isinstance(ws, str) and ws not in ("pending", "running"):
                 t.add_row("v0", escape(ws))
             lr = tr.get("last_round")
             if lr:
-                t.add_row("last round", f"{lr['decision']} v{lr['version']} at {_when(lr['started_at'])} "
-                          f"({lr['seconds']:.1f} s, {lr['trained_on']} samples): {lr['reason']}")
+                t.add_row("last round", escape(f"{lr['decision']} v{lr['version']} at {_when(lr['started_at'])} "
+                                               f"({lr['seconds']:.1f} s, {lr['trained_on']} samples): {lr['reason']}"))
                 for w, sr in (lr.get("scopes") or {}).items():
                     t.add_row(escape(f"  ({w})"), escape(f"{sr['decision']}{' v' + str(sr['version']) if sr['version'] else ''} "
                                                                    f"({sr['trained_on']} samples): {sr['reason']}"))
@@ -367,7 +367,9 @@ def plot_history(h: dict, path: Path) -> None:
 
 
 def _live(live: dict) -> str:
-    return "; ".join(f"{w} {_f(v['acceptance_rate'])} ({v['requests']} req)" for w, v in live.items()) or "-"
+    """A version's live acceptance per workload, as markup: the workload names are the clients'
+    (``[/]`` is a valid one), so they are escaped."""
+    return escape("; ".join(f"{w} {_f(v['acceptance_rate'])} ({v['requests']} req)" for w, v in live.items()) or "-")
 
 
 @app.command()
@@ -391,14 +393,14 @@ def history(
         t.add_column("reason", overflow="fold")  # wraps, never cut
         t.add_row("v0 (base)", "-", "-", "-", "-", "-", _live(h["base_live"]), "active" if h["active"] == 0 else "", "")
         for a in h["adapters"]:
-            state = a["state"] + (" [green](active)[/]" if a["active"] else "")
+            state = escape(a["state"]) + (" [green](active)[/]" if a["active"] else "")
             t.add_row(f"v{a['version']}" + escape(f" ({a['scope']})" if a.get("scope") else ""), f"v{a['parent']}",
                       _when(a["created_at"]), str(a["samples_trained"]),
-                      _f(a["alpha_before"]), _f(a["alpha_after"]), _live(a["live"]), state, a["reason"])
+                      _f(a["alpha_before"]), _f(a["alpha_after"]), _live(a["live"]), state, escape(a["reason"] or ""))
         out.print(t)
     if plot is not None:
         plot_history(h, plot)
-        err.print(f"wrote {plot}")
+        err.print(f"wrote {escape(str(plot))}")
 
 
 # -- adapters and trainer control ----------------------------------------------------------------------
@@ -415,9 +417,10 @@ def _versions_table(kind: str, rows: list[dict], trained: str) -> Table:
     t.add_column("reason", overflow="fold")  # the reason wraps in the room left, never cut
     for a in rows:
         lv = a.get("live") or {}
-        t.add_row(f"v{a['version']}" + (" *" if a["active"] else ""), a.get("scope") or "-", f"v{a['parent']}",
-                  _when(a["created_at"]), a["state"], _f(a["alpha_before"]), _f(a["alpha_after"]), str(a["samples_trained"]),
-                  *((f"{_f(lv.get('alpha'))} ({lv.get('requests', 0)})",) if live else ()), a["reason"])
+        t.add_row(f"v{a['version']}" + (" *" if a["active"] else ""), escape(a.get("scope") or "-"), f"v{a['parent']}",
+                  _when(a["created_at"]), escape(a["state"]), _f(a["alpha_before"]), _f(a["alpha_after"]),
+                  str(a["samples_trained"]), *((f"{_f(lv.get('alpha'))} ({lv.get('requests', 0)})",) if live else ()),
+                  escape(a["reason"] or ""))  # scope and reason may hold a client's workload name
     return t
 
 
@@ -443,7 +446,7 @@ def adapters_promote(version: int, config: ConfigOpt = None, reason: ReasonOpt =
     """Make VERSION the active adapter."""
     client, _ = _client(config)
     r = _call(client.post, f"/v1/adapters/{version}/promote", {"reason": reason})
-    where = f" for workload {r['workload']}" if r.get("workload") else ""
+    where = f" for workload {escape(r['workload'])}" if r.get("workload") else ""
     out.print(f"v{r['active']} active{where} (was v{r['previous']})")
 
 
@@ -459,11 +462,11 @@ def adapters_rollback(
     r = _call(client.post, "/v1/rollback", {"reason": reason, "workload": workload})
     if workload:
         now = f"v{r['active']}" if r["active"] else "the shared adapter"
-        out.print(f"{workload}: {now} (rolled back v{r['previous']})")
+        out.print(f"{escape(workload)}: {now} (rolled back v{r['previous']})")
     else:
         out.print(f"v{r['active']} active (rolled back v{r['previous']})")
     for v, why in (r.get("skipped") or {}).items():
-        out.print(f"skipped v{v}: its artifact fails the check: {why}")
+        out.print(f"skipped v{v}: its artifact fails the check: {escape(str(why))}")
 
 
 @heads_app.command("list")
@@ -499,11 +502,11 @@ def heads_rollback(
                                                     reg.rollback_checked(reason, scope=workload, refuse_missing=True))),
                          kind="head")
     except (InvalidTransitionError, ArtifactMissingError, ValueError) as e:  # nothing active, files elsewhere, bad scope
-        err.print(f"[red]error:[/] {e}")
+        err.print(f"[red]error:[/] {escape(str(e))}")
         raise typer.Exit(1) from e
-    out.print(f"{workload or 'shared'}: head v{r['active']} active" + (" (none: 'eagle' is not offered)" if not r["active"] else ""))
+    out.print(f"{escape(workload or 'shared')}: head v{r['active']} active" + (" (none: 'eagle' is not offered)" if not r["active"] else ""))
     for v, why in (r.get("skipped") or {}).items():
-        out.print(f"skipped v{v}: its artifact fails the check: {why}")
+        out.print(f"skipped v{v}: its artifact fails the check: {escape(str(why))}")
 
 
 @app.command("train-now")
@@ -523,7 +526,8 @@ def train_now(
         print(json.dumps(r, indent=2))
     elif "report" in r:
         rep = r["report"]
-        out.print(f"round: {rep['decision']} v{rep['version']} ({rep['seconds']:.1f} s, {rep['trained_on']} samples): {rep['reason']}")
+        out.print(escape(f"round: {rep['decision']} v{rep['version']} ({rep['seconds']:.1f} s, {rep['trained_on']} "
+                         f"samples): {rep['reason']}"))
     else:
         out.print("round submitted" + (" (queued behind the running round)" if r.get("queued_behind_running_round") else ""))
 
@@ -575,7 +579,7 @@ def bootstrap(
     try:  # before any scoring: a bad models.draft_vocab fails in seconds
         vocab = draft_vocab_ids(s, pair.tokenizer)
     except ValueError as e:
-        err.print(f"[red]{e}[/]")
+        err.print(f"[red]{escape(str(e))}[/]")
         raise typer.Exit(2) from e
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -620,19 +624,19 @@ def bootstrap(
             try:
                 res = run_bootstrap(samples, distiller, registry, bcfg, on_round=on_round)
             except TrainerError as e:
-                err.print(f"[red]bootstrap failed:[/] {e}")
+                err.print(f"[red]bootstrap failed:[/] {escape(str(e))}")
                 if isinstance(e, NotEnoughSamples):
                     more, now = ("--corpus-tokens", corpus_tokens) if source == "corpus" else ("--prompts", prompts)
                     err.print(f"more data: raise {more} (now {now} per workload); the samples scored so far "
-                              f"stay in {scfg.keys.stream}")
+                              f"stay in {escape(scfg.keys.stream)}")
                 raise typer.Exit(1) from e
-    out.print(f"{len(samples)} samples into {scfg.keys.stream}; v{res.version} "
-              f"{'promoted' if res.promoted else 'registered, not promoted'}: {res.reason}")
+    out.print(escape(f"{len(samples)} samples into {scfg.keys.stream}; v{res.version} "
+                     f"{'promoted' if res.promoted else 'registered, not promoted'}: {res.reason}"))
 
 
 def _no_corpus_text(w: str) -> None:
     why = " (GSM8K needs ../shared/data)" if w in ("math", "gsm8k") else ""
-    err.print(f"[yellow]no corpus text for {w!r}{why}; skipped[/]")
+    err.print(f"[yellow]no corpus text for {escape(repr(w))}{why}; skipped[/]")
 
 
 def _bootstrap_inputs(workloads: str, source: str, prompts: int) -> tuple[list[str], list, dict]:
@@ -641,17 +645,17 @@ def _bootstrap_inputs(workloads: str, source: str, prompts: int) -> tuple[list[s
     from decoder.workloads import documents, get_workload
 
     if source not in ("corpus", "decode"):
-        err.print(f"[red]--source {source!r}[/]: use 'corpus' or 'decode'")
+        err.print(f"[red]--source {escape(repr(source))}[/]: use 'corpus' or 'decode'")
         raise typer.Exit(2)
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     if not names:
-        err.print(f"[red]--workloads {workloads!r}[/] names no workload; e.g. --workloads prose,code,math")
+        err.print(f"[red]--workloads {escape(repr(workloads))}[/] names no workload; e.g. --workloads prose,code,math")
         raise typer.Exit(2)
     try:
         prompts_all = [p for w in names for p in get_workload(w, prompts)] if source == "decode" else []
         corpora = {w: documents(w) for w in names} if source == "corpus" else {}
     except ValueError as e:
-        err.print(f"[red]--workloads {workloads!r}[/]: {e}")
+        err.print(f"[red]--workloads {escape(repr(workloads))}[/]: {escape(str(e))}")
         raise typer.Exit(2) from e
     return names, prompts_all, corpora
 
@@ -663,10 +667,10 @@ def _load_pair(s) -> Any:
 
     m = s.models
     try:
-        with err.status(f"loading {m.target} + draft {m.draft} ...") as sp:
-            return load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(msg))
+        with err.status(escape(f"loading {m.target} + draft {m.draft} ...")) as sp:
+            return load_pair(m.target, m.draft, device=m.device, progress=lambda msg: sp.update(escape(msg)))
     except (ModelLoadError, ValueError) as e:
-        err.print(f"[red]cannot load the model pair:[/] {e}")
+        err.print(f"[red]cannot load the model pair:[/] {escape(str(e))}")
         raise typer.Exit(1) from e
 
 

@@ -30,20 +30,21 @@ def offline_call(s, what: str, fn: Callable[[Any, Any], Any], kind: str = "adapt
 
     url = s.redis.url or (s.redis.default_url if s.redis.embedded != "always" and answers(s.redis.default_url) else None)
     if url is None:
-        err.print(f"[red]no draftd daemon answers at {s.api_url} and no Redis answers[/]: {what} reads the daemon or "
-                  f"its Redis; start one (`daemonctl run`) or set DRAFTD_REDIS__URL")
+        err.print(f"[red]no draftd daemon answers at {rich_escape(s.api_url)} and no Redis answers[/]: {what} reads the "
+                  f"daemon or its Redis; start one (`daemonctl run`) or set DRAFTD_REDIS__URL")
         raise typer.Exit(3)
     try:
         client = connect(url)
     except StoreError as e:
-        err.print(f"[red]no draftd daemon answers at {s.api_url}, and Redis: {e}[/]")
+        err.print(f"[red]no draftd daemon answers at {rich_escape(s.api_url)}, and Redis: {rich_escape(str(e))}[/]")
         raise typer.Exit(3) from e
     try:
         cfg = store_config(s)
         registry = AdapterRegistry(client, s.head_dir if kind == "head" else s.adapter_dir, cfg, kind=kind)
         history = AcceptanceHistory(client, cfg, kind=kind)
         if kind == "adapter":
-            err.print(f"[yellow]no daemon answers at {s.api_url}: read from Redis directly (prefix {s.store.key_prefix})[/]")
+            err.print(rich_escape(f"no daemon answers at {s.api_url}: read from Redis directly (prefix {s.store.key_prefix})"),
+                      style="yellow")
         return json.loads(json.dumps(jsonable(fn(registry, history)), default=str))
     finally:
         client.close()
@@ -64,5 +65,5 @@ def read_or_offline(config: Path | None, path: str, what: str, fn: Callable[[Any
     except DaemonDown:
         return offline_call(s, what, fn)
     except ApiError as e:
-        err.print(f"[red]refused ({e.status}):[/] {e.detail}")
+        err.print(f"[red]refused ({e.status}):[/] {rich_escape(str(e.detail))}")  # may quote a workload's name
         raise typer.Exit(1 if e.status != 401 else 4) from e
