@@ -120,6 +120,31 @@ def cpu_native_bf16() -> bool:
     return False
 
 
+def read_restricted_sidecars(model_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The two sidecars of the restricted draft ``model_path``
+    (:func:`decoder.models.gguf_export.restricted_sidecars`): its id list, shape (V',), and its full
+    input-embedding table, shape (V, row bytes), memory-mapped read-only.
+
+    Raises:
+        EngineError: a sidecar is missing, unreadable, empty or truncated (numpy's OSError, EOFError
+            or ValueError: "Failed to read all data", "mmap length is greater than file size"); the
+            message names the file and says to delete it (the draft's cache writes it again when
+            any of the three files is missing: :func:`decoder.models.gguf_export.restricted_draft_gguf`).
+    """
+    model_path = Path(model_path)
+    ids_file, embd_file = restricted_sidecars(model_path)
+
+    def load(f: Path, mmap_mode: str | None) -> np.ndarray:
+        try:
+            return np.load(f, mmap_mode=mmap_mode)
+        except (OSError, EOFError, ValueError) as e:  # an interrupted copy or write leaves a short .npy
+            raise EngineError(f"{model_path.name} is a restricted-vocabulary draft and needs {ids_file.name} and "
+                              f"{embd_file.name} beside it; {f.name} cannot be read ({type(e).__name__}: {e}): "
+                              f"delete {f} so it is written again at the next start") from e
+
+    return load(ids_file, None), load(embd_file, "r")
+
+
 class LlamaCppEngine:
     """A GGUF model in llama.cpp.
 
@@ -257,14 +282,11 @@ class LlamaCppEngine:
     def _load_restricted(self, full_vocab: int) -> None:
         """The sidecars of a restricted draft (:func:`decoder.models.gguf_export.restricted_sidecars`):
         its id list, checked against the file's hash, and the full input-embedding table."""
-        ids_file, embd_file = restricted_sidecars(self.path)
         try:
-            ids = np.load(ids_file)
-            table = np.load(embd_file, mmap_mode="r")
-        except OSError as e:
+            ids, table = read_restricted_sidecars(self.path)
+        except EngineError:
             self._free_model()
-            raise EngineError(f"{self.path.name} is a restricted-vocabulary draft and needs {ids_file.name} and "
-                              f"{embd_file.name} beside it ({e}); delete it so it is written again") from e
+            raise
         if (ids_sha16(ids) != self._meta_str(RESTRICTED_IDS_KEY) or ids.shape != (self.n_out,)
                 or table.shape[0] != full_vocab or int(ids.max()) >= full_vocab):
             self._free_model()

@@ -231,6 +231,36 @@ def test_a_decoder_refuses_a_restricted_draft_with_other_ids(files):
         dr.close()
 
 
+@needs_llamacpp
+@pytest.mark.parametrize("which, cut", [(0, 8), (1, 40), (1, None)])  # bytes cut from the end; None: emptied
+def test_a_truncated_sidecar_is_named_with_its_fix_and_the_fix_works(files, tmp_path, which, cut):
+    """An interrupted write or copy of the draft cache leaves a short .npy: numpy's ValueError ("Failed
+    to read all data for array", "mmap length is greater than file size") or EOFError went up raw
+    through `serve`'s start. It is an EngineError naming the file and saying to delete it, and
+    deleting it is enough: the cache writes the three files again."""
+    import shutil
+
+    from decoder.engines.base import EngineError
+
+    _, _, draft, r = files
+    for f in (r, *ge.restricted_sidecars(r)):
+        shutil.copy(f, tmp_path / f.name)
+    copy = tmp_path / r.name
+    bad = ge.restricted_sidecars(copy)[which]
+    data = bad.read_bytes()
+    bad.write_bytes(b"" if cut is None else data[:len(data) - cut])
+    with pytest.raises(EngineError) as e:
+        _engine(copy)
+    assert bad.name in str(e.value) and f"delete {bad} so it is written again" in str(e.value)
+    bad.unlink()
+    assert restricted_draft_gguf(draft, torch.from_numpy(KEEP), tmp_path) == copy
+    eng = _engine(copy)
+    try:
+        assert torch.equal(eng.out_ids, torch.from_numpy(KEEP))
+    finally:
+        eng.close()
+
+
 def test_q8_0_input_rows_are_ggmls_dequantisation():
     """The engine's own Q8_0 path (the packaged draft's token_embd) gives gguf-py's dequantised rows
     bit for bit (x = f32(d) * q per 32-weight block)."""
