@@ -27,6 +27,7 @@ too, so nothing a client asks for is silently ignored.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import math
 import os
@@ -1676,14 +1677,47 @@ def event_loop_stack() -> tuple[str, str]:
     return ("uvloop" if have("uvloop") else "asyncio"), ("httptools" if have("httptools") else "h11")
 
 
+class ServePortError(RuntimeError):
+    """The inference API cannot listen on its address; the message names it and the fix."""
+
+
+def bind_serve_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` and not yet listening, as uvicorn binds one
+    (``uvicorn.Config.bind_socket``: IPv6 where the host holds ':', SO_REUSEADDR), for
+    :class:`ServeServer` to listen on: `serve` binds it before it loads the models, so a port in
+    use is told in a second instead of after the load (a connection meanwhile is refused, as before).
+
+    Raises:
+        ServePortError: the address cannot be bound (in use, not this host's, a privileged port);
+            names ``host:port`` and the option that changes it.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            fix = "another process listens there (another `daemonctl serve`?): stop it, or pick a free port with --port"
+        elif e.errno == errno.EACCES:
+            fix = "a port below 1024 needs privileges: pick one above 1023 with --port"
+        else:
+            fix = "is the address one of this host's? Set --host (e.g. 127.0.0.1)"
+        raise ServePortError(f"the inference API cannot listen on {host}:{port} ({e.strerror or e}): {fix} "
+                             f"(or DRAFTD_SERVE__PORT / DRAFTD_SERVE__HOST)") from e
+    return sock
+
+
 class ServeServer:
     """uvicorn serving an :class:`InferenceService` in a background thread (no signal handlers
     there: the owner drains on SIGTERM), on :func:`event_loop_stack` (``.loop``, ``.http``).
     ``port`` 0 picks a free one (see ``.port`` after entry). A connection must send each request
-    whole within ``read_timeout_s`` (serve.read_timeout_s; :mod:`daemon.http_timeout`)."""
+    whole within ``read_timeout_s`` (serve.read_timeout_s; :mod:`daemon.http_timeout`). ``sock``:
+    a socket already bound to ``host``:``port`` (:func:`bind_serve_socket`) to listen on, closed
+    on exit; None = uvicorn binds one on entry."""
 
     def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 8000,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, sock: socket.socket | None = None):
         import uvicorn
 
         self.service = service
@@ -1692,7 +1726,8 @@ class ServeServer:
         self.server = uvicorn.Server(uvicorn.Config(service.app(), host=host, port=port, log_config=None,
                                                     loop=self.loop, http=protocol,
                                                     lifespan="off", access_log=False, timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, name="draftd-serve", daemon=True)
+        run = self.server.run if sock is None else (lambda: self.server.run(sockets=[sock]))
+        self.thread = threading.Thread(target=run, name="draftd-serve", daemon=True)
         self.host, self.port = host, port
 
     @property
@@ -1704,8 +1739,8 @@ class ServeServer:
         deadline = time.monotonic() + 30
         while not self.server.started:
             if not self.thread.is_alive():
-                raise RuntimeError(f"the inference API could not listen on {self.host}:{self.port} (in use?); "
-                                   f"set --port or DRAFTD_SERVE__PORT")
+                raise ServePortError(f"the inference API could not listen on {self.host}:{self.port} (in use?); "
+                                     f"set --port or DRAFTD_SERVE__PORT")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the inference API did not start on {self.host}:{self.port} within 30 s")
             time.sleep(0.02)
@@ -1822,6 +1857,7 @@ def run_serve(settings, console=None) -> int:
     from decoder.models.loading import load_pair
 
     sv, m = settings.serve, settings.models
+    sock = bind_serve_socket(sv.host, sv.port)  # before the models load: a port in use is told at once
     # Each decoding step hands the GIL between threads (the batch's members, its driver, uvicorn,
     # the record writer): at CPython's default 5 ms switch interval a waiting thread sat up to 5 ms
     # per hand-off while another ran Python, and a batched step took 10-18 ms against 5 ms of
@@ -1829,6 +1865,7 @@ def run_serve(settings, console=None) -> int:
     sys.setswitchinterval(sv.gil_switch_interval_ms / 1e3)
     stop, cut = _stop_signals()
     with ExitStack() as stack:
+        stack.enter_context(sock)  # closed on exit, whether or not the server got to listen on it
         rh = stack.enter_context(open_redis(settings.redis, settings.redis_dir))
         scfg = store_config(settings)
         if m.torch_threads:
@@ -1850,7 +1887,8 @@ def run_serve(settings, console=None) -> int:
         if _stopped_while_loading(stop, "the serving loop"):
             return 0
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
-        server = stack.enter_context(ServeServer(service, sv.host, sv.port, read_timeout_s=sv.read_timeout_s))
+        server = stack.enter_context(ServeServer(service, sv.host, sv.port, read_timeout_s=sv.read_timeout_s,
+                                                 sock=sock))
         _announce(settings, server, service, rh.mode, loop, heads, console)
         while not stop.wait(0.5):
             pass
@@ -2044,11 +2082,11 @@ def register(app) -> None:
 
         try:
             rc = run_serve(s, console)
-        except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
-            console.print(f"[red]error:[/] {e}")
+        except (ModelLoadError, EngineError, ServePortError) as e:  # the pair, engine or port cannot serve: one line
+            console.print(f"[red]error:[/] {rich_escape(str(e))}", soft_wrap=True)
             raise typer.Exit(2) from e
         except (StoreError, EmbeddedRedisError) as e:  # no Redis (or too old): one line, the URL's password masked
-            console.print(f"[red]error:[/] {e}; set DRAFTD_REDIS__URL to a reachable Redis >= 6.2 (or unset it for the "
-                          f"embedded one)", soft_wrap=True)
+            console.print(f"[red]error:[/] {rich_escape(str(e))}; set DRAFTD_REDIS__URL to a reachable Redis >= 6.2 (or "
+                          f"unset it for the embedded one)", soft_wrap=True)
             raise typer.Exit(2) from e
         raise typer.Exit(rc)
