@@ -87,7 +87,8 @@ def _authenticate(app: FastAPI, daemon: Any):
         token a malformed body gets 401, not 422 (the Depends below documents it in OpenAPI)."""
         if request.method not in ("GET", "HEAD", "OPTIONS"):
             scheme, _, cred = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(cred.strip().encode(), daemon.token.encode()):
+            if (scheme.lower() != "bearer" or not daemon.token  # an empty token is no token: refuse all
+                    or not secrets.compare_digest(cred.strip().encode(), daemon.token.encode())):
                 log.warning("api_unauthorized", has_credentials=bool(cred), path=request.url.path)
                 return JSONResponse(
                     {"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>' (api.token, or the "
@@ -97,7 +98,7 @@ def _authenticate(app: FastAPI, daemon: Any):
         return await call_next(request)
 
     def require_token(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if creds is None or not secrets.compare_digest(creds.credentials.encode(), daemon.token.encode()):
+        if creds is None or not daemon.token or not secrets.compare_digest(creds.credentials.encode(), daemon.token.encode()):
             log.warning("api_unauthorized", has_credentials=creds is not None)
             raise HTTPException(
                 status_code=401,

@@ -40,13 +40,20 @@ log = structlog.get_logger(__name__)
 
 
 def ensure_token(settings: Settings) -> str:
-    """The API bearer token: ``api.token`` if configured, else the one in ``<state_dir>/api-token``,
-    generated (32 random bytes, URL-safe) with mode 0600 on first use."""
+    """The API bearer token: ``api.token`` if configured (never empty: the settings refuse one),
+    else the one in ``<state_dir>/api-token``, generated (32 random bytes, URL-safe) with mode 0600
+    on first use. A token file that is empty or blank (emptied by hand, a full disk) is treated as
+    missing: a new token is written into it and the warning ``api_token_file_empty`` says so (its
+    empty token would have let ``Authorization: Bearer `` through while the CLI, sending none, got 401)."""
     if settings.api.token is not None:
         return settings.api.token.get_secret_value()
     path = settings.token_file
     if path.is_file():
-        return path.read_text().strip()
+        token = path.read_text().strip()
+        if token:
+            return token
+        log.warning("api_token_file_empty", path=str(path), action="wrote a new token into it")
+        path.unlink()
     path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

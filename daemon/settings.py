@@ -362,6 +362,23 @@ class ApiSettings(_Group):
         description="Bearer token for mutating endpoints; unset = generated once into <state_dir>/api-token (mode 0600).",
     )
 
+    @field_validator("token", mode="before")
+    @classmethod
+    def _token_usable(cls, v):
+        """An empty token would authenticate ``Authorization: Bearer `` (and a client sends none); one
+        with surrounding spaces or outside printable ASCII cannot be sent as a bearer token."""
+        raw = v.get_secret_value() if isinstance(v, SecretStr) else v
+        if isinstance(raw, str) and not raw.strip():
+            raise ValueError("api.token is empty: a mutating request would need no secret; unset it (DRAFTD_API__TOKEN "
+                             "unset: a token is generated once into <state_dir>/api-token) or set a non-empty one")
+        if isinstance(raw, str) and raw != raw.strip():
+            raise ValueError("api.token has leading or trailing spaces: a client cannot send them in a bearer token; "
+                             "trim it")
+        if isinstance(raw, str) and not all(" " <= ch <= "~" for ch in raw):
+            raise ValueError("api.token holds a character outside printable ASCII (an accent, a control character): "
+                             "HTTP clients send an Authorization header in ASCII; use letters, digits and punctuation")
+        return v
+
 
     @property
     def remote(self) -> bool:
