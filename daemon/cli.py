@@ -366,6 +366,34 @@ def plot_history(h: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def check_plot_path(path: Path) -> Path:
+    """``history --plot``'s file, checked before anything is read or printed: a name ending in a
+    format matplotlib writes (its canvas's ``get_supported_filetypes``: png, pdf, svg, ...), in a
+    folder that exists and is writable. Returns ``path``.
+
+    Raises:
+        ValueError: the first problem, naming the value and the fix.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    shown = f"--plot {str(path)!r}"
+    if path.is_dir():
+        raise ValueError(f"{shown} is a folder: give a file name in it, e.g. --plot {path / 'history.png'}")
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in kinds:
+        what = "has no file type suffix" if not suffix else f"ends in .{suffix}, which matplotlib does not write"
+        raise ValueError(f"{shown} {what}: end it in one of {', '.join('.' + k for k in sorted(kinds))}, "
+                         f"e.g. --plot {path.with_suffix('.png').name}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ValueError(f"{shown}: the folder {str(folder)!r} does not exist; create it (mkdir -p {folder}) or "
+                         f"write elsewhere")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{shown}: the folder {str(folder)!r} is not writable by this user; write elsewhere")
+    return path
+
+
 def _live(live: dict) -> str:
     """A version's live acceptance per workload, as markup: the workload names are the clients'
     (``[/]`` is a valid one), so they are escaped."""
@@ -381,6 +409,12 @@ def history(
 ) -> None:
     """Adapter history: per version parent, created, samples, held-out alpha before/after,
     live acceptance per workload while active, state and reason."""
+    if plot is not None:  # before the table: a bad file name must not cost a table and then a traceback
+        try:
+            check_plot_path(plot)
+        except ValueError as e:
+            err.print(f"[red]error:[/] {escape(str(e))}")
+            raise typer.Exit(2) from e
     since = None if since_h is None else time.time() - since_h * 3600
     q = "" if since is None else f"?since={since}"
     h = read_or_offline(config, "/v1/history" + q, "history", lambda reg, hist: history_report(reg, hist, since))
@@ -399,7 +433,11 @@ def history(
                       _f(a["alpha_before"]), _f(a["alpha_after"]), _live(a["live"]), state, escape(a["reason"] or ""))
         out.print(t)
     if plot is not None:
-        plot_history(h, plot)
+        try:
+            plot_history(h, plot)
+        except OSError as e:  # checked above; the disk can still refuse (full, removed meanwhile)
+            err.print(f"[red]error:[/] --plot {escape(repr(str(plot)))}: {escape(str(e))}")
+            raise typer.Exit(1) from e
         err.print(f"wrote {escape(str(plot))}")
 
 
