@@ -138,10 +138,15 @@ def check_generate_args(prompt: str, gamma: int, max_new_tokens: int, temperatur
     Raises:
         ValueError: the first bad option.
     """
+    from daemon.serve import MAX_GAMMA
+
     if not prompt:
         raise ValueError("--prompt is empty: give at least one character of prompt text")
     if gamma < 0:
         raise ValueError(f"--gamma {gamma}: must be >= 0 (0 = plain decoding, like --no-spec)")
+    if gamma > MAX_GAMMA:
+        raise ValueError(f"--gamma {gamma}: at most {MAX_GAMMA}, as a served request's gamma (each step verifies "
+                         f"γ + 1 rows)")
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
     if not math.isfinite(temperature):
@@ -158,12 +163,62 @@ def check_generate_args(prompt: str, gamma: int, max_new_tokens: int, temperatur
             raise ValueError(f"--seed {seed}: {why}")
 
 
+def check_device(device: str) -> str:
+    """``--device`` checked before the models load: a torch device this process can reach (a CPU-only
+    torch asserted "Torch not compiled with CUDA enabled" after the load began). Returns ``device``.
+
+    Raises:
+        ValueError: not a torch device, a CUDA device with none visible or an index past them, an MPS
+            device without MPS, or another kind (names the device and the fix).
+    """
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"--device {device!r} is not a torch device ({e}); use cpu, cuda or cuda:N") from None
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"--device {device!r}: {why} (torch {torch.__version__}); use --device cpu, or a CUDA "
+                             f"build of torch on a machine with a GPU")
+        if d.index is not None and d.index >= n:
+            raise ValueError(f"--device {device!r}: {n} CUDA device(s) visible, cuda:0 to cuda:{n - 1}; use one of them")
+    elif d.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"--device {device!r}: MPS is not available here; use --device cpu")
+    elif d.type != "cpu":
+        raise ValueError(f"--device {device!r}: draftd decodes on cpu, cuda[:N] or mps; use one of them")
+    return device
+
+
+def check_context(target: str, max_new_tokens: int) -> None:
+    """``--max-new-tokens`` against the target's trained context length where its GGUF header tells
+    it before the models load (:func:`decoder.models.loading.trained_context_length`: a built-in
+    target or a .gguf path): the prompt takes at least one token of the window. Other targets are
+    checked after the load, against the prompt's length (``SpeculativeDecoder``).
+
+    Raises:
+        ValueError: max_new_tokens >= the context length (names both and the fix).
+        decoder.models.packaged.ModelLoadError: a built-in target whose package is missing.
+    """
+    from decoder.models.loading import trained_context_length
+
+    ctx = trained_context_length(target)
+    if ctx is not None and max_new_tokens >= ctx:
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: the target {target!r} has a context window of {ctx} "
+                         f"tokens (prompt + new tokens), so at most {ctx - 1} new tokens fit; lower --max-new-tokens")
+
+
 def parse_gammas(text: str) -> tuple[int, ...]:
     """``"1,2,4"`` -> ``(1, 2, 4)``.
 
     Raises:
-        ValueError: an item that is not an integer >= 1 (names it).
+        ValueError: an item that is not an integer from 1 to ``daemon.serve.MAX_GAMMA`` (names it).
     """
+    from daemon.serve import MAX_GAMMA
+
     out = []
     for item in text.split(","):
         try:
@@ -172,6 +227,8 @@ def parse_gammas(text: str) -> tuple[int, ...]:
             raise ValueError(f"--gammas {text!r}: {item.strip()!r} is not an integer; example: --gammas 1,2,4") from None
         if g < 1:
             raise ValueError(f"--gammas {text!r}: γ={g} must be >= 1 (plain decoding, γ = 0, is always included)")
+        if g > MAX_GAMMA:
+            raise ValueError(f"--gammas {text!r}: γ={g} is more than {MAX_GAMMA}, a served request's cap")
         out.append(g)
     return tuple(out)
 
@@ -226,6 +283,8 @@ def generate(
             raise ValueError(f"--proposer {proposer!r}: one request runs one proposer; give one of draft, ngram "
                              f"(bench --proposers takes a list)")
         _check_engine(engine)
+        check_device(device)
+        check_context(target, max_new_tokens)
         fmt, fmt_seconds, fmt_from = generate_format(target_format)
         err.log(f"format: {fmt} (from {fmt_from})")
         pair, dv, choice = _load(target, draft, device, int8_draft, draft_vocab, engine, target_format=fmt,
@@ -294,6 +353,8 @@ def bench(
         ps = _bench_prompts(cfg, workloads, prompts, max_new_tokens)
         _check_precision(draft_precision)
         _check_engine(engine)
+        check_device(device)
+        check_context(target, max_new_tokens)
         if llamacpp_peer:
             _peer_gguf(target)
         if adapter is not None and not (adapter / "adapter_config.json").is_file():

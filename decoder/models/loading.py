@@ -73,6 +73,36 @@ def packaged_target(ref: str) -> Path | None:
                              f"{cache_root()}; DRAFTD_CACHE_DIR moves it)") from e
 
 
+def trained_context_length(ref: str) -> int | None:
+    """The context length, in tokens, the GGUF behind ``ref`` was trained with (its header's
+    ``<architecture>.context_length``; llama.cpp's ``llama_model_n_ctx_train``), read without loading
+    the weights: for a built-in name (``name@FORMAT`` reads the packaged file: requantising keeps
+    it) or a ``.gguf`` path. Either engine's context is at most this (llama.cpp's
+    ``min(n_ctx_train, 8192)``, transformers' ``max_position_embeddings`` converted from it), so a
+    request longer than it cannot be served. None for another reference (a transformers directory,
+    a hub id), without the ``gguf`` package, or a header without the key.
+
+    Raises:
+        ModelLoadError: a built-in name whose package is not installed (the pip command).
+    """
+    base = ref.partition("@")[0]
+    if base in PACKAGED:
+        path = packaged_gguf(base)
+    else:
+        path = Path(ref).expanduser()
+        if path.suffix != ".gguf" or not path.is_file():
+            return None
+    try:
+        import gguf
+
+        reader = gguf.GGUFReader(path, "r")
+    except (ImportError, OSError, ValueError):  # no gguf package, or not a GGUF it reads: the load says why
+        return None
+    arch = reader.get_field("general.architecture")
+    field = arch is not None and reader.get_field(f"{arch.contents()}.context_length")
+    return int(field.contents()) if field else None
+
+
 def canonical_ref(ref: str) -> str:
     """A built-in ``name@FORMAT`` with FORMAT as llama.cpp spells it (``smollm2-135m@bf16 `` ->
     ``smollm2-135m@BF16``), so one file has one pair fingerprint; any other reference as given."""
