@@ -513,7 +513,7 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
     # and the adapter manager hot-swaps v0 in between requests once the warm start promotes it.
     model_name = settings.models.target
     service = InferenceService(loop, tok, model_name, context_len=getattr(pair.target.config, "max_position_embeddings", None))
-    server = stack.enter_context(ServeServer(service, "127.0.0.1", 0))
+    server = stack.enter_context(ServeServer(service, "127.0.0.1", 0, keep_alive_s=settings.serve.keep_alive_s))
     oai = OpenAI(base_url=f"{server.url}/v1", api_key="demo", max_retries=0, timeout=600)
     console.log(f"serving on {server.url}/v1 (OpenAI API); proposers {', '.join(proposers)}")
     return loop, oai

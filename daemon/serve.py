@@ -1708,23 +1708,37 @@ def bind_serve_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+DEFAULT_KEEP_ALIVE_S = 30.0  # serve.keep_alive_s's default
+
+
 class ServeServer:
     """uvicorn serving an :class:`InferenceService` in a background thread (no signal handlers
     there: the owner drains on SIGTERM), on :func:`event_loop_stack` (``.loop``, ``.http``).
     ``port`` 0 picks a free one (see ``.port`` after entry). A connection must send each request
-    whole within ``read_timeout_s`` (serve.read_timeout_s; :mod:`daemon.http_timeout`). ``sock``:
-    a socket already bound to ``host``:``port`` (:func:`bind_serve_socket`) to listen on, closed
-    on exit; None = uvicorn binds one on entry."""
+    whole within ``read_timeout_s`` (serve.read_timeout_s; :mod:`daemon.http_timeout`), and an idle
+    kept-alive one is closed ``keep_alive_s`` seconds after its last response (serve.keep_alive_s,
+    uvicorn's ``timeout_keep_alive``: above the clients' own 5 s idle expiry, so they let an idle
+    connection go before the server closes it). ``sock``: a socket already bound to
+    ``host``:``port`` (:func:`bind_serve_socket`) to listen on, closed on exit; None = uvicorn
+    binds one on entry.
+
+    Raises:
+        ValueError: ``read_timeout_s`` or ``keep_alive_s`` not a finite number of seconds above 0.
+    """
 
     def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 8000,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, sock: socket.socket | None = None):
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, sock: socket.socket | None = None,
+                 keep_alive_s: float = DEFAULT_KEEP_ALIVE_S):
         import uvicorn
 
+        if not (isinstance(keep_alive_s, (int, float)) and math.isfinite(keep_alive_s) and keep_alive_s > 0):
+            raise ValueError(f"keep_alive_s={keep_alive_s!r}: give a finite number of seconds above 0 "
+                             f"(serve.keep_alive_s; default {DEFAULT_KEEP_ALIVE_S:g})")
         self.service = service
         self.loop, self.http = event_loop_stack()
         protocol = read_timeout_protocol(self.http, read_timeout_s)
         self.server = uvicorn.Server(uvicorn.Config(service.app(), host=host, port=port, log_config=None,
-                                                    loop=self.loop, http=protocol,
+                                                    loop=self.loop, http=protocol, timeout_keep_alive=keep_alive_s,
                                                     lifespan="off", access_log=False, timeout_graceful_shutdown=5))
         run = self.server.run if sock is None else (lambda: self.server.run(sockets=[sock]))
         self.thread = threading.Thread(target=run, name="draftd-serve", daemon=True)
@@ -1888,7 +1902,7 @@ def run_serve(settings, console=None) -> int:
             return 0
         stack.enter_context(Heartbeat(service, rh.client, scfg, sv.heartbeat_s))
         server = stack.enter_context(ServeServer(service, sv.host, sv.port, read_timeout_s=sv.read_timeout_s,
-                                                 sock=sock))
+                                                 sock=sock, keep_alive_s=sv.keep_alive_s))
         _announce(settings, server, service, rh.mode, loop, heads, console)
         while not stop.wait(0.5):
             pass

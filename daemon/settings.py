@@ -469,6 +469,12 @@ class ServeSettings(_Group):
                                   "for the first request); past it the client gets a 408 (read_timeout) and the "
                                   "connection is closed, so stalled clients (slowloris) cannot pile up connections. "
                                   "The time a request is served does not count: a long generation is never cut by it.")
+    keep_alive_s: float = Field(30.0, description="An idle kept-alive connection is closed this many seconds after its "
+                                "last response (uvicorn's timeout_keep_alive). Longer than a client's own idle expiry "
+                                "(httpx's and the openai client's keepalive_expiry: 5 s), so the client gives an idle "
+                                "connection up first: at uvicorn's default of 5 s both ends expired it at the same "
+                                "moment, and a request sent on it as the server closed it was reset before any "
+                                "response byte (APIConnectionError in a client without retries).")
     drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM in-flight and queued requests get this long to finish "
                                  "(new ones get 503); then what is left is cancelled, a client still waiting gets its "
                                  "503 (draining) naming this setting (a stream: an error event after what it was sent), never "
@@ -521,6 +527,14 @@ class ServeSettings(_Group):
         if not (math.isfinite(v) and v > 0):
             raise ValueError(f"{v:g} is not a read timeout: give serve.read_timeout_s a finite number of seconds above 0 "
                              f"(default 30)")
+        return v
+
+    @field_validator("keep_alive_s")
+    @classmethod
+    def _keep_alive(cls, v: float) -> float:
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{v:g} is not a keep-alive: give serve.keep_alive_s a finite number of seconds above 0 "
+                             f"(default 30; longer than clients' own idle expiry, 5 s for httpx and openai)")
         return v
 
     @field_validator("proposers")
