@@ -199,7 +199,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
             cfg = dataclasses.replace(cfg, per_workload=False)
         store = _open_store(stack, settings, console)
         trainer = _start_trainer(stack, settings, cfg, store, models, out_dir, run_id, console)
-        loop, oai = _start_serving(stack, settings, cfg, store, models, trainer, console)
+        loop, oai, resends = _start_serving(stack, settings, cfg, store, models, trainer, console)
         params = SamplingParams()  # greedy: α per position = agreement with the target's argmax
         traffic = _serve_phases(cfg, oai, loop, models.tok, settings.models.target, trainer.svc, params, console, trainer)
         remeasured = _finish_serving(trainer, loop, console, remeasure=(
@@ -213,6 +213,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         loop.tracker.flush()
         report = _report(cfg, run_id, t_start, store, models, trainer, loop, traffic, table)
         report["remeasured"] = remeasured
+        report["client_retries"] = resends.retried  # requests resent after a connection failed before any response
         report["llamacpp_peer_file"] = _peer_file(settings, models)
         report["llamacpp_peer_kernels"] = "upstream (scripts/patches switched off, a process of its own)"
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
@@ -477,10 +478,11 @@ def _v0_draft(models: _Models, trainer: _Trainer):
 
 
 def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Models, trainer: _Trainer, console):
-    """The serving loop, started, behind its API server; returns the loop and an OpenAI client of it
-    (``stack`` closes the server, then the loop)."""
-    from openai import OpenAI
-
+    """The serving loop, started, behind its API server; returns the loop, an OpenAI client of it
+    that resends a request whose connection failed before any response byte (said once on the
+    console), and that client's transport (``retried`` counts the resends; ``stack`` closes the
+    server, then the loop)."""
+    from daemon.http_retry import retrying_openai
     from daemon.serve import InferenceService, ServeServer
     from decoder.loop import LoopConfig, build_serving_loop
     from decoder.proposers.registry import versioned_by
@@ -514,9 +516,28 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
     model_name = settings.models.target
     service = InferenceService(loop, tok, model_name, context_len=getattr(pair.target.config, "max_position_embeddings", None))
     server = stack.enter_context(ServeServer(service, "127.0.0.1", 0, keep_alive_s=settings.serve.keep_alive_s))
-    oai = OpenAI(base_url=f"{server.url}/v1", api_key="demo", max_retries=0, timeout=600)
+    # the client pauses between requests while v0 bootstraps: it lets an idle connection go before
+    # the server closes it, and resends one reset before its response (daemon/http_retry.py)
+    oai, resends = retrying_openai(f"{server.url}/v1", server_keep_alive_s=settings.serve.keep_alive_s, timeout_s=600,
+                                   on_retry=_resend_note(console), api_key="demo")
     console.log(f"serving on {server.url}/v1 (OpenAI API); proposers {', '.join(proposers)}")
-    return loop, oai
+    return loop, oai, resends
+
+
+def _resend_note(console) -> Callable[[Exception], None]:
+    """The demo client's ``on_retry``: says on the console, the first time only, that a request was
+    resent after its connection failed before any response byte, and where the count goes."""
+    said = False
+
+    def note(error: Exception) -> None:
+        nonlocal said
+        if not said:
+            said = True
+            console.log(f"[yellow]the demo's client resent a request whose connection failed before any response "
+                        f"({type(error).__name__}: {rich_escape(str(error))}; e.g. a kept-alive connection the server "
+                        f"closed as it was reused); every resend is counted in report.json's client_retries[/]")
+
+    return note
 
 
 def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params, console, trainer=None) -> _Traffic:
