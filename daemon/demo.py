@@ -2644,9 +2644,14 @@ def _run_and_report(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     a library's warning) would break into the live table: while the demo runs they go to
     ``cfg.out_dir/demo.log`` (JSON lines, one run's), and the console says how many there were.
 
+    An exception nothing expected (a lost connection, a library's bug) ends the run with one line
+    on the console (:func:`_failure_line`: what failed, where the traceback went, whether a rerun
+    is safe) and its full traceback appended to the log file, instead of pages of frames.
+
     Raises:
         typer.Exit: (code 2) the configured pair or engine cannot run, or ``cfg.out_dir`` cannot
-            hold the log file (before anything runs); the message says why.
+            hold the log file (before anything runs); (code 1) the run failed unexpectedly; the
+            message says why.
     """
     from daemon.logging import logs_to_file
     from decoder.engines.base import EngineError
@@ -2666,6 +2671,12 @@ def _run_and_report(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         except (ModelLoadError, EngineError) as e:  # the configured pair or engine cannot run: say so, no traceback
             console.print(f"[red]error:[/] {e}")
             raise typer.Exit(2) from e
+        except typer.Exit:
+            raise
+        except Exception as e:  # noqa: BLE001 - one line for the user, the traceback in the log file
+            _log_traceback(log_path, e)
+            console.print(_failure_line(e, log_path))
+            raise typer.Exit(1) from e
     print_report(report, console)
     if logged.warnings:
         console.print(f"{logged.warnings} warning(s) logged during the run, the last {logged.last!r}: see {log_path}")
@@ -2673,6 +2684,50 @@ def _run_and_report(settings, cfg: DemoConfig, console) -> dict[str, Any]:
     if note:
         console.print(note)
     return report
+
+
+def _log_traceback(log_path: Path, error: BaseException) -> None:
+    """Append ``error``'s full traceback (its causes too) to the demo's log file ``log_path`` as one
+    JSON line in the log's own shape (``event`` ``demo_failed``, ``level``, ``timestamp``,
+    ``exception``: the text ``traceback`` prints). A file that cannot be written is let go: the
+    console line still says what failed."""
+    import datetime as dt
+    import traceback
+
+    line = {"event": "demo_failed", "level": "error", "logger": "daemon.demo",
+            "timestamp": dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z"),
+            "error": f"{type(error).__name__}: {error}",
+            "exception": "".join(traceback.format_exception(type(error), error, error.__traceback__))}
+    try:
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+    except OSError:
+        pass
+
+
+def _failure_line(error: BaseException, log_path: Path) -> str:
+    """The one console line of a demo that died of an unexpected ``error``: the exception and its
+    deepest cause ("APIConnectionError: Connection error. (caused by ReadError: [Errno 104]
+    Connection reset by peer)"), the innermost of draftd's own frames it passed through
+    ("daemon/demo.py:748, _serve_one"), where the traceback is, and that a rerun is safe and quick."""
+    import traceback
+
+    what = f"{type(error).__name__}: {error}"
+    cause, seen = error, {id(error)}
+    while (cause.__cause__ or cause.__context__) is not None and id(cause.__cause__ or cause.__context__) not in seen:
+        cause = cause.__cause__ or cause.__context__
+        seen.add(id(cause))
+    if cause is not error:
+        what += f" (caused by {type(cause).__name__}: {cause})"
+    root = Path(__file__).resolve().parents[1]
+    ours = [f for f in traceback.extract_tb(error.__traceback__)
+            if Path(f.filename).resolve().is_relative_to(root) and "site-packages" not in f.filename]
+    where = f" in {Path(ours[-1].filename).resolve().relative_to(root)}:{ours[-1].lineno} ({ours[-1].name})" if ours else ""
+    return (f"[red]error:[/] the demo stopped on an unexpected {rich_escape(what)}{where}; its full traceback is in "
+            f"{rich_escape(str(log_path))}. Rerunning is safe: a run starts afresh (its Redis keys and "
+            f"{rich_escape(str(log_path.parent))} are written anew) "
+            f"and reuses the caches (the llama.cpp build, the converted model, v0 once bootstrapped), so it gets going "
+            f"sooner; a failure that repeats is worth reporting with that log")
 
 
 def _remeasured_alarms(report: dict, n_alarms: int) -> tuple[int, int]:
