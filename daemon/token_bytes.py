@@ -24,16 +24,10 @@ _SP_SPACE = "\u2581"  # SentencePiece's word boundary, a space in the text
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's ``bytes_to_unicode`` inverted: the printable character each byte is written as in a
     byte-level BPE vocabulary -> the byte (Radford et al. 2019, ``encoder.py``; the table
-    ``tokenizers``' ByteLevel pre-tokenizer uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    ``tokenizers``' ByteLevel pre-tokenizer uses, from gguf-py's copy of it)."""
+    from gguf.vocab import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _decoder_types(tokenizer) -> set[str]:
