@@ -521,20 +521,15 @@ class ServeSettings(_Group):
                              f"each request decoded at once keeps its own): set serve.max_batch to at most {MAX_BATCH}")
         return v
 
-    @field_validator("read_timeout_s")
+    @field_validator("read_timeout_s", "keep_alive_s")
     @classmethod
-    def _read_timeout(cls, v: float) -> float:
+    def _seconds(cls, v: float, info) -> float:
+        what = {"read_timeout_s": ("a read timeout", ""),
+                "keep_alive_s": ("a keep-alive", "; longer than clients' own idle expiry, 5 s for httpx and openai")}
         if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"{v:g} is not a read timeout: give serve.read_timeout_s a finite number of seconds above 0 "
-                             f"(default 30)")
-        return v
-
-    @field_validator("keep_alive_s")
-    @classmethod
-    def _keep_alive(cls, v: float) -> float:
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"{v:g} is not a keep-alive: give serve.keep_alive_s a finite number of seconds above 0 "
-                             f"(default 30; longer than clients' own idle expiry, 5 s for httpx and openai)")
+            name, why = what[info.field_name]
+            raise ValueError(f"{v:g} is not {name}: give serve.{info.field_name} a finite number of seconds above 0 "
+                             f"(default 30{why})")
         return v
 
     @field_validator("proposers")
