@@ -138,3 +138,16 @@ def invoke_serve(app, *args: str):
     finally:
         for sig, h in saved.items():
             signal.signal(sig, h)
+
+
+class HealthApp:
+    """The least a ServeServer serves: an ASGI app answering every request 200 {"ok": true}."""
+
+    def app(self):
+        async def asgi(scope, receive, send):
+            if scope["type"] != "http":
+                return
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"12")]})
+            await send({"type": "http.response.body", "body": b'{"ok": true}'})
+        return asgi

@@ -12,19 +12,7 @@ from pydantic import ValidationError
 
 from daemon.serve import DEFAULT_KEEP_ALIVE_S, ServeServer
 from daemon.settings import ServeSettings
-
-
-class _Health:
-    """The least a ServeServer serves: an ASGI app answering every request 200 {"ok": true}."""
-
-    def app(self):
-        async def asgi(scope, receive, send):
-            if scope["type"] != "http":
-                return
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"12")]})
-            await send({"type": "http.response.body", "body": b'{"ok": true}'})
-        return asgi
+from serve_helpers import HealthApp  # noqa: E402
 
 
 def _openai_httpx():
@@ -44,8 +32,8 @@ def test_serves_keep_alive_outlasts_the_clients_idle_expiry():
 
 
 def test_the_setting_reaches_uvicorn():
-    assert ServeServer(_Health(), "127.0.0.1", 0).server.config.timeout_keep_alive == 30.0
-    assert ServeServer(_Health(), "127.0.0.1", 0, keep_alive_s=12.5).server.config.timeout_keep_alive == 12.5
+    assert ServeServer(HealthApp(), "127.0.0.1", 0).server.config.timeout_keep_alive == 30.0
+    assert ServeServer(HealthApp(), "127.0.0.1", 0, keep_alive_s=12.5).server.config.timeout_keep_alive == 12.5
 
 
 def test_an_idle_connection_is_closed_after_the_keep_alive():
@@ -53,7 +41,7 @@ def test_an_idle_connection_is_closed_after_the_keep_alive():
     (here 0.2 s; the read below waits at most 60 s, so only an end of stream passes)."""
     import socket
 
-    with ServeServer(_Health(), "127.0.0.1", 0, keep_alive_s=0.2) as server:
+    with ServeServer(HealthApp(), "127.0.0.1", 0, keep_alive_s=0.2) as server:
         with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
             s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
             got = b""
@@ -70,4 +58,4 @@ def test_a_bad_keep_alive_is_refused_naming_the_setting(bad):
     with pytest.raises(ValidationError, match="serve.keep_alive_s"):
         ServeSettings(keep_alive_s=bad)
     with pytest.raises(ValueError, match="serve.keep_alive_s"):
-        ServeServer(_Health(), "127.0.0.1", 0, keep_alive_s=bad)
+        ServeServer(HealthApp(), "127.0.0.1", 0, keep_alive_s=bad)

@@ -14,6 +14,7 @@ from conftest import REDIS_URL
 from daemon.cli import app
 from daemon.serve import ServePortError, ServeServer, bind_serve_socket
 from serve_helpers import invoke_serve
+from serve_helpers import HealthApp  # noqa: E402
 
 
 @pytest.fixture
@@ -52,23 +53,10 @@ def test_bind_errors_name_the_address_and_the_option():
         bind_serve_socket("192.0.2.1", 8000)
 
 
-class _Health:
-    """The least a ServeServer serves: an ASGI app answering every request 200 {"ok": true}."""
-
-    def app(self):
-        async def asgi(scope, receive, send):
-            if scope["type"] != "http":
-                return
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json")]})
-            await send({"type": "http.response.body", "body": b'{"ok": true}'})
-        return asgi
-
-
 def test_the_server_listens_on_the_socket_bound_before_it():
     sock = bind_serve_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    with ServeServer(_Health(), "127.0.0.1", port, sock=sock) as server:
+    with ServeServer(HealthApp(), "127.0.0.1", port, sock=sock) as server:
         assert server.port == port
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
             assert json.loads(r.read()) == {"ok": True}
