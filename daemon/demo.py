@@ -1836,16 +1836,18 @@ def _decoded_table(report: dict, console, pct: str) -> None:
               f"adapted draft ×plain{f' (γ={at})' if at else ''}", f"α gain [{pct} % CI]", "live α first→last third, per proposer"):
         a.add_column(c, overflow="fold")  # a narrow terminal or a log folds a cell, never cuts it
     s = Table(title="decoded on the same prompts, speed: the controller's pick vs plain decoding and llama.cpp",
-              caption=None if same or not any(r.get("speed_vs_llamacpp_ci") for r in report["phases"]) else
-              f"×llama.cpp plain: {files}")
+              caption=_peer_caption(report, same, files))
+    # plain decoding against llama.cpp's plain: where the report has it (older ones have only the pick's)
+    plain_peer = any((r.get("speed_vs_llamacpp_ci") or {}).get("plain") for r in report["phases"])
     for c in ("phase", "plain tok/s", "pick", "pick α", "pick τ", f"pick ×plain [{pct} % CI]",
-              f"left off ×plain [{pct} % CI]", peer_col):
+              f"left off ×plain [{pct} % CI]", *([f"plain ×llama.cpp [{pct} % CI]"] if plain_peer else []), peer_col):
         s.add_column(c, overflow="fold")
     for r in report["phases"]:
         pk = r["adapted"]
         g = r.get("alpha_gain_ci") or {}
         sp = (r.get("speed_vs_plain_ci") or {}).get("adapted")
         lp = (r.get("speed_vs_llamacpp_ci") or {}).get("adapted")  # the pick against llama.cpp's own plain generation
+        pp = (r.get("speed_vs_llamacpp_ci") or {}).get("plain")  # plain decoding against it: the engine's share
         a.add_row(r["workload"], str(r.get("eval_prompts", "-")), _cell(r["frozen"]["alpha"]),
                   _cell(r["frozen"]["speedup_vs_plain"]), _cell(r["adapted_draft"]["alpha"]),
                   _cell(r["adapted_draft"]["speedup_vs_plain"]), f"{'-' if g.get('gain') is None else signed(g['gain'], 3)} {_interval(g)}", _live_cell(r))
@@ -1857,12 +1859,26 @@ def _decoded_table(report: dict, console, pct: str) -> None:
                   "-" if plain_pick else _cell(pk["alpha"]), "-" if plain_pick else _cell(pk["tau"]),
                   "plain (same decoding)" if plain_pick else f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp
                   else _cell(pk["speedup_vs_plain"]), _left_off_cell(r),
+                  *([f"{_cell(pp['ratio'])} {_interval(pp)}" if pp else "-"] if plain_peer else []),
                   f"{_cell(lp['ratio'])} {_interval(lp)}" if lp else "-")
     console.print(a)
     console.print(s)
     gap = _live_rate_note(report)
     if gap:
         console.print(gap)
+
+
+def _peer_caption(report: dict, same: bool, files: str) -> str | None:
+    """The speed table's caption: which file llama.cpp's plain decodes (where it is not the served
+    one) and with which kernels (``llamacpp_peer_kernels``), so that "plain ×llama.cpp plain" reads as
+    what draftd's engine and kernels buy before any speculation. None without a peer."""
+    if not any(r.get("speed_vs_llamacpp_ci") for r in report.get("phases") or []):
+        return None
+    parts = [] if same else [f"×llama.cpp plain: {files}"]
+    if report.get("llamacpp_peer_kernels"):
+        parts.append(f"llama.cpp plain: {report['llamacpp_peer_kernels']}; plain ×llama.cpp is what this "
+                     f"engine and its kernels buy before speculation (prefill included)")
+    return "; ".join(parts) or None
 
 
 def _draft_gammas(report: dict) -> str:

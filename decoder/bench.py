@@ -119,9 +119,14 @@ def _peer_worker(conn, gguf: str, threads: int, n_ctx: int, env: dict[str, str])
     """A :class:`LlamaCppPeer` in a process of its own (``env`` set before llama.cpp loads): answers
     ``(ids, params, n, seed)`` with :meth:`LlamaCppPeer.generate`'s tuple, or ``("error", text)``;
     None ends it."""
+    import logging
     import os
 
+    import structlog
+
     os.environ.update(env)
+    # the parent's console is the user's: the child says nothing below a warning there
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     try:
         peer = LlamaCppPeer(gguf, threads, n_ctx)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
