@@ -93,31 +93,48 @@ class LlamaCppSequence:
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml.h's enum ggml_type (llama_cpp exports no BF16 name)
 
 
-def auto_v_cache(n_seq: int, threads: int, native_bf16: bool | None = None) -> str:
+def auto_v_cache(n_seq: int, threads: int, fast_bf16: bool | None = None) -> str:
     """The V cache type ``v_cache="auto"`` picks: ``"bf16"`` (a verified row is the same bits as
-    the row decoded alone with it, at any thread count and fused or not) unless the CPU lacks
-    native bf16 (``native_bf16``; None: :func:`cpu_native_bf16`) and the engine runs one sequence at
-    one thread, where llama.cpp's default ``"f16"`` is exact too and faster. Measured with
-    ``bench/vcache_bench.py`` (bench/RESULTS.md): on an AVX2-only EPYC f16 plain decoding ran
-    0.987x llama.cpp's own and bf16 0.954x; on a Xeon with AVX512-BF16 and AMX bf16 ran 1.15x
-    llama.cpp's own and f16 0.97x."""
-    if native_bf16 is None:
-        native_bf16 = cpu_native_bf16()
-    return "f16" if not native_bf16 and int(n_seq) == 1 and int(threads) == 1 else "bf16"
+    the row decoded alone with it, at any thread count and fused or not) unless attention over a
+    bf16 V cache is slow on this CPU (``fast_bf16`` False; None: :func:`cpu_fast_bf16_attention`)
+    and the engine runs one sequence at one thread, where llama.cpp's default ``"f16"`` is exact
+    too and faster. bench/RESULTS.md has the measurements (``bench/vcache_bench.py``,
+    ``bench/verify_cost_bench.py``) behind each side."""
+    if fast_bf16 is None:
+        fast_bf16 = cpu_fast_bf16_attention()
+    return "f16" if not fast_bf16 and int(n_seq) == 1 and int(threads) == 1 else "bf16"
+
+
+def _cpu_flags() -> set[str]:
+    """The ``flags`` of Linux's /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            k, _, v = line.partition(":")
+            if k.strip() == "flags":
+                return set(v.split())
+    except OSError:
+        pass
+    return set()
 
 
 @functools.cache
 def cpu_native_bf16() -> bool:
     """True when the CPU has bf16 arithmetic in hardware (the ``avx512_bf16`` or ``amx_bf16`` flag
     of Linux's /proc/cpuinfo); False elsewhere or when it cannot be read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            k, _, v = line.partition(":")
-            if k.strip() == "flags":
-                return bool({"avx512_bf16", "amx_bf16"} & set(v.split()))
-    except OSError:
-        pass
-    return False
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+def cpu_fast_bf16_attention(environ=None) -> bool:
+    """True where flash attention over a bf16 V cache is at least as fast as over f16: the CPU has
+    bf16 in hardware (:func:`cpu_native_bf16`), or draftd's blocked attention kernel
+    (``scripts/patches/ggml-fa-bf16v-blocked.patch``, compiled where the CPU has AVX2, FMA and
+    F16C, or AVX-512) runs, i.e. is not switched off by ``GGML_FA_BF16V_BLOCKED=0`` in
+    ``environ`` (None: ``os.environ``)."""
+    from decoder.engines.llamacpp_lib import patch_switches
+
+    if cpu_native_bf16():
+        return True
+    return {"avx2", "fma", "f16c"} <= _cpu_flags() and bool(patch_switches(environ)["GGML_FA_BF16V_BLOCKED"])
 
 
 def read_restricted_sidecars(model_path: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -724,30 +724,45 @@ def test_the_v_cache_type_is_checked_before_loading(tmp_path):
         LlamaCppEngine(tmp_path / "missing.gguf", v_cache="q4")
 
 
-def test_auto_v_cache_takes_f16_only_for_one_sequence_at_one_thread_without_native_bf16():
+def test_auto_v_cache_takes_f16_only_for_one_sequence_at_one_thread_where_bf16_attention_is_slow():
     from decoder.engines.llamacpp import auto_v_cache
 
-    assert auto_v_cache(1, 1, native_bf16=False) == "f16"
-    assert [auto_v_cache(n, t, native_bf16=False) for n, t in ((1, 2), (2, 1), (4, 2), (8, 1))] == ["bf16"] * 4
-    # a CPU with bf16 in hardware: bf16 everywhere (faster there than f16, and exact at any shape)
-    assert [auto_v_cache(n, t, native_bf16=True) for n, t in ((1, 1), (1, 2), (4, 2))] == ["bf16"] * 3
+    assert auto_v_cache(1, 1, fast_bf16=False) == "f16"
+    assert [auto_v_cache(n, t, fast_bf16=False) for n, t in ((1, 2), (2, 1), (4, 2), (8, 1))] == ["bf16"] * 4
+    # bf16 in hardware or the blocked attention kernel: bf16 everywhere (faster there, and exact at any shape)
+    assert [auto_v_cache(n, t, fast_bf16=True) for n, t in ((1, 1), (1, 2), (4, 2))] == ["bf16"] * 3
+
+
+def _flags() -> list[str]:
+    return next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
 
 
 def test_native_bf16_is_read_from_the_cpu_flags():
     from decoder.engines.llamacpp import cpu_native_bf16
 
-    flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+    flags = _flags()
     assert cpu_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def test_fast_bf16_attention_where_the_blocked_kernel_is_compiled_and_not_switched_off():
+    from decoder.engines.llamacpp import cpu_fast_bf16_attention
+
+    flags = _flags()
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    blocked = {"avx2", "fma", "f16c"} <= set(flags)
+    assert cpu_fast_bf16_attention({}) == (native or blocked)
+    assert cpu_fast_bf16_attention({"GGML_FA_BF16V_BLOCKED": "1"}) == (native or blocked)
+    assert cpu_fast_bf16_attention({"GGML_FA_BF16V_BLOCKED": "0"}) == native  # upstream's kernel
 
 
 @needs_llamacpp
 def test_auto_v_cache_is_what_the_engine_runs(tiny_gguf):
-    from decoder.engines.llamacpp import cpu_native_bf16
+    from decoder.engines.llamacpp import cpu_fast_bf16_attention
 
     one = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1)
     fused = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1, n_seq=2)
     try:
-        assert (one.v_cache, fused.v_cache) == ("bf16" if cpu_native_bf16() else "f16", "bf16")
+        assert (one.v_cache, fused.v_cache) == ("bf16" if cpu_fast_bf16_attention() else "f16", "bf16")
     finally:
         one.close(), fused.close()
 

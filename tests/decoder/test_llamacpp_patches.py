@@ -74,7 +74,7 @@ def _cpu_flags() -> set[str]:
 # where each patch's code is compiled (its #if): the CPU flags a native build turns on
 COMPILED_WHERE = {
     "ggml-amx-few-rows.patch": {"amx_int8"},
-    "ggml-fa-bf16v-blocked.patch": {"avx512f", "avx512dq"},
+    "ggml-fa-bf16v-blocked.patch": {"avx2", "fma", "f16c"},  # AVX-512 CPUs have all three
     "ggml-x86-tiled-q4_1-q8_0.patch": {"avx2", "fma"},
 }
 
