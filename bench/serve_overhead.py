@@ -88,7 +88,7 @@ def build(settings, prefix: str):
         decoder_config=DecoderConfig(record_prompt=sv.record_prompt, prompt_cache=False, draft_vocab=draft_vocab_ids(settings, pair.tokenizer),
                                      ngram_gate=sv.ngram_gate, target_format=engines.served_format),
         config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every, max_batch=sv.max_batch,
-                          step_token_budget=sv.step_token_budget),
+                          step_token_budget=sv.step_token_budget, step_ms_target=sv.itl_target_ms),
         proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft)
     loop.start()
     service = InferenceService(loop, pair.tokenizer, m.target, context_len=loop.decoder.engine.context_length,

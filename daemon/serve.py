@@ -1968,7 +1968,8 @@ def _serving_loop(settings, client, scfg, pair, engines):
                                      ngram_gate=sv.ngram_gate, record_hidden=sv.record_hidden,
                                      target_format=engines.served_format),
         pair_fingerprint=fp, config=LoopConfig(queue_size=sv.queue_size, check_plain_every=sv.check_plain_every,
-                                               max_batch=sv.max_batch, step_token_budget=sv.step_token_budget),
+                                               max_batch=sv.max_batch, step_token_budget=sv.step_token_budget,
+                                               step_ms_target=sv.itl_target_ms),
         proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft,
         eagle_head=_eagle_head(sv.eagle_head, pair.target), head_registry=heads, head_dtype=head_dtype())
     return loop, heads

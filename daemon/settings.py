@@ -441,6 +441,14 @@ class ServeSettings(_Group):
                                           "512-token chunk, while the long prefill still progresses every step (vLLM's "
                                           "max_num_batched_tokens). A prefill alone goes in 512-token chunks. null = no "
                                           "budget. Outputs do not depend on it (bench/RESULTS.md).")
+    itl_target_ms: float | Literal["auto"] | None = Field(None, description="Continuous batching: a step time in ms "
+                                                          "that the steps carrying a long prompt's pieces beside other "
+                                                          "requests' decoding are kept under, by feeding fewer prompt "
+                                                          "tokens (at most serve.step_token_budget), so their "
+                                                          "inter-token latency stays bounded while it prefills "
+                                                          "(Sarathi-Serve's stall-free batching). 'auto' = twice a lone "
+                                                          "request's median step; null = the token budget only. Where "
+                                                          "the other requests' rows alone reach it, the token budget applies.")
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none (capped at the context left).")
     max_prompt_tokens: int | None = Field(4096, ge=1, description="Longest prompt admitted, in tokens (chat: the templated "
                                           "messages); longer gets a 400 (prompt_too_long), and a prompt too long to fit "
@@ -519,6 +527,14 @@ class ServeSettings(_Group):
         if v > MAX_BATCH:
             raise ValueError(f"{v} is more than {MAX_BATCH}, the most sequences a llama.cpp context holds (LLAMA_MAX_SEQ; "
                              f"each request decoded at once keeps its own): set serve.max_batch to at most {MAX_BATCH}")
+        return v
+
+    @field_validator("itl_target_ms")
+    @classmethod
+    def _itl_target(cls, v):
+        if isinstance(v, float) and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{v:g} is not a step time: give serve.itl_target_ms a finite number of ms above 0, "
+                             "'auto' (twice a lone request's step) or null (the token budget only)")
         return v
 
     @field_validator("read_timeout_s", "keep_alive_s")

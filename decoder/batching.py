@@ -31,7 +31,18 @@ forward's rows at the end, as if fed at once)::
     member B: plain row ─────────────┴───────────── fire ─ plain row ─ fire ─ ...      B goes on each step
 
 A step whose forwards are all longer than the budget (prefills only, or one member alone) feeds
-them whole, as without a budget. Cancellation is unchanged: the decoder polls between its own
+them whole, as without a budget.
+
+A step time target (``step_ms_target``; serve's ``serve.itl_target_ms``) bounds the steps that the
+budget cuts by their time as well, as Sarathi-Serve's stall-free batching sizes its token budget
+from a time-between-tokens SLO (Agrawal et al. 2024, "Taming Throughput-Latency Tradeoff in LLM
+Inference with Sarathi-Serve", section 4): a fused forward's wall time is fitted as a line in the
+rows it feeds (:class:`StepCostFit`), and the long forwards of a step together feed only the
+tokens that keep the step's predicted time under the target, first come first fed (one that gets
+none waits a step). ``"auto"`` sets the target at twice a lone request's median step (so a token's
+gap while others' prompts prefill stays within twice its gap alone). Where the step's short rows
+alone reach the target (a batch too big for it on these cores), the token budget applies as
+without one. Cancellation is unchanged: the decoder polls between its own
 prefill chunks (``decoder.speculative.PREFILL_CHUNK``), which now take several steps each.
 
 Whether speculating pays inside a batch is measured here, where the whole batch's cost is seen
@@ -62,6 +73,15 @@ log = structlog.get_logger("decoder.batching")
 # The default step token budget (LoopConfig.step_token_budget, serve.step_token_budget), in tokens:
 # bench/RESULTS.md "A short request behind a long prompt" measures it against none.
 STEP_TOKEN_BUDGET = 64
+
+
+def check_step_ms_target(v) -> None:
+    """Raises ValueError unless ``v`` is None, ``"auto"`` or a number (ms) > 0."""
+    if v is None or v == "auto":
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
+        raise ValueError(f"step_ms_target={v!r}: must be a step time in ms > 0, 'auto' (twice a lone request's "
+                         "step) or None (the token budget only)")
 
 
 class _Call:
@@ -195,6 +215,64 @@ class BatchGoodput:
         return out
 
 
+class StepCostFit:
+    """A fused forward's wall time as a line in the rows it feeds, ``ms ~ a + b * rows`` (ordinary
+    least squares over the last ``window`` fires), and a lone request's step time (the median of the
+    last ``window`` fires of one sequence feeding at most ``lone_rows`` rows: a decoding or
+    verification step alone).
+
+    Args:
+        window: fires kept (each kind).
+        min_fires: fires before :meth:`line` fits (with at least two distinct row counts).
+        lone_rows: the most rows a lone fire may feed to count as a lone step (γ + 1).
+
+    Raises:
+        ValueError: ``window``, ``min_fires`` or ``lone_rows`` not an int >= 1.
+    """
+
+    def __init__(self, window: int = 64, min_fires: int = 8, lone_rows: int = 9):
+        for name, v in (("window", window), ("min_fires", min_fires), ("lone_rows", lone_rows)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"StepCostFit: {name}={v!r} must be an int >= 1")
+        self.min_fires, self.lone_rows = min_fires, lone_rows
+        self._fires: deque[tuple[int, float]] = deque(maxlen=window)  # (rows, ms)
+        self._lone: deque[float] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def add(self, rows: int, ms: float, sequences: int) -> None:
+        """One fire fed ``rows`` rows of ``sequences`` sequences in ``ms``."""
+        if rows < 1 or not ms > 0 or ms == float("inf"):
+            return
+        with self._lock:
+            self._fires.append((int(rows), float(ms)))
+            if sequences == 1 and rows <= self.lone_rows:
+                self._lone.append(float(ms))
+
+    def line(self) -> tuple[float, float] | None:
+        """``(a, b)``: ms of a fire of ``r`` rows ~ ``a + b * r`` (a >= 0, b > 0); None before
+        ``min_fires`` fires or while every kept fire fed the same rows."""
+        with self._lock:
+            pts = list(self._fires)
+        if len(pts) < self.min_fires or len({r for r, _ in pts}) < 2:
+            return None
+        n = len(pts)
+        mr, mm = sum(r for r, _ in pts) / n, sum(m for _, m in pts) / n
+        sxx = sum((r - mr) ** 2 for r, _ in pts)
+        b = sum((r - mr) * (m - mm) for r, m in pts) / sxx
+        if not b > 0:
+            return None
+        return max(0.0, mm - b * mr), b
+
+    def lone_ms(self) -> float | None:
+        """Median ms of the kept lone steps (None before any)."""
+        with self._lock:
+            xs = sorted(self._lone)
+        if not xs:
+            return None
+        k = len(xs) // 2
+        return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+
+
 class Member:
     """One request's thread under a :class:`StepScheduler`."""
 
@@ -222,18 +300,25 @@ class StepScheduler:
         step_token_budget: tokens (rows fed) a member's forward may put into a step that also
             serves a forward of another member no longer than this (module docstring); the rest
             goes into the following steps. None: forwards go in whole (no budget).
+        step_ms_target: a step time (ms) the budget's cut steps are kept under (module docstring),
+            ``"auto"`` (twice a lone request's median step), or None (the token budget only).
 
     Raises:
-        ValueError: ``step_token_budget`` not None nor an int >= 1.
+        ValueError: ``step_token_budget`` not None nor an int >= 1; ``step_ms_target`` not None,
+            ``"auto"`` nor a number > 0.
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter, step_token_budget: int | None = None,
-                 goodput: BatchGoodput | None = None):
+                 goodput: BatchGoodput | None = None, step_ms_target: float | str | None = None):
         if step_token_budget is not None and (isinstance(step_token_budget, bool) or not isinstance(step_token_budget, int)
                                               or step_token_budget < 1):
             raise ValueError(f"step_token_budget={step_token_budget!r}: must be an int >= 1 (tokens), or None for no budget")
+        check_step_ms_target(step_ms_target)
         self.clock = clock
         self.step_token_budget = step_token_budget
+        self.step_ms_target = step_ms_target
+        self.costs = StepCostFit()
+        self.time_cut = 0  # steps where the step time target fed the long forwards fewer tokens than the budget
         self.cut = 0  # forwards' pieces fed under the budget while the rest waited (steps a prefill was held back)
         self._mu = threading.Lock()  # guards the state below; each thread is woken by its own event
         self._idle = threading.Event()  # no member holds the baton and none is ready: a step boundary
@@ -388,13 +473,14 @@ class StepScheduler:
         budget = self.step_token_budget
         if budget is not None and not (len(calls) > 1 and any(len(c.tokens) <= budget for c in calls)):
             budget = None  # nobody's short step waits on a long forward here: all go in whole
-        pieces = {id(c): c.piece(budget) for c in calls}
+        pieces = self._pieces(calls, budget)
         groups: dict[tuple[int, bool], list[_Call]] = {}
+        later: list[_Call] = []
         for c in calls:
-            groups.setdefault((id(c.engine), c.hidden), []).append(c)
+            if pieces[id(c)] is not None:
+                groups.setdefault((id(c.engine), c.hidden), []).append(c)
         rows = 0
         done: list[_Call] = []
-        later: list[_Call] = []
         t0 = self.clock()
         self._close_cycle(t0, calls, pieces)
         for group in groups.values():
@@ -426,10 +512,16 @@ class StepScheduler:
                     later.append(c)
             rows += fed
             self.by_sequences[len(group)] += 1
-        self.decode_ms += (self.clock() - t0) * 1e3
+        ms = (self.clock() - t0) * 1e3
+        self.decode_ms += ms
+        self.costs.add(rows, ms, sum(len(g) for g in groups.values()))
         self.fired += 1
         self.rows += rows
         self.cut += len(later)
+        # still to feed, in their order (first come first fed under the step time target): the calls cut
+        # by the budget and those that waited this step
+        cut = {id(c) for c in later}
+        later = [c for c in calls if id(c) in cut or pieces[id(c)] is None]
         with self._mu:
             self._pending[:0] = later  # before any call queued since (none: fire runs at a boundary)
             order = sorted({id(c.member): c for c in done}.values(), key=lambda c: getattr(c.seq, "seq_id", 0))
@@ -437,6 +529,47 @@ class StepScheduler:
             if self._current is None:
                 self._pass()
         return rows
+
+    def step_target_ms(self) -> float | None:
+        """The step time target now (ms): ``step_ms_target``, or for ``"auto"`` twice the median
+        lone step measured so far; None without one."""
+        t = self.step_ms_target
+        if t == "auto":
+            lone = self.costs.lone_ms()
+            return None if lone is None else 2.0 * lone
+        return None if t is None else float(t)
+
+    def _pieces(self, calls: list[_Call], budget: int | None) -> dict[int, tuple | None]:
+        """Each call's piece for this step (:meth:`_Call.piece`), or None for a call that waits
+        this step: under the step time target the prompt-like calls (longer than ``budget``, or
+        feeding rows it does not keep: a prefill, a draft's catch-up, the rest of either) together
+        feed at most the rows that keep the step's predicted time under it, in order, each at most
+        ``budget`` (module docstring); the others (decoding and verification rows) go whole."""
+        if budget is None:
+            return {id(c): c.piece(None) for c in calls}
+        room = self._room(calls, budget)
+        out: dict[int, tuple | None] = {}
+        for c in calls:
+            if room is None or not _prompt_like(c, budget):
+                out[id(c)] = c.piece(budget)
+                continue
+            take = min(budget, room)
+            room -= take
+            out[id(c)] = c.piece(take) if take > 0 else None
+            self.time_cut += take < budget
+        return out
+
+    def _room(self, calls: list[_Call], budget: int) -> int | None:
+        """Rows the long calls may feed together under the step time target (>= 1), or None (no
+        target, no cost line yet, or the short rows alone reach the target: the token budget)."""
+        target = self.step_target_ms()
+        line = self.costs.line() if target is not None else None
+        if line is None:
+            return None
+        a, b = line
+        short = sum(len(c.tokens) for c in calls if not _prompt_like(c, budget))
+        room = int((target - a) / b + 1e-6) - short  # + 1e-6: a row that fits exactly is not lost to rounding
+        return room if room >= 1 else None
 
     def _close_cycle(self, now: float, calls: list[_Call], pieces: dict) -> None:
         """Count the cycle that ends now (the last fire to this one) into :attr:`goodput`, and
@@ -453,6 +586,9 @@ class StepScheduler:
                 self.goodput.add(len(members), kind, emitted, (now - t) * 1e3)
         kind: str | None = "plain"
         for c in calls:
+            if pieces[id(c)] is None:  # a long call waiting this step: a prefill's cycle, neither kind
+                kind = None
+                break
             toks, keep, _ = pieces[id(c)]
             if len(toks) > keep or len(toks) < len(c.tokens):
                 kind = None
@@ -475,8 +611,23 @@ class StepScheduler:
                 "mean_sequences": round(sum(k * v for k, v in self.by_sequences.items()) / n, 3) if n else None,
                 "rows": self.rows, "decode_ms": round(self.decode_ms, 3),
                 "step_token_budget": self.step_token_budget, "budget_cut_pieces": self.cut,
+                "step_ms_target": self.step_ms_target, "step_ms_target_now": _r(self.step_target_ms(), 2),
+                "step_cost_line_ms": None if (ln := self.costs.line()) is None else {"a": round(ln[0], 3),
+                                                                                    "b_per_row": round(ln[1], 3)},
+                "time_cut_pieces": self.time_cut,
                 "solo_fired": self.solo_fired,
                 "goodput_by_batch": self.goodput.status()}
 
 
-__all__ = ["STEP_TOKEN_BUDGET", "BatchGoodput", "Member", "StepScheduler"]
+def _prompt_like(c: _Call, budget: int) -> bool:
+    """Whether the step time target may cut ``c``: longer than the token budget, or feeding rows
+    it does not keep (a prefill or catch-up, whatever its length); a step's decoding and
+    verification rows keep every row they feed."""
+    return len(c.tokens) > budget or c.keep < len(c.tokens)
+
+
+def _r(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+__all__ = ["STEP_TOKEN_BUDGET", "BatchGoodput", "Member", "StepCostFit", "StepScheduler", "check_step_ms_target"]

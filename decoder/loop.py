@@ -49,7 +49,7 @@ from typing import Any
 
 import structlog
 
-from decoder.batching import STEP_TOKEN_BUDGET, StepScheduler
+from decoder.batching import STEP_TOKEN_BUDGET, StepScheduler, check_step_ms_target
 from decoder.control import ControllerConfig, GoodputController, batch_sizes_up_to, new_request_id
 from decoder.engines.base import forward_router, last_fused_rows, last_fused_size, supports
 from decoder.rollback import RollbackMonitor
@@ -103,6 +103,10 @@ class LoopConfig:
         share; the rest goes into the following steps, so their steps stay cheap while a long
         prompt still progresses every step (:mod:`decoder.batching`). None: no budget (a 512-token
         prefill chunk rides every step of its batch mates). Alone, a prefill goes in full chunks.
+    step_ms_target: with continuous batching, a step time (ms) the steps that carry such pieces
+        are kept under by feeding fewer of their tokens (:mod:`decoder.batching`, Sarathi-Serve's
+        stall-free batching); ``"auto"``: twice a lone request's median step; None: the token
+        budget only.
     """
 
     queue_size: int = 64
@@ -111,8 +115,10 @@ class LoopConfig:
     seeded_gamma: int = 4
     max_batch: int = 1
     step_token_budget: int | None = STEP_TOKEN_BUDGET
+    step_ms_target: float | str | None = None
 
     def __post_init__(self):
+        check_step_ms_target(self.step_ms_target)
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ValueError(f"max_batch={self.max_batch!r}: must be an int >= 1 (1 = one request at a time)")
         b = self.step_token_budget
@@ -406,7 +412,7 @@ class ServingLoop:
             n = getattr(eng.capabilities, "max_sequences", 1)
             if n < mb:
                 return None, f"{role} engine holds {n} sequences, fewer than max_batch = {mb}"
-        sched = StepScheduler(self.clock, self.config.step_token_budget)
+        sched = StepScheduler(self.clock, self.config.step_token_budget, step_ms_target=self.config.step_ms_target)
         sched.primary = dec.engine  # forwards on another engine (the draft's) make a cycle speculative
         return sched, f"continuous batching of up to {mb} requests"
 

@@ -1,0 +1,139 @@
+"""Issue 35: the step time target (Sarathi-Serve's stall-free batching) on a fake engine whose
+forward of r rows takes exactly A + B * r ms on a fake clock, so every piece size is worked by hand."""
+
+import pytest
+
+from decoder.batching import StepCostFit, StepScheduler
+from decoder.loop import LoopConfig
+from test_batching import _drive, _FakeEngine, _Seq
+
+A, B = 2.0, 1.0  # ms of a fire, and ms per row fed
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _timed_engine(clock: _Clock):
+    """A fake engine that advances ``clock`` by A + B * rows (ms) per forward_batch and logs the
+    tokens each item fed."""
+    eng = _FakeEngine()
+    fed: list[list[int]] = []
+    real = eng.forward_batch
+
+    def forward_batch(items, hidden=False):
+        n = sum(len(t) for _, t, _ in items)
+        fed.append([len(t) for _, t, _ in items])
+        clock.t += (A + B * n) / 1e3
+        return real(items, hidden)
+
+    eng.forward_batch = forward_batch
+    return eng, fed
+
+
+def _fitted(sched: StepScheduler) -> None:
+    for r in (1, 2, 3, 5, 8, 1, 2, 4):  # fires on the line A + B r: the fit is exact
+        sched.costs.add(r, A + B * r, 2)
+
+
+def _run(sched, eng, members):
+    got = {}
+    for sid, lengths in members:
+        def body(sid=sid, lengths=lengths):
+            s = _Seq(eng, sid)
+            got[sid] = [s.forward([1] * n, 1).tolist() for n in lengths]
+        sched.spawn(body, f"m{sid}")
+    _drive(sched)
+    return got
+
+
+def test_the_cost_line_is_the_least_squares_fit_of_the_fires():
+    f = StepCostFit(min_fires=3)
+    assert f.line() is None
+    for r, ms in ((1, 3.0), (3, 7.0), (5, 11.0)):  # ms = 1 + 2 r
+        f.add(r, ms, 3)
+    a, b = f.line()
+    assert a == pytest.approx(1.0) and b == pytest.approx(2.0)
+    g = StepCostFit(min_fires=2)
+    g.add(4, 9.0, 1), g.add(4, 11.0, 1)
+    assert g.line() is None  # one row count: no slope
+    h = StepCostFit()
+    for ms in (5.0, 3.0, 4.0, 100.0):
+        h.add(2, ms, 1)  # lone steps
+    h.add(20, 50.0, 1)  # a lone prefill: not a step
+    h.add(2, 60.0, 3)  # three sequences: not lone
+    assert h.lone_ms() == pytest.approx(4.5)
+
+
+def test_under_the_target_a_long_forward_feeds_only_what_keeps_the_step_under_it():
+    """Target 6 ms, fit 2 + 1 r: 4 rows fit; the two one-row members take 2, so the 10-token forward
+    (budget 8) goes 2 a step while they decode, then its rest whole once it is alone."""
+    clock = _Clock()
+    eng, fed = _timed_engine(clock)
+    sched = StepScheduler(clock, step_token_budget=8, step_ms_target=6.0)
+    _fitted(sched)
+    got = _run(sched, eng, [(0, [10]), (1, [1, 1, 1]), (2, [1, 1, 1])])
+    assert fed[:3] == [[2, 1, 1], [2, 1, 1], [2, 1, 1]]  # every shared step: 2 + 1 + 1 rows = 6 ms
+    assert fed[3:] == [[4]]
+    assert got[0] == [[[0, 9]]] and got[1] == [[[1, 0]], [[1, 1]], [[1, 2]]]
+    st = sched.status()
+    assert st["step_ms_target_now"] == 6.0 and st["time_cut_pieces"] == 3
+    assert st["step_cost_line_ms"] == {"a": 2.0, "b_per_row": 1.0}
+
+
+def test_two_long_forwards_share_the_room_first_come_first_fed():
+    """Room 3 rows beside one decoding member: the first long forward takes all 3, the second waits."""
+    clock = _Clock()
+    eng, fed = _timed_engine(clock)
+    sched = StepScheduler(clock, step_token_budget=8, step_ms_target=6.0)
+    _fitted(sched)
+    got = _run(sched, eng, [(0, [6]), (1, [6]), (2, [1, 1, 1, 1])])
+    assert fed[0] == [3, 1] and fed[1] == [3, 1]  # member 0's forward in two pieces of 3, member 1 waiting
+    assert fed[2] == [3, 1] and fed[3] == [3, 1]  # then member 1's
+    assert got[0] == [[[0, 5]]] and got[1] == [[[1, 5]]] and len(got[2]) == 4
+
+
+def test_where_the_short_rows_alone_reach_the_target_the_token_budget_applies():
+    clock = _Clock()
+    eng, fed = _timed_engine(clock)
+    sched = StepScheduler(clock, step_token_budget=4, step_ms_target=3.5)  # 2 + 2 rows = 4 ms > 3.5
+    _fitted(sched)
+    _run(sched, eng, [(0, [10]), (1, [1, 1, 1]), (2, [1, 1, 1])])
+    assert fed[:3] == [[4, 1, 1], [4, 1, 1], [2, 1, 1]] and sched.time_cut == 0
+
+
+def test_auto_targets_twice_a_lone_steps_median_and_waits_for_one():
+    clock = _Clock()
+    eng, fed = _timed_engine(clock)
+    sched = StepScheduler(clock, step_token_budget=8, step_ms_target="auto")
+    _fitted(sched)  # fires of two sequences: no lone step yet
+    assert sched.step_target_ms() is None
+    _run(sched, eng, [(0, [1, 1])])  # alone: two lone steps of 3 ms
+    assert sched.step_target_ms() == pytest.approx(6.0)
+    fed.clear()
+    _run(sched, eng, [(0, [10]), (1, [1, 1, 1]), (2, [1, 1, 1])])
+    assert fed[:3] == [[2, 1, 1]] * 3
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "fast", True])
+def test_the_step_time_target_is_validated(bad):
+    with pytest.raises(ValueError, match="step_ms_target"):
+        StepScheduler(step_ms_target=bad)
+    with pytest.raises(ValueError, match="step_ms_target"):
+        LoopConfig(max_batch=4, step_ms_target=bad)
+    assert LoopConfig(max_batch=4, step_ms_target="auto").step_ms_target == "auto"
+
+
+def test_serve_setting_itl_target_ms_is_validated():
+    from daemon.settings import ServeSettings
+
+    assert ServeSettings(itl_target_ms="auto").itl_target_ms == "auto"
+    assert ServeSettings(itl_target_ms="12.5").itl_target_ms == 12.5
+    assert ServeSettings().itl_target_ms is None
+    for bad in (0, -3, "inf"):
+        with pytest.raises(ValueError, match="itl_target_ms"):
+            ServeSettings(itl_target_ms=bad)
