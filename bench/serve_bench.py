@@ -48,12 +48,19 @@ same skips as the sequential cells, :func:`llama_runs`), llama-server with as ma
 clients, and, in rounds of N concurrent prompts (N = the first ``--peer-clients`` count, one
 prompt per client), each round streamed to each server in turn, the order rotating, half a second
 of quiet before each round; per round draftd's aggregate tokens/s over each peer's, their
-geometric mean with a bootstrap interval (:func:`paired_ratio`). Sequential cells compare
+geometric mean with a bootstrap interval (:func:`paired_ratio`); per server TTFT, TPOT and ITL
+(p50/p90/p99/max, pooled over every successful request's chunk gaps, as the sequential cells) in
+``paired.servers.<name>`` (:func:`paired_summary`). Sequential cells compare
 minutes apart, and on a shared VM the host's speed drifts between them (llama-server plain at 1
 client read 106 and 135 tokens/s half an hour apart); pairs per round do not::
 
     .venv/bin/python bench/serve_bench.py --peer --paired --peer-clients 1 --requests 24 --warmup 2 --max-tokens 64
     .venv/bin/python bench/serve_bench.py --peer --paired --peer-clients 4 --requests 8 --warmup 2 --max-tokens 64
+
+``--check-paired``: issue 35's targets from such runs' JSON files, one per client count, the
+1-client one included (:func:`paired_checks`; starts nothing)::
+
+    .venv/bin/python bench/serve_bench.py --check-paired bench/results/a_c1.json bench/results/a_c4.json bench/results/a_c8.json
 
 A llama-server configuration that fails (its server exits at its start, never answers /health, or
 refuses requests) does not stop the run: it is left out with its reason (``failed`` in the paired
@@ -107,11 +114,23 @@ WORKLOADS = {
 POLICIES = [dict(temperature=0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.0)]
 
 
-def pct(xs, q):
+def pct(xs, q, scale: float = 1e3):
+    """The ``q`` quantile of ``xs`` times ``scale`` (seconds to milliseconds by default), rounded to
+    2 places: the sorted sample's element at index ``int(q * len(xs))`` (capped at the last), i.e.
+    the smallest value with at least ``floor(q * n)`` values below it; None for no sample."""
     if not xs:
         return None
     xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 2)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * scale, 2)
+
+
+def quantiles(xs, qs=(0.5, 0.99), scale: float = 1e3, with_max: bool = False) -> dict:
+    """``{"p50": ..., "p99": ...}`` (one ``p<100 q>`` key per ``qs``) of ``xs`` by :func:`pct`,
+    times ``scale``; ``with_max`` adds ``"max"``. Values None without a sample."""
+    out = {f"p{round(q * 100)}": pct(xs, q, scale) for q in qs}
+    if with_max:
+        out["max"] = round(max(xs) * scale, 2) if xs else None
+    return out
 
 
 def run_load(base_url: str, model: str, clients: int, requests: int, max_tokens: int) -> dict:
@@ -257,11 +276,10 @@ def timeline_stats(timelines: list[dict], wall_s: float) -> dict:
     itl = [b - a for t in ok for a, b in zip(t["chunks"], t["chunks"][1:])]
     tpot = [(t["chunks"][-1] - t["chunks"][0]) / (t["tokens"] - 1) for t in ok if t["chunks"] and t["tokens"] > 1]
     tokens = sum(t["tokens"] for t in ok)
-    q = lambda xs: {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)}  # noqa: E731
     fails = [t["error"] for t in timelines if t.get("error") is not None]
     return {"requests": len(ok), "failures": len(fails), "failure_examples": fails[:3], "output_tokens": tokens,
             "seconds": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
-            "ttft_ms": q(ttft), "itl_ms": q(itl), "tpot_ms": q(tpot),
+            "ttft_ms": quantiles(ttft), "itl_ms": quantiles(itl), "tpot_ms": quantiles(tpot),
             "chunks_per_request": round(sum(len(t["chunks"]) for t in ok) / len(ok), 2) if ok else None,
             "proposed_tokens": sum(t.get("proposed") or 0 for t in ok),
             "accepted_tokens": sum(t.get("accepted") or 0 for t in ok)}
@@ -510,12 +528,25 @@ def peer_checks(table: dict[int, dict[str, dict]]) -> dict:
                "vs_plain": round(d / plain, 3) if plain else None, "met_vs_plain": d >= plain if plain else None,
                "llama_best_spec": best, "llama_best_spec_tokens_per_s": spec.get(best),
                "vs_best_spec": round(d / spec[best], 3) if best else None, "met_vs_best_spec": d >= spec[best] if best else None,
-               "draftd_itl_p99_ms": p99, "itl_bound_ms": round(2 * p50_1, 2) if p50_1 is not None else None,
-               "met_itl": (p99 <= 2 * p50_1) if p99 is not None and p50_1 is not None else None,
-               "draftd_failures": fails, "met_failures": fails == 0}
-        chk["met"] = all(chk[k] is True for k in ("met_vs_plain", "met_vs_best_spec", "met_itl", "met_failures"))
+               **latency_checks(p99, p50_1, fails)}
+        chk["met"] = all_met(chk)
         out[f"{n}_clients"] = chk
     return out
+
+
+def latency_checks(p99: float | None, p50_1: float | None, fails: int | None) -> dict:
+    """Issue 35's latency and failure targets at N clients: draftd's p99 ITL ``p99`` (ms) <= 2x its
+    1-client p50 ITL ``p50_1`` (ms), and ``fails`` == 0 failed requests; each ``met_*`` None where
+    a figure is missing."""
+    return {"draftd_itl_p99_ms": p99, "itl_bound_ms": round(2 * p50_1, 2) if p50_1 is not None else None,
+            "met_itl": (p99 <= 2 * p50_1) if p99 is not None and p50_1 is not None else None,
+            "draftd_failures": fails, "met_failures": fails == 0 if fails is not None else None}
+
+
+def all_met(chk: dict) -> bool:
+    """Every N-client target of ``chk`` (``met_vs_plain``, ``met_vs_best_spec``, ``met_itl``,
+    ``met_failures``) True; a missing figure (None) is not met."""
+    return all(chk.get(k) is True for k in ("met_vs_plain", "met_vs_best_spec", "met_itl", "met_failures"))
 
 
 def _median(xs: list[float], digits: int) -> float | None:
@@ -590,8 +621,9 @@ def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_
     every server in turn (the order rotating per round), so a host whose speed drifts from minute
     to minute (a shared VM) slows every side alike. Per server: each round's aggregate output
     tokens/s (its tokens over the time from sending its first request to its last text chunk,
-    prefill included: ``tokens_per_s_median`` is the median over rounds), and each request's
-    TTFT and TPOT (``requests``, with its round); per llama-server configuration
+    prefill included: ``tokens_per_s_median`` is the median over rounds), each request's row
+    (``requests``: :func:`request_row`), and the latencies of :func:`paired_summary` (ITL pooled
+    over the successful requests' chunk gaps, as :func:`timeline_stats`); per llama-server configuration
     draftd's per-round ratio of tokens/s, its geometric mean and a bootstrap interval of it
     (:func:`paired_ratio`). ``servers``: name -> (``…/v1`` url, whether it is draftd); ``warm``:
     unmeasured prompts streamed to each server first, one at a time; ``gap_s``: seconds of quiet
@@ -606,6 +638,7 @@ def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_
     names = [n for n in servers if n not in failed]
     per: dict[str, list[dict]] = {n: [] for n in names}  # one row per round
     reqs: dict[str, list[dict]] = {n: [] for n in names}  # one row per request
+    gaps: dict[str, list[float]] = {n: [] for n in names}  # seconds between consecutive text chunks
     load0 = os.getloadavg()[0]
     with ThreadPoolExecutor(max_workers=width) as pool:
         for i, rnd in enumerate(rounds if names else []):
@@ -617,17 +650,14 @@ def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_
                 per[name].append({"tokens": sum(tl["tokens"] for tl in tls), "seconds": max(ends) - min(tl["t0"] for tl in tls),
                                   "error": err})
                 for tl, end in zip(tls, ends):
-                    reqs[name].append({
-                        "round": i, "tokens": tl["tokens"], "seconds": end - tl["t0"], "error": tl["error"],
-                        "ttft_ms": 1e3 * (tl["chunks"][0] - tl["t0"]) if tl["chunks"] else None,
-                        "proposer": tl.get("proposer"), "proposed": tl.get("proposed"), "accepted": tl.get("accepted"),
-                        "tpot_ms": (1e3 * (tl["chunks"][-1] - tl["chunks"][0]) / max(1, tl["tokens"] - 1)
-                                    if len(tl["chunks"]) > 1 else None)})
+                    reqs[name].append(request_row(i, tl, end))
+                    if tl["error"] is None:  # ITL as timeline_stats: successful requests' gaps, pooled
+                        gaps[name].extend(b - a for a, b in zip(tl["chunks"], tl["chunks"][1:]))
     out: dict[str, Any] = {"prompts": sum(len(r) for r in rounds), "rounds": len(rounds), "clients": width,
                            "order": "each round's prompts, concurrently, to every server in turn, rotating",
                            "gap_s": gap_s,
                            "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
-                           "servers": {name: paired_summary(per[name], reqs[name]) for name in names},
+                           "servers": {name: paired_summary(per[name], reqs[name], gaps[name]) for name in names},
                            "failed": failed}
     d = next((n for n in names if servers[n][1]), None)
     for name in names:
@@ -638,16 +668,136 @@ def paired_rounds(servers: dict[str, tuple[str, bool]], rounds: list[list], max_
     return out
 
 
-def paired_summary(rounds: list[dict], requests: list[dict]) -> dict:
-    """One server's paired figures: failed requests, every request's row (floats to 4 places),
-    the medians of its rounds' tokens/s and of its requests' TTFT and TPOT (None without any)."""
+def request_row(round_index: int, tl: dict, end: float) -> dict:
+    """One paired request's row from its timeline ``tl`` (:func:`stream_once`) and ``end`` (its
+    last text chunk's time, s): round, tokens, seconds (``end - t0``), error, ``ttft_ms``,
+    ``tpot_ms`` ((last chunk - first chunk) / (tokens - 1)), ``chunks`` (text chunks streamed),
+    ``itl_max_ms`` (its longest gap between consecutive text chunks), draftd's proposer and
+    proposed / accepted tokens; the latencies None where it has too few chunks for them."""
+    ch = tl["chunks"]
+    return {"round": round_index, "tokens": tl["tokens"], "seconds": end - tl["t0"], "error": tl["error"],
+            "ttft_ms": 1e3 * (ch[0] - tl["t0"]) if ch else None,
+            "proposer": tl.get("proposer"), "proposed": tl.get("proposed"), "accepted": tl.get("accepted"),
+            "tpot_ms": 1e3 * (ch[-1] - ch[0]) / max(1, tl["tokens"] - 1) if len(ch) > 1 else None,
+            "chunks": len(ch), "itl_max_ms": 1e3 * max(b - a for a, b in zip(ch, ch[1:])) if len(ch) > 1 else None}
+
+
+def paired_summary(rounds: list[dict], requests: list[dict], itl_gaps: list[float] | None = None) -> dict:
+    """One server's paired figures: failed requests, every request's row (:func:`request_row`,
+    floats to 4 places), the medians of its rounds' tokens/s and of its requests' TTFT and TPOT,
+    and in milliseconds by :func:`pct`'s convention ``ttft_ms`` and ``tpot_ms`` (p50, p99) over
+    the successful requests, ``itl_ms`` (p50, p90, p99, max) over ``itl_gaps`` (seconds between
+    consecutive text chunks of every successful request, pooled, as :func:`timeline_stats`; kept
+    out of the JSON). None without any sample."""
     ok = [r for r in requests if not r["error"] and r["seconds"] > 0]
     okr = [r for r in rounds if not r["error"] and r["seconds"] > 0]
+    ttft = [r["ttft_ms"] for r in ok if r["ttft_ms"] is not None]
+    tpot = [r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]
     return {"failures": len(requests) - len(ok),
             "requests": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in requests],
             "tokens_per_s_median": _median([r["tokens"] / r["seconds"] for r in okr], 2),
-            "ttft_ms_median": _median([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None], 2),
-            "tpot_ms_median": _median([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None], 3)}
+            "ttft_ms_median": _median(ttft, 2), "tpot_ms_median": _median(tpot, 3),
+            "ttft_ms": quantiles(ttft, scale=1), "tpot_ms": quantiles(tpot, scale=1),
+            "itl_ms": quantiles(itl_gaps or [], (0.5, 0.9, 0.99), with_max=True)}
+
+
+PAIRED_RULE = ("met: draftd's paired ratio (geometric mean over rounds) >= 1; interval_above_1: the lower bound "
+               "of its bootstrap interval >= 1 as well (met beyond the rounds' spread); the best configuration is "
+               "the one draftd's ratio is lowest against")
+
+
+def paired_runs(files_or_dicts: list) -> dict[int, tuple[str, dict]]:
+    """``{clients: (label, paired)}`` from ``--paired`` runs: each item a JSON file's path (the
+    bench's output, or ``--out``'s), or its dict, or its ``"paired"`` entry itself.
+
+    Raises:
+        ValueError: an item that is not a paired run (no ``paired`` entry with ``clients`` and
+            ``servers``: a sequential run's targets are its own ``checks``), or two runs at one client count.
+        OSError: a path that cannot be read.
+    """
+    out: dict[int, tuple[str, dict]] = {}
+    for i, x in enumerate(files_or_dicts):
+        label = str(x) if isinstance(x, (str, Path)) else f"run {i}"
+        d = json.loads(Path(x).read_text()) if isinstance(x, (str, Path)) else x
+        d = d.get("paired", d) if isinstance(d, dict) else d
+        if not isinstance(d, dict) or not isinstance(d.get("clients"), int) or "servers" not in d:
+            raise ValueError(f"{label}: not a --paired run (no 'paired' entry with 'clients' and 'servers'); "
+                             f"a sequential --peer run's targets are in its own 'checks'")
+        n = d["clients"]
+        if n in out:
+            raise ValueError(f"{label} and {out[n][0]} are both {n}-client runs: pass one file per client count")
+        out[n] = (label, d)
+    return out
+
+
+def paired_vs(paired: dict, peer: str) -> dict:
+    """draftd against ``peer`` in one paired run (its ``draftd_vs_<peer>``, :func:`paired_ratio`):
+    ``ratio``, ``ci`` (the interval), ``pairs``, ``met`` (ratio >= 1), ``interval_above_1``
+    (lower bound >= 1)."""
+    r = paired.get(f"draftd_vs_{peer}") or {}
+    ci = next((v for k, v in r.items() if k.startswith("ci")), None)
+    ratio = r.get("ratio_geomean")
+    return {"ratio": ratio, "ci": ci, "pairs": r.get("pairs"), "met": ratio >= 1 if ratio is not None else None,
+            "interval_above_1": ci[0] >= 1 if ci else None}
+
+
+def paired_best(paired: dict, exclude: tuple[str, ...] = ()) -> str | None:
+    """The llama-server configuration draftd's paired ratio is lowest against (the fastest peer,
+    relative to draftd), leaving out ``exclude``; None without any."""
+    ratios = {k[len("draftd_vs_"):]: v["ratio_geomean"] for k, v in paired.items()
+              if k.startswith("draftd_vs_") and isinstance(v, dict) and v.get("ratio_geomean") is not None}
+    ratios = {k: v for k, v in ratios.items() if k not in exclude}
+    return min(ratios, key=ratios.get) if ratios else None
+
+
+def paired_checks(files_or_dicts: list) -> dict:
+    """Issue 35's targets from ``--paired`` runs (:func:`paired_runs`: the 1-client run and the
+    N-client ones). Rule (``rule`` in the output): a tokens/s target is ``met`` when draftd's
+    paired geometric-mean ratio over rounds is >= 1, and ``*_interval_above_1`` says whether its
+    bootstrap interval's lower bound is >= 1 too; the best configuration is the one draftd's
+    ratio is lowest against (:func:`paired_best`). ``1_client``: draftd against the best
+    llama-server configuration. ``<N>_clients`` (every N > 1 given; issue 35 names 4 and 8):
+    against ``llama_plain`` and the best speculative configuration, draftd's p99 ITL <= 2x its
+    1-client p50 ITL, its failed requests == 0 (:func:`latency_checks`), ``met`` all four
+    (:func:`all_met`). ``left_out``: configurations that failed in that run (not compared).
+
+    Raises:
+        ValueError: no 1-client run among them, or :func:`paired_runs`'s errors.
+    """
+    runs = paired_runs(files_or_dicts)
+    if 1 not in runs:
+        raise ValueError(f"no 1-client paired run among {[lbl for lbl, _ in runs.values()]}: pass the 1-client file "
+                         f"too (the ITL bound is 2x its draftd p50 ITL, and the 1-client target is read from it)")
+    out: dict[str, Any] = {"rule": PAIRED_RULE, "sources": {str(n): lbl for n, (lbl, _) in sorted(runs.items())}}
+    one = runs[1][1]
+    d1 = (one.get("servers") or {}).get("draftd") or {}
+    p50_1 = (d1.get("itl_ms") or {}).get("p50")
+    best = paired_best(one)
+    v = paired_vs(one, best) if best else {}
+    out["1_client"] = {"draftd_itl_p50_ms": p50_1, "llama_best": best, "vs_best": v.get("ratio"),
+                       "vs_best_ci": v.get("ci"), "vs_best_interval_above_1": v.get("interval_above_1"),
+                       "met": v.get("met") is True, "left_out": sorted(one.get("failed") or {})}
+    if any("itl_ms" not in ((r.get("servers") or {}).get("draftd") or {"itl_ms": 0}) for _, r in runs.values()):
+        out["note"] = "a run without draftd's itl_ms (recorded by --paired since ITL was added): its met_itl is None"
+    for n, (_, run) in sorted(runs.items()):
+        if n == 1:
+            continue
+        d = (run.get("servers") or {}).get("draftd")
+        if d is None:
+            out[f"{n}_clients"] = {"met": False, "why": "no draftd in this run", "left_out": sorted(run.get("failed") or {})}
+            continue
+        plain, spec = paired_vs(run, "llama_plain"), paired_best(run, exclude=("llama_plain",))
+        sv = paired_vs(run, spec) if spec else {}
+        chk = {"draftd_tokens_per_s_median": d.get("tokens_per_s_median"),
+               "vs_plain": plain["ratio"], "vs_plain_ci": plain["ci"], "vs_plain_interval_above_1": plain["interval_above_1"],
+               "met_vs_plain": plain["met"], "llama_best_spec": spec, "vs_best_spec": sv.get("ratio"),
+               "vs_best_spec_ci": sv.get("ci"), "vs_best_spec_interval_above_1": sv.get("interval_above_1"),
+               "met_vs_best_spec": sv.get("met"),
+               **latency_checks((d.get("itl_ms") or {}).get("p99"), p50_1, d.get("failures"))}
+        chk["met"] = all_met(chk)
+        chk["left_out"] = sorted(run.get("failed") or {})
+        out[f"{n}_clients"] = chk
+    return out
 
 
 def ngram_type_list(ngram_types: str) -> list[str] | None:
@@ -1042,7 +1192,16 @@ def main() -> None:
     ap.add_argument("--draftd-env", action="append", default=None, metavar="DRAFTD_X=V",
                     help="--peer: an extra environment variable for draftd serve (repeatable), e.g. "
                     "DRAFTD_SERVE__RECORD_PROMPT=false")
+    ap.add_argument("--check-paired", nargs="+", metavar="JSON", default=None,
+                    help="check issue 35's targets from --paired runs' JSON files (the 1-client one and the N-client "
+                         "ones): prints paired_checks' JSON; runs nothing")
     a = ap.parse_args()
+    if a.check_paired:
+        try:
+            print(json.dumps(paired_checks(a.check_paired), indent=1))
+        except (OSError, ValueError) as e:
+            ap.error(f"--check-paired: {e}")
+        return
     if a.peer:
         try:
             ngram_type_list(a.ngram_types)  # here, not after minutes of building and starting servers

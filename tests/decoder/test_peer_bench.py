@@ -549,3 +549,122 @@ def test_sequential_cells_record_a_peer_that_exits_at_start_with_its_stderr_tail
         assert err.startswith("the server exited with 1 before /health answered")
         assert len(err) > 1500 and err.rstrip().endswith("error: the ngram-simple draft needs --spec-ngram-size-n >= 1")
         assert "/v1/models failed" in table[n]["llama_draft"]["error"] and "503" in table[n]["llama_draft"]["error"]
+
+
+def test_paired_rounds_report_itl_quantiles_pooled_over_chunk_gaps(monkeypatch):
+    """Hand-made timelines (t0 = 0): request A streams 101 chunks whose 100 gaps are 1..100 ms in
+    a shuffled order, B two chunks 500 ms apart (5 tokens: one speculative chunk), C one chunk, D
+    fails after chunks 1000 ms apart (left out of every latency). Pooled gaps: 1..100 and 500 ms."""
+    import random
+    import types
+
+    import numpy as np
+
+    order = list(range(1, 101))
+    random.Random(3).shuffle(order)
+    a_chunks = [0.2]
+    for g in order:
+        a_chunks.append(a_chunks[-1] + g / 1e3)
+    timelines = {1: {"chunks": a_chunks, "tokens": 101, "error": None},
+                 2: {"chunks": [0.3, 0.8], "tokens": 5, "error": None},
+                 3: {"chunks": [0.4], "tokens": 1, "error": None},
+                 4: {"chunks": [0.1, 1.1], "tokens": 2, "error": "APIError('boom')"}}
+
+    class _Client:
+        def __init__(self, base_url, **kw):
+            self.models = types.SimpleNamespace(list=lambda: types.SimpleNamespace(data=[types.SimpleNamespace(id="m")]))
+
+    def fake(oc, model, ids, n, extra):
+        tl = timelines.get(ids[0], {"chunks": [0.1, 0.2], "tokens": 2, "error": None})  # the warm-up
+        return {"t0": 0.0, "proposed": None, "accepted": None, **tl}
+
+    monkeypatch.setitem(sys.modules, "openai", types.SimpleNamespace(OpenAI=_Client))
+    monkeypatch.setattr(serve_bench, "stream_once", fake)
+    rounds = [[("w", [1]), ("w", [2])], [("w", [3]), ("w", [4])]]
+    out = serve_bench.paired_rounds({"draftd": ("u", True)}, rounds, 8, [], gap_s=0)
+    d = out["servers"]["draftd"]
+    pooled = sorted(list(range(1, 101)) + [500])  # 101 gaps, ms
+    # pct's convention: the sorted sample's element at index int(q * n): 50, 90, 99 of 101; here
+    # q * (n - 1) is a whole number, so numpy's "higher" method reads the same elements
+    assert [pooled[int(q * 101)] for q in (0.5, 0.9, 0.99)] == [51, 91, 100]
+    assert [float(np.percentile(pooled, q, method="higher")) for q in (50, 90, 99)] == [51.0, 91.0, 100.0]
+    assert d["itl_ms"] == pytest.approx({"p50": 51.0, "p90": 91.0, "p99": 100.0, "max": 500.0})
+    assert d["ttft_ms"] == pytest.approx({"p50": 300.0, "p99": 400.0})  # sorted [200, 300, 400]: indices 1, 2
+    # TPOT: A (5050 ms over 100 tokens after the first) 50.5, B 500 / 4 = 125; C has one chunk
+    assert d["tpot_ms"] == pytest.approx({"p50": 125.0, "p99": 125.0})  # sorted [50.5, 125]: index 1 both
+    rows = {r["tokens"]: r for r in d["requests"]}
+    assert [(rows[t]["chunks"], rows[t]["itl_max_ms"]) for t in (101, 5, 1, 2)] == \
+        [(101, pytest.approx(100.0)), (2, pytest.approx(500.0)), (1, None), (2, pytest.approx(1000.0))]
+    assert d["failures"] == 1
+    assert all(not isinstance(v, list) for r in d["requests"] for v in r.values())  # no per-gap lists
+
+
+def _paired_run(n, itl_p50=10.0, itl_p99=15.0, failures=0, **ratios):
+    """A --paired run's JSON at ``n`` clients: draftd's ITL and failures, draftd_vs_<peer> entries
+    from ``peer=(ratio, lower, upper)``."""
+    p = {"clients": n, "failed": {},
+         "servers": {"draftd": {"failures": failures, "tokens_per_s_median": 100.0 * n,
+                                "itl_ms": {"p50": itl_p50, "p90": itl_p99, "p99": itl_p99, "max": itl_p99}}}}
+    for peer, (g, lo, hi) in ratios.items():
+        p["servers"][peer] = {"failures": 0}
+        p[f"draftd_vs_{peer}"] = {"ratio_geomean": g, "ci95": [lo, hi], "pairs": 10}
+    return {"mode": "peer", "paired": p}
+
+
+def test_paired_checks_meet_every_target():
+    one = _paired_run(1, itl_p50=10.0, llama_plain=(1.3, 1.1, 1.5), **{"llama_ngram-mod": (1.2, 1.05, 1.3)})
+    four = _paired_run(4, itl_p99=19.0, llama_plain=(1.4, 1.2, 1.6), **{"llama_ngram-mod": (1.5, 1.3, 1.7),
+                                                                        "llama_ngram-simple": (1.1, 0.95, 1.3)})
+    c = serve_bench.paired_checks([one, four])
+    assert c["1_client"]["llama_best"] == "llama_ngram-mod" and c["1_client"]["vs_best"] == 1.2
+    assert c["1_client"]["met"] is True and c["1_client"]["vs_best_interval_above_1"] is True
+    f = c["4_clients"]
+    assert f["vs_plain"] == 1.4 and f["vs_plain_ci"] == [1.2, 1.6] and f["met_vs_plain"] is True
+    # the best speculative peer is the one draftd's ratio is lowest against; met, its interval not above 1
+    assert f["llama_best_spec"] == "llama_ngram-simple" and f["vs_best_spec"] == 1.1
+    assert f["met_vs_best_spec"] is True and f["vs_best_spec_interval_above_1"] is False
+    assert f["itl_bound_ms"] == 20.0 and f["met_itl"] is True and f["met_failures"] is True and f["met"] is True
+    assert "rule" in c and set(c) >= {"1_client", "4_clients"}
+
+
+def test_paired_checks_miss_each_target():
+    one = _paired_run(1, itl_p50=10.0, llama_plain=(1.3, 1.1, 1.5), **{"llama_ngram-mod": (0.97, 0.9, 1.05)})
+    c = serve_bench.paired_checks([one, _paired_run(4, llama_plain=(1.2, 1.1, 1.3), **{"llama_ngram-mod": (1.1, 1, 1.2)})])
+    assert c["1_client"]["llama_best"] == "llama_ngram-mod" and c["1_client"]["met"] is False
+    assert c["4_clients"]["met"] is True
+    misses = {"met_vs_plain": _paired_run(4, llama_plain=(0.99, 0.9, 1.1), **{"llama_ngram-mod": (1.1, 1, 1.2)}),
+              "met_vs_best_spec": _paired_run(4, llama_plain=(1.2, 1.1, 1.3), **{"llama_ngram-mod": (0.9, 0.8, 1.0)}),
+              "met_itl": _paired_run(4, itl_p99=20.01, llama_plain=(1.2, 1.1, 1.3), **{"llama_ngram-mod": (1.1, 1, 1.2)}),
+              "met_failures": _paired_run(4, failures=1, llama_plain=(1.2, 1.1, 1.3), **{"llama_ngram-mod": (1.1, 1, 1.2)})}
+    for key, run in misses.items():
+        chk = serve_bench.paired_checks([one, run])["4_clients"]
+        assert chk[key] is False and chk["met"] is False, key
+        assert all(chk[k] is True for k in ("met_vs_plain", "met_vs_best_spec", "met_itl", "met_failures") if k != key)
+    # no speculative peer measured (e.g. every one failed at start): not met, and it says which were left out
+    lone = _paired_run(8, llama_plain=(1.2, 1.1, 1.3))
+    lone["paired"]["failed"] = {"llama_ngram-mod": "the server exited with 1"}
+    chk = serve_bench.paired_checks([one, lone])["8_clients"]
+    assert chk["met_vs_best_spec"] is None and chk["met"] is False and chk["left_out"] == ["llama_ngram-mod"]
+
+
+def test_paired_checks_read_files_and_refuse_what_they_cannot_check(tmp_path, monkeypatch, capsys):
+    import json
+
+    f1, f4 = tmp_path / "a_c1.json", tmp_path / "a_c4.json"
+    f1.write_text(json.dumps(_paired_run(1, llama_plain=(1.3, 1.1, 1.5))))
+    f4.write_text(json.dumps(_paired_run(4, itl_p99=25.0, llama_plain=(1.4, 1.2, 1.6))))
+    monkeypatch.setattr(sys, "argv", ["serve_bench.py", "--check-paired", str(f1), str(f4)])
+    serve_bench.main()
+    out = json.loads(capsys.readouterr().out)
+    assert out["sources"] == {"1": str(f1), "4": str(f4)}
+    assert out["4_clients"]["met_itl"] is False and out["4_clients"]["draftd_itl_p99_ms"] == 25.0
+    with pytest.raises(ValueError, match="no 1-client paired run"):
+        serve_bench.paired_checks([f4])
+    with pytest.raises(ValueError, match="both 4-client runs"):
+        serve_bench.paired_checks([f1, f4, f4])
+    with pytest.raises(ValueError, match="not a --paired run"):
+        serve_bench.paired_checks([{"mode": "peer", "results": {}}, f1])
+    monkeypatch.setattr(sys, "argv", ["serve_bench.py", "--check-paired", str(f4)])
+    with pytest.raises(SystemExit) as e:
+        serve_bench.main()
+    assert e.value.code == 2 and "pass the 1-client file" in capsys.readouterr().err
