@@ -447,8 +447,8 @@ class ServeSettings(_Group):
                                                           "tokens (at most serve.step_token_budget), so their "
                                                           "inter-token latency stays bounded while it prefills "
                                                           "(Sarathi-Serve's stall-free batching). 'auto' = twice a lone "
-                                                          "request's median step; null = the token budget only. Where "
-                                                          "the other requests' rows alone reach it, the token budget applies.")
+                                                          "request's median step; null = the token budget only. A prompt "
+                                                          "still feeds at least 8 tokens a step, however full the batch.")
     max_tokens_default: int = Field(256, ge=1, description="max_tokens when a request gives none (capped at the context left).")
     max_prompt_tokens: int | None = Field(4096, ge=1, description="Longest prompt admitted, in tokens (chat: the templated "
                                           "messages); longer gets a 400 (prompt_too_long), and a prompt too long to fit "

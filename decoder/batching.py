@@ -40,9 +40,10 @@ Inference with Sarathi-Serve", section 4): a fused forward's wall time is fitted
 rows it feeds (:class:`StepCostFit`), and the long forwards of a step together feed only the
 tokens that keep the step's predicted time under the target, first come first fed (one that gets
 none waits a step). ``"auto"`` sets the target at twice a lone request's median step (so a token's
-gap while others' prompts prefill stays within twice its gap alone). Where the step's short rows
-alone reach the target (a batch too big for it on these cores), the token budget applies as
-without one. Cancellation is unchanged: the decoder polls between its own
+gap while others' prompts prefill stays within twice its gap alone). The long forwards still feed
+at least ``MIN_TIMED_PIECE`` tokens a step together, so a prompt progresses where the step's other
+rows alone reach the target (a batch too big for it on these cores): the target then costs the
+newcomer's time to first token and bounds the others' gap by their rows plus that piece. Cancellation is unchanged: the decoder polls between its own
 prefill chunks (``decoder.speculative.PREFILL_CHUNK``), which now take several steps each.
 
 Whether speculating pays inside a batch is measured here, where the whole batch's cost is seen
@@ -69,6 +70,10 @@ import torch
 from decoder.engines.base import route_forwards
 
 log = structlog.get_logger("decoder.batching")
+
+# Under a step time target, the fewest prompt tokens a step's long forwards feed together (tokens): a
+# prompt's prefill progresses however full the batch (module docstring)
+MIN_TIMED_PIECE = 8
 
 # The default step token budget (LoopConfig.step_token_budget, serve.step_token_budget), in tokens:
 # bench/RESULTS.md "A short request behind a long prompt" measures it against none.
@@ -556,12 +561,12 @@ class StepScheduler:
             take = min(budget, room)
             room -= take
             out[id(c)] = c.piece(take) if take > 0 else None
-            self.time_cut += take < budget
+            self.time_cut += take < min(budget, len(c.tokens))  # fed less than the token budget alone would
         return out
 
     def _room(self, calls: list[_Call], budget: int) -> int | None:
-        """Rows the long calls may feed together under the step time target (>= 1), or None (no
-        target, no cost line yet, or the short rows alone reach the target: the token budget)."""
+        """Rows the long calls may feed together under the step time target (at least
+        ``MIN_TIMED_PIECE``), or None (no target or no cost line yet: the token budget)."""
         target = self.step_target_ms()
         line = self.costs.line() if target is not None else None
         if line is None:
@@ -569,7 +574,7 @@ class StepScheduler:
         a, b = line
         short = sum(len(c.tokens) for c in calls if not _prompt_like(c, budget))
         room = int((target - a) / b + 1e-6) - short  # + 1e-6: a row that fits exactly is not lost to rounding
-        return room if room >= 1 else None
+        return max(room, MIN_TIMED_PIECE)
 
     def _close_cycle(self, now: float, calls: list[_Call], pieces: dict) -> None:
         """Count the cycle that ends now (the last fire to this one) into :attr:`goodput`, and
@@ -630,4 +635,4 @@ def _r(x: float | None, digits: int) -> float | None:
     return None if x is None else round(x, digits)
 
 
-__all__ = ["STEP_TOKEN_BUDGET", "BatchGoodput", "Member", "StepCostFit", "StepScheduler", "check_step_ms_target"]
+__all__ = ["MIN_TIMED_PIECE", "STEP_TOKEN_BUDGET", "BatchGoodput", "Member", "StepCostFit", "StepScheduler", "check_step_ms_target"]

@@ -35,6 +35,14 @@ def _timed_engine(clock: _Clock):
     return eng, fed
 
 
+@pytest.fixture
+def no_min_piece(monkeypatch):
+    """Rooms of a few rows, worked by hand, below the minimum piece: the minimum set to 1."""
+    import decoder.batching as batching
+
+    monkeypatch.setattr(batching, "MIN_TIMED_PIECE", 1)
+
+
 def _fitted(sched: StepScheduler) -> None:
     for r in (1, 2, 3, 5, 8, 1, 2, 4):  # fires on the line A + B r: the fit is exact
         sched.costs.add(r, A + B * r, 2)
@@ -69,7 +77,7 @@ def test_the_cost_line_is_the_least_squares_fit_of_the_fires():
     assert h.lone_ms() == pytest.approx(4.5)
 
 
-def test_under_the_target_a_long_forward_feeds_only_what_keeps_the_step_under_it():
+def test_under_the_target_a_long_forward_feeds_only_what_keeps_the_step_under_it(no_min_piece):
     """Target 6 ms, fit 2 + 1 r: 4 rows fit; the two one-row members take 2, so the 10-token forward
     (budget 8) goes 2 a step while they decode, then its rest whole once it is alone."""
     clock = _Clock()
@@ -85,7 +93,7 @@ def test_under_the_target_a_long_forward_feeds_only_what_keeps_the_step_under_it
     assert st["step_cost_line_ms"] == {"a": 2.0, "b_per_row": 1.0}
 
 
-def test_two_long_forwards_share_the_room_first_come_first_fed():
+def test_two_long_forwards_share_the_room_first_come_first_fed(no_min_piece):
     """Room 3 rows beside one decoding member: the first long forward takes all 3, the second waits."""
     clock = _Clock()
     eng, fed = _timed_engine(clock)
@@ -97,16 +105,21 @@ def test_two_long_forwards_share_the_room_first_come_first_fed():
     assert got[0] == [[[0, 5]]] and got[1] == [[[1, 5]]] and len(got[2]) == 4
 
 
-def test_where_the_short_rows_alone_reach_the_target_the_token_budget_applies():
+def test_where_the_short_rows_alone_reach_the_target_the_prompt_still_feeds_the_minimum_piece():
+    """Target 3.5 ms: the two one-row members alone take 4 ms; the 20-token forward (budget 16) still
+    feeds MIN_TIMED_PIECE tokens a step, not the budget's 16."""
+    from decoder.batching import MIN_TIMED_PIECE
+
     clock = _Clock()
     eng, fed = _timed_engine(clock)
-    sched = StepScheduler(clock, step_token_budget=4, step_ms_target=3.5)  # 2 + 2 rows = 4 ms > 3.5
+    sched = StepScheduler(clock, step_token_budget=16, step_ms_target=3.5)
     _fitted(sched)
-    _run(sched, eng, [(0, [10]), (1, [1, 1, 1]), (2, [1, 1, 1])])
-    assert fed[:3] == [[4, 1, 1], [4, 1, 1], [2, 1, 1]] and sched.time_cut == 0
+    _run(sched, eng, [(0, [20]), (1, [1, 1, 1]), (2, [1, 1, 1])])
+    m = MIN_TIMED_PIECE
+    assert m < 16 and fed[:3] == [[m, 1, 1], [m, 1, 1], [20 - 2 * m, 1, 1]] and sched.time_cut == 2
 
 
-def test_auto_targets_twice_a_lone_steps_median_and_waits_for_one():
+def test_auto_targets_twice_a_lone_steps_median_and_waits_for_one(no_min_piece):
     clock = _Clock()
     eng, fed = _timed_engine(clock)
     sched = StepScheduler(clock, step_token_budget=8, step_ms_target="auto")
