@@ -40,7 +40,8 @@ Inference with Sarathi-Serve", section 4): a fused forward's wall time is fitted
 rows it feeds (:class:`StepCostFit`), and the long forwards of a step together feed only the
 tokens that keep the step's predicted time under the target, first come first fed (one that gets
 none waits a step). ``"auto"`` sets the target at twice a lone request's median step (so a token's
-gap while others' prompts prefill stays within twice its gap alone). The long forwards still feed
+gap while others' prompts prefill stays within twice its gap alone; a lone request's step is the
+interval between two of its target forwards, its draft's proposals included). The long forwards still feed
 at least ``MIN_TIMED_PIECE`` tokens a step together, so a prompt progresses where the step's other
 rows alone reach the target (a batch too big for it on these cores): the target then costs the
 newcomer's time to first token and bounds the others' gap by their rows plus that piece. Cancellation is unchanged: the decoder polls between its own
@@ -221,19 +222,24 @@ class BatchGoodput:
 
 
 class StepCostFit:
-    """A fused forward's wall time as a line in the rows it feeds, ``ms ~ a + b * rows`` (ordinary
-    least squares over the last ``window`` fires), and a lone request's step time (the median of the
-    last ``window`` fires of one sequence feeding at most ``lone_rows`` rows: a decoding or
-    verification step alone).
+    """A fused forward of the target's engine: its wall time as a line in the rows it feeds,
+    ``ms ~ a + b * rows`` (Theil-Sen: the median of the pairwise slopes, then the median intercept;
+    Sen 1968, so a few stalled calls do not move it), over the last ``window`` such fires; and a lone
+    request's step interval (the median of the last ``window`` intervals between two consecutive
+    target forwards of a request decoding alone, each feeding at most ``lone_rows`` rows: its draft's
+    proposals and its own Python work between them included, what its client sees between tokens).
 
     Args:
-        window: fires kept (each kind).
+        window: fires (and intervals) kept.
         min_fires: fires before :meth:`line` fits (with at least two distinct row counts).
-        lone_rows: the most rows a lone fire may feed to count as a lone step (γ + 1).
+        lone_rows: the most rows a target forward may feed to count as a decoding or verification
+            step (γ + 1).
 
     Raises:
         ValueError: ``window``, ``min_fires`` or ``lone_rows`` not an int >= 1.
     """
+
+    REFIT_EVERY = 8  # fires between two fits (a fit sorts window^2 / 2 slopes)
 
     def __init__(self, window: int = 64, min_fires: int = 8, lone_rows: int = 9):
         for name, v in (("window", window), ("min_fires", min_fires), ("lone_rows", lone_rows)):
@@ -242,40 +248,56 @@ class StepCostFit:
         self.min_fires, self.lone_rows = min_fires, lone_rows
         self._fires: deque[tuple[int, float]] = deque(maxlen=window)  # (rows, ms)
         self._lone: deque[float] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
+        self._stale = True
+        self._added = 0
         self._lock = threading.Lock()
 
-    def add(self, rows: int, ms: float, sequences: int) -> None:
-        """One fire fed ``rows`` rows of ``sequences`` sequences in ``ms``."""
+    def add(self, rows: int, ms: float) -> None:
+        """One forward of the target's engine fed ``rows`` rows in ``ms``."""
         if rows < 1 or not ms > 0 or ms == float("inf"):
             return
         with self._lock:
             self._fires.append((int(rows), float(ms)))
-            if sequences == 1 and rows <= self.lone_rows:
+            self._added += 1
+            if self._added % self.REFIT_EVERY == 0 or self._fit is None:
+                self._stale = True
+
+    def add_lone(self, ms: float) -> None:
+        """One interval (ms) between two consecutive steps of a request decoding alone."""
+        if ms > 0 and ms != float("inf"):
+            with self._lock:
                 self._lone.append(float(ms))
 
     def line(self) -> tuple[float, float] | None:
-        """``(a, b)``: ms of a fire of ``r`` rows ~ ``a + b * r`` (a >= 0, b > 0); None before
-        ``min_fires`` fires or while every kept fire fed the same rows."""
+        """``(a, b)``: ms of a forward of ``r`` rows ~ ``a + b * r`` (a >= 0, b > 0); None before
+        ``min_fires`` fires, while every kept fire fed the same rows, or where the slope is not
+        positive. Refitted every ``REFIT_EVERY`` fires."""
         with self._lock:
+            if not self._stale:
+                return self._fit
             pts = list(self._fires)
-        if len(pts) < self.min_fires or len({r for r, _ in pts}) < 2:
-            return None
-        n = len(pts)
-        mr, mm = sum(r for r, _ in pts) / n, sum(m for _, m in pts) / n
-        sxx = sum((r - mr) ** 2 for r, _ in pts)
-        b = sum((r - mr) * (m - mm) for r, m in pts) / sxx
-        if not b > 0:
-            return None
-        return max(0.0, mm - b * mr), b
+            self._stale = False
+        fit = None
+        if len(pts) >= self.min_fires and len({r for r, _ in pts}) >= 2:
+            b = _median([(m2 - m1) / (r2 - r1) for i, (r1, m1) in enumerate(pts) for r2, m2 in pts[i + 1:] if r2 != r1])
+            if b > 0:
+                fit = (max(0.0, _median([m - b * r for r, m in pts])), b)
+        with self._lock:
+            self._fit = fit
+        return fit
 
     def lone_ms(self) -> float | None:
-        """Median ms of the kept lone steps (None before any)."""
+        """Median ms of the kept lone step intervals (None before any)."""
         with self._lock:
-            xs = sorted(self._lone)
-        if not xs:
-            return None
-        k = len(xs) // 2
-        return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+            xs = list(self._lone)
+        return _median(xs) if xs else None
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    k = len(ys) // 2
+    return ys[k] if len(ys) % 2 else (ys[k - 1] + ys[k]) / 2
 
 
 class Member:
@@ -323,6 +345,7 @@ class StepScheduler:
         self.step_token_budget = step_token_budget
         self.step_ms_target = step_ms_target
         self.costs = StepCostFit()
+        self._last_target: tuple[float, set, bool] | None = None  # the last target forward: (clock, members, lone step)
         self.time_cut = 0  # steps where the step time target fed the long forwards fewer tokens than the budget
         self.cut = 0  # forwards' pieces fed under the budget while the rest waited (steps a prefill was held back)
         self._mu = threading.Lock()  # guards the state below; each thread is woken by its own event
@@ -519,7 +542,7 @@ class StepScheduler:
             self.by_sequences[len(group)] += 1
         ms = (self.clock() - t0) * 1e3
         self.decode_ms += ms
-        self.costs.add(rows, ms, sum(len(g) for g in groups.values()))
+        self._note_costs(t0, ms, groups, pieces)
         self.fired += 1
         self.rows += rows
         self.cut += len(later)
@@ -534,6 +557,25 @@ class StepScheduler:
             if self._current is None:
                 self._pass()
         return rows
+
+    def _note_costs(self, t0: float, ms: float, groups: dict, pieces: dict) -> None:
+        """Feed :attr:`costs`: this fire's ms and rows where it ran the target's engine alone (a
+        draft model's rows cost another price), and the interval since the last target forward
+        where both were a lone request's steps (module docstring)."""
+        on_target = [c for g in groups.values() for c in g
+                     if (c.engine is self.primary if self.primary is not None else len(groups) == 1)]
+        if not on_target:
+            return
+        rows = sum(len(pieces[id(c)][0]) for c in on_target)
+        if len(on_target) == sum(len(g) for g in groups.values()):
+            self.costs.add(rows, ms)
+        who = {id(c.member) for c in on_target}
+        with self._mu:
+            alone = len(who) == 1 and len(self._members) == 1
+        step = alone and rows <= self.costs.lone_rows
+        prev, self._last_target = self._last_target, (t0, who, step)
+        if step and prev is not None and prev[2] and prev[1] == who:
+            self.costs.add_lone((t0 - prev[0]) * 1e3)
 
     def step_target_ms(self) -> float | None:
         """The step time target now (ms): ``step_ms_target``, or for ``"auto"`` twice the median

@@ -45,7 +45,7 @@ def no_min_piece(monkeypatch):
 
 def _fitted(sched: StepScheduler) -> None:
     for r in (1, 2, 3, 5, 8, 1, 2, 4):  # fires on the line A + B r: the fit is exact
-        sched.costs.add(r, A + B * r, 2)
+        sched.costs.add(r, A + B * r)
 
 
 def _run(sched, eng, members):
@@ -59,22 +59,59 @@ def _run(sched, eng, members):
     return got
 
 
-def test_the_cost_line_is_the_least_squares_fit_of_the_fires():
+def test_the_cost_line_is_theil_sen_over_the_fires_and_a_few_stalls_do_not_move_it():
     f = StepCostFit(min_fires=3)
     assert f.line() is None
     for r, ms in ((1, 3.0), (3, 7.0), (5, 11.0)):  # ms = 1 + 2 r
-        f.add(r, ms, 3)
+        f.add(r, ms)
     a, b = f.line()
     assert a == pytest.approx(1.0) and b == pytest.approx(2.0)
     g = StepCostFit(min_fires=2)
-    g.add(4, 9.0, 1), g.add(4, 11.0, 1)
+    g.add(4, 9.0), g.add(4, 11.0)
     assert g.line() is None  # one row count: no slope
     h = StepCostFit()
+    for i in range(60):
+        r = 1 + i % 6
+        h.add(r, 8.0 + 2.0 * r)
+    h.add(2, 3000.0), h.add(3, 2500.0)  # two calls stalled by the host
+    for _ in range(StepCostFit.REFIT_EVERY):
+        h.add(4, 16.0)
+    a, b = h.line()
+    assert a == pytest.approx(8.0) and b == pytest.approx(2.0)  # least squares: a = 122, b = 0.22
+    lone = StepCostFit()
     for ms in (5.0, 3.0, 4.0, 100.0):
-        h.add(2, ms, 1)  # lone steps
-    h.add(20, 50.0, 1)  # a lone prefill: not a step
-    h.add(2, 60.0, 3)  # three sequences: not lone
-    assert h.lone_ms() == pytest.approx(4.5)
+        lone.add_lone(ms)
+    assert lone.lone_ms() == pytest.approx(4.5)
+
+
+def test_a_lone_requests_step_is_the_interval_between_its_target_forwards_and_draft_fires_stay_off_the_line():
+    """A lone request at γ = 4 with a draft model: 4 one-row draft forwards (1.5 ms each) then a 5-row
+    verification (2 + 5 ms) per step: its step interval is 13 ms, and the cost line holds only the
+    target's forwards."""
+    clock = _Clock()
+    target, fed = _timed_engine(clock)
+    draft = _FakeEngine()
+    real = draft.forward_batch
+
+    def draft_fb(items, hidden=False):
+        clock.t += 1.5e-3
+        return real(items, hidden)
+
+    draft.forward_batch = draft_fb
+    sched = StepScheduler(clock, step_token_budget=8, step_ms_target="auto")
+    sched.primary = target
+
+    def body():
+        t, d = _Seq(target, 0), _Seq(draft, 0)
+        for _ in range(4):
+            for _ in range(4):
+                d.forward([1], 1)
+            t.forward([1] * 5, 5)
+
+    sched.spawn(body, "lone")
+    _drive(sched)
+    assert sched.costs.lone_ms() == pytest.approx(13.0) and sched.step_target_ms() == pytest.approx(26.0)
+    assert list(sched.costs._fires) == [(5, pytest.approx(7.0))] * 4
 
 
 def test_under_the_target_a_long_forward_feeds_only_what_keeps_the_step_under_it(no_min_piece):
