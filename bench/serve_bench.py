@@ -711,21 +711,33 @@ def paired_runs(files_or_dicts: list) -> dict[int, tuple[str, dict]]:
     bench's output, or ``--out``'s), or its dict, or its ``"paired"`` entry itself.
 
     Raises:
-        ValueError: an item that is not a paired run (no ``paired`` entry with ``clients`` and
-            ``servers``: a sequential run's targets are its own ``checks``), or two runs at one client count.
+        ValueError: an item that is not JSON or not a paired run (no ``paired`` entry with ``clients``
+            and ``servers``: a sequential run's targets are its own ``checks``), two runs at one
+            client count, or runs whose headers name different CPUs (``cpu``: :func:`cpu_name`).
         OSError: a path that cannot be read.
     """
     out: dict[int, tuple[str, dict]] = {}
+    cpus: list[tuple[str, str | None]] = []
     for i, x in enumerate(files_or_dicts):
         label = str(x) if isinstance(x, (str, Path)) else f"run {i}"
-        d = json.loads(Path(x).read_text()) if isinstance(x, (str, Path)) else x
+        try:
+            d = json.loads(Path(x).read_text()) if isinstance(x, (str, Path)) else x
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{label}: not JSON ({e}); pass the file serve_bench.py --paired wrote (--out)") from e
+        cpu = d.get("cpu") if isinstance(d, dict) else None  # the run's header (peer_header), where recorded
         d = d.get("paired", d) if isinstance(d, dict) else d
-        if not isinstance(d, dict) or not isinstance(d.get("clients"), int) or "servers" not in d:
+        if (not isinstance(d, dict) or isinstance(d.get("clients"), bool) or not isinstance(d.get("clients"), int)
+                or not isinstance(d.get("servers"), dict)):
             raise ValueError(f"{label}: not a --paired run (no 'paired' entry with 'clients' and 'servers'); "
                              f"a sequential --peer run's targets are in its own 'checks'")
         n = d["clients"]
         if n in out:
             raise ValueError(f"{label} and {out[n][0]} are both {n}-client runs: pass one file per client count")
+        other = next(((lbl, c) for lbl, c in cpus if cpu is not None and c is not None and c != cpu), None)
+        if other is not None:
+            raise ValueError(f"{label} ran on {cpu!r} and {other[0]} on {other[1]!r}: the ITL bound and the targets "
+                             f"compare runs of one host; pass files from one machine")
+        cpus.append((label, cpu))
         out[n] = (label, d)
     return out
 
@@ -980,6 +992,22 @@ def peer_plan(a) -> PeerPlan:
                     cells, warm, configs, binary, types, Path(tempfile.mkdtemp(prefix="serve_bench_peer.")))
 
 
+def cpu_name() -> str | None:
+    """The CPU as /proc/cpuinfo names it: ``"<model name>, family F model M"`` (a VM's "AMD EPYC" is
+    several generations; the family and model tell them apart); None where it cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return None
+    f = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(":")
+        f.setdefault(k.strip(), v.strip())
+    if "model name" not in f:
+        return None
+    return f"{f['model name']}, family {f.get('cpu family', '?')} model {f.get('model', '?')}"
+
+
 def peer_header(a, plan: PeerPlan) -> dict:
     """The run's JSON before any measurement: host, settings, files, llama-server and its types,
     empty ``skipped`` and ``commands``, where the logs go."""
@@ -989,7 +1017,7 @@ def peer_header(a, plan: PeerPlan) -> dict:
     from decoder.workloads import EVAL_RESERVED_PROMPTS
 
     per_workload = plan.per_workload
-    return {"mode": "peer", "host": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+    return {"mode": "peer", "host": platform.processor() or platform.machine(), "cpu": cpu_name(), "cpus": os.cpu_count(),
             "threads": plan.threads, "clients": plan.clients, "requests_per_client": a.requests,
             "max_tokens": a.max_tokens, "workloads": plan.workloads, "warmup_per_workload": a.warmup,
             "warmup_note": "every server process streams the same warm-up prompts (--warmup per workload, "

@@ -668,3 +668,34 @@ def test_paired_checks_read_files_and_refuse_what_they_cannot_check(tmp_path, mo
     with pytest.raises(SystemExit) as e:
         serve_bench.main()
     assert e.value.code == 2 and "pass the 1-client file" in capsys.readouterr().err
+
+
+def test_paired_checks_name_a_file_that_is_not_json_or_not_a_run(tmp_path):
+    """Found by the break session: an empty, truncated or non-UTF-8 file gave the decoder's message
+    without the path; ``"clients": true`` read as a 1-client run."""
+    import json
+
+    for name, data in (("empty.json", b""), ("cut.json", b'{"paired": '), ("bin.json", b"\xff\xfe{")):
+        f = tmp_path / name
+        f.write_bytes(data)
+        with pytest.raises(ValueError, match=f"{name}: not JSON"):
+            serve_bench.paired_checks([f])
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"paired": {"clients": True, "servers": {}}}))
+    with pytest.raises(ValueError, match="odd.json: not a --paired run"):
+        serve_bench.paired_checks([odd])
+
+
+def test_paired_checks_refuse_runs_of_two_cpus(tmp_path):
+    """Found by the break session: an AMX Xeon's 1-client run and a Zen 4's 4-client run gave a verdict."""
+    import json
+
+    a = {**_paired_run(1, llama_plain=(1.3, 1.1, 1.5)), "cpu": "AMD EPYC, family 25 model 1"}
+    b = {**_paired_run(4, itl_p99=25.0, llama_plain=(1.4, 1.2, 1.6)), "cpu": "AMD EPYC, family 25 model 17"}
+    fa, fb = tmp_path / "a_c1.json", tmp_path / "b_c4.json"
+    fa.write_text(json.dumps(a)), fb.write_text(json.dumps(b))
+    with pytest.raises(ValueError, match="b_c4.json ran on 'AMD EPYC, family 25 model 17' and .*a_c1.json"):
+        serve_bench.paired_checks([fa, fb])
+    fb.write_text(json.dumps({**b, "cpu": a["cpu"]}))
+    assert serve_bench.paired_checks([fa, fb])["sources"] == {"1": str(fa), "4": str(fb)}
+    assert serve_bench.cpu_name() is None or "family" in serve_bench.cpu_name()
