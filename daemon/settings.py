@@ -529,6 +529,19 @@ class ServeSettings(_Group):
                              f"each request decoded at once keeps its own): set serve.max_batch to at most {MAX_BATCH}")
         return v
 
+    @field_validator("itl_target_ms", mode="before")
+    @classmethod
+    def _itl_target_words(cls, v):
+        if isinstance(v, str) and v.strip().lower() in ("auto", "null", "none", ""):
+            return None if v.strip().lower() in ("null", "none", "") else "auto"
+        if isinstance(v, str):
+            try:
+                return float(v)
+            except ValueError:
+                raise ValueError(f"{v!r} is not a step time: give serve.itl_target_ms a number of ms above 0, 'auto' "
+                                 "(twice a lone request's step) or null (the token budget only)") from None
+        return v
+
     @field_validator("itl_target_ms")
     @classmethod
     def _itl_target(cls, v):
@@ -589,6 +602,14 @@ class ServeSettings(_Group):
                 f"(--api-key or DRAFTD_SERVE__API_KEY; clients send it as their api_key), bind 127.0.0.1, or set "
                 f"serve.allow_remote = true (DRAFTD_SERVE__ALLOW_REMOTE=true) to serve the network unauthenticated on purpose"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _itl_target_needs_a_budget(self) -> "ServeSettings":
+        if self.itl_target_ms is not None and self.step_token_budget is None:
+            raise ValueError(f"serve.itl_target_ms={self.itl_target_ms!r} with serve.step_token_budget=null: the step "
+                             "time target only cuts the prompt pieces the token budget makes; set a budget "
+                             "(DRAFTD_SERVE__STEP_TOKEN_BUDGET=64, the default) or unset serve.itl_target_ms")
         return self
 
     @model_validator(mode="after")

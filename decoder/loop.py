@@ -119,6 +119,9 @@ class LoopConfig:
 
     def __post_init__(self):
         check_step_ms_target(self.step_ms_target)
+        if self.step_ms_target is not None and self.step_token_budget is None:
+            raise ValueError(f"step_ms_target={self.step_ms_target!r} with step_token_budget=None: the target only "
+                             "cuts the pieces the token budget makes; set a budget or drop the target")
         if not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ValueError(f"max_batch={self.max_batch!r}: must be an int >= 1 (1 = one request at a time)")
         b = self.step_token_budget

@@ -176,6 +176,8 @@ def test_the_step_time_target_is_validated(bad):
     with pytest.raises(ValueError, match="step_ms_target"):
         LoopConfig(max_batch=4, step_ms_target=bad)
     assert LoopConfig(max_batch=4, step_ms_target="auto").step_ms_target == "auto"
+    with pytest.raises(ValueError, match="only cuts the pieces the token budget makes"):
+        LoopConfig(max_batch=4, step_ms_target=5.0, step_token_budget=None)
 
 
 def test_serve_setting_itl_target_ms_is_validated():
@@ -184,6 +186,12 @@ def test_serve_setting_itl_target_ms_is_validated():
     assert ServeSettings(itl_target_ms="auto").itl_target_ms == "auto"
     assert ServeSettings(itl_target_ms="12.5").itl_target_ms == 12.5
     assert ServeSettings().itl_target_ms is None
-    for bad in (0, -3, "inf"):
+    assert ServeSettings(itl_target_ms="AUTO").itl_target_ms == "auto"
+    assert ServeSettings(itl_target_ms="null").itl_target_ms is None
+    for bad in (0, -3, "inf", "abc"):
         with pytest.raises(ValueError, match="itl_target_ms"):
             ServeSettings(itl_target_ms=bad)
+    with pytest.raises(ValueError, match="'abc' is not a step time"):  # one message, not pydantic's union of two
+        ServeSettings(itl_target_ms="abc")
+    with pytest.raises(ValueError, match="only cuts the prompt pieces the token budget makes"):
+        ServeSettings(itl_target_ms=5, step_token_budget=None)
