@@ -293,10 +293,14 @@ def test_one_real_measurement_has_every_row_count(tiny_pkg, tmp_path):
         # 3 repeats, or more where the packaged file and its best rival were timed again (an unsure contest)
         assert cost.noise >= 0 and 3 <= cost.repeats <= F.MAX_REPEATS
         assert all(len(v) >= cost.repeats for v in cost.samples.values()) and sorted(cost.samples) == list(range(1, 9))
-    assert m.formats["packaged"].repeats == m.formats["F16"].repeats  # two formats: both in every repeat
     assert m.key["threads"] == 1 and (m.cache_file is None or json.loads(open(m.cache_file).read())["key"] == m.key)
     c = choose_format(m)
     assert c.format in ("packaged", "F16") and {r["format"] for r in c.costs} == {"packaged", "F16"}
+    pkg, f16 = m.formats["packaged"].repeats, m.formats["F16"].repeats
+    if next(r for r in c.costs if r["format"] == "F16").get("eligible"):
+        assert pkg == f16  # both in the running: both in every repeat
+    else:  # F16 out of the running (its rows not the same bits as one-row steps): only the packaged file is
+        assert pkg >= f16  # timed again where the host's load made its repeats noisy (the full suite beside it)
 
 
 def test_a_measurement_past_its_time_budget_keeps_the_packaged_file_and_is_not_cached(tiny_pkg, tmp_path):
