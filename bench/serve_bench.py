@@ -995,14 +995,9 @@ def peer_plan(a) -> PeerPlan:
 def cpu_name() -> str | None:
     """The CPU as /proc/cpuinfo names it: ``"<model name>, family F model M"`` (a VM's "AMD EPYC" is
     several generations; the family and model tell them apart); None where it cannot be read."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return None
-    f = {}
-    for line in text.splitlines():
-        k, _, v = line.partition(":")
-        f.setdefault(k.strip(), v.strip())
+    from decoder.engines.llamacpp import cpuinfo_fields
+
+    f = cpuinfo_fields()
     if "model name" not in f:
         return None
     return f"{f['model name']}, family {f.get('cpu family', '?')} model {f.get('model', '?')}"

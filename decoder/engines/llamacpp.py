@@ -105,16 +105,22 @@ def auto_v_cache(n_seq: int, threads: int, fast_bf16: bool | None = None) -> str
     return "f16" if not fast_bf16 and int(n_seq) == 1 and int(threads) == 1 else "bf16"
 
 
-def _cpu_flags() -> set[str]:
-    """The ``flags`` of Linux's /proc/cpuinfo (empty where it cannot be read)."""
+def cpuinfo_fields() -> dict[str, str]:
+    """Linux's /proc/cpuinfo as ``{field: value}``, each field's first value (the first CPU's:
+    ``model name``, ``cpu family``, ``model``, ``flags``, ...); {} where it cannot be read."""
+    out: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
             k, _, v = line.partition(":")
-            if k.strip() == "flags":
-                return set(v.split())
+            out.setdefault(k.strip(), v.strip())
     except OSError:
         pass
-    return set()
+    return out
+
+
+def _cpu_flags() -> set[str]:
+    """The ``flags`` of Linux's /proc/cpuinfo (empty where it cannot be read)."""
+    return set(cpuinfo_fields().get("flags", "").split())
 
 
 @functools.cache

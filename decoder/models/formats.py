@@ -514,16 +514,10 @@ def _judge_format(name: str, cost, measurement: FormatMeasurement, alphas: dict[
 def cpu_key(threads: int) -> dict[str, Any]:
     """The host part of the cache key: CPU model name, a digest of its flags (Linux /proc/cpuinfo;
     ``platform.processor()`` elsewhere) and the thread count."""
-    model, flags = None, ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            k, _, v = line.partition(":")
-            if k.strip() == "model name" and model is None:
-                model = v.strip()
-            elif k.strip() in ("flags", "Features") and not flags:
-                flags = " ".join(sorted(v.split()))
-    except OSError:
-        pass
+    from decoder.engines.llamacpp import cpuinfo_fields
+
+    f = cpuinfo_fields()
+    model, flags = f.get("model name"), " ".join(sorted((f.get("flags") or f.get("Features") or "").split()))
     return {"cpu": model or platform.processor() or platform.machine(), "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:12], "threads": int(threads)}
 
 
