@@ -1971,8 +1971,25 @@ def _serving_loop(settings, client, scfg, pair, engines):
                                                max_batch=sv.max_batch, step_token_budget=sv.step_token_budget,
                                                step_ms_target=sv.itl_target_ms),
         proposers=tuple(sv.proposers), engine=engines.target, draft_engine=engines.draft,
-        eagle_head=_eagle_head(sv.eagle_head, pair.target), head_registry=heads, head_dtype=head_dtype())
+        eagle_head=_eagle_head(sv.eagle_head, pair.target), head_registry=heads, head_dtype=head_dtype(),
+        hold_base_draft=holds_base_draft(settings))
     return loop, heads
+
+
+def _registry_has_version(manager) -> bool:
+    """Whether the adapter registry holds an active version in any scope (unreadable: assumed so)."""
+    try:
+        return any(manager.registry.active_versions().values())
+    except Exception:  # noqa: BLE001 - a log line's condition, never the server's start
+        return True
+
+
+def holds_base_draft(settings) -> bool:
+    """``serve.base_draft`` resolved: hold (True) or offer the draft before its first adapter
+    version; ``auto`` holds a draft derived from the target's layers (``models.draft`` =
+    ``'layers:...'``)."""
+    mode = settings.serve.base_draft
+    return mode == "hold" or (mode == "auto" and settings.models.draft.startswith("layers:"))
 
 
 def _service(settings, loop, tokenizer, engines) -> InferenceService:
@@ -2006,6 +2023,12 @@ def _announce(settings, server, service, redis_mode: str, loop, heads, console) 
         log.warning("eagle_waits_for_a_head", head_dir=str(settings.head_dir),
                     why="'eagle' is offered only once the trainer promotes a head (trainer.heads=true on the daemon, "
                         "serve.record_hidden=true here); `daemonctl heads list` shows them")
+    manager = getattr(loop, "manager", None)
+    if "draft" in sv.proposers and holds_base_draft(settings) and manager is not None and not _registry_has_version(manager):
+        log.info("draft_waits_for_v0", base_draft=sv.base_draft,
+                 why="the controller offers the draft once its first adapter version is ready (`run` bootstraps v0, "
+                     "`serve` alone loads a cached one); until then the other proposers and plain decoding serve; "
+                     "serve.base_draft=offer serves the base draft at once")
     if console is not None:
         console.print(f"serving {service.model} at {server.url}/v1 (redis {redis_mode}); SIGTERM drains, a second one cuts the grace short")
 

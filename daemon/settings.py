@@ -514,6 +514,12 @@ class ServeSettings(_Group):
                                  "workload x sampling bucket: ngram (prompt lookup over the request and the workload's past "
                                  "requests, no model), draft (the draft model with its adapters), eagle (the feature-level "
                                  "head in serve.eagle_head, on the target's hidden states).")
+    base_draft: Literal["auto", "offer", "hold"] = Field(
+        "auto", description="Whether the controller may choose the draft before the adapter registry serves a version of it: "
+                            "offer (at once, the base draft), hold (once v0 or a later version is ready: `run` and `demo` "
+                            "bootstrap v0, `serve` alone loads the cached one), auto (hold a draft derived from the target's "
+                            "layers, models.draft = 'layers:...', whose untrained proposals are almost never accepted; offer "
+                            "any other draft). Requests that name the draft get it either way.")
     eagle_head: Path | None = Field(None, description="A feature-level head file (decoder.eagle.save_head; bench/head_buffer_bench.py "
                                     "--save distils one from the buffer) for the 'eagle' proposer; needs 'eagle' in serve.proposers. "
                                     "Unset with 'eagle' and serve.follow_heads: the heads the trainer promotes serve.")

@@ -160,6 +160,9 @@ class ControllerConfig:
                              f"probe_every={self.probe_every}")
 
 
+HELD_WHY = "off: the draft is not offered yet (it serves once its first adapter version is ready)"
+
+
 def _two(a: float, b: float) -> tuple[str, str]:
     """``a`` and ``b`` (tokens per ms) to 3 decimals, or to as many more (up to 6) as it takes to
     tell them apart: "plain 0.136 beats ... 0.136" read as a tie called a win."""
@@ -835,8 +838,11 @@ class GoodputController:
             best = self._best(rate, 0, self._by_gamma(ev))
             best_spec = max((g for g in rate if g > 0), key=rate.get, default=None)
             probe = False
-            warm_up = s.alpha.n == 0 or spec_steps < c.min_steps or plain_steps < c.min_steps
-            if s.alpha.n == 0 or spec_steps < c.min_steps:
+            held = DRAFT not in self.offered()  # build_serving_loop's hold_base_draft: no version yet
+            warm_up = not held and (s.alpha.n == 0 or spec_steps < c.min_steps or plain_steps < c.min_steps)
+            if held:
+                gamma, why = 0, HELD_WHY
+            elif s.alpha.n == 0 or spec_steps < c.min_steps:
                 gamma, probe, why = c.gamma_init, True, f"warm-up: measuring α and draft cost at γ={c.gamma_init}"
             elif plain_steps < c.min_steps:
                 gamma, probe, why = 0, True, "warm-up: measuring plain decoding"
@@ -1117,6 +1123,8 @@ class GoodputController:
             best = self._best(rate, 0, self._by_gamma(ev))
             best_spec = max((g for g in rate if g > 0), key=rate.get, default=None)
             why = self._why(ev, best, best_spec) if best is not None and 0 in rate else "warm-up"
+            if DRAFT not in self.offered():
+                best, why = 0, HELD_WHY
             return {
                 "key": key_str(*key),
                 "workload": key[0],

@@ -669,6 +669,9 @@ class ServingLoop:
             "draining": self._draining,
             "streams_steps": self.streams_steps,
             "speculation": self.speculation(),
+            # the configured proposers the controller may choose now (the head before its first version, the
+            # draft under hold_base_draft before its first adapter are not)
+            "proposers_offered": list(self.controller.offered()) if hasattr(self.controller, "offered") else None,
             # what a step costs by verified rows, and the n-gram proposer's acceptance per kind of match
             "step_cost_ms": self.decoder.step_cost.status(),
             # the most any proposer could buy at those costs (α = 1, no proposing cost)
@@ -700,7 +703,7 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                        rollback_min_requests: int = 20, rollback_margin: float = 0.1,
                        history_flush_s: float = 5.0, proposers: tuple[str, ...] = (DEFAULT_PROPOSER,),
                        engine=None, draft_engine=None, eagle_head=None, head_registry=None,
-                       head_dtype=None) -> ServingLoop:
+                       head_dtype=None, hold_base_draft: bool = False) -> ServingLoop:
     """Wire the decoder and the adaptive loop once (what ``serve`` and an in-process driver share).
 
     - ``client`` + ``store_config``: a SampleWriter as the decoder's sink (``tap(sample)`` is
@@ -722,6 +725,10 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
       those requests is kept by head version (``AcceptanceHistory(kind="head")``), each served as a frozen copy in ``head_dtype`` (default
       float32; bf16 where the CPU multiplies it natively: :func:`decoder.heads.serving_head_loader`). ``"eagle"`` may then be configured
       without ``eagle_head``: the controller offers it once a head serves.
+    - ``hold_base_draft``: with ``registry``, the controller offers the draft only once the
+      registry's first version (v0, bootstrapped or cached) is prepared: a draft cut from the
+      target's layers proposes almost nothing before it is trained, and each request that
+      measures it decodes slower than plain. Requests that name the draft still get it.
 
     Returns the loop, not started (``with build_serving_loop(...) as loop:``).
 
@@ -768,9 +775,25 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
                                        step_cost=decoder.step_cost,
                                        adapter_version=lambda: decoder.adapter_version,
                                        head_version=lambda: decoder.head_version,
-                                       proposer_available=lambda n: n != HEAD or decoder.eagle_head is not None)
+                                       proposer_available=_availability(decoder, manager, hold_base_draft))
     return ServingLoop(decoder, manager=manager, controller=controller, tracker=tracker, monitor=monitor,
                        writer=writer, config=config, heads=heads, head_monitor=head_monitor)
+
+
+def _availability(decoder, manager, hold_base_draft: bool) -> Callable[[str], bool]:
+    """The controller's ``proposer_available``: the head once one serves; the draft, under
+    ``hold_base_draft`` with a registry followed, once a version of it is prepared."""
+    from decoder.proposers.registry import versioned_by
+
+    draft = versioned_by("adapter")
+    hold = hold_base_draft and manager is not None
+
+    def available(name: str) -> bool:
+        if name == HEAD:
+            return decoder.eagle_head is not None
+        return name != draft or not hold or manager.has_version
+
+    return available
 
 
 def _head_manager(decoder, head_registry, poll_interval_s: float, head_dtype):

@@ -193,6 +193,12 @@ class RegistryFollower:
         routes = self._routes
         return (routes.get(workload, 0) if workload else 0) or routes.get("", 0)
 
+    @property
+    def has_version(self) -> bool:
+        """Whether some scope routes to a prepared version (not 0, the base): the first one the
+        registry promoted (v0 included) is ready to serve."""
+        return any(list(self._routes.values()))  # list(): one C call, atomic under the GIL
+
     def wait_prepared(self, version: int, timeout: float = 30.0, scope: str = "") -> bool:
         """Block until ``version`` is prepared for ``scope`` (True) or failed / timed out (False)."""
         deadline = self.clock() + timeout

@@ -466,3 +466,21 @@ def test_more_engine_threads_than_cpus_is_refused_and_as_many_taken(tmp_path, mo
         load_settings(None)
     monkeypatch.setenv("DRAFTD_MODELS__ENGINE_THREADS", str(cpus))
     assert load_settings(None).models.engine_threads == cpus
+
+
+@pytest.mark.parametrize("draft, mode, held", [
+    ("layers:0-3", "auto", True), ("layers:0-3", "offer", False), ("layers:0-3", "hold", True),
+    ("self", "auto", False), ("HuggingFaceTB/SmolLM2-135M-Instruct", "auto", False),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "hold", True)])
+def test_base_draft_holds_a_derived_draft_by_default_and_obeys_a_pin(monkeypatch, draft, mode, held):
+    from daemon.serve import holds_base_draft
+
+    monkeypatch.setenv("DRAFTD_MODELS__DRAFT", draft)
+    monkeypatch.setenv("DRAFTD_SERVE__BASE_DRAFT", mode)
+    assert holds_base_draft(load_settings(None)) is held
+
+
+def test_base_draft_refuses_an_unknown_mode(monkeypatch):
+    monkeypatch.setenv("DRAFTD_SERVE__BASE_DRAFT", "later")
+    with pytest.raises(ConfigError, match="serve.base_draft"):
+        load_settings(None)
