@@ -483,7 +483,7 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
     console), and that client's transport (``retried`` counts the resends; ``stack`` closes the
     server, then the loop)."""
     from daemon.http_retry import retrying_openai
-    from daemon.serve import InferenceService, ServeServer
+    from daemon.serve import InferenceService, ServeServer, holds_base_draft
     from decoder.loop import LoopConfig, build_serving_loop
     from decoder.proposers.registry import versioned_by
     from decoder.speculative import DecoderConfig
@@ -508,11 +508,13 @@ def _start_serving(stack, settings, cfg: DemoConfig, store: _Store, models: _Mod
         pair_fingerprint=models.fp,
         tap=trainer.keep_heldout, config=LoopConfig(rollback_per_workload=False), poll_interval_s=1.0,
         rollback_min_requests=6, rollback_margin=0.15, proposers=proposers,
-        engine=models.engines.target, draft_engine=models.engines.draft, **head_kw)
+        engine=models.engines.target, draft_engine=models.engines.draft, hold_base_draft=holds_base_draft(settings),
+        **head_kw)
     loop.start()
     stack.callback(loop.close)
-    # No wait for v0: the first requests are served at once (the base draft, the n-gram proposer),
-    # and the adapter manager hot-swaps v0 in between requests once the warm start promotes it.
+    # No wait for v0: the first requests are served at once (the n-gram proposer and plain decoding;
+    # the derived draft is offered once v0 is prepared: serve.base_draft), and the adapter manager
+    # hot-swaps v0 in between requests once the warm start promotes it.
     model_name = settings.models.target
     service = InferenceService(loop, tok, model_name, context_len=getattr(pair.target.config, "max_position_embeddings", None))
     server = stack.enter_context(ServeServer(service, "127.0.0.1", 0, keep_alive_s=settings.serve.keep_alive_s))
@@ -732,7 +734,7 @@ def _progress_line(timeline, phase: str, requests: int, seconds: float) -> str:
     and no rolling mean)."""
     spec, recent, alpha, tau, tps = _recent(timeline, phase)
     v = recent[-1].get("adapter_version") if recent else None
-    serving = "; serving the base draft (no adapter yet)" if v == 0 else f"; serving v{v}" if v is not None else ""
+    serving = "; no adapter yet (the draft waits for v0)" if v == 0 else f"; serving v{v}" if v is not None else ""
     if requests < _RATE_MIN_REQUESTS or seconds < _RATE_MIN_SECONDS:
         done = "first request served" if requests == 1 else f"{_requests(requests)} served"
         return f"{phase}: {done} (its rolling α and tokens/s once there are more){serving}"

@@ -211,7 +211,7 @@ def test_the_one_line_progress_gives_the_phases_rolling_alpha_and_speed():
     # registers as v1, was still running)
     base = [dict(tl[3], adapter_version=0)] * 2
     assert _progress_line(base, "prose", 2, 5.0) == ("prose: 2 requests in 5 s; last 2: plain decoding, 10.0 tokens/s; "
-                                                     "serving the base draft (no adapter yet)")
+                                                     "no adapter yet (the draft waits for v0)")
 
 
 def test_copy_channel_ablation_intervals_and_table():

@@ -36,14 +36,14 @@ def test_the_first_live_line_says_first_request_served_not_a_rate_of_one_request
     one = [{"workload": "prose", "alpha": 0.75, "tau": 1.39, "tokens_per_s": 18.8, "adapter_version": 0}]
     line = demo._progress_line(one, "prose", 1, 0.4)
     assert line == ("prose: first request served (its rolling α and tokens/s once there are more); "
-                    "serving the base draft (no adapter yet)"), line
+                    "no adapter yet (the draft waits for v0)"), line
     assert demo._progress_line(one, "prose", 1, 9.0).startswith("prose: first request served (")  # one request, any time
     three = one * 3
     assert demo._progress_line(three, "prose", 3, 0.6).startswith("prose: 3 requests served (its rolling")  # under 1 s
     # two requests over 3 s: a rolling α (0.75 each) and the rate
     assert demo._progress_line(one * 2, "prose", 2, 3.0) == (
         "prose: 2 requests in 3 s; last 2: α 0.750, τ 1.39 (2 speculated), 18.8 tokens/s; "
-        "serving the base draft (no adapter yet)")
+        "no adapter yet (the draft waits for v0)")
 
 
 def test_the_live_lines_seconds_include_the_request_just_served(monkeypatch):
@@ -363,3 +363,35 @@ def test_the_remeasurement_probes_an_unsure_candidate_on_every_request_then_rest
     with pytest.raises(RuntimeError):
         demo._remeasure(cfg, None, loop, None, "m", NS(shifts=[]), NS(log=lambda *a: None))
     assert ctl.config.unsure_probe_every == 2
+
+
+def test_the_demo_serves_with_the_base_draft_held_as_serve_does(monkeypatch):
+    """A walkthrough of 67ebd65: serve held the untrained derived draft until v0, the demo did not
+    (its loop never got hold_base_draft), so the base draft was warmed up and probed on 4 of the
+    first 50 requests (α 0.07, 0, 0.14, 0), each slower than plain decoding."""
+    from contextlib import ExitStack
+    from types import SimpleNamespace as NS
+
+    import decoder.loop
+    from daemon.settings import load_settings
+
+    seen = {}
+
+    class Captured(Exception):
+        pass
+
+    def fake_build(*a, **kw):
+        seen.update(kw)
+        raise Captured
+
+    monkeypatch.setattr(decoder.loop, "build_serving_loop", fake_build)
+    for mode, held in (("auto", True), ("offer", False)):
+        monkeypatch.setenv("DRAFTD_SERVE__BASE_DRAFT", mode)
+        settings = load_settings(None)
+        models = NS(pair=NS(target=None, draft=None), tok=None, vocab=None, fp=None,
+                    engines=NS(served_format=None, target=None, draft=None))
+        cfg = demo.DemoConfig.quick()
+        with ExitStack() as stack, pytest.raises(Captured):
+            demo._start_serving(stack, settings, cfg, NS(client=None, config=None), models,
+                                NS(registry=None, keep_heldout=None, head_registry=None), console=None)
+        assert seen["hold_base_draft"] is held
