@@ -396,8 +396,11 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
         # of exactly 0 (resamples that missed the one request that gained) is said to be one
         at = " (it is exactly 0: the gate needs it above 0)" if pg.low == 0 else ""
         return Verdict(False, f"{head}: the interval's lower bound is not above 0{at}", pg, worse)
-    return Verdict(True, f"{head}: gain >= promote_margin {cfg.promote_margin}, lower bound > 0; "
-                         f"no workload regressed > {cfg.regress_margin}", pg)
+    # a walkthrough read "... decoded ... CI [-0.0040, +0.0367]: gain >= promote_margin 0.0, lower bound > 0"
+    # as the decoded interval's bound: the promotion is on acceptance as served, said so with its numbers
+    return Verdict(True, f"{head}: promoted on acceptance as served, its gain {pg.gain:+.4f} >= promote_margin "
+                         f"{cfg.promote_margin:g} and its lower bound {pg.low:+.4f} > 0; no workload regressed > "
+                         f"{cfg.regress_margin:g}", pg)
 
 
 def gate_slice(heldout: list[VerifiedSample], cfg: ServiceConfig) -> list[VerifiedSample]:

@@ -93,6 +93,10 @@ def test_gate_needs_evidence_and_a_positive_lower_bound():
     assert v.promote and not v.worse, v.reason
     assert v.evidence.gain == pytest.approx(0.05) and v.evidence.low == pytest.approx(0.05)
     assert "95 % CI [+0.0500, +0.0500]" in v.reason
+    # what it was promoted on, with its numbers (a walkthrough read the bare "lower bound > 0" after
+    # the decoded interval as that interval's)
+    assert v.reason.endswith(": promoted on acceptance as served, its gain +0.0500 >= promote_margin 0.01 and its "
+                             "lower bound +0.0500 > 0; no workload regressed > 0.02"), v.reason
     # The same mean gain carried by one request of ten: +0.5 on one, 0 on the rest. The point gain
     # is 0.05 but 0.9^10 = 35 % of resamples miss that request, so the lower bound is 0: rejected.
     v = gate(before, _eval({"prose": [1.0] + [0.5] * 9, "code": [0.6] * 10}), {"prose"}, cfg)
