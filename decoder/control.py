@@ -90,6 +90,14 @@ class ControllerConfig:
         up (the winner's curse): an n-gram pick priced at 1.11x plain from 4 requests after the
         trainer stopped ran at 0.87x [0.79, 0.95] on never-served prompts (docs/walkthroughs.md,
         the run at 5e6c1fe). 0.5: the point estimate alone (z = 0).
+    capped: proposers whose γ is only a cap, each step's length cut below it by their own gate
+        (the n-gram proposer with its gate, :class:`decoder.proposers.ngram.NgramGate`): offered
+        at ``gamma_max`` alone, warmed up there, and priced inside a batch at the rows their steps
+        really verify. With the gate choosing each step's length, a lower cap only takes long
+        copies away: on never-served prompts after 40 served ones (one thread, greedy) the gated
+        n-gram at cap 8 ran 1.44x / 1.39x / 1.24x plain on extract / prose / code against 1.36x /
+        1.33x / 1.22x at cap 4, the γ the controller had picked (bench/RESULTS.md, "Twentieth
+        session").
     batch_sizes: the batch sizes (requests decoding together, continuous batching) for which
         :meth:`GoodputController.decision` reports the decision (``"by_batch"``); a request
         decides at whatever size it runs, these are only shown. ``build_serving_loop`` passes
@@ -111,6 +119,7 @@ class ControllerConfig:
     min_gain: float = 0.05
     confidence: float = 0.95
     batch_sizes: tuple[int, ...] = (1, 2, 4)
+    capped: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("gamma_max", "gamma_init", "eagle_gamma_init"):  # their range is checked below
@@ -128,6 +137,10 @@ class ControllerConfig:
         if not self.proposers or bad or len(set(self.proposers)) != len(self.proposers):
             raise ValueError(f"ControllerConfig.proposers={self.proposers!r}: a non-empty list of distinct names "
                              f"from {REQUEST_PROPOSERS}")
+        self.capped = (self.capped,) if isinstance(self.capped, str) else tuple(self.capped)
+        if any(p not in self.proposers or p == DRAFT for p in self.capped):
+            raise ValueError(f"ControllerConfig.capped={self.capped!r}: configured proposers modelled by their "
+                             f"accepted lengths (not {DRAFT!r}), from proposers={self.proposers!r}")
         if not 1 <= self.gamma_init <= self.gamma_max or not 1 <= self.eagle_gamma_init <= self.gamma_max:
             raise ValueError(f"gamma_init={self.gamma_init} and eagle_gamma_init={self.eagle_gamma_init} must lie in "
                              f"1..gamma_max={self.gamma_max}")
@@ -357,6 +370,9 @@ class _LengthModel:
     tokens: dict[int, _Ewma] = field(default_factory=dict)
     draft_ms: _Ewma = field(default_factory=_Ewma)
     steps: int = 0
+    # rows[γ]: EWMA of the rows its steps that asked for γ verified (proposed + 1), with the same
+    # weights as step_ms: what a capped proposer's step (ControllerConfig.capped) adds to a batch
+    rows: dict[int, _Ewma] = field(default_factory=dict)
     # its steps that proposed nothing (no match: one verified row, a plain step), weighted as its
     # step_ms: the plain step at the moments its own steps ran (:meth:`at_load`)
     base_ms: _Ewma = field(default_factory=_Ewma)
@@ -404,6 +420,8 @@ class _LengthModel:
         e = self.tokens.setdefault(asked, _Ewma())  # the same weights as its step_ms: one ratio over the same steps
         e.add(min(max(accepted, 0), asked) + 1.0, max(wl, 1.0 / (e.n + 1)), now, half_life)
         self.draft_ms.add(draft_ms, max(wl, 1.0 / (self.draft_ms.n + 1)), now, half_life)
+        e = self.rows.setdefault(asked, _Ewma())
+        e.add((asked if proposed is None else proposed) + 1.0, max(wl, 1.0 / (e.n + 1)), now, half_life)
         if proposed == 0:  # a step that verified one row: a plain step, at this moment's load
             self.base_ms.add(model_ms - draft_ms, max(wl, 1.0 / (self.base_ms.n + 1)), now, half_life)
         self.steps += 1
@@ -554,6 +572,7 @@ class GoodputController:
                 s.draft_ms_per_token = _Ewma()
                 for m in s.lengths.values():
                     m.ge, m.step_ms, m.tokens, m.draft_ms, m.steps, m.base_ms = [], {}, {}, _Ewma(), 0, _Ewma()
+                    m.rows = {}
                 s.clusters = {n: c for n, c in s.clusters.items() if n == DRAFT}
                 s.ceiling_probes, s.last_ceiling_probe, s.last_ceiling_probe_t = 0, 0, None
                 s.warming = {}
@@ -671,11 +690,15 @@ class GoodputController:
             if not m.steps:
                 continue
             r: dict[int, float] = {}
-            for g in range(1, c.gamma_max + 1):
+            capped = name in c.capped
+            for g in ((c.gamma_max,) if capped else range(1, c.gamma_max + 1)):
                 if g in m.step_ms and m.step_ms[g].n:  # its draft part at ρ_B(1), verification at ρ_B(γ + 1)
                     d = min(m.draft_ms.value, m.step_ms[g].value) if m.draft_ms.n else 0.0
                     verify = m.at_load(m.step_ms[g].value - d, plain_now, c.min_steps)  # at plain's load
-                    cost = d * rho[1] + verify * rho[g + 1] + o * rho[1]
+                    rows = g + 1
+                    if capped and g in m.rows and m.rows[g].n:  # its gate cuts each step: the rows it verifies
+                        rows = min(g + 1, max(1, round(m.rows[g].value)))
+                    cost = d * rho[1] + verify * rho[rows] + o * rho[1]
                 else:
                     cost = m.draft_ms.value * rho[1] + tv[g]
                 if cost == cost:
@@ -1013,7 +1036,7 @@ class GoodputController:
                 m = s.lengths.get(name)
                 cold = m is None or m.steps < c.min_steps
             if cold:
-                g = c.eagle_gamma_init if name == HEAD else c.gamma_init
+                g = c.eagle_gamma_init if name == HEAD else c.gamma_max if name in c.capped else c.gamma_init
                 return (name, g), f"warm-up: measuring {name} at γ={g}"
         if (s.verify_ms[0].n if 0 in s.verify_ms else 0) < c.min_steps:
             return ("plain", 0), "warm-up: measuring plain decoding"

@@ -55,9 +55,12 @@ from decoder.engines.base import forward_router, last_fused_rows, last_fused_siz
 from decoder.rollback import RollbackMonitor
 from decoder.shift import key_str
 from decoder.tracking import HEAD, AcceptanceTracker, key_of
+from decoder.proposers.ngram import SPEC as _NGRAM_SPEC
 from decoder.proposers.registry import DEFAULT_PROPOSER
 from decoder.speculative import DecodeRequest, DecodeResult, FixedGamma, GammaPolicy
 from store.history import DRAFT_KIND
+
+NGRAM = _NGRAM_SPEC.name
 
 log = structlog.get_logger("decoder.loop")
 
@@ -770,7 +773,9 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
     head_monitor = (RollbackMonitor(head_registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin,
                                     proposer=HEAD, merged=head_history) if head_registry is not None else None)
     if controller is None:
-        controller = GoodputController(ControllerConfig(proposers=tuple(proposers),
+        # the gated n-gram proposer: γ only caps the length its gate picks per step (ControllerConfig.capped)
+        capped = tuple(n for n in proposers if n == NGRAM and decoder.ngram_gate is not None)
+        controller = GoodputController(ControllerConfig(proposers=tuple(proposers), capped=capped,
                                                         batch_sizes=batch_sizes_up_to((config or LoopConfig()).max_batch)),
                                        step_cost=decoder.step_cost,
                                        adapter_version=lambda: decoder.adapter_version,

@@ -1,0 +1,75 @@
+"""ControllerConfig.capped: a proposer whose γ only caps what its own gate proposes per step (the
+gated n-gram proposer) is offered at gamma_max alone, warmed up there, and priced inside a batch
+at the rows its steps really verify, not at gamma_max + 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoder.control import ControllerConfig, GoodputController
+from decoder.metrics import StepStats
+from decoder.proposers.cost import StepCost
+
+KEY = ("extract", "greedy")
+
+
+def _cost() -> StepCost:
+    """Batch-1 steps of 10 + 2 (n - 1) ms, and fused steps of 4 requests at 3 rows each (12 in all)
+    and 9 rows each (36): what ρ_4(3) and ρ_4(9) are read from."""
+    c = StepCost(clock=lambda: 0.0)
+    for _ in range(3):
+        for n in range(1, 10):
+            c.add(n, 10.0 + 2.0 * (n - 1))
+        c.add(3, 20.0, batch=4)
+        c.add(9, 60.0, batch=4)
+    return c
+
+
+def test_a_capped_proposer_warms_up_at_gamma_max_and_is_offered_there_alone():
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), capped=("ngram",), min_steps=1, gamma_max=8,
+                                             gamma_init=3, batch_sizes=(1, 4)), step_cost=_cost())
+    pol = ctl.policy_for(KEY)
+    assert (pol.gamma(), pol.proposer_name()) == (8, "ngram")  # not gamma_init = 3
+    # its gate proposed 2 of the 8 it could, both accepted: 3 tokens in a 3-row step of 14 ms
+    for _ in range(3):
+        ctl.observe(KEY, StepStats(2, 2, 3, -1, 2.0, 0.0, 14.0), proposer="ngram", asked=8)
+        ctl.observe(KEY, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
+    s = ctl._keys[KEY]
+    ev = ctl._evaluate(s)
+    assert set(ev["others"]["ngram"]) == {8}
+    assert ev["others"]["ngram"][8] == pytest.approx(3 / 14.0)
+    d = ctl.decision(KEY)
+    assert (d["proposer"], d["gamma"]) == ("ngram", 8)  # 3 / 14 = 0.214 tokens/ms against plain's 0.1
+    # in a fused step of 4 its 3 rows cost ρ_4(3) of their batch-1 time, not ρ_4(9)
+    ev4 = ctl._evaluate(s, batch=4)
+    rho3, rho9 = ctl.batch_factor(4, 3), ctl.batch_factor(4, 9)
+    assert rho3 != pytest.approx(rho9)
+    assert ev4["others"]["ngram"][8] == pytest.approx(3 / (14.0 * rho3))
+
+
+def test_an_uncapped_proposer_is_still_offered_at_every_gamma():
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), min_steps=1, gamma_max=8, gamma_init=3))
+    pol = ctl.policy_for(KEY)
+    assert pol.gamma() == 3
+    for _ in range(3):
+        ctl.observe(KEY, StepStats(2, 2, 3, -1, 2.0, 0.0, 14.0), proposer="ngram", asked=3)
+        ctl.observe(KEY, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
+    assert set(ctl._evaluate(ctl._keys[KEY])["others"]["ngram"]) == set(range(1, 9))
+
+
+@pytest.mark.parametrize("capped", [("draft",), ("eagle",), "ngramx"])
+def test_capped_names_a_configured_length_modelled_proposer(capped):
+    with pytest.raises(ValueError, match="ControllerConfig.capped"):
+        ControllerConfig(proposers=("ngram", "draft"), capped=capped)
+
+
+def test_the_serving_loop_caps_the_gated_ngram_proposer_only(target, other_draft, tok):
+    from decoder.loop import build_serving_loop
+    from decoder.speculative import DecoderConfig
+
+    for gate, want in ((True, ("ngram",)), (False, ())):
+        loop = build_serving_loop(target, other_draft, tok, proposers=("ngram", "draft"),
+                                  decoder_config=DecoderConfig(ngram_gate=gate, small_m_linear=False,
+                                                               draft_precision="fp32"))
+        assert loop.controller.config.capped == want
+        loop.close()
