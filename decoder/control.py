@@ -173,6 +173,7 @@ class ControllerConfig:
                              f"probe_every={self.probe_every}")
 
 
+MIN_VERDICT_REQUESTS = 3  # requests a model-free proposer is measured on before plain decoding's verdict stands
 HELD_WHY = "off: the draft is not offered yet (it serves once its first adapter version is ready)"
 
 
@@ -994,12 +995,27 @@ class GoodputController:
         top = max(spec, key=cands.get)
         clusters = s.clusters.get(top[0])
         if not cands[top] > plain * (1.0 + self.config.min_gain) or (clusters is not None and clusters.count() >= clusters.keep):
-            return None
+            return self._few_requests(s, cands, spec)
         return top
+
+    def _few_requests(self, s: _KeyState, cands: dict[tuple[str, int], float], spec: list[tuple[str, int]]
+                      ) -> tuple[str, int] | None:
+        """The best candidate of a model-free proposer (no model to run: where it proposes badly
+        its gate cuts it to about a plain step) measured on fewer than :data:`MIN_VERDICT_REQUESTS`
+        requests, whatever its rate: a verdict from one request's steps is one prompt's, at one
+        moment's load (a walkthrough's first n-gram request ran while v0 bootstrapped beside it,
+        32 ms a token, and left prose on plain decoding for 200 requests, probed once in 10).
+        Else None."""
+        few = [k for k in spec if proposer_spec(k[0]).model_free
+               and (s.clusters[k[0]].count() if k[0] in s.clusters else 0) < MIN_VERDICT_REQUESTS]
+        return max(few, key=cands.get) if few else None
 
     @staticmethod
     def _unsure_probe_why(s: _KeyState, unsure: tuple[str, int]) -> str:
         n = s.clusters[unsure[0]].count() if unsure[0] in s.clusters else 0
+        if n < MIN_VERDICT_REQUESTS and proposer_spec(unsure[0]).model_free:
+            return (f"probe: {unsure[0]} γ={unsure[1]}, measured on {_requests(n)}: every other request until "
+                    f"{MIN_VERDICT_REQUESTS} are; ")
         return (f"probe: {unsure[0]} γ={unsure[1]}, ahead of plain but not yet beyond its confidence bound: measured "
                 f"every other request until it is ({_requests(n)} so far); ")
 

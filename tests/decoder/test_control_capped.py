@@ -73,3 +73,27 @@ def test_the_serving_loop_caps_the_gated_ngram_proposer_only(target, other_draft
                                                                draft_precision="fp32"))
         assert loop.controller.config.capped == want
         loop.close()
+
+
+def test_a_model_free_proposer_measured_on_one_slow_request_is_probed_until_three_are():
+    """A walkthrough of dc5feed: the n-gram's one warm-up request ran beside the v0 bootstrap (32 ms a
+    token), plain decoding then looked faster, and with a probe once in 10 requests prose stayed on
+    plain decoding for 200 requests. Now it is measured every other request until 3 requests are."""
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), capped=("ngram",), min_steps=1, gamma_max=8,
+                                             probe_every=10, unsure_probe_every=2))
+    picks = []
+    for i in range(1, 13):
+        pol = ctl.policy_for(KEY)
+        g = pol.gamma()
+        name = pol.proposer_name() if g else "plain"
+        picks.append(name)
+        if name == "ngram":  # slow the first time (a loaded host), then 3 tokens in 14 ms
+            ms = 60.0 if i == 1 else 14.0
+            ctl.observe(KEY, StepStats(2, 2, 3, -1, 2.0, 0.0, ms), proposer="ngram", asked=8, first=True, request=i)
+        else:
+            ctl.observe(KEY, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0), first=True, request=i)
+    # warm-ups (the n-gram, slow; plain), plain's verdict, then the n-gram every other request until it
+    # has 3 requests (4 and 6), within the margin then, probed at 10, ahead at 11-12: probed every other
+    assert picks == ["ngram", "plain", "plain", "ngram", "plain", "ngram", "plain", "plain", "plain", "ngram",
+                     "plain", "ngram"], picks
+    assert "ngram" not in picks[2:9:2]  # the odd-numbered slots never probe (unsure_probe_every=2)
