@@ -94,10 +94,8 @@ class ControllerConfig:
         (the n-gram proposer with its gate, :class:`decoder.proposers.ngram.NgramGate`): offered
         at ``gamma_max`` alone, warmed up there, and priced inside a batch at the rows their steps
         really verify. With the gate choosing each step's length, a lower cap only takes long
-        copies away: on never-served prompts after 40 served ones (one thread, greedy) the gated
-        n-gram at cap 8 ran 1.44x / 1.39x / 1.24x plain on extract / prose / code against 1.36x /
-        1.33x / 1.22x at cap 4, the γ the controller had picked (bench/RESULTS.md, "Twentieth
-        session").
+        copies away (cap 8 against the cap 4 the controller had picked, on never-served prompts:
+        bench/RESULTS.md, "Twentieth session").
     batch_sizes: the batch sizes (requests decoding together, continuous batching) for which
         :meth:`GoodputController.decision` reports the decision (``"by_batch"``); a request
         decides at whatever size it runs, these are only shown. ``build_serving_loop`` passes
@@ -1003,9 +1001,9 @@ class GoodputController:
         """The best candidate of a model-free proposer (no model to run: where it proposes badly
         its gate cuts it to about a plain step) measured on fewer than :data:`MIN_VERDICT_REQUESTS`
         requests, whatever its rate: a verdict from one request's steps is one prompt's, at one
-        moment's load (a walkthrough's first n-gram request ran while v0 bootstrapped beside it,
-        32 ms a token, and left prose on plain decoding for 200 requests, probed once in 10).
-        Else None."""
+        moment's load (a walkthrough's first n-gram request ran while v0 bootstrapped beside it and
+        left prose on plain decoding for most of its phase, probed once in ``probe_every``;
+        bench/RESULTS.md, "Twentieth session"). Else None."""
         few = [k for k in spec if proposer_spec(k[0]).model_free
                and (s.clusters[k[0]].count() if k[0] in s.clusters else 0) < MIN_VERDICT_REQUESTS]
         return max(few, key=cands.get) if few else None
