@@ -773,16 +773,23 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
     head_monitor = (RollbackMonitor(head_registry, tracker, min_requests=rollback_min_requests, margin=rollback_margin,
                                     proposer=HEAD, merged=head_history) if head_registry is not None else None)
     if controller is None:
-        # the gated n-gram proposer: γ only caps the length its gate picks per step (ControllerConfig.capped)
-        capped = tuple(n for n in proposers if n == NGRAM and decoder.ngram_gate is not None)
-        controller = GoodputController(ControllerConfig(proposers=tuple(proposers), capped=capped,
-                                                        batch_sizes=batch_sizes_up_to((config or LoopConfig()).max_batch)),
-                                       step_cost=decoder.step_cost,
-                                       adapter_version=lambda: decoder.adapter_version,
-                                       head_version=lambda: decoder.head_version,
-                                       proposer_available=_availability(decoder, manager, hold_base_draft))
+        controller = _controller(decoder, manager, tuple(proposers), config or LoopConfig(), hold_base_draft)
     return ServingLoop(decoder, manager=manager, controller=controller, tracker=tracker, monitor=monitor,
                        writer=writer, config=config, heads=heads, head_monitor=head_monitor)
+
+
+def _controller(decoder, manager, proposers: tuple[str, ...], config: LoopConfig,
+                hold_base_draft: bool) -> GoodputController:
+    """The serving loop's default goodput controller over ``proposers``: following the decoder's
+    adapter and head versions, pricing steps on its StepCost, the gated n-gram proposer capped
+    (its gate picks each step's length below γ: ControllerConfig.capped)."""
+    capped = tuple(n for n in proposers if n == NGRAM and decoder.ngram_gate is not None)
+    return GoodputController(ControllerConfig(proposers=proposers, capped=capped,
+                                              batch_sizes=batch_sizes_up_to(config.max_batch)),
+                             step_cost=decoder.step_cost,
+                             adapter_version=lambda: decoder.adapter_version,
+                             head_version=lambda: decoder.head_version,
+                             proposer_available=_availability(decoder, manager, hold_base_draft))
 
 
 def _availability(decoder, manager, hold_base_draft: bool) -> Callable[[str], bool]:
