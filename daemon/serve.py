@@ -1095,6 +1095,7 @@ class InferenceService:
         self._grammars: OrderedDict[str, Any] = OrderedDict()  # compiled grammars by GBNF text, most recent last
         self._abandoned = threading.Event()  # shutting down past the drain grace: waiting handlers answer now
         self.drain_grace_s: float | None = None
+        self.drain_cut_after_s: float | None = None  # a second stop signal cut the drain short after this long
         self.context_len = context_len
         self.max_tokens_default = max_tokens_default
         self.speculation = speculation
@@ -1117,21 +1118,30 @@ class InferenceService:
                 "speculation_by_batch": speculation_by_batch(st["speculation"]), **st,
                 "cardinality": {b.name: b.status() for b in (self.workloads, self.buckets)}, "ts": time.time()}
 
-    def abandon(self, grace_s: float | None = None) -> None:
+    def _shutdown_why(self) -> str:
+        """Why a request was cancelled at shutdown: past the drain grace, or a second stop signal
+        that cut the drain short (then raising the grace would not have helped)."""
+        if self.drain_cut_after_s is not None:
+            return (f"when a second stop signal (SIGTERM/SIGINT) cut the drain short after {self.drain_cut_after_s:.0f} s, "
+                    f"before the drain grace ran out")
+        grace = "" if self.drain_grace_s is None else f" = {self.drain_grace_s:g} s"
+        return f"after the drain grace (serve.drain_grace_s{grace}, DRAFTD_SERVE__DRAIN_GRACE_S)"
+
+    def abandon(self, grace_s: float | None = None, cut_after_s: float | None = None) -> None:
         """Shutting down past the drain grace (the loop has cancelled what was left): every handler
         still waiting for a ticket answers at once (503 ``draining``; a stream: an error event)
         instead of waiting for the decoder to reach its next step, so the HTTP server closes its
         connections within its own graceful timeout rather than cancelling the handlers (uvicorn's
         ASGI CancelledError traceback, and a 500 to the client)."""
         self.drain_grace_s = grace_s
+        self.drain_cut_after_s = cut_after_s
         self._abandoned.set()
 
     def _abandoned_error(self, ticket) -> ApiError:
         ticket.cancel()
-        grace = "" if self.drain_grace_s is None else f" = {self.drain_grace_s:g} s"
-        return ApiError(503, f"the server shut down before this request finished: it was cancelled after the drain "
-                             f"grace (serve.drain_grace_s{grace}, DRAFTD_SERVE__DRAIN_GRACE_S); retry it on another "
-                             f"instance", code="draining", type_="service_unavailable")
+        return ApiError(503, f"the server shut down before this request finished: it was cancelled "
+                             f"{self._shutdown_why()}; retry it on another instance", code="draining",
+                        type_="service_unavailable")
 
     def parse(self, body: Any, kind: str, header_workload: str | None = None) -> Parsed:
         p = parse_request(body, kind, self.tokenizer, models={self.model}, context_len=self.context_len,
@@ -1325,10 +1335,9 @@ class InferenceService:
         if deadline is not None and time.monotonic() >= deadline:
             return self._timeout(ticket)
         if self.loop.draining or self._abandoned.is_set():
-            grace = "" if self.drain_grace_s is None else f" = {self.drain_grace_s:g} s"
             return ApiError(503, f"the server shut down before this request finished: it was cancelled mid-decode "
-                                 f"after the drain grace (serve.drain_grace_s{grace}, DRAFTD_SERVE__DRAIN_GRACE_S); "
-                                 f"retry it on another instance", code="draining", type_="service_unavailable")
+                                 f"{self._shutdown_why()}; retry it on another instance", code="draining",
+                            type_="service_unavailable")
         return ApiError(503, "the request was cancelled by the server before it finished; retry it",
                         code="cancelled", type_="service_unavailable")
 
@@ -2038,10 +2047,14 @@ def _drain_loop(sv, loop, service: InferenceService, cut: threading.Event) -> No
     left is cancelled and whoever still waits is answered."""
     log.info("serve_draining", grace_s=sv.drain_grace_s, queued=loop.queue_depth)
     service.drain_grace_s = sv.drain_grace_s  # named in the 503 of a request cancelled past it
+    t0 = time.monotonic()
     drained = loop.drain(sv.drain_grace_s, cut)  # past the grace (or a second signal) it cancels what is left
     if not drained:
+        # a second signal: its 503s and error events say so, not "after the drain grace"
+        cut_after = time.monotonic() - t0 if cut.is_set() and time.monotonic() - t0 < sv.drain_grace_s else None
+        service.drain_cut_after_s = cut_after
         _settle(loop, 1.0)  # a cancelled request usually stops within a step: its client gets its 503
-        service.abandon(sv.drain_grace_s)  # whoever still waits is answered now, not cancelled by uvicorn
+        service.abandon(sv.drain_grace_s, cut_after)  # whoever still waits is answered now, not cancelled by uvicorn
         if not _settle(loop, 30.0):
             log.warning("serve_decoder_still_busy", waited_s=30.0)
     log.info("serve_drained", complete=drained)

@@ -271,10 +271,14 @@ def test_sigterm_style_drain_finishes_in_flight_and_refuses_new_with_503(redis_c
         assert drained == [True] and len(results) == 1 and results[0].choices[0].text is not None
 
 
-def test_past_the_drain_grace_waiting_clients_are_answered_at_once_streamed_or_not(redis_client, key_prefix):
+@pytest.mark.parametrize("cut_after_s", [None, 3.0])
+def test_past_the_drain_grace_waiting_clients_are_answered_at_once_streamed_or_not(redis_client, key_prefix,
+                                                                                   cut_after_s):
     """What `serve` does once the drain grace is spent (service.abandon): a client still waiting for a
     decoder that has not stopped yet gets a 503 naming serve.drain_grace_s (a stream: the error
-    event, then [DONE]) at once, so uvicorn's graceful shutdown never has to cancel a handler."""
+    event, then [DONE]) at once, so uvicorn's graceful shutdown never has to cancel a handler. A
+    second stop signal that cut the drain short is named instead (a break session read "after the
+    drain grace (serve.drain_grace_s = 30 s)" 3 s into a 30 s grace)."""
     with serving(redis_client, key_prefix) as s:
         block = Blocker()
         s.loop.decoder.between_requests.append(block)
@@ -300,14 +304,20 @@ def test_past_the_drain_grace_waiting_clients_are_answered_at_once_streamed_or_n
         while s.loop.queue_depth < 1:  # one decoding (held), one queued
             time.sleep(0.02)
         t0 = time.monotonic()
-        s.service.abandon(2.0)
+        s.service.abandon(2.0, cut_after_s)
         for t in threads:
             t.join(10)
         assert time.monotonic() - t0 < 3, "a waiting client was not answered at once"
         e = got["plain"]
         assert e.status_code == 503 and e.body["code"] == "draining", e.body
-        assert "serve.drain_grace_s = 2 s" in e.body["message"]
-        assert "serve.drain_grace_s" in str(got["stream"])
+        if cut_after_s is None:
+            assert "serve.drain_grace_s = 2 s" in e.body["message"]
+            assert "serve.drain_grace_s" in str(got["stream"])
+        else:
+            assert ("cancelled when a second stop signal (SIGTERM/SIGINT) cut the drain short after 3 s, before the "
+                    "drain grace ran out") in e.body["message"], e.body["message"]
+            assert "drain_grace_s" not in e.body["message"]
+            assert "cut the drain short after 3 s" in str(got["stream"])
         block.release.set()
 
 
