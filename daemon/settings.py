@@ -519,7 +519,8 @@ class ServeSettings(_Group):
                             "offer (at once, the base draft), hold (once v0 or a later version is ready: `run` and `demo` "
                             "bootstrap v0, `serve` alone loads the cached one), auto (hold a draft derived from the target's "
                             "layers, models.draft = 'layers:...', whose untrained proposals are almost never accepted; offer "
-                            "any other draft). Requests that name the draft get it either way.")
+                            "any other draft). A fixed γ (a request's `gamma`) runs the first offered proposer; with serve.proposers = "
+                            "[\"draft\"] alone it runs the draft, held or not.")
     eagle_head: Path | None = Field(None, description="A feature-level head file (decoder.eagle.save_head; bench/head_buffer_bench.py "
                                     "--save distils one from the buffer) for the 'eagle' proposer; needs 'eagle' in serve.proposers. "
                                     "Unset with 'eagle' and serve.follow_heads: the heads the trainer promotes serve.")

@@ -172,7 +172,8 @@ class ControllerConfig:
 
 
 MIN_VERDICT_REQUESTS = 3  # requests a model-free proposer is measured on before plain decoding's verdict stands
-HELD_WHY = "off: the draft is not offered yet (it serves once its first adapter version is ready)"
+HELD_WHY = ("off: the draft is not offered while no adapter version of it is served (serve.base_draft: it is "
+            "offered again once one is promoted)")
 
 
 def _two(a: float, b: float) -> tuple[str, str]:

@@ -735,7 +735,8 @@ def build_serving_loop(target, draft, tokenizer, *, client=None, store_config=No
     - ``hold_base_draft``: with ``registry``, the controller offers the draft only once the
       registry's first version (v0, bootstrapped or cached) is prepared: a draft cut from the
       target's layers proposes almost nothing before it is trained, and each request that
-      measures it decodes slower than plain. Requests that name the draft still get it.
+      measures it decodes slower than plain. A DecodeRequest whose ``proposer`` names the draft
+      (the demo's evaluation, ``daemonctl generate``) still gets it.
 
     Returns the loop, not started (``with build_serving_loop(...) as loop:``).
 

@@ -27,7 +27,7 @@ def test_a_held_draft_alone_serves_plain_and_warms_up_once_offered():
     for _ in range(12):  # probe slots included: never the draft while it is held
         name, g, why = _request(ctl)
         assert (name, g) == ("plain", 0)
-        assert "not offered yet" in why
+        assert "not offered while no adapter version of it is served" in why
         ctl.observe(KEY, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
     d = ctl.decision(KEY)
     assert d["last"]["warm_up"] is False and (d["gamma"], d["why"]) == (0, d["last"]["why"])
