@@ -154,5 +154,8 @@ def bootstrap(
     if registry is not None:
         meta = adapter_meta(0, base, after, len(train), sum(s.num_tokens for s in train),
                             curve[-1].loss if curve else float("nan"))
-        version = publish(registry, distiller, meta, promoted, reason + ("" if config.promote else " (promote=False)"))
+        # promote=False (`bootstrap --no-promote`) registers a candidate that can still be promoted; a
+        # break session found it stored as rejected, which promote() refuses
+        version = publish(registry, distiller, meta, promoted, reason + ("" if config.promote else " (promote=False)"),
+                          judged=config.promote)
     return BootstrapResult(version, bool(promoted and registry is not None), reason, steps, seconds, len(train), len(held), base, after, curve)

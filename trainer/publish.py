@@ -27,10 +27,12 @@ def adapter_meta(parent: int, before: EvalResult, after: EvalResult, samples: in
 
 
 def publish(registry: Any, distiller: Distiller, meta: AdapterMeta, promote: bool, reason: str,
-            work_dir: Path | None = None, store_bytes: bool = False) -> int:
+            work_dir: Path | None = None, store_bytes: bool = False, judged: bool = True) -> int:
     """Save the distiller's adapter (in a temporary directory under ``work_dir``), register it
     with ``meta`` (its files also in Redis with ``store_bytes``, for decoders on other hosts), then
-    promote it in its scope or mark it rejected, with ``reason``. Returns the registered version."""
+    promote it in its scope, or mark it rejected (``judged``: the gate turned it down) or leave it
+    a candidate that can still be promoted (not ``judged``: nobody asked for a promotion), with
+    ``reason``. Returns the registered version."""
     out = Path(tempfile.mkdtemp(dir=work_dir, prefix="draftd-publish-"))
     try:
         distiller.save(out / "adapter")
@@ -40,5 +42,5 @@ def publish(registry: Any, distiller: Distiller, meta: AdapterMeta, promote: boo
     if promote:
         registry.promote(version, reason)
     else:
-        registry.set_state(version, "rejected", reason)
+        registry.set_state(version, "rejected" if judged else "candidate", reason)
     return version

@@ -31,3 +31,19 @@ def test_bootstrap_refuses_rejected_weighting_on_plain_samples(target, draft):
     dist = Distiller(draft, DistillConfig(weighting="rejected"))
     with pytest.raises(TrainerError, match="weighting='rejected'"):
         bootstrap(samples, dist, None, BootstrapConfig(max_steps=10, holdout_fraction=0.2))
+
+
+def test_bootstrap_without_promote_registers_a_candidate_that_can_be_promoted(redis_client, key_prefix, tmp_path,
+                                                                               target, draft):
+    """`daemonctl bootstrap --no-promote` ("register the adapter but do not promote it") stored it
+    as rejected, which promote() refuses ("register a new adapter instead")."""
+    samples = make_samples(target, 48, "prose", seed=21)
+    registry = AdapterRegistry(redis_client, tmp_path / "artifacts", StoreConfig(key_prefix=key_prefix))
+    dist = Distiller(draft, DistillConfig(lr=3e-3, batch_size=8))
+    res = bootstrap(samples, dist, registry, BootstrapConfig(max_steps=20, round_steps=20, holdout_fraction=0.25,
+                                                             promote=False))
+    assert not res.promoted and res.version == 1 and registry.active_version() == 0
+    rec = registry.get(1)
+    assert rec.state == "candidate" and rec.reason.endswith("(promote=False)"), (rec.state, rec.reason)
+    registry.promote(1, "by hand")
+    assert registry.active_version() == 1
