@@ -261,8 +261,10 @@ def render_status(st: dict) -> None:
         spec = ", ".join(f"{w} {'on' if on else 'off'}" for w, on in (hb.get("speculation_by_workload") or {}).items()) or "-"
         t.add_row("serving", escape(f"{hb.get('server_id')}: adapter v{hb.get('adapter_version')}, {hb.get('requests_served')} "
                                     f"served, queue {hb.get('queue_depth')}/{hb.get('queue_size')}"
-                                    f"{', draining' if hb.get('draining') else ''}; speculation {spec}; "
-                                    f"last seen {hb.get('last_seen_s')} s ago"))
+                                    f"{', draining' if hb.get('draining') else ''}; speculation {spec}"
+                                    + (f" (proposers offered: {', '.join(hb['proposers_offered']) or 'none'})"
+                                       if hb.get("proposers_offered") is not None else "")
+                                    + f"; last seen {hb.get('last_seen_s')} s ago"))
         for k, by in (hb.get("speculation_by_batch") or {}).items():  # the controller's γ per batch size
             t.add_row(escape(f"  γ by batch ({k})"), escape(", ".join(
                 f"{b}: {'?' if g is None else ('off' if g == 0 else f'γ={g}')}" for b, g in by.items())))

@@ -196,3 +196,14 @@ def test_the_previous_adapter_shows_how_many_requests_its_figures_rest_on():
     text = buf.getvalue()
     assert "previous (req): rate/tau/alpha/goodput" in text
     assert "v3 (1): 0.000/1.00/0.179/0.0187" in text, text
+
+
+def test_the_serving_row_names_the_proposers_offered(screen):
+    """A break session: while the derived draft was held (serve.base_draft, no adapter version yet)
+    `daemonctl status` said only "adapter v0 ... speculation prose off"; the offered proposers were
+    in the service's own status alone."""
+    buf = screen(200)
+    hb = {"server_id": "s1", "adapter_version": 0, "requests_served": 3, "queue_depth": 0, "queue_size": 64,
+          "speculation_by_workload": {"prose": False}, "last_seen_s": 1.0, "proposers_offered": ["ngram"]}
+    cli.render_status(_status({"active": 0, "registered": 0}, serving=[hb]))
+    assert "speculation prose off (proposers offered: ngram); last seen 1.0 s ago" in " ".join(buf.getvalue().split())
