@@ -2051,7 +2051,8 @@ def _drain_loop(sv, loop, service: InferenceService, cut: threading.Event) -> No
     drained = loop.drain(sv.drain_grace_s, cut)  # past the grace (or a second signal) it cancels what is left
     if not drained:
         # a second signal: its 503s and error events say so, not "after the drain grace"
-        cut_after = time.monotonic() - t0 if cut.is_set() and time.monotonic() - t0 < sv.drain_grace_s else None
+        elapsed = time.monotonic() - t0
+        cut_after = elapsed if cut.is_set() and elapsed < sv.drain_grace_s else None
         service.drain_cut_after_s = cut_after
         _settle(loop, 1.0)  # a cancelled request usually stops within a step: its client gets its 503
         service.abandon(sv.drain_grace_s, cut_after)  # whoever still waits is answered now, not cancelled by uvicorn

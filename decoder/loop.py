@@ -315,12 +315,12 @@ class ServingLoop:
                 if left <= 0 or (cut is not None and cut.is_set()):
                     break
                 self._cv.wait(min(left, 0.2))
-        if not done and cut is not None and cut.is_set() and time.monotonic() < deadline:
-            log.warning("drain_cut_short", grace_s=grace_s, left_s=round(deadline - time.monotonic(), 1),
-                        queued=self._q.qsize())
-            self._cancel_all()
-        elif not done:
-            log.warning("drain_grace_exceeded", grace_s=grace_s, queued=self._q.qsize())
+        if not done:
+            left = deadline - time.monotonic()
+            if cut is not None and cut.is_set() and left > 0:
+                log.warning("drain_cut_short", grace_s=grace_s, left_s=round(left, 1), queued=self._q.qsize())
+            else:
+                log.warning("drain_grace_exceeded", grace_s=grace_s, queued=self._q.qsize())
             self._cancel_all()
         return done
 
