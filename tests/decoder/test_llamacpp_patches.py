@@ -121,15 +121,15 @@ eng = LlamaCppEngine(sys.argv[1], n_ctx=1024, threads=int(sys.argv[2]))
 rng = random.Random(7)
 seq = eng.start()
 h = hashlib.sha256()
-h.update(np.ascontiguousarray(seq.forward([rng.randrange(100, 40000) for _ in range(150)], 150), dtype=np.float32).tobytes())
+h.update(np.ascontiguousarray(seq.forward([rng.randrange(100, 40000) for _ in range(151)], 151), dtype=np.float32).tobytes())
 for n in (1, 1, 2, 3, 4, 5, 9):
     h.update(np.ascontiguousarray(seq.forward([rng.randrange(100, 40000) for _ in range(n)], n), dtype=np.float32).tobytes())
 print(h.hexdigest())
 """
 
 
-def _logits_digest(gguf: Path, threads: int, tiled: str) -> str:
-    env = {**os.environ, "GGML_X86_TILED": tiled, "DRAFTD_LLAMA_LOG": "0"}
+def _logits_digest(gguf: Path, threads: int, **switches: str) -> str:
+    env = {**os.environ, **switches, "DRAFTD_LLAMA_LOG": "0"}
     r = subprocess.run([sys.executable, "-c", _LOGITS, str(gguf), str(threads)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -139,13 +139,17 @@ def _logits_digest(gguf: Path, threads: int, tiled: str) -> str:
 @pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="the tiled matmul is compiled where the CPU has AVX2 and FMA")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_tiled_matmul_gives_upstreams_bits(threads):
-    """The packaged Q4_1 target (whose token embedding, the output head, is Q8_0): a prompt of 150
-    rows, two plain steps and verifications of 2-9 rows give the same logits, bit for bit, with the
-    tiled kernels as with upstream's (GGML_X86_TILED=0), at one and two threads."""
+    """The packaged Q4_1 target (whose token embedding, the output head, is Q8_0): a prompt of 151
+    rows (an odd count: the last tile of activation rows is a partial one), two plain steps and
+    verifications of 2-9 rows give the same logits, bit for bit, with the tiled kernels (from 5
+    rows on the pre-unpacked ones) as with the per-pair tiles at every row count (GGML_X86_PRE=0)
+    and as with upstream's kernels (GGML_X86_TILED=0), at one and two threads."""
     from decoder.models.packaged import packaged_gguf
 
     try:
         gguf = packaged_gguf("smollm2-135m")
     except Exception as e:  # noqa: BLE001 - the packaged model is an install-time dependency
         pytest.skip(f"packaged model unavailable: {e}")
-    assert _logits_digest(gguf, threads, "1") == _logits_digest(gguf, threads, "0")
+    upstream = _logits_digest(gguf, threads, GGML_X86_TILED="0")
+    assert _logits_digest(gguf, threads, GGML_X86_TILED="1", GGML_X86_PRE="0") == upstream
+    assert _logits_digest(gguf, threads, GGML_X86_TILED="1", GGML_X86_PRE="1") == upstream
