@@ -340,8 +340,11 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     loses more than ``regress_margin`` of it (point estimate; the candidate is then *worse*) or
     measurably loses any (its own paired interval entirely below 0: refused, trained on), and the
     judged records' acceptance decoded at ``gate_gamma`` (``trainer.gate.paired_decoded_gain``)
-    does not measurably fall (its paired interval entirely below 0: refused, *worse*). The
-    evidence is None when no workload could be judged.
+    does not measurably fall (its paired interval entirely below 0: refused, *worse*); where that
+    decoded reading covers >= 2 requests, the lower bound of its interval must be above 0 too (the
+    demo's target is decoded α: a candidate whose gain as served was barely above 0 and whose
+    decoded gain was not lowered decoded α on never-served prompts). The evidence is None when no
+    workload could be judged.
     """
     enough = {w for w, c in after.per_workload.items() if c.samples >= cfg.min_eval_samples}
     judged = sorted(trained & enough)
@@ -396,11 +399,21 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
         # of exactly 0 (resamples that missed the one request that gained) is said to be one
         at = " (it is exactly 0: the gate needs it above 0)" if pg.low == 0 else ""
         return Verdict(False, f"{head}: the interval's lower bound is not above 0{at}", pg, worse)
-    # a walkthrough read "... decoded ... CI [-0.0040, +0.0367]: gain >= promote_margin 0.0, lower bound > 0"
-    # as the decoded interval's bound: the promotion is on acceptance as served, said so with its numbers
-    return Verdict(True, f"{head}: promoted on acceptance as served, its gain {pg.gain:+.4f} >= promote_margin "
-                         f"{cfg.promote_margin:g} and its lower bound {pg.low:+.4f} > 0; no workload regressed > "
-                         f"{cfg.regress_margin:g}", pg)
+    regress = f"no workload regressed > {cfg.regress_margin:g}"
+    if dg.clusters < 2:
+        # a walkthrough read "... decoded ... CI [-0.0040, +0.0367]: gain >= promote_margin 0.0, lower bound > 0"
+        # as the decoded interval's bound: what it was promoted on is said with its numbers
+        return Verdict(True, f"{head}: promoted on acceptance as served, its gain {pg.gain:+.4f} >= promote_margin "
+                             f"{cfg.promote_margin:g} and its lower bound {pg.low:+.4f} > 0; {regress}", pg)
+    if not dg.low > 0:
+        # a walkthrough (7746fc5) promoted math at +0.0247 [+0.0052, +0.0430] as served, decoded +0.0228
+        # [-0.0060, +0.0494], and its decoded α on never-served math prompts fell -0.020 [-0.039, -0.003]
+        return Verdict(False, f"{head}: acceptance as served gained (lower bound {pg.low:+.4f} > 0), but the "
+                              f"decoded reading's lower bound {dg.low:+.4f} is not above 0: a gain decoding may not "
+                              f"see is not promoted", pg, worse)
+    return Verdict(True, f"{head}: promoted on acceptance as served and decoded, its gain {pg.gain:+.4f} >= "
+                         f"promote_margin {cfg.promote_margin:g} and both lower bounds above 0 ({pg.low:+.4f} as "
+                         f"served, {dg.low:+.4f} decoded); {regress}", pg)
 
 
 def gate_slice(heldout: list[VerifiedSample], cfg: ServiceConfig) -> list[VerifiedSample]:

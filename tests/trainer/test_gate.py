@@ -214,3 +214,32 @@ def test_a_confidence_below_one_is_never_described_as_a_100_percent_interval():
     g = PairedGain(**kw, confidence=0.999999999999999)
     assert "100 %" not in g.describe() and ">99.9999 % CI" in g.describe(), g.describe()
     assert "97.5 % CI" in PairedGain(**kw, confidence=0.975).describe()
+
+
+def _eval_decoded(served: list[float], decoded: list[float], positions: int = 10, proposed: float = 10.0) -> EvalResult:
+    """Prose records with acceptance as served ``served`` and decoded acceptance ``decoded`` (accepted
+    over ``proposed`` proposals at the gate's γ), one prompt each."""
+    r = EvalResult()
+    for i, (a, d) in enumerate(zip(served, decoded)):
+        r.add_sample(f"prose-{i}", "prose", EvalCounts(1, positions, a * positions, 0, a * positions, d * proposed, proposed))
+    return r
+
+
+def test_gate_needs_the_decoded_lower_bound_above_0_too():
+    """Acceptance as served gains +0.05 on every request (its interval [+0.05, +0.05]); decoded
+    acceptance gains +0.05 on five requests and loses 0.04 on the other five: pooled +0.005, and
+    every bootstrap resample with six or more of the losing requests (P > 0.37) is below 0, so its
+    95 % lower bound is below 0: not promoted (the walkthrough at 7746fc5 promoted such a candidate
+    and its decoded α on never-served prompts fell). Decoded +0.05 everywhere: promoted, both bounds said."""
+    cfg = ServiceConfig(min_eval_samples=4, min_eval_requests=8, min_eval_positions=80, promote_margin=0.0,
+                        regress_margin=0.02)
+    before = _eval_decoded([0.5] * 10, [0.30] * 10)
+    v = gate(before, _eval_decoded([0.55] * 10, [0.35] * 5 + [0.26] * 5), {"prose"}, cfg)
+    assert v.evidence.low == pytest.approx(0.05)
+    assert not v.promote and not v.worse, v.reason
+    assert "decoded at γ=" in v.reason and "0.3000 -> 0.3050 (+0.0050" in v.reason
+    assert "acceptance as served gained (lower bound +0.0500 > 0), but the decoded reading's lower bound -0.0" in v.reason
+    v = gate(before, _eval_decoded([0.55] * 10, [0.35] * 10), {"prose"}, cfg)
+    assert v.promote, v.reason
+    assert v.reason.endswith("promoted on acceptance as served and decoded, its gain +0.0500 >= promote_margin 0 and "
+                             "both lower bounds above 0 (+0.0500 as served, +0.0500 decoded); no workload regressed > 0.02")
