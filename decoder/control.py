@@ -888,9 +888,11 @@ class GoodputController:
                         g = min(unexplored, key=lambda x: abs(x - best))
                         probe, gamma, why = True, g, f"probe: γ={g}, never measured; " + why
                 elif best == 0 and s.requests % 2 == 0:
-                    unsure = self._unsure_candidate(s, self._candidates(ev), ev)
+                    cands = self._candidates(ev)
+                    unsure = self._unsure_candidate(s, cands, ev)
                     if unsure is not None:
-                        probe, gamma, why = True, unsure[1], self._unsure_probe_why(s, unsure) + why
+                        ratio = cands[unsure] / cands[("plain", 0)]
+                        probe, gamma, why = True, unsure[1], self._unsure_probe_why(s, unsure, ratio) + why
             decision = {
                 "key": key_str(*key),
                 "workload": key[0],
@@ -958,7 +960,7 @@ class GoodputController:
                     unsure = self._unsure_candidate(s, cands, ev)
                     if unsure is not None:
                         choice, probe = unsure, True
-                        why = self._unsure_probe_why(s, unsure) + why
+                        why = self._unsure_probe_why(s, unsure, cands[unsure] / cands[("plain", 0)]) + why
             name, gamma = choice
             decision = {
                 "key": key_str(*key),
@@ -1004,17 +1006,28 @@ class GoodputController:
         requests, whatever its rate: a verdict from one request's steps is one prompt's, at one
         moment's load (a walkthrough's first n-gram request ran while v0 bootstrapped beside it and
         left prose on plain decoding for most of its phase, probed once in ``probe_every``;
-        bench/RESULTS.md, "Twentieth session"). Else None."""
+        bench/RESULTS.md, "Twentieth session"); or one priced ahead of plain decoding on the point
+        but within ``min_gain`` of it, until a full window of its requests is measured: a walkthrough
+        (7746fc5) priced the n-gram at 1.00-1.04x plain from 3 requests, one of them its warm-up,
+        never measured it again, and on never-served prompts it ran 1.08-1.13x. Else None."""
+        plain = cands.get(("plain", 0), math.nan)
+
+        def measured(name: str) -> int:
+            return s.clusters[name].count() if name in s.clusters else 0
+
         few = [k for k in spec if proposer_spec(k[0]).model_free
-               and (s.clusters[k[0]].count() if k[0] in s.clusters else 0) < MIN_VERDICT_REQUESTS]
+               and (measured(k[0]) < MIN_VERDICT_REQUESTS or (cands[k] > plain and measured(k[0]) < _Clusters.KEEP))]
         return max(few, key=cands.get) if few else None
 
-    @staticmethod
-    def _unsure_probe_why(s: _KeyState, unsure: tuple[str, int]) -> str:
+    def _unsure_probe_why(self, s: _KeyState, unsure: tuple[str, int], ratio: float) -> str:
+        """Why ``unsure`` is probed; ``ratio``: its rate over plain decoding's."""
         n = s.clusters[unsure[0]].count() if unsure[0] in s.clusters else 0
         if n < MIN_VERDICT_REQUESTS and proposer_spec(unsure[0]).model_free:
             return (f"probe: {unsure[0]} γ={unsure[1]}, measured on {_requests(n)}: every other request until "
                     f"{MIN_VERDICT_REQUESTS} are; ")
+        if not ratio > 1.0 + self.config.min_gain:
+            return (f"probe: {unsure[0]} γ={unsure[1]}, {ratio:.3f}x plain: ahead within {self._margin()}, measured "
+                    f"every other request until {_Clusters.KEEP} requests are ({_requests(n)} so far); ")
         return (f"probe: {unsure[0]} γ={unsure[1]}, ahead of plain but not yet beyond its confidence bound: measured "
                 f"every other request until it is ({_requests(n)} so far); ")
 

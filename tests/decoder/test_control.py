@@ -370,7 +370,10 @@ def test_speculation_must_beat_plain_by_more_than_min_gain():
     assert 1.0 < best / d["tokens_per_ms"][0] < 1.05  # the construction: ahead, but by less than 5 %
     assert d["gamma"] == 0 and not d["speculate"]
     assert "within the 5% margin (min_gain) of plain 0.100" in d["why"], d["why"]
-    assert [ctl.policy_for(key).gamma() for _ in range(4)] == [0, 0, 0, 0]
+    # the verdict is plain; a model-free proposer ahead within the margin is still measured every other
+    # request until a full window of its requests is (tests/decoder/test_control_capped.py)
+    assert [ctl.policy_for(key).gamma() for _ in range(4)] == [0, 2, 0, 2]
+    assert ctl.decision(key)["gamma"] == 0
     assert ctl.batch_gamma(key, "ngram", 2, 2) == 0
     eager, _ = _ngram_at(ControllerConfig(gamma_max=2, gamma_init=2, min_steps=2, proposers=("ngram",), min_gain=0.0), 29.0)
     assert eager.decision(key)["gamma"] == 2 and eager.decision(key)["proposer"] == "ngram"
