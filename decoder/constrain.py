@@ -96,6 +96,8 @@ def step(state: State, ch: str) -> State | None:
         if ch != extra[0]:
             return None
         return (stack, LIT, extra[1:]) if len(extra) > 1 else _after_value(stack)
+    if mode == DONE:  # the object closed: only the end of sequence (OpenAI's JSON mode stops there; with
+        return None   # whitespace allowed a model emitted newlines up to max_tokens: finish_reason "length")
     if ch in _WS:
         return state
     if mode == ROOT:  # JSON mode: the output is one object
@@ -119,7 +121,7 @@ def step(state: State, ch: str) -> State | None:
         if (ch == "}" and top == "o") or (ch == "]" and top == "a"):
             return _after_value(stack[:-1])
         return None
-    return None  # DONE: only whitespace (above)
+    return None
 
 
 def feed(state: State, text: str) -> State | None:
@@ -131,7 +133,8 @@ def feed(state: State, text: str) -> State | None:
 
 
 class JsonObjectConstraint:
-    """JSON mode for one tokenizer: the output is one JSON object, then end of sequence.
+    """JSON mode for one tokenizer: the output is one JSON object (whitespace allowed before it and
+    inside it), then end of sequence at once.
 
     Shared by every request of a server (the token strings and the masks are per tokenizer);
     a request's progress is its own state (:meth:`start`, :meth:`advance`). Thread-safe.

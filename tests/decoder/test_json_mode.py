@@ -18,9 +18,12 @@ from tiny import CHARS, char_tokenizer
 # the tiny models' 62 characters, with '{' and '}' in place of '@' and '$'
 JSON_CHARS = [{"@": "{", "$": "}"}.get(c, c) for c in CHARS]
 
-VALID = ['{}', '{"a": 1}', '{"a": [1, -2.5e+3, true, false, null, "x\\n\\u00e9"], "b": {"c": []}}', ' {"k" : "v" } ']
+VALID = ['{}', '{"a": 1}', '{"a": [1, -2.5e+3, true, false, null, "x\\n\\u00e9"], "b": {"c": []}}', ' {"k" : "v" }']
 INVALID = ['[]', '1', '{a: 1}', "{'a': 1}", '{"a": 01}', '{"a": 1,}', '{"a" 1}', '{"a": tru}', '{"a": "\x01"}',
-           '{"a": 1}}', '{"a": -}', '{"a": 1.}']
+           '{"a": 1}}', '{"a": -}', '{"a": 1.}',
+           # the object closed: nothing but the end of sequence (a break session's model emitted newlines
+           # after '}' up to max_tokens)
+           '{"a": 1} ', '{}\n', '{} {}']
 
 
 def _root():
@@ -97,7 +100,7 @@ def _allowed_by_hand(jtok, prefix: str, eos: int) -> list[int]:
     JSON's grammar written out for these prefixes: before the object only whitespace or '{'; right
     after '{' whitespace, '"' (a key) or '}'; inside a key any character but '"' and '\\' and
     control characters, which leaves every one of the tiny vocabulary's characters; after '{}'
-    whitespace or the end."""
+    only the end."""
     ids = lambda chars: [jtok.convert_tokens_to_ids(c) for c in chars]  # noqa: E731
     core = prefix.strip(" ")
     if core == "":
@@ -105,7 +108,7 @@ def _allowed_by_hand(jtok, prefix: str, eos: int) -> list[int]:
     if core == "{":
         return ids(' "}')
     if core == "{}":
-        return ids(" ") + [eos]
+        return [eos]
     assert prefix == '{"', prefix
     return ids(JSON_CHARS)
 
