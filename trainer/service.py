@@ -342,9 +342,9 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
     judged records' acceptance decoded at ``gate_gamma`` (``trainer.gate.paired_decoded_gain``)
     does not measurably fall (its paired interval entirely below 0: refused, *worse*); where that
     decoded reading covers >= 2 requests, the lower bound of its interval must be above 0 too (the
-    demo's target is decoded α: a candidate whose gain as served was barely above 0 and whose
-    decoded gain was not lowered decoded α on never-served prompts). The evidence is None when no
-    workload could be judged.
+    demo's target is decoded α: a walkthrough's candidate, its gain as served barely above 0 and its
+    decoded gain's interval reaching below 0, lowered decoded α on never-served prompts). The
+    evidence is None when no workload could be judged.
     """
     enough = {w for w, c in after.per_workload.items() if c.samples >= cfg.min_eval_samples}
     judged = sorted(trained & enough)
