@@ -399,6 +399,13 @@ def gate(before: EvalResult, after: EvalResult, trained: set[str], cfg: ServiceC
         # of exactly 0 (resamples that missed the one request that gained) is said to be one
         at = " (it is exactly 0: the gate needs it above 0)" if pg.low == 0 else ""
         return Verdict(False, f"{head}: the interval's lower bound is not above 0{at}", pg, worse)
+    return _promotion(head, pg, dg, cfg, worse)
+
+
+def _promotion(head: str, pg: PairedGain, dg: PairedGain, cfg: ServiceConfig, worse: bool) -> Verdict:
+    """The gate's last word on a candidate whose gain as served cleared ``promote_margin`` and 0
+    with its lower bound: promoted, unless its decoded reading ``dg`` (over >= 2 requests) has a
+    lower bound not above 0 (:func:`gate`)."""
     regress = f"no workload regressed > {cfg.regress_margin:g}"
     if dg.clusters < 2:
         # a walkthrough read "... decoded ... CI [-0.0040, +0.0367]: gain >= promote_margin 0.0, lower bound > 0"
