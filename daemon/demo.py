@@ -1013,6 +1013,7 @@ class _PhaseEval:
     served_gate: Any = None
     gate_of: Any = None  # version -> its copy gate (_gate_loader)
     step_costs: Any = None  # {rows: ms} as the evaluation began: every phase's Leviathan prediction reads these
+    wall: dict = field(default_factory=dict)  # side -> wall seconds in the phase being evaluated
 
     def state_of(self, version: int):
         """The adapter state of ``version`` (0: the base draft)."""
@@ -1031,7 +1032,10 @@ class _PhaseEval:
         final_state = self.state_of(final)
         row: dict[str, Any] = {"workload": phase, "adapter_at_phase_end": self.phase_end_version.get(phase, 0),
                                "final_adapter": final, "v0_version": self.v0_version}
+        self.wall = {}  # side -> wall seconds: where the evaluation's minutes go (row["eval_wall_s"])
+        t0 = time.perf_counter()
         self.heldout_side(row, phase, final_state)
+        self.wall["heldout"] = time.perf_counter() - t0
         pick_g, pick_p = self.controller_pick(row, phase)
         ps = _prompts(phase, cfg.eval_prompts)
         runs = self.runs(pick_g, pick_p, row["controller_pick"].get("runner_up"))
@@ -1056,7 +1060,12 @@ class _PhaseEval:
             row["llamacpp_plain"] = {"tokens_per_s": round(sum(n for n, _, _ in peer_runs) / sum(ms for _, ms, _ in peer_runs) * 1e3, 3),
                                      "same_tokens_as_plain": f"{sum(s for *_, s in peer_runs)}/{len(peer_runs)}"}
             row["speed_vs_llamacpp_ci"] = _speed_vs_peer(per_prompt, peer_runs, cfg.confidence)
+        t0 = time.perf_counter()
         self.versions_side(row, phase, ps, per_prompt, final)
+        self.wall["versions"] = time.perf_counter() - t0
+        row["eval_wall_s"] = {k: round(v, 1) for k, v in self.wall.items()}
+        self.console.log(f"{phase} evaluated in {sum(self.wall.values()):.0f} s: "
+                         + ", ".join(f"{k} {v:.0f} s" for k, v in self.wall.items()))
         if "adapted_head" in row:
             row["final_head"] = decoder.head_version
             row["head_alpha_gain"] = _nn((row["adapted_head"]["alpha"] or 0) - (row["frozen_head"]["alpha"] or 0))
@@ -1141,7 +1150,9 @@ class _PhaseEval:
             for name, dec, g, prop in runs:
                 if name == "plain" and forget is not None:
                     forget()  # plain decoding pays its own prefill: the prompt's, measured once
+                t0 = time.perf_counter()
                 r = self.decode_run(name, dec, g, prop, ids, phase, final)
+                self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - t0
                 ms = r.latency_ms
                 if name == "plain":
                     # its prefill fed the prompt but its last token, or all of it (the first token from
@@ -1156,7 +1167,9 @@ class _PhaseEval:
                 if name != "plain" and list(r.output_ids) != plain_ids:  # greedy: lossless = token-identical to plain
                     differs[name].append(i)
             if self.peer is not None:  # llama.cpp's own plain generation of the packaged file, the same prompt
+                t0 = time.perf_counter()
                 out, ms, n_out = self.peer.generate(ids, params, cfg.eval_new_tokens, cfg.seed + i)
+                self.wall["llamacpp_plain"] = self.wall.get("llamacpp_plain", 0.0) + time.perf_counter() - t0
                 peer_runs.append((n_out, ms, out == plain_ids[:len(out)]))
         return tot, per_prompt, differs, peer_runs
 

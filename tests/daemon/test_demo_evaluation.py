@@ -51,6 +51,9 @@ def test_evaluation_rows_are_checked_against_plain_decoding():
         for name in ("frozen", "adapted_draft", "adapted_nogate", "frozen_fixedgate"):
             assert r[name]["matches_plain"] == "2/2", (r["workload"], name, r[name])
         assert "matches_plain" not in r["plain"]
+        # where the evaluation's minutes went: every decoded side, the peer, held-out α and the versions check
+        assert set(r["eval_wall_s"]) >= {"heldout", "plain", "frozen", "adapted_draft", "llamacpp_plain", "versions"}
+        assert all(v >= 0 for v in r["eval_wall_s"].values())
         assert r["llamacpp_plain"]["same_tokens_as_plain"] == "2/2"  # our plain == recomputed greedy
         pred = r["adapted_draft"]["prediction"]
         assert pred["alpha"] == round(r["adapted_draft"]["alpha"], 4) and pred["c"] > 0
