@@ -137,3 +137,40 @@ def test_every_phases_leviathan_prediction_reads_the_step_costs_as_the_evaluatio
         assert {n: pred["verify_cost_rows"][n] for n in (1, 2, 3, 4, 5)} == {1: 1.0, 2: 1.5, 3: 1.8, 4: 2.1, 5: 2.4}, r["workload"]
         assert pred["step_cost_ms"] == {1: 10.0, 2: 15.0, 3: 18.0}
     assert dec.step_cost.ms(2) > 30.0  # the case the snapshot is for: the costs moved during the evaluation
+
+
+def test_heldout_side_evaluates_each_distinct_version_once_on_every_core():
+    """The held-out side evaluates v0, the phase-end and the final adapter; where two of them are the
+    same version (the phase-end adapter is usually the final one) it evaluates it once and reports the
+    same reading for both, and it runs on every core, the demo's torch thread count restored after."""
+    import os
+    from types import SimpleNamespace
+
+    from daemon.demo import _PhaseEval
+
+    calls = []
+
+    class Distiller:
+        def evaluate(self, held, adapter=None):
+            calls.append((adapter, torch.get_num_threads()))
+            return SimpleNamespace(alpha={"v0": 0.25, "s7": 0.5, "s9": 0.75}[adapter], served=0.5)
+
+    states = {7: "s7", 9: "s9"}
+    ev = _PhaseEval(*[None] * 15)
+    ev.heldout, ev.distiller, ev.v0_state, ev.v0_version = {"prose": ["a", "b"]}, Distiller(), "v0", 3
+    ev.state_of = states.__getitem__
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        row = {"adapter_at_phase_end": 9, "final_adapter": 9}
+        ev.heldout_side(row, "prose", "s9")
+        assert calls == [("v0", os.cpu_count()), ("s9", os.cpu_count())]  # the final version once, not twice
+        assert row["heldout_alpha"] == {"frozen": 0.25, "phase_end": 0.75, "final": 0.75}
+        assert row["heldout_samples"] == 2 and torch.get_num_threads() == 1
+        calls.clear()
+        row = {"adapter_at_phase_end": 7, "final_adapter": 9}
+        ev.heldout_side(row, "prose", "s9")
+        assert [a for a, _ in calls] == ["v0", "s7", "s9"]
+        assert row["heldout_alpha"] == {"frozen": 0.25, "phase_end": 0.5, "final": 0.75}
+    finally:
+        torch.set_num_threads(before)
