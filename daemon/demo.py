@@ -1032,17 +1032,20 @@ class _PhaseEval:
         final_state = self.state_of(final)
         row: dict[str, Any] = {"workload": phase, "adapter_at_phase_end": self.phase_end_version.get(phase, 0),
                                "final_adapter": final, "v0_version": self.v0_version}
-        self.wall = {}  # side -> wall seconds: where the evaluation's minutes go (row["eval_wall_s"])
-        t0 = time.perf_counter()
-        self.heldout_side(row, phase, final_state)
-        self.wall["heldout"] = time.perf_counter() - t0
         pick_g, pick_p = self.controller_pick(row, phase)
         ps = _prompts(phase, cfg.eval_prompts)
         runs = self.runs(pick_g, pick_p, row["controller_pick"].get("runner_up"))
         up = row["controller_pick"].get("runner_up")
-        self.console.log(f"evaluating {phase} on {len(ps)} prompts never served: plain, frozen, adapted draft, "
+        self.console.log(f"evaluating {phase}: held-out α on {len(self.heldout.get(phase, []))} served requests never "
+                         f"trained on, then {len(ps)} prompts never served: plain, frozen v0, adapted draft, "
                          + (f"the pick ({pick_p} γ={pick_g})" if pick_g else "the pick (plain: speculation off)"
-                            + (f", and the speculation it left off ({up['proposer']} γ={up['gamma']})" if up else "")))
+                            + (f", the speculation it left off ({up['proposer']} γ={up['gamma']})" if up else ""))
+                         + (", llama.cpp's plain" if self.peer is not None else "")
+                         + ", and the versions that served the phase between v0 and the final one")
+        self.wall = {}  # side -> wall seconds: where the evaluation's minutes go (row["eval_wall_s"])
+        t0 = time.perf_counter()
+        self.heldout_side(row, phase, final_state)
+        self.wall["heldout"] = time.perf_counter() - t0
         tot, per_prompt, differs, peer_runs = self.decode_side(phase, ps, runs, final)
         row["copy_gate"] = {"v0": _gate_list(self.gate_of(self.v0_version)), "final": _gate_list(self.gate_of(final))}
         _decoded_rows(row, runs, tot, differs, len(ps))
@@ -1064,8 +1067,11 @@ class _PhaseEval:
         self.versions_side(row, phase, ps, per_prompt, final)
         self.wall["versions"] = time.perf_counter() - t0
         row["eval_wall_s"] = {k: round(v, 1) for k, v in self.wall.items()}
+        said = {"heldout": "held-out α", "frozen": "frozen v0", "adapted_draft": "adapted draft", "adapted": "the pick",
+                "llamacpp_plain": "llama.cpp's plain", "versions": "versions between"}
         self.console.log(f"{phase} evaluated in {sum(self.wall.values()):.0f} s: "
-                         + ", ".join(f"{k} {v:.0f} s" for k, v in self.wall.items()))
+                         + ", ".join(f"{said.get(k, k).replace('_', ' ')} {v:.0f} s" for k, v in self.wall.items()
+                                     if k != "versions" or v >= 0.5))
         if "adapted_head" in row:
             row["final_head"] = decoder.head_version
             row["head_alpha_gain"] = _nn((row["adapted_head"]["alpha"] or 0) - (row["frozen_head"]["alpha"] or 0))
@@ -2148,9 +2154,10 @@ def _price_and_result(r: dict) -> str:
                 f"a request with the prefill plain decoding spent on these prompts ({pick['plain_prefill_share']:.0%} "
                 f"of its time); it ran {ran['ratio']:.2f}x {_interval(ran)} on the {r.get('eval_prompts', '?')} "
                 f"never-served prompts, prefill included"
-                + (" (a gap between the two: what the phase's traffic, its n-gram history warm, taught the controller "
-                   "that these prompts did not bear out)" if outside else ", an interval that holds the price" if outside is False
-                   else ""))
+                + ((" (a gap between the two: what the phase's traffic, its n-gram history warm, taught the controller "
+                    "that these prompts did not bear out)" if round(hi, 2) < round(whole, 2) else
+                    " (above its price: these prompts paid more than the phase's traffic had taught the controller)")
+                   if outside else ", an interval that holds the price" if outside is False else ""))
     return (f"; priced at {priced:.2f}x plain decoding per decoding step (on the phase's traffic, its prefill apart: "
             f"both sides pay the same prefill, which brings a ratio toward 1), it ran {ran['ratio']:.2f}x "
             f"{_interval(ran)} on the {r.get('eval_prompts', '?')} never-served prompts, prefill included")

@@ -75,6 +75,13 @@ def test_the_gap_sentence_is_printed_only_for_a_price_outside_the_interval():
     # a price on an interval's end, as printed (1.18 of 1.1829): inside
     edge = dict(CODE, controller_pick=dict(CODE["controller_pick"], priced_with_prefill=1.1812))
     assert demo._price_and_result(edge).endswith("an interval that holds the price")
+    # the twenty-second session's prose: priced 1.10x a request, ran 1.25x [1.15, 1.36]: a gap the other way,
+    # not "did not bear out"
+    fast = dict(PROSE, controller_pick=dict(PROSE["controller_pick"], priced_with_prefill=1.10),
+                speed_vs_plain_ci={"adapted": {"ratio": 1.248, "low": 1.15, "high": 1.36}})
+    assert demo._price_and_result(fast).endswith(
+        "it ran 1.25x [1.15, 1.36] on the 8 never-served prompts, prefill included (above its price: these prompts "
+        "paid more than the phase's traffic had taught the controller)")
 
 
 # (3) an α at T=1 that held, not rose ------------------------------------------------------------------------
