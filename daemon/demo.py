@@ -545,7 +545,8 @@ def _resend_note(console) -> Callable[[Exception], None]:
 def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params, console, trainer=None) -> _Traffic:
     """Each phase's workload, a request at a time through the API (its first ``eval_prompts``
     prompts kept back for the evaluation), the live table after each. A phase serves for
-    ``cfg.phase_seconds`` (the first one from v0's arrival), then on until its workload's own
+    ``cfg.phase_seconds`` (the first one from its first request where the learner's progress ends
+    phases, the bootstrap's minutes included, else from v0's arrival), then on until its workload's own
     adapter was promoted and had ``cfg.phase_min_judged`` turns judged on enough held-out evidence
     (:func:`_phase_progress`), at most ``cfg.phase_max_seconds`` (at its seconds when the trainer's
     schedule never started); each entry of ``shifts`` says how long its phase served and why it ended."""
@@ -558,9 +559,11 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
         for k, phase in enumerate(cfg.phases):
             shift = {"t": time.time() - t0, "request": len(timeline), "workload": phase}
             shifts.append(shift)
+            first_waits = k == 0 and trainer is not None and not trainer.ready.is_set()
             console.log(f"phase {k + 1}/{len(cfg.phases)}: {phase} traffic for {cfg.phase_seconds:.0f} s"
-                        + (" once v0 is ready (the bootstrap runs first; served meanwhile)"
-                           if k == 0 and trainer is not None and not trainer.ready.is_set() else "")
+                        + ((" from its first request (v0 bootstraps first; served meanwhile)"
+                            if cfg.phase_min_judged and svc is not None and cfg.per_workload else
+                            " once v0 is ready (the bootstrap runs first; served meanwhile)") if first_waits else "")
                         + (f", then until its adapter was promoted and judged {cfg.phase_min_judged} times (at most "
                            f"{cfg.max_phase_seconds():.0f} s)" if cfg.phase_min_judged and svc is not None else ""))
             prompts = _prompts(phase, 1000, skip=cfg.eval_prompts)  # every distinct prompt there is (hundreds)
@@ -568,7 +571,8 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
             began = start  # the phase's first request (the first phase's clock starts later, at v0)
             while True:
                 now = time.time()
-                if k == 0 and trainer is not None and not trainer.ready.is_set():
+                bootstrapping = k == 0 and trainer is not None and not trainer.ready.is_set()
+                if bootstrapping:
                     start = now  # the first phase serves from the first second; its clock starts at v0
                 elif k == 0 and trainer is not None and trainer.ready_at is not None:
                     start = max(start, trainer.ready_at)
@@ -579,7 +583,12 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                         stopped = True
                         console.log("[yellow]the trainer's schedule did not start (its warm start raised: see the "
                                     "error above), so no adapter is trained and each phase ends at its seconds[/]")
-                done, why = _phase_progress(cfg, learner, phase, now - start, timeline[shift["request"]:])
+                # where the learner's progress ends a phase, the first one's minimum counts its traffic from
+                # its first request (the bootstrap's minutes served it too) and its cap from v0: its adapter's
+                # judged turns, all after v0, still decide; a time-bounded phase's seconds start at v0
+                learns = bool(cfg.phase_min_judged and learner is not None and cfg.per_workload)
+                done, why = (False, "") if bootstrapping else _phase_progress(
+                    cfg, learner, phase, now - (began if learns else start), timeline[shift["request"]:], cap_s=now - start)
                 if done:
                     break
                 if why and not extended:
@@ -619,8 +628,10 @@ def _workload_turns(svc, workload: str, st: dict | None = None) -> dict[str, int
     return {"turns": 0, "judged": 0, "promoted": 0} | ((st.get("workload_turns") or {}).get(workload) or {})
 
 
-def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float, rows=()) -> tuple[bool, str]:
-    """Whether a phase that has served ``served_s`` seconds (since its start) ends now, and why.
+def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float, rows=(), cap_s: float | None = None) -> tuple[bool, str]:
+    """Whether a phase that has served ``served_s`` seconds (since its start) ends now, and why;
+    ``cap_s``: its seconds on the clock ``cfg.max_phase_seconds()`` caps (``served_s`` when None; the
+    first phase's runs from v0's arrival).
 
     It ends at ``cfg.phase_seconds`` once its workload's own adapter has been promoted, has had
     ``cfg.phase_min_judged`` turns judged on enough held-out evidence (the gate's min_eval_requests
@@ -643,7 +654,7 @@ def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float, rows=(
     if t["judged"] >= cfg.phase_min_judged and t["promoted"] and by_own >= cfg.phase_min_served:
         return True, (f"{cfg.phase_seconds:.0f} s served and {t['judged']} judged turns of its adapter "
                       f"({t['promoted']} promoted)" + (f"; its v{own} served {_requests(by_own)}" if cfg.phase_min_served else ""))
-    if served_s >= cfg.max_phase_seconds():
+    if (served_s if cap_s is None else cap_s) >= cfg.max_phase_seconds():
         return True, (f"phase_max_seconds {cfg.max_phase_seconds():.0f} s reached with {t['judged']} of "
                       f"{cfg.phase_min_judged} judged turns ({t['turns']} turns, {t['promoted']} promoted)")
     why = (f"its adapter has had {t['judged']} turn{'' if t['judged'] == 1 else 's'} judged on enough held-out evidence (the phase needs "

@@ -433,3 +433,62 @@ def test_off_a_terminal_serving_prints_each_phases_last_table_once(monkeypatch):
     ends = [s["request"] + s["requests"] for s in traffic.shifts]
     assert len(ends) == 2 and ends[0] > 1, traffic.shifts
     assert re.findall(r"after-(\d+)", text) == [str(n) for n in ends], text
+
+
+def test_the_first_phase_counts_its_minimum_from_its_first_request_and_its_cap_from_v0(monkeypatch):
+    """Where the learner's progress ends a phase, the bootstrap's minutes count toward the first
+    phase's phase_seconds (they were served), so once v0 is ready the phase ends as soon as its own
+    adapter, trained from v0, was promoted, judged twice and served: not phase_seconds after v0. A
+    twenty-first-session walkthrough served prose 246 s while v0 bootstrapped, then 121 s more. The
+    cap still counts from v0: a long bootstrap never cuts the learner's turns short."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    import daemon.demo as demo
+
+    clock = _Clock()
+    state = {"served": 0}
+
+    class _Ready:
+        def is_set(self):
+            return state["served"] >= 150  # v0 after 150 requests (each 2 s: 300 s of traffic)
+
+        def wait(self, timeout=None):
+            return self.is_set()
+
+    svc = _Svc({"prose": {"turns": 0, "judged": 0, "promoted": 0}}, {"prose": 0})
+
+    def serve_one(*a, **k):
+        clock.t += 1.0  # 2 s a request with the clock's own second
+        state["served"] += 1
+        if state["served"] == 150:
+            trainer.ready_at = clock.t
+        if state["served"] == 170:  # 40 s after v0: the adapter promoted (v3) and judged twice
+            svc.turns["prose"] = {"turns": 2, "judged": 2, "promoted": 1}
+            svc.versions["prose"] = 3
+        return {"t": 0.0, "workload": "prose", "adapter_version": 3 if state["served"] > 170 else 0}
+
+    monkeypatch.setattr(demo, "time", clock)
+    monkeypatch.setattr(demo, "_serve_one", serve_one)
+    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
+    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
+    trainer = demo._Trainer(None, None, svc, {}, None, ready=_Ready())
+    trainer.started, trainer.ready_at = True, None
+    loop = types.SimpleNamespace(manager=None, controller=None, heads=None, decoder=types.SimpleNamespace(adapter_version=3))
+    screen = io.StringIO()
+    cfg = DemoConfig.quick(phases=("prose",), bootstrap_duty=1.0)  # phase_seconds 120, judged twice, 6 served
+    traffic = demo._serve_phases(cfg, None, loop, None, "m", svc, types.SimpleNamespace(bucket=lambda: "greedy"),
+                                 Console(file=screen, width=300), trainer)
+    sh = traffic.shifts[0]
+    # 6 requests of v3 after the 170th: the phase ends at the 176th request, 52 s after v0, not 120 s after
+    assert sh["requests"] == 176, sh
+    assert 50 <= sh["seconds"] <= 54 and sh["wall_seconds"] > 340, sh
+    assert sh["ended"].startswith("120 s served and 2 judged turns of its adapter (1 promoted)"), sh
+    assert "prose traffic for 120 s from its first request (v0 bootstraps first; served meanwhile)" in screen.getvalue()
+    # the cap counts from v0: 300 s of traffic before v0 does not end the phase at v0 (360 s is 3 x 120)
+    assert demo._phase_progress(cfg, _Svc({"prose": {"turns": 0, "judged": 0, "promoted": 0}}), "prose", 400.0,
+                                cap_s=10.0)[0] is False
+    assert demo._phase_progress(cfg, _Svc({"prose": {"turns": 0, "judged": 0, "promoted": 0}}), "prose", 400.0,
+                                cap_s=360.0)[0] is True
