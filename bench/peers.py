@@ -255,7 +255,8 @@ def server_command(binary: Path, model: Path, port: int, parallel: int, ctx_per_
             (without a unified KV cache each slot gets ``-c / -np``).
         threads: CPU threads for generation and batches (``-t``, ``-tb``; the draft's too).
         spec_type: llama.cpp's own speculation (``--spec-type``, e.g. ``ngram-simple``), or None.
-        draft_model: a draft GGUF (``-md``) for draft-model speculation, or None.
+        draft_model: a draft GGUF (``-md``) for draft-model speculation, or None; its pools and the
+            target's wait without polling (``--poll 0`` and the draft's, batch and not).
         extra: more arguments, appended as given.
 
     Raises:
@@ -269,7 +270,11 @@ def server_command(binary: Path, model: Path, port: int, parallel: int, ctx_per_
     if spec_type:
         cmd += ["--spec-type", spec_type]
     if draft_model is not None:
-        cmd += ["-md", str(draft_model), "-td", str(threads), "-tbd", str(threads)]
+        # no thread polling in either pool: with both pools polling on a 2-core host each one's spinning
+        # threads took the cores from the other, and a 64-token request ran 6x slower (bench/RESULTS.md,
+        # "Twenty-second session")
+        cmd += ["-md", str(draft_model), "-td", str(threads), "-tbd", str(threads),
+                "--poll", "0", "--poll-batch", "0", "--poll-draft", "0", "--poll-batch-draft", "0"]
     return cmd + list(extra)
 
 

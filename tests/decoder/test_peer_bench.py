@@ -36,6 +36,9 @@ def test_server_command_scales_context_with_slots_and_adds_speculation():
     assert ng[ng.index("--spec-type") + 1] == "ngram-simple" and ng[ng.index("-c") + 1] == "2048"
     md = peers.server_command(Path("s"), Path("t"), 1, 8, 512, 2, draft_model=Path("/d.gguf"))
     assert md[md.index("-md") + 1] == "/d.gguf" and md[md.index("-td") + 1] == "2" and md[md.index("-c") + 1] == "4096"
+    # two polling thread pools on two cores starve each other: every pool waits without polling
+    assert all(md[md.index(f) + 1] == "0" for f in ("--poll", "--poll-batch", "--poll-draft", "--poll-batch-draft"))
+    assert "--poll" not in cmd and "--poll" not in ng  # plain and n-gram servers keep llama.cpp's default
     with pytest.raises(ValueError):
         peers.server_command(Path("s"), Path("t"), 1, 0, 512, 2)
 
