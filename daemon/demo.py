@@ -565,7 +565,8 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                             if cfg.phase_min_judged and svc is not None and cfg.per_workload else
                             " once v0 is ready (the bootstrap runs first; served meanwhile)") if first_waits else "")
                         + (f", then until its adapter was promoted and judged {cfg.phase_min_judged} times (at most "
-                           f"{cfg.max_phase_seconds():.0f} s)" if cfg.phase_min_judged and svc is not None else ""))
+                           f"{cfg.max_phase_seconds():.0f} s{' after v0' if first_waits else ''})"
+                           if cfg.phase_min_judged and svc is not None else ""))
             prompts = _prompts(phase, 1000, skip=cfg.eval_prompts)  # every distinct prompt there is (hundreds)
             start, i, extended = time.time(), 0, False
             began = start  # the phase's first request (the first phase's clock starts later, at v0)

@@ -486,7 +486,8 @@ def test_the_first_phase_counts_its_minimum_from_its_first_request_and_its_cap_f
     assert sh["requests"] == 176, sh
     assert 50 <= sh["seconds"] <= 54 and sh["wall_seconds"] > 340, sh
     assert sh["ended"].startswith("120 s served and 2 judged turns of its adapter (1 promoted)"), sh
-    assert "prose traffic for 120 s from its first request (v0 bootstraps first; served meanwhile)" in screen.getvalue()
+    assert ("prose traffic for 120 s from its first request (v0 bootstraps first; served meanwhile), then until its "
+            "adapter was promoted and judged 2 times (at most 360 s after v0)") in screen.getvalue()
     # the cap counts from v0: 300 s of traffic before v0 does not end the phase at v0 (360 s is 3 x 120)
     assert demo._phase_progress(cfg, _Svc({"prose": {"turns": 0, "judged": 0, "promoted": 0}}), "prose", 400.0,
                                 cap_s=10.0)[0] is False
