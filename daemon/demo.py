@@ -1048,12 +1048,18 @@ class _PhaseEval:
         ps = _prompts(phase, cfg.eval_prompts)
         runs = self.runs(pick_g, pick_p, row["controller_pick"].get("runner_up"))
         up = row["controller_pick"].get("runner_up")
+        # the versions _versions_check decodes besides v0 and the final one (none off a LoRA engine)
+        between = min(_VERSIONS_CHECKED, len({r["adapter_version"] for r in self.timeline if r["workload"] == phase
+                                               and (r["adapter_version"] or not self.v0_version)} - {self.v0_version, final}))
+        if not supports(getattr(decoder, "draft_engine", None), "lora"):
+            between = 0
         self.console.log(f"evaluating {phase}: held-out α on {len(self.heldout.get(phase, []))} served requests never "
                          f"trained on, then {len(ps)} prompts never served: plain, frozen v0, adapted draft, "
                          + (f"the pick ({pick_p} γ={pick_g})" if pick_g else "the pick (plain: speculation off)"
                             + (f", the speculation it left off ({up['proposer']} γ={up['gamma']})" if up else ""))
                          + (", llama.cpp's plain" if self.peer is not None else "")
-                         + ", and the versions that served the phase between v0 and the final one")
+                         + (f", and the {between} version{'' if between == 1 else 's'} that "
+                            f"served the phase between v0 and the final one" if between else ""))
         self.wall = {}  # side -> wall seconds: where the evaluation's minutes go (row["eval_wall_s"])
         t0 = time.perf_counter()
         self.heldout_side(row, phase, final_state)

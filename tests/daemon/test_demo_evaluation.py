@@ -43,8 +43,14 @@ def test_evaluation_rows_are_checked_against_plain_decoding():
     dec = SpeculativeDecoder(target, draft, tok, sink=sunk.append)  # the served decoder streams records
     cfg = DemoConfig.quick(phases=("prose", "extract"), eval_prompts=2, eval_new_tokens=8, per_workload=False,
                             copy_ablation=True)
+    screen = io.StringIO()
     rows = evaluate_phases(cfg, {}, {}, [], None, None, dec, frozen_draft=draft, tok=tok, params=SamplingParams(),
-                           console=Console(file=io.StringIO()), peer=RecomputePeer(target))
+                           console=Console(file=screen, width=400), peer=RecomputePeer(target))
+    # the opening line names what the phase's evaluation runs, before its first side: no versions between v0
+    # and the final one here (nothing served), so none announced
+    text = screen.getvalue()
+    assert "evaluating prose: held-out α on 0 served requests never trained on, then 2 prompts never served" in text
+    assert "llama.cpp's plain" in text and "served the phase between v0" not in text
     assert [r["workload"] for r in rows] == ["prose", "extract"]
     assert sunk == [] and dec.sink == sunk.append  # nothing evaluated reached the buffer; the sink is back
     for r in rows:
