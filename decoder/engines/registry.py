@@ -129,6 +129,10 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
             raise EngineError(str(e)) from e
     tgt = LlamaCppEngine(served.path if served is not None else gguf, threads=threads, embeddings=embeddings, n_seq=n_seq,
                          v_cache=v_cache)
+    if served is not None:  # a format the measurement did not choose: are its verification rows the same bits?
+        from decoder.models.formats import check_pinned_rows
+
+        check_pinned_rows(served, tgt)
     dr = None
     if draft.startswith("layers:"):
         from decoder.models.gguf_export import derived_draft_gguf

@@ -170,11 +170,15 @@ class FormatChoice:
     costs: list[dict[str, Any]] = field(default_factory=list)  # per format: ms by rows, best expected goodput
     measurement: dict[str, Any] | None = None  # the cache key, file, reps, wall time
     paired: dict[str, Any] | None = None  # the best other format over the packaged plain step, per repeat (paired_ratio)
+    rows_identical: bool | None = None  # a pinned format's row check (check_pinned_rows); None: not checked
+    row_max_abs_diff: float | None = None
 
     def describe(self) -> dict[str, Any]:
-        """JSON-ready: the format, file, setting, reason, the cost table and the paired ratio."""
+        """JSON-ready: the format, file, setting, reason, the cost table, the paired ratio and a pinned
+        format's row check."""
         return {"format": self.format, "file": self.path.name, "setting": self.setting, "reason": self.reason,
-                "costs": self.costs, "measurement": self.measurement, "paired": self.paired}
+                "costs": self.costs, "measurement": self.measurement, "paired": self.paired,
+                "rows_identical": self.rows_identical, "row_max_abs_diff": self.row_max_abs_diff}
 
 
 # ---- the setting ------------------------------------------------------------------------------------
@@ -834,17 +838,54 @@ def _check_rows(engines, seqs, toks, cached: int, deadline: float, out: dict[str
     """Per engine with more than one row count, before ``deadline``: whether ``max(rows)`` rows in
     one ``llama_decode`` give the logits of the same rows one at a time (``rows_identical`` and
     ``row_max_abs_diff`` in ``out[name]``); the sequences are truncated back to ``cached``."""
-    import numpy as np
-
     for name, (_, rows) in engines.items():
         if max(rows) > 1 and time.perf_counter() < deadline:
-            s, t = seqs[name], toks[name]
-            block = s.forward(t, len(t)).numpy()
-            s.truncate(cached)
-            single = np.stack([s.forward([x], 1).numpy()[0] for x in t])
-            s.truncate(cached)
-            diff = float(np.abs(block - single).max())
+            diff = _row_diff(seqs[name], toks[name], cached)
             out[name].update(rows_identical=diff == 0.0, row_max_abs_diff=diff)
+
+
+def _row_diff(seq, toks: Sequence[int], cached: int) -> float:
+    """The largest |Δ logit| between ``toks`` decoded as one block of rows after the sequence's
+    ``cached`` tokens and the same tokens decoded one row at a time (0.0: the same bits); the
+    sequence is truncated back to ``cached``."""
+    import numpy as np
+
+    block = seq.forward(list(toks), len(toks)).numpy()
+    seq.truncate(cached)
+    single = np.stack([seq.forward([x], 1).numpy()[0] for x in toks])
+    seq.truncate(cached)
+    return float(np.abs(block - single).max())
+
+
+def check_pinned_rows(choice: FormatChoice, engine, rows: int = 8, cached: int = 32) -> FormatChoice:
+    """For a format the measurement did not choose (pinned, or named in ``models.target``): whether a
+    verification of ``rows`` rows on ``engine`` (the served target) gives the logits of the same rows
+    decoded one at a time, as :func:`measure_formats` checks every candidate of ``auto``. Where it does
+    not (BF16 or F16 on some CPUs), greedy output under speculation, batching or the prompt cache can
+    differ from plain decoding of the format: the reason says so with the difference and the fix, and a
+    warning is logged. Sets ``choice.rows_identical`` and ``choice.row_max_abs_diff``; returns ``choice``.
+    A packaged or measured choice is returned as it is."""
+    if choice.format == PACKAGED or choice.costs:  # the packaged file, or measured (its rows checked there)
+        return choice
+    vocab = engine.vocab_size
+    seq = engine.start()
+    try:
+        seq.forward([(100 + i) % vocab for i in range(cached)], 1)
+        diff = _row_diff(seq, [(5 + 7 * j) % vocab for j in range(rows)], cached)
+    finally:
+        seq.release()
+    choice.rows_identical, choice.row_max_abs_diff = diff == 0.0, diff
+    if diff != 0.0:
+        choice.reason += (f"; NOT LOSSLESS on this CPU: a verification of {rows} rows gives logits that differ from the "
+                          f"same rows decoded one at a time (max |Δ| {diff:.3g}), so greedy output under speculation, batching "
+                          f"or the prompt cache can differ from plain decoding of {choice.format}; models.format=auto "
+                          f"serves only formats whose rows are identical here, models.format=packaged the packaged file")
+        import structlog
+
+        structlog.get_logger("decoder.models.formats").warning(
+            "served_format_rows_differ", format=choice.format, row_max_abs_diff=diff, rows=rows,
+            fix="models.format=auto or packaged: formats whose verification rows are identical on this CPU")
+    return choice
 
 
 BUSY_MAX = 0.25  # other processes' share of the CPUs during the timed steps above which no format is judged

@@ -225,6 +225,59 @@ def test_a_pinned_format_is_served_without_measuring(tiny_pkg, monkeypatch):
     assert F.resolve_format("auto", str(tiny_pkg)) is None  # a path: served as given
 
 
+def test_a_pinned_format_whose_rows_differ_says_it_is_not_lossless_here(tiny_pkg, monkeypatch):
+    """A break session pinned BF16 on a Zen 5: a verification's rows differed from one-row steps (the
+    measurement's own check had left it out of auto), and served greedy output changed with speculation,
+    batching and the prompt cache while the reason read only "pinned". A pinned format's rows are
+    checked on the served engine at start: the reason says NOT LOSSLESS with the difference and the fix."""
+    import numpy as np
+    import torch
+
+    from decoder.engines.llamacpp import LlamaCppEngine
+
+    c = F.resolve_format("f16", "tiny-pkg")
+    eng = LlamaCppEngine(c.path, n_ctx=256, threads=1)
+    try:
+        F.check_pinned_rows(c, eng, rows=4, cached=8)
+        # independently: the same 4 rows as one block and one at a time on a fresh sequence
+        s = eng.start()
+        s.forward([(100 + i) % eng.vocab_size for i in range(8)], 1)
+        toks = [(5 + 7 * j) % eng.vocab_size for j in range(4)]
+        block = s.forward(toks, 4).numpy()
+        s.truncate(8)
+        single = np.stack([s.forward([x], 1).numpy()[0] for x in toks])
+        s.release()
+    finally:
+        eng.close()
+    want = float(np.abs(block - single).max())
+    assert c.row_max_abs_diff == want and c.rows_identical == (want == 0.0)
+    assert ("NOT LOSSLESS" in c.reason) == (want != 0.0), c.reason
+    assert c.describe()["rows_identical"] == c.rows_identical
+
+    class Seq:  # rows that differ from one-row steps by 0.25 in one logit
+        def forward(self, ids, n):
+            out = torch.zeros(n, 5)
+            if len(ids) > 1:
+                out[-1, 2] = 0.25
+            return out
+
+        def truncate(self, n):
+            pass
+
+        def release(self):
+            pass
+
+    eng = type("Eng", (), {"vocab_size": 5, "start": lambda self: Seq()})()
+    bf = F.resolve_format("bf16", "tiny-pkg")
+    F.check_pinned_rows(bf, eng)
+    assert bf.rows_identical is False and bf.row_max_abs_diff == 0.25
+    assert ("pinned (models.format=BF16); NOT LOSSLESS on this CPU: a verification of 8 rows gives logits that differ "
+            "from the same rows decoded one at a time (max |Δ| 0.25)") in bf.reason and "models.format=auto" in bf.reason
+    # the packaged file and a measured choice are not checked again
+    pk = F.resolve_format("packaged", "tiny-pkg")
+    assert F.check_pinned_rows(pk, eng).rows_identical is None
+
+
 def test_the_measurement_is_cached_per_file_cpu_and_threads(tiny_pkg, tmp_path, monkeypatch):
     """Timed once per (file, CPU, threads, formats, draft): the second start reads the cache; another
     thread count measures again; a damaged cache file is measured again. ``_time_rows`` is faked:
