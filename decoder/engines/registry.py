@@ -120,7 +120,7 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
         return EngineChoice("torch", f"auto: {why_not}")
     served = None
     if target_format is not None:
-        from decoder.models.formats import resolve_format
+        from decoder.models.formats import check_pinned_rows, resolve_format
 
         try:
             served = resolve_format(target_format, target, threads, draft, proposers, progress=progress,
@@ -130,8 +130,6 @@ def choose_engine(choice: str, target: str, device: str = "cpu", draft: str = "l
     tgt = LlamaCppEngine(served.path if served is not None else gguf, threads=threads, embeddings=embeddings, n_seq=n_seq,
                          v_cache=v_cache)
     if served is not None:  # a format the measurement did not choose: are its verification rows the same bits?
-        from decoder.models.formats import check_pinned_rows
-
         check_pinned_rows(served, tgt)
     dr = None
     if draft.startswith("layers:"):
