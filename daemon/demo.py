@@ -1049,10 +1049,8 @@ class _PhaseEval:
         runs = self.runs(pick_g, pick_p, row["controller_pick"].get("runner_up"))
         up = row["controller_pick"].get("runner_up")
         # the versions _versions_check decodes besides v0 and the final one (none off a LoRA engine)
-        between = min(_VERSIONS_CHECKED, len({r["adapter_version"] for r in self.timeline if r["workload"] == phase
-                                               and (r["adapter_version"] or not self.v0_version)} - {self.v0_version, final}))
-        if not supports(getattr(decoder, "draft_engine", None), "lora"):
-            between = 0
+        between = (len(_version_chain(self.timeline, phase, self.v0_version, final)[1])
+                   if supports(getattr(decoder, "draft_engine", None), "lora") else 0)
         self.console.log(f"evaluating {phase}: held-out α on {len(self.heldout.get(phase, []))} served requests never "
                          f"trained on, then {len(ps)} prompts never served: plain, frozen v0, adapted draft, "
                          + (f"the pick ({pick_p} γ={pick_g})" if pick_g else "the pick (plain: speculation off)"
@@ -1311,6 +1309,20 @@ def _live_cell(r: dict) -> str:
 _VERSIONS_CHECKED = 4  # adapter versions decoded per phase besides v0 and the final one, at most
 
 
+def _version_chain(timeline, phase: str, v0_version: int, final: int) -> tuple[list[int], list[int]]:
+    """The adapter versions :func:`_versions_check` walks for ``phase``: (the chain from v0 through each
+    version that served the phase, in order of first use, to the final one; the ones between v0 and
+    the final one it decodes, at most ``_VERSIONS_CHECKED``: the first ones and the one that served the
+    phase's end)."""
+    # the base draft (0) that served before v0 was ready is no promotion after v0: not in the chain
+    served = [r["adapter_version"] for r in timeline if r["workload"] == phase and (r["adapter_version"] or not v0_version)]
+    chain = list(dict.fromkeys([v0_version, *served, final]))
+    middle = [v for v in chain if v not in (v0_version, final)]
+    if len(middle) > _VERSIONS_CHECKED:
+        middle = middle[: _VERSIONS_CHECKED - 1] + middle[-1:]
+    return [v for v in chain if v in (v0_version, final) or v in middle], middle
+
+
 def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_version, timeline, per_prompt,
                     runs_out: dict | None = None, final: int | None = None) -> list[dict]:
     """Did any promotion lower decoded α on the phase's never-served prompts? Each adapter version
@@ -1328,14 +1340,8 @@ def _versions_check(cfg, phase, ps, tok, params, decoder, frozen, registry, v0_v
     if not supports(getattr(decoder, "draft_engine", None), "lora"):
         return []
     final = decoder.adapter_version if final is None else final  # the version the adapted rows ran
-    # the base draft (0) that served before v0 was ready is no promotion after v0: not in the chain
-    served = [r["adapter_version"] for r in timeline if r["workload"] == phase and (r["adapter_version"] or not v0_version)]
-    chain = list(dict.fromkeys([v0_version, *served, final]))
     runs = {v0_version: per_prompt["frozen"], final: per_prompt["adapted_draft"]}
-    middle = [v for v in chain if v not in runs]
-    if len(middle) > _VERSIONS_CHECKED:  # the first ones and the one that served the phase's end
-        middle = middle[: _VERSIONS_CHECKED - 1] + middle[-1:]
-    chain = [v for v in chain if v in runs or v in middle]
+    chain, middle = _version_chain(timeline, phase, v0_version, final)
     history = decoder.ngram_history
     gate_of = _gate_loader(registry)
     for v in middle:
