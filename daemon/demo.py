@@ -1084,7 +1084,8 @@ class _PhaseEval:
         self.wall["versions"] = time.perf_counter() - t0
         row["eval_wall_s"] = {k: round(v, 1) for k, v in self.wall.items()}
         said = {"heldout": "held-out α", "frozen": "frozen v0", "adapted_draft": "adapted draft", "adapted": "the pick",
-                "llamacpp_plain": "llama.cpp's plain", "versions": "versions between"}
+                "llamacpp_plain": "llama.cpp's plain", "versions": "versions between",
+                "runner_up": "the speculation left off"}
         self.console.log(f"{phase} evaluated in {sum(self.wall.values()):.0f} s: "
                          + ", ".join(f"{said.get(k, k).replace('_', ' ')} {v:.0f} s" for k, v in self.wall.items()
                                      if k != "versions" or v >= 0.5))
