@@ -49,6 +49,13 @@ def bindings():
 
 _extra: tuple[bool, str] | None = None  # this process's decision (llama_extra_buffers)
 _route = False  # llama_call runs llama.cpp's compute on its own thread (AMX tiles in use)
+_amx_rows: dict | None = None  # decoder.engines.amx_rows.apply_amx_rows's result where the AMX path runs
+
+
+def amx_rows() -> dict | None:
+    """This process's ``GGML_AMX_VNNI_MAX_ROWS`` decision (:func:`decoder.engines.amx_rows.apply_amx_rows`:
+    setting, source, reason), or None where llama.cpp's AMX path does not run."""
+    return _amx_rows
 _llama_q = None  # the llama.cpp thread's work queue (_llama_queue)
 _llama_ident: int | None = None
 
@@ -172,7 +179,7 @@ def llama_extra_buffers(gguf: str | Path) -> tuple[bool, str]:
     Returns:
         (use_extra_bufts, reason), logged once.
     """
-    global _extra, _route
+    global _extra, _route, _amx_rows
     L = bindings()
     with _init_lock:
         if _extra is None:
@@ -184,6 +191,10 @@ def llama_extra_buffers(gguf: str | Path) -> tuple[bool, str]:
             _extra = decided
             use = _extra[0]
             _route = use and "AMX_INT8 = 1" in info
+            if _route:  # before the first matmul reads it: where the AMX tiles overtake the per-row kernel
+                from decoder.engines.amx_rows import apply_amx_rows
+
+                _amx_rows = apply_amx_rows(Path(gguf))
             defaults = getattr(L.llama_model_default_params, "_draftd_defaults", L.llama_model_default_params)
 
             def model_params():
@@ -275,18 +286,24 @@ PATCH_SWITCHES = ("GGML_AMX_VNNI_MAX_ROWS", "GGML_FA_BF16V_BLOCKED", "GGML_X86_T
 _ON_UNLESS_0 = ("GGML_FA_BF16V_BLOCKED", "GGML_X86_TILED")  # on unless the value starts with 0
 
 
-def patch_switches(environ=None) -> dict[str, int | bool]:
+def patch_switches(environ=None) -> dict[str, tuple[int, ...] | bool]:
     """The patches' switches as the patched ggml reads them (once per process, at its first
-    matmul / attention): ``GGML_AMX_VNNI_MAX_ROWS`` as C's ``atoi`` (leading digits, after an
-    optional sign; anything else 0), at least 1, default 8; ``GGML_FA_BF16V_BLOCKED`` and
-    ``GGML_X86_TILED`` off only when the value starts with ``0``. So "abc" and "1" read the
+    matmul / attention): ``GGML_AMX_VNNI_MAX_ROWS`` as a tuple, one entry per thread count (1, 2,
+    ...; the last one for more threads), each comma-separated field as C's ``atoi`` reads it
+    (leading digits, after an optional sign; anything else 0), at least 1, at most 16 fields,
+    default ``(8,)`` (:mod:`decoder.engines.amx_rows` sets it per host); ``GGML_FA_BF16V_BLOCKED``
+    and ``GGML_X86_TILED`` off only when the value starts with ``0``. So "abc" and "1" read the
     same, as do unset and "8"."""
     import re
 
     env = os.environ if environ is None else environ
     raw = env.get("GGML_AMX_VNNI_MAX_ROWS")
-    m = re.match(r"\s*([+-]?\d+)", raw) if raw is not None else None
-    rows = 8 if raw is None else max(1, int(m.group(1)) if m else 0)
+
+    def atoi(field: str) -> int:
+        m = re.match(r"\s*([+-]?\d+)", field)
+        return int(m.group(1)) if m else 0
+
+    rows = (8,) if raw is None else tuple(max(1, atoi(f)) for f in raw.split(",")[:16])
     return {"GGML_AMX_VNNI_MAX_ROWS": rows, **{k: not (env.get(k) or "1").startswith("0") for k in _ON_UNLESS_0}}
 
 
@@ -310,7 +327,8 @@ def cpu_backend_identity() -> str:
     for lib in libs:
         h.update(lib.read_bytes())
     sw, default = patch_switches(), patch_switches({})
-    env = ",".join(f"{k}={int(v)}" for k, v in sw.items() if v != default[k])
+    env = ",".join(f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else int(v)}"
+                   for k, v in sw.items() if v != default[k])
     return h.hexdigest()[:16] + (f";{env}" if env else "")
 
 

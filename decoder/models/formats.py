@@ -561,8 +561,10 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     gguf = Path(gguf)
     threads = int(threads or os.cpu_count() or 1)
     fmts = list(dict.fromkeys(f if f == PACKAGED else f.upper() for f in formats))
-    from decoder.engines.llamacpp_lib import cpu_backend_identity
+    from decoder.engines.llamacpp_lib import cpu_backend_identity, llama_extra_buffers, llamacpp_available
 
+    if llamacpp_available():  # this process's once-only kernel settings first (decoder.engines.amx_rows): in the key
+        llama_extra_buffers(gguf)
     # the llama.cpp build is part of the key: a rebuilt or patched backend prices steps anew
     key = {"model": f"{gguf.stem}-{file_digest16(gguf)}", **cpu_key(threads), "formats": fmts,
            "draft_layers": draft_layers, "version": MEASURE_VERSION, "llama_cpu": cpu_backend_identity()}

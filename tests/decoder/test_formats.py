@@ -758,6 +758,9 @@ def test_the_backend_identity_follows_the_library_bytes_and_the_switches(tmp_pat
     assert lib.cpu_backend_identity() == one + ";GGML_AMX_VNNI_MAX_ROWS=1"
     monkeypatch.setenv("GGML_AMX_VNNI_MAX_ROWS", "8")  # the default: the same key as unset
     assert lib.cpu_backend_identity() == one
+    monkeypatch.setenv("GGML_AMX_VNNI_MAX_ROWS", "5,3")  # per thread count (decoder.engines.amx_rows)
+    assert lib.cpu_backend_identity() == one + ";GGML_AMX_VNNI_MAX_ROWS=5,3"
+    monkeypatch.delenv("GGML_AMX_VNNI_MAX_ROWS")
     monkeypatch.setenv("GGML_FA_BF16V_BLOCKED", "off")  # on: only a leading 0 turns it off
     assert lib.cpu_backend_identity() == one
     monkeypatch.setenv("GGML_FA_BF16V_BLOCKED", "0")
@@ -777,7 +780,12 @@ def test_the_patch_switches_read_as_the_patched_ggml_reads_them():
 
     rows = lambda v: patch_switches({} if v is None else {"GGML_AMX_VNNI_MAX_ROWS": v})["GGML_AMX_VNNI_MAX_ROWS"]
     # C's atoi: leading digits after an optional sign and blanks, else 0; the patch takes max(1, .)
-    assert [rows(v) for v in (None, "8", "3", " 12x", "0x10", "abc", "", "-5", "99999")] == [8, 8, 3, 12, 1, 1, 1, 1, 99999]
+    assert [rows(v) for v in (None, "8", "3", " 12x", "0x10", "abc", "", "-5", "99999")] == [
+        (8,), (8,), (3,), (12,), (1,), (1,), (1,), (1,), (99999,)]
+    # a comma list: one field per thread count, each read by atoi (strchr to the next comma), at most 16
+    assert [rows(v) for v in ("5,3", "5, 3", "5,,3", "5,x", "4,3,", ",2")] == [
+        (5, 3), (5, 3), (5, 1, 3), (5, 1), (4, 3, 1), (1, 2)]
+    assert rows(",".join(["2"] * 20)) == (2,) * 16
     fa = lambda v: patch_switches({} if v is None else {"GGML_FA_BF16V_BLOCKED": v})["GGML_FA_BF16V_BLOCKED"]
     assert [fa(v) for v in (None, "1", "0", "0x10", "off", "", " 0")] == [True, True, False, False, True, True, True]
     tiled = lambda v: patch_switches({} if v is None else {"GGML_X86_TILED": v})["GGML_X86_TILED"]
