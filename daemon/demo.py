@@ -326,14 +326,19 @@ def _engine_lines(engines) -> list[str]:
     """The engine's line and, apart, the served format's (``EngineChoice.reason`` ends in "; serving
     <format> (<file>): <its reason>"): inside the engine line's parentheses the format's reason,
     with parentheses of its own, ended in "output))" and read as one clause."""
+    from decoder.engines.llamacpp_lib import amx_rows
+
+    amx = amx_rows()  # where llama.cpp's AMX path runs: the rows its per-row kernel takes (decoder.engines.amx_rows)
+    extra = ([f"AMX matmuls: the per-row kernel up to GGML_AMX_VNNI_MAX_ROWS={amx['setting']} rows (per thread count: "
+              f"1, 2, ...), the tiles beyond ({amx['source']}): {amx['reason']}"] if amx else [])
     served = getattr(engines, "served", None)
     if served is None:
-        return [f"engine: {engines.name} ({engines.reason})"]
+        return [f"engine: {engines.name} ({engines.reason})", *extra]
     tail = f"; serving {served.format} ({Path(served.path).name}): {served.reason}"
     if not engines.reason.endswith(tail):
-        return [f"engine: {engines.name} ({engines.reason})"]
+        return [f"engine: {engines.name} ({engines.reason})", *extra]
     return [f"engine: {engines.name} ({engines.reason.removesuffix(tail)})",
-            f"served format: {served.format} ({Path(served.path).name}), {served.reason}"]
+            f"served format: {served.format} ({Path(served.path).name}), {served.reason}", *extra]
 
 
 def _start_trainer(stack, settings, cfg: DemoConfig, store: _Store, models: _Models, out_dir: Path,

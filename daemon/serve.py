@@ -821,7 +821,10 @@ def _served_format(engines) -> dict | None:
     cache type, which plain decoding must share to give the same greedy output; None off llama.cpp."""
     if engines.served is None:
         return None
-    return {**engines.served.describe(), "v_cache": getattr(engines.target, "v_cache", None)}
+    from decoder.engines.llamacpp_lib import amx_rows
+
+    return {**engines.served.describe(), "v_cache": getattr(engines.target, "v_cache", None),
+            "amx_rows": amx_rows()}  # None off llama.cpp's AMX path (decoder.engines.amx_rows)
 
 
 def _grammar_gguf(target: str, engine) -> str | None:

@@ -39,12 +39,15 @@ def _measurement() -> FormatMeasurement:
     return FormatMeasurement({"model": "m"}, fm, None, reps=12, cached_tokens=300)
 
 
-def test_the_served_format_says_which_figure_chose_it_and_what_its_rows_cost_against_the_packaged_files():
+def test_the_served_format_says_which_figure_chose_it_and_what_its_rows_cost_against_the_packaged_files(monkeypatch):
     """39d6919: "Q8_0 expects 0.0828 tokens/ms (plain decoding), 1.31x the tokens per ms of plain decoding of
     the packaged file (...); paired per repeat 1.24x [1.12, 1.38] over 12 repeats; packaged 1.00x; F16 left
     out (its 8-row verification's logits differ from its one-row steps (max 0.0619) ...output))", nothing
     on what the choice gave up: Q8_0's 2 rows cost 32.71 / 12.07 = 2.71 of its steps, the packaged file's
     27.30 / 15.87 = 1.72. Plain decoding of Q8_0: 15.87 / 12.07 = 1.31x on the medians."""
+    import decoder.engines.llamacpp_lib as lib
+
+    monkeypatch.setattr(lib, "_amx_rows", None)  # no AMX path in this process (below: one)
     assert f"{Q8[2] / Q8[1]:.2f}" == "2.71" and f"{PK[2] / PK[1]:.2f}" == "1.72" and f"{PK[1] / Q8[1]:.2f}" == "1.31"
     c = choose_format(_measurement(), alphas={}, proposers=())
     assert c.format == "Q8_0", c.reason
@@ -73,6 +76,11 @@ def test_the_served_format_says_which_figure_chose_it_and_what_its_rows_cost_aga
     assert not any(x.endswith("))") for x in lines)
     assert demo._engine_lines(SimpleNamespace(name="torch", served=None, reason="auto: no GGUF")) == [
         "engine: torch (auto: no GGUF)"]
+    # on llama.cpp's AMX path, where the tiles take over from the per-row kernel, on a line of its own
+    monkeypatch.setattr(lib, "_amx_rows", {"setting": "4,3", "source": "measured", "reason": "1 thread(s): ..."})
+    assert demo._engine_lines(eng)[2:] == [
+        "AMX matmuls: the per-row kernel up to GGML_AMX_VNNI_MAX_ROWS=4,3 rows (per thread count: 1, 2, ...), the "
+        "tiles beyond (measured): 1 thread(s): ..."]
 
 
 # (5) a live cell's measured rate above the ceiling it states ---------------------------------------------
