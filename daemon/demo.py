@@ -322,6 +322,20 @@ def _load_models(settings, console, embeddings: bool = False) -> _Models:
     return _Models(pair, engines, layers, vocab, fp)
 
 
+def _monitor_checks(monitor) -> dict[str, list[dict]]:
+    """The rollback monitor's checks of each promoted version as served: ``rollbacks``, those that
+    rolled a version back; ``rollback_checks``, every check (kept ones too: a walkthrough read two
+    "kept" checks under "rollbacks")."""
+    return {"rollbacks": [d.__dict__ for d in monitor.decisions if d.rolled_back],
+            "rollback_checks": [d.__dict__ for d in monitor.decisions]}
+
+
+def _amx_rows() -> dict | None:
+    from decoder.engines.llamacpp_lib import amx_rows
+
+    return amx_rows()
+
+
 def _engine_lines(engines) -> list[str]:
     """The engine's line and, apart, the served format's (``EngineChoice.reason`` ends in "; serving
     <format> (<file>): <its reason>"): inside the engine line's parentheses the format's reason,
@@ -907,12 +921,13 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "heads": ([_adapter_row(r) for r in trainer.head_registry.list()] if trainer.head_registry is not None else None),
         "head_v0": trainer.head_v0.__dict__ if trainer.head_v0 is not None else None,
         "trainer": _jsonable(st), "swaps": loop.manager.status(),
-        "rollbacks": [d.__dict__ for d in loop.monitor.decisions],
+        **_monitor_checks(loop.monitor),
         "head_rollbacks": [d.__dict__ for d in loop.head_monitor.decisions] if loop.head_monitor is not None else None,
         "shift_alarms": [a.__dict__ for a in loop.tracker.alarms], "shifts": shifts,
         "serving": loop.status(), "ngram_history_tokens": decoder.ngram_history.status(),
         "ngram_gate": decoder.ngram_gate.status() if decoder.ngram_gate is not None else None,
         "served_format": models.engines.served.describe() if models.engines.served is not None else None,
+        "amx_rows": _amx_rows(),  # llama.cpp's AMX path: the rows its per-row kernel takes (decoder.engines.amx_rows)
         "v_cache": getattr(models.engines.target, "v_cache", None),  # plain decoding's and every row's (llamacpp.py)
         "step_cost_ms": decoder.step_cost.status(),
         "engine_ceiling": decoder.step_cost.ceiling(controller.config.gamma_max),

@@ -401,3 +401,18 @@ def test_the_demo_serves_with_the_base_draft_held_as_serve_does(monkeypatch):
             demo._start_serving(stack, settings, cfg, NS(client=None, config=None), models,
                                 NS(registry=None, keep_heldout=None, head_registry=None), console=None)
         assert seen["hold_base_draft"] is held
+
+
+# the twenty-third session's walkthroughs: report.json's "rollbacks" held checks that kept the version ------------
+
+def test_report_rollbacks_hold_only_the_checks_that_rolled_a_version_back():
+    from types import SimpleNamespace as NS
+
+    from decoder.rollback import RollbackDecision
+
+    kept = RollbackDecision(5, 2, "code@greedy", 0.48, 0.47, 20, 20, False, "kept: no measurable loss", 1.0)
+    back = RollbackDecision(9, 5, "code@greedy", 0.31, 0.48, 20, 20, True, "rolled back: -0.17", 2.0)
+    out = demo._monitor_checks(NS(decisions=[kept, back, kept]))
+    assert [d["version"] for d in out["rollbacks"]] == [9] and out["rollbacks"][0]["rolled_back"] is True
+    assert [d["version"] for d in out["rollback_checks"]] == [5, 9, 5]
+    assert demo._monitor_checks(NS(decisions=[kept])) == {"rollbacks": [], "rollback_checks": [kept.__dict__]}
