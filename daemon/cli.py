@@ -272,7 +272,10 @@ def render_status(st: dict) -> None:
         if sf:  # decoder.models.formats: the target's weight format and why
             t.add_row("served format", escape(f"{hb.get('server_id')}: {sf.get('format')} ({sf.get('file')}; "
                                               f"models.format={sf.get('setting')}): {sf.get('reason')}"
-                                              + (f"; V cache {sf['v_cache']}" if sf.get("v_cache") else "")))
+                                              + (f"; V cache {sf['v_cache']}" if sf.get("v_cache") else "")
+                                              + (f"; AMX per-row kernel up to GGML_AMX_VNNI_MAX_ROWS="
+                                                 f"{sf['amx_rows'].get('setting')} rows ({sf['amx_rows'].get('source')})"
+                                                 if isinstance(sf.get("amx_rows"), dict) else "")))
     for p in st.get("problems", []):  # plain text that may quote a workload's name or an error's
         t.add_row("[red]problem[/]", escape(p))
     for w in st.get("warnings", []):

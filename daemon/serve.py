@@ -1800,6 +1800,9 @@ class Heartbeat:
         if st.get("served_format"):  # the format, file and why; the cost table stays in serve's own status
             hb["served_format"] = {k: st["served_format"][k] for k in ("format", "file", "setting", "reason", "v_cache")
                                    if k in st["served_format"]}
+            amx = st["served_format"].get("amx_rows")
+            if amx:  # where llama.cpp's AMX tiles take over (decoder.engines.amx_rows): the setting and its source
+                hb["served_format"]["amx_rows"] = {k: amx.get(k) for k in ("setting", "source")}
         try:
             write_heartbeat(self.client, self.store_config, self.service.server_id, hb,
                             ttl_s=3 * self.interval_s)

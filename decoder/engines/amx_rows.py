@@ -17,16 +17,24 @@ what it computes.
 per-row kernel that minimises the summed cost over n = 2..9 (:func:`best_max_rows`), and sets
 ``GGML_AMX_VNNI_MAX_ROWS`` to the list ("a,b,...": a at 1 thread, b at 2, the last one for more
 threads) in this process's environment before llama.cpp's first matmul reads it. Cached per
-llama.cpp CPU library and CPU under :func:`decoder.models.packaged.cache_root` (``amx-rows.json``).
-A ``GGML_AMX_VNNI_MAX_ROWS`` set by the user is kept.
+llama.cpp CPU library and CPU under :func:`decoder.models.packaged.cache_root` (``amx-rows.json``),
+one process measuring at a time (a lock file beside it). Not used, and measured again at the next
+start: a measurement whose two one-row steps (the same kernel) differ by more than
+:data:`NOISE_MAX`, or beside other work (other processes above :data:`BUSY_MAX` of the CPUs). It is
+measured on the packaged SmolLM2 Q4_1 GGUF, whose weights the AMX path takes; without it the
+patch's default stands. A ``GGML_AMX_VNNI_MAX_ROWS`` set by the user is kept.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +48,8 @@ MAX_N = 9  # rows measured: a verification at the controller's γ_max = 8
 REPS = 7
 CACHED = 256
 NOISE_MAX = 0.2  # the two children's one-row steps (the same kernel) may differ by this much
+BUSY_MAX = 0.25  # other processes' share of the CPUs during the measurement above which it is not used
+CHILD_TIMEOUT_S = 120
 CACHE_NAME = "amx-rows.json"
 MEASURE_VERSION = 1
 
@@ -86,7 +96,7 @@ def _measure(gguf: Path, threads: list[int]) -> tuple[dict[str, dict[int, dict[i
         env = dict(os.environ, **{ENV: value}, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         try:
             r = subprocess.run([sys.executable, "-c", _CHILD, str(gguf), ",".join(map(str, threads)), str(REPS),
-                                str(CACHED), str(MAX_N)], capture_output=True, text=True, timeout=300, env=env)
+                                str(CACHED), str(MAX_N)], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env)
         except subprocess.TimeoutExpired:
             return None, f"the {name} measurement timed out"
         if r.returncode != 0:
@@ -132,48 +142,112 @@ def _decide(meas: dict[str, dict[int, dict[int, float]]], threads: list[int]) ->
     return ks, "; ".join(parts)
 
 
-def apply_amx_rows(gguf: Path) -> dict[str, Any]:
-    """Set ``GGML_AMX_VNNI_MAX_ROWS`` for this process from this host's measurement (cached), unless
-    it is set already. Call before llama.cpp's first matmul (``llama_extra_buffers`` does, where
-    the AMX path runs). Returns ``{"setting", "source", "reason", "ms"}``: ``source`` one of
-    "environment", "cached", "measured", "default" (a failed or noisy measurement: the patch's
-    default, 8 rows, and measured again at the next start). Never raises."""
-    if os.environ.get(ENV) is not None:
-        return {"setting": os.environ[ENV], "source": "environment", "reason": f"{ENV} set in the environment"}
-    from decoder.models.packaged import cache_root, packaged_gguf
+def _valid(setting: Any) -> bool:
+    """A cached setting as this module writes it: 1 to 16 comma-separated ints in 1..:data:`MAX_N`."""
+    if not isinstance(setting, str) or not re.fullmatch(r"\d+(,\d+){0,15}", setting):
+        return False
+    return all(1 <= int(v) <= MAX_N for v in setting.split(","))
 
-    try:
-        packaged = Path(packaged_gguf("smollm2-135m"))
-    except Exception:  # noqa: BLE001 - not installed: the model at hand
-        packaged = None
-    model = packaged if packaged is not None and packaged.is_file() else Path(gguf)
-    threads = list(range(1, min(os.cpu_count() or 1, 4) + 1))
-    key, cache = _key(model, threads), cache_root() / CACHE_NAME
+
+def _others_busy(j0, c0, j1, c1, seconds: float) -> float | None:
+    """The share (0..1) of the CPUs that processes other than this one and its measuring children
+    used over ``seconds`` (``decoder.models.formats.cpu_jiffies`` snapshots ``j0``/``j1``,
+    ``os.times()`` ``c0``/``c1`` for the children), or None where unknown."""
+    hz = os.sysconf("SC_CLK_TCK")
+    if j0 is None or j1 is None or not seconds * hz >= 1:  # under one clock tick: unknown
+        return None
+    mine = (j1[1] - j0[1]) / hz + (c1.children_user + c1.children_system) - (c0.children_user + c0.children_system)
+    return min(1.0, max(0.0, ((j1[0] - j0[0]) / hz - mine) / (seconds * (os.cpu_count() or 1))))
+
+
+def _read(cache: Path) -> dict:
     try:
         known = json.loads(cache.read_text())
-        known = known if isinstance(known, dict) else {}
     except (OSError, ValueError):
-        known = {}
-    entry = known.get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("setting"), str):
-        os.environ[ENV] = entry["setting"]
-        return {**entry, "source": "cached"}
-    meas, why = _measure(model, threads)
-    ks, reason = _decide(meas, threads) if meas is not None else (None, why)
-    if ks is None:
-        log.warning("amx_rows_not_measured", reason=reason, default=DEFAULT)
-        return {"setting": str(DEFAULT), "source": "default", "reason": reason,
-                "ms": {k: {str(t): v for t, v in d.items()} for k, d in (meas or {}).items()}}
-    entry = {"setting": ",".join(map(str, ks)), "reason": reason, "model": model.name,
-             "ms": {k: {str(t): {str(n): round(ms, 3) for n, ms in v.items()} for t, v in d.items()} for k, d in meas.items()}}
-    os.environ[ENV] = entry["setting"]
-    known[key] = entry
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write(cache: Path, known: dict) -> None:
+    """Write ``known`` to ``cache`` whole (a temporary file, then a rename); a cache that cannot be
+    written (read-only, not a directory) costs only the caching."""
     tmp = cache.with_suffix(f".tmp{os.getpid()}")
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(known))
         os.replace(tmp, cache)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-    log.info("amx_rows_measured", setting=entry["setting"], reason=reason)
+    except OSError as e:
+        log.warning("amx_rows_not_cached", cache=str(cache), error=str(e))
+        with contextlib.suppress(OSError):  # a read-only file system answers EROFS, not ENOENT
+            tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _measuring_lock(cache: Path):
+    """One process measures at a time (two starting at once would time each other's load): an
+    exclusive ``flock`` on ``<cache>.lock``; none where it cannot be made."""
+    fd = None
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(cache.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def apply_amx_rows(gguf: Path) -> dict[str, Any]:
+    """Set ``GGML_AMX_VNNI_MAX_ROWS`` for this process from this host's measurement (cached), unless
+    it is set already. Call before llama.cpp's first matmul (``llama_extra_buffers`` does, where
+    the AMX path runs). Measured on the packaged SmolLM2 Q4_1 GGUF (weights the AMX path takes);
+    ``gguf`` names the model only in the reason. Returns ``{"setting", "source", "reason"}`` (and
+    ``ms``): ``source`` one of "environment", "cached", "measured", "default" (no packaged model, a
+    failed, noisy or busy measurement: the patch's default, 8 rows, measured again at the next
+    start). Never raises."""
+    if os.environ.get(ENV) is not None:
+        return {"setting": os.environ[ENV], "source": "environment", "reason": f"{ENV} set in the environment"}
+    from decoder.models.packaged import cache_root, packaged_gguf
+
+    try:
+        model = Path(packaged_gguf("smollm2-135m"))
+    except Exception:  # noqa: BLE001 - not installed
+        model = None
+    if model is None or not model.is_file():  # another model's weights may never reach the AMX matmul
+        return {"setting": str(DEFAULT), "source": "default",
+                "reason": f"the packaged model is not installed to measure with ({Path(gguf).name} served as built)"}
+    threads = list(range(1, min(os.cpu_count() or 1, 4) + 1))
+    key, cache = _key(model, threads), cache_root() / CACHE_NAME
+    with _measuring_lock(cache):  # a process that waited here reads what the other one measured
+        entry = _read(cache).get(key)
+        if isinstance(entry, dict) and _valid(entry.get("setting")):
+            os.environ[ENV] = entry["setting"]
+            return {**entry, "source": "cached"}
+        entry = _measure_and_decide(model, threads)
+        if entry.get("source") == "default":
+            log.warning("amx_rows_not_measured", reason=entry["reason"], default=DEFAULT)
+            return entry
+        os.environ[ENV] = entry["setting"]
+        _write(cache, {**_read(cache), key: entry})
+    log.info("amx_rows_measured", setting=entry["setting"], reason=entry["reason"])
     return {**entry, "source": "measured"}
+
+
+def _measure_and_decide(model: Path, threads: list[int]) -> dict[str, Any]:
+    """The cache entry of a measurement ({"setting", "reason", "model", "ms"}), or a default answer
+    ({"source": "default", ...}) where it failed, was noisy, or ran beside other work."""
+    from decoder.models.formats import cpu_jiffies
+
+    j0, c0, t0 = cpu_jiffies(), os.times(), time.perf_counter()
+    meas, why = _measure(model, threads)
+    busy = _others_busy(j0, c0, cpu_jiffies(), os.times(), time.perf_counter() - t0)
+    ks, reason = _decide(meas, threads) if meas is not None else (None, why)
+    if ks is not None and busy is not None and busy > BUSY_MAX:
+        ks, reason = None, (f"the measurement ran beside other work (other processes used {busy:.0%} of the CPUs, "
+                            f"above {BUSY_MAX:.0%}); measured again at the next start")
+    ms = {k: {str(t): {str(n): round(v, 3) for n, v in d.items()} for t, d in by_t.items()}
+          for k, by_t in (meas or {}).items()}
+    if ks is None:
+        return {"setting": str(DEFAULT), "source": "default", "reason": reason, "ms": ms}
+    return {"setting": ",".join(map(str, ks)), "reason": reason, "model": model.name, "ms": ms}

@@ -21,7 +21,7 @@ import torch
 
 from decoder.engines.base import Capabilities, EngineError, forward_router, track
 from decoder.engines.llamacpp_lib import (attach_threadpool, bindings, free_threadpool, llama_call,
-                                          llama_extra_buffers, poll_level, amx_rows)
+                                          llama_extra_buffers, patch_switches, poll_level, amx_rows)
 from decoder.models.gguf_export import (RESTRICTED_EMBD_TYPE_KEY, RESTRICTED_FULL_VOCAB_KEY, RESTRICTED_IDS_KEY,
                                         SPLIT_ID_KEY, SPLIT_KEY, ids_sha16, restricted_sidecars)
 
@@ -732,7 +732,8 @@ class LlamaCppEngine:
         return {"engine": self.name, "model": self.path.name, "device": "cpu", "threads": self.threads,
                 "n_ctx": self.context_length, "n_seq": self.n_seq, "v_cache": self.v_cache, "lora": self.lora,
                 "extra_buffer_types": self.extra_bufts,
-                "amx_vnni_max_rows": (amx_rows() or {}).get("setting"),  # per thread count (decoder.engines.amx_rows)
+                # as ggml reads it, one entry per thread count; None off the AMX path (decoder.engines.amx_rows)
+                "amx_vnni_max_rows": list(patch_switches()["GGML_AMX_VNNI_MAX_ROWS"]) if amx_rows() else None,
                 "head_rows": self.n_out}  # < vocab_size for a restricted (FR-Spec) draft
 
     def close(self) -> None:

@@ -261,7 +261,10 @@ def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
             tmp.write_text(json.dumps(known))
             os.replace(tmp, cache)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            try:  # a read-only file system answers EROFS, not ENOENT: the cache is lost, not the load
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
     return ok, detail
 
 
@@ -299,9 +302,12 @@ def patch_switches(environ=None) -> dict[str, tuple[int, ...] | bool]:
     env = os.environ if environ is None else environ
     raw = env.get("GGML_AMX_VNNI_MAX_ROWS")
 
-    def atoi(field: str) -> int:
-        m = re.match(r"\s*([+-]?\d+)", field)
-        return int(m.group(1)) if m else 0
+    def atoi(field: str) -> int:  # glibc's: (int) strtol(field, NULL, 10), C locale blanks and digits only
+        m = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", field)
+        if not m:
+            return 0
+        v = max(min(int(m.group(1)), 2**63 - 1), -(2**63))  # strtol saturates at the long's range
+        return (v + 2**31) % 2**32 - 2**31  # the cast to a 32-bit int wraps
 
     rows = (8,) if raw is None else tuple(max(1, atoi(f)) for f in raw.split(",")[:16])
     return {"GGML_AMX_VNNI_MAX_ROWS": rows, **{k: not (env.get(k) or "1").startswith("0") for k in _ON_UNLESS_0}}

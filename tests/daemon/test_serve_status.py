@@ -70,3 +70,15 @@ def test_status_names_the_served_weight_format_and_why(redis_client, key_prefix,
         assert hb is not None and hb["served_format"] == {k: served[k] for k in ("format", "file", "setting", "reason")}
         text = " ".join(ctl(env, "status").stdout.split())
         assert "served format" in text and "F16 (m-F16.gguf; models.format=auto): measured: F16 expects" in text
+        assert "AMX" not in text  # no AMX path: nothing said
+    # on llama.cpp's AMX path: the measured GGML_AMX_VNNI_MAX_ROWS and its source, in the heartbeat and the table
+    amx = dict(served, amx_rows={"setting": "4,3", "source": "measured", "reason": "1 thread(s): ...", "ms": {}})
+    with serving(redis_client, key_prefix, heartbeat_s=0.2, served_format=amx) as s:
+        for _ in range(200):
+            st = json.loads(ctl(env, "status", "--json").stdout)
+            hb = next((h for h in st.get("serving", []) if h["server_id"] == s.service.server_id), None)
+            if hb:
+                break
+        assert hb["served_format"]["amx_rows"] == {"setting": "4,3", "source": "measured"}
+        text = " ".join(ctl(env, "status").stdout.split())
+        assert "AMX per-row kernel up to GGML_AMX_VNNI_MAX_ROWS=4,3 rows (measured)" in text

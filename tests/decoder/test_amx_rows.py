@@ -37,8 +37,13 @@ def test_the_best_max_rows_is_where_the_tiles_become_cheaper():
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
+    import decoder.models.packaged as P
+
     monkeypatch.delenv(A.ENV, raising=False)
     monkeypatch.setenv("DRAFTD_CACHE_DIR", str(tmp_path))
+    (tmp_path / "pkg.gguf").write_bytes(b"GGUF")
+    monkeypatch.setattr(P, "packaged_gguf", lambda name: tmp_path / "pkg.gguf")
+    monkeypatch.setattr(A, "_others_busy", lambda *a: 0.0)
     monkeypatch.setattr(A.os, "cpu_count", lambda: 2)
     calls = []
 
@@ -86,3 +91,53 @@ def test_a_noisy_or_failed_measurement_keeps_the_default_and_is_not_cached(fresh
     r = A.apply_amx_rows(tmp / "model.gguf")
     assert (r["source"], r["reason"]) == ("default", "the tiles measurement failed (exit 3)")
     assert A.ENV not in A.os.environ
+
+
+def test_an_unwritable_or_bad_cache_costs_only_the_caching(fresh, monkeypatch):
+    calls, tmp = fresh
+    (tmp / A.CACHE_NAME).write_text(json.dumps({"x": {"setting": "abc"}}))
+    monkeypatch.setattr(A, "_key", lambda model, threads: "x")
+    r = A.apply_amx_rows(tmp / "model.gguf")  # a cached setting that is not one of ours: measured again
+    assert (r["source"], r["setting"], len(calls)) == ("measured", "4,1", 1)
+    for bad in ("999", "", "0", "4,", 7):
+        assert not A._valid(bad)
+    assert A._valid("4,1") and A._valid("9")
+
+    def refuse(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.delenv(A.ENV)
+    (tmp / A.CACHE_NAME).unlink()
+    monkeypatch.setattr(A.Path, "write_text", refuse)
+    monkeypatch.setattr(A.Path, "unlink", refuse)  # EROFS, not ENOENT: the break session's crash
+    r = A.apply_amx_rows(tmp / "model.gguf")
+    assert (r["source"], r["setting"], A.os.environ[A.ENV]) == ("measured", "4,1", "4,1")
+
+
+def test_a_busy_host_or_no_packaged_model_keeps_the_default(fresh, monkeypatch):
+    import decoder.models.packaged as P
+
+    calls, tmp = fresh
+    monkeypatch.setattr(A, "_others_busy", lambda *a: 0.6)  # another process used 60 % of the CPUs meanwhile
+    r = A.apply_amx_rows(tmp / "model.gguf")
+    assert r["source"] == "default" and "beside other work" in r["reason"] and A.ENV not in A.os.environ
+    assert not (tmp / A.CACHE_NAME).exists()
+
+    def missing(name):
+        raise FileNotFoundError(name)
+
+    monkeypatch.setattr(P, "packaged_gguf", missing)
+    r = A.apply_amx_rows(tmp / "model.gguf")
+    assert r["source"] == "default" and "not installed" in r["reason"] and len(calls) == 1  # nothing measured
+
+
+def test_the_others_share_leaves_out_this_process_and_its_children():
+    from types import SimpleNamespace as NS
+
+    hz = A.os.sysconf("SC_CLK_TCK")
+    cpus = A.os.cpu_count() or 1
+    # over 10 s: the machine busy for 10 s of CPU; this process 1 s, its children 6 s: others 3 s of 10 x cpus
+    j0, j1 = (0, 0), (10 * hz, 1 * hz)
+    c0, c1 = NS(children_user=0.0, children_system=0.0), NS(children_user=5.0, children_system=1.0)
+    assert A._others_busy(j0, c0, j1, c1, 10.0) == pytest.approx(3.0 / (10.0 * cpus))
+    assert A._others_busy(None, c0, j1, c1, 10.0) is None and A._others_busy(j0, c0, j1, c1, 0.0) is None

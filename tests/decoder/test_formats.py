@@ -786,6 +786,8 @@ def test_the_patch_switches_read_as_the_patched_ggml_reads_them():
     assert [rows(v) for v in ("5,3", "5, 3", "5,,3", "5,x", "4,3,", ",2")] == [
         (5, 3), (5, 3), (5, 1, 3), (5, 1), (4, 3, 1), (1, 2)]
     assert rows(",".join(["2"] * 20)) == (2,) * 16
+    # glibc's atoi is (int) strtol: past 2^31 it wraps, and only C-locale blanks and ASCII digits count
+    assert [rows(v) for v in ("2147483648", "4294967304", "\x1c5", "\u00a05", "\uff15")] == [(1,), (8,), (1,), (1,), (1,)]
     fa = lambda v: patch_switches({} if v is None else {"GGML_FA_BF16V_BLOCKED": v})["GGML_FA_BF16V_BLOCKED"]
     assert [fa(v) for v in (None, "1", "0", "0x10", "off", "", " 0")] == [True, True, False, False, True, True, True]
     tiled = lambda v: patch_switches({} if v is None else {"GGML_X86_TILED": v})["GGML_X86_TILED"]
