@@ -59,18 +59,13 @@ def verify_cost(gguf, threads: int, reps: int, worker: bool = False, cached: int
         t.start()
         t.join()
         return dict(box["r"], thread="worker")
+    from decoder.engines.amx_rows import time_rows
     from decoder.engines.llamacpp import LlamaCppEngine
 
     eng = LlamaCppEngine(gguf, n_ctx=n_ctx, threads=threads)
     seq = eng.start()
     seq.forward([100 + i % 1000 for i in range(cached)], 1)
-    ms = {n: [] for n in (*range(1, 10), 12, 16)}
-    for _ in range(reps):
-        for n in ms:
-            t0 = time.perf_counter()
-            seq.forward([5 + j for j in range(n)], n)
-            ms[n].append((time.perf_counter() - t0) * 1e3)
-            seq.truncate(cached)
+    ms = time_rows(seq, cached, (*range(1, 10), 12, 16), reps)
     prompt = [100 + i % 1000 for i in range(cached)]
     prefill = []
     for _ in range(3):  # the cached tokens as one prompt (what a request's first step costs before any decode)

@@ -54,7 +54,8 @@ CACHE_NAME = "amx-rows.json"
 MEASURE_VERSION = 1
 
 _CHILD = """
-import json, statistics, sys, time
+import json, statistics, sys
+from decoder.engines.amx_rows import time_rows
 from decoder.engines.llamacpp import LlamaCppEngine
 gguf, threads, reps, cached, max_n = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 out = {}
@@ -62,18 +63,25 @@ for th in threads:
     eng = LlamaCppEngine(gguf, n_ctx=1024, threads=int(th))
     seq = eng.start()
     seq.forward([100 + i % 1000 for i in range(cached)], 1)
-    ms = {n: [] for n in range(1, max_n + 1)}
+    ms = time_rows(seq, cached, range(1, max_n + 1), reps)
+    seq.release()
+    eng.close()
+    out[th] = {str(n): statistics.median(v) for n, v in ms.items()}
+print(json.dumps(out))
+"""
+
+
+def time_rows(seq, cached: int, ns, reps: int) -> dict[int, list[float]]:
+    """ms of ``reps`` decodes of n rows (each n in ``ns``, interleaved) on ``seq``, a sequence
+    holding ``cached`` tokens, cut back to them after each; logits at every row, as a verification."""
+    ms: dict[int, list[float]] = {n: [] for n in ns}
     for _ in range(reps):
         for n in ms:
             t0 = time.perf_counter()
             seq.forward([5 + j for j in range(n)], n)
             ms[n].append((time.perf_counter() - t0) * 1e3)
             seq.truncate(cached)
-    seq.release()
-    eng.close()
-    out[th] = {str(n): statistics.median(v) for n, v in ms.items()}
-print(json.dumps(out))
-"""
+    return ms
 
 
 def best_max_rows(per_row: dict[int, float], tiles: dict[int, float], max_n: int = MAX_N) -> int:
