@@ -50,14 +50,14 @@ def bindings():
 _extra: tuple[bool, str] | None = None  # this process's decision (llama_extra_buffers)
 _route = False  # llama_call runs llama.cpp's compute on its own thread (AMX tiles in use)
 _amx_rows: dict | None = None  # decoder.engines.amx_rows.apply_amx_rows's result where the AMX path runs
+_llama_q = None  # the llama.cpp thread's work queue (_llama_queue)
+_llama_ident: int | None = None
 
 
 def amx_rows() -> dict | None:
     """This process's ``GGML_AMX_VNNI_MAX_ROWS`` decision (:func:`decoder.engines.amx_rows.apply_amx_rows`:
     setting, source, reason), or None where llama.cpp's AMX path does not run."""
     return _amx_rows
-_llama_q = None  # the llama.cpp thread's work queue (_llama_queue)
-_llama_ident: int | None = None
 
 
 def llama_call(fn, *args):
