@@ -864,11 +864,7 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
     alone. ``GoodputController.remeasure_costs`` and ``StepCost.clear`` forget the costs (α and
     the accepted lengths stay), then ``cfg.remeasure_requests`` requests per workload, prompts of
     its pool its phase never reached (never served, never evaluated), warm each proposer and plain
-    decoding up again through the API, as after any change of load. They decode the evaluation's
-    ``cfg.eval_new_tokens`` tokens, not the phases' ``max_new_tokens``: the n-gram's accepted lengths
-    are learnt again here, and a copy-heavy request's first 32 tokens copy more than its 64 do (priced
-    on 32-token requests, the n-gram ran well below its price in the evaluation: docs/walkthroughs.md,
-    the twenty-third session). Returns what it served."""
+    decoding up again through the API, as after any change of load. Returns what it served."""
     t0 = time.time()
     cost = loop.decoder.step_cost
     first_alarm = len(loop.tracker.alarms)  # the alarms this re-measurement raises: shift_alarms[first:last]
@@ -885,10 +881,10 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
             pool = _prompts(phase, 1000, skip=cfg.eval_prompts)
             for j in range(cfg.remeasure_requests):
                 rows.append(_serve_one(oai, loop, tok, model_name, phase, pool[(served.get(phase, 0) + j) % len(pool)],
-                                       cfg.eval_new_tokens, t0))
+                                       cfg.max_new_tokens, t0))
     finally:
         loop.controller.config.unsure_probe_every = every
-    out = {"requests": len(rows), "new_tokens": cfg.eval_new_tokens, "keys": keys, "seconds": round(time.time() - t0, 1),
+    out = {"requests": len(rows), "keys": keys, "seconds": round(time.time() - t0, 1),
            "alarms": {"before": first_alarm, "after": len(loop.tracker.alarms)},
            "alarms_are": ("the count of the report's shift_alarms before and after these requests: they raised "
                           "shift_alarms[before:after] (none where equal)"),
@@ -2668,8 +2664,7 @@ def _plain_figures(report: dict) -> str | None:
         parts.append(f"{fmt:.2f} ms, the format measurement's step of {which} at startup, before the trainer"
                      + (f", after {ctx} cached tokens" if ctx else ""))
     if stopped:
-        n_new = rem.get("new_tokens") or cfg.get("max_new_tokens")  # an older report's: the phases' length
-        new = f", {n_new} new tokens each" if n_new else ""
+        new = f", {cfg['max_new_tokens']} new tokens each" if cfg.get("max_new_tokens") else ""
         parts.append(f"{stopped:.2f} ms, the serving loop's own steps re-measured on {rem.get('requests', '?')} requests "
                      f"(prompts of at most {_PROMPT_TOKENS} tokens{new}), the trainer stopped")
     if tps:
