@@ -118,12 +118,10 @@ def _measure(gguf: Path, threads: list[int]) -> tuple[dict[str, dict[int, dict[i
     return out, ""
 
 
-def _key(gguf: Path, threads: list[int]) -> str:
-    from decoder.engines.llamacpp_lib import cpu_backend_identity
-
+def _key(gguf: Path, threads: list[int], identity: str) -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo() if ln.startswith("model name")), "?")
     model = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo() if ln.startswith("model\t")), "?")
-    return f"v{MEASURE_VERSION};{cpu_backend_identity()};{cpu};model {model};{gguf.name};threads {','.join(map(str, threads))}"
+    return f"v{MEASURE_VERSION};{identity};{cpu};model {model};{gguf.name};threads {','.join(map(str, threads))}"
 
 
 def _cpuinfo() -> list[str]:
@@ -159,7 +157,7 @@ def _valid(setting: Any) -> bool:
 
 def _others_busy(j0, c0, j1, c1, seconds: float) -> float | None:
     """The share (0..1) of the CPUs that processes other than this one and its measuring children
-    used over ``seconds`` (``decoder.models.formats.cpu_jiffies`` snapshots ``j0``/``j1``,
+    used over ``seconds`` (``decoder.hostload.cpu_jiffies`` snapshots ``j0``/``j1``,
     ``os.times()`` ``c0``/``c1`` for the children), or None where unknown."""
     hz = os.sysconf("SC_CLK_TCK")
     if j0 is None or j1 is None or not seconds * hz >= 1:  # under one clock tick: unknown
@@ -206,14 +204,15 @@ def _measuring_lock(cache: Path):
             os.close(fd)
 
 
-def apply_amx_rows(gguf: Path) -> dict[str, Any]:
+def apply_amx_rows(gguf: Path, identity: str = "") -> dict[str, Any]:
     """Set ``GGML_AMX_VNNI_MAX_ROWS`` for this process from this host's measurement (cached), unless
     it is set already. Call before llama.cpp's first matmul (``llama_extra_buffers`` does, where
     the AMX path runs). Measured on the packaged SmolLM2 Q4_1 GGUF (weights the AMX path takes);
-    ``gguf`` names the model only in the reason. Returns ``{"setting", "source", "reason"}`` (and
-    ``ms``): ``source`` one of "environment", "cached", "measured", "default" (no packaged model, a
-    failed, noisy or busy measurement: the patch's default, 8 rows, measured again at the next
-    start). Never raises."""
+    ``gguf`` is named only where that model is missing; ``identity``, the llama.cpp build's
+    (``decoder.engines.llamacpp_lib.cpu_backend_identity``), keys the cache. Returns ``{"setting",
+    "source", "reason"}`` (and ``ms``): ``source`` one of "environment", "cached", "measured",
+    "default" (no packaged model, a failed, noisy or busy measurement: the patch's default, 8 rows,
+    measured again at the next start). Never raises."""
     if os.environ.get(ENV) is not None:
         return {"setting": os.environ[ENV], "source": "environment", "reason": f"{ENV} set in the environment"}
     from decoder.models.packaged import cache_root, packaged_gguf
@@ -226,7 +225,7 @@ def apply_amx_rows(gguf: Path) -> dict[str, Any]:
         return {"setting": str(DEFAULT), "source": "default",
                 "reason": f"the packaged model is not installed to measure with ({Path(gguf).name} served as built)"}
     threads = list(range(1, min(os.cpu_count() or 1, 4) + 1))
-    key, cache = _key(model, threads), cache_root() / CACHE_NAME
+    key, cache = _key(model, threads, identity), cache_root() / CACHE_NAME
     with _measuring_lock(cache):  # a process that waited here reads what the other one measured
         entry = _read(cache).get(key)
         if isinstance(entry, dict) and _valid(entry.get("setting")):
@@ -245,7 +244,7 @@ def apply_amx_rows(gguf: Path) -> dict[str, Any]:
 def _measure_and_decide(model: Path, threads: list[int]) -> dict[str, Any]:
     """The cache entry of a measurement ({"setting", "reason", "model", "ms"}), or a default answer
     ({"source": "default", ...}) where it failed, was noisy, or ran beside other work."""
-    from decoder.models.formats import cpu_jiffies
+    from decoder.hostload import cpu_jiffies
 
     j0, c0, t0 = cpu_jiffies(), os.times(), time.perf_counter()
     meas, why = _measure(model, threads)

@@ -194,7 +194,7 @@ def llama_extra_buffers(gguf: str | Path) -> tuple[bool, str]:
             if _route:  # before the first matmul reads it: where the AMX tiles overtake the per-row kernel
                 from decoder.engines.amx_rows import apply_amx_rows
 
-                _amx_rows = apply_amx_rows(Path(gguf))
+                _amx_rows = apply_amx_rows(Path(gguf), cpu_backend_identity())
             defaults = getattr(L.llama_model_default_params, "_draftd_defaults", L.llama_model_default_params)
 
             def model_params():

@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from decoder.hostload import cpu_jiffies
+
 CANDIDATES = ("packaged", "F16", "BF16", "Q8_0")
 """What ``auto`` measures: the packaged file and the three formats whose verification rows are
 cheap on llama.cpp's CPU kernels (bench/RESULTS.md)."""
@@ -530,6 +532,17 @@ def _cache_file(key: dict[str, Any], cache_dir: Path) -> Path:
     return cache_dir / f"{key['model']}-t{key['threads']}-{h}.json"
 
 
+def _backend_key(gguf: Path) -> str:
+    """The llama.cpp build's identity (``cpu_backend_identity``) for a measurement's cache key, taken
+    after this process's once-only kernel settings, which it names (``llama_extra_buffers`` sets
+    ``GGML_AMX_VNNI_MAX_ROWS`` where the AMX path runs: :mod:`decoder.engines.amx_rows`)."""
+    from decoder.engines.llamacpp_lib import cpu_backend_identity, llama_extra_buffers, llamacpp_available
+
+    if llamacpp_available():
+        llama_extra_buffers(gguf)
+    return cpu_backend_identity()
+
+
 def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[str] = CANDIDATES,
                     reps: int = 5, cached: int = 300, n_ctx: int = 1024, draft_layers: str | None = None,
                     cache_dir: Path | None = None, use_cache: bool = True, progress=None,
@@ -561,13 +574,9 @@ def measure_formats(gguf: Path, threads: int | None = None, formats: Sequence[st
     gguf = Path(gguf)
     threads = int(threads or os.cpu_count() or 1)
     fmts = list(dict.fromkeys(f if f == PACKAGED else f.upper() for f in formats))
-    from decoder.engines.llamacpp_lib import cpu_backend_identity, llama_extra_buffers, llamacpp_available
-
-    if llamacpp_available():  # this process's once-only kernel settings first (decoder.engines.amx_rows): in the key
-        llama_extra_buffers(gguf)
     # the llama.cpp build is part of the key: a rebuilt or patched backend prices steps anew
     key = {"model": f"{gguf.stem}-{file_digest16(gguf)}", **cpu_key(threads), "formats": fmts,
-           "draft_layers": draft_layers, "version": MEASURE_VERSION, "llama_cpu": cpu_backend_identity()}
+           "draft_layers": draft_layers, "version": MEASURE_VERSION, "llama_cpu": _backend_key(gguf)}
     cdir = Path(cache_dir or cache_root() / "formats")
     cfile = _cache_file(key, cdir)
     cached_m = _cached_measurement(cfile, key) if use_cache else None
@@ -906,18 +915,6 @@ def _busy(timed: dict[str, dict[str, Any]]) -> str | None:
         return None
     return (f"the measurement ran beside other work: other processes used {others:.0%} of the CPUs during its "
             f"steps (above {BUSY_MAX:.0%})")
-
-
-def cpu_jiffies() -> tuple[int, int] | None:
-    """(the machine's busy CPU time, this process's CPU time), both in clock ticks, from Linux's
-    /proc/stat (user, nice, system, irq, softirq, steal) and /proc/self/stat (utime, stime: all
-    its threads); None where they cannot be read."""
-    try:
-        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        return v[0] + v[1] + v[2] + v[5] + v[6] + v[7], int(own[11]) + int(own[12])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def others_share(before: tuple[int, int] | None, after: tuple[int, int] | None, seconds: float, cpus: int,

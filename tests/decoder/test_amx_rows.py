@@ -96,7 +96,7 @@ def test_a_noisy_or_failed_measurement_keeps_the_default_and_is_not_cached(fresh
 def test_an_unwritable_or_bad_cache_costs_only_the_caching(fresh, monkeypatch):
     calls, tmp = fresh
     (tmp / A.CACHE_NAME).write_text(json.dumps({"x": {"setting": "abc"}}))
-    monkeypatch.setattr(A, "_key", lambda model, threads: "x")
+    monkeypatch.setattr(A, "_key", lambda model, threads, identity: "x")
     r = A.apply_amx_rows(tmp / "model.gguf")  # a cached setting that is not one of ours: measured again
     assert (r["source"], r["setting"], len(calls)) == ("measured", "4,1", 1)
     for bad in ("999", "", "0", "4,", 7):
