@@ -330,6 +330,21 @@ def _monitor_checks(monitor) -> dict[str, list[dict]]:
             "rollback_checks": [d.__dict__ for d in monitor.decisions]}
 
 
+def _amx_line(amx: dict) -> str:
+    """"AMX matmuls: the per-row kernel takes up to 3 rows at 1 thread, 5 at 2 threads or more, the AMX
+    tiles more rows (GGML_AMX_VNNI_MAX_ROWS=3,5, measured; its costs: report.json amx_rows)" from
+    :func:`decoder.engines.amx_rows.apply_amx_rows`'s answer (a walkthrough read "=3,5 rows" as one
+    count, under 14 lines of milliseconds); a default answer says why it stood."""
+    ks = [k.strip() for k in str(amx.get("setting", "")).split(",")]
+    if len(ks) == 1:
+        per = f"{ks[0]} rows at any thread count"
+    else:
+        per = ", ".join([f"{ks[0]} rows at 1 thread"] + [f"{k} at {i} threads" for i, k in enumerate(ks[1:], 2)]) + " or more"
+    why = f"; {amx.get('reason')}" if amx.get("source") in ("default", "environment") else "; its costs: report.json amx_rows"
+    return (f"AMX matmuls: the per-row kernel takes up to {per}, the AMX tiles more rows "
+            f"(GGML_AMX_VNNI_MAX_ROWS={amx.get('setting')}, {amx.get('source')}{why})")
+
+
 def _amx_rows() -> dict | None:
     from decoder.engines.llamacpp_lib import amx_rows
 
@@ -343,8 +358,7 @@ def _engine_lines(engines) -> list[str]:
     from decoder.engines.llamacpp_lib import amx_rows
 
     amx = amx_rows()  # where llama.cpp's AMX path runs: the rows its per-row kernel takes (decoder.engines.amx_rows)
-    extra = ([f"AMX matmuls: the per-row kernel up to GGML_AMX_VNNI_MAX_ROWS={amx['setting']} rows (per thread count: "
-              f"1, 2, ...), the tiles beyond ({amx['source']}): {amx['reason']}"] if amx else [])
+    extra = [_amx_line(amx)] if amx else []
     served = getattr(engines, "served", None)
     if served is None:
         return [f"engine: {engines.name} ({engines.reason})", *extra]

@@ -79,8 +79,14 @@ def test_the_served_format_says_which_figure_chose_it_and_what_its_rows_cost_aga
     # on llama.cpp's AMX path, where the tiles take over from the per-row kernel, on a line of its own
     monkeypatch.setattr(lib, "_amx_rows", {"setting": "4,3", "source": "measured", "reason": "1 thread(s): ..."})
     assert demo._engine_lines(eng)[2:] == [
-        "AMX matmuls: the per-row kernel up to GGML_AMX_VNNI_MAX_ROWS=4,3 rows (per thread count: 1, 2, ...), the "
-        "tiles beyond (measured): 1 thread(s): ..."]
+        "AMX matmuls: the per-row kernel takes up to 4 rows at 1 thread, 3 at 2 threads or more, the AMX tiles more "
+        "rows (GGML_AMX_VNNI_MAX_ROWS=4,3, measured; its costs: report.json amx_rows)"]
+    # one value (a user's, or the default where the measurement was not used): the reason why it stands
+    assert demo._amx_line({"setting": "8", "source": "default", "reason": "noisy: ..."}) == (
+        "AMX matmuls: the per-row kernel takes up to 8 rows at any thread count, the AMX tiles more rows "
+        "(GGML_AMX_VNNI_MAX_ROWS=8, default; noisy: ...)")
+    assert demo._amx_line({"setting": "4,3,2", "source": "cached"}).startswith(
+        "AMX matmuls: the per-row kernel takes up to 4 rows at 1 thread, 3 at 2 threads, 2 at 3 threads or more, ")
 
 
 # (5) a live cell's measured rate above the ceiling it states ---------------------------------------------
