@@ -345,12 +345,6 @@ def _amx_line(amx: dict) -> str:
             f"(GGML_AMX_VNNI_MAX_ROWS={amx.get('setting')}, {amx.get('source')}{why})")
 
 
-def _amx_rows() -> dict | None:
-    from decoder.engines.llamacpp_lib import amx_rows
-
-    return amx_rows()
-
-
 def _engine_lines(engines) -> list[str]:
     """The engine's line and, apart, the served format's (``EngineChoice.reason`` ends in "; serving
     <format> (<file>): <its reason>"): inside the engine line's parentheses the format's reason,
@@ -914,6 +908,7 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
 def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models: _Models, trainer: _Trainer, loop,
             traffic: _Traffic, table: list[dict]) -> dict[str, Any]:
     """The run's report (before the plot's path is added)."""
+    from decoder.engines.llamacpp_lib import amx_rows
     from decoder.shift import recovery_stats
 
     pair, decoder, controller = models.pair, loop.decoder, loop.controller
@@ -937,7 +932,7 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "serving": loop.status(), "ngram_history_tokens": decoder.ngram_history.status(),
         "ngram_gate": decoder.ngram_gate.status() if decoder.ngram_gate is not None else None,
         "served_format": models.engines.served.describe() if models.engines.served is not None else None,
-        "amx_rows": _amx_rows(),  # llama.cpp's AMX path: the rows its per-row kernel takes (decoder.engines.amx_rows)
+        "amx_rows": amx_rows(),  # llama.cpp's AMX path: the rows its per-row kernel takes (decoder.engines.amx_rows)
         "v_cache": getattr(models.engines.target, "v_cache", None),  # plain decoding's and every row's (llamacpp.py)
         "step_cost_ms": decoder.step_cost.status(),
         "engine_ceiling": decoder.step_cost.ceiling(controller.config.gamma_max),

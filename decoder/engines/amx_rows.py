@@ -119,8 +119,9 @@ def _measure(gguf: Path, threads: list[int]) -> tuple[dict[str, dict[int, dict[i
 
 
 def _key(gguf: Path, threads: list[int], identity: str) -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo() if ln.startswith("model name")), "?")
-    model = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo() if ln.startswith("model\t")), "?")
+    info = _cpuinfo()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "?")
+    model = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model\t")), "?")
     return f"v{MEASURE_VERSION};{identity};{cpu};model {model};{gguf.name};threads {','.join(map(str, threads))}"
 
 
@@ -156,14 +157,15 @@ def _valid(setting: Any) -> bool:
 
 
 def _others_busy(j0, c0, j1, c1, seconds: float) -> float | None:
-    """The share (0..1) of the CPUs that processes other than this one and its measuring children
-    used over ``seconds`` (``decoder.hostload.cpu_jiffies`` snapshots ``j0``/``j1``,
-    ``os.times()`` ``c0``/``c1`` for the children), or None where unknown."""
-    hz = os.sysconf("SC_CLK_TCK")
-    if j0 is None or j1 is None or not seconds * hz >= 1:  # under one clock tick: unknown
+    """:func:`decoder.hostload.others_share` with this process's measuring children counted as its
+    own (their CPU time from ``os.times()`` snapshots ``c0``/``c1``), or None where unknown."""
+    from decoder.hostload import others_share
+
+    if j0 is None or j1 is None:
         return None
-    mine = (j1[1] - j0[1]) / hz + (c1.children_user + c1.children_system) - (c0.children_user + c0.children_system)
-    return min(1.0, max(0.0, ((j1[0] - j0[0]) / hz - mine) / (seconds * (os.cpu_count() or 1))))
+    hz = os.sysconf("SC_CLK_TCK")
+    children = round(((c1.children_user + c1.children_system) - (c0.children_user + c0.children_system)) * hz)
+    return others_share(j0, (j1[0], j1[1] + children), seconds, os.cpu_count() or 1, hz)
 
 
 def _read(cache: Path) -> dict:
