@@ -328,8 +328,12 @@ class _Clusters:
 class _KeyState:
     alpha: _Ewma = field(default_factory=_Ewma)
     draft_ms_per_token: _Ewma = field(default_factory=_Ewma)
-    verify_ms: dict[int, _Ewma] = field(default_factory=dict)  # γ -> verify ms of a γ-step (γ=0: plain step)
-    overhead_ms: _Ewma = field(default_factory=_Ewma)  # step wall time - draft ms - verify ms
+    # γ -> verify ms of a γ-step; γ = 0: a plain step, read only where the step before it also
+    # verified one row (GoodputController.observe: after a change of shape llama.cpp rebuilds its graph)
+    verify_ms: dict[int, _Ewma] = field(default_factory=dict)
+    overhead_ms: _Ewma = field(default_factory=_Ewma)  # step wall time - draft ms - verify ms, every step
+    overhead_plain_ms: _Ewma = field(default_factory=_Ewma)  # the same, plain decoding's steps (asked γ = 0)
+    overhead_spec_ms: _Ewma = field(default_factory=_Ewma)  # the same, speculative steps (asked γ >= 1)
     requests: int = 0
     adapter_version: int | None = None
     head_version: int | None = None
@@ -393,7 +397,7 @@ class _LengthModel:
 
     def observe(self, asked: int, accepted: int, model_ms: float, draft_ms: float, w: float,
                 w_len: float | None = None, now: float | None = None, half_life: float | None = None,
-                proposed: int | None = None) -> None:
+                proposed: int | None = None, reference: bool = True) -> None:
         """One step: ``w_len`` (default ``w``) weighs its accepted length and its costs alike, a
         young estimate being the plain mean of its steps until that weighs less than ``w_len``.
         ``now`` and ``half_life`` (seconds) age the costs and the tokens they are divided into,
@@ -408,7 +412,12 @@ class _LengthModel:
         gate turned down: a plain step, no token accepted) or up to γ + 1 (a copied span, many
         accepted), so lengths averaged over many requests divided by costs that followed the last
         few steps (a request with no match: plain steps) priced a proposer well above plain
-        decoding that ran no faster than it (docs/walkthroughs.md, the run at c96690d)."""
+        decoding that ran no faster than it (docs/walkthroughs.md, the run at c96690d).
+
+        ``reference``: a step that proposed nothing joins :attr:`base_ms` (its load reference)
+        only where this is True: the controller passes False for a one-row step after a
+        multi-row one, which pays a graph rebuild that plain decoding's steps never pay
+        (:meth:`GoodputController.observe`)."""
         wl = w if w_len is None else w_len
         while len(self.ge) < asked:
             self.ge.append(_Ewma())
@@ -422,7 +431,7 @@ class _LengthModel:
         self.draft_ms.add(draft_ms, max(wl, 1.0 / (self.draft_ms.n + 1)), now, half_life)
         e = self.rows.setdefault(asked, _Ewma())
         e.add((asked if proposed is None else proposed) + 1.0, max(wl, 1.0 / (e.n + 1)), now, half_life)
-        if proposed == 0:  # a step that verified one row: a plain step, at this moment's load
+        if proposed == 0 and reference:  # a step that verified one row after one row: a plain step, at this moment's load
             self.base_ms.add(model_ms - draft_ms, max(wl, 1.0 / (self.base_ms.n + 1)), now, half_life)
         self.steps += 1
 
@@ -455,6 +464,7 @@ def _estimates(s: "_KeyState", ev: dict[str, Any]) -> dict[str, Any]:
         "t_plain_ms": nan_none(ev["t_plain"], 4),
         "t_verify_ms": {g: nan_none(t, 4) for g, t in ev["t_verify"].items()},
         "overhead_ms": nan_none(ev["overhead"], 4),
+        "overhead_plain_ms": nan_none(ev["overhead_plain"], 4),
         "draft_ceiling_gamma": ev["ceiling"][0],
         "draft_ceiling_tokens_per_ms": nan_none(ev["ceiling"][1], 5),
     }
@@ -568,7 +578,7 @@ class GoodputController:
         with self._lock:
             for s in self._keys.values():
                 s.verify_ms = {}
-                s.overhead_ms = _Ewma()
+                s.overhead_ms, s.overhead_plain_ms, s.overhead_spec_ms = _Ewma(), _Ewma(), _Ewma()
                 s.draft_ms_per_token = _Ewma()
                 for m in s.lengths.values():
                     m.ge, m.step_ms, m.tokens, m.draft_ms, m.steps, m.base_ms = [], {}, {}, _Ewma(), 0, _Ewma()
@@ -578,17 +588,24 @@ class GoodputController:
                 s.warming = {}
             return len(self._keys)
 
-    def observe_overhead(self, key: Key, ms: float, batch: int = 1) -> None:
+    def observe_overhead(self, key: Key, ms: float, batch: int = 1, plain: bool | None = None) -> None:
         """Fold one step's overhead (wall time - draft ms - verify ms: sampling, the acceptance
         test, stop checks, cache crops), which every step pays, plain ones included; a step in a
-        batch of ``batch`` requests counts as ``ms`` / ρ_B(1)."""
+        batch of ``batch`` requests counts as ``ms`` / ρ_B(1). ``plain``: the step asked for no
+        proposals (True) or for some (False); each kind is also kept apart, and plain decoding is
+        priced at its own steps' overhead, speculation at speculative steps' (a speculative step
+        samples and records more rows, streams more tokens: one overhead for both charged plain
+        decoding the speculative steps' part); None: unknown, the pooled figure only."""
         ms = max(0.0, ms) / self.batch_factor(batch, 1)
         with self._lock:
-            self._state(key).overhead_ms.add(ms, self.config.ewma)
+            s = self._state(key)
+            s.overhead_ms.add(ms, self.config.ewma)
+            if plain is not None:
+                (s.overhead_plain_ms if plain else s.overhead_spec_ms).add(ms, self.config.ewma)
 
     def observe(self, key: Key, step: StepStats, step_ms: float | None = None, *, proposer: str = DRAFT,
                 asked: int | None = None, batch: int = 1, first: bool | None = None, total: int | None = None,
-                request: Any = None) -> None:
+                request: Any = None, after_rows: int | None = None) -> None:
         """Fold one verification step of ``key`` into the estimates; ``step_ms``, its wall time
         when known, also feeds :meth:`observe_overhead`. ``proposer`` served the step, asked for
         ``asked`` proposals (default: ``step.proposed``); the target's verify cost per γ is shared
@@ -607,20 +624,32 @@ class GoodputController:
         ``request``: a hashable id of the step's request, under which its acceptance joins the
         per-request spread of acceptance (:class:`_Clusters`, the confidence bound of
         ``config.confidence``); None: ``first`` True starts a new request, False continues the
-        last one, None makes each step its own."""
+        last one, None makes each step its own.
+
+        ``after_rows``: the rows the same request's previous forward verified (0: its previous
+        forward was the prompt's prefill; None: unknown, taken as one row). llama.cpp reuses its
+        compute graph only while a forward has the shape of the one before it, so a one-row step
+        after a multi-row one (or after the prefill) pays a graph rebuild that plain decoding,
+        one row after another, never pays. Only one-row steps after one row are read as plain
+        decoding's step (``verify_ms[0]``) and as a length-modelled proposer's load reference
+        (:meth:`_LengthModel.at_load`); the rest count in the proposer's own step costs only. Read
+        from every one-row step, a plain step was priced at the n-gram's no-match steps, most of
+        them after a copy, so above what plain decoding costs, and every n-gram price with it."""
         if not (math.isfinite(step.verify_ms) and step.verify_ms > 0 and math.isfinite(step.draft_ms)
                 and step.draft_ms >= 0 and math.isfinite(step.alpha_sum)):
             return  # a broken reading (no forward takes 0 ms; a NaN α): it would price a γ at millions of tokens/ms
+        asked = step.proposed if asked is None else asked
         if step_ms is not None:
-            self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms, batch)
+            self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms, batch, plain=asked == 0)
         w, now, hl = self.config.ewma, self.clock(), self.config.half_life_s
         g = step.proposed
         fv, fd = self.batch_factor(batch, g + 1, total), self.batch_factor(batch, 1)
         verify_ms, draft_ms = step.verify_ms / fv, step.draft_ms / fd
+        reused = g > 0 or after_rows is None or after_rows == 1  # its graph was the step before's (above)
         with self._lock:
             s = self._state(key)
-            s.verify_ms.setdefault(g, _Ewma()).add(verify_ms, w, now, hl)
-            asked = g if asked is None else asked
+            if reused:
+                s.verify_ms.setdefault(g, _Ewma()).add(verify_ms, w, now, hl)
             # the draft's acceptance is its α (Σ min(p, q) per proposal), a length-modelled proposer's its accepted prefix
             units = g if proposer == DRAFT else asked
             if units:
@@ -634,7 +663,7 @@ class GoodputController:
                 if asked:
                     s.lengths.setdefault(proposer, _LengthModel()).observe(
                         asked, step.accepted, draft_ms + verify_ms, draft_ms, w, self._request_weight(s, proposer, first),
-                        now, hl, proposed=g)
+                        now, hl, proposed=g, reference=reused)
                 return
             if g:
                 # a young estimate is the plain mean of its steps, until that weighs less than a request
@@ -668,8 +697,9 @@ class GoodputController:
         a = s.alpha.value
         rho = {r: self.batch_factor(batch, r) for r in range(1, c.gamma_max + 2)}  # ρ_B(rows)
         td = s.draft_ms_per_token.value * rho[1]
-        o = s.overhead_ms.value if s.overhead_ms.n else 0.0
-        tplain = (self._verify_cost(s, 0) + o) * rho[1] if 0 in s.verify_ms else math.nan
+        o = s.overhead_spec_ms.value if s.overhead_spec_ms.n else s.overhead_ms.value if s.overhead_ms.n else 0.0
+        o_plain = s.overhead_plain_ms.value if s.overhead_plain_ms.n else s.overhead_ms.value if s.overhead_ms.n else 0.0
+        tplain = (self._verify_cost(s, 0) + o_plain) * rho[1] if 0 in s.verify_ms else math.nan
         tv = {g: self._verify_cost(s, g) * rho[g + 1] + o * rho[1] for g in range(1, c.gamma_max + 1)}
         rate: dict[int, float] = {}
         if tplain == tplain:
@@ -708,6 +738,7 @@ class GoodputController:
         free = {g: (g + 1) / max(tv[g], 1e-6) for g in tv if tv[g] == tv[g] and g in s.verify_ms}
         engine = (max(free, key=free.get), max(free.values())) if free else (None, math.nan)
         return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o * rho[1],
+                "overhead_plain": o_plain * rho[1],
                 "others": others, "ceiling": ceiling, "engine_ceiling": engine, "batch": batch, "rho": rho,
                 "rel_se": self._rel_se(s, rate, others),
                 "requests_measured": {n: c.count() for n, c in s.clusters.items()}}
@@ -1380,6 +1411,8 @@ class ControlledGamma:
         self._gamma: int | None = None
         self._asked: float | None = None  # clock at the last gamma() call (a step starts there)
         self._modelled: float | None = None  # draft_ms + verify_ms of the step just updated
+        self._modelled_plain: bool | None = None  # ... and whether it asked for no proposals
+        self._rows: int = 0  # rows its last forward verified (0: none yet, the prefill was its last)
         self._batch = 1  # requests in the fused step of the step under way
         self._steps = 0
         self._updated = False  # a step of this request that asked for proposals has been observed (``first``)
@@ -1420,7 +1453,8 @@ class ControlledGamma:
         b = self.batch_size()
         if self._asked is not None and self._modelled is not None:
             # gamma() to gamma(): the whole previous step, loop bookkeeping and cache crops included
-            self.controller.observe_overhead(self.key, (now - self._asked) * 1e3 - self._modelled, self._batch)
+            self.controller.observe_overhead(self.key, (now - self._asked) * 1e3 - self._modelled, self._batch,
+                                             plain=self._modelled_plain)
         self._asked, self._modelled, self._batch = now, None, b
         self._steps += 1
         if self._warming and self._steps > self.controller.config.min_steps and not self._whole_request():
@@ -1465,10 +1499,13 @@ class ControlledGamma:
 
     def update(self, step: StepStats) -> None:
         self._modelled = step.draft_ms + step.verify_ms
+        asked = step.asked if step.asked is not None else self._gamma
+        self._modelled_plain = not asked
+        batch = last_fused_size()
         self.controller.observe(self.key, step, proposer=self.proposer_name() or DEFAULT_PROPOSER,
-                                asked=step.asked if step.asked is not None else self._gamma,
-                                batch=last_fused_size(), first=not self._updated, total=last_fused_rows(),
-                                request=self.request_id)
+                                asked=asked, batch=batch, first=not self._updated, total=last_fused_rows(),
+                                request=self.request_id, after_rows=self._rows if batch <= 1 else None)
+        self._rows = step.proposed + 1
         self._updated = self._updated or bool(step.asked or step.proposed)
 
     def describe(self) -> str:

@@ -192,10 +192,13 @@ class _ObservedGamma(FixedGamma):
         return self.proposer
 
     def update(self, step) -> None:
+        batch = last_fused_size()
         self.controller.observe(self.key, step, proposer=self.proposer,
-                                asked=step.asked if step.asked is not None else self.value, batch=last_fused_size(),
+                                asked=step.asked if step.asked is not None else self.value, batch=batch,
                                 first=not getattr(self, "_updated", False), total=last_fused_rows(),
-                                request=self.request_id)
+                                request=self.request_id,
+                                after_rows=getattr(self, "_rows", 0) if batch <= 1 else None)  # 0: after the prefill
+        self._rows = step.proposed + 1
         self._updated = getattr(self, "_updated", False) or bool(step.asked or step.proposed)
 
     def describe(self) -> str:

@@ -821,3 +821,53 @@ def test_an_ngram_is_priced_at_plain_decodings_load_through_its_own_plain_steps(
         few.observe(key, StepStats(2, 2, 3, -1, 0.0, 0.0, 16.0), proposer="ngram", asked=2, first=False)
     f = few._keys[key].lengths["ngram"]
     assert f.base_ms.n == 4 and f.at_load(13.0, 20.0, 8) == 13.0 and f.at_load(13.0, 20.0, 4) == pytest.approx(26.0)
+
+
+def test_a_one_row_step_after_a_copy_is_not_read_as_plain_decodings_step():
+    """llama.cpp rebuilds its graph when a forward's shape changes: an n-gram request's no-match
+    step right after a copy (a 3-row step) costs 12 ms, one after another no-match step 10 ms,
+    and plain decoding's steps, one row after one row, 10 ms; the first step after the prefill
+    pays the rebuild too (13 ms). Requests of 12 steps: the n-gram's repeat (copy, no match
+    after it, no match after that) four times; plain decoding's all one row. Read as before, a
+    plain step would be the mean of 10 and 12 ms no-match steps and the n-gram's price would rest on it;
+    read only after one row, plain's step is 10 ms, the n-gram's load reference (its own one-row
+    steps) 10 ms, and its price is its own steps' tokens over their ms, by hand."""
+    from decoder.control import ControlledGamma
+
+    class Tick:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    clock = Tick()
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), gamma_max=2, gamma_init=2, min_steps=2,
+                                             probe_every=1000, unsure_probe_every=1000,
+                                             ceiling_probe_every=1000), clock=clock)
+    key = ("extract", "greedy")
+
+    def request(pattern):
+        pol = ControlledGamma(ctl, key)
+        for i, kind in enumerate(pattern):
+            pol.gamma()
+            if kind == "copy":
+                st = StepStats(2, 2, 3, -1, 0.0, 0.0, 16.0, asked=2)
+            else:
+                ms = 13.0 if i == 0 else 12.0 if pattern[i - 1] == "copy" else 10.0
+                st = StepStats(0, 0, 1, -1, 0.0, 0.0, ms, asked=2 if kind == "none" else 0)
+            clock.t += st.verify_ms / 1e3
+            pol.update(st)
+
+    for _ in range(6):
+        request(["none"] + ["copy", "none", "none"] * 3 + ["copy", "none"])  # 12 steps
+    request(["plain"] * 12)
+    s, m = ctl._keys[key], ctl._keys[key].lengths["ngram"]
+    assert s.verify_ms[0].value == pytest.approx(10.0)  # no 12 or 13 ms reading in it
+    assert m.base_ms.value == pytest.approx(10.0)
+    d = ctl.decision(key)
+    # per request: 4 copies (16 ms, 3 tokens each), 4 no-match steps after a copy (12 ms), 3 after
+    # a no-match step (10 ms), one after the prefill (13 ms), 1 token each: 20 tokens in 12 steps
+    tokens, ms = 4 * 3 + 8 * 1, 4 * 16.0 + 4 * 12.0 + 3 * 10.0 + 13.0
+    assert m.tokens[2].value == pytest.approx(tokens / 12) and m.step_ms[2].value == pytest.approx(ms / 12)
+    assert d["tokens_per_ms"][0] == pytest.approx(1 / 10.0, rel=1e-3)
+    assert d["tokens_per_ms_by_proposer"]["ngram"][2] == pytest.approx(tokens / ms, rel=1e-3)

@@ -141,7 +141,7 @@ def test_a_model_run_proposer_warms_up_in_one_request_of_a_key_at_a_time():
     gc.collect()
     again = ctl.policy_for(KEY)
     assert again.gamma() == 3 and again.decision["proposer"] == "draft"  # the draft is still unmeasured
-    run(second, clock, 2, useless_draft)  # plain decoding measured (2 steps)
+    run(second, clock, 3, useless_draft)  # plain decoding measured (2 steps after the one after the prefill)
     later = ctl.policy_for(KEY)
     assert later.gamma() == 0 and later.decision["warm_up"] is False  # draft busy in `again`: the best measured
     # a model-free proposer (n-gram) is not held to one request: its warm-ups cost no model steps
