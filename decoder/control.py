@@ -331,9 +331,7 @@ class _KeyState:
     # γ -> verify ms of a γ-step; γ = 0: a plain step, read only where the step before it also
     # verified one row (GoodputController.observe: after a change of shape llama.cpp rebuilds its graph)
     verify_ms: dict[int, _Ewma] = field(default_factory=dict)
-    overhead_ms: _Ewma = field(default_factory=_Ewma)  # step wall time - draft ms - verify ms, every step
-    overhead_plain_ms: _Ewma = field(default_factory=_Ewma)  # the same, plain decoding's steps (asked γ = 0)
-    overhead_spec_ms: _Ewma = field(default_factory=_Ewma)  # the same, speculative steps (asked γ >= 1)
+    overhead_ms: _Ewma = field(default_factory=_Ewma)  # step wall time - draft ms - verify ms
     requests: int = 0
     adapter_version: int | None = None
     head_version: int | None = None
@@ -464,7 +462,6 @@ def _estimates(s: "_KeyState", ev: dict[str, Any]) -> dict[str, Any]:
         "t_plain_ms": nan_none(ev["t_plain"], 4),
         "t_verify_ms": {g: nan_none(t, 4) for g, t in ev["t_verify"].items()},
         "overhead_ms": nan_none(ev["overhead"], 4),
-        "overhead_plain_ms": nan_none(ev["overhead_plain"], 4),
         "draft_ceiling_gamma": ev["ceiling"][0],
         "draft_ceiling_tokens_per_ms": nan_none(ev["ceiling"][1], 5),
     }
@@ -578,7 +575,7 @@ class GoodputController:
         with self._lock:
             for s in self._keys.values():
                 s.verify_ms = {}
-                s.overhead_ms, s.overhead_plain_ms, s.overhead_spec_ms = _Ewma(), _Ewma(), _Ewma()
+                s.overhead_ms = _Ewma()
                 s.draft_ms_per_token = _Ewma()
                 for m in s.lengths.values():
                     m.ge, m.step_ms, m.tokens, m.draft_ms, m.steps, m.base_ms = [], {}, {}, _Ewma(), 0, _Ewma()
@@ -588,20 +585,13 @@ class GoodputController:
                 s.warming = {}
             return len(self._keys)
 
-    def observe_overhead(self, key: Key, ms: float, batch: int = 1, plain: bool | None = None) -> None:
+    def observe_overhead(self, key: Key, ms: float, batch: int = 1) -> None:
         """Fold one step's overhead (wall time - draft ms - verify ms: sampling, the acceptance
         test, stop checks, cache crops), which every step pays, plain ones included; a step in a
-        batch of ``batch`` requests counts as ``ms`` / ρ_B(1). ``plain``: the step asked for no
-        proposals (True) or for some (False); each kind is also kept apart, and plain decoding is
-        priced at its own steps' overhead, speculation at speculative steps' (a speculative step
-        samples and records more rows, streams more tokens: one overhead for both charged plain
-        decoding the speculative steps' part); None: unknown, the pooled figure only."""
+        batch of ``batch`` requests counts as ``ms`` / ρ_B(1)."""
         ms = max(0.0, ms) / self.batch_factor(batch, 1)
         with self._lock:
-            s = self._state(key)
-            s.overhead_ms.add(ms, self.config.ewma)
-            if plain is not None:
-                (s.overhead_plain_ms if plain else s.overhead_spec_ms).add(ms, self.config.ewma)
+            self._state(key).overhead_ms.add(ms, self.config.ewma)
 
     def observe(self, key: Key, step: StepStats, step_ms: float | None = None, *, proposer: str = DRAFT,
                 asked: int | None = None, batch: int = 1, first: bool | None = None, total: int | None = None,
@@ -640,7 +630,7 @@ class GoodputController:
             return  # a broken reading (no forward takes 0 ms; a NaN α): it would price a γ at millions of tokens/ms
         asked = step.proposed if asked is None else asked
         if step_ms is not None:
-            self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms, batch, plain=asked == 0)
+            self.observe_overhead(key, step_ms - step.draft_ms - step.verify_ms, batch)
         w, now, hl = self.config.ewma, self.clock(), self.config.half_life_s
         g = step.proposed
         fv, fd = self.batch_factor(batch, g + 1, total), self.batch_factor(batch, 1)
@@ -697,9 +687,8 @@ class GoodputController:
         a = s.alpha.value
         rho = {r: self.batch_factor(batch, r) for r in range(1, c.gamma_max + 2)}  # ρ_B(rows)
         td = s.draft_ms_per_token.value * rho[1]
-        o = s.overhead_spec_ms.value if s.overhead_spec_ms.n else s.overhead_ms.value if s.overhead_ms.n else 0.0
-        o_plain = s.overhead_plain_ms.value if s.overhead_plain_ms.n else s.overhead_ms.value if s.overhead_ms.n else 0.0
-        tplain = (self._verify_cost(s, 0) + o_plain) * rho[1] if 0 in s.verify_ms else math.nan
+        o = s.overhead_ms.value if s.overhead_ms.n else 0.0
+        tplain = (self._verify_cost(s, 0) + o) * rho[1] if 0 in s.verify_ms else math.nan
         tv = {g: self._verify_cost(s, g) * rho[g + 1] + o * rho[1] for g in range(1, c.gamma_max + 1)}
         rate: dict[int, float] = {}
         if tplain == tplain:
@@ -738,7 +727,6 @@ class GoodputController:
         free = {g: (g + 1) / max(tv[g], 1e-6) for g in tv if tv[g] == tv[g] and g in s.verify_ms}
         engine = (max(free, key=free.get), max(free.values())) if free else (None, math.nan)
         return {"alpha": a, "t_draft": td, "t_plain": tplain, "t_verify": tv, "rate": rate, "overhead": o * rho[1],
-                "overhead_plain": o_plain * rho[1],
                 "others": others, "ceiling": ceiling, "engine_ceiling": engine, "batch": batch, "rho": rho,
                 "rel_se": self._rel_se(s, rate, others),
                 "requests_measured": {n: c.count() for n, c in s.clusters.items()}}
@@ -1411,7 +1399,6 @@ class ControlledGamma:
         self._gamma: int | None = None
         self._asked: float | None = None  # clock at the last gamma() call (a step starts there)
         self._modelled: float | None = None  # draft_ms + verify_ms of the step just updated
-        self._modelled_plain: bool | None = None  # ... and whether it asked for no proposals
         self._rows: int = 0  # rows its last forward verified (0: none yet, the prefill was its last)
         self._batch = 1  # requests in the fused step of the step under way
         self._steps = 0
@@ -1453,8 +1440,7 @@ class ControlledGamma:
         b = self.batch_size()
         if self._asked is not None and self._modelled is not None:
             # gamma() to gamma(): the whole previous step, loop bookkeeping and cache crops included
-            self.controller.observe_overhead(self.key, (now - self._asked) * 1e3 - self._modelled, self._batch,
-                                             plain=self._modelled_plain)
+            self.controller.observe_overhead(self.key, (now - self._asked) * 1e3 - self._modelled, self._batch)
         self._asked, self._modelled, self._batch = now, None, b
         self._steps += 1
         if self._warming and self._steps > self.controller.config.min_steps and not self._whole_request():
@@ -1500,7 +1486,6 @@ class ControlledGamma:
     def update(self, step: StepStats) -> None:
         self._modelled = step.draft_ms + step.verify_ms
         asked = step.asked if step.asked is not None else self._gamma
-        self._modelled_plain = not asked
         batch = last_fused_size()
         self.controller.observe(self.key, step, proposer=self.proposer_name() or DEFAULT_PROPOSER,
                                 asked=asked, batch=batch, first=not self._updated, total=last_fused_rows(),
