@@ -802,14 +802,17 @@ def _alpha_per_proposer(spec: list[dict]) -> str:
     return " and ".join(parts)
 
 
-def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: int, t0: float) -> dict:
-    """One greedy completion of prompt ``p`` through the API; its timeline row (draftd's metrics
-    for the request, and whether a shift alarm or a rollback came with it)."""
+def _serve_one(oai, loop, tok, model_name: str, phase: str, p, max_new_tokens: int, t0: float,
+               ignore_eos: bool = False) -> dict:
+    """One greedy completion of prompt ``p`` through the API (``ignore_eos``: all
+    ``max_new_tokens`` of it, as the evaluation decodes); its timeline row (draftd's metrics for
+    the request, and whether a shift alarm or a rollback came with it)."""
     alarms, rollbacks = len(loop.tracker.alarms), len(loop.monitor.decisions)
     head_judged = len(loop.head_monitor.decisions) if loop.head_monitor is not None else 0
     t_req = time.perf_counter()
     resp = oai.completions.create(model=model_name, prompt=p.token_ids(tok)[-_PROMPT_TOKENS:], temperature=0,
-                                  max_tokens=max_new_tokens, extra_body={"workload": phase})
+                                  max_tokens=max_new_tokens,
+                                  extra_body={"workload": phase, **({"ignore_eos": True} if ignore_eos else {})})
     wall_ms = (time.perf_counter() - t_req) * 1e3
     m = (resp.model_extra or {})["draftd"]
     rb = next((d for d in loop.monitor.decisions[rollbacks:] if d.rolled_back), None)
@@ -872,7 +875,12 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
     alone. ``GoodputController.remeasure_costs`` and ``StepCost.clear`` forget the costs (α and
     the accepted lengths stay), then ``cfg.remeasure_requests`` requests per workload, prompts of
     its pool its phase never reached (never served, never evaluated), warm each proposer and plain
-    decoding up again through the API, as after any change of load. Returns what it served."""
+    decoding up again through the API, as after any change of load. They decode what the evaluation
+    decodes, ``cfg.eval_new_tokens`` tokens past any end of sequence, not the phases'
+    ``max_new_tokens``: the n-gram's accepted lengths are learnt again here, and a copy-heavy
+    request's first 32 tokens copy more than its 64 do (served requests of 32 tokens read τ
+    2.7-3.0 on extract, the evaluation's 64-token ones 2.0: bench/RESULTS.md, "Twenty-fourth
+    session"). Returns what it served."""
     t0 = time.time()
     cost = loop.decoder.step_cost
     first_alarm = len(loop.tracker.alarms)  # the alarms this re-measurement raises: shift_alarms[first:last]
@@ -889,10 +897,10 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
             pool = _prompts(phase, 1000, skip=cfg.eval_prompts)
             for j in range(cfg.remeasure_requests):
                 rows.append(_serve_one(oai, loop, tok, model_name, phase, pool[(served.get(phase, 0) + j) % len(pool)],
-                                       cfg.max_new_tokens, t0))
+                                       cfg.eval_new_tokens, t0, ignore_eos=True))
     finally:
         loop.controller.config.unsure_probe_every = every
-    out = {"requests": len(rows), "keys": keys, "seconds": round(time.time() - t0, 1),
+    out = {"requests": len(rows), "new_tokens": cfg.eval_new_tokens, "keys": keys, "seconds": round(time.time() - t0, 1),
            "alarms": {"before": first_alarm, "after": len(loop.tracker.alarms)},
            "alarms_are": ("the count of the report's shift_alarms before and after these requests: they raised "
                           "shift_alarms[before:after] (none where equal)"),
@@ -2673,7 +2681,8 @@ def _plain_figures(report: dict) -> str | None:
         parts.append(f"{fmt:.2f} ms, the format measurement's step of {which} at startup, before the trainer"
                      + (f", after {ctx} cached tokens" if ctx else ""))
     if stopped:
-        new = f", {cfg['max_new_tokens']} new tokens each" if cfg.get("max_new_tokens") else ""
+        n_new = rem.get("new_tokens") or cfg.get("max_new_tokens")  # an older report's: the phases' length
+        new = f", {n_new} new tokens each" if n_new else ""
         parts.append(f"{stopped:.2f} ms, the serving loop's own steps re-measured on {rem.get('requests', '?')} requests "
                      f"(prompts of at most {_PROMPT_TOKENS} tokens{new}), the trainer stopped")
     if tps:

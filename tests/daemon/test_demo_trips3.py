@@ -344,8 +344,11 @@ def test_the_remeasurement_probes_an_unsure_candidate_on_every_request_then_rest
     ctl = GoodputController(ControllerConfig(proposers=("ngram",)))
     seen = []
 
-    def serve_one(*a, **k):
+    lengths = []
+
+    def serve_one(oai, loop, tok, model_name, phase, p, max_new_tokens, t0, ignore_eos=False):
         seen.append(ctl.config.unsure_probe_every)
+        lengths.append((max_new_tokens, ignore_eos))
         return {"workload": "prose", "proposer": None, "gamma": 0, "decision": "off"}
 
     monkeypatch.setattr(demo, "_serve_one", serve_one)
@@ -355,6 +358,9 @@ def test_the_remeasurement_probes_an_unsure_candidate_on_every_request_then_rest
     cfg = DemoConfig(phases=("prose",), remeasure_requests=3)
     out = demo._remeasure(cfg, None, loop, None, "m", NS(shifts=[]), NS(log=lambda *a: None))
     assert seen == [1, 1, 1] and ctl.config.unsure_probe_every == 2 and out["requests"] == 3
+    # the evaluation's length, not the phases': the picks are priced on requests shaped like the ones they are judged on
+    assert cfg.max_new_tokens != cfg.eval_new_tokens and lengths == [(cfg.eval_new_tokens, True)] * 3
+    assert out["new_tokens"] == cfg.eval_new_tokens
 
     def boom(*a, **k):
         raise RuntimeError("client gone")
