@@ -244,7 +244,8 @@ def test_step_costs_are_measured_again_once_the_trainer_stopped_on_prompts_never
     alpha = ctl.decision(("code", "greedy"))["alpha"]
     served = []
 
-    def serve_one(oai, loop, tok, model, phase, p, n, t0):
+    def serve_one(oai, loop, tok, model, phase, p, n, t0, ignore_eos=False):
+        assert ignore_eos and n == cfg.eval_new_tokens != cfg.max_new_tokens  # what the evaluation decodes
         served.append((phase, p))
         if p == "math17":  # an alarm on the re-measurement's third request: shift_alarms[1:2]
             loop.tracker.alarms.append("alarm")
