@@ -96,6 +96,14 @@ class ControllerConfig:
         really verify. With the gate choosing each step's length, a lower cap only takes long
         copies away (cap 8 against the cap 4 the controller had picked, on never-served prompts:
         bench/RESULTS.md, "Twentieth session").
+    stall_factor: a step's verification (or the draft's ms per token, or the overhead) read above
+        this many times its key's estimate for the same rows, once that estimate has ``min_steps``
+        readings, counts at this many times it (0: never cut). A stall (another thread, the
+        allocator, a page fault) lands on whichever step runs then, not on plain decoding or on a
+        proposer: one 300 ms plain step weighed 0.1 (more after a gap) priced plain decoding at
+        37 ms a step for the next requests, and an estimate that such steps lift prices the
+        configuration measured last above the others. A load that really moves still moves the
+        estimates, by up to this factor a reading.
     batch_sizes: the batch sizes (requests decoding together, continuous batching) for which
         :meth:`GoodputController.decision` reports the decision (``"by_batch"``); a request
         decides at whatever size it runs, these are only shown. ``build_serving_loop`` passes
@@ -118,6 +126,7 @@ class ControllerConfig:
     confidence: float = 0.95
     batch_sizes: tuple[int, ...] = (1, 2, 4)
     capped: tuple[str, ...] = ()
+    stall_factor: float = 3.0
 
     def __post_init__(self):
         for name in ("gamma_max", "gamma_init", "eagle_gamma_init"):  # their range is checked below
@@ -160,6 +169,9 @@ class ControllerConfig:
             raise ValueError(f"confidence={self.confidence!r} must lie in [0.5, 1) (0.95: speculate only where the "
                              f"one-sided 95 % lower bound of its rate over plain decoding's is above 1; 0.5: "
                              f"the point estimate alone)")
+        if (isinstance(self.stall_factor, bool) or not isinstance(self.stall_factor, (int, float))
+                or not (self.stall_factor == 0 or self.stall_factor > 1)):
+            raise ValueError(f"stall_factor={self.stall_factor!r} must be 0 (never cut) or above 1")
         for name in ("ceiling_reprobe_s", "half_life_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:  # NaN too
@@ -591,7 +603,16 @@ class GoodputController:
         batch of ``batch`` requests counts as ``ms`` / ρ_B(1)."""
         ms = max(0.0, ms) / self.batch_factor(batch, 1)
         with self._lock:
-            self._state(key).overhead_ms.add(ms, self.config.ewma)
+            s = self._state(key)
+            s.overhead_ms.add(self._unstalled(s.overhead_ms, ms), self.config.ewma)
+
+    def _unstalled(self, e: _Ewma | None, x: float) -> float:
+        """``x`` (ms), at most ``config.stall_factor`` times the estimate ``e`` of the same
+        quantity once ``e`` has ``min_steps`` readings (:class:`ControllerConfig`)."""
+        f = self.config.stall_factor
+        if f and e is not None and e.n >= self.config.min_steps and e.value > 0 and x > f * e.value:
+            return f * e.value
+        return x
 
     def observe(self, key: Key, step: StepStats, step_ms: float | None = None, *, proposer: str = DRAFT,
                 asked: int | None = None, batch: int = 1, first: bool | None = None, total: int | None = None,
@@ -638,6 +659,9 @@ class GoodputController:
         reused = g > 0 or after_rows is None or after_rows == 1  # its graph was the step before's (above)
         with self._lock:
             s = self._state(key)
+            verify_ms = self._unstalled(s.verify_ms.get(g), verify_ms)  # a stall is nobody's cost (config)
+            if proposer == DRAFT and g:
+                draft_ms = self._unstalled(s.draft_ms_per_token, draft_ms / g) * g
             if reused:
                 s.verify_ms.setdefault(g, _Ewma()).add(verify_ms, w, now, hl)
             # the draft's acceptance is its α (Σ min(p, q) per proposal), a length-modelled proposer's its accepted prefix

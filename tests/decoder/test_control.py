@@ -871,3 +871,34 @@ def test_a_one_row_step_after_a_copy_is_not_read_as_plain_decodings_step():
     assert m.tokens[2].value == pytest.approx(tokens / 12) and m.step_ms[2].value == pytest.approx(ms / 12)
     assert d["tokens_per_ms"][0] == pytest.approx(1 / 10.0, rel=1e-3)
     assert d["tokens_per_ms_by_proposer"]["ngram"][2] == pytest.approx(tokens / ms, rel=1e-3)
+
+
+def test_a_stalled_step_counts_at_stall_factor_times_the_estimate():
+    """20 plain steps of 10 ms, then one stalled at 300 ms (another thread held the core): read
+    at 3 x 10 = 30 ms, the EWMA (weight 0.1) moves to 10 + 0.1 x (30 - 10) = 12 ms, not to 39; a load
+    that doubles (20 ms steps) passes whole: 12 + 0.1 x 8 = 12.8. Below min_steps readings nothing
+    is cut (no estimate to cut against); stall_factor=0 never cuts."""
+    key = ("math", "greedy")
+    ctl = GoodputController(ControllerConfig(min_steps=8, half_life_s=math.inf))
+    for _ in range(20):
+        ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
+    ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 300.0))
+    assert ctl._keys[key].verify_ms[0].value == pytest.approx(12.0)
+    ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 20.0))
+    assert ctl._keys[key].verify_ms[0].value == pytest.approx(12.8)
+    ctl.observe_overhead(key, 0.5)
+    for _ in range(9):
+        ctl.observe_overhead(key, 0.5)
+    ctl.observe_overhead(key, 250.0)
+    assert ctl._keys[key].overhead_ms.value == pytest.approx(0.5 + 0.1 * (1.5 - 0.5))
+    young = GoodputController(ControllerConfig(min_steps=8, half_life_s=math.inf))
+    for ms in (10.0, 10.0, 300.0):
+        young.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, ms))
+    assert young._keys[key].verify_ms[0].value == pytest.approx(10.0 + 0.1 * 290.0)
+    off = GoodputController(ControllerConfig(min_steps=8, half_life_s=math.inf, stall_factor=0))
+    for ms in [10.0] * 20 + [300.0]:
+        off.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, ms))
+    assert off._keys[key].verify_ms[0].value == pytest.approx(39.0)
+    for bad in (1.0, 0.5, -2, float("nan"), "3", True):
+        with pytest.raises(ValueError, match="stall_factor"):
+            ControllerConfig(stall_factor=bad)
