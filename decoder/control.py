@@ -645,7 +645,10 @@ class GoodputController:
         decoding's step (``verify_ms[0]``) and as a length-modelled proposer's load reference
         (:meth:`_LengthModel.at_load`); the rest count in the proposer's own step costs only. Read
         from every one-row step, a plain step was priced at the n-gram's no-match steps, most of
-        them after a copy, so above what plain decoding costs, and every n-gram price with it."""
+        them after a copy, so above what plain decoding costs, and every n-gram price with it.
+        Until plain decoding has ``min_steps`` readings every one-row step counts (requests of one
+        or two tokens have no step after one row, and the warm-up would never end). A step after
+        a fused forward counts by that forward's rows (the policies pass them)."""
         if not (math.isfinite(step.verify_ms) and step.verify_ms > 0 and math.isfinite(step.draft_ms)
                 and step.draft_ms >= 0 and math.isfinite(step.alpha_sum)):
             return  # a broken reading (no forward takes 0 ms; a NaN α): it would price a γ at millions of tokens/ms
@@ -659,6 +662,8 @@ class GoodputController:
         reused = g > 0 or after_rows is None or after_rows == 1  # its graph was the step before's (above)
         with self._lock:
             s = self._state(key)
+            if not reused and (s.verify_ms[0].n if 0 in s.verify_ms else 0) < self.config.min_steps:
+                reused = True  # plain decoding still warming up: a key whose requests end after a step or two
             verify_ms = self._unstalled(s.verify_ms.get(g), verify_ms)  # a stall is nobody's cost (config)
             if proposer == DRAFT and g:
                 draft_ms = self._unstalled(s.draft_ms_per_token, draft_ms / g) * g
@@ -1514,7 +1519,8 @@ class ControlledGamma:
         self.controller.observe(self.key, step, proposer=self.proposer_name() or DEFAULT_PROPOSER,
                                 asked=asked, batch=batch, first=not self._updated, total=last_fused_rows(),
                                 request=self.request_id, after_rows=self._rows if batch <= 1 else None)
-        self._rows = step.proposed + 1
+        total = last_fused_rows()  # a fused forward's shape is all of its rows
+        self._rows = total if batch > 1 and total else step.proposed + 1
         self._updated = self._updated or bool(step.asked or step.proposed)
 
     def describe(self) -> str:

@@ -198,7 +198,8 @@ class _ObservedGamma(FixedGamma):
                                 first=not getattr(self, "_updated", False), total=last_fused_rows(),
                                 request=self.request_id,
                                 after_rows=getattr(self, "_rows", 0) if batch <= 1 else None)  # 0: after the prefill
-        self._rows = step.proposed + 1
+        total = last_fused_rows()  # a fused forward's shape is all of its rows
+        self._rows = total if batch > 1 and total else step.proposed + 1
         self._updated = getattr(self, "_updated", False) or bool(step.asked or step.proposed)
 
     def describe(self) -> str:

@@ -846,18 +846,21 @@ def test_a_one_row_step_after_a_copy_is_not_read_as_plain_decodings_step():
                                              ceiling_probe_every=1000), clock=clock)
     key = ("extract", "greedy")
 
-    def request(pattern):
+    def request(pattern, first_ms=13.0):
         pol = ControlledGamma(ctl, key)
         for i, kind in enumerate(pattern):
             pol.gamma()
             if kind == "copy":
                 st = StepStats(2, 2, 3, -1, 0.0, 0.0, 16.0, asked=2)
             else:
-                ms = 13.0 if i == 0 else 12.0 if pattern[i - 1] == "copy" else 10.0
+                ms = first_ms if i == 0 else 12.0 if pattern[i - 1] == "copy" else 10.0
                 st = StepStats(0, 0, 1, -1, 0.0, 0.0, ms, asked=2 if kind == "none" else 0)
             clock.t += st.verify_ms / 1e3
             pol.update(st)
 
+    # plain decoding's warm-up takes every one-row step until min_steps are read (a key of one- or
+    # two-token requests has no other): a first plain request whose first step costs what the rest do
+    request(["plain"] * 12, first_ms=10.0)
     for _ in range(6):
         request(["none"] + ["copy", "none", "none"] * 3 + ["copy", "none"])  # 12 steps
     request(["plain"] * 12)
@@ -902,3 +905,55 @@ def test_a_stalled_step_counts_at_stall_factor_times_the_estimate():
     for bad in (1.0, 0.5, -2, float("nan"), "3", True):
         with pytest.raises(ValueError, match="stall_factor"):
             ControllerConfig(stall_factor=bad)
+
+
+def test_plain_decodings_warm_up_ends_on_a_key_of_two_token_requests():
+    """A request of 2 tokens has one step, right after its prefill (a graph rebuild): read only
+    after one row, plain decoding would never be measured and the key would warm up forever
+    (the break session's repro). Until min_steps plain readings exist, such steps count; after,
+    they do not."""
+    from decoder.control import ControlledGamma
+
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), gamma_max=2, gamma_init=2, min_steps=3))
+    key = ("tiny", "greedy")
+    for i in range(5):
+        pol = ControlledGamma(ctl, key)
+        pol.gamma()
+        pol.update(StepStats(0, 0, 1, -1, 0.0, 0.0, 12.0 + i, asked=0))
+    e = ctl._keys[key].verify_ms[0]
+    assert e.n == 3  # the first three (warm-up), not the last two (after the prefill, warm)
+    assert e.value == pytest.approx(12.1 + 0.1 * (14.0 - 12.1), rel=1e-6)  # 12, then 13 and 14 at weight 0.1
+    assert ctl.decision(key)["t_plain_ms"] is not None
+
+
+def test_a_step_after_a_fused_forward_is_read_by_that_forwards_rows(monkeypatch):
+    """A request decoded in a batch of 2 (fused forwards of 2 rows, one of them its own plain
+    row), then alone: its first step alone follows a 2-row forward (a graph rebuild, 13 ms) and
+    is not plain decoding's step; the next one (after one row, 10 ms) is."""
+    import decoder.control as control
+    from decoder.control import ControlledGamma
+
+    ctl = GoodputController(ControllerConfig(proposers=("ngram",), gamma_max=2, gamma_init=2, min_steps=2))
+    key = ("chat", "greedy")
+    for _ in range(3):  # warm plain decoding up alone: 10 ms after one row
+        pol = ControlledGamma(ctl, key)
+        for _ in range(3):
+            pol.gamma()
+            pol.update(StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0, asked=0))
+    e = ctl._keys[key].verify_ms[0]
+    n0 = e.n
+    pol = ControlledGamma(ctl, key)
+    fused = {"size": 2, "rows": 2}
+    monkeypatch.setattr(control, "last_fused_size", lambda: fused["size"])
+    monkeypatch.setattr(control, "last_fused_rows", lambda: fused["rows"])
+    monkeypatch.setattr(control, "routed_batch_size", lambda: fused["size"])
+    pol.gamma()
+    pol.update(StepStats(0, 0, 1, -1, 0.0, 0.0, 15.0, asked=0))  # inside the batch (its own reading, scaled)
+    n1 = e.n
+    fused.update(size=1, rows=1)
+    pol.gamma()
+    pol.update(StepStats(0, 0, 1, -1, 0.0, 0.0, 13.0, asked=0))  # alone, after the 2-row forward
+    assert e.n == n1
+    pol.gamma()
+    pol.update(StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0, asked=0))  # alone, after one row
+    assert e.n == n1 + 1 and n1 >= n0
