@@ -189,7 +189,10 @@ def main() -> None:
     code = Path(a.code).resolve() if a.code else HERE.parent
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(code))
-    os.environ.setdefault("DRAFTD_STORE__KEY_PREFIX", f"bench:perstep:{uuid.uuid4().hex[:8]}:")
+    # a prefix of its own under whatever the environment sets: the end deletes prefix + "*", which must never
+    # reach a running daemon's keys (or, under an empty prefix, the whole database)
+    os.environ["DRAFTD_STORE__KEY_PREFIX"] = (f"{os.environ.get('DRAFTD_STORE__KEY_PREFIX') or 'bench:'}"
+                                             f"perstep:{uuid.uuid4().hex[:8]}:")
     os.environ.setdefault("DRAFTD_MODELS__FORMAT", "packaged")
     os.environ.setdefault("DRAFTD_MODELS__ENGINE_THREADS", "2")
     from daemon.settings import load_settings

@@ -16,7 +16,8 @@ n-gram type, ``--draft-gammas`` of the draft), each run's decoding time (``laten
 tokens per ms over plain's with a paired bootstrap interval over prompts
 (``trainer.gate.paired_ratio_gain``). Every output is checked equal to plain's.
 
-Prints one JSON object: per workload the decision's ``t_plain_ms``, ``overhead_ms``, the pick,
+Prints one JSON object at the end (logs may come before it on stdout; ``--out`` holds the object
+alone): per workload the decision's ``t_plain_ms``, ``overhead_ms``, the pick,
 and per candidate ``priced`` / ``ran`` [low, high] / ``priced_over_ran``.
 
 Usage: .venv/bin/python bench/pick_audit.py [--workloads prose,code,math,extract] [--serve 16]
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -147,20 +149,25 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "bench"))
-    os.environ.setdefault("DRAFTD_STORE__KEY_PREFIX", f"bench:audit:{uuid.uuid4().hex[:8]}:")
+    # a prefix of its own under whatever the environment sets: the end deletes prefix + "*", which must never
+    # reach a running daemon's keys (or, under an empty prefix, the whole database)
+    os.environ["DRAFTD_STORE__KEY_PREFIX"] = (f"{os.environ.get('DRAFTD_STORE__KEY_PREFIX') or 'bench:'}"
+                                             f"audit:{uuid.uuid4().hex[:8]}:")
     from daemon.demo import _PROMPT_TOKENS, DemoConfig, _prompts
     from daemon.settings import load_settings
     from serve_overhead import build
 
     settings = load_settings()
     prefix = settings.store.key_prefix
-    client, pair, loop, service = build(settings, prefix)
-    n_eval = DemoConfig.quick().eval_prompts
-    tok = pair.tokenizer
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below deletes the run's keys
     out: dict = {"serve": a.serve, "prompts": a.prompts, "max_tokens": a.max_tokens, "workloads": {}}
-    ctl = loop.controller
-    every, ctl.config.unsure_probe_every = ctl.config.unsure_probe_every, 1
+    loop = None
     try:
+        client, pair, loop, service = build(settings, prefix)
+        n_eval = DemoConfig.quick().eval_prompts
+        tok = pair.tokenizer
+        ctl = loop.controller
+        ctl.config.unsure_probe_every = 1
         for w in [x for x in a.workloads.split(",") if x]:
             pool = [p.token_ids(tok)[-_PROMPT_TOKENS:] for p in _prompts(w, a.serve, skip=n_eval)]
             served = serve_phase(loop, service, w, pool, a.max_tokens)
@@ -204,10 +211,15 @@ def main() -> None:
                               "eval_plain": out["workloads"][w]["eval_plain_ms_per_token"],
                               "pick": out["workloads"][w]["pick"]}), file=sys.stderr, flush=True)
     finally:
-        ctl.config.unsure_probe_every = every
-        loop.close()
-        for k in client.scan_iter(match=prefix + "*", count=1000):
-            client.delete(k)
+        try:
+            if loop is not None:
+                loop.close()
+        finally:
+            from store.client import connect
+
+            keys = connect(settings.redis.url or "redis://127.0.0.1:6379/0")
+            for k in keys.scan_iter(match=prefix + "*", count=1000):
+                keys.delete(k)
     text = json.dumps(out, indent=1)
     print(text)
     if a.out:

@@ -109,7 +109,10 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "bench"))
-    os.environ.setdefault("DRAFTD_STORE__KEY_PREFIX", f"bench:overhead:{uuid.uuid4().hex[:8]}:")
+    # a prefix of its own under whatever the environment sets: the end deletes prefix + "*", which must never
+    # reach a running daemon's keys (or, under an empty prefix, the whole database)
+    os.environ["DRAFTD_STORE__KEY_PREFIX"] = (f"{os.environ.get('DRAFTD_STORE__KEY_PREFIX') or 'bench:'}"
+                                             f"overhead:{uuid.uuid4().hex[:8]}:")
     from daemon.serve import ServeServer
     from daemon.settings import load_settings
     from serve_bench import peer_prompts
