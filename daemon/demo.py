@@ -878,8 +878,7 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
     decoding up again through the API, as after any change of load. They decode what the evaluation
     decodes, ``cfg.eval_new_tokens`` tokens past any end of sequence, not the phases'
     ``max_new_tokens``: the n-gram's accepted lengths are learnt again here, and a copy-heavy
-    request's first 32 tokens copy more than its 64 do (served requests of 32 tokens read τ
-    2.7-3.0 on extract, the evaluation's 64-token ones 2.0: bench/RESULTS.md, "Twenty-fourth
+    request's first 32 tokens copy more than its 64 do (bench/RESULTS.md, "Twenty-fourth
     session"). Returns what it served."""
     t0 = time.time()
     cost = loop.decoder.step_cost

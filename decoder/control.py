@@ -100,10 +100,10 @@ class ControllerConfig:
         this many times its key's estimate for the same rows, once that estimate has ``min_steps``
         readings, counts at this many times it (0: never cut). A stall (another thread, the
         allocator, a page fault) lands on whichever step runs then, not on plain decoding or on a
-        proposer: one 300 ms plain step weighed 0.1 (more after a gap) priced plain decoding at
-        37 ms a step for the next requests, and an estimate that such steps lift prices the
-        configuration measured last above the others. A load that really moves still moves the
-        estimates, by up to this factor a reading.
+        proposer: one stalled plain step, weighted ``ewma`` (more after a gap), priced plain
+        decoding several times too dear for the next requests (bench/RESULTS.md, "Twenty-fourth
+        session"). A load that really moves still moves the estimates, by up to this factor a
+        reading.
     batch_sizes: the batch sizes (requests decoding together, continuous batching) for which
         :meth:`GoodputController.decision` reports the decision (``"by_batch"``); a request
         decides at whatever size it runs, these are only shown. ``build_serving_loop`` passes
