@@ -40,7 +40,6 @@ import os
 import sys
 import threading
 import time
-import uuid
 from collections import defaultdict
 from pathlib import Path
 
@@ -189,15 +188,13 @@ def main() -> None:
     code = Path(a.code).resolve() if a.code else HERE.parent
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(code))
-    # a prefix of its own under whatever the environment sets: the end deletes prefix + "*", which must never
-    # reach a running daemon's keys (or, under an empty prefix, the whole database)
-    os.environ["DRAFTD_STORE__KEY_PREFIX"] = (f"{os.environ.get('DRAFTD_STORE__KEY_PREFIX') or 'bench:'}"
-                                             f"perstep:{uuid.uuid4().hex[:8]}:")
     os.environ.setdefault("DRAFTD_MODELS__FORMAT", "packaged")
     os.environ.setdefault("DRAFTD_MODELS__ENGINE_THREADS", "2")
     from daemon.settings import load_settings
     from serve_bench import peer_prompts
-    from serve_overhead import build
+    from serve_overhead import build, own_key_prefix
+
+    own_key_prefix("perstep")  # before the settings are read
 
     spans = Spans()
     wrapped = install(spans, not a.no_parts)

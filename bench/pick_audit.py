@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import time
-import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,13 +147,11 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "bench"))
-    # a prefix of its own under whatever the environment sets: the end deletes prefix + "*", which must never
-    # reach a running daemon's keys (or, under an empty prefix, the whole database)
-    os.environ["DRAFTD_STORE__KEY_PREFIX"] = (f"{os.environ.get('DRAFTD_STORE__KEY_PREFIX') or 'bench:'}"
-                                             f"audit:{uuid.uuid4().hex[:8]}:")
     from daemon.demo import _PROMPT_TOKENS, DemoConfig, _prompts
     from daemon.settings import load_settings
-    from serve_overhead import build
+    from serve_overhead import build, own_key_prefix
+
+    own_key_prefix("audit")  # before the settings are read
 
     settings = load_settings()
     prefix = settings.store.key_prefix

@@ -32,7 +32,6 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -61,6 +60,15 @@ def boot_ci(xs: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, fl
     rng = random.Random(seed)
     means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(reps))
     return means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
+
+
+def own_key_prefix(tag: str) -> str:
+    """Sets and returns ``DRAFTD_STORE__KEY_PREFIX`` as a prefix of this run's own under whatever
+    the environment sets (``bench:`` if nothing): a bench deletes ``prefix*`` at its end, which must
+    never reach a running daemon's keys, or under an empty prefix the whole database."""
+    prefix = f"{os.environ.get('DRAFTD_STORE__KEY_PREFIX') or 'bench:'}{tag}:{uuid.uuid4().hex[:8]}:"
+    os.environ["DRAFTD_STORE__KEY_PREFIX"] = prefix
+    return prefix
 
 
 def build(settings, prefix: str):
@@ -109,10 +117,7 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "bench"))
-    # a prefix of its own under whatever the environment sets: the end deletes prefix + "*", which must never
-    # reach a running daemon's keys (or, under an empty prefix, the whole database)
-    os.environ["DRAFTD_STORE__KEY_PREFIX"] = (f"{os.environ.get('DRAFTD_STORE__KEY_PREFIX') or 'bench:'}"
-                                             f"overhead:{uuid.uuid4().hex[:8]}:")
+    own_key_prefix("overhead")
     from daemon.serve import ServeServer
     from daemon.settings import load_settings
     from serve_bench import peer_prompts
