@@ -216,6 +216,7 @@ def run_demo(settings, cfg: DemoConfig, console) -> dict[str, Any]:
         report["client_retries"] = resends.retried  # requests resent after a connection failed before any response
         report["llamacpp_peer_file"] = _peer_file(settings, models)
         report["llamacpp_peer_kernels"] = "upstream (scripts/patches switched off, a process of its own)"
+        report["promotions_that_lowered_decoded_alpha"] = lowered_promotions(report)
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
     plot_timeline(traffic.timeline, traffic.shifts, out_dir / "acceptance.png",
                   scopes={a["version"]: a.get("scope") or "" for a in report.get("adapters") or ()})
@@ -2974,6 +2975,14 @@ def _shift_alarms_note(report: dict) -> str | None:
             f"shift_alarms, α per proposer in {plot}")
 
 
+def lowered_promotions(report: dict) -> list[str]:
+    """The promotions whose decoded α on the phase's never-served prompts fell below their
+    parent's (interval wholly below 0), "workload: vP -> vV" each: issue 34's "no promoted
+    version lowers it", in report.json and the console's summary line alike."""
+    return [f"{r['workload']}: v{v['parent']} -> v{v['version']}"
+            for r in report["phases"] for v in r.get("versions") or [] if v["lowered"]]
+
+
 def _summary(report: dict, out_dir: Path) -> dict[str, Any]:
     """The demo's final JSON line: the run's keys, the report's path, each phase's gains, and the
     adapters serving at the end: ``shared_adapter`` (the shared scope's version, the bootstrap in the
@@ -2990,9 +2999,7 @@ def _summary(report: dict, out_dir: Path) -> dict[str, Any]:
                                 for r in report["phases"]}
     summary["phase_end_gain"] = {r["workload"]: [(r.get("phase_end_gain_ci") or {}).get(k) for k in ("gain", "low", "high")]
                                  for r in report["phases"]}
-    summary["promotions_that_lowered_decoded_alpha"] = [f"{r['workload']}: v{v['parent']} -> v{v['version']}"
-                                                        for r in report["phases"] for v in r.get("versions") or []
-                                                        if v["lowered"]]
+    summary["promotions_that_lowered_decoded_alpha"] = lowered_promotions(report)
     # what a promotion may cost another workload (the trainer's cross-workload tolerance), beside that list
     summary["regress_margin"] = (report.get("config") or {}).get("regress_margin")
     return summary

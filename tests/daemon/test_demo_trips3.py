@@ -235,6 +235,8 @@ def test_a_promotion_that_lowered_another_workload_names_the_trainers_tolerance(
     summary = demo._summary(report | {"run_id": "r", "key_prefix": "x:", "seconds": 1.0, "requests": 1,
                                       "active_adapter": 1, "plot": None}, demo.Path("out"))
     assert summary["promotions_that_lowered_decoded_alpha"] == ["math: v1 -> v32"] and summary["regress_margin"] == 0.05
+    assert demo.lowered_promotions(report) == ["math: v1 -> v32"]  # report.json's key (run_demo), the same list
+    assert demo.lowered_promotions({"phases": [_phase("math", versions=[dict(v, lowered=False)])]}) == []
     with pytest.raises(ValueError, match=r"regress_margin=-0.1: must be a finite number >= 0"):
         DemoConfig(regress_margin=-0.1)
 
