@@ -1954,8 +1954,7 @@ def _decoded_table(report: dict, console, pct: str) -> None:
         s.add_row(r["workload"], _cell(r["plain"]["tokens_per_s"]),
                   f"{pk['proposer']} γ={pk['gamma']}" if pk["gamma"] else "plain (off)",
                   "-" if plain_pick else _cell(pk["alpha"]), "-" if plain_pick else _cell(pk["tau"]),
-                  "plain (same decoding)" if plain_pick else f"{_cell(pk['speedup_vs_plain'])} {_interval(sp)}" if sp
-                  else _cell(pk["speedup_vs_plain"]), _left_off_cell(r),
+                  "plain (same decoding)" if plain_pick else _pick_cell(pk, sp), _left_off_cell(r),
                   *([f"{_cell(pp['ratio'])} {_interval(pp)}" if pp else "-"] if plain_peer else []),
                   f"{_cell(lp['ratio'])} {_interval(lp)}" if lp else "-")
     console.print(a)
@@ -1963,6 +1962,17 @@ def _decoded_table(report: dict, console, pct: str) -> None:
     gap = _live_rate_note(report)
     if gap:
         console.print(gap)
+
+
+def _pick_cell(pick: dict, ci: dict | None) -> str:
+    """A speculating pick's ×plain cell, its interval, and "LOST to plain" where the whole interval
+    is below 1 or "below 0.97x" where the point is (issue 34: the pick never loses; walkthroughs
+    read a losing pick's cell as one more number)."""
+    ratio = pick.get("speedup_vs_plain")
+    text = f"{_cell(ratio)} {_interval(ci)}" if ci else _cell(ratio)
+    if ci and ci.get("high") is not None and ci["high"] < 1:
+        return text + " LOST to plain"
+    return text + " below 0.97x" if ratio is not None and ratio < 0.97 else text
 
 
 def _peer_caption(report: dict, same: bool, files: str) -> str | None:

@@ -269,6 +269,17 @@ def test_a_plain_picks_cells_say_plain_not_numbers_that_look_measured():
                   speed_vs_plain_ci={"adapted": {"ratio": 1.22, "low": 1.15, "high": 1.28}})
     text = _printed({"phases": [spec]})
     assert "plain (same decoding)" not in text and "0.610" in text and "1.220 [1.15, 1.28]" in text
+    assert "LOST" not in text and "below 0.97x" not in text
+    # a pick that lost: the whole interval below 1 (the twenty-fourth session's math, 0.959 [0.918, 0.998]),
+    # and one below 0.97x on the point with an interval across 1
+    lost_ci = {"ratio": 0.959, "low": 0.918, "high": 0.998}
+    assert demo._pick_cell({"speedup_vs_plain": 0.959}, lost_ci) == "0.959 [0.92, 0.998] LOST to plain"
+    assert demo._pick_cell({"speedup_vs_plain": 0.96}, {"ratio": 0.96, "low": 0.90, "high": 1.03}) \
+        == "0.960 [0.90, 1.03] below 0.97x"
+    assert demo._pick_cell({"speedup_vs_plain": 0.97}, {"ratio": 0.97, "low": 0.90, "high": 1.03}) == "0.970 [0.90, 1.03]"
+    lost = _phase("math", adapted=_row(proposer="ngram", gamma=8, alpha=0.49, tau=1.49, speedup_vs_plain=0.959),
+                  speed_vs_plain_ci={"adapted": lost_ci})
+    assert "LOST" in _printed({"phases": [lost]})  # in the table (its cell may fold across lines)
 
 
 # 8. the re-measurement's alarms, named -------------------------------------------------------------------
