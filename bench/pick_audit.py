@@ -72,23 +72,15 @@ def serve_phase(loop, service, workload: str, prompts, max_tokens: int) -> list[
 
 def candidates(decision: dict, ngram_gammas: list[int], draft_gammas: list[int]) -> dict[tuple[str, int], float | None]:
     """(proposer, γ) -> its price (tokens per ms over plain's as the controller rates it; None
-    where unrated): the pick, the draft at ``draft_gammas``, each n-gram type at ``ngram_gammas``."""
-    plain = (decision.get("tokens_per_ms") or {}).get(0)
-    out: dict[tuple[str, int], float | None] = {}
+    where unrated): the pick, the draft at ``draft_gammas``, each n-gram type at ``ngram_gammas``,
+    each as the demo prices its pick (``daemon.demo._priced``)."""
+    from daemon.demo import _priced
 
-    def price(rate):
-        return round(rate / plain, 3) if rate and plain else None
-
-    for g in draft_gammas:
-        out[("draft", g)] = price((decision.get("tokens_per_ms") or {}).get(g))
-    for name, rates in (decision.get("tokens_per_ms_by_proposer") or {}).items():
-        for g in ngram_gammas:
-            out[(name, g)] = price((rates or {}).get(g))
+    keys = [("draft", g) for g in draft_gammas]
+    keys += [(name, g) for name in (decision.get("tokens_per_ms_by_proposer") or {}) for g in ngram_gammas]
     if decision.get("gamma"):
-        p, g = decision.get("proposer") or "draft", int(decision["gamma"])
-        rates = decision.get("tokens_per_ms") if p == "draft" else (decision.get("tokens_per_ms_by_proposer") or {}).get(p, {})
-        out[(p, g)] = price((rates or {}).get(g))
-    return out
+        keys.append((decision.get("proposer") or "draft", int(decision["gamma"])))
+    return {(p, g): _priced(decision, p, g) for p, g in keys}
 
 
 def evaluate(decoder, workload: str, prompts, cands, max_tokens: int) -> dict[str, list[tuple[int, float]]]:
@@ -127,12 +119,12 @@ def evaluate(decoder, workload: str, prompts, cands, max_tokens: int) -> dict[st
 
 
 def ratio(plain: list[tuple[int, float]], other: list[tuple[int, float]]) -> dict:
-    """Pooled tokens per ms of ``other`` over ``plain``, paired bootstrap interval over prompts."""
-    from trainer.gate import paired_ratio_gain
+    """Pooled tokens per ms of ``other`` over ``plain``, paired bootstrap interval over prompts, as
+    the demo's evaluation computes it (``daemon.demo._speed_ratio``)."""
+    from daemon.demo import _speed_ratio
 
-    g = paired_ratio_gain({str(i): (a[0], a[1], b[0], b[1]) for i, (a, b) in enumerate(zip(plain, other))}, 0.95)
-    return {"ran": round(g.after / g.before, 3), "low": round(1 + g.low / g.before, 3),
-            "high": round(1 + g.high / g.before, 3)}
+    r = _speed_ratio({str(i): (a[0], a[1], b[0], b[1]) for i, (a, b) in enumerate(zip(plain, other))}, 0.95) or {}
+    return {"ran": r.get("ratio"), "low": r.get("low"), "high": r.get("high")}
 
 
 def main() -> None:

@@ -1408,6 +1408,13 @@ class GoodputController:
 _request_ids = itertools.count(1)
 
 
+def forward_rows(step: StepStats, batch: int, total: int | None) -> int:
+    """Rows of the forward a step ran: the fused forward's ``total`` inside a batch of ``batch`` > 1
+    requests, else the step's own (proposals + 1). A policy passes it as the next step's
+    ``after_rows`` (:meth:`GoodputController.observe`)."""
+    return total if batch > 1 and total else step.proposed + 1
+
+
 def new_request_id() -> int:
     """A fresh id for :meth:`GoodputController.observe`'s ``request`` (unique in the process)."""
     return next(_request_ids)
@@ -1515,12 +1522,11 @@ class ControlledGamma:
     def update(self, step: StepStats) -> None:
         self._modelled = step.draft_ms + step.verify_ms
         asked = step.asked if step.asked is not None else self._gamma
-        batch = last_fused_size()
+        batch, total = last_fused_size(), last_fused_rows()
         self.controller.observe(self.key, step, proposer=self.proposer_name() or DEFAULT_PROPOSER,
-                                asked=asked, batch=batch, first=not self._updated, total=last_fused_rows(),
+                                asked=asked, batch=batch, first=not self._updated, total=total,
                                 request=self.request_id, after_rows=self._rows if batch <= 1 else None)
-        total = last_fused_rows()  # a fused forward's shape is all of its rows
-        self._rows = total if batch > 1 and total else step.proposed + 1
+        self._rows = forward_rows(step, batch, total)
         self._updated = self._updated or bool(step.asked or step.proposed)
 
     def describe(self) -> str:

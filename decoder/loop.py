@@ -50,7 +50,7 @@ from typing import Any
 import structlog
 
 from decoder.batching import STEP_TOKEN_BUDGET, StepScheduler, check_step_ms_target
-from decoder.control import ControllerConfig, GoodputController, batch_sizes_up_to, new_request_id
+from decoder.control import ControllerConfig, GoodputController, batch_sizes_up_to, forward_rows, new_request_id
 from decoder.engines.base import forward_router, last_fused_rows, last_fused_size, supports
 from decoder.rollback import RollbackMonitor
 from decoder.shift import key_str
@@ -192,14 +192,13 @@ class _ObservedGamma(FixedGamma):
         return self.proposer
 
     def update(self, step) -> None:
-        batch = last_fused_size()
+        batch, total = last_fused_size(), last_fused_rows()
         self.controller.observe(self.key, step, proposer=self.proposer,
                                 asked=step.asked if step.asked is not None else self.value, batch=batch,
-                                first=not getattr(self, "_updated", False), total=last_fused_rows(),
+                                first=not getattr(self, "_updated", False), total=total,
                                 request=self.request_id,
                                 after_rows=getattr(self, "_rows", 0) if batch <= 1 else None)  # 0: after the prefill
-        total = last_fused_rows()  # a fused forward's shape is all of its rows
-        self._rows = total if batch > 1 and total else step.proposed + 1
+        self._rows = forward_rows(step, batch, total)
         self._updated = getattr(self, "_updated", False) or bool(step.asked or step.proposed)
 
     def describe(self) -> str:
