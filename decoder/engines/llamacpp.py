@@ -323,6 +323,15 @@ class LlamaCppEngine:
         self._out_np = self.out_ids.numpy()
         self.vocab_size = full_vocab
 
+    def _llama_decode(self, batch) -> int:
+        """``llama_decode`` of ``batch`` on this context, under its threadpool's lock (the pool is
+        shared with the process's other contexts of the same thread count:
+        :func:`~decoder.engines.llamacpp_lib.attach_threadpool`); returns llama.cpp's code."""
+        if self._pool is None:
+            return llama_call(self.L.llama_decode, self.ctx, batch)
+        with self._pool.lock:
+            return llama_call(self.L.llama_decode, self.ctx, batch)
+
     def _free_model(self) -> None:
         """Free the context and model of a construction that fails before the engine is complete."""
         self.L.llama_free(self.ctx)
@@ -541,7 +550,7 @@ class LlamaCppEngine:
                 out = c0 + i >= first_out
                 b.logits[i] = 1 if out else 0
                 outs += out
-            rc = llama_call(L.llama_decode, self.ctx, b)
+            rc = self._llama_decode(b)
             if rc != 0:
                 self._cells.pop(seq.seq_id, None)
                 raise EngineError(f"llama_decode returned {rc} (1: no KV slot; <0: error) at position {seq.length}")
@@ -634,7 +643,7 @@ class LlamaCppEngine:
                     b.logits[i] = 1 if k >= len(tokens) - keep else 0
                     i += 1
             b.n_tokens = i
-            rc = llama_call(L.llama_decode, self.ctx, b)
+            rc = self._llama_decode(b)
             if rc != 0:
                 for j in g:
                     self._cells.pop(items[j][0].seq_id, None)

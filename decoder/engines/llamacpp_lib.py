@@ -269,7 +269,7 @@ def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
 
 
 
-# ---- a persistent ggml threadpool per context ---------------------------------------------------
+# ---- persistent ggml threadpools, one per shape, shared by the contexts ---------------------------------------------------
 
 POLL_DEFAULT = 50  # ggml_threadpool_params_default's polling level, llama-server's default (--poll)
 
@@ -393,17 +393,39 @@ def poll_level() -> int:
     return int(env)
 
 
-def attach_threadpool(ctx, n_threads: int, poll: int | None = None):
-    """A persistent ggml threadpool of ``n_threads`` attached to llama.cpp context ``ctx``, as
-    llama-server attaches one (common_threadpools::init); returns its handle for
-    :func:`free_threadpool`, or None where it cannot be made (the context then keeps llama.cpp's
-    default: a pool created and joined inside every graph computation).
+class SharedPool:
+    """One ggml threadpool (``handle``) and the contexts attached to it (``users``); ``lock`` is
+    held around every computation on it (:meth:`LlamaCppEngine._llama_decode`): two graphs computed
+    on one pool at once would share its workers."""
 
-    Why: without a pool, each ``llama_decode`` starts ``n_threads - 1`` new worker threads and joins
-    them; on a small CPU where another thread is runnable (the event loop writing a streamed chunk,
-    the client reading it) a new worker waits to be scheduled while thread 0 spins at the graph's
-    first barrier. A pool's workers stay on their cores, polling for the next graph (``poll``: 0 no
-    polling, 100 most; default :data:`POLL_DEFAULT`, ``DRAFTD_LLAMA_POLL`` overrides).
+    __slots__ = ("handle", "key", "lock", "users")
+
+    def __init__(self, handle, key: tuple[int, int]):
+        self.handle, self.key, self.lock, self.users = handle, key, threading.Lock(), 0
+
+
+_pools: dict[tuple[int, int], SharedPool] = {}  # (n_threads, poll) -> the process's pool of that shape
+
+
+def attach_threadpool(ctx, n_threads: int, poll: int | None = None) -> SharedPool | None:
+    """The process's persistent ggml threadpool of ``n_threads`` (made on first use), attached to
+    llama.cpp context ``ctx``, as llama-server attaches one (common_threadpools::init); returns it
+    for :func:`free_threadpool`, or None where it cannot be made (the context then keeps
+    llama.cpp's default: a pool created and joined inside every graph computation).
+
+    Why a pool: without one, each ``llama_decode`` starts ``n_threads - 1`` new worker threads and
+    joins them; on a small CPU where another thread is runnable (the event loop writing a streamed
+    chunk, the client reading it) a new worker waits to be scheduled while thread 0 spins at the
+    graph's first barrier. A pool's workers stay on their cores, polling for the next graph
+    (``poll``: 0 no polling, 100 most; default :data:`POLL_DEFAULT`, ``DRAFTD_LLAMA_POLL``
+    overrides).
+
+    Why one pool for every context of the same ``n_threads`` and ``poll`` (the target and the
+    draft): a pool's workers poll for a while after each graph, so with a pool per context the
+    target's workers spun on the cores while the draft computed, and the draft's while the target
+    verified; plain steps after a draft's steps in one request ran about twice their cost until
+    the draft's workers went to sleep (bench/RESULTS.md, "Twenty-fifth session"). One pool's
+    workers take whichever graph comes next; its ``lock`` keeps two at a time off it.
 
     Raises:
         ValueError: ``n_threads`` below 1 or ``poll`` outside 0-100.
@@ -418,20 +440,35 @@ def attach_threadpool(ctx, n_threads: int, poll: int | None = None):
     if not fns:
         return None
     params_default, new, _free, attach, _detach = fns
-    p = params_default(int(n_threads))
-    p.poll = int(poll)
-    pool = new(ctypes.byref(p))
-    if not pool:
-        return None
-    attach(ctx, pool, None)  # None: the same pool for batches (llama_context::attach_threadpool)
+    key = (int(n_threads), int(poll))
+    with _init_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            p = params_default(int(n_threads))
+            p.poll = int(poll)
+            handle = new(ctypes.byref(p))
+            if not handle:
+                return None
+            pool = _pools[key] = SharedPool(handle, key)
+        pool.users += 1
+    attach(ctx, pool.handle, None)  # None: the same pool for batches (llama_context::attach_threadpool)
     return pool
 
 
-def free_threadpool(ctx, pool) -> None:
-    """Detach ``pool`` from ``ctx`` (None: already freed) and free it; None ``pool``: nothing."""
+def free_threadpool(ctx, pool: SharedPool | None) -> None:
+    """Detach ``pool`` from ``ctx`` (None: a context already freed) and free the pool once no
+    context uses it; None ``pool``: nothing."""
     if pool is None:
         return
     fns = _threadpool_fns()
     if ctx is not None:
-        fns[4](ctx)
-    fns[2](pool)
+        with pool.lock:  # not under a computation on it
+            fns[4](ctx)
+    with _init_lock:
+        pool.users -= 1
+        if pool.users > 0:
+            return
+        if _pools.get(pool.key) is pool:
+            del _pools[pool.key]
+    with pool.lock:
+        fns[2](pool.handle)

@@ -450,6 +450,47 @@ def test_the_threadpool_is_made_by_the_ggml_copy_llama_cpp_computes_with(tiny_gg
 
 
 @needs_llamacpp
+def test_contexts_of_one_thread_count_share_one_threadpool_and_compute_the_same(tiny_gguf):
+    """The target's and the draft's contexts had a pool each, and each pool's workers polled for
+    a while after its graphs: the target's spun on the cores while the draft computed and the
+    draft's while the target verified (plain steps after a draft's steps ran about twice their
+    cost: bench/RESULTS.md, "Twenty-fifth session"). Contexts of one thread count and polling
+    level now share one pool, freed with the last of them; decodes on two engines from two
+    threads at once give the logits each gives alone (the pool's lock keeps them apart)."""
+    import threading
+
+    a = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=2)
+    b = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=2)
+    c = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=1)
+    try:
+        assert a._pool is not None and a._pool is b._pool and a._pool.users >= 2
+        assert c._pool is not a._pool
+        toks = [[5, 6, 7, 8, 9, 10], [11, 3, 4, 12, 2, 9]]
+        alone = [a.start().forward(toks[0], 3).clone(), b.start().forward(toks[1], 3).clone()]
+        got: dict[int, list] = {0: [], 1: []}
+
+        def run(i: int, e) -> None:
+            for _ in range(20):
+                got[i].append(e.start().forward(toks[i], 3).clone())
+
+        ts = [threading.Thread(target=run, args=(0, a)), threading.Thread(target=run, args=(1, b))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for i in (0, 1):
+            assert len(got[i]) == 20
+            for x in got[i]:
+                torch.testing.assert_close(x, alone[i], rtol=0, atol=0)
+        users = a._pool.users
+        b.close()
+        assert a._pool.users == users - 1  # still a's, and still computing
+        torch.testing.assert_close(a.start().forward(toks[0], 3), alone[0], rtol=0, atol=0)
+    finally:
+        for e in (a, b, c):
+            e.close()
+
+@needs_llamacpp
 @pytest.mark.slow
 def test_llamacpp_engine_logits_equal_llama_cpp_pythons_own(engine, gguf, real):
     """Prefill + batched + one-token logits from our low-level calls against ``Llama.eval``'s
