@@ -572,27 +572,33 @@ class GoodputController:
         return self.step_cost.batch_factor(batch, rows, total)
 
     def remeasure_costs(self) -> int:
-        """Forget what steps cost, for every key: the verification ms per γ and the plain step's,
-        the per-step overhead, the draft's ms per token, each length-modelled proposer's step ms
-        and accepted lengths (and its warm-up), the draft's ceiling back-off; keep α and the
-        request counts. The n-gram proposer's gate proposes as much of a match as the step costs
-        say pays, so its accepted lengths change with the costs: lengths learnt over a phase
-        beside the trainer, divided by costs measured after the gate had all but stopped
-        proposing (2-row verifications at 2.05 plain steps), priced it at 1.5x plain decoding,
-        and the evaluation ran it at 0.93x (docs/walkthroughs.md, the run at 5602b44). Each key's next requests warm up again (each proposer at ``gamma_init``
-        for ``min_steps`` steps, then plain decoding), so its choice is priced at what steps cost
-        from now on. For a change of load the EWMAs would follow only where the controller still
-        chooses to measure: a trainer that ran beside every step and stops leaves its priced-up
-        verifications standing for whatever is never chosen again. Returns the keys reset."""
+        """Forget what steps cost and what proposals were accepted, for every key: the
+        verification ms per γ and the plain step's, the per-step overhead, the draft's ms per token
+        and its α (with its per-request acceptance), each length-modelled proposer's step ms and
+        accepted lengths (and its warm-up), the draft's ceiling back-off; keep the request counts.
+        The n-gram proposer's gate proposes as much of a match as the step costs say pays, so its
+        accepted lengths change with the costs: lengths learnt over a phase beside the trainer,
+        divided by costs measured after the gate had all but stopped proposing (2-row
+        verifications at 2.05 plain steps), priced it at 1.5x plain decoding, and the evaluation
+        ran it at 0.93x (docs/walkthroughs.md, the run at 5602b44). α goes too: the requests after
+        a re-measurement (the demo's: 64 tokens past any end of sequence) are not the ones α was
+        learnt on (the phases' 32-token answers): a draft priced on the phases' α (0.70) ran
+        0.89-0.93x plain on such requests (bench/RESULTS.md, "Twenty-fifth session"). Each key's next requests warm up again (each proposer at ``gamma_init`` for
+        ``min_steps`` steps, then plain decoding), so its choice is priced at what steps cost and
+        yield from now on. For a change of load the EWMAs would follow only where the controller
+        still chooses to measure: a trainer that ran beside every step and stops leaves its
+        priced-up verifications standing for whatever is never chosen again. Returns the keys
+        reset."""
         with self._lock:
             for s in self._keys.values():
                 s.verify_ms = {}
                 s.overhead_ms = _Ewma()
                 s.draft_ms_per_token = _Ewma()
+                s.alpha = _Ewma()
                 for m in s.lengths.values():
                     m.ge, m.step_ms, m.tokens, m.draft_ms, m.steps, m.base_ms = [], {}, {}, _Ewma(), 0, _Ewma()
                     m.rows = {}
-                s.clusters = {n: c for n, c in s.clusters.items() if n == DRAFT}
+                s.clusters, s.served = {}, {}
                 s.ceiling_probes, s.last_ceiling_probe, s.last_ceiling_probe_t = 0, 0, None
                 s.warming = {}
             return len(self._keys)
