@@ -715,6 +715,27 @@ class GoodputController:
             return s.verify_ms[g].value
         return line_at([(k + 1, e.value) for k, e in s.verify_ms.items() if e.n], g + 1)
 
+    def _plain_step(self, s: _KeyState) -> float:
+        """Plain decoding's verification ms a step as priced (NaN before its first reading): the
+        key's EWMA, or the engine's median of its last plain steps (``step_cost``'s t(1), any key)
+        where that has ``min_steps`` readings and is lower (lock held).
+
+        Why the lower of the two: plain decoding's EWMA is read again only where plain steps run,
+        so while a proposer serves the key it keeps whatever its last readings said; read high
+        (a slow request, a load that has passed) it stays high and prices every proposer too well
+        against plain decoding, until a probe reads it again, while read low it corrects itself
+        at once (plain decoding then serves). A draft pick priced on a plain step of 16.9 ms,
+        against the engine's 10.7 ms median of the same minutes, ran 0.93x plain on never-served
+        prompts (bench/RESULTS.md, "Twenty-fifth session"). The median of the engine's plain
+        steps (and the n-gram's no-match ones, which are plain steps too) follows every key's
+        traffic and shrugs off a stalled request; plain decoding is never priced above it."""
+        v = self._verify_cost(s, 0) if 0 in s.verify_ms else math.nan
+        if v == v and self.step_cost is not None and hasattr(self.step_cost, "plain"):
+            t1, n = self.step_cost.plain()
+            if n >= self.config.min_steps and 0 < t1 < v:
+                return t1
+        return v
+
     def _evaluate(self, s: _KeyState, batch: int = 1) -> dict[str, Any]:
         """The estimates and rates (tokens per ms per request) of one key at ``batch`` requests
         per fused step (class docstring; lock held)."""
@@ -723,7 +744,8 @@ class GoodputController:
         rho = {r: self.batch_factor(batch, r) for r in range(1, c.gamma_max + 2)}  # ρ_B(rows)
         td = s.draft_ms_per_token.value * rho[1]
         o = s.overhead_ms.value if s.overhead_ms.n else 0.0
-        tplain = (self._verify_cost(s, 0) + o) * rho[1] if 0 in s.verify_ms else math.nan
+        plain_now = self._plain_step(s)
+        tplain = (plain_now + o) * rho[1] if plain_now == plain_now else math.nan
         tv = {g: self._verify_cost(s, g) * rho[g + 1] + o * rho[1] for g in range(1, c.gamma_max + 1)}
         rate: dict[int, float] = {}
         if tplain == tplain:
@@ -739,7 +761,6 @@ class GoodputController:
                 g = max(top, key=top.get)
                 ceiling = (g, top[g])
         others: dict[str, dict[int, float]] = {}
-        plain_now = self._verify_cost(s, 0) if 0 in s.verify_ms else math.nan
         for name, m in s.lengths.items():
             if not m.steps:
                 continue

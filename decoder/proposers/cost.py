@@ -259,6 +259,14 @@ class StepCost:
         out["measured"] = [f"{b}x{n // b}" if n % b == 0 else f"{b}:{n}rows" for b, n in measured]
         return out
 
+    def plain(self) -> tuple[float, int]:
+        """(t(1) as measured: the median ms of the last ``window`` plain steps, and how many
+        there are); (NaN, 0) before any."""
+        with self._lock:
+            if not self._plain:
+                return math.nan, 0
+            return self._estimates()[1], len(self._plain)
+
     def status(self) -> dict[int, float]:
         """t(n) in ms per verified row count measured so far, as measured (t(1) x the paired
         median ratio for n > 1; see the class), before the monotone fit :meth:`ms` prices on."""

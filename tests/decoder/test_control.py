@@ -960,3 +960,33 @@ def test_a_step_after_a_fused_forward_is_read_by_that_forwards_rows(monkeypatch)
     pol.gamma()
     pol.update(StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0, asked=0))  # alone, after one row
     assert e.n == n1 + 1 and n1 >= n0
+
+
+def test_plain_decoding_is_never_priced_above_the_engines_median_plain_step():
+    """The key's plain EWMA read 17 ms (its last readings: a slow request) while the engine's last
+    plain steps ran 10 ms. The draft, 2 ms a token, a 2-row verification 14 ms, α = 0.6:
+    1.6 / 16 = 0.1 tok/ms. Against plain at 17 ms (0.0588 tok/ms) it looked 1.7x plain; against
+    the engine's median, 10 ms (0.1 tok/ms), it ties, and plain serves. Where the engine's median is
+    the dearer one, or has fewer than min_steps readings, the key's own EWMA stands."""
+    from decoder.proposers.cost import StepCost
+
+    def setup(engine_ms: float, engine_steps: int):
+        cost = StepCost()
+        for _ in range(engine_steps):
+            cost.add(1, engine_ms)
+        ctl = GoodputController(ControllerConfig(gamma_max=1, gamma_init=1, min_steps=4, probe_every=50,
+                                                 confidence=0.5), step_cost=cost)
+        key = ("code", "greedy")
+        for _ in range(6):
+            ctl.observe(key, StepStats(0, 0, 1, -1, 0.0, 0.0, 17.0))
+            ctl.observe(key, StepStats(1, 0, 1, 0, 0.6, 2.0, 14.0))
+        return ctl.decision(key)
+
+    d = setup(10.0, 8)
+    assert d["t_plain_ms"] == pytest.approx(10.0)
+    assert d["tokens_per_ms"][0] == pytest.approx(0.1) and d["tokens_per_ms"][1] == pytest.approx(0.1)
+    assert not d["speculate"]
+    for engine_ms, steps in ((10.0, 3), (20.0, 8)):  # too few engine readings; or the engine's the dearer
+        d = setup(engine_ms, steps)
+        assert d["t_plain_ms"] == pytest.approx(17.0)
+        assert d["tokens_per_ms"][0] == pytest.approx(1 / 17, rel=1e-3) and d["speculate"] and d["gamma"] == 1
