@@ -582,10 +582,10 @@ class GoodputController:
         verifications at 2.05 plain steps), priced it at 1.5x plain decoding, and the evaluation
         ran it at 0.93x (docs/walkthroughs.md, the run at 5602b44). α goes too: the requests after
         a re-measurement (the demo's: 64 tokens past any end of sequence) are not the ones α was
-        learnt on (the phases' 32-token answers): a draft priced on the phases' α (0.70) ran
-        0.89-0.93x plain on such requests (bench/RESULTS.md, "Twenty-fifth session"). Each key's next requests warm up again (each proposer at ``gamma_init`` for
-        ``min_steps`` steps, then plain decoding), so its choice is priced at what steps cost and
-        yield from now on. For a change of load the EWMAs would follow only where the controller
+        learnt on (the phases' 32-token answers), and draft picks priced on the phases' α lost to
+        plain decoding on such requests (bench/RESULTS.md, "Twenty-fifth session"). Each key's
+        next requests warm up again (each proposer at ``gamma_init`` for ``min_steps`` steps, then
+        plain decoding), so its choice is priced at what steps cost and yield from now on. For a change of load the EWMAs would follow only where the controller
         still chooses to measure: a trainer that ran beside every step and stops leaves its
         priced-up verifications standing for whatever is never chosen again. Returns the keys
         reset."""
@@ -724,11 +724,11 @@ class GoodputController:
         so while a proposer serves the key it keeps whatever its last readings said; read high
         (a slow request, a load that has passed) it stays high and prices every proposer too well
         against plain decoding, until a probe reads it again, while read low it corrects itself
-        at once (plain decoding then serves). A draft pick priced on a plain step of 16.9 ms,
-        against the engine's 10.7 ms median of the same minutes, ran 0.93x plain on never-served
-        prompts (bench/RESULTS.md, "Twenty-fifth session"). The median of the engine's plain
-        steps (and the n-gram's no-match ones, which are plain steps too) follows every key's
-        traffic and shrugs off a stalled request; plain decoding is never priced above it."""
+        at once (plain decoding then serves): a draft pick priced on a plain step read 1.6x the
+        engine's median of the same minutes lost to plain decoding (bench/RESULTS.md,
+        "Twenty-fifth session"). The median of the engine's plain steps (the n-gram's no-match
+        ones are plain steps too) follows every key's traffic and shrugs off a stalled request;
+        plain decoding is never priced above it."""
         v = self._verify_cost(s, 0) if 0 in s.verify_ms else math.nan
         if v == v and self.step_cost is not None and hasattr(self.step_cost, "plain"):
             t1, n = self.step_cost.plain()

@@ -269,7 +269,7 @@ def _probe_extra_buffers(gguf: Path) -> tuple[bool, str]:
 
 
 
-# ---- persistent ggml threadpools, one per shape, shared by the contexts ---------------------------------------------------
+# ---- persistent ggml threadpools, one per shape, shared by the contexts --------------------------
 
 POLL_DEFAULT = 50  # ggml_threadpool_params_default's polling level, llama-server's default (--poll)
 
@@ -423,8 +423,8 @@ def attach_threadpool(ctx, n_threads: int, poll: int | None = None) -> SharedPoo
     Why one pool for every context of the same ``n_threads`` and ``poll`` (the target and the
     draft): a pool's workers poll for a while after each graph, so with a pool per context the
     target's workers spun on the cores while the draft computed, and the draft's while the target
-    verified; plain steps after a draft's steps in one request ran about twice their cost until
-    the draft's workers went to sleep (bench/RESULTS.md, "Twenty-fifth session"). One pool's
+    verified, and draft speculation at 2 threads cost several times what it costs with one pool
+    (bench/RESULTS.md, "Twenty-fifth session"). One pool's
     workers take whichever graph comes next; its ``lock`` keeps two at a time off it.
 
     Raises:
