@@ -923,8 +923,26 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
            "engine_ceiling": cost.ceiling(loop.controller.config.gamma_max),
            "decisions": [{"workload": r["workload"], "proposer": r["proposer"], "gamma": r["gamma"],
                           "decision": r["decision"]} for r in rows]}
+    out["picks"] = _picks_now(loop.controller, cfg.phases)
     console.log(f"the trainer stopped: step costs measured again on {len(rows)} requests ({out['seconds']:.0f} s) "
-                f"before the evaluation asks the controller for its picks")
+                f"before the evaluation asks the controller for its picks; they are now "
+                + ", ".join(f"{w} {p}" for w, p in out["picks"].items())
+                + " (the phases' live lines priced them beside the trainer's rounds)")
+    return out
+
+
+def _picks_now(controller, phases) -> dict[str, str]:
+    """``{workload: "ngram γ=8" | "plain"}``: the controller's greedy pick per workload now (a
+    walkthrough read "speculation off" on the phases' live lines and n-gram picks in the table
+    after the re-measurement, and nothing on the console between the two)."""
+    from decoder.sampling import SamplingParams
+
+    bucket = SamplingParams().bucket()
+    out = {}
+    for w in phases:
+        d = controller.decision((w, bucket)) or {}
+        g = int(d.get("gamma") or 0)
+        out[w] = f"{d.get('proposer') or 'draft'} γ={g}" if g else "plain"
     return out
 
 

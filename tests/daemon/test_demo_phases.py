@@ -222,8 +222,9 @@ def test_live_alpha_is_split_by_proposer():
 def test_step_costs_are_measured_again_once_the_trainer_stopped_on_prompts_never_served(monkeypatch):
     """The phases priced every verification beside the trainer's rounds; before the evaluation
     asks the controller for its picks, _remeasure forgets the costs (the controller's and the
-    decoder's StepCost), keeps α, and serves ``remeasure_requests`` requests per workload from
-    the part of its pool its phase never reached (never served, never an evaluation prompt)."""
+    decoder's StepCost) and the draft's α, serves ``remeasure_requests`` requests per workload from
+    the part of its pool its phase never reached (never served, never an evaluation prompt), and
+    names each workload's pick on the console."""
     import io
     import types
 
@@ -241,7 +242,7 @@ def test_step_costs_are_measured_again_once_the_trainer_stopped_on_prompts_never
         cost.add(3, 30.0)
         ctl.observe(("code", "greedy"), StepStats(0, 0, 1, -1, 0.0, 0.0, 10.0))
         ctl.observe(("code", "greedy"), StepStats(2, 1, 2, 1, 1.0, 2.0, 30.0))
-    alpha = ctl.decision(("code", "greedy"))["alpha"]
+    assert ctl.decision(("code", "greedy"))["alpha"] == pytest.approx(0.5)
     served = []
 
     def serve_one(oai, loop, tok, model, phase, p, n, t0, ignore_eos=False):
@@ -270,8 +271,10 @@ def test_step_costs_are_measured_again_once_the_trainer_stopped_on_prompts_never
     assert out["step_cost_ms"] == {1: 10.0, 3: 14.0}  # only what was measured after the trainer stopped
     assert out["engine_ceiling"]["gamma"] == 2 and out["engine_ceiling"]["speedup"] == pytest.approx(3 / 1.4, abs=1e-3)
     d = ctl.decision(("code", "greedy"))
-    assert d["t_plain_ms"] is None and d["alpha"] == alpha  # costs forgotten, α kept
+    assert d["t_plain_ms"] is None and d["alpha"] is None  # costs and α forgotten (learnt again on such requests)
     assert "step costs measured again on 4 requests" in screen.getvalue()
+    assert out["picks"] == {"code": "plain", "math": "plain"}
+    assert "they are now code plain, math plain (the phases' live lines" in screen.getvalue()
 
 
 def test_remeasure_requests_must_be_a_count():

@@ -35,3 +35,23 @@ def test_the_demo_runs_at_the_serving_switch_interval_and_restores_the_one_befor
         assert demo.run_demo(load_settings(), cfg, None) == {"ok": True}
     assert seen == [pytest.approx(0.0007)]
     assert sys.getswitchinterval() == before
+
+
+def test_the_re_measurement_names_each_workloads_pick_as_the_evaluation_will_read_it():
+    """A walkthrough read "speculation off" on the phases' live lines, then n-gram picks in the
+    evaluation's table, and nothing between: the re-measurement's console line now names them."""
+    from decoder.sampling import SamplingParams
+
+    bucket = SamplingParams().bucket()
+    seen = []
+
+    class Ctl:
+        def decision(self, key):
+            seen.append(key)
+            return {("prose", bucket): {"gamma": 8, "proposer": "ngram"},
+                    ("code", bucket): {"gamma": 0, "proposer": None},
+                    ("math", bucket): {"gamma": 1, "proposer": "draft"}}.get(key, {})
+
+    assert demo._picks_now(Ctl(), ["prose", "code", "math", "extract"]) == {
+        "prose": "ngram γ=8", "code": "plain", "math": "draft γ=1", "extract": "plain"}
+    assert seen == [(w, bucket) for w in ("prose", "code", "math", "extract")]
