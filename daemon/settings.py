@@ -774,7 +774,8 @@ def unread_env(environ: typing.Mapping[str, str] | None = None) -> dict[str, str
     ``os.environ``) that no setting reads and nothing else does (:data:`READ_ELSEWHERE`): a
     misspelt group (``DRAFTD_SERVER__PORT``: the nearest group by :mod:`difflib`, ``serve``, and its
     variable) or a misspelt top-level name. Names are compared case-insensitively, as the settings
-    read them. A real group's unknown field is left out: loading refuses it (extra="forbid")."""
+    read them. A real group's unknown field is left out: loading refuses it (extra="forbid"); so is
+    a group's own name (``DRAFTD_SERVE``), which the settings read as the whole group in JSON."""
     import difflib
 
     known, groups = env_keys() | set(READ_ELSEWHERE), _groups()
@@ -784,7 +785,7 @@ def unread_env(environ: typing.Mapping[str, str] | None = None) -> dict[str, str
         if not up.startswith(ENV_PREFIX) or up in known:
             continue
         group, sep, fld = up[len(ENV_PREFIX):].partition(NESTED)
-        if sep and group.lower() in groups:
+        if group.lower() in groups:  # DRAFTD_SERVE alone: the whole group, as JSON (the load checks it)
             continue
         if sep:
             near = difflib.get_close_matches(group.lower(), groups, n=1, cutoff=0.5)
@@ -932,6 +933,11 @@ def _error_text(err: dict, loc: tuple[str, ...]) -> str:
             msg += f"; did you mean {elsewhere[0]}.{loc[1]} ({ENV_PREFIX}{elsewhere[0].upper()}{NESTED}{loc[1].upper()})?"
     elif msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    elif err.get("type") in ("model_type", "dict_type") and len(loc) == 1 and loc[0] in Settings.model_fields:
+        # DRAFTD_SERVE=1: the group's own variable is the whole group, a JSON object
+        msg = (f"{ENV_PREFIX}{loc[0].upper()} sets the whole {loc[0]} group and takes a JSON object; one setting "
+               f"is {ENV_PREFIX}{loc[0].upper()}{NESTED}<FIELD> (e.g. {ENV_PREFIX}{loc[0].upper()}{NESTED}"
+               f"{sorted(Settings.model_fields[loc[0]].annotation.model_fields)[0].upper()})")
     raw = err.get("input")
     if (_secret_key(loc) or not isinstance(raw, (str, int, float, bool)) or err.get("type") == "missing"
             or err.get("type") == "extra_forbidden"):

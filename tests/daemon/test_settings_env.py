@@ -79,6 +79,24 @@ def test_a_real_groups_unknown_field_is_left_to_the_load_error():
     assert unread_env({"DRAFTD_TRAINER__INTERVL_S": "60"}) == {}
 
 
+def test_a_groups_own_name_is_read_as_the_group_not_warned_unread():
+    """DRAFTD_SERVE=1 was told "nothing in draftd reads it" and then refused by the load as the
+    serve group's value (the settings read a group's name as the group in JSON): one message now,
+    the load's."""
+    assert unread_env({"DRAFTD_SERVE": "1", "draftd_trainer": "{}"}) == {}
+
+
+def test_a_groups_own_name_with_a_value_that_is_not_an_object_says_how_to_set_one_setting(monkeypatch):
+    from daemon.settings import ConfigError
+
+    monkeypatch.setenv("DRAFTD_SERVE", "1")
+    with pytest.raises(ConfigError) as e:
+        load_settings()
+    text = str(e.value)
+    assert "DRAFTD_SERVE sets the whole serve group and takes a JSON object; one setting is DRAFTD_SERVE__<FIELD>" in text
+    assert "[got 1]" in text and "valid dictionary" not in text
+
+
 _READS = [
     re.compile(r"""(?:environ\.get\(|environ\[|getenv\(|environ\.setdefault\()\s*["'](DRAFTD_[A-Z0-9_]+)["']"""),
     re.compile(r"\$\{?(DRAFTD_[A-Z0-9_]+)"),  # shell and compose interpolation
