@@ -889,8 +889,8 @@ def _remeasure(cfg: DemoConfig, oai, loop, tok, model_name: str, traffic: _Traff
     asks it for each workload's pick: every step of the phases ran beside the trainer's rounds,
     where a verified row cost more of a plain step than it does alone, and the evaluation decodes
     alone. ``GoodputController.remeasure_costs`` and ``StepCost.clear`` forget the costs, the
-    draft's α and the n-gram's accepted lengths, then ``cfg.remeasure_requests`` requests per workload, prompts of
-    its pool its phase never reached (never served, never evaluated), warm each proposer and plain
+    draft's α and the n-gram's accepted lengths, then ``cfg.remeasure_requests`` requests per
+    workload, prompts of its pool its phase never reached (never served, never evaluated), warm each proposer and plain
     decoding up again through the API, as after any change of load. They decode what the evaluation
     decodes, ``cfg.eval_new_tokens`` tokens past any end of sequence, not the phases'
     ``max_new_tokens``: the n-gram's accepted lengths are learnt again here, and a copy-heavy

@@ -453,9 +453,10 @@ def test_the_threadpool_is_made_by_the_ggml_copy_llama_cpp_computes_with(tiny_gg
 def test_contexts_of_one_thread_count_share_one_threadpool_and_compute_the_same(tiny_gguf):
     """The target's and the draft's contexts had a pool each, and each pool's workers polled for
     a while after its graphs: the target's spun on the cores while the draft computed and the
-    draft's while the target verified (bench/RESULTS.md, "Twenty-fifth session"). Contexts of one thread count and polling
-    level now share one pool, freed with the last of them; decodes on two engines from two
-    threads at once give the logits each gives alone (the pool's lock keeps them apart)."""
+    draft's while the target verified (bench/RESULTS.md, "Twenty-fifth session"). Contexts of
+    one thread count and polling level now share one pool, freed with the last of them; decodes
+    on two engines from two threads at once give the logits each gives alone (the pool's lock
+    keeps them apart)."""
     import threading
 
     a = LlamaCppEngine(tiny_gguf, n_ctx=64, threads=2)
@@ -488,6 +489,7 @@ def test_contexts_of_one_thread_count_share_one_threadpool_and_compute_the_same(
     finally:
         for e in (a, b, c):
             e.close()
+
 
 @needs_llamacpp
 @pytest.mark.slow
