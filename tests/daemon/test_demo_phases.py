@@ -314,7 +314,7 @@ def _first_phase(monkeypatch, clock, serve_one, ready, version: int, box: dict, 
 
 def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
     """The first phase serves from the first second, but while v0 bootstraps the demo's client
-    waits after each request (3x its time at the default duty 0.25), back at once when v0 is ready."""
+    waits after each request (9x its time at the default duty 0.10), back at once when v0 is ready."""
     import io
     import types
 
@@ -345,9 +345,9 @@ def test_while_v0_bootstraps_the_client_waits_between_requests(monkeypatch):
 
     box: dict = {}
     traffic, trainer, loop, text = _first_phase(monkeypatch, clock, serve_one, _Ready(), 0, box)
-    assert waits == [6.0, 6.0, 6.0]  # 3x each 2-s request, then no more waiting once v0 is ready
+    assert waits == [18.0, 18.0, 18.0]  # 9x each 2-s request, then no more waiting once v0 is ready
     assert "prose traffic for 10 s once v0 is ready (the bootstrap runs first; served meanwhile)" in text
-    assert "while v0 bootstraps, the demo's client waits between requests (serving at most 25% of the time)" in text
+    assert "while v0 bootstraps, the demo's client waits between requests (serving at most 10% of the time)" in text
     assert traffic.shifts[0]["ended"] == "10 s served"
     # the console's live line says both lengths (the walkthrough read "prose ended after 120 s" after
     # 212 s of prose traffic): the requests served before v0's clock started
