@@ -71,8 +71,8 @@ class DemoConfig:
     # waits after each request so that serving takes at most this share of the wall time (the
     # service still answers at once; beside a decoding loop its scoring ran at a third of its
     # speed alone, bench/bootstrap_scoring_check.py, bench/RESULTS.md "The bootstrap beside
-    # serving"; at 0.25 serving still took a minute of the AVX2 host's bootstrap, "The demo's first
-    # run on the AVX2 EPYC"); 1: no waiting
+    # serving"; at 0.25 serving still took about a minute of the AVX2 host's bootstrap, "Twenty-sixth
+    # session"); 1: no waiting
     bootstrap_duty: float = 0.10
     max_new_tokens: int = 32
     eval_prompts: int = 12  # per phase, never served, for the frozen-vs-adapted table (paired per prompt)

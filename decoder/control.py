@@ -578,17 +578,17 @@ class GoodputController:
         accepted lengths (and its warm-up), the draft's ceiling back-off; keep the request counts.
         The n-gram proposer's gate proposes as much of a match as the step costs say pays, so its
         accepted lengths change with the costs: lengths learnt over a phase beside the trainer,
-        divided by costs measured after the gate had all but stopped proposing (2-row
-        verifications at 2.05 plain steps), priced it at 1.5x plain decoding, and the evaluation
-        ran it at 0.93x (docs/walkthroughs.md, the run at 5602b44). α goes too: the requests after
-        a re-measurement (the demo's: 64 tokens past any end of sequence) are not the ones α was
-        learnt on (the phases' 32-token answers), and draft picks priced on the phases' α lost to
-        plain decoding on such requests (bench/RESULTS.md, "Twenty-fifth session"). Each key's
-        next requests warm up again (each proposer at ``gamma_init`` for ``min_steps`` steps, then
-        plain decoding), so its choice is priced at what steps cost and yield from now on. For a change of load the EWMAs would follow only where the controller
-        still chooses to measure: a trainer that ran beside every step and stops leaves its
-        priced-up verifications standing for whatever is never chosen again. Returns the keys
-        reset."""
+        divided by costs measured after the gate had all but stopped proposing, priced it well
+        above plain decoding, and the evaluation ran it below (docs/walkthroughs.md, the run at
+        5602b44). α goes too: the requests after a re-measurement (the demo's: 64 tokens past any
+        end of sequence) are not the ones α was learnt on (the phases' 32-token answers), and
+        draft picks priced on the phases' α lost to plain decoding on such requests
+        (bench/RESULTS.md, "Twenty-fifth session"). Each key's next requests warm up again (each
+        proposer at ``gamma_init`` for ``min_steps`` steps, then plain decoding), so its choice is
+        priced at what steps cost and yield from now on. For a change of load the EWMAs would
+        follow only where the controller still chooses to measure: a trainer that ran beside every
+        step and stops leaves its priced-up verifications standing for whatever is never chosen
+        again. Returns the keys reset."""
         with self._lock:
             for s in self._keys.values():
                 s.verify_ms = {}
@@ -724,8 +724,8 @@ class GoodputController:
         so while a proposer serves the key it keeps whatever its last readings said; read high
         (a slow request, a load that has passed) it stays high and prices every proposer too well
         against plain decoding, until a probe reads it again, while read low it corrects itself
-        at once (plain decoding then serves): a draft pick priced on a plain step read 1.6x the
-        engine's median of the same minutes lost to plain decoding (bench/RESULTS.md,
+        at once (plain decoding then serves): a draft pick priced on a plain step read well above
+        the engine's median of the same minutes lost to plain decoding (bench/RESULTS.md,
         "Twenty-fifth session"). The median of the engine's plain steps (the n-gram's no-match
         ones are plain steps too) follows every key's traffic and shrugs off a stalled request;
         plain decoding is never priced above it."""
