@@ -486,6 +486,10 @@ def _judge_format(name: str, cost, measurement: FormatMeasurement, alphas: dict[
     row: dict[str, Any] = {"format": name, "file": cost.file}
     if cost.error:
         return dict(row, eligible=False, why_not=cost.error), 0.0, None, 0
+    rows_differ = (f"its {max(cost.ms or ROWS)}-row verification's logits differ from its one-row steps by up to "
+                   f"{cost.row_max_abs_diff:.3g}, so greedy speculation could leave plain decoding's output")
+    if name != PACKAGED and cost.rows_identical is False and 1 not in cost.ms:  # not timed (_time_rows)
+        return dict(row, rows_identical=False, eligible=False, why_not=rows_differ), 0.0, None, 0
     ms, running = {}, 0.0
     for n in sorted(cost.ms):
         running = ms[n] = max(running, cost.ms[n])
@@ -504,9 +508,7 @@ def _judge_format(name: str, cost, measurement: FormatMeasurement, alphas: dict[
                best={"proposer": prop, "gamma": gamma, "alpha": alphas.get(prop) if prop else None,
                      "tokens_per_ms": round(gp, 5), "vs_packaged_plain": round(gp / base, 3)})
     if name != PACKAGED and cost.rows_identical is False:
-        row.update(eligible=False, why_not=f"its {max(cost.ms)}-row verification's logits differ from its one-row "
-                                           f"steps by up to {cost.row_max_abs_diff:.3g}, so greedy speculation could "
-                                           f"leave plain decoding's output")
+        row.update(eligible=False, why_not=rows_differ)
     elif name != PACKAGED and cost.rows_identical is None:
         row.update(eligible=False, why_not="its verification rows were not checked against one-row steps")
     elif name != PACKAGED and _untrusted(cost, measurement.reps):
@@ -626,8 +628,10 @@ def _fill_cost(cost: FormatCost, t: dict[str, Any], budget: float | None, max_se
                threads: int) -> bool:
     """``cost`` filled from its :func:`_time_rows` result ``t``; False (and ``cost.error`` set by
     :func:`_incomplete`) when some row count was not timed within the budget."""
-    cost.ms, cost.noise, cost.repeats = t["ms"], t["noise"], t.get("repeats")
     cost.rows_identical, cost.row_max_abs_diff = t["rows_identical"], t["row_max_abs_diff"]
+    if "ms" not in t and t["rows_identical"] is False:  # left out on its rows, not timed (_time_rows)
+        return True
+    cost.ms, cost.noise, cost.repeats = t["ms"], t["noise"], t.get("repeats")
     cost.samples = t.get("samples", {})
     if set(t["ms"]) == set(ROWS):
         return True
@@ -767,7 +771,9 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
     and the row checks ({engine: {"rows_identical", "row_max_abs_diff"}}); the engines it names
     are timed once more, all their rows, and it is asked again, until it names none, the
     budget runs out or :data:`MAX_REPEATS` repeats are done. Each engine's ``samples``: its ms
-    per n in repeat order."""
+    per n in repeat order. An engine other than :data:`PACKAGED` whose rows were found to differ
+    (``rows_identical`` False) is not timed: its entry has the row check only (it is left out of
+    the choice whatever its times)."""
 
     t_start = time.perf_counter()
     seqs, toks, plain_ms = _prefill(engines, cached)
@@ -776,6 +782,9 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
               scaled_budget(plain_ms, {n: r for n, (_, r) in engines.items()}, reps, time.perf_counter() - t_start))
     deadline = t_start + budget
     _check_rows(engines, seqs, toks, cached, deadline, out)
+    # a format whose rows differ is left out whatever its times (_judge_format): not timed; the
+    # packaged file always is (it serves when nothing else may)
+    engines = {name: e for name, e in engines.items() if name == PACKAGED or out[name]["rows_identical"] is not False}
     times = {name: {n: [] for n in rows} for name, (_, rows) in engines.items()}
     jiffies0, t_timed = cpu_jiffies(), time.perf_counter()
     def one_repeat(names) -> None:  # by row count, the files side by side: each pair of steps close in time

@@ -498,6 +498,53 @@ def test_each_timed_step_follows_a_step_of_its_own_shape(monkeypatch):
         assert out[name]["rows_identical"] is True and out[name]["noise"] == 0.0
 
 
+def test_a_format_whose_rows_differ_is_not_timed_and_is_left_out_on_them(monkeypatch):
+    """A format whose verification rows differ from its one-row steps is left out whatever its times
+    (greedy speculation on it could leave plain decoding's output), so the first start times only the
+    others (F16 and BF16 on an AVX2 EPYC: a third of the measurement's steps). Fake engines on the
+    fake clock: "BF16"'s block rows differ by 0.5 in one logit; after the row check it runs no step,
+    the others every repeat; the choice says why it is left out, and the measurement stays cacheable."""
+    import types
+
+    import numpy as np
+
+    Eng = _clocked_engines(monkeypatch)
+
+    class Skewed(Eng):
+        def start(self):
+            seq = super().start()
+            plain = seq.forward
+
+            def forward(toks, n):
+                plain(toks, n)
+                self.steps.append(len(toks))
+                out = np.zeros((n, 4))
+                if len(toks) > 1:
+                    out[-1, 2] = 0.5
+                return types.SimpleNamespace(numpy=lambda: out)
+
+            seq.forward = forward
+            return seq
+
+    bf = Skewed()
+    bf.steps = []
+    engines = {"packaged": (Eng(), F.ROWS), "Q8_0": (Eng(), F.ROWS), "BF16": (bf, F.ROWS)}
+    out = F._time_rows(engines, 4, 8, max_seconds=600.0)
+    # the prefill's 8 rows, its warm-up step, then the row check: 8 rows as a block, 8 one at a time
+    assert bf.steps == [8, 1, 8] + [1] * 8, bf.steps
+    assert out["BF16"]["rows_identical"] is False and out["BF16"]["row_max_abs_diff"] == 0.5 and "ms" not in out["BF16"]
+    assert out["Q8_0"]["ms"] == {n: 10.0 * n for n in F.ROWS} and out["Q8_0"]["repeats"] == 4
+    costs = {f: FormatCost(f, f"{f}.gguf") for f in engines}
+    assert all(F._fill_cost(costs[f], t, None, 600.0, 1) for f, t in out.items())
+    assert costs["BF16"].error is None and costs["BF16"].ms == {} and F._noisy(costs["BF16"], 4) is None
+    c = choose_format(FormatMeasurement({"model": "m"}, costs, reps=4), alphas={}, proposers=())
+    row = {r["format"]: r for r in c.costs}
+    assert row["BF16"]["eligible"] is False and row["Q8_0"]["eligible"] is True
+    assert row["BF16"]["why_not"] == ("its 8-row verification's logits differ from its one-row steps by up to 0.5, "
+                                      "so greedy speculation could leave plain decoding's output")
+    assert "BF16 left out (its 8-row verification's logits differ" in c.reason, c.reason
+
+
 def test_a_measurement_beside_busy_processes_stops_once_that_is_clear(monkeypatch):
     """A busy host's measurement is never judged (``busy``), so it stops at the end of the repeat in
     which BUSY_JUDGE_S seconds of timed steps have passed with other processes above BUSY_MAX of the
