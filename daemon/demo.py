@@ -146,7 +146,10 @@ class DemoConfig:
     @classmethod
     def quick(cls, **kw) -> "DemoConfig":
         # the ablation rows add two decoded runs per prompt (a third of the evaluation): --ablation
-        base = dict(phase_seconds=120.0, eval_prompts=8, train_interval_s=15.0, train_min_new_samples=4,
+        # phases of 90 s at least, on until the learner's part is done (_phase_progress), at most 270 s:
+        # the learner's part, not the minimum, sizes them (shifts' "learner_done_s"; bench/RESULTS.md,
+        # "Twenty-seventh session")
+        base = dict(phase_seconds=90.0, eval_prompts=8, train_interval_s=15.0, train_min_new_samples=4,
                     round_steps=30, round_seconds=30.0, copy_ablation=False)
         base.update(kw)
         return cls(**base)
@@ -634,6 +637,11 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                 learns = bool(cfg.phase_min_judged and learner is not None and cfg.per_workload)
                 done, why = (False, "") if bootstrapping else _phase_progress(
                     cfg, learner, phase, now - (began if learns else start), timeline[shift["request"]:], cap_s=now - start)
+                if learns and not bootstrapping and "learner_done_s" not in shift \
+                        and _learner_done(cfg, learner, phase, timeline[shift["request"]:])[0]:
+                    # when the learner's part was done, on the clock of the shift's "seconds": what a
+                    # shorter phase_seconds would have served (the minimum's share of each phase)
+                    shift["learner_done_s"] = round(now - start, 1)
                 if done:
                     break
                 if why and not extended:
@@ -643,12 +651,7 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                 t_req = time.monotonic()
                 row = _serve_one(oai, loop, tok, model_name, phase, p, cfg.max_new_tokens, t0)
                 if k == 0 and trainer is not None and not trainer.ready.is_set() and cfg.bootstrap_duty < 1:
-                    if not paced:
-                        paced = True
-                        console.log(f"while v0 bootstraps, the demo's client waits between requests (serving at most "
-                                    f"{cfg.bootstrap_duty:.0%} of the time), leaving the cores to the bootstrap")
-                    # back at once when v0 is ready
-                    trainer.ready.wait(max(0.0, time.monotonic() - t_req) * (1.0 / cfg.bootstrap_duty - 1.0))
+                    paced = _pace_bootstrap(cfg, trainer, console, time.monotonic() - t_req, paced)
                 row["repeat"] = i >= len(prompts)  # served before in this phase: its output is in the n-gram history
                 i += 1
                 timeline.append(row)
@@ -663,6 +666,17 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
             if loop.heads is not None:
                 traffic.phase_end_head[phase] = loop.heads.route(phase)
     return traffic
+
+
+def _pace_bootstrap(cfg: DemoConfig, trainer: "_Trainer", console, served_s: float, said: bool) -> bool:
+    """While v0 bootstraps, wait after a request that took ``served_s`` seconds so that serving takes
+    at most ``cfg.bootstrap_duty`` of the wall time (back at once when v0 is ready); says so once
+    (``said``: already said). Returns True (said)."""
+    if not said:
+        console.log(f"while v0 bootstraps, the demo's client waits between requests (serving at most "
+                    f"{cfg.bootstrap_duty:.0%} of the time), leaving the cores to the bootstrap")
+    trainer.ready.wait(max(0.0, served_s) * (1.0 / cfg.bootstrap_duty - 1.0))
+    return True
 
 
 def _workload_turns(svc, workload: str, st: dict | None = None) -> dict[str, int]:
@@ -692,11 +706,8 @@ def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float, rows=(
         return False, ""
     if not cfg.phase_min_judged or svc is None or not cfg.per_workload:
         return True, f"{cfg.phase_seconds:.0f} s served"
-    st = svc.status()
-    t = _workload_turns(svc, workload, st)
-    own = int(((st or {}).get("workload_versions") or {}).get(workload) or 0)
-    by_own = sum(1 for r in rows if own and r.get("adapter_version") == own)
-    if t["judged"] >= cfg.phase_min_judged and t["promoted"] and by_own >= cfg.phase_min_served:
+    met, t, own, by_own = _learner_done(cfg, svc, workload, rows)
+    if met:
         return True, (f"{cfg.phase_seconds:.0f} s served and {t['judged']} judged turns of its adapter "
                       f"({t['promoted']} promoted)" + (f"; its v{own} served {_requests(by_own)}" if cfg.phase_min_served else ""))
     if (served_s if cap_s is None else cap_s) >= cfg.max_phase_seconds():
@@ -708,6 +719,18 @@ def _phase_progress(cfg: DemoConfig, svc, workload: str, served_s: float, rows=(
         why += (f"; its promoted v{own} has served {by_own} of {cfg.phase_min_served} requests" if own else
                 "; its promoted version has not served yet")
     return False, why
+
+
+def _learner_done(cfg: DemoConfig, svc, workload: str, rows=()) -> tuple[bool, dict[str, int], int, int]:
+    """Whether ``workload``'s learner has done what ends its phase (:func:`_phase_progress`, the
+    clock aside): its own adapter promoted, ``cfg.phase_min_judged`` turns judged, and its promoted
+    version served ``cfg.phase_min_served`` of ``rows``. Returns (done, its turns, its own promoted
+    version (0: none), the rows that version served)."""
+    st = svc.status()
+    t = _workload_turns(svc, workload, st)
+    own = int(((st or {}).get("workload_versions") or {}).get(workload) or 0)
+    by_own = sum(1 for r in rows if own and r.get("adapter_version") == own)
+    return (t["judged"] >= cfg.phase_min_judged and bool(t["promoted"]) and by_own >= cfg.phase_min_served), t, own, by_own
 
 
 # what the live table's two rates are, once a run (a walkthrough read "rolling tokens/s 62.40" beside
@@ -1861,14 +1884,18 @@ def _served_for(shift: dict) -> str:
 
 def _phase_end_line(workload: str, shift: dict) -> str:
     """The console's live line at a phase's end (``shift``, its ``shifts`` entry): how long it served,
-    its requests and its adapter's turns, then why it ended as the rule it met (:func:`_ended_rule`):
+    its requests and its adapter's turns, then why it ended as the rule it met (:func:`_ended_rule`)
+    and, where it came a second or more before the end, when the learner's part was done
+    (``learner_done_s``: what phase_seconds added):
     the why's own seconds and turns beside the line's said each twice (a walkthrough read "code ended
     after 120 s and 241 requests: 120 s served and 3 judged turns of its adapter ...")."""
     t = shift.get("turns") or {}
     turns = (f" and {t['turns']} turns of its adapter ({t.get('judged', 0)} judged, {t.get('promoted', 0)} promoted)"
              if t.get("turns") else "")
+    done = shift.get("learner_done_s")
     return (f"{workload} ended after {_served_for(shift)}, {_requests(shift['requests'])}{turns}: "
-            f"{_ended_rule(str(shift.get('ended')))}")
+            f"{_ended_rule(str(shift.get('ended')))}"
+            + (f" (the learner's part done at {done:.0f} s)" if done is not None and shift["seconds"] - done >= 1 else ""))
 
 
 def _phase_lengths(report: dict, console) -> None:
@@ -3057,7 +3084,7 @@ def register(app) -> None:
 
     @app.command("demo")
     def demo(
-        quick: Annotated[bool, typer.Option(help="a shorter run (4 phases of 120 s, each longer until its adapter was promoted and judged twice, at most 360 s; then the evaluation on 8 prompts a phase)")] = False,
+        quick: Annotated[bool, typer.Option(help="a shorter run (4 phases of 90 s, each longer until its adapter was promoted and judged twice, at most 270 s; then the evaluation on 8 prompts a phase)")] = False,
         phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase, at least (overrides the preset)")] = None,
         phase_min_judged: Annotated[int | None, typer.Option(help="after --phase-seconds a phase serves on until its "
                                                              "workload's adapter was promoted and had this many turns "

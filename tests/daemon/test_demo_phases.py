@@ -22,7 +22,7 @@ def test_a_phase_goes_on_until_its_promoted_version_has_served_its_own_traffic()
     """A walkthrough's code phase ended one second after v8 was promoted: v8 served none of it,
     and the phase's gain at its end was 0. The phase now also waits until the workload's own
     promoted version (workload_versions) served phase_min_served of its requests."""
-    cfg = DemoConfig.quick()
+    cfg = DemoConfig.quick(phase_seconds=120.0)
     assert cfg.phase_min_served == 6
     svc = _Svc({"code": {"turns": 3, "judged": 2, "promoted": 1}}, {"code": 8, "prose": 3})
     rows = [{"workload": "code", "adapter_version": 1}] * 30  # the bootstrap served the phase so far
@@ -41,7 +41,7 @@ def test_a_phase_goes_on_until_its_promoted_version_has_served_its_own_traffic()
 
 
 def test_a_phase_ends_at_its_seconds_only_once_its_adapter_was_promoted_and_judged_enough():
-    cfg = DemoConfig.quick(phase_min_served=0)  # 120 s, 2 judged turns, at most 360 s (what served: below)
+    cfg = DemoConfig.quick(phase_seconds=120.0, phase_min_served=0)  # 120 s, 2 judged turns, at most 360 s (what served: below)
     assert (cfg.phase_seconds, cfg.phase_min_judged, cfg.max_phase_seconds()) == (120.0, 2, 360.0)
     none = _Svc({})
     assert _phase_progress(cfg, none, "code", 119.9) == (False, "")  # inside its seconds: no reason yet
@@ -66,10 +66,13 @@ def test_a_phase_ends_at_its_seconds_only_once_its_adapter_was_promoted_and_judg
 
 def test_time_bounded_phases_when_asked_or_without_per_workload_adapters():
     none = _Svc({})
-    assert _phase_progress(DemoConfig.quick(phase_min_judged=0), none, "math", 120.0) == (True, "120 s served")
-    assert _phase_progress(DemoConfig.quick(per_workload=False), none, "math", 121.0) == (True, "120 s served")
-    assert _phase_progress(DemoConfig.quick(), None, "math", 120.0) == (True, "120 s served")
+    assert _phase_progress(DemoConfig.quick(phase_seconds=120.0, phase_min_judged=0), none, "math", 120.0) == (True, "120 s served")
+    assert _phase_progress(DemoConfig.quick(phase_seconds=120.0, per_workload=False), none, "math", 121.0) == (True, "120 s served")
+    assert _phase_progress(DemoConfig.quick(phase_seconds=120.0), None, "math", 120.0) == (True, "120 s served")
     assert DemoConfig.quick(phase_max_seconds=200.0).max_phase_seconds() == 200.0
+    # the quick demo's phases: 90 s at least, then on until the learner's part is done, at most 3 x 90
+    quick = DemoConfig.quick()
+    assert (quick.phase_seconds, quick.phase_min_judged, quick.phase_min_served, quick.max_phase_seconds()) == (90.0, 2, 6, 270.0)
     assert DemoConfig(phase_seconds=10.0).max_phase_seconds() == 30.0
 
 
@@ -79,7 +82,7 @@ def test_time_bounded_phases_when_asked_or_without_per_workload_adapters():
     ({"phase_min_judged": -1}, "phase_min_judged=-1: must be >= 0"),
     ({"phase_min_judged": float("nan")}, "phase_min_judged=nan: must be >= 0"),
     ({"phase_seconds": 1e308}, "phase_seconds=1e.308: too large"),
-    ({"phase_max_seconds": 60.0}, "phase_max_seconds=60.0: must be finite and >= phase_seconds=120.0"),
+    ({"phase_max_seconds": 60.0}, "phase_max_seconds=60.0: must be finite and >= phase_seconds=90.0"),
     ({"phase_max_seconds": float("nan")}, "phase_max_seconds=nan"),
 ])
 def test_bad_phase_sizes_are_refused_with_the_value_and_the_option(kw, match):
@@ -184,7 +187,7 @@ def test_a_status_without_the_turn_counts_or_with_some_of_them_reads_as_zeros():
         def status(self):
             return {"rounds": 3}
 
-    cfg = DemoConfig.quick()
+    cfg = DemoConfig.quick(phase_seconds=120.0)
     zeros = {"turns": 0, "judged": 0, "promoted": 0}
     assert _workload_turns(_Old(), "code") == zeros
     assert _workload_turns(_Svc(None), "code") == zeros
@@ -482,7 +485,7 @@ def test_the_first_phase_counts_its_minimum_from_its_first_request_and_its_cap_f
     trainer.started, trainer.ready_at = True, None
     loop = types.SimpleNamespace(manager=None, controller=None, heads=None, decoder=types.SimpleNamespace(adapter_version=3))
     screen = io.StringIO()
-    cfg = DemoConfig.quick(phases=("prose",), bootstrap_duty=1.0)  # phase_seconds 120, judged twice, 6 served
+    cfg = DemoConfig.quick(phases=("prose",), bootstrap_duty=1.0, phase_seconds=120.0)  # 120 s, judged twice, 6 served
     traffic = demo._serve_phases(cfg, None, loop, None, "m", svc, types.SimpleNamespace(bucket=lambda: "greedy"),
                                  Console(file=screen, width=300), trainer)
     sh = traffic.shifts[0]
@@ -497,3 +500,45 @@ def test_the_first_phase_counts_its_minimum_from_its_first_request_and_its_cap_f
                                 cap_s=10.0)[0] is False
     assert demo._phase_progress(cfg, _Svc({"prose": {"turns": 0, "judged": 0, "promoted": 0}}), "prose", 400.0,
                                 cap_s=360.0)[0] is True
+
+
+def test_each_phase_records_when_its_learner_was_done_inside_its_minimum(monkeypatch):
+    """A phase's shift says when the learner's part (promoted, judged twice, its version served 6
+    requests) was done, on the clock of its ``seconds``: what sizes phase_seconds (the twenty-seventh
+    session's code phase had it done at about 65 s of a 120 s minimum). Fake clock (2 s a request):
+    code's own v7 promoted and judged twice at the 20th request, 6 served by the 26th, so done when
+    the 27th would start, at 52 s (26 x 2); the phase still serves its 120 s; a phase whose learner
+    never finished records none."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    import daemon.demo as demo
+
+    clock = _Clock()
+    svc = _Svc({"code": {"turns": 0, "judged": 0, "promoted": 0}}, {"code": 0})
+    served = {"n": 0}
+
+    def serve_one(oai, loop, tok, model, phase, *a, **k):
+        clock.t += 1.0
+        served["n"] += 1
+        if phase == "code" and served["n"] == 20:
+            svc.turns["code"], svc.versions["code"] = {"turns": 2, "judged": 2, "promoted": 1}, 7
+        return {"t": 0.0, "workload": phase, "adapter_version": svc.versions.get(phase, 0)}
+
+    monkeypatch.setattr(demo, "time", clock)
+    monkeypatch.setattr(demo, "_serve_one", serve_one)
+    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
+    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
+    trainer = demo._Trainer(None, None, svc, {}, None, ready=types.SimpleNamespace(is_set=lambda: True, wait=lambda t=None: True))
+    trainer.started, trainer.ready_at = True, None
+    loop = types.SimpleNamespace(manager=None, controller=None, heads=None, decoder=types.SimpleNamespace(adapter_version=7))
+    cfg = DemoConfig.quick(phases=("code", "math"), phase_seconds=120.0, phase_max_seconds=130.0)
+    traffic = demo._serve_phases(cfg, None, loop, None, "m", svc, types.SimpleNamespace(bucket=lambda: "greedy"),
+                                 Console(file=io.StringIO(), width=300), trainer)
+    code, math = traffic.shifts
+    assert 51 <= code["learner_done_s"] <= 53 and code["seconds"] >= 120 and code["ended"].startswith("120 s served"), code
+    assert "learner_done_s" not in math and math["ended"].startswith("phase_max_seconds 130 s reached"), math
+    assert demo._phase_end_line("code", code).endswith(f"(the learner's part done at {code['learner_done_s']:.0f} s)")
+    assert "learner's part" not in demo._phase_end_line("math", math)
