@@ -771,9 +771,8 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
     and the row checks ({engine: {"rows_identical", "row_max_abs_diff"}}); the engines it names
     are timed once more, all their rows, and it is asked again, until it names none, the
     budget runs out or :data:`MAX_REPEATS` repeats are done. Each engine's ``samples``: its ms
-    per n in repeat order. An engine other than :data:`PACKAGED` whose rows were found to differ
-    (``rows_identical`` False) is not timed: its entry has the row check only (it is left out of
-    the choice whatever its times)."""
+    per n in repeat order. An engine other than :data:`PACKAGED` whose rows differ (``rows_identical``
+    False) is not timed: its entry has the row check only."""
 
     t_start = time.perf_counter()
     seqs, toks, plain_ms = _prefill(engines, cached)
@@ -782,8 +781,7 @@ def _time_rows(engines: dict[str, tuple[Any, Sequence[int]]], reps: int, cached:
               scaled_budget(plain_ms, {n: r for n, (_, r) in engines.items()}, reps, time.perf_counter() - t_start))
     deadline = t_start + budget
     _check_rows(engines, seqs, toks, cached, deadline, out)
-    # a format whose rows differ is left out whatever its times (_judge_format): not timed; the
-    # packaged file always is (it serves when nothing else may)
+    # a format whose rows differ is left out whatever its times (_judge_format); the packaged file serves regardless
     engines = {name: e for name, e in engines.items() if name == PACKAGED or out[name]["rows_identical"] is not False}
     times = {name: {n: [] for n in rows} for name, (_, rows) in engines.items()}
     jiffies0, t_timed = cpu_jiffies(), time.perf_counter()
