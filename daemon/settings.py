@@ -267,6 +267,11 @@ class TrainerSettings(_Group):
                               "take their own turn. false: it trains only on the rest (untagged, or below min_workload_samples), "
                               "so a round costs one turn per workload and no new workload pulls the shared adapter off the "
                               "others (trainer.service.ServiceConfig.shared_turn).")
+    tail_wait_s: float = Field(300.0, ge=0, allow_inf_nan=False,
+                               description="With shared_turn false: a workload whose traffic stopped before the newest "
+                               "one's began waits with its last samples (unacked) while the newest is learnt first, until "
+                               "the newest one's traffic has run this many seconds past them; 0: never waits "
+                               "(trainer.service.ServiceConfig.tail_wait_s).")
     promote_margin: float = Field(0.005, allow_inf_nan=False, description="Held-out alpha must rise by at least this much to promote.")
     regress_margin: float = Field(0.01, ge=0, allow_inf_nan=False, description="... and may drop by at most this much on any workload.")
     min_eval_requests: int = Field(8, ge=2, description="Held-out requests (prompts) the promotion gate's paired interval needs (trainer.gate).")
@@ -1128,6 +1133,7 @@ def service_config(s: Settings) -> "ServiceConfig":
         per_workload=t.per_workload,
         min_workload_samples=t.min_workload_samples,
         shared_turn=t.shared_turn,
+        tail_wait_s=t.tail_wait_s,
         promote_margin=t.promote_margin,
         regress_margin=t.regress_margin,
         min_eval_requests=t.min_eval_requests,

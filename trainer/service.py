@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import shutil
 import tempfile
 import threading
@@ -153,6 +154,12 @@ class ServiceConfig:
     # no shared adapter pulled towards each new workload in turn (what made the gate refuse every
     # candidate of a shifted workload for the forgetting it caused on the others: bench/RESULTS.md).
     shared_turn: bool = True
+    # shared_turn off: a workload whose traffic stopped before the newest workload's began (the
+    # tail of a shift) waits with its samples, unacked, while the newest workload is learnt first,
+    # until the newest one's traffic has run this many seconds past the tail's last sample (by
+    # the buffer's entry ids); then it takes its turn after the newer ones'. A round's workload
+    # turns run newest traffic first.
+    tail_wait_s: float = 300.0
     work_dir: str | None = None  # where candidates are written before registration (temp if None)
     # register each adapter's files in Redis too, for decoders on other hosts (AdapterRegistry.register's store_bytes)
     store_bytes: bool = False
@@ -168,6 +175,10 @@ class ServiceConfig:
         if not self.shared_turn and not self.per_workload:
             raise ValueError("ServiceConfig.shared_turn=False without per_workload=True: nothing would train; turn "
                              "per_workload on (DRAFTD_TRAINER__PER_WORKLOAD=true) or leave shared_turn on")
+        if isinstance(self.tail_wait_s, bool) or not isinstance(self.tail_wait_s, (int, float)) \
+                or not 0 <= self.tail_wait_s < math.inf:
+            raise ValueError(f"ServiceConfig.tail_wait_s={self.tail_wait_s!r}; use a finite number of seconds >= 0 "
+                             f"(0: a shift's tail never waits)")
 
 
 @dataclass
@@ -264,6 +275,18 @@ def split_key(sample) -> str:
 # min_workload_samples; past them it trains the shared adapter (a workload that stopped sending
 # traffic never strands its last samples)
 _DEFER_ROUNDS = 3
+
+
+def _entry_ms(entry: Any) -> int | None:
+    """The time part (ms) of a buffer entry's Redis stream id (``b"1796676802061-0"``); None for an
+    id that has none."""
+    eid = getattr(entry, "entry_id", None)
+    if isinstance(eid, bytes):
+        eid = eid.decode(errors="replace")
+    try:
+        return int(str(eid).split("-", 1)[0])
+    except ValueError:
+        return None
 _TRAINED_KEYS_KEPT = 65536  # split keys remembered per workload (trained) and in all (topped-up held out)
 
 
@@ -906,10 +929,14 @@ class TrainerService:
                 by_w.setdefault(e.sample.workload, []).append(e.sample)
             own = {w: smp for w, smp in sorted(by_w.items()) if w and len(smp) >= cfg.min_workload_samples}
         deferred: list[Any] = []  # shared turn off: a workload's samples wait (unacked) for enough to train its own
+        behind: dict[str, str] = {}
         if not cfg.shared_turn:
+            own, behind = self._newest_first(own, train)
             for e in train:
-                rid = e.sample.record_id
-                if e.sample.workload and e.sample.workload not in own and self._deferred.get(rid, 0) < _DEFER_ROUNDS:
+                rid, w = e.sample.record_id, e.sample.workload
+                if w in behind:  # a shift's tail: waits for the newer workload, not counted as deferred for want of samples
+                    deferred.append(e)
+                elif w and w not in own and self._deferred.get(rid, 0) < _DEFER_ROUNDS:
                     self._deferred[rid] = self._deferred.get(rid, 0) + 1
                     deferred.append(e)
         later = {id(e) for e in deferred}
@@ -923,7 +950,9 @@ class TrainerService:
                 "no shared turn (trainer.shared_turn off): "
                 + (f"{', '.join(own)} took their own turns" if own else "no workload had its own turn")
                 + (f"; {len(deferred)} samples of workloads below min_workload_samples={cfg.min_workload_samples} "
-                   f"wait for the next round" if deferred else ""))
+                   f"or behind a newer one wait for the next round" if deferred else "")
+                + "".join(f"; {w} (its traffic stopped before {v}'s began) waits while {v} is learnt first"
+                          for w, v in sorted(behind.items())))
         for w, smp in own.items():
             rep = self._workload_turn(w, smp)
             self._count_turn(rep)
@@ -937,6 +966,32 @@ class TrainerService:
             self._deferred.pop(e.sample.record_id, None)
         self._carry = deferred + self._carry  # pending in the group, ours: taken first next round
         report.acked = self.reader.ack(done)
+
+    def _newest_first(self, own: dict[str, list], train: list[Any]) -> tuple[dict[str, list], dict[str, str]]:
+        """shared_turn off: the workload turns of a round, the most recent traffic first, and the
+        workloads whose turn waits: {workload: the newer one it waits for}. A workload whose newest
+        sample came before the first sample of the round's newest workload (its traffic stopped
+        before that one's began: a shift's tail) waits, so the workload served now is not queued
+        behind it, until the newest workload's traffic has run ``tail_wait_s`` past the tail's last
+        sample. Times are the buffer's entry ids (Redis stream ids, ms); entries without one leave
+        the turns as they are."""
+        span: dict[str, list[int]] = {}  # workload -> [first, last] entry ms this round
+        for e in train:
+            ms, w = _entry_ms(e), e.sample.workload
+            if ms is None:
+                return own, {}
+            if w:
+                lo_hi = span.setdefault(w, [ms, ms])
+                lo_hi[0], lo_hi[1] = min(lo_hi[0], ms), max(lo_hi[1], ms)
+        if not span:
+            return own, {}
+        v = max(span, key=lambda w: span[w][1])
+        wait_ms = self.config.tail_wait_s * 1e3
+        behind = {w: v for w in own if w != v and span[w][1] < span[v][0] and span[v][1] - span[w][1] < wait_ms}
+        for w in behind:
+            log.info("trainer_turn_waits", workload=w, behind=v, samples=len(own[w]))
+        order = sorted((w for w in own if w not in behind), key=lambda w: -span[w][1])
+        return {w: own[w] for w in order}, behind
 
     def _shared_turn(self, report: RoundReport, train: list[Any]) -> None:
         """Train the shared adapter on ``train`` (entries) plus replay, judge and register it."""

@@ -460,6 +460,47 @@ def test_deferred_samples_join_their_workloads_own_turn_when_enough_have_come(en
     assert pending(client, cfg) == 0
 
 
+def test_a_shifts_tail_waits_while_the_newer_workload_is_learnt_first(env, train_samples, heldout_samples, target):
+    """shared_turn off: after a shift from prose to code, the round holding prose's last samples and
+    code's first gives code its turn and lets prose's tail wait, unacked (a walkthrough's trainer spent
+    the first 33 s of each phase on the last phase's tail, so the new workload's judged turns, and
+    the phase, came a round later); the tail takes its turn once code's traffic has run tail_wait_s past
+    it (then after code's: newest traffic first), or once a round holds no newer workload. Every entry
+    is acked in the end."""
+    client, cfg, registry, tmp = env
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
+    svc.run_round_now()  # prose and code each have their own adapter and held-out slice now
+    write(client, cfg, make_samples(target, 16, "prose", seed=120))
+    time.sleep(0.01)  # the buffer's ids order the traffic (ms): code's first comes after prose's last
+    write(client, cfg, make_samples(target, 16, "code", seed=121))
+    rep = svc.run_round_now()
+    tail = rep.deferred
+    assert list(rep.scopes) == ["code"] and tail > 0, (rep.scopes, rep.reason)
+    assert "prose (its traffic stopped before code's began) waits while code is learnt first" in rep.reason, rep.reason
+    assert pending(client, cfg) == tail  # waiting, not lost
+    # more code traffic: the tail still waits (code has not run tail_wait_s past it)
+    write(client, cfg, make_samples(target, 16, "code", seed=122))
+    rep = svc.run_round_now()
+    assert list(rep.scopes) == ["code"] and rep.deferred == tail and pending(client, cfg) == tail
+    # with tail_wait_s 0 it takes its turn, after code's (newest traffic first)
+    svc.config = dataclasses.replace(svc.config, tail_wait_s=0.0)
+    write(client, cfg, make_samples(target, 16, "code", seed=123))
+    rep = svc.run_round_now()
+    assert list(rep.scopes) == ["code", "prose"] and rep.deferred == 0 and pending(client, cfg) == 0, rep.scopes
+    assert rep.scopes["prose"]["trained_on"] == tail
+    # and without it: a round with no newer workload trains the tail
+    svc.config = dataclasses.replace(svc.config, tail_wait_s=300.0)
+    write(client, cfg, make_samples(target, 16, "prose", seed=124))
+    time.sleep(0.01)
+    write(client, cfg, make_samples(target, 16, "code", seed=125))
+    assert list(svc.run_round_now().scopes) == ["code"]
+    rep = svc.run_round_now()  # only prose's carried tail: nothing newer to wait for
+    assert list(rep.scopes) == ["prose"] and rep.deferred == 0 and pending(client, cfg) == 0, rep.reason
+    with pytest.raises(ValueError, match=r"tail_wait_s=-1.0; use a finite number of seconds >= 0"):
+        ServiceConfig(per_workload=True, shared_turn=False, tail_wait_s=-1.0)
+
+
 def test_per_workload_skips_a_workload_without_enough_samples_or_a_usable_tag(env, train_samples, target):
     client, cfg, registry, _ = env
     odd = [s for s in make_samples(target, 40, "code", seed=93)]
