@@ -23,6 +23,7 @@ import math
 import numbers
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -504,6 +505,8 @@ class Distiller:
         self.optimizer = self._new_optimizer()
         self._rounds = 0
         self._initial = self.adapter_state()  # peft's init: LoRA B = 0, so the adapter is a no-op
+        # set: train_round ends at its next step as at its bounds (TrainerService.stop(cut_round=True))
+        self.interrupt = threading.Event()
 
     def _check_vocab(self, vocab: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(V',) ids on the device and the (V,) map id -> column (-1 outside S), or (None, None)."""
@@ -765,7 +768,8 @@ class Distiller:
         return logits[batch.rows_b, col]  # (B, U, V) -> (M, V)
 
     def train_round(self, samples: Sequence[VerifiedSample]) -> RoundResult:
-        """Train the adapter on ``samples`` within the config's step, time and epoch bounds.
+        """Train the adapter on ``samples`` within the config's step, time and epoch bounds (and
+        until ``interrupt`` is set, checked before each step).
 
         The adapter weights and optimiser state are snapshotted first; if a loss, gradient step or
         the resulting weights are non-finite, both are restored and the result has
@@ -805,7 +809,7 @@ class Distiller:
                     break  # a whole pass had no weighted position: more passes would not either
                 order = torch.randperm(len(samples), generator=gen).tolist()
                 for i in range(0, len(order), cfg.batch_size):
-                    if steps >= cfg.max_steps or self.clock() - t0 >= cfg.max_seconds:
+                    if steps >= cfg.max_steps or self.clock() - t0 >= cfg.max_seconds or self.interrupt.is_set():
                         return result(True)
                     idx = order[i : i + cfg.batch_size]
                     batch = _build_batch([samples[j] for j in idx], cfg, self.device, cfg.weighting)

@@ -512,6 +512,7 @@ class TrainerService:
         self.clock = clock
         self.backlog = backlog
         self._lock = threading.Lock()
+        self._cut = threading.Event()  # stop(cut_round=True): the round under way skips the turns it has not begun
         self._paused = False
         self._rounds = 0
         self._last: RoundReport | None = None
@@ -549,6 +550,8 @@ class TrainerService:
         """Start the background scheduler (round job + backlog check job)."""
         if self._scheduler is not None:
             return
+        self._cut.clear()
+        self.distiller.interrupt.clear()
         s = BackgroundScheduler(timezone=timezone.utc)
         first = {"next_run_time": datetime.now(timezone.utc)} if self._warm_start is not None else {}
         s.add_job(  # a pending warm start runs at once, as the first round's first step
@@ -563,7 +566,15 @@ class TrainerService:
         s.start(paused=self._paused)
         self._scheduler = s
 
-    def stop(self, wait: bool = True) -> None:
+    def stop(self, wait: bool = True, cut_round: bool = False) -> None:
+        """Stop the scheduler; with ``wait``, after the round under way. ``cut_round``: that round
+        ends its training at the next step (its candidate judged and registered as usual) and
+        skips the workload turns it had not begun, whose entries stay pending (unacked) for the
+        next trainer to take, and the head's turn: a stop that waits for a judgement, not for a
+        round's training. :meth:`start` clears it."""
+        if cut_round:
+            self._cut.set()
+            self.distiller.interrupt.set()
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=wait)
             self._scheduler = None
@@ -953,11 +964,9 @@ class TrainerService:
                    f"or behind a newer one wait for the next round" if deferred else "")
                 + "".join(f"; {w} (its traffic stopped before {v}'s began) waits while {v} is learnt first"
                           for w, v in sorted(behind.items())))
-        for w, smp in own.items():
-            rep = self._workload_turn(w, smp)
-            self._count_turn(rep)
-            report.scopes[w] = rep.to_dict()
-        if self.heads is not None:  # never raises: its report says what went wrong
+        deferred += self._own_turns(report, own, train)
+        later = {id(e) for e in deferred}
+        if self.heads is not None and not self._cut.is_set():  # never raises: its report says what went wrong
             report.head = self.heads.turn([e.sample for e in train if id(e) not in later],
                                           [e.sample for e in heldout_entries]).to_dict()
         self._prune_eval_cache()
@@ -966,6 +975,23 @@ class TrainerService:
             self._deferred.pop(e.sample.record_id, None)
         self._carry = deferred + self._carry  # pending in the group, ours: taken first next round
         report.acked = self.reader.ack(done)
+
+    def _own_turns(self, report: RoundReport, own: dict[str, list], train: list[Any]) -> list[Any]:
+        """Each workload's own turn, in ``own``'s order, into ``report.scopes``. Returns the entries of
+        the turns skipped because the trainer is stopping (:meth:`stop` with ``cut_round``): they
+        stay pending, counted in ``report.deferred``, not in ``trained_on`` (with ``shared_turn`` on
+        the shared turn trained on them: none stay)."""
+        skipped: list[Any] = []
+        for w, smp in own.items():
+            if self._cut.is_set():
+                skipped += [e for e in train if e.sample.workload == w and not self.config.shared_turn]
+                continue
+            rep = self._workload_turn(w, smp)
+            self._count_turn(rep)
+            report.scopes[w] = rep.to_dict()
+        report.deferred += len(skipped)
+        report.trained_on -= len(skipped)
+        return skipped
 
     def _newest_first(self, own: dict[str, list], train: list[Any]) -> tuple[dict[str, list], dict[str, str]]:
         """shared_turn off: the workload turns of a round, the most recent traffic first, and the

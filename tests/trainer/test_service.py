@@ -501,6 +501,39 @@ def test_a_shifts_tail_waits_while_the_newer_workload_is_learnt_first(env, train
         ServiceConfig(per_workload=True, shared_turn=False, tail_wait_s=-1.0)
 
 
+def test_a_stop_that_cuts_the_round_judges_its_turn_and_leaves_the_rest_pending(env, train_samples, heldout_samples):
+    """stop(cut_round=True) (the demo's, at its end: a walkthrough waited 21-24 s for a round's
+    training): the turn under way ends its training at the next step and is judged and registered as
+    usual; the turns not begun are skipped, their entries pending (unacked), not lost; start() clears
+    the cut and the next round trains them. The stop arrives as code's turn begins (newest traffic
+    first: code's samples were written last), so that turn trains 0 steps and prose's is skipped."""
+    client, cfg, registry, tmp = env
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
+    real = svc.distiller.train_round
+    calls = []
+
+    def stopped_meanwhile(samples):
+        calls.append({s.workload for s in samples})
+        if len(calls) == 1:
+            svc.stop(wait=False, cut_round=True)
+        return real(samples)
+
+    svc.distiller.train_round = stopped_meanwhile
+    rep = svc.run_round_now()
+    assert calls == [{"code"}] and list(rep.scopes) == ["code"], (calls, rep.scopes)
+    assert rep.scopes["code"]["steps"] == 0 and registry.get(rep.scopes["code"]["version"]).scope == "code"
+    prose_train = sum(1 for s in train_samples + heldout_samples
+                      if s.workload == "prose" and s.record_id not in {x.record_id for x in svc._heldout["prose"]})
+    assert rep.deferred == prose_train > 0 and pending(client, cfg) == prose_train
+    assert svc.status()["workload_turns"]["code"]["turns"] == 1 and "prose" not in svc.status()["workload_turns"]
+    svc.start()  # clears the cut
+    svc.stop()
+    rep = svc.run_round_now()
+    assert list(rep.scopes) == ["prose"] and rep.scopes["prose"]["trained_on"] == prose_train
+    assert rep.scopes["prose"]["steps"] > 0 and pending(client, cfg) == 0
+
+
 def test_per_workload_skips_a_workload_without_enough_samples_or_a_usable_tag(env, train_samples, target):
     client, cfg, registry, _ = env
     odd = [s for s in make_samples(target, 40, "code", seed=93)]
