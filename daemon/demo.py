@@ -146,10 +146,10 @@ class DemoConfig:
     @classmethod
     def quick(cls, **kw) -> "DemoConfig":
         # the ablation rows add two decoded runs per prompt (a third of the evaluation): --ablation
-        # phases of 90 s at least, on until the learner's part is done (_phase_progress), at most 270 s:
+        # phases of 60 s at least, on until the learner's part is done (_phase_progress), at most 180 s:
         # the learner's part, not the minimum, sizes them (shifts' "learner_done_s"; bench/RESULTS.md,
         # "Twenty-seventh session")
-        base = dict(phase_seconds=90.0, eval_prompts=8, train_interval_s=15.0, train_min_new_samples=4,
+        base = dict(phase_seconds=60.0, eval_prompts=8, train_interval_s=15.0, train_min_new_samples=4,
                     round_steps=30, round_seconds=30.0, copy_ablation=False)
         base.update(kw)
         return cls(**base)
@@ -877,9 +877,11 @@ def _finish_serving(trainer: _Trainer, loop, console, remeasure: Callable[[], An
     decoder, manager = loop.decoder, loop.manager
     trainer.ready.wait()  # the warm start has settled (the first phase waited for it) and started the schedule
     # a walkthrough sat 70 s without a line here: the round in flight, then the re-measurement's requests
-    console.log("stopping the trainer (a round under way finishes first)"
+    console.log("stopping the trainer (a round under way ends its training now and is judged)"
                 + (", then the step costs are measured again with the cores free" if remeasure is not None else ""))
-    trainer.svc.stop()  # a running round finishes first
+    # the serving is over: the round under way stops training at its next step (what it trained is
+    # judged; the turns it had not begun leave their records pending) instead of training a turn more
+    trainer.svc.stop(cut_round=True)
     # A version promoted by that last round is swapped in now, and the watcher stopped, so the
     # "final adapter" evaluated below is the one the decoder runs (no swap mid-evaluation).
     latest = trainer.registry.active_version()
@@ -3084,7 +3086,7 @@ def register(app) -> None:
 
     @app.command("demo")
     def demo(
-        quick: Annotated[bool, typer.Option(help="a shorter run (4 phases of 90 s, each longer until its adapter was promoted and judged twice, at most 270 s; then the evaluation on 8 prompts a phase)")] = False,
+        quick: Annotated[bool, typer.Option(help="a shorter run (4 phases of 60 s, each longer until its adapter was promoted and judged twice, at most 180 s; then the evaluation on 8 prompts a phase)")] = False,
         phase_seconds: Annotated[float | None, typer.Option(help="serving seconds per phase, at least (overrides the preset)")] = None,
         phase_min_judged: Annotated[int | None, typer.Option(help="after --phase-seconds a phase serves on until its "
                                                              "workload's adapter was promoted and had this many turns "

@@ -70,9 +70,9 @@ def test_time_bounded_phases_when_asked_or_without_per_workload_adapters():
     assert _phase_progress(DemoConfig.quick(phase_seconds=120.0, per_workload=False), none, "math", 121.0) == (True, "120 s served")
     assert _phase_progress(DemoConfig.quick(phase_seconds=120.0), None, "math", 120.0) == (True, "120 s served")
     assert DemoConfig.quick(phase_max_seconds=200.0).max_phase_seconds() == 200.0
-    # the quick demo's phases: 90 s at least, then on until the learner's part is done, at most 3 x 90
+    # the quick demo's phases: 60 s at least, then on until the learner's part is done, at most 3 x 60
     quick = DemoConfig.quick()
-    assert (quick.phase_seconds, quick.phase_min_judged, quick.phase_min_served, quick.max_phase_seconds()) == (90.0, 2, 6, 270.0)
+    assert (quick.phase_seconds, quick.phase_min_judged, quick.phase_min_served, quick.max_phase_seconds()) == (60.0, 2, 6, 180.0)
     assert DemoConfig(phase_seconds=10.0).max_phase_seconds() == 30.0
 
 
@@ -82,7 +82,7 @@ def test_time_bounded_phases_when_asked_or_without_per_workload_adapters():
     ({"phase_min_judged": -1}, "phase_min_judged=-1: must be >= 0"),
     ({"phase_min_judged": float("nan")}, "phase_min_judged=nan: must be >= 0"),
     ({"phase_seconds": 1e308}, "phase_seconds=1e.308: too large"),
-    ({"phase_max_seconds": 60.0}, "phase_max_seconds=60.0: must be finite and >= phase_seconds=90.0"),
+    ({"phase_max_seconds": 50.0}, "phase_max_seconds=50.0: must be finite and >= phase_seconds=60.0"),
     ({"phase_max_seconds": float("nan")}, "phase_max_seconds=nan"),
 ])
 def test_bad_phase_sizes_are_refused_with_the_value_and_the_option(kw, match):

@@ -334,16 +334,18 @@ def test_stopping_the_trainer_is_said_before_the_wait():
     said, order = [], []
     console = NS(log=lambda msg: said.append(msg))
     registry = NS(active_version=lambda: 3, active_versions=lambda: {"": 3})
-    trainer = NS(ready=NS(wait=lambda: None), svc=NS(stop=lambda: order.append(("stop", len(said)))), registry=registry)
+    trainer = NS(ready=NS(wait=lambda: None), svc=NS(stop=lambda **kw: order.append(("stop", len(said), kw))),
+                 registry=registry)
     decoder = NS(adapter_version=3, run_between_requests=lambda: None)
     loop = NS(decoder=decoder, manager=NS(wait_prepared=lambda *a: None, stop=lambda: None, close=lambda: None),
               heads=None)
     assert demo._finish_serving(trainer, loop, console, remeasure=lambda: "measured") == "measured"
-    assert said[0] == ("stopping the trainer (a round under way finishes first), then the step costs are measured "
-                       "again with the cores free") and order == [("stop", 1)]
+    # the serving is over: the round under way is cut at its next step (trainer.service.TrainerService.stop)
+    assert said[0] == ("stopping the trainer (a round under way ends its training now and is judged), then the step "
+                       "costs are measured again with the cores free") and order == [("stop", 1, {"cut_round": True})]
     said.clear()
     demo._finish_serving(trainer, loop, console)
-    assert said[0] == "stopping the trainer (a round under way finishes first)"
+    assert said[0] == "stopping the trainer (a round under way ends its training now and is judged)"
 
 
 def test_the_remeasurement_probes_an_unsure_candidate_on_every_request_then_restores(monkeypatch):
