@@ -275,6 +275,7 @@ def split_key(sample) -> str:
 # min_workload_samples; past them it trains the shared adapter (a workload that stopped sending
 # traffic never strands its last samples)
 _DEFER_ROUNDS = 3
+_TRAINED_KEYS_KEPT = 65536  # split keys remembered per workload (trained) and in all (topped-up held out)
 
 
 def _entry_ms(entry: Any) -> int | None:
@@ -287,7 +288,6 @@ def _entry_ms(entry: Any) -> int | None:
         return int(str(eid).split("-", 1)[0])
     except ValueError:
         return None
-_TRAINED_KEYS_KEPT = 65536  # split keys remembered per workload (trained) and in all (topped-up held out)
 
 
 def _lean(sample: VerifiedSample) -> VerifiedSample:
