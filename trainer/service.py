@@ -983,10 +983,11 @@ class TrainerService:
         the shared turn trained on them: none stay)."""
         skipped: list[Any] = []
         for w, smp in own.items():
-            if self._cut.is_set():
+            rep = None if self._cut.is_set() else self._workload_turn(w, smp)
+            if rep is None or (rep.steps == 0 and rep.decision == "skipped" and self._cut.is_set()):
                 skipped += [e for e in train if e.sample.workload == w and not self.config.shared_turn]
-                continue
-            rep = self._workload_turn(w, smp)
+                if rep is None:
+                    continue
             self._count_turn(rep)
             report.scopes[w] = rep.to_dict()
         report.deferred += len(skipped)
@@ -1116,6 +1117,9 @@ class TrainerService:
             result = self.distiller.train_round(samples)
             rep.steps = result.steps
             rep.alpha_before = before.alpha
+            if result.steps == 0 and self._cut.is_set():  # cut before its first step: nothing to judge or register
+                rep.reason = "the trainer stopped before this turn's first step (stop(cut_round=True)): not judged"
+                return rep
             if not result.finite:
                 rep.decision, rep.reason = "non_finite", f"rolled back, not registered: {result.reason}"
                 return rep

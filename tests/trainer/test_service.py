@@ -501,36 +501,66 @@ def test_a_shifts_tail_waits_while_the_newer_workload_is_learnt_first(env, train
         ServiceConfig(per_workload=True, shared_turn=False, tail_wait_s=-1.0)
 
 
-def test_a_stop_that_cuts_the_round_judges_its_turn_and_leaves_the_rest_pending(env, train_samples, heldout_samples):
+def test_a_stop_that_cuts_the_round_judges_its_turn_and_leaves_the_rest_pending(env, train_samples, heldout_samples, target):
     """stop(cut_round=True) (the demo's, at its end: a walkthrough waited 21-24 s for a round's
     training): the turn under way ends its training at the next step and is judged and registered as
-    usual; the turns not begun are skipped, their entries pending (unacked), not lost; start() clears
-    the cut and the next round trains them. The stop arrives as code's turn begins (newest traffic
-    first: code's samples were written last), so that turn trains 0 steps and prose's is skipped."""
+    usual; the turns not begun are skipped, their entries pending (unacked), not lost; a turn cut
+    before its first step is neither judged nor registered (a walkthrough's cut round registered a
+    0-step candidate, rejected at +0.0000), its entries pending too; start() clears the cut and the
+    next round trains them. Newest traffic first: code's samples were written last, so its turn runs
+    first."""
     client, cfg, registry, tmp = env
     write(client, cfg, train_samples + heldout_samples)
     svc = make_service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
-    real = svc.distiller.train_round
-    calls = []
+    real_finite, real = svc.distiller._weights_finite, svc.distiller.train_round
+    steps = []
+
+    def cut_after_two(*a):  # inside train_round: checked after every optimiser step
+        steps.append(1)
+        if len(steps) == 2:
+            svc.stop(wait=False, cut_round=True)
+        return real_finite(*a)
+
+    def counting(samples):
+        svc.distiller._weights_finite = cut_after_two
+        try:
+            return real(samples)
+        finally:
+            svc.distiller._weights_finite = real_finite
+
+    svc.distiller.train_round = counting
+    rep = svc.run_round_now()
+    assert list(rep.scopes) == ["code"] and rep.scopes["code"]["steps"] == 2, rep.scopes
+    assert rep.scopes["code"]["decision"] in ("promoted", "rejected") and registry.get(rep.scopes["code"]["version"]).scope == "code"
+    held = {x.record_id for d in svc._heldout.values() for x in d}
+    n_train = {w: sum(1 for s in train_samples + heldout_samples if s.workload == w and s.record_id not in held)
+               for w in ("prose", "code")}
+    assert rep.deferred == n_train["prose"] > 0 and pending(client, cfg) == n_train["prose"]
+    turns = svc.status()["workload_turns"]
+    assert turns["code"]["turns"] == 1 and "prose" not in turns
+    # cut before its first step: code's new turn is neither judged nor registered, its entries wait too
+    svc.start()  # clears the cut
+    svc.stop()
+    write(client, cfg, make_samples(target, 24, "code", seed=130))
 
     def stopped_meanwhile(samples):
-        calls.append({s.workload for s in samples})
-        if len(calls) == 1:
-            svc.stop(wait=False, cut_round=True)
+        svc.stop(wait=False, cut_round=True)
         return real(samples)
 
     svc.distiller.train_round = stopped_meanwhile
+    versions = len(registry.list())
     rep = svc.run_round_now()
-    assert calls == [{"code"}] and list(rep.scopes) == ["code"], (calls, rep.scopes)
-    assert rep.scopes["code"]["steps"] == 0 and registry.get(rep.scopes["code"]["version"]).scope == "code"
-    prose_train = sum(1 for s in train_samples + heldout_samples
-                      if s.workload == "prose" and s.record_id not in {x.record_id for x in svc._heldout["prose"]})
-    assert rep.deferred == prose_train > 0 and pending(client, cfg) == prose_train
-    assert svc.status()["workload_turns"]["code"]["turns"] == 1 and "prose" not in svc.status()["workload_turns"]
-    svc.start()  # clears the cut
+    code = rep.scopes["code"]
+    assert (code["steps"], code["decision"], code["version"]) == (0, "skipped", None), code
+    assert "stopped before this turn's first step" in code["reason"] and len(registry.list()) == versions
+    assert pending(client, cfg) == rep.deferred > n_train["prose"] and svc.status()["workload_turns"] == turns
+    svc.distiller.train_round = real
+    svc.start()
     svc.stop()
-    rep = svc.run_round_now()
-    assert list(rep.scopes) == ["prose"] and rep.scopes["prose"]["trained_on"] == prose_train
+    rep = svc.run_round_now()  # code's waiting records train; prose's, older than code's newer traffic, wait on
+    assert list(rep.scopes) == ["code"] and rep.scopes["code"]["steps"] > 0 and pending(client, cfg) == n_train["prose"]
+    rep = svc.run_round_now()  # nothing newer left: prose's turn
+    assert list(rep.scopes) == ["prose"] and rep.scopes["prose"]["trained_on"] == n_train["prose"]
     assert rep.scopes["prose"]["steps"] > 0 and pending(client, cfg) == 0
 
 
