@@ -513,6 +513,9 @@ class TrainerService:
         self.backlog = backlog
         self._lock = threading.Lock()
         self._cut = threading.Event()  # stop(cut_round=True): the round under way skips the turns it has not begun
+        self._cut_lock = threading.Lock()
+        self._round_running = False
+        self._waiting: set[Any] = set()  # entry ids of a shift's tail carried to the next round (_newest_first)
         self._paused = False
         self._rounds = 0
         self._last: RoundReport | None = None
@@ -550,8 +553,6 @@ class TrainerService:
         """Start the background scheduler (round job + backlog check job)."""
         if self._scheduler is not None:
             return
-        self._cut.clear()
-        self.distiller.interrupt.clear()
         s = BackgroundScheduler(timezone=timezone.utc)
         first = {"next_run_time": datetime.now(timezone.utc)} if self._warm_start is not None else {}
         s.add_job(  # a pending warm start runs at once, as the first round's first step
@@ -571,10 +572,11 @@ class TrainerService:
         ends its training at the next step (its candidate judged and registered as usual) and
         skips the workload turns it had not begun, whose entries stay pending (unacked) for the
         next trainer to take, and the head's turn: a stop that waits for a judgement, not for a
-        round's training. :meth:`start` clears it."""
-        if cut_round:
-            self._cut.set()
-            self.distiller.interrupt.set()
+        round's training. No round under way: nothing to cut (the next round trains as usual)."""
+        with self._cut_lock:
+            if cut_round and self._round_running:
+                self._cut.set()
+                self.distiller.interrupt.set()
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=wait)
             self._scheduler = None
@@ -661,12 +663,14 @@ class TrainerService:
         with self._lock:
             self._run_warm_start()
             report = RoundReport(trigger=trigger, started_at=self.clock())
+            self._in_round(True)
             try:
                 self._round(report)
             except Exception as e:
                 report.decision, report.reason = "error", f"{type(e).__name__}: {e}"
                 raise
             finally:
+                self._in_round(False)
                 report.seconds = self.clock() - report.started_at
                 self._rounds += 1
                 self._last = report
@@ -676,6 +680,15 @@ class TrainerService:
                     reason=report.reason,
                 )
             return report
+
+    def _in_round(self, running: bool) -> None:
+        """Mark a round as under way (what stop(cut_round=True) cuts) or over: a cut never outlives
+        the round it was meant for."""
+        with self._cut_lock:
+            self._round_running = running
+            if not running:
+                self._cut.clear()
+                self.distiller.interrupt.clear()
 
     def _run_warm_start(self) -> None:
         """The pending warm start, once (a failure is logged and reported in status, never retried:
@@ -782,15 +795,18 @@ class TrainerService:
     def _take(self, report: RoundReport) -> list[Any]:
         cfg = self.config
         entries, self._carry = self._carry, []
+        # a shift's waiting tail (_newest_first) rides along without taking the round's room: the newer
+        # workload's records must still fit, or its turn never comes while the tail waits for it
+        cap = cfg.max_samples_per_round + sum(1 for e in entries if e.entry_id in self._waiting)
         reclaimed = self.reader.reclaim(cfg.reclaim_min_idle_ms)
         report.reclaimed = len(reclaimed)
         entries.extend(reclaimed)
-        while len(entries) < cfg.max_samples_per_round:
-            got = self.reader.read(count=cfg.max_samples_per_round - len(entries), block_ms=cfg.read_block_ms)
+        while len(entries) < cap:
+            got = self.reader.read(count=cap - len(entries), block_ms=cfg.read_block_ms)
             if not got:
                 break
             entries.extend(got)
-        entries, self._carry = entries[: cfg.max_samples_per_round], entries[cfg.max_samples_per_round :]
+        entries, self._carry = entries[:cap], entries[cap:]
         report.read = len(entries)
         return entries
 
@@ -804,8 +820,9 @@ class TrainerService:
             self._process(report, entries)
         except BaseException:
             # Not acked, and the reader will not hand them out again (they are ours, pending):
-            # keep them for the next round of this process.
-            self._carry = entries + self._carry
+            # keep them for the next round of this process (once: the round may have carried some already)
+            mine = {id(e) for e in entries}
+            self._carry = entries + [e for e in self._carry if id(e) not in mine]
             raise
 
     def _screen(self, report: RoundReport, entries: list[Any]) -> None:
@@ -943,6 +960,7 @@ class TrainerService:
         behind: dict[str, str] = {}
         if not cfg.shared_turn:
             own, behind = self._newest_first(own, train)
+            self._waiting = {e.entry_id for e in train if e.sample.workload in behind}
             for e in train:
                 rid, w = e.sample.record_id, e.sample.workload
                 if w in behind:  # a shift's tail: waits for the newer workload, not counted as deferred for want of samples
@@ -954,15 +972,16 @@ class TrainerService:
         report.deferred = len(deferred)
         report.trained_on -= len(deferred)
         shared_train = train if cfg.shared_turn else [e for e in train if e.sample.workload not in own and id(e) not in later]
-        if shared_train:
-            self._shared_turn(report, shared_train)
-        else:
+        if shared_train and self._shared_turn(report, shared_train):  # cut before its first step: all stay pending
+            deferred += [e for e in train if id(e) not in later]
+            report.deferred, report.trained_on, own = len(deferred), 0, {}
+        elif not shared_train:
             report.decision, report.reason = "idle", (
                 "no shared turn (trainer.shared_turn off): "
                 + (f"{', '.join(own)} took their own turns" if own else "no workload had its own turn")
                 + (f"; {len(deferred)} samples of workloads below min_workload_samples={cfg.min_workload_samples} "
                    f"or behind a newer one wait for the next round" if deferred else "")
-                + "".join(f"; {w} (its traffic stopped before {v}'s began) waits while {v} is learnt first"
+                + "".join(f"; {w} (its traffic stopped before {v}'s began) waits behind {v}'s newer traffic"
                           for w, v in sorted(behind.items())))
         deferred += self._own_turns(report, own, train)
         later = {id(e) for e in deferred}
@@ -1020,8 +1039,10 @@ class TrainerService:
         order = sorted((w for w in own if w not in behind), key=lambda w: -span[w][1])
         return {w: own[w] for w in order}, behind
 
-    def _shared_turn(self, report: RoundReport, train: list[Any]) -> None:
-        """Train the shared adapter on ``train`` (entries) plus replay, judge and register it."""
+    def _shared_turn(self, report: RoundReport, train: list[Any]) -> bool:
+        """Train the shared adapter on ``train`` (entries) plus replay, judge and register it. Returns
+        True when the trainer's stop (:meth:`stop` with ``cut_round``) came before its first step:
+        nothing trained, judged or registered (the round's records stay pending)."""
         cfg = self.config
         heldout = gate_slice([s for d in self._heldout.values() for s in d], cfg)
         before = self._evaluate_served(heldout, self._promoted_version, self._promoted_state)
@@ -1030,6 +1051,10 @@ class TrainerService:
         report.replayed = len(replay)
         result = self.distiller.train_round(new + replay)
         report.result = result
+        if result.steps == 0 and self._cut.is_set():
+            report.decision, report.reason = "idle", ("the trainer stopped before the shared turn's first step "
+                                                      "(stop(cut_round=True)): not judged; the round's records stay pending")
+            return True
         report.before = before.to_dict()
         worse = True
         if not result.finite:
@@ -1040,6 +1065,7 @@ class TrainerService:
         if cfg.replay_per_workload and not worse:  # a round that made the draft worse leaves no samples behind
             for smp in new:
                 self._replay.setdefault(smp.workload, deque(maxlen=cfg.replay_per_workload)).append(_lean(smp))
+        return False
 
     def _judge_shared(self, report: RoundReport, train: list[Any], heldout: list[VerifiedSample],
                       before: EvalResult, result: RoundResult) -> bool:

@@ -477,7 +477,7 @@ def test_a_shifts_tail_waits_while_the_newer_workload_is_learnt_first(env, train
     rep = svc.run_round_now()
     tail = rep.deferred
     assert list(rep.scopes) == ["code"] and tail > 0, (rep.scopes, rep.reason)
-    assert "prose (its traffic stopped before code's began) waits while code is learnt first" in rep.reason, rep.reason
+    assert "prose (its traffic stopped before code's began) waits behind code's newer traffic" in rep.reason, rep.reason
     assert pending(client, cfg) == tail  # waiting, not lost
     # more code traffic: the tail still waits (code has not run tail_wait_s past it)
     write(client, cfg, make_samples(target, 16, "code", seed=122))
@@ -562,6 +562,70 @@ def test_a_stop_that_cuts_the_round_judges_its_turn_and_leaves_the_rest_pending(
     rep = svc.run_round_now()  # nothing newer left: prose's turn
     assert list(rep.scopes) == ["prose"] and rep.scopes["prose"]["trained_on"] == n_train["prose"]
     assert rep.scopes["prose"]["steps"] > 0 and pending(client, cfg) == 0
+
+
+def test_a_cut_before_the_shared_turns_first_step_registers_nothing_and_acks_nothing(env, train_samples, heldout_samples):
+    """A break session: the shared turn cut before its first step registered a 0-step candidate and
+    acked all 101 training records. Now nothing is judged or registered and the round's training
+    records stay pending; and a cut asked while no round runs cuts nothing (the next round trains)."""
+    client, cfg, registry, tmp = env
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env)
+    svc.stop(cut_round=True)  # no round under way: nothing to cut, now or later
+    real = svc.distiller.train_round
+
+    def cut(samples):
+        svc.stop(wait=False, cut_round=True)
+        return real(samples)
+
+    svc.distiller.train_round = cut
+    rep = svc.run_round_now()
+    assert rep.result.steps == 0 and rep.version is None and registry.list() == [], rep.reason
+    assert "stopped before the shared turn's first step" in rep.reason
+    assert pending(client, cfg) == rep.deferred == rep.read - rep.heldout_added > 0 and rep.trained_on == 0
+    svc.distiller.train_round = real
+    rep = svc.run_round_now()  # the cut ended with its round
+    assert rep.result.steps > 0 and rep.version == 1 and pending(client, cfg) == 0
+
+
+def test_a_waiting_tail_takes_no_room_from_the_newer_workload_and_a_failed_ack_carries_each_record_once(
+        env, train_samples, heldout_samples, target):
+    """A break session: a waiting tail filled most of a round (carried records count toward
+    max_samples_per_round), so the newer workload never gathered min_workload_samples for its turn
+    while the tail waited for it; and a round whose ack failed carried the waiting tail twice (the
+    next round trained it twice). Now the tail rides along without taking the round's room, and a
+    failed round carries each record once."""
+    from store.errors import StoreUnavailableError
+
+    client, cfg, registry, tmp = env
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
+    svc.run_round_now()
+    write(client, cfg, make_samples(target, 21, "prose", seed=140))
+    time.sleep(0.01)
+    write(client, cfg, make_samples(target, 3, "code", seed=141))
+    svc.run_round_now()
+    tail = sum(1 for e in svc._carry if e.sample.workload == "prose")
+    assert tail > 0
+    write(client, cfg, make_samples(target, 60, "code", seed=142))
+    svc.config = dataclasses.replace(svc.config, max_samples_per_round=tail + 7)
+    rep = svc.run_round_now()
+    assert rep.read == 2 * tail + 7, (rep.read, tail)  # the round's room, tail + 7, and the waiting tail beside it
+    assert "code" in rep.scopes, (rep.read, rep.deferred, rep.reason)
+    # the ack fails once: the round's records are carried once each
+    real_ack, fail = svc.reader.ack, [True]
+
+    def flaky(entries):
+        if fail and fail.pop():
+            raise StoreUnavailableError("blip")
+        return real_ack(entries)
+
+    svc.reader.ack = flaky
+    write(client, cfg, make_samples(target, 16, "code", seed=143))
+    with pytest.raises(StoreUnavailableError):
+        svc.run_round_now()
+    ids = [e.entry_id for e in svc._carry]
+    assert len(ids) == len(set(ids)) > 0
 
 
 def test_per_workload_skips_a_workload_without_enough_samples_or_a_usable_tag(env, train_samples, target):
