@@ -507,6 +507,8 @@ class Distiller:
         self._initial = self.adapter_state()  # peft's init: LoRA B = 0, so the adapter is a no-op
         # set: train_round ends at its next step as at its bounds (TrainerService.stop(cut_round=True))
         self.interrupt = threading.Event()
+        # asked before each step as well: True ends train_round there (TrainerService's yield check)
+        self.should_stop: Callable[[], bool] | None = None
 
     def _check_vocab(self, vocab: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(V',) ids on the device and the (V,) map id -> column (-1 outside S), or (None, None)."""
@@ -769,7 +771,7 @@ class Distiller:
 
     def train_round(self, samples: Sequence[VerifiedSample]) -> RoundResult:
         """Train the adapter on ``samples`` within the config's step, time and epoch bounds (and
-        until ``interrupt`` is set, checked before each step).
+        until ``interrupt`` is set or ``should_stop()`` says so, both asked before each step).
 
         The adapter weights and optimiser state are snapshotted first; if a loss, gradient step or
         the resulting weights are non-finite, both are restored and the result has
@@ -809,7 +811,8 @@ class Distiller:
                     break  # a whole pass had no weighted position: more passes would not either
                 order = torch.randperm(len(samples), generator=gen).tolist()
                 for i in range(0, len(order), cfg.batch_size):
-                    if steps >= cfg.max_steps or self.clock() - t0 >= cfg.max_seconds or self.interrupt.is_set():
+                    if (steps >= cfg.max_steps or self.clock() - t0 >= cfg.max_seconds or self.interrupt.is_set()
+                            or (self.should_stop is not None and self.should_stop())):
                         return result(True)
                     idx = order[i : i + cfg.batch_size]
                     batch = _build_batch([samples[j] for j in idx], cfg, self.device, cfg.weighting)

@@ -516,6 +516,9 @@ class TrainerService:
         self._cut_lock = threading.Lock()
         self._round_running = False
         self._waiting: set[Any] = set()  # entry ids of a shift's tail carried to the next round (_newest_first)
+        self._yielded: str | None = None  # the workload whose turn gave way this round (_yield_check), and to which
+        self._yielded_to: str | None = None
+        self._yield_every_s = 2.0  # how often a workload turn reads the records arriving meanwhile
         self._paused = False
         self._rounds = 0
         self._last: RoundReport | None = None
@@ -1001,10 +1004,15 @@ class TrainerService:
         stay pending, counted in ``report.deferred``, not in ``trained_on`` (with ``shared_turn`` on
         the shared turn trained on them: none stay)."""
         skipped: list[Any] = []
+        self._yielded = None
         for w, smp in own.items():
-            rep = None if self._cut.is_set() else self._workload_turn(w, smp)
-            if rep is None or (rep.steps == 0 and rep.decision == "skipped" and self._cut.is_set()):
-                skipped += [e for e in train if e.sample.workload == w and not self.config.shared_turn]
+            newest = max((m for e in train if e.sample.workload == w and (m := _entry_ms(e)) is not None), default=None)
+            rep = None if self._cut.is_set() or self._yielded else self._workload_turn(w, smp, newest)
+            if rep is None or (rep.decision == "skipped" and (rep.steps == 0 and self._cut.is_set() or self._yielded == w)):
+                mine = [e for e in train if e.sample.workload == w and not self.config.shared_turn]
+                skipped += mine
+                if self._yielded:  # a waiting tail now, beside the next round's room (_take)
+                    self._waiting |= {e.entry_id for e in mine}
                 if rep is None:
                     continue
             self._count_turn(rep)
@@ -1012,6 +1020,43 @@ class TrainerService:
         report.deferred += len(skipped)
         report.trained_on -= len(skipped)
         return skipped
+
+    def _yield_check(self, workload: str, newest_ms: int | None) -> Callable[[], bool] | None:
+        """shared_turn off: for ``workload``'s turn (its newest record at stream time ``newest_ms``), the
+        check the Distiller asks before each step. At most every ``_yield_every_s`` it reads the records
+        that arrived meanwhile (carried to the next round, pending) and says stop once they show the
+        workload's traffic stopped and another's began: none of ``workload`` among them, at least
+        ``min_workload_samples`` of another whose traffic has not yet run ``tail_wait_s`` past
+        ``newest_ms`` (a tail that waited that long trains, never starved). A round under way at a
+        shift, begun before it with the old workload's records alone, so gives way to the new one."""
+        if self.config.shared_turn or newest_ms is None:
+            return None
+        cfg, seen, last = self.config, {}, [-math.inf]  # workload -> [records, newest ms]
+
+        def check() -> bool:
+            if time.monotonic() - last[0] < self._yield_every_s:
+                return False
+            last[0] = time.monotonic()
+            try:
+                got = self.reader.read(count=cfg.max_samples_per_round)
+            except Exception as e:  # noqa: BLE001 - a failed look never fails the turn
+                log.warning("trainer_yield_check_failed", error=str(e))
+                return False
+            self._carry.extend(got)
+            for e in got:
+                if (ms := _entry_ms(e)) is not None:
+                    c = seen.setdefault(e.sample.workload, [0, ms])
+                    c[0], c[1] = c[0] + 1, max(c[1], ms)
+            if workload in seen:
+                return False
+            to = next((w for w, (n, ms) in seen.items() if w and n >= cfg.min_workload_samples
+                       and ms - newest_ms < cfg.tail_wait_s * 1e3), None)
+            if to is not None:
+                self._yielded, self._yielded_to = workload, to
+                log.info("trainer_turn_yields", workload=workload, to=to)
+            return to is not None
+
+        return check
 
     def _newest_first(self, own: dict[str, list], train: list[Any]) -> tuple[dict[str, list], dict[str, str]]:
         """shared_turn off: the workload turns of a round, the most recent traffic first, and the
@@ -1112,9 +1157,11 @@ class TrainerService:
             t["judged"] += 1
         t["promoted"] += rep.decision == "promoted"
 
-    def _workload_turn(self, workload: str, samples: list[VerifiedSample]) -> ScopeReport:
+    def _workload_turn(self, workload: str, samples: list[VerifiedSample], newest_ms: int | None = None) -> ScopeReport:
         """Train, judge and register ``workload``'s own adapter on its new ``samples`` (see the
-        module docstring); the shared adapter's training context is restored afterwards."""
+        module docstring); the shared adapter's training context is restored afterwards. With
+        ``shared_turn`` off and ``newest_ms`` (its newest record's stream time) the turn yields
+        (:meth:`_yield_check`): untrained, not judged, its records a waiting tail."""
         cfg = self.config
         rep = ScopeReport(scope=workload, trained_on=len(samples))
         try:
@@ -1140,9 +1187,17 @@ class TrainerService:
             else:
                 self.distiller.start_from(served)  # what serves the workload changed: start from it
             before = self._evaluate_served(held, parent, served)
-            result = self.distiller.train_round(samples)
+            self.distiller.should_stop = self._yield_check(workload, newest_ms)
+            try:
+                result = self.distiller.train_round(samples)
+            finally:
+                self.distiller.should_stop = None
             rep.steps = result.steps
             rep.alpha_before = before.alpha
+            if self._yielded == workload:  # what it trained is dropped: the next turn starts where this one did
+                rep.reason = (f"yielded after {result.steps} steps: its traffic stopped and {self._yielded_to}'s began "
+                              f"meanwhile; not judged, its records wait for {self._yielded_to}'s turns")
+                return rep
             if result.steps == 0 and self._cut.is_set():  # cut before its first step: nothing to judge or register
                 rep.reason = "the trainer stopped before this turn's first step (stop(cut_round=True)): not judged"
                 return rep

@@ -564,6 +564,49 @@ def test_a_stop_that_cuts_the_round_judges_its_turn_and_leaves_the_rest_pending(
     assert rep.scopes["prose"]["steps"] > 0 and pending(client, cfg) == 0
 
 
+def test_a_turn_under_way_at_a_shift_yields_to_the_new_workload(env, train_samples, heldout_samples, target):
+    """shared_turn off: a walkthrough's rounds under way at each shift had begun before it with the old
+    workload's records alone, so nothing in them was newer and the tail trained first (20-36 s). Now a
+    workload turn reads the records arriving meanwhile and yields once they show its traffic stopped
+    and another's began (none of its own, min_workload_samples of the other): not judged, nothing
+    registered, its records wait as a tail (pending, with the records read meanwhile); the next round
+    trains the new workload and the tail waits; where its own traffic goes on beside the other's
+    (mixed traffic) it never yields."""
+    client, cfg, registry, tmp = env
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
+    svc.run_round_now()
+    svc._yield_every_s = 0.0  # look at every step (the service looks every 2 s)
+    real = svc.distiller.train_round
+    arrive = []
+
+    def meanwhile(samples):  # the records that arrive while the turn trains
+        time.sleep(0.01)
+        for batch in arrive:
+            write(client, cfg, batch)
+        arrive.clear()
+        return real(samples)
+
+    svc.distiller.train_round = meanwhile
+    write(client, cfg, make_samples(target, 24, "prose", seed=150))
+    arrive.append(make_samples(target, 24, "code", seed=151))
+    versions = len(registry.list())
+    rep = svc.run_round_now()
+    prose = rep.scopes["prose"]
+    assert prose["decision"] == "skipped" and prose["version"] is None and len(registry.list()) == versions, prose
+    assert prose["reason"].startswith("yielded after 0 steps: its traffic stopped and code's began meanwhile"), prose
+    assert pending(client, cfg) == rep.deferred + 24 and rep.trained_on == 0
+    rep = svc.run_round_now()  # code first; prose's records wait behind it
+    assert list(rep.scopes) == ["code"] and rep.scopes["code"]["steps"] > 0 and "prose" in rep.reason, rep.reason
+    rep = svc.run_round_now()  # nothing newer: prose trains
+    assert list(rep.scopes) == ["prose"] and rep.scopes["prose"]["steps"] > 0 and pending(client, cfg) == 0
+    # mixed traffic: prose goes on beside code, so prose's turn does not yield
+    write(client, cfg, make_samples(target, 24, "prose", seed=152))
+    arrive.append(make_samples(target, 12, "code", seed=153) + make_samples(target, 4, "prose", seed=154))
+    rep = svc.run_round_now()
+    assert rep.scopes["prose"]["steps"] > 0 and rep.scopes["prose"]["decision"] in ("promoted", "rejected"), rep.scopes
+
+
 def test_a_cut_before_the_shared_turns_first_step_registers_nothing_and_acks_nothing(env, train_samples, heldout_samples):
     """A break session: the shared turn cut before its first step registered a 0-step candidate and
     acked all 101 training records. Now nothing is judged or registered and the round's training
