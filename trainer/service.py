@@ -1025,13 +1025,15 @@ class TrainerService:
         """shared_turn off: for ``workload``'s turn (its newest record at stream time ``newest_ms``), the
         check the Distiller asks before each step. At most every ``_yield_every_s`` it reads the records
         that arrived meanwhile (carried to the next round, pending) and says stop once they show the
-        workload's traffic stopped and another's began: none of ``workload`` among them, at least
-        ``min_workload_samples`` of another whose traffic has not yet run ``tail_wait_s`` past
-        ``newest_ms`` (a tail that waited that long trains, never starved). A round under way at a
-        shift, begun before it with the old workload's records alone, so gives way to the new one."""
+        workload's traffic stopped and another's began: at least ``min_workload_samples`` records of
+        another after the workload's last one (``newest_ms``, or a later one of its read meanwhile: a
+        turn may begin while its traffic's last records still arrive), within ``tail_wait_s`` of it (a
+        tail that waited that long trains, never starved). A round under way at a shift, begun before
+        it, so gives way to the new workload; mixed traffic, the workload's own records among the
+        others', does not."""
         if self.config.shared_turn or newest_ms is None:
             return None
-        cfg, seen, last = self.config, {}, [-math.inf]  # workload -> [records, newest ms]
+        cfg, seen, last = self.config, [], [-math.inf]  # (ms, workload) of the records read meanwhile
 
         def check() -> bool:
             if time.monotonic() - last[0] < self._yield_every_s:
@@ -1043,14 +1045,15 @@ class TrainerService:
                 log.warning("trainer_yield_check_failed", error=str(e))
                 return False
             self._carry.extend(got)
-            for e in got:
-                if (ms := _entry_ms(e)) is not None:
-                    c = seen.setdefault(e.sample.workload, [0, ms])
-                    c[0], c[1] = c[0] + 1, max(c[1], ms)
-            if workload in seen:
-                return False
-            to = next((w for w, (n, ms) in seen.items() if w and n >= cfg.min_workload_samples
-                       and ms - newest_ms < cfg.tail_wait_s * 1e3), None)
+            seen.extend((ms, e.sample.workload) for e in got if (ms := _entry_ms(e)) is not None)
+            # its own traffic's end (the turn may begin while the last of it still arrives), and what came after
+            end = max([newest_ms] + [ms for ms, w in seen if w == workload])
+            after: dict[str, list[int]] = {}
+            for ms, w in seen:
+                if w and w != workload and ms > end:
+                    after.setdefault(w, []).append(ms)
+            to = next((w for w, t in after.items() if len(t) >= cfg.min_workload_samples
+                       and max(t) - end < cfg.tail_wait_s * 1e3), None)
             if to is not None:
                 self._yielded, self._yielded_to = workload, to
                 log.info("trainer_turn_yields", workload=workload, to=to)

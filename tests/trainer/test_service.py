@@ -581,8 +581,8 @@ def test_a_turn_under_way_at_a_shift_yields_to_the_new_workload(env, train_sampl
     arrive = []
 
     def meanwhile(samples):  # the records that arrive while the turn trains
-        time.sleep(0.01)
         for batch in arrive:
+            time.sleep(0.01)  # each batch at a later ms than the one before
             write(client, cfg, batch)
         arrive.clear()
         return real(samples)
@@ -600,11 +600,18 @@ def test_a_turn_under_way_at_a_shift_yields_to_the_new_workload(env, train_sampl
     assert list(rep.scopes) == ["code"] and rep.scopes["code"]["steps"] > 0 and "prose" in rep.reason, rep.reason
     rep = svc.run_round_now()  # nothing newer: prose trains
     assert list(rep.scopes) == ["prose"] and rep.scopes["prose"]["steps"] > 0 and pending(client, cfg) == 0
-    # mixed traffic: prose goes on beside code, so prose's turn does not yield
+    # mixed traffic: prose goes on beside code (its last records after code's), so prose's turn does not yield
     write(client, cfg, make_samples(target, 24, "prose", seed=152))
     arrive.append(make_samples(target, 12, "code", seed=153) + make_samples(target, 4, "prose", seed=154))
     rep = svc.run_round_now()
     assert rep.scopes["prose"]["steps"] > 0 and rep.scopes["prose"]["decision"] in ("promoted", "rejected"), rep.scopes
+    # a turn that began while the last of its traffic still arrived (a walkthrough's round began 8 s before the
+    # shift): prose's last records, then code's, read meanwhile: it yields
+    write(client, cfg, make_samples(target, 24, "prose", seed=155))
+    arrive.append(make_samples(target, 4, "prose", seed=156))
+    arrive.append(make_samples(target, 12, "code", seed=157))
+    rep = svc.run_round_now()
+    assert rep.scopes["prose"]["reason"].startswith("yielded after 0 steps"), rep.scopes["prose"]
 
 
 def test_a_cut_before_the_shared_turns_first_step_registers_nothing_and_acks_nothing(env, train_samples, heldout_samples):
