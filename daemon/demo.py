@@ -877,7 +877,7 @@ def _finish_serving(trainer: _Trainer, loop, console, remeasure: Callable[[], An
     decoder, manager = loop.decoder, loop.manager
     trainer.ready.wait()  # the warm start has settled (the first phase waited for it) and started the schedule
     # a walkthrough sat 70 s without a line here: the round in flight, then the re-measurement's requests
-    console.log("stopping the trainer (a round under way stops training at once; what it trained is judged)"
+    console.log("stopping the trainer (a round under way stops training at once)"
                 + (", then the step costs are measured again with the cores free" if remeasure is not None else ""))
     # the serving is over: the round under way stops training at its next step (what it trained is
     # judged; the turns it had not begun leave their records pending) instead of training a turn more

@@ -341,11 +341,11 @@ def test_stopping_the_trainer_is_said_before_the_wait():
               heads=None)
     assert demo._finish_serving(trainer, loop, console, remeasure=lambda: "measured") == "measured"
     # the serving is over: the round under way is cut at its next step (trainer.service.TrainerService.stop)
-    assert said[0] == ("stopping the trainer (a round under way stops training at once; what it trained is judged), "
-                       "then the step costs are measured again with the cores free") and order == [("stop", 1, {"cut_round": True})]
+    assert said[0] == ("stopping the trainer (a round under way stops training at once), then the step costs are "
+                       "measured again with the cores free") and order == [("stop", 1, {"cut_round": True})]
     said.clear()
     demo._finish_serving(trainer, loop, console)
-    assert said[0] == "stopping the trainer (a round under way stops training at once; what it trained is judged)"
+    assert said[0] == "stopping the trainer (a round under way stops training at once)"
 
 
 def test_the_remeasurement_probes_an_unsure_candidate_on_every_request_then_restores(monkeypatch):
