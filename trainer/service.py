@@ -519,6 +519,7 @@ class TrainerService:
         self._yielded: str | None = None  # the workload whose turn gave way this round (_yield_check), and to which
         self._yielded_to: str | None = None
         self._yield_every_s = 2.0  # how often a workload turn reads the records arriving meanwhile
+        self._read_meanwhile = 0  # records _yield_check read into the carry since the last round took it (_check counts them)
         self._paused = False
         self._rounds = 0
         self._last: RoundReport | None = None
@@ -600,8 +601,8 @@ class TrainerService:
         sched = self._scheduler  # read once: stop() may clear it meanwhile
         if self._paused or self._lock.locked() or sched is None or not self.leading:
             return
-        try:
-            waiting = self.backlog() if self.backlog else 0
+        try:  # with the records a yielding turn read meanwhile (_yield_check): out of the lag, not yet trained
+            waiting = (self.backlog() if self.backlog else 0) + self._read_meanwhile
         except Exception as e:  # noqa: BLE001 - a failed check must not kill the scheduler
             log.warning("trainer_backlog_check_failed", error=str(e))
             return
@@ -797,7 +798,7 @@ class TrainerService:
 
     def _take(self, report: RoundReport) -> list[Any]:
         cfg = self.config
-        entries, self._carry = self._carry, []
+        entries, self._carry, self._read_meanwhile = self._carry, [], 0
         # a shift's waiting tail (_newest_first) rides along without taking the round's room: the newer
         # workload's records must still fit, or its turn never comes while the tail waits for it
         cap = cfg.max_samples_per_round + sum(1 for e in entries if e.entry_id in self._waiting)
@@ -1026,14 +1027,16 @@ class TrainerService:
         check the Distiller asks before each step. At most every ``_yield_every_s`` it reads the records
         that arrived meanwhile (carried to the next round, pending) and says stop once they show the
         workload's traffic stopped and another's began: at least ``min_workload_samples`` records of
-        another after the workload's last one (``newest_ms``, or a later one of its read meanwhile: a
-        turn may begin while its traffic's last records still arrive), within ``tail_wait_s`` of it (a
-        tail that waited that long trains, never starved). A round under way at a shift, begun before
+        another that would train (not held out), after the workload's last one (``newest_ms``, or a
+        later one of its read meanwhile: a turn may begin while its traffic's last records still
+        arrive), within ``tail_wait_s`` of it (a tail that waited that long trains, never starved).
+        The records it reads count in the backlog check (``_read_meanwhile``), so the new workload's
+        round comes as soon as without the yield. A round under way at a shift, begun before
         it, so gives way to the new workload; mixed traffic, the workload's own records among the
         others', does not."""
         if self.config.shared_turn or newest_ms is None:
             return None
-        cfg, seen, last = self.config, [], [-math.inf]  # (ms, workload) of the records read meanwhile
+        cfg, seen, last = self.config, [], [-math.inf]  # (ms, workload, would train) of the records read meanwhile
 
         def check() -> bool:
             if time.monotonic() - last[0] < self._yield_every_s:
@@ -1045,12 +1048,15 @@ class TrainerService:
                 log.warning("trainer_yield_check_failed", error=str(e))
                 return False
             self._carry.extend(got)
-            seen.extend((ms, e.sample.workload) for e in got if (ms := _entry_ms(e)) is not None)
+            self._read_meanwhile += len(got)
+            seen.extend((ms, e.sample.workload, not is_heldout(split_key(e.sample), cfg.holdout_fraction))
+                        for e in got if (ms := _entry_ms(e)) is not None)
             # its own traffic's end (the turn may begin while the last of it still arrives), and what came after
-            end = max([newest_ms] + [ms for ms, w in seen if w == workload])
+            # that would train (held-out records never give a workload its turn: _process_once)
+            end = max([newest_ms] + [ms for ms, w, _ in seen if w == workload])
             after: dict[str, list[int]] = {}
-            for ms, w in seen:
-                if w and w != workload and ms > end:
+            for ms, w, trains in seen:
+                if w and w != workload and ms > end and trains:
                     after.setdefault(w, []).append(ms)
             to = next((w for w, t in after.items() if len(t) >= cfg.min_workload_samples
                        and max(t) - end < cfg.tail_wait_s * 1e3), None)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -612,6 +613,28 @@ def test_a_turn_under_way_at_a_shift_yields_to_the_new_workload(env, train_sampl
     arrive.append(make_samples(target, 12, "code", seed=157))
     rep = svc.run_round_now()
     assert rep.scopes["prose"]["reason"].startswith("yielded after 0 steps"), rep.scopes["prose"]
+    # a break session: the records a yield reads leave the group's lag, so the backlog check must count them
+    # (else the new workload's round waited for the next interval)
+    assert svc._read_meanwhile == 16
+    modified = []
+    svc._scheduler = types.SimpleNamespace(modify_job=lambda *a, **k: modified.append(a))
+    svc.backlog = lambda: 0
+    svc.config = dataclasses.replace(svc.config, min_new_samples=16)
+    svc._check()
+    assert modified == [("round",)] and svc._next_trigger == "backlog"
+    svc._scheduler = None
+    svc.run_round_now()
+    assert svc._read_meanwhile == 0
+    # ... and only records that would train count toward the yield: 7 of code's (one short) and 3 held out do not
+    hf = svc.config.holdout_fraction
+    pool = make_samples(target, 60, "code", seed=160)
+    trains = [x for x in pool if not is_heldout(split_key(x), hf)][:7]
+    held = [x for x in pool if is_heldout(split_key(x), hf)][:3]
+    assert len(trains) == 7 and len(held) == 3
+    write(client, cfg, make_samples(target, 24, "prose", seed=161))
+    arrive.append(trains + held)
+    rep = svc.run_round_now()
+    assert rep.scopes["prose"]["steps"] > 0 and not rep.scopes["prose"]["reason"].startswith("yielded"), rep.scopes
 
 
 def test_a_cut_before_the_shared_turns_first_step_registers_nothing_and_acks_nothing(env, train_samples, heldout_samples):
