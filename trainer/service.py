@@ -512,7 +512,6 @@ class TrainerService:
         self.clock = clock
         self.backlog = backlog
         self._lock = threading.Lock()
-        self._cut = threading.Event()  # stop(cut_round=True): the round under way skips the turns it has not begun
         self._cut_lock = threading.Lock()
         self._round_running = False
         self._waiting: set[Any] = set()  # entry ids of a shift's tail carried to the next round (_newest_first)
@@ -579,8 +578,7 @@ class TrainerService:
         round's training. No round under way: nothing to cut (the next round trains as usual)."""
         with self._cut_lock:
             if cut_round and self._round_running:
-                self._cut.set()
-                self.distiller.interrupt.set()
+                self.distiller.interrupt.set()  # the round under way skips the turns it has not begun (_cutting)
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=wait)
             self._scheduler = None
@@ -685,13 +683,17 @@ class TrainerService:
                 )
             return report
 
+    @property
+    def _cutting(self) -> bool:
+        """stop(cut_round=True) was asked during the round under way (the Distiller's interrupt)."""
+        return self.distiller.interrupt.is_set()
+
     def _in_round(self, running: bool) -> None:
         """Mark a round as under way (what stop(cut_round=True) cuts) or over: a cut never outlives
         the round it was meant for."""
         with self._cut_lock:
             self._round_running = running
             if not running:
-                self._cut.clear()
                 self.distiller.interrupt.clear()
 
     def _run_warm_start(self) -> None:
@@ -989,7 +991,7 @@ class TrainerService:
                           for w, v in sorted(behind.items())))
         deferred += self._own_turns(report, own, train)
         later = {id(e) for e in deferred}
-        if self.heads is not None and not self._cut.is_set():  # never raises: its report says what went wrong
+        if self.heads is not None and not self._cutting:  # never raises: its report says what went wrong
             report.head = self.heads.turn([e.sample for e in train if id(e) not in later],
                                           [e.sample for e in heldout_entries]).to_dict()
         self._prune_eval_cache()
@@ -1008,8 +1010,8 @@ class TrainerService:
         self._yielded = None
         for w, smp in own.items():
             newest = max((m for e in train if e.sample.workload == w and (m := _entry_ms(e)) is not None), default=None)
-            rep = None if self._cut.is_set() or self._yielded else self._workload_turn(w, smp, newest)
-            if rep is None or (rep.decision == "skipped" and (rep.steps == 0 and self._cut.is_set() or self._yielded == w)):
+            rep = None if self._cutting or self._yielded else self._workload_turn(w, smp, newest)
+            if rep is None or (rep.decision == "skipped" and (rep.steps == 0 and self._cutting or self._yielded == w)):
                 mine = [e for e in train if e.sample.workload == w and not self.config.shared_turn]
                 skipped += mine
                 if self._yielded:  # a waiting tail now, beside the next round's room (_take)
@@ -1105,7 +1107,7 @@ class TrainerService:
         report.replayed = len(replay)
         result = self.distiller.train_round(new + replay)
         report.result = result
-        if result.steps == 0 and self._cut.is_set():
+        if result.steps == 0 and self._cutting:
             report.decision, report.reason = "idle", ("the trainer stopped before the shared turn's first step "
                                                       "(stop(cut_round=True)): not judged; the round's records stay pending")
             return True
@@ -1207,7 +1209,7 @@ class TrainerService:
                 rep.reason = (f"yielded after {result.steps} steps: its traffic stopped and {self._yielded_to}'s began "
                               f"meanwhile; not judged, its records wait for {self._yielded_to}'s turns")
                 return rep
-            if result.steps == 0 and self._cut.is_set():  # cut before its first step: nothing to judge or register
+            if result.steps == 0 and self._cutting:  # cut before its first step: nothing to judge or register
                 rep.reason = "the trainer stopped before this turn's first step (stop(cut_round=True)): not judged"
                 return rep
             if not result.finite:
