@@ -208,9 +208,34 @@ class RoundReport:
     # per_workload: workload -> ScopeReport.to_dict() of its own adapter's turn this round
     scopes: dict[str, dict] = field(default_factory=dict)
     head: dict | None = None  # trainer.heads.HeadReport.to_dict() of the head's turn (TrainerService(heads=...))
+    # shared_turn off: {workload: the newer workload its records wait behind} (a shift's tail)
+    waits: dict[str, str] = field(default_factory=dict)
+    # a workload turn that gave way to another's newer traffic: {"workload", "to", "steps"} (_yield_check)
+    yielded: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def summary(self, number: int) -> dict:
+        """This round in a few fields, as :meth:`TrainerService.rounds_log` keeps it: ``number`` (1 =
+        the process's first round), ``started_at`` (s since the epoch), ``seconds``, the decision,
+        the counts, ``waits``, ``yielded``, and per workload turn its decision, version, steps,
+        samples, held-out α before and after (None where not measured) and the gate's paired gain
+        with its interval (``evidence``: :class:`trainer.gate.PairedGain` fields, or None)."""
+        def num(x):
+            return None if isinstance(x, float) and not math.isfinite(x) else x
+
+        turns = {w: {"decision": r.get("decision"), "version": r.get("version"), "steps": r.get("steps", 0),
+                     "trained_on": r.get("trained_on", 0), "alpha_before": num(r.get("alpha_before")),
+                     "alpha_after": num(r.get("alpha_after")),
+                     "evidence": None if not r.get("evidence") else {k: num(v) for k, v in r["evidence"].items()},
+                     "reason": r.get("reason", "")}
+                 for w, r in self.scopes.items()}
+        return {"round": number, "trigger": self.trigger, "started_at": self.started_at, "seconds": self.seconds,
+                "decision": self.decision, "version": self.version, "read": self.read, "trained_on": self.trained_on,
+                "deferred": self.deferred, "acked": self.acked, "dead_lettered": self.dead_lettered,
+                "waits": dict(self.waits), "yielded": dict(self.yielded) if self.yielded else None, "turns": turns,
+                "reason": self.reason}
 
 
 @dataclass
@@ -276,6 +301,7 @@ def split_key(sample) -> str:
 # traffic never strands its last samples)
 _DEFER_ROUNDS = 3
 _TRAINED_KEYS_KEPT = 65536  # split keys remembered per workload (trained) and in all (topped-up held out)
+_ROUNDS_KEPT = 512  # round summaries TrainerService.rounds_log keeps (a quick demo runs about 20-40 rounds)
 
 
 def _entry_ms(entry: Any) -> int | None:
@@ -522,6 +548,7 @@ class TrainerService:
         self._paused = False
         self._rounds = 0
         self._last: RoundReport | None = None
+        self._history: deque[dict] = deque(maxlen=_ROUNDS_KEPT)  # RoundReport.summary() of the latest rounds
         self._heldout: dict[str, deque[VerifiedSample]] = {}
         self._replay: dict[str, deque[VerifiedSample]] = {}
         # split keys (prompts) trained on, and those the top-up holds out, per workload; bounded
@@ -647,6 +674,11 @@ class TrainerService:
             "lease": self.leadership.status() if self.leadership is not None else None,
         }
 
+    def rounds_log(self, since: int = 0) -> list[dict]:
+        """The latest rounds (at most the last ``_ROUNDS_KEPT``), oldest first, each as
+        :meth:`RoundReport.summary` gives it: those whose ``round`` number is above ``since``."""
+        return [r for r in list(self._history) if r["round"] > since]
+
     # ---- the round ---------------------------------------------------------------------------
 
     def run_round_now(self, trigger: str = "manual") -> RoundReport:
@@ -676,6 +708,7 @@ class TrainerService:
                 report.seconds = self.clock() - report.started_at
                 self._rounds += 1
                 self._last = report
+                self._history.append(report.summary(self._rounds))
                 log.info(
                     "trainer_round", trigger=trigger, decision=report.decision, version=report.version,
                     read=report.read, trained_on=report.trained_on, seconds=round(report.seconds, 2),
@@ -966,6 +999,7 @@ class TrainerService:
         behind: dict[str, str] = {}
         if not cfg.shared_turn:
             own, behind = self._newest_first(own, train)
+            report.waits = dict(behind)
             self._waiting = {e.entry_id for e in train if e.sample.workload in behind}
             for e in train:
                 rid, w = e.sample.record_id, e.sample.workload
@@ -989,7 +1023,7 @@ class TrainerService:
                    f"or behind a newer one wait for the next round" if deferred else "")
                 + "".join(f"; {w} (its traffic stopped before {v}'s began) waits behind {v}'s newer traffic"
                           for w, v in sorted(behind.items())))
-        deferred += self._own_turns(report, own, train)
+        deferred += self._own_turns(report, own, train, entries)
         later = {id(e) for e in deferred}
         if self.heads is not None and not self._cutting:  # never raises: its report says what went wrong
             report.head = self.heads.turn([e.sample for e in train if id(e) not in later],
@@ -1001,21 +1035,24 @@ class TrainerService:
         self._carry = deferred + self._carry  # pending in the group, ours: taken first next round
         report.acked = self.reader.ack(done)
 
-    def _own_turns(self, report: RoundReport, own: dict[str, list], train: list[Any]) -> list[Any]:
-        """Each workload's own turn, in ``own``'s order, into ``report.scopes``. Returns the entries of
-        the turns skipped because the trainer is stopping (:meth:`stop` with ``cut_round``): they
-        stay pending, counted in ``report.deferred``, not in ``trained_on`` (with ``shared_turn`` on
-        the shared turn trained on them: none stay)."""
+    def _own_turns(self, report: RoundReport, own: dict[str, list], train: list[Any], entries: list[Any]) -> list[Any]:
+        """Each workload's own turn, in ``own``'s order, into ``report.scopes`` (a turn that fails on
+        a record: :meth:`_turn_isolating`). Returns the entries of the turns skipped because the
+        trainer is stopping (:meth:`stop` with ``cut_round``): they stay pending, counted in
+        ``report.deferred``, not in ``trained_on`` (with ``shared_turn`` on the shared turn trained
+        on them: none stay). ``train`` and ``entries`` lose the records dead-lettered meanwhile."""
         skipped: list[Any] = []
         self._yielded = None
         for w, smp in own.items():
             newest = max((m for e in train if e.sample.workload == w and (m := _entry_ms(e)) is not None), default=None)
-            rep = None if self._cutting or self._yielded else self._workload_turn(w, smp, newest)
+            rep = None if self._cutting or self._yielded else self._turn_isolating(report, w, smp, newest, train, entries)
             if rep is None or (rep.decision == "skipped" and (rep.steps == 0 and self._cutting or self._yielded == w)):
                 mine = [e for e in train if e.sample.workload == w and not self.config.shared_turn]
                 skipped += mine
                 if self._yielded:  # a waiting tail now, beside the next round's room (_take)
                     self._waiting |= {e.entry_id for e in mine}
+                    if rep is not None:
+                        report.yielded = {"workload": w, "to": self._yielded_to, "steps": rep.steps}
                 if rep is None:
                     continue
             self._count_turn(rep)
@@ -1023,6 +1060,28 @@ class TrainerService:
         report.deferred += len(skipped)
         report.trained_on -= len(skipped)
         return skipped
+
+    def _turn_isolating(self, report: RoundReport, w: str, smp: list, newest: int | None, train: list[Any],
+                        entries: list[Any]) -> ScopeReport:
+        """``w``'s own turn; where it raises on a record (as :meth:`_process`'s round does), the
+        records of ``w`` that fail on their own (this round's, held-out ones included, and its kept
+        held-out samples) are dead-lettered with the reason and the turn alone runs once more
+        without them: the turns already done this round stand (retrying the round trained and
+        registered them twice). A failure with no such record, or a second one, raises (the round's
+        retry, then the round's error)."""
+        try:
+            return self._workload_turn(w, smp, newest)
+        except (TrainerError, IndexError, ValueError, RuntimeError) as e:
+            bad, dropped = self._isolate([x for x in entries if x.sample.workload == w])
+            if not bad and not dropped:
+                raise
+            log.warning("trainer_turn_retried_without", workload=w, records=[x.sample.record_id for x, _ in bad], error=str(e))
+            self._drop(report, entries, [(x, f"{why} ({w}'s turn failed with {type(e).__name__}: {e})") for x, why in bad])
+            gone = {x.entry_id for x, _ in bad}
+            rids = {x.sample.record_id for x, _ in bad}
+            report.trained_on -= sum(1 for x in train if x.entry_id in gone)
+            train[:] = [x for x in train if x.entry_id not in gone]
+            return self._workload_turn(w, [s for s in smp if s.record_id not in rids], newest)
 
     def _yield_check(self, workload: str, newest_ms: int | None) -> Callable[[], bool] | None:
         """shared_turn off: for ``workload``'s turn (its newest record at stream time ``newest_ms``), the

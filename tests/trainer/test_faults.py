@@ -111,3 +111,30 @@ def test_nan_active_adapter_then_rollback_trains_again(env, train_samples):
     assert rep.decision in ("promoted", "rejected"), rep.reason  # never non_finite: the weights were restored
     assert rep.result.finite and rep.acked == 24 and pending(client, cfg) == 0
     assert svc.status()["sync_error"] is None
+
+
+def test_a_poison_record_in_one_workloads_turn_reruns_only_that_turn(env, train_samples, monkeypatch):
+    """Per-workload turns: a record the screen misses fails its own workload's turn; that turn is
+    retried without it (the record dead-lettered) and the turns already done stand. Before, the
+    whole round was retried: code's turn, done and registered before prose's failed, trained and
+    registered a second candidate on the same records (three versions for two turns)."""
+    client, cfg, registry, _ = env
+    good = train_samples
+    write(client, cfg, good)
+    svc = service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
+    svc.run_round_now()
+    before = len(registry.list())
+    prose = [dataclasses.replace(s, record_id=f"p2-{i}", request_id=f"p2-{i}") for i, s in enumerate(good[:16])]
+    code = [dataclasses.replace(s, record_id=f"c2-{i}", request_id=f"c2-{i}") for i, s in enumerate(good[48:64])]
+    bad = dataclasses.replace(good[20], record_id="poison-big-id", request_id="poison-big-id")
+    bad.output_ids = bad.output_ids.copy()
+    bad.output_ids[3] = 1_000_000
+    write(client, cfg, prose[:8] + code[:8] + prose[8:] + [bad] + code[8:])  # mixed: no tail waits; code newest
+    monkeypatch.setattr(svc.distiller, "sample_problem", lambda s, width=None: None)  # the screen sees nothing
+    rep = svc.run_round_now()
+    assert list(rep.scopes) == ["code", "prose"], rep.scopes
+    assert rep.dead_lettered == 1 and pending(client, cfg) == 0, rep.reason
+    assert all(rep.scopes[w]["decision"] in ("promoted", "rejected") for w in ("code", "prose")), rep.scopes
+    assert len(registry.list()) == before + 2  # one candidate per turn, none twice
+    (d,) = list_dead_letters(client, cfg)
+    assert d.fields[b"rid"] == b"poison-big-id" and "IndexError" in d.reason and "prose's turn failed" in d.reason

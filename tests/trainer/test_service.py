@@ -597,8 +597,13 @@ def test_a_turn_under_way_at_a_shift_yields_to_the_new_workload(env, train_sampl
     assert prose["decision"] == "skipped" and prose["version"] is None and len(registry.list()) == versions, prose
     assert prose["reason"].startswith("yielded after 0 steps: its traffic stopped and code's began meanwhile"), prose
     assert pending(client, cfg) == rep.deferred + 24 and rep.trained_on == 0
+    # the round's log says so (report.json's trainer_rounds; the demo's console line)
+    assert rep.yielded == {"workload": "prose", "to": "code", "steps": 0} and rep.waits == {}
+    logged = svc.rounds_log(since=svc.status()["rounds"] - 1)
+    assert [r["yielded"] for r in logged] == [rep.yielded] and logged[0]["turns"]["prose"]["decision"] == "skipped"
     rep = svc.run_round_now()  # code first; prose's records wait behind it
     assert list(rep.scopes) == ["code"] and rep.scopes["code"]["steps"] > 0 and "prose" in rep.reason, rep.reason
+    assert rep.waits == {"prose": "code"} and rep.yielded is None and svc.rounds_log()[-1]["waits"] == {"prose": "code"}
     rep = svc.run_round_now()  # nothing newer: prose trains
     assert list(rep.scopes) == ["prose"] and rep.scopes["prose"]["steps"] > 0 and pending(client, cfg) == 0
     # mixed traffic: prose goes on beside code (its last records after code's), so prose's turn does not yield
@@ -635,6 +640,36 @@ def test_a_turn_under_way_at_a_shift_yields_to_the_new_workload(env, train_sampl
     arrive.append(trains + held)
     rep = svc.run_round_now()
     assert rep.scopes["prose"]["steps"] > 0 and not rep.scopes["prose"]["reason"].startswith("yielded"), rep.scopes
+
+
+def test_rounds_log_keeps_each_rounds_summary_in_order(env, train_samples, heldout_samples, target):
+    """rounds_log: every round's summary, numbered from 1, oldest first, ``since`` skipping those
+    already seen; a turn's α and gate evidence as measured (None where not measured, never NaN:
+    report.json is JSON), and bounded (the oldest forgotten)."""
+    import json
+
+    import trainer.service as service
+
+    client, cfg, registry, tmp = env
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
+    first = svc.run_round_now()
+    write(client, cfg, make_samples(target, 24, "prose", seed=170))
+    second = svc.run_round_now()
+    log_ = svc.rounds_log()
+    assert [r["round"] for r in log_] == [1, 2] and [r["round"] for r in svc.rounds_log(since=1)] == [2]
+    assert [r["decision"] for r in log_] == [first.decision, second.decision]
+    turn = log_[1]["turns"]["prose"]
+    assert turn["version"] == second.scopes["prose"]["version"] and turn["steps"] == second.scopes["prose"]["steps"] > 0
+    ev = second.scopes["prose"]["evidence"]
+    assert turn["evidence"]["gain"] == pytest.approx(ev["gain"]) and turn["alpha_after"] == pytest.approx(
+        second.scopes["prose"]["alpha_after"])
+    json.loads(json.dumps(log_, allow_nan=False))  # no NaN anywhere
+    skipped = service.RoundReport(trigger="t", started_at=0.0, scopes={"code": service.ScopeReport(scope="code").to_dict()})
+    assert skipped.summary(9)["turns"]["code"]["alpha_before"] is None
+    svc._history = service.deque(svc._history, maxlen=2)
+    svc.run_round_now()
+    assert [r["round"] for r in svc.rounds_log()] == [2, 3]
 
 
 def test_a_cut_before_the_shared_turns_first_step_registers_nothing_and_acks_nothing(env, train_samples, heldout_samples):
