@@ -298,6 +298,7 @@ class _Traffic:
     shifts: list[dict] = field(default_factory=list)  # where each phase began
     phase_end_version: dict[str, int] = field(default_factory=dict)  # the adapter each phase ended on
     phase_end_head: dict[str, int] = field(default_factory=dict)  # --heads: the head each phase ended on
+    t0: float = 0.0  # time.time() at the first phase's start: the timeline's and shifts' "t" count from it
 
 
 def _open_store(stack, settings, console) -> _Store:
@@ -599,7 +600,8 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
     schedule never started); each entry of ``shifts`` says how long its phase served and why it ended."""
     traffic = _Traffic()
     timeline, shifts = traffic.timeline, traffic.shifts
-    t0 = time.time()
+    t0 = traffic.t0 = time.time()
+    rounds = _RoundWatch(svc, console)
     stopped = False  # said once that the trainer never started
     paced = False  # said once that the client waits while v0 bootstraps
     with _live(console) as live:
@@ -653,6 +655,7 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
                 if k == 0 and trainer is not None and not trainer.ready.is_set() and cfg.bootstrap_duty < 1:
                     paced = _pace_bootstrap(cfg, trainer, console, time.monotonic() - t_req, paced)
                 row["repeat"] = i >= len(prompts)  # served before in this phase: its output is in the n-gram history
+                rounds.poll()  # a turn that gave way at the shift, a tail that waits: said as they happen
                 i += 1
                 timeline.append(row)
                 live.update(_progress_table(timeline, phase, svc, loop.manager, loop.controller, (phase, params.bucket()),
@@ -661,11 +664,53 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
             live.phase_end()  # off a terminal: the phase's last table, once
             shift.update(seconds=round(time.time() - start, 1), wall_seconds=round(time.time() - began, 1), ended=why, requests=i,
                          turns=_workload_turns(svc, phase))
+            rounds.note_first_promotion(shift, phase, began)
             console.log(_phase_end_line(phase, shift))  # live, not only in the summary
             traffic.phase_end_version[phase] = loop.decoder.adapter_version
             if loop.heads is not None:
                 traffic.phase_end_head[phase] = loop.heads.route(phase)
     return traffic
+
+
+class _RoundWatch:
+    """The trainer's rounds as the phases run (``TrainerService.rounds_log``; a stand-in without it
+    says nothing): :meth:`poll` says on the console a workload turn that gave way to another's newer
+    traffic and, once per pair, a shift's tail that waits behind the newer workload (both otherwise
+    only in a round's reason: docs/training.md)."""
+
+    def __init__(self, svc, console):
+        self._log = getattr(svc, "rounds_log", None)
+        self.console, self.seen, self._said = console, 0, set()
+
+    def poll(self) -> None:
+        if self._log is None:
+            return
+        for r in self._log(since=self.seen):
+            self.seen = max(self.seen, r["round"])
+            y = r.get("yielded")
+            if y:
+                self.console.log(f"trainer: {y['workload']}'s turn gave way to {y['to']}'s newer traffic after "
+                                 f"{_count(y['steps'], 'step')} (not judged; its records wait for {y['to']}'s turns)")
+            for w, v in sorted((r.get("waits") or {}).items()):
+                if (w, v) not in self._said:
+                    self._said.add((w, v))
+                    self.console.log(f"trainer: {w}'s last records wait behind {v}'s newer traffic "
+                                     f"(the workload served now is learnt first)")
+
+    def note_first_promotion(self, shift: dict, workload: str, since: float) -> None:
+        """``shift["first_promotion_s"]``: seconds from ``since`` (time.time()) to the end of the first
+        round after it that promoted ``workload``'s own adapter; left out when none did (or the log
+        is unavailable)."""
+        if self._log is None:
+            return
+        ends = [r["started_at"] + r["seconds"] for r in self._log()
+                if r["started_at"] >= since and ((r.get("turns") or {}).get(workload) or {}).get("decision") == "promoted"]
+        if ends:
+            shift["first_promotion_s"] = round(min(ends) - since, 1)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _pace_bootstrap(cfg: DemoConfig, trainer: "_Trainer", console, served_s: float, said: bool) -> bool:
@@ -1005,6 +1050,9 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "engine_ceiling": decoder.step_cost.ceiling(controller.config.gamma_max),
         "controller": _jsonable(controller.status()),
         "phases": table, "recovery": recovery_stats(timeline, shifts), "timeline": timeline,
+        # every round the trainer ran (TrainerService.rounds_log), "t" on the timeline's clock
+        "trainer_rounds": [r | {"t": round(r["started_at"] - traffic.t0, 1)} for r in trainer.svc.rounds_log()]
+        if hasattr(trainer.svc, "rounds_log") else None,
     }
 
 
@@ -1894,10 +1942,18 @@ def _phase_end_line(workload: str, shift: dict) -> str:
     t = shift.get("turns") or {}
     turns = (f" and {t['turns']} turns of its adapter ({t.get('judged', 0)} judged, {t.get('promoted', 0)} promoted)"
              if t.get("turns") else "")
-    done = shift.get("learner_done_s")
     return (f"{workload} ended after {_served_for(shift)}, {_requests(shift['requests'])}{turns}: "
-            f"{_ended_rule(str(shift.get('ended')))}"
-            + (f" (the learner's part done at {done:.0f} s)" if done is not None and shift["seconds"] - done >= 1 else ""))
+            f"{_ended_rule(str(shift.get('ended')))}" + _learner_times(shift))
+
+
+def _learner_times(shift: dict) -> str:
+    """" (its adapter first promoted N s after its first request; the learner's part done at M s)":
+    ``first_promotion_s`` where a promotion came, ``learner_done_s`` where it came a second or more
+    before the phase's end (what phase_seconds added); "" when neither."""
+    first, done = shift.get("first_promotion_s"), shift.get("learner_done_s")
+    parts = ([f"its adapter first promoted {first:.0f} s after its first request"] if first is not None else []) + (
+        [f"the learner's part done at {done:.0f} s"] if done is not None and shift["seconds"] - done >= 1 else [])
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _phase_lengths(report: dict, console) -> None:
@@ -1909,7 +1965,8 @@ def _phase_lengths(report: dict, console) -> None:
             console.print(f"{sh['workload']}: served {_served_for(sh)}, "
                           f"{_requests(sh['requests']) if 'requests' in sh else '? requests'}, "
                           f"{t.get('turns', 0)} turns of its adapter ({t.get('judged', 0)} judged, "
-                          f"{t.get('promoted', 0)} promoted); ended: {_ended_rule(str(sh.get('ended')))}")
+                          f"{t.get('promoted', 0)} promoted); ended: {_ended_rule(str(sh.get('ended')))}"
+                          + _learner_times(sh))
 
 
 def _ended_rule(ended: str) -> str:

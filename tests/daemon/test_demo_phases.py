@@ -542,3 +542,83 @@ def test_each_phase_records_when_its_learner_was_done_inside_its_minimum(monkeyp
     assert "learner_done_s" not in math and math["ended"].startswith("phase_max_seconds 130 s reached"), math
     assert demo._phase_end_line("code", code).endswith(f"(the learner's part done at {code['learner_done_s']:.0f} s)")
     assert "learner's part" not in demo._phase_end_line("math", math)
+
+
+class _LoggedSvc(_Svc):
+    """A _Svc with TrainerService.rounds_log over the round summaries a test appends."""
+
+    def __init__(self, turns: dict, versions: dict | None = None):
+        super().__init__(turns, versions)
+        self.rounds: list[dict] = []
+
+    def rounds_log(self, since: int = 0) -> list[dict]:
+        return [r for r in self.rounds if r["round"] > since]
+
+
+def test_the_phases_say_a_yield_a_waiting_tail_and_when_the_new_workload_was_first_promoted(monkeypatch):
+    """A walkthrough read the yield and the tail's wait off Redis's processed-record times: they were
+    only in a round's reason. Now the console says a turn that gave way (each time) and a tail that
+    waits (once per pair, not every round), and each shift records ``first_promotion_s``: from its
+    first request to the end of the first round that promoted its workload's own adapter (a later
+    promotion and a rejected turn do not move it), in the phase-end line and the closing summary.
+    Fake clock (each time() call and each request 1 s)."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    import daemon.demo as demo
+
+    clock = _Clock()
+    svc = _LoggedSvc({"prose": {"turns": 0, "judged": 0, "promoted": 0}, "code": {"turns": 0, "judged": 0, "promoted": 0}},
+                     {"prose": 0, "code": 0})
+    seen = {"code": 0}
+    ends = {}
+
+    def summary(n, started, seconds, turns, waits=None, yielded=None):
+        return {"round": n, "started_at": started, "seconds": seconds, "turns": turns, "waits": waits or {}, "yielded": yielded}
+
+    def serve_one(oai, loop, tok, model, phase, *a, **k):
+        clock.t += 1.0
+        if phase == "code":
+            seen["code"] += 1
+            n = seen["code"]
+            if n == 1:
+                ends["first_request"] = clock.t
+            if n == 5:
+                svc.rounds.append(summary(1, clock.t - 3, 2.0, {"prose": {"decision": "skipped"}},
+                                          yielded={"workload": "prose", "to": "code", "steps": 3}))
+            if n == 8:
+                svc.rounds.append(summary(2, clock.t - 4, 3.0, {"code": {"decision": "promoted"}}, waits={"prose": "code"}))
+                ends["promotion"] = clock.t - 1
+            if n == 12:
+                svc.rounds.append(summary(3, clock.t - 2, 1.0, {"code": {"decision": "promoted"}}, waits={"prose": "code"}))
+        return {"t": 0.0, "workload": phase, "adapter_version": 0}
+
+    monkeypatch.setattr(demo, "time", clock)
+    monkeypatch.setattr(demo, "_serve_one", serve_one)
+    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
+    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
+    trainer = demo._Trainer(None, None, svc, {}, None, ready=types.SimpleNamespace(is_set=lambda: True, wait=lambda t=None: True))
+    trainer.started, trainer.ready_at = True, None
+    loop = types.SimpleNamespace(manager=None, controller=None, heads=None, decoder=types.SimpleNamespace(adapter_version=0))
+    screen = io.StringIO()
+    cfg = DemoConfig.quick(phases=("prose", "code"), phase_seconds=30.0, phase_max_seconds=40.0)
+    traffic = demo._serve_phases(cfg, None, loop, None, "m", svc, types.SimpleNamespace(bucket=lambda: "greedy"),
+                                 Console(file=screen, width=400), trainer)
+    text = screen.getvalue()
+    assert text.count("trainer: prose's turn gave way to code's newer traffic after 3 steps (not judged; its records "
+                      "wait for code's turns)") == 1, text
+    assert text.count("trainer: prose's last records wait behind code's newer traffic (the workload served now is "
+                      "learnt first)") == 1, text
+    prose, code = traffic.shifts
+    assert "first_promotion_s" not in prose
+    # the phase began a few clock seconds before its first request; the second promotion (round 3) does not count
+    lo = ends["promotion"] - ends["first_request"]
+    assert lo <= code["first_promotion_s"] <= lo + 4, (code, ends)
+    line = demo._phase_end_line("code", code)
+    assert f"(its adapter first promoted {code['first_promotion_s']:.0f} s after its first request" in line, line
+    assert "first promoted" not in demo._phase_end_line("prose", prose)
+    out = io.StringIO()
+    demo._phase_lengths({"shifts": traffic.shifts}, Console(file=out, width=600))
+    assert f"its adapter first promoted {code['first_promotion_s']:.0f} s after its first request" in out.getvalue()
