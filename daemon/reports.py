@@ -144,6 +144,7 @@ def status_report(daemon: dict, settings: "Settings", redis: "RedisHandle", stor
     out["serving"] = [hb | {"last_seen_s": round(now - float(hb.get("ts") or now), 1)}
                       for hb in read_heartbeats(redis.client, store_config)]  # `daemonctl serve` instances
     warnings.extend(folding_warnings(out["serving"]))
+    warnings.extend(buffer_warnings(out["serving"], now))
     out.update(healthy=not problems, problems=problems, warnings=warnings)
     return out
 
@@ -171,6 +172,41 @@ def folding_warnings(serving: list[dict]) -> list[str]:
                            f"new {key} values past {setting}={c.get('limit')} were served under 'other'; raise it if "
                            f"they are real, else look for a client inventing {key}s")
     return out
+
+
+def buffer_warnings(serving: list[dict], now: float) -> list[str]:
+    """A warning per serve heartbeat whose record writer (``store.buffer.SampleWriter``: its stats in
+    the heartbeat's ``buffer``) lost Redis or dropped records: Redis unreachable now (since when), or
+    its last outage (when, how long), the records dropped, and the last error. Once Redis is back the
+    daemon's own Redis row is green again; this says what the outage cost. ``now``: seconds since
+    the epoch (the writer's clock)."""
+    out = []
+    for hb in serving:
+        b = hb.get("buffer") or {}
+        if not (b.get("outages") or b.get("dropped") or b.get("down_since") is not None):
+            continue
+        if b.get("down_since") is not None:
+            what = f"cannot reach Redis for {now - b['down_since']:.0f} s (records queue in memory meanwhile)"
+        elif b.get("last_outage"):
+            went, back = b["last_outage"]
+            what = (f"lost Redis {b.get('outages')} time{'' if b.get('outages') == 1 else 's'}, last at "
+                    f"{_clock_time(went)} for {back - went:.0f} s (back {now - back:.0f} s ago)")
+        else:
+            what = "wrote every record it could"
+        dropped = b.get("dropped") or 0
+        out.append(f"serve {hb.get('server_id')}: its record writer {what}; {dropped} record{'' if dropped == 1 else 's'} "
+                   f"dropped ({b.get('dropped_redis_down', 0)} while Redis was down, the oldest first; the trainer "
+                   f"never sees them), {b.get('written', 0)} written"
+                   + (f"; last error at {_clock_time(b['last_error_at'])}: {b.get('last_error')}"
+                      if b.get("last_error") and b.get("last_error_at") else ""))
+    return out
+
+
+def _clock_time(t: float) -> str:
+    """Seconds since the epoch as the local "HH:MM:SS"."""
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(float(t)).strftime("%H:%M:%S")
 
 
 def buffer_section(client: Any, cfg: "StoreConfig", consumer_group: str, warnings: list[str]) -> dict:

@@ -1795,7 +1795,7 @@ class Heartbeat:
         st = self.service.status()
         keep = ("server_id", "model", "adapter_version", "adapter_by_workload", "requests_served", "requests_failed",
                 "queue_depth", "queue_size", "draining", "speculation_enabled", "speculation_by_workload",
-                "speculation_by_batch", "cardinality", "batch", "proposers_offered", "ts")
+                "speculation_by_batch", "cardinality", "batch", "proposers_offered", "buffer", "ts")
         hb = {k: st.get(k) for k in keep}
         if st.get("served_format"):  # the format, file and why; the cost table stays in serve's own status
             hb["served_format"] = {k: st["served_format"][k] for k in ("format", "file", "setting", "reason", "v_cache")

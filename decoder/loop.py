@@ -693,7 +693,9 @@ class ServingLoop:
             ws = self.writer.stats()
             st["buffer"] = {"written": ws.written, "queued": ws.queued, "redis_up": ws.redis_up,
                             "dropped": ws.dropped_queue_full + ws.dropped_redis_down + ws.dropped_error + ws.dropped_on_close,
-                            "last_error": ws.last_error}
+                            "dropped_redis_down": ws.dropped_redis_down, "errors": ws.errors,
+                            "last_error": ws.last_error, "last_error_at": ws.last_error_at, "outages": ws.outages,
+                            "down_since": ws.down_since, "last_outage": list(ws.last_outage) if ws.last_outage else None}
         if self.manager is not None:
             ms = self.manager.status()
             st["adapters"] = {"routes": ms["routes"], "swaps": ms["swaps"], "failures": ms["failures"]}

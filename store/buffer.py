@@ -107,6 +107,10 @@ class WriterStats:
     in_flight: int  # taken by the writer thread, not yet acknowledged by Redis
     redis_up: bool  # the last write attempt reached Redis
     last_error: str | None
+    last_error_at: float | None = None  # clock seconds (time.time by default) of ``last_error``
+    outages: int = 0  # times the writer found Redis unreachable after reaching it (or at its start)
+    down_since: float | None = None  # clock seconds Redis went unreachable; None while it answers
+    last_outage: tuple[float, float] | None = None  # (went down, came back) of the last outage that ended
 
     @property
     def dropped(self) -> int:
@@ -154,6 +158,10 @@ class SampleWriter:
         self._maybe_sent = False  # the batch in flight was sent at least once without a reply
         self._redis_up = True
         self._last_error: str | None = None
+        self._last_error_at: float | None = None  # clock seconds of the last error
+        self._down_since: float | None = None  # clock seconds Redis went down (None while up)
+        self._outages = 0  # times Redis went down
+        self._last_outage: tuple[float, float] | None = None  # (down at, back at) of the last one that ended
         self._last_trim = 0.0
         self._n = collections.Counter()
         self._thread = threading.Thread(target=self._run, name="draftd-sample-writer", daemon=True)
@@ -206,6 +214,10 @@ class SampleWriter:
                 in_flight=self._in_flight,
                 redis_up=self._redis_up,
                 last_error=self._last_error,
+                last_error_at=self._last_error_at,
+                outages=self._outages,
+                down_since=self._down_since,
+                last_outage=self._last_outage,
             )
 
     def flush(self, timeout: float | None = 5.0) -> bool:
@@ -275,6 +287,7 @@ class SampleWriter:
                     self._n["dropped_error"] += 1
                     self._in_flight -= 1
                     self._last_error = f"encode failed for record {getattr(s, 'record_id', '?')}: {_describe(e)}"
+                    self._last_error_at = self._clock()
                 log.error("sample_encode_failed", error=_describe(e))
         return out
 
@@ -322,7 +335,7 @@ class SampleWriter:
             self._n["written"] += len(results) - len(refused)
             self._n["dropped_error"] += len(refused)
             if refused:
-                self._last_error = f"Redis refused XADD: {_describe(refused[0])}"
+                self._last_error, self._last_error_at = f"Redis refused XADD: {_describe(refused[0])}", self._clock()
             self._in_flight = 0
             self._cond.notify_all()
         if refused:
@@ -332,9 +345,13 @@ class SampleWriter:
         with self._lock:
             changed = up != self._redis_up
             self._redis_up = up
+            if changed and not up:
+                self._down_since, self._outages = self._clock(), self._outages + 1
+            elif changed and self._down_since is not None:
+                self._last_outage, self._down_since = (self._down_since, self._clock()), None
             if error is not None:
                 self._n["errors"] += 1
-                self._last_error = _describe(error)
+                self._last_error, self._last_error_at = _describe(error), self._clock()
         if changed and up:
             log.info("sample_writer_redis_back", key=self._key)
         elif changed:
@@ -374,7 +391,7 @@ class SampleWriter:
                     self._n["errors"] += 1
                     self._n["dropped_error"] += len(held)
                     self._in_flight = 0
-                    self._last_error = _describe(e)
+                    self._last_error, self._last_error_at = _describe(e), self._clock()
                     self._cond.notify_all()
                 log.error("sample_write_failed", error=_describe(e), dropped=len(held))
                 held = None

@@ -152,6 +152,19 @@ def test_redis_killed_and_restarted_during_a_load_run_fails_no_request(tmp_path)
             assert after.redis_up and after.written > down.written
             assert stream_depth(client, s.store_config) > 0
             assert s.loop.status()["requests_served"] == 200
+            # `daemonctl status` after it: the heartbeat carries the writer's outage (daemon.reports.buffer_warnings)
+            from daemon.reports import buffer_warnings
+            from store.heartbeat import read_heartbeats
+
+            hb, deadline = None, time.time() + 10
+            while hb is None and time.time() < deadline:
+                mine = [h for h in read_heartbeats(client, s.store_config) if h["server_id"] == s.service.server_id]
+                hb = mine[0] if mine and (mine[0].get("buffer") or {}).get("last_outage") else None
+                time.sleep(0.1)
+            assert hb is not None and hb["buffer"]["outages"] == 1 and hb["buffer"]["down_since"] is None
+            (warn,) = buffer_warnings([hb], time.time())
+            assert warn.startswith(f"serve {s.service.server_id}: its record writer lost Redis 1 time, last at "), warn
+            assert f"{after.dropped} records dropped" in warn or f"{after.dropped} record dropped" in warn, warn
     finally:
         proc.kill()
         proc.wait(30)

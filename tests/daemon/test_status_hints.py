@@ -3,7 +3,7 @@ acceptance row without recent traffic says when its last request was recorded.""
 
 from __future__ import annotations
 
-from daemon.reports import other_prefixes_hint, speculation_state
+from daemon.reports import buffer_warnings, other_prefixes_hint, speculation_state
 from store.history import HistoryRow
 
 
@@ -128,3 +128,30 @@ def test_a_workload_whose_own_adapter_was_rolled_back_is_served_and_compared_as_
     row = acc["extract@greedy"]
     assert row["now"]["version"] == v1 and row["now"]["acceptance_rate"] == 10 / 20
     assert row["previous"]["version"] == v2 and row["previous"]["acceptance_rate"] == 3 / 30
+
+
+def test_a_servers_redis_outage_stays_in_status_after_redis_is_back():
+    """A break session: once Redis was back, `daemonctl status` said nothing of the outage (only
+    serve's own /draftd/status kept its last error). Each serve heartbeat's record writer stats now
+    give a warning: Redis down now (for how long), or the last outage (when, how long, how long
+    ago), the records it dropped (the trainer never sees them) and the last error; none for a
+    writer that never lost Redis."""
+    import datetime as dt
+
+    t0 = 1_700_000_000.0
+    clock = dt.datetime.fromtimestamp(t0).strftime("%H:%M:%S")
+    past = {"server_id": "s1", "buffer": {"written": 180, "dropped": 12, "dropped_redis_down": 12, "errors": 5,
+                                          "outages": 1, "down_since": None, "last_outage": [t0, t0 + 42.4],
+                                          "last_error": "ConnectionError: refused", "last_error_at": t0 + 40}}
+    now_down = {"server_id": "s2", "buffer": {"written": 3, "dropped": 0, "dropped_redis_down": 0, "errors": 2,
+                                              "outages": 1, "down_since": t0, "last_outage": None,
+                                              "last_error": "ConnectionError: refused", "last_error_at": t0 + 1}}
+    fine = {"server_id": "s3", "buffer": {"written": 9, "dropped": 0, "outages": 0, "down_since": None}}
+    warns = buffer_warnings([past, now_down, fine, {"server_id": "s4"}], now=t0 + 100)
+    assert warns[0] == (f"serve s1: its record writer lost Redis 1 time, last at {clock} for 42 s (back 58 s ago); "
+                        f"12 records dropped (12 while Redis was down, the oldest first; the trainer never sees them), "
+                        f"180 written; last error at {dt.datetime.fromtimestamp(t0 + 40).strftime('%H:%M:%S')}: "
+                        f"ConnectionError: refused")
+    assert warns[1].startswith("serve s2: its record writer cannot reach Redis for 100 s (records queue in memory "
+                               "meanwhile); 0 records dropped"), warns[1]
+    assert len(warns) == 2

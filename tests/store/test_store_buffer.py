@@ -266,6 +266,10 @@ def test_redis_killed_mid_stream_writer_keeps_accepting_and_resumes(private_redi
     assert w.flush(0.3) is False  # cannot drain while Redis is down
     st = w.stats()
     assert st.errors >= 1 and st.queued == 50
+    # the outage as `daemonctl status` reports it (daemon.reports.buffer_warnings)
+    assert st.outages == 1 and st.down_since is not None and st.last_outage is None
+    assert st.last_error is not None and st.down_since <= st.last_error_at <= time.time()
+    went = st.down_since
     # 180 submitted while down; at most queue (50) + one batch in hand (8) survive
     assert st.dropped_redis_down >= 180 - 50 - 8
     assert st.submitted == st.written + st.dropped + st.queued + st.in_flight
@@ -274,6 +278,7 @@ def test_redis_killed_mid_stream_writer_keeps_accepting_and_resumes(private_redi
     assert w.flush(15), w.stats()
     st = w.close()
     assert st.redis_up and st.dropped_on_close == 0
+    assert st.outages == 1 and st.down_since is None and st.last_outage[0] == went < st.last_outage[1] <= time.time()
     assert st.submitted == 200 == st.written + st.dropped
     assert st.written == 20 + 200 - 20 - st.dropped_redis_down - st.dropped_queue_full
     c2 = private_redis.client()
