@@ -1064,11 +1064,11 @@ class TrainerService:
     def _turn_isolating(self, report: RoundReport, w: str, smp: list, newest: int | None, train: list[Any],
                         entries: list[Any]) -> ScopeReport:
         """``w``'s own turn; where it raises on a record (as :meth:`_process`'s round does), the
-        records of ``w`` that fail on their own (this round's, held-out ones included, and its kept
-        held-out samples) are dead-lettered with the reason and the turn alone runs once more
-        without them: the turns already done this round stand (retrying the round trained and
-        registered them twice). A failure with no such record, or a second one, raises (the round's
-        retry, then the round's error)."""
+        records of ``w`` that fail on their own (this round's, held-out ones included) are
+        dead-lettered with the reason (kept held-out samples that fail are dropped: :meth:`_isolate`)
+        and the turn alone runs once more without them: the turns already done this round stand
+        (retrying the round trained and registered them twice). A failure with no such record, or a
+        second one, raises (the round's retry, then the round's error)."""
         try:
             return self._workload_turn(w, smp, newest)
         except (TrainerError, IndexError, ValueError, RuntimeError) as e:
