@@ -544,6 +544,8 @@ class TrainerService:
         self._yielded: str | None = None  # the workload whose turn gave way this round (_yield_check), and to which
         self._yielded_to: str | None = None
         self._yield_every_s = 2.0  # how often a workload turn reads the records arriving meanwhile
+        # per workload, the records its turn read meanwhile this round (a turn retried alone keeps what it saw)
+        self._turn_seen: dict[str, list[tuple[int, str, bool]]] = {}
         self._read_meanwhile = 0  # records _yield_check read into the carry since the last round took it (_check counts them)
         self._paused = False
         self._rounds = 0
@@ -1026,8 +1028,9 @@ class TrainerService:
         deferred += self._own_turns(report, own, train, entries)
         later = {id(e) for e in deferred}
         if self.heads is not None and not self._cutting:  # never raises: its report says what went wrong
+            kept = {e.entry_id for e in entries}  # less the records a turn retried alone dead-lettered (_turn_isolating)
             report.head = self.heads.turn([e.sample for e in train if id(e) not in later],
-                                          [e.sample for e in heldout_entries]).to_dict()
+                                          [e.sample for e in heldout_entries if e.entry_id in kept]).to_dict()
         self._prune_eval_cache()
         done = [e for e in entries if id(e) not in later]
         for e in done:
@@ -1042,7 +1045,7 @@ class TrainerService:
         ``report.deferred``, not in ``trained_on`` (with ``shared_turn`` on the shared turn trained
         on them: none stay). ``train`` and ``entries`` lose the records dead-lettered meanwhile."""
         skipped: list[Any] = []
-        self._yielded = None
+        self._yielded, self._turn_seen = None, {}
         for w, smp in own.items():
             newest = max((m for e in train if e.sample.workload == w and (m := _entry_ms(e)) is not None), default=None)
             rep = None if self._cutting or self._yielded else self._turn_isolating(report, w, smp, newest, train, entries)
@@ -1097,7 +1100,8 @@ class TrainerService:
         others', does not."""
         if self.config.shared_turn or newest_ms is None:
             return None
-        cfg, seen, last = self.config, [], [-math.inf]  # (ms, workload, would train) of the records read meanwhile
+        # (ms, workload, would train) of the records read meanwhile, this turn's tries together (_turn_isolating)
+        cfg, seen, last = self.config, self._turn_seen.setdefault(workload, []), [-math.inf]
 
         def check() -> bool:
             if time.monotonic() - last[0] < self._yield_every_s:

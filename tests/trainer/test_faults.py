@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -13,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from store.buffer import SampleReader, list_dead_letters
 from store.config import StoreConfig
 from store.registry import AdapterMeta, AdapterRegistry
-from tiny_pair import PAIR, VOCAB, tiny_draft
+from tiny_pair import PAIR, VOCAB, make_samples, tiny_draft
 from trainer.distill import AdapterMismatch, DistillConfig, Distiller, TrainerError
-from trainer.service import ServiceConfig, TrainerService
+from trainer.service import ServiceConfig, TrainerService, is_heldout, split_key
 from service_helpers import pending, write  # noqa: E402
 
 FAST = DistillConfig(lr=3e-3, batch_size=8, max_steps=10, max_epochs=100, max_seconds=60)
@@ -138,3 +139,77 @@ def test_a_poison_record_in_one_workloads_turn_reruns_only_that_turn(env, train_
     assert len(registry.list()) == before + 2  # one candidate per turn, none twice
     (d,) = list_dead_letters(client, cfg)
     assert d.fields[b"rid"] == b"poison-big-id" and "IndexError" in d.reason and "prose's turn failed" in d.reason
+
+
+def _renamed(samples, tag):
+    return [dataclasses.replace(s, record_id=f"{tag}-{i}", request_id=f"{tag}-{i}") for i, s in enumerate(samples)]
+
+
+def _big_id(s, rid):
+    bad = dataclasses.replace(s, record_id=rid, request_id=rid)
+    bad.output_ids = bad.output_ids.copy()
+    bad.output_ids[3] = 1_000_000
+    return bad
+
+
+def test_a_turn_retried_alone_gives_the_head_none_of_its_dead_lettered_held_out_records(env, train_samples, monkeypatch):
+    """A break session: a workload turn retried alone (_turn_isolating) dead-lettered a held-out
+    record of the round, and the head's turn of the same round was still given it as held out (the
+    round's list of held-out entries was built before the turn; the round's retry rebuilt it)."""
+    client, cfg, registry, tmp = env
+    good, got = train_samples, []
+
+    class Heads:  # what the head's turn is given
+        def turn(self, train, heldout):
+            got.append(([s.record_id for s in train], [s.record_id for s in heldout]))
+            return type("HeadReport", (), {"to_dict": lambda self: {}})()
+
+        def status(self):
+            return {}
+
+    write(client, cfg, good)
+    reader = SampleReader(client, cfg, "trainer", "c1", expected_fingerprint=PAIR)
+    scfg = ServiceConfig(min_eval_samples=4, work_dir=str(tmp / "work"), per_workload=True, min_workload_samples=8,
+                         shared_turn=False)
+    svc = TrainerService(reader, registry, Distiller(tiny_draft(), FAST), scfg, heads=Heads())
+    svc.run_round_now()
+    monkeypatch.setattr(svc.distiller, "sample_problem", lambda s, width=None: None)  # the screen sees nothing
+    held = [s for s in good[:48] if is_heldout(split_key(s), scfg.holdout_fraction)]
+    trains = [s for s in good[:48] if not is_heldout(split_key(s), scfg.holdout_fraction)]
+    write(client, cfg, _renamed(good[:16], "p2") + [_big_id(held[0], "poison-held"), _big_id(trains[0], "poison-train")])
+    rep = svc.run_round_now()
+    assert rep.dead_lettered == 2 and pending(client, cfg) == 0 and rep.scopes["prose"]["steps"] > 0, rep.reason
+    train, heldout = got[-1]
+    assert "poison-train" not in train and "poison-held" not in heldout and heldout, got[-1]
+
+
+def test_a_turn_retried_alone_still_yields_on_what_its_first_try_read(env, train_samples, target):
+    """A break session: a turn that failed on a record had read some of a new workload's records
+    meanwhile (fewer than min_workload_samples); its retry without the record began its look from
+    nothing, so the rest arriving did not make it yield and it trained and registered a whole turn
+    at the shift. The tries of one turn now count the records read meanwhile together."""
+    client, cfg, registry, tmp = env
+    good = train_samples
+    write(client, cfg, good)
+    svc = service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
+    svc.run_round_now()
+    svc.distiller.sample_problem = lambda s, width=None: None  # the screen sees nothing
+    svc._yield_every_s = 0.0  # look at every step
+    frac = svc.config.holdout_fraction
+    code = [s for s in _renamed(make_samples(target, 16, "code", seed=151), "c-new") if not is_heldout(split_key(s), frac)]
+    arrive, real = [code[:5], code[5:10]], svc.distiller.train_round
+
+    def meanwhile(samples):  # 5 code records arrive during each try of prose's turn
+        if arrive:
+            time.sleep(0.01)
+            write(client, cfg, arrive.pop(0))
+        return real(samples)
+
+    svc.distiller.train_round = meanwhile
+    trains = [s for s in good[:48] if not is_heldout(split_key(s), frac)]
+    write(client, cfg, [_big_id(trains[0], "poison-a")] + _renamed(trains[:16], "p2"))
+    versions = len(registry.list())
+    rep = svc.run_round_now()
+    assert rep.dead_lettered == 1 and not arrive, rep.reason
+    assert rep.yielded == {"workload": "prose", "to": "code", "steps": 0}, (rep.yielded, rep.scopes)
+    assert len(registry.list()) == versions and rep.trained_on == 0 and pending(client, cfg) == 16 + 10
