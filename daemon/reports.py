@@ -179,27 +179,43 @@ def buffer_warnings(serving: list[dict], now: float) -> list[str]:
     the heartbeat's ``buffer``) lost Redis or dropped records: Redis unreachable now (since when), or
     its last outage (when, how long), the records dropped, and the last error. Once Redis is back the
     daemon's own Redis row is green again; this says what the outage cost. ``now``: seconds since
-    the epoch (the writer's clock)."""
+    the epoch (this host's clock; the writer's times are on its serve's, read against the
+    heartbeat's ``ts``). A heartbeat of an older serve (no ``buffer``, or one without these keys)
+    says what it has."""
     out = []
     for hb in serving:
-        b = hb.get("buffer") or {}
-        if not (b.get("outages") or b.get("dropped") or b.get("down_since") is not None):
+        b = hb.get("buffer")
+        if not isinstance(b, dict) or not (b.get("outages") or b.get("dropped") or b.get("down_since") is not None):
             continue
+        lo = b.get("last_outage")
         if b.get("down_since") is not None:
-            what = f"cannot reach Redis for {now - b['down_since']:.0f} s (records queue in memory meanwhile)"
-        elif b.get("last_outage"):
-            went, back = b["last_outage"]
+            what = (f"cannot reach Redis for {_serve_seconds_since(hb, b['down_since'], now):.0f} s "
+                    f"(records queue in memory meanwhile)")
+        elif isinstance(lo, (list, tuple)) and len(lo) == 2:
+            went, back = lo
             what = (f"lost Redis {b.get('outages')} time{'' if b.get('outages') == 1 else 's'}, last at "
-                    f"{_clock_time(went)} for {back - went:.0f} s (back {now - back:.0f} s ago)")
+                    f"{_clock_time(went)} for {max(0.0, back - went):.0f} s "
+                    f"(back {_serve_seconds_since(hb, back, now):.0f} s ago)")
         else:
             what = "wrote every record it could"
         dropped = b.get("dropped") or 0
+        down = (f"{b['dropped_redis_down']} while Redis was down, the oldest first; "
+                if b.get("dropped_redis_down") is not None else "")
         out.append(f"serve {hb.get('server_id')}: its record writer {what}; {dropped} record{'' if dropped == 1 else 's'} "
-                   f"dropped ({b.get('dropped_redis_down', 0)} while Redis was down, the oldest first; the trainer "
-                   f"never sees them), {b.get('written', 0)} written"
+                   f"dropped ({down}the trainer never sees them), {b.get('written') or 0} written"
                    + (f"; last error at {_clock_time(b['last_error_at'])}: {b.get('last_error')}"
                       if b.get("last_error") and b.get("last_error_at") else ""))
     return out
+
+
+def _serve_seconds_since(hb: dict, t: float, now: float) -> float:
+    """Seconds from ``t`` (on the serve's clock) to ``now`` (this host's): up to the heartbeat's
+    ``ts`` on the serve's own clock, then the heartbeat's age here, neither below 0 (hosts' clocks
+    differ)."""
+    ts = hb.get("ts")
+    if not isinstance(ts, (int, float)):
+        return max(0.0, now - t)
+    return max(0.0, ts - t) + max(0.0, now - ts)
 
 
 def _clock_time(t: float) -> str:

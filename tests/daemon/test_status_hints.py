@@ -155,3 +155,26 @@ def test_a_servers_redis_outage_stays_in_status_after_redis_is_back():
     assert warns[1].startswith("serve s2: its record writer cannot reach Redis for 100 s (records queue in memory "
                                "meanwhile); 0 records dropped"), warns[1]
     assert len(warns) == 2
+
+
+def test_buffer_warnings_read_a_serves_times_on_its_own_clock_and_an_older_serves_heartbeat():
+    """A break session: a serve whose clock ran ahead of the status host's read "cannot reach Redis
+    for -20 s" and "back -5 s ago"; an older serve's buffer stats (no dropped_redis_down) read "(0
+    while Redis was down ...)", a count it never gave; a heartbeat whose ``buffer`` was not an
+    object failed the whole status. The writer's times now count on the serve's clock up to its
+    heartbeat's ``ts``, then the heartbeat's age here, never below 0."""
+    now = 1_700_000_000.0
+    ahead = 20.0  # the serve's clock runs ahead of this host's
+    down = {"server_id": "s1", "ts": now + ahead - 2, "buffer": {"written": 3, "dropped": 0, "dropped_redis_down": 0,
+                                                                 "outages": 1, "down_since": now + ahead - 12}}
+    back = {"server_id": "s2", "ts": now + ahead - 2, "buffer": {"written": 3, "dropped": 0, "dropped_redis_down": 0,
+                                                                 "outages": 1, "down_since": None,
+                                                                 "last_outage": [now + ahead - 30, now + ahead - 7]}}
+    old = {"server_id": "s3", "buffer": {"written": 9, "queued": 0, "redis_up": True, "dropped": 4, "last_error": "x"}}
+    odd = {"server_id": "s4", "buffer": "not an object"}
+    warns = buffer_warnings([down, back, old, odd], now)
+    assert warns[0].startswith("serve s1: its record writer cannot reach Redis for 10 s (records"), warns[0]
+    assert " for 23 s (back 5 s ago); 0 records dropped (0 while Redis was down" in warns[1], warns[1]
+    assert warns[2] == ("serve s3: its record writer wrote every record it could; 4 records dropped (the trainer "
+                        "never sees them), 9 written"), warns[2]
+    assert len(warns) == 3
