@@ -1050,7 +1050,7 @@ def _report(cfg: DemoConfig, run_id: str, t_start: float, store: _Store, models:
         "engine_ceiling": decoder.step_cost.ceiling(controller.config.gamma_max),
         "controller": _jsonable(controller.status()),
         "phases": table, "recovery": recovery_stats(timeline, shifts), "timeline": timeline,
-        # every round the trainer ran (TrainerService.rounds_log), "t" on the timeline's clock
+        # the trainer's rounds (TrainerService.rounds_log: the latest 512), "t" on the timeline's clock
         "trainer_rounds": [r | {"t": round(r["started_at"] - traffic.t0, 1)} for r in trainer.svc.rounds_log()]
         if hasattr(trainer.svc, "rounds_log") else None,
     }
