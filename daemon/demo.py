@@ -675,12 +675,14 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
 class _RoundWatch:
     """The trainer's rounds as the phases run (``TrainerService.rounds_log``; a stand-in without it
     says nothing): :meth:`poll` says on the console a workload turn that gave way to another's newer
-    traffic and, once per pair, a shift's tail that waits behind the newer workload (both otherwise
-    only in a round's reason: docs/training.md)."""
+    traffic and a shift's tail that waits behind the newer workload, once until that workload's
+    turn trains (each round it waits behind the newest: a walkthrough read prose's wait three
+    times, behind code, math and extract); both otherwise only in a round's reason
+    (docs/training.md)."""
 
     def __init__(self, svc, console):
         self._log = getattr(svc, "rounds_log", None)
-        self.console, self.seen, self._said = console, 0, set()
+        self.console, self.seen, self._said = console, 0, set()  # _said: workloads whose wait was said
 
     def poll(self) -> None:
         if self._log is None:
@@ -691,9 +693,10 @@ class _RoundWatch:
             if y:
                 self.console.log(f"trainer: {y['workload']}'s turn gave way to {y['to']}'s newer traffic after "
                                  f"{_count(y['steps'], 'step')} (not judged; its records wait for {y['to']}'s turns)")
+            self._said -= {w for w, t in (r.get("turns") or {}).items() if t.get("decision") in ("promoted", "rejected", "non_finite")}
             for w, v in sorted((r.get("waits") or {}).items()):
-                if (w, v) not in self._said:
-                    self._said.add((w, v))
+                if w not in self._said:
+                    self._said.add(w)
                     self.console.log(f"trainer: {w}'s last records wait behind {v}'s newer traffic "
                                      f"(the workload served now is learnt first)")
 

@@ -558,7 +558,7 @@ class _LoggedSvc(_Svc):
 def test_the_phases_say_a_yield_a_waiting_tail_and_when_the_new_workload_was_first_promoted(monkeypatch):
     """A walkthrough read the yield and the tail's wait off Redis's processed-record times: they were
     only in a round's reason. Now the console says a turn that gave way (each time) and a tail that
-    waits (once per pair, not every round), and each shift records ``first_promotion_s``: from its
+    waits (once until its turn trains, not every round nor behind each newer workload), and each shift records ``first_promotion_s``: from its
     first request to the end of the first round that promoted its workload's own adapter (a later
     promotion and a rejected turn do not move it), in the phase-end line and the closing summary.
     Fake clock (each time() call and each request 1 s)."""
@@ -593,6 +593,11 @@ def test_the_phases_say_a_yield_a_waiting_tail_and_when_the_new_workload_was_fir
                 ends["promotion"] = clock.t - 1
             if n == 12:
                 svc.rounds.append(summary(3, clock.t - 2, 1.0, {"code": {"decision": "promoted"}}, waits={"prose": "code"}))
+            if n == 14:  # behind a newer workload still: not said again (a walkthrough read it once per shift)
+                svc.rounds.append(summary(4, clock.t - 1, 0.5, {}, waits={"prose": "math"}))
+            if n == 16:  # prose's tail trained; a later wait is said again
+                svc.rounds.append(summary(5, clock.t - 1, 0.5, {"prose": {"decision": "rejected"}}))
+                svc.rounds.append(summary(6, clock.t - 1, 0.5, {}, waits={"prose": "math"}))
         return {"t": 0.0, "workload": phase, "adapter_version": 0}
 
     monkeypatch.setattr(demo, "time", clock)
@@ -611,6 +616,8 @@ def test_the_phases_say_a_yield_a_waiting_tail_and_when_the_new_workload_was_fir
                       "wait for code's turns)") == 1, text
     assert text.count("trainer: prose's last records wait behind code's newer traffic (the workload served now is "
                       "learnt first)") == 1, text
+    assert text.count("trainer: prose's last records wait behind math's newer traffic") == 1, text
+    assert text.index("behind code's") < text.index("behind math's")
     prose, code = traffic.shifts
     assert "first_promotion_s" not in prose
     # the phase began a few clock seconds before its first request; the second promotion (round 3) does not count
