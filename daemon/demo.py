@@ -664,7 +664,7 @@ def _serve_phases(cfg: DemoConfig, oai, loop, tok, model_name: str, svc, params,
             live.phase_end()  # off a terminal: the phase's last table, once
             shift.update(seconds=round(time.time() - start, 1), wall_seconds=round(time.time() - began, 1), ended=why, requests=i,
                          turns=_workload_turns(svc, phase))
-            rounds.note_first_promotion(shift, phase, began)
+            rounds.note_first_promotion(shift, phase, max(began, start), start > began)  # the first phase's clock: v0
             console.log(_phase_end_line(phase, shift))  # live, not only in the summary
             traffic.phase_end_version[phase] = loop.decoder.adapter_version
             if loop.heads is not None:
@@ -689,27 +689,32 @@ class _RoundWatch:
             return
         for r in self._log(since=self.seen):
             self.seen = max(self.seen, r["round"])
-            y = r.get("yielded")
-            if y:
-                self.console.log(f"trainer: {y['workload']}'s turn gave way to {y['to']}'s newer traffic after "
-                                 f"{_count(y['steps'], 'step')} (not judged; its records wait for {y['to']}'s turns)")
             self._said -= {w for w, t in (r.get("turns") or {}).items() if t.get("decision") in ("promoted", "rejected", "non_finite")}
+            y = r.get("yielded")
+            if y:  # its records are a waiting tail now: that is said here, not again on the next round
+                self._said.add(y["workload"])
+                self.console.log(f"trainer: {y['workload']}'s turn gave way to {y['to']}'s newer traffic after "
+                                 f"{_count(y['steps'], 'step')} (not judged; {y['workload']}'s last records wait, "
+                                 f"{y['to']} is learnt first)")
             for w, v in sorted((r.get("waits") or {}).items()):
                 if w not in self._said:
                     self._said.add(w)
-                    self.console.log(f"trainer: {w}'s last records wait behind {v}'s newer traffic "
-                                     f"(the workload served now is learnt first)")
+                    self.console.log(f"trainer: {w}'s last records wait behind {v}'s newer traffic ({v} is learnt "
+                                     f"first; they train once a round holds nothing newer, or trainer.tail_wait_s after)")
 
-    def note_first_promotion(self, shift: dict, workload: str, since: float) -> None:
-        """``shift["first_promotion_s"]``: seconds from ``since`` (time.time()) to the end of the first
-        round after it that promoted ``workload``'s own adapter; left out when none did (or the log
-        is unavailable)."""
+    def note_first_promotion(self, shift: dict, workload: str, since: float, from_v0: bool = False) -> None:
+        """``shift["first_promotion_s"]``: seconds from ``since`` (time.time(): the phase's first
+        request, or v0's arrival, ``from_v0``, for a first phase served while v0 bootstrapped, as its
+        clock) to the end of the first round after it that promoted ``workload``'s own adapter
+        (``shift["first_promotion_from"]`` names the start); left out when none did (or the log is
+        unavailable)."""
         if self._log is None:
             return
         ends = [r["started_at"] + r["seconds"] for r in self._log()
                 if r["started_at"] >= since and ((r.get("turns") or {}).get(workload) or {}).get("decision") == "promoted"]
         if ends:
             shift["first_promotion_s"] = round(min(ends) - since, 1)
+            shift["first_promotion_from"] = "v0's arrival" if from_v0 else "its first request"
 
 
 def _count(n: int, noun: str) -> str:
@@ -1951,10 +1956,12 @@ def _phase_end_line(workload: str, shift: dict) -> str:
 
 def _learner_times(shift: dict) -> str:
     """" (its adapter first promoted N s after its first request; the learner's part done at M s)":
-    ``first_promotion_s`` where a promotion came, ``learner_done_s`` where it came a second or more
+    ``first_promotion_s`` where a promotion came (on the phase's clock: "after v0's arrival" where
+    the phase served while v0 bootstrapped), ``learner_done_s`` where it came a second or more
     before the phase's end (what phase_seconds added); "" when neither."""
     first, done = shift.get("first_promotion_s"), shift.get("learner_done_s")
-    parts = ([f"its adapter first promoted {first:.0f} s after its first request"] if first is not None else []) + (
+    after = shift.get("first_promotion_from") or "its first request"
+    parts = ([f"its adapter first promoted {first:.0f} s after {after}"] if first is not None else []) + (
         [f"the learner's part done at {done:.0f} s"] if done is not None and shift["seconds"] - done >= 1 else [])
     return f" ({'; '.join(parts)})" if parts else ""
 

@@ -558,7 +558,8 @@ class _LoggedSvc(_Svc):
 def test_the_phases_say_a_yield_a_waiting_tail_and_when_the_new_workload_was_first_promoted(monkeypatch):
     """A walkthrough read the yield and the tail's wait off Redis's processed-record times: they were
     only in a round's reason. Now the console says a turn that gave way (each time) and a tail that
-    waits (once until its turn trains, not every round nor behind each newer workload), and each shift records ``first_promotion_s``: from its
+    waits (once until its turn trains, not every round nor behind each newer workload; a yield
+    says it for its workload), and each shift records ``first_promotion_s``: from its
     first request to the end of the first round that promoted its workload's own adapter (a later
     promotion and a rejected turn do not move it), in the phase-end line and the closing summary.
     Fake clock (each time() call and each request 1 s)."""
@@ -612,12 +613,14 @@ def test_the_phases_say_a_yield_a_waiting_tail_and_when_the_new_workload_was_fir
     traffic = demo._serve_phases(cfg, None, loop, None, "m", svc, types.SimpleNamespace(bucket=lambda: "greedy"),
                                  Console(file=screen, width=400), trainer)
     text = screen.getvalue()
-    assert text.count("trainer: prose's turn gave way to code's newer traffic after 3 steps (not judged; its records "
-                      "wait for code's turns)") == 1, text
-    assert text.count("trainer: prose's last records wait behind code's newer traffic (the workload served now is "
-                      "learnt first)") == 1, text
-    assert text.count("trainer: prose's last records wait behind math's newer traffic") == 1, text
-    assert text.index("behind code's") < text.index("behind math's")
+    assert text.count("trainer: prose's turn gave way to code's newer traffic after 3 steps (not judged; prose's last "
+                      "records wait, code is learnt first)") == 1, text
+    # the yield said prose's records wait: not again behind code (round 2) nor behind math (round 4) ...
+    assert "behind code's" not in text, text
+    # ... until prose's turn trained (round 5): its next wait (round 6) is said
+    assert text.count("trainer: prose's last records wait behind math's newer traffic (math is learnt first; they train "
+                      "once a round holds nothing newer, or trainer.tail_wait_s after)") == 1, text
+    assert text.index("gave way") < text.index("behind math's")
     prose, code = traffic.shifts
     assert "first_promotion_s" not in prose
     # the phase began a few clock seconds before its first request; the second promotion (round 3) does not count
@@ -626,6 +629,10 @@ def test_the_phases_say_a_yield_a_waiting_tail_and_when_the_new_workload_was_fir
     line = demo._phase_end_line("code", code)
     assert f"(its adapter first promoted {code['first_promotion_s']:.0f} s after its first request" in line, line
     assert "first promoted" not in demo._phase_end_line("prose", prose)
+    # a first phase served while v0 bootstrapped: its clock, and so its first promotion, counts from v0's arrival
+    first = {"seconds": 19.0, "wall_seconds": 100.0, "requests": 58, "ended": "60 s served", "first_promotion_s": 9.4,
+             "first_promotion_from": "v0's arrival"}
+    assert demo._phase_end_line("prose", first).endswith("(its adapter first promoted 9 s after v0's arrival)")
     out = io.StringIO()
     demo._phase_lengths({"shifts": traffic.shifts}, Console(file=out, width=600))
     assert f"its adapter first promoted {code['first_promotion_s']:.0f} s after its first request" in out.getvalue()
