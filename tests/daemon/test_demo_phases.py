@@ -502,6 +502,30 @@ def test_the_first_phase_counts_its_minimum_from_its_first_request_and_its_cap_f
                                 cap_s=360.0)[0] is True
 
 
+def _run_phases(monkeypatch, clock, svc, serve_one, adapter_version: int, **quick):
+    """daemon.demo._serve_phases on the fake ``clock`` with ``serve_one`` for each request, v0 ready
+    and the trainer started, ``DemoConfig.quick(**quick)``: (its _Traffic, the console's text)."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    import daemon.demo as demo
+
+    monkeypatch.setattr(demo, "time", clock)
+    monkeypatch.setattr(demo, "_serve_one", serve_one)
+    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
+    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
+    trainer = demo._Trainer(None, None, svc, {}, None, ready=types.SimpleNamespace(is_set=lambda: True, wait=lambda t=None: True))
+    trainer.started, trainer.ready_at = True, None
+    loop = types.SimpleNamespace(manager=None, controller=None, heads=None,
+                                 decoder=types.SimpleNamespace(adapter_version=adapter_version))
+    screen = io.StringIO()
+    traffic = demo._serve_phases(DemoConfig.quick(**quick), None, loop, None, "m", svc,
+                                 types.SimpleNamespace(bucket=lambda: "greedy"), Console(file=screen, width=400), trainer)
+    return traffic, screen.getvalue()
+
+
 def test_each_phase_records_when_its_learner_was_done_inside_its_minimum(monkeypatch):
     """A phase's shift says when the learner's part (promoted, judged twice, its version served 6
     requests) was done, on the clock of its ``seconds``: what sizes phase_seconds (the twenty-seventh
@@ -509,11 +533,6 @@ def test_each_phase_records_when_its_learner_was_done_inside_its_minimum(monkeyp
     code's own v7 promoted and judged twice at the 20th request, 6 served by the 26th, so done when
     the 27th would start, at 52 s (26 x 2); the phase still serves its 120 s; a phase whose learner
     never finished records none."""
-    import io
-    import types
-
-    from rich.console import Console
-
     import daemon.demo as demo
 
     clock = _Clock()
@@ -527,16 +546,8 @@ def test_each_phase_records_when_its_learner_was_done_inside_its_minimum(monkeyp
             svc.turns["code"], svc.versions["code"] = {"turns": 2, "judged": 2, "promoted": 1}, 7
         return {"t": 0.0, "workload": phase, "adapter_version": svc.versions.get(phase, 0)}
 
-    monkeypatch.setattr(demo, "time", clock)
-    monkeypatch.setattr(demo, "_serve_one", serve_one)
-    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
-    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
-    trainer = demo._Trainer(None, None, svc, {}, None, ready=types.SimpleNamespace(is_set=lambda: True, wait=lambda t=None: True))
-    trainer.started, trainer.ready_at = True, None
-    loop = types.SimpleNamespace(manager=None, controller=None, heads=None, decoder=types.SimpleNamespace(adapter_version=7))
-    cfg = DemoConfig.quick(phases=("code", "math"), phase_seconds=120.0, phase_max_seconds=130.0)
-    traffic = demo._serve_phases(cfg, None, loop, None, "m", svc, types.SimpleNamespace(bucket=lambda: "greedy"),
-                                 Console(file=io.StringIO(), width=300), trainer)
+    traffic, _ = _run_phases(monkeypatch, clock, svc, serve_one, 7, phases=("code", "math"), phase_seconds=120.0,
+                             phase_max_seconds=130.0)
     code, math = traffic.shifts
     assert 51 <= code["learner_done_s"] <= 53 and code["seconds"] >= 120 and code["ended"].startswith("120 s served"), code
     assert "learner_done_s" not in math and math["ended"].startswith("phase_max_seconds 130 s reached"), math
@@ -564,7 +575,6 @@ def test_the_phases_say_a_yield_a_waiting_tail_and_when_the_new_workload_was_fir
     promotion and a rejected turn do not move it), in the phase-end line and the closing summary.
     Fake clock (each time() call and each request 1 s)."""
     import io
-    import types
 
     from rich.console import Console
 
@@ -601,18 +611,8 @@ def test_the_phases_say_a_yield_a_waiting_tail_and_when_the_new_workload_was_fir
                 svc.rounds.append(summary(6, clock.t - 1, 0.5, {}, waits={"prose": "math"}))
         return {"t": 0.0, "workload": phase, "adapter_version": 0}
 
-    monkeypatch.setattr(demo, "time", clock)
-    monkeypatch.setattr(demo, "_serve_one", serve_one)
-    monkeypatch.setattr(demo, "_progress_table", lambda *a, **k: None)
-    monkeypatch.setattr(demo, "_prompts", lambda *a, **k: ["p"] * 3)
-    trainer = demo._Trainer(None, None, svc, {}, None, ready=types.SimpleNamespace(is_set=lambda: True, wait=lambda t=None: True))
-    trainer.started, trainer.ready_at = True, None
-    loop = types.SimpleNamespace(manager=None, controller=None, heads=None, decoder=types.SimpleNamespace(adapter_version=0))
-    screen = io.StringIO()
-    cfg = DemoConfig.quick(phases=("prose", "code"), phase_seconds=30.0, phase_max_seconds=40.0)
-    traffic = demo._serve_phases(cfg, None, loop, None, "m", svc, types.SimpleNamespace(bucket=lambda: "greedy"),
-                                 Console(file=screen, width=400), trainer)
-    text = screen.getvalue()
+    traffic, text = _run_phases(monkeypatch, clock, svc, serve_one, 0, phases=("prose", "code"), phase_seconds=30.0,
+                                phase_max_seconds=40.0)
     assert text.count("trainer: prose's turn gave way to code's newer traffic after 3 steps (not judged; prose's last "
                       "records wait, code is learnt first)") == 1, text
     # the yield said prose's records wait: not again behind code (round 2) nor behind math (round 4) ...
