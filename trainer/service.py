@@ -149,7 +149,8 @@ class ServiceConfig:
     # With per_workload, whether the shared adapter also trains on the samples of workloads that
     # take their own turn this round (True: every sample trains it). False: it trains only on
     # untagged samples; a workload's samples below min_workload_samples in a round wait, unacked,
-    # for the next rounds (at most _DEFER_ROUNDS, then they train the shared adapter), and a
+    # for the next rounds (at most _DEFER_ROUNDS after the workload's traffic stopped, then they
+    # train the shared adapter), and a
     # round whose samples all went to workload turns has no shared turn: one turn per workload, not two, and
     # no shared adapter pulled towards each new workload in turn (what made the gate refuse every
     # candidate of a shifted workload for the forgetting it caused on the others: bench/RESULTS.md).
@@ -558,6 +559,9 @@ class TrainerService:
         self._topup_keys: OrderedDict[str, None] = OrderedDict()
         self._carry: list[Any] = []  # entries read beyond max_samples_per_round, or deferred, for the next round
         self._deferred: dict[str, int] = {}  # record id -> rounds it has waited (ServiceConfig.shared_turn off)
+        # workload -> stream time (ms) of its newest record in the last round: a workload whose newest record
+        # is newer than that is still sending, and its waiting records do not count the round (_process_once)
+        self._newest_seen: dict[str, int] = {}
         self._promoted_version = -1  # unknown until the first sync (and again after a failed one)
         self.sync_error: str | None = None  # why the registry's active adapter could not be loaded
         self._promoted_state: AdapterState | str = BASE
@@ -1000,6 +1004,7 @@ class TrainerService:
         deferred: list[Any] = []  # shared turn off: a workload's samples wait (unacked) for enough to train its own
         behind: dict[str, str] = {}
         if not cfg.shared_turn:
+            sending = self._still_sending(train)
             own, behind = self._newest_first(own, train)
             report.waits = dict(behind)
             self._waiting = {e.entry_id for e in train if e.sample.workload in behind}
@@ -1008,7 +1013,7 @@ class TrainerService:
                 if w in behind:  # a shift's tail: waits for the newer workload, not counted as deferred for want of samples
                     deferred.append(e)
                 elif w and w not in own and self._deferred.get(rid, 0) < _DEFER_ROUNDS:
-                    self._deferred[rid] = self._deferred.get(rid, 0) + 1
+                    self._deferred[rid] = self._deferred.get(rid, 0) + (w not in sending)
                     deferred.append(e)
         later = {id(e) for e in deferred}
         report.deferred = len(deferred)
@@ -1037,6 +1042,21 @@ class TrainerService:
             self._deferred.pop(e.sample.record_id, None)
         self._carry = deferred + self._carry  # pending in the group, ours: taken first next round
         report.acked = self.reader.ack(done)
+
+    def _still_sending(self, train: list[Any]) -> set[str]:
+        """The workloads whose newest record in ``train`` is newer than their newest of the last round
+        (by the buffer's stream ids): still sending, so the records they hold back for want of
+        ``min_workload_samples`` wait without counting the round (the third walkthrough's round 6
+        trained the shared adapter on two code records that had waited three 2-s rounds while code's
+        traffic went on). Only a workload gone quiet reaches ``_DEFER_ROUNDS``."""
+        newest: dict[str, int] = {}
+        for e in train:
+            ms, w = _entry_ms(e), e.sample.workload
+            if w and ms is not None:
+                newest[w] = max(newest.get(w, ms), ms)
+        sending = {w for w, ms in newest.items() if ms > self._newest_seen.get(w, -1)}
+        self._newest_seen.update(newest)
+        return sending
 
     def _own_turns(self, report: RoundReport, own: dict[str, list], train: list[Any], entries: list[Any]) -> list[Any]:
         """Each workload's own turn, in ``own``'s order, into ``report.scopes`` (a turn that fails on

@@ -406,8 +406,9 @@ def test_without_the_shared_turn_each_workload_trains_only_its_own_adapter(env, 
     """trainer.shared_turn off: samples of a workload taking its own turn do not train the shared
     adapter (it stays the base draft: nothing of the shared scope is registered), each workload's
     adapter starts from what serves it and is judged on its own slice; the samples of a workload
-    below min_workload_samples wait unacked for more (three rounds at most, then they train the
-    shared adapter, so a workload gone quiet strands nothing); every entry is acked in the end."""
+    below min_workload_samples wait unacked for more (three rounds at most once its traffic stopped,
+    then they train the shared adapter, so a workload gone quiet strands nothing); every entry is
+    acked in the end."""
     client, cfg, registry, tmp = env
     write(client, cfg, train_samples + heldout_samples)
     svc = make_service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
@@ -430,13 +431,14 @@ def test_without_the_shared_turn_each_workload_trains_only_its_own_adapter(env, 
         ev = sr["evidence"]
         assert ev["clusters"] >= svc.config.min_eval_requests and ev["positions"] >= svc.config.min_eval_positions
         assert turns[w] == {"turns": 1, "judged": 1, "promoted": int(sr["decision"] == "promoted")}
-    # a workload with too few samples for its own turn: they wait, pending, round after round
+    # a workload with too few samples for its own turn: they wait, pending, round after round (the round
+    # they arrive in and three after their workload's traffic stopped)
     write(client, cfg, make_samples(target, 6, "code", seed=95))
-    waits = [svc.run_round_now() for _ in range(3)]
+    waits = [svc.run_round_now() for _ in range(4)]
     n = waits[0].deferred
     assert n > 0 and all(r.deferred == n and r.trained_on == 0 and r.scopes == {} and r.result is None for r in waits)
     assert "wait for the next round" in waits[0].reason and pending(client, cfg) == n
-    # ... until the fourth round trains the shared adapter on them and acks them
+    # ... until the fifth round trains the shared adapter on them and acks them
     rep2 = svc.run_round_now()
     assert rep2.deferred == 0 and rep2.trained_on == n and rep2.result is not None
     assert rep2.decision in ("promoted", "rejected") and registry.get(rep2.version).scope == ""
@@ -459,6 +461,29 @@ def test_deferred_samples_join_their_workloads_own_turn_when_enough_have_come(en
     r2 = svc.run_round_now()
     assert r2.deferred == 0 and r2.scopes["code"]["trained_on"] == r2.trained_on >= r1.deferred + 8
     assert pending(client, cfg) == 0
+
+
+def test_a_workload_still_sending_keeps_its_waiting_records_for_its_own_turn(env, train_samples, heldout_samples, target):
+    """shared_turn off: a third walkthrough's round trained the shared adapter on two code records
+    that had waited three rounds (2 s each) for code to gather min_workload_samples while code's
+    traffic went on, and held code's own first turn back a round. A workload still sending (its
+    newest record newer each round) keeps its records waiting until they make its own turn; nothing
+    of the shared scope is registered meanwhile."""
+    client, cfg, registry, tmp = env
+    write(client, cfg, train_samples + heldout_samples)
+    svc = make_service(env, per_workload=True, min_workload_samples=8, shared_turn=False)
+    svc.run_round_now()
+    shared = [r.version for r in registry.list() if r.scope == ""]
+    reps = []
+    for i in range(24):  # a trickle of code traffic: a record a round
+        write(client, cfg, make_samples(target, 1, "code", seed=300 + i))
+        reps.append(svc.run_round_now())
+        if "code" in reps[-1].scopes:
+            break
+    assert "code" in reps[-1].scopes and len(reps) >= 8, [(r.deferred, r.trained_on, list(r.scopes)) for r in reps]
+    assert all(r.result is None for r in reps), [r.reason for r in reps]  # no shared turn on code's records
+    assert [r.version for r in registry.list() if r.scope == ""] == shared
+    assert reps[-1].scopes["code"]["trained_on"] >= 8 and pending(client, cfg) == 0
 
 
 def test_a_shifts_tail_waits_while_the_newer_workload_is_learnt_first(env, train_samples, heldout_samples, target):
