@@ -305,6 +305,16 @@ _TRAINED_KEYS_KEPT = 65536  # split keys remembered per workload (trained) and i
 _ROUNDS_KEPT = 512  # round summaries TrainerService.rounds_log keeps (a quick demo runs about 20-40 rounds)
 
 
+def _newest_by_workload(entries: list[Any]) -> dict[str, int]:
+    """{workload: the stream time (ms) of its newest entry}, for tagged entries with a stream id."""
+    newest: dict[str, int] = {}
+    for e in entries:
+        ms, w = _entry_ms(e), e.sample.workload
+        if w and ms is not None:
+            newest[w] = max(newest.get(w, ms), ms)
+    return newest
+
+
 def _entry_ms(entry: Any) -> int | None:
     """The time part (ms) of a buffer entry's Redis stream id (``b"1796676802061-0"``); None for an
     id that has none."""
@@ -1049,11 +1059,7 @@ class TrainerService:
         ``min_workload_samples`` wait without counting the round (the third walkthrough's round 6
         trained the shared adapter on two code records that had waited three 2-s rounds while code's
         traffic went on). Only a workload gone quiet reaches ``_DEFER_ROUNDS``."""
-        newest: dict[str, int] = {}
-        for e in train:
-            ms, w = _entry_ms(e), e.sample.workload
-            if w and ms is not None:
-                newest[w] = max(newest.get(w, ms), ms)
+        newest = _newest_by_workload(train)
         sending = {w for w, ms in newest.items() if ms > self._newest_seen.get(w, -1)}
         self._newest_seen.update(newest)
         return sending
@@ -1066,8 +1072,9 @@ class TrainerService:
         on them: none stay). ``train`` and ``entries`` lose the records dead-lettered meanwhile."""
         skipped: list[Any] = []
         self._yielded, self._turn_seen = None, {}
+        newest_by_w = _newest_by_workload(train)
         for w, smp in own.items():
-            newest = max((m for e in train if e.sample.workload == w and (m := _entry_ms(e)) is not None), default=None)
+            newest = newest_by_w.get(w)
             rep = None if self._cutting or self._yielded else self._turn_isolating(report, w, smp, newest, train, entries)
             if rep is None or (rep.decision == "skipped" and (rep.steps == 0 and self._cutting or self._yielded == w)):
                 mine = [e for e in train if e.sample.workload == w and not self.config.shared_turn]
